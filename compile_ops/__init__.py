@@ -1,0 +1,12 @@
+"""compile_ops: fused Triton kernels for diffusion transformers, as ``torch.ops.fused.*`` ops.
+
+Importing the package registers the ops; the public functions and modules are
+re-exported here.
+"""
+from compile_ops import ops  # noqa: F401  (registers torch.ops.fused.*)
+from compile_ops.modules.norm import LayerNorm, RMSNorm
+from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
+
+__version__ = "0.1.0"
+
+__all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm"]

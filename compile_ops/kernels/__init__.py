@@ -1,0 +1,1 @@
+"""@triton.jit kernels only, one module per op family."""

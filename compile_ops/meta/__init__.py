@@ -1,0 +1,2 @@
+"""Shape/dtype/stride rules and input validation, one module per op family (torch only)."""
+from compile_ops.meta import norm  # noqa: F401

@@ -1,0 +1,122 @@
+"""Shape, dtype and stride rules of the norm family, and its input validation.
+
+Torch only. These functions are the fake (meta) implementations of the
+``fused.*`` norm ops *and* allocate the outputs of the Triton launchers, so the
+rules below hold on every path. Every check runs before any launch and names
+the argument it rejects.
+"""
+from typing import Optional
+
+import torch
+
+#: dtypes the norm kernels read and write; fp64 exists for gradcheck.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _fail(op: str, msg: str, exc=ValueError):
+    raise exc(f"fused.{op}: {msg}")
+
+
+def check_floating(op: str, argname: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(op, f"{argname} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    if t.dtype not in FLOAT_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
+        _fail(op, f"{argname} must have a floating dtype ({names}), got {t.dtype}", TypeError)
+
+
+def check_same_device(op: str, x: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    for argname, t in others.items():
+        if t is not None and t.device != x.device:
+            _fail(op, f"{argname} is on {t.device} but x is on {x.device}; all tensors must share a device")
+
+
+def check_eps(op: str, eps: float) -> None:
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        _fail(op, f"eps must be a float, got {type(eps).__name__}", TypeError)
+    if not eps >= 0.0:  # also rejects NaN
+        _fail(op, f"eps must be >= 0, got {eps}")
+
+
+def check_x(op: str, x: torch.Tensor) -> None:
+    check_floating(op, "x", x)
+    if x.dim() < 1:
+        _fail(op, "x must have at least 1 dim (the normalized hidden dim last), got a 0-dim tensor")
+    if x.shape[-1] == 0:
+        _fail(op, f"x must have a non-empty last (hidden) dim, got shape {tuple(x.shape)}")
+
+
+def check_affine(op: str, argname: str, p: Optional[torch.Tensor], x: torch.Tensor) -> None:
+    if p is None:
+        return
+    check_floating(op, argname, p)
+    if p.shape != x.shape[-1:]:
+        _fail(op, f"{argname} must have shape ({x.shape[-1]},) to match the last dim of x, "
+                  f"got {tuple(p.shape)}")
+    check_same_device(op, x, **{argname: p})
+
+
+def output_dtype(x: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.dtype:
+    """diffusers' casting rule: statistics in fp32, then the weight's dtype when
+    the weight is fp16/bf16, else the input's dtype."""
+    if weight is not None and weight.dtype in _HALF:
+        return weight.dtype
+    return x.dtype
+
+
+def rmsnorm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    check_x("rmsnorm", x)
+    check_affine("rmsnorm", "weight", weight, x)
+    check_affine("rmsnorm", "bias", bias, x)
+    check_eps("rmsnorm", eps)
+    return x.new_empty(x.shape, dtype=output_dtype(x, weight))
+
+
+def layernorm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+              eps: float) -> torch.Tensor:
+    check_x("layernorm", x)
+    check_affine("layernorm", "weight", weight, x)
+    check_affine("layernorm", "bias", bias, x)
+    check_eps("layernorm", eps)
+    return x.new_empty(x.shape, dtype=output_dtype(x, weight))
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor],
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, residual_out)``: ``residual_out = x + residual`` in residual's dtype,
+    ``out = rmsnorm(residual_out)`` in the dtype of :func:`output_dtype` of x."""
+    check_x("add_rmsnorm", x)
+    check_floating("add_rmsnorm", "residual", residual)
+    if residual.shape != x.shape:
+        _fail("add_rmsnorm", f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    check_same_device("add_rmsnorm", x, residual=residual)
+    check_affine("add_rmsnorm", "weight", weight, x)
+    check_eps("add_rmsnorm", eps)
+    return (x.new_empty(x.shape, dtype=output_dtype(x, weight)),
+            x.new_empty(x.shape, dtype=residual.dtype))
+
+
+def norm_backward(grad_out: torch.Tensor, grad_residual: Optional[torch.Tensor], x: torch.Tensor,
+                  weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+                  is_rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dweight, dbias)``; dx in x's dtype, dweight/dbias in the parameter's
+    dtype, or shape ``(0,)`` where that parameter is None."""
+    op = "norm_backward"
+    check_x(op, x)
+    for argname, g in (("grad_out", grad_out), ("grad_residual", grad_residual)):
+        if g is None:
+            continue
+        check_floating(op, argname, g)
+        if g.shape != x.shape:
+            _fail(op, f"{argname} must have the shape of x {tuple(x.shape)}, got {tuple(g.shape)}")
+        check_same_device(op, x, **{argname: g})
+    check_affine(op, "weight", weight, x)
+    check_affine(op, "bias", bias, x)
+    check_eps(op, eps)
+
+    def grad_of(p):
+        return x.new_empty((0,)) if p is None else p.new_empty(p.shape)
+
+    return x.new_empty(x.shape), grad_of(weight), grad_of(bias)

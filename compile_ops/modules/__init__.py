@@ -1,0 +1,1 @@
+"""nn.Module drop-ins built on the fused ops, one module per op family."""
