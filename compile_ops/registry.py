@@ -1,0 +1,134 @@
+"""One table of op specs that drives the cross-op tests and the benchmark.
+
+A new op gets opcheck, gradcheck, fake-CUDA tracing, compile coverage and a
+benchmark row by adding one ``OpSpec`` here. Family-specific behaviour (edge
+cases, bad input, modules) lives in ``tests/test_<family>.py``.
+"""
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from compile_ops import reference
+from compile_ops.ops import norm as _norm_ops  # noqa: F401  (registers the ops)
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    """``torch.ops.fused.<name>``."""
+    family: str
+    """The stem of the op's modules in kernels/, meta/, reference/, ops/, tests/, bench/."""
+    reference: Callable
+    """Pure-PyTorch implementation with the op's signature."""
+    make_inputs: Callable[[Shape, torch.dtype, str, bool], tuple]
+    """``(shape, dtype, device, requires_grad) -> args``, shape being the activation's
+    ``[B, L, C]``. Used by the compile tests (L varies) and the benchmark."""
+    edge_inputs: Callable[[torch.dtype, str, bool], Sequence[tuple]]
+    """Small argument tuples that cover the op's options and edge cases (no
+    weight, zero rows, strided rows, mixed dtypes) for opcheck and tracing."""
+    differentiable: bool = True
+    """Has a registered autograd formula (backward ops do not)."""
+    bench_shapes: Sequence[Shape] = ()
+    """DiT activation shapes ``[B, L, C]`` benchmarked on the GPU."""
+
+    @property
+    def op(self) -> torch._ops.OpOverloadPacket:
+        return getattr(torch.ops.fused, self.name)
+
+    @property
+    def qualname(self) -> str:
+        return f"fused::{self.name}"
+
+
+def _tensor(shape, dtype, device, requires_grad=False, scale=1.0):
+    t = torch.randn(shape, dtype=torch.float32, device=device).mul_(scale).to(dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def _param(c, dtype, device, requires_grad):
+    # Weights near 1 and biases near 0, like trained norms, but not exactly: a
+    # kernel that ignored them would still be caught.
+    return (1.0 + 0.1 * torch.randn(c, device=device)).to(dtype).requires_grad_(requires_grad)
+
+
+def _norm_edges(build):
+    """Edge-case argument tuples shared by the norm ops; ``build(x, with_affine)``
+    turns an activation into the op's arguments."""
+
+    def edges(dtype, device, requires_grad):
+        g = requires_grad
+        base = _tensor((2, 3, 16), dtype, device, g)
+        strided = _tensor((4, 40), dtype, device)[:, 4:20].detach().requires_grad_(g)  # row stride 40
+        return [
+            build(base, True, dtype, device, g),
+            build(base, False, dtype, device, g),
+            build(_tensor((0, 16), dtype, device, g), True, dtype, device, g),       # zero rows
+            build(_tensor((7,), dtype, device, g), True, dtype, device, g),          # one row, odd width
+            build(strided, True, dtype, device, g),
+            build(_tensor((3, 5, 33), dtype, device, g), True, dtype, device, g),    # width not a block multiple
+        ]
+
+    return edges
+
+
+def _rmsnorm_args(x, affine, dtype, device, g, eps=1e-6):
+    c = x.shape[-1]
+    return (x, _param(c, dtype, device, g) if affine else None, eps)
+
+
+def _layernorm_args(x, affine, dtype, device, g, eps=1e-5):
+    c = x.shape[-1]
+    if not affine:
+        return (x, None, None, eps)
+    return (x, _param(c, dtype, device, g), (0.1 * _tensor((c,), dtype, device)).requires_grad_(g), eps)
+
+
+def _add_rmsnorm_args(x, affine, dtype, device, g, eps=1e-6):
+    residual = _tensor(x.shape, dtype, device, g)
+    c = x.shape[-1]
+    return (x, residual, _param(c, dtype, device, g) if affine else None, eps)
+
+
+def _norm_backward_edges(dtype, device, requires_grad):
+    out = []
+    for x, w, b in [(_tensor((2, 3, 16), dtype, device), True, True),
+                    (_tensor((5, 24), dtype, device), False, False),
+                    (_tensor((0, 16), dtype, device), True, True)]:
+        c = x.shape[-1]
+        dy = _tensor(x.shape, dtype, device)
+        for is_rms in (True, False):
+            out.append((dy, None if is_rms else _tensor(x.shape, dtype, device), x,
+                        _param(c, dtype, device, False) if w else None,
+                        _param(c, dtype, device, False) if b else None, 1e-6, is_rms))
+    # An expanded (stride-0) gradient, as y.sum().backward() produces.
+    x = _tensor((3, 16), dtype, device)
+    out.append((torch.ones((), dtype=dtype, device=device).expand(3, 16), None, x,
+                _param(16, dtype, device, False), None, 1e-6, True))
+    return out
+
+
+def _make(build):
+    def make_inputs(shape, dtype, device, requires_grad):
+        return build(_tensor(shape, dtype, device, requires_grad), True, dtype, device, requires_grad)
+    return make_inputs
+
+
+#: DiT activation shapes from shared/DESIGN.md: Flux/SD3 (3072), Wan/LTX-like
+#: long sequences (1536), HunyuanVideo-sized hidden (5120).
+DIT_NORM_SHAPES = ((2, 4096, 3072), (1, 32768, 1536), (1, 16384, 5120))
+
+OPS: tuple[OpSpec, ...] = (
+    OpSpec("rmsnorm", "norm", reference.norm.rmsnorm, _make(_rmsnorm_args),
+           _norm_edges(_rmsnorm_args), bench_shapes=DIT_NORM_SHAPES),
+    OpSpec("add_rmsnorm", "norm", reference.norm.add_rmsnorm, _make(_add_rmsnorm_args),
+           _norm_edges(_add_rmsnorm_args), bench_shapes=DIT_NORM_SHAPES),
+    OpSpec("layernorm", "norm", reference.norm.layernorm, _make(_layernorm_args),
+           _norm_edges(_layernorm_args), bench_shapes=DIT_NORM_SHAPES),
+    OpSpec("norm_backward", "norm", reference.norm.norm_backward, None,
+           _norm_backward_edges, differentiable=False),
+)
+
+BY_NAME = {spec.name: spec for spec in OPS}
