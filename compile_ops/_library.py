@@ -68,6 +68,11 @@ def _first_tensor(args, kwargs) -> torch.Tensor:
     raise TypeError("a fused op needs at least one tensor argument")
 
 
+#: The Python body of every fused op by qualified name, for tests that
+#: fake-trace the Triton branch (the registered kernel is a wrapper around it).
+OP_BODIES: dict[str, Callable] = {}
+
+
 def fused_op(name: str, *, fake: Callable, reference: Callable):
     """Define ``torch.ops.fused.<name>`` from the decorated Triton launcher.
 
@@ -92,7 +97,9 @@ def fused_op(name: str, *, fake: Callable, reference: Callable):
                 return tuple(o.contiguous() for o in out)
             return out.contiguous()
 
-        op = torch.library.triton_op(f"{NAMESPACE}::{name}", body, mutates_args=())
+        qualname = f"{NAMESPACE}::{name}"
+        OP_BODIES[qualname] = body
+        op = torch.library.triton_op(qualname, body, mutates_args=())
         op.register_fake(fake)
         return op
 

@@ -1,0 +1,47 @@
+"""Where each test layer runs (shared/DESIGN.md, "the four test layers").
+
+- ``kernels`` tests execute the Triton kernels: on CUDA when there is a GPU,
+  else on CPU through triton's interpreter, which needs TRITON_INTERPRET=1
+  before triton is imported — so on a CPU-only machine they run in their own
+  pytest process (tests/run.sh). Without a GPU or the interpreter they skip.
+- Every other test runs the reference path and fake-CUDA tracing, which the
+  interpreter breaks, so they skip under TRITON_INTERPRET=1.
+"""
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HAS_CUDA = torch.cuda.is_available()
+
+#: Where kernel tests put their tensors: the GPU, or the CPU under the interpreter.
+KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+_common = dict(deadline=None, database=None, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=25, derandomize=True, **_common)
+settings.register_profile("gpu", max_examples=200, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if HAS_CUDA else "ci"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "kernels: executes Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "kernels" in item.keywords:
+            if not (HAS_CUDA or INTERPRET):
+                item.add_marker(pytest.mark.skip(reason="runs Triton kernels: needs a GPU or TRITON_INTERPRET=1"))
+        elif INTERPRET:
+            item.add_marker(pytest.mark.skip(reason="the Triton interpreter cannot be fake-traced or compiled"))
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
