@@ -1,0 +1,36 @@
+"""The tolerance policy of shared/DESIGN.md, shared by every family's tests.
+
+Two references: ``exact`` computed in fp64 from the same low-precision inputs,
+and ``torch_at_dtype``, what plain PyTorch computes at the input dtype. The
+kernel may be off from ``exact`` by at most ``factor`` times PyTorch's own
+error, plus a floor of one unit in the last place of the output's scale.
+"""
+import torch
+
+
+def assert_same_nonfinite(got: torch.Tensor, exact: torch.Tensor) -> None:
+    assert torch.equal(torch.isnan(got), torch.isnan(exact)), "NaN positions differ from the reference"
+    assert torch.equal(torch.isposinf(got), torch.isposinf(exact)), "+inf positions differ"
+    assert torch.equal(torch.isneginf(got), torch.isneginf(exact)), "-inf positions differ"
+
+
+def assert_within_torch_error(got: torch.Tensor, exact: torch.Tensor, torch_at_dtype: torch.Tensor,
+                              factor: float, what: str = "output") -> None:
+    assert got.shape == exact.shape, f"{what}: shape {tuple(got.shape)} != {tuple(exact.shape)}"
+    assert_same_nonfinite(got, exact)
+    if got.numel() == 0:
+        return
+    finite = torch.isfinite(exact)
+    if not finite.any():
+        return
+    err = (got.double() - exact.double())[finite].abs().max().item()
+    # Where PyTorch itself overflows (an fp16 backward through rsqrt of a tiny
+    # variance) it has no finite error to compare with: leave those elements
+    # out of its error, not out of the kernel's.
+    both = finite & torch.isfinite(torch_at_dtype)
+    torch_err = (torch_at_dtype.double() - exact.double())[both].abs().max().item() if both.any() else 0.0
+    scale = max(exact.double()[finite].abs().max().item(), 1.0)
+    floor = torch.finfo(got.dtype).eps * scale
+    bound = factor * torch_err + floor
+    assert err <= bound, (f"{what}: error {err:.3g} > {factor} x torch's error at the input dtype "
+                          f"({torch_err:.3g}) + floor {floor:.3g}")
