@@ -117,7 +117,7 @@ def fused_calls(gm: torch.fx.GraphModule) -> collections.Counter:
         if node.op != "call_function":
             continue
         name = str(node.target)  # "fused.rmsnorm" (packet) or "fused.rmsnorm.default"
-        if name.startswith(compile_ops._library.NAMESPACE + "."):
+        if name.startswith("fused."):
             calls[".".join(name.split(".")[:2])] += 1
     return calls
 

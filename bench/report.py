@@ -1,0 +1,237 @@
+"""Tables and a plot from a benchmark JSON written by ``bench/run.py``.
+
+    python bench/report.py bench/results/h100.json                      # print the table
+    python bench/report.py bench/results/h100.json --readme README.md   # also rewrite README's table
+    python bench/report.py bench/results/h100.json --plot h100.png      # also draw the plot
+
+The README block is everything between the lines ``<!-- perf-table:start -->``
+and ``<!-- perf-table:end -->``; it is regenerated from the JSON, never edited by hand.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+README_START = "<!-- perf-table:start -->"
+README_END = "<!-- perf-table:end -->"
+#: Table and plot order; peers follow in the order the runner wrote them.
+CORE_PROVIDERS = ("fused_eager", "fused_compiled", "native_eager", "native_compiled")
+_HEADERS = {"fused_eager": "fused eager", "fused_compiled": "fused compiled",
+            "native_eager": "native eager", "native_compiled": "native compiled"}
+
+
+def load(json_path: str) -> dict:
+    """The benchmark results: ``{"env", "copy_TBps", "rows", "overhead", ...}``."""
+    with open(json_path) as f:
+        return json.load(f)
+
+
+def _shape(shape) -> str:
+    return "x".join(str(d) for d in shape)
+
+
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _ops_and_providers(rows):
+    """``[(op, [shape, ...], [provider, ...]), ...]`` in first-seen order, core providers first."""
+    ops = {}
+    for r in rows:
+        shapes, providers = ops.setdefault(r["op"], ([], []))
+        if r["shape"] not in shapes:
+            shapes.append(r["shape"])
+        if r["provider"] != "*" and r["provider"] not in providers:
+            providers.append(r["provider"])
+    out = []
+    for op, (shapes, providers) in ops.items():
+        core = [p for p in CORE_PROVIDERS if p in providers]
+        out.append((op, shapes, core + [p for p in providers if p not in core]))
+    return out
+
+
+def _lookup(rows) -> dict:
+    return {(r["op"], tuple(r["shape"]), r["provider"]): r for r in rows}
+
+
+def environment_line(data: dict) -> str:
+    """One line naming the GPU, the versions and the measured copy bandwidth."""
+    env = data["env"]
+    parts = [f"{env['gpu']} ({env['sms']} SMs)", f"torch {env['torch']}", f"triton {env['triton']}",
+             f"CUDA {env.get('cuda')}"]
+    if env.get("liger"):
+        parts.append(f"liger-kernel {env['liger']}")
+    parts.append(f"device copy {data['copy_TBps']:.2f} TB/s (read+write)")
+    parts.append(str(env.get("date", ""))[:10])
+    if data.get("quick"):
+        parts.append("--quick run")
+    return " | ".join(p for p in parts if p)
+
+
+def format_table(data: dict) -> str:
+    """The plain-text table: one line per (op, shape, provider)."""
+    header = ("op", "shape", "provider", "fwd µs", "fwd GB/s", "% copy", "fwd+bwd µs", "fwd+bwd GB/s", "% copy")
+    lines = []
+    for r in data["rows"]:
+        lines.append((r["op"], _shape(r["shape"]), r["provider"],
+                      _num(r.get("fwd_us"), ".1f"), _num(r.get("fwd_GBps"), ".0f"),
+                      _num(r.get("fwd_pct_copy"), ".1f"),
+                      _num(r.get("fwdbwd_us"), ".1f"), _num(r.get("fwdbwd_GBps"), ".0f"),
+                      _num(r.get("fwdbwd_pct_copy"), ".1f"),
+                      r.get("error", "")))
+    widths = [max(len(header[i]), *(len(line[i]) for line in lines)) if lines else len(header[i])
+              for i in range(len(header))]
+    numeric = set(range(3, len(header)))
+
+    def fmt(cells):
+        text = "  ".join(c.rjust(w) if i in numeric else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+        return text.rstrip()
+
+    out = [environment_line(data), "", fmt(header), fmt(["-" * w for w in widths])]
+    for line in lines:
+        error = " ".join(line[-1].split())  # compile errors span lines; keep the row on one
+        out.append(fmt(line[:-1]) + (f"  error: {error[:160]}" if error else ""))
+    overhead = data.get("overhead")
+    if overhead and "error" not in overhead:
+        out.append("")
+        out.append(f"eager overhead at {_shape(overhead['shape'])}: fused.rmsnorm "
+                   f"{overhead['fused_op_us']:.1f} µs/call, bare Triton launch "
+                   f"{overhead['bare_triton_us']:.1f} µs/call (x{overhead['ratio']:.2f})")
+    elif overhead:
+        out.append(f"\neager overhead probe failed: {overhead['error'][:200]}")
+    return "\n".join(out)
+
+
+def markdown_table(data: dict) -> str:
+    """README Markdown: an environment line, then per op a table with one row per
+    shape and one ``fwd / fwd+bwd`` GB/s column per provider."""
+    rows = data["rows"]
+    lookup = _lookup(rows)
+    dtypes = sorted({r.get("dtype", "bfloat16") for r in rows})
+    out = [f"{environment_line(data)}.",
+           "",
+           f"Effective GB/s, {', '.join(dtypes)}, forward / forward+backward (median of "
+           "`triton.testing.do_bench`). Bytes: each input read once and each output "
+           "written once; forward+backward adds the output gradients, the input gradients "
+           "and a second read of the differentiable inputs (5 tensor passes for rmsnorm).",
+           ""]
+    for op, shapes, providers in _ops_and_providers(rows):
+        out.append(f"**{op}**")
+        out.append("")
+        out.append("| shape | " + " | ".join(_HEADERS.get(p, p) for p in providers) + " |")
+        out.append("|---|" + "---:|" * len(providers))
+        for shape in shapes:
+            cells = []
+            for p in providers:
+                r = lookup.get((op, tuple(shape), p)) or lookup.get((op, tuple(shape), "*"))
+                if r is None:
+                    cells.append("")
+                    continue
+                fwd, fwdbwd = r.get("fwd_GBps"), r.get("fwdbwd_GBps")
+                cells.append(f"{'err' if fwd is None else f'{fwd:.0f}'} / "
+                             f"{'err' if fwdbwd is None else f'{fwdbwd:.0f}'}")
+            out.append(f"| {_shape(shape)} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def update_readme(readme_path: str, block: str) -> None:
+    """Replace the lines between the perf-table markers in ``readme_path`` with ``block``."""
+    with open(readme_path) as f:
+        lines = f.read().splitlines(keepends=True)
+    stripped = [line.strip() for line in lines]
+    try:
+        start = stripped.index(README_START)
+        end = stripped.index(README_END, start + 1)
+    except ValueError:
+        raise SystemExit(f"report.py: {readme_path} needs the lines {README_START} and {README_END} "
+                         "(in that order) around the table") from None
+    new = lines[:start + 1] + [block if block.endswith("\n") else block + "\n"] + lines[end:]
+    with open(readme_path, "w") as f:
+        f.writelines(new)
+
+
+def plot(json_path: str, png_path: str):
+    """Grouped bars of GB/s per provider: a column per op, forward above and
+    forward+backward below, the copy bandwidth dashed. Returns ``png_path``, or
+    None (with a message) when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only; no display on the benchmark machines
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("report.py: matplotlib is not installed, so no plot", file=sys.stderr)
+        return None
+    data = load(json_path)
+    rows = data["rows"]
+    lookup = _lookup(rows)
+    ops = _ops_and_providers(rows)
+    if not ops:
+        print("report.py: no rows, so no plot", file=sys.stderr)
+        return None
+    all_providers = []
+    for _, _, providers in ops:
+        all_providers += [p for p in providers if p not in all_providers]
+    # One colour per provider across every panel, so a peer reads the same everywhere.
+    palette = plt.get_cmap("tab10")
+    color = {p: palette(i % 10) for i, p in enumerate(all_providers)}
+    copy_GBps = data["copy_TBps"] * 1e3
+
+    fig, axes = plt.subplots(2, len(ops), figsize=(4.5 * len(ops) + 1, 8), squeeze=False, sharey="row")
+    for col, (op, shapes, providers) in enumerate(ops):
+        width = 0.8 / max(1, len(providers))
+        for row_i, (key, title) in enumerate((("fwd_GBps", "forward"), ("fwdbwd_GBps", "forward+backward"))):
+            ax = axes[row_i][col]
+            for j, p in enumerate(providers):
+                values = []
+                for shape in shapes:
+                    r = lookup.get((op, tuple(shape), p), {})
+                    values.append(math.nan if r.get(key) is None else r[key])
+                xs = [i + (j - (len(providers) - 1) / 2) * width for i in range(len(shapes))]
+                ax.bar(xs, values, width, color=color[p], label=_HEADERS.get(p, p))
+            ax.axhline(copy_GBps, color="black", linestyle="--", linewidth=1)
+            ax.set_title(f"{op}, {title}", fontsize="medium")
+            ax.set_xticks(range(len(shapes)))
+            ax.set_xticklabels([_shape(s) for s in shapes], fontsize="small")
+            ax.grid(axis="y", alpha=0.3)
+            if col == 0:
+                ax.set_ylabel("GB/s")
+    for ax in axes[:, -1]:
+        ax.annotate(f"device copy {data['copy_TBps']:.2f} TB/s", xy=(1, copy_GBps),
+                    xycoords=("axes fraction", "data"), xytext=(-2, 2), textcoords="offset points",
+                    ha="right", fontsize="x-small")
+    # One legend for the figure: colours are per provider, the same in every panel.
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color[p]) for p in all_providers]
+    fig.legend(handles, [_HEADERS.get(p, p) for p in all_providers], loc="lower center",
+               ncol=min(len(all_providers), 8), fontsize="small", frameon=False)
+    env = data["env"]
+    fig.suptitle(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | "
+                 f"{', '.join(sorted({r.get('dtype', 'bfloat16') for r in rows}))}", fontsize="medium")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))  # room for the legend below
+    os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path
+
+
+def main(argv=None) -> int:
+    """CLI: print the table; optionally rewrite the README block and draw the plot."""
+    p = argparse.ArgumentParser(description="Print benchmark tables from bench/run.py's JSON.")
+    p.add_argument("json", help="results file, e.g. bench/results/h100.json")
+    p.add_argument("--readme", help="a Markdown file whose perf-table block to rewrite")
+    p.add_argument("--plot", help="write the plot to this PNG")
+    args = p.parse_args(argv)
+    data = load(args.json)
+    print(format_table(data))
+    if args.readme:
+        update_readme(args.readme, markdown_table(data))
+        print(f"\nrewrote the perf table in {args.readme}")
+    if args.plot and plot(args.json, args.plot):
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,408 @@
+"""Benchmark runner: every registry op at DiT shapes, fused against native PyTorch and peers.
+
+    python bench/run.py [--ops rmsnorm,layernorm] [--quick] [--out bench/results]
+
+On a CUDA machine it writes ``<out>/<gpu>.json`` (e.g. ``bench/results/h100.json``),
+prints the table (``bench/report.py``) and writes ``<out>/<gpu>.png``. Without
+CUDA it runs the CPU demo (``bench/demo.py``) instead and exits with its status.
+
+Method (shared/DESIGN.md, "Benchmarks"):
+- bf16 inputs from ``OpSpec.make_inputs`` at ``OpSpec.bench_shapes``, all larger
+  than L2; ``triton.testing.do_bench`` median, which also flushes L2 between runs.
+- Providers: ``native_eager`` (the pure-PyTorch reference, the composite an
+  uncompiled model runs), ``native_compiled`` (it under ``torch.compile``),
+  ``fused_eager`` (``torch.ops.fused.<op>``), ``fused_compiled`` (it under
+  ``torch.compile(fullgraph=True)``), and the peers in ``bench/<family>.py``.
+- Bytes, from the tensors themselves: forward = inputs read once + outputs
+  written once; forward+backward adds the output gradients read, the input
+  gradients written and the differentiable inputs read again (5 tensor passes
+  for rmsnorm). The same count serves every provider of a row, so GB/s compare
+  like time does, and is also given as % of the measured device copy bandwidth.
+"""
+import argparse
+import datetime
+import importlib
+import importlib.metadata
+import json
+import os
+import re
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+#: The device copy that sets the roofline: 2 GiB, far past any L2.
+COPY_BYTES = 2 * 1024**3
+#: do_bench (warmup, rep) in milliseconds of run time, full and --quick.
+TIMING = {False: (25, 200), True: (5, 25)}
+#: Shape and call count of the eager-overhead probe: small enough that the
+#: kernel takes a few microseconds and the host-side cost of a call shows.
+OVERHEAD_SHAPE = (1, 64, 3072)
+OVERHEAD_CALLS = 2000
+#: Providers every op gets, in table order; peers follow.
+CORE_PROVIDERS = ("fused_eager", "fused_compiled", "native_eager", "native_compiled")
+
+
+# ---------------------------------------------------------------- helpers
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def gpu_slug(name: str) -> str:
+    """A file stem for a GPU name: "NVIDIA H100 80GB HBM3" -> "h100",
+    "NVIDIA A100-SXM4-80GB" -> "a100", "NVIDIA GeForce RTX 4090" -> "rtx4090"."""
+    vendor = {"nvidia", "geforce", "tesla", "quadro", "amd", "radeon", "instinct"}
+    words = [w for w in re.split(r"[\s_]+", name.lower()) if w and w not in vendor]
+    if not words:
+        return "gpu"
+    stem = words[0].split("-")[0]
+    if stem.isalpha() and len(words) > 1:  # a product line before the model: "rtx 4090"
+        stem += words[1].split("-")[0]
+    return re.sub(r"[^a-z0-9]+", "", stem) or "gpu"
+
+
+def shape_str(shape) -> str:
+    return "x".join(str(d) for d in shape)
+
+
+def _as_tuple(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _tensors(values) -> list:
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _error(exc: BaseException) -> str:
+    # Compile errors run to pages; their cause is in the first lines.
+    return f"{type(exc).__name__}: {exc}".strip()[:500]
+
+
+def make_timer(quick: bool):
+    """``timer(fn) -> ms``: median of ``triton.testing.do_bench`` (L2 flushed between runs)."""
+    from triton.testing import do_bench
+
+    warmup, rep = TIMING[quick]
+
+    def timer(fn):
+        return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+    return timer
+
+
+def copy_bandwidth_TBps(timer) -> float:
+    """Device-to-device copy bandwidth in TB/s, counting bytes read and written."""
+    src = torch.empty(COPY_BYTES // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    moved = src.nbytes + dst.nbytes
+    src = dst = None  # give the 4 GiB back before the op benchmarks
+    torch.cuda.empty_cache()
+    return moved / (ms * 1e-3) / 1e12
+
+
+def environment() -> dict:
+    """GPU and software versions recorded with the results."""
+    import triton
+
+    try:
+        liger = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        liger = None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "liger": liger,
+    }
+
+
+# ---------------------------------------------------------------- providers
+
+def load_peers(families) -> dict:
+    """``{op_name: {provider: fn}}`` merged from ``bench/<family>.py`` (``PEERS``) for each family."""
+    peers = {}
+    for family in sorted(set(families)):
+        module_name = f"bench.{family}"
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:  # the peer module exists but an import inside it failed
+                raise
+            continue
+        for op_name, providers in getattr(module, "PEERS", {}).items():
+            peers.setdefault(op_name, {}).update(providers)
+    return peers
+
+
+def make_providers(spec, peers: dict) -> dict:
+    """``{provider: fn(*args)}`` for one op: the four core providers, then its peers.
+
+    Built fresh after ``torch._dynamo.reset()`` for every shape, so each compiled
+    provider is specialized to that one shape, as in a model that runs it.
+    """
+    op = spec.op
+
+    def fused(*args):
+        return op(*args)
+
+    providers = {
+        "fused_eager": op,
+        "fused_compiled": torch.compile(fused, fullgraph=True),
+        "native_eager": spec.reference,
+        "native_compiled": torch.compile(spec.reference),
+    }
+    providers.update(peers.get(spec.name, {}))
+    return providers
+
+
+# ---------------------------------------------------------------- measurement
+
+def bytes_model(args, outs) -> tuple:
+    """``(forward bytes, forward+backward bytes)`` from the actual tensors (see module docstring)."""
+    inputs = _tensors(args)
+    outputs = _tensors(outs)
+    fwd = sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
+    grad_outputs = sum(t.nbytes for t in outputs if t.is_floating_point())
+    differentiable = sum(t.nbytes for t in inputs if t.requires_grad)
+    # Input gradients written, and the inputs read again by the backward.
+    return fwd, fwd + grad_outputs + 2 * differentiable
+
+
+def time_forward(fn, args, timer) -> float:
+    """Forward time in ms, under ``torch.no_grad`` (no autograd graph is recorded)."""
+    with torch.no_grad():
+        fn(*args)  # compile and autotune outside the timing
+        return timer(lambda: fn(*args))
+
+
+def time_forward_backward(fn, args, timer) -> float:
+    """Forward+backward time in ms: backward of every float output with a fixed
+    random gradient; input ``.grad`` is set to None each step so nothing accumulates."""
+    leaves = [a for a in _tensors(args) if a.requires_grad]
+    outs = _as_tuple(fn(*args))
+    float_idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    grads = [torch.randn_like(outs[i]) for i in float_idx]
+    del outs
+
+    def step():
+        outs = _as_tuple(fn(*args))
+        torch.autograd.backward([outs[i] for i in float_idx], grads)
+        for a in leaves:
+            a.grad = None
+
+    step()  # compile the backward outside the timing
+    return timer(step)
+
+
+class Progress:
+    """``[i/total]`` prefixed lines, flushed as each measurement ends."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+
+    def __call__(self, msg: str) -> None:
+        self.done += 1
+        width = len(str(self.total))
+        _log(f"[{self.done:>{width}}/{self.total}] {msg}")
+
+
+def bench_shape(spec, shape, providers: dict, timer, copy_TBps: float, progress: Progress,
+                dtype=torch.bfloat16, device="cuda") -> list:
+    """One row per provider for ``spec`` at ``shape``: forward and forward+backward
+    µs, GB/s and % of copy bandwidth. A provider that raises gets an ``error``
+    string and the others still run."""
+    args = spec.make_inputs(shape, dtype, device, requires_grad=True)
+    with torch.no_grad():
+        fwd_bytes, fwdbwd_bytes = bytes_model(args, _as_tuple(spec.reference(*args)))
+    copy_GBps = copy_TBps * 1e3
+    rows = []
+    for name, fn in providers.items():
+        row = {"op": spec.name, "shape": list(shape), "dtype": str(dtype).replace("torch.", ""),
+               "provider": name, "fwd_bytes": fwd_bytes, "fwdbwd_bytes": fwdbwd_bytes}
+        errors = []
+        for key, measure, nbytes, label in (("fwd", time_forward, fwd_bytes, "fwd"),
+                                            ("fwdbwd", time_forward_backward, fwdbwd_bytes, "fwd+bwd")):
+            row[f"{key}_us"] = row[f"{key}_GBps"] = row[f"{key}_pct_copy"] = None
+            where = f"{spec.name} {shape_str(shape)} {name:<22} {label:<7}"
+            try:
+                us = measure(fn, args, timer) * 1e3
+            except Exception as e:  # noqa: BLE001 (a failing provider is a result too)
+                errors.append(f"{label}: {_error(e)}")
+                progress(f"{where} FAILED {errors[-1].splitlines()[0][:160]}")
+                for a in _tensors(args):
+                    a.grad = None
+                continue
+            gbps = nbytes / (us * 1e-6) / 1e9
+            row[f"{key}_us"], row[f"{key}_GBps"] = us, gbps
+            row[f"{key}_pct_copy"] = 100.0 * gbps / copy_GBps
+            progress(f"{where} {us:9.1f} us {gbps:7.0f} GB/s {row[f'{key}_pct_copy']:5.1f}% copy")
+        if errors:
+            row["error"] = " | ".join(errors)
+        rows.append(row)
+    return rows
+
+
+def eager_overhead(device="cuda", calls: int = OVERHEAD_CALLS, warmup: int = 200) -> dict:
+    """Host time per call of ``torch.ops.fused.rmsnorm`` against a bare Triton
+    launch of the same kernel with the same arguments, on an input small
+    enough that the launch path, not the kernel, sets the time."""
+    import triton
+    import triton.language as tl
+
+    from compile_ops.kernels.norm import norm_fwd_kernel
+    from compile_ops.ops.norm import forward_config
+
+    eps = 1e-6
+    x = torch.randn(OVERHEAD_SHAPE, dtype=torch.bfloat16, device=device)
+    weight = (1.0 + 0.1 * torch.randn(OVERHEAD_SHAPE[-1], device=device)).to(torch.bfloat16)
+    # What ops/norm.py::_launch_forward passes for rmsnorm without residual or
+    # bias: rows as a view, the output allocated up front, fp32 statistics.
+    x2 = x.reshape(-1, x.shape[-1])
+    n_rows, n = x2.shape
+    cfg = forward_config(n)
+    out = torch.empty_like(x)
+    grid = (triton.cdiv(n_rows, cfg.block_m),)
+
+    def bare():
+        norm_fwd_kernel[grid](
+            x2, None, weight, None, out, None,
+            n_rows, n,
+            x2.stride(0), x2.stride(1), 0, 0,
+            eps,
+            IS_RMS=True, HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, ACC_DTYPE=tl.float32,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, num_warps=cfg.num_warps,
+        )
+
+    def fused():
+        return torch.ops.fused.rmsnorm(x, weight, eps)
+
+    def sync():
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+
+    def per_call_us(fn):
+        for _ in range(warmup):
+            fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / calls * 1e6
+
+    bare()
+    # Same kernel, same configuration: the outputs must agree bit for bit, or
+    # the probe is not timing what the op launches.
+    same_output = torch.equal(fused(), out)
+    fused_us, bare_us = per_call_us(fused), per_call_us(bare)
+    return {"shape": list(OVERHEAD_SHAPE), "calls": calls, "fused_op_us": fused_us,
+            "bare_triton_us": bare_us, "ratio": fused_us / bare_us, "same_output": same_output}
+
+
+# ---------------------------------------------------------------- driver
+
+def select_specs(ops_arg):
+    """Registry specs with benchmark shapes, filtered by ``--ops``."""
+    from compile_ops import registry
+
+    specs = [s for s in registry.OPS if s.bench_shapes and s.make_inputs is not None]
+    if not ops_arg:
+        return specs
+    wanted = [n.strip() for n in ops_arg.split(",") if n.strip()]
+    known = {s.name for s in specs}
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise SystemExit(f"run.py: unknown or unbenchmarked ops {unknown}; choose from {sorted(known)}")
+    return [s for s in specs if s.name in wanted]
+
+
+def run_cuda(args) -> int:
+    """The GPU benchmark; returns 1 when a fused provider failed, else 0."""
+    from bench import report
+
+    specs = select_specs(args.ops)
+    peers = load_peers(s.family for s in specs)
+    timer = make_timer(args.quick)
+    env = environment()
+    _log(f"{env['gpu']} ({env['sms']} SMs) | torch {env['torch']} | triton {env['triton']} | "
+         f"CUDA {env['cuda']} | liger {env['liger']}" + (" | --quick" if args.quick else ""))
+    torch.manual_seed(0)
+    copy_TBps = copy_bandwidth_TBps(timer)
+    _log(f"device-to-device copy: {copy_TBps:.3f} TB/s (read+write)")
+
+    plan = [(spec, tuple(shape)) for spec in specs
+            for shape in (spec.bench_shapes[:1] if args.quick else spec.bench_shapes)]
+    progress = Progress(sum(2 * (len(CORE_PROVIDERS) + len(peers.get(spec.name, {}))) for spec, _ in plan))
+    rows = []
+    for spec, shape in plan:
+        torch._dynamo.reset()  # a fresh, shape-specialized compile per shape
+        try:
+            rows += bench_shape(spec, shape, make_providers(spec, peers), timer, copy_TBps, progress)
+        except Exception as e:  # noqa: BLE001 (inputs failed to build: note it, go on)
+            traceback.print_exc()
+            rows.append({"op": spec.name, "shape": list(shape), "provider": "*", "error": _error(e)})
+        torch.cuda.empty_cache()
+
+    overhead = None
+    if any(spec.name == "rmsnorm" for spec in specs):
+        try:
+            overhead = eager_overhead()
+            _log(f"eager overhead at {shape_str(OVERHEAD_SHAPE)}: fused.rmsnorm {overhead['fused_op_us']:.1f} us "
+                 f"per call, bare Triton launch {overhead['bare_triton_us']:.1f} us "
+                 f"(x{overhead['ratio']:.2f}; same output: {overhead['same_output']})")
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            overhead = {"error": _error(e)}
+
+    data = {"env": env, "copy_TBps": copy_TBps, "quick": bool(args.quick),
+            "timing_ms": dict(zip(("warmup", "rep"), TIMING[bool(args.quick)])),
+            "rows": rows, "overhead": overhead}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, gpu_slug(env["gpu"]))
+    with open(stem + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+    _log(f"wrote {stem}.json")
+    print(report.format_table(data), flush=True)
+    if report.plot(stem + ".json", stem + ".png"):
+        _log(f"wrote {stem}.png")
+
+    # Peers may fail (an old Liger, a missing kernel); our own ops may not.
+    failed = [r for r in rows if "error" in r and r["provider"] in ("fused_eager", "fused_compiled", "*")]
+    for r in rows:
+        if "error" in r:
+            _log(f"error: {r['op']} {shape_str(r['shape'])} {r['provider']}: {r['error'][:300]}")
+    return 1 if failed else 0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", default="", help="comma-separated op names (default: every op with bench shapes)")
+    p.add_argument("--quick", action="store_true", help="one shape per op and short timing runs (smoke test)")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"),
+                   help="directory for <gpu>.json and <gpu>.png (default: bench/results)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Entry point: the GPU benchmark, or the CPU demo where there is no CUDA device."""
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        _log("run.py: no CUDA device here, so no benchmark; running the CPU demo (bench/demo.py) instead.")
+        from bench import demo
+        return demo.main()
+    return run_cuda(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
