@@ -36,14 +36,22 @@ def _tile_rows(tile, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _row_mean(x, N):
+    # Correctly rounded division: triton's fp32 `/` is approximate, and with a
+    # tiny variance rstd amplifies that error (LayerNorm of width 1 must give dx == 0).
+    s = tl.sum(x, axis=1)
+    return tl.div_rn(s, tl.full(s.shape, N, s.dtype))
+
+
+@triton.jit
 def _centered_rstd(x, mask, N, eps, IS_RMS: tl.constexpr):
     """``(x - mean, rstd)`` of a ``[BLOCK_M, BLOCK_N]`` tile holding whole rows (zero where masked)."""
     if IS_RMS:
         xc = x
     else:
-        mean = tl.sum(x, axis=1) / N
+        mean = _row_mean(x, N)
         xc = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    rstd = 1.0 / tl.sqrt(_row_mean(xc * xc, N) + eps)
     return xc, rstd
 
 
@@ -60,7 +68,7 @@ def _looped_mean_rstd(H, rows, row_mask, cols, N, stride_row, stride_col, eps,
             c = start + cols
             mask = row_mask[:, None] & (c < N)[None, :]
             acc += tl.load(H + _tile(rows, c, stride_row, stride_col), mask=mask, other=0.0).to(ACC_DTYPE)
-        mean = tl.sum(acc, axis=1) / N
+        mean = _row_mean(acc, N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)
     for start in range(0, N, BLOCK_N):
         c = start + cols
@@ -68,7 +76,7 @@ def _looped_mean_rstd(H, rows, row_mask, cols, N, stride_row, stride_col, eps,
         h = tl.load(H + _tile(rows, c, stride_row, stride_col), mask=mask, other=0.0).to(ACC_DTYPE)
         hc = tl.where(mask, h - mean[:, None], 0.0)
         acc += hc * hc
-    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
+    rstd = 1.0 / tl.sqrt(_row_mean(acc, N) + eps)
     return mean, rstd
 
 
@@ -143,10 +151,10 @@ def norm_fwd_kernel(
 @triton.jit
 def _grad_input(xhat, wdy, rstd, N, IS_RMS: tl.constexpr):
     """dx of ``xhat * w`` given ``wdy = dy * w``: rstd * (wdy - xhat * mean(xhat * wdy) [- mean(wdy)])."""
-    c1 = tl.sum(xhat * wdy, axis=1) / N
+    c1 = _row_mean(xhat * wdy, N)
     dx = wdy - xhat * c1[:, None]
     if not IS_RMS:
-        dx = dx - (tl.sum(wdy, axis=1) / N)[:, None]
+        dx = dx - _row_mean(wdy, N)[:, None]
     return dx * rstd[:, None]
 
 
@@ -222,8 +230,8 @@ def norm_bwd_kernel(
                 xhat = tl.where(mask, x - mean[:, None], 0.0) * rstd[:, None]
                 c1_acc += xhat * wdy
                 c2_acc += wdy
-            c1 = tl.sum(c1_acc, axis=1) / N
-            c2 = tl.sum(c2_acc, axis=1) / N
+            c1 = _row_mean(c1_acc, N)
+            c2 = _row_mean(c2_acc, N)
             for start in range(0, N, BLOCK_N):
                 c = start + cols
                 col_mask = c < N

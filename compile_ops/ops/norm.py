@@ -32,6 +32,7 @@ class LaunchConfig:
     block_n: int  # columns per block: the padded row, or one chunk when looped
     looped: bool
     num_warps: int
+    num_stages: int = 3  # triton's default; only the looped/persistent loops use it
 
 
 def forward_config(n: int) -> LaunchConfig:
@@ -90,14 +91,18 @@ def _launch_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tens
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, ACC_DTYPE=_acc_dtype(x),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
 def _column_sum(partial: Tensor, out: Tensor) -> None:
     n_rows, n = partial.shape
-    block_n = min(triton.next_power_of_2(n), 256)
+    # Narrow column strips (one 128-byte line of fp32 per row) so that enough
+    # programs share the few MB of partial sums: with 256-wide strips a 3072
+    # hidden size ran on 12 of 132 SMs.
+    block_n = min(triton.next_power_of_2(n), 32)
     wrap_triton(column_sum_kernel)[(triton.cdiv(n, block_n),)](
-        partial, out, n_rows, n, BLOCK_R=32, BLOCK_N=block_n, num_warps=4)
+        partial, out, n_rows, n, BLOCK_R=64, BLOCK_N=block_n, num_warps=4)
 
 
 # ---------------------------------------------------------------- forward ops
@@ -152,6 +157,7 @@ def _norm_backward_op(grad_out: Tensor, grad_residual: Optional[Tensor], x: Tens
         IS_RMS=is_rms, HAS_DRES=grad_residual is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, ACC_DTYPE=_acc_dtype(x),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if weight is not None:
         _column_sum(dw_partial, dweight)
