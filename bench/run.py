@@ -96,6 +96,17 @@ def make_timer(quick: bool):
     return timer
 
 
+def warm_up_gpu(seconds: float = 8.0) -> None:
+    """Keep the GPU busy before timing: on a freshly started machine, timings of
+    the same kernel in the first minutes spread by up to 2x (bench/notes.md)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def copy_bandwidth_TBps(timer) -> float:
     """Device-to-device copy bandwidth in TB/s, counting bytes read and written."""
     src = torch.empty(COPY_BYTES // 2, dtype=torch.bfloat16, device="cuda").normal_()
@@ -338,6 +349,7 @@ def run_cuda(args) -> int:
     _log(f"{env['gpu']} ({env['sms']} SMs) | torch {env['torch']} | triton {env['triton']} | "
          f"CUDA {env['cuda']} | liger {env['liger']}" + (" | --quick" if args.quick else ""))
     torch.manual_seed(0)
+    warm_up_gpu()
     copy_TBps = copy_bandwidth_TBps(timer)
     _log(f"device-to-device copy: {copy_TBps:.3f} TB/s (read+write)")
 

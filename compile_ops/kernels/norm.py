@@ -149,12 +149,21 @@ def norm_fwd_kernel(
 
 
 @triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _grad_input(xhat, wdy, rstd, N, IS_RMS: tl.constexpr):
     """dx of ``xhat * w`` given ``wdy = dy * w``: rstd * (wdy - xhat * mean(xhat * wdy) [- mean(wdy)])."""
-    c1 = _row_mean(xhat * wdy, N)
-    dx = wdy - xhat * c1[:, None]
-    if not IS_RMS:
-        dx = dx - _row_mean(wdy, N)[:, None]
+    if IS_RMS:
+        dx = wdy - xhat * _row_mean(xhat * wdy, N)[:, None]
+    else:
+        # Both row sums in one multi-operand reduction: one round of shuffles and
+        # one barrier instead of two, on the backward's critical path.
+        s1, s2 = tl.reduce((xhat * wdy, wdy), 1, _add_pair)
+        n = tl.full(s1.shape, N, s1.dtype)
+        dx = wdy - xhat * tl.div_rn(s1, n)[:, None] - tl.div_rn(s2, n)[:, None]
     return dx * rstd[:, None]
 
 

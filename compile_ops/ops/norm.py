@@ -36,22 +36,26 @@ class LaunchConfig:
 
 
 def forward_config(n: int) -> LaunchConfig:
-    """Heuristic, from the H100 sweep in bench/notes.md: a tile of about 4K-8K
-    elements per program keeps enough bytes in flight without spilling."""
+    """One program per tile of about 8K elements (``bench/sweep_norm.py`` on an
+    H100, bench/results/sweep-h100.json): enough bytes in flight per program
+    without spilling; 16 warps only for the widest single-block rows."""
     block_n = triton.next_power_of_2(n)
     if block_n > MAX_SINGLE_BLOCK:
         return LaunchConfig(1, LOOP_BLOCK, True, 8)
-    block_m = max(1, min(16, 4096 // block_n))
-    num_warps = max(1, min(16, block_m * block_n // 512))
+    block_m = max(1, min(16, 8192 // block_n))
+    tile = block_m * block_n
+    num_warps = 16 if block_n >= 16384 else 8 if tile >= 8192 else 4
     return LaunchConfig(block_m, block_n, False, num_warps)
 
 
 def backward_config(n: int) -> LaunchConfig:
+    """Persistent programs stepping over tiles of 2 rows up to 4096 wide (1 row
+    wider), 4 warps: the best or near-best backward at every DiT shape swept."""
     block_n = triton.next_power_of_2(n)
     if block_n > MAX_SINGLE_BLOCK:
         return LaunchConfig(1, LOOP_BLOCK, True, 8)
-    block_m = max(1, min(16, 2048 // block_n))
-    num_warps = max(1, min(16, block_m * block_n // 256))
+    block_m = max(1, min(16, 8192 // block_n)) if block_n <= 1024 else 2 if block_n <= 4096 else 1
+    num_warps = 8 if block_n >= 16384 else 4
     return LaunchConfig(block_m, block_n, False, num_warps)
 
 
