@@ -40,7 +40,15 @@ def _row_mean(x, N):
     # Correctly rounded division: triton's fp32 `/` is approximate, and with a
     # tiny variance rstd amplifies that error (LayerNorm of width 1 must give dx == 0).
     s = tl.sum(x, axis=1)
-    return tl.div_rn(s, tl.full(s.shape, N, s.dtype))
+    return _div_exact(s, N)
+
+
+@triton.jit
+def _div_exact(s, N):
+    if s.dtype == tl.float64:
+        return s / N  # fp64 division is IEEE already; div_rn is fp32-only
+    else:
+        return tl.div_rn(s, tl.full(s.shape, N, s.dtype))
 
 
 @triton.jit
@@ -162,8 +170,7 @@ def _grad_input(xhat, wdy, rstd, N, IS_RMS: tl.constexpr):
         # Both row sums in one multi-operand reduction: one round of shuffles and
         # one barrier instead of two, on the backward's critical path.
         s1, s2 = tl.reduce((xhat * wdy, wdy), 1, _add_pair)
-        n = tl.full(s1.shape, N, s1.dtype)
-        dx = wdy - xhat * tl.div_rn(s1, n)[:, None] - tl.div_rn(s2, n)[:, None]
+        dx = wdy - xhat * _div_exact(s1, N)[:, None] - _div_exact(s2, N)[:, None]
     return dx * rstd[:, None]
 
 
