@@ -99,8 +99,9 @@ def _launch_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tens
     )
 
 
-def _column_sum(partial: Tensor, out: Tensor) -> None:
-    n_rows, n = partial.shape
+def _column_sum(partial: Tensor, n_rows, out: Tensor) -> None:
+    """out = partial[:n_rows].sum(0), in a fixed order."""
+    n = partial.shape[1]
     # Narrow column strips (one 128-byte line of fp32 per row) so that enough
     # programs share the few MB of partial sums: with 256-wide strips a 3072
     # hidden size ran on 12 of 132 SMs.
@@ -144,13 +145,16 @@ def _norm_backward_op(grad_out: Tensor, grad_residual: Optional[Tensor], x: Tens
     dres2 = None if grad_residual is None else _as_rows(grad_residual)
     n_rows, n = x2.shape
     cfg = backward_config(n)
-    programs = torch.sym_min(multiprocessor_count(x) * BACKWARD_PROGRAMS_PER_SM,
-                             triton.cdiv(n_rows, cfg.block_m))
+    max_programs = multiprocessor_count(x) * BACKWARD_PROGRAMS_PER_SM
+    programs = torch.sym_min(max_programs, triton.cdiv(n_rows, cfg.block_m))
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    # The partial-sum buffers have a static first dim: sized by the live program
+    # count they would be a dim of size 1 for short inputs, which torch.compile
+    # specializes, and every short sequence length would recompile.
     # The looped kernel adds into its partial row chunk by chunk, so it needs zeros.
     alloc = torch.zeros if cfg.looped else torch.empty
-    dw_partial = alloc((programs, n), dtype=acc, device=x.device) if weight is not None else None
-    db_partial = alloc((programs, n), dtype=acc, device=x.device) if bias is not None else None
+    dw_partial = alloc((max_programs, n), dtype=acc, device=x.device) if weight is not None else None
+    db_partial = alloc((max_programs, n), dtype=acc, device=x.device) if bias is not None else None
     wrap_triton(norm_bwd_kernel)[(programs,)](
         dy2, dres2, x2, _param(weight), dx, dw_partial, db_partial,
         n_rows, n, programs,
@@ -164,9 +168,9 @@ def _norm_backward_op(grad_out: Tensor, grad_residual: Optional[Tensor], x: Tens
         num_stages=cfg.num_stages,
     )
     if weight is not None:
-        _column_sum(dw_partial, dweight)
+        _column_sum(dw_partial, programs, dweight)
     if bias is not None:
-        _column_sum(db_partial, dbias)
+        _column_sum(db_partial, programs, dbias)
     return dx, dweight, dbias
 
 
