@@ -71,7 +71,8 @@ def environment_line(data: dict) -> str:
 
 def format_table(data: dict) -> str:
     """The plain-text table: one line per (op, shape, provider)."""
-    header = ("op", "shape", "provider", "fwd µs", "fwd GB/s", "% copy", "fwd+bwd µs", "fwd+bwd GB/s", "% copy")
+    header = ("op", "shape", "provider", "fwd µs", "fwd GB/s", "% copy", "fwd+bwd µs", "fwd+bwd GB/s", "% copy",
+              "graph fwd GB/s", "graph fwd+bwd GB/s")
     lines = []
     for r in data["rows"]:
         lines.append((r["op"], _shape(r["shape"]), r["provider"],
@@ -79,6 +80,7 @@ def format_table(data: dict) -> str:
                       _num(r.get("fwd_pct_copy"), ".1f"),
                       _num(r.get("fwdbwd_us"), ".1f"), _num(r.get("fwdbwd_GBps"), ".0f"),
                       _num(r.get("fwdbwd_pct_copy"), ".1f"),
+                      _num(r.get("fwd_graph_GBps"), ".0f"), _num(r.get("fwdbwd_graph_GBps"), ".0f"),
                       r.get("error", "")))
     widths = [max(len(header[i]), *(len(line[i]) for line in lines)) if lines else len(header[i])
               for i in range(len(header))]
@@ -98,42 +100,56 @@ def format_table(data: dict) -> str:
         out.append("")
         out.append(f"eager overhead at {_shape(overhead['shape'])}: fused.rmsnorm "
                    f"{overhead['fused_op_us']:.1f} µs/call, bare Triton launch "
-                   f"{overhead['bare_triton_us']:.1f} µs/call (x{overhead['ratio']:.2f})")
+                   f"{overhead['bare_triton_us']:.1f} µs/call (x{overhead['ratio']:.2f})"
+                   + (f"; op body without the dispatcher {overhead['op_body_us']:.1f} µs/call"
+                      if "op_body_us" in overhead else ""))
     elif overhead:
         out.append(f"\neager overhead probe failed: {overhead['error'][:200]}")
     return "\n".join(out)
 
 
+_TIMINGS = (
+    ("_graph", "CUDA-graph replay: one call captured in a CUDA graph and its replays timed, so "
+               "host-side launch overhead is excluded and the GB/s are the kernels' own"),
+    ("", "eager launch: each call launched from Python as a model would, host overhead included "
+         "(where the host takes longer than the GPU, this measures the host)"),
+)
+
+
 def markdown_table(data: dict) -> str:
-    """README Markdown: an environment line, then per op a table with one row per
-    shape and one ``fwd / fwd+bwd`` GB/s column per provider."""
+    """README Markdown: an environment line, then for each timing method and op a
+    table with one row per shape and one ``fwd / fwd+bwd`` GB/s column per provider."""
     rows = data["rows"]
     lookup = _lookup(rows)
     dtypes = sorted({r.get("dtype", "bfloat16") for r in rows})
     out = [f"{environment_line(data)}.",
            "",
            f"Effective GB/s, {', '.join(dtypes)}, forward / forward+backward (median of "
-           "`triton.testing.do_bench`). Bytes: each input read once and each output "
-           "written once; forward+backward adds the output gradients, the input gradients "
-           "and a second read of the differentiable inputs (5 tensor passes for rmsnorm).",
+           "`triton.testing.do_bench`, L2 flushed between runs). Bytes: each input read once and "
+           "each output written once; forward+backward adds the output gradients, the input "
+           "gradients and a second read of the differentiable inputs (5 tensor passes for rmsnorm).",
            ""]
-    for op, shapes, providers in _ops_and_providers(rows):
-        out.append(f"**{op}**")
-        out.append("")
-        out.append("| shape | " + " | ".join(_HEADERS.get(p, p) for p in providers) + " |")
-        out.append("|---|" + "---:|" * len(providers))
-        for shape in shapes:
-            cells = []
-            for p in providers:
-                r = lookup.get((op, tuple(shape), p)) or lookup.get((op, tuple(shape), "*"))
-                if r is None:
-                    cells.append("")
-                    continue
-                fwd, fwdbwd = r.get("fwd_GBps"), r.get("fwdbwd_GBps")
-                cells.append(f"{'err' if fwd is None else f'{fwd:.0f}'} / "
-                             f"{'err' if fwdbwd is None else f'{fwdbwd:.0f}'}")
-            out.append(f"| {_shape(shape)} | " + " | ".join(cells) + " |")
-        out.append("")
+    for suffix, title in _TIMINGS:
+        if not any(r.get(f"fwd{suffix}_GBps") is not None for r in rows):
+            continue
+        out += [f"*{title}.*", ""]
+        for op, shapes, providers in _ops_and_providers(rows):
+            out.append(f"**{op}**")
+            out.append("")
+            out.append("| shape | " + " | ".join(_HEADERS.get(p, p) for p in providers) + " |")
+            out.append("|---|" + "---:|" * len(providers))
+            for shape in shapes:
+                cells = []
+                for p in providers:
+                    r = lookup.get((op, tuple(shape), p)) or lookup.get((op, tuple(shape), "*"))
+                    if r is None:
+                        cells.append("")
+                        continue
+                    fwd, fwdbwd = r.get(f"fwd{suffix}_GBps"), r.get(f"fwdbwd{suffix}_GBps")
+                    cells.append(f"{'err' if fwd is None else f'{fwd:.0f}'} / "
+                                 f"{'err' if fwdbwd is None else f'{fwdbwd:.0f}'}")
+                out.append(f"| {_shape(shape)} | " + " | ".join(cells) + " |")
+            out.append("")
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -34,15 +34,24 @@ def runs_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" or (INTERPRET and t.device.type == "cpu")
 
 
+#: Looked up once: ``torch.cuda.is_available()`` costs microseconds per call,
+#: and the launch path is host-bound for small inputs.
+HAS_CUDA = torch.cuda.is_available()
+_NO_GUARD = contextlib.nullcontext()
+
+
 def device_guard(t: torch.Tensor):
-    """The launch context for ``t``'s device.
+    """The launch context for ``t``'s device: switch only when ``t`` is not on
+    the current device (entering ``torch.cuda.device`` costs two driver calls).
 
     A CPU-only torch build cannot enter ``torch.cuda.device`` even while it
     fake-traces a CUDA op body, and there is no device to select then anyway.
     """
-    if t.device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
+    device = t.device
+    if device.type == "cuda" and HAS_CUDA and device.index is not None \
+            and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return _NO_GUARD
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,7 +65,7 @@ def multiprocessor_count(t: torch.Tensor) -> int:
     The stand-in (an H100's 132) lets fake-CUDA tracing and the interpreter size
     persistent grids exactly as the GPU would.
     """
-    if t.device.type == "cuda" and torch.cuda.is_available():
+    if t.device.type == "cuda" and HAS_CUDA:
         return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return 132
 

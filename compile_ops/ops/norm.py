@@ -4,6 +4,7 @@ Each forward op returns exactly what the user sees; the shared backward op
 ``fused.norm_backward`` recomputes the row statistics from x (see
 ``kernels/norm.py``), so nothing but the inputs is saved for backward.
 """
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +36,7 @@ class LaunchConfig:
     num_stages: int = 3  # triton's default; only the looped/persistent loops use it
 
 
+@functools.lru_cache(maxsize=None)
 def forward_config(n: int) -> LaunchConfig:
     """One program per tile of about 8K elements (``bench/sweep_norm.py`` on an
     H100, bench/results/sweep-h100.json): enough bytes in flight per program
@@ -48,6 +50,7 @@ def forward_config(n: int) -> LaunchConfig:
     return LaunchConfig(block_m, block_n, False, num_warps)
 
 
+@functools.lru_cache(maxsize=None)
 def backward_config(n: int) -> LaunchConfig:
     """Persistent programs stepping over tiles of 2 rows up to 4096 wide (1 row
     wider), 4 warps: the best or near-best backward at every DiT shape swept."""
@@ -85,7 +88,7 @@ def _launch_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tens
     x2 = _as_rows(x)
     res2 = None if residual is None else _as_rows(residual)
     n_rows, n = x2.shape
-    cfg = forward_config(n)
+    cfg = forward_config(int(n))  # a hidden dim made dynamic is specialized here: BLOCK_N depends on it
     wrap_triton(norm_fwd_kernel)[(triton.cdiv(n_rows, cfg.block_m),)](
         x2, res2, _param(weight), _param(bias), out, residual_out,
         n_rows, n,
@@ -144,7 +147,7 @@ def _norm_backward_op(grad_out: Tensor, grad_residual: Optional[Tensor], x: Tens
     x2, dy2 = _as_rows(x), _as_rows(grad_out)
     dres2 = None if grad_residual is None else _as_rows(grad_residual)
     n_rows, n = x2.shape
-    cfg = backward_config(n)
+    cfg = backward_config(int(n))
     max_programs = multiprocessor_count(x) * BACKWARD_PROGRAMS_PER_SM
     programs = torch.sym_min(max_programs, triton.cdiv(n_rows, cfg.block_m))
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
