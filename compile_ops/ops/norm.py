@@ -11,10 +11,9 @@ from typing import Optional
 import torch
 import triton
 from torch import Tensor
-from torch.library import wrap_triton
 
 from compile_ops import meta, reference
-from compile_ops._library import fused_op, multiprocessor_count
+from compile_ops._library import fused_op, launcher, multiprocessor_count
 from compile_ops.kernels.norm import column_sum_kernel, norm_bwd_kernel, norm_fwd_kernel
 
 import triton.language as tl
@@ -93,7 +92,7 @@ def _launch_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tens
     res2 = None if residual is None else _as_rows(residual)
     n_rows, n = x2.shape
     cfg = forward_config(int(n))  # a hidden dim made dynamic is specialized here: BLOCK_N depends on it
-    wrap_triton(norm_fwd_kernel)[(triton.cdiv(n_rows, cfg.block_m),)](
+    launcher(norm_fwd_kernel)[(triton.cdiv(n_rows, cfg.block_m),)](
         x2, res2, _param(weight), _param(bias), out, residual_out,
         n_rows, n,
         x2.stride(0), x2.stride(1),
@@ -113,7 +112,7 @@ def _column_sum(partial: Tensor, n_rows, out: Tensor) -> None:
     # programs share the few MB of partial sums: with 256-wide strips a 3072
     # hidden size ran on 12 of 132 SMs.
     block_n = min(triton.next_power_of_2(n), 32)
-    wrap_triton(column_sum_kernel)[(triton.cdiv(n, block_n),)](
+    launcher(column_sum_kernel)[(triton.cdiv(n, block_n),)](
         partial, out, n_rows, n, BLOCK_R=64, BLOCK_N=block_n, num_warps=4)
 
 
@@ -162,7 +161,7 @@ def _norm_backward_op(grad_out: Tensor, grad_residual: Optional[Tensor], x: Tens
     alloc = torch.zeros if cfg.looped else torch.empty
     dw_partial = alloc((max_programs, n), dtype=acc, device=x.device) if weight is not None else None
     db_partial = alloc((max_programs, n), dtype=acc, device=x.device) if bias is not None else None
-    wrap_triton(norm_bwd_kernel)[(programs,)](
+    launcher(norm_bwd_kernel)[(programs,)](
         dy2, dres2, x2, _param(weight), dx, dw_partial, db_partial,
         n_rows, n, programs,
         dy2.stride(0), dy2.stride(1),
@@ -195,7 +194,7 @@ def _setup_rmsnorm(ctx, inputs, output):
 
 def _backward_rmsnorm(ctx, grad_out):
     x, weight, bias = ctx.saved_tensors
-    dx, dw, db = torch.ops.fused.norm_backward(grad_out, None, x, weight, bias, ctx.eps, True)
+    dx, dw, db = _norm_backward_op(grad_out, None, x, weight, bias, ctx.eps, True)
     return dx, _grad_or_none(dw, weight), None, _grad_or_none(db, bias)
 
 
@@ -207,7 +206,7 @@ def _setup_layernorm(ctx, inputs, output):
 
 def _backward_layernorm(ctx, grad_out):
     x, weight, bias = ctx.saved_tensors
-    dx, dw, db = torch.ops.fused.norm_backward(grad_out, None, x, weight, bias, ctx.eps, False)
+    dx, dw, db = _norm_backward_op(grad_out, None, x, weight, bias, ctx.eps, False)
     return dx, _grad_or_none(dw, weight), _grad_or_none(db, bias), None
 
 
@@ -222,7 +221,7 @@ def _setup_add_rmsnorm(ctx, inputs, output):
 
 def _backward_add_rmsnorm(ctx, grad_out, grad_residual_out):
     h, weight = ctx.saved_tensors
-    dh, dw, _ = torch.ops.fused.norm_backward(grad_out, grad_residual_out, h, weight, None, ctx.eps, True)
+    dh, dw, _ = _norm_backward_op(grad_out, grad_residual_out, h, weight, None, ctx.eps, True)
     return dh.to(ctx.x_dtype), dh, _grad_or_none(dw, weight), None
 
 
@@ -247,7 +246,7 @@ def rmsnorm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6,
         ``[..., N]``, contiguous, in the weight's dtype when the weight is
         fp16/bf16, else in x's dtype (diffusers' rule). Statistics are fp32.
     """
-    return torch.ops.fused.rmsnorm(x, weight, eps, bias)
+    return _rmsnorm_op(x, weight, eps, bias)
 
 
 def layernorm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
@@ -263,7 +262,7 @@ def layernorm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor]
     Returns:
         ``[..., N]``, contiguous; dtype as :func:`rmsnorm`.
     """
-    return torch.ops.fused.layernorm(x, weight, bias, eps)
+    return _layernorm_op(x, weight, bias, eps)
 
 
 def add_rmsnorm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None,
@@ -282,4 +281,4 @@ def add_rmsnorm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None,
         :func:`rmsnorm` gives x (bit-identical to calling :func:`rmsnorm` on
         residual_out when x and residual share a dtype).
     """
-    return torch.ops.fused.add_rmsnorm(x, residual, weight, eps)
+    return _add_rmsnorm_op(x, residual, weight, eps)
