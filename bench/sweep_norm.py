@@ -24,14 +24,16 @@ from compile_ops.registry import DIT_NORM_SHAPES
 
 FORWARD = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (4, 16)]            # (block_m, warps)
 BACKWARD = [(1, 4, 2), (1, 8, 1), (1, 8, 2), (2, 4, 2), (2, 8, 1), (2, 8, 2),
-            (4, 8, 1), (4, 8, 2), (1, 8, 4), (4, 4, 4)]                    # (block_m, warps, programs/SM)
+            (4, 8, 1), (4, 8, 2), (1, 8, 4), (4, 4, 4), (1, 16, 1), (2, 16, 1)]  # (block_m, warps, programs/SM)
 STAGES = (1, 3)
 ROUNDS = 3
 
 
-def main(out_path=None):
+def main(out_path=None, norms=("rms", "ln")):
     results = []
     for (b, l, c), is_rms in itertools.product(DIT_NORM_SHAPES, (True, False)):
+        if ("rms" if is_rms else "ln") not in norms:
+            continue
         x = torch.randn(b, l, c, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(c, device="cuda", dtype=torch.bfloat16)
         bias = None if is_rms else torch.randn(c, device="cuda", dtype=torch.bfloat16)
@@ -55,9 +57,9 @@ def main(out_path=None):
                 saved = norm_ops.forward_config, norm_ops.backward_config, norm_ops.BACKWARD_PROGRAMS_PER_SM
                 try:
                     if kind == "fwd":
-                        norm_ops.forward_config = lambda n, cfg=cfg: cfg
+                        norm_ops.forward_config = lambda n, acc=1, cfg=cfg: cfg
                     else:
-                        norm_ops.backward_config = lambda n, cfg=cfg: cfg
+                        norm_ops.backward_config = lambda n, acc=1, cfg=cfg: cfg
                         norm_ops.BACKWARD_PROGRAMS_PER_SM = p
                     fn = fwd if kind == "fwd" else bwd
                     times[(kind, m, wp, p, st)].append(do_bench(fn, warmup=10, rep=60, return_mode="median"))
@@ -86,4 +88,6 @@ def main(out_path=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    # python bench/sweep_norm.py [OUT.json] [rms,ln]
+    main(sys.argv[1] if len(sys.argv) > 1 else None,
+         tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else ("rms", "ln"))
