@@ -21,6 +21,7 @@ Method (shared/DESIGN.md, "Benchmarks"):
 """
 import argparse
 import datetime
+import functools
 import importlib
 import importlib.metadata
 import json
@@ -205,39 +206,9 @@ def graph_replay_time(fn, timer) -> float:
     return timer(graph.replay)
 
 
-def time_forward_graph(fn, args, timer) -> float:
-    with torch.no_grad():
-        fn(*args)
-        return graph_replay_time(lambda: fn(*args), timer)
-
-
-def time_forward_backward_graph(fn, args, timer) -> float:
-    leaves = [a for a in _tensors(args) if a.requires_grad]
-    outs = _as_tuple(fn(*args))
-    float_idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
-    grads = [torch.randn_like(outs[i]) for i in float_idx]
-    del outs
-
-    def step():
-        outs = _as_tuple(fn(*args))
-        torch.autograd.backward([outs[i] for i in float_idx], grads)
-        for a in leaves:
-            a.grad = None
-
-    step()
-    return graph_replay_time(step, timer)
-
-
-def time_forward(fn, args, timer) -> float:
-    """Forward time in ms, under ``torch.no_grad`` (no autograd graph is recorded)."""
-    with torch.no_grad():
-        fn(*args)  # compile and autotune outside the timing
-        return timer(lambda: fn(*args))
-
-
-def time_forward_backward(fn, args, timer) -> float:
-    """Forward+backward time in ms: backward of every float output with a fixed
-    random gradient; input ``.grad`` is set to None each step so nothing accumulates."""
+def _training_step(fn, args):
+    """A forward+backward step: backward of every float output with a fixed
+    random gradient; input ``.grad`` is set to None so nothing accumulates."""
     leaves = [a for a in _tensors(args) if a.requires_grad]
     outs = _as_tuple(fn(*args))
     float_idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
@@ -251,7 +222,23 @@ def time_forward_backward(fn, args, timer) -> float:
             a.grad = None
 
     step()  # compile the backward outside the timing
-    return timer(step)
+    return step
+
+
+def time_forward(fn, args, timer, graph: bool = False) -> float:
+    """Forward time in ms, under ``torch.no_grad`` (no autograd graph is recorded);
+    with ``graph``, of CUDA-graph replays of the call."""
+    with torch.no_grad():
+        fn(*args)  # compile and autotune outside the timing
+        call = lambda: fn(*args)  # noqa: E731
+        return graph_replay_time(call, timer) if graph else timer(call)
+
+
+def time_forward_backward(fn, args, timer, graph: bool = False) -> float:
+    """Forward+backward time in ms of :func:`_training_step`; with ``graph``, of
+    CUDA-graph replays of it."""
+    step = _training_step(fn, args)
+    return graph_replay_time(step, timer) if graph else timer(step)
 
 
 class Progress:
@@ -280,11 +267,12 @@ def bench_shape(spec, shape, providers: dict, timer, copy_TBps: float, progress:
         row = {"op": spec.name, "shape": list(shape), "dtype": str(dtype).replace("torch.", ""),
                "provider": name, "fwd_bytes": fwd_bytes, "fwdbwd_bytes": fwdbwd_bytes}
         errors = []
-        for key, measure, nbytes, label in (("fwd", time_forward, fwd_bytes, "fwd"),
-                                            ("fwdbwd", time_forward_backward, fwdbwd_bytes, "fwd+bwd"),
-                                            ("fwd_graph", time_forward_graph, fwd_bytes, "fwd/graph"),
-                                            ("fwdbwd_graph", time_forward_backward_graph, fwdbwd_bytes,
-                                             "fwd+bwd/graph")):
+        for key, measure, nbytes, label in (
+                ("fwd", time_forward, fwd_bytes, "fwd"),
+                ("fwdbwd", time_forward_backward, fwdbwd_bytes, "fwd+bwd"),
+                ("fwd_graph", functools.partial(time_forward, graph=True), fwd_bytes, "fwd/graph"),
+                ("fwdbwd_graph", functools.partial(time_forward_backward, graph=True), fwdbwd_bytes,
+                 "fwd+bwd/graph")):
             row[f"{key}_us"] = row[f"{key}_GBps"] = row[f"{key}_pct_copy"] = None
             where = f"{spec.name} {shape_str(shape)} {name:<22} {label:<13}"
             try:
