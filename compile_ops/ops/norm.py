@@ -10,13 +10,12 @@ from typing import Optional
 
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 
 from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher, multiprocessor_count
 from compile_ops.kernels.norm import column_sum_kernel, norm_bwd_kernel, norm_fwd_kernel
-
-import triton.language as tl
 
 # ---------------------------------------------------------------- launch configs
 
