@@ -21,7 +21,7 @@ KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 _common = dict(deadline=None, database=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("ci", max_examples=25, derandomize=True, **_common)
+settings.register_profile("ci", max_examples=50, derandomize=True, **_common)
 settings.register_profile("gpu", max_examples=100, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if HAS_CUDA else "ci"))
 
