@@ -29,7 +29,7 @@ STAGES = (1, 3)
 ROUNDS = 3
 
 
-def main(out_path=None, norms=("rms", "ln")):
+def main(out_path=None, norms=("rms", "ln"), backward_only=False):
     results = []
     for (b, l, c), is_rms in itertools.product(DIT_NORM_SHAPES, (True, False)):
         if ("rms" if is_rms else "ln") not in norms:
@@ -48,7 +48,7 @@ def main(out_path=None, norms=("rms", "ln")):
         def bwd():
             return torch.ops.fused.norm_backward(dy, None, x, w, bias, 1e-6, is_rms)
 
-        cands = [("fwd", m, wp, 0, 3) for m, wp in FORWARD]
+        cands = [] if backward_only else [("fwd", m, wp, 0, 3) for m, wp in FORWARD]
         cands += [("bwd", m, wp, p, st) for (m, wp, p), st in itertools.product(BACKWARD, STAGES)]
         times = {k: [] for k in cands}
         for _ in range(ROUNDS):
@@ -88,6 +88,7 @@ def main(out_path=None, norms=("rms", "ln")):
 
 
 if __name__ == "__main__":
-    # python bench/sweep_norm.py [OUT.json] [rms,ln]
+    # python bench/sweep_norm.py [OUT.json] [rms,ln] [bwd]
     main(sys.argv[1] if len(sys.argv) > 1 else None,
-         tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else ("rms", "ln"))
+         tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else ("rms", "ln"),
+         backward_only=len(sys.argv) > 3 and sys.argv[3] == "bwd")
