@@ -53,19 +53,20 @@ def main(out_path=None, norms=("rms", "ln"), backward_only=False):
         times = {k: [] for k in cands}
         for _ in range(ROUNDS):
             for kind, m, wp, p, st in cands:
-                cfg = norm_ops.LaunchConfig(m, block_n, False, wp, st, programs_per_sm=max(p, 1))
-                saved = norm_ops.forward_config, norm_ops.backward_config
+                cfg = norm_ops.LaunchConfig(m, block_n, False, wp, st)
+                saved = norm_ops.forward_config, norm_ops.backward_config, norm_ops.BACKWARD_PROGRAMS_PER_SM
                 try:
                     if kind == "fwd":
                         norm_ops.forward_config = lambda n, acc=1, cfg=cfg: cfg
                     else:
                         norm_ops.backward_config = lambda n, acc=1, cfg=cfg: cfg
+                        norm_ops.BACKWARD_PROGRAMS_PER_SM = p
                     fn = fwd if kind == "fwd" else bwd
                     times[(kind, m, wp, p, st)].append(do_bench(fn, warmup=10, rep=60, return_mode="median"))
                 except Exception as e:  # out of registers/shared memory at this size
                     print(f"{kind} {name} {b}x{l}x{c} m={m} w={wp} p={p} s={st}: {type(e).__name__}")
                 finally:
-                    norm_ops.forward_config, norm_ops.backward_config = saved
+                    norm_ops.forward_config, norm_ops.backward_config, norm_ops.BACKWARD_PROGRAMS_PER_SM = saved
         for (kind, m, wp, p, st), ts in times.items():
             if not ts:
                 continue

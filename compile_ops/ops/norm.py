@@ -32,7 +32,6 @@ class LaunchConfig:
     looped: bool
     num_warps: int
     num_stages: int = 3  # triton's default; only the looped/persistent loops use it
-    programs_per_sm: int = 2  # persistent backward programs per multiprocessor
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,27 +50,22 @@ def forward_config(n: int) -> LaunchConfig:
 
 @functools.lru_cache(maxsize=None)
 def backward_config(n: int, accumulators: int = 1) -> LaunchConfig:
-    """Persistent programs stepping over row tiles (bench/sweep_norm.py, H100):
-
-    - rows of 1025-4096 (padded 2048-4096) with one accumulator (RMS): one row
-      per step, 8 warps, 4 programs per SM; at 1x32768x1536 1.99 TB/s (3 passes,
-      spread 0%) against 1.87 for 2 rows/4 warps/2 programs, and a steady 1.61
-      at 2x4096x3072. LayerNorm's sweep preferred 2 rows/4 warps/2 programs there.
-    - wider rows: one row, up to 64 fp32 values per thread per tensor, 2
-      programs per SM (2.12 TB/s at 1x16384x5120). One-row tiles with two
-      accumulators (LayerNorm's dweight and dbias) get twice the warps: that
-      took its forward+backward from 1.48 to 1.70 TB/s at 1x16384x5120.
-    - narrower rows: several rows per step (not swept).
-    """
+    """Persistent programs stepping over tiles of 2 rows up to 4096 wide (1 row
+    wider), each thread holding up to 64 fp32 values per tensor. One-row tiles
+    with two accumulators (LayerNorm's dweight and dbias) get twice the warps:
+    at 1x16384x5120 that took its forward+backward from 1.48 to 1.70 TB/s, while
+    the same change on the two-row tiles of width 3072 lost 7% (bench/notes.md)."""
     block_n = triton.next_power_of_2(n)
     if block_n > MAX_SINGLE_BLOCK:
         return LaunchConfig(1, LOOP_BLOCK, True, 8)
-    if 2048 <= block_n <= 4096 and accumulators <= 1:
-        return LaunchConfig(1, block_n, False, 8, programs_per_sm=4)
     block_m = max(1, min(16, 8192 // block_n)) if block_n <= 1024 else 2 if block_n <= 4096 else 1
     per_thread = 32 if accumulators >= 2 and block_m == 1 else 64
     num_warps = max(4, min(16, block_m * block_n // (32 * per_thread)))
     return LaunchConfig(block_m, block_n, False, num_warps)
+
+
+#: Persistent backward programs per multiprocessor.
+BACKWARD_PROGRAMS_PER_SM = 2
 
 
 def _acc_dtype(x: Tensor):
@@ -156,7 +150,7 @@ def _norm_backward_op(grad_out: Tensor, grad_residual: Optional[Tensor], x: Tens
     dres2 = None if grad_residual is None else _as_rows(grad_residual)
     n_rows, n = x2.shape
     cfg = backward_config(int(n), (weight is not None) + (bias is not None))
-    max_programs = multiprocessor_count(x) * cfg.programs_per_sm
+    max_programs = multiprocessor_count(x) * BACKWARD_PROGRAMS_PER_SM
     programs = torch.sym_min(max_programs, triton.cdiv(n_rows, cfg.block_m))
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     # The partial-sum buffers have a static first dim: sized by the live program
