@@ -9,42 +9,17 @@ from typing import Optional
 
 import torch
 
-#: dtypes the norm kernels read and write; fp64 exists for gradcheck.
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from compile_ops.meta._validate import check_eps, check_floating, check_same_device, fail
+
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def _fail(op: str, msg: str, exc=ValueError):
-    raise exc(f"fused.{op}: {msg}")
-
-
-def check_floating(op: str, argname: str, t: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        _fail(op, f"{argname} must be a torch.Tensor, got {type(t).__name__}", TypeError)
-    if t.dtype not in FLOAT_DTYPES:
-        names = ", ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
-        _fail(op, f"{argname} must have a floating dtype ({names}), got {t.dtype}", TypeError)
-
-
-def check_same_device(op: str, x: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
-    for argname, t in others.items():
-        if t is not None and t.device != x.device:
-            _fail(op, f"{argname} is on {t.device} but x is on {x.device}; all tensors must share a device")
-
-
-def check_eps(op: str, eps: float) -> None:
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-        _fail(op, f"eps must be a float, got {type(eps).__name__}", TypeError)
-    if not eps >= 0.0:  # also rejects NaN
-        _fail(op, f"eps must be >= 0, got {eps}")
 
 
 def check_x(op: str, x: torch.Tensor) -> None:
     check_floating(op, "x", x)
     if x.dim() < 1:
-        _fail(op, "x must have at least 1 dim (the normalized hidden dim last), got a 0-dim tensor")
+        fail(op, "x must have at least 1 dim (the normalized hidden dim last), got a 0-dim tensor")
     if x.shape[-1] == 0:
-        _fail(op, f"x must have a non-empty last (hidden) dim, got shape {tuple(x.shape)}")
+        fail(op, f"x must have a non-empty last (hidden) dim, got shape {tuple(x.shape)}")
 
 
 def check_affine(op: str, argname: str, p: Optional[torch.Tensor], x: torch.Tensor) -> None:
@@ -52,7 +27,7 @@ def check_affine(op: str, argname: str, p: Optional[torch.Tensor], x: torch.Tens
         return
     check_floating(op, argname, p)
     if p.shape != x.shape[-1:]:
-        _fail(op, f"{argname} must have shape ({x.shape[-1]},) to match the last dim of x, "
+        fail(op, f"{argname} must have shape ({x.shape[-1]},) to match the last dim of x, "
                   f"got {tuple(p.shape)}")
     check_same_device(op, x, **{argname: p})
 
@@ -90,7 +65,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.
     check_x("add_rmsnorm", x)
     check_floating("add_rmsnorm", "residual", residual)
     if residual.shape != x.shape:
-        _fail("add_rmsnorm", f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+        fail("add_rmsnorm", f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
     check_same_device("add_rmsnorm", x, residual=residual)
     check_affine("add_rmsnorm", "weight", weight, x)
     check_eps("add_rmsnorm", eps)
@@ -110,7 +85,7 @@ def norm_backward(grad_out: torch.Tensor, grad_residual: Optional[torch.Tensor],
             continue
         check_floating(op, argname, g)
         if g.shape != x.shape:
-            _fail(op, f"{argname} must have the shape of x {tuple(x.shape)}, got {tuple(g.shape)}")
+            fail(op, f"{argname} must have the shape of x {tuple(x.shape)}, got {tuple(g.shape)}")
         check_same_device(op, x, **{argname: g})
     check_affine(op, "weight", weight, x)
     check_affine(op, "bias", bias, x)

@@ -1,0 +1,36 @@
+"""Argument checks shared by every op family's meta module.
+
+Each raises before any launch with a message ``fused.<op>: <argument> ...``
+that names the argument and what was expected.
+"""
+from typing import Optional
+
+import torch
+
+#: dtypes the kernels read and write; fp64 exists for gradcheck.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def fail(op: str, msg: str, exc=ValueError):
+    raise exc(f"fused.{op}: {msg}")
+
+
+def check_floating(op: str, argname: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        fail(op, f"{argname} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    if t.dtype not in FLOAT_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
+        fail(op, f"{argname} must have a floating dtype ({names}), got {t.dtype}", TypeError)
+
+
+def check_same_device(op: str, x: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    for argname, t in others.items():
+        if t is not None and t.device != x.device:
+            fail(op, f"{argname} is on {t.device} but x is on {x.device}; all tensors must share a device")
+
+
+def check_eps(op: str, eps: float) -> None:
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        fail(op, f"eps must be a float, got {type(eps).__name__}", TypeError)
+    if not eps >= 0.0:  # also rejects NaN
+        fail(op, f"eps must be >= 0, got {eps}")
