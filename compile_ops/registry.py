@@ -23,9 +23,10 @@ class OpSpec:
     """The stem of the op's modules in kernels/, meta/, reference/, ops/, tests/, bench/."""
     reference: Callable
     """Pure-PyTorch implementation with the op's signature."""
-    make_inputs: Callable[[Shape, torch.dtype, str, bool], tuple]
+    make_inputs: Optional[Callable[[Shape, torch.dtype, str, bool], tuple]]
     """``(shape, dtype, device, requires_grad) -> args``, shape being the activation's
-    ``[B, L, C]``. Used by the compile tests (L varies) and the benchmark."""
+    ``[B, L, C]``. Used by the compile tests (L varies) and the benchmark; None for
+    ops that only autograd calls (backward ops)."""
     edge_inputs: Callable[[torch.dtype, str, bool], Sequence[tuple]]
     """Small argument tuples that cover the op's options and edge cases (no
     weight, zero rows, strided rows, mixed dtypes) for opcheck and tracing."""
