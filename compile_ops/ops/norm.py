@@ -10,12 +10,13 @@ from typing import Optional
 
 import torch
 import triton
-import triton.language as tl
 from torch import Tensor
 
 from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher, multiprocessor_count
-from compile_ops.kernels.norm import column_sum_kernel, norm_bwd_kernel, norm_fwd_kernel
+from compile_ops.kernels.norm import norm_bwd_kernel, norm_fwd_kernel
+from compile_ops.ops._launch import (acc_dtype, as_rows, column_sum, contiguous_param,
+                                    grad_or_none)
 
 # ---------------------------------------------------------------- launch configs
 
@@ -68,51 +69,26 @@ def backward_config(n: int, accumulators: int = 1) -> LaunchConfig:
 BACKWARD_PROGRAMS_PER_SM = 2
 
 
-def _acc_dtype(x: Tensor):
-    return tl.float64 if x.dtype == torch.float64 else tl.float32
-
-
-def _as_rows(t: Tensor) -> Tensor:
-    """``t`` as ``[rows, N]``: a view whenever the leading dims collapse to one
-    row stride (contiguous, row slices, expanded gradients); a copy otherwise."""
-    return t.reshape(-1, t.shape[-1])
-
-
-def _param(p: Optional[Tensor]) -> Optional[Tensor]:
-    return None if p is None else p.contiguous()
-
-
 # ---------------------------------------------------------------- launchers
 
 def _launch_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
                     bias: Optional[Tensor], eps: float, is_rms: bool,
                     out: Tensor, residual_out: Optional[Tensor]) -> None:
-    x2 = _as_rows(x)
-    res2 = None if residual is None else _as_rows(residual)
+    x2 = as_rows(x)
+    res2 = None if residual is None else as_rows(residual)
     n_rows, n = x2.shape
     cfg = forward_config(int(n))  # a hidden dim made dynamic is specialized here: BLOCK_N depends on it
     launcher(norm_fwd_kernel)[(triton.cdiv(n_rows, cfg.block_m),)](
-        x2, res2, _param(weight), _param(bias), out, residual_out,
+        x2, res2, contiguous_param(weight), contiguous_param(bias), out, residual_out,
         n_rows, n,
         x2.stride(0), x2.stride(1),
         0 if res2 is None else res2.stride(0), 0 if res2 is None else res2.stride(1),
         eps,
         IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None, ACC_DTYPE=_acc_dtype(x),
+        HAS_BIAS=bias is not None, ACC_DTYPE=acc_dtype(x),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-
-
-def _column_sum(partial: Tensor, n_rows, out: Tensor) -> None:
-    """out = partial[:n_rows].sum(0), in a fixed order."""
-    n = partial.shape[1]
-    # Narrow column strips (one 128-byte line of fp32 per row) so that enough
-    # programs share the few MB of partial sums: with 256-wide strips a 3072
-    # hidden size ran on 12 of 132 SMs.
-    block_n = min(triton.next_power_of_2(n), 32)
-    launcher(column_sum_kernel)[(triton.cdiv(n, block_n),)](
-        partial, out, n_rows, n, BLOCK_R=64, BLOCK_N=block_n, num_warps=4)
 
 
 # ---------------------------------------------------------------- forward ops
@@ -146,8 +122,8 @@ def _norm_backward_op(grad_out: Tensor, grad_residual: Optional[Tensor], x: Tens
                       weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                       is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
     dx, dweight, dbias = meta.norm.norm_backward(grad_out, grad_residual, x, weight, bias, eps, is_rms)
-    x2, dy2 = _as_rows(x), _as_rows(grad_out)
-    dres2 = None if grad_residual is None else _as_rows(grad_residual)
+    x2, dy2 = as_rows(x), as_rows(grad_out)
+    dres2 = None if grad_residual is None else as_rows(grad_residual)
     n_rows, n = x2.shape
     cfg = backward_config(int(n), (weight is not None) + (bias is not None))
     max_programs = multiprocessor_count(x) * BACKWARD_PROGRAMS_PER_SM
@@ -161,29 +137,25 @@ def _norm_backward_op(grad_out: Tensor, grad_residual: Optional[Tensor], x: Tens
     dw_partial = alloc((max_programs, n), dtype=acc, device=x.device) if weight is not None else None
     db_partial = alloc((max_programs, n), dtype=acc, device=x.device) if bias is not None else None
     launcher(norm_bwd_kernel)[(programs,)](
-        dy2, dres2, x2, _param(weight), dx, dw_partial, db_partial,
+        dy2, dres2, x2, contiguous_param(weight), dx, dw_partial, db_partial,
         n_rows, n, programs,
         dy2.stride(0), dy2.stride(1),
         0 if dres2 is None else dres2.stride(0), 0 if dres2 is None else dres2.stride(1),
         x2.stride(0), x2.stride(1),
         eps,
         IS_RMS=is_rms, HAS_DRES=grad_residual is not None, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None, ACC_DTYPE=_acc_dtype(x),
+        HAS_BIAS=bias is not None, ACC_DTYPE=acc_dtype(x),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     if weight is not None:
-        _column_sum(dw_partial, programs, dweight)
+        column_sum(dw_partial, programs, dweight)
     if bias is not None:
-        _column_sum(db_partial, programs, dbias)
+        column_sum(db_partial, programs, dbias)
     return dx, dweight, dbias
 
 
 # ---------------------------------------------------------------- autograd
-
-def _grad_or_none(g: Tensor, p: Optional[Tensor]) -> Optional[Tensor]:
-    return None if p is None else g
-
 
 def _setup_rmsnorm(ctx, inputs, output):
     x, weight, eps, bias = inputs
@@ -194,7 +166,7 @@ def _setup_rmsnorm(ctx, inputs, output):
 def _backward_rmsnorm(ctx, grad_out):
     x, weight, bias = ctx.saved_tensors
     dx, dw, db = _norm_backward_op(grad_out, None, x, weight, bias, ctx.eps, True)
-    return dx, _grad_or_none(dw, weight), None, _grad_or_none(db, bias)
+    return dx, grad_or_none(dw, weight), None, grad_or_none(db, bias)
 
 
 def _setup_layernorm(ctx, inputs, output):
@@ -206,7 +178,7 @@ def _setup_layernorm(ctx, inputs, output):
 def _backward_layernorm(ctx, grad_out):
     x, weight, bias = ctx.saved_tensors
     dx, dw, db = _norm_backward_op(grad_out, None, x, weight, bias, ctx.eps, False)
-    return dx, _grad_or_none(dw, weight), _grad_or_none(db, bias), None
+    return dx, grad_or_none(dw, weight), grad_or_none(db, bias), None
 
 
 def _setup_add_rmsnorm(ctx, inputs, output):
@@ -221,7 +193,7 @@ def _setup_add_rmsnorm(ctx, inputs, output):
 def _backward_add_rmsnorm(ctx, grad_out, grad_residual_out):
     h, weight = ctx.saved_tensors
     dh, dw, _ = _norm_backward_op(grad_out, grad_residual_out, h, weight, None, ctx.eps, True)
-    return dh.to(ctx.x_dtype), dh, _grad_or_none(dw, weight), None
+    return dh.to(ctx.x_dtype), dh, grad_or_none(dw, weight), None
 
 
 _rmsnorm_op.register_autograd(_backward_rmsnorm, setup_context=_setup_rmsnorm)

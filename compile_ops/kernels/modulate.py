@@ -1,0 +1,203 @@
+"""Triton kernels of the AdaLN modulation family, forward and backward.
+
+One forward and one backward kernel serve every op of the family; constexpr
+flags switch the parts of ``h = residual + gate * x`` (GATED), ``norm(h) * w + b``
+(NORM: 0 none, 1 RMS, 2 LayerNorm; affine optional) and ``* (1 + scale) + shift``
+(MODULATED) on and off. Rows are whole hidden vectors (up to 16384 wide) held in
+registers, and the row helpers are the norm family's, so normalized values are
+bit-identical to ``fused.rmsnorm`` / ``fused.layernorm``.
+
+Modulation tensors (scale, shift, gate) are addressed per row: row
+``r = b * tokens + t`` reads row ``b * SB + (t // GROUP) * SG + (t % GROUP) * SS``
+of the tensor, with stride 0 wherever it broadcasts (``meta/modulate.py``).
+
+The backward reduces the gradients of broadcast modulation tensors without
+atomics. Rows are cut into segments of ``seg_rows`` consecutive rows that share
+one row of every modulation tensor, and each segment into ``chunks`` pieces; a
+persistent program takes pieces p, p + P, ... and writes one partial row per
+piece. The launcher sums the partial rows in a fixed order.
+"""
+import triton
+import triton.language as tl
+
+from compile_ops.kernels.norm import _centered_rstd, _grad_input, _tile, _tile_rows
+
+
+@triton.jit
+def _modulation_offsets(rows, tokens, stride_batch, stride_group, stride_in_group, group):
+    b = rows // tokens
+    t = rows - b * tokens
+    g = t // group
+    return b * stride_batch + g * stride_group + (t - g * group) * stride_in_group
+
+
+@triton.jit
+def _load_rows_of(M, rows, cols, mask, tokens, sb, sg, ss, sc, group, ACC_DTYPE: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]``: the modulation row of each of ``rows``."""
+    off = _modulation_offsets(rows, tokens, sb, sg, ss, group)
+    return tl.load(M + off[:, None] + cols[None, :] * sc, mask=mask, other=0.0).to(ACC_DTYPE)
+
+
+@triton.jit
+def _normalized(h, mask, cols, N, W, B, eps, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """``(norm(h) * w + b, xhat, rstd)`` of a tile of whole rows; ``(h, h, h)`` when NORM == 0."""
+    if NORM == 0:
+        y, xhat, rstd = h, h, h
+    else:
+        xc, rstd = _centered_rstd(h, mask, N, eps, NORM == 1)
+        xhat = xc * rstd[:, None]
+        y = xhat
+        if HAS_WEIGHT:
+            y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(h.dtype)[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(h.dtype)[None, :]
+    return y, xhat, rstd
+
+
+@triton.jit
+def modulate_fwd_kernel(
+    X, RES, GATE, SCALE, SHIFT, W, B, OUT, RES_OUT,
+    n_rows, N, tokens,
+    stride_x_row, stride_x_col, stride_res_row, stride_res_col,
+    g_sb, g_sg, g_ss, g_sc, g_group,
+    sc_sb, sc_sg, sc_ss, sc_sc, sc_group,
+    sh_sb, sh_sg, sh_ss, sh_sc, sh_group,
+    eps,
+    GATED: tl.constexpr, NORM: tl.constexpr, MODULATED: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """RES_OUT = RES + GATE * X (GATED); OUT = modulate(norm(h) * W + B) with h
+    RES_OUT read back at its dtype (GATED) or X. OUT is written when NORM or MODULATED."""
+    eps = tl.cast(eps, ACC_DTYPE)  # Inductor may hand scalars over as fp64
+    rows = _tile_rows(tl.program_id(0), BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
+    h = tl.load(X + _tile(rows, cols, stride_x_row, stride_x_col), mask=mask, other=0.0).to(ACC_DTYPE)
+    if GATED:
+        r = tl.load(RES + _tile(rows, cols, stride_res_row, stride_res_col), mask=mask, other=0.0)
+        gate = _load_rows_of(GATE, rows, cols, mask, tokens, g_sb, g_sg, g_ss, g_sc, g_group, ACC_DTYPE)
+        # Rounded to residual_out's dtype before the norm: out == norm_modulate(residual_out).
+        h_out = (r.to(ACC_DTYPE) + gate * h).to(RES_OUT.dtype.element_ty)
+        tl.store(RES_OUT + _tile(rows, cols, N, 1), h_out, mask=mask)
+        h = h_out.to(ACC_DTYPE)
+    if NORM != 0 or MODULATED:
+        y, _, _ = _normalized(h, mask, cols, N, W, B, eps, NORM, HAS_WEIGHT, HAS_BIAS)
+        if MODULATED:
+            scale = _load_rows_of(SCALE, rows, cols, mask, tokens, sc_sb, sc_sg, sc_ss, sc_sc, sc_group,
+                                  ACC_DTYPE)
+            shift = _load_rows_of(SHIFT, rows, cols, mask, tokens, sh_sb, sh_sg, sh_ss, sh_sc, sh_group,
+                                  ACC_DTYPE)
+            y = y * (1.0 + scale) + shift
+        tl.store(OUT + _tile(rows, cols, N, 1), y.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _modulation_row(M, row, cols, col_mask, tokens, sb, sg, ss, sc, group, ACC_DTYPE: tl.constexpr):
+    """``[BLOCK_N]``: the modulation row of the single row ``row``."""
+    off = _modulation_offsets(row, tokens, sb, sg, ss, group)
+    return tl.load(M + off + cols * sc, mask=col_mask, other=0.0).to(ACC_DTYPE)
+
+
+@triton.jit
+def _store_partial(P, piece, cols, col_mask, acc):
+    tl.store(P + piece + cols, tl.sum(acc, axis=0).to(P.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def modulate_bwd_kernel(
+    DY, DH, H, XB, GATE, SCALE, W, B,
+    DIN, DXB, DGATE_P, DSCALE_P, DSHIFT_P, DW_P, DB_P,
+    n_rows, N, tokens, seg_rows, chunk_rows, chunks, n_segments, n_programs,
+    stride_dy_row, stride_dy_col, stride_dh_row, stride_dh_col, stride_h_row, stride_h_col,
+    stride_xb_row, stride_xb_col,
+    g_sb, g_sg, g_ss, g_sc, g_group,
+    sc_sb, sc_sg, sc_ss, sc_sc, sc_group,
+    eps,
+    HAS_DY: tl.constexpr, HAS_DH: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+    MODULATED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Gradients of the forward kernel's outputs (see ``modulate_fwd_kernel``).
+
+    In: DY = d out (HAS_DY), DH = d residual_out (HAS_DH), H = the norm's input
+    (x, or residual_out when GATED), XB = the gated branch x. Out: DIN = dH (d x,
+    or d residual when GATED; written when HAS_DY), DXB = dH * gate; partial
+    rows ``[chunks, n_segments, N]`` of dgate, dscale, dshift (the final
+    gradients themselves when ``chunks == 1`` and nothing broadcasts further),
+    and ``[programs, N]`` of dweight, dbias.
+    """
+    eps = tl.cast(eps, ACC_DTYPE)
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(ACC_DTYPE)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)
+    for piece in range(pid, n_segments * chunks, n_programs):
+        # tl.cast: the interpreter's range() yields Python ints.
+        segment = tl.cast(piece, tl.int64) // chunks
+        seg_start = segment * seg_rows
+        start = seg_start + (piece - segment * chunks) * chunk_rows
+        end = tl.minimum(start + chunk_rows, seg_start + seg_rows)
+        # Every row of a segment shares its modulation rows: load them once.
+        if GATED:
+            gate = _modulation_row(GATE, seg_start, cols, col_mask, tokens,
+                                   g_sb, g_sg, g_ss, g_sc, g_group, ACC_DTYPE)
+        if MODULATED:
+            scale1 = 1.0 + _modulation_row(SCALE, seg_start, cols, col_mask, tokens,
+                                           sc_sb, sc_sg, sc_ss, sc_sc, sc_group, ACC_DTYPE)
+        dgate_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)
+        dscale_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)
+        dshift_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)
+        for row0 in range(start, end, BLOCK_M):
+            rows = row0 + tl.arange(0, BLOCK_M)
+            mask = (rows < end)[:, None] & col_mask[None, :]
+            if HAS_DY:
+                dy = tl.load(DY + _tile(rows, cols, stride_dy_row, stride_dy_col), mask=mask,
+                             other=0.0).to(ACC_DTYPE)
+                h = tl.load(H + _tile(rows, cols, stride_h_row, stride_h_col), mask=mask,
+                            other=0.0).to(ACC_DTYPE)
+                y, xhat, rstd = _normalized(h, mask, cols, N, W, B, eps, NORM, HAS_WEIGHT, HAS_BIAS)
+                if MODULATED:
+                    dscale_acc += dy * y
+                    dshift_acc += dy
+                    dn = dy * scale1[None, :]
+                else:
+                    dn = dy
+                if NORM != 0:
+                    if HAS_WEIGHT:
+                        dw_acc += dn * xhat
+                        dn_w = dn * w[None, :]
+                    else:
+                        dn_w = dn
+                    if HAS_BIAS:
+                        db_acc += dn
+                    dh = _grad_input(xhat, dn_w, rstd, N, NORM == 1)
+                else:
+                    dh = dn
+                if HAS_DH:
+                    dh += tl.load(DH + _tile(rows, cols, stride_dh_row, stride_dh_col), mask=mask,
+                                  other=0.0).to(ACC_DTYPE)
+                tl.store(DIN + _tile(rows, cols, N, 1), dh.to(DIN.dtype.element_ty), mask=mask)
+            else:
+                dh = tl.load(DH + _tile(rows, cols, stride_dh_row, stride_dh_col), mask=mask,
+                             other=0.0).to(ACC_DTYPE)
+            if GATED:
+                xb = tl.load(XB + _tile(rows, cols, stride_xb_row, stride_xb_col), mask=mask,
+                             other=0.0).to(ACC_DTYPE)
+                dgate_acc += dh * xb
+                tl.store(DXB + _tile(rows, cols, N, 1), (dh * gate[None, :]).to(DXB.dtype.element_ty),
+                         mask=mask)
+        partial_row = (tl.cast(piece, tl.int64) - segment * chunks) * n_segments * N + segment * N
+        if GATED:
+            _store_partial(DGATE_P, partial_row, cols, col_mask, dgate_acc)
+        if MODULATED:
+            _store_partial(DSCALE_P, partial_row, cols, col_mask, dscale_acc)
+            _store_partial(DSHIFT_P, partial_row, cols, col_mask, dshift_acc)
+    if HAS_WEIGHT:
+        tl.store(DW_P + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_P + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)

@@ -1,0 +1,269 @@
+"""Shape, dtype and broadcast rules of the AdaLN modulation family, and its validation.
+
+Torch only: these are the fake implementations of the ``fused.*`` modulation
+ops and allocate the launchers' outputs, so the rules hold on every path.
+
+How scale, shift and gate ("modulation tensors") broadcast against x
+``[B, *tokens, C]`` (``L`` = the product of the token dims):
+
+- 0-dim: one value for everything.
+- ``[C]``: per channel.
+- ``[B, C]`` (or ``[1, C]``): per sample, as diffusers' ``scale[:, None]``.
+- ``x.dim()`` dims: torch broadcasting (each dim 1 or x's), e.g. ``[B, 1, C]``
+  per sample or ``[B, L, C]`` per token; the last dim is C or 1.
+- ``[B, F, 1, C]`` against a 3-D x ``[B, L, C]``: per frame, x read as
+  ``[B, F, L/F, C]`` (L must be a multiple of F).
+
+The kernels see row ``r = b * L + t`` of x and find a modulation row at
+``b * stride_batch + (t // group) * stride_group + (t % group) * stride_in_group``
+(:class:`Broadcast`), so the token dims of the expanded tensor must collapse
+to at most two levels; every form above does.
+"""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from compile_ops.meta._validate import check_eps, check_floating, check_same_device, fail
+from compile_ops.meta.norm import check_affine, output_dtype
+
+#: Values of the ``norm`` argument.
+NORMS = ("layernorm", "rmsnorm")
+#: Hidden sizes up to this stay in registers: one read of x per pass. The
+#: largest DiT hidden size is 5120 (Wan 14B).
+MAX_HIDDEN = 16384
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """Where row ``r = b * tokens + t`` of x finds its modulation row, and which rows share it."""
+
+    stride_batch: int
+    stride_group: int
+    stride_in_group: int
+    stride_col: int
+    group: int
+    """Tokens per group: ``t // group`` indexes ``stride_group``, ``t % group`` ``stride_in_group``."""
+    run: int
+    """Consecutive tokens of a sample that share one modulation row (a product of trailing token dims)."""
+    aligned_shape: tuple
+    """The tensor's shape aligned dim for dim with ``x_shape`` (1 where it broadcasts)."""
+    x_shape: tuple
+    """x's shape as the broadcast reads it (``[B, F, L/F, C]`` for a per-frame tensor on a 3-D x)."""
+
+
+def _aligned(op: str, argname: str, m: torch.Tensor, x: torch.Tensor):
+    """``(x_shape, aligned_shape, aligned_strides)`` of ``m`` against ``x``."""
+    nx = x.dim()
+    forms = ("0-dim, [C], [B, C], a shape that broadcasts to x's, "
+             "or [B, F, 1, C] per frame for a 3-D x")
+    if m.dim() == 0:
+        return tuple(x.shape), (1,) * nx, (0,) * nx
+    if m.dim() == 1:
+        return tuple(x.shape), (1,) * (nx - 1) + (m.shape[0],), (0,) * (nx - 1) + (m.stride(0),)
+    if m.dim() == 2 and nx > 2:
+        return (tuple(x.shape), (m.shape[0],) + (1,) * (nx - 2) + (m.shape[1],),
+                (m.stride(0),) + (0,) * (nx - 2) + (m.stride(1),))
+    if m.dim() == nx:
+        return tuple(x.shape), tuple(m.shape), tuple(m.stride())
+    if nx == 3 and m.dim() == 4:
+        frames, tokens = m.shape[1], x.shape[1]
+        if frames == 0 or tokens % frames != 0:
+            fail(op, f"{argname} of shape {tuple(m.shape)} is per frame ([B, F, 1, C]) but x's "
+                     f"{tokens} tokens do not split into F={frames} frames")
+        return (x.shape[0], frames, tokens // frames, x.shape[2]), tuple(m.shape), tuple(m.stride())
+    fail(op, f"{argname} of shape {tuple(m.shape)} does not broadcast to x of shape "
+             f"{tuple(x.shape)}: expected {forms}")
+
+
+def broadcast_on_x(op: str, argname: str, m: torch.Tensor, x: torch.Tensor) -> Broadcast:
+    """Validate that ``m`` broadcasts to ``x`` and describe how (see the module docstring)."""
+    x_shape, shape, strides = _aligned(op, argname, m, x)
+    for d, (size, want) in enumerate(zip(shape, x_shape)):
+        if size != 1 and size != want:
+            fail(op, f"{argname} of shape {tuple(m.shape)} does not broadcast to x of shape "
+                     f"{tuple(x.shape)}: its dim {d} (aligned to x as {shape}) has size {size}, "
+                     f"expected 1 or {want}")
+    # A broadcast dim reads the same element for every index: stride 0.
+    strides = tuple(0 if size == 1 else s for size, s in zip(shape, strides))
+
+    token_sizes, token_strides = x_shape[1:-1], strides[1:-1]
+    levels = []  # (size, stride), outermost first, adjacent dims merged where they step evenly
+    for size, stride in zip(token_sizes, token_strides):
+        if size == 1:
+            continue
+        if levels and levels[-1][1] == size * stride:
+            levels[-1] = (levels[-1][0] * size, stride)
+        else:
+            levels.append((size, stride))
+    if len(levels) > 2:
+        fail(op, f"{argname} of shape {tuple(m.shape)} broadcasts over x's token dims "
+                 f"{tuple(token_sizes)} in a pattern of {len(levels)} levels; at most 2 are "
+                 f"supported (per sample, per token, per frame): expand or reshape it")
+    if len(levels) == 2:
+        group, stride_group, stride_in_group = levels[1][0], levels[0][1], levels[1][1]
+    elif len(levels) == 1:
+        group, stride_group, stride_in_group = levels[0][0], 0, levels[0][1]
+    else:
+        group, stride_group, stride_in_group = 1, 0, 0
+
+    run = 1
+    for size, stride in zip(reversed(token_sizes), reversed(token_strides)):
+        if size != 1 and stride != 0:
+            break
+        run = run * size
+    return Broadcast(strides[0], stride_group, stride_in_group, strides[-1], group, run,
+                     shape, x_shape)
+
+
+def promoted_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """What torch's type promotion gives for an arithmetic expression of ``tensors``:
+    0-dim tensors do not raise the dtype of dimensioned ones of the same (float) kind."""
+    dimensioned = [t for t in tensors if t.dim() > 0] or list(tensors)
+    dtype = dimensioned[0].dtype
+    for t in dimensioned[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def check_x(op: str, x: torch.Tensor) -> None:
+    check_floating(op, "x", x)
+    if x.dim() < 2:
+        fail(op, f"x must be [B, ..., C] (at least 2 dims, hidden dim last), got shape {tuple(x.shape)}")
+    if x.shape[-1] == 0:
+        fail(op, f"x must have a non-empty last (hidden) dim, got shape {tuple(x.shape)}")
+    if x.shape[-1] > MAX_HIDDEN:
+        fail(op, f"x has hidden size {x.shape[-1]}; this family supports up to {MAX_HIDDEN}")
+
+
+def check_modulation(op: str, x: torch.Tensor, **tensors: torch.Tensor) -> dict:
+    """Check each named modulation tensor against x; ``{name: Broadcast}``."""
+    out = {}
+    for argname, m in tensors.items():
+        check_floating(op, argname, m)
+        check_same_device(op, x, **{argname: m})
+        out[argname] = broadcast_on_x(op, argname, m, x)
+    return out
+
+
+def check_norm(op: str, norm: str) -> None:
+    if norm not in NORMS:
+        fail(op, f"norm must be one of {NORMS}, got {norm!r}")
+
+
+def check_like_x(op: str, argname: str, t: torch.Tensor, x: torch.Tensor) -> None:
+    check_floating(op, argname, t)
+    if t.shape != x.shape:
+        fail(op, f"{argname} must have the shape of x {tuple(x.shape)}, got {tuple(t.shape)}")
+    check_same_device(op, x, **{argname: t})
+
+
+def norm_output_dtype(x: torch.Tensor, weight: Optional[torch.Tensor], dtype: torch.dtype) -> torch.dtype:
+    """The norm family's output dtype rule for an input of ``dtype``."""
+    return output_dtype(x.new_empty((), dtype=dtype), weight)
+
+
+# ---------------------------------------------------------------- the ops' fakes
+
+
+def modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    op = "modulate"
+    check_x(op, x)
+    check_modulation(op, x, scale=scale, shift=shift)
+    return x.new_empty(x.shape, dtype=promoted_dtype(x, scale, shift))
+
+
+def norm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                  weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                  norm: str, eps: float) -> torch.Tensor:
+    op = "norm_modulate"
+    check_x(op, x)
+    check_modulation(op, x, scale=scale, shift=shift)
+    check_affine(op, "weight", weight, x)
+    check_affine(op, "bias", bias, x)
+    check_norm(op, norm)
+    check_eps(op, eps)
+    normed = x.new_empty((), dtype=output_dtype(x, weight))
+    return x.new_empty(x.shape, dtype=promoted_dtype(normed, scale, shift))
+
+
+def gated_residual(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    op = "gated_residual"
+    check_x(op, x)
+    check_like_x(op, "residual", residual, x)
+    check_modulation(op, x, gate=gate)
+    return x.new_empty(x.shape, dtype=promoted_dtype(residual, x, gate))
+
+
+def gated_residual_norm_modulate(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor,
+                                 scale: torch.Tensor, shift: torch.Tensor,
+                                 weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                                 norm: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(residual_out, out)``; ``out`` has :func:`norm_modulate`'s dtype for an
+    input in residual_out's dtype."""
+    op = "gated_residual_norm_modulate"
+    check_x(op, x)
+    check_like_x(op, "residual", residual, x)
+    check_modulation(op, x, gate=gate, scale=scale, shift=shift)
+    check_affine(op, "weight", weight, x)
+    check_affine(op, "bias", bias, x)
+    check_norm(op, norm)
+    check_eps(op, eps)
+    h_dtype = promoted_dtype(residual, x, gate)
+    normed = x.new_empty((), dtype=norm_output_dtype(x, weight, h_dtype))
+    return (x.new_empty(x.shape, dtype=h_dtype),
+            x.new_empty(x.shape, dtype=promoted_dtype(normed, scale, shift)))
+
+
+def modulate_backward(grad_out: Optional[torch.Tensor], grad_h: Optional[torch.Tensor],
+                      h: torch.Tensor, x_branch: Optional[torch.Tensor], gate: Optional[torch.Tensor],
+                      scale: Optional[torch.Tensor], shift: Optional[torch.Tensor],
+                      weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                      norm: str, eps: float):
+    """``(d_h, d_x_branch, d_gate, d_scale, d_shift, d_weight, d_bias)``, each in the
+    dtype and shape of its input, or shape ``(0,)`` where that input is None.
+    ``d_h`` is ``(0,)`` when there is no ``grad_out`` (a gated residual alone,
+    whose ``d_residual`` is ``grad_h`` itself)."""
+    op = "modulate_backward"
+    check_x(op, h)
+    if grad_out is None and grad_h is None:
+        fail(op, "grad_out and grad_h are both None; at least one gradient is needed")
+    for argname, t in (("grad_out", grad_out), ("grad_h", grad_h), ("x_branch", x_branch)):
+        if t is not None:
+            check_like_x(op, argname, t, h)
+    if (gate is None) != (x_branch is None):
+        fail(op, "gate and x_branch come together (the gated residual) or not at all")
+    if (scale is None) != (shift is None):
+        fail(op, "scale and shift come together or not at all")
+    if grad_out is None and (scale is not None or norm != "none"):
+        fail(op, "grad_out is required when there is a norm or a modulation")
+    if grad_out is not None and scale is None and norm == "none":
+        fail(op, "grad_out was given but there is neither a norm nor a modulation to apply it to")
+    check_modulation(op, h, **{k: v for k, v in (("gate", gate), ("scale", scale), ("shift", shift))
+                               if v is not None})
+    check_affine(op, "weight", weight, h)
+    check_affine(op, "bias", bias, h)
+    if norm != "none":
+        check_norm(op, norm)
+    elif weight is not None or bias is not None:
+        fail(op, "weight and bias belong to a norm, but norm is 'none'")
+    check_eps(op, eps)
+
+    def like(t):
+        return h.new_empty((0,)) if t is None else t.new_empty(t.shape)
+
+    d_h = h.new_empty((0,)) if grad_out is None else h.new_empty(h.shape)
+    return (d_h, like(x_branch), like(gate), like(scale), like(shift), like(weight), like(bias))
+
+
+def segment_rows(tokens, *broadcasts: Broadcast):
+    """Rows per segment: the longest run of consecutive rows of a sample that
+    share one row of every modulation tensor (the backward reduces per segment).
+    Runs are products of trailing token dims, so the shortest divides the others."""
+    runs = [b.run for b in broadcasts]
+    return min(runs) if runs else tokens
+
+
+def tokens_of(x: torch.Tensor):
+    return math.prod(x.shape[1:-1])

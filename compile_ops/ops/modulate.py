@@ -1,0 +1,367 @@
+"""The AdaLN modulation family as ``torch.ops.fused`` ops.
+
+``modulate``, ``norm_modulate``, ``gated_residual`` and
+``gated_residual_norm_modulate`` run one forward kernel with different
+constexpr flags, and share the backward op ``fused.modulate_backward``
+(``kernels/modulate.py``). The backward recomputes the row statistics, so the
+forward ops save only their inputs (and residual_out, which they return).
+"""
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+from compile_ops import meta, reference
+from compile_ops._library import fused_op, launcher, multiprocessor_count
+from compile_ops.kernels.modulate import modulate_bwd_kernel, modulate_fwd_kernel
+from compile_ops.meta.modulate import Broadcast
+from compile_ops.ops._launch import (acc_dtype, acc_torch_dtype, as_rows, column_sum, contiguous_param,
+                                     grad_or_none)
+from compile_ops.ops.norm import BACKWARD_PROGRAMS_PER_SM, LaunchConfig
+from compile_ops.ops.norm import backward_config as norm_backward_config
+from compile_ops.ops.norm import forward_config
+
+#: The kernels' NORM flag.
+NORM_CODES = {"none": 0, "rmsnorm": 1, "layernorm": 2}
+#: The backward's pieces of a segment are at least this many rows long.
+MIN_PIECE_ROWS = 16
+#: Kernel arguments of an absent modulation tensor.
+_NO_BROADCAST = (0, 0, 0, 0, 1)
+
+
+def _broadcast_args(b: Optional[Broadcast]) -> tuple:
+    if b is None:
+        return _NO_BROADCAST
+    return (b.stride_batch, b.stride_group, b.stride_in_group, b.stride_col, b.group)
+
+
+def _broadcasts(op: str, x: Tensor, **tensors: Optional[Tensor]) -> dict:
+    return {name: None if m is None else meta.modulate.broadcast_on_x(op, name, m, x)
+            for name, m in tensors.items()}
+
+
+def _static_int(v) -> Optional[int]:
+    """``v`` as an int when it is one (or a SymInt of constant value), else None."""
+    return int(v) if is_concrete_int(v) else None
+
+
+# ---------------------------------------------------------------- launchers
+
+def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor],
+                    scale: Optional[Tensor], shift: Optional[Tensor], weight: Optional[Tensor],
+                    bias: Optional[Tensor], norm: str, eps: float,
+                    out: Optional[Tensor], residual_out: Optional[Tensor]) -> None:
+    x2 = as_rows(x)
+    res2 = None if residual is None else as_rows(residual)
+    n_rows, n = x2.shape
+    b = _broadcasts(op, x, gate=gate, scale=scale, shift=shift)
+    cfg = forward_config(int(n))
+    launcher(modulate_fwd_kernel)[(triton.cdiv(n_rows, cfg.block_m),)](
+        x2, res2, gate, scale, shift, contiguous_param(weight), contiguous_param(bias), out, residual_out,
+        n_rows, n, meta.modulate.tokens_of(x),
+        x2.stride(0), x2.stride(1),
+        0 if res2 is None else res2.stride(0), 0 if res2 is None else res2.stride(1),
+        *_broadcast_args(b["gate"]), *_broadcast_args(b["scale"]), *_broadcast_args(b["shift"]),
+        eps,
+        GATED=gate is not None, NORM=NORM_CODES[norm], MODULATED=scale is not None,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACC_DTYPE=acc_dtype(x),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+    )
+
+
+def backward_config(n: int, accumulators: int, single_rows: bool) -> LaunchConfig:
+    """The norm backward's table (same per-row work plus a few accumulators);
+    one row per step when every row has its own modulation row (per-token)."""
+    cfg = norm_backward_config(n, accumulators)
+    if not single_rows or cfg.block_m == 1:
+        return cfg
+    return LaunchConfig(1, cfg.block_n, False, max(1, cfg.num_warps // cfg.block_m))
+
+
+def _segment_sums_to(m: Tensor, b: Broadcast, sums: Tensor, seg_rows) -> Tensor:
+    """The gradient of ``m`` from per-segment sums ``[B, tokens / seg_rows, C]``."""
+    x_shape, aligned = b.x_shape, b.aligned_shape
+    # seg_rows is a product of trailing token dims: find where they start.
+    start, run = len(x_shape) - 1, 1
+    while run != seg_rows:
+        start -= 1
+        run = run * x_shape[start]
+    view = sums.reshape(tuple(x_shape[:start]) + (x_shape[-1],))
+    target = tuple(aligned[:start]) + (aligned[-1],)
+    return view.sum_to_size(target).reshape(m.shape).to(m.dtype)
+
+
+# ---------------------------------------------------------------- forward ops
+
+@fused_op("modulate", fake=meta.modulate.modulate, reference=reference.modulate.modulate)
+def _modulate_op(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+    out = meta.modulate.modulate(x, scale, shift)
+    _launch_forward("modulate", x, None, None, scale, shift, None, None, "none", 0.0, out, None)
+    return out
+
+
+@fused_op("norm_modulate", fake=meta.modulate.norm_modulate, reference=reference.modulate.norm_modulate)
+def _norm_modulate_op(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tensor],
+                      bias: Optional[Tensor], norm: str, eps: float) -> Tensor:
+    out = meta.modulate.norm_modulate(x, scale, shift, weight, bias, norm, eps)
+    _launch_forward("norm_modulate", x, None, None, scale, shift, weight, bias, norm, eps, out, None)
+    return out
+
+
+@fused_op("gated_residual", fake=meta.modulate.gated_residual, reference=reference.modulate.gated_residual)
+def _gated_residual_op(residual: Tensor, x: Tensor, gate: Tensor) -> Tensor:
+    residual_out = meta.modulate.gated_residual(residual, x, gate)
+    _launch_forward("gated_residual", x, residual, gate, None, None, None, None, "none", 0.0,
+                    None, residual_out)
+    return residual_out
+
+
+@fused_op("gated_residual_norm_modulate", fake=meta.modulate.gated_residual_norm_modulate,
+          reference=reference.modulate.gated_residual_norm_modulate)
+def _gated_residual_norm_modulate_op(residual: Tensor, x: Tensor, gate: Tensor, scale: Tensor, shift: Tensor,
+                                     weight: Optional[Tensor], bias: Optional[Tensor], norm: str,
+                                     eps: float) -> tuple[Tensor, Tensor]:
+    residual_out, out = meta.modulate.gated_residual_norm_modulate(
+        residual, x, gate, scale, shift, weight, bias, norm, eps)
+    _launch_forward("gated_residual_norm_modulate", x, residual, gate, scale, shift, weight, bias, norm, eps,
+                    out, residual_out)
+    return residual_out, out
+
+
+# ---------------------------------------------------------------- backward op
+
+@fused_op("modulate_backward", fake=meta.modulate.modulate_backward,
+          reference=reference.modulate.modulate_backward)
+def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], h: Tensor,
+                          x_branch: Optional[Tensor], gate: Optional[Tensor], scale: Optional[Tensor],
+                          shift: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
+                          norm: str, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward of every op of the family (:func:`compile_ops.meta.modulate.modulate_backward`).
+
+    ``h`` is the norm's input (x, or residual_out of a gated residual); for a
+    gated residual without norm or modulation it only gives the shape.
+    """
+    grads = meta.modulate.modulate_backward(grad_out, grad_h, h, x_branch, gate, scale, shift,
+                                            weight, bias, norm, eps)
+    d_h, d_xb, d_gate, d_scale, d_shift, d_weight, d_bias = grads
+    h2 = as_rows(h)
+    n_rows, n = h2.shape
+    if _static_int(n_rows) == 0:
+        for g in grads:
+            g.zero_()
+        return grads
+    tokens = meta.modulate.tokens_of(h)
+    b = _broadcasts("modulate_backward", h, gate=gate, scale=scale, shift=shift)
+    present = {k: v for k, v in b.items() if v is not None}
+    seg_rows = meta.modulate.segment_rows(tokens, *present.values())
+    n_segments = h.shape[0] * (tokens // seg_rows)
+    max_programs = multiprocessor_count(h) * BACKWARD_PROGRAMS_PER_SM
+    # Pieces per segment: enough to fill the persistent grid when segments are
+    # few (per-sample modulation: B segments of L rows). A static count, so
+    # that the partial-sum buffers have static sizes under torch.compile.
+    static_segments = _static_int(n_segments)
+    chunks = max(1, triton.cdiv(max_programs, static_segments)) if static_segments else 1
+    static_seg_rows = _static_int(seg_rows)
+    if static_seg_rows is not None:  # no near-empty pieces when segments are short
+        chunks = max(1, min(chunks, static_seg_rows // MIN_PIECE_ROWS))
+    chunk_rows = triton.cdiv(seg_rows, chunks)
+    programs = torch.sym_min(max_programs, n_segments * chunks)
+
+    acc = acc_torch_dtype(h)
+    modulated, gated = scale is not None, gate is not None
+    accumulators = 2 * modulated + gated + (weight is not None) + (bias is not None)
+    cfg = backward_config(int(n), accumulators, single_rows=static_seg_rows == 1)
+
+    def partial_buffer(m: Optional[Tensor], grad: Tensor) -> Optional[Tensor]:
+        """Where the kernel writes ``m``'s per-piece sums: the gradient itself when
+        that is all there is to it, else fp32 ``[chunks, n_segments * C]``."""
+        if m is None:
+            return None
+        if chunks == 1 and m.numel() == n_segments * n:
+            return grad
+        return torch.empty((chunks, n_segments * n), dtype=acc, device=h.device)
+
+    partials = {"gate": partial_buffer(gate, d_gate), "scale": partial_buffer(scale, d_scale),
+                "shift": partial_buffer(shift, d_shift)}
+    dw_partial = torch.empty((max_programs, n), dtype=acc, device=h.device) if weight is not None else None
+    db_partial = torch.empty((max_programs, n), dtype=acc, device=h.device) if bias is not None else None
+    dy2 = None if grad_out is None else as_rows(grad_out)
+    dh2 = None if grad_h is None else as_rows(grad_h)
+    xb2 = None if x_branch is None else as_rows(x_branch)
+
+    def strides(t2):
+        return (0, 0) if t2 is None else (t2.stride(0), t2.stride(1))
+
+    launcher(modulate_bwd_kernel)[(programs,)](
+        dy2, dh2, h2, xb2, gate, scale, contiguous_param(weight), contiguous_param(bias),
+        d_h if grad_out is not None else None, d_xb if gated else None,
+        partials["gate"], partials["scale"], partials["shift"], dw_partial, db_partial,
+        n_rows, n, tokens, seg_rows, chunk_rows, chunks, n_segments, programs,
+        *strides(dy2), *strides(dh2), *strides(h2), *strides(xb2),
+        *_broadcast_args(b["gate"]), *_broadcast_args(b["scale"]),
+        eps,
+        HAS_DY=grad_out is not None, HAS_DH=grad_h is not None, GATED=gated, NORM=NORM_CODES[norm],
+        MODULATED=modulated, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        ACC_DTYPE=acc_dtype(h), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+    )
+    for name, m, grad in (("gate", gate, d_gate), ("scale", scale, d_scale), ("shift", shift, d_shift)):
+        partial = partials[name]
+        if m is None or partial is grad:
+            continue
+        if chunks == 1:
+            sums = partial.view(n_segments, n)
+        else:
+            direct = m.numel() == n_segments * n
+            sums = grad if direct else torch.empty((n_segments, n), dtype=acc, device=h.device)
+            column_sum(partial, chunks, sums)
+            if direct:
+                continue
+        grad.copy_(_segment_sums_to(m, present[name], sums, seg_rows))
+    if weight is not None:
+        column_sum(dw_partial, programs, d_weight)
+    if bias is not None:
+        column_sum(db_partial, programs, d_bias)
+    return grads
+
+
+# ---------------------------------------------------------------- autograd
+
+def _setup_modulate(ctx, inputs, output):
+    x, scale, shift = inputs
+    ctx.save_for_backward(x, scale, shift)
+
+
+def _backward_modulate(ctx, grad):
+    x, scale, shift = ctx.saved_tensors
+    dx, _, _, d_scale, d_shift, _, _ = _modulate_backward_op(
+        grad, None, x, None, None, scale, shift, None, None, "none", 0.0)
+    return dx, d_scale, d_shift
+
+
+def _setup_norm_modulate(ctx, inputs, output):
+    x, scale, shift, weight, bias, norm, eps = inputs
+    ctx.save_for_backward(x, scale, shift, weight, bias)
+    ctx.norm, ctx.eps = norm, eps
+
+
+def _backward_norm_modulate(ctx, grad):
+    x, scale, shift, weight, bias = ctx.saved_tensors
+    dx, _, _, d_scale, d_shift, d_weight, d_bias = _modulate_backward_op(
+        grad, None, x, None, None, scale, shift, weight, bias, ctx.norm, ctx.eps)
+    return dx, d_scale, d_shift, grad_or_none(d_weight, weight), grad_or_none(d_bias, bias), None, None
+
+
+def _setup_gated_residual(ctx, inputs, output):
+    residual, x, gate = inputs
+    ctx.save_for_backward(x, gate)
+    ctx.residual_dtype = residual.dtype
+
+
+def _backward_gated_residual(ctx, grad):
+    x, gate = ctx.saved_tensors
+    _, dx, d_gate, _, _, _, _ = _modulate_backward_op(
+        None, grad, x, x, gate, None, None, None, None, "none", 0.0)
+    return grad.to(ctx.residual_dtype), dx, d_gate
+
+
+def _setup_gated_residual_norm_modulate(ctx, inputs, output):
+    residual, x, gate, scale, shift, weight, bias, norm, eps = inputs
+    residual_out, _ = output
+    # The norm's input is residual_out: saving it avoids recomputing residual + gate * x.
+    ctx.save_for_backward(residual_out, x, gate, scale, shift, weight, bias)
+    ctx.norm, ctx.eps, ctx.residual_dtype = norm, eps, residual.dtype
+
+
+def _backward_gated_residual_norm_modulate(ctx, grad_residual_out, grad_out):
+    h, x, gate, scale, shift, weight, bias = ctx.saved_tensors
+    d_h, dx, d_gate, d_scale, d_shift, d_weight, d_bias = _modulate_backward_op(
+        grad_out, grad_residual_out, h, x, gate, scale, shift, weight, bias, ctx.norm, ctx.eps)
+    return (d_h.to(ctx.residual_dtype), dx, d_gate, d_scale, d_shift,
+            grad_or_none(d_weight, weight), grad_or_none(d_bias, bias), None, None)
+
+
+_modulate_op.register_autograd(_backward_modulate, setup_context=_setup_modulate)
+_norm_modulate_op.register_autograd(_backward_norm_modulate, setup_context=_setup_norm_modulate)
+_gated_residual_op.register_autograd(_backward_gated_residual, setup_context=_setup_gated_residual)
+_gated_residual_norm_modulate_op.register_autograd(_backward_gated_residual_norm_modulate,
+                                                   setup_context=_setup_gated_residual_norm_modulate)
+
+
+# ---------------------------------------------------------------- public functions
+
+def modulate(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+    """AdaLN modulation: ``x * (1 + scale) + shift``.
+
+    Args:
+        x: ``[B, *tokens, C]``, fp16/bf16/fp32/fp64, any strides, C <= 16384.
+        scale: broadcasts to x: ``[B, C]`` or ``[B, 1, C]`` per sample, ``[B, L, C]``
+            per token, ``[B, F, 1, C]`` per frame (x read as ``[B, F, L/F, C]``),
+            ``[C]``, 0-dim, or any shape torch broadcasts to x's; any strides.
+            Its gradient is reduced over the broadcast dims deterministically.
+        shift: broadcasts to x, as scale.
+
+    Returns:
+        ``[B, *tokens, C]``, contiguous, in torch's promoted dtype of the inputs;
+        computed in fp32 and rounded once.
+    """
+    return _modulate_op(x, scale, shift)
+
+
+def norm_modulate(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tensor] = None,
+                  bias: Optional[Tensor] = None, norm: str = "layernorm", eps: float = 1e-6) -> Tensor:
+    """LayerNorm or RMSNorm then modulation, in one pass: ``norm(x) * (1 + scale) + shift``.
+
+    Args:
+        x: ``[B, *tokens, C]``, fp16/bf16/fp32/fp64, any strides, C <= 16384.
+        scale: broadcasts to x: ``[B, C]`` or ``[B, 1, C]`` per sample, ``[B, L, C]``
+            per token, ``[B, F, 1, C]`` per frame (x read as ``[B, F, L/F, C]``),
+            ``[C]``, 0-dim, or any shape torch broadcasts to x's; any strides.
+            Its gradient is reduced over the broadcast dims deterministically.
+        shift: broadcasts to x, as scale.
+        weight: ``[C]`` or None (``elementwise_affine=False``, the DiT case).
+        bias: ``[C]`` or None.
+        norm: ``"layernorm"`` or ``"rmsnorm"``.
+        eps: added to the variance (mean square for RMS), ``>= 0``.
+
+    Returns:
+        ``[B, *tokens, C]``, contiguous, in the promoted dtype of the norm's
+        output (x's, or the weight's when fp16/bf16) and scale/shift.
+    """
+    return _norm_modulate_op(x, scale, shift, weight, bias, norm, eps)
+
+
+def gated_residual(residual: Tensor, x: Tensor, gate: Tensor) -> Tensor:
+    """AdaLN-Zero's gated residual: ``residual + gate * x``.
+
+    Args:
+        residual: ``[B, *tokens, C]``, the residual stream (may be fp32 while x is bf16).
+        x: ``[B, *tokens, C]``, the branch output (attention or MLP).
+        gate: broadcasts to x as ``scale`` of :func:`modulate` does.
+
+    Returns:
+        ``[B, *tokens, C]``, contiguous, in the promoted dtype of the inputs.
+    """
+    return _gated_residual_op(residual, x, gate)
+
+
+def gated_residual_norm_modulate(residual: Tensor, x: Tensor, gate: Tensor, scale: Tensor, shift: Tensor,
+                                 weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                                 norm: str = "layernorm", eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """The seam between the two halves of a DiT block, in one pass:
+    ``h = residual + gate * x; return h, norm(h) * (1 + scale) + shift``.
+
+    Args:
+        residual: ``[B, *tokens, C]``, the residual stream.
+        x: ``[B, *tokens, C]``, the branch output to add, gated.
+        gate, scale, shift: broadcast to x as ``scale`` of :func:`modulate` does.
+        weight, bias: ``[C]`` or None, the norm's affine parameters.
+        norm: ``"layernorm"`` or ``"rmsnorm"``.
+        eps: ``>= 0``.
+
+    Returns:
+        ``(residual_out, out)``: ``residual_out`` as :func:`gated_residual`
+        gives it, and ``out`` exactly :func:`norm_modulate` of residual_out.
+    """
+    return _gated_residual_norm_modulate_op(residual, x, gate, scale, shift, weight, bias, norm, eps)
