@@ -42,7 +42,8 @@ class DiTBlock(nn.Module):
         dim: hidden size C.
         heads: attention heads; ``dim`` must be a multiple.
         mlp_ratio: MLP hidden size as a multiple of ``dim``.
-        fused: True routes the norms through ``compile_ops`` (``torch.ops.fused.*``);
+        fused: True routes the norms, modulations and gated residuals through
+            ``compile_ops`` (``torch.ops.fused.*``);
             False through ``torch.nn.functional``. Parameter names are the same
             either way, so one block's ``state_dict`` loads into the other.
 
@@ -67,30 +68,35 @@ class DiTBlock(nn.Module):
         self.mlp_in = nn.Linear(dim, mlp_ratio * dim)
         self.mlp_out = nn.Linear(mlp_ratio * dim, dim)
 
-    def _layernorm(self, x):
-        if self.fused:
-            return compile_ops.layernorm(x, None, None, EPS)
-        return F.layer_norm(x, (self.dim,), eps=EPS)
-
     def _rmsnorm(self, x, weight):
         if self.fused:
             return compile_ops.rmsnorm(x, weight, EPS)
         return F.rms_norm(x, (self.head_dim,), weight, EPS)
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        B, L, C = x.shape
-        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(temb)).chunk(6, dim=-1)
-
-        h = self._layernorm(x) * (1 + scale1[:, None]) + shift1[:, None]
+    def _attention(self, h):
+        B, L, C = h.shape
         # q and k reach the norm as strided [B, H, L, D] views, as in diffusers.
         q, k, v = self.qkv(h).view(B, L, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q = self._rmsnorm(q, self.q_norm_weight)
         k = self._rmsnorm(k, self.k_norm_weight)
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, C)
-        x = x + gate1[:, None] * self.proj(a)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, C))
 
-        h = self._layernorm(x) * (1 + scale2[:, None]) + shift2[:, None]
-        return x + gate2[:, None] * self.mlp_out(F.gelu(self.mlp_in(h), approximate="tanh"))
+    def _mlp(self, h):
+        return self.mlp_out(F.gelu(self.mlp_in(h), approximate="tanh"))
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(temb)).chunk(6, dim=-1)
+        if self.fused:
+            # Three kernels carry the residual stream: norm+modulate, then the
+            # seam (gated residual + norm + modulate), then the last gated residual.
+            h = compile_ops.norm_modulate(x, scale1, shift1, None, None, "layernorm", EPS)
+            x, h = compile_ops.gated_residual_norm_modulate(x, self._attention(h), gate1, scale2, shift2,
+                                                            None, None, "layernorm", EPS)
+            return compile_ops.gated_residual(x, self._mlp(h), gate2)
+        h = F.layer_norm(x, (self.dim,), eps=EPS) * (1 + scale1[:, None]) + shift1[:, None]
+        x = x + gate1[:, None] * self._attention(h)
+        h = F.layer_norm(x, (self.dim,), eps=EPS) * (1 + scale2[:, None]) + shift2[:, None]
+        return x + gate2[:, None] * self._mlp(h)
 
 
 class _GraphRecorder:
@@ -173,7 +179,8 @@ def main() -> int:
     # fullgraph=True already raises on a graph break; one graph confirms it.
     assert len(recorder.graphs) == 1, f"expected 1 Dynamo graph, got {len(recorder.graphs)}"
     calls = fused_calls(recorder.graphs[0])
-    expected = {"fused.layernorm": 2, "fused.rmsnorm": 2}
+    expected = {"fused.norm_modulate": 1, "fused.gated_residual_norm_modulate": 1,
+                "fused.gated_residual": 1, "fused.rmsnorm": 2}
     assert dict(calls) == expected, f"fused ops in the graph: {dict(calls)}, expected {expected}"
     print(f"  Dynamo: {len(recorder.graphs)} graph, 0 graph breaks; fused ops in the graph: "
           + ", ".join(f"{name} x{n}" for name, n in sorted(calls.items())))

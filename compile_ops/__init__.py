@@ -4,9 +4,13 @@ Importing the package registers the ops; the public functions and modules are
 re-exported here.
 """
 from compile_ops import ops  # noqa: F401  (registers torch.ops.fused.*)
+from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
+from compile_ops.ops.modulate import gated_residual, gated_residual_norm_modulate, modulate, norm_modulate
 from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
 
 __version__ = "0.1.0"
 
-__all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm"]
+__all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm",
+           "modulate", "norm_modulate", "gated_residual", "gated_residual_norm_modulate",
+           "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous"]

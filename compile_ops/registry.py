@@ -10,7 +10,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from compile_ops import reference
-from compile_ops.ops import norm as _norm_ops  # noqa: F401  (registers the ops)
+from compile_ops.ops import modulate as _modulate_ops  # noqa: F401  (registers the ops)
+from compile_ops.ops import norm as _norm_ops  # noqa: F401
 
 Shape = tuple[int, ...]
 
@@ -117,6 +118,91 @@ def _make(build):
     return make_inputs
 
 
+# ---------------------------------------------------------------- modulate family
+
+
+def _modulation(shape, dtype, device, g, scale=0.5):
+    return (scale * _tensor(shape, dtype, device)).requires_grad_(g)
+
+
+def _modulate_args(x, mod_shape, affine, dtype, device, g):
+    return (x, _modulation(mod_shape, dtype, device, g), _modulation(mod_shape, dtype, device, g, 1.0))
+
+
+def _affine_params(c, affine, dtype, device, g):
+    if not affine:
+        return None, None
+    return _param(c, dtype, device, g), (0.1 * _tensor((c,), dtype, device)).requires_grad_(g)
+
+
+def _norm_modulate_args(norm):
+    def build(x, mod_shape, affine, dtype, device, g, eps=1e-6):
+        return (*_modulate_args(x, mod_shape, affine, dtype, device, g),
+                *_affine_params(x.shape[-1], affine, dtype, device, g), norm, eps)
+    return build
+
+
+def _gated_residual_args(x, mod_shape, affine, dtype, device, g):
+    return (_tensor(x.shape, dtype, device, g), x, _modulation(mod_shape, dtype, device, g))
+
+
+def _gated_residual_norm_modulate_args(norm):
+    def build(x, mod_shape, affine, dtype, device, g, eps=1e-6):
+        return (*_gated_residual_args(x, mod_shape, affine, dtype, device, g),
+                *_norm_modulate_args(norm)(x, mod_shape, affine, dtype, device, g, eps)[1:])
+    return build
+
+
+def _modulation_edges(build):
+    """Edge cases shared by the modulation ops: every broadcast form of the
+    modulation tensors, strided and 2-D x, zero rows, odd widths."""
+
+    def edges(dtype, device, requires_grad):
+        g = requires_grad
+        strided = _tensor((4, 40), dtype, device)[:, 4:20].detach().requires_grad_(g)  # row stride 40
+        cases = [
+            ((2, 3, 16), (2, 16), True),          # per sample, diffusers' chunk of the embedding
+            ((2, 3, 16), (2, 3, 16), False),      # per token
+            ((2, 4, 16), (2, 2, 1, 16), True),    # per frame: x read as [2, 2, 2, 16]
+            ((3, 16), (16,), False),              # 2-D x, per channel
+            ((2, 5, 33), (1, 1, 33), True),       # width not a block multiple, batch-broadcast
+            ((0, 3, 16), (0, 16), True),          # zero rows
+        ]
+        out = [build(_tensor(x_shape, dtype, device, g), m_shape, affine, dtype, device, g)
+               for x_shape, m_shape, affine in cases]
+        out.append(build(strided, (), False, dtype, device, g))  # strided rows, 0-dim modulation
+        return out
+
+    return edges
+
+
+def _make_modulation(build):
+    """``make_inputs`` of a modulation op: per-sample ``[B, C]`` modulation, as
+    diffusers' AdaLayerNormZero chunks it from the timestep embedding."""
+    def make_inputs(shape, dtype, device, requires_grad):
+        return build(_tensor(shape, dtype, device, requires_grad), (shape[0], shape[-1]), False, dtype,
+                     device, requires_grad)
+    return make_inputs
+
+
+def _modulate_backward_edges(dtype, device, requires_grad):
+    def t(shape, scale=1.0):
+        return _tensor(shape, dtype, device, scale=scale)
+
+    x, per_sample, per_token = t((2, 3, 16)), (2, 16), (2, 3, 16)
+    w, b = _param(16, dtype, device, False), _param(16, dtype, device, False)
+    return [
+        # modulate, norm_modulate (with and without affine), gated_residual, the seam.
+        (t(x.shape), None, x, None, None, t(per_sample, 0.5), t(per_sample), None, None, "none", 0.0),
+        (t(x.shape), None, x, None, None, t(per_sample, 0.5), t(per_token), w, b, "layernorm", 1e-6),
+        (t(x.shape), None, x, None, None, t((), 0.5), t((16,)), None, None, "rmsnorm", 1e-6),
+        (None, t(x.shape), x, t(x.shape), t(per_token), None, None, None, None, "none", 0.0),
+        (t(x.shape), t(x.shape), x, t(x.shape), t(per_sample), t((2, 1, 16), 0.5),
+         t(per_sample), w, None, "rmsnorm", 1e-6),
+        (t((0, 3, 16)), None, t((0, 3, 16)), None, None, t((0, 16)), t((0, 16)), None, None, "layernorm", 1e-6),
+    ]
+
+
 #: DiT activation shapes from shared/DESIGN.md: Flux/SD3 (3072), Wan/LTX-like
 #: long sequences (1536), HunyuanVideo-sized hidden (5120).
 DIT_NORM_SHAPES = ((2, 4096, 3072), (1, 32768, 1536), (1, 16384, 5120))
@@ -130,6 +216,19 @@ OPS: tuple[OpSpec, ...] = (
            _norm_edges(_layernorm_args), bench_shapes=DIT_NORM_SHAPES),
     OpSpec("norm_backward", "norm", reference.norm.norm_backward, None,
            _norm_backward_edges, differentiable=False),
+    OpSpec("modulate", "modulate", reference.modulate.modulate, _make_modulation(_modulate_args),
+           _modulation_edges(_modulate_args), bench_shapes=DIT_NORM_SHAPES[:1]),
+    OpSpec("norm_modulate", "modulate", reference.modulate.norm_modulate,
+           _make_modulation(_norm_modulate_args("layernorm")), _modulation_edges(_norm_modulate_args("layernorm")),
+           bench_shapes=DIT_NORM_SHAPES),
+    OpSpec("gated_residual", "modulate", reference.modulate.gated_residual,
+           _make_modulation(_gated_residual_args), _modulation_edges(_gated_residual_args),
+           bench_shapes=DIT_NORM_SHAPES[:1]),
+    OpSpec("gated_residual_norm_modulate", "modulate", reference.modulate.gated_residual_norm_modulate,
+           _make_modulation(_gated_residual_norm_modulate_args("layernorm")),
+           _modulation_edges(_gated_residual_norm_modulate_args("rmsnorm")), bench_shapes=DIT_NORM_SHAPES),
+    OpSpec("modulate_backward", "modulate", reference.modulate.modulate_backward, None,
+           _modulate_backward_edges, differentiable=False),
 )
 
 BY_NAME = {spec.name: spec for spec in OPS}

@@ -19,14 +19,16 @@ The kernels see row ``r = b * L + t`` of x and find a modulation row at
 (:class:`Broadcast`), so the token dims of the expanded tensor must collapse
 to at most two levels; every form above does.
 """
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from compile_ops.meta._validate import check_eps, check_floating, check_same_device, fail
-from compile_ops.meta.norm import check_affine, output_dtype
+from compile_ops.meta.norm import check_affine, output_dtype, output_dtype_for
 
 #: Values of the ``norm`` argument.
 NORMS = ("layernorm", "rmsnorm")
@@ -117,14 +119,12 @@ def broadcast_on_x(op: str, argname: str, m: torch.Tensor, x: torch.Tensor) -> B
                      shape, x_shape)
 
 
-def promoted_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """What torch's type promotion gives for an arithmetic expression of ``tensors``:
-    0-dim tensors do not raise the dtype of dimensioned ones of the same (float) kind."""
-    dimensioned = [t for t in tensors if t.dim() > 0] or list(tensors)
-    dtype = dimensioned[0].dtype
-    for t in dimensioned[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
+def promoted_dtype(*tensors: torch.Tensor, norm_dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """What torch's type promotion gives for an arithmetic expression of ``tensors``
+    (and of a norm's output of dtype ``norm_dtype``, never 0-dim): 0-dim tensors
+    do not raise the dtype of dimensioned ones of the same (float) kind."""
+    dtypes = [t.dtype for t in tensors if t.dim() > 0] + ([norm_dtype] if norm_dtype is not None else [])
+    return functools.reduce(torch.promote_types, dtypes or [t.dtype for t in tensors])
 
 
 def check_x(op: str, x: torch.Tensor) -> None:
@@ -159,11 +159,6 @@ def check_like_x(op: str, argname: str, t: torch.Tensor, x: torch.Tensor) -> Non
     check_same_device(op, x, **{argname: t})
 
 
-def norm_output_dtype(x: torch.Tensor, weight: Optional[torch.Tensor], dtype: torch.dtype) -> torch.dtype:
-    """The norm family's output dtype rule for an input of ``dtype``."""
-    return output_dtype(x.new_empty((), dtype=dtype), weight)
-
-
 # ---------------------------------------------------------------- the ops' fakes
 
 
@@ -184,8 +179,7 @@ def norm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
     check_affine(op, "bias", bias, x)
     check_norm(op, norm)
     check_eps(op, eps)
-    normed = x.new_empty((), dtype=output_dtype(x, weight))
-    return x.new_empty(x.shape, dtype=promoted_dtype(normed, scale, shift))
+    return x.new_empty(x.shape, dtype=promoted_dtype(scale, shift, norm_dtype=output_dtype(x, weight)))
 
 
 def gated_residual(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -211,9 +205,8 @@ def gated_residual_norm_modulate(residual: torch.Tensor, x: torch.Tensor, gate: 
     check_norm(op, norm)
     check_eps(op, eps)
     h_dtype = promoted_dtype(residual, x, gate)
-    normed = x.new_empty((), dtype=norm_output_dtype(x, weight, h_dtype))
     return (x.new_empty(x.shape, dtype=h_dtype),
-            x.new_empty(x.shape, dtype=promoted_dtype(normed, scale, shift)))
+            x.new_empty(x.shape, dtype=promoted_dtype(scale, shift, norm_dtype=output_dtype_for(h_dtype, weight))))
 
 
 def modulate_backward(grad_out: Optional[torch.Tensor], grad_h: Optional[torch.Tensor],
@@ -258,11 +251,17 @@ def modulate_backward(grad_out: Optional[torch.Tensor], grad_h: Optional[torch.T
 
 
 def segment_rows(tokens, *broadcasts: Broadcast):
-    """Rows per segment: the longest run of consecutive rows of a sample that
-    share one row of every modulation tensor (the backward reduces per segment).
-    Runs are products of trailing token dims, so the shortest divides the others."""
-    runs = [b.run for b in broadcasts]
-    return min(runs) if runs else tokens
+    """Rows per segment: consecutive rows of a sample that share one row of every
+    modulation tensor (the backward reduces per segment). The gcd of the tensors'
+    runs; under torch.compile, where runs may be symbolic, the common run when
+    they are all equal, else single rows (correct, slower)."""
+    runs = [b.run for b in broadcasts] or [tokens]
+    static = [int(r) if is_concrete_int(r) else None for r in runs]
+    if all(r is not None for r in static):
+        return math.gcd(*static)
+    if all(r == runs[0] for r in runs[1:]):
+        return runs[0]
+    return 1
 
 
 def tokens_of(x: torch.Tensor):

@@ -35,9 +35,14 @@ def check_affine(op: str, argname: str, p: Optional[torch.Tensor], x: torch.Tens
 def output_dtype(x: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.dtype:
     """diffusers' casting rule: statistics in fp32, then the weight's dtype when
     the weight is fp16/bf16, else the input's dtype."""
+    return output_dtype_for(x.dtype, weight)
+
+
+def output_dtype_for(dtype: torch.dtype, weight: Optional[torch.Tensor]) -> torch.dtype:
+    """:func:`output_dtype` for an input of ``dtype``."""
     if weight is not None and weight.dtype in _HALF:
         return weight.dtype
-    return x.dtype
+    return dtype
 
 
 def rmsnorm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,

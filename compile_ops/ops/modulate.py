@@ -80,17 +80,20 @@ def backward_config(n: int, accumulators: int, single_rows: bool) -> LaunchConfi
     return LaunchConfig(1, cfg.block_n, False, max(1, cfg.num_warps // cfg.block_m))
 
 
-def _segment_sums_to(m: Tensor, b: Broadcast, sums: Tensor, seg_rows) -> Tensor:
-    """The gradient of ``m`` from per-segment sums ``[B, tokens / seg_rows, C]``."""
+def _segment_sums_to(m: Tensor, b: Broadcast, sums: Tensor, seg_rows, tokens) -> Tensor:
+    """The gradient of ``m`` from per-segment sums ``[B * tokens / seg_rows, C]``."""
     x_shape, aligned = b.x_shape, b.aligned_shape
-    # seg_rows is a product of trailing token dims: find where they start.
+    batch, n = x_shape[0], x_shape[-1]
+    # Sum the segments of each run of m (seg_rows divides run), then the runs
+    # over the dims where m broadcasts. A run is a product of trailing token
+    # dims of m's view of x: find where they start.
+    per_run = sums.reshape(batch, tokens // b.run, b.run // seg_rows, n).sum(2)
     start, run = len(x_shape) - 1, 1
-    while run != seg_rows:
+    while run != b.run:
         start -= 1
         run = run * x_shape[start]
-    view = sums.reshape(tuple(x_shape[:start]) + (x_shape[-1],))
-    target = tuple(aligned[:start]) + (aligned[-1],)
-    return view.sum_to_size(target).reshape(m.shape).to(m.dtype)
+    view = per_run.reshape(tuple(x_shape[:start]) + (n,))
+    return view.sum_to_size(tuple(aligned[:start]) + (aligned[-1],)).reshape(m.shape).to(m.dtype)
 
 
 # ---------------------------------------------------------------- forward ops
@@ -206,6 +209,7 @@ def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], 
         MODULATED=modulated, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         ACC_DTYPE=acc_dtype(h), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
+    reduced = {}
     for name, m, grad in (("gate", gate, d_gate), ("scale", scale, d_scale), ("shift", shift, d_shift)):
         partial = partials[name]
         if m is None or partial is grad:
@@ -218,12 +222,15 @@ def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], 
             column_sum(partial, chunks, sums)
             if direct:
                 continue
-        grad.copy_(_segment_sums_to(m, present[name], sums, seg_rows))
+        # Broadcast over more than a segment (batch-broadcast, per-channel, mixed
+        # forms): the rest of the reduction is a small torch sum, also deterministic.
+        reduced[name] = _segment_sums_to(m, present[name], sums, seg_rows, tokens)
     if weight is not None:
         column_sum(dw_partial, programs, d_weight)
     if bias is not None:
         column_sum(db_partial, programs, d_bias)
-    return grads
+    return (d_h, d_xb, reduced.get("gate", d_gate), reduced.get("scale", d_scale),
+            reduced.get("shift", d_shift), d_weight, d_bias)
 
 
 # ---------------------------------------------------------------- autograd

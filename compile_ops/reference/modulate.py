@@ -23,7 +23,8 @@ def expand_to_x(m: torch.Tensor, x: torch.Tensor, op: str = "modulate") -> torch
 def reduce_to(full: torch.Tensor, m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The gradient of ``m`` from the gradient of its expansion to x's shape."""
     b = meta.broadcast_on_x("modulate_backward", "m", m, x)
-    return full.reshape(b.x_shape).sum_to_size(b.aligned_shape).reshape(m.shape).to(m.dtype)
+    # copy=True: with nothing to reduce, sum_to_size returns its input, which may be an op input.
+    return full.reshape(b.x_shape).sum_to_size(b.aligned_shape).reshape(m.shape).to(m.dtype, copy=True)
 
 
 def _normalize(h: torch.Tensor, norm: str, eps: float):
@@ -54,7 +55,7 @@ def norm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
                   weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                   norm: str, eps: float) -> torch.Tensor:
     meta.check_norm("norm_modulate", norm)
-    dtype = meta.promoted_dtype(x.new_empty((), dtype=meta.output_dtype(x, weight)), scale, shift)
+    dtype = meta.promoted_dtype(scale, shift, norm_dtype=meta.output_dtype(x, weight))
     xhat, _ = _normalize(x.to(_acc(x, scale, shift)), norm, eps)
     return _modulated(_affine(xhat, weight, bias), x, scale, shift).to(dtype)
 
