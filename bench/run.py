@@ -211,7 +211,9 @@ def _training_step(fn, args):
     random gradient; input ``.grad`` is set to None so nothing accumulates."""
     leaves = [a for a in _tensors(args) if a.requires_grad]
     outs = _as_tuple(fn(*args))
-    float_idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    # Outputs that carry gradients: not integer ones, nor statistics an op marks
+    # non-differentiable (fused.norm_modulate's mean and rstd).
+    float_idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
     grads = [torch.randn_like(outs[i]) for i in float_idx]
     del outs
 

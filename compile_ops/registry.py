@@ -191,15 +191,21 @@ def _modulate_backward_edges(dtype, device, requires_grad):
 
     x, per_sample, per_token = t((2, 3, 16)), (2, 16), (2, 3, 16)
     w, b = _param(16, dtype, device, False), _param(16, dtype, device, False)
+    # The forward's row statistics of x, as norm_modulate returns them.
+    _, mean, rstd = reference.modulate.norm_modulate(x, t(per_sample), t(per_sample), None, None, "layernorm", 1e-6)
+    _, no_mean, rms_rstd = reference.modulate.norm_modulate(x, t(per_sample), t(per_sample), None, None,
+                                                            "rmsnorm", 1e-6)
     return [
-        # modulate, norm_modulate (with and without affine), gated_residual, the seam.
-        (t(x.shape), None, x, None, None, t(per_sample, 0.5), t(per_sample), None, None, "none", 0.0),
-        (t(x.shape), None, x, None, None, t(per_sample, 0.5), t(per_token), w, b, "layernorm", 1e-6),
-        (t(x.shape), None, x, None, None, t((), 0.5), t((16,)), None, None, "rmsnorm", 1e-6),
-        (None, t(x.shape), x, t(x.shape), t(per_token), None, None, None, None, "none", 0.0),
-        (t(x.shape), t(x.shape), x, t(x.shape), t(per_sample), t((2, 1, 16), 0.5),
+        # modulate; norm_modulate with and without affine, statistics given and recomputed;
+        # gated_residual; the seam.
+        (t(x.shape), None, x, None, None, None, None, t(per_sample, 0.5), t(per_sample), None, None, "none", 0.0),
+        (t(x.shape), None, x, mean, rstd, None, None, t(per_sample, 0.5), t(per_token), w, b, "layernorm", 1e-6),
+        (t(x.shape), None, x, None, None, None, None, t((), 0.5), t((16,)), None, None, "rmsnorm", 1e-6),
+        (None, t(x.shape), x, None, None, t(x.shape), t(per_token), None, None, None, None, "none", 0.0),
+        (t(x.shape), t(x.shape), x, no_mean, rms_rstd, t(x.shape), t(per_sample), t((2, 1, 16), 0.5),
          t(per_sample), w, None, "rmsnorm", 1e-6),
-        (t((0, 3, 16)), None, t((0, 3, 16)), None, None, t((0, 16)), t((0, 16)), None, None, "layernorm", 1e-6),
+        (t((0, 3, 16)), None, t((0, 3, 16)), None, None, None, None, t((0, 16)), t((0, 16)), None, None,
+         "layernorm", 1e-6),
     ]
 
 

@@ -20,7 +20,7 @@ piece. The launcher sums the partial rows in a fixed order.
 import triton
 import triton.language as tl
 
-from compile_ops.kernels.norm import _centered_rstd, _grad_input, _tile, _tile_rows
+from compile_ops.kernels.norm import _centered_mean_rstd, _grad_input, _tile, _tile_rows
 
 
 @triton.jit
@@ -39,25 +39,37 @@ def _load_rows_of(M, rows, cols, mask, tokens, sb, sg, ss, sc, group, ACC_DTYPE:
 
 
 @triton.jit
-def _normalized(h, mask, cols, N, W, B, eps, NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
-    """``(norm(h) * w + b, xhat, rstd)`` of a tile of whole rows; ``(h, h, h)`` when NORM == 0."""
+def _normalized(h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM: tl.constexpr,
+                HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, LOAD_STATS: tl.constexpr):
+    """``(norm(h) * w + b, xhat, mean, rstd)`` of a tile of whole rows; ``h`` for
+    every tensor when NORM == 0. With LOAD_STATS the row statistics come from
+    MEAN (LayerNorm) and RSTD, as the forward stored them, instead of two
+    dependent row reductions."""
     if NORM == 0:
-        y, xhat, rstd = h, h, h
+        y, xhat, mean, rstd = h, h, h, h
     else:
-        xc, rstd = _centered_rstd(h, mask, N, eps, NORM == 1)
+        if LOAD_STATS:
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            if NORM == 2:
+                mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+                xc = tl.where(mask, h - mean[:, None], 0.0)
+            else:
+                mean = 0.0
+                xc = h
+        else:
+            xc, mean, rstd = _centered_mean_rstd(h, mask, N, eps, NORM == 1)
         xhat = xc * rstd[:, None]
         y = xhat
         if HAS_WEIGHT:
             y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(h.dtype)[None, :]
         if HAS_BIAS:
             y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(h.dtype)[None, :]
-    return y, xhat, rstd
+    return y, xhat, mean, rstd
 
 
 @triton.jit
 def modulate_fwd_kernel(
-    X, RES, GATE, SCALE, SHIFT, W, B, OUT, RES_OUT,
+    X, RES, GATE, SCALE, SHIFT, W, B, OUT, RES_OUT, MEAN, RSTD,
     n_rows, N, tokens,
     stride_x_row, stride_x_col, stride_res_row, stride_res_col,
     g_sb, g_sg, g_ss, g_sc, g_group,
@@ -69,12 +81,20 @@ def modulate_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """RES_OUT = RES + GATE * X (GATED); OUT = modulate(norm(h) * W + B) with h
-    RES_OUT read back at its dtype (GATED) or X. OUT is written when NORM or MODULATED."""
+    RES_OUT read back at its dtype (GATED) or X. OUT is written when NORM or
+    MODULATED; with NORM, the row statistics go to MEAN (LayerNorm) and RSTD."""
     eps = tl.cast(eps, ACC_DTYPE)  # Inductor may hand scalars over as fp64
     rows = _tile_rows(tl.program_id(0), BLOCK_M)
+    row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_N)
-    mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    # Every load is issued before the row reductions: loads placed after a
+    # cross-warp reduction wait for its barrier, and their latency shows.
     h = tl.load(X + _tile(rows, cols, stride_x_row, stride_x_col), mask=mask, other=0.0).to(ACC_DTYPE)
+    if MODULATED:
+        scale1 = 1.0 + _load_rows_of(SCALE, rows, cols, mask, tokens, sc_sb, sc_sg, sc_ss, sc_sc, sc_group,
+                                     ACC_DTYPE)
+        shift = _load_rows_of(SHIFT, rows, cols, mask, tokens, sh_sb, sh_sg, sh_ss, sh_sc, sh_group, ACC_DTYPE)
     if GATED:
         r = tl.load(RES + _tile(rows, cols, stride_res_row, stride_res_col), mask=mask, other=0.0)
         gate = _load_rows_of(GATE, rows, cols, mask, tokens, g_sb, g_sg, g_ss, g_sc, g_group, ACC_DTYPE)
@@ -83,13 +103,14 @@ def modulate_fwd_kernel(
         tl.store(RES_OUT + _tile(rows, cols, N, 1), h_out, mask=mask)
         h = h_out.to(ACC_DTYPE)
     if NORM != 0 or MODULATED:
-        y, _, _ = _normalized(h, mask, cols, N, W, B, eps, NORM, HAS_WEIGHT, HAS_BIAS)
+        y, _, mean, rstd = _normalized(h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM,
+                                       HAS_WEIGHT, HAS_BIAS, False)
+        if NORM == 2:
+            tl.store(MEAN + rows, mean, mask=row_mask)
+        if NORM != 0:
+            tl.store(RSTD + rows, rstd, mask=row_mask)
         if MODULATED:
-            scale = _load_rows_of(SCALE, rows, cols, mask, tokens, sc_sb, sc_sg, sc_ss, sc_sc, sc_group,
-                                  ACC_DTYPE)
-            shift = _load_rows_of(SHIFT, rows, cols, mask, tokens, sh_sb, sh_sg, sh_ss, sh_sc, sh_group,
-                                  ACC_DTYPE)
-            y = y * (1.0 + scale) + shift
+            y = y * scale1 + shift
         tl.store(OUT + _tile(rows, cols, N, 1), y.to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -107,7 +128,7 @@ def _store_partial(P, piece, cols, col_mask, acc):
 
 @triton.jit
 def modulate_bwd_kernel(
-    DY, DH, H, XB, GATE, SCALE, W, B,
+    DY, DH, H, MEAN, RSTD, XB, GATE, SCALE, W, B,
     DIN, DXB, DGATE_P, DSCALE_P, DSHIFT_P, DW_P, DB_P,
     n_rows, N, tokens, seg_rows, chunk_rows, chunks, n_segments, n_programs,
     stride_dy_row, stride_dy_col, stride_dh_row, stride_dh_col, stride_h_row, stride_h_col,
@@ -117,12 +138,13 @@ def modulate_bwd_kernel(
     eps,
     HAS_DY: tl.constexpr, HAS_DH: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
     MODULATED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_STATS: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Gradients of the forward kernel's outputs (see ``modulate_fwd_kernel``).
 
     In: DY = d out (HAS_DY), DH = d residual_out (HAS_DH), H = the norm's input
-    (x, or residual_out when GATED), XB = the gated branch x. Out: DIN = dH (d x,
+    (x, or residual_out when GATED), MEAN/RSTD = its row statistics from the
+    forward (HAS_STATS; else recomputed), XB = the gated branch x. Out: DIN = dH (d x,
     or d residual when GATED; written when HAS_DY), DXB = dH * gate; partial
     rows ``[chunks, n_segments, N]`` of dgate, dscale, dshift (the final
     gradients themselves when ``chunks == 1`` and nothing broadcasts further),
@@ -154,13 +176,15 @@ def modulate_bwd_kernel(
         dshift_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)
         for row0 in range(start, end, BLOCK_M):
             rows = row0 + tl.arange(0, BLOCK_M)
-            mask = (rows < end)[:, None] & col_mask[None, :]
+            row_mask = rows < end
+            mask = row_mask[:, None] & col_mask[None, :]
             if HAS_DY:
                 dy = tl.load(DY + _tile(rows, cols, stride_dy_row, stride_dy_col), mask=mask,
                              other=0.0).to(ACC_DTYPE)
                 h = tl.load(H + _tile(rows, cols, stride_h_row, stride_h_col), mask=mask,
                             other=0.0).to(ACC_DTYPE)
-                y, xhat, rstd = _normalized(h, mask, cols, N, W, B, eps, NORM, HAS_WEIGHT, HAS_BIAS)
+                y, xhat, _, rstd = _normalized(h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM,
+                                               HAS_WEIGHT, HAS_BIAS, HAS_STATS)
                 if MODULATED:
                     dscale_acc += dy * y
                     dshift_acc += dy

@@ -54,13 +54,21 @@ def _div_exact(s, N):
 @triton.jit
 def _centered_rstd(x, mask, N, eps, IS_RMS: tl.constexpr):
     """``(x - mean, rstd)`` of a ``[BLOCK_M, BLOCK_N]`` tile holding whole rows (zero where masked)."""
+    xc, _, rstd = _centered_mean_rstd(x, mask, N, eps, IS_RMS)
+    return xc, rstd
+
+
+@triton.jit
+def _centered_mean_rstd(x, mask, N, eps, IS_RMS: tl.constexpr):
+    """``(x - mean, mean, rstd)``; the mean is 0 for RMS statistics."""
     if IS_RMS:
         xc = x
+        mean = 0.0
     else:
         mean = _row_mean(x, N)
         xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(_row_mean(xc * xc, N) + eps)
-    return xc, rstd
+    return xc, mean, rstd
 
 
 @triton.jit

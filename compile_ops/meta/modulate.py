@@ -169,9 +169,19 @@ def modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch
     return x.new_empty(x.shape, dtype=promoted_dtype(x, scale, shift))
 
 
+def row_stats(x: torch.Tensor, norm: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, rstd)`` outputs: fp32 (fp64 for fp64 x) of shape ``x.shape[:-1]``,
+    the mean of shape ``(0,)`` for RMSNorm (it has none), like
+    ``aten.native_layer_norm``'s. The backward reuses them."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rstd = x.new_empty(x.shape[:-1], dtype=acc)
+    return (rstd.new_empty((0,)) if norm == "rmsnorm" else x.new_empty(x.shape[:-1], dtype=acc)), rstd
+
+
 def norm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
                   weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                  norm: str, eps: float) -> torch.Tensor:
+                  norm: str, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, mean, rstd)``; see :func:`row_stats`."""
     op = "norm_modulate"
     check_x(op, x)
     check_modulation(op, x, scale=scale, shift=shift)
@@ -179,7 +189,8 @@ def norm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
     check_affine(op, "bias", bias, x)
     check_norm(op, norm)
     check_eps(op, eps)
-    return x.new_empty(x.shape, dtype=promoted_dtype(scale, shift, norm_dtype=output_dtype(x, weight)))
+    out = x.new_empty(x.shape, dtype=promoted_dtype(scale, shift, norm_dtype=output_dtype(x, weight)))
+    return (out, *row_stats(x, norm))
 
 
 def gated_residual(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -193,9 +204,9 @@ def gated_residual(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) 
 def gated_residual_norm_modulate(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor,
                                  scale: torch.Tensor, shift: torch.Tensor,
                                  weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                                 norm: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(residual_out, out)``; ``out`` has :func:`norm_modulate`'s dtype for an
-    input in residual_out's dtype."""
+                                 norm: str, eps: float) -> tuple[torch.Tensor, ...]:
+    """``(residual_out, out, mean, rstd)``; ``out`` has :func:`norm_modulate`'s
+    dtype for an input in residual_out's dtype, the statistics are residual_out's."""
     op = "gated_residual_norm_modulate"
     check_x(op, x)
     check_like_x(op, "residual", residual, x)
@@ -205,21 +216,34 @@ def gated_residual_norm_modulate(residual: torch.Tensor, x: torch.Tensor, gate: 
     check_norm(op, norm)
     check_eps(op, eps)
     h_dtype = promoted_dtype(residual, x, gate)
-    return (x.new_empty(x.shape, dtype=h_dtype),
-            x.new_empty(x.shape, dtype=promoted_dtype(scale, shift, norm_dtype=output_dtype_for(h_dtype, weight))))
+    residual_out = x.new_empty(x.shape, dtype=h_dtype)
+    out = x.new_empty(x.shape, dtype=promoted_dtype(scale, shift, norm_dtype=output_dtype_for(h_dtype, weight)))
+    return (residual_out, out, *row_stats(residual_out, norm))
 
 
 def modulate_backward(grad_out: Optional[torch.Tensor], grad_h: Optional[torch.Tensor],
-                      h: torch.Tensor, x_branch: Optional[torch.Tensor], gate: Optional[torch.Tensor],
+                      h: torch.Tensor, mean: Optional[torch.Tensor], rstd: Optional[torch.Tensor],
+                      x_branch: Optional[torch.Tensor], gate: Optional[torch.Tensor],
                       scale: Optional[torch.Tensor], shift: Optional[torch.Tensor],
                       weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                       norm: str, eps: float):
     """``(d_h, d_x_branch, d_gate, d_scale, d_shift, d_weight, d_bias)``, each in the
     dtype and shape of its input, or shape ``(0,)`` where that input is None.
     ``d_h`` is ``(0,)`` when there is no ``grad_out`` (a gated residual alone,
-    whose ``d_residual`` is ``grad_h`` itself)."""
+    whose ``d_residual`` is ``grad_h`` itself). ``mean``/``rstd`` are h's row
+    statistics as the forward op returned them, or None to recompute them."""
     op = "modulate_backward"
     check_x(op, h)
+    if (rstd is None) != (mean is None):
+        fail(op, "mean and rstd come together (as the forward returned them) or not at all")
+    if rstd is not None:
+        if norm == "none":
+            fail(op, "mean/rstd were given but norm is 'none'")
+        want_mean, want_rstd = row_stats(h, norm)
+        for argname, t, want in (("mean", mean, want_mean), ("rstd", rstd, want_rstd)):
+            if t.shape != want.shape or t.dtype != want.dtype or t.device != h.device or not t.is_contiguous():
+                fail(op, f"{argname} must be contiguous {want.dtype} of shape {tuple(want.shape)} on {h.device} "
+                         f"(the forward's row statistics of h), got {t.dtype} {tuple(t.shape)} on {t.device}")
     if grad_out is None and grad_h is None:
         fail(op, "grad_out and grad_h are both None; at least one gradient is needed")
     for argname, t in (("grad_out", grad_out), ("grad_h", grad_h), ("x_branch", x_branch)):

@@ -3,9 +3,17 @@
 ``modulate``, ``norm_modulate``, ``gated_residual`` and
 ``gated_residual_norm_modulate`` run one forward kernel with different
 constexpr flags, and share the backward op ``fused.modulate_backward``
-(``kernels/modulate.py``). The backward recomputes the row statistics, so the
-forward ops save only their inputs (and residual_out, which they return).
+(``kernels/modulate.py``).
+
+The ops with a norm return its row statistics too, as ``aten.native_layer_norm``
+does: ``fused.norm_modulate -> (out, mean, rstd)`` and
+``fused.gated_residual_norm_modulate -> (residual_out, out, mean, rstd)``
+(fp32, ``x.shape[:-1]``; the mean is empty for RMSNorm). They are not
+differentiable; the backward reads them instead of recomputing them, which
+takes two dependent row reductions off its critical path. The public functions
+return only what a model uses.
 """
+import functools
 from typing import Optional
 
 import torch
@@ -51,8 +59,9 @@ def _static_int(v) -> Optional[int]:
 
 def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor],
                     scale: Optional[Tensor], shift: Optional[Tensor], weight: Optional[Tensor],
-                    bias: Optional[Tensor], norm: str, eps: float,
-                    out: Optional[Tensor], residual_out: Optional[Tensor]) -> None:
+                    bias: Optional[Tensor], norm: str, eps: float, out: Optional[Tensor],
+                    residual_out: Optional[Tensor] = None, mean: Optional[Tensor] = None,
+                    rstd: Optional[Tensor] = None) -> None:
     x2 = as_rows(x)
     res2 = None if residual is None else as_rows(residual)
     n_rows, n = x2.shape
@@ -60,6 +69,7 @@ def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Option
     cfg = forward_config(int(n))
     launcher(modulate_fwd_kernel)[(triton.cdiv(n_rows, cfg.block_m),)](
         x2, res2, gate, scale, shift, contiguous_param(weight), contiguous_param(bias), out, residual_out,
+        mean if norm == "layernorm" else None, rstd,
         n_rows, n, meta.modulate.tokens_of(x),
         x2.stride(0), x2.stride(1),
         0 if res2 is None else res2.stride(0), 0 if res2 is None else res2.stride(1),
@@ -71,13 +81,18 @@ def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Option
     )
 
 
+@functools.lru_cache(maxsize=None)
 def backward_config(n: int, accumulators: int, single_rows: bool) -> LaunchConfig:
-    """The norm backward's table (same per-row work plus a few accumulators);
-    one row per step when every row has its own modulation row (per-token)."""
+    """The norm backward's tiles, with fewer values per thread: this kernel keeps
+    up to three modulation accumulators (dscale, dshift, dgate) on top of the
+    norm's, and at 64 values per thread per tensor (the norm's choice for two
+    rows of 3072) they spill. One row per step from 2048 wide, and one when
+    every row has its own modulation row (per-token)."""
     cfg = norm_backward_config(n, accumulators)
-    if not single_rows or cfg.block_m == 1:
-        return cfg
-    return LaunchConfig(1, cfg.block_n, False, max(1, cfg.num_warps // cfg.block_m))
+    block_m = 1 if single_rows or cfg.block_n >= 2048 else cfg.block_m
+    per_thread = 16 if accumulators >= 3 else 32
+    num_warps = max(4, min(16, block_m * cfg.block_n // (32 * per_thread)))
+    return LaunchConfig(block_m, cfg.block_n, False, num_warps)
 
 
 def _segment_sums_to(m: Tensor, b: Broadcast, sums: Tensor, seg_rows, tokens) -> Tensor:
@@ -101,16 +116,17 @@ def _segment_sums_to(m: Tensor, b: Broadcast, sums: Tensor, seg_rows, tokens) ->
 @fused_op("modulate", fake=meta.modulate.modulate, reference=reference.modulate.modulate)
 def _modulate_op(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     out = meta.modulate.modulate(x, scale, shift)
-    _launch_forward("modulate", x, None, None, scale, shift, None, None, "none", 0.0, out, None)
+    _launch_forward("modulate", x, None, None, scale, shift, None, None, "none", 0.0, out)
     return out
 
 
 @fused_op("norm_modulate", fake=meta.modulate.norm_modulate, reference=reference.modulate.norm_modulate)
 def _norm_modulate_op(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tensor],
-                      bias: Optional[Tensor], norm: str, eps: float) -> Tensor:
-    out = meta.modulate.norm_modulate(x, scale, shift, weight, bias, norm, eps)
-    _launch_forward("norm_modulate", x, None, None, scale, shift, weight, bias, norm, eps, out, None)
-    return out
+                      bias: Optional[Tensor], norm: str, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    out, mean, rstd = meta.modulate.norm_modulate(x, scale, shift, weight, bias, norm, eps)
+    _launch_forward("norm_modulate", x, None, None, scale, shift, weight, bias, norm, eps, out,
+                    mean=mean, rstd=rstd)
+    return out, mean, rstd
 
 
 @fused_op("gated_residual", fake=meta.modulate.gated_residual, reference=reference.modulate.gated_residual)
@@ -125,12 +141,12 @@ def _gated_residual_op(residual: Tensor, x: Tensor, gate: Tensor) -> Tensor:
           reference=reference.modulate.gated_residual_norm_modulate)
 def _gated_residual_norm_modulate_op(residual: Tensor, x: Tensor, gate: Tensor, scale: Tensor, shift: Tensor,
                                      weight: Optional[Tensor], bias: Optional[Tensor], norm: str,
-                                     eps: float) -> tuple[Tensor, Tensor]:
-    residual_out, out = meta.modulate.gated_residual_norm_modulate(
+                                     eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    residual_out, out, mean, rstd = meta.modulate.gated_residual_norm_modulate(
         residual, x, gate, scale, shift, weight, bias, norm, eps)
     _launch_forward("gated_residual_norm_modulate", x, residual, gate, scale, shift, weight, bias, norm, eps,
-                    out, residual_out)
-    return residual_out, out
+                    out, residual_out, mean, rstd)
+    return residual_out, out, mean, rstd
 
 
 # ---------------------------------------------------------------- backward op
@@ -138,7 +154,7 @@ def _gated_residual_norm_modulate_op(residual: Tensor, x: Tensor, gate: Tensor, 
 @fused_op("modulate_backward", fake=meta.modulate.modulate_backward,
           reference=reference.modulate.modulate_backward)
 def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], h: Tensor,
-                          x_branch: Optional[Tensor], gate: Optional[Tensor], scale: Optional[Tensor],
+                          mean: Optional[Tensor], rstd: Optional[Tensor], x_branch: Optional[Tensor], gate: Optional[Tensor], scale: Optional[Tensor],
                           shift: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
                           norm: str, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward of every op of the family (:func:`compile_ops.meta.modulate.modulate_backward`).
@@ -146,7 +162,7 @@ def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], 
     ``h`` is the norm's input (x, or residual_out of a gated residual); for a
     gated residual without norm or modulation it only gives the shape.
     """
-    grads = meta.modulate.modulate_backward(grad_out, grad_h, h, x_branch, gate, scale, shift,
+    grads = meta.modulate.modulate_backward(grad_out, grad_h, h, mean, rstd, x_branch, gate, scale, shift,
                                             weight, bias, norm, eps)
     d_h, d_xb, d_gate, d_scale, d_shift, d_weight, d_bias = grads
     h2 = as_rows(h)
@@ -198,7 +214,8 @@ def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], 
         return (0, 0) if t2 is None else (t2.stride(0), t2.stride(1))
 
     launcher(modulate_bwd_kernel)[(programs,)](
-        dy2, dh2, h2, xb2, gate, scale, contiguous_param(weight), contiguous_param(bias),
+        dy2, dh2, h2, mean if norm == "layernorm" else None, rstd, xb2, gate, scale,
+        contiguous_param(weight), contiguous_param(bias),
         d_h if grad_out is not None else None, d_xb if gated else None,
         partials["gate"], partials["scale"], partials["shift"], dw_partial, db_partial,
         n_rows, n, tokens, seg_rows, chunk_rows, chunks, n_segments, programs,
@@ -207,7 +224,7 @@ def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], 
         eps,
         HAS_DY=grad_out is not None, HAS_DH=grad_h is not None, GATED=gated, NORM=NORM_CODES[norm],
         MODULATED=modulated, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        ACC_DTYPE=acc_dtype(h), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        HAS_STATS=rstd is not None, ACC_DTYPE=acc_dtype(h), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     reduced = {}
     for name, m, grad in (("gate", gate, d_gate), ("scale", scale, d_scale), ("shift", shift, d_shift)):
@@ -243,20 +260,24 @@ def _setup_modulate(ctx, inputs, output):
 def _backward_modulate(ctx, grad):
     x, scale, shift = ctx.saved_tensors
     dx, _, _, d_scale, d_shift, _, _ = _modulate_backward_op(
-        grad, None, x, None, None, scale, shift, None, None, "none", 0.0)
+        grad, None, x, None, None, None, None, scale, shift, None, None, "none", 0.0)
     return dx, d_scale, d_shift
 
 
 def _setup_norm_modulate(ctx, inputs, output):
     x, scale, shift, weight, bias, norm, eps = inputs
-    ctx.save_for_backward(x, scale, shift, weight, bias)
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    # The row statistics, a few bytes per row, spare the backward two dependent
+    # row reductions (the slowest part of a LayerNorm backward).
+    ctx.save_for_backward(x, mean, rstd, scale, shift, weight, bias)
     ctx.norm, ctx.eps = norm, eps
 
 
-def _backward_norm_modulate(ctx, grad):
-    x, scale, shift, weight, bias = ctx.saved_tensors
+def _backward_norm_modulate(ctx, grad, _grad_mean, _grad_rstd):
+    x, mean, rstd, scale, shift, weight, bias = ctx.saved_tensors
     dx, _, _, d_scale, d_shift, d_weight, d_bias = _modulate_backward_op(
-        grad, None, x, None, None, scale, shift, weight, bias, ctx.norm, ctx.eps)
+        grad, None, x, mean, rstd, None, None, scale, shift, weight, bias, ctx.norm, ctx.eps)
     return dx, d_scale, d_shift, grad_or_none(d_weight, weight), grad_or_none(d_bias, bias), None, None
 
 
@@ -269,22 +290,23 @@ def _setup_gated_residual(ctx, inputs, output):
 def _backward_gated_residual(ctx, grad):
     x, gate = ctx.saved_tensors
     _, dx, d_gate, _, _, _, _ = _modulate_backward_op(
-        None, grad, x, x, gate, None, None, None, None, "none", 0.0)
+        None, grad, x, None, None, x, gate, None, None, None, None, "none", 0.0)
     return grad.to(ctx.residual_dtype), dx, d_gate
 
 
 def _setup_gated_residual_norm_modulate(ctx, inputs, output):
     residual, x, gate, scale, shift, weight, bias, norm, eps = inputs
-    residual_out, _ = output
+    residual_out, _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
     # The norm's input is residual_out: saving it avoids recomputing residual + gate * x.
-    ctx.save_for_backward(residual_out, x, gate, scale, shift, weight, bias)
+    ctx.save_for_backward(residual_out, mean, rstd, x, gate, scale, shift, weight, bias)
     ctx.norm, ctx.eps, ctx.residual_dtype = norm, eps, residual.dtype
 
 
-def _backward_gated_residual_norm_modulate(ctx, grad_residual_out, grad_out):
-    h, x, gate, scale, shift, weight, bias = ctx.saved_tensors
+def _backward_gated_residual_norm_modulate(ctx, grad_residual_out, grad_out, _grad_mean, _grad_rstd):
+    h, mean, rstd, x, gate, scale, shift, weight, bias = ctx.saved_tensors
     d_h, dx, d_gate, d_scale, d_shift, d_weight, d_bias = _modulate_backward_op(
-        grad_out, grad_residual_out, h, x, gate, scale, shift, weight, bias, ctx.norm, ctx.eps)
+        grad_out, grad_residual_out, h, mean, rstd, x, gate, scale, shift, weight, bias, ctx.norm, ctx.eps)
     return (d_h.to(ctx.residual_dtype), dx, d_gate, d_scale, d_shift,
             grad_or_none(d_weight, weight), grad_or_none(d_bias, bias), None, None)
 
@@ -336,7 +358,7 @@ def norm_modulate(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tens
         ``[B, *tokens, C]``, contiguous, in the promoted dtype of the norm's
         output (x's, or the weight's when fp16/bf16) and scale/shift.
     """
-    return _norm_modulate_op(x, scale, shift, weight, bias, norm, eps)
+    return _norm_modulate_op(x, scale, shift, weight, bias, norm, eps)[0]
 
 
 def gated_residual(residual: Tensor, x: Tensor, gate: Tensor) -> Tensor:
@@ -371,4 +393,6 @@ def gated_residual_norm_modulate(residual: Tensor, x: Tensor, gate: Tensor, scal
         ``(residual_out, out)``: ``residual_out`` as :func:`gated_residual`
         gives it, and ``out`` exactly :func:`norm_modulate` of residual_out.
     """
-    return _gated_residual_norm_modulate_op(residual, x, gate, scale, shift, weight, bias, norm, eps)
+    residual_out, out, _, _ = _gated_residual_norm_modulate_op(residual, x, gate, scale, shift, weight, bias,
+                                                               norm, eps)
+    return residual_out, out

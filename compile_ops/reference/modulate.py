@@ -28,10 +28,17 @@ def reduce_to(full: torch.Tensor, m: torch.Tensor, x: torch.Tensor) -> torch.Ten
 
 
 def _normalize(h: torch.Tensor, norm: str, eps: float):
-    """``(xhat, rstd)`` in h's (accumulation) dtype."""
-    xc = h if norm == "rmsnorm" else h - h.mean(-1, keepdim=True)
+    """``(xhat, mean, rstd)`` in h's (accumulation) dtype; the statistics keep the last dim."""
+    mean = torch.zeros_like(h[..., :1]) if norm == "rmsnorm" else h.mean(-1, keepdim=True)
+    xc = h - mean
     rstd = torch.rsqrt(xc.square().mean(-1, keepdim=True) + eps)
-    return xc * rstd, rstd
+    return xc * rstd, mean, rstd
+
+
+def _stats_outputs(mean, rstd, norm):
+    """The forward ops' ``(mean, rstd)`` outputs: fp32/fp64, not differentiable."""
+    mean = mean.new_empty((0,)) if norm == "rmsnorm" else mean.squeeze(-1).detach()
+    return mean, rstd.squeeze(-1).detach()
 
 
 def _affine(xhat, weight, bias):
@@ -53,11 +60,14 @@ def modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch
 
 def norm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
                   weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                  norm: str, eps: float) -> torch.Tensor:
+                  norm: str, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, mean, rstd)`` (see :func:`compile_ops.meta.modulate.row_stats`)."""
     meta.check_norm("norm_modulate", norm)
     dtype = meta.promoted_dtype(scale, shift, norm_dtype=meta.output_dtype(x, weight))
-    xhat, _ = _normalize(x.to(_acc(x, scale, shift)), norm, eps)
-    return _modulated(_affine(xhat, weight, bias), x, scale, shift).to(dtype)
+    # Statistics in fp32 (fp64 for fp64 x) whatever scale's dtype, as the kernels.
+    xhat, mean, rstd = _normalize(x.to(_acc(x)), norm, eps)
+    out = _modulated(_affine(xhat.to(_acc(x, scale, shift)), weight, bias), x, scale, shift).to(dtype)
+    return (out, *_stats_outputs(mean, rstd, norm))
 
 
 def gated_residual(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -69,13 +79,15 @@ def gated_residual(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) 
 def gated_residual_norm_modulate(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor,
                                  scale: torch.Tensor, shift: torch.Tensor,
                                  weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                                 norm: str, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                                 norm: str, eps: float) -> tuple[torch.Tensor, ...]:
+    """``(residual_out, out, mean, rstd)``."""
     residual_out = gated_residual(residual, x, gate)
-    return residual_out, norm_modulate(residual_out, scale, shift, weight, bias, norm, eps)
+    return (residual_out, *norm_modulate(residual_out, scale, shift, weight, bias, norm, eps))
 
 
 def modulate_backward(grad_out: Optional[torch.Tensor], grad_h: Optional[torch.Tensor],
-                      h: torch.Tensor, x_branch: Optional[torch.Tensor], gate: Optional[torch.Tensor],
+                      h: torch.Tensor, mean: Optional[torch.Tensor], rstd: Optional[torch.Tensor],
+                      x_branch: Optional[torch.Tensor], gate: Optional[torch.Tensor],
                       scale: Optional[torch.Tensor], shift: Optional[torch.Tensor],
                       weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                       norm: str, eps: float):
@@ -95,7 +107,11 @@ def modulate_backward(grad_out: Optional[torch.Tensor], grad_h: Optional[torch.T
         xhat = rstd = None
         y = hf
         if norm != "none":
-            xhat, rstd = _normalize(hf, norm, eps)
+            if rstd is not None:  # the forward's statistics
+                rstd = rstd.to(acc).unsqueeze(-1)
+                xhat = (hf if norm == "rmsnorm" else hf - mean.to(acc).unsqueeze(-1)) * rstd
+            else:
+                xhat, _, rstd = _normalize(hf, norm, eps)
             y = _affine(xhat, weight, bias)
         dn = dy
         if scale is not None:

@@ -1,0 +1,82 @@
+"""Sweep the modulation kernels' launch configs on a GPU, to pick the tables in
+compile_ops/ops/modulate.py (the forward uses the norm family's forward_config,
+the backward its own backward_config).
+
+    PYTHONPATH=. python bench/sweep_modulate.py [OUT.json]
+
+norm_modulate and gated_residual_norm_modulate (LayerNorm without affine,
+per-sample [B, C] modulation: the DiT case) at the DiT shapes, bf16, timed as
+CUDA-graph replays: the forward alone per forward config, and the whole
+forward+backward step per backward config (the backward alone misled the norm
+family's sweep, bench/notes.md). Three interleaved rounds, median kept.
+"""
+import functools
+import itertools
+import json
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from bench.run import bytes_model, graph_replay_time, make_timer, time_forward_backward, warm_up_gpu  # noqa: E402
+from compile_ops import registry  # noqa: E402
+from compile_ops.ops import modulate as modulate_ops  # noqa: E402
+from compile_ops.ops.norm import LaunchConfig  # noqa: E402
+
+FORWARD = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (4, 16)]      # (block_m, warps)
+BACKWARD = [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16)]    # (block_m, warps)
+ROUNDS = 3
+
+
+def main(out_path=None):
+    timer = make_timer(quick=False)
+    warm_up_gpu()
+    results = []
+    for name, shape in itertools.product(("norm_modulate", "gated_residual_norm_modulate"),
+                                         registry.DIT_NORM_SHAPES):
+        spec = registry.BY_NAME[name]
+        args = spec.make_inputs(shape, torch.bfloat16, "cuda", True)
+        with torch.no_grad():
+            fwd_bytes, fwdbwd_bytes = bytes_model(args, spec.reference(*args))
+        block_n = triton.next_power_of_2(shape[-1])
+        cands = [("fwd", m, w) for m, w in FORWARD] + [("fwdbwd", m, w) for m, w in BACKWARD]
+        times = {c: [] for c in cands}
+        for _ in range(ROUNDS):
+            for kind, m, w in cands:
+                cfg = LaunchConfig(m, block_n, False, w)
+                saved = modulate_ops.forward_config, modulate_ops.backward_config
+                try:
+                    if kind == "fwd":
+                        modulate_ops.forward_config = lambda n, cfg=cfg: cfg
+                        with torch.no_grad():
+                            ms = graph_replay_time(functools.partial(spec.op, *args), timer)
+                    else:
+                        modulate_ops.backward_config = lambda n, acc, single, cfg=cfg: cfg
+                        ms = time_forward_backward(spec.op, args, timer, graph=True)
+                except Exception as e:  # noqa: BLE001 (a config that fails to compile is a result)
+                    print(f"{name} {shape} {kind} {m}x{w}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    ms = float("nan")
+                finally:
+                    modulate_ops.forward_config, modulate_ops.backward_config = saved
+                times[(kind, m, w)].append(ms)
+        for (kind, m, w), ts in times.items():
+            ms = statistics.median(ts)
+            gbps = (fwd_bytes if kind == "fwd" else fwdbwd_bytes) / (ms * 1e-3) / 1e9
+            results.append({"op": name, "shape": list(shape), "kind": kind, "block_m": m, "num_warps": w,
+                            "ms": ms, "GBps": gbps})
+            print(f"{name:<30} {'x'.join(map(str, shape)):<13} {kind:<7} rows {m} warps {w:>2}: "
+                  f"{ms * 1e3:8.1f} us {gbps:7.0f} GB/s", flush=True)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:2])
