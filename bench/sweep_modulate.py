@@ -29,8 +29,8 @@ from compile_ops import registry  # noqa: E402
 from compile_ops.ops import modulate as modulate_ops  # noqa: E402
 from compile_ops.ops.norm import LaunchConfig  # noqa: E402
 
-FORWARD = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (4, 16)]      # (block_m, warps)
-BACKWARD = [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16)]    # (block_m, warps)
+FORWARD = [(1, 4, 4), (1, 4, 8), (1, 4, 16), (1, 4, 32), (1, 8, 8), (1, 8, 16), (2, 4, 8), (2, 8, 16)]  # (block_m, warps, piece rows)
+BACKWARD = [(1, 4, 0), (1, 8, 0), (1, 16, 0), (2, 4, 0), (2, 8, 0), (2, 16, 0)]  # (block_m, warps, -)
 ROUNDS = 3
 
 
@@ -45,32 +45,34 @@ def main(out_path=None):
         with torch.no_grad():
             fwd_bytes, fwdbwd_bytes = bytes_model(args, spec.reference(*args))
         block_n = triton.next_power_of_2(shape[-1])
-        cands = [("fwd", m, w) for m, w in FORWARD] + [("fwdbwd", m, w) for m, w in BACKWARD]
+        cands = [("fwd", *c) for c in FORWARD] + [("fwdbwd", *c) for c in BACKWARD]
         times = {c: [] for c in cands}
         for _ in range(ROUNDS):
-            for kind, m, w in cands:
+            for kind, m, w, piece in cands:
                 cfg = LaunchConfig(m, block_n, False, w)
-                saved = modulate_ops.forward_config, modulate_ops.backward_config
+                saved = modulate_ops.forward_config, modulate_ops.backward_config, modulate_ops.FORWARD_PIECE_ROWS
                 try:
                     if kind == "fwd":
                         modulate_ops.forward_config = lambda n, cfg=cfg: cfg
+                        modulate_ops.FORWARD_PIECE_ROWS = piece
                         with torch.no_grad():
                             ms = graph_replay_time(functools.partial(spec.op, *args), timer)
                     else:
-                        modulate_ops.backward_config = lambda n, acc, single, cfg=cfg: cfg
+                        modulate_ops.backward_config = lambda n, accumulators, single_rows, cfg=cfg: cfg
                         ms = time_forward_backward(spec.op, args, timer, graph=True)
                 except Exception as e:  # noqa: BLE001 (a config that fails to compile is a result)
                     print(f"{name} {shape} {kind} {m}x{w}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     ms = float("nan")
                 finally:
-                    modulate_ops.forward_config, modulate_ops.backward_config = saved
-                times[(kind, m, w)].append(ms)
-        for (kind, m, w), ts in times.items():
+                    (modulate_ops.forward_config, modulate_ops.backward_config,
+                     modulate_ops.FORWARD_PIECE_ROWS) = saved
+                times[(kind, m, w, piece)].append(ms)
+        for (kind, m, w, piece), ts in times.items():
             ms = statistics.median(ts)
             gbps = (fwd_bytes if kind == "fwd" else fwdbwd_bytes) / (ms * 1e-3) / 1e9
             results.append({"op": name, "shape": list(shape), "kind": kind, "block_m": m, "num_warps": w,
-                            "ms": ms, "GBps": gbps})
-            print(f"{name:<30} {'x'.join(map(str, shape)):<13} {kind:<7} rows {m} warps {w:>2}: "
+                            "piece_rows": piece, "ms": ms, "GBps": gbps})
+            print(f"{name:<30} {'x'.join(map(str, shape)):<13} {kind:<7} rows {m} warps {w:>2} piece {piece:>2}: "
                   f"{ms * 1e3:8.1f} us {gbps:7.0f} GB/s", flush=True)
     if out_path:
         with open(out_path, "w") as f:

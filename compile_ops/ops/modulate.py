@@ -29,10 +29,11 @@ from compile_ops.ops._launch import (acc_dtype, acc_torch_dtype, as_rows, column
                                      grad_or_none)
 from compile_ops.ops.norm import BACKWARD_PROGRAMS_PER_SM, LaunchConfig
 from compile_ops.ops.norm import backward_config as norm_backward_config
-from compile_ops.ops.norm import forward_config
 
 #: The kernels' NORM flag.
 NORM_CODES = {"none": 0, "rmsnorm": 1, "layernorm": 2}
+#: Rows per forward program: they share the modulation rows, read once.
+FORWARD_PIECE_ROWS = 8
 #: The backward's pieces of a segment are at least this many rows long.
 MIN_PIECE_ROWS = 16
 #: Kernel arguments of an absent modulation tensor.
@@ -57,6 +58,23 @@ def _static_int(v) -> Optional[int]:
 
 # ---------------------------------------------------------------- launchers
 
+def _segments(h: Tensor, broadcasts: dict):
+    """``(tokens, seg_rows, n_segments)``: how the rows of ``h`` split into
+    segments that share every modulation row (``kernels/modulate.py``)."""
+    tokens = meta.modulate.tokens_of(h)
+    seg_rows = meta.modulate.segment_rows(tokens, *[b for b in broadcasts.values() if b is not None])
+    return tokens, seg_rows, h.shape[0] * (tokens // seg_rows)
+
+
+@functools.lru_cache(maxsize=None)
+def forward_config(n: int) -> LaunchConfig:
+    """Rows of a piece are walked one by one (a few for narrow rows), 4 warps up
+    to 4096 wide."""
+    block_n = triton.next_power_of_2(n)
+    block_m = 1 if block_n >= 1024 else min(16, 8192 // block_n)
+    return LaunchConfig(block_m, block_n, False, max(4, min(16, block_m * block_n // 1024)))
+
+
 def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor],
                     scale: Optional[Tensor], shift: Optional[Tensor], weight: Optional[Tensor],
                     bias: Optional[Tensor], norm: str, eps: float, out: Optional[Tensor],
@@ -65,12 +83,16 @@ def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Option
     x2 = as_rows(x)
     res2 = None if residual is None else as_rows(residual)
     n_rows, n = x2.shape
+    if _static_int(n_rows) == 0:
+        return
     b = _broadcasts(op, x, gate=gate, scale=scale, shift=shift)
+    tokens, seg_rows, n_segments = _segments(x, b)
+    chunks = triton.cdiv(seg_rows, FORWARD_PIECE_ROWS)
     cfg = forward_config(int(n))
-    launcher(modulate_fwd_kernel)[(triton.cdiv(n_rows, cfg.block_m),)](
+    launcher(modulate_fwd_kernel)[(n_segments * chunks,)](
         x2, res2, gate, scale, shift, contiguous_param(weight), contiguous_param(bias), out, residual_out,
         mean if norm == "layernorm" else None, rstd,
-        n_rows, n, meta.modulate.tokens_of(x),
+        n_rows, n, tokens, seg_rows, FORWARD_PIECE_ROWS, chunks,
         x2.stride(0), x2.stride(1),
         0 if res2 is None else res2.stride(0), 0 if res2 is None else res2.stride(1),
         *_broadcast_args(b["gate"]), *_broadcast_args(b["scale"]), *_broadcast_args(b["shift"]),
@@ -171,11 +193,9 @@ def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], 
         for g in grads:
             g.zero_()
         return grads
-    tokens = meta.modulate.tokens_of(h)
     b = _broadcasts("modulate_backward", h, gate=gate, scale=scale, shift=shift)
     present = {k: v for k, v in b.items() if v is not None}
-    seg_rows = meta.modulate.segment_rows(tokens, *present.values())
-    n_segments = h.shape[0] * (tokens // seg_rows)
+    tokens, seg_rows, n_segments = _segments(h, b)
     max_programs = multiprocessor_count(h) * BACKWARD_PROGRAMS_PER_SM
     # Pieces per segment: enough to fill the persistent grid when segments are
     # few (per-sample modulation: B segments of L rows). A static count, so
