@@ -84,7 +84,7 @@ def modulate_fwd_kernel(
     eps,
     GATED: tl.constexpr, NORM: tl.constexpr, MODULATED: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HOIST: tl.constexpr = True,
 ):
     """RES_OUT = RES + GATE * X (GATED); OUT = modulate(norm(h) * W + B) with h
     RES_OUT read back at its dtype (GATED) or X. OUT is written when NORM or
@@ -96,18 +96,31 @@ def modulate_fwd_kernel(
     held the forward at 2.2 TB/s).
     """
     eps = tl.cast(eps, ACC_DTYPE)  # Inductor may hand scalars over as fp64
-    _, seg_start, start, end = _piece_rows(tl.program_id(0), chunks, seg_rows, chunk_rows)
+    # (Names must not repeat in and outside the loop below: triton would carry them.)
+    segment, seg_start, start, end = _piece_rows(tl.program_id(0), chunks, seg_rows, chunk_rows)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    if MODULATED:
-        scale1 = 1.0 + _modulation_row(SCALE, seg_start, cols, col_mask, tokens,
-                                       sc_sb, sc_sg, sc_ss, sc_sc, sc_group, ACC_DTYPE)
-        shift = _modulation_row(SHIFT, seg_start, cols, col_mask, tokens,
-                                sh_sb, sh_sg, sh_ss, sh_sc, sh_group, ACC_DTYPE)
-    if GATED:
-        gate = _modulation_row(GATE, seg_start, cols, col_mask, tokens, g_sb, g_sg, g_ss, g_sc, g_group,
-                               ACC_DTYPE)
+    if HOIST:
+        if MODULATED:
+            scale1 = 1.0 + _modulation_row(SCALE, seg_start, cols, col_mask, tokens,
+                                           sc_sb, sc_sg, sc_ss, sc_sc, sc_group, ACC_DTYPE)
+            shift = _modulation_row(SHIFT, seg_start, cols, col_mask, tokens,
+                                    sh_sb, sh_sg, sh_ss, sh_sc, sh_group, ACC_DTYPE)
+        if GATED:
+            gate = _modulation_row(GATE, seg_start, cols, col_mask, tokens, g_sb, g_sg, g_ss, g_sc, g_group,
+                                   ACC_DTYPE)
     for row0 in range(start, end, BLOCK_M):
+        if HOIST:
+            pass
+        else:
+            if MODULATED:
+                scale1 = 1.0 + _modulation_row(SCALE, seg_start, cols, col_mask, tokens,
+                                               sc_sb, sc_sg, sc_ss, sc_sc, sc_group, ACC_DTYPE)
+                shift = _modulation_row(SHIFT, seg_start, cols, col_mask, tokens,
+                                        sh_sb, sh_sg, sh_ss, sh_sc, sh_group, ACC_DTYPE)
+            if GATED:
+                gate = _modulation_row(GATE, seg_start, cols, col_mask, tokens, g_sb, g_sg, g_ss, g_sc, g_group,
+                                       ACC_DTYPE)
         rows = row0 + tl.arange(0, BLOCK_M)
         row_mask = rows < end
         mask = row_mask[:, None] & col_mask[None, :]
@@ -119,8 +132,8 @@ def modulate_fwd_kernel(
             tl.store(RES_OUT + _tile(rows, cols, N, 1), h_out, mask=mask)
             h = h_out.to(ACC_DTYPE)
         if NORM != 0 or MODULATED:
-            y, _, mean, rstd = _normalized(h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM,
-                                           HAS_WEIGHT, HAS_BIAS, False)
+            y, xhat, mean, rstd = _normalized(h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM,
+                                              HAS_WEIGHT, HAS_BIAS, False)
             if NORM == 2:
                 tl.store(MEAN + rows, mean, mask=row_mask)
             if NORM != 0:
@@ -188,7 +201,7 @@ def modulate_bwd_kernel(
                              other=0.0).to(ACC_DTYPE)
                 h = tl.load(H + _tile(rows, cols, stride_h_row, stride_h_col), mask=mask,
                             other=0.0).to(ACC_DTYPE)
-                y, xhat, _, rstd = _normalized(h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM,
+                y, xhat, mean, rstd = _normalized(h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM,
                                                HAS_WEIGHT, HAS_BIAS, HAS_STATS)
                 if MODULATED:
                     dscale_acc += dy * y

@@ -99,22 +99,27 @@ def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Option
         eps,
         GATED=gate is not None, NORM=NORM_CODES[norm], MODULATED=scale is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACC_DTYPE=acc_dtype(x),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, HOIST=HOIST,
     )
+
+
+HOIST = True
 
 
 @functools.lru_cache(maxsize=None)
 def backward_config(n: int, accumulators: int, single_rows: bool) -> LaunchConfig:
-    """The norm backward's tiles, with fewer values per thread: this kernel keeps
-    up to three modulation accumulators (dscale, dshift, dgate) on top of the
-    norm's, and at 64 values per thread per tensor (the norm's choice for two
-    rows of 3072) they spill. One row per step from 2048 wide, and one when
-    every row has its own modulation row (per-token)."""
-    cfg = norm_backward_config(n, accumulators)
-    block_m = 1 if single_rows or cfg.block_n >= 2048 else cfg.block_m
-    per_thread = 16 if accumulators >= 3 else 32
-    num_warps = max(4, min(16, block_m * cfg.block_n // (32 * per_thread)))
-    return LaunchConfig(block_m, cfg.block_n, False, num_warps)
+    """Two rows per step up to 2048 wide, one wider, and about 32 values per
+    thread per tensor: the kernel keeps up to three modulation accumulators
+    (dscale, dshift, dgate) besides the norm's. From the forward+backward sweep
+    on an H100 (bench/results/sweep-modulate-h100.json): 1.97-2.17 TB/s for
+    norm_modulate, 1.91-2.15 for the seam; two rows at 4 warps of 8192 wide
+    spill and run 10x slower. Narrow rows take the norm backward's tiles; one
+    row per step when every row has its own modulation row (per-token)."""
+    block_n = triton.next_power_of_2(n)
+    block_m = norm_backward_config(n, accumulators).block_m if block_n < 2048 else 2 if block_n == 2048 else 1
+    if single_rows:
+        block_m = 1
+    return LaunchConfig(block_m, block_n, False, max(4, min(16, block_m * block_n // 1024)))
 
 
 def _segment_sums_to(m: Tensor, b: Broadcast, sums: Tensor, seg_rows, tokens) -> Tensor:
