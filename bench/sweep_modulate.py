@@ -29,9 +29,8 @@ from compile_ops import registry  # noqa: E402
 from compile_ops.ops import modulate as modulate_ops  # noqa: E402
 from compile_ops.ops.norm import LaunchConfig  # noqa: E402
 
-FORWARD = [(1, 4, 1), (1, 4, 2), (1, 8, 1), (1, 4, 4), (1, 4, 8), (2, 4, 2), (2, 8, 2), (2, 4, 4), (2, 4, 8),
-           (1, 4, -8), (2, 4, -8)]  # (block_m, warps, piece rows; negative: modulation rows loaded per iteration)
-BACKWARD = []  # (block_m, warps, -); swept in bench/results/sweep-modulate-h100.json
+FORWARD = [(1, 4, 4), (2, 4, 4), (1, 4, 8), (1, 8, 4)]  # (block_m, warps, piece rows)
+BACKWARD = [(1, 4, 0), (1, 8, 0), (2, 4, 0), (2, 8, 0)]  # (block_m, warps, -)
 ROUNDS = 3
 
 
@@ -54,9 +53,8 @@ def main(out_path=None):
                 saved = modulate_ops.forward_config, modulate_ops.backward_config, modulate_ops.FORWARD_PIECE_ROWS
                 try:
                     if kind == "fwd":
-                        modulate_ops.forward_config = lambda n, cfg=cfg: cfg
-                        modulate_ops.FORWARD_PIECE_ROWS = abs(piece)
-                        modulate_ops.HOIST = piece > 0
+                        modulate_ops.forward_config = lambda n, gated, cfg=cfg: cfg
+                        modulate_ops.FORWARD_PIECE_ROWS = piece
                         with torch.no_grad():
                             ms = graph_replay_time(functools.partial(spec.op, *args), timer)
                     else:
@@ -68,7 +66,6 @@ def main(out_path=None):
                 finally:
                     (modulate_ops.forward_config, modulate_ops.backward_config,
                      modulate_ops.FORWARD_PIECE_ROWS) = saved
-                    modulate_ops.HOIST = True
                 times[(kind, m, w, piece)].append(ms)
         for (kind, m, w, piece), ts in times.items():
             ms = statistics.median(ts)

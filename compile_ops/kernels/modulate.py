@@ -25,13 +25,13 @@ from compile_ops.kernels.norm import _centered_mean_rstd, _grad_input, _tile
 
 
 @triton.jit
-def _modulation_row(M, row, cols, col_mask, tokens, sb, sg, ss, sc, group, ACC_DTYPE: tl.constexpr):
-    """``[BLOCK_N]``: the modulation row that row ``row`` of x reads."""
+def _modulation_row(M, row, cols, col_mask, tokens, sb, sg, ss, sc, group):
+    """``[BLOCK_N]``, in M's dtype: the modulation row that row ``row`` of x reads."""
     b = row // tokens
     t = row - b * tokens
     g = t // group
     off = b * sb + g * sg + (t - g * group) * ss
-    return tl.load(M + off + cols * sc, mask=col_mask, other=0.0).to(ACC_DTYPE)
+    return tl.load(M + off + cols * sc, mask=col_mask, other=0.0)
 
 
 @triton.jit
@@ -84,7 +84,7 @@ def modulate_fwd_kernel(
     eps,
     GATED: tl.constexpr, NORM: tl.constexpr, MODULATED: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HOIST: tl.constexpr = True,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """RES_OUT = RES + GATE * X (GATED); OUT = modulate(norm(h) * W + B) with h
     RES_OUT read back at its dtype (GATED) or X. OUT is written when NORM or
@@ -100,27 +100,14 @@ def modulate_fwd_kernel(
     segment, seg_start, start, end = _piece_rows(tl.program_id(0), chunks, seg_rows, chunk_rows)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    if HOIST:
-        if MODULATED:
-            scale1 = 1.0 + _modulation_row(SCALE, seg_start, cols, col_mask, tokens,
-                                           sc_sb, sc_sg, sc_ss, sc_sc, sc_group, ACC_DTYPE)
-            shift = _modulation_row(SHIFT, seg_start, cols, col_mask, tokens,
-                                    sh_sb, sh_sg, sh_ss, sh_sc, sh_group, ACC_DTYPE)
-        if GATED:
-            gate = _modulation_row(GATE, seg_start, cols, col_mask, tokens, g_sb, g_sg, g_ss, g_sc, g_group,
-                                   ACC_DTYPE)
+    # The modulation rows stay in registers in the input dtype (half the
+    # registers of fp32 for bf16: more programs fit on an SM).
+    if MODULATED:
+        scale = _modulation_row(SCALE, seg_start, cols, col_mask, tokens, sc_sb, sc_sg, sc_ss, sc_sc, sc_group)
+        shift = _modulation_row(SHIFT, seg_start, cols, col_mask, tokens, sh_sb, sh_sg, sh_ss, sh_sc, sh_group)
+    if GATED:
+        gate = _modulation_row(GATE, seg_start, cols, col_mask, tokens, g_sb, g_sg, g_ss, g_sc, g_group)
     for row0 in range(start, end, BLOCK_M):
-        if HOIST:
-            pass
-        else:
-            if MODULATED:
-                scale1 = 1.0 + _modulation_row(SCALE, seg_start, cols, col_mask, tokens,
-                                               sc_sb, sc_sg, sc_ss, sc_sc, sc_group, ACC_DTYPE)
-                shift = _modulation_row(SHIFT, seg_start, cols, col_mask, tokens,
-                                        sh_sb, sh_sg, sh_ss, sh_sc, sh_group, ACC_DTYPE)
-            if GATED:
-                gate = _modulation_row(GATE, seg_start, cols, col_mask, tokens, g_sb, g_sg, g_ss, g_sc, g_group,
-                                       ACC_DTYPE)
         rows = row0 + tl.arange(0, BLOCK_M)
         row_mask = rows < end
         mask = row_mask[:, None] & col_mask[None, :]
@@ -128,7 +115,7 @@ def modulate_fwd_kernel(
         if GATED:
             r = tl.load(RES + _tile(rows, cols, stride_res_row, stride_res_col), mask=mask, other=0.0)
             # Rounded to residual_out's dtype before the norm: out == norm_modulate(residual_out).
-            h_out = (r.to(ACC_DTYPE) + gate[None, :] * h).to(RES_OUT.dtype.element_ty)
+            h_out = (r.to(ACC_DTYPE) + gate.to(ACC_DTYPE)[None, :] * h).to(RES_OUT.dtype.element_ty)
             tl.store(RES_OUT + _tile(rows, cols, N, 1), h_out, mask=mask)
             h = h_out.to(ACC_DTYPE)
         if NORM != 0 or MODULATED:
@@ -139,7 +126,7 @@ def modulate_fwd_kernel(
             if NORM != 0:
                 tl.store(RSTD + rows, rstd, mask=row_mask)
             if MODULATED:
-                y = y * scale1[None, :] + shift[None, :]
+                y = y * (1.0 + scale.to(ACC_DTYPE))[None, :] + shift.to(ACC_DTYPE)[None, :]
             tl.store(OUT + _tile(rows, cols, N, 1), y.to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -185,10 +172,10 @@ def modulate_bwd_kernel(
         # Every row of a segment shares its modulation rows: load them once.
         if GATED:
             gate = _modulation_row(GATE, seg_start, cols, col_mask, tokens,
-                                   g_sb, g_sg, g_ss, g_sc, g_group, ACC_DTYPE)
+                                   g_sb, g_sg, g_ss, g_sc, g_group).to(ACC_DTYPE)
         if MODULATED:
             scale1 = 1.0 + _modulation_row(SCALE, seg_start, cols, col_mask, tokens,
-                                           sc_sb, sc_sg, sc_ss, sc_sc, sc_group, ACC_DTYPE)
+                                           sc_sb, sc_sg, sc_ss, sc_sc, sc_group).to(ACC_DTYPE)
         dgate_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)
         dscale_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)
         dshift_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)

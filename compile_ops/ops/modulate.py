@@ -32,8 +32,9 @@ from compile_ops.ops.norm import backward_config as norm_backward_config
 
 #: The kernels' NORM flag.
 NORM_CODES = {"none": 0, "rmsnorm": 1, "layernorm": 2}
-#: Rows per forward program: they share the modulation rows, read once.
-FORWARD_PIECE_ROWS = 8
+#: Rows per forward program: they share the modulation rows, read once (4 to
+#: 8 were best in the H100 sweep; 1 lost up to 20%).
+FORWARD_PIECE_ROWS = 4
 #: The backward's pieces of a segment are at least this many rows long.
 MIN_PIECE_ROWS = 16
 #: Kernel arguments of an absent modulation tensor.
@@ -67,12 +68,16 @@ def _segments(h: Tensor, broadcasts: dict):
 
 
 @functools.lru_cache(maxsize=None)
-def forward_config(n: int) -> LaunchConfig:
-    """Rows of a piece are walked one by one (a few for narrow rows), 4 warps up
-    to 4096 wide."""
+def forward_config(n: int, gated: bool) -> LaunchConfig:
+    """From the H100 forward sweep (bench/results/sweep-modulate-fwd-h100.json):
+    4 warps; one row per step, two for the gated residual (two inputs, two
+    outputs) up to 4096 wide. Narrow rows take several rows per step."""
     block_n = triton.next_power_of_2(n)
-    block_m = 1 if block_n >= 1024 else min(16, 8192 // block_n)
-    return LaunchConfig(block_m, block_n, False, max(4, min(16, block_m * block_n // 1024)))
+    if block_n < 1024:
+        block_m = min(16, 8192 // block_n)
+    else:
+        block_m = 2 if gated and block_n <= 4096 else 1
+    return LaunchConfig(block_m, block_n, False, 4)
 
 
 def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor],
@@ -88,7 +93,7 @@ def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Option
     b = _broadcasts(op, x, gate=gate, scale=scale, shift=shift)
     tokens, seg_rows, n_segments = _segments(x, b)
     chunks = triton.cdiv(seg_rows, FORWARD_PIECE_ROWS)
-    cfg = forward_config(int(n))
+    cfg = forward_config(int(n), gate is not None)
     launcher(modulate_fwd_kernel)[(n_segments * chunks,)](
         x2, res2, gate, scale, shift, contiguous_param(weight), contiguous_param(bias), out, residual_out,
         mean if norm == "layernorm" else None, rstd,
@@ -99,11 +104,9 @@ def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Option
         eps,
         GATED=gate is not None, NORM=NORM_CODES[norm], MODULATED=scale is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACC_DTYPE=acc_dtype(x),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, HOIST=HOIST,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
 
-
-HOIST = True
 
 
 @functools.lru_cache(maxsize=None)
