@@ -58,7 +58,8 @@ def _normalized_at_dtype(h, weight, bias, norm, eps):
 def _plain(op, args):
     """The op as an uncompiled diffusers model writes it, in the inputs' dtypes."""
     def x_shaped(m, x):
-        return ref.expand_to_x(m, x)
+        # A 0-dim tensor broadcasts as is (expanded, it would promote like a dimensioned one).
+        return m if m.dim() == 0 else ref.expand_to_x(m, x)
 
     if op == "modulate":
         x, scale, shift = args
