@@ -50,9 +50,12 @@ def _normalized_at_dtype(h, weight, bias, norm, eps):
     if norm == "layernorm":
         up = [None if t is None else t.float() for t in (weight, bias)]
         return F.layer_norm(h.float(), (c,), *up, eps).to(out_dtype)
-    y = F.rms_norm(h.float(), (c,), None, eps).to(out_dtype)  # diffusers' RMSNorm: fp32 statistics
+    y = F.rms_norm(h.float(), (c,), None, eps).to(out_dtype)  # fp32 statistics
     y = y * weight if weight is not None else y
-    return y + bias if bias is not None else y
+    y = y + bias if bias is not None else y
+    # (diffusers' RMSNorm would return fp32 for an fp32 weight and a half input;
+    # the family keeps the input's dtype there.)
+    return y.to(out_dtype)
 
 
 def _plain(op, args):
