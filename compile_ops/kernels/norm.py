@@ -67,8 +67,18 @@ def _centered_mean_rstd(x, mask, N, eps, IS_RMS: tl.constexpr):
     else:
         mean = _row_mean(x, N)
         xc = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(_row_mean(xc * xc, N) + eps)
-    return xc, mean, rstd
+    return xc, mean, _rsqrt_exact(_row_mean(xc * xc, N) + eps)
+
+
+@triton.jit
+def _rsqrt_exact(v):
+    """1 / sqrt(v) with both steps correctly rounded: triton's fp32 sqrt and
+    ``/`` are approximate, and their few ulps of error in rstd reach every
+    gradient (an fp32 gradient of a 0-dim gate drew 7x torch's error)."""
+    if v.dtype == tl.float64:
+        return 1.0 / tl.sqrt(v)  # fp64 sqrt and division are IEEE already
+    else:
+        return tl.div_rn(tl.full(v.shape, 1.0, v.dtype), tl.sqrt_rn(v))
 
 
 @triton.jit
@@ -92,8 +102,7 @@ def _looped_mean_rstd(H, rows, row_mask, cols, N, stride_row, stride_col, eps,
         h = tl.load(H + _tile(rows, c, stride_row, stride_col), mask=mask, other=0.0).to(ACC_DTYPE)
         hc = tl.where(mask, h - mean[:, None], 0.0)
         acc += hc * hc
-    rstd = 1.0 / tl.sqrt(_row_mean(acc, N) + eps)
-    return mean, rstd
+    return mean, _rsqrt_exact(_row_mean(acc, N) + eps)
 
 
 @triton.jit
