@@ -1,0 +1,83 @@
+"""Layer 2b: every kernel variant the launchers emit compiles for an H100 (sm_90), on CPU.
+
+The interpreter runs kernels as Python and accepts code that triton's compiler
+rejects (a name reused inside and outside a loop becomes a loop-carried value
+of two types, for instance: that reached the GPU once). Here the launch of
+every registry op is traced on fake CUDA tensors, as in test_ops_registry.py,
+and each distinct (kernel, argument types, constexprs) is compiled ahead of
+time through PTX to a cubin with triton's bundled ptxas; no GPU is needed.
+"""
+import pytest
+import torch
+import triton
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from compile_ops import registry
+from compile_ops._library import OP_BODIES
+
+_POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64"}
+
+
+def _fake_cuda(args):
+    return tuple(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda")
+                 if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _launches(spec, dtype):
+    """``{key: (kernel, signature, constexprs)}`` of every launch of the op's body
+    over its edge inputs and one DiT-sized input."""
+    cases = list(spec.edge_inputs(dtype, "cpu", False))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        if spec.make_inputs is not None:
+            with torch.device("meta"):
+                cases.append(spec.make_inputs((2, 64, 3072), dtype, "meta", False))
+        launches = {}
+        for args in cases:
+            gm = make_fx(lambda *a: OP_BODIES[spec.qualname](*a))(*_fake_cuda(args))
+            for node in gm.graph.nodes:
+                if node.target is not torch.ops.higher_order.triton_kernel_wrapper_mutation:
+                    continue
+                kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+                # torch wraps a plain @triton.jit kernel in a no-config Autotuner.
+                kernel = kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn
+                constants = dict(kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]))
+                signature = {}
+                for name, value in node.kwargs["kwargs"].items():
+                    value = value.meta["val"] if hasattr(value, "meta") else value
+                    if isinstance(value, torch.Tensor):
+                        signature[name] = _POINTER[value.dtype]
+                    elif isinstance(value, bool) or isinstance(value, triton.language.dtype):
+                        constants[name] = value
+                    elif isinstance(value, int):
+                        signature[name] = "i64" if abs(value) >= 2 ** 31 else "i32"
+                    elif isinstance(value, float):
+                        signature[name] = "fp32"
+                    else:
+                        constants[name] = value
+                constexpr_params = {p.name for p in kernel.params if p.is_constexpr}
+                for name in list(signature):
+                    if name in constexpr_params:  # BLOCK sizes and the like arrive as ints
+                        constants[name] = node.kwargs["kwargs"][name]
+                        del signature[name]
+                for name in constants:
+                    signature[name] = "constexpr"
+                key = (kernel.fn.__name__, tuple(sorted(signature.items())),
+                       tuple(sorted((k, str(v)) for k, v in constants.items())))
+                launches[key] = (kernel, signature, constants)
+    return launches
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("spec", registry.OPS, ids=[s.name for s in registry.OPS])
+def test_every_launched_kernel_variant_compiles_for_sm90(spec, dtype):
+    launches = _launches(spec, dtype)
+    assert launches, "the op launched no kernel"
+    for name, (kernel, signature, constants) in launches.items():
+        ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
+        src = ASTSource(fn=kernel, signature=ordered, constexprs=constants)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert compiled.asm.get("cubin"), f"{name[0]}: no cubin"
