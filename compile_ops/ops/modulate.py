@@ -372,11 +372,7 @@ def norm_modulate(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tens
 
     Args:
         x: ``[B, *tokens, C]``, fp16/bf16/fp32/fp64, any strides, C <= 16384.
-        scale: broadcasts to x: ``[B, C]`` or ``[B, 1, C]`` per sample, ``[B, L, C]``
-            per token, ``[B, F, 1, C]`` per frame (x read as ``[B, F, L/F, C]``),
-            ``[C]``, 0-dim, or any shape torch broadcasts to x's; any strides.
-            Its gradient is reduced over the broadcast dims deterministically.
-        shift: broadcasts to x, as scale.
+        scale, shift: broadcast to x as ``scale`` of :func:`modulate` does.
         weight: ``[C]`` or None (``elementwise_affine=False``, the DiT case).
         bias: ``[C]`` or None.
         norm: ``"layernorm"`` or ``"rmsnorm"``.

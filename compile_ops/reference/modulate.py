@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from compile_ops.meta import modulate as meta
+from compile_ops.reference.norm import _affine
 
 
 def _acc(*tensors: torch.Tensor) -> torch.dtype:
@@ -39,14 +40,6 @@ def _stats_outputs(mean, rstd, norm):
     """The forward ops' ``(mean, rstd)`` outputs: fp32/fp64, not differentiable."""
     mean = mean.new_empty((0,)) if norm == "rmsnorm" else mean.squeeze(-1).detach()
     return mean, rstd.squeeze(-1).detach()
-
-
-def _affine(xhat, weight, bias):
-    if weight is not None:
-        xhat = xhat * weight.to(xhat.dtype)
-    if bias is not None:
-        xhat = xhat + bias.to(xhat.dtype)
-    return xhat
 
 
 def _modulated(y, x, scale, shift):
