@@ -184,9 +184,10 @@ def _gated_residual_norm_modulate_op(residual: Tensor, x: Tensor, gate: Tensor, 
 @fused_op("modulate_backward", fake=meta.modulate.modulate_backward,
           reference=reference.modulate.modulate_backward)
 def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], h: Tensor,
-                          mean: Optional[Tensor], rstd: Optional[Tensor], x_branch: Optional[Tensor], gate: Optional[Tensor], scale: Optional[Tensor],
-                          shift: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
-                          norm: str, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                          mean: Optional[Tensor], rstd: Optional[Tensor], x_branch: Optional[Tensor],
+                          gate: Optional[Tensor], scale: Optional[Tensor], shift: Optional[Tensor],
+                          weight: Optional[Tensor], bias: Optional[Tensor], norm: str,
+                          eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward of every op of the family (:func:`compile_ops.meta.modulate.modulate_backward`).
 
     ``h`` is the norm's input (x, or residual_out of a gated residual); for a
@@ -252,7 +253,8 @@ def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], 
         eps,
         HAS_DY=grad_out is not None, HAS_DH=grad_h is not None, GATED=gated, NORM=NORM_CODES[norm],
         MODULATED=modulated, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        HAS_STATS=rstd is not None, ACC_DTYPE=acc_dtype(h), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        HAS_STATS=rstd is not None, ACC_DTYPE=acc_dtype(h), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
     )
     reduced = {}
     for name, m, grad in (("gate", gate, d_gate), ("scale", scale, d_scale), ("shift", shift, d_shift)):
