@@ -8,9 +8,10 @@ from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZer
 from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.modulate import gated_residual, gated_residual_norm_modulate, modulate, norm_modulate
 from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
+from compile_ops.ops.rope import rope
 
 __version__ = "0.1.0"
 
 __all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm",
            "modulate", "norm_modulate", "gated_residual", "gated_residual_norm_modulate",
-           "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous"]
+           "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous", "rope"]

@@ -12,6 +12,7 @@ import torch
 from compile_ops import reference
 from compile_ops.ops import modulate as _modulate_ops  # noqa: F401  (registers the ops)
 from compile_ops.ops import norm as _norm_ops  # noqa: F401
+from compile_ops.ops import rope as _rope_ops  # noqa: F401
 
 Shape = tuple[int, ...]
 
@@ -209,6 +210,42 @@ def _modulate_backward_edges(dtype, device, requires_grad):
     ]
 
 
+# ---------------------------------------------------------------- rope family
+
+
+def _rope_tables(length, t, dtype, device, per_batch=0):
+    """Angle tables like diffusers' (fp32 whatever x's dtype, unless fp64)."""
+    tdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    angles = torch.rand(((per_batch,) if per_batch else ()) + (length, t), device=device, dtype=tdtype) * 6.3
+    return angles.cos(), angles.sin()
+
+
+def _rope_edges(dtype, device, requires_grad):
+    g = requires_grad
+
+    def x(shape):
+        return _tensor(shape, dtype, device, g)
+
+    bhld = x((2, 3, 5, 16))
+    blhd_view = _tensor((2, 5, 3, 16), dtype, device).transpose(1, 2).detach().requires_grad_(g)
+    return [
+        (bhld, *_rope_tables(5, 16, dtype, device), False, 2, None, False),           # half-split, full table
+        (bhld, *_rope_tables(5, 8, dtype, device), True, 2, None, False),             # interleaved, half table
+        (x((2, 5, 3, 16)), *_rope_tables(5, 16, dtype, device), True, 1, None, False),  # [B, L, H, D]
+        (blhd_view, *_rope_tables(5, 16, dtype, device, 2), False, 2, None, False),   # strided, per batch
+        (x((1, 2, 7, 24)), *_rope_tables(7, 16, dtype, device), True, 2, 16, False),  # partial rotary
+        (x((0, 2, 7, 16)), *_rope_tables(7, 16, dtype, device), False, 2, None, True),  # zero rows, inverse
+    ]
+
+
+def _make_rope(shape, dtype, device, requires_grad):
+    """``[B, L, C]`` -> x ``[B, H, L, D]`` with D = 128 (16 for small C), interleaved (Flux)."""
+    b, length, c = shape
+    d = 128 if c % 128 == 0 else 16
+    x = _tensor((b, c // d, length, d), dtype, device, requires_grad)
+    return (x, *_rope_tables(length, d, dtype, device), True, 2, None, False)
+
+
 #: DiT activation shapes from shared/DESIGN.md: Flux/SD3 (3072), Wan/LTX-like
 #: long sequences (1536), HunyuanVideo-sized hidden (5120).
 DIT_NORM_SHAPES = ((2, 4096, 3072), (1, 32768, 1536), (1, 16384, 5120))
@@ -235,6 +272,8 @@ OPS: tuple[OpSpec, ...] = (
            _modulation_edges(_gated_residual_norm_modulate_args("rmsnorm")), bench_shapes=DIT_NORM_SHAPES),
     OpSpec("modulate_backward", "modulate", reference.modulate.modulate_backward, None,
            _modulate_backward_edges, differentiable=False),
+    OpSpec("rope", "rope", reference.rope.rope, _make_rope, _rope_edges,
+           bench_shapes=((1, 4608, 3072), (1, 32760, 1536))),
 )
 
 BY_NAME = {spec.name: spec for spec in OPS}

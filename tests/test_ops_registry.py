@@ -68,10 +68,13 @@ def test_reference_path_matches_reference(spec):
 # ---------------------------------------------------------------- layer 1: torch.compile
 
 
-def _mark_sequence_dynamic(args):
+def _mark_sequence_dynamic(args, seq_len):
+    """Mark the sequence dim of every tensor dynamic: the dims of size ``seq_len``
+    (the lengths tested differ from every other dim of the inputs)."""
     for a in _tensors(args):
-        if a.dim() == 3:
-            torch._dynamo.mark_dynamic(a, 1)
+        for d, size in enumerate(a.shape):
+            if size == seq_len:
+                torch._dynamo.mark_dynamic(a, d)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -90,7 +93,7 @@ def test_compile_fullgraph_one_compile_across_lengths(spec, backend):
 
     for seq_len in (5, 9, 17):
         args = spec.make_inputs((2, seq_len, 32), torch.float32, device, True)
-        _mark_sequence_dynamic(args)
+        _mark_sequence_dynamic(args, seq_len)
         loss = f(*args)
         loss.backward()
         grads = [a.grad for a in _tensors(args) if a.requires_grad]
