@@ -52,6 +52,12 @@ def check_rope(op: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
                      f"per pair) columns, got {t.shape[-1]}")
     if cos.shape != sin.shape:
         fail(op, f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    return table_layout(x, cos, rotary_dim)
+
+
+def table_layout(x: torch.Tensor, cos: torch.Tensor, rotary_dim: Optional[int]) -> tuple[int, bool]:
+    """``(rotary_dim, half_table)`` of arguments :func:`check_rope` accepted."""
+    r = x.shape[-1] if rotary_dim is None else rotary_dim
     return r, cos.shape[-1] == r // 2
 
 

@@ -19,9 +19,9 @@ TILE = 4096
 @fused_op("rope", fake=meta.rope.rope, reference=reference.rope.rope)
 def _rope_op(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, seq_dim: int,
              rotary_dim: Optional[int] = None, inverse: bool = False) -> Tensor:
-    r, half = meta.rope.check_rope("rope", x, cos, sin, seq_dim, rotary_dim)
-    r = int(r)  # a constexpr: a head dim made dynamic is specialized here
     out = meta.rope.rope(x, cos, sin, interleaved, seq_dim, rotary_dim, inverse)
+    r, half = meta.rope.table_layout(x, cos, rotary_dim)
+    r = int(r)  # a constexpr: a head dim made dynamic is specialized here
     B, N1, N2, D = x.shape
     n_rows = B * N1 * N2
     block_p = triton.next_power_of_2(r // 2)
