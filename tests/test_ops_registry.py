@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from compile_ops import registry
 from compile_ops._library import OP_BODIES
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, KERNEL_DEVICE
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 DIFFERENTIABLE = [s for s in registry.OPS if s.differentiable]
@@ -164,6 +164,26 @@ def test_fake_cuda_trace_past_2_31_elements(spec):
             if node.target is torch.ops.higher_order.triton_kernel_wrapper_mutation:
                 assert all(0 < g < 2 ** 31 for g in node.kwargs["grid"][0])
         assert _outputs(gm(*cuda_args))[0].shape == _tensors(args)[0].shape
+
+
+# ---------------------------------------------------------------- layer 3/4: the kernels ran
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("spec", DIFFERENTIABLE, ids=[s.name for s in DIFFERENTIABLE])
+def test_kernels_run_triton_not_the_reference(spec, monkeypatch):
+    """The family tests compare kernels with the references, so they would pass
+    vacuously if an op fell back to its reference: make every reference fail,
+    then run the op forward and backward (which calls the backward ops)."""
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the reference ran where the Triton kernel should have")
+
+    for s in registry.OPS:
+        monkeypatch.setattr(s.reference, "__code__", no_reference.__code__)
+    args = spec.make_inputs((2, 5, 32), torch.float32, KERNEL_DEVICE, True)
+    outs = [o for o in _outputs(spec.op(*args)) if o.requires_grad]
+    sum(o.sum() for o in outs).backward()
+    assert all(a.grad is not None for a in _tensors(args) if a.requires_grad)
 
 
 # ---------------------------------------------------------------- layer 4: GPU only
