@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import compile_ops
 from compile_ops._library import OP_BODIES
 from compile_ops.reference import norm as ref
+from bad_input import bad_input_test
 from conftest import KERNEL_DEVICE
 from numerics import assert_within_torch_error
 
@@ -264,11 +265,7 @@ def _bad_input_cases():
     ]
 
 
-@pytest.mark.parametrize("case", range(len(_bad_input_cases())))
-def test_bad_input_raises_a_clear_error(case):
-    fn, exc, pattern = _bad_input_cases()[case]
-    with pytest.raises(exc, match=pattern):
-        fn()
+test_bad_input_raises_a_clear_error = bad_input_test(_bad_input_cases)
 
 
 def test_bad_input_raises_before_any_launch_on_cuda():

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import compile_ops.ops.rope as rope_ops
 from compile_ops.reference import rope as ref
+from bad_input import bad_input_test
 from conftest import KERNEL_DEVICE
 from numerics import assert_within_torch_error
 
@@ -112,8 +113,4 @@ def _bad_input_cases():
     ]
 
 
-@pytest.mark.parametrize("case", range(len(_bad_input_cases())))
-def test_bad_input_raises_a_clear_error(case):
-    fn, exc, pattern = _bad_input_cases()[case]
-    with pytest.raises(exc, match=pattern):
-        fn()
+test_bad_input_raises_a_clear_error = bad_input_test(_bad_input_cases)

@@ -280,12 +280,17 @@ def segment_rows(tokens, *broadcasts: Broadcast):
     runs; under torch.compile, where runs may be symbolic, the common run when
     they are all equal, else single rows (correct, slower)."""
     runs = [b.run for b in broadcasts] or [tokens]
-    static = [int(r) if is_concrete_int(r) else None for r in runs]
+    static = [static_int(r) for r in runs]
     if all(r is not None for r in static):
         return math.gcd(*static)
     if all(r == runs[0] for r in runs[1:]):
         return runs[0]
     return 1
+
+
+def static_int(v) -> Optional[int]:
+    """``v`` as an int when it is one (or a SymInt of constant value), else None."""
+    return int(v) if is_concrete_int(v) else None
 
 
 def tokens_of(x: torch.Tensor):

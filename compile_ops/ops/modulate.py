@@ -19,12 +19,11 @@ from typing import Optional
 import torch
 import triton
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher, multiprocessor_count
 from compile_ops.kernels.modulate import modulate_bwd_kernel, modulate_fwd_kernel
-from compile_ops.meta.modulate import Broadcast
+from compile_ops.meta.modulate import Broadcast, static_int
 from compile_ops.ops._launch import (acc_dtype, acc_torch_dtype, as_rows, column_sum, contiguous_param,
                                      grad_or_none)
 from compile_ops.ops.norm import BACKWARD_PROGRAMS_PER_SM, LaunchConfig
@@ -50,11 +49,6 @@ def _broadcast_args(b: Optional[Broadcast]) -> tuple:
 def _broadcasts(op: str, x: Tensor, **tensors: Optional[Tensor]) -> dict:
     return {name: None if m is None else meta.modulate.broadcast_on_x(op, name, m, x)
             for name, m in tensors.items()}
-
-
-def _static_int(v) -> Optional[int]:
-    """``v`` as an int when it is one (or a SymInt of constant value), else None."""
-    return int(v) if is_concrete_int(v) else None
 
 
 # ---------------------------------------------------------------- launchers
@@ -88,7 +82,7 @@ def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Option
     x2 = as_rows(x)
     res2 = None if residual is None else as_rows(residual)
     n_rows, n = x2.shape
-    if _static_int(n_rows) == 0:
+    if static_int(n_rows) == 0:
         return
     b = _broadcasts(op, x, gate=gate, scale=scale, shift=shift)
     tokens, seg_rows, n_segments = _segments(x, b)
@@ -198,7 +192,7 @@ def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], 
     d_h, d_xb, d_gate, d_scale, d_shift, d_weight, d_bias = grads
     h2 = as_rows(h)
     n_rows, n = h2.shape
-    if _static_int(n_rows) == 0:
+    if static_int(n_rows) == 0:
         for g in grads:
             g.zero_()
         return grads
@@ -209,9 +203,9 @@ def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], 
     # Pieces per segment: enough to fill the persistent grid when segments are
     # few (per-sample modulation: B segments of L rows). A static count, so
     # that the partial-sum buffers have static sizes under torch.compile.
-    static_segments = _static_int(n_segments)
+    static_segments = static_int(n_segments)
     chunks = max(1, triton.cdiv(max_programs, static_segments)) if static_segments else 1
-    static_seg_rows = _static_int(seg_rows)
+    static_seg_rows = static_int(seg_rows)
     if static_seg_rows is not None:  # no near-empty pieces when segments are short
         chunks = max(1, min(chunks, static_seg_rows // MIN_PIECE_ROWS))
     chunk_rows = triton.cdiv(seg_rows, chunks)
