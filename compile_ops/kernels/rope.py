@@ -1,70 +1,318 @@
-"""Triton kernel of the RoPE family: one kernel for both pair conventions, full
-or half tables, partial rotary dims, the forward and its transpose (backward).
+"""Triton kernels of the RoPE family.
 
-Each program takes ``BLOCK_M`` rows (one row = one head's D channels at one
-position) of x viewed as ``[B, N1, N2, D]`` with any strides; the position is
-index 1 or 2 (``SEQ_DIM``). Pair ``i`` is ``(i, i + R/2)`` or, ``INTERLEAVED``,
-``(2i, 2i + 1)``; a full table is read at each member's own column (diffusers'
-tables repeat each angle, but nothing here assumes it), a ``HALF_TABLE`` at
-column ``i``. Channels past R are copied. Output rows are contiguous.
+One forward kernel serves ``fused.rope``, ``fused.rope_qk``, ``fused.rope_grid``
+and the forward of ``fused.qk_norm_rope``; one backward kernel serves
+``qk_norm_rope`` (plain rotations are their own backward: the same forward
+kernel with ``INVERSE``, the transpose).
+
+Work split: a program owns ``BLOCK_L`` positions of one batch element and a
+range of heads (q's heads first, then k's). It gets the angles of its positions
+once, into registers, and loops over its heads: the angle tile (1 KB per
+position for diffusers' full fp32 tables, more than a bf16 head row) is read or
+computed once per program instead of once per head, and q and k share it.
+
+Pairs: pair ``p`` is channels ``(2p, 2p + 1)`` (``INTERLEAVED``) or ``(p, p + R/2)``.
+Angles (``ANGLES``): a full table ``[.., L, R]`` read at each member's own
+column (diffusers' tables repeat each angle, but nothing here assumes it), a
+half table ``[.., L, R/2]`` read at column ``p``, or ``GRID``: computed from the
+token's (frame, row, column) position and per-pair constants, with no table.
+Channels past R pass through (``NORM``: normalized and weighted like the rest).
 """
 import triton
 import triton.language as tl
 
+from compile_ops.kernels.norm import _rsqrt_exact
+
+TABLE_FULL: tl.constexpr = tl.constexpr(0)
+TABLE_HALF: tl.constexpr = tl.constexpr(1)
+GRID: tl.constexpr = tl.constexpr(2)
+
+#: Rows of the GRID per-pair constants (``meta.rope.GridRope.constants``).
+GRID_SLOPE_HI: tl.constexpr = tl.constexpr(0)
+GRID_SLOPE_LO: tl.constexpr = tl.constexpr(1)
+GRID_INTERCEPT_HI: tl.constexpr = tl.constexpr(2)
+GRID_INTERCEPT_LO: tl.constexpr = tl.constexpr(3)
+GRID_AXIS: tl.constexpr = tl.constexpr(4)
+
 
 @triton.jit
-def _members(i, R: tl.constexpr, INTERLEAVED: tl.constexpr):
+def _load_pairs(rows, stride_c, p, mask, R: tl.constexpr, INTERLEAVED: tl.constexpr, ACC: tl.constexpr):
+    """Both members of pairs ``p`` [BLOCK_P] of the rows at pointers ``rows``
+    [BLOCK_L]: two [BLOCK_L, BLOCK_P] tiles in ACC."""
     if INTERLEAVED:
-        return 2 * i, 2 * i + 1
+        # One [BLOCK_L, BLOCK_P, 2] load, split in registers: each thread reads a
+        # pair as one vector instead of two stride-2 gathers.
+        cols = (2 * p)[:, None] + tl.arange(0, 2)[None, :]
+        v = tl.load(rows[:, None, None] + (cols * stride_c)[None, :, :], mask=mask[:, :, None], other=0.0)
+        first, second = tl.split(v.to(ACC))
     else:
-        return i, i + R // 2
+        first = tl.load(rows[:, None] + (p * stride_c)[None, :], mask=mask, other=0.0).to(ACC)
+        second = tl.load(rows[:, None] + ((p + R // 2) * stride_c)[None, :], mask=mask, other=0.0).to(ACC)
+    return first, second
 
 
 @triton.jit
-def rope_kernel(
-    X, COS, SIN, OUT,
-    n_rows, N1, N2, D,
-    stride_b, stride_1, stride_2, stride_d, stride_tb, stride_tl,
-    R: tl.constexpr, SEQ_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
-    INVERSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    """OUT = rotate(X) by the angles in COS/SIN (INVERSE: by their negatives, the
-    transpose, which is the backward of the forward rotation)."""
-    rows = tl.cast(tl.program_id(0), tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_rows
-    i2 = rows % N2
-    t = rows // N2
-    i1 = t % N1
-    b = t // N1
-    x_row = b * stride_b + i1 * stride_1 + i2 * stride_2
-    pos = i1 if SEQ_DIM == 1 else i2
-    t_row = b * stride_tb + pos * stride_tl
-
-    pairs = tl.arange(0, BLOCK_P)
-    mask = row_mask[:, None] & (pairs < R // 2)[None, :]
-    f, g = _members(pairs, R, INTERLEAVED)
-    x1 = tl.load(X + x_row[:, None] + (f * stride_d)[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X + x_row[:, None] + (g * stride_d)[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HALF_TABLE:
-        c1 = tl.load(COS + t_row[:, None] + pairs[None, :], mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(SIN + t_row[:, None] + pairs[None, :], mask=mask, other=0.0).to(tl.float32)
-        c2, s2 = c1, s1
+def _store_pairs(rows, p, mask, first, second, R: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Store both members of pairs ``p`` to rows with unit channel stride."""
+    dtype = rows.dtype.element_ty
+    if INTERLEAVED:
+        cols = (2 * p)[:, None] + tl.arange(0, 2)[None, :]
+        tl.store(rows[:, None, None] + cols[None, :, :], tl.join(first, second).to(dtype), mask=mask[:, :, None])
     else:
-        c1 = tl.load(COS + t_row[:, None] + f[None, :], mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(SIN + t_row[:, None] + f[None, :], mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(COS + t_row[:, None] + g[None, :], mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(SIN + t_row[:, None] + g[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(rows[:, None] + p[None, :], first.to(dtype), mask=mask)
+        tl.store(rows[:, None] + (p + R // 2)[None, :], second.to(dtype), mask=mask)
+
+
+@triton.jit
+def _grid_angle_cos_sin(CONSTS, pos, p, frame_size, width, R: tl.constexpr, ACC: tl.constexpr):
+    """cos and sin of ``idx[axis[p]] * slope[p] + intercept[p]`` for token
+    positions ``pos`` of a (frames, rows of ``width``) grid with ``frame_size``
+    tokens per frame.
+
+    The angle is carried as a double-float (fp32 head + error term): a video's
+    angles reach hundreds of radians, where one fp32 rounding of the product is
+    ~1e-5 of error, a thousand times a table built in fp64. The error term is
+    folded in to first order: cos(a + e) = cos(a) - e sin(a).
+    """
+    n_pairs: tl.constexpr = R // 2
+    pm = p < n_pairs
+    slope_hi = tl.load(CONSTS + GRID_SLOPE_HI * n_pairs + p, mask=pm, other=0.0).to(ACC)[None, :]
+    slope_lo = tl.load(CONSTS + GRID_SLOPE_LO * n_pairs + p, mask=pm, other=0.0).to(ACC)[None, :]
+    icpt_hi = tl.load(CONSTS + GRID_INTERCEPT_HI * n_pairs + p, mask=pm, other=0.0).to(ACC)[None, :]
+    icpt_lo = tl.load(CONSTS + GRID_INTERCEPT_LO * n_pairs + p, mask=pm, other=0.0).to(ACC)[None, :]
+    axis = tl.load(CONSTS + GRID_AXIS * n_pairs + p, mask=pm, other=0.0)[None, :]
+    frame = pos // frame_size
+    row = (pos - frame * frame_size) // width
+    col = pos - frame * frame_size - row * width
+    idx = tl.where(axis == 0, frame[:, None], tl.where(axis == 1, row[:, None], col[:, None])).to(ACC)
+    product = idx * slope_hi
+    err = tl.fma(idx, slope_hi, -product) + idx * slope_lo + icpt_lo  # exact rounding error of the product
+    angle = product + icpt_hi
+    part = angle - product  # two-sum: the rounding error of the addition
+    err += (product - (angle - part)) + (icpt_hi - part)
+    c = tl.cos(angle)
+    s = tl.sin(angle)
+    return c - err * s, s + err * c
+
+
+@triton.jit
+def _angles(COS, SIN, b, pos, pos_mask, p, stride_tb, stride_tl, frame_size, width,
+            R: tl.constexpr, INTERLEAVED: tl.constexpr, ANGLES: tl.constexpr, ACC: tl.constexpr):
+    """cos and sin of both members' angles at positions ``pos``: four
+    [BLOCK_L, BLOCK_P] tiles ``(cos_1, sin_1, cos_2, sin_2)``. For GRID, COS holds
+    the per-pair constants."""
+    mask = pos_mask[:, None] & (p < R // 2)[None, :]
+    if ANGLES == GRID:
+        c, s = _grid_angle_cos_sin(COS, pos, p, frame_size, width, R, ACC)
+        c1, s1, c2, s2 = c, s, c, s
+    else:
+        offset = b * stride_tb + pos * stride_tl
+        if ANGLES == TABLE_HALF:
+            c1 = tl.load(COS + offset[:, None] + p[None, :], mask=mask, other=0.0).to(ACC)
+            s1 = tl.load(SIN + offset[:, None] + p[None, :], mask=mask, other=0.0).to(ACC)
+            c2, s2 = c1, s1
+        else:
+            c1, c2 = _load_pairs(COS + offset, 1, p, mask, R, INTERLEAVED, ACC)
+            s1, s2 = _load_pairs(SIN + offset, 1, p, mask, R, INTERLEAVED, ACC)
+    return c1, s1, c2, s2
+
+
+@triton.jit
+def _rotate(x1, x2, c1, s1, c2, s2, INVERSE: tl.constexpr):
+    """The rotation of pairs (x1, x2), or its transpose (the backward)."""
     if INVERSE:
         y1 = x1 * c1 + x2 * s2
         y2 = x2 * c2 - x1 * s1
     else:
         y1 = x1 * c1 - x2 * s1
         y2 = x2 * c2 + x1 * s2
-    out_row = rows * D
-    tl.store(OUT + out_row[:, None] + f[None, :], y1.to(OUT.dtype.element_ty), mask=mask)
-    tl.store(OUT + out_row[:, None] + g[None, :], y2.to(OUT.dtype.element_ty), mask=mask)
-    if BLOCK_T > 0:  # channels past the rotary dim pass through
-        tail = R + tl.arange(0, BLOCK_T)
-        tail_mask = row_mask[:, None] & (tail < D)[None, :]
-        v = tl.load(X + x_row[:, None] + (tail * stride_d)[None, :], mask=tail_mask, other=0.0)
-        tl.store(OUT + out_row[:, None] + tail[None, :], v, mask=tail_mask)
+    return y1, y2
+
+
+@triton.jit
+def _head_range(first_head, n_heads_before, n_heads, heads_per_program):
+    """This program's heads of one tensor whose heads come after
+    ``n_heads_before`` heads of the other in the combined head order."""
+    start = tl.maximum(first_head - n_heads_before, 0)
+    end = tl.minimum(first_head + heads_per_program - n_heads_before, n_heads)
+    return start, end
+
+
+@triton.jit
+def _rstd(x1, x2, t, D, eps, BLOCK_T: tl.constexpr):
+    squares = tl.sum(x1 * x1 + x2 * x2, axis=1)
+    if BLOCK_T > 0:
+        squares += tl.sum(t * t, axis=1)
+    return _rsqrt_exact(squares / D + eps)
+
+
+@triton.jit
+def _weights(W, p, tail, D, R: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr,
+             ACC: tl.constexpr):
+    """The norm weight as [1, BLOCK_P] pair tiles and a [1, BLOCK_T] tail tile."""
+    w1, w2 = _load_pairs(W + tl.zeros([1], tl.int64), 1, p, (p < R // 2)[None, :], R, INTERLEAVED, ACC)
+    w_tail = tl.load(W + tail, mask=tail < D, other=0.0).to(ACC)[None, :]
+    return w1, w2, w_tail
+
+
+@triton.jit
+def _rotate_heads(X, OUT, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2,
+                  stride_xb, stride_xl, stride_xh, stride_xd, stride_ob, stride_ol, stride_oh, D, eps,
+                  R: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr, INVERSE: tl.constexpr,
+                  BLOCK_T: tl.constexpr, ACC: tl.constexpr):
+    """Heads [h_start, h_end) of X at positions ``pos``: (RMS-normalize with
+    weight W, then) rotate, into OUT (unit channel stride)."""
+    mask = pos_mask[:, None] & (p < R // 2)[None, :]
+    tail = R + tl.arange(0, BLOCK_T if BLOCK_T > 0 else 1)
+    tail_mask = pos_mask[:, None] & (tail < D)[None, :]
+    x_rows = X + b * stride_xb + pos * stride_xl
+    out_rows = OUT + b * stride_ob + pos * stride_ol
+    if NORM:
+        w1, w2, w_tail = _weights(W, p, tail, D, R, INTERLEAVED, BLOCK_T, ACC)
+    for h in range(h_start, h_end):
+        head = tl.cast(h, tl.int64)
+        x1, x2 = _load_pairs(x_rows + head * stride_xh, stride_xd, p, mask, R, INTERLEAVED, ACC)
+        if BLOCK_T > 0:
+            t = tl.load((x_rows + head * stride_xh)[:, None] + (tail * stride_xd)[None, :], mask=tail_mask, other=0.0)
+        else:
+            t = x1  # no tail: a placeholder _rstd ignores
+        if NORM:
+            t = t.to(ACC)
+            rstd = _rstd(x1, x2, t, D, eps, BLOCK_T)[:, None]
+            x1 = x1 * rstd * w1
+            x2 = x2 * rstd * w2
+            if BLOCK_T > 0:
+                t = t * rstd * w_tail
+        y1, y2 = _rotate(x1, x2, c1, s1, c2, s2, INVERSE)
+        rows = out_rows + head * stride_oh
+        _store_pairs(rows, p, mask, y1, y2, R, INTERLEAVED)
+        if BLOCK_T > 0:
+            tl.store(rows[:, None] + tail[None, :], t.to(OUT.dtype.element_ty), mask=tail_mask)
+
+
+@triton.jit
+def rope_kernel(
+    Q, K, Q_OUT, K_OUT, COS, SIN, Q_W, K_W,
+    L, HQ, HK, D, n_pos_blocks, heads_per_program,
+    stride_qb, stride_ql, stride_qh, stride_qd, stride_kb, stride_kl, stride_kh, stride_kd,
+    stride_oqb, stride_oql, stride_oqh, stride_okb, stride_okl, stride_okh,
+    stride_tb, stride_tl, frame_size, width, eps,
+    R: tl.constexpr, INTERLEAVED: tl.constexpr, ANGLES: tl.constexpr, NORM: tl.constexpr,
+    INVERSE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Q_OUT, K_OUT = rotate([rmsnorm]Q), rotate([rmsnorm]K) (``INVERSE``: by the
+    negated angles). Tensors are addressed by (batch, position, head, channel)
+    strides, so either layout and any strides work; HK = 0 rotates Q alone."""
+    pid = tl.program_id(0)
+    b = tl.cast(pid // n_pos_blocks, tl.int64)
+    pos = tl.cast(pid % n_pos_blocks, tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
+    pos_mask = pos < L
+    first_head = tl.program_id(1) * heads_per_program
+    p = tl.arange(0, BLOCK_P)
+    c1, s1, c2, s2 = _angles(COS, SIN, b, pos, pos_mask, p, stride_tb, stride_tl, frame_size, width,
+                             R, INTERLEAVED, ANGLES, ACC)
+    start, end = _head_range(first_head, 0, HQ, heads_per_program)
+    _rotate_heads(Q, Q_OUT, Q_W, start, end, b, pos, pos_mask, p, c1, s1, c2, s2,
+                  stride_qb, stride_ql, stride_qh, stride_qd, stride_oqb, stride_oql, stride_oqh, D, eps,
+                  R, INTERLEAVED, NORM, INVERSE, BLOCK_T, ACC)
+    start, end = _head_range(first_head, HQ, HK, heads_per_program)
+    _rotate_heads(K, K_OUT, K_W, start, end, b, pos, pos_mask, p, c1, s1, c2, s2,
+                  stride_kb, stride_kl, stride_kh, stride_kd, stride_okb, stride_okl, stride_okh, D, eps,
+                  R, INTERLEAVED, NORM, INVERSE, BLOCK_T, ACC)
+
+
+@triton.jit
+def _norm_rope_grad_heads(X, G, DX, DW_PART, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2,
+                          stride_xb, stride_xl, stride_xh, stride_xd, stride_gb, stride_gl, stride_gh,
+                          stride_gd, stride_ob, stride_ol, stride_oh, D, eps,
+                          R: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr,
+                          ACC: tl.constexpr):
+    """dx of heads [h_start, h_end) of ``rotate(rmsnorm(x) * w)`` given its
+    gradient G, and this program's partial sum of dw, one row of DW_PART."""
+    mask = pos_mask[:, None] & (p < R // 2)[None, :]
+    tail = R + tl.arange(0, BLOCK_T if BLOCK_T > 0 else 1)
+    tail_mask = pos_mask[:, None] & (tail < D)[None, :]
+    x_rows = X + b * stride_xb + pos * stride_xl
+    g_rows = G + b * stride_gb + pos * stride_gl
+    out_rows = DX + b * stride_ob + pos * stride_ol
+    w1, w2, w_tail = _weights(W, p, tail, D, R, INTERLEAVED, BLOCK_T, ACC)
+    dw1 = tl.zeros(mask.shape, ACC)
+    dw2 = tl.zeros(mask.shape, ACC)
+    dw_tail = tl.zeros(tail_mask.shape, ACC)
+    for h in range(h_start, h_end):
+        head = tl.cast(h, tl.int64)
+        x1, x2 = _load_pairs(x_rows + head * stride_xh, stride_xd, p, mask, R, INTERLEAVED, ACC)
+        g1, g2 = _load_pairs(g_rows + head * stride_gh, stride_gd, p, mask, R, INTERLEAVED, ACC)
+        dz1, dz2 = _rotate(g1, g2, c1, s1, c2, s2, True)  # the rotation's transpose
+        if BLOCK_T > 0:
+            t = tl.load((x_rows + head * stride_xh)[:, None] + (tail * stride_xd)[None, :],
+                        mask=tail_mask, other=0.0).to(ACC)
+            dz_tail = tl.load((g_rows + head * stride_gh)[:, None] + (tail * stride_gd)[None, :],
+                              mask=tail_mask, other=0.0).to(ACC)
+        else:
+            t = x1
+        rstd = _rstd(x1, x2, t, D, eps, BLOCK_T)[:, None]
+        xhat1 = x1 * rstd
+        xhat2 = x2 * rstd
+        dw1 += dz1 * xhat1
+        dw2 += dz2 * xhat2
+        wdz1 = dz1 * w1
+        wdz2 = dz2 * w2
+        dot = tl.sum(wdz1 * xhat1 + wdz2 * xhat2, axis=1)
+        if BLOCK_T > 0:
+            xhat_tail = t * rstd
+            dw_tail += dz_tail * xhat_tail
+            wdz_tail = dz_tail * w_tail
+            dot += tl.sum(wdz_tail * xhat_tail, axis=1)
+        c = (dot / D)[:, None]
+        rows = out_rows + head * stride_oh
+        _store_pairs(rows, p, mask, rstd * (wdz1 - xhat1 * c), rstd * (wdz2 - xhat2 * c), R, INTERLEAVED)
+        if BLOCK_T > 0:
+            tl.store(rows[:, None] + tail[None, :], (rstd * (wdz_tail - xhat_tail * c)).to(DX.dtype.element_ty),
+                     mask=tail_mask)
+    # One partial row per program: reduced over programs in a fixed order later.
+    p_mask = p < R // 2
+    if INTERLEAVED:
+        tl.store(DW_PART + (2 * p)[:, None] + tl.arange(0, 2)[None, :],
+                 tl.join(tl.sum(dw1, axis=0), tl.sum(dw2, axis=0)), mask=p_mask[:, None])
+    else:
+        tl.store(DW_PART + p, tl.sum(dw1, axis=0), mask=p_mask)
+        tl.store(DW_PART + R // 2 + p, tl.sum(dw2, axis=0), mask=p_mask)
+    if BLOCK_T > 0:
+        tl.store(DW_PART + tail, tl.sum(dw_tail, axis=0), mask=tail < D)
+
+
+@triton.jit
+def qk_norm_rope_bwd_kernel(
+    Q, K, GQ, GK, DQ, DK, DQW_PART, DKW_PART, COS, SIN, Q_W, K_W,
+    L, HQ, HK, D, n_pos_blocks, heads_per_program,
+    stride_qb, stride_ql, stride_qh, stride_qd, stride_kb, stride_kl, stride_kh, stride_kd,
+    stride_gqb, stride_gql, stride_gqh, stride_gqd, stride_gkb, stride_gkl, stride_gkh, stride_gkd,
+    stride_oqb, stride_oql, stride_oqh, stride_okb, stride_okl, stride_okh,
+    stride_tb, stride_tl, eps,
+    R: tl.constexpr, INTERLEAVED: tl.constexpr, ANGLES: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr,
+):
+    """dq, dk and per-program partial rows of dq_weight, dk_weight of
+    ``rotate(rmsnorm(q) * q_weight), rotate(rmsnorm(k) * k_weight)``; the grid
+    and addressing are rope_kernel's, rstd is recomputed from the row in registers."""
+    pid = tl.program_id(0)
+    b = tl.cast(pid // n_pos_blocks, tl.int64)
+    pos = tl.cast(pid % n_pos_blocks, tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
+    pos_mask = pos < L
+    first_head = tl.program_id(1) * heads_per_program
+    part_row = (tl.cast(pid, tl.int64) * tl.num_programs(1) + tl.program_id(1)) * D
+    p = tl.arange(0, BLOCK_P)
+    c1, s1, c2, s2 = _angles(COS, SIN, b, pos, pos_mask, p, stride_tb, stride_tl, 1, 1,
+                             R, INTERLEAVED, ANGLES, ACC)
+    start, end = _head_range(first_head, 0, HQ, heads_per_program)
+    _norm_rope_grad_heads(Q, GQ, DQ, DQW_PART + part_row, Q_W, start, end, b, pos, pos_mask, p,
+                          c1, s1, c2, s2, stride_qb, stride_ql, stride_qh, stride_qd,
+                          stride_gqb, stride_gql, stride_gqh, stride_gqd, stride_oqb, stride_oql, stride_oqh,
+                          D, eps, R, INTERLEAVED, BLOCK_T, ACC)
+    start, end = _head_range(first_head, HQ, HK, heads_per_program)
+    _norm_rope_grad_heads(K, GK, DK, DKW_PART + part_row, K_W, start, end, b, pos, pos_mask, p,
+                          c1, s1, c2, s2, stride_kb, stride_kl, stride_kh, stride_kd,
+                          stride_gkb, stride_gkl, stride_gkh, stride_gkd, stride_okb, stride_okl, stride_okh,
+                          D, eps, R, INTERLEAVED, BLOCK_T, ACC)

@@ -9,11 +9,13 @@ full table, as diffusers builds it: each angle twice) or ``T = rotary_dim / 2``
 ``use_real_unbind_dim=-2``) or ``(2i, 2i + 1)`` (``interleaved``, ``-1``: Flux,
 CogVideoX, HunyuanVideo).
 """
+import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from compile_ops.meta._validate import check_floating, check_same_device, fail
+from compile_ops.meta._validate import check_eps, check_floating, check_same_device, fail
 
 
 def rotary_dim_of(op: str, x: torch.Tensor, rotary_dim: Optional[int]):
@@ -61,7 +63,145 @@ def table_layout(x: torch.Tensor, cos: torch.Tensor, rotary_dim: Optional[int]) 
     return r, cos.shape[-1] == r // 2
 
 
+def check_qk(op: str, q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> None:
+    """q and k go through one launch: same dtype, device, batch, length and head dim
+    (head counts may differ: GQA/MQA)."""
+    check_floating(op, "q", q)
+    check_floating(op, "k", k)
+    if q.dim() != 4 or k.dim() != 4:
+        fail(op, f"q and k must be [B, L, H, D] or [B, H, L, D] (4 dims), got shapes "
+                 f"{tuple(q.shape)} and {tuple(k.shape)}")
+    if q.dtype != k.dtype:
+        fail(op, f"q and k must have the same dtype, got {q.dtype} and {k.dtype}", TypeError)
+    if k.device != q.device:
+        fail(op, f"k is on {k.device} but q is on {q.device}; all tensors must share a device")
+    if seq_dim not in (1, 2) or isinstance(seq_dim, bool):
+        fail(op, f"seq_dim must be 1 ([B, L, H, D]) or 2 ([B, H, L, D]), got {seq_dim!r}")
+    for what, dim in (("batch size", 0), ("length (seq_dim)", seq_dim), ("head dim", 3)):
+        if q.shape[dim] != k.shape[dim]:
+            fail(op, f"q and k must have the same {what}, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+
+
+def check_norm_weight(op: str, argname: str, w: torch.Tensor, x: torch.Tensor, xname: str) -> None:
+    check_floating(op, argname, w)
+    if w.shape != x.shape[-1:]:
+        fail(op, f"{argname} must have shape ({x.shape[-1]},), the head dim of {xname}, got {tuple(w.shape)}")
+    check_same_device(op, x, **{argname: w})
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, seq_dim: int,
          rotary_dim: Optional[int] = None, inverse: bool = False) -> torch.Tensor:
     check_rope("rope", x, cos, sin, seq_dim, rotary_dim)
     return x.new_empty(x.shape)
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+            seq_dim: int, rotary_dim: Optional[int] = None, inverse: bool = False):
+    check_qk("rope_qk", q, k, seq_dim)
+    check_rope("rope_qk", q, cos, sin, seq_dim, rotary_dim)
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, eps: float, interleaved: bool, seq_dim: int,
+                 rotary_dim: Optional[int] = None):
+    check_qk("qk_norm_rope", q, k, seq_dim)
+    check_rope("qk_norm_rope", q, cos, sin, seq_dim, rotary_dim)
+    check_norm_weight("qk_norm_rope", "q_weight", q_weight, q, "q")
+    check_norm_weight("qk_norm_rope", "k_weight", k_weight, k, "k")
+    check_eps("qk_norm_rope", eps)
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def qk_norm_rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                          q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          eps: float, interleaved: bool, seq_dim: int, rotary_dim: Optional[int] = None):
+    qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim)
+    for argname, g, x in (("grad_q", grad_q, q), ("grad_k", grad_k, k)):
+        if g.shape != x.shape:
+            fail("qk_norm_rope_backward", f"{argname} must have shape {tuple(x.shape)}, got {tuple(g.shape)}")
+    return (q.new_empty(q.shape), k.new_empty(k.shape),
+            q_weight.new_empty(q_weight.shape), k_weight.new_empty(k_weight.shape))
+
+
+# ------------------------------------------------------------ 3D (video) RoPE
+
+#: Rows of :meth:`GridRope.constants`, the per-pair constants the kernel reads.
+GRID_CONSTANT_ROWS = ("slope_hi", "slope_lo", "intercept_hi", "intercept_lo", "axis")
+
+
+@dataclass(frozen=True)
+class GridRope:
+    """A RoPE whose angles come from a token's (frame, row, column) position on
+    a ``frames x height x width`` grid of patches (row-major token order):
+    ``angle(token, p) = (idx[axes[p]] * position_scale[a] + position_offset[a]) * frequencies[p]``
+    for pair ``p``, ``a = axes[p]``; ``axes[p] = -1`` leaves the pair unrotated.
+
+    Build one with :func:`compile_ops.grid_rope` for the Wan, HunyuanVideo and
+    LTX-Video conventions.
+    """
+    frequencies: tuple[float, ...]
+    axes: tuple[int, ...]
+    position_scale: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    position_offset: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    interleaved: bool = True
+
+    def __post_init__(self):
+        if len(self.frequencies) != len(self.axes) or not self.axes:
+            raise ValueError(f"GridRope: frequencies and axes must be non-empty and of one length (pairs), "
+                             f"got {len(self.frequencies)} and {len(self.axes)}")
+        if any(a not in (-1, 0, 1, 2) for a in self.axes):
+            raise ValueError(f"GridRope: axes must be 0 (frame), 1 (row), 2 (column) or -1 (unrotated), "
+                             f"got {sorted(set(self.axes))}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * len(self.axes)
+
+    def slopes_and_intercepts(self) -> tuple[list[float], list[float]]:
+        """Per pair: ``angle = idx * slope + intercept`` (float64 values)."""
+        slopes, intercepts = [], []
+        for f, a in zip(self.frequencies, self.axes):
+            slopes.append(0.0 if a < 0 else self.position_scale[a] * f)
+            intercepts.append(0.0 if a < 0 else self.position_offset[a] * f)
+        return slopes, intercepts
+
+    def constants(self, device=None) -> torch.Tensor:
+        """``[5, P]`` fp32 (rows :data:`GRID_CONSTANT_ROWS`): slope and intercept
+        split into a head and the rest (double-float), and the axis."""
+        slopes, intercepts = (torch.tensor(v, dtype=torch.float64) for v in self.slopes_and_intercepts())
+        rows = []
+        for v in (slopes, intercepts):
+            hi = v.to(torch.float32)
+            rows += [hi, (v - hi.double()).to(torch.float32)]
+        rows.append(torch.tensor(self.axes, dtype=torch.float32))
+        return torch.stack(rows).to(device)
+
+
+def check_grid(op: str, q: torch.Tensor, constants: torch.Tensor, height: int, width: int,
+               seq_dim: int) -> int:
+    """Validate the grid arguments; the rotary dim."""
+    if not isinstance(constants, torch.Tensor) or constants.dtype != torch.float32 \
+            or constants.dim() != 2 or constants.shape[0] != len(GRID_CONSTANT_ROWS):
+        fail(op, f"constants must be a [{len(GRID_CONSTANT_ROWS)}, P] fp32 tensor from GridRope.constants(), got "
+                 + (f"{constants.dtype} of shape {tuple(constants.shape)}" if isinstance(constants, torch.Tensor)
+                    else type(constants).__name__))
+    check_same_device(op, q, constants=constants)
+    r = 2 * constants.shape[1]
+    if r > q.shape[-1]:
+        fail(op, f"the grid RoPE rotates {r} channels but q's head dim is D={q.shape[-1]}")
+    for argname, v in (("height", height), ("width", width)):
+        if not isinstance(v, (int, torch.SymInt)) or isinstance(v, bool) or v < 1:
+            fail(op, f"{argname} must be a positive int, got {v!r}")
+    length = q.shape[seq_dim]
+    if length % (height * width):
+        fail(op, f"q has L={length} tokens along seq_dim={seq_dim}, not a whole number of "
+                 f"height x width = {height} x {width} frames")
+    return r
+
+
+def rope_grid(q: torch.Tensor, k: torch.Tensor, constants: torch.Tensor, height: int, width: int,
+              interleaved: bool, seq_dim: int, inverse: bool = False):
+    check_qk("rope_grid", q, k, seq_dim)
+    check_grid("rope_grid", q, constants, height, width, seq_dim)
+    return q.new_empty(q.shape), k.new_empty(k.shape)

@@ -1,43 +1,98 @@
-"""The RoPE family as ``torch.ops.fused`` ops: ``fused.rope``.
+"""The RoPE family as ``torch.ops.fused`` ops.
 
-The backward of a rotation is its transpose, which is the same op with
-``inverse`` flipped, so ``fused.rope`` is its own backward op.
+- ``fused.rope``: one tensor, cos/sin tables.
+- ``fused.rope_qk``: q and k in one launch, sharing the table reads.
+- ``fused.rope_grid``: q and k, angles computed in the kernel from 3D
+  (frame, row, column) positions: video RoPE with no table in memory.
+- ``fused.qk_norm_rope``: per-head RMSNorm with weight, then RoPE, q and k in
+  one launch; ``fused.qk_norm_rope_backward`` is its backward.
+
+The backward of a rotation is its transpose, the same op with ``inverse``
+flipped, so the first three ops are their own backward ops.
 """
 from typing import Optional
 
+import torch
 import triton
 from torch import Tensor
 
 from compile_ops import meta, reference
-from compile_ops._library import fused_op, launcher
-from compile_ops.kernels.rope import rope_kernel
+from compile_ops._library import fused_op, launcher, multiprocessor_count
+from compile_ops.kernels.rope import GRID, TABLE_FULL, TABLE_HALF, qk_norm_rope_bwd_kernel, rope_kernel
+from compile_ops.meta.modulate import static_int
+from compile_ops.ops._launch import acc_dtype, acc_torch_dtype, column_sum
 
-#: Elements of x per program (rows x pairs x 2).
-TILE = 4096
+#: Channels of one head-row tile per program (positions x head dim).
+TILE = 2048
+#: Programs per SM the head split aims for: a program loops over its heads, and
+#: a few programs per SM keep enough loads in flight.
+PROGRAMS_PER_SM = 4
+
+
+def _positions_and_heads(x: Tensor, seq_dim: int):
+    """(batch, position, head, channel) strides of a ``[B, L, H, D]`` or ``[B, H, L, D]`` tensor."""
+    h_dim = 3 - seq_dim
+    return x.stride(0), x.stride(seq_dim), x.stride(h_dim), x.stride(3)
+
+
+def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int):
+    """``(BLOCK_L, n_pos_blocks, heads_per_program, launch grid)``."""
+    batch, length = q.shape[0], q.shape[seq_dim]
+    block_l = max(1, min(64, TILE // triton.next_power_of_2(d)))
+    n_pos_blocks = triton.cdiv(length, block_l)
+    heads_per_program = n_heads
+    n_pos = static_int(batch * n_pos_blocks)
+    if n_pos is not None and n_pos > 0:
+        # Split the heads only as far as needed to fill the GPU: every split
+        # re-reads (or recomputes) the angle tile.
+        splits = min(n_heads, triton.cdiv(PROGRAMS_PER_SM * multiprocessor_count(q), n_pos))
+        heads_per_program = triton.cdiv(n_heads, max(1, splits))
+    return block_l, n_pos_blocks, heads_per_program, (batch * n_pos_blocks, triton.cdiv(n_heads, heads_per_program))
+
+
+def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Optional[Tensor], seq_dim: int,
+                    r: int, interleaved: bool, angles, cos: Tensor, sin: Tensor, inverse: bool,
+                    weights=(None, None), eps: float = 0.0, frame_size: int = 1, width: int = 1):
+    """Launch rope_kernel over q (and k). ``angles``: TABLE_FULL, TABLE_HALF or
+    GRID (then ``cos`` holds the grid constants)."""
+    d = q.shape[3]
+    r = int(r)  # a constexpr: a head dim made dynamic is specialized here
+    hq = q.shape[3 - seq_dim]
+    hk = 0 if k is None else k.shape[3 - seq_dim]
+    if q.numel() == 0 and (k is None or k.numel() == 0):
+        return
+    block_l, n_pos_blocks, heads_per_program, grid = _grid(q, hq + hk, seq_dim, d)
+    k, k_out = (q, q_out) if k is None else (k, k_out)
+    per_batch = angles != GRID and cos.dim() == 3 and cos.shape[0] > 1
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q_w, k_w = weights
+    tail = d - r
+    launcher(rope_kernel)[grid](
+        q, k, q_out, k_out, cos, sin, q if q_w is None else q_w, q if k_w is None else k_w,
+        q.shape[seq_dim], hq, hk, d, n_pos_blocks, heads_per_program,
+        *_positions_and_heads(q, seq_dim), *_positions_and_heads(k, seq_dim),
+        *_positions_and_heads(q_out, seq_dim)[:3], *_positions_and_heads(k_out, seq_dim)[:3],
+        cos.stride(0) if per_batch else 0, cos.stride(-2), frame_size, width, eps,
+        R=r, INTERLEAVED=interleaved, ANGLES=angles, NORM=q_w is not None, INVERSE=inverse,
+        BLOCK_L=block_l, BLOCK_P=triton.next_power_of_2(r // 2),
+        BLOCK_T=triton.next_power_of_2(tail) if tail else 0, ACC=acc_dtype(q), num_warps=4,
+    )
+
+
+def _table_angles(x: Tensor, cos: Tensor, rotary_dim: Optional[int]):
+    r, half = meta.rope.table_layout(x, cos, rotary_dim)
+    return r, TABLE_HALF if half else TABLE_FULL
+
+
+# ---------------------------------------------------------------- fused.rope
 
 
 @fused_op("rope", fake=meta.rope.rope, reference=reference.rope.rope)
 def _rope_op(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, seq_dim: int,
              rotary_dim: Optional[int] = None, inverse: bool = False) -> Tensor:
     out = meta.rope.rope(x, cos, sin, interleaved, seq_dim, rotary_dim, inverse)
-    r, half = meta.rope.table_layout(x, cos, rotary_dim)
-    r = int(r)  # a constexpr: a head dim made dynamic is specialized here
-    B, N1, N2, D = x.shape
-    n_rows = B * N1 * N2
-    block_p = triton.next_power_of_2(r // 2)
-    tail = D - r
-    block_m = max(1, min(64, TILE // triton.next_power_of_2(D)))
-    per_batch = cos.dim() == 3 and cos.shape[0] > 1
-    cos, sin = cos.contiguous(), sin.contiguous()
-    launcher(rope_kernel)[(triton.cdiv(n_rows, block_m),)](
-        x, cos, sin, out,
-        n_rows, N1, N2, D,
-        x.stride(0), x.stride(1), x.stride(2), x.stride(3),
-        cos.stride(0) if per_batch else 0, cos.stride(-2),
-        R=r, SEQ_DIM=seq_dim, INTERLEAVED=interleaved, HALF_TABLE=half, INVERSE=inverse,
-        BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_T=triton.next_power_of_2(tail) if tail else 0,
-        num_warps=4,
-    )
+    r, angles = _table_angles(x, cos, rotary_dim)
+    _launch_forward(x, None, out, None, seq_dim, r, interleaved, angles, cos, sin, inverse)
     return out
 
 
@@ -49,11 +104,150 @@ def _setup_rope(ctx, inputs, output):
 
 def _backward_rope(ctx, grad):
     cos, sin = ctx.saved_tensors
-    interleaved, seq_dim, rotary_dim, inverse = ctx.args
-    return _rope_op(grad, cos, sin, interleaved, seq_dim, rotary_dim, inverse), None, None, None, None, None, None
+    return _rope_op(grad, cos, sin, *ctx.args), None, None, None, None, None, None
 
 
 _rope_op.register_autograd(_backward_rope, setup_context=_setup_rope)
+
+
+# ------------------------------------------------------------- fused.rope_qk
+
+
+@fused_op("rope_qk", fake=meta.rope.rope_qk, reference=reference.rope.rope_qk)
+def _rope_qk_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, seq_dim: int,
+                rotary_dim: Optional[int] = None, inverse: bool = False) -> tuple[Tensor, Tensor]:
+    q_out, k_out = meta.rope.rope_qk(q, k, cos, sin, interleaved, seq_dim, rotary_dim, inverse)
+    r, angles = _table_angles(q, cos, rotary_dim)
+    _launch_forward(q, k, q_out, k_out, seq_dim, r, interleaved, angles, cos, sin, inverse)
+    return q_out, k_out
+
+
+def _save_pair_shapes(ctx, q: Tensor, k: Tensor) -> None:
+    ctx.pair_shapes = ((q.shape, q.dtype, q.device), (k.shape, k.dtype, k.device))
+
+
+def _grads_of_pair(ctx, grad_q: Optional[Tensor], grad_k: Optional[Tensor]):
+    """Autograd passes None for an output that got no gradient: zeros then."""
+    return tuple(torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                 for g, (shape, dtype, device) in zip((grad_q, grad_k), ctx.pair_shapes))
+
+
+def _setup_rope_qk(ctx, inputs, output):
+    q, k, cos, sin, interleaved, seq_dim, rotary_dim, inverse = inputs
+    ctx.save_for_backward(cos, sin)
+    _save_pair_shapes(ctx, q, k)
+    ctx.args = (interleaved, seq_dim, rotary_dim, not inverse)
+
+
+def _backward_rope_qk(ctx, grad_q, grad_k):
+    cos, sin = ctx.saved_tensors
+    grad_q, grad_k = _grads_of_pair(ctx, grad_q, grad_k)
+    return (*_rope_qk_op(grad_q, grad_k, cos, sin, *ctx.args), None, None, None, None, None, None)
+
+
+_rope_qk_op.register_autograd(_backward_rope_qk, setup_context=_setup_rope_qk)
+
+
+# ----------------------------------------------------------- fused.rope_grid
+
+
+@fused_op("rope_grid", fake=meta.rope.rope_grid, reference=reference.rope.rope_grid)
+def _rope_grid_op(q: Tensor, k: Tensor, constants: Tensor, height: int, width: int, interleaved: bool,
+                  seq_dim: int, inverse: bool = False) -> tuple[Tensor, Tensor]:
+    q_out, k_out = meta.rope.rope_grid(q, k, constants, height, width, interleaved, seq_dim, inverse)
+    r = 2 * constants.shape[1]
+    _launch_forward(q, k, q_out, k_out, seq_dim, r, interleaved, GRID, constants, constants, inverse,
+                    frame_size=height * width, width=width)
+    return q_out, k_out
+
+
+def _setup_rope_grid(ctx, inputs, output):
+    q, k, constants, height, width, interleaved, seq_dim, inverse = inputs
+    ctx.save_for_backward(constants)
+    _save_pair_shapes(ctx, q, k)
+    ctx.args = (height, width, interleaved, seq_dim, not inverse)
+
+
+def _backward_rope_grid(ctx, grad_q, grad_k):
+    (constants,) = ctx.saved_tensors
+    grad_q, grad_k = _grads_of_pair(ctx, grad_q, grad_k)
+    return (*_rope_grid_op(grad_q, grad_k, constants, *ctx.args), None, None, None, None, None, None)
+
+
+_rope_grid_op.register_autograd(_backward_rope_grid, setup_context=_setup_rope_grid)
+
+
+# -------------------------------------------------------- fused.qk_norm_rope
+
+
+@fused_op("qk_norm_rope", fake=meta.rope.qk_norm_rope, reference=reference.rope.qk_norm_rope)
+def _qk_norm_rope_op(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor,
+                     eps: float, interleaved: bool, seq_dim: int,
+                     rotary_dim: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    q_out, k_out = meta.rope.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim,
+                                          rotary_dim)
+    r, angles = _table_angles(q, cos, rotary_dim)
+    _launch_forward(q, k, q_out, k_out, seq_dim, r, interleaved, angles, cos, sin, False,
+                    weights=(q_weight.contiguous(), k_weight.contiguous()), eps=float(eps))
+    return q_out, k_out
+
+
+@fused_op("qk_norm_rope_backward", fake=meta.rope.qk_norm_rope_backward,
+          reference=reference.rope.qk_norm_rope_backward)
+def _qk_norm_rope_backward_op(grad_q: Tensor, grad_k: Tensor, q: Tensor, k: Tensor, q_weight: Tensor,
+                              k_weight: Tensor, cos: Tensor, sin: Tensor, eps: float, interleaved: bool,
+                              seq_dim: int, rotary_dim: Optional[int] = None
+                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dq_weight, dk_weight = meta.rope.qk_norm_rope_backward(
+        grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim)
+    r, angles = _table_angles(q, cos, rotary_dim)
+    r = int(r)
+    d = q.shape[3]
+    hq, hk = q.shape[3 - seq_dim], k.shape[3 - seq_dim]
+    block_l, n_pos_blocks, heads_per_program, grid = _grid(q, hq + hk, seq_dim, d)
+    n_programs = grid[0] * grid[1]
+    acc = acc_torch_dtype(q)
+    partial_q = torch.empty((n_programs, d), dtype=acc, device=q.device)
+    partial_k = torch.empty((n_programs, d), dtype=acc, device=q.device)
+    per_batch = cos.dim() == 3 and cos.shape[0] > 1
+    cos, sin = cos.contiguous(), sin.contiguous()
+    tail = d - r
+    if n_programs:
+        launcher(qk_norm_rope_bwd_kernel)[grid](
+            q, k, grad_q, grad_k, dq, dk, partial_q, partial_k, cos, sin,
+            q_weight.contiguous(), k_weight.contiguous(),
+            q.shape[seq_dim], hq, hk, d, n_pos_blocks, heads_per_program,
+            *_positions_and_heads(q, seq_dim), *_positions_and_heads(k, seq_dim),
+            *_positions_and_heads(grad_q, seq_dim), *_positions_and_heads(grad_k, seq_dim),
+            *_positions_and_heads(dq, seq_dim)[:3], *_positions_and_heads(dk, seq_dim)[:3],
+            cos.stride(0) if per_batch else 0, cos.stride(-2), float(eps),
+            R=r, INTERLEAVED=interleaved, ANGLES=angles, BLOCK_L=block_l,
+            BLOCK_P=triton.next_power_of_2(r // 2), BLOCK_T=triton.next_power_of_2(tail) if tail else 0,
+            ACC=acc_dtype(q), num_warps=4,
+        )
+    column_sum(partial_q, n_programs, dq_weight)
+    column_sum(partial_k, n_programs, dk_weight)
+    return dq, dk, dq_weight, dk_weight
+
+
+def _setup_qk_norm_rope(ctx, inputs, output):
+    q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim = inputs
+    ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
+    _save_pair_shapes(ctx, q, k)
+    ctx.args = (eps, interleaved, seq_dim, rotary_dim)
+
+
+def _backward_qk_norm_rope(ctx, grad_q, grad_k):
+    q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
+    grad_q, grad_k = _grads_of_pair(ctx, grad_q, grad_k)
+    grads = _qk_norm_rope_backward_op(grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, *ctx.args)
+    return (*grads, None, None, None, None, None, None)
+
+
+_qk_norm_rope_op.register_autograd(_backward_qk_norm_rope, setup_context=_setup_qk_norm_rope)
+
+
+# ---------------------------------------------------------- public functions
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, seq_dim: int = 2,
@@ -74,3 +268,75 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, seq_dim
         x's shape and dtype, contiguous; computed in fp32 and rounded once.
     """
     return _rope_op(x, cos, sin, interleaved, seq_dim, rotary_dim, False)
+
+
+def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, seq_dim: int = 2,
+            rotary_dim: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """:func:`rope` of q and k in one launch (each table row is read once for both).
+
+    Args:
+        q: ``[B, Hq, L, D]`` (``seq_dim=2``) or ``[B, L, Hq, D]`` (``seq_dim=1``), any strides.
+        k: the same layout, dtype, B, L and D as q; ``Hk`` heads (GQA: any Hk).
+        cos, sin, interleaved, seq_dim, rotary_dim: as for :func:`rope`.
+
+    Returns:
+        ``(q_rotated, k_rotated)``, each contiguous in its input's shape and dtype.
+    """
+    return _rope_qk_op(q, k, cos, sin, interleaved, seq_dim, rotary_dim, False)
+
+
+def rope_grid(q: Tensor, k: Tensor, spec: "meta.rope.GridRope", height: int, width: int,
+              seq_dim: int = 2) -> tuple[Tensor, Tensor]:
+    """3D (video) RoPE of q and k with the angles computed in the kernel from each
+    token's (frame, row, column) position: no cos/sin table is built or read.
+
+    Args:
+        q: ``[B, Hq, L, D]`` (``seq_dim=2``) or ``[B, L, Hq, D]`` (``seq_dim=1``),
+            any strides; ``L = frames * height * width`` tokens in row-major
+            (frame, row, column) order. A slice of a longer sequence (the image
+            tokens of a joint text+video sequence) is a strided view: pass it as is.
+        k: as q, with any head count.
+        spec: a :class:`~compile_ops.meta.rope.GridRope`, e.g. from
+            :func:`compile_ops.grid_rope` ``("wan" | "hunyuan" | "ltx", ...)``; its
+            ``rotary_dim`` channels are rotated, the rest of D passes through.
+        height, width: the patch grid of one frame.
+
+    Returns:
+        ``(q_rotated, k_rotated)``, contiguous, in the inputs' shapes and dtype.
+    """
+    constants = _grid_constants(spec, q.device)
+    return _rope_grid_op(q, k, constants, height, width, spec.interleaved, seq_dim, False)
+
+
+_GRID_CONSTANTS: dict = {}
+
+
+def _grid_constants(spec: "meta.rope.GridRope", device) -> Tensor:
+    """``spec.constants()`` on ``device``, built once per (spec, device)."""
+    key = (spec, str(device))
+    if key not in _GRID_CONSTANTS:
+        _GRID_CONSTANTS[key] = spec.constants(device)
+    return _GRID_CONSTANTS[key]
+
+
+def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor,
+                 eps: float = 1e-6, interleaved: bool = False, seq_dim: int = 2,
+                 rotary_dim: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """Per-head RMSNorm with weight, then RoPE, of q and k in one kernel (the
+    ``norm_q`` / ``norm_k`` + ``apply_rotary_emb`` of Flux, SD3 and HunyuanVideo).
+
+    Args:
+        q: ``[B, Hq, L, D]`` (``seq_dim=2``) or ``[B, L, Hq, D]`` (``seq_dim=1``), any strides.
+        k: the same layout, dtype, B, L and D as q; any head count.
+        q_weight, k_weight: ``[D]``, the RMSNorms' weights (any float dtype).
+        cos, sin: as for :func:`rope`.
+        eps: the RMSNorm epsilon.
+        interleaved, seq_dim, rotary_dim: as for :func:`rope` (channels past
+            ``rotary_dim`` are normalized, not rotated).
+
+    Returns:
+        ``(q_out, k_out)`` in q's and k's shapes and dtype, contiguous: the norm
+        and the rotation in fp32, rounded once (diffusers rounds the norm's
+        output to the weight's dtype before rotating).
+    """
+    return _qk_norm_rope_op(q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim)

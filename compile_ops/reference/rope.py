@@ -33,13 +33,15 @@ def _table(t: torch.Tensor, r: int, half: bool, interleaved: bool, seq_dim: int,
     return t[:, :, None, :] if seq_dim == 1 else t[:, None, :, :]
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, seq_dim: int,
-         rotary_dim: Optional[int] = None, inverse: bool = False) -> torch.Tensor:
-    r, half = meta.check_rope("rope", x, cos, sin, seq_dim, rotary_dim)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    c = _table(cos, r, half, interleaved, seq_dim, acc)
-    s = _table(sin, r, half, interleaved, seq_dim, acc)
-    xf = x.to(acc)
+def _acc(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _rotate(xf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int, half: bool, interleaved: bool,
+            seq_dim: int, inverse: bool) -> torch.Tensor:
+    """The rotation of ``xf`` (already in the accumulation dtype), not rounded."""
+    c = _table(cos, r, half, interleaved, seq_dim, xf.dtype)
+    s = _table(sin, r, half, interleaved, seq_dim, xf.dtype)
     x1, x2 = _pairs(xf, r, interleaved)
     c1, c2 = _pairs(c, r, interleaved)
     s1, s2 = _pairs(s, r, interleaved)
@@ -47,4 +49,76 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
         y1, y2 = x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
     else:
         y1, y2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
-    return torch.cat((_merge(y1, y2, interleaved), xf[..., r:]), dim=-1).to(x.dtype)
+    return torch.cat((_merge(y1, y2, interleaved), xf[..., r:]), dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, seq_dim: int,
+         rotary_dim: Optional[int] = None, inverse: bool = False) -> torch.Tensor:
+    r, half = meta.check_rope("rope", x, cos, sin, seq_dim, rotary_dim)
+    return _rotate(x.to(_acc(x)), cos, sin, r, half, interleaved, seq_dim, inverse).to(x.dtype)
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+            seq_dim: int, rotary_dim: Optional[int] = None, inverse: bool = False):
+    meta.check_qk("rope_qk", q, k, seq_dim)
+    return (rope(q, cos, sin, interleaved, seq_dim, rotary_dim, inverse),
+            rope(k, cos, sin, interleaved, seq_dim, rotary_dim, inverse))
+
+
+def grid_tables(spec_or_constants, length: int, height: int, width: int, dtype=torch.float64):
+    """cos and sin ``[length, P]`` (one entry per pair, a half table for
+    :func:`rope`) of a grid RoPE over ``length = frames * height * width``
+    tokens, computed in float64 from a :class:`~compile_ops.meta.rope.GridRope`
+    or from its ``constants()``."""
+    if isinstance(spec_or_constants, meta.GridRope):
+        consts = spec_or_constants.constants()
+    else:
+        consts = spec_or_constants.detach().cpu()
+    c = consts.double()
+    slope, intercept, axis = c[0] + c[1], c[2] + c[3], c[4].long()
+    token = torch.arange(length, dtype=torch.int64)
+    frame_size = height * width
+    idx = torch.stack((token // frame_size, (token % frame_size) // width, token % width), dim=-1)
+    pos = idx[:, axis.clamp(min=0)].double()                       # [length, P]
+    angle = torch.where(axis >= 0, pos * slope + intercept, torch.zeros((), dtype=torch.float64))
+    device = spec_or_constants.device if isinstance(spec_or_constants, torch.Tensor) else None
+    return angle.cos().to(dtype=dtype, device=device), angle.sin().to(dtype=dtype, device=device)
+
+
+def rope_grid(q: torch.Tensor, k: torch.Tensor, constants: torch.Tensor, height: int, width: int,
+              interleaved: bool, seq_dim: int, inverse: bool = False):
+    meta.check_qk("rope_grid", q, k, seq_dim)
+    r = meta.check_grid("rope_grid", q, constants, height, width, seq_dim)
+    cos, sin = grid_tables(constants, q.shape[seq_dim], height, width)
+    return rope_qk(q, k, cos, sin, interleaved, seq_dim, r, inverse)
+
+
+def _norm_rope(x, weight, cos, sin, eps, r, half, interleaved, seq_dim):
+    xf = x.to(_acc(x))
+    xhat = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return _rotate(xhat * weight.to(xf.dtype), cos, sin, r, half, interleaved, seq_dim, False).to(x.dtype)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, eps: float, interleaved: bool, seq_dim: int,
+                 rotary_dim: Optional[int] = None):
+    """Per-head RMSNorm with weight, then RoPE, in fp32 and rounded once."""
+    meta.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim)
+    r, half = meta.table_layout(q, cos, rotary_dim)
+    return (_norm_rope(q, q_weight, cos, sin, eps, r, half, interleaved, seq_dim),
+            _norm_rope(k, k_weight, cos, sin, eps, r, half, interleaved, seq_dim))
+
+
+def qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps: float, interleaved: bool,
+                          seq_dim: int, rotary_dim: Optional[int] = None):
+    """Gradients of :func:`qk_norm_rope` (autograd through it in the accumulation dtype)."""
+    meta.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim,
+                               rotary_dim)
+    acc = _acc(q)
+    with torch.enable_grad():
+        inputs = [t.detach().to(acc).requires_grad_(True) for t in (q, k, q_weight, k_weight)]
+        r, half = meta.table_layout(q, cos, rotary_dim)
+        outs = [_norm_rope(x, w, cos, sin, eps, r, half, interleaved, seq_dim)
+                for x, w in ((inputs[0], inputs[2]), (inputs[1], inputs[3]))]
+        grads = torch.autograd.grad(outs, inputs, (grad_q.to(acc), grad_k.to(acc)))
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, q_weight, k_weight)))
