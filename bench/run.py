@@ -16,8 +16,9 @@ Method (shared/DESIGN.md, "Benchmarks"):
 - Bytes, from the tensors themselves: forward = inputs read once + outputs
   written once; forward+backward adds the output gradients read, the input
   gradients written and the differentiable inputs read again (5 tensor passes
-  for rmsnorm). The same count serves every provider of a row, so GB/s compare
-  like time does, and is also given as % of the measured device copy bandwidth.
+  for rmsnorm; 4 for a rotation, whose backward does not read its inputs).
+  The same count serves every provider of a row, so GB/s compare like time
+  does, and is also given as % of the measured device copy bandwidth.
 """
 import argparse
 import datetime
@@ -180,15 +181,16 @@ def make_providers(spec, peers: dict) -> dict:
 
 # ---------------------------------------------------------------- measurement
 
-def bytes_model(args, outs) -> tuple:
-    """``(forward bytes, forward+backward bytes)`` from the actual tensors (see module docstring)."""
+def bytes_model(args, outs, backward_reads_inputs: bool = True) -> tuple:
+    """``(forward bytes, forward+backward bytes)`` from the actual tensors (see
+    module docstring); a rotation's backward does not read its inputs again."""
     inputs = _tensors(args)
     outputs = _tensors(outs)
     fwd = sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
     grad_outputs = sum(t.nbytes for t in outputs if t.is_floating_point())
     differentiable = sum(t.nbytes for t in inputs if t.requires_grad)
     # Input gradients written, and the inputs read again by the backward.
-    return fwd, fwd + grad_outputs + 2 * differentiable
+    return fwd, fwd + grad_outputs + (2 if backward_reads_inputs else 1) * differentiable
 
 
 def graph_replay_time(fn, timer) -> float:
@@ -262,7 +264,7 @@ def bench_shape(spec, shape, providers: dict, timer, copy_TBps: float, progress:
     string and the others still run."""
     args = spec.make_inputs(shape, dtype, device, requires_grad=True)
     with torch.no_grad():
-        fwd_bytes, fwdbwd_bytes = bytes_model(args, _as_tuple(spec.reference(*args)))
+        fwd_bytes, fwdbwd_bytes = bytes_model(args, _as_tuple(spec.reference(*args)), spec.backward_reads_inputs)
     copy_GBps = copy_TBps * 1e3
     rows = []
     for name, fn in providers.items():

@@ -4,12 +4,14 @@ A new op gets opcheck, gradcheck, fake-CUDA tracing, compile coverage and a
 benchmark row by adding one ``OpSpec`` here. Family-specific behaviour (edge
 cases, bad input, modules) lives in ``tests/test_<family>.py``.
 """
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from compile_ops import reference
+from compile_ops.meta import rope as meta_rope
 from compile_ops.ops import modulate as _modulate_ops  # noqa: F401  (registers the ops)
 from compile_ops.ops import norm as _norm_ops  # noqa: F401
 from compile_ops.ops import rope as _rope_ops  # noqa: F401
@@ -36,6 +38,10 @@ class OpSpec:
     """Has a registered autograd formula (backward ops do not)."""
     bench_shapes: Sequence[Shape] = ()
     """DiT activation shapes ``[B, L, C]`` benchmarked on the GPU."""
+    backward_reads_inputs: bool = True
+    """The backward reads the differentiable inputs again (a norm does; a
+    rotation, whose backward needs only the angles, does not): the benchmark's
+    byte count of a forward+backward step."""
 
     @property
     def op(self) -> torch._ops.OpOverloadPacket:
@@ -238,17 +244,123 @@ def _rope_edges(dtype, device, requires_grad):
     ]
 
 
-def _make_rope(shape, dtype, device, requires_grad):
-    """``[B, L, C]`` -> x ``[B, H, L, D]`` with D = 128 (16 for small C), interleaved (Flux)."""
+def _heads(shape):
+    """``[B, L, C]`` -> (B, L, H, D) with D = 128 (16 for small C)."""
     b, length, c = shape
     d = 128 if c % 128 == 0 else 16
-    x = _tensor((b, c // d, length, d), dtype, device, requires_grad)
+    return b, length, c // d, d
+
+
+def _make_rope(shape, dtype, device, requires_grad):
+    """x ``[B, H, L, D]``, interleaved with a full table (Flux)."""
+    b, length, h, d = _heads(shape)
+    x = _tensor((b, h, length, d), dtype, device, requires_grad)
     return (x, *_rope_tables(length, d, dtype, device), True, 2, None, False)
+
+
+def _make_rope_qk(shape, dtype, device, requires_grad):
+    """q, k ``[B, L, H, D]`` as a projection makes them (diffusers' attention
+    processors rotate them in that layout), half-split with a full table (the
+    convention the anchors and Liger's kernel use)."""
+    b, length, h, d = _heads(shape)
+    q, k = (_tensor((b, length, h, d), dtype, device, requires_grad) for _ in range(2))
+    return (q, k, *_rope_tables(length, d, dtype, device), False, 1, None, False)
+
+
+def _rope_qk_edges(dtype, device, requires_grad):
+    g = requires_grad
+
+    def x(shape):
+        return _tensor(shape, dtype, device, g)
+
+    blhd_view = _tensor((2, 5, 3, 16), dtype, device).transpose(1, 2).detach().requires_grad_(g)
+    return [
+        (x((2, 3, 5, 16)), x((2, 1, 5, 16)), *_rope_tables(5, 16, dtype, device), True, 2, None, False),  # GQA
+        (x((2, 5, 3, 16)), x((2, 5, 2, 16)), *_rope_tables(5, 8, dtype, device), False, 1, None, False),
+        (blhd_view, x((2, 3, 5, 16)), *_rope_tables(5, 16, dtype, device, 2), False, 2, None, True),
+        (x((1, 2, 7, 24)), x((1, 2, 7, 24)), *_rope_tables(7, 16, dtype, device), True, 2, 16, False),
+        (x((0, 2, 7, 16)), x((0, 2, 7, 16)), *_rope_tables(7, 16, dtype, device), False, 2, None, False),
+    ]
+
+
+def _grid_constants(d, device):
+    return meta_rope.grid_rope("wan", d).constants(device)
+
+
+def _video_grid(length):
+    """A (height, width) of a DiT latent that tiles ``length`` tokens: Flux's
+    1024x1024 image, Wan's 480p x 81 frames, else one row of gcd(length, 4096)
+    tokens per frame (one token for the odd lengths of the compile test, so the
+    grid stays the same while the length varies)."""
+    return {4608: (64, 72), 32760: (30, 52)}.get(length, (1, math.gcd(length, 4096)))
+
+
+def _make_rope_grid(shape, dtype, device, requires_grad):
+    """q, k ``[B, H, L, D]`` with Wan's 3D RoPE."""
+    b, length, h, d = _heads(shape)
+    q, k = (_tensor((b, h, length, d), dtype, device, requires_grad) for _ in range(2))
+    return (q, k, _grid_constants(d, device), *_video_grid(length), True, 2, False)
+
+
+def _rope_grid_edges(dtype, device, requires_grad):
+    g = requires_grad
+
+    def x(shape):
+        return _tensor(shape, dtype, device, g)
+
+    ltx = meta_rope.grid_rope("ltx", 16).constants(device)
+    return [
+        (x((2, 3, 24, 16)), x((2, 1, 24, 16)), _grid_constants(16, device), 3, 4, True, 2, False),
+        (x((1, 24, 2, 16)), x((1, 24, 2, 16)), ltx, 2, 3, True, 1, True),              # padding pairs
+        (x((1, 2, 12, 20)), x((1, 2, 12, 20)), _grid_constants(16, device), 2, 2, False, 2, False),  # tail
+    ]
+
+
+def _make_qk_norm_rope(shape, dtype, device, requires_grad):
+    """q, k ``[B, L, H, D]`` as Flux norms them, interleaved, full table."""
+    b, length, h, d = _heads(shape)
+    q, k = (_tensor((b, length, h, d), dtype, device, requires_grad) for _ in range(2))
+    q_w, k_w = (_param(d, dtype, device, requires_grad) for _ in range(2))
+    return (q, k, q_w, k_w, *_rope_tables(length, d, dtype, device), 1e-6, True, 1, None)
+
+
+def _qk_norm_rope_edges(dtype, device, requires_grad):
+    g = requires_grad
+
+    def x(shape):
+        return _tensor(shape, dtype, device, g)
+
+    def w(d):
+        return _param(d, dtype, device, g)
+
+    blhd_view = _tensor((2, 5, 3, 16), dtype, device).transpose(1, 2).detach().requires_grad_(g)
+    return [
+        (x((2, 3, 5, 16)), x((2, 1, 5, 16)), w(16), w(16), *_rope_tables(5, 16, dtype, device), 1e-6, True, 2,
+         None),
+        (blhd_view, x((2, 3, 5, 16)), w(16), w(16), *_rope_tables(5, 8, dtype, device, 2), 1e-5, False, 2, None),
+        (x((1, 7, 2, 24)), x((1, 7, 2, 24)), w(24), w(24), *_rope_tables(7, 16, dtype, device), 1e-6, True, 1, 16),
+        (x((0, 2, 7, 16)), x((0, 2, 7, 16)), w(16), w(16), *_rope_tables(7, 16, dtype, device), 1e-6, False, 2,
+         None),
+    ]
+
+
+def _qk_norm_rope_backward_edges(dtype, device, requires_grad):
+    cases = []
+    for args in _qk_norm_rope_edges(dtype, device, False):
+        q, k = args[:2]
+        grads = (_tensor(q.shape, dtype, device), _tensor(k.shape, dtype, device).transpose(-1, -2)
+                 .contiguous().transpose(-1, -2))  # a gradient with a non-unit channel stride
+        cases.append((*grads, *args))
+    return cases
 
 
 #: DiT activation shapes from shared/DESIGN.md: Flux/SD3 (3072), Wan/LTX-like
 #: long sequences (1536), HunyuanVideo-sized hidden (5120).
 DIT_NORM_SHAPES = ((2, 4096, 3072), (1, 32768, 1536), (1, 16384, 5120))
+
+#: q/k of Flux at 1024x1024 (24 heads of 128) and Wan 2.1 at 480p x 81 frames
+#: (12 heads of 128 at 1536): [1,24,4608,128] and [1,12,32760,128].
+ROPE_SHAPES = ((1, 4608, 3072), (1, 32760, 1536))
 
 OPS: tuple[OpSpec, ...] = (
     OpSpec("rmsnorm", "norm", reference.norm.rmsnorm, _make(_rmsnorm_args),
@@ -272,8 +384,16 @@ OPS: tuple[OpSpec, ...] = (
            _modulation_edges(_gated_residual_norm_modulate_args("rmsnorm")), bench_shapes=DIT_NORM_SHAPES),
     OpSpec("modulate_backward", "modulate", reference.modulate.modulate_backward, None,
            _modulate_backward_edges, differentiable=False),
-    OpSpec("rope", "rope", reference.rope.rope, _make_rope, _rope_edges,
-           bench_shapes=((1, 4608, 3072), (1, 32760, 1536))),
+    OpSpec("rope", "rope", reference.rope.rope, _make_rope, _rope_edges, bench_shapes=ROPE_SHAPES,
+           backward_reads_inputs=False),
+    OpSpec("rope_qk", "rope", reference.rope.rope_qk, _make_rope_qk, _rope_qk_edges, bench_shapes=ROPE_SHAPES,
+           backward_reads_inputs=False),
+    OpSpec("rope_grid", "rope", reference.rope.rope_grid, _make_rope_grid, _rope_grid_edges,
+           bench_shapes=ROPE_SHAPES, backward_reads_inputs=False),
+    OpSpec("qk_norm_rope", "rope", reference.rope.qk_norm_rope, _make_qk_norm_rope, _qk_norm_rope_edges,
+           bench_shapes=ROPE_SHAPES),
+    OpSpec("qk_norm_rope_backward", "rope", reference.rope.qk_norm_rope_backward, None,
+           _qk_norm_rope_backward_edges, differentiable=False),
 )
 
 BY_NAME = {spec.name: spec for spec in OPS}

@@ -7,6 +7,7 @@ that Inductor inlines our kernels.
 """
 import pytest
 import torch
+import torch._dynamo.testing
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx

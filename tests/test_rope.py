@@ -1,9 +1,11 @@
-"""The RoPE family: fused.rope (both pair conventions, full and half tables,
-partial rotary dims, both layouts, per-batch tables) and its backward.
+"""The RoPE family: fused.rope / rope_qk (both pair conventions, full and half
+tables, partial rotary dims, both layouts, per-batch tables, GQA), rope_grid
+(3D video RoPE computed in the kernel) and qk_norm_rope, forward and backward.
 
-``kernels`` tests run the Triton kernel (CUDA, or CPU under the interpreter)
-against an fp64 reference with the two-reference rule and against diffusers'
-own ``apply_rotary_emb``; the rest check validation on the reference path.
+``kernels`` tests run the Triton kernels (CUDA, or CPU under the interpreter)
+against fp64 references with the two-reference rule and against diffusers' own
+``apply_rotary_emb`` and rotary classes; the rest check validation and the
+reference path.
 """
 import pytest
 import torch
@@ -11,6 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import compile_ops.ops.rope as rope_ops
+from compile_ops.meta.rope import GridRope, grid_rope
+from compile_ops.reference import norm as norm_ref
 from compile_ops.reference import rope as ref
 from bad_input import bad_input_test
 from conftest import KERNEL_DEVICE
@@ -26,23 +30,32 @@ def _tables(shape, device):
 def rope_cases(draw):
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
     B, H, L = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 9))
+    Hk = draw(st.sampled_from([H, 1]))
     D = 2 * draw(st.integers(1, 40))
     rotary_dim = draw(st.sampled_from([None, 2 * draw(st.integers(1, D // 2))]))
     interleaved, half_table, per_batch = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
     seq_dim, transposed = draw(st.sampled_from([1, 2])), draw(st.booleans())
-    return dtype, B, H, L, D, rotary_dim, interleaved, half_table, per_batch, seq_dim, transposed
+    return dtype, B, H, Hk, L, D, rotary_dim, interleaved, half_table, per_batch, seq_dim, transposed
 
 
-def _case(dtype, B, H, L, D, rotary_dim, interleaved, half_table, per_batch, seq_dim, transposed, device):
+def _heads(dtype, B, H, L, D, seq_dim, transposed, device):
+    """``[B, H, L, D]`` (seq_dim 2) or ``[B, L, H, D]``; ``transposed``: a view
+    of the other layout (strided rows)."""
     other = (B, H, L, D) if seq_dim == 2 else (B, L, H, D)
-    if transposed:  # the other layout, viewed: strided rows
+    if transposed:
         x = torch.randn(other[0], other[2], other[1], D, device=device).to(dtype).transpose(1, 2)
     else:
         x = torch.randn(other, device=device).to(dtype)
+    return x.requires_grad_(True)
+
+
+def _case(dtype, B, H, Hk, L, D, rotary_dim, interleaved, half_table, per_batch, seq_dim, transposed, device):
+    q = _heads(dtype, B, H, L, D, seq_dim, transposed, device)
+    k = _heads(dtype, B, Hk, L, D, seq_dim, not transposed, device)
     r = D if rotary_dim is None else rotary_dim
     t = r // 2 if half_table else r
     cos, sin = _tables(((B,) if per_batch else ()) + (L, t), device)
-    return x.requires_grad_(True), cos, sin, interleaved, seq_dim, rotary_dim
+    return q, k, cos, sin, interleaved, seq_dim, rotary_dim
 
 
 def _at_dtype(x, cos, sin, interleaved, seq_dim, rotary_dim):
@@ -51,23 +64,31 @@ def _at_dtype(x, cos, sin, interleaved, seq_dim, rotary_dim):
     return ref.rope(x, cos, sin, interleaved, seq_dim, rotary_dim)
 
 
+def _detached(ts, dtype=None):
+    return [t.detach().to(dtype or t.dtype).requires_grad_(True) for t in ts]
+
+
 @pytest.mark.kernels
 @given(rope_cases())
 def test_kernels_match_fp64_reference_forward_and_backward(case):
+    """rope_qk on q and k (GQA head counts, either layout, strided, both
+    conventions, full/half/per-batch tables, partial rotary), and rope on q
+    alone, which must give rope_qk's q bit for bit (one kernel)."""
     torch.manual_seed(0)
-    x, cos, sin, interleaved, seq_dim, rotary_dim = _case(*case, KERNEL_DEVICE)
-    got = rope_ops.rope(x, cos, sin, interleaved, seq_dim, rotary_dim)
-    xd = x.detach().double().requires_grad_(True)
-    exact = ref.rope(xd, cos.double(), sin.double(), interleaved, seq_dim, rotary_dim)
-    xp = x.detach().clone().requires_grad_(True)
-    plain = _at_dtype(xp, cos, sin, interleaved, seq_dim, rotary_dim)
-    assert got.dtype == x.dtype and got.is_contiguous()
-    assert_within_torch_error(got, exact, plain, 2.0, "rope output")
-    dy = torch.randn_like(got)
-    (gx,) = torch.autograd.grad(got, x, dy)
-    (ex,) = torch.autograd.grad(exact, xd, dy.double())
-    (px,) = torch.autograd.grad(plain, xp, dy)
-    assert_within_torch_error(gx, ex, px, 3.0, "rope dx")
+    q, k, cos, sin, interleaved, seq_dim, rotary_dim = _case(*case, KERNEL_DEVICE)
+    got = rope_ops.rope_qk(q, k, cos, sin, interleaved, seq_dim, rotary_dim)
+    exact_in, plain_in = _detached((q, k), torch.float64), _detached((q, k))
+    exact = [ref.rope(x, cos.double(), sin.double(), interleaved, seq_dim, rotary_dim) for x in exact_in]
+    plain = [_at_dtype(x, cos, sin, interleaved, seq_dim, rotary_dim) for x in plain_in]
+    dys = [torch.randn_like(g) for g in got]
+    grads = torch.autograd.grad(got, (q, k), dys)
+    exact_grads = torch.autograd.grad(exact, exact_in, [dy.double() for dy in dys])
+    plain_grads = torch.autograd.grad(plain, plain_in, dys)
+    for name, g, e, p, dg, de, dp in zip("qk", got, exact, plain, grads, exact_grads, plain_grads):
+        assert g.dtype == q.dtype and g.is_contiguous()
+        assert_within_torch_error(g, e, p, 2.0, f"rope {name}")
+        assert_within_torch_error(dg, de, dp, 3.0, f"rope d{name}")
+    assert torch.equal(rope_ops.rope(q, cos, sin, interleaved, seq_dim, rotary_dim), got[0])
 
 
 @pytest.mark.kernels
@@ -92,6 +113,110 @@ def test_reference_equals_diffusers_apply_rotary_emb_exactly(interleaved):
     assert torch.equal(ref.rope(x, cos, sin, interleaved, 2), want)
 
 
+@pytest.mark.kernels
+@given(rope_cases(), st.sampled_from([1e-6, 1e-5]))
+def test_kernels_qk_norm_rope_match_fp64_reference_forward_and_backward(case, eps):
+    """Per-head RMSNorm with weight, then RoPE: output and dq, dk, dq_weight,
+    dk_weight against fp64; PyTorch's error is that of the unfused ops at the
+    input dtype (the norm's output rounded, then rotated)."""
+    torch.manual_seed(0)
+    q, k, cos, sin, interleaved, seq_dim, rotary_dim = _case(*case, KERNEL_DEVICE)
+    D = q.shape[-1]
+    q_w, k_w = ((1 + 0.1 * torch.randn(D, device=KERNEL_DEVICE)).to(q.dtype).requires_grad_(True)
+                for _ in range(2))
+    args = (cos, sin, eps, interleaved, seq_dim, rotary_dim)
+    got = rope_ops.qk_norm_rope(q, k, q_w, k_w, *args)
+    exact_in, plain_in = _detached((q, k, q_w, k_w), torch.float64), _detached((q, k, q_w, k_w))
+    exact = ref.qk_norm_rope(*exact_in, cos.double(), sin.double(), *args[2:])
+    plain = [_at_dtype(norm_ref.rmsnorm(x, w, eps), cos, sin, interleaved, seq_dim, rotary_dim)
+             for x, w in ((plain_in[0], plain_in[2]), (plain_in[1], plain_in[3]))]
+    dys = [torch.randn_like(g) for g in got]
+    grads = torch.autograd.grad(got, (q, k, q_w, k_w), dys)
+    exact_grads = torch.autograd.grad(exact, exact_in, [dy.double() for dy in dys])
+    plain_grads = torch.autograd.grad(plain, plain_in, dys)
+    for name, g, e, p in zip("qk", got, exact, plain):
+        assert g.dtype == q.dtype and g.is_contiguous()
+        assert_within_torch_error(g, e, p, 2.0, f"qk_norm_rope {name}")
+    rows = [q.numel() // D, k.numel() // D]
+    for name, g, e, p, terms in zip(("dq", "dk", "dq_weight", "dk_weight"), grads, exact_grads, plain_grads,
+                                    [1, 1] + rows):
+        assert_within_torch_error(g, e, p, 3.0, f"qk_norm_rope {name}", terms=terms)
+
+
+@pytest.mark.kernels
+def test_kernels_qk_norm_rope_weight_grads_are_deterministic():
+    torch.manual_seed(0)
+    q = torch.randn(2, 40, 6, 32, device=KERNEL_DEVICE, requires_grad=True)
+    k = torch.randn(2, 40, 2, 32, device=KERNEL_DEVICE, requires_grad=True)
+    w = [torch.randn(32, device=KERNEL_DEVICE, requires_grad=True) for _ in range(2)]
+    cos, sin = _tables((40, 32), KERNEL_DEVICE)
+    dys = [torch.randn_like(q), torch.randn_like(k)]
+
+    def grads():
+        out = rope_ops.qk_norm_rope(q, k, *w, cos, sin, 1e-6, True, 1)
+        return torch.autograd.grad(out, (q, k, *w), dys)
+
+    first = grads()
+    assert all(torch.equal(a, b) for a, b in zip(first, grads()))
+
+
+# ------------------------------------------------------------ 3D video RoPE
+
+#: (convention, dim, overrides, (frames, height, width), heads): small grids of
+#: each convention; LTX rotates its whole inner dim (heads = 1, D = inner dim).
+GRID_CASES = [
+    ("wan", 24, {}, (3, 4, 5), 2),
+    ("wan", 128, {}, (2, 3, 7), 1),
+    ("hunyuan", 32, {"axes_dims": (8, 12, 12)}, (3, 4, 5), 2),
+    ("hunyuan", 128, {}, (2, 3, 5), 1),
+    ("ltx", 48, {}, (3, 4, 5), 1),
+    ("ltx", 50, {"rope_interpolation_scale": (0.32, 32.0, 32.0)}, (2, 3, 4), 1),  # padding pairs
+]
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_dim", [1, 2])
+@pytest.mark.parametrize("convention,dim,overrides,grid,heads", GRID_CASES)
+def test_kernels_rope_grid_match_table_reference(convention, dim, overrides, grid, heads, seq_dim, dtype):
+    """Angles computed in the kernel against fp64 tables of the same spec
+    (forward and backward), with PyTorch's error being that of diffusers' own
+    route: fp32 tables, fp32 arithmetic, rounded."""
+    torch.manual_seed(0)
+    spec = grid_rope(convention, dim, **overrides)
+    frames, height, width = grid
+    L = frames * height * width
+    q = _heads(dtype, 2, heads, L, dim, seq_dim, False, KERNEL_DEVICE)
+    k = _heads(dtype, 2, heads, L, dim, seq_dim, True, KERNEL_DEVICE)
+    got = rope_ops.rope_grid(q, k, spec, height, width, seq_dim)
+    cos64, sin64 = ref.grid_tables(spec, L, height, width)
+    cos, sin = cos64.float().to(KERNEL_DEVICE), sin64.float().to(KERNEL_DEVICE)
+    exact_in, plain_in = _detached((q, k), torch.float64), _detached((q, k))
+    r = spec.rotary_dim
+    exact = [ref.rope(x, cos64.to(KERNEL_DEVICE), sin64.to(KERNEL_DEVICE), spec.interleaved, seq_dim, r)
+             for x in exact_in]
+    plain = [_at_dtype(x, cos, sin, spec.interleaved, seq_dim, r) for x in plain_in]
+    dys = [torch.randn_like(g) for g in got]
+    grads = torch.autograd.grad(got, (q, k), dys)
+    exact_grads = torch.autograd.grad(exact, exact_in, [dy.double() for dy in dys])
+    plain_grads = torch.autograd.grad(plain, plain_in, dys)
+    for name, g, e, p, dg, de, dp in zip("qk", got, exact, plain, grads, exact_grads, plain_grads):
+        assert_within_torch_error(g, e, p, 2.0, f"rope_grid {name}")
+        assert_within_torch_error(dg, de, dp, 3.0, f"rope_grid d{name}")
+
+
+def test_grid_rope_table_reference_matches_explicit_angles():
+    """grid_tables against angles written out per token for a hand-made spec
+    (axis -1 pairs stay unrotated)."""
+    spec = GridRope(frequencies=(1.0, 0.5, 0.25, 2.0), axes=(0, 1, 2, -1),
+                    position_scale=(1.0, 2.0, 0.5), position_offset=(0.0, -1.0, 0.25))
+    cos, sin = ref.grid_tables(spec, 2 * 3 * 4, 3, 4)
+    for token, (f, h, w) in enumerate((f, h, w) for f in range(2) for h in range(3) for w in range(4)):
+        angles = torch.tensor([f * 1.0, (2.0 * h - 1.0) * 0.5, (0.5 * w + 0.25) * 0.25, 0.0], dtype=torch.float64)
+        assert torch.allclose(cos[token], angles.cos(), atol=1e-15)
+        assert torch.allclose(sin[token], angles.sin(), atol=1e-15)
+
+
 def _bad_input_cases():
     x = torch.randn(2, 3, 5, 16)
     c = torch.randn(5, 16)
@@ -110,6 +235,32 @@ def _bad_input_cases():
         (lambda: rope_ops.rope(x, torch.randn(3, 5, 16), torch.randn(3, 5, 16)), ValueError, r"per batch but x has B=2"),
         (lambda: rope_ops.rope(x.int(), c, c), TypeError, r"x must have a floating dtype"),
         (lambda: rope_ops.rope(x, c.to("meta"), c), ValueError, r"cos is on meta but x is on cpu"),
+        # q and k together
+        (lambda: rope_ops.rope_qk(x, x.half(), c, c), TypeError, r"rope_qk: q and k must have the same dtype"),
+        (lambda: rope_ops.rope_qk(x, torch.randn(2, 3, 6, 16), c, c), ValueError,
+         r"rope_qk: q and k must have the same length \(seq_dim\)"),
+        (lambda: rope_ops.rope_qk(x, torch.randn(2, 3, 5, 8), c, c), ValueError, r"same head dim"),
+        (lambda: rope_ops.rope_qk(x, x.to("meta"), c, c), ValueError, r"k is on meta but q is on cpu"),
+        (lambda: rope_ops.rope_qk(x, x[0], c, c), ValueError, r"q and k must be \[B, L, H, D\]"),
+        # qk_norm_rope
+        (lambda: rope_ops.qk_norm_rope(x, x, torch.ones(8), torch.ones(16), c, c), ValueError,
+         r"qk_norm_rope: q_weight must have shape \(16,\), the head dim of q, got \(8,\)"),
+        (lambda: rope_ops.qk_norm_rope(x, x, torch.ones(16), torch.ones(16, dtype=torch.int32), c, c),
+         TypeError, r"k_weight must have a floating dtype"),
+        (lambda: rope_ops.qk_norm_rope(x, x, torch.ones(16), torch.ones(16), c, c, eps=-1.0), ValueError,
+         r"eps must be >= 0"),
+        (lambda: rope_ops.qk_norm_rope(x, x, torch.ones(16), torch.ones(16), torch.randn(5, 6),
+                                       torch.randn(5, 6)), ValueError, r"cos must have rotary_dim=16"),
+        # grid RoPE
+        (lambda: rope_ops.rope_grid(x, x, grid_rope("wan", 16), 2, 2), ValueError,
+         r"rope_grid: q has L=5 tokens along seq_dim=2, not a whole number of height x width = 2 x 2 frames"),
+        (lambda: rope_ops.rope_grid(x, x, grid_rope("wan", 24), 1, 5), ValueError,
+         r"the grid RoPE rotates 24 channels but q's head dim is D=16"),
+        (lambda: rope_ops.rope_grid(x, x, grid_rope("wan", 16), 0, 5), ValueError, r"height must be an int in \[1, 4096\], got 0"),
+        (lambda: torch.ops.fused.rope_grid(x, x, torch.zeros(6, 8, dtype=torch.float64), 1, 5, True, 2),
+         ValueError, r"constants must be a \[6, P\] fp32 tensor from GridRope.constants\(\), got torch.float64"),
+        (lambda: GridRope(frequencies=(1.0,), axes=(3,)), ValueError, r"GridRope: axes must be 0 \(frame\)"),
+        (lambda: grid_rope("sd3", 16), ValueError, r"grid_rope: unknown convention .sd3."),
     ]
 
 

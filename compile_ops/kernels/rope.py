@@ -28,11 +28,20 @@ TABLE_HALF: tl.constexpr = tl.constexpr(1)
 GRID: tl.constexpr = tl.constexpr(2)
 
 #: Rows of the GRID per-pair constants (``meta.rope.GridRope.constants``).
-GRID_SLOPE_HI: tl.constexpr = tl.constexpr(0)
-GRID_SLOPE_LO: tl.constexpr = tl.constexpr(1)
-GRID_INTERCEPT_HI: tl.constexpr = tl.constexpr(2)
-GRID_INTERCEPT_LO: tl.constexpr = tl.constexpr(3)
-GRID_AXIS: tl.constexpr = tl.constexpr(4)
+GRID_SLOPE_1: tl.constexpr = tl.constexpr(0)
+GRID_SLOPE_2: tl.constexpr = tl.constexpr(1)
+GRID_SLOPE_3: tl.constexpr = tl.constexpr(2)
+GRID_INTERCEPT_HI: tl.constexpr = tl.constexpr(3)
+GRID_INTERCEPT_LO: tl.constexpr = tl.constexpr(4)
+GRID_AXIS: tl.constexpr = tl.constexpr(5)
+
+
+@triton.jit
+def _two_sum(a, b):
+    """``a + b`` rounded, and its exact rounding error (Knuth; no branch)."""
+    s = a + b
+    b_part = s - a
+    return s, (a - (s - b_part)) + (b - b_part)
 
 
 @triton.jit
@@ -69,15 +78,19 @@ def _grid_angle_cos_sin(CONSTS, pos, p, frame_size, width, R: tl.constexpr, ACC:
     positions ``pos`` of a (frames, rows of ``width``) grid with ``frame_size``
     tokens per frame.
 
-    The angle is carried as a double-float (fp32 head + error term): a video's
-    angles reach hundreds of radians, where one fp32 rounding of the product is
-    ~1e-5 of error, a thousand times a table built in fp64. The error term is
-    folded in to first order: cos(a + e) = cos(a) - e sin(a).
+    The angle is carried as an fp32 head plus an error term: a video's angles
+    reach hundreds of radians (LTX: 15708), where one fp32 rounding is ~1e-5
+    (~1e-3) of error, far above a table built in fp64. The slope comes in three
+    parts, the first two of 12 significant bits, so that ``idx * part`` is exact
+    for an index below 4096 (the launcher checks); the sums are error-free
+    transformations; the error term is folded in to first order,
+    cos(a + e) = cos(a) - e sin(a). No fma: the interpreter rounds one.
     """
     n_pairs: tl.constexpr = R // 2
     pm = p < n_pairs
-    slope_hi = tl.load(CONSTS + GRID_SLOPE_HI * n_pairs + p, mask=pm, other=0.0).to(ACC)[None, :]
-    slope_lo = tl.load(CONSTS + GRID_SLOPE_LO * n_pairs + p, mask=pm, other=0.0).to(ACC)[None, :]
+    slope_1 = tl.load(CONSTS + GRID_SLOPE_1 * n_pairs + p, mask=pm, other=0.0).to(ACC)[None, :]
+    slope_2 = tl.load(CONSTS + GRID_SLOPE_2 * n_pairs + p, mask=pm, other=0.0).to(ACC)[None, :]
+    slope_3 = tl.load(CONSTS + GRID_SLOPE_3 * n_pairs + p, mask=pm, other=0.0).to(ACC)[None, :]
     icpt_hi = tl.load(CONSTS + GRID_INTERCEPT_HI * n_pairs + p, mask=pm, other=0.0).to(ACC)[None, :]
     icpt_lo = tl.load(CONSTS + GRID_INTERCEPT_LO * n_pairs + p, mask=pm, other=0.0).to(ACC)[None, :]
     axis = tl.load(CONSTS + GRID_AXIS * n_pairs + p, mask=pm, other=0.0)[None, :]
@@ -85,11 +98,9 @@ def _grid_angle_cos_sin(CONSTS, pos, p, frame_size, width, R: tl.constexpr, ACC:
     row = (pos - frame * frame_size) // width
     col = pos - frame * frame_size - row * width
     idx = tl.where(axis == 0, frame[:, None], tl.where(axis == 1, row[:, None], col[:, None])).to(ACC)
-    product = idx * slope_hi
-    err = tl.fma(idx, slope_hi, -product) + idx * slope_lo + icpt_lo  # exact rounding error of the product
-    angle = product + icpt_hi
-    part = angle - product  # two-sum: the rounding error of the addition
-    err += (product - (angle - part)) + (icpt_hi - part)
+    angle, err_1 = _two_sum(idx * slope_1, icpt_hi)
+    angle, err_2 = _two_sum(angle, idx * slope_2)
+    err = err_1 + err_2 + idx * slope_3 + icpt_lo
     c = tl.cos(angle)
     s = tl.sin(angle)
     return c - err * s, s + err * c

@@ -24,7 +24,7 @@ def rotary_dim_of(op: str, x: torch.Tensor, rotary_dim: Optional[int]):
         if d % 2:
             fail(op, f"x's head dim D={d} is odd; pass an even rotary_dim to rotate part of it")
         return d
-    if not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool) or rotary_dim % 2 \
+    if not isinstance(rotary_dim, (int, torch.SymInt)) or isinstance(rotary_dim, bool) or rotary_dim % 2 \
             or not 0 < rotary_dim <= d:
         fail(op, f"rotary_dim must be an even int in [2, D={d}], got {rotary_dim!r}")
     return rotary_dim
@@ -127,7 +127,15 @@ def qk_norm_rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, q: torch.T
 # ------------------------------------------------------------ 3D (video) RoPE
 
 #: Rows of :meth:`GridRope.constants`, the per-pair constants the kernel reads.
-GRID_CONSTANT_ROWS = ("slope_hi", "slope_lo", "intercept_hi", "intercept_lo", "axis")
+GRID_CONSTANT_ROWS = ("slope_1", "slope_2", "slope_3", "intercept_hi", "intercept_lo", "axis")
+#: Grid indices stay below this, so that index x (12-bit slope part) is exact in fp32.
+GRID_MAX_INDEX = 4096
+
+
+def _split_12_bits(v: torch.Tensor) -> torch.Tensor:
+    """``v`` (fp64) rounded to 12 significant bits."""
+    mantissa, exponent = torch.frexp(v)
+    return torch.ldexp(torch.round(mantissa * 4096.0) / 4096.0, exponent)
 
 
 @dataclass(frozen=True)
@@ -137,8 +145,8 @@ class GridRope:
     ``angle(token, p) = (idx[axes[p]] * position_scale[a] + position_offset[a]) * frequencies[p]``
     for pair ``p``, ``a = axes[p]``; ``axes[p] = -1`` leaves the pair unrotated.
 
-    Build one with :func:`compile_ops.grid_rope` for the Wan, HunyuanVideo and
-    LTX-Video conventions.
+    Build one with :func:`grid_rope` for the Wan, HunyuanVideo and LTX-Video
+    conventions.
     """
     frequencies: tuple[float, ...]
     axes: tuple[int, ...]
@@ -153,6 +161,9 @@ class GridRope:
         if any(a not in (-1, 0, 1, 2) for a in self.axes):
             raise ValueError(f"GridRope: axes must be 0 (frame), 1 (row), 2 (column) or -1 (unrotated), "
                              f"got {sorted(set(self.axes))}")
+        if len(self.position_scale) != 3 or len(self.position_offset) != 3:
+            raise ValueError("GridRope: position_scale and position_offset need one entry per axis "
+                             "(frame, row, column)")
 
     @property
     def rotary_dim(self) -> int:
@@ -167,15 +178,110 @@ class GridRope:
         return slopes, intercepts
 
     def constants(self, device=None) -> torch.Tensor:
-        """``[5, P]`` fp32 (rows :data:`GRID_CONSTANT_ROWS`): slope and intercept
-        split into a head and the rest (double-float), and the axis."""
+        """``[6, P]`` fp32 (rows :data:`GRID_CONSTANT_ROWS`): the slope in three
+        parts (two of 12 significant bits, then the rest), the intercept as a
+        head and the rest, and the axis (see ``kernels/rope.py``)."""
         slopes, intercepts = (torch.tensor(v, dtype=torch.float64) for v in self.slopes_and_intercepts())
-        rows = []
-        for v in (slopes, intercepts):
-            hi = v.to(torch.float32)
-            rows += [hi, (v - hi.double()).to(torch.float32)]
-        rows.append(torch.tensor(self.axes, dtype=torch.float32))
-        return torch.stack(rows).to(device)
+        slope_1 = _split_12_bits(slopes)
+        slope_2 = _split_12_bits(slopes - slope_1)
+        slope_3 = slopes - slope_1 - slope_2
+        icpt_hi = intercepts.to(torch.float32).double()
+        rows = [slope_1, slope_2, slope_3, icpt_hi, intercepts - icpt_hi, torch.tensor(self.axes).double()]
+        return torch.stack(rows).to(torch.float32).to(device)
+
+
+#: LTXPipeline's ``rope_interpolation_scale``: (VAE temporal ratio / frame
+#: rate, VAE spatial ratio, VAE spatial ratio) with ratios (8, 32) at 25 fps.
+LTX_PIPELINE_INTERPOLATION_SCALE = (8.0 / 25.0, 32.0, 32.0)
+
+
+def _axis_blocks(axes_dims, theta: float):
+    """Consecutive blocks of pairs, one per axis: pair i of a block of dim d turns
+    at theta ** (-2i / d) (Wan's and HunyuanVideo's per-axis 1D RoPE)."""
+    frequencies, axes = [], []
+    for axis, d in enumerate(axes_dims):
+        frequencies += [float(theta) ** (-2.0 * i / d) for i in range(d // 2)]
+        axes += [axis] * (d // 2)
+    return tuple(frequencies), tuple(axes)
+
+
+def _wan(dim: int, theta: float = 10000.0) -> GridRope:
+    """Wan 2.x (``WanRotaryPosEmbed``): height and width get 2 * (D // 6)
+    channels each, frames the rest; raw patch indices; interleaved."""
+    if dim % 2 or dim < 6:
+        raise ValueError(f"grid_rope('wan'): head dim {dim} cannot be split into three even axis blocks "
+                         f"(an even dim >= 6: 2 * (dim // 6) for height and width, the rest for frames)")
+    hw = 2 * (dim // 6)
+    return GridRope(*_axis_blocks((dim - 2 * hw, hw, hw), theta), interleaved=True)
+
+
+def _hunyuan(dim: int, theta: float = 256.0, axes_dims=(16, 56, 56)) -> GridRope:
+    """HunyuanVideo (``HunyuanVideoRotaryPosEmbed``, the config's ``rope_axes_dim``):
+    per-axis blocks of ``axes_dims`` channels; raw patch indices; interleaved."""
+    axes_dims = tuple(int(d) for d in axes_dims)
+    if len(axes_dims) != 3 or any(d <= 0 or d % 2 for d in axes_dims):
+        raise ValueError(f"grid_rope('hunyuan'): axes_dims must be three positive even sizes, got {axes_dims}")
+    if sum(axes_dims) != dim:
+        raise ValueError(f"grid_rope('hunyuan'): axes_dims {axes_dims} sum to {sum(axes_dims)}, "
+                         f"not the head dim {dim}")
+    return GridRope(*_axis_blocks(axes_dims, theta), interleaved=True)
+
+
+def _ltx(dim: int, theta: float = 10000.0, base_num_frames: float = 20, base_height: float = 2048,
+         base_width: float = 2048, patch_size: int = 1, patch_size_t: int = 1,
+         rope_interpolation_scale=LTX_PIPELINE_INTERPOLATION_SCALE) -> GridRope:
+    """LTX-Video (``LTXVideoRotaryPosEmbed``), over the whole inner dim: K = dim // 6
+    frequencies (pi/2) * theta ** (k / (K - 1)), each shared by the three axes
+    (pairs ordered (k, axis), axis fastest) after (dim % 6) / 2 unrotated pairs;
+    position 2 * idx * scale * patch / base - 1 (raw 2 * idx - 1 when
+    ``rope_interpolation_scale`` is None); interleaved."""
+    if dim % 2 or dim < 6:
+        raise ValueError(f"grid_rope('ltx'): dim {dim} cannot be split: an even dim >= 6 "
+                         f"(dim // 6 frequencies per axis, dim % 6 leading channels unrotated)")
+    count = dim // 6
+    pads = (dim % 6) // 2
+    frequencies, axes = [0.0] * pads, [-1] * pads
+    for k in range(count):
+        f = (math.pi / 2.0) * float(theta) ** (k / (count - 1) if count > 1 else 0.0)
+        frequencies += [f, f, f]
+        axes += [0, 1, 2]
+    if rope_interpolation_scale is None:
+        scale = (2.0, 2.0, 2.0)
+    else:
+        s = tuple(float(v) for v in rope_interpolation_scale)
+        if len(s) != 3:
+            raise ValueError("grid_rope('ltx'): rope_interpolation_scale needs 3 entries (frame, row, column)")
+        scale = (2.0 * s[0] * patch_size_t / base_num_frames, 2.0 * s[1] * patch_size / base_height,
+                 2.0 * s[2] * patch_size / base_width)
+    return GridRope(tuple(frequencies), tuple(axes), scale, (-1.0, -1.0, -1.0), interleaved=True)
+
+
+_CONVENTIONS = {"wan": _wan, "hunyuan": _hunyuan, "ltx": _ltx}
+
+
+def grid_rope(convention: str, dim: int, **overrides) -> GridRope:
+    """The :class:`GridRope` of a video transformer's 3D RoPE.
+
+    Args:
+        convention: "wan", "hunyuan" or "ltx".
+        dim: the head dim for "wan" and "hunyuan"; for "ltx" the dim the model
+            gives its rotary class, its whole inner dim (heads * head_dim): LTX
+            rotates q and k before splitting heads (view them as ``[B, L, 1, dim]``).
+        overrides: the settings a model config can change. wan: ``theta``;
+            hunyuan: ``theta``, ``axes_dims`` (``rope_axes_dim``); ltx: ``theta``,
+            ``base_num_frames``, ``base_height``, ``base_width``, ``patch_size``,
+            ``patch_size_t``, ``rope_interpolation_scale`` (default
+            LTXPipeline's (8/25, 32, 32)).
+    """
+    if convention not in _CONVENTIONS:
+        raise ValueError(f"fused.grid_rope: unknown convention {convention!r}; expected one of "
+                         f"{sorted(_CONVENTIONS)}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+        raise ValueError(f"fused.grid_rope: dim must be a positive int, got {dim!r}")
+    try:
+        return _CONVENTIONS[convention](dim, **overrides)
+    except TypeError as e:
+        raise TypeError(f"fused.grid_rope({convention!r}): {e}") from None
 
 
 def check_grid(op: str, q: torch.Tensor, constants: torch.Tensor, height: int, width: int,
@@ -191,12 +297,14 @@ def check_grid(op: str, q: torch.Tensor, constants: torch.Tensor, height: int, w
     if r > q.shape[-1]:
         fail(op, f"the grid RoPE rotates {r} channels but q's head dim is D={q.shape[-1]}")
     for argname, v in (("height", height), ("width", width)):
-        if not isinstance(v, (int, torch.SymInt)) or isinstance(v, bool) or v < 1:
-            fail(op, f"{argname} must be a positive int, got {v!r}")
+        if not isinstance(v, (int, torch.SymInt)) or isinstance(v, bool) or not 1 <= v <= GRID_MAX_INDEX:
+            fail(op, f"{argname} must be an int in [1, {GRID_MAX_INDEX}], got {v!r}")
     length = q.shape[seq_dim]
     if length % (height * width):
         fail(op, f"q has L={length} tokens along seq_dim={seq_dim}, not a whole number of "
                  f"height x width = {height} x {width} frames")
+    if length > GRID_MAX_INDEX * height * width:
+        fail(op, f"q has {length // (height * width)} frames of {height} x {width}; at most {GRID_MAX_INDEX}")
     return r
 
 

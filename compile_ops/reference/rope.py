@@ -75,7 +75,7 @@ def grid_tables(spec_or_constants, length: int, height: int, width: int, dtype=t
     else:
         consts = spec_or_constants.detach().cpu()
     c = consts.double()
-    slope, intercept, axis = c[0] + c[1], c[2] + c[3], c[4].long()
+    slope, intercept, axis = c[0] + c[1] + c[2], c[3] + c[4], c[5].long()
     token = torch.arange(length, dtype=torch.int64)
     frame_size = height * width
     idx = torch.stack((token // frame_size, (token % frame_size) // width, token % width), dim=-1)
@@ -111,14 +111,21 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
 
 def qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps: float, interleaved: bool,
                           seq_dim: int, rotary_dim: Optional[int] = None):
-    """Gradients of :func:`qk_norm_rope` (autograd through it in the accumulation dtype)."""
+    """Gradients of :func:`qk_norm_rope`, written out (an op's implementation runs
+    below autograd): dz = rotation^T(dy); dw = sum over rows of dz * xhat;
+    dx = rstd * (w dz - xhat * mean(w dz * xhat))."""
     meta.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim,
                                rotary_dim)
-    acc = _acc(q)
-    with torch.enable_grad():
-        inputs = [t.detach().to(acc).requires_grad_(True) for t in (q, k, q_weight, k_weight)]
-        r, half = meta.table_layout(q, cos, rotary_dim)
-        outs = [_norm_rope(x, w, cos, sin, eps, r, half, interleaved, seq_dim)
-                for x, w in ((inputs[0], inputs[2]), (inputs[1], inputs[3]))]
-        grads = torch.autograd.grad(outs, inputs, (grad_q.to(acc), grad_k.to(acc)))
-    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, q_weight, k_weight)))
+    r, half = meta.table_layout(q, cos, rotary_dim)
+    grads = []
+    for g, x, w in ((grad_q, q, q_weight), (grad_k, k, k_weight)):
+        acc = _acc(x)
+        xf = x.to(acc)
+        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        xhat = xf * rstd
+        dz = _rotate(g.to(acc), cos, sin, r, half, interleaved, seq_dim, True)
+        wdz = dz * w.to(acc)
+        dx = rstd * (wdz - xhat * (wdz * xhat).mean(-1, keepdim=True))
+        grads.append((dx.to(x.dtype), (dz * xhat).reshape(-1, x.shape[-1]).sum(0).to(w.dtype)))
+    (dq, dq_weight), (dk, dk_weight) = grads
+    return dq, dk, dq_weight, dk_weight
