@@ -62,7 +62,11 @@ def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Option
     if q.numel() == 0 and (k is None or k.numel() == 0):
         return
     block_l, n_pos_blocks, heads_per_program, grid = _grid(q, hq + hk, seq_dim, d)
-    k, k_out = (q, q_out) if k is None else (k, k_out)
+    if k is None:
+        # No k: HK = 0 and nothing touches K/K_OUT, but K_OUT must not alias
+        # Q_OUT: under functionalization each written argument becomes its own
+        # clone, and an aliased pair would return the clone nothing wrote to.
+        k, k_out = q, q_out.new_empty(0)
     per_batch = angles != GRID and cos.dim() == 3 and cos.shape[0] > 1
     cos, sin = cos.contiguous(), sin.contiguous()
     q_w, k_w = weights
