@@ -62,6 +62,8 @@ def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Option
     if q.numel() == 0 and (k is None or k.numel() == 0):
         return
     block_l, n_pos_blocks, heads_per_program, grid = _grid(q, hq + hk, seq_dim, d)
+    k_strides = _positions_and_heads(q if k is None else k, seq_dim)
+    k_out_strides = _positions_and_heads(q_out if k is None else k_out, seq_dim)[:3]
     if k is None:
         # No k: HK = 0 and nothing touches K/K_OUT, but K_OUT must not alias
         # Q_OUT: under functionalization each written argument becomes its own
@@ -74,8 +76,8 @@ def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Option
     launcher(rope_kernel)[grid](
         q, k, q_out, k_out, cos, sin, q if q_w is None else q_w, q if k_w is None else k_w,
         q.shape[seq_dim], hq, hk, d, n_pos_blocks, heads_per_program,
-        *_positions_and_heads(q, seq_dim), *_positions_and_heads(k, seq_dim),
-        *_positions_and_heads(q_out, seq_dim)[:3], *_positions_and_heads(k_out, seq_dim)[:3],
+        *_positions_and_heads(q, seq_dim), *k_strides,
+        *_positions_and_heads(q_out, seq_dim)[:3], *k_out_strides,
         cos.stride(0) if per_batch else 0, cos.stride(-2), frame_size, width, eps,
         R=r, INTERLEAVED=interleaved, ANGLES=angles, NORM=q_w is not None, INVERSE=inverse,
         BLOCK_L=block_l, BLOCK_P=triton.next_power_of_2(r // 2),
