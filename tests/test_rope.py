@@ -34,24 +34,28 @@ def rope_cases(draw):
     D = 2 * draw(st.integers(1, 40))
     rotary_dim = draw(st.sampled_from([None, 2 * draw(st.integers(1, D // 2))]))
     interleaved, half_table, per_batch = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
-    seq_dim, transposed = draw(st.sampled_from([1, 2])), draw(st.booleans())
+    seq_dim = draw(st.sampled_from([1, 2]))
+    transposed = draw(st.sampled_from([False, True, "odd"]))
     return dtype, B, H, Hk, L, D, rotary_dim, interleaved, half_table, per_batch, seq_dim, transposed
 
 
 def _heads(dtype, B, H, L, D, seq_dim, transposed, device):
     """``[B, H, L, D]`` (seq_dim 2) or ``[B, L, H, D]``; ``transposed``: a view
-    of the other layout (strided rows)."""
-    other = (B, H, L, D) if seq_dim == 2 else (B, L, H, D)
-    if transposed:
-        x = torch.randn(other[0], other[2], other[1], D, device=device).to(dtype).transpose(1, 2)
+    of the other layout (strided rows); "odd": a view at an odd offset with odd
+    row strides, which the kernels cannot read pair-wise as words."""
+    shape = (B, H, L, D) if seq_dim == 2 else (B, L, H, D)
+    if transposed == "odd":
+        x = torch.randn(*shape[:3], D + 1, device=device).to(dtype)[..., 1:]
+    elif transposed:
+        x = torch.randn(shape[0], shape[2], shape[1], D, device=device).to(dtype).transpose(1, 2)
     else:
-        x = torch.randn(other, device=device).to(dtype)
+        x = torch.randn(shape, device=device).to(dtype)
     return x.requires_grad_(True)
 
 
 def _case(dtype, B, H, Hk, L, D, rotary_dim, interleaved, half_table, per_batch, seq_dim, transposed, device):
     q = _heads(dtype, B, H, L, D, seq_dim, transposed, device)
-    k = _heads(dtype, B, Hk, L, D, seq_dim, not transposed, device)
+    k = _heads(dtype, B, Hk, L, D, seq_dim, transposed is False, device)
     r = D if rotary_dim is None else rotary_dim
     t = r // 2 if half_table else r
     cos, sin = _tables(((B,) if per_batch else ()) + (L, t), device)

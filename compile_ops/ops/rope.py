@@ -18,7 +18,7 @@ from torch import Tensor
 
 from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher, multiprocessor_count
-from compile_ops.kernels.rope import GRID, TABLE_FULL, TABLE_HALF, qk_norm_rope_bwd_kernel, rope_kernel
+from compile_ops.kernels.rope import qk_norm_rope_bwd_kernel, rope_kernel
 from compile_ops.meta.modulate import static_int
 from compile_ops.ops._launch import acc_dtype, acc_torch_dtype, column_sum
 
@@ -27,12 +27,35 @@ TILE = 2048
 #: Programs per SM the head split aims for: a program loops over its heads, and
 #: a few programs per SM keep enough loads in flight.
 PROGRAMS_PER_SM = 4
+NUM_WARPS = 4
 
 
 def _positions_and_heads(x: Tensor, seq_dim: int):
     """(batch, position, head, channel) strides of a ``[B, L, H, D]`` or ``[B, H, L, D]`` tensor."""
     h_dim = 3 - seq_dim
     return x.stride(0), x.stride(seq_dim), x.stride(h_dim), x.stride(3)
+
+
+def _pairs_packable(*tensors: Tensor) -> bool:
+    """The kernels may read each interleaved pair as one word: unit channel
+    stride, every other stride and the offset even, a 16- or 32-bit dtype.
+    Symbolic strides count as not packable."""
+    for t in tensors:
+        if t.element_size() not in (2, 4) or static_int(t.stride(-1)) != 1:
+            return False
+        for v in (*t.stride()[:-1], t.storage_offset()):
+            v = static_int(v)
+            if v is None or v % 2:
+                return False
+    return True
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t`` contiguous and starting on an even element, as the kernels read
+    tables and weights by pairs."""
+    t = t.contiguous()
+    offset = static_int(t.storage_offset())
+    return t if offset is not None and offset % 2 == 0 else t.clone()
 
 
 def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int):
@@ -51,10 +74,11 @@ def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int):
 
 
 def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Optional[Tensor], seq_dim: int,
-                    r: int, interleaved: bool, angles, cos: Tensor, sin: Tensor, inverse: bool,
-                    weights=(None, None), eps: float = 0.0, frame_size: int = 1, width: int = 1):
-    """Launch rope_kernel over q (and k). ``angles``: TABLE_FULL, TABLE_HALF or
-    GRID (then ``cos`` holds the grid constants)."""
+                    r: int, interleaved: bool, half_table: bool, cos: Tensor, sin: Tensor, inverse: bool,
+                    weights=(None, None), eps: float = 0.0, grid_angles: bool = False, frame_size: int = 1,
+                    width: int = 1):
+    """Launch rope_kernel over q (and k); with ``grid_angles``, ``cos`` holds
+    the grid constants."""
     d = q.shape[3]
     r = int(r)  # a constexpr: a head dim made dynamic is specialized here
     hq = q.shape[3 - seq_dim]
@@ -69,9 +93,9 @@ def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Option
         # Q_OUT: under functionalization each written argument becomes its own
         # clone, and an aliased pair would return the clone nothing wrote to.
         k, k_out = q, q_out.new_empty(0)
-    per_batch = angles != GRID and cos.dim() == 3 and cos.shape[0] > 1
-    cos, sin = cos.contiguous(), sin.contiguous()
-    q_w, k_w = weights
+    per_batch = not grid_angles and cos.dim() == 3 and cos.shape[0] > 1
+    cos, sin = _aligned(cos), _aligned(sin)
+    q_w, k_w = (None if w is None else _aligned(w) for w in weights)
     tail = d - r
     launcher(rope_kernel)[grid](
         q, k, q_out, k_out, cos, sin, q if q_w is None else q_w, q if k_w is None else k_w,
@@ -79,15 +103,10 @@ def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Option
         *_positions_and_heads(q, seq_dim), *k_strides,
         *_positions_and_heads(q_out, seq_dim)[:3], *k_out_strides,
         cos.stride(0) if per_batch else 0, cos.stride(-2), frame_size, width, eps,
-        R=r, INTERLEAVED=interleaved, ANGLES=angles, NORM=q_w is not None, INVERSE=inverse,
-        BLOCK_L=block_l, BLOCK_P=triton.next_power_of_2(r // 2),
-        BLOCK_T=triton.next_power_of_2(tail) if tail else 0, ACC=acc_dtype(q), num_warps=4,
+        R=r, INTERLEAVED=interleaved, PACKED=_pairs_packable(q, k), HALF_TABLE=half_table,
+        GRID_ANGLES=grid_angles, NORM=q_w is not None, INVERSE=inverse, BLOCK_L=block_l, BLOCK_P=triton.next_power_of_2(r // 2),
+        BLOCK_T=triton.next_power_of_2(tail) if tail else 0, ACC=acc_dtype(q), num_warps=NUM_WARPS,
     )
-
-
-def _table_angles(x: Tensor, cos: Tensor, rotary_dim: Optional[int]):
-    r, half = meta.rope.table_layout(x, cos, rotary_dim)
-    return r, TABLE_HALF if half else TABLE_FULL
 
 
 # ---------------------------------------------------------------- fused.rope
@@ -97,8 +116,8 @@ def _table_angles(x: Tensor, cos: Tensor, rotary_dim: Optional[int]):
 def _rope_op(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, seq_dim: int,
              rotary_dim: Optional[int] = None, inverse: bool = False) -> Tensor:
     out = meta.rope.rope(x, cos, sin, interleaved, seq_dim, rotary_dim, inverse)
-    r, angles = _table_angles(x, cos, rotary_dim)
-    _launch_forward(x, None, out, None, seq_dim, r, interleaved, angles, cos, sin, inverse)
+    r, half = meta.rope.table_layout(x, cos, rotary_dim)
+    _launch_forward(x, None, out, None, seq_dim, r, interleaved, half, cos, sin, inverse)
     return out
 
 
@@ -123,8 +142,8 @@ _rope_op.register_autograd(_backward_rope, setup_context=_setup_rope)
 def _rope_qk_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, seq_dim: int,
                 rotary_dim: Optional[int] = None, inverse: bool = False) -> tuple[Tensor, Tensor]:
     q_out, k_out = meta.rope.rope_qk(q, k, cos, sin, interleaved, seq_dim, rotary_dim, inverse)
-    r, angles = _table_angles(q, cos, rotary_dim)
-    _launch_forward(q, k, q_out, k_out, seq_dim, r, interleaved, angles, cos, sin, inverse)
+    r, half = meta.rope.table_layout(q, cos, rotary_dim)
+    _launch_forward(q, k, q_out, k_out, seq_dim, r, interleaved, half, cos, sin, inverse)
     return q_out, k_out
 
 
@@ -162,8 +181,8 @@ def _rope_grid_op(q: Tensor, k: Tensor, constants: Tensor, height: int, width: i
                   seq_dim: int, inverse: bool = False) -> tuple[Tensor, Tensor]:
     q_out, k_out = meta.rope.rope_grid(q, k, constants, height, width, interleaved, seq_dim, inverse)
     r = 2 * constants.shape[1]
-    _launch_forward(q, k, q_out, k_out, seq_dim, r, interleaved, GRID, constants, constants, inverse,
-                    frame_size=height * width, width=width)
+    _launch_forward(q, k, q_out, k_out, seq_dim, r, interleaved, False, constants, constants, inverse,
+                    grid_angles=True, frame_size=height * width, width=width)
     return q_out, k_out
 
 
@@ -192,9 +211,9 @@ def _qk_norm_rope_op(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, c
                      rotary_dim: Optional[int] = None) -> tuple[Tensor, Tensor]:
     q_out, k_out = meta.rope.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim,
                                           rotary_dim)
-    r, angles = _table_angles(q, cos, rotary_dim)
-    _launch_forward(q, k, q_out, k_out, seq_dim, r, interleaved, angles, cos, sin, False,
-                    weights=(q_weight.contiguous(), k_weight.contiguous()), eps=float(eps))
+    r, half = meta.rope.table_layout(q, cos, rotary_dim)
+    _launch_forward(q, k, q_out, k_out, seq_dim, r, interleaved, half, cos, sin, False,
+                    weights=(q_weight, k_weight), eps=float(eps))
     return q_out, k_out
 
 
@@ -206,7 +225,7 @@ def _qk_norm_rope_backward_op(grad_q: Tensor, grad_k: Tensor, q: Tensor, k: Tens
                               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dq_weight, dk_weight = meta.rope.qk_norm_rope_backward(
         grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim)
-    r, angles = _table_angles(q, cos, rotary_dim)
+    r, half = meta.rope.table_layout(q, cos, rotary_dim)
     r = int(r)
     d = q.shape[3]
     hq, hk = q.shape[3 - seq_dim], k.shape[3 - seq_dim]
@@ -216,20 +235,21 @@ def _qk_norm_rope_backward_op(grad_q: Tensor, grad_k: Tensor, q: Tensor, k: Tens
     partial_q = torch.empty((n_programs, d), dtype=acc, device=q.device)
     partial_k = torch.empty((n_programs, d), dtype=acc, device=q.device)
     per_batch = cos.dim() == 3 and cos.shape[0] > 1
-    cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = _aligned(cos), _aligned(sin)
     tail = d - r
     if n_programs:
         launcher(qk_norm_rope_bwd_kernel)[grid](
             q, k, grad_q, grad_k, dq, dk, partial_q, partial_k, cos, sin,
-            q_weight.contiguous(), k_weight.contiguous(),
+            _aligned(q_weight), _aligned(k_weight),
             q.shape[seq_dim], hq, hk, d, n_pos_blocks, heads_per_program,
             *_positions_and_heads(q, seq_dim), *_positions_and_heads(k, seq_dim),
             *_positions_and_heads(grad_q, seq_dim), *_positions_and_heads(grad_k, seq_dim),
             *_positions_and_heads(dq, seq_dim)[:3], *_positions_and_heads(dk, seq_dim)[:3],
             cos.stride(0) if per_batch else 0, cos.stride(-2), float(eps),
-            R=r, INTERLEAVED=interleaved, ANGLES=angles, BLOCK_L=block_l,
+            R=r, INTERLEAVED=interleaved, PACKED=_pairs_packable(q, k, grad_q, grad_k), HALF_TABLE=half,
+            BLOCK_L=block_l,
             BLOCK_P=triton.next_power_of_2(r // 2), BLOCK_T=triton.next_power_of_2(tail) if tail else 0,
-            ACC=acc_dtype(q), num_warps=4,
+            ACC=acc_dtype(q), num_warps=NUM_WARPS,
         )
     column_sum(partial_q, n_programs, dq_weight)
     column_sum(partial_k, n_programs, dk_weight)

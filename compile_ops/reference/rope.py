@@ -73,16 +73,15 @@ def grid_tables(spec_or_constants, length: int, height: int, width: int, dtype=t
     if isinstance(spec_or_constants, meta.GridRope):
         consts = spec_or_constants.constants()
     else:
-        consts = spec_or_constants.detach().cpu()
+        consts = spec_or_constants.detach()  # stays on its device: CUDA-graph capturable
     c = consts.double()
     slope, intercept, axis = c[0] + c[1] + c[2], c[3] + c[4], c[5].long()
-    token = torch.arange(length, dtype=torch.int64)
+    token = torch.arange(length, dtype=torch.int64, device=c.device)
     frame_size = height * width
     idx = torch.stack((token // frame_size, (token % frame_size) // width, token % width), dim=-1)
     pos = idx[:, axis.clamp(min=0)].double()                       # [length, P]
-    angle = torch.where(axis >= 0, pos * slope + intercept, torch.zeros((), dtype=torch.float64))
-    device = spec_or_constants.device if isinstance(spec_or_constants, torch.Tensor) else None
-    return angle.cos().to(dtype=dtype, device=device), angle.sin().to(dtype=dtype, device=device)
+    angle = torch.where(axis >= 0, pos * slope + intercept, torch.zeros((), dtype=torch.float64, device=c.device))
+    return angle.cos().to(dtype), angle.sin().to(dtype)
 
 
 def rope_grid(q: torch.Tensor, k: torch.Tensor, constants: torch.Tensor, height: int, width: int,
