@@ -6,6 +6,7 @@ of two types, for instance: that reached the GPU once). Here the launch of
 every registry op is traced on fake CUDA tensors, as in test_ops_registry.py,
 and each distinct (kernel, argument types, constexprs) is compiled ahead of
 time through PTX to a cubin with triton's bundled ptxas; no GPU is needed.
+Float scalars are compiled as fp32 (triton's launcher) and fp64 (Inductor's).
 """
 import pytest
 import torch
@@ -78,6 +79,11 @@ def test_every_launched_kernel_variant_compiles_for_sm90(spec, dtype):
     assert launches, "the op launched no kernel"
     for name, (kernel, signature, constants) in launches.items():
         ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
-        src = ASTSource(fn=kernel, signature=ordered, constexprs=constants)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        assert compiled.asm.get("cubin"), f"{name[0]}: no cubin"
+        # Triton's launcher passes a Python float as fp32, Inductor's as fp64
+        # (an fp64 eps once promoted a loop-carried accumulator): compile both.
+        float_types = ("fp32", "fp64") if "fp32" in ordered.values() else ("fp32",)
+        for float_type in float_types:
+            typed = {p: float_type if t == "fp32" else t for p, t in ordered.items()}
+            src = ASTSource(fn=kernel, signature=typed, constexprs=constants)
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            assert compiled.asm.get("cubin"), f"{name[0]} ({float_type} scalars): no cubin"

@@ -191,7 +191,9 @@ def _rstd(x1, x2, t, D, eps, BLOCK_T: tl.constexpr):
     squares = tl.sum(x1 * x1 + x2 * x2, axis=1)
     if BLOCK_T > 0:
         squares += tl.sum(t * t, axis=1)
-    return _rsqrt_exact(squares / D + eps)
+    # eps arrives as fp64 from Inductor's launch (fp32 from triton's): cast, or
+    # the whole row's arithmetic is promoted to fp64.
+    return _rsqrt_exact(squares / D + tl.cast(eps, squares.dtype))
 
 
 @triton.jit
