@@ -63,7 +63,11 @@ def environment_line(data: dict) -> str:
     if env.get("liger"):
         parts.append(f"liger-kernel {env['liger']}")
     parts.append(f"device copy {data['copy_TBps']:.2f} TB/s (read+write)")
-    parts.append(str(env.get("date", ""))[:10])
+    runs = data.get("runs")
+    if runs and len(runs) > 1:  # bench/run.py --merge: each op's rows come from one run
+        parts.append(f"runs of {', '.join(sorted({str(r)[:16].replace('T', ' ') for r in runs}))} UTC")
+    else:
+        parts.append(str(env.get("date", ""))[:10])
     if data.get("quick"):
         parts.append("--quick run")
     return " | ".join(p for p in parts if p)
@@ -127,7 +131,7 @@ def markdown_table(data: dict) -> str:
            f"Effective GB/s, {', '.join(dtypes)}, forward / forward+backward (median of "
            "`triton.testing.do_bench`, L2 flushed between runs). Bytes: each input read once and "
            "each output written once; forward+backward adds the output gradients, the input "
-           "gradients and a second read of the differentiable inputs (5 tensor passes for rmsnorm).",
+           "gradients and a second read of the differentiable inputs (5 tensor passes for rmsnorm; 4 for a rotation, whose backward does not read its inputs).",
            ""]
     for suffix, title in _TIMINGS:
         if not any(r.get(f"fwd{suffix}_GBps") is not None for r in rows):

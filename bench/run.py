@@ -427,11 +427,15 @@ def run_cuda(args) -> int:
             traceback.print_exc()
             overhead = {"error": _error(e)}
 
+    for r in rows:
+        r["date"] = env["date"]
     data = {"env": env, "copy_TBps": copy_TBps, "quick": bool(args.quick),
             "timing_ms": dict(zip(("warmup", "rep"), TIMING[bool(args.quick)])),
             "rows": rows, "overhead": overhead}
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, gpu_slug(env["gpu"]))
+    if args.merge and os.path.exists(stem + ".json"):
+        data = merge_runs(report.load(stem + ".json"), data)
     with open(stem + ".json", "w") as f:
         json.dump(data, f, indent=1)
     _log(f"wrote {stem}.json")
@@ -447,12 +451,32 @@ def run_cuda(args) -> int:
     return 1 if failed else 0
 
 
+def merge_runs(old: dict, new: dict) -> dict:
+    """``old`` with the ops that ``new`` measured replaced by ``new``'s rows (each
+    op's providers, peers included, still come from one run). Refused across
+    GPUs or versions; the runs' dates and copy bandwidths are kept."""
+    keys = ("gpu", "torch", "triton", "cuda", "liger")
+    if any(old["env"].get(k) != new["env"].get(k) for k in keys):
+        raise SystemExit(f"run.py --merge: {[old['env'].get(k) for k in keys]} != "
+                         f"{[new['env'].get(k) for k in keys]}; run every op instead")
+    measured = {r["op"] for r in new["rows"]}
+    old_date = old["env"].get("date")
+    kept = [dict(r, date=r.get("date", old_date)) for r in old["rows"] if r["op"] not in measured]
+    runs = {r["date"]: None for r in kept + new["rows"]}
+    copies = dict(old.get("copy_TBps_by_run", {old_date: old["copy_TBps"]}))
+    copies[new["env"]["date"]] = new["copy_TBps"]
+    return dict(new, rows=kept + new["rows"], overhead=new["overhead"] or old.get("overhead"),
+                runs=sorted(runs), copy_TBps_by_run={d: copies[d] for d in sorted(runs) if d in copies})
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="", help="comma-separated op names (default: every op with bench shapes)")
     p.add_argument("--quick", action="store_true", help="one shape per op and short timing runs (smoke test)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"),
                    help="directory for <gpu>.json and <gpu>.png (default: bench/results)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the other ops' rows of an existing <gpu>.json (same GPU and versions)")
     return p.parse_args(argv)
 
 
