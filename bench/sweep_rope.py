@@ -1,7 +1,7 @@
 """Sweep the RoPE kernels' launch configs on a GPU, to pick TILE,
 PROGRAMS_PER_SM and NUM_WARPS in compile_ops/ops/rope.py.
 
-    PYTHONPATH=. python bench/sweep_rope.py [OUT.json]
+    PYTHONPATH=. python bench/sweep_rope.py [OUT.json] [OPS] [TILE/PER_SM/WARPS,...]
 
 rope_qk (half-split, [B, L, H, D]), rope (interleaved, [B, H, L, D]),
 rope_grid and qk_norm_rope at the registry's RoPE shapes, bf16, timed as CUDA
@@ -31,16 +31,18 @@ OPS = ("rope_qk", "rope", "rope_grid", "qk_norm_rope")
 ROUNDS = 3
 
 
-def main(out_path=None):
+def main(out_path=None, ops=None, configs=None):
+    ops = ops.split(",") if ops else OPS
+    configs = [tuple(int(v) for v in c.split("/")) for c in configs.split(",")] if configs else CONFIGS
     timer = make_timer(quick=False)
     warm_up_gpu()
     results = []
-    for name, shape in itertools.product(OPS, registry.ROPE_SHAPES):
+    for name, shape in itertools.product(ops, registry.ROPE_SHAPES):
         spec = registry.BY_NAME[name]
         args = spec.make_inputs(shape, torch.bfloat16, "cuda", True)
         with torch.no_grad():
             fwd_bytes, fwdbwd_bytes = bytes_model(args, spec.reference(*args), spec.backward_reads_inputs)
-        times = {(kind, *c): [] for kind in ("fwd", "fwdbwd") for c in CONFIGS}
+        times = {(kind, *c): [] for kind in ("fwd", "fwdbwd") for c in configs}
         for _ in range(ROUNDS):
             for kind, tile, per_sm, warps in times:
                 saved = rope_ops.TILE, rope_ops.PROGRAMS_PER_SM, rope_ops.NUM_WARPS

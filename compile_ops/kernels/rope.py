@@ -25,7 +25,7 @@ Channels past R pass through (``NORM``: normalized and weighted like the rest).
 import triton
 import triton.language as tl
 
-from compile_ops.kernels.norm import _rsqrt_exact
+from compile_ops.kernels.norm import _div_exact, _rsqrt_exact
 
 @triton.jit
 def _two_sum(a, b):
@@ -193,7 +193,7 @@ def _rstd(x1, x2, t, D, eps, BLOCK_T: tl.constexpr):
         squares += tl.sum(t * t, axis=1)
     # eps arrives as fp64 from Inductor's launch (fp32 from triton's): cast, or
     # the whole row's arithmetic is promoted to fp64.
-    return _rsqrt_exact(squares / D + tl.cast(eps, squares.dtype))
+    return _rsqrt_exact(_div_exact(squares, D) + tl.cast(eps, squares.dtype))
 
 
 @triton.jit
@@ -315,7 +315,7 @@ def _norm_rope_grad_heads(X, G, DX, DW_PART, W, h_start, h_end, b, pos, pos_mask
             dw_tail += dz_tail * xhat_tail
             wdz_tail = dz_tail * w_tail
             dot += tl.sum(wdz_tail * xhat_tail, axis=1)
-        c = (dot / D)[:, None]
+        c = _div_exact(dot, D)[:, None]  # triton's fp32 "/" is ~2 ulps off: seen in dk on the GPU
         rows = out_rows + head * stride_oh
         _store_pairs(rows, p, mask, rstd * (wdz1 - xhat1 * c), rstd * (wdz2 - xhat2 * c), R, INTERLEAVED)
         if BLOCK_T > 0:
