@@ -8,10 +8,12 @@ from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZer
 from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.modulate import gated_residual, gated_residual_norm_modulate, modulate, norm_modulate
 from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
-from compile_ops.ops.rope import rope
+from compile_ops.meta.rope import GridRope, grid_rope
+from compile_ops.ops.rope import qk_norm_rope, rope, rope_grid, rope_qk
 
 __version__ = "0.1.0"
 
 __all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm",
            "modulate", "norm_modulate", "gated_residual", "gated_residual_norm_modulate",
-           "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous", "rope"]
+           "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous",
+           "rope", "rope_qk", "rope_grid", "qk_norm_rope", "grid_rope", "GridRope"]

@@ -144,7 +144,9 @@ def test_kernels_qk_norm_rope_match_fp64_reference_forward_and_backward(case, ep
     rows = [q.numel() // D, k.numel() // D]
     for name, g, e, p, terms in zip(("dq", "dk", "dq_weight", "dk_weight"), grads, exact_grads, plain_grads,
                                     [1, 1] + rows):
-        assert_within_torch_error(g, e, p, 3.0, f"qk_norm_rope {name}", terms=terms)
+        # dx = rstd (w dz - xhat c): four fp32 roundings before the terms cancel.
+        assert_within_torch_error(g, e, p, 3.0, f"qk_norm_rope {name}", terms=terms,
+                                  fp32_roundings=4 if terms == 1 else 0)
 
 
 @pytest.mark.kernels
