@@ -131,7 +131,8 @@ def markdown_table(data: dict) -> str:
            f"Effective GB/s, {', '.join(dtypes)}, forward / forward+backward (median of "
            "`triton.testing.do_bench`, L2 flushed between runs). Bytes: each input read once and "
            "each output written once; forward+backward adds the output gradients, the input "
-           "gradients and a second read of the differentiable inputs (5 tensor passes for rmsnorm; 4 for a rotation, whose backward does not read its inputs).",
+           "gradients and a second read of the differentiable inputs (5 tensor passes for rmsnorm; "
+           "4 for a rotation, whose backward does not read its inputs).",
            ""]
     for suffix, title in _TIMINGS:
         if not any(r.get(f"fwd{suffix}_GBps") is not None for r in rows):

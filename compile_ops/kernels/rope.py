@@ -223,7 +223,8 @@ def _rotate_heads(X, OUT, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2
         head = tl.cast(h, tl.int64)
         x1, x2 = _load_pairs(x_rows + head * stride_xh, stride_xd, p, mask, R, INTERLEAVED, PACKED, ACC)
         if BLOCK_T > 0:
-            t = tl.load((x_rows + head * stride_xh)[:, None] + (tail * stride_xd)[None, :], mask=tail_mask, other=0.0)
+            t = tl.load((x_rows + head * stride_xh)[:, None] + (tail * stride_xd)[None, :], mask=tail_mask,
+                        other=0.0)
         else:
             t = x1  # no tail: a placeholder _rstd ignores
         if NORM:
@@ -248,8 +249,8 @@ def rope_kernel(
     stride_oqb, stride_oql, stride_oqh, stride_okb, stride_okl, stride_okh,
     stride_tb, stride_tl, frame_size, width, eps,
     R: tl.constexpr, INTERLEAVED: tl.constexpr, PACKED: tl.constexpr, HALF_TABLE: tl.constexpr,
-    GRID_ANGLES: tl.constexpr, NORM: tl.constexpr, INVERSE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
-    ACC: tl.constexpr,
+    GRID_ANGLES: tl.constexpr, NORM: tl.constexpr, INVERSE: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr,
 ):
     """Q_OUT, K_OUT = rotate([rmsnorm]Q), rotate([rmsnorm]K) (``INVERSE``: by the
     negated angles). Tensors are addressed by (batch, position, head, channel)
