@@ -227,10 +227,12 @@ def _bad_input_cases():
     x = torch.randn(2, 3, 5, 16)
     c = torch.randn(5, 16)
     return [
-        (lambda: rope_ops.rope(torch.randn(2, 5, 16), c, c), ValueError, r"rope: x must be \[B, L, H, D\] or \[B, H, L, D\]"),
+        (lambda: rope_ops.rope(torch.randn(2, 5, 16), c, c), ValueError,
+         r"rope: x must be \[B, L, H, D\] or \[B, H, L, D\]"),
         (lambda: rope_ops.rope(torch.randn(2, 3, 5, 15), torch.randn(5, 15), torch.randn(5, 15)), ValueError,
          r"head dim D=15 is odd"),
-        (lambda: rope_ops.rope(x, c, c, rotary_dim=7), ValueError, r"rotary_dim must be an even int in \[2, D=16\], got 7"),
+        (lambda: rope_ops.rope(x, c, c, rotary_dim=7), ValueError,
+         r"rotary_dim must be an even int in \[2, D=16\], got 7"),
         (lambda: rope_ops.rope(x, c, c, rotary_dim=18), ValueError, r"rotary_dim must be an even int"),
         (lambda: rope_ops.rope(x, torch.randn(6, 16), torch.randn(6, 16)), ValueError,
          r"cos has 6 positions but x has L=5 along seq_dim=2"),
@@ -238,7 +240,8 @@ def _bad_input_cases():
         (lambda: rope_ops.rope(x, torch.randn(5, 12), torch.randn(5, 12)), ValueError,
          r"cos must have rotary_dim=16 \(a full table\) or 8 .* got 12"),
         (lambda: rope_ops.rope(x, c, torch.randn(5, 8)), ValueError, r"cos and sin must have the same shape"),
-        (lambda: rope_ops.rope(x, torch.randn(3, 5, 16), torch.randn(3, 5, 16)), ValueError, r"per batch but x has B=2"),
+        (lambda: rope_ops.rope(x, torch.randn(3, 5, 16), torch.randn(3, 5, 16)), ValueError,
+         r"per batch but x has B=2"),
         (lambda: rope_ops.rope(x.int(), c, c), TypeError, r"x must have a floating dtype"),
         (lambda: rope_ops.rope(x, c.to("meta"), c), ValueError, r"cos is on meta but x is on cpu"),
         # q and k together
@@ -262,7 +265,8 @@ def _bad_input_cases():
          r"rope_grid: q has L=5 tokens along seq_dim=2, not a whole number of height x width = 2 x 2 frames"),
         (lambda: rope_ops.rope_grid(x, x, grid_rope("wan", 24), 1, 5), ValueError,
          r"the grid RoPE rotates 24 channels but q's head dim is D=16"),
-        (lambda: rope_ops.rope_grid(x, x, grid_rope("wan", 16), 0, 5), ValueError, r"height must be an int in \[1, 4096\], got 0"),
+        (lambda: rope_ops.rope_grid(x, x, grid_rope("wan", 16), 0, 5), ValueError,
+         r"height must be an int in \[1, 4096\], got 0"),
         (lambda: torch.ops.fused.rope_grid(x, x, torch.zeros(6, 8, dtype=torch.float64), 1, 5, True, 2),
          ValueError, r"constants must be a \[6, P\] fp32 tensor from GridRope.constants\(\), got torch.float64"),
         (lambda: GridRope(frequencies=(1.0,), axes=(3,)), ValueError, r"GridRope: axes must be 0 \(frame\)"),

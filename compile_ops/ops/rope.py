@@ -104,7 +104,8 @@ def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Option
         *_positions_and_heads(q_out, seq_dim)[:3], *k_out_strides,
         cos.stride(0) if per_batch else 0, cos.stride(-2), frame_size, width, eps,
         R=r, INTERLEAVED=interleaved, PACKED=_pairs_packable(q, k), HALF_TABLE=half_table,
-        GRID_ANGLES=grid_angles, NORM=q_w is not None, INVERSE=inverse, BLOCK_L=block_l, BLOCK_P=triton.next_power_of_2(r // 2),
+        GRID_ANGLES=grid_angles, NORM=q_w is not None, INVERSE=inverse, BLOCK_L=block_l,
+        BLOCK_P=triton.next_power_of_2(r // 2),
         BLOCK_T=triton.next_power_of_2(tail) if tail else 0, ACC=acc_dtype(q), num_warps=NUM_WARPS,
     )
 
