@@ -451,6 +451,16 @@ def run_cuda(args) -> int:
     return 1 if failed else 0
 
 
+def write_sweep(out_path, rows: list) -> None:
+    """A sweep script's rows as JSON with the GPU and versions (no-op without a path)."""
+    if out_path:
+        import triton
+
+        with open(out_path, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "rows": rows}, f, indent=1)
+
+
 def merge_runs(old: dict, new: dict) -> dict:
     """``old`` with the ops that ``new`` measured replaced by ``new``'s rows (each
     op's providers, peers included, still come from one run). Refused across

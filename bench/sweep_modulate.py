@@ -12,7 +12,6 @@ family's sweep, bench/notes.md). Three interleaved rounds, median kept.
 """
 import functools
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,8 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench.run import bytes_model, graph_replay_time, make_timer, time_forward_backward, warm_up_gpu  # noqa: E402
+from bench.run import (bytes_model, graph_replay_time, make_timer, time_forward_backward,  # noqa: E402
+                       warm_up_gpu, write_sweep)
 from compile_ops import registry  # noqa: E402
 from compile_ops.ops import modulate as modulate_ops  # noqa: E402
 from compile_ops.ops.norm import LaunchConfig  # noqa: E402
@@ -74,10 +74,7 @@ def main(out_path=None):
                             "piece_rows": piece, "ms": ms, "GBps": gbps})
             print(f"{name:<30} {'x'.join(map(str, shape)):<13} {kind:<7} rows {m} warps {w:>2} piece {piece:>2}: "
                   f"{ms * 1e3:8.1f} us {gbps:7.0f} GB/s", flush=True)
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "rows": results}, f, indent=1)
+    write_sweep(out_path, results)
 
 
 if __name__ == "__main__":

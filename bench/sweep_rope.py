@@ -10,7 +10,6 @@ interleaved rounds, median kept.
 """
 import functools
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -20,9 +19,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
-from bench.run import bytes_model, graph_replay_time, make_timer, time_forward_backward, warm_up_gpu  # noqa: E402
+from bench.run import (bytes_model, graph_replay_time, make_timer, time_forward_backward,  # noqa: E402
+                       warm_up_gpu, write_sweep)
 from compile_ops import registry  # noqa: E402
 from compile_ops.ops import rope as rope_ops  # noqa: E402
 
@@ -67,10 +66,7 @@ def main(out_path=None, ops=None, configs=None):
                             "programs_per_sm": per_sm, "num_warps": warps, "ms": ms, "GBps": gbps})
             print(f"{name:<13} {'x'.join(map(str, shape)):<13} {kind:<7} tile {tile:>5} per-SM {per_sm:>2} "
                   f"warps {warps}: {ms * 1e3:8.1f} us {gbps:7.0f} GB/s", flush=True)
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "rows": results}, f, indent=1)
+    write_sweep(out_path, results)
 
 
 if __name__ == "__main__":

@@ -178,6 +178,22 @@ def _rotate(x1, x2, c1, s1, c2, s2, INVERSE: tl.constexpr):
 
 
 @triton.jit
+def _program_block(L, n_pos_blocks, heads_per_program, BLOCK_L: tl.constexpr):
+    """This program's batch element, positions [BLOCK_L] and their mask, and
+    first head (in q's heads, then k's): the grid both kernels share."""
+    pid = tl.program_id(0)
+    b = tl.cast(pid // n_pos_blocks, tl.int64)
+    pos = tl.cast(pid % n_pos_blocks, tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
+    return b, pos, pos < L, tl.program_id(1) * heads_per_program
+
+
+@triton.jit
+def _load_tail(rows, stride_c, tail, tail_mask):
+    """Channels past the rotary dim of the rows at pointers ``rows``."""
+    return tl.load(rows[:, None] + (tail * stride_c)[None, :], mask=tail_mask, other=0.0)
+
+
+@triton.jit
 def _head_range(first_head, n_heads_before, n_heads, heads_per_program):
     """This program's heads of one tensor whose heads come after
     ``n_heads_before`` heads of the other in the combined head order."""
@@ -223,8 +239,7 @@ def _rotate_heads(X, OUT, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2
         head = tl.cast(h, tl.int64)
         x1, x2 = _load_pairs(x_rows + head * stride_xh, stride_xd, p, mask, R, INTERLEAVED, PACKED, ACC)
         if BLOCK_T > 0:
-            t = tl.load((x_rows + head * stride_xh)[:, None] + (tail * stride_xd)[None, :], mask=tail_mask,
-                        other=0.0)
+            t = _load_tail(x_rows + head * stride_xh, stride_xd, tail, tail_mask)
         else:
             t = x1  # no tail: a placeholder _rstd ignores
         if NORM:
@@ -255,11 +270,7 @@ def rope_kernel(
     """Q_OUT, K_OUT = rotate([rmsnorm]Q), rotate([rmsnorm]K) (``INVERSE``: by the
     negated angles). Tensors are addressed by (batch, position, head, channel)
     strides, so either layout and any strides work; HK = 0 rotates Q alone."""
-    pid = tl.program_id(0)
-    b = tl.cast(pid // n_pos_blocks, tl.int64)
-    pos = tl.cast(pid % n_pos_blocks, tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
-    pos_mask = pos < L
-    first_head = tl.program_id(1) * heads_per_program
+    b, pos, pos_mask, first_head = _program_block(L, n_pos_blocks, heads_per_program, BLOCK_L)
     p = tl.arange(0, BLOCK_P)
     c1, s1, c2, s2 = _angles(COS, SIN, b, pos, pos_mask, p, stride_tb, stride_tl, frame_size, width,
                              R, INTERLEAVED, HALF_TABLE, GRID_ANGLES, ACC)
@@ -297,10 +308,8 @@ def _norm_rope_grad_heads(X, G, DX, DW_PART, W, h_start, h_end, b, pos, pos_mask
         g1, g2 = _load_pairs(g_rows + head * stride_gh, stride_gd, p, mask, R, INTERLEAVED, PACKED, ACC)
         dz1, dz2 = _rotate(g1, g2, c1, s1, c2, s2, True)  # the rotation's transpose
         if BLOCK_T > 0:
-            t = tl.load((x_rows + head * stride_xh)[:, None] + (tail * stride_xd)[None, :],
-                        mask=tail_mask, other=0.0).to(ACC)
-            dz_tail = tl.load((g_rows + head * stride_gh)[:, None] + (tail * stride_gd)[None, :],
-                              mask=tail_mask, other=0.0).to(ACC)
+            t = _load_tail(x_rows + head * stride_xh, stride_xd, tail, tail_mask).to(ACC)
+            dz_tail = _load_tail(g_rows + head * stride_gh, stride_gd, tail, tail_mask).to(ACC)
         else:
             t = x1
         rstd = _rstd(x1, x2, t, D, eps, BLOCK_T)[:, None]
@@ -344,12 +353,8 @@ def qk_norm_rope_bwd_kernel(
     """dq, dk and per-program partial rows of dq_weight, dk_weight of
     ``rotate(rmsnorm(q) * q_weight), rotate(rmsnorm(k) * k_weight)``; the grid
     and addressing are rope_kernel's, rstd is recomputed from the row in registers."""
-    pid = tl.program_id(0)
-    b = tl.cast(pid // n_pos_blocks, tl.int64)
-    pos = tl.cast(pid % n_pos_blocks, tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
-    pos_mask = pos < L
-    first_head = tl.program_id(1) * heads_per_program
-    part_row = (tl.cast(pid, tl.int64) * tl.num_programs(1) + tl.program_id(1)) * D
+    b, pos, pos_mask, first_head = _program_block(L, n_pos_blocks, heads_per_program, BLOCK_L)
+    part_row = (tl.cast(tl.program_id(0), tl.int64) * tl.num_programs(1) + tl.program_id(1)) * D
     p = tl.arange(0, BLOCK_P)
     c1, s1, c2, s2 = _angles(COS, SIN, b, pos, pos_mask, p, stride_tb, stride_tl, 1, 1,
                              R, INTERLEAVED, HALF_TABLE, False, ACC)

@@ -73,6 +73,19 @@ def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int):
     return block_l, n_pos_blocks, heads_per_program, (batch * n_pos_blocks, triton.cdiv(n_heads, heads_per_program))
 
 
+def _tables(cos: Tensor, sin: Tensor, per_pair_constants: bool = False):
+    """``(cos, sin, batch stride, position stride)`` as the kernels read tables:
+    aligned to pairs, batch stride 0 for a table shared by the batch."""
+    per_batch = not per_pair_constants and cos.dim() == 3 and cos.shape[0] > 1
+    cos, sin = _aligned(cos), _aligned(sin)
+    return cos, sin, cos.stride(0) if per_batch else 0, cos.stride(-2)
+
+
+def _pair_blocks(r: int, d: int) -> dict:
+    """The pair and pass-through tile widths of rotary dim ``r`` in head dim ``d``."""
+    return dict(BLOCK_P=triton.next_power_of_2(r // 2), BLOCK_T=triton.next_power_of_2(d - r) if d > r else 0)
+
+
 def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Optional[Tensor], seq_dim: int,
                     r: int, interleaved: bool, half_table: bool, cos: Tensor, sin: Tensor, inverse: bool,
                     weights=(None, None), eps: float = 0.0, grid_angles: bool = False, frame_size: int = 1,
@@ -93,20 +106,17 @@ def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Option
         # Q_OUT: under functionalization each written argument becomes its own
         # clone, and an aliased pair would return the clone nothing wrote to.
         k, k_out = q, q_out.new_empty(0)
-    per_batch = not grid_angles and cos.dim() == 3 and cos.shape[0] > 1
-    cos, sin = _aligned(cos), _aligned(sin)
+    cos, sin, stride_tb, stride_tl = _tables(cos, sin, grid_angles)
     q_w, k_w = (None if w is None else _aligned(w) for w in weights)
-    tail = d - r
     launcher(rope_kernel)[grid](
         q, k, q_out, k_out, cos, sin, q if q_w is None else q_w, q if k_w is None else k_w,
         q.shape[seq_dim], hq, hk, d, n_pos_blocks, heads_per_program,
         *_positions_and_heads(q, seq_dim), *k_strides,
         *_positions_and_heads(q_out, seq_dim)[:3], *k_out_strides,
-        cos.stride(0) if per_batch else 0, cos.stride(-2), frame_size, width, eps,
+        stride_tb, stride_tl, frame_size, width, eps,
         R=r, INTERLEAVED=interleaved, PACKED=_pairs_packable(q, k), HALF_TABLE=half_table,
         GRID_ANGLES=grid_angles, NORM=q_w is not None, INVERSE=inverse, BLOCK_L=block_l,
-        BLOCK_P=triton.next_power_of_2(r // 2),
-        BLOCK_T=triton.next_power_of_2(tail) if tail else 0, ACC=acc_dtype(q), num_warps=NUM_WARPS,
+        **_pair_blocks(r, d), ACC=acc_dtype(q), num_warps=NUM_WARPS,
     )
 
 
@@ -235,9 +245,7 @@ def _qk_norm_rope_backward_op(grad_q: Tensor, grad_k: Tensor, q: Tensor, k: Tens
     acc = acc_torch_dtype(q)
     partial_q = torch.empty((n_programs, d), dtype=acc, device=q.device)
     partial_k = torch.empty((n_programs, d), dtype=acc, device=q.device)
-    per_batch = cos.dim() == 3 and cos.shape[0] > 1
-    cos, sin = _aligned(cos), _aligned(sin)
-    tail = d - r
+    cos, sin, stride_tb, stride_tl = _tables(cos, sin)
     if n_programs:
         launcher(qk_norm_rope_bwd_kernel)[grid](
             q, k, grad_q, grad_k, dq, dk, partial_q, partial_k, cos, sin,
@@ -246,10 +254,10 @@ def _qk_norm_rope_backward_op(grad_q: Tensor, grad_k: Tensor, q: Tensor, k: Tens
             *_positions_and_heads(q, seq_dim), *_positions_and_heads(k, seq_dim),
             *_positions_and_heads(grad_q, seq_dim), *_positions_and_heads(grad_k, seq_dim),
             *_positions_and_heads(dq, seq_dim)[:3], *_positions_and_heads(dk, seq_dim)[:3],
-            cos.stride(0) if per_batch else 0, cos.stride(-2), float(eps),
+            stride_tb, stride_tl, float(eps),
             R=r, INTERLEAVED=interleaved, PACKED=_pairs_packable(q, k, grad_q, grad_k), HALF_TABLE=half,
             BLOCK_L=block_l,
-            BLOCK_P=triton.next_power_of_2(r // 2), BLOCK_T=triton.next_power_of_2(tail) if tail else 0,
+            **_pair_blocks(r, d),
             ACC=acc_dtype(q), num_warps=NUM_WARPS,
         )
     column_sum(partial_q, n_programs, dq_weight)
