@@ -451,6 +451,31 @@ def run_cuda(args) -> int:
     return 1 if failed else 0
 
 
+def sweep_times(spec, args, configs, configure, timer, rounds: int = 3) -> dict:
+    """``{(kind, config): median ms}`` for kind "fwd" and "fwdbwd", timed as CUDA
+    graph replays of the forward and of the whole training step, in
+    ``rounds`` interleaved rounds (so that clock drift spreads over every
+    config). ``configure(config)`` is a context manager that makes the op
+    launch with ``config``; a config that fails to compile times as NaN."""
+    import statistics
+
+    times = {(kind, config): [] for kind in ("fwd", "fwdbwd") for config in configs}
+    for _ in range(rounds):
+        for kind, config in times:
+            try:
+                with configure(config):
+                    if kind == "fwd":
+                        with torch.no_grad():
+                            ms = graph_replay_time(functools.partial(spec.op, *args), timer)
+                    else:
+                        ms = time_forward_backward(spec.op, args, timer, graph=True)
+            except Exception as e:  # noqa: BLE001 (a config that fails is a result)
+                _log(f"{spec.name} {kind} {config}: {_error(e)[:200]}")
+                ms = float("nan")
+            times[(kind, config)].append(ms)
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
 def write_sweep(out_path, rows: list) -> None:
     """A sweep script's rows as JSON with the GPU and versions (no-op without a path)."""
     if out_path:

@@ -12,6 +12,7 @@ import torch
 
 from compile_ops import reference
 from compile_ops.meta import rope as meta_rope
+from compile_ops.ops import glu as _glu_ops  # noqa: F401
 from compile_ops.ops import modulate as _modulate_ops  # noqa: F401  (registers the ops)
 from compile_ops.ops import norm as _norm_ops  # noqa: F401
 from compile_ops.ops import rope as _rope_ops  # noqa: F401
@@ -42,14 +43,17 @@ class OpSpec:
     """The backward reads the differentiable inputs again (a norm does; a
     rotation, whose backward needs only the angles, does not): the benchmark's
     byte count of a forward+backward step."""
+    op_name: Optional[str] = None
+    """The ``torch.ops.fused`` op, when ``name`` labels one variant of it
+    (``geglu_tanh`` is ``fused.geglu`` with ``approximate="tanh"``)."""
 
     @property
     def op(self) -> torch._ops.OpOverloadPacket:
-        return getattr(torch.ops.fused, self.name)
+        return getattr(torch.ops.fused, self.op_name or self.name)
 
     @property
     def qualname(self) -> str:
-        return f"fused::{self.name}"
+        return f"fused::{self.op_name or self.name}"
 
 
 def _tensor(shape, dtype, device, requires_grad=False, scale=1.0):
@@ -354,6 +358,58 @@ def _qk_norm_rope_backward_edges(dtype, device, requires_grad):
     return cases
 
 
+# ---------------------------------------------------------------- glu family
+
+
+def _glu_edges(*options):
+    """Edge cases of a gated activation; ``options`` follow x in the op's arguments
+    (``gate_first`` last, and flipped on some cases)."""
+
+    def edges(dtype, device, requires_grad):
+        g = requires_grad
+
+        def x(shape):
+            return _tensor(shape, dtype, device, g, scale=2.0)
+
+        row_slice = _tensor((4, 40), dtype, device, scale=2.0)[:, 4:20].detach().requires_grad_(g)  # row stride 40
+        channel_strided = _tensor((16, 3), dtype, device, scale=2.0).t().detach().requires_grad_(g)
+        return [
+            (x((2, 3, 16)), *options, False),
+            (x((2, 3, 16)), *options, True),     # vLLM's order
+            (x((0, 16)), *options, False),        # zero rows
+            (x((10,)), *options, True),           # 1-D, H = 5
+            (row_slice, *options, False),
+            (channel_strided, *options, True),    # copied to unit column stride
+            (x((3, 5, 66)), *options, False),     # H = 33, not a block multiple
+        ]
+
+    return edges
+
+
+def _make_glu(*options):
+    def make_inputs(shape, dtype, device, requires_grad):
+        return (_tensor(shape, dtype, device, requires_grad, scale=2.0), *options, False)
+    return make_inputs
+
+
+def _glu_backward_edges(dtype, device, requires_grad):
+    cases = []
+    # Every edge case, spread over the three activations (all of them on all
+    # cases would triple opcheck's time for no new path).
+    for i, activation in enumerate(("gelu", "gelu_tanh", "silu")):
+        for x, gate_first in _glu_edges()(dtype, device, False)[i::2]:
+            dy = _tensor((*x.shape[:-1], x.shape[-1] // 2), dtype, device)
+            cases.append((dy, x, activation, gate_first))
+    # An expanded (stride-0) gradient, as y.sum().backward() produces.
+    x = _tensor((3, 16), dtype, device)
+    cases.append((torch.ones((), dtype=dtype, device=device).expand(3, 8), x, "gelu", False))
+    return cases
+
+
+#: GEGLU on a DiT feed-forward's hidden: Flux/SD3 (hidden 3072, 4x MLP) at
+#: 1024x1024 image tokens, the anchors' shapes.
+GLU_SHAPES = ((1, 4608, 24576), (2, 4096, 24576))
+
 #: DiT activation shapes from shared/DESIGN.md: Flux/SD3 (3072), Wan/LTX-like
 #: long sequences (1536), HunyuanVideo-sized hidden (5120).
 DIT_NORM_SHAPES = ((2, 4096, 3072), (1, 32768, 1536), (1, 16384, 5120))
@@ -394,6 +450,11 @@ OPS: tuple[OpSpec, ...] = (
            bench_shapes=ROPE_SHAPES),
     OpSpec("qk_norm_rope_backward", "rope", reference.rope.qk_norm_rope_backward, None,
            _qk_norm_rope_backward_edges, differentiable=False),
+    OpSpec("geglu", "glu", reference.glu.geglu, _make_glu("none"), _glu_edges("none"), bench_shapes=GLU_SHAPES),
+    OpSpec("geglu_tanh", "glu", reference.glu.geglu, _make_glu("tanh"), _glu_edges("tanh"),
+           bench_shapes=GLU_SHAPES, op_name="geglu"),
+    OpSpec("swiglu", "glu", reference.glu.swiglu, _make_glu(), _glu_edges(), bench_shapes=GLU_SHAPES),
+    OpSpec("glu_backward", "glu", reference.glu.glu_backward, None, _glu_backward_edges, differentiable=False),
 )
 
 BY_NAME = {spec.name: spec for spec in OPS}

@@ -1,0 +1,46 @@
+"""``GEGLU`` and ``SwiGLU`` modules that drop in for diffusers' (``diffusers.models.activations``).
+
+Same constructor arguments and parameter names (``proj.weight``, ``proj.bias``),
+so a diffusers state dict loads unchanged; the projection is the same
+``nn.Linear`` and the activation step runs as one ``fused.geglu`` /
+``fused.swiglu`` kernel.
+"""
+from torch import Tensor, nn
+
+from compile_ops.ops.glu import geglu, swiglu
+
+
+class GEGLU(nn.Module):
+    """diffusers' ``GEGLU(dim_in, dim_out, bias)``: ``proj(x)`` split into
+    ``[value, gate]``, returns ``value * gelu(gate)``.
+
+    Input ``[..., dim_in]``, output ``[..., dim_out]``. ``approximate`` ("none",
+    diffusers' choice, or "tanh") is an addition.
+    """
+
+    def __init__(self, dim_in: int, dim_out: int, bias: bool = True, approximate: str = "none"):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out * 2, bias=bias)
+        self.approximate = approximate
+
+    def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+        # *args, **kwargs: diffusers' deprecated ``scale`` argument, ignored as there.
+        return geglu(self.proj(hidden_states), self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class SwiGLU(nn.Module):
+    """diffusers' ``SwiGLU(dim_in, dim_out, bias)``: ``proj(x)`` split into
+    ``[value, gate]``, returns ``value * silu(gate)``.
+
+    Input ``[..., dim_in]``, output ``[..., dim_out]``.
+    """
+
+    def __init__(self, dim_in: int, dim_out: int, bias: bool = True):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out * 2, bias=bias)
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return swiglu(self.proj(hidden_states))
