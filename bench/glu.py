@@ -52,7 +52,10 @@ try:
         return LigerSiLUMulFunction.apply(gate, hidden)
 
     def _liger_swiglu_gate_first(x, *options):
-        return LigerFusedGateUpSiLUMulFunction.apply(x, False)
+        # 2-D in and out: its backward returns the gradient flattened to rows
+        # (liger-kernel 0.8.5), which autograd rejects for a 3-D input.
+        rows = x.reshape(-1, x.shape[-1])
+        return LigerFusedGateUpSiLUMulFunction.apply(rows, False).view(*x.shape[:-1], -1)
 
     PEERS["geglu_tanh"]["liger"] = _liger_geglu
     PEERS["swiglu"]["liger"] = _liger_swiglu
