@@ -476,6 +476,36 @@ def sweep_times(spec, args, configs, configure, timer, rounds: int = 3) -> dict:
     return {key: statistics.median(ts) for key, ts in times.items()}
 
 
+def run_sweep(out_path, ops, shapes, configs, configure, fields, default_ops, default_configs) -> list:
+    """The launch-config sweep of ``bench/sweep_<family>.py``: every op of
+    ``ops`` (comma-separated, else ``default_ops``) at every shape, bf16, timed
+    by :func:`sweep_times` under each config (``"a/b/c,..."``, else
+    ``default_configs``); ``fields`` names a config's values in the rows.
+    Prints one line per measurement and writes the rows with :func:`write_sweep`."""
+    import itertools
+
+    from compile_ops import registry
+
+    ops = ops.split(",") if ops else default_ops
+    configs = [tuple(int(v) for v in c.split("/")) for c in configs.split(",")] if configs else default_configs
+    timer = make_timer(quick=False)
+    warm_up_gpu()
+    results = []
+    for name, shape in itertools.product(ops, shapes):
+        spec = registry.BY_NAME[name]
+        args = spec.make_inputs(shape, torch.bfloat16, "cuda", True)
+        with torch.no_grad():
+            fwd_bytes, fwdbwd_bytes = bytes_model(args, spec.reference(*args), spec.backward_reads_inputs)
+        for (kind, config), ms in sweep_times(spec, args, configs, configure, timer).items():
+            gbps = (fwd_bytes if kind == "fwd" else fwdbwd_bytes) / (ms * 1e-3) / 1e9
+            results.append({"op": name, "shape": list(shape), "kind": kind, **dict(zip(fields, config)),
+                            "ms": ms, "GBps": gbps})
+            described = " ".join(f"{f} {v}" for f, v in zip(fields, config))
+            _log(f"{name:<13} {shape_str(shape):<14} {kind:<7} {described}: {ms * 1e3:8.1f} us {gbps:7.0f} GB/s")
+    write_sweep(out_path, results)
+    return results
+
+
 def write_sweep(out_path, rows: list) -> None:
     """A sweep script's rows as JSON with the GPU and versions (no-op without a path)."""
     if out_path:
