@@ -476,6 +476,25 @@ def sweep_times(spec, args, configs, configure, timer, rounds: int = 3) -> dict:
     return {key: statistics.median(ts) for key, ts in times.items()}
 
 
+def module_config(module, *names):
+    """A ``configure`` for :func:`run_sweep` that sets the launch-config globals
+    ``module.<names>`` to a config's values while it is timed."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def configure(config):
+        saved = [getattr(module, n) for n in names]
+        for n, v in zip(names, config):
+            setattr(module, n, v)
+        try:
+            yield
+        finally:
+            for n, v in zip(names, saved):
+                setattr(module, n, v)
+
+    return configure
+
+
 def run_sweep(out_path, ops, shapes, configs, configure, fields, default_ops, default_configs) -> list:
     """The launch-config sweep of ``bench/sweep_<family>.py``: every op of
     ``ops`` (comma-separated, else ``default_ops``) at every shape, bf16, timed

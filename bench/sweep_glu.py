@@ -6,7 +6,6 @@ MAX_BLOCK_N and NUM_WARPS in compile_ops/ops/glu.py.
 At the registry's GLU shapes, bf16, CUDA-graph replays of the forward and of
 the forward+backward step (``bench.run.run_sweep``).
 """
-import contextlib
 import os
 import sys
 
@@ -14,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.run import run_sweep  # noqa: E402
+from bench.run import module_config, run_sweep  # noqa: E402
 from compile_ops import registry  # noqa: E402
 from compile_ops.ops import glu as glu_ops  # noqa: E402
 
@@ -23,18 +22,9 @@ CONFIGS = [(4096, 4096, 8), (4096, 4096, 4), (4096, 2048, 8), (2048, 2048, 4), (
 OPS = ("geglu", "geglu_tanh", "swiglu")
 
 
-@contextlib.contextmanager
-def _configured(config):
-    saved = glu_ops.TILE, glu_ops.MAX_BLOCK_N, glu_ops.NUM_WARPS
-    glu_ops.TILE, glu_ops.MAX_BLOCK_N, glu_ops.NUM_WARPS = config
-    try:
-        yield
-    finally:
-        glu_ops.TILE, glu_ops.MAX_BLOCK_N, glu_ops.NUM_WARPS = saved
-
-
 def main(out_path=None, ops=None, configs=None):
-    run_sweep(out_path, ops, registry.GLU_SHAPES, configs, _configured, ("tile", "max_block_n", "num_warps"),
+    run_sweep(out_path, ops, registry.GLU_SHAPES, configs,
+              module_config(glu_ops, "TILE", "MAX_BLOCK_N", "NUM_WARPS"), ("tile", "max_block_n", "num_warps"),
               OPS, CONFIGS)
 
 

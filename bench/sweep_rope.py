@@ -8,7 +8,6 @@ rope_grid and qk_norm_rope at the registry's RoPE shapes, bf16, timed as CUDA
 graph replays of the forward and of the whole forward+backward step
 (``bench.run.run_sweep``: three interleaved rounds, median kept).
 """
-import contextlib
 import os
 import sys
 
@@ -16,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.run import run_sweep  # noqa: E402
+from bench.run import module_config, run_sweep  # noqa: E402
 from compile_ops import registry  # noqa: E402
 from compile_ops.ops import rope as rope_ops  # noqa: E402
 
@@ -24,18 +23,8 @@ CONFIGS = [(2048, 4, 4), (4096, 4, 4), (4096, 8, 8), (8192, 4, 8)]  # tile, prog
 OPS = ("rope_qk", "rope", "rope_grid", "qk_norm_rope")
 
 
-@contextlib.contextmanager
-def _configured(config):
-    saved = rope_ops.TILE, rope_ops.PROGRAMS_PER_SM, rope_ops.NUM_WARPS
-    rope_ops.TILE, rope_ops.PROGRAMS_PER_SM, rope_ops.NUM_WARPS = config
-    try:
-        yield
-    finally:
-        rope_ops.TILE, rope_ops.PROGRAMS_PER_SM, rope_ops.NUM_WARPS = saved
-
-
 def main(out_path=None, ops=None, configs=None):
-    run_sweep(out_path, ops, registry.ROPE_SHAPES, configs, _configured,
+    run_sweep(out_path, ops, registry.ROPE_SHAPES, configs, module_config(rope_ops, "TILE", "PROGRAMS_PER_SM", "NUM_WARPS"),
               ("tile", "programs_per_sm", "num_warps"), OPS, CONFIGS)
 
 
