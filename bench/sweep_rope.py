@@ -24,8 +24,9 @@ OPS = ("rope_qk", "rope", "rope_grid", "qk_norm_rope")
 
 
 def main(out_path=None, ops=None, configs=None):
-    run_sweep(out_path, ops, registry.ROPE_SHAPES, configs, module_config(rope_ops, "TILE", "PROGRAMS_PER_SM", "NUM_WARPS"),
-              ("tile", "programs_per_sm", "num_warps"), OPS, CONFIGS)
+    run_sweep(out_path, ops, registry.ROPE_SHAPES, configs,
+              module_config(rope_ops, "TILE", "PROGRAMS_PER_SM", "NUM_WARPS"), ("tile", "programs_per_sm", "num_warps"),
+              OPS, CONFIGS)
 
 
 if __name__ == "__main__":
