@@ -7,6 +7,7 @@ from compile_ops import ops  # noqa: F401  (registers torch.ops.fused.*)
 from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
+from compile_ops.ops.attention import attention, scaled_dot_product_attention
 from compile_ops.ops.glu import geglu, swiglu
 from compile_ops.ops.modulate import gated_residual, gated_residual_norm_modulate, modulate, norm_modulate
 from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
@@ -19,4 +20,4 @@ __all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm",
            "modulate", "norm_modulate", "gated_residual", "gated_residual_norm_modulate",
            "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous",
            "rope", "rope_qk", "rope_grid", "qk_norm_rope", "grid_rope", "GridRope",
-           "geglu", "swiglu", "GEGLU", "SwiGLU"]
+           "geglu", "swiglu", "GEGLU", "SwiGLU", "attention", "scaled_dot_product_attention"]

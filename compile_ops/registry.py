@@ -12,6 +12,7 @@ import torch
 
 from compile_ops import reference
 from compile_ops.meta import rope as meta_rope
+from compile_ops.ops import attention as _attention_ops  # noqa: F401
 from compile_ops.ops import glu as _glu_ops  # noqa: F401
 from compile_ops.ops import modulate as _modulate_ops  # noqa: F401  (registers the ops)
 from compile_ops.ops import norm as _norm_ops  # noqa: F401
@@ -406,6 +407,44 @@ def _glu_backward_edges(dtype, device, requires_grad):
     return cases
 
 
+# ---------------------------------------------------------------- attention family
+
+
+def _qkv(b, hq, hk, lq, lk, d, seq_dim, dtype, device, g, scale=1.0):
+    def t(h, length):
+        shape = (b, h, length, d) if seq_dim == 2 else (b, length, h, d)
+        return _tensor(shape, dtype, device, g, scale)
+    return t(hq, lq), t(hk, lk), t(hk, lk)
+
+
+def _attention_edges(dtype, device, requires_grad):
+    # Small, because gradcheck and opcheck run every edge on the reference path.
+    g = requires_grad
+    q_view = _tensor((1, 4, 2, 8), dtype, device).transpose(1, 2).detach().requires_grad_(g)  # strided [B, H, L, D]
+    kv_lengths = torch.tensor([5, 2], dtype=torch.int32, device=device)
+    return [
+        (*_qkv(1, 2, 2, 4, 4, 8, 2, dtype, device, g), 0.35, False, 2, None),
+        (*_qkv(1, 2, 1, 3, 5, 12, 1, dtype, device, g), 0.3, True, 1, None),         # GQA, Lq != Lk, D padded
+        (*_qkv(2, 1, 1, 3, 5, 8, 2, dtype, device, g), 0.35, False, 2, kv_lengths),   # padded keys
+        (q_view, *_qkv(1, 2, 2, 4, 4, 8, 2, dtype, device, g)[1:], 0.35, True, 2, None),
+        (*_qkv(1, 2, 2, 0, 4, 8, 2, dtype, device, g), 0.35, False, 2, None),         # no queries
+    ]
+
+
+def _make_attention(shape, dtype, device, requires_grad):
+    """q, k, v ``[B, H, L, D]`` (SDPA's layout), non-causal self-attention."""
+    b, length, h, d = _heads(shape)
+    return (*_qkv(b, h, h, length, length, d, 2, dtype, device, requires_grad), d ** -0.5, False, 2, None)
+
+
+def _attention_backward_edges(dtype, device, requires_grad):
+    cases = []
+    for q, k, v, scale, causal, seq_dim, kv_lengths in _attention_edges(dtype, device, False):
+        out, lse = reference.attention.attention(q, k, v, scale, causal, seq_dim, kv_lengths)
+        cases.append((_tensor(q.shape, dtype, device), q, k, v, out, lse, scale, causal, seq_dim, kv_lengths))
+    return cases
+
+
 #: GEGLU on a DiT feed-forward's hidden: Flux/SD3 (hidden 3072, 4x MLP) at
 #: 1024x1024 image tokens, the anchors' shapes.
 GLU_SHAPES = ((1, 4608, 24576), (2, 4096, 24576))
@@ -455,6 +494,9 @@ OPS: tuple[OpSpec, ...] = (
            bench_shapes=GLU_SHAPES, op_name="geglu"),
     OpSpec("swiglu", "glu", reference.glu.swiglu, _make_glu(), _glu_edges(), bench_shapes=GLU_SHAPES),
     OpSpec("glu_backward", "glu", reference.glu.glu_backward, None, _glu_backward_edges, differentiable=False),
+    OpSpec("attention", "attention", reference.attention.attention, _make_attention, _attention_edges),
+    OpSpec("attention_backward", "attention", reference.attention.attention_backward, None,
+           _attention_backward_edges, differentiable=False),
 )
 
 BY_NAME = {spec.name: spec for spec in OPS}

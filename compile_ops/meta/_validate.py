@@ -23,10 +23,10 @@ def check_floating(op: str, argname: str, t: torch.Tensor) -> None:
         fail(op, f"{argname} must have a floating dtype ({names}), got {t.dtype}", TypeError)
 
 
-def check_same_device(op: str, x: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+def check_same_device(op: str, x: torch.Tensor, x_name: str = "x", **others: Optional[torch.Tensor]) -> None:
     for argname, t in others.items():
         if t is not None and t.device != x.device:
-            fail(op, f"{argname} is on {t.device} but x is on {x.device}; all tensors must share a device")
+            fail(op, f"{argname} is on {t.device} but {x_name} is on {x.device}; all tensors must share a device")
 
 
 def check_eps(op: str, eps: float) -> None:

@@ -1,0 +1,82 @@
+"""Sweep the attention kernels' tile configs on a GPU, to pick forward_tiles,
+dkdv_tiles and dq_tiles in compile_ops/ops/attention.py.
+
+    PYTHONPATH=. python bench/sweep_attention.py [OUT.json]
+
+bf16, non-causal, CUDA-graph replays: forward configs timed on the forward,
+backward configs (dk/dv pass, then dq pass) on the whole forward+backward step
+with the other passes at their defaults.
+"""
+import functools
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import compile_ops  # noqa: E402
+from bench.run import graph_replay_time, make_timer, warm_up_gpu, write_sweep  # noqa: E402
+from compile_ops.ops import attention as attention_ops  # noqa: E402
+
+SHAPES = ((1, 24, 4608, 128), (2, 24, 4096, 64))
+#: (block_m, block_n, warps, stages) per pass.
+#: Round 1 (sweep-attention-h100-round1.json) covered the first three of each
+#: list and a few more; round 2 the neighbours of its winners.
+CANDIDATES = {
+    "forward_tiles": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (64, 128, 4, 3)],
+    "dkdv_tiles": [(32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4), (64, 64, 8, 3),
+                   (32, 64, 8, 3), (16, 64, 4, 3)],
+    "dq_tiles": [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 4),
+                 (64, 128, 8, 3)],
+}
+
+
+def main(out_path=None):
+    timer = make_timer(quick=False)
+    warm_up_gpu()
+    rows = []
+    for b, h, length, d in SHAPES:
+        q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn_like(q)
+        flops = 4 * b * h * length * length * d
+
+        def forward():
+            with torch.no_grad():
+                compile_ops.attention(q, k, v)
+
+        def step():
+            compile_ops.attention(q, k, v).backward(grad)
+            q.grad = k.grad = v.grad = None
+
+        for pass_name, configs in CANDIDATES.items():
+            default = getattr(attention_ops, pass_name)
+            for config in configs:
+                setattr(attention_ops, pass_name, functools.partial(lambda *a, t: t, t=attention_ops.Tiles(*config)))
+                try:
+                    if pass_name == "forward_tiles":
+                        forward()
+                        ms, tflops = graph_replay_time(forward, timer), None
+                        tflops = flops / ms / 1e9
+                    else:
+                        step()
+                        ms = graph_replay_time(step, timer)
+                        tflops = 3.5 * flops / ms / 1e9
+                except Exception as e:  # noqa: BLE001 (a config that fails to compile is a result)
+                    print(f"{pass_name} {config}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    ms = tflops = float("nan")
+                finally:
+                    setattr(attention_ops, pass_name, default)
+                rows.append({"shape": [b, h, length, d], "pass": pass_name, "config": list(config), "ms": ms,
+                             "TFLOPs": tflops})
+                print(f"{b}x{h}x{length}x{d} {pass_name:<14} {config}: {ms * 1e3:8.1f} us {tflops:6.0f} TFLOP/s",
+                      flush=True)
+        del q, k, v
+    write_sweep(out_path, rows)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

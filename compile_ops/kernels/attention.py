@@ -1,0 +1,322 @@
+"""Triton kernels of flash attention: forward, and the three backward passes.
+
+Forward (``attn_fwd_kernel``): one program per ``BLOCK_M`` queries of one
+(batch, head); it streams ``BLOCK_N``-key tiles of K and V with an online
+softmax (exp2 of scores scaled by ``scale * log2(e)``) and writes the output
+and the natural-log log-sum-exp. Nothing ``Lq x Lk`` is
+stored.
+
+Backward, deterministic (no atomics): ``attn_bwd_delta_kernel`` computes
+``delta = rowsum(dO * O)``; ``attn_bwd_dkdv_kernel`` gives each program
+``BLOCK_N`` keys of one k/v head and loops over the q heads of its GQA group
+and their query tiles, accumulating dk and dv in registers;
+``attn_bwd_dq_kernel`` gives each program ``BLOCK_M`` queries and loops over
+key tiles. Both recompute the probabilities from the saved lse.
+
+Key loops are split in two: tiles that need no mask (every key valid and, for
+causal, below the diagonal for every query of the tile) run without one; only
+the tail and diagonal tiles pay for masking. Causal is SDPA's: query i sees
+keys ``j <= i``. Keys past ``kv_len`` (the batch element's valid length, or
+Lk) never contribute; a query with no visible key gets 0 and an lse of -inf.
+
+Offsets of the (batch, head) bases are int64; q, k, v, dO and O have a unit
+stride along D (the launcher guarantees it); D is padded to ``BLOCK_D``.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile_ptrs(base, start, offs, stride_row, cols):
+    # The tile's first row as an int64 scalar, the in-tile offsets in int32:
+    # rows of one head may lie more than 2**31 elements apart ([B, L, H, D]).
+    return base + tl.cast(start, tl.int64) * stride_row + offs[:, None] * stride_row + cols[None, :]
+
+
+@triton.jit
+def _load_tile(base, start, offs, n_rows, stride_row, cols, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               ROW_MASK: tl.constexpr):
+    """Rows ``start + offs`` as a ``[len(offs), BLOCK_D]`` tile, zero past D and
+    (ROW_MASK) past ``n_rows``."""
+    ptrs = _tile_ptrs(base, start, offs, stride_row, cols)
+    if ROW_MASK:
+        if D == BLOCK_D:
+            return tl.load(ptrs, mask=(start + offs < n_rows)[:, None], other=0.0)
+        else:
+            return tl.load(ptrs, mask=(start + offs < n_rows)[:, None] & (cols < D)[None, :], other=0.0)
+    else:
+        if D == BLOCK_D:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=(cols < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _store_tile(base, start, offs, n_rows, stride_row, cols, value, D: tl.constexpr):
+    tl.store(_tile_ptrs(base, start, offs, stride_row, cols), value.to(base.dtype.element_ty),
+             mask=(start + offs < n_rows)[:, None] & (cols < D)[None, :])
+
+
+@triton.jit
+def _visible(q_rows, k_cols, kv_len, CAUSAL: tl.constexpr):
+    """``[M, N]`` bool: key column j is visible to query row i."""
+    ok = (k_cols < kv_len)[None, :]
+    if CAUSAL:
+        ok = ok & (k_cols[None, :] <= q_rows[:, None])
+    return ok
+
+
+@triton.jit
+def _program_head(H, GROUP, sqb, sqh, skb, skh):
+    """``(batch, head, q offset, k/v offset)`` of this program's (batch, q head)."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh - b * H
+    b64 = tl.cast(b, tl.int64)
+    return b, h, b64 * sqb + h * sqh, b64 * skb + (h // GROUP) * skh
+
+
+@triton.jit
+def _kv_len(KV_LEN, b, Lk, HAS_KV_LEN: tl.constexpr):
+    if HAS_KV_LEN:
+        return tl.minimum(tl.load(KV_LEN + b).to(tl.int32), Lk)
+    else:
+        return Lk
+
+
+@triton.jit
+def _unmasked_key_end(kv_len, q_start, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys below this need no mask for any query row ``>= q_start``."""
+    end = (kv_len // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        end = tl.minimum(end, (q_start // BLOCK_N) * BLOCK_N)
+    return end
+
+
+# ---------------------------------------------------------------- forward
+
+
+@triton.jit
+def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, start, end, kv_len, Lk, qk_scale,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """Online softmax over key tiles; ``m`` is the running max of the raw
+    scores q.k, and exponents are ``(s - m) * scale * log2(e)``: scaled after
+    the subtraction, so their rounding error is relative to the (small)
+    difference, not to the scores' magnitude. The lse, and so the backward's
+    probabilities, keep torch's accuracy (a single visible key gives p == 1
+    exactly, and a causal first row a dq of 0)."""
+    for start_n in range(start, end, offs_n.shape[0]):
+        cols = start_n + offs_n
+        k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
+        v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            s = tl.where(_visible(q_rows, cols, kv_len, CAUSAL), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf: shift by 0 so
+        # that exp2 gives 0, not exp2(-inf + inf) = NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2((s - m_shift[:, None]) * qk_scale)
+        alpha = tl.exp2((m - m_shift) * qk_scale)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    return acc, m, l
+
+
+@triton.jit
+def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN,
+                    sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol,
+                    H, GROUP, Lq, Lk, scale,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    ACC: tl.constexpr):
+    """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
+    ``[B * H, Lq]`` in natural log. ``scale > 0``."""
+    b, h, q_off, k_off = _program_head(H, GROUP, sqb, sqh, skb, skh)
+    v_off = tl.cast(b, tl.int64) * svb + (h // GROUP) * svh
+    o_off = tl.cast(b, tl.int64) * sob + h * soh
+    q_start = tl.program_id(0) * BLOCK_M
+    q_rows = q_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
+    scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
+    qk_scale = scale * 1.4426950408889634  # log2(e)
+
+    q = _load_tile(Q + q_off, q_start, tl.arange(0, BLOCK_M), Lq, sql, offs_d, D, BLOCK_D, True)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+    l = tl.zeros([BLOCK_M], dtype=ACC)
+    end = kv_len
+    if CAUSAL:
+        end = tl.minimum(end, q_start + BLOCK_M)
+    unmasked_end = tl.minimum(_unmasked_key_end(kv_len, q_start, BLOCK_N, CAUSAL), end)
+    acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0,
+                           unmasked_end, kv_len, Lk, qk_scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION)
+    acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, unmasked_end,
+                           end, kv_len, Lk, qk_scale, D, BLOCK_D, True, CAUSAL, DOT_PRECISION)
+
+    empty = l == 0.0
+    out = acc / tl.where(empty, 1.0, l)[:, None]
+    _store_tile(OUT + o_off, q_start, tl.arange(0, BLOCK_M), Lq, sol, offs_d, out, D)
+    lse = tl.where(empty, float("-inf"), m * scale + tl.log2(tl.where(empty, 1.0, l)) * 0.6931471805599453)  # ln 2
+    tl.store(LSE + tl.cast(tl.program_id(1), tl.int64) * Lq + q_rows, lse, mask=q_rows < Lq)
+
+
+# ---------------------------------------------------------------- backward
+
+
+@triton.jit
+def attn_bwd_delta_kernel(OUT, DO, DELTA, H, Lq, sob, soh, sol, sdb, sdh, sdl,
+                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ACC: tl.constexpr):
+    """DELTA ``[B * H, Lq]`` = rowsum(dO * O)."""
+    bh = tl.program_id(1)
+    b = tl.cast(bh // H, tl.int64)
+    h = bh % H
+    start = tl.program_id(0) * BLOCK_M
+    offs = tl.arange(0, BLOCK_M)
+    rows = start + offs
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_tile(OUT + b * sob + h * soh, start, offs, Lq, sol, offs_d, D, BLOCK_D, True).to(ACC)
+    do = _load_tile(DO + b * sdb + h * sdh, start, offs, Lq, sdl, offs_d, D, BLOCK_D, True).to(ACC)
+    tl.store(DELTA + tl.cast(bh, tl.int64) * Lq + rows, tl.sum(o * do, 1), mask=rows < Lq)
+
+
+@triton.jit
+def _saved_lse(LSE, rows, Lq):
+    """The saved lse, +inf for rows past Lq and rows with no visible key, so
+    that their probabilities are 0."""
+    lse = tl.load(LSE + rows, mask=rows < Lq, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse)
+
+
+@triton.jit
+def _probabilities(s, scale, lse):
+    """``exp(scale * s - lse)``: the exponent is formed in natural units, with
+    torch's two roundings, and only then moved to log2 units for exp2 (scaling
+    s by ``scale * log2(e)`` first multiplies the roundings' error by the
+    scores' magnitude: 4x torch's error in fp32 dk, found by Hypothesis)."""
+    return tl.exp2((s * scale - lse) * 1.4426950408889634)  # log2(e)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, sql, sdl, k_cols, offs_m, offs_d, start, end, Lq,
+                scale, D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    for start_m in range(start, end, offs_m.shape[0]):
+        rows = start_m + offs_m
+        q = _load_tile(Q, start_m, offs_m, Lq, sql, offs_d, D, BLOCK_D, True)
+        do = _load_tile(DO, start_m, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True)
+        lse = _saved_lse(LSE, rows, Lq)
+        delta = tl.load(DELTA + rows, mask=rows < Lq, other=0.0)
+        # Transposed scores [keys, queries]: dk and dv come out without transposes.
+        p_t = _probabilities(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), scale, lse[None, :])
+        if MASKED:  # only the causal diagonal tiles (keys past kv_len are zeroed at the store)
+            p_t = tl.where(k_cols[:, None] <= rows[None, :], p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN,
+                         sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl,
+                         sdkb, sdkh, sdkl, sdvb, sdvh, sdvl,
+                         HK, GROUP, Lq, Lk, scale,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         ACC: tl.constexpr):
+    """dk, dv of BLOCK_N keys of one (batch, k/v head), summed over its GQA group."""
+    bh = tl.program_id(1)
+    b = bh // HK
+    hk = bh - b * HK
+    b64 = tl.cast(b, tl.int64)
+    k_start = tl.program_id(0) * BLOCK_N
+    k_cols = k_start + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
+    scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
+    offs_n = tl.arange(0, BLOCK_N)
+    k = _load_tile(K + b64 * skb + hk * skh, k_start, offs_n, Lk, skl, offs_d, D, BLOCK_D, True)
+    v = _load_tile(V + b64 * svb + hk * svh, k_start, offs_n, Lk, svl, offs_d, D, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    # Queries that see some key of this tile: all, or (causal) rows >= k_start.
+    # Tiles of rows that all lie at or past the tile's last key need no mask;
+    # keys past kv_len are zeroed at the store instead of masked in the loop.
+    q_begin = 0
+    unmasked_begin = 0
+    if CAUSAL:
+        q_begin = (k_start // BLOCK_M) * BLOCK_M
+        unmasked_begin = tl.minimum(tl.cdiv(k_start + BLOCK_N, BLOCK_M) * BLOCK_M, tl.cdiv(Lq, BLOCK_M) * BLOCK_M)
+    if k_start < kv_len:
+        for g in range(0, GROUP):
+            h = hk * GROUP + g
+            q_base = Q + b64 * sqb + h * sqh
+            do_base = DO + b64 * sdb + h * sdh
+            row_base = (b64 * HK * GROUP + h) * Lq
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl, k_cols,
+                                 offs_m, offs_d, q_begin, unmasked_begin, Lq, scale, D, BLOCK_D, True, DOT_PRECISION)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl, k_cols,
+                                 offs_m, offs_d, unmasked_begin, Lq, Lq, scale, D, BLOCK_D, False, DOT_PRECISION)
+    valid = (k_cols < kv_len)[:, None]
+    _store_tile(DK + b64 * sdkb + hk * sdkh, k_start, offs_n, Lk, sdkl, offs_d,
+                tl.where(valid, dk * scale, 0.0), D)
+    _store_tile(DV + b64 * sdvb + hk * sdvh, k_start, offs_n, Lk, sdvl, offs_d, tl.where(valid, dv, 0.0), D)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse, delta, K, V, skl, svl, q_rows, offs_n, offs_d, start, end, kv_len, Lk, scale,
+              D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    for start_n in range(start, end, offs_n.shape[0]):
+        cols = start_n + offs_n
+        k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
+        v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
+        p = _probabilities(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale, lse[:, None])
+        if MASKED:
+            p = tl.where(_visible(q_rows, cols, kv_len, CAUSAL), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN,
+                       sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sdqb, sdqh, sdql,
+                       H, GROUP, Lq, Lk, scale,
+                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       ACC: tl.constexpr):
+    """dq of BLOCK_M queries of one (batch, head)."""
+    b, h, q_off, k_off = _program_head(H, GROUP, sqb, sqh, skb, skh)
+    b64 = tl.cast(b, tl.int64)
+    v_off = b64 * svb + (h // GROUP) * svh
+    q_start = tl.program_id(0) * BLOCK_M
+    q_rows = q_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
+    scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
+    row_base = tl.cast(tl.program_id(1), tl.int64) * Lq
+    offs_m = tl.arange(0, BLOCK_M)
+    q = _load_tile(Q + q_off, q_start, offs_m, Lq, sql, offs_d, D, BLOCK_D, True)
+    do = _load_tile(DO + b64 * sdb + h * sdh, q_start, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True)
+    lse = _saved_lse(LSE + row_base, q_rows, Lq)
+    delta = tl.load(DELTA + row_base + q_rows, mask=q_rows < Lq, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    end = kv_len
+    if CAUSAL:
+        end = tl.minimum(end, q_start + BLOCK_M)
+    unmasked_end = tl.minimum(_unmasked_key_end(kv_len, q_start, BLOCK_N, CAUSAL), end)
+    dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0, unmasked_end,
+                   kv_len, Lk, scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, unmasked_end, end,
+                   kv_len, Lk, scale, D, BLOCK_D, True, CAUSAL, DOT_PRECISION)
+    _store_tile(DQ + b64 * sdqb + h * sdqh, q_start, offs_m, Lq, sdql, offs_d, dq * scale, D)

@@ -1,0 +1,112 @@
+"""Shape, dtype and layout rules of the attention family, and its validation.
+
+Torch only: the fake implementations of ``fused.attention`` and
+``fused.attention_backward``, and the launchers' allocators.
+
+Layouts: q, k, v are ``[B, H, L, D]`` (``seq_dim=2``, SDPA's) or ``[B, L, H, D]``
+(``seq_dim=1``, flash-attn's and diffusers' dispatcher's), read through their
+strides. k and v share a head count that divides q's (GQA/MQA). The output has
+q's shape and layout; the log-sum-exp is ``[B, H, Lq]`` fp32.
+"""
+from typing import Optional
+
+import torch
+
+from compile_ops.meta._validate import check_same_device, fail
+
+#: Activation dtypes; fp32 runs with TF32 dots, fp64 exists for gradcheck.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: The largest head dim (the tiles pad D to the next power of two).
+MAX_HEAD_DIM = 256
+
+
+def dims(t: torch.Tensor, seq_dim: int) -> tuple:
+    """``(B, H, L, D)`` of a q/k/v tensor in either layout."""
+    b, d = t.shape[0], t.shape[3]
+    return (b, t.shape[1], t.shape[2], d) if seq_dim == 2 else (b, t.shape[2], t.shape[1], d)
+
+
+def check_attention(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                    seq_dim: int, kv_lengths: Optional[torch.Tensor]) -> None:
+    if seq_dim not in (1, 2) or isinstance(seq_dim, bool):
+        fail(op, f"seq_dim must be 2 ([B, H, L, D]) or 1 ([B, L, H, D]), got {seq_dim!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+        if t.dim() != 4:
+            layout = "[B, H, L, D]" if seq_dim == 2 else "[B, L, H, D]"
+            fail(op, f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            names = ", ".join(str(d).replace("torch.", "") for d in DTYPES)
+            fail(op, f"{name} must have dtype {names}, got {t.dtype}", TypeError)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            fail(op, f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share a dtype", TypeError)
+    check_same_device(op, q, "q", k=k, v=v, kv_lengths=kv_lengths)
+    bq, hq, _, dq = dims(q, seq_dim)
+    bk, hk, lk, dk = dims(k, seq_dim)
+    bv, hv, lv, dv = dims(v, seq_dim)
+    if bk != bq or bv != bq:
+        fail(op, f"batch sizes differ: q {bq}, k {bk}, v {bv}")
+    if dk != dq or dv != dq:
+        fail(op, f"head dims differ: q {dq}, k {dk}, v {dv}; q, k and v must share D")
+    if not 1 <= dq <= MAX_HEAD_DIM:
+        fail(op, f"head dim D must be in [1, {MAX_HEAD_DIM}], got {dq}")
+    if hv != hk or lv != lk:
+        fail(op, f"k and v must have the same heads and length, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if hk == 0 or hq % hk != 0:
+        fail(op, f"k/v heads ({hk}) must divide q heads ({hq}) (GQA/MQA)")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        fail(op, f"scale must be a float, got {type(scale).__name__}", TypeError)
+    if not scale > 0:  # the kernels track the running max of the unscaled scores
+        fail(op, f"scale must be > 0, got {scale}")
+    if not isinstance(causal, bool):
+        fail(op, f"causal must be a bool, got {type(causal).__name__}", TypeError)
+    if kv_lengths is not None:
+        if kv_lengths.dtype not in (torch.int32, torch.int64):
+            fail(op, f"kv_lengths must be int32 or int64, got {kv_lengths.dtype}", TypeError)
+        if tuple(kv_lengths.shape) != (bq,):
+            fail(op, f"kv_lengths must have shape ({bq},) (one valid key length per batch element), "
+                     f"got {tuple(kv_lengths.shape)}")
+
+
+def check_kv_lengths_values(op: str, kv_lengths: Optional[torch.Tensor], lk) -> None:
+    """Values of ``kv_lengths`` in ``[0, Lk]``, in eager calls only: reading them
+    syncs with the GPU, and under tracing they are data (the kernels clamp to
+    Lk and treat a length <= 0 as no keys either way)."""
+    if kv_lengths is None or kv_lengths.numel() == 0 or isinstance(lk, torch.SymInt) \
+            or torch.compiler.is_compiling() or isinstance(kv_lengths, torch._subclasses.FakeTensor) \
+            or kv_lengths.device.type == "meta":
+        return
+    lo, hi = int(kv_lengths.min()), int(kv_lengths.max())
+    if lo < 0 or hi > lk:
+        fail(op, f"kv_lengths must be in [0, Lk={lk}], got values in [{lo}, {hi}]")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+              seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``: out in q's shape, dtype and layout, contiguous; lse ``[B, H, Lq]`` fp32
+    (fp64 for fp64 inputs)."""
+    check_attention("attention", q, k, v, scale, causal, seq_dim, kv_lengths)
+    check_kv_lengths_values("attention", kv_lengths, dims(k, seq_dim)[2])
+    b, h, lq, _ = dims(q, seq_dim)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty((b, h, lq), dtype=acc)
+
+
+def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
+                       kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` in q's, k's and v's shapes and dtype, contiguous."""
+    op = "attention_backward"
+    check_attention(op, q, k, v, scale, causal, seq_dim, kv_lengths)
+    for name, t in (("grad_out", grad_out), ("out", out)):
+        if tuple(t.shape) != tuple(q.shape):
+            fail(op, f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            fail(op, f"{name} must have q's dtype {q.dtype}, got {t.dtype}", TypeError)
+    b, h, lq, _ = dims(q, seq_dim)
+    if tuple(lse.shape) != (b, h, lq):
+        fail(op, f"lse must have shape {(b, h, lq)}, got {tuple(lse.shape)}")
+    check_same_device(op, q, "q", grad_out=grad_out, out=out, lse=lse)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

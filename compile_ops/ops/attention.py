@@ -1,0 +1,216 @@
+"""Flash attention as ``torch.ops.fused`` ops: attention and attention_backward.
+
+``fused.attention`` returns the output and the log-sum-exp; autograd saves
+q, k, v, the output and the lse (O(L) extra memory) and calls
+``fused.attention_backward``, which runs the three Triton passes of
+``kernels/attention.py``: deterministic, bit-identical across runs.
+"""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from compile_ops import meta, reference
+from compile_ops._library import fused_op, launcher
+from compile_ops.kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
+                                           attn_fwd_kernel)
+from compile_ops.ops._launch import acc_dtype
+
+# ---------------------------------------------------------------- launch configs
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def block_d(d: int) -> int:
+    """D padded to a power of two of at least 16 (tl.dot's smallest K)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def forward_tiles(d: int, dtype: torch.dtype) -> Tiles:
+    """Forward tiles by padded head dim: ``bench/sweep_attention.py`` on an H100,
+    bf16 (bench/results/sweep-attention-h100-*.json)."""
+    bd = block_d(d)
+    if dtype in (torch.float32, torch.float64):
+        return Tiles(32, 32, 4, 2)  # fp32 operands take twice the shared memory
+    if bd <= 64:
+        return Tiles(128, 64, 8, 3)   # 390 TFLOP/s at D=64 against 326 for 4 warps
+    if bd <= 128:
+        return Tiles(128, 128, 8, 3)  # 419 against 369 for 64-key tiles
+    return Tiles(64, 32, 4, 2)
+
+
+def dkdv_tiles(d: int, dtype: torch.dtype) -> Tiles:
+    """dk/dv pass: ``block_n`` keys per program, ``block_m``-query steps."""
+    bd = block_d(d)
+    if dtype in (torch.float32, torch.float64) or bd > 128:
+        return Tiles(16, 32, 4, 2)
+    if bd <= 64:
+        return Tiles(32, 128, 4, 3)
+    return Tiles(32, 64, 4, 3)  # 128-key tiles at D=128 took 1.75x as long
+
+
+def dq_tiles(d: int, dtype: torch.dtype) -> Tiles:
+    """dq pass: ``block_m`` queries per program, ``block_n``-key steps."""
+    if dtype in (torch.float32, torch.float64) or block_d(d) > 128:
+        return Tiles(32, 16, 4, 2)
+    return Tiles(128, 64, 8, 3)
+
+
+# ---------------------------------------------------------------- launch helpers
+
+
+def _unit_d(t: Tensor) -> Tensor:
+    """t with a unit stride along D: itself in every layout models produce, a
+    copy otherwise (clone, which fake-CUDA tracing on a CPU build supports)."""
+    return t if t.stride(3) == 1 else t.clone(memory_format=torch.contiguous_format)
+
+
+def _bhl_strides(t: Tensor, seq_dim: int) -> tuple:
+    """(batch, head, position) strides of a q/k/v-shaped tensor in either layout."""
+    if seq_dim == 2:
+        return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride(0), t.stride(2), t.stride(1)
+
+
+def _common(q: Tensor, k: Tensor, causal: bool, seq_dim: int, kv_lengths: Optional[Tensor]) -> dict:
+    b, h, lq, d = meta.attention.dims(q, seq_dim)
+    hk, lk = meta.attention.dims(k, seq_dim)[1:3]
+    return dict(b=b, h=h, hk=hk, lq=lq, lk=lk, d=d,
+                consts=dict(D=d, BLOCK_D=block_d(d), CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None,
+                            DOT_PRECISION="ieee" if q.dtype == torch.float64 else "tf32", ACC=acc_dtype(q)))
+
+
+# ---------------------------------------------------------------- ops
+
+
+@fused_op("attention", fake=meta.attention.attention, reference=reference.attention.attention)
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2,
+                  kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    out, lse = meta.attention.attention(q, k, v, scale, causal, seq_dim, kv_lengths)
+    c = _common(q, k, causal, seq_dim, kv_lengths)
+    if out.numel() == 0:
+        return out, lse
+    q, k, v = _unit_d(q), _unit_d(k), _unit_d(v)
+    t = forward_tiles(int(c["d"]), q.dtype)
+    grid = (triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])
+    launcher(attn_fwd_kernel)[grid](
+        q, k, v, out, lse, kv_lengths,
+        *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
+        *_bhl_strides(out, seq_dim),
+        c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, **c["consts"],
+    )
+    return out, lse
+
+
+@fused_op("attention_backward", fake=meta.attention.attention_backward,
+          reference=reference.attention.attention_backward)
+def _attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                           scale: float, causal: bool, seq_dim: int = 2,
+                           kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = meta.attention.attention_backward(grad_out, q, k, v, out, lse, scale, causal, seq_dim,
+                                                   kv_lengths)
+    c = _common(q, k, causal, seq_dim, kv_lengths)
+    if dq.numel() == 0 or dk.numel() == 0:  # no queries or no keys: all gradients are 0
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    q, k, v, out, grad_out = (_unit_d(x) for x in (q, k, v, out, grad_out))
+    lse = lse.contiguous()
+    d, consts = int(c["d"]), c["consts"]
+    delta = torch.empty_like(lse)
+    rows = 64
+    launcher(attn_bwd_delta_kernel)[(triton.cdiv(c["lq"], rows), c["b"] * c["h"])](
+        out, grad_out, delta, c["h"], c["lq"], *_bhl_strides(out, seq_dim), *_bhl_strides(grad_out, seq_dim),
+        D=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=rows, ACC=consts["ACC"], num_warps=4)
+    strides = (*_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
+               *_bhl_strides(grad_out, seq_dim))
+    t = dkdv_tiles(d, q.dtype)
+    launcher(attn_bwd_dkdv_kernel)[(triton.cdiv(c["lk"], t.block_n), c["b"] * c["hk"])](
+        q, k, v, grad_out, lse, delta, dk, dv, kv_lengths, *strides,
+        *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim),
+        c["hk"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, **consts,
+    )
+    t = dq_tiles(d, q.dtype)
+    launcher(attn_bwd_dq_kernel)[(triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])](
+        q, k, v, grad_out, lse, delta, dq, kv_lengths, *strides, *_bhl_strides(dq, seq_dim),
+        c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, **consts,
+    )
+    return dq, dk, dv
+
+
+def _setup_attention(ctx, inputs, output):
+    q, k, v, scale, causal, seq_dim, kv_lengths = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, kv_lengths)
+    ctx.args = (scale, causal, seq_dim)
+
+
+def _backward_attention(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, kv_lengths = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(grad_out, q, k, v, out, lse, *ctx.args, kv_lengths)
+    return dq, dk, dv, None, None, None, None
+
+
+_attention_op.register_autograd(_backward_attention, setup_context=_setup_attention)
+
+
+# ---------------------------------------------------------------- public functions
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, causal: bool = False,
+              seq_dim: int = 2, kv_lengths: Optional[Tensor] = None, return_lse: bool = False):
+    """Flash attention: ``softmax(scale q k^T) v`` without materializing the scores.
+
+    Args:
+        q: ``[B, Hq, Lq, D]`` (``seq_dim=2``, SDPA's layout) or ``[B, Lq, Hq, D]``
+            (``seq_dim=1``, flash-attn's / diffusers' dispatcher's), any strides;
+            fp16/bf16 (fp32 runs with TF32 dots); D up to 256.
+        k, v: ``[B, Hk, Lk, D]`` / ``[B, Lk, Hk, D]`` in q's layout and dtype;
+            ``Hk`` divides ``Hq`` (GQA/MQA); Lk may differ from Lq.
+        scale: defaults to ``1 / sqrt(D)``.
+        causal: query i sees keys ``j <= i`` (SDPA's ``is_causal``, top-left aligned).
+        kv_lengths: ``[B]`` int32/int64 or None: keys at or past
+            ``kv_lengths[b]`` are ignored for batch element b (padded text tokens).
+        return_lse: also return the log-sum-exp ``[B, Hq, Lq]`` fp32.
+
+    Returns:
+        ``[B, Hq, Lq, D]`` / ``[B, Lq, Hq, D]`` in q's dtype and layout, contiguous
+        (and the lse). A query with no visible key gives 0 (lse -inf).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, lse = _attention_op(q, k, v, scale, causal, seq_dim, kv_lengths)
+    return (out, lse) if return_lse else out
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                                 enable_gqa: bool = False) -> Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention``'s signature, on :func:`attention`.
+
+    Args:
+        query: ``[B, Hq, Lq, D]``; key, value: ``[B, Hk, Lk, D]``.
+        attn_mask, dropout_p: not supported (a mask or dropout raises; use
+            ``kv_lengths`` of :func:`attention` for key padding).
+        is_causal, scale: as SDPA.
+        enable_gqa: as SDPA; GQA (Hk dividing Hq) is accepted either way.
+
+    Returns:
+        ``[B, Hq, Lq, D]``.
+    """
+    if attn_mask is not None:
+        raise NotImplementedError("compile_ops.scaled_dot_product_attention: attn_mask is not supported; "
+                                  "pass key padding as kv_lengths to compile_ops.attention")
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"compile_ops.scaled_dot_product_attention: dropout_p must be 0, got {dropout_p}")
+    return attention(query, key, value, scale, is_causal, 2)

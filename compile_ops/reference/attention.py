@@ -1,0 +1,79 @@
+"""Pure-PyTorch attention: the implementation off-GPU and the test oracle.
+
+Materializes the ``[Lq, Lk]`` scores (the kernels never do), in fp32 (fp64 for
+fp64 inputs). The backward is written out (references run below autograd).
+Causal masking is SDPA's ``is_causal``: query i sees keys ``j <= i`` (top-left
+aligned when Lq != Lk). A query row with no visible key gives 0 and an lse of
+-inf.
+"""
+from typing import Optional
+
+import torch
+
+
+def _acc(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _bhld(t: torch.Tensor, seq_dim: int, acc) -> torch.Tensor:
+    return (t if seq_dim == 2 else t.transpose(1, 2)).to(acc)
+
+
+def _heads_of_q(t: torch.Tensor, hq: int) -> torch.Tensor:
+    """k or v ``[B, Hk, L, D]`` repeated to q's ``Hq`` heads (GQA)."""
+    return t.repeat_interleave(hq // t.shape[1], dim=1)
+
+
+def visible(lq: int, lk: int, causal: bool, kv_lengths: Optional[torch.Tensor], batch: int, device) -> torch.Tensor:
+    """``[B, 1, Lq, Lk]`` bool: which keys each query attends to."""
+    keys = torch.arange(lk, device=device)
+    mask = torch.ones(batch, 1, lq, lk, dtype=torch.bool, device=device)
+    if kv_lengths is not None:
+        mask = mask & (keys[None, :] < kv_lengths.to(device)[:, None])[:, None, None, :]
+    if causal:
+        mask = mask & (keys[None, :] <= torch.arange(lq, device=device)[:, None])
+    return mask
+
+
+def _probabilities(q, k, scale, causal, kv_lengths):
+    """``(p, lse)`` of ``[B, H, Lq, D]`` q and GQA-expanded k, with empty rows 0 / -inf."""
+    s = q @ k.transpose(-1, -2) * scale
+    mask = visible(q.shape[2], k.shape[2], causal, kv_lengths, q.shape[0], q.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
+    return p, lse
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
+              kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = _acc(q)
+    qf, kf, vf = (_bhld(t, seq_dim, acc) for t in (q, k, v))
+    hq = qf.shape[1]
+    p, lse = _probabilities(qf, _heads_of_q(kf, hq), scale, causal, kv_lengths)
+    out = p @ _heads_of_q(vf, hq)
+    out = out if seq_dim == 2 else out.transpose(1, 2)
+    # The lse is a statistic for the backward, not differentiable (as the op declares).
+    return out.to(q.dtype), lse.detach()
+
+
+def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
+                       kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dv = P^T dO``, ``dS = P (dO V^T - rowsum(dO O))``, ``dq = scale dS K``,
+    ``dk = scale dS^T Q``; k and v gradients summed over their q heads."""
+    acc = _acc(q)
+    qf, kf, vf, do, o = (_bhld(t, seq_dim, acc) for t in (q, k, v, grad_out, out))
+    hq, hk = qf.shape[1], kf.shape[1]
+    ke, ve = _heads_of_q(kf, hq), _heads_of_q(vf, hq)
+    p, _ = _probabilities(qf, ke, scale, causal, kv_lengths)
+    delta = (do * o).sum(-1, keepdim=True)
+    ds = p * (do @ ve.transpose(-1, -2) - delta)
+    dq = ds @ ke * scale
+    dk = (ds.transpose(-1, -2) @ qf * scale).unflatten(1, (hk, hq // hk)).sum(2)
+    dv = (p.transpose(-1, -2) @ do).unflatten(1, (hk, hq // hk)).sum(2)
+
+    def back(t, like):
+        return (t if seq_dim == 2 else t.transpose(1, 2)).to(like.dtype)
+
+    return back(dq, q), back(dk, k), back(dv, v)

@@ -1,0 +1,220 @@
+"""The attention family: fused.attention and fused.attention_backward.
+
+``kernels`` tests run the Triton kernels (CUDA, or CPU under the interpreter:
+fp16/fp32 only there, its bf16 arithmetic is wrong) against an fp64 reference
+by the two-reference rule: the kernel's error at most 2x (forward) / 3x
+(backward) that of PyTorch's own attention at the input dtype (SDPA for
+fp16/bf16; for fp32, which the kernels run with TF32 dots on a GPU, the same
+math with TF32 matmuls).
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+import compile_ops
+from bad_input import bad_input_test
+from compile_ops.reference import attention as ref
+from conftest import INTERPRET, KERNEL_DEVICE
+from numerics import assert_within_torch_error
+
+DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
+
+
+def _bhld(t, seq_dim):
+    return t if seq_dim == 2 else t.transpose(1, 2)
+
+
+def torch_at_dtype(q, k, v, dout, scale, causal, seq_dim, kv_lengths):
+    """What PyTorch computes at the input dtype: ``(out, (dq, dk, dv), lse)``.
+
+    fp16/bf16: SDPA and its backward (on a GPU its flash backend). fp32: the
+    flash formulas that SDPA's fp32 backends use (``reference.attention``, whose
+    backward forms ``rowsum(dO * O)`` and cancels against it as theirs do), with
+    TF32 matmuls on a GPU as the kernels use TF32 dots.
+    """
+    if q.dtype == torch.float32:
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            out, lse = ref.attention(q, k, v, scale, causal, seq_dim, kv_lengths)
+            return out, ref.attention_backward(dout, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths), lse
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+    q, k, v = (_bhld(t.detach(), seq_dim).requires_grad_(True) for t in (q, k, v))
+    mask = ref.visible(q.shape[2], k.shape[2], causal, kv_lengths, q.shape[0], q.device)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    grads = torch.autograd.grad(out, (q, k, v), _bhld(dout, seq_dim))
+    # SDPA does not return its lse: the fp32 logsumexp of the scores of the
+    # half-precision inputs, which tensor cores accumulate in fp32 too.
+    lse = ref.attention(*(t.detach().float() for t in (q, k, v)), scale, causal, 2, kv_lengths)[1]
+    return _bhld(out, seq_dim).detach(), tuple(_bhld(g, seq_dim) for g in grads), lse
+
+
+# ---------------------------------------------------------------- layer 3/4: kernels vs reference
+
+
+@st.composite
+def attention_cases(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    b = draw(st.integers(1, 2))
+    hk = draw(st.integers(1, 2))
+    hq = hk * draw(st.sampled_from([1, 2, 3]))
+    lengths = st.one_of(st.integers(1, 80), st.sampled_from([97, 113, 129]))
+    lq, lk = draw(lengths), draw(lengths)
+    d = draw(st.sampled_from([16, 32, 40, 64, 72, 80, 96, 128]))
+    seq_dim = draw(st.sampled_from([1, 2]))
+    causal = draw(st.booleans())
+    padded = draw(st.booleans())
+    kv_lengths = [draw(st.integers(1, lk)) for _ in range(b)] if padded else None
+    scale = draw(st.sampled_from([None, 0.5]))
+    return dtype, b, hq, hk, lq, lk, d, seq_dim, causal, kv_lengths, scale
+
+
+def _qkv(b, hq, hk, lq, lk, d, seq_dim, dtype, device):
+    def t(h, length):
+        shape = (b, h, length, d) if seq_dim == 2 else (b, length, h, d)
+        return torch.randn(shape, device=device).to(dtype).requires_grad_(True)
+    return t(hq, lq), t(hk, lk), t(hk, lk)
+
+
+@pytest.mark.kernels
+@given(attention_cases())
+def test_kernels_match_fp64_reference_forward_and_backward(case):
+    dtype, b, hq, hk, lq, lk, d, seq_dim, causal, kv_lengths, scale = case
+    dev = KERNEL_DEVICE
+    torch.manual_seed(0)  # reruns of a failing example see the same data
+    q, k, v = _qkv(b, hq, hk, lq, lk, d, seq_dim, dtype, dev)
+    kv = None if kv_lengths is None else torch.tensor(kv_lengths, dtype=torch.int32, device=dev)
+    scale_value = 1 / math.sqrt(d) if scale is None else scale
+    out, lse = compile_ops.attention(q, k, v, scale, causal, seq_dim, kv, return_lse=True)
+
+    qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    exact, exact_lse = ref.attention(qd, kd, vd, scale_value, causal, seq_dim, kv)
+    dout = torch.randn_like(out)
+    plain, theirs, plain_lse = torch_at_dtype(q.detach(), k.detach(), v.detach(), dout, scale_value, causal,
+                                              seq_dim, kv)
+
+    assert out.dtype == dtype and out.shape == q.shape and out.is_contiguous()
+    assert_within_torch_error(out, exact, plain, 2.0, "output")
+    assert_within_torch_error(lse, exact_lse, plain_lse, 2.0, "lse")
+
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(exact, (qd, kd, vd), dout.double())
+    for name, g, e, p in zip("qkv", got, want, theirs):
+        assert g.dtype == dtype
+        # fp32 accumulators everywhere: an fp32 gradient sums its L terms at
+        # fp32, a half one rounds once. dS = P (dO.V - rowsum(dO * O)) cancels
+        # two D-term fp32 sums taken in different orders (a tensor-core dot and
+        # a row sum), which torch's own fp32 run can land on exactly.
+        summed = (lk if name == "q" else lq) if dtype == torch.float32 else 1
+        assert_within_torch_error(g, e, p, 3.0, f"d{name}", terms=summed, fp32_roundings=d)
+
+
+@pytest.mark.kernels
+def test_kernels_rows_with_no_visible_key_give_zero_not_nan():
+    dev = KERNEL_DEVICE
+    q, k, v = _qkv(2, 2, 1, 5, 6, 16, 2, torch.float16, dev)
+    kv = torch.tensor([0, 3], dtype=torch.int32, device=dev)
+    out, lse = compile_ops.attention(q, k, v, None, False, 2, kv, return_lse=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.isneginf(lse[0]).all() and torch.isfinite(lse[1]).all()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    assert torch.equal(dq[0], torch.zeros_like(dq[0])) and torch.equal(dk[0], torch.zeros_like(dk[0]))
+    assert torch.equal(dv[1, :, 3:], torch.zeros_like(dv[1, :, 3:]))  # padded keys get no gradient
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("length", [1, 2, 3])
+def test_kernels_large_scores_at_tiny_lengths_do_not_overflow(length):
+    dev = KERNEL_DEVICE
+    q, k, v = _qkv(1, 2, 2, length, length, 16, 2, torch.float32, dev)
+    q = (q.detach() * 300).requires_grad_(True)
+    out = compile_ops.attention(q, k, v, None, True)
+    exact, _ = ref.attention(q.detach().double(), k.detach().double(), v.detach().double(), 0.25, True)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), exact, rtol=1e-2, atol=1e-2)  # TF32 on a GPU
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.kernels
+def test_kernels_backward_is_deterministic_with_a_non_contiguous_grad():
+    dev = KERNEL_DEVICE
+    q, k, v = _qkv(1, 4, 2, 70, 90, 64, 1, torch.float16, dev)
+    out = compile_ops.attention(q, k, v, None, True, 1)
+    dout = torch.randn(out.shape[::-1], device=dev, dtype=out.dtype).permute(3, 2, 1, 0)  # no unit stride
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    exact, _ = ref.attention(*(t.detach().double().requires_grad_(True) for t in (q, k, v)), 0.125, True, 1)
+    for _ in range(2):
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    want = torch.autograd.grad(out.double(), (q, k, v), dout.double())  # only the layout is new here
+    assert all(torch.equal(a, b.to(a.dtype)) for a, b in zip(first, want))
+
+
+@pytest.mark.kernels
+def test_kernels_sdpa_drop_in():
+    dev = KERNEL_DEVICE
+    q, k, v = _qkv(1, 4, 1, 33, 21, 32, 2, torch.float16, dev)
+    got = compile_ops.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+
+
+# ---------------------------------------------------------------- reference path
+
+
+def test_sdpa_signature_rejects_masks_and_dropout():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="attn_mask is not supported"):
+        compile_ops.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="dropout_p must be 0"):
+        compile_ops.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+
+def test_reference_matches_sdpa():
+    q, k, v = (torch.randn(2, 4, 9, 16, dtype=torch.float64) for _ in range(3))
+    for causal in (False, True):
+        out, _ = ref.attention(q, k[:, :2], v[:, :2], 0.3, causal)
+        want = F.scaled_dot_product_attention(q, k[:, :2], v[:, :2], is_causal=causal, scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(out, want)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _bad_input_cases():
+    def qkv(*shapes, dtype=torch.float16):
+        return [torch.randn(s).to(dtype) for s in shapes]
+
+    q, k, v = qkv((2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16))
+    att = torch.ops.fused.attention
+    return [
+        (lambda: att(*qkv((2, 4, 8, 16), (2, 2, 8, 32), (2, 2, 8, 32)), 0.1, False), ValueError,
+         r"head dims differ: q 16, k 32"),
+        (lambda: att(*qkv((2, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16)), 0.1, False), ValueError,
+         r"batch sizes differ: q 2, k 1"),
+        (lambda: att(*qkv((2, 4, 8, 16), (2, 3, 8, 16), (2, 3, 8, 16)), 0.1, False), ValueError,
+         r"k/v heads \(3\) must divide q heads \(4\)"),
+        (lambda: att(q, k, v[:, :, :5], 0.1, False), ValueError, r"k and v must have the same heads and length"),
+        (lambda: att(*qkv((2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16), dtype=torch.int32), 0.1, False), TypeError,
+         r"q must have dtype float16"),
+        (lambda: att(q, k.float(), v, 0.1, False), TypeError, r"k has dtype torch.float32 but q has torch.float16"),
+        (lambda: att(q[0], k, v, 0.1, False), ValueError, r"q must be 4-D \[B, H, L, D\]"),
+        (lambda: att(*qkv((1, 1, 4, 300), (1, 1, 4, 300), (1, 1, 4, 300)), 0.1, False), ValueError,
+         r"head dim D must be in \[1, 256\], got 300"),
+        (lambda: att(q, k, v, 0.1, False, 3), ValueError, r"seq_dim must be 2 .* or 1"),
+        (lambda: att(q, k.to("meta"), v, 0.1, False), ValueError, r"k is on meta but q is on cpu"),
+        (lambda: att(q, k, v, 0.1, False, 2, torch.tensor([8, 9])), ValueError,
+         r"kv_lengths must be in \[0, Lk=8\], got values in \[8, 9\]"),
+        (lambda: att(q, k, v, 0.1, False, 2, torch.tensor([8])), ValueError, r"kv_lengths must have shape \(2,\)"),
+        (lambda: att(q, k, v, 0.1, False, 2, torch.tensor([8.0, 8.0])), TypeError, r"kv_lengths must be int32"),
+    ]
+
+
+test_bad_input_raises_a_clear_error = bad_input_test(_bad_input_cases)
