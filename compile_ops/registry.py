@@ -44,6 +44,9 @@ class OpSpec:
     """The backward reads the differentiable inputs again (a norm does; a
     rotation, whose backward needs only the angles, does not): the benchmark's
     byte count of a forward+backward step."""
+    tf32: bool = False
+    """fp32 inputs run with TF32 dots on a GPU (attention): compared with the
+    fp32 reference at TF32's tolerance there."""
     op_name: Optional[str] = None
     """The ``torch.ops.fused`` op, when ``name`` labels one variant of it
     (``geglu_tanh`` is ``fused.geglu`` with ``approximate="tanh"``)."""
@@ -494,7 +497,7 @@ OPS: tuple[OpSpec, ...] = (
            bench_shapes=GLU_SHAPES, op_name="geglu"),
     OpSpec("swiglu", "glu", reference.glu.swiglu, _make_glu(), _glu_edges(), bench_shapes=GLU_SHAPES),
     OpSpec("glu_backward", "glu", reference.glu.glu_backward, None, _glu_backward_edges, differentiable=False),
-    OpSpec("attention", "attention", reference.attention.attention, _make_attention, _attention_edges),
+    OpSpec("attention", "attention", reference.attention.attention, _make_attention, _attention_edges, tf32=True),
     OpSpec("attention_backward", "attention", reference.attention.attention_backward, None,
            _attention_backward_edges, differentiable=False),
 )

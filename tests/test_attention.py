@@ -28,29 +28,52 @@ def _bhld(t, seq_dim):
     return t if seq_dim == 2 else t.transpose(1, 2)
 
 
+def _tf32(t):
+    """fp32 values rounded to TF32's 10 mantissa bits (to nearest), as tensor
+    cores read fp32 operands."""
+    i = t.float().contiguous().view(torch.int32)
+    return ((i + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def _fp32_flash(q, k, v, dout, scale, causal, kv_lengths, operand):
+    """The flash formulas at fp32 on ``[B, H, L, D]`` tensors, every dot
+    operand passed through ``operand``: ``(out, (dq, dk, dv), lse)``."""
+    hq, hk = q.shape[1], k.shape[1]
+    k, v = (t.repeat_interleave(hq // hk, 1) for t in (k, v))
+    s = operand(q) @ operand(k).transpose(-1, -2) * scale
+    s = s.masked_fill(~ref.visible(q.shape[2], k.shape[2], causal, kv_lengths, q.shape[0], q.device), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0)[..., None])
+    out = operand(p) @ operand(v)
+    ds = p * (operand(dout) @ operand(v).transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+    dq = operand(ds) @ operand(k) * scale
+    dk = (operand(ds).transpose(-1, -2) @ operand(q) * scale).unflatten(1, (hk, -1)).sum(2)
+    dv = (operand(p).transpose(-1, -2) @ operand(dout)).unflatten(1, (hk, -1)).sum(2)
+    return out, (dq, dk, dv), lse
+
+
 def torch_at_dtype(q, k, v, dout, scale, causal, seq_dim, kv_lengths):
     """What PyTorch computes at the input dtype: ``(out, (dq, dk, dv), lse)``.
 
     fp16/bf16: SDPA and its backward (on a GPU its flash backend). fp32: the
-    flash formulas that SDPA's fp32 backends use (``reference.attention``, whose
-    backward forms ``rowsum(dO * O)`` and cancels against it as theirs do), with
-    TF32 matmuls on a GPU as the kernels use TF32 dots.
+    flash formulas that SDPA's fp32 backends use (their backward forms
+    ``rowsum(dO * O)`` and cancels against it), with every dot operand rounded
+    to TF32 on a GPU, where the kernels use TF32 dots (the interpreter's dots
+    are exact fp32).
     """
+    q, k, v, dout = (_bhld(t.detach(), seq_dim) for t in (q, k, v, dout))
     if q.dtype == torch.float32:
-        tf32 = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = True
-        try:
-            out, lse = ref.attention(q, k, v, scale, causal, seq_dim, kv_lengths)
-            return out, ref.attention_backward(dout, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths), lse
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = tf32
-    q, k, v = (_bhld(t.detach(), seq_dim).requires_grad_(True) for t in (q, k, v))
-    mask = ref.visible(q.shape[2], k.shape[2], causal, kv_lengths, q.shape[0], q.device)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    grads = torch.autograd.grad(out, (q, k, v), _bhld(dout, seq_dim))
-    # SDPA does not return its lse: the fp32 logsumexp of the scores of the
-    # half-precision inputs, which tensor cores accumulate in fp32 too.
-    lse = ref.attention(*(t.detach().float() for t in (q, k, v)), scale, causal, 2, kv_lengths)[1]
+        operand = _tf32 if q.device.type == "cuda" else (lambda t: t)
+        out, grads, lse = _fp32_flash(q, k, v, dout, scale, causal, kv_lengths, operand)
+    else:
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+        mask = ref.visible(q.shape[2], k.shape[2], causal, kv_lengths, q.shape[0], q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        # SDPA does not return its lse: the fp32 logsumexp of the scores of the
+        # half-precision inputs, which tensor cores accumulate in fp32 too.
+        lse = ref.attention(*(t.detach().float() for t in (q, k, v)), scale, causal, 2, kv_lengths)[1]
     return _bhld(out, seq_dim).detach(), tuple(_bhld(g, seq_dim) for g in grads), lse
 
 
