@@ -29,10 +29,10 @@ def _bhld(t, seq_dim):
 
 
 def _tf32(t):
-    """fp32 values rounded to TF32's 10 mantissa bits (to nearest), as tensor
-    cores read fp32 operands."""
+    """fp32 values cut to TF32's 10 mantissa bits as the tensor cores read fp32
+    operands that triton hands them: the low 13 bits dropped (truncation)."""
     i = t.float().contiguous().view(torch.int32)
-    return ((i + 0x1000) & ~0x1FFF).view(torch.float32)
+    return (i & ~0x1FFF).view(torch.float32)
 
 
 def _fp32_flash(q, k, v, dout, scale, causal, kv_lengths, operand):
