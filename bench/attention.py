@@ -52,9 +52,14 @@ def providers(causal: bool) -> dict:
 
         flex = torch.compile(flex_attention)
         if causal:
+            masks = {}
+
             def flex_call(q, k, v):
-                mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, q.shape[2], k.shape[2])
-                return flex(q, k, v, block_mask=mask)
+                # Built once per shape, as a model builds it once per resolution.
+                key = (q.shape[2], k.shape[2])
+                if key not in masks:
+                    masks[key] = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, *key)
+                return flex(q, k, v, block_mask=masks[key])
         else:
             def flex_call(q, k, v):
                 return flex(q, k, v)

@@ -4,8 +4,12 @@
     python bench/report.py bench/results/h100.json --readme README.md   # also rewrite README's table
     python bench/report.py bench/results/h100.json --plot h100.png      # also draw the plot
 
+    python bench/report.py bench/results/attention-h100.json --readme README.md  # bench/attention.py's
+
 The README block is everything between the lines ``<!-- perf-table:start -->``
-and ``<!-- perf-table:end -->``; it is regenerated from the JSON, never edited by hand.
+and ``<!-- perf-table:end -->`` (``attention-table`` / ``attention-causal-table``
+for bench/attention.py's JSON); it is regenerated from the JSON, never edited
+by hand.
 """
 import argparse
 import json
@@ -13,8 +17,6 @@ import math
 import os
 import sys
 
-README_START = "<!-- perf-table:start -->"
-README_END = "<!-- perf-table:end -->"
 #: Table and plot order; peers follow in the order the runner wrote them.
 CORE_PROVIDERS = ("fused_eager", "fused_compiled", "native_eager", "native_compiled")
 _HEADERS = {"fused_eager": "fused eager", "fused_compiled": "fused compiled",
@@ -158,16 +160,50 @@ def markdown_table(data: dict) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def update_readme(readme_path: str, block: str) -> None:
-    """Replace the lines between the perf-table markers in ``readme_path`` with ``block``."""
+def is_attention(data: dict) -> bool:
+    """bench/attention.py's JSON (TFLOP/s rows) rather than bench/run.py's."""
+    return any("fwd_TFLOPs" in r or r.get("provider") == "sdpa_flash" for r in data["rows"])
+
+
+def attention_table(data: dict) -> str:
+    """Markdown: TFLOP/s forward / forward+backward per provider and shape, and
+    the peak memory of a forward+backward step, ours against SDPA's flash."""
+    rows = data["rows"]
+    env = data["env"]
+    causal = any(r.get("causal") for r in rows)
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    shapes = list(dict.fromkeys(tuple(r["shape"]) for r in rows))
+    by = {(tuple(r["shape"]), r["provider"]): r for r in rows}
+    out = [f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | {env['date'][:16].replace('T', ' ')}"
+           f" | bf16, [B, H, L, D], {'causal' if causal else 'non-causal'} self-attention.", "",
+           "TFLOP/s forward / forward+backward (CUDA-graph replay; 4·B·H·L²·D per forward"
+           f"{', halved for causal' if causal else ''}, 3.5x for forward+backward), and the peak memory "
+           "of one forward+backward step above its inputs.", "",
+           "| shape | " + " | ".join(providers) + " | peak MiB fused / sdpa_flash |",
+           "|---|" + "---:|" * (len(providers) + 1)]
+    for shape in shapes:
+        cells = []
+        for prov in providers:
+            r = by.get((shape, prov), {})
+            cells.append("err" if "error" in r or not r else f"{r['fwd_TFLOPs']:.0f} / {r['fwdbwd_TFLOPs']:.0f}")
+        mem = [by.get((shape, p), {}).get("peak_MiB") for p in ("fused_eager", "sdpa_flash")]
+        mem_cell = " / ".join("-" if m is None else f"{m:.0f}" for m in mem)
+        out.append(f"| {_shape(shape)} | " + " | ".join(cells) + f" | {mem_cell} |")
+    return "\n".join(out) + "\n"
+
+
+def update_readme(readme_path: str, block: str, marker: str = "perf-table") -> None:
+    """Replace the lines between the ``<!-- marker:start -->`` and ``<!-- marker:end -->``
+    lines of ``readme_path`` with ``block``."""
+    start_line, end_line = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
     with open(readme_path) as f:
         lines = f.read().splitlines(keepends=True)
     stripped = [line.strip() for line in lines]
     try:
-        start = stripped.index(README_START)
-        end = stripped.index(README_END, start + 1)
+        start = stripped.index(start_line)
+        end = stripped.index(end_line, start + 1)
     except ValueError:
-        raise SystemExit(f"report.py: {readme_path} needs the lines {README_START} and {README_END} "
+        raise SystemExit(f"report.py: {readme_path} needs the lines {start_line} and {end_line} "
                          "(in that order) around the table") from None
     new = lines[:start + 1] + [block if block.endswith("\n") else block + "\n"] + lines[end:]
     with open(readme_path, "w") as f:
@@ -245,6 +281,14 @@ def main(argv=None) -> int:
     p.add_argument("--plot", help="write the plot to this PNG")
     args = p.parse_args(argv)
     data = load(args.json)
+    if is_attention(data):
+        table = attention_table(data)
+        print(table)
+        if args.readme:
+            marker = "attention-causal-table" if any(r.get("causal") for r in data["rows"]) else "attention-table"
+            update_readme(args.readme, table, marker)
+            print(f"\nrewrote the {marker} block in {args.readme}")
+        return 0
     print(format_table(data))
     if args.readme:
         update_readme(args.readme, markdown_table(data))

@@ -571,7 +571,14 @@ def main(argv=None) -> int:
         _log("run.py: no CUDA device here, so no benchmark; running the CPU demo (bench/demo.py) instead.")
         from bench import demo
         return demo.main()
-    return run_cuda(args)
+    status = run_cuda(args)
+    if not args.ops:  # a full run: attention too, which bench/attention.py measures in TFLOP/s
+        from bench import attention
+
+        quick = ["--quick"] if args.quick else []
+        for causal in ([], ["--causal", "--shapes", "1x24x4608x128,1x12x32760x128"]):
+            status |= attention.main(["--out", args.out] + quick + causal)
+    return status
 
 
 if __name__ == "__main__":
