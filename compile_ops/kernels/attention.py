@@ -77,6 +77,23 @@ def _program_head(H, GROUP, sqb, sqh, skb, skh):
 
 
 @triton.jit
+def _query_program(KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr):
+    """The setup of a program that owns ``BLOCK_M`` queries (forward, dq pass):
+    ``(batch, head, q/k/v offsets, first query, kv_len, end of the unmasked
+    key tiles, end of all key tiles)``."""
+    b, h, q_off, k_off = _program_head(H, GROUP, sqb, sqh, skb, skh)
+    v_off = tl.cast(b, tl.int64) * svb + (h // GROUP) * svh
+    q_start = tl.program_id(0) * BLOCK_M
+    kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
+    end = kv_len
+    if CAUSAL:
+        end = tl.minimum(end, q_start + BLOCK_M)
+    unmasked_end = tl.minimum(_unmasked_key_end(kv_len, q_start, BLOCK_N, CAUSAL), end)
+    return b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end
+
+
+@triton.jit
 def _kv_len(KV_LEN, b, Lk, HAS_KV_LEN: tl.constexpr):
     if HAS_KV_LEN:
         return tl.minimum(tl.load(KV_LEN + b).to(tl.int32), Lk)
@@ -134,14 +151,12 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN,
                     ACC: tl.constexpr):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``."""
-    b, h, q_off, k_off = _program_head(H, GROUP, sqb, sqh, skb, skh)
-    v_off = tl.cast(b, tl.int64) * svb + (h // GROUP) * svh
+    b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
+        KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     o_off = tl.cast(b, tl.int64) * sob + h * soh
-    q_start = tl.program_id(0) * BLOCK_M
     q_rows = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
     scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
     qk_scale = scale * 1.4426950408889634  # log2(e)
 
@@ -149,10 +164,6 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN,
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     m = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     l = tl.zeros([BLOCK_M], dtype=ACC)
-    end = kv_len
-    if CAUSAL:
-        end = tl.minimum(end, q_start + BLOCK_M)
-    unmasked_end = tl.minimum(_unmasked_key_end(kv_len, q_start, BLOCK_N, CAUSAL), end)
     acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0,
                            unmasked_end, kv_len, Lk, qk_scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION)
     acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, unmasked_end,
@@ -295,14 +306,12 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN,
                        CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        ACC: tl.constexpr):
     """dq of BLOCK_M queries of one (batch, head)."""
-    b, h, q_off, k_off = _program_head(H, GROUP, sqb, sqh, skb, skh)
+    b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
+        KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     b64 = tl.cast(b, tl.int64)
-    v_off = b64 * svb + (h // GROUP) * svh
-    q_start = tl.program_id(0) * BLOCK_M
     q_rows = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
     scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
     row_base = tl.cast(tl.program_id(1), tl.int64) * Lq
     offs_m = tl.arange(0, BLOCK_M)
@@ -311,10 +320,6 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN,
     lse = _saved_lse(LSE + row_base, q_rows, Lq)
     delta = tl.load(DELTA + row_base + q_rows, mask=q_rows < Lq, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-    end = kv_len
-    if CAUSAL:
-        end = tl.minimum(end, q_start + BLOCK_M)
-    unmasked_end = tl.minimum(_unmasked_key_end(kv_len, q_start, BLOCK_N, CAUSAL), end)
     dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0, unmasked_end,
                    kv_len, Lk, scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION)
     dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, unmasked_end, end,

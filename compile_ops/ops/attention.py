@@ -82,6 +82,9 @@ def _bhl_strides(t: Tensor, seq_dim: int) -> tuple:
 
 
 def _common(q: Tensor, k: Tensor, causal: bool, seq_dim: int, kv_lengths: Optional[Tensor]) -> dict:
+    """Sizes (b, h, hk, lq, lk, d) and the constexprs every attention kernel takes.
+    ``DOT_PRECISION`` matters for fp32 (TF32 dots) and fp64 (IEEE); half
+    operands ignore it."""
     b, h, lq, d = meta.attention.dims(q, seq_dim)
     hk, lk = meta.attention.dims(k, seq_dim)[1:3]
     return dict(b=b, h=h, hk=hk, lq=lq, lk=lk, d=d,
