@@ -20,7 +20,9 @@ derivatives never cancel: the sigmoid and its complement both come from
 import triton
 import triton.language as tl
 
-#: ``ACT`` values; ``ops/glu.py`` maps the public names onto them.
+#: ``ACT`` values; ``ops/glu.py`` maps the public names onto them. The kernels
+#: compare with the literals: Inductor's copy of a user kernel does not carry
+#: module globals along.
 GELU, GELU_TANH, SILU = 0, 1, 2
 
 
@@ -52,13 +54,13 @@ def _activation(g, ACT: tl.constexpr, DERIVATIVE: tl.constexpr):
                (that is 0.5 g (1 + tanh u));  act' = s + 2 g s (1 - s) u'
     SILU:      g * s, s = sigmoid(g);  act' = s (1 + g (1 - s))
     """
-    if ACT == 0:
+    if ACT == 0:  # GELU
         cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))  # 1 / sqrt(2)
         act = g * cdf
         d = g
         if DERIVATIVE:
             d = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327  # 1 / sqrt(2 pi)
-    elif ACT == 1:
+    elif ACT == 1:  # GELU_TANH
         g2 = g * g
         # 2u; 0.7978845608028654 = sqrt(2 / pi)
         s, s_c = _sigmoid_and_complement(2.0 * 0.7978845608028654 * (g + 0.044715 * g2 * g))
