@@ -123,7 +123,7 @@ def test_kernels_nan_and_inf_stay_where_the_formula_puts_them(op):
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernels_geglu_module_is_diffusers_geglu(dtype):
+def test_kernels_modules_are_diffusers_geglu_and_swiglu(dtype):
     """The modules load diffusers' state dicts and give diffusers' outputs and
     gradients (to the rounding of its two-step formula)."""
     activations = pytest.importorskip("diffusers.models.activations")

@@ -68,12 +68,11 @@ def _visible(q_rows, k_cols, kv_len, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _program_head(H, GROUP, sqb, sqh, skb, skh):
-    """``(batch, head, q offset, k/v offset)`` of this program's (batch, q head)."""
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh - b * H
-    b64 = tl.cast(b, tl.int64)
-    return b, h, b64 * sqb + h * sqh, b64 * skb + (h // GROUP) * skh
+    """``(batch, head, q offset, k/v offset)`` of this program's (batch, q head),
+    all int64: one batch element may hold more than 2**31 elements."""
+    b = tl.cast(tl.program_id(1), tl.int64) // H
+    h = tl.program_id(1) - b * H
+    return b, h, b * sqb + h * sqh, b * skb + (h // GROUP) * skh
 
 
 @triton.jit
@@ -83,7 +82,7 @@ def _query_program(KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M: 
     ``(batch, head, q/k/v offsets, first query, kv_len, end of the unmasked
     key tiles, end of all key tiles)``."""
     b, h, q_off, k_off = _program_head(H, GROUP, sqb, sqh, skb, skh)
-    v_off = tl.cast(b, tl.int64) * svb + (h // GROUP) * svh
+    v_off = b * svb + (h // GROUP) * svh
     q_start = tl.program_id(0) * BLOCK_M
     kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
     end = kv_len
@@ -153,7 +152,7 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN,
     ``[B * H, Lq]`` in natural log. ``scale > 0``."""
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
         KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
-    o_off = tl.cast(b, tl.int64) * sob + h * soh
+    o_off = b * sob + h * soh
     q_rows = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -183,16 +182,14 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN,
 def attn_bwd_delta_kernel(OUT, DO, DELTA, H, Lq, sob, soh, sol, sdb, sdh, sdl,
                           D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ACC: tl.constexpr):
     """DELTA ``[B * H, Lq]`` = rowsum(dO * O)."""
-    bh = tl.program_id(1)
-    b = tl.cast(bh // H, tl.int64)
-    h = bh % H
+    _, _, o_off, do_off = _program_head(H, 1, sob, soh, sdb, sdh)  # O and dO share q's heads
     start = tl.program_id(0) * BLOCK_M
     offs = tl.arange(0, BLOCK_M)
     rows = start + offs
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_tile(OUT + b * sob + h * soh, start, offs, Lq, sol, offs_d, D, BLOCK_D, True).to(ACC)
-    do = _load_tile(DO + b * sdb + h * sdh, start, offs, Lq, sdl, offs_d, D, BLOCK_D, True).to(ACC)
-    tl.store(DELTA + tl.cast(bh, tl.int64) * Lq + rows, tl.sum(o * do, 1), mask=rows < Lq)
+    o = _load_tile(OUT + o_off, start, offs, Lq, sol, offs_d, D, BLOCK_D, True).to(ACC)
+    do = _load_tile(DO + do_off, start, offs, Lq, sdl, offs_d, D, BLOCK_D, True).to(ACC)
+    tl.store(DELTA + tl.cast(tl.program_id(1), tl.int64) * Lq + rows, tl.sum(o * do, 1), mask=rows < Lq)
 
 
 @triton.jit
@@ -242,10 +239,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN,
                          CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          ACC: tl.constexpr):
     """dk, dv of BLOCK_N keys of one (batch, k/v head), summed over its GQA group."""
-    bh = tl.program_id(1)
-    b = bh // HK
-    hk = bh - b * HK
-    b64 = tl.cast(b, tl.int64)
+    b, hk, k_off, v_off = _program_head(HK, 1, skb, skh, svb, svh)  # a program per (batch, k/v head)
     k_start = tl.program_id(0) * BLOCK_N
     k_cols = k_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -253,8 +247,8 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN,
     kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
     scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
     offs_n = tl.arange(0, BLOCK_N)
-    k = _load_tile(K + b64 * skb + hk * skh, k_start, offs_n, Lk, skl, offs_d, D, BLOCK_D, True)
-    v = _load_tile(V + b64 * svb + hk * svh, k_start, offs_n, Lk, svl, offs_d, D, BLOCK_D, True)
+    k = _load_tile(K + k_off, k_start, offs_n, Lk, skl, offs_d, D, BLOCK_D, True)
+    v = _load_tile(V + v_off, k_start, offs_n, Lk, svl, offs_d, D, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     # Queries that see some key of this tile: all, or (causal) rows >= k_start.
@@ -268,17 +262,17 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN,
     if k_start < kv_len:
         for g in range(0, GROUP):
             h = hk * GROUP + g
-            q_base = Q + b64 * sqb + h * sqh
-            do_base = DO + b64 * sdb + h * sdh
-            row_base = (b64 * HK * GROUP + h) * Lq
+            q_base = Q + b * sqb + h * sqh
+            do_base = DO + b * sdb + h * sdh
+            row_base = (b * HK * GROUP + h) * Lq
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl, k_cols,
                                  offs_m, offs_d, q_begin, unmasked_begin, Lq, scale, D, BLOCK_D, True, DOT_PRECISION)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl, k_cols,
                                  offs_m, offs_d, unmasked_begin, Lq, Lq, scale, D, BLOCK_D, False, DOT_PRECISION)
     valid = (k_cols < kv_len)[:, None]
-    _store_tile(DK + b64 * sdkb + hk * sdkh, k_start, offs_n, Lk, sdkl, offs_d,
+    _store_tile(DK + b * sdkb + hk * sdkh, k_start, offs_n, Lk, sdkl, offs_d,
                 tl.where(valid, dk * scale, 0.0), D)
-    _store_tile(DV + b64 * sdvb + hk * sdvh, k_start, offs_n, Lk, sdvl, offs_d, tl.where(valid, dv, 0.0), D)
+    _store_tile(DV + b * sdvb + hk * sdvh, k_start, offs_n, Lk, sdvl, offs_d, tl.where(valid, dv, 0.0), D)
 
 
 @triton.jit
@@ -308,7 +302,6 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN,
     """dq of BLOCK_M queries of one (batch, head)."""
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
         KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
-    b64 = tl.cast(b, tl.int64)
     q_rows = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -316,7 +309,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN,
     row_base = tl.cast(tl.program_id(1), tl.int64) * Lq
     offs_m = tl.arange(0, BLOCK_M)
     q = _load_tile(Q + q_off, q_start, offs_m, Lq, sql, offs_d, D, BLOCK_D, True)
-    do = _load_tile(DO + b64 * sdb + h * sdh, q_start, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True)
+    do = _load_tile(DO + b * sdb + h * sdh, q_start, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True)
     lse = _saved_lse(LSE + row_base, q_rows, Lq)
     delta = tl.load(DELTA + row_base + q_rows, mask=q_rows < Lq, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
@@ -324,4 +317,4 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN,
                    kv_len, Lk, scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION)
     dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, unmasked_end, end,
                    kv_len, Lk, scale, D, BLOCK_D, True, CAUSAL, DOT_PRECISION)
-    _store_tile(DQ + b64 * sdqb + h * sdqh, q_start, offs_m, Lq, sdql, offs_d, dq * scale, D)
+    _store_tile(DQ + b * sdqb + h * sdqh, q_start, offs_m, Lq, sdql, offs_d, dq * scale, D)

@@ -1,4 +1,4 @@
-"""Argument checks shared by every op family's meta module.
+"""Argument checks and the accumulation-dtype rule shared by every op family.
 
 Each raises before any launch with a message ``fused.<op>: <argument> ...``
 that names the argument and what was expected.
@@ -9,6 +9,12 @@ import torch
 
 #: dtypes the kernels read and write; fp64 exists for gradcheck.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """What the kernels and references compute in: fp32, or fp64 when any input
+    is fp64 (gradcheck)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def fail(op: str, msg: str, exc=ValueError):

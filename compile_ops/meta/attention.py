@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from compile_ops.meta._validate import check_same_device, fail
+from compile_ops.meta._validate import accumulation_dtype, check_same_device, fail
 
 #: Activation dtypes; fp32 runs with TF32 dots, fp64 exists for gradcheck.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -90,8 +90,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     check_attention("attention", q, k, v, scale, causal, seq_dim, kv_lengths)
     check_kv_lengths_values("attention", kv_lengths, dims(k, seq_dim)[2])
     b, h, lq, _ = dims(q, seq_dim)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(q.shape), q.new_empty((b, h, lq), dtype=acc)
+    return q.new_empty(q.shape), q.new_empty((b, h, lq), dtype=accumulation_dtype(q))
 
 
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from compile_ops.meta._validate import check_eps, check_floating, check_same_device, fail
+from compile_ops.meta._validate import accumulation_dtype, check_eps, check_floating, check_same_device, fail
 from compile_ops.meta.norm import check_affine, output_dtype, output_dtype_for
 
 #: Values of the ``norm`` argument.
@@ -173,7 +173,7 @@ def row_stats(x: torch.Tensor, norm: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mean, rstd)`` outputs: fp32 (fp64 for fp64 x) of shape ``x.shape[:-1]``,
     the mean of shape ``(0,)`` for RMSNorm (it has none), like
     ``aten.native_layer_norm``'s. The backward reuses them."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(x)
     rstd = x.new_empty(x.shape[:-1], dtype=acc)
     return (rstd.new_empty((0,)) if norm == "rmsnorm" else x.new_empty(x.shape[:-1], dtype=acc)), rstd
 

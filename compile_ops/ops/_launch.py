@@ -8,21 +8,26 @@ from torch import Tensor
 
 from compile_ops._library import launcher
 from compile_ops.kernels.norm import column_sum_kernel
+from compile_ops.meta._validate import accumulation_dtype
 
 
 def acc_dtype(x: Tensor):
-    """The kernels' accumulation dtype: fp32, or fp64 for fp64 inputs (gradcheck)."""
-    return tl.float64 if x.dtype == torch.float64 else tl.float32
-
-
-def acc_torch_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+    """The kernels' accumulation dtype as a triton dtype (``meta._validate.accumulation_dtype``)."""
+    return tl.float64 if accumulation_dtype(x) == torch.float64 else tl.float32
 
 
 def as_rows(t: Tensor) -> Tensor:
     """``t`` as ``[rows, N]``: a view whenever the leading dims collapse to one
     row stride (contiguous, row slices, expanded gradients); a copy otherwise."""
     return t.reshape(-1, t.shape[-1])
+
+
+def unit_last_stride(t: Tensor) -> Tensor:
+    """``t`` itself when its last dim has unit stride (what kernels that vector-load
+    along it need), else a contiguous copy. A clone, not ``.contiguous()``: the
+    latter cannot be fake-traced for CUDA on a CPU-only torch build, which
+    tests/test_ops_registry.py does to every launcher."""
+    return t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)
 
 
 def contiguous_param(p: Optional[Tensor]) -> Optional[Tensor]:

@@ -17,7 +17,7 @@ from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher
 from compile_ops.kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                            attn_fwd_kernel)
-from compile_ops.ops._launch import acc_dtype
+from compile_ops.ops._launch import acc_dtype, unit_last_stride
 
 # ---------------------------------------------------------------- launch configs
 
@@ -68,12 +68,6 @@ def dq_tiles(d: int, dtype: torch.dtype) -> Tiles:
 # ---------------------------------------------------------------- launch helpers
 
 
-def _unit_d(t: Tensor) -> Tensor:
-    """t with a unit stride along D: itself in every layout models produce, a
-    copy otherwise (clone, which fake-CUDA tracing on a CPU build supports)."""
-    return t if t.stride(3) == 1 else t.clone(memory_format=torch.contiguous_format)
-
-
 def _bhl_strides(t: Tensor, seq_dim: int) -> tuple:
     """(batch, head, position) strides of a q/k/v-shaped tensor in either layout."""
     if seq_dim == 2:
@@ -102,7 +96,7 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, s
     c = _common(q, k, causal, seq_dim, kv_lengths)
     if out.numel() == 0:
         return out, lse
-    q, k, v = _unit_d(q), _unit_d(k), _unit_d(v)
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))  # D is unit-stride in every layout models use
     t = forward_tiles(int(c["d"]), q.dtype)
     grid = (triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])
     launcher(attn_fwd_kernel)[grid](
@@ -125,7 +119,7 @@ def _attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
     c = _common(q, k, causal, seq_dim, kv_lengths)
     if dq.numel() == 0 or dk.numel() == 0:  # no queries or no keys: all gradients are 0
         return dq.zero_(), dk.zero_(), dv.zero_()
-    q, k, v, out, grad_out = (_unit_d(x) for x in (q, k, v, out, grad_out))
+    q, k, v, out, grad_out = (unit_last_stride(x) for x in (q, k, v, out, grad_out))
     lse = lse.contiguous()
     d, consts = int(c["d"]), c["consts"]
     delta = torch.empty_like(lse)

@@ -7,14 +7,13 @@ neither direction materializes the halves or the activation.
 """
 from dataclasses import dataclass
 
-import torch
 import triton
 from torch import Tensor
 
 from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher
 from compile_ops.kernels.glu import GELU, GELU_TANH, SILU, glu_kernel
-from compile_ops.ops._launch import acc_dtype, as_rows
+from compile_ops.ops._launch import acc_dtype, as_rows, unit_last_stride
 
 _ACT = {"gelu": GELU, "gelu_tanh": GELU_TANH, "silu": SILU}
 
@@ -46,20 +45,12 @@ def launch_config(h: int) -> LaunchConfig:
     return LaunchConfig(block_m, block_n, NUM_WARPS)
 
 
-def _unit_column_stride(t: Tensor) -> Tensor:
-    """``t`` as ``[rows, N]`` with unit column stride: a view for contiguous
-    inputs and row slices (a projection's output, a chunk of one), a copy for
-    the rare channel-strided input (so the kernel's loads always vectorize)."""
-    t2 = as_rows(t)
-    # clone, not .contiguous(): the latter cannot be fake-traced for CUDA on a
-    # CPU-only torch build (tests/test_ops_registry.py traces every launcher).
-    return t2 if t2.stride(1) == 1 else t2.clone(memory_format=torch.contiguous_format)
-
-
 def _launch(x: Tensor, grad_out, out: Tensor, activation: str, gate_first: bool) -> None:
     """Forward (``grad_out`` None) into ``out [..., H]``, or backward into ``out [..., 2H]``."""
-    x2 = _unit_column_stride(x)
-    dy2 = None if grad_out is None else _unit_column_stride(grad_out)
+    # Rows in place for contiguous inputs and row slices (a projection's output,
+    # a chunk of one); the rare channel-strided input is copied, so loads vectorize.
+    x2 = unit_last_stride(as_rows(x))
+    dy2 = None if grad_out is None else unit_last_stride(as_rows(grad_out))
     n_rows, two_h = x2.shape
     h = two_h // 2
     cfg = launch_config(int(h))  # a dynamic H is specialized here: BLOCK_N depends on it

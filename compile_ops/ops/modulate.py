@@ -24,8 +24,8 @@ from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher, multiprocessor_count
 from compile_ops.kernels.modulate import modulate_bwd_kernel, modulate_fwd_kernel
 from compile_ops.meta.modulate import Broadcast, static_int
-from compile_ops.ops._launch import (acc_dtype, acc_torch_dtype, as_rows, column_sum, contiguous_param,
-                                     grad_or_none)
+from compile_ops.meta._validate import accumulation_dtype
+from compile_ops.ops._launch import acc_dtype, as_rows, column_sum, contiguous_param, grad_or_none
 from compile_ops.ops.norm import BACKWARD_PROGRAMS_PER_SM, LaunchConfig
 from compile_ops.ops.norm import backward_config as norm_backward_config
 
@@ -211,7 +211,7 @@ def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], 
     chunk_rows = triton.cdiv(seg_rows, chunks)
     programs = torch.sym_min(max_programs, n_segments * chunks)
 
-    acc = acc_torch_dtype(h)
+    acc = accumulation_dtype(h)
     modulated, gated = scale is not None, gate is not None
     accumulators = 2 * modulated + gated + (weight is not None) + (bias is not None)
     cfg = backward_config(int(n), accumulators, single_rows=static_seg_rows == 1)

@@ -15,6 +15,7 @@ from torch import Tensor
 from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher, multiprocessor_count
 from compile_ops.kernels.norm import norm_bwd_kernel, norm_fwd_kernel
+from compile_ops.meta._validate import accumulation_dtype
 from compile_ops.ops._launch import (acc_dtype, as_rows, column_sum, contiguous_param,
                                     grad_or_none)
 
@@ -128,7 +129,7 @@ def _norm_backward_op(grad_out: Tensor, grad_residual: Optional[Tensor], x: Tens
     cfg = backward_config(int(n), (weight is not None) + (bias is not None))
     max_programs = multiprocessor_count(x) * BACKWARD_PROGRAMS_PER_SM
     programs = torch.sym_min(max_programs, triton.cdiv(n_rows, cfg.block_m))
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(x)
     # The partial-sum buffers have a static first dim: sized by the live program
     # count they would be a dim of size 1 for short inputs, which torch.compile
     # specializes, and every short sequence length would recompile.

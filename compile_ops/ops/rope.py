@@ -20,7 +20,8 @@ from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher, multiprocessor_count
 from compile_ops.kernels.rope import qk_norm_rope_bwd_kernel, rope_kernel
 from compile_ops.meta.modulate import static_int
-from compile_ops.ops._launch import acc_dtype, acc_torch_dtype, column_sum
+from compile_ops.meta._validate import accumulation_dtype
+from compile_ops.ops._launch import acc_dtype, column_sum
 
 #: Channels of one head-row tile per program (positions x head dim).
 TILE = 2048
@@ -242,7 +243,7 @@ def _qk_norm_rope_backward_op(grad_q: Tensor, grad_k: Tensor, q: Tensor, k: Tens
     hq, hk = q.shape[3 - seq_dim], k.shape[3 - seq_dim]
     block_l, n_pos_blocks, heads_per_program, grid = _grid(q, hq + hk, seq_dim, d)
     n_programs = grid[0] * grid[1]
-    acc = acc_torch_dtype(q)
+    acc = accumulation_dtype(q)
     partial_q = torch.empty((n_programs, d), dtype=acc, device=q.device)
     partial_k = torch.empty((n_programs, d), dtype=acc, device=q.device)
     cos, sin, stride_tb, stride_tl = _tables(cos, sin)

@@ -10,9 +10,7 @@ from typing import Optional
 
 import torch
 
-
-def _acc(q):
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+from compile_ops.meta._validate import accumulation_dtype
 
 
 def _bhld(t: torch.Tensor, seq_dim: int, acc) -> torch.Tensor:
@@ -47,7 +45,7 @@ def _probabilities(q, k, scale, causal, kv_lengths):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
               kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    acc = _acc(q)
+    acc = accumulation_dtype(q)
     qf, kf, vf = (_bhld(t, seq_dim, acc) for t in (q, k, v))
     hq = qf.shape[1]
     p, lse = _probabilities(qf, _heads_of_q(kf, hq), scale, causal, kv_lengths)
@@ -62,7 +60,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dv = P^T dO``, ``dS = P (dO V^T - rowsum(dO O))``, ``dq = scale dS K``,
     ``dk = scale dS^T Q``; k and v gradients summed over their q heads."""
-    acc = _acc(q)
+    acc = accumulation_dtype(q)
     qf, kf, vf, do, o = (_bhld(t, seq_dim, acc) for t in (q, k, v, grad_out, out))
     hq, hk = qf.shape[1], kf.shape[1]
     ke, ve = _heads_of_q(kf, hq), _heads_of_q(vf, hq)

@@ -9,10 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from compile_ops.meta import glu as meta
-
-
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+from compile_ops.meta._validate import accumulation_dtype
 
 
 def halves(x: torch.Tensor, gate_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,7 +25,7 @@ def _act(gate: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def _gated(x: torch.Tensor, activation: str, gate_first: bool) -> torch.Tensor:
-    value, gate = (t.to(_acc_dtype(x)) for t in halves(x, gate_first))
+    value, gate = (t.to(accumulation_dtype(x)) for t in halves(x, gate_first))
     return (value * _act(gate, activation)).to(x.dtype)
 
 
@@ -54,7 +51,7 @@ def activation_derivative(gate: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def glu_backward(grad_out: torch.Tensor, x: torch.Tensor, activation: str, gate_first: bool) -> torch.Tensor:
-    acc = _acc_dtype(x)
+    acc = accumulation_dtype(x)
     value, gate = (t.to(acc) for t in halves(x, gate_first))
     dy = grad_out.to(acc)
     dvalue = dy * _act(gate, activation)

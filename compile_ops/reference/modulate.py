@@ -8,11 +8,8 @@ from typing import Optional
 import torch
 
 from compile_ops.meta import modulate as meta
+from compile_ops.meta._validate import accumulation_dtype
 from compile_ops.reference.norm import _affine
-
-
-def _acc(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def expand_to_x(m: torch.Tensor, x: torch.Tensor, op: str = "modulate") -> torch.Tensor:
@@ -48,7 +45,7 @@ def _modulated(y, x, scale, shift):
 
 def modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     dtype = meta.promoted_dtype(x, scale, shift)
-    return _modulated(x.to(_acc(x, scale, shift)), x, scale, shift).to(dtype)
+    return _modulated(x.to(accumulation_dtype(x, scale, shift)), x, scale, shift).to(dtype)
 
 
 def norm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
@@ -58,13 +55,13 @@ def norm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
     meta.check_norm("norm_modulate", norm)
     dtype = meta.promoted_dtype(scale, shift, norm_dtype=meta.output_dtype(x, weight))
     # Statistics in fp32 (fp64 for fp64 x) whatever scale's dtype, as the kernels.
-    xhat, mean, rstd = _normalize(x.to(_acc(x)), norm, eps)
-    out = _modulated(_affine(xhat.to(_acc(x, scale, shift)), weight, bias), x, scale, shift).to(dtype)
+    xhat, mean, rstd = _normalize(x.to(accumulation_dtype(x)), norm, eps)
+    out = _modulated(_affine(xhat.to(accumulation_dtype(x, scale, shift)), weight, bias), x, scale, shift).to(dtype)
     return (out, *_stats_outputs(mean, rstd, norm))
 
 
 def gated_residual(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    acc = _acc(residual, x, gate)
+    acc = accumulation_dtype(residual, x, gate)
     out = residual.to(acc) + expand_to_x(gate, x).to(acc) * x.to(acc)
     return out.to(meta.promoted_dtype(residual, x, gate))
 
@@ -87,7 +84,7 @@ def modulate_backward(grad_out: Optional[torch.Tensor], grad_h: Optional[torch.T
     """Closed-form gradients of ``out = modulate(norm(h) * weight + bias)`` (each
     part optional) and of ``h = residual + gate * x_branch`` when gated; see
     :func:`compile_ops.meta.modulate.modulate_backward` for the outputs."""
-    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(h)
     n = h.shape[-1]
 
     def empty():

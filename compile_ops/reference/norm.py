@@ -6,11 +6,8 @@ from typing import Optional
 
 import torch
 
+from compile_ops.meta._validate import accumulation_dtype
 from compile_ops.meta.norm import output_dtype
-
-
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _affine(xhat, weight, bias):
@@ -23,14 +20,14 @@ def _affine(xhat, weight, bias):
 
 def rmsnorm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    xf = x.to(_acc_dtype(x))
+    xf = x.to(accumulation_dtype(x))
     xhat = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return _affine(xhat, weight, bias).to(output_dtype(x, weight))
 
 
 def layernorm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
               eps: float) -> torch.Tensor:
-    xf = x.to(_acc_dtype(x))
+    xf = x.to(accumulation_dtype(x))
     xc = xf - xf.mean(-1, keepdim=True)
     xhat = xc * torch.rsqrt(xc.square().mean(-1, keepdim=True) + eps)
     return _affine(xhat, weight, bias).to(output_dtype(x, weight))
@@ -40,7 +37,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     # The sum is rounded to residual's dtype before it is normalized, so that
     # out == rmsnorm(residual_out) exactly, as the kernel does.
-    acc = _acc_dtype(x) if residual.dtype != torch.float64 else torch.float64
+    acc = accumulation_dtype(x) if residual.dtype != torch.float64 else torch.float64
     residual_out = (x.to(acc) + residual.to(acc)).to(residual.dtype)
     out = rmsnorm(residual_out, weight, eps)
     return out.to(output_dtype(x, weight)), residual_out
@@ -50,7 +47,7 @@ def norm_backward(grad_out: torch.Tensor, grad_residual: Optional[torch.Tensor],
                   weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
                   is_rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Closed-form gradients of ``norm(x) * weight + bias`` (plus grad_residual added to dx)."""
-    acc = _acc_dtype(x)
+    acc = accumulation_dtype(x)
     xf, dy = x.to(acc), grad_out.to(acc)
     n = x.shape[-1]
     xc = xf if is_rms else xf - xf.mean(-1, keepdim=True)

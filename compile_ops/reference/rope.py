@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from compile_ops.meta import rope as meta
+from compile_ops.meta._validate import accumulation_dtype
 
 
 def _pairs(t: torch.Tensor, r: int, interleaved: bool):
@@ -33,10 +34,6 @@ def _table(t: torch.Tensor, r: int, half: bool, interleaved: bool, seq_dim: int,
     return t[:, :, None, :] if seq_dim == 1 else t[:, None, :, :]
 
 
-def _acc(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _rotate(xf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int, half: bool, interleaved: bool,
             seq_dim: int, inverse: bool) -> torch.Tensor:
     """The rotation of ``xf`` (already in the accumulation dtype), not rounded."""
@@ -55,7 +52,7 @@ def _rotate(xf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int, half
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, seq_dim: int,
          rotary_dim: Optional[int] = None, inverse: bool = False) -> torch.Tensor:
     r, half = meta.check_rope("rope", x, cos, sin, seq_dim, rotary_dim)
-    return _rotate(x.to(_acc(x)), cos, sin, r, half, interleaved, seq_dim, inverse).to(x.dtype)
+    return _rotate(x.to(accumulation_dtype(x)), cos, sin, r, half, interleaved, seq_dim, inverse).to(x.dtype)
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
@@ -93,7 +90,7 @@ def rope_grid(q: torch.Tensor, k: torch.Tensor, constants: torch.Tensor, height:
 
 
 def _norm_rope(x, weight, cos, sin, eps, r, half, interleaved, seq_dim):
-    xf = x.to(_acc(x))
+    xf = x.to(accumulation_dtype(x))
     xhat = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return _rotate(xhat * weight.to(xf.dtype), cos, sin, r, half, interleaved, seq_dim, False).to(x.dtype)
 
@@ -118,7 +115,7 @@ def qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, ep
     r, half = meta.table_layout(q, cos, rotary_dim)
     grads = []
     for g, x, w in ((grad_q, q, q_weight), (grad_k, k, k_weight)):
-        acc = _acc(x)
+        acc = accumulation_dtype(x)
         xf = x.to(acc)
         rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
         xhat = xf * rstd
