@@ -24,7 +24,8 @@ from compile_ops.ops import attention as attention_ops  # noqa: E402
 SHAPES = ((1, 24, 4608, 128), (2, 24, 4096, 64))
 #: (block_m, block_n, warps, stages) per pass.
 #: Round 1 (sweep-attention-h100-round1.json) covered the first three of each
-#: list and a few more; round 2 the neighbours of its winners.
+#: list and a few more; round 2 the neighbours of its winners; round 3 (on an
+#: H200, sweep-attention-h200-round3.json) the same list after the fma exponents.
 CANDIDATES = {
     "forward_tiles": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (64, 128, 4, 3)],
     "dkdv_tiles": [(32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4), (64, 64, 8, 3),

@@ -115,13 +115,16 @@ def _unmasked_key_end(kv_len, q_start, BLOCK_N: tl.constexpr, CAUSAL: tl.constex
 @triton.jit
 def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, start, end, kv_len, Lk, qk_scale,
                D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr):
     """Online softmax over key tiles; ``m`` is the running max of the raw
     scores q.k, and exponents are ``(s - m) * scale * log2(e)``: scaled after
     the subtraction, so their rounding error is relative to the (small)
     difference, not to the scores' magnitude. The lse, and so the backward's
     probabilities, keep torch's accuracy (a single visible key gives p == 1
-    exactly, and a causal first row a dq of 0)."""
+    exactly, and a causal first row a dq of 0). ``FMA_EXPONENT`` (16-bit
+    inputs) forms the exponent as one fma, ``s * c - m * c``: one instruction
+    less per score, and its extra error (an ulp of ``m * c``) is far below
+    the rounding of p to the 16-bit dtype for the second dot."""
     for start_n in range(start, end, offs_n.shape[0]):
         cols = start_n + offs_n
         k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
@@ -133,8 +136,13 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, start, end,
         # A row that has seen no visible key yet keeps m = -inf: shift by 0 so
         # that exp2 gives 0, not exp2(-inf + inf) = NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2((s - m_shift[:, None]) * qk_scale)
-        alpha = tl.exp2((m - m_shift) * qk_scale)
+        if FMA_EXPONENT:
+            m_scaled = m_shift * qk_scale
+            p = tl.exp2(s * qk_scale - m_scaled[:, None])
+            alpha = tl.exp2(m * qk_scale - m_scaled)
+        else:
+            p = tl.exp2((s - m_shift[:, None]) * qk_scale)
+            alpha = tl.exp2((m - m_shift) * qk_scale)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
@@ -147,7 +155,7 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN,
                     H, GROUP, Lq, Lk, scale,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    ACC: tl.constexpr):
+                    ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``."""
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
@@ -164,9 +172,9 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN,
     m = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     l = tl.zeros([BLOCK_M], dtype=ACC)
     acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0,
-                           unmasked_end, kv_len, Lk, qk_scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION)
+                           unmasked_end, kv_len, Lk, qk_scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION, FMA_EXPONENT)
     acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, unmasked_end,
-                           end, kv_len, Lk, qk_scale, D, BLOCK_D, True, CAUSAL, DOT_PRECISION)
+                           end, kv_len, Lk, qk_scale, D, BLOCK_D, True, CAUSAL, DOT_PRECISION, FMA_EXPONENT)
 
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]
@@ -201,18 +209,23 @@ def _saved_lse(LSE, rows, Lq):
 
 
 @triton.jit
-def _probabilities(s, scale, lse):
+def _probabilities(s, scale, lse, FMA_EXPONENT: tl.constexpr):
     """``exp(scale * s - lse)``: the exponent is formed in natural units, with
     torch's two roundings, and only then moved to log2 units for exp2 (scaling
     s by ``scale * log2(e)`` first multiplies the roundings' error by the
-    scores' magnitude: 4x torch's error in fp32 dk, found by Hypothesis)."""
-    return tl.exp2((s * scale - lse) * 1.4426950408889634)  # log2(e)
+    scores' magnitude: 4x torch's error in fp32 dk, found by Hypothesis).
+    16-bit inputs (``FMA_EXPONENT``) take that error for one fma per score:
+    p is rounded to 16 bits before its dots anyway."""
+    if FMA_EXPONENT:
+        return tl.exp2(s * (scale * 1.4426950408889634) - lse * 1.4426950408889634)
+    else:
+        return tl.exp2((s * scale - lse) * 1.4426950408889634)  # log2(e)
 
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, sql, sdl, k_cols, offs_m, offs_d, start, end, Lq,
                 scale, D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr):
     for start_m in range(start, end, offs_m.shape[0]):
         rows = start_m + offs_m
         q = _load_tile(Q, start_m, offs_m, Lq, sql, offs_d, D, BLOCK_D, True)
@@ -220,7 +233,8 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, sql, sdl, k_cols, offs_m, offs_
         lse = _saved_lse(LSE, rows, Lq)
         delta = tl.load(DELTA + rows, mask=rows < Lq, other=0.0)
         # Transposed scores [keys, queries]: dk and dv come out without transposes.
-        p_t = _probabilities(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), scale, lse[None, :])
+        p_t = _probabilities(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), scale, lse[None, :],
+                             FMA_EXPONENT)
         if MASKED:  # only the causal diagonal tiles (keys past kv_len are zeroed at the store)
             p_t = tl.where(k_cols[:, None] <= rows[None, :], p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
@@ -237,7 +251,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN,
                          HK, GROUP, Lq, Lk, scale,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         ACC: tl.constexpr):
+                         ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr):
     """dk, dv of BLOCK_N keys of one (batch, k/v head), summed over its GQA group."""
     b, hk, k_off, v_off = _program_head(HK, 1, skb, skh, svb, svh)  # a program per (batch, k/v head)
     k_start = tl.program_id(0) * BLOCK_N
@@ -266,9 +280,11 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN,
             do_base = DO + b * sdb + h * sdh
             row_base = (b * HK * GROUP + h) * Lq
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl, k_cols,
-                                 offs_m, offs_d, q_begin, unmasked_begin, Lq, scale, D, BLOCK_D, True, DOT_PRECISION)
+                                 offs_m, offs_d, q_begin, unmasked_begin, Lq, scale, D, BLOCK_D, True, DOT_PRECISION,
+                                 FMA_EXPONENT)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl, k_cols,
-                                 offs_m, offs_d, unmasked_begin, Lq, Lq, scale, D, BLOCK_D, False, DOT_PRECISION)
+                                 offs_m, offs_d, unmasked_begin, Lq, Lq, scale, D, BLOCK_D, False, DOT_PRECISION,
+                                 FMA_EXPONENT)
     valid = (k_cols < kv_len)[:, None]
     _store_tile(DK + b * sdkb + hk * sdkh, k_start, offs_n, Lk, sdkl, offs_d,
                 tl.where(valid, dk * scale, 0.0), D)
@@ -278,12 +294,13 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN,
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, K, V, skl, svl, q_rows, offs_n, offs_d, start, end, kv_len, Lk, scale,
               D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr):
     for start_n in range(start, end, offs_n.shape[0]):
         cols = start_n + offs_n
         k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
         v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
-        p = _probabilities(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale, lse[:, None])
+        p = _probabilities(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale, lse[:, None],
+                           FMA_EXPONENT)
         if MASKED:
             p = tl.where(_visible(q_rows, cols, kv_len, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -298,7 +315,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN,
                        H, GROUP, Lq, Lk, scale,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       ACC: tl.constexpr):
+                       ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr):
     """dq of BLOCK_M queries of one (batch, head)."""
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
         KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
@@ -314,7 +331,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN,
     delta = tl.load(DELTA + row_base + q_rows, mask=q_rows < Lq, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0, unmasked_end,
-                   kv_len, Lk, scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION)
+                   kv_len, Lk, scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION, FMA_EXPONENT)
     dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, unmasked_end, end,
-                   kv_len, Lk, scale, D, BLOCK_D, True, CAUSAL, DOT_PRECISION)
+                   kv_len, Lk, scale, D, BLOCK_D, True, CAUSAL, DOT_PRECISION, FMA_EXPONENT)
     _store_tile(DQ + b * sdqb + h * sdqh, q_start, offs_m, Lq, sdql, offs_d, dq * scale, D)
