@@ -8,6 +8,8 @@ from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.attention import attention, scaled_dot_product_attention
+from compile_ops.ops.block_sparse import (block_index_from_mask, block_sparse_attention, radial_mask,
+                                          sliding_tile_mask, tile_permutation, topk_block_index)
 from compile_ops.ops.glu import geglu, swiglu
 from compile_ops.ops.modulate import gated_residual, gated_residual_norm_modulate, modulate, norm_modulate
 from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
@@ -20,4 +22,6 @@ __all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm",
            "modulate", "norm_modulate", "gated_residual", "gated_residual_norm_modulate",
            "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous",
            "rope", "rope_qk", "rope_grid", "qk_norm_rope", "grid_rope", "GridRope",
-           "geglu", "swiglu", "GEGLU", "SwiGLU", "attention", "scaled_dot_product_attention"]
+           "geglu", "swiglu", "GEGLU", "SwiGLU", "attention", "scaled_dot_product_attention",
+           "block_sparse_attention", "block_index_from_mask", "sliding_tile_mask", "tile_permutation",
+           "radial_mask", "topk_block_index"]

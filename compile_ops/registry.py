@@ -448,6 +448,50 @@ def _attention_backward_edges(dtype, device, requires_grad):
     return cases
 
 
+def _banded_lists(n_q_blocks, n_k_blocks, device, batch=1, heads=1, width=None):
+    """Block lists where query block i attends to key blocks 0 (a sink), i - 1
+    and i + 1 (clipped), ascending, padded to ``width`` with entries past
+    the count set to 0."""
+    i = torch.arange(n_q_blocks, device=device)[:, None]
+    j = torch.arange(n_k_blocks, device=device)[None, :]
+    mask = (j == 0) | ((i - j).abs() == 1)
+    index, count = reference.block_sparse.block_index_from_mask(mask.expand(batch, heads, -1, -1))
+    width = n_k_blocks if width is None else width
+    return index[..., :width].contiguous(), count.clamp(max=width).contiguous()
+
+
+def _block_sparse_edges(dtype, device, requires_grad):
+    g = requires_grad
+    kv_lengths = torch.tensor([200, 1], dtype=torch.int32, device=device)
+    empty_rows = torch.zeros(1, 1, 2, 2, dtype=torch.int32, device=device), \
+        torch.tensor([[[1, 0]]], dtype=torch.int32, device=device)  # the second query block lists nothing
+    return [
+        (*_qkv(1, 1, 1, 130, 140, 4, 2, dtype, device, g), *_banded_lists(2, 2, device), 0.5, False, 2, None),
+        (*_qkv(2, 2, 1, 150, 260, 8, 1, dtype, device, g), *_banded_lists(2, 3, device, 2, 2, width=2), 0.35,
+         True, 1, kv_lengths),                                                       # GQA, per-head lists
+        (*_qkv(1, 1, 1, 140, 70, 8, 2, dtype, device, g), *empty_rows, 0.35, False, 2, None),
+        (*_qkv(1, 2, 2, 0, 4, 8, 2, dtype, device, g), *_banded_lists(0, 1, device), 0.35, False, 2, None),
+    ]
+
+
+def _make_block_sparse(shape, dtype, device, requires_grad):
+    """q, k, v ``[B, H, L, D]`` with banded block lists shared by every head."""
+    b, length, h, d = _heads(shape)
+    n = (length + 127) // 128
+    return (*_qkv(b, h, h, length, length, d, 2, dtype, device, requires_grad), *_banded_lists(n, n, device),
+            d ** -0.5, False, 2, None)
+
+
+def _block_sparse_backward_edges(dtype, device, requires_grad):
+    cases = []
+    for q, k, v, index, count, scale, causal, seq_dim, kv_lengths in _block_sparse_edges(dtype, device, False):
+        out, lse = reference.block_sparse.block_sparse_attention(q, k, v, index, count, scale, causal, seq_dim,
+                                                                 kv_lengths)
+        cases.append((_tensor(q.shape, dtype, device), q, k, v, out, lse, index, count, scale, causal, seq_dim,
+                      kv_lengths))
+    return cases
+
+
 #: GEGLU on a DiT feed-forward's hidden: Flux/SD3 (hidden 3072, 4x MLP) at
 #: 1024x1024 image tokens, the anchors' shapes.
 GLU_SHAPES = ((1, 4608, 24576), (2, 4096, 24576))
@@ -500,6 +544,10 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec("attention", "attention", reference.attention.attention, _make_attention, _attention_edges, tf32=True),
     OpSpec("attention_backward", "attention", reference.attention.attention_backward, None,
            _attention_backward_edges, differentiable=False),
+    OpSpec("block_sparse_attention", "block_sparse", reference.block_sparse.block_sparse_attention,
+           _make_block_sparse, _block_sparse_edges, tf32=True),
+    OpSpec("block_sparse_attention_backward", "block_sparse", reference.block_sparse.block_sparse_attention_backward,
+           None, _block_sparse_backward_edges, differentiable=False),
 )
 
 BY_NAME = {spec.name: spec for spec in OPS}

@@ -35,13 +35,14 @@ def _tf32(t):
     return (i & ~0x1FFF).view(torch.float32)
 
 
-def _fp32_flash(q, k, v, dout, scale, causal, kv_lengths, operand):
+def _fp32_flash(q, k, v, dout, scale, causal, kv_lengths, operand, allowed=None):
     """The flash formulas at fp32 on ``[B, H, L, D]`` tensors, every dot
     operand passed through ``operand``: ``(out, (dq, dk, dv), lse)``."""
     hq, hk = q.shape[1], k.shape[1]
     k, v = (t.repeat_interleave(hq // hk, 1) for t in (k, v))
     s = operand(q) @ operand(k).transpose(-1, -2) * scale
-    s = s.masked_fill(~ref.visible(q.shape[2], k.shape[2], causal, kv_lengths, q.shape[0], q.device), float("-inf"))
+    s = s.masked_fill(~_mask(q.shape[2], k.shape[2], causal, kv_lengths, q.shape[0], q.device, allowed),
+                      float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0)[..., None])
     out = operand(p) @ operand(v)
@@ -52,8 +53,14 @@ def _fp32_flash(q, k, v, dout, scale, causal, kv_lengths, operand):
     return out, (dq, dk, dv), lse
 
 
-def torch_at_dtype(q, k, v, dout, scale, causal, seq_dim, kv_lengths):
-    """What PyTorch computes at the input dtype: ``(out, (dq, dk, dv), lse)``.
+def _mask(lq, lk, causal, kv_lengths, batch, device, allowed):
+    mask = ref.visible(lq, lk, causal, kv_lengths, batch, device)
+    return mask if allowed is None else mask & allowed
+
+
+def torch_at_dtype(q, k, v, dout, scale, causal, seq_dim, kv_lengths, allowed=None):
+    """What PyTorch computes at the input dtype: ``(out, (dq, dk, dv), lse)``;
+    ``allowed``: an extra ``[B, H, Lq, Lk]`` token mask (block-sparse tests).
 
     fp16/bf16: SDPA and its backward (on a GPU its flash backend). fp32: the
     flash formulas that SDPA's fp32 backends use (their backward forms
@@ -64,16 +71,16 @@ def torch_at_dtype(q, k, v, dout, scale, causal, seq_dim, kv_lengths):
     q, k, v, dout = (_bhld(t.detach(), seq_dim) for t in (q, k, v, dout))
     if q.dtype == torch.float32:
         operand = _tf32 if q.device.type == "cuda" else (lambda t: t)
-        out, grads, lse = _fp32_flash(q, k, v, dout, scale, causal, kv_lengths, operand)
+        out, grads, lse = _fp32_flash(q, k, v, dout, scale, causal, kv_lengths, operand, allowed)
     else:
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-        mask = ref.visible(q.shape[2], k.shape[2], causal, kv_lengths, q.shape[0], q.device)
+        mask = _mask(q.shape[2], k.shape[2], causal, kv_lengths, q.shape[0], q.device, allowed)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                              enable_gqa=k.shape[1] != q.shape[1])
         grads = torch.autograd.grad(out, (q, k, v), dout)
         # SDPA does not return its lse: the fp32 logsumexp of the scores of the
         # half-precision inputs, which tensor cores accumulate in fp32 too.
-        lse = ref.attention(*(t.detach().float() for t in (q, k, v)), scale, causal, 2, kv_lengths)[1]
+        lse = ref.attention(*(t.detach().float() for t in (q, k, v)), scale, causal, 2, kv_lengths, allowed)[1]
     return _bhld(out, seq_dim).detach(), tuple(_bhld(g, seq_dim) for g in grads), lse
 
 

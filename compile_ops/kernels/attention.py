@@ -19,6 +19,13 @@ the tail and diagonal tiles pay for masking. Causal is SDPA's: query i sees
 keys ``j <= i``. Keys past ``kv_len`` (the batch element's valid length, or
 Lk) never contribute; a query with no visible key gets 0 and an lse of -inf.
 
+Block-sparse attention (the ``block_sparse`` family) runs the same kernels
+with ``SPARSE``: instead of a range of key tiles, a program walks the
+``SPARSE_BLOCK``-sized blocks listed for its query block (forward, dq) or, in
+the dk/dv pass, the query blocks that list its key block (the transposed
+lists), every tile masked. Loops count tiles, so the dense and sparse paths
+are one loop: ``_tile_start`` maps a tile number to its first row.
+
 Offsets of the (batch, head) bases are int64; q, k, v, dO and O have a unit
 stride along D (the launcher guarantees it); D is padded to ``BLOCK_D``.
 """
@@ -109,13 +116,33 @@ def _unmasked_key_end(kv_len, q_start, BLOCK_N: tl.constexpr, CAUSAL: tl.constex
     return end
 
 
+@triton.jit
+def _block_list(BLOCKS, COUNTS, b, h, row, sbb, sbh, sbr, scb, sch, scr):
+    """The listed blocks of (batch b, head h, block ``row``): a pointer to
+    their indices and their count (broadcast lists have stride 0)."""
+    return BLOCKS + b * sbb + h * sbh + row * sbr, tl.load(COUNTS + b * scb + h * sch + row * scr)
+
+
+@triton.jit
+def _tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARSE: tl.constexpr):
+    """First row of the loop's i-th tile: ``i * TILE``, or (SPARSE) a tile of
+    the ``i // (SPARSE_BLOCK // TILE)``-th listed block."""
+    if SPARSE:
+        i = tl.cast(i, tl.int32)  # the interpreter's range yields Python ints
+        per_block: tl.constexpr = SPARSE_BLOCK // TILE
+        return tl.load(BLOCKS + i // per_block).to(tl.int32) * SPARSE_BLOCK + (i % per_block) * TILE
+    else:
+        return i * TILE
+
+
 # ---------------------------------------------------------------- forward
 
 
 @triton.jit
-def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, start, end, kv_len, Lk, qk_scale,
+def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last, BLOCKS, kv_len, Lk, qk_scale,
                D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+               SPARSE: tl.constexpr):
     """Online softmax over key tiles; ``m`` is the running max of the raw
     scores q.k, and exponents are ``(s - m) * scale * log2(e)``: scaled after
     the subtraction, so their rounding error is relative to the (small)
@@ -125,7 +152,8 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, start, end,
     inputs) forms the exponent as one fma, ``s * c - m * c``: one instruction
     less per score, and its extra error (an ulp of ``m * c``) is far below
     the rounding of p to the 16-bit dtype for the second dot."""
-    for start_n in range(start, end, offs_n.shape[0]):
+    for i in range(first, last):  # key tiles
+        start_n = _tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE)
         cols = start_n + offs_n
         k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
         v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
@@ -150,14 +178,16 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, start, end,
 
 
 @triton.jit
-def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN,
-                    sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol,
+def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS,
+                    sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr,
                     H, GROUP, Lq, Lk, scale,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr):
+                    ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+                    SPARSE: tl.constexpr):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
-    ``[B * H, Lq]`` in natural log. ``scale > 0``."""
+    ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
+    that BLOCKS/COUNTS list for this query block."""
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
         KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     o_off = b * sob + h * soh
@@ -171,10 +201,18 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN,
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     m = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     l = tl.zeros([BLOCK_M], dtype=ACC)
-    acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0,
-                           unmasked_end, kv_len, Lk, qk_scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION, FMA_EXPONENT)
-    acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, unmasked_end,
-                           end, kv_len, Lk, qk_scale, D, BLOCK_D, True, CAUSAL, DOT_PRECISION, FMA_EXPONENT)
+    if SPARSE:
+        blocks, count = _block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
+        acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0,
+                               count * (SPARSE_BLOCK // BLOCK_N), blocks, kv_len, Lk, qk_scale, D, BLOCK_D, True,
+                               CAUSAL, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, True)
+    else:
+        acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0,
+                               unmasked_end // BLOCK_N, BLOCKS, kv_len, Lk, qk_scale, D, BLOCK_D, False, CAUSAL,
+                               DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, False)
+        acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d,
+                               unmasked_end // BLOCK_N, tl.cdiv(end, BLOCK_N), BLOCKS, kv_len, Lk, qk_scale, D,
+                               BLOCK_D, True, CAUSAL, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, False)
 
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]
@@ -223,10 +261,12 @@ def _probabilities(s, scale, lse, FMA_EXPONENT: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, sql, sdl, k_cols, offs_m, offs_d, start, end, Lq,
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, sql, sdl, k_cols, offs_m, offs_d, first, last, BLOCKS, Lq,
                 scale, D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr):
-    for start_m in range(start, end, offs_m.shape[0]):
+                DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+                SPARSE: tl.constexpr):
+    for i in range(first, last):  # query tiles
+        start_m = _tile_start(i, BLOCKS, offs_m.shape[0], SPARSE_BLOCK, SPARSE)
         rows = start_m + offs_m
         q = _load_tile(Q, start_m, offs_m, Lq, sql, offs_d, D, BLOCK_D, True)
         do = _load_tile(DO, start_m, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True)
@@ -245,14 +285,17 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, sql, sdl, k_cols, offs_m, offs_
 
 
 @triton.jit
-def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN,
+def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN, BLOCKS, COUNTS,
                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl,
-                         sdkb, sdkh, sdkl, sdvb, sdvh, sdvl,
+                         sdkb, sdkh, sdkl, sdvb, sdvh, sdvl, sbb, sbh, sbr, scb, sch, scr,
                          HK, GROUP, Lq, Lk, scale,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr):
-    """dk, dv of BLOCK_N keys of one (batch, k/v head), summed over its GQA group."""
+                         ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+                         SPARSE: tl.constexpr):
+    """dk, dv of BLOCK_N keys of one (batch, k/v head), summed over its GQA group.
+    SPARSE: BLOCKS/COUNTS are the transposed lists (per q head and key block,
+    the query blocks that list it)."""
     b, hk, k_off, v_off = _program_head(HK, 1, skb, skh, svb, svh)  # a program per (batch, k/v head)
     k_start = tl.program_id(0) * BLOCK_N
     k_cols = k_start + tl.arange(0, BLOCK_N)
@@ -279,12 +322,19 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN,
             q_base = Q + b * sqb + h * sqh
             do_base = DO + b * sdb + h * sdh
             row_base = (b * HK * GROUP + h) * Lq
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl, k_cols,
-                                 offs_m, offs_d, q_begin, unmasked_begin, Lq, scale, D, BLOCK_D, True, DOT_PRECISION,
-                                 FMA_EXPONENT)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl, k_cols,
-                                 offs_m, offs_d, unmasked_begin, Lq, Lq, scale, D, BLOCK_D, False, DOT_PRECISION,
-                                 FMA_EXPONENT)
+            if SPARSE:  # listed blocks lie anywhere: only causal needs a mask (rows past Lq have p = 0)
+                blocks, count = _block_list(BLOCKS, COUNTS, b, h, k_start // SPARSE_BLOCK, sbb, sbh, sbr,
+                                            scb, sch, scr)
+                dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl,
+                                     k_cols, offs_m, offs_d, 0, count * (SPARSE_BLOCK // BLOCK_M), blocks, Lq, scale,
+                                     D, BLOCK_D, CAUSAL, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, True)
+            else:
+                dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl,
+                                     k_cols, offs_m, offs_d, q_begin // BLOCK_M, unmasked_begin // BLOCK_M, BLOCKS,
+                                     Lq, scale, D, BLOCK_D, True, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, False)
+                dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl,
+                                     k_cols, offs_m, offs_d, unmasked_begin // BLOCK_M, tl.cdiv(Lq, BLOCK_M), BLOCKS,
+                                     Lq, scale, D, BLOCK_D, False, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, False)
     valid = (k_cols < kv_len)[:, None]
     _store_tile(DK + b * sdkb + hk * sdkh, k_start, offs_n, Lk, sdkl, offs_d,
                 tl.where(valid, dk * scale, 0.0), D)
@@ -292,10 +342,12 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN,
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, K, V, skl, svl, q_rows, offs_n, offs_d, start, end, kv_len, Lk, scale,
-              D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr):
-    for start_n in range(start, end, offs_n.shape[0]):
+def _dq_tiles(dq, q, do, lse, delta, K, V, skl, svl, q_rows, offs_n, offs_d, first, last, BLOCKS, kv_len, Lk,
+              scale, D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+              SPARSE: tl.constexpr):
+    for i in range(first, last):  # key tiles
+        start_n = _tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE)
         cols = start_n + offs_n
         k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
         v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
@@ -310,13 +362,15 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, skl, svl, q_rows, offs_n, offs_d, sta
 
 
 @triton.jit
-def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN,
+def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN, BLOCKS, COUNTS,
                        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sdqb, sdqh, sdql,
+                       sbb, sbh, sbr, scb, sch, scr,
                        H, GROUP, Lq, Lk, scale,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr):
-    """dq of BLOCK_M queries of one (batch, head)."""
+                       ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+                       SPARSE: tl.constexpr):
+    """dq of BLOCK_M queries of one (batch, head); SPARSE as the forward."""
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
         KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     q_rows = q_start + tl.arange(0, BLOCK_M)
@@ -330,8 +384,16 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN,
     lse = _saved_lse(LSE + row_base, q_rows, Lq)
     delta = tl.load(DELTA + row_base + q_rows, mask=q_rows < Lq, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-    dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0, unmasked_end,
-                   kv_len, Lk, scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION, FMA_EXPONENT)
-    dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, unmasked_end, end,
-                   kv_len, Lk, scale, D, BLOCK_D, True, CAUSAL, DOT_PRECISION, FMA_EXPONENT)
+    if SPARSE:
+        blocks, count = _block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
+        dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0,
+                       count * (SPARSE_BLOCK // BLOCK_N), blocks, kv_len, Lk, scale, D, BLOCK_D, True, CAUSAL,
+                       DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, True)
+    else:
+        dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0,
+                       unmasked_end // BLOCK_N, BLOCKS, kv_len, Lk, scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION,
+                       FMA_EXPONENT, SPARSE_BLOCK, False)
+        dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d,
+                       unmasked_end // BLOCK_N, tl.cdiv(end, BLOCK_N), BLOCKS, kv_len, Lk, scale, D, BLOCK_D, True,
+                       CAUSAL, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, False)
     _store_tile(DQ + b * sdqb + h * sdqh, q_start, offs_m, Lq, sdql, offs_d, dq * scale, D)

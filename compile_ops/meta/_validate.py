@@ -29,6 +29,15 @@ def check_floating(op: str, argname: str, t: torch.Tensor) -> None:
         fail(op, f"{argname} must have a floating dtype ({names}), got {t.dtype}", TypeError)
 
 
+def values_readable(t: torch.Tensor) -> bool:
+    """Whether checks may read ``t``'s values: eager calls only. Under tracing
+    they are data, and reading a CUDA tensor's values syncs with the GPU
+    (which a CUDA-graph capture forbids)."""
+    return not (torch.compiler.is_compiling() or isinstance(t, torch._subclasses.FakeTensor)
+                or t.device.type == "meta"
+                or (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+
+
 def check_same_device(op: str, x: torch.Tensor, x_name: str = "x", **others: Optional[torch.Tensor]) -> None:
     for argname, t in others.items():
         if t is not None and t.device != x.device:

@@ -12,12 +12,15 @@ from typing import Optional
 
 import torch
 
-from compile_ops.meta._validate import accumulation_dtype, check_same_device, fail
+from compile_ops.meta._validate import accumulation_dtype, check_same_device, fail, values_readable
 
 #: Activation dtypes; fp32 runs with TF32 dots, fp64 exists for gradcheck.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: The largest head dim (the tiles pad D to the next power of two).
 MAX_HEAD_DIM = 256
+#: Block-sparse attention's block edge, in queries and in keys: every kernel
+#: tile divides it (FlexAttention's default block size too).
+SPARSE_BLOCK = 128
 
 
 def dims(t: torch.Tensor, seq_dim: int) -> tuple:
@@ -75,8 +78,7 @@ def check_kv_lengths_values(op: str, kv_lengths: Optional[torch.Tensor], lk) -> 
     syncs with the GPU, and under tracing they are data (the kernels clamp to
     Lk and treat a length <= 0 as no keys either way)."""
     if kv_lengths is None or kv_lengths.numel() == 0 or isinstance(lk, torch.SymInt) \
-            or torch.compiler.is_compiling() or isinstance(kv_lengths, torch._subclasses.FakeTensor) \
-            or kv_lengths.device.type == "meta":
+            or not values_readable(kv_lengths):
         return
     lo, hi = int(kv_lengths.min()), int(kv_lengths.max())
     if lo < 0 or hi > lk:

@@ -89,7 +89,82 @@ def _common(q: Tensor, k: Tensor, causal: bool, seq_dim: int, kv_lengths: Option
     return dict(b=b, h=h, hk=hk, lq=lq, lk=lk, d=d,
                 consts=dict(D=d, BLOCK_D=block_d(d), CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None,
                             DOT_PRECISION="ieee" if q.dtype == torch.float64 else "tf32", ACC=acc_dtype(q),
-                            FMA_EXPONENT=q.dtype in (torch.float16, torch.bfloat16)))
+                            FMA_EXPONENT=q.dtype in (torch.float16, torch.bfloat16),
+                            SPARSE_BLOCK=meta.attention.SPARSE_BLOCK))
+
+
+# ---------------------------------------------------------------- launchers
+
+
+def _lists(blocks: Optional[tuple]) -> tuple:
+    """The kernels' block-list arguments: ``(index, count, 3 index strides, 3
+    count strides)`` of ``[B, H, rows, width]`` / ``[B, H, rows]`` lists, or
+    placeholders for dense attention."""
+    if blocks is None:
+        return (None, None) + (0,) * 6
+    index, count = blocks
+    return (index, count, *index.stride()[:3], *count.stride())
+
+
+def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
+                   seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple] = None) -> None:
+    """Fill ``out`` and ``lse`` (from the fake). ``blocks``: block-sparse
+    attention's ``(index [B, H, Lq blocks, width], count [B, H, Lq blocks])``."""
+    c = _common(q, k, causal, seq_dim, kv_lengths)
+    if out.numel() == 0:
+        return
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))  # D is unit-stride in every layout models use
+    t = forward_tiles(int(c["d"]), q.dtype)
+    index, count, *list_strides = _lists(blocks)
+    grid = (triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])
+    launcher(attn_fwd_kernel)[grid](
+        q, k, v, out, lse, kv_lengths, index, count,
+        *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
+        *_bhl_strides(out, seq_dim), *list_strides,
+        c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
+        SPARSE=blocks is not None, **c["consts"],
+    )
+
+
+def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dq: Tensor,
+                    dk: Tensor, dv: Tensor, scale: float, causal: bool, seq_dim: int, kv_lengths: Optional[Tensor],
+                    blocks: Optional[tuple] = None, key_blocks: Optional[tuple] = None) -> None:
+    """Fill dq, dk, dv (from the fake). Block-sparse: ``blocks`` as the forward,
+    ``key_blocks`` the transposed lists (per key block, the query blocks that
+    list it: ``[B, H, Lk blocks, width]`` / ``[B, H, Lk blocks]``)."""
+    c = _common(q, k, causal, seq_dim, kv_lengths)
+    if dq.numel() == 0 or dk.numel() == 0:  # no queries or no keys: all gradients are 0
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return
+    q, k, v, out, grad_out = (unit_last_stride(x) for x in (q, k, v, out, grad_out))
+    lse = lse.contiguous()
+    d, consts = int(c["d"]), c["consts"]
+    sparse = blocks is not None
+    delta = torch.empty_like(lse)
+    rows = 64
+    launcher(attn_bwd_delta_kernel)[(triton.cdiv(c["lq"], rows), c["b"] * c["h"])](
+        out, grad_out, delta, c["h"], c["lq"], *_bhl_strides(out, seq_dim), *_bhl_strides(grad_out, seq_dim),
+        D=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=rows, ACC=consts["ACC"], num_warps=4)
+    strides = (*_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
+               *_bhl_strides(grad_out, seq_dim))
+    t = dkdv_tiles(d, q.dtype)
+    index, count, *list_strides = _lists(key_blocks)
+    launcher(attn_bwd_dkdv_kernel)[(triton.cdiv(c["lk"], t.block_n), c["b"] * c["hk"])](
+        q, k, v, grad_out, lse, delta, dk, dv, kv_lengths, index, count, *strides,
+        *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim), *list_strides,
+        c["hk"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
+        **consts,
+    )
+    t = dq_tiles(d, q.dtype)
+    index, count, *list_strides = _lists(blocks)
+    launcher(attn_bwd_dq_kernel)[(triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])](
+        q, k, v, grad_out, lse, delta, dq, kv_lengths, index, count, *strides, *_bhl_strides(dq, seq_dim),
+        *list_strides, c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
+        **consts,
+    )
 
 
 # ---------------------------------------------------------------- ops
@@ -99,19 +174,7 @@ def _common(q: Tensor, k: Tensor, causal: bool, seq_dim: int, kv_lengths: Option
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2,
                   kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     out, lse = meta.attention.attention(q, k, v, scale, causal, seq_dim, kv_lengths)
-    c = _common(q, k, causal, seq_dim, kv_lengths)
-    if out.numel() == 0:
-        return out, lse
-    q, k, v = (unit_last_stride(t) for t in (q, k, v))  # D is unit-stride in every layout models use
-    t = forward_tiles(int(c["d"]), q.dtype)
-    grid = (triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])
-    launcher(attn_fwd_kernel)[grid](
-        q, k, v, out, lse, kv_lengths,
-        *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
-        *_bhl_strides(out, seq_dim),
-        c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, **c["consts"],
-    )
+    launch_forward(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths)
     return out, lse
 
 
@@ -122,32 +185,7 @@ def _attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
                            kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = meta.attention.attention_backward(grad_out, q, k, v, out, lse, scale, causal, seq_dim,
                                                    kv_lengths)
-    c = _common(q, k, causal, seq_dim, kv_lengths)
-    if dq.numel() == 0 or dk.numel() == 0:  # no queries or no keys: all gradients are 0
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    q, k, v, out, grad_out = (unit_last_stride(x) for x in (q, k, v, out, grad_out))
-    lse = lse.contiguous()
-    d, consts = int(c["d"]), c["consts"]
-    delta = torch.empty_like(lse)
-    rows = 64
-    launcher(attn_bwd_delta_kernel)[(triton.cdiv(c["lq"], rows), c["b"] * c["h"])](
-        out, grad_out, delta, c["h"], c["lq"], *_bhl_strides(out, seq_dim), *_bhl_strides(grad_out, seq_dim),
-        D=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=rows, ACC=consts["ACC"], num_warps=4)
-    strides = (*_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
-               *_bhl_strides(grad_out, seq_dim))
-    t = dkdv_tiles(d, q.dtype)
-    launcher(attn_bwd_dkdv_kernel)[(triton.cdiv(c["lk"], t.block_n), c["b"] * c["hk"])](
-        q, k, v, grad_out, lse, delta, dk, dv, kv_lengths, *strides,
-        *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim),
-        c["hk"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, **consts,
-    )
-    t = dq_tiles(d, q.dtype)
-    launcher(attn_bwd_dq_kernel)[(triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])](
-        q, k, v, grad_out, lse, delta, dq, kv_lengths, *strides, *_bhl_strides(dq, seq_dim),
-        c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, **consts,
-    )
+    launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, scale, causal, seq_dim, kv_lengths)
     return dq, dk, dv
 
 

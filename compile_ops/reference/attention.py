@@ -33,10 +33,14 @@ def visible(lq: int, lk: int, causal: bool, kv_lengths: Optional[torch.Tensor], 
     return mask
 
 
-def _probabilities(q, k, scale, causal, kv_lengths):
-    """``(p, lse)`` of ``[B, H, Lq, D]`` q and GQA-expanded k, with empty rows 0 / -inf."""
+def _probabilities(q, k, scale, causal, kv_lengths, allowed):
+    """``(p, lse)`` of ``[B, H, Lq, D]`` q and GQA-expanded k, with empty rows
+    0 / -inf; ``allowed`` (block-sparse attention's token mask, broadcastable
+    to ``[B, H, Lq, Lk]``) or None."""
     s = q @ k.transpose(-1, -2) * scale
     mask = visible(q.shape[2], k.shape[2], causal, kv_lengths, q.shape[0], q.device)
+    if allowed is not None:
+        mask = mask & allowed
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
@@ -44,11 +48,13 @@ def _probabilities(q, k, scale, causal, kv_lengths):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
-              kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              kv_lengths: Optional[torch.Tensor] = None, allowed: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``; ``allowed``: an extra token mask (block-sparse attention)."""
     acc = accumulation_dtype(q)
     qf, kf, vf = (_bhld(t, seq_dim, acc) for t in (q, k, v))
     hq = qf.shape[1]
-    p, lse = _probabilities(qf, _heads_of_q(kf, hq), scale, causal, kv_lengths)
+    p, lse = _probabilities(qf, _heads_of_q(kf, hq), scale, causal, kv_lengths, allowed)
     out = p @ _heads_of_q(vf, hq)
     out = out if seq_dim == 2 else out.transpose(1, 2)
     # The lse is a statistic for the backward, not differentiable (as the op declares).
@@ -57,14 +63,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
 
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
-                       kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       kv_lengths: Optional[torch.Tensor] = None, allowed: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dv = P^T dO``, ``dS = P (dO V^T - rowsum(dO O))``, ``dq = scale dS K``,
     ``dk = scale dS^T Q``; k and v gradients summed over their q heads."""
     acc = accumulation_dtype(q)
     qf, kf, vf, do, o = (_bhld(t, seq_dim, acc) for t in (q, k, v, grad_out, out))
     hq, hk = qf.shape[1], kf.shape[1]
     ke, ve = _heads_of_q(kf, hq), _heads_of_q(vf, hq)
-    p, _ = _probabilities(qf, ke, scale, causal, kv_lengths)
+    p, _ = _probabilities(qf, ke, scale, causal, kv_lengths, allowed)
     delta = (do * o).sum(-1, keepdim=True)
     ds = p * (do @ ve.transpose(-1, -2) - delta)
     dq = ds @ ke * scale

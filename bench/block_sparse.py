@@ -1,0 +1,115 @@
+"""Block-sparse attention benchmark: fused.block_sparse_attention against
+FlexAttention with the same block mask, and against our dense attention.
+
+    PYTHONPATH=. python bench/block_sparse.py [--out bench/results]
+
+bf16, [1, 24, 32760, 128] (Wan-length sequence, Flux's 24 heads), random
+block masks at 25% and 50% of the 128 x 128 blocks kept (block 0 and the
+diagonal always kept), one mask for every head. Times are CUDA-graph
+replays; mask building (the dynamic top-k estimate from q and k, and the
+conversion of a static mask) is timed on its own. Writes
+``<out>/block-sparse-<gpu>.json``.
+"""
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from bench.run import environment, gpu_slug, graph_replay_time, make_timer, warm_up_gpu  # noqa: E402
+
+SHAPE = (1, 24, 32760, 128)
+DENSITIES = (0.25, 0.5)
+
+
+def main(argv=None) -> int:
+    import compile_ops
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    timer = make_timer(args.quick)
+    warm_up_gpu()
+    b, h, length, d = SHAPE
+    q, k, v = (torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn_like(q)
+    n = (length + 127) // 128
+    flops_dense = 4 * b * h * length * length * d
+    flex = torch.compile(flex_attention)
+    rows = []
+
+    def measure(name, density, fn, flops):
+        def forward():
+            with torch.no_grad():
+                fn()
+
+        def step():
+            fn().backward(grad)
+            q.grad = k.grad = v.grad = None
+
+        step()
+        fwd = graph_replay_time(forward, timer)
+        both = graph_replay_time(step, timer)
+        row = {"provider": name, "density": density, "shape": list(SHAPE), "fwd_ms": fwd, "fwdbwd_ms": both,
+               "fwd_TFLOPs": flops / fwd / 1e9, "fwdbwd_TFLOPs": 3.5 * flops / both / 1e9}
+        rows.append(row)
+        print(f"{name:<16} density {density:.2f}  fwd {fwd * 1e3:8.1f} us  fwd+bwd {both * 1e3:8.1f} us  "
+              f"(effective {row['fwd_TFLOPs']:.0f} / {row['fwdbwd_TFLOPs']:.0f} TFLOP/s)", flush=True)
+        return row
+
+    dense = measure("fused_dense", 1.0, lambda: compile_ops.attention(q, k, v), flops_dense)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for density in DENSITIES:
+        mask = torch.rand(n, n, device="cuda", generator=gen) < density
+        mask.fill_diagonal_(True)
+        mask[:, 0] = True
+        kept = mask.float().mean().item()
+        index, count = compile_ops.block_index_from_mask(mask[None, None])
+        flops = flops_dense * kept
+        ours = measure("fused_sparse", kept, lambda: compile_ops.block_sparse_attention(q, k, v, index, count), flops)
+        kv_num = count[0, 0].view(1, 1, n)
+        kv_idx = index[0, 0].view(1, 1, n, n)
+        block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=128, seq_lengths=(length, length))
+        flex_row = measure("flex_block_mask", kept, lambda: flex(q, k, v, block_mask=block_mask), flops)
+        for row in (ours, flex_row):
+            row["speedup_vs_fused_dense"] = {"fwd": dense["fwd_ms"] / row["fwd_ms"],
+                                             "fwdbwd": dense["fwdbwd_ms"] / row["fwdbwd_ms"]}
+        print(f"  at {kept:.2f}: ours {ours['speedup_vs_fused_dense']['fwd']:.2f}x / "
+              f"{ours['speedup_vs_fused_dense']['fwdbwd']:.2f}x dense; flex {flex_row['fwd_ms'] / ours['fwd_ms']:.2f}x"
+              f" / {flex_row['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}x our time", flush=True)
+
+    # Mask building: the dynamic top-k estimate (pooled q and k, per head) and
+    # a static mask's conversion, compiled as a model would run them.
+    topk = torch.compile(lambda q, k: compile_ops.topk_block_index(q, k, coverage=0.9, sink_blocks=1))
+    convert = torch.compile(lambda m: compile_ops.block_index_from_mask(m))
+    with torch.no_grad():
+        topk(q, k)
+        static = compile_ops.sliding_tile_mask((3, 5, 18), (3, 3, 5), device="cuda")[None, None]  # 270 tiles
+        convert(static)
+        t_topk = graph_replay_time(lambda: topk(q, k), timer)
+        t_convert = graph_replay_time(lambda: convert(static), timer)
+        index, count = topk(q, k)
+    topk_kept = count.float().mean().item() / n
+    rows.append({"provider": "topk_block_index", "shape": list(SHAPE), "ms": t_topk, "kept": topk_kept})
+    rows.append({"provider": "block_index_from_mask", "shape": [1, 1, 270, 270], "ms": t_convert})
+    print(f"topk_block_index {t_topk * 1e3:.1f} us (keeps {topk_kept:.2f} of the blocks on random data); "
+          f"block_index_from_mask {t_convert * 1e3:.1f} us", flush=True)
+
+    env = environment()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"block-sparse-{gpu_slug(env['gpu'])}.json")
+    with open(path, "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Shape rules and validation of the block_sparse family: block-sparse
+attention and the builders of its block lists.
+
+Torch only: the fakes of ``fused.block_sparse_attention``, its backward and
+the builder ops.
+
+Block lists (the form of MInference-style kernels): queries and keys are cut
+into blocks of ``SPARSE_BLOCK`` (128) tokens, the last one partial.
+``block_index [B, H, NQ, W]`` (int32/int64) lists, for each of the
+``NQ = ceil(Lq / 128)`` query blocks, the key blocks it attends to, in its
+first ``block_count [B, H, NQ]`` entries; entries past the count are ignored.
+B and H may be 1 (one list for every batch element or head). Listed key
+blocks lie in ``[0, ceil(Lk / 128))``, each at most once; the kernels visit
+them in the listed order. Within a listed block, causal masking and
+``kv_lengths`` still apply per token.
+"""
+from typing import Optional
+
+import torch
+
+from compile_ops.meta._validate import check_same_device, fail, values_readable
+from compile_ops.meta.attention import SPARSE_BLOCK, attention, attention_backward, dims
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def num_blocks(length) -> int:
+    """Blocks of ``SPARSE_BLOCK`` tokens that cover ``length`` tokens."""
+    return (length + SPARSE_BLOCK - 1) // SPARSE_BLOCK
+
+
+def check_block_lists(op: str, block_index: torch.Tensor, block_count: torch.Tensor, batch: int, heads: int,
+                      lq, lk, device: torch.device) -> None:
+    """Types, shapes and devices of the lists for q ``[batch, heads, lq]`` and
+    ``lk`` keys; their values in eager calls (:func:`check_block_list_values`)."""
+    for name, t, ndim in (("block_index", block_index, 4), ("block_count", block_count, 3)):
+        if not isinstance(t, torch.Tensor):
+            fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+        if t.dtype not in INDEX_DTYPES:
+            fail(op, f"{name} must be int32 or int64, got {t.dtype}", TypeError)
+        if t.dim() != ndim:
+            fail(op, f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    nq = num_blocks(lq)
+    bi, hi, rows, _ = block_index.shape
+    if bi not in (1, batch) or hi not in (1, heads) or rows != nq:
+        fail(op, f"block_index must have shape [B or 1, H or 1, ceil(Lq / {SPARSE_BLOCK}), W] = "
+                 f"[{batch} or 1, {heads} or 1, {nq}, W] for q's B={batch}, H={heads}, Lq={lq}, "
+                 f"got {tuple(block_index.shape)}")
+    if tuple(block_count.shape) != (bi, hi, rows):
+        fail(op, f"block_count must have shape {(bi, hi, rows)} (block_index's first three dims), "
+                 f"got {tuple(block_count.shape)}")
+    check_same_device(op, torch.empty(0, device=device), "q", block_index=block_index, block_count=block_count)
+    check_block_list_values(op, block_index, block_count, num_blocks(lk), "key")
+
+
+def check_block_list_values(op: str, block_index: torch.Tensor, block_count: torch.Tensor, limit, what: str) -> None:
+    """Counts in ``[0, W]``; the listed entries in ``[0, limit)`` and distinct.
+    Eager calls only: under tracing the lists are data."""
+    if block_count.numel() == 0 or isinstance(limit, torch.SymInt) or not values_readable(block_index) \
+            or not values_readable(block_count):
+        return
+    width = block_index.shape[-1]
+    lo, hi = int(block_count.min()), int(block_count.max())
+    if lo < 0 or hi > width:
+        fail(op, f"block_count must be in [0, {width}] (block_index's width), got values in [{lo}, {hi}]")
+    listed = torch.arange(width, device=block_index.device) < block_count[..., None]
+    entries = block_index[listed]
+    if entries.numel() == 0:
+        return
+    lo, hi = int(entries.min()), int(entries.max())
+    if lo < 0 or hi >= limit:
+        fail(op, f"block_index lists {what} blocks in [{lo}, {hi}], but there are {limit} "
+                 f"(ceil(L / {SPARSE_BLOCK})); listed entries must be in [0, {limit})")
+    ordered = torch.where(listed, block_index, -1 - torch.arange(width, device=block_index.device)).sort(-1).values
+    if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+        fail(op, "block_index lists a block twice for one query block; listed entries must be distinct")
+
+
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_index: torch.Tensor,
+                           block_count: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
+                           kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` as ``fused.attention``'s."""
+    out, lse = attention(q, k, v, scale, causal, seq_dim, kv_lengths)  # validates q, k, v and the options
+    b, h, lq, _ = dims(q, seq_dim)
+    check_block_lists("block_sparse_attention", block_index, block_count, b, h, lq, dims(k, seq_dim)[2], q.device)
+    return out, lse
+
+
+def block_sparse_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    out: torch.Tensor, lse: torch.Tensor, block_index: torch.Tensor,
+                                    block_count: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
+                                    kv_lengths: Optional[torch.Tensor] = None
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` as ``fused.attention_backward``'s."""
+    grads = attention_backward(grad_out, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths)
+    b, h, lq, _ = dims(q, seq_dim)
+    check_block_lists("block_sparse_attention_backward", block_index, block_count, b, h, lq, dims(k, seq_dim)[2],
+                      q.device)
+    return grads
+
+
+# ---------------------------------------------------------------- builders
+
+
+def block_index_from_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask [..., NQ, NK]`` bool -> ``(index [..., NQ, NK] int32, count [..., NQ] int32)``."""
+    op = "block_index_from_mask"
+    if not isinstance(mask, torch.Tensor):
+        fail(op, f"mask must be a torch.Tensor, got {type(mask).__name__}", TypeError)
+    if mask.dtype != torch.bool:
+        fail(op, f"mask must be bool (True: the query block attends to the key block), got {mask.dtype}", TypeError)
+    if mask.dim() < 2:
+        fail(op, f"mask must be [..., query blocks, key blocks], got shape {tuple(mask.shape)}")
+    return (mask.new_empty(mask.shape, dtype=torch.int32),
+            mask.new_empty(mask.shape[:-1], dtype=torch.int32))
+
+
+def topk_block_index(q: torch.Tensor, k: torch.Tensor, coverage: float, sink_blocks: int = 1, scale: float = 1.0,
+                     seq_dim: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index [B, H, NQ, NK] int32, count [B, H, NQ] int32)`` for q ``[B, H, Lq, D]``
+    (or ``[B, Lq, H, D]``) and k."""
+    op = "topk_block_index"
+    if seq_dim not in (1, 2) or isinstance(seq_dim, bool):
+        fail(op, f"seq_dim must be 2 ([B, H, L, D]) or 1 ([B, L, H, D]), got {seq_dim!r}")
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor):
+            fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+        if t.dim() != 4 or not t.dtype.is_floating_point:
+            fail(op, f"{name} must be a 4-D floating tensor, got {t.dtype} of shape {tuple(t.shape)}")
+    check_same_device(op, q, "q", k=k)
+    b, h, lq, d = dims(q, seq_dim)
+    bk, hk, lk, dk = dims(k, seq_dim)
+    if bk != b or dk != d or hk == 0 or h % hk:
+        fail(op, f"k {tuple(k.shape)} must share q's batch and head dim, with heads dividing q's "
+                 f"(q {tuple(q.shape)})")
+    if not isinstance(coverage, (int, float)) or isinstance(coverage, bool) or not 0.0 < coverage <= 1.0:
+        fail(op, f"coverage must be a share of the attention mass in (0, 1], got {coverage!r}")
+    if not isinstance(sink_blocks, int) or isinstance(sink_blocks, bool) or sink_blocks < 0:
+        fail(op, f"sink_blocks must be an int >= 0, got {sink_blocks!r}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+        fail(op, f"scale must be a float > 0, got {scale!r}")
+    nq, nk = num_blocks(lq), num_blocks(lk)
+    return (q.new_empty((b, h, nq, nk), dtype=torch.int32), q.new_empty((b, h, nq), dtype=torch.int32))
+
+
+def _positive_ints(op: str, name: str, values, n: int = 3) -> tuple:
+    values = tuple(values) if isinstance(values, (tuple, list)) else values
+    if not isinstance(values, tuple) or len(values) != n or \
+            not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in values):
+        fail(op, f"{name} must be {n} positive ints, got {values!r}")
+    return values
+
+
+def check_tiles(op: str, grid, tile) -> tuple:
+    """``(frames, height, width)`` cut into ``tile`` cubes: the tile grid."""
+    grid = _positive_ints(op, "(frames, height, width)", grid)
+    tile = _positive_ints(op, "tile", tile)
+    if any(g % t for g, t in zip(grid, tile)):
+        fail(op, f"tile {tile} must divide the token grid (frames, height, width) = {grid}")
+    return tuple(g // t for g, t in zip(grid, tile))
+
+
+def check_window(op: str, tile_grid, window) -> None:
+    tile_grid = _positive_ints(op, "tile_grid", tile_grid)
+    window = _positive_ints(op, "window", window)
+    if any(w > n for w, n in zip(window, tile_grid)):
+        fail(op, f"window {window} must fit in the tile grid {tile_grid}")
+
+
+def check_radial(op: str, frames: int, tokens_per_frame: int, dense_frames: int) -> None:
+    _positive_ints(op, "(frames, tokens_per_frame)", (frames, tokens_per_frame), 2)
+    if not isinstance(dense_frames, int) or isinstance(dense_frames, bool) or dense_frames < 0:
+        fail(op, f"dense_frames must be an int >= 0, got {dense_frames!r}")

@@ -1,0 +1,248 @@
+"""Block-sparse attention as ``torch.ops.fused`` ops, and the builders of its
+block lists.
+
+``fused.block_sparse_attention`` runs the flash-attention kernels of
+``kernels/attention.py`` with ``SPARSE``: each query block of 128 visits only
+its listed key blocks (forward, dq pass); the dk/dv pass visits, per key
+block, the query blocks that list it (the transposed lists, built here with
+torch ops). Deterministic, like ``fused.attention``; with every block listed
+in ascending order the results equal ``fused.attention``'s bit for bit.
+
+Builders (torch ops only: ``torch.compile`` traces them into the graph, and
+Inductor fuses them): :func:`block_index_from_mask`, :func:`sliding_tile_mask`
+with :func:`tile_permutation`, :func:`radial_mask` and the dynamic
+:func:`topk_block_index`.
+"""
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from compile_ops import meta, reference
+from compile_ops._library import fused_op
+from compile_ops.meta.attention import SPARSE_BLOCK
+from compile_ops.ops._launch import unit_last_stride
+from compile_ops.ops.attention import launch_backward, launch_forward
+
+
+def _per_head(index: Tensor, count: Tensor, batch: int, heads: int) -> tuple:
+    """Lists broadcast to every (batch, head), without copies (stride 0)."""
+    return unit_last_stride(index).expand(batch, heads, -1, -1), count.expand(batch, heads, -1)
+
+
+def key_block_lists(block_index: Tensor, block_count: Tensor, num_key_blocks: int) -> tuple[Tensor, Tensor]:
+    """The transposed lists: for each key block, the query blocks that list it,
+    ascending (``[B, H, NK, NQ]`` / ``[B, H, NK]`` int32)."""
+    mask = reference.block_sparse.block_mask_from_lists(block_index, block_count, num_key_blocks)
+    return reference.block_sparse.block_index_from_mask(mask.transpose(-1, -2))
+
+
+@fused_op("block_sparse_attention", fake=meta.block_sparse.block_sparse_attention,
+          reference=reference.block_sparse.block_sparse_attention)
+def _block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, block_index: Tensor, block_count: Tensor,
+                               scale: float, causal: bool, seq_dim: int = 2,
+                               kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    out, lse = meta.block_sparse.block_sparse_attention(q, k, v, block_index, block_count, scale, causal, seq_dim,
+                                                         kv_lengths)
+    b, h = meta.attention.dims(q, seq_dim)[:2]
+    launch_forward(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths, _per_head(block_index, block_count, b, h))
+    return out, lse
+
+
+@fused_op("block_sparse_attention_backward", fake=meta.block_sparse.block_sparse_attention_backward,
+          reference=reference.block_sparse.block_sparse_attention_backward)
+def _block_sparse_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                                        lse: Tensor, block_index: Tensor, block_count: Tensor, scale: float,
+                                        causal: bool, seq_dim: int = 2,
+                                        kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = meta.block_sparse.block_sparse_attention_backward(
+        grad_out, q, k, v, out, lse, block_index, block_count, scale, causal, seq_dim, kv_lengths)
+    b, h, _, _ = meta.attention.dims(q, seq_dim)
+    num_key_blocks = meta.block_sparse.num_blocks(meta.attention.dims(k, seq_dim)[2])
+    key_lists = key_block_lists(block_index, block_count, num_key_blocks)
+    launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, scale, causal, seq_dim, kv_lengths,
+                    _per_head(block_index, block_count, b, h), _per_head(*key_lists, b, h))
+    return dq, dk, dv
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, block_index, block_count, kv_lengths)
+    ctx.args = (scale, causal, seq_dim)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, block_index, block_count, kv_lengths = ctx.saved_tensors
+    dq, dk, dv = _block_sparse_attention_backward_op(grad_out, q, k, v, out, lse, block_index, block_count,
+                                                     *ctx.args, kv_lengths)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_block_sparse_attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ---------------------------------------------------------------- public functions
+
+
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_index: Tensor, block_count: Tensor,
+                           scale: Optional[float] = None, causal: bool = False, seq_dim: int = 2,
+                           kv_lengths: Optional[Tensor] = None, return_lse: bool = False):
+    """Attention over the listed key blocks only (128 x 128-token blocks).
+
+    Args:
+        q, k, v: as :func:`compile_ops.attention` (``[B, H, L, D]`` or
+            ``[B, L, H, D]`` with ``seq_dim=1``, GQA, fp16/bf16/fp32).
+        block_index: ``[B or 1, Hq or 1, ceil(Lq / 128), W]`` int32/int64: for
+            each query block, the key blocks it attends to (distinct, in
+            ``[0, ceil(Lk / 128))``), in its first ``block_count`` entries.
+        block_count: ``[B or 1, Hq or 1, ceil(Lq / 128)]`` int32/int64, at most W.
+        scale, causal, kv_lengths, return_lse: as :func:`compile_ops.attention`;
+            causal masking and key lengths still apply inside listed blocks.
+
+    Returns:
+        ``[B, Hq, Lq, D]`` / ``[B, Lq, Hq, D]`` (and the lse ``[B, Hq, Lq]``). A
+        query with no listed (or no visible) key gives 0 and an lse of -inf.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, lse = _block_sparse_attention_op(q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths)
+    return (out, lse) if return_lse else out
+
+
+def block_index_from_mask(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Block lists from a dense block mask.
+
+    Args:
+        mask: ``[..., NQ, NK]`` bool, True where query block i attends to key block j.
+
+    Returns:
+        ``(block_index [..., NQ, NK] int32, block_count [..., NQ] int32)``, each
+        row's blocks in ascending order.
+    """
+    meta.block_sparse.block_index_from_mask(mask)
+    return reference.block_sparse.block_index_from_mask(mask)
+
+
+def tile_permutation(frames: int, height: int, width: int, tile: Sequence[int], device=None) -> Tensor:
+    """The token order that makes each ``tile = (t, h, w)`` cube of a
+    ``(frames, height, width)`` grid (row-major tokens) contiguous: tiles in
+    row-major order, tokens row-major inside each tile.
+
+    Returns:
+        ``[frames * height * width]`` int64 ``perm``: ``x[:, perm]`` reorders a
+        ``[B, L, ...]`` sequence into tiles; ``torch.argsort(perm)`` undoes it.
+    """
+    grid = meta.block_sparse.check_tiles("tile_permutation", (frames, height, width), tile)
+    t, h, w = tile
+    ids = torch.arange(frames * height * width, device=device).view(grid[0], t, grid[1], h, grid[2], w)
+    return ids.permute(0, 2, 4, 1, 3, 5).reshape(-1)
+
+
+def _window_starts(n: int, size: int, device) -> Tensor:
+    # Windows of `size` tiles centred on each tile, shifted inward at the
+    # edges so that every tile sees the same number of tiles (as STA does).
+    centre = torch.arange(n, device=device) - size // 2
+    return centre.clamp(0, max(n - size, 0))
+
+
+def sliding_tile_mask(tile_grid: Sequence[int], window: Sequence[int], device=None) -> Tensor:
+    """Sliding-tile attention's block mask (one tile = one 128-token block).
+
+    Args:
+        tile_grid: ``(T, H, W)``, the grid of tiles (tokens ordered by
+            :func:`tile_permutation` with a 128-token tile, e.g. ``(4, 4, 8)``).
+        window: ``(wt, wh, ww)`` tiles: each tile attends to the ``wt x wh x ww``
+            tiles around it (shifted inward at the grid's edges).
+
+    Returns:
+        ``[T*H*W, T*H*W]`` bool block mask (for :func:`block_index_from_mask`).
+    """
+    meta.block_sparse.check_window("sliding_tile_mask", tile_grid, window)
+    near = []
+    for n, size in zip(tile_grid, window):
+        start = _window_starts(n, size, device)
+        j = torch.arange(n, device=device)
+        near.append((j[None, :] >= start[:, None]) & (j[None, :] < start[:, None] + size))  # [n, n]
+    t, h, w = near
+    mask = t[:, None, None, :, None, None] & h[None, :, None, None, :, None] & w[None, None, :, None, None, :]
+    n = math.prod(tile_grid)
+    return mask.reshape(n, n)
+
+
+def radial_mask(frames: int, tokens_per_frame: int, dense_frames: int = 1, device=None) -> Tensor:
+    """A spatio-temporal radial block mask: dense near the diagonal in time,
+    sparser farther away (the energy decay that Radial Attention exploits).
+
+    Query block i and key block j (tokens ordered frame by frame) lie
+    ``d = |frame(i) - frame(j)|`` frames apart (frames of the blocks' centre
+    tokens). Within ``dense_frames`` frames every block is kept; beyond, a key
+    block is kept when its position within its frame lies within
+    ``tokens_per_frame / 2**ceil(log2(d / dense_frames))`` tokens of the
+    query block's (at least one block): the spatial window halves each time
+    the temporal distance doubles.
+
+    Returns:
+        ``[N, N]`` bool, ``N = ceil(frames * tokens_per_frame / 128)``.
+    """
+    meta.block_sparse.check_radial("radial_mask", frames, tokens_per_frame, dense_frames)
+    n = meta.block_sparse.num_blocks(frames * tokens_per_frame)
+    centre = (torch.arange(n, device=device) * SPARSE_BLOCK + SPARSE_BLOCK // 2).clamp(
+        max=frames * tokens_per_frame - 1)
+    frame, pos = centre // tokens_per_frame, centre % tokens_per_frame
+    d = (frame[:, None] - frame[None, :]).abs()
+    halvings = torch.ceil(torch.log2(d.clamp(min=1).double() / dense_frames)).clamp(min=0)
+    reach = (tokens_per_frame / torch.exp2(halvings)).clamp(min=SPARSE_BLOCK)
+    return (d <= dense_frames) | ((pos[:, None] - pos[None, :]).abs() <= reach)
+
+
+def _block_means(t: Tensor, n_blocks: int) -> Tensor:
+    """``[B, H, L, D]`` -> ``[B, H, n_blocks, D]`` fp32 means over each block's tokens."""
+    b, h, length, d = t.shape
+    padded = torch.nn.functional.pad(t.float(), (0, 0, 0, n_blocks * SPARSE_BLOCK - length))
+    sums = padded.view(b, h, n_blocks, SPARSE_BLOCK, d).sum(3)
+    return sums / _block_sizes(length, n_blocks, t.device)[:, None]
+
+
+def _block_sizes(length: int, n_blocks: int, device) -> Tensor:
+    starts = torch.arange(n_blocks, device=device) * SPARSE_BLOCK
+    return (length - starts).clamp(max=SPARSE_BLOCK).float()
+
+
+def topk_block_index(q: Tensor, k: Tensor, coverage: float = 0.9, sink_blocks: int = 1,
+                     scale: Optional[float] = None, seq_dim: int = 2) -> tuple[Tensor, Tensor]:
+    """Dynamic block lists: for each query block, the fewest key blocks that
+    hold ``coverage`` of its estimated attention mass, plus the first
+    ``sink_blocks`` key blocks.
+
+    The estimate is attention between block means: ``softmax(scale q̄ k̄^T +
+    log n_j)`` over key blocks, ``n_j`` the tokens of key block j (so a block
+    weighs as its tokens would, each scoring like the mean).
+
+    Args:
+        q: ``[B, Hq, Lq, D]`` (or ``[B, Lq, Hq, D]``, ``seq_dim=1``); k: in q's
+            layout with Hk dividing Hq.
+        coverage: share of the estimated mass to keep, in (0, 1].
+        sink_blocks: key blocks always kept (attention sinks).
+        scale: defaults to ``1 / sqrt(D)``.
+
+    Returns:
+        ``(block_index [B, Hq, NQ, NK] int32, block_count [B, Hq, NQ] int32)``,
+        ascending, for :func:`block_sparse_attention`.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    meta.block_sparse.topk_block_index(q, k, coverage, sink_blocks, scale, seq_dim)
+    if seq_dim == 1:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    nq, nk = meta.block_sparse.num_blocks(q.shape[2]), meta.block_sparse.num_blocks(k.shape[2])
+    q_means = _block_means(q, nq)
+    k_means = _block_means(k, nk).repeat_interleave(q.shape[1] // k.shape[1], 1)
+    logits = q_means @ k_means.transpose(-1, -2) * scale + _block_sizes(k.shape[2], nk, q.device).log()
+    mass = torch.softmax(logits, -1)
+    ranked, order = mass.sort(-1, descending=True)
+    # Keep a block while the blocks ranked above it hold less than the coverage.
+    keep_ranked = (ranked.cumsum(-1) - ranked) < coverage
+    keep = torch.zeros_like(keep_ranked).scatter(-1, order, keep_ranked)
+    keep[..., :sink_blocks] = True
+    return reference.block_sparse.block_index_from_mask(keep)

@@ -1,0 +1,59 @@
+"""Pure-PyTorch block-sparse attention and block-list conversion: the
+implementation off-GPU and the test oracle.
+
+Block-sparse attention is dense attention (``reference.attention``) with a
+token mask expanded from the block lists; the lists' form is described in
+``meta/block_sparse.py``.
+"""
+from typing import Optional
+
+import torch
+
+from compile_ops.meta.attention import SPARSE_BLOCK, dims
+from compile_ops.reference import attention as dense
+
+
+def block_mask_from_lists(block_index: torch.Tensor, block_count: torch.Tensor, num_key_blocks: int) -> torch.Tensor:
+    """``[B, H, NQ, NK]`` bool: the listed blocks (the inverse of ``block_index_from_mask``)."""
+    width = block_index.shape[-1]
+    # unsqueeze and narrow rather than [..., None] and [..., :n]: the Triton
+    # branch runs this, and Ellipsis indexing cannot be fake-traced for CUDA
+    # on a CPU-only torch (tests/test_ops_registry.py does).
+    listed = torch.arange(width, device=block_index.device) < block_count.unsqueeze(-1)
+    # Entries past the count go to a spare column that is cut off.
+    target = torch.where(listed, block_index.long(), num_key_blocks)
+    mask = torch.zeros((*block_index.shape[:-1], num_key_blocks + 1), dtype=torch.bool, device=block_index.device)
+    return mask.scatter(-1, target, True).narrow(-1, 0, num_key_blocks)
+
+
+def block_index_from_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask [..., NQ, NK]`` bool -> ``(index [..., NQ, NK] int32, count [..., NQ] int32)``:
+    each row lists its True blocks first, in ascending order."""
+    count = mask.sum(-1, dtype=torch.int32)
+    # A stable sort of the False flags puts the True blocks first, in order
+    # (logical_not: a bool ~ cannot be fake-traced for CUDA on a CPU-only torch).
+    index = torch.sort(torch.logical_not(mask).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    return index, count
+
+
+def token_mask(block_index: torch.Tensor, block_count: torch.Tensor, lq: int, lk: int) -> torch.Tensor:
+    """``[B, H, Lq, Lk]`` bool: the tokens of the listed blocks."""
+    blocks = block_mask_from_lists(block_index, block_count, (lk + SPARSE_BLOCK - 1) // SPARSE_BLOCK)
+    tokens = blocks.repeat_interleave(SPARSE_BLOCK, -2).repeat_interleave(SPARSE_BLOCK, -1)
+    return tokens[..., :lq, :lk]
+
+
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_index: torch.Tensor,
+                           block_count: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
+                           kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    allowed = token_mask(block_index, block_count, dims(q, seq_dim)[2], dims(k, seq_dim)[2])
+    return dense.attention(q, k, v, scale, causal, seq_dim, kv_lengths, allowed)
+
+
+def block_sparse_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    out: torch.Tensor, lse: torch.Tensor, block_index: torch.Tensor,
+                                    block_count: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
+                                    kv_lengths: Optional[torch.Tensor] = None
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    allowed = token_mask(block_index, block_count, dims(q, seq_dim)[2], dims(k, seq_dim)[2])
+    return dense.attention_backward(grad_out, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths, allowed)
