@@ -61,11 +61,9 @@ def _random_lists(b, h, lq, lk, density, seed, device):
     mask = torch.rand(b, h, _blocks(lq), _blocks(lk), generator=g) < density
     mask[..., 0] = True
     index, count = ref.block_index_from_mask(mask)
-    shuffled = torch.argsort(torch.rand(index.shape, generator=g), -1)
     listed = torch.arange(index.shape[-1]) < count[..., None]
     keys = torch.where(listed, torch.rand(index.shape, generator=g), 2.0)  # shuffle the listed entries only
     index = torch.gather(index, -1, torch.argsort(keys, -1))
-    del shuffled
     return index.to(device), count.to(device)
 
 
