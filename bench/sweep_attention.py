@@ -1,11 +1,14 @@
 """Sweep the attention kernels' tile configs on a GPU, to pick forward_tiles,
 dkdv_tiles and dq_tiles in compile_ops/ops/attention.py.
 
-    PYTHONPATH=. python bench/sweep_attention.py [OUT.json]
+    PYTHONPATH=. python bench/sweep_attention.py [OUT.json] [--block-sparse]
 
 bf16, non-causal, CUDA-graph replays: forward configs timed on the forward,
 backward configs (dk/dv pass, then dq pass) on the whole forward+backward step
-with the other passes at their defaults.
+with the other passes at their defaults. ``--block-sparse`` times
+fused.block_sparse_attention at [1, 24, 32760, 128] with a random mask that
+keeps a quarter of the 128 x 128 blocks (bench/block_sparse.py's), with the
+configs whose tiles fit in a block.
 """
 import functools
 import os
@@ -35,25 +38,54 @@ CANDIDATES = {
 }
 
 
-def main(out_path=None):
+SPARSE_SHAPE, SPARSE_DENSITY = (1, 24, 32760, 128), 0.25
+
+
+def _quarter_of_the_blocks(length: int):
+    """bench/block_sparse.py's random mask (diagonal and first column kept) as lists."""
+    n = (length + 127) // 128
+    mask = torch.rand(n, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)) < SPARSE_DENSITY
+    mask.fill_diagonal_(True)
+    mask[:, 0] = True
+    return compile_ops.block_index_from_mask(mask[None, None]), mask.float().mean().item()
+
+#: Block-sparse: program tiles of at most one 128-token block, steps that divide it.
+SPARSE_CANDIDATES = {
+    "forward_tiles": [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3)],
+    "dkdv_tiles": [(64, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 4), (32, 128, 4, 3), (128, 128, 8, 2)],
+    "dq_tiles": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)],
+}
+
+
+def main(*argv):
+    out_path = next((a for a in argv if not a.startswith("--")), None)
+    sparse = "--block-sparse" in argv
     timer = make_timer(quick=False)
     warm_up_gpu()
     rows = []
-    for b, h, length, d in SHAPES:
+    for b, h, length, d in [SPARSE_SHAPE] if sparse else SHAPES:
         q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         grad = torch.randn_like(q)
         flops = 4 * b * h * length * length * d
+        if sparse:
+            (index, count), kept = _quarter_of_the_blocks(length)
+            flops *= kept
+
+        def attend():
+            if sparse:
+                return compile_ops.block_sparse_attention(q, k, v, index, count)
+            return compile_ops.attention(q, k, v)
 
         def forward():
             with torch.no_grad():
-                compile_ops.attention(q, k, v)
+                attend()
 
         def step():
-            compile_ops.attention(q, k, v).backward(grad)
+            attend().backward(grad)
             q.grad = k.grad = v.grad = None
 
-        for pass_name, configs in CANDIDATES.items():
+        for pass_name, configs in (SPARSE_CANDIDATES if sparse else CANDIDATES).items():
             default = getattr(attention_ops, pass_name)
             for config in configs:
                 setattr(attention_ops, pass_name, functools.partial(lambda *a, t: t, t=attention_ops.Tiles(*config)))
@@ -67,7 +99,7 @@ def main(out_path=None):
                     ms = tflops = float("nan")
                 finally:
                     setattr(attention_ops, pass_name, default)
-                rows.append({"shape": [b, h, length, d], "pass": pass_name, "config": list(config), "ms": ms,
+                rows.append({"shape": [b, h, length, d], "block_sparse": sparse, "pass": pass_name, "config": list(config), "ms": ms,
                              "TFLOPs": tflops})
                 print(f"{b}x{h}x{length}x{d} {pass_name:<14} {config}: {ms * 1e3:8.1f} us {tflops:6.0f} TFLOP/s",
                       flush=True)

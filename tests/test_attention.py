@@ -21,6 +21,7 @@ from compile_ops.reference import attention as ref
 from conftest import INTERPRET, KERNEL_DEVICE
 from numerics import assert_within_torch_error
 
+LSE_ROUNDINGS = 2
 DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
 
 
@@ -130,7 +131,11 @@ def test_kernels_match_fp64_reference_forward_and_backward(case):
 
     assert out.dtype == dtype and out.shape == q.shape and out.is_contiguous()
     assert_within_torch_error(out, exact, plain, 2.0, "output")
-    assert_within_torch_error(lse, exact_lse, plain_lse, 2.0, "lse")
+    # The lse takes fp32 roundings at its own scale that torch's logsumexp can
+    # dodge by luck: the running max times scale * log2(e) (one fma per score
+    # for 16-bit inputs) and m * scale + ln(l) (Hypothesis, fp16, D=16,
+    # Lk=777: 2.2e-6 against torch's 5.7e-7 at lse ~8).
+    assert_within_torch_error(lse, exact_lse, plain_lse, 2.0, "lse", fp32_roundings=LSE_ROUNDINGS)
 
     got = torch.autograd.grad(out, (q, k, v), dout)
     want = torch.autograd.grad(exact, (qd, kd, vd), dout.double())

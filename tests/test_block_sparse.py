@@ -18,11 +18,10 @@ from hypothesis import strategies as st
 import compile_ops
 from bad_input import bad_input_test
 from compile_ops.ops import block_sparse as bs
-from compile_ops.reference import attention as dense_ref
 from compile_ops.reference import block_sparse as ref
-from conftest import HAS_CUDA, INTERPRET, KERNEL_DEVICE
+from conftest import INTERPRET, KERNEL_DEVICE
 from numerics import assert_within_torch_error
-from test_attention import _qkv, torch_at_dtype
+from test_attention import LSE_ROUNDINGS, _qkv, torch_at_dtype
 
 DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
 BLOCK = 128
@@ -87,7 +86,7 @@ def test_kernels_match_fp64_reference_forward_and_backward(case):
     plain, theirs, plain_lse = torch_at_dtype(q.detach(), k.detach(), v.detach(), dout, scale, causal, seq_dim, kv,
                                               allowed)
     assert_within_torch_error(out, exact, plain, 2.0, "output")
-    assert_within_torch_error(lse, exact_lse, plain_lse, 2.0, "lse")
+    assert_within_torch_error(lse, exact_lse, plain_lse, 2.0, "lse", fp32_roundings=LSE_ROUNDINGS)
 
     got = torch.autograd.grad(out, (q, k, v), dout)
     want = torch.autograd.grad(exact, (qd, kd, vd), dout.double())
@@ -111,13 +110,7 @@ def test_kernels_every_block_listed_equals_dense_attention_bit_for_bit(causal):
     pairs = [(sparse, dense), (sparse_lse, dense_lse),
              *zip(torch.autograd.grad(sparse, (q, k, v), dout), torch.autograd.grad(dense, (q, k, v), dout))]
     for a, b in pairs:
-        if INTERPRET:
-            assert torch.equal(a, b)
-        else:
-            # Open: on an H100/H200 the sparse loop (every tile masked) and the
-            # dense one (unmasked tiles) compile to different code and differ
-            # in the last bits; the interpreter runs the same arithmetic.
-            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+        assert torch.equal(a, b)
 
 
 @pytest.mark.kernels
@@ -216,36 +209,41 @@ def test_topk_block_index_matches_a_brute_force_selection():
         qm = q[0, h, i * 128:(i + 1) * 128].mean(0)
         km = torch.stack([k[0, 0, j * 128:(j + 1) * 128].mean(0) for j in range(4)])
         mass = torch.softmax(km @ qm / 4 + sizes.log(), 0)
-        keep, total = {0}, 0.0
+        keep, total = {0}, mass[0].item()  # the sink counts toward the coverage
         for j in mass.argsort(descending=True).tolist():
             if total >= 0.8:
                 break
+            if j in keep:
+                continue
             keep.add(j)
             total += mass[j].item()
         assert set(torch.nonzero(got[0, h, i]).flatten().tolist()) == keep
 
 
-@pytest.mark.xfail(HAS_CUDA, reason="open: fails on the H200 machine (torch 2.11, CPU tensors), not yet diagnosed",
-                   strict=False)
 def test_builders_and_attention_trace_with_fullgraph():
+    # torch 2.11's AOT autograd hands the ops FunctionalTensors: the eager-only
+    # value checks must see through them (they once raised a data-dependent
+    # guard error here).
     torch._dynamo.reset()
 
-    @torch.compile(backend="aot_eager", fullgraph=True)
     def dynamic_sparse(q, k, v):
         index, count = bs.topk_block_index(q, k, coverage=0.9)
         return compile_ops.block_sparse_attention(q, k, v, index, count)
 
-    @torch.compile(backend="aot_eager", fullgraph=True)
     def static_sparse(q, k, v):
         mask = bs.sliding_tile_mask((1, 1, 3), (1, 1, 2), device=q.device)
         index, count = bs.block_index_from_mask(mask[None, None])  # one list for every batch element and head
         return compile_ops.block_sparse_attention(q, k, v, index, count)
 
     q, k, v = (torch.randn(1, 2, 384, 16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, 2, 384, 16)
     for fn in (dynamic_sparse, static_sparse):
-        out = fn(q, k, v)
-        out.sum().backward()
-        assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+        out = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v)
+        want = fn(q, k, v)
+        torch.testing.assert_close(out, want)
+        for got_grad, want_grad in zip(torch.autograd.grad(out, (q, k, v), dout),
+                                       torch.autograd.grad(want, (q, k, v), dout)):
+            torch.testing.assert_close(got_grad, want_grad)
 
 
 # ---------------------------------------------------------------- bad input

@@ -23,8 +23,12 @@ Block-sparse attention (the ``block_sparse`` family) runs the same kernels
 with ``SPARSE``: instead of a range of key tiles, a program walks the
 ``SPARSE_BLOCK``-sized blocks listed for its query block (forward, dq) or, in
 the dk/dv pass, the query blocks that list its key block (the transposed
-lists), every tile masked. Loops count tiles, so the dense and sparse paths
-are one loop: ``_tile_start`` maps a tile number to its first row.
+lists). Loops count tiles, so the dense and sparse paths are one loop:
+``_tile_start`` maps a tile number to its first row, and ``_tiles_before``
+a row to the number of tiles that start below it. Lists are ascending (the
+ops sort them), so the listed tiles that need a mask are a contiguous run,
+the same run as the dense loop's: with every block listed, sparse and dense
+attention run the same code on the same tiles in the same order.
 
 Offsets of the (batch, head) bases are int64; q, k, v, dO and O have a unit
 stride along D (the launcher guarantees it); D is padded to ``BLOCK_D``.
@@ -123,6 +127,28 @@ def _block_list(BLOCKS, COUNTS, b, h, row, sbb, sbh, sbr, scb, sch, scr):
     return BLOCKS + b * sbb + h * sbh + row * sbr, tl.load(COUNTS + b * scb + h * sch + row * scr)
 
 
+LIST_CHUNK = tl.constexpr(64)  # listed blocks compared at once by _tiles_before
+
+
+@triton.jit
+def _tiles_before(row, BLOCKS, count, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARSE: tl.constexpr):
+    """How many of the loop's tiles start below ``row`` (a multiple of TILE):
+    ``row // TILE``, or (SPARSE) the tiles of the listed blocks (ascending,
+    ``count`` of them at ``BLOCKS``) that start below it."""
+    if SPARSE:
+        block = row // SPARSE_BLOCK
+        below = tl.zeros([], dtype=tl.int32)
+        for j in range(0, tl.cdiv(count, LIST_CHUNK)):
+            offs = tl.cast(j, tl.int32) * LIST_CHUNK + tl.arange(0, LIST_CHUNK)
+            listed = tl.load(BLOCKS + offs, mask=offs < count, other=block)
+            below += tl.sum((listed < block).to(tl.int32))
+        # The block that holds `row`, when listed, has its first tiles below it.
+        straddles = tl.load(BLOCKS + below, mask=below < count, other=-1) == block
+        return below * (SPARSE_BLOCK // TILE) + tl.where(straddles, (row % SPARSE_BLOCK) // TILE, 0)
+    else:
+        return row // TILE
+
+
 @triton.jit
 def _tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARSE: tl.constexpr):
     """First row of the loop's i-th tile: ``i * TILE``, or (SPARSE) a tile of
@@ -201,18 +227,17 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS,
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     m = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     l = tl.zeros([BLOCK_M], dtype=ACC)
+    blocks, count = BLOCKS, 0
     if SPARSE:
         blocks, count = _block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
-        acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0,
-                               count * (SPARSE_BLOCK // BLOCK_N), blocks, kv_len, Lk, qk_scale, D, BLOCK_D, True,
-                               CAUSAL, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, True)
-    else:
-        acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0,
-                               unmasked_end // BLOCK_N, BLOCKS, kv_len, Lk, qk_scale, D, BLOCK_D, False, CAUSAL,
-                               DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, False)
-        acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d,
-                               unmasked_end // BLOCK_N, tl.cdiv(end, BLOCK_N), BLOCKS, kv_len, Lk, qk_scale, D,
-                               BLOCK_D, True, CAUSAL, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, False)
+    first_masked = _tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
+    last = _tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
+    acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0, first_masked,
+                           blocks, kv_len, Lk, qk_scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION, FMA_EXPONENT,
+                           SPARSE_BLOCK, SPARSE)
+    acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, first_masked, last,
+                           blocks, kv_len, Lk, qk_scale, D, BLOCK_D, True, CAUSAL, DOT_PRECISION, FMA_EXPONENT,
+                           SPARSE_BLOCK, SPARSE)
 
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]
@@ -322,19 +347,19 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN, BLOCKS, COUNTS
             q_base = Q + b * sqb + h * sqh
             do_base = DO + b * sdb + h * sdh
             row_base = (b * HK * GROUP + h) * Lq
-            if SPARSE:  # listed blocks lie anywhere: only causal needs a mask (rows past Lq have p = 0)
+            blocks, count = BLOCKS, 0
+            if SPARSE:
                 blocks, count = _block_list(BLOCKS, COUNTS, b, h, k_start // SPARSE_BLOCK, sbb, sbh, sbr,
                                             scb, sch, scr)
-                dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl,
-                                     k_cols, offs_m, offs_d, 0, count * (SPARSE_BLOCK // BLOCK_M), blocks, Lq, scale,
-                                     D, BLOCK_D, CAUSAL, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, True)
-            else:
-                dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl,
-                                     k_cols, offs_m, offs_d, q_begin // BLOCK_M, unmasked_begin // BLOCK_M, BLOCKS,
-                                     Lq, scale, D, BLOCK_D, True, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, False)
-                dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl,
-                                     k_cols, offs_m, offs_d, unmasked_begin // BLOCK_M, tl.cdiv(Lq, BLOCK_M), BLOCKS,
-                                     Lq, scale, D, BLOCK_D, False, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, False)
+            first = _tiles_before(q_begin, blocks, count, BLOCK_M, SPARSE_BLOCK, SPARSE)
+            first_unmasked = _tiles_before(unmasked_begin, blocks, count, BLOCK_M, SPARSE_BLOCK, SPARSE)
+            last = _tiles_before(tl.cdiv(Lq, BLOCK_M) * BLOCK_M, blocks, count, BLOCK_M, SPARSE_BLOCK, SPARSE)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl, k_cols,
+                                 offs_m, offs_d, first, first_unmasked, blocks, Lq, scale, D, BLOCK_D, True,
+                                 DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl, k_cols,
+                                 offs_m, offs_d, first_unmasked, last, blocks, Lq, scale, D, BLOCK_D, False,
+                                 DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE)
     valid = (k_cols < kv_len)[:, None]
     _store_tile(DK + b * sdkb + hk * sdkh, k_start, offs_n, Lk, sdkl, offs_d,
                 tl.where(valid, dk * scale, 0.0), D)
@@ -384,16 +409,15 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN, BLOCKS, COUNTS,
     lse = _saved_lse(LSE + row_base, q_rows, Lq)
     delta = tl.load(DELTA + row_base + q_rows, mask=q_rows < Lq, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    blocks, count = BLOCKS, 0
     if SPARSE:
         blocks, count = _block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
-        dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0,
-                       count * (SPARSE_BLOCK // BLOCK_N), blocks, kv_len, Lk, scale, D, BLOCK_D, True, CAUSAL,
-                       DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, True)
-    else:
-        dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0,
-                       unmasked_end // BLOCK_N, BLOCKS, kv_len, Lk, scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION,
-                       FMA_EXPONENT, SPARSE_BLOCK, False)
-        dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d,
-                       unmasked_end // BLOCK_N, tl.cdiv(end, BLOCK_N), BLOCKS, kv_len, Lk, scale, D, BLOCK_D, True,
-                       CAUSAL, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, False)
+    first_masked = _tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
+    last = _tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
+    dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0, first_masked,
+                   blocks, kv_len, Lk, scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK,
+                   SPARSE)
+    dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, first_masked, last,
+                   blocks, kv_len, Lk, scale, D, BLOCK_D, True, CAUSAL, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK,
+                   SPARSE)
     _store_tile(DQ + b * sdqb + h * sdqh, q_start, offs_m, Lq, sdql, offs_d, dq * scale, D)

@@ -33,8 +33,10 @@ def values_readable(t: torch.Tensor) -> bool:
     """Whether checks may read ``t``'s values: eager calls only. Under tracing
     they are data, and reading a CUDA tensor's values syncs with the GPU
     (which a CUDA-graph capture forbids)."""
-    return not (torch.compiler.is_compiling() or isinstance(t, torch._subclasses.FakeTensor)
-                or t.device.type == "meta"
+    # Tracing hands ops FakeTensors, or (AOT autograd) FunctionalTensors that
+    # wrap them under an active fake mode: only a plain tensor has values.
+    return not (torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.device.type == "meta"
+                or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
                 or (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
 
 

@@ -48,7 +48,7 @@ def forward_tiles(d: int, dtype: torch.dtype) -> Tiles:
     return Tiles(64, 32, 4, 2)
 
 
-def dkdv_tiles(d: int, dtype: torch.dtype) -> Tiles:
+def dkdv_tiles(d: int, dtype: torch.dtype, sparse: bool = False) -> Tiles:
     """dk/dv pass: ``block_n`` keys per program, ``block_m``-query steps."""
     bd = block_d(d)
     if dtype in (torch.float32, torch.float64) or bd > 128:
@@ -57,15 +57,17 @@ def dkdv_tiles(d: int, dtype: torch.dtype) -> Tiles:
         return Tiles(32, 128, 4, 3)
     # D=128: 370 TFLOP/s (fwd+bwd step) against 355 for (32, 64, 4, 3) once
     # exponents became one fma (sweep round 3, H200); 128 keys with 32-query
-    # steps and 4 warps took 1.75x as long.
-    return Tiles(64, 128, 8, 3)
+    # steps and 4 warps took 1.75x as long. Block-sparse loops (an index load
+    # feeds each step's addresses) pipeline better at 2 stages, where dense
+    # ones lose 15% (bench/results/sweep-block-sparse-h100.json, bench/notes.md).
+    return Tiles(64, 128, 8, 2 if sparse else 3)
 
 
-def dq_tiles(d: int, dtype: torch.dtype) -> Tiles:
+def dq_tiles(d: int, dtype: torch.dtype, sparse: bool = False) -> Tiles:
     """dq pass: ``block_m`` queries per program, ``block_n``-key steps."""
     if dtype in (torch.float32, torch.float64) or block_d(d) > 128:
         return Tiles(32, 16, 4, 2)
-    return Tiles(128, 64, 8, 3)
+    return Tiles(128, 64, 8, 2 if sparse and block_d(d) == 128 else 3)
 
 
 # ---------------------------------------------------------------- launch helpers
@@ -148,7 +150,7 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
         D=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=rows, ACC=consts["ACC"], num_warps=4)
     strides = (*_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
                *_bhl_strides(grad_out, seq_dim))
-    t = dkdv_tiles(d, q.dtype)
+    t = dkdv_tiles(d, q.dtype, sparse)
     index, count, *list_strides = _lists(key_blocks)
     launcher(attn_bwd_dkdv_kernel)[(triton.cdiv(c["lk"], t.block_n), c["b"] * c["hk"])](
         q, k, v, grad_out, lse, delta, dk, dv, kv_lengths, index, count, *strides,
@@ -157,7 +159,7 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
         **consts,
     )
-    t = dq_tiles(d, q.dtype)
+    t = dq_tiles(d, q.dtype, sparse)
     index, count, *list_strides = _lists(blocks)
     launcher(attn_bwd_dq_kernel)[(triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])](
         q, k, v, grad_out, lse, delta, dq, kv_lengths, index, count, *strides, *_bhl_strides(dq, seq_dim),

@@ -5,8 +5,9 @@ block lists.
 ``kernels/attention.py`` with ``SPARSE``: each query block of 128 visits only
 its listed key blocks (forward, dq pass); the dk/dv pass visits, per key
 block, the query blocks that list it (the transposed lists, built here with
-torch ops). Deterministic, like ``fused.attention``; with every block listed
-in ascending order the results equal ``fused.attention``'s bit for bit.
+torch ops). Lists may come in any order: the ops sort them. Deterministic,
+like ``fused.attention``; with every block listed the results equal
+``fused.attention``'s bit for bit.
 
 Builders (torch ops only: ``torch.compile`` traces them into the graph, and
 Inductor fuses them): :func:`block_index_from_mask`, :func:`sliding_tile_mask`
@@ -31,6 +32,15 @@ def _per_head(index: Tensor, count: Tensor, batch: int, heads: int) -> tuple:
     return unit_last_stride(index).expand(batch, heads, -1, -1), count.expand(batch, heads, -1)
 
 
+def ascending(index: Tensor, count: Tensor) -> Tensor:
+    """Each row's first ``count`` entries sorted ascending (the kernels' order:
+    the listed tiles that need a mask are then one run, as in the dense loop);
+    entries past the count become the dtype's largest value."""
+    slots = torch.arange(index.shape[-1], device=index.device)
+    unused = torch.iinfo(index.dtype).max
+    return torch.where(slots < count.unsqueeze(-1), index, unused).sort(-1).values
+
+
 def key_block_lists(block_index: Tensor, block_count: Tensor, num_key_blocks: int) -> tuple[Tensor, Tensor]:
     """The transposed lists: for each key block, the query blocks that list it,
     ascending (``[B, H, NK, NQ]`` / ``[B, H, NK]`` int32)."""
@@ -46,7 +56,8 @@ def _block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, block_index: Ten
     out, lse = meta.block_sparse.block_sparse_attention(q, k, v, block_index, block_count, scale, causal, seq_dim,
                                                          kv_lengths)
     b, h = meta.attention.dims(q, seq_dim)[:2]
-    launch_forward(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths, _per_head(block_index, block_count, b, h))
+    lists = _per_head(ascending(block_index, block_count), block_count, b, h)
+    launch_forward(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths, lists)
     return out, lse
 
 
@@ -62,7 +73,7 @@ def _block_sparse_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, 
     num_key_blocks = meta.block_sparse.num_blocks(meta.attention.dims(k, seq_dim)[2])
     key_lists = key_block_lists(block_index, block_count, num_key_blocks)
     launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, scale, causal, seq_dim, kv_lengths,
-                    _per_head(block_index, block_count, b, h), _per_head(*key_lists, b, h))
+                    _per_head(ascending(block_index, block_count), block_count, b, h), _per_head(*key_lists, b, h))
     return dq, dk, dv
 
 
@@ -97,7 +108,8 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_index: Tensor,
             ``[B, L, H, D]`` with ``seq_dim=1``, GQA, fp16/bf16/fp32).
         block_index: ``[B or 1, Hq or 1, ceil(Lq / 128), W]`` int32/int64: for
             each query block, the key blocks it attends to (distinct, in
-            ``[0, ceil(Lk / 128))``), in its first ``block_count`` entries.
+            ``[0, ceil(Lk / 128))``, any order), in its first ``block_count``
+            entries.
         block_count: ``[B or 1, Hq or 1, ceil(Lq / 128)]`` int32/int64, at most W.
         scale, causal, kv_lengths, return_lse: as :func:`compile_ops.attention`;
             causal masking and key lengths still apply inside listed blocks.
@@ -199,10 +211,13 @@ def radial_mask(frames: int, tokens_per_frame: int, dense_frames: int = 1, devic
 
 def _block_means(t: Tensor, n_blocks: int) -> Tensor:
     """``[B, H, L, D]`` -> ``[B, H, n_blocks, D]`` fp32 means over each block's tokens."""
-    b, h, length, d = t.shape
-    padded = torch.nn.functional.pad(t.float(), (0, 0, 0, n_blocks * SPARSE_BLOCK - length))
-    sums = padded.view(b, h, n_blocks, SPARSE_BLOCK, d).sum(3)
-    return sums / _block_sizes(length, n_blocks, t.device)[:, None]
+    full = t.shape[2] // SPARSE_BLOCK
+    # Views and fp32 sums, no padded fp32 copy: one pass over t.
+    sums = t[:, :, :full * SPARSE_BLOCK].unflatten(2, (full, SPARSE_BLOCK)).sum(3, dtype=torch.float32)
+    if full < n_blocks:
+        tail = t[:, :, full * SPARSE_BLOCK:].sum(2, keepdim=True, dtype=torch.float32)
+        sums = torch.cat([sums, tail], 2)
+    return sums / _block_sizes(t.shape[2], n_blocks, t.device)[:, None]
 
 
 def _block_sizes(length: int, n_blocks: int, device) -> Tensor:
@@ -212,9 +227,9 @@ def _block_sizes(length: int, n_blocks: int, device) -> Tensor:
 
 def topk_block_index(q: Tensor, k: Tensor, coverage: float = 0.9, sink_blocks: int = 1,
                      scale: Optional[float] = None, seq_dim: int = 2) -> tuple[Tensor, Tensor]:
-    """Dynamic block lists: for each query block, the fewest key blocks that
-    hold ``coverage`` of its estimated attention mass, plus the first
-    ``sink_blocks`` key blocks.
+    """Dynamic block lists: for each query block, the first ``sink_blocks`` key
+    blocks (attention sinks) and the fewest further key blocks that bring the
+    kept share of its estimated attention mass to ``coverage``.
 
     The estimate is attention between block means: ``softmax(scale q̄ k̄^T +
     log n_j)`` over key blocks, ``n_j`` the tokens of key block j (so a block
@@ -228,8 +243,9 @@ def topk_block_index(q: Tensor, k: Tensor, coverage: float = 0.9, sink_blocks: i
         scale: defaults to ``1 / sqrt(D)``.
 
     Returns:
-        ``(block_index [B, Hq, NQ, NK] int32, block_count [B, Hq, NQ] int32)``,
-        ascending, for :func:`block_sparse_attention`.
+        ``(block_index [B, Hq, NQ, NK] int32, block_count [B, Hq, NQ] int32)``
+        for :func:`block_sparse_attention`: sinks first, then by estimated
+        mass (not ascending).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     meta.block_sparse.topk_block_index(q, k, coverage, sink_blocks, scale, seq_dim)
@@ -240,9 +256,13 @@ def topk_block_index(q: Tensor, k: Tensor, coverage: float = 0.9, sink_blocks: i
     k_means = _block_means(k, nk).repeat_interleave(q.shape[1] // k.shape[1], 1)
     logits = q_means @ k_means.transpose(-1, -2) * scale + _block_sizes(k.shape[2], nk, q.device).log()
     mass = torch.softmax(logits, -1)
-    ranked, order = mass.sort(-1, descending=True)
-    # Keep a block while the blocks ranked above it hold less than the coverage.
-    keep_ranked = (ranked.cumsum(-1) - ranked) < coverage
-    keep = torch.zeros_like(keep_ranked).scatter(-1, order, keep_ranked)
-    keep[..., :sink_blocks] = True
-    return reference.block_sparse.block_index_from_mask(keep)
+    # Sinks rank first, the other blocks by mass; the lists are that ranking
+    # (the attention op sorts them), so one sort builds them.
+    sinks = torch.arange(nk, device=q.device) < sink_blocks
+    ranked, order = (mass + 2.0 * sinks).sort(-1, descending=True)
+    ranked = ranked - 2.0 * sinks  # the sinks lead the ranking: their boost comes off in place
+    # Keep a block while the blocks ranked above it hold less than the
+    # coverage: a prefix of the ranking, never shorter than the sinks.
+    held_before = ranked.cumsum(-1) - ranked
+    count = ((held_before < coverage) | sinks).sum(-1, dtype=torch.int32)
+    return order.to(torch.int32), count
