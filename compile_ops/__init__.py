@@ -16,6 +16,21 @@ from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
 from compile_ops.meta.rope import GridRope, grid_rope
 from compile_ops.ops.rope import qk_norm_rope, rope, rope_grid, rope_qk
 
+
+
+def patch(model, attention_processors: bool = True):
+    """Swap the fused ops into a diffusers transformer; see
+    :func:`compile_ops.integrations.diffusers.patch`."""
+    from compile_ops.integrations.diffusers import patch as _patch
+    return _patch(model, attention_processors)
+
+
+def unpatch(model) -> None:
+    """Undo :func:`patch`; see :func:`compile_ops.integrations.diffusers.unpatch`."""
+    from compile_ops.integrations.diffusers import unpatch as _unpatch
+    _unpatch(model)
+
+
 __version__ = "0.1.0"
 
 __all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm",
@@ -24,4 +39,4 @@ __all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm",
            "rope", "rope_qk", "rope_grid", "qk_norm_rope", "grid_rope", "GridRope",
            "geglu", "swiglu", "GEGLU", "SwiGLU", "attention", "scaled_dot_product_attention",
            "block_sparse_attention", "block_index_from_mask", "sliding_tile_mask", "tile_permutation",
-           "radial_mask", "topk_block_index"]
+           "radial_mask", "topk_block_index", "patch", "unpatch"]

@@ -1,0 +1,1 @@
+"""Integrations with model libraries (diffusers), imported lazily by compile_ops.patch."""

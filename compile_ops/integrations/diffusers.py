@@ -1,0 +1,317 @@
+"""``compile_ops.patch(model)``: the fused ops inside a diffusers transformer.
+
+Modules are swapped by what they compute: a module is replaced only when its
+class is exactly one of diffusers' (or torch's) classes whose forward we
+reproduce and its configuration is one our module covers; a subclass, which
+may override ``forward``, is left alone. Replacements share the original's
+parameters and ``nn.Linear`` submodules (weights, LoRA wrappers and optimizer
+state stay valid), so :func:`unpatch` only has to put the originals back.
+
+Attention goes through diffusers' own extension point, the attention
+processor (``module.set_processor``): our processors run the same
+projections, compute rotary embeddings with ``fused.rope_qk`` and attention
+with ``fused.attention``, and hand any call they do not cover (an attention
+mask, fused projections, image conditioning) to the original processor.
+
+What is not replaced, and why, is reported: the gated residuals and the
+modulation of the second norm live in each block's own ``forward`` (no
+extension point; ``torch.compile`` fuses them), and a lone tanh-GELU after a
+Linear has no fused op here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from compile_ops.modules.glu import GEGLU, SwiGLU
+from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
+from compile_ops.modules.norm import LayerNorm, RMSNorm
+from compile_ops.ops.attention import attention
+from compile_ops.ops.rope import rope_qk
+
+_STATE = "_compile_ops_patch"
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """What :func:`patch` did: ``replaced`` and ``left`` hold ``(path, what, detail)``
+    rows (detail: the replacement, or why the module was left)."""
+    replaced: list = dataclasses.field(default_factory=list)
+    left: list = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"compile_ops.patch: {len(self.replaced)} replaced, {len(self.left)} left as they were"]
+        for title, rows in (("replaced", self.replaced), ("left", self.left)):
+            groups = Counter((what, detail) for _, what, detail in rows)
+            for (what, detail), n in groups.items():
+                first = next(path for path, w, d in rows if (w, d) == (what, detail))
+                lines.append(f"  {title}: {n} x {what}: {detail} (e.g. {first})")
+        return "\n".join(lines)
+
+
+def _diffusers():
+    try:
+        import diffusers  # noqa: F401
+        from diffusers.models import activations, normalization
+        from diffusers.models.transformers import transformer_flux, transformer_ltx, transformer_wan
+    except ImportError as e:  # pragma: no cover (the extra is installed in CI)
+        raise ImportError("compile_ops.patch needs diffusers: pip install 'compile_ops[diffusers]'") from e
+    return normalization, activations, transformer_flux, transformer_wan, transformer_ltx
+
+
+def _check_order(model: nn.Module) -> None:
+    """patch() rewrites modules: after torch.compile the compiled code would
+    not see it, and offloading hooks hold references to the old modules."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or \
+            getattr(model, "_compiled_call_impl", None) is not None:
+        raise RuntimeError("compile_ops.patch: the model is already compiled; call compile_ops.patch(model) "
+                           "first, then torch.compile(model)")
+    for name, module in model.named_modules():
+        if hasattr(module, "_hf_hook") or getattr(module, "_diffusers_hook", None) is not None:
+            raise RuntimeError(f"compile_ops.patch: {name or 'the model'} carries an offloading or caching hook; "
+                               "call compile_ops.patch(model) before enable_model_cpu_offload, "
+                               "enable_sequential_cpu_offload, group offloading or caching")
+    if hasattr(model, _STATE):
+        raise RuntimeError("compile_ops.patch: the model is already patched (compile_ops.unpatch undoes it)")
+
+
+def _adopt(new: nn.Module, old: nn.Module) -> Optional[nn.Module]:
+    """``new`` (built on the meta device) takes ``old``'s Linear submodules and
+    parameters, by name (our modules keep diffusers' names); None when the
+    two do not hold the same parameters (a configuration ours does not cover)."""
+    if {n for n, _ in new.named_parameters()} != {n for n, _ in old.named_parameters()}:
+        return None
+    for name, child in list(new.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(new, name, old.get_submodule(name))
+    for name, _ in list(new.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        setattr(new.get_submodule(owner) if owner else new, leaf, old.get_parameter(name))
+    return new
+
+
+def _on_meta(build: Callable[[], nn.Module], old: nn.Module) -> Optional[nn.Module]:
+    with torch.device("meta"):
+        new = build()
+    return _adopt(new, old)
+
+
+def _layer_norm(old: nn.LayerNorm) -> Optional[nn.Module]:
+    if len(old.normalized_shape) != 1:
+        return None
+    return _on_meta(lambda: LayerNorm(old.normalized_shape[0], old.eps, old.elementwise_affine,
+                                                    old.bias is not None), old)
+
+
+def _rms_norm(old: nn.Module) -> Optional[nn.Module]:
+    # diffusers' RMSNorm keeps dim as a torch.Size, torch's normalized_shape.
+    shape = tuple(getattr(old, "normalized_shape", getattr(old, "dim", ())))
+    if len(shape) != 1:
+        return None
+    bias = getattr(old, "bias", None) is not None
+    return _on_meta(lambda: RMSNorm(shape[0], old.eps, old.elementwise_affine, bias), old)
+
+
+def _ada_zero(old: nn.Module, norm_cls) -> Optional[nn.Module]:
+    if old.emb is not None:
+        return None
+    norm_type = "fp32_layer_norm" if type(old.norm) is norm_cls.FP32LayerNorm else "layer_norm"
+    return _on_meta(lambda: AdaLayerNormZero(old.linear.in_features, None, norm_type,
+                                                           old.linear.bias is not None), old)
+
+
+def _ada_zero_single(old: nn.Module) -> nn.Module:
+    return _on_meta(lambda: AdaLayerNormZeroSingle(old.linear.in_features, "layer_norm",
+                                                                 old.linear.bias is not None), old)
+
+
+def _ada_continuous(old: nn.Module, norm_cls) -> Optional[nn.Module]:
+    kinds = {nn.LayerNorm: "layer_norm", norm_cls.RMSNorm: "rms_norm"}
+    if type(old.norm) not in kinds:
+        return None
+    return _on_meta(lambda: AdaLayerNormContinuous(
+        old.linear.out_features // 2, old.linear.in_features, old.norm.elementwise_affine, old.norm.eps,
+        old.linear.bias is not None, kinds[type(old.norm)]), old)
+
+
+def _module_rules() -> dict:
+    """``{exact class: (what, build(old) -> new or None)}``."""
+    norm, act, *_ = _diffusers()
+    return {
+        nn.LayerNorm: ("torch LayerNorm", _layer_norm),
+        norm.FP32LayerNorm: ("diffusers FP32LayerNorm", _layer_norm),
+        norm.RMSNorm: ("diffusers RMSNorm", _rms_norm),
+        nn.RMSNorm: ("torch RMSNorm", _rms_norm),
+        norm.AdaLayerNormZero: ("diffusers AdaLayerNormZero", lambda m: _ada_zero(m, norm)),
+        norm.AdaLayerNormZeroSingle: ("diffusers AdaLayerNormZeroSingle", _ada_zero_single),
+        norm.AdaLayerNormContinuous: ("diffusers AdaLayerNormContinuous", lambda m: _ada_continuous(m, norm)),
+        act.GEGLU: ("diffusers GEGLU", lambda m: _on_meta(
+            lambda: GEGLU(m.proj.in_features, m.proj.out_features // 2, m.proj.bias is not None), m)),
+        act.SwiGLU: ("diffusers SwiGLU", lambda m: _on_meta(
+            lambda: SwiGLU(m.proj.in_features, m.proj.out_features // 2, m.proj.bias is not None),
+            m)),
+    }
+
+
+_BLOCKS = ("FluxTransformerBlock", "FluxSingleTransformerBlock", "JointTransformerBlock", "WanTransformerBlock",
+           "LTXVideoTransformerBlock")
+
+
+def _left_alone(module: nn.Module, act) -> Optional[str]:
+    """Why a module we know of stays (None: not one we report)."""
+    if type(module) is act.GELU:
+        return f"GELU(approximate={module.approximate!r}) after its Linear: no fused op; torch.compile fuses it"
+    if type(module).__name__ in _BLOCKS and type(module).__module__.startswith("diffusers."):
+        return ("its forward keeps the gated residuals and the second norm's modulation (no extension point); "
+                "its norms, activations and attention are patched inside")
+    return None
+
+
+# ---------------------------------------------------------------- attention processors
+
+
+class _FusedProcessor:
+    """Base of our processors: the original processor runs every call that the
+    fused path does not cover."""
+
+    def __init__(self, original):
+        self.original = original
+
+    def __getattr__(self, name):  # diffusers reads _attention_backend, _parallel_config
+        return getattr(self.__dict__["original"], name)
+
+
+class FluxAttnProcessor(_FusedProcessor):
+    """diffusers' ``FluxAttnProcessor`` (Flux double- and single-stream attention)
+    with rotary embedding and attention as fused ops."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        if attention_mask is not None or attn.fused_projections or getattr(self, "_parallel_config", None) or \
+                (encoder_hidden_states is not None and attn.added_kv_proj_dim is None):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+        def heads(t):
+            return t.unflatten(-1, (-1, attn.head_dim))
+
+        query = attn.norm_q(heads(attn.to_q(hidden_states)))
+        key = attn.norm_k(heads(attn.to_k(hidden_states)))
+        value = heads(attn.to_v(hidden_states))
+        if encoder_hidden_states is not None:
+            query = torch.cat([attn.norm_added_q(heads(attn.add_q_proj(encoder_hidden_states))), query], dim=1)
+            key = torch.cat([attn.norm_added_k(heads(attn.add_k_proj(encoder_hidden_states))), key], dim=1)
+            value = torch.cat([heads(attn.add_v_proj(encoder_hidden_states)), value], dim=1)
+        if image_rotary_emb is not None:
+            cos, sin = image_rotary_emb
+            query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1)
+        out = attention(query, key, value, seq_dim=1).flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return out
+        text, image = out.split_with_sizes([encoder_hidden_states.shape[1], hidden_states.shape[1]], dim=1)
+        image = attn.to_out[1](attn.to_out[0](image))
+        return image, attn.to_add_out(text)
+
+
+class WanAttnProcessor(_FusedProcessor):
+    """diffusers' ``WanAttnProcessor`` (self- and text cross-attention) with
+    rotary embedding and attention as fused ops; image-conditioned (I2V)
+    attention stays with the original."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        if attention_mask is not None or attn.add_k_proj is not None or attn.fused_projections \
+                or getattr(self, "_parallel_config", None):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1))
+        value = attn.to_v(context).unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            # [1, L, 1, D] tables with each pair's angle repeated: Wan rotates (2i, 2i + 1) pairs.
+            cos, sin = (t[0, :, 0] for t in rotary_emb)
+            query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1)
+        out = attention(query, key, value, seq_dim=1).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _processor_rules() -> dict:
+    """``{(attention class, exact processor class): (what, our processor class)}``."""
+    _, _, flux, wan, _ = _diffusers()
+    return {
+        (flux.FluxAttention, flux.FluxAttnProcessor): ("diffusers FluxAttnProcessor", FluxAttnProcessor),
+        (wan.WanAttention, wan.WanAttnProcessor): ("diffusers WanAttnProcessor", WanAttnProcessor),
+    }
+
+
+# ---------------------------------------------------------------- patch / unpatch
+
+
+def patch(model: nn.Module, attention_processors: bool = True) -> PatchReport:
+    """Swap the fused ops into a diffusers transformer, in place.
+
+    Call it before ``torch.compile`` and before any offloading or caching hook
+    (it raises otherwise). Works on CPU (the ops' reference paths) and CUDA.
+
+    Args:
+        model: a diffusers transformer (``FluxTransformer2DModel``,
+            ``SD3Transformer2DModel``, ``WanTransformer3DModel``,
+            ``LTXVideoTransformer3DModel``, ...) or any ``nn.Module`` holding
+            such modules.
+        attention_processors: also replace the attention processors we cover.
+
+    Returns:
+        A :class:`PatchReport`; ``print`` it for a summary.
+    """
+    _check_order(model)
+    _, act, *_ = _diffusers()
+    rules = _module_rules()
+    report, undo = PatchReport(), []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, child in list(module.named_children()):
+            path = f"{prefix}.{name}" if prefix else name
+            rule = rules.get(type(child))
+            new = rule[1](child) if rule else None
+            if new is not None:
+                setattr(module, name, new)
+                undo.append(("module", module, name, child))
+                report.replaced.append((path, rule[0], f"compile_ops.{type(new).__name__}"))
+                continue  # the replacement owns the subtree
+            if rule:
+                report.left.append((path, rule[0], "a configuration the fused module does not cover"))
+            elif (why := _left_alone(child, act)) is not None:
+                report.left.append((path, type(child).__name__, why))
+            walk(child, path)
+
+    walk(model, "")
+    processors = _processor_rules() if attention_processors else {}
+    for path, module in model.named_modules():
+        processor = getattr(module, "processor", None)
+        if processor is None or not hasattr(module, "set_processor"):
+            continue
+        match = next((v for (attn_cls, proc_cls), v in processors.items()
+                      if isinstance(module, attn_cls) and type(processor) is proc_cls), None)
+        if match is None:
+            report.left.append((path, type(processor).__name__, "attention processor not covered; kept"))
+            continue
+        module.set_processor(match[1](processor))
+        undo.append(("processor", module, None, processor))
+        report.replaced.append((path, match[0], f"compile_ops {match[1].__name__}"))
+    setattr(model, _STATE, undo)
+    return report
+
+
+def unpatch(model: nn.Module) -> None:
+    """Put back what :func:`patch` replaced (the same module objects)."""
+    undo = getattr(model, _STATE, None)
+    if undo is None:
+        raise RuntimeError("compile_ops.unpatch: the model is not patched")
+    for kind, owner, name, original in reversed(undo):
+        if kind == "module":
+            setattr(owner, name, original)
+        else:
+            owner.set_processor(original)
+    delattr(model, _STATE)

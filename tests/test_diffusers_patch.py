@@ -1,0 +1,182 @@
+"""compile_ops.patch on diffusers transformers built from small random configs.
+
+Patched and unpatched copies of each model must agree (forward and the
+parameters' gradients); the patched model must compile with fullgraph and
+not recompile when the resolution changes; the report must name what was
+replaced; modules we do not recognise must be left working; and patch must
+refuse a compiled or hooked model. CPU runs the fused ops' reference paths;
+on a GPU machine the same tests run the kernels.
+"""
+import copy
+
+import pytest
+import torch
+
+import compile_ops
+from compile_ops.integrations import diffusers as integration
+from conftest import HAS_CUDA
+
+diffusers = pytest.importorskip("diffusers")
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _flux():
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
+
+    def inputs(side):
+        li, lt = side * side, 8
+        grid = torch.meshgrid(torch.zeros(1), torch.arange(float(side)), torch.arange(float(side)), indexing="ij")
+        ids = torch.stack(grid, -1)
+        return dict(hidden_states=torch.randn(2, li, 4), encoder_hidden_states=torch.randn(2, lt, 32),
+                    pooled_projections=torch.randn(2, 32), timestep=torch.rand(2),
+                    img_ids=ids.reshape(li, 3), txt_ids=torch.zeros(lt, 3))
+    return model, inputs
+
+
+def _wan():
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32)
+
+    def inputs(side):
+        return dict(hidden_states=torch.randn(1, 4, 2, side, side), encoder_hidden_states=torch.randn(1, 6, 16),
+                    timestep=torch.randint(0, 1000, (1,)))
+    return model, inputs
+
+
+def _sd3():
+    model = diffusers.SD3Transformer2DModel(
+        sample_size=8, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        caption_projection_dim=16, joint_attention_dim=16, pooled_projection_dim=16, out_channels=4,
+        qk_norm="rms_norm")
+
+    def inputs(side):
+        return dict(hidden_states=torch.randn(2, 4, side, side), encoder_hidden_states=torch.randn(2, 6, 16),
+                    pooled_projections=torch.randn(2, 16), timestep=torch.rand(2))
+    return model, inputs
+
+
+def _ltx():
+    model = diffusers.LTXVideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, num_layers=1, caption_channels=16)
+
+    def inputs(side):
+        return dict(hidden_states=torch.randn(1, 2 * side * side, 4), encoder_hidden_states=torch.randn(1, 6, 16),
+                    timestep=torch.randint(0, 1000, (1,)), encoder_attention_mask=torch.ones(1, 6),
+                    num_frames=2, height=side, width=side)
+    return model, inputs
+
+
+MODELS = {"flux": _flux, "wan": _wan, "sd3": _sd3, "ltx": _ltx}
+
+
+def _to(inputs, device):
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def _pair(name):
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    model = model.to(DEVICE)
+    patched = copy.deepcopy(model)
+    report = compile_ops.patch(patched)
+    return model, patched, inputs, report
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_patched_model_matches_the_original_forward_and_backward(name):
+    model, patched, inputs, _ = _pair(name)
+    torch.manual_seed(1)
+    args = _to(inputs(8), DEVICE)
+    want = model(**args).sample
+    got = patched(**args).sample
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    weights = torch.randn_like(want)
+    (want * weights).sum().backward()
+    (got * weights).sum().backward()
+    grads = dict(model.named_parameters())
+    for path, p in patched.named_parameters():
+        # Replacements share parameters: the same names hold the same tensors.
+        torch.testing.assert_close(p.grad, grads[path].grad, rtol=1e-4, atol=1e-5, msg=path)
+
+
+def test_report_names_what_was_replaced_and_what_was_left():
+    _, _, _, report = _pair("flux")
+    replaced = {(what, detail) for _, what, detail in report.replaced}
+    assert ("diffusers AdaLayerNormZero", "compile_ops.AdaLayerNormZero") in replaced
+    assert ("diffusers AdaLayerNormContinuous", "compile_ops.AdaLayerNormContinuous") in replaced
+    assert ("diffusers FluxAttnProcessor", "compile_ops FluxAttnProcessor") in replaced
+    paths = {path for path, _, _ in report.replaced}
+    assert {"transformer_blocks.0.attn.norm_q", "single_transformer_blocks.0.norm", "norm_out"} <= paths
+    left = {path: why for path, _, why in report.left}
+    assert "GELU" in left["transformer_blocks.0.ff.net.0"]
+    assert "compile_ops.patch: " in str(report) and "AdaLayerNormZeroSingle" in str(report)
+
+
+def test_an_unknown_module_is_left_working_and_unpatch_restores_the_originals():
+    class ScaledRMSNorm(torch.nn.RMSNorm):  # a subclass may compute something else: not ours to replace
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    torch.manual_seed(0)
+    model, inputs = _flux()
+    block = model.transformer_blocks[0]
+    block.attn.norm_q = ScaledRMSNorm(16, eps=1e-6)
+    originals = dict(model.named_modules())
+    reference = copy.deepcopy(model)
+    report = compile_ops.patch(model)
+    assert "transformer_blocks.0.attn.norm_q" not in {path for path, _, _ in report.replaced}
+    assert type(model.transformer_blocks[0].attn.norm_q) is ScaledRMSNorm
+    args = inputs(4)
+    torch.testing.assert_close(model(**args).sample, reference(**args).sample, rtol=1e-4, atol=1e-5)
+    compile_ops.unpatch(model)
+    assert all(module is originals[path] for path, module in model.named_modules())
+    assert type(block.attn.processor).__module__.startswith("diffusers")
+
+
+def test_patch_refuses_a_compiled_hooked_or_already_patched_model():
+    model, _ = _flux()
+    with pytest.raises(RuntimeError, match="already compiled; call compile_ops.patch"):
+        compile_ops.patch(torch.compile(model))
+    hooked, _ = _flux()
+    hooked.transformer_blocks[0]._hf_hook = object()  # what accelerate's offloading attaches
+    with pytest.raises(RuntimeError, match="before enable_model_cpu_offload"):
+        compile_ops.patch(hooked)
+    compile_ops.patch(model)
+    with pytest.raises(RuntimeError, match="already patched"):
+        compile_ops.patch(model)
+    with pytest.raises(RuntimeError, match="not patched"):
+        compile_ops.unpatch(_flux()[0])
+
+
+@pytest.mark.parametrize("name, sides", [("flux", (4, 6)), ("wan", (8, 12))])
+def test_patched_model_compiles_with_fullgraph_and_no_recompile_across_resolutions(name, sides):
+    torch._dynamo.reset()
+    _, patched, inputs, _ = _pair(name)
+    compiled = torch.compile(patched, fullgraph=True, backend="aot_eager", dynamic=True)
+    for i, side in enumerate(sides):
+        torch.manual_seed(2)
+        args = _to(inputs(side), DEVICE)
+        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            out = compiled(**args).sample
+        torch.testing.assert_close(out, patched(**args).sample, rtol=1e-4, atol=1e-5)
+
+
+def test_processors_hand_uncovered_calls_to_the_original():
+    model, patched, inputs, _ = _pair("flux")
+    attn = patched.transformer_blocks[0].attn
+    assert isinstance(attn.processor, integration.FluxAttnProcessor)
+    calls = []
+    original = attn.processor.original
+    attn.processor.original = lambda *a, **k: calls.append(a) or original(*a, **k)
+    x = torch.randn(2, 5, 32, device=DEVICE)
+    context = torch.randn(2, 3, 32, device=DEVICE)
+    mask = torch.ones(2, 1, 8, 8, dtype=torch.bool, device=DEVICE)
+    attn(x, context, attention_mask=mask)  # masks are not the fused kernel's: the original runs
+    assert len(calls) == 1
+    attn(x, context)
+    assert len(calls) == 1
