@@ -9,7 +9,8 @@
 The README block is everything between the lines ``<!-- perf-table:start -->``
 and ``<!-- perf-table:end -->`` (``attention-table`` / ``attention-causal-table``
 for bench/attention.py's JSON, ``block-sparse-table`` for
-bench/block_sparse.py's); it is regenerated from the JSON, never edited by
+bench/block_sparse.py's, ``diffusers-e2e-table`` for bench/diffusers_e2e.py's);
+it is regenerated from the JSON, never edited by
 hand.
 """
 import argparse
@@ -226,6 +227,36 @@ def block_sparse_table(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def is_diffusers_e2e(data: dict) -> bool:
+    """bench/diffusers_e2e.py's JSON."""
+    return any("case" in r for r in data["rows"])
+
+
+def diffusers_e2e_table(data: dict) -> str:
+    """Markdown: ms and peak MiB per case for native/patched x eager/compiled,
+    and the patched speed-ups."""
+    rows, env = data["rows"], data["env"]
+    by = {(r["case"], r["provider"]): r for r in rows}
+    providers = ("native_eager", "native_compiled", "patched_eager", "patched_compiled")
+    out = [f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | diffusers {env.get('diffusers', '?')}"
+           f" | {env['date'][:16].replace('T', ' ')} | bf16, batch 1, random weights.", "",
+           "ms per call (peak MiB above the memory in use before it); compiled = `torch.compile` default mode.", "",
+           "| case | attention kernel | " + " | ".join(providers) + " | patched vs native, compiled / eager |",
+           "|---|---|" + "---:|" * (len(providers) + 1)]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        cells = [f"{by[(case, p)]['ms']:.1f} ({by[(case, p)]['peak_MiB']:.0f})" if (case, p) in by else "-"
+                 for p in providers]
+        speed = "-"
+        if all((case, p) in by for p in providers):
+            speed = (f"{by[(case, 'native_compiled')]['ms'] / by[(case, 'patched_compiled')]['ms']:.2f}x / "
+                     f"{by[(case, 'native_eager')]['ms'] / by[(case, 'patched_eager')]['ms']:.2f}x")
+        kernel = by.get((case, "patched_eager"), {}).get("attention_kernel", "?")
+        if any("note" in by.get((case, p), {}) for p in providers):
+            kernel += " (earlier run, see note)"
+        out.append(f"| {case} | {kernel} | " + " | ".join(cells) + f" | {speed} |")
+    return "\n".join(out) + "\n"
+
+
 def update_readme(readme_path: str, block: str, marker: str = "perf-table") -> None:
     """Replace the lines between the ``<!-- marker:start -->`` and ``<!-- marker:end -->``
     lines of ``readme_path`` with ``block``."""
@@ -315,6 +346,13 @@ def main(argv=None) -> int:
     p.add_argument("--plot", help="write the plot to this PNG")
     args = p.parse_args(argv)
     data = load(args.json)
+    if is_diffusers_e2e(data):
+        table = diffusers_e2e_table(data)
+        print(table)
+        if args.readme:
+            update_readme(args.readme, table, "diffusers-e2e-table")
+            print(f"\nrewrote the diffusers-e2e-table block in {args.readme}")
+        return 0
     if is_block_sparse(data):
         table = block_sparse_table(data)
         print(table)

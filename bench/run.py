@@ -578,6 +578,17 @@ def main(argv=None) -> int:
         quick = ["--quick"] if args.quick else []
         for causal in ([], ["--causal", "--shapes", "1x24x4608x128,1x12x32760x128"]):
             status |= attention.main(["--out", args.out] + quick + causal)
+        from bench import block_sparse
+
+        status |= block_sparse.main(["--out", args.out] + quick)
+        try:
+            import diffusers  # noqa: F401  (the optional extra)
+        except ImportError:
+            _log("run.py: diffusers is not installed (pip install -e '.[diffusers]'): no end-to-end models")
+        else:
+            from bench import diffusers_e2e
+
+            status |= diffusers_e2e.main(["--out", args.out])
     return status
 
 

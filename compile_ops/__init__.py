@@ -18,11 +18,11 @@ from compile_ops.ops.rope import qk_norm_rope, rope, rope_grid, rope_qk
 
 
 
-def patch(model, attention_processors: bool = True):
+def patch(model, attention_processors: bool = True, attention_kernel: str = "auto"):
     """Swap the fused ops into a diffusers transformer; see
     :func:`compile_ops.integrations.diffusers.patch`."""
     from compile_ops.integrations.diffusers import patch as _patch
-    return _patch(model, attention_processors)
+    return _patch(model, attention_processors, attention_kernel)
 
 
 def unpatch(model) -> None:

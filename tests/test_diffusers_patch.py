@@ -18,6 +18,17 @@ from conftest import HAS_CUDA
 
 diffusers = pytest.importorskip("diffusers")
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+# fp32 models: the CPU runs the ops' fp32 references; the GPU's fp32 attention
+# uses tf32 tensor cores (as compile_ops.attention documents), ~1e-3 relative.
+TOL = dict(rtol=2e-3, atol=2e-3) if HAS_CUDA else dict(rtol=1e-4, atol=1e-5)
+
+
+def _assert_gradient_close(got, want, path):
+    if HAS_CUDA:  # a weight's gradient sums every token's tf32-rounded term: compare as a whole
+        err = ((got - want).norm() / want.norm().clamp(min=1e-12)).item()
+        assert err < 5e-3, f"{path}: relative error {err:.2e}"
+    else:
+        torch.testing.assert_close(got, want, **TOL, msg=path)
 
 
 def _flux():
@@ -94,14 +105,14 @@ def test_patched_model_matches_the_original_forward_and_backward(name):
     args = _to(inputs(8), DEVICE)
     want = model(**args).sample
     got = patched(**args).sample
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, want, **TOL)
     weights = torch.randn_like(want)
     (want * weights).sum().backward()
     (got * weights).sum().backward()
     grads = dict(model.named_parameters())
     for path, p in patched.named_parameters():
         # Replacements share parameters: the same names hold the same tensors.
-        torch.testing.assert_close(p.grad, grads[path].grad, rtol=1e-4, atol=1e-5, msg=path)
+        _assert_gradient_close(p.grad, grads[path].grad, path)
 
 
 def test_report_names_what_was_replaced_and_what_was_left():
@@ -132,7 +143,7 @@ def test_an_unknown_module_is_left_working_and_unpatch_restores_the_originals():
     assert "transformer_blocks.0.attn.norm_q" not in {path for path, _, _ in report.replaced}
     assert type(model.transformer_blocks[0].attn.norm_q) is ScaledRMSNorm
     args = inputs(4)
-    torch.testing.assert_close(model(**args).sample, reference(**args).sample, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model(**args).sample, reference(**args).sample, **TOL)
     compile_ops.unpatch(model)
     assert all(module is originals[path] for path, module in model.named_modules())
     assert type(block.attn.processor).__module__.startswith("diffusers")
@@ -163,7 +174,7 @@ def test_patched_model_compiles_with_fullgraph_and_no_recompile_across_resolutio
         args = _to(inputs(side), DEVICE)
         with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
             out = compiled(**args).sample
-        torch.testing.assert_close(out, patched(**args).sample, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out, patched(**args).sample, **TOL)
 
 
 def test_processors_hand_uncovered_calls_to_the_original():
@@ -180,3 +191,18 @@ def test_processors_hand_uncovered_calls_to_the_original():
     assert len(calls) == 1
     attn(x, context)
     assert len(calls) == 1
+
+
+def test_attention_kernel_choice_keeps_the_outputs_and_rejects_unknown_names():
+    torch.manual_seed(0)
+    model, inputs = _flux()
+    model = model.to(DEVICE)
+    args = _to(inputs(4), DEVICE)
+    want = model(**args).sample
+    for kernel in ("sdpa", "fused"):
+        patched = copy.deepcopy(model)
+        compile_ops.patch(patched, attention_kernel=kernel)
+        assert patched.transformer_blocks[0].attn.processor.kernel == kernel
+        torch.testing.assert_close(patched(**args).sample, want, **TOL)
+    with pytest.raises(ValueError, match="attention_kernel must be one of"):
+        compile_ops.patch(copy.deepcopy(model), attention_kernel="flash")

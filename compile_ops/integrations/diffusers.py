@@ -10,8 +10,9 @@ state stay valid), so :func:`unpatch` only has to put the originals back.
 Attention goes through diffusers' own extension point, the attention
 processor (``module.set_processor``): our processors run the same
 projections, compute rotary embeddings with ``fused.rope_qk`` and attention
-with ``fused.attention``, and hand any call they do not cover (an attention
-mask, fused projections, image conditioning) to the original processor.
+with ``fused.attention`` or SDPA (``attention_kernel``), and hand any call
+they do not cover (an attention mask, fused projections, image
+conditioning) to the original processor.
 
 What is not replaced, and why, is reported: the gated residuals and the
 modulation of the second norm live in each block's own ``forward`` (no
@@ -174,15 +175,40 @@ def _left_alone(module: nn.Module, act) -> Optional[str]:
 # ---------------------------------------------------------------- attention processors
 
 
+ATTENTION_KERNELS = ("auto", "fused", "sdpa")
+
+
 class _FusedProcessor:
     """Base of our processors: the original processor runs every call that the
-    fused path does not cover."""
+    fused path does not cover. ``kernel`` picks the attention kernel (see
+    :func:`patch`)."""
 
-    def __init__(self, original):
+    def __init__(self, original, kernel: str = "auto"):
         self.original = original
+        self.kernel = kernel
+
+    def attend(self, query, key, value):
+        """Attention of ``[B, L, H, D]`` q, k, v."""
+        if self.kernel == "sdpa" or (self.kernel == "auto" and _sdpa_is_faster(query, key, value)):
+            out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
+            return out.transpose(1, 2)
+        return attention(query, key, value, seq_dim=1)
+
+
+def _sdpa_is_faster(query, key, value) -> bool:
+    """Inference in fp16/bf16 on a GPU: SDPA's cuDNN backend runs the forward
+    1.2-1.35x faster than fused.attention on an H100/H200 (README attention
+    tables). Training keeps fused.attention: its backward is ahead of SDPA's
+    flash backend, and torch 2.11's cuDNN backward fails at Flux's training
+    shape (bench/diffusers_e2e.py)."""
+    training = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not training
 
     def __getattr__(self, name):  # diffusers reads _attention_backend, _parallel_config
-        return getattr(self.__dict__["original"], name)
+        original = self.__dict__.get("original")  # absent while copy/pickle rebuild the object
+        if original is None:
+            raise AttributeError(name)
+        return getattr(original, name)
 
 
 class FluxAttnProcessor(_FusedProcessor):
@@ -208,7 +234,7 @@ class FluxAttnProcessor(_FusedProcessor):
         if image_rotary_emb is not None:
             cos, sin = image_rotary_emb
             query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1)
-        out = attention(query, key, value, seq_dim=1).flatten(2, 3).to(query.dtype)
+        out = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out
         text, image = out.split_with_sizes([encoder_hidden_states.shape[1], hidden_states.shape[1]], dim=1)
@@ -233,7 +259,7 @@ class WanAttnProcessor(_FusedProcessor):
             # [1, L, 1, D] tables with each pair's angle repeated: Wan rotates (2i, 2i + 1) pairs.
             cos, sin = (t[0, :, 0] for t in rotary_emb)
             query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1)
-        out = attention(query, key, value, seq_dim=1).flatten(2, 3).type_as(query)
+        out = self.attend(query, key, value).flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
 
@@ -249,7 +275,7 @@ def _processor_rules() -> dict:
 # ---------------------------------------------------------------- patch / unpatch
 
 
-def patch(model: nn.Module, attention_processors: bool = True) -> PatchReport:
+def patch(model: nn.Module, attention_processors: bool = True, attention_kernel: str = "auto") -> PatchReport:
     """Swap the fused ops into a diffusers transformer, in place.
 
     Call it before ``torch.compile`` and before any offloading or caching hook
@@ -260,12 +286,20 @@ def patch(model: nn.Module, attention_processors: bool = True) -> PatchReport:
             ``SD3Transformer2DModel``, ``WanTransformer3DModel``,
             ``LTXVideoTransformer3DModel``, ...) or any ``nn.Module`` holding
             such modules.
-        attention_processors: also replace the attention processors we cover.
+        attention_processors: also replace the attention processors we cover
+            (rotary embeddings fused; calls they do not cover go to diffusers').
+        attention_kernel: ``"fused"`` (``fused.attention``), ``"sdpa"``
+            (torch's SDPA) or ``"auto"``: SDPA for 16-bit inference on a GPU,
+            where its cuDNN backend is faster, ``fused.attention`` otherwise
+            (training, CPU, fp32).
 
     Returns:
         A :class:`PatchReport`; ``print`` it for a summary.
     """
     _check_order(model)
+    if attention_kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"compile_ops.patch: attention_kernel must be one of {ATTENTION_KERNELS}, "
+                         f"got {attention_kernel!r}")
     _, act, *_ = _diffusers()
     rules = _module_rules()
     report, undo = PatchReport(), []
@@ -297,7 +331,7 @@ def patch(model: nn.Module, attention_processors: bool = True) -> PatchReport:
         if match is None:
             report.left.append((path, type(processor).__name__, "attention processor not covered; kept"))
             continue
-        module.set_processor(match[1](processor))
+        module.set_processor(match[1](processor, attention_kernel))
         undo.append(("processor", module, None, processor))
         report.replaced.append((path, match[0], f"compile_ops {match[1].__name__}"))
     setattr(model, _STATE, undo)
