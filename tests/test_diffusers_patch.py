@@ -164,7 +164,7 @@ def test_patch_refuses_a_compiled_hooked_or_already_patched_model():
         compile_ops.unpatch(_flux()[0])
 
 
-@pytest.mark.parametrize("name, sides", [("flux", (4, 6)), ("wan", (8, 12))])
+@pytest.mark.parametrize("name, sides", [("flux", (4, 6)), ("wan", (8, 12)), ("sd3", (8, 12)), ("ltx", (4, 6))])
 def test_patched_model_compiles_with_fullgraph_and_no_recompile_across_resolutions(name, sides):
     torch._dynamo.reset()
     _, patched, inputs, _ = _pair(name)

@@ -263,12 +263,69 @@ class WanAttnProcessor(_FusedProcessor):
         return attn.to_out[1](attn.to_out[0](out))
 
 
+class JointAttnProcessor(_FusedProcessor):
+    """diffusers' ``JointAttnProcessor2_0`` (SD3 / SD3.5 joint attention) with
+    attention as a fused op (SD3 has no rotary embedding)."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        if attention_mask is not None or args or kwargs:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+
+        def heads(t):
+            return t.unflatten(-1, (attn.heads, -1))
+
+        def normed(norm, t):
+            return t if norm is None else norm(t)
+
+        query = normed(attn.norm_q, heads(attn.to_q(hidden_states)))
+        key = normed(attn.norm_k, heads(attn.to_k(hidden_states)))
+        value = heads(attn.to_v(hidden_states))
+        if encoder_hidden_states is not None:
+            query = torch.cat([query, normed(attn.norm_added_q, heads(attn.add_q_proj(encoder_hidden_states)))], 1)
+            key = torch.cat([key, normed(attn.norm_added_k, heads(attn.add_k_proj(encoder_hidden_states)))], 1)
+            value = torch.cat([value, heads(attn.add_v_proj(encoder_hidden_states))], 1)
+        out = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return attn.to_out[1](attn.to_out[0](out))
+        out, context = out[:, :hidden_states.shape[1]], out[:, hidden_states.shape[1]:]
+        if not attn.context_pre_only:
+            context = attn.to_add_out(context)
+        return attn.to_out[1](attn.to_out[0](out)), context
+
+
+class LTXVideoAttnProcessor(_FusedProcessor):
+    """diffusers' ``LTXVideoAttnProcessor`` with rotary embedding and attention
+    as fused ops; masked (text cross-) attention stays with the original."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        if attention_mask is not None:
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        query = attn.norm_q(attn.to_q(hidden_states))
+        key = attn.norm_k(attn.to_k(context))
+        if image_rotary_emb is not None:
+            # LTX's tables span all heads' channels ([B, L, heads * D], pairs
+            # (2i, 2i + 1)): rotate the projections as one wide head.
+            cos, sin = image_rotary_emb
+            query, key = (t.squeeze(2) for t in rope_qk(query.unsqueeze(2), key.unsqueeze(2), cos, sin,
+                                                        interleaved=True, seq_dim=1))
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, attn.to_v(context)))
+        out = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
 def _processor_rules() -> dict:
     """``{(attention class, exact processor class): (what, our processor class)}``."""
-    _, _, flux, wan, _ = _diffusers()
+    from diffusers.models import attention_processor
+
+    _, _, flux, wan, ltx = _diffusers()
     return {
         (flux.FluxAttention, flux.FluxAttnProcessor): ("diffusers FluxAttnProcessor", FluxAttnProcessor),
         (wan.WanAttention, wan.WanAttnProcessor): ("diffusers WanAttnProcessor", WanAttnProcessor),
+        (attention_processor.Attention, attention_processor.JointAttnProcessor2_0):
+            ("diffusers JointAttnProcessor2_0", JointAttnProcessor),
+        (ltx.LTXAttention, ltx.LTXVideoAttnProcessor): ("diffusers LTXVideoAttnProcessor", LTXVideoAttnProcessor),
     }
 
 
