@@ -346,28 +346,19 @@ def main(argv=None) -> int:
     p.add_argument("--plot", help="write the plot to this PNG")
     args = p.parse_args(argv)
     data = load(args.json)
-    if is_diffusers_e2e(data):
-        table = diffusers_e2e_table(data)
-        print(table)
-        if args.readme:
-            update_readme(args.readme, table, "diffusers-e2e-table")
-            print(f"\nrewrote the diffusers-e2e-table block in {args.readme}")
-        return 0
-    if is_block_sparse(data):
-        table = block_sparse_table(data)
-        print(table)
-        if args.readme:
-            update_readme(args.readme, table, "block-sparse-table")
-            print(f"\nrewrote the block-sparse-table block in {args.readme}")
-        return 0
-    if is_attention(data):
-        table = attention_table(data)
-        print(table)
-        if args.readme:
-            marker = "attention-causal-table" if any(r.get("causal") for r in data["rows"]) else "attention-table"
-            update_readme(args.readme, table, marker)
-            print(f"\nrewrote the {marker} block in {args.readme}")
-        return 0
+    # bench/run.py's op table comes last: the other runners' JSON is recognised by its rows.
+    special = ((is_diffusers_e2e, diffusers_e2e_table, lambda rows: "diffusers-e2e-table"),
+               (is_block_sparse, block_sparse_table, lambda rows: "block-sparse-table"),
+               (is_attention, attention_table,
+                lambda rows: "attention-causal-table" if any(r.get("causal") for r in rows) else "attention-table"))
+    for recognise, make_table, marker in special:
+        if recognise(data):
+            table = make_table(data)
+            print(table)
+            if args.readme:
+                update_readme(args.readme, table, marker(data["rows"]))
+                print(f"\nrewrote the {marker(data['rows'])} block in {args.readme}")
+            return 0
     print(format_table(data))
     if args.readme:
         update_readme(args.readme, markdown_table(data))
