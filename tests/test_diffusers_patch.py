@@ -162,6 +162,8 @@ def test_patch_refuses_a_compiled_hooked_or_already_patched_model():
         compile_ops.patch(model)
     with pytest.raises(RuntimeError, match="not patched"):
         compile_ops.unpatch(_flux()[0])
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
+        compile_ops.patch({})
 
 
 @pytest.mark.parametrize("name, sides", [("flux", (4, 6)), ("wan", (8, 12)), ("sd3", (8, 12)), ("ltx", (4, 6))])

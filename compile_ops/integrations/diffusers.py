@@ -353,6 +353,8 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
     Returns:
         A :class:`PatchReport`; ``print`` it for a summary.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compile_ops.patch: model must be a torch.nn.Module, got {type(model).__name__}")
     _check_order(model)
     if attention_kernel not in ATTENTION_KERNELS:
         raise ValueError(f"compile_ops.patch: attention_kernel must be one of {ATTENTION_KERNELS}, "
