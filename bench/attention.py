@@ -13,7 +13,6 @@ own time), median of ``triton.testing.do_bench``; peak memory of one
 forward+backward step above the inputs. Writes ``<out>/attention-<gpu>.json``.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -24,7 +23,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.run import environment, gpu_slug, graph_replay_time, make_timer, warm_up_gpu  # noqa: E402
+from bench.run import environment, graph_replay_time, make_timer, warm_up_gpu, write_results  # noqa: E402
 
 #: Flux at 1024x1024 (24 heads), Wan 2.1 480p x 81 frames (12 heads), a
 #: HunyuanVideo-sized 40-head sequence, and head dim 64.
@@ -125,10 +124,7 @@ def main(argv=None) -> int:
             rows.append(row)
         del q, k, v
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"attention{'-causal' if args.causal else ''}-{gpu_slug(env['gpu'])}.json")
-    with open(path, "w") as f:
-        json.dump({"env": env, "rows": rows}, f, indent=1)
+    path = write_results(args.out, f"attention{'-causal' if args.causal else ''}", env, rows)
     print(f"wrote {path}", flush=True)
     return 1 if failed else 0
 

@@ -11,7 +11,6 @@ conversion of a static mask) is timed on its own. Writes
 ``<out>/block-sparse-<gpu>.json``.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -21,7 +20,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.run import environment, gpu_slug, graph_replay_time, make_timer, warm_up_gpu  # noqa: E402
+from bench.run import environment, graph_replay_time, make_timer, warm_up_gpu, write_results  # noqa: E402
 
 SHAPE = (1, 24, 32760, 128)
 DENSITIES = (0.25, 0.5)
@@ -102,12 +101,7 @@ def main(argv=None) -> int:
     print(f"topk_block_index {t_topk * 1e3:.1f} us (keeps {topk_kept:.2f} of the blocks on random data); "
           f"block_index_from_mask {t_convert * 1e3:.1f} us", flush=True)
 
-    env = environment()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"block-sparse-{gpu_slug(env['gpu'])}.json")
-    with open(path, "w") as f:
-        json.dump({"env": env, "rows": rows}, f, indent=1)
-    print(f"wrote {path}")
+    print(f"wrote {write_results(args.out, 'block-sparse', environment(), rows)}")
     return 0
 
 

@@ -34,7 +34,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.run import environment, gpu_slug, warm_up_gpu  # noqa: E402
+from bench.run import environment, results_path, warm_up_gpu, write_results  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -110,7 +110,7 @@ def run_case(name: str, timer_ms: float) -> list:
                 return module(**inputs).sample
         loss = module(**inputs).sample.float().pow(2).mean()
         loss.backward()
-        for p in model.parameters():
+        for p in module.parameters():
             p.grad = None
         return loss
 
@@ -156,17 +156,14 @@ def main(argv=None) -> int:
     import diffusers
 
     env["diffusers"] = diffusers.__version__
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"diffusers-e2e-{gpu_slug(env['gpu'])}.json")
+    path = results_path(args.out, "diffusers-e2e", env)
     rows = []
     if os.path.exists(path):
         with open(path) as f:
             rows = json.load(f)["rows"]
-    for name in args.cases.split(","):
-        new = run_case(name, args.rep_ms)
-        rows = [r for r in rows if r["case"] != name] + new
-        with open(path, "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=1)
+    for name in args.cases.split(","):  # written after each case: a later one may run out of time
+        rows = [r for r in rows if r["case"] != name] + run_case(name, args.rep_ms)
+        write_results(args.out, "diffusers-e2e", env, rows)
     print(f"wrote {path}")
     return 0
 

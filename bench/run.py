@@ -525,6 +525,20 @@ def run_sweep(out_path, ops, shapes, configs, configure, fields, default_ops, de
     return results
 
 
+def results_path(out_dir: str, stem: str, env: dict) -> str:
+    """``<out_dir>/<stem>-<gpu>.json``: where a runner's results go."""
+    return os.path.join(out_dir, f"{stem}-{gpu_slug(env['gpu'])}.json")
+
+
+def write_results(out_dir: str, stem: str, env: dict, rows: list) -> str:
+    """A runner's rows with the GPU and versions, at :func:`results_path`; returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = results_path(out_dir, stem, env)
+    with open(path, "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+    return path
+
+
 def write_sweep(out_path, rows: list) -> None:
     """A sweep script's rows as JSON with the GPU and versions (no-op without a path)."""
     if out_path:
