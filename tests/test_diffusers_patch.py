@@ -8,6 +8,7 @@ refuse a compiled or hooked model. CPU runs the fused ops' reference paths;
 on a GPU machine the same tests run the kernels.
 """
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -126,6 +127,41 @@ def test_report_names_what_was_replaced_and_what_was_left():
     left = {path: why for path, _, why in report.left}
     assert "GELU" in left["transformer_blocks.0.ff.net.0"]
     assert "compile_ops.patch: " in str(report) and "AdaLayerNormZeroSingle" in str(report)
+
+
+def test_flux_blocks_run_their_seams_and_qk_norms_through_the_fused_ops(monkeypatch):
+    model, patched, inputs, report = _pair("flux")
+    replaced = {path: detail for path, _, detail in report.replaced}
+    assert replaced["transformer_blocks.0"] == "compile_ops FluxTransformerBlock (fused seams)"
+    assert replaced["single_transformer_blocks.0"] == "compile_ops FluxSingleTransformerBlock (fused seams)"
+    calls = Counter()
+
+    def counting(name):
+        op = getattr(integration, name)
+        return lambda *a, **k: calls.update([name]) or op(*a, **k)
+
+    for name in ("gated_residual_norm_modulate", "gated_residual", "qk_norm_rope", "rope_qk"):
+        monkeypatch.setattr(integration, name, counting(name))
+    args = _to(inputs(4), DEVICE)
+    torch.testing.assert_close(patched(**args).sample, model(**args).sample, **TOL)
+    # Double block: one seam per stream, a gated MLP residual per stream, one
+    # qk_norm_rope per stream; single block: its gated residual and one
+    # qk_norm_rope. No separate rope pass.
+    assert calls == Counter(gated_residual_norm_modulate=2, gated_residual=3, qk_norm_rope=3)
+
+
+def test_a_flux_block_whose_norms_the_fused_forward_does_not_reproduce_keeps_its_forward():
+    torch.manual_seed(0)
+    model, inputs = _flux()
+    model.transformer_blocks[0].norm2 = torch.nn.RMSNorm(32, eps=1e-6)
+    reference = copy.deepcopy(model)
+    report = compile_ops.patch(model)
+    left = {path: why for path, _, why in report.left}
+    assert "fused block does not reproduce" in left["transformer_blocks.0"]
+    assert type(model.transformer_blocks[0]).__module__.startswith("diffusers")
+    assert type(model.transformer_blocks[0].norm1) is compile_ops.AdaLayerNormZero  # still patched inside
+    args = inputs(4)
+    torch.testing.assert_close(model(**args).sample, reference(**args).sample, **TOL)
 
 
 def test_an_unknown_module_is_left_working_and_unpatch_restores_the_originals():

@@ -9,19 +9,24 @@ state stay valid), so :func:`unpatch` only has to put the originals back.
 
 Attention goes through diffusers' own extension point, the attention
 processor (``module.set_processor``): our processors run the same
-projections, compute rotary embeddings with ``fused.rope_qk`` and attention
-with ``fused.attention`` or SDPA (``attention_kernel``), and hand any call
-they do not cover (an attention mask, fused projections, image
-conditioning) to the original processor.
+projections, q/k-norm and rotary embeddings as ``fused.qk_norm_rope`` (or
+the norms and ``fused.rope_qk``) and attention with ``fused.attention`` or
+SDPA (``attention_kernel``), and hand any call they do not cover (an
+attention mask, fused projections, image conditioning) to the original
+processor.
 
-What is not replaced, and why, is reported: the gated residuals and the
-modulation of the second norm live in each block's own ``forward`` (no
-extension point; ``torch.compile`` fuses them), and a lone tanh-GELU after a
-Linear has no fused op here.
+Blocks have no extension point for their gated residuals, so for the blocks
+whose forward we reproduce (Flux's two) the block itself is swapped for one
+that runs its seams as ``fused.gated_residual_norm_modulate`` /
+``fused.gated_residual``; it is swapped only when its forward's signature is
+the one reproduced. Other blocks (SD3, Wan, LTX-Video) keep their forward and
+are reported, as is a lone tanh-GELU after a Linear (no fused op here;
+``torch.compile`` fuses it).
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections import Counter
 from typing import Callable, Optional
 
@@ -32,7 +37,8 @@ from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.attention import attention
-from compile_ops.ops.rope import rope_qk
+from compile_ops.ops.modulate import gated_residual, gated_residual_norm_modulate
+from compile_ops.ops.rope import qk_norm_rope, rope_qk
 
 _STATE = "_compile_ops_patch"
 
@@ -158,17 +164,112 @@ def _module_rules() -> dict:
     }
 
 
-_BLOCKS = ("FluxTransformerBlock", "FluxSingleTransformerBlock", "JointTransformerBlock", "WanTransformerBlock",
-           "LTXVideoTransformerBlock")
+# ---------------------------------------------------------------- blocks
+
+
+class _BlockForward(nn.Module):
+    """A diffusers block's forward with its seams fused. It holds the original
+    block's children (the same objects; :func:`patch` then patches them inside
+    this block, leaving the original's untouched for :func:`unpatch`)."""
+
+    #: The original forward's parameters, in order: the block is replaced only
+    #: when they match, since a diffusers release with another forward would
+    #: otherwise be silently reinterpreted.
+    signature: tuple = ()
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        for name, child in original.named_children():
+            setattr(self, name, child)
+
+    @classmethod
+    def build(cls, original: nn.Module) -> Optional[nn.Module]:
+        params = tuple(inspect.signature(type(original).forward).parameters)[1:]
+        if params != cls.signature or any(True for _ in original.named_parameters(recurse=False)):
+            return None
+        return cls(original)
+
+
+def _is_plain_layer_norm(norm: nn.Module) -> bool:
+    return type(norm) in (nn.LayerNorm, LayerNorm) and len(norm.normalized_shape) == 1
+
+
+class FluxTransformerBlock(_BlockForward):
+    """diffusers' ``FluxTransformerBlock`` (double-stream) with each stream's
+    seam in one ``fused.gated_residual_norm_modulate``: the gated attention
+    residual, the second LayerNorm and the MLP modulation read the stream once;
+    the gated MLP residual is ``fused.gated_residual``."""
+
+    signature = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs")
+
+    @classmethod
+    def build(cls, original):
+        if not (_is_plain_layer_norm(original.norm2) and _is_plain_layer_norm(original.norm2_context)):
+            return None
+        return super().build(original)
+
+    @staticmethod
+    def _second_half(stream, attn_out, gate_attn, shift, scale, gate_ff, norm, ff):
+        stream, normed = gated_residual_norm_modulate(stream, attn_out, gate_attn, scale, shift, norm.weight,
+                                                      norm.bias, "layernorm", norm.eps)
+        return gated_residual(stream, ff(normed), gate_ff)
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                joint_attention_kwargs=None):
+        normed, *image_mod = self.norm1(hidden_states, emb=temb)
+        normed_context, *context_mod = self.norm1_context(encoder_hidden_states, emb=temb)
+        outputs = self.attn(hidden_states=normed, encoder_hidden_states=normed_context,
+                            image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+        hidden_states = self._second_half(hidden_states, outputs[0], *image_mod, self.norm2, self.ff)
+        if len(outputs) == 3:  # IP-adapter attention, added after the MLP as diffusers does
+            hidden_states = hidden_states + outputs[2]
+        encoder_hidden_states = self._second_half(encoder_hidden_states, outputs[1], *context_mod,
+                                                  self.norm2_context, self.ff_context)
+        if encoder_hidden_states.dtype == torch.float16:
+            encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+        return encoder_hidden_states, hidden_states
+
+
+class FluxSingleTransformerBlock(_BlockForward):
+    """diffusers' ``FluxSingleTransformerBlock`` with the gated residual after
+    ``proj_out`` as ``fused.gated_residual``."""
+
+    signature = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs")
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                joint_attention_kwargs=None):
+        text_tokens = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        normed, gate = self.norm(hidden_states, emb=temb)
+        mlp = self.act_mlp(self.proj_mlp(normed))
+        attn_out = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb,
+                             **(joint_attention_kwargs or {}))
+        hidden_states = gated_residual(hidden_states, self.proj_out(torch.cat([attn_out, mlp], dim=2)), gate)
+        if hidden_states.dtype == torch.float16:
+            hidden_states = hidden_states.clip(-65504, 65504)
+        return hidden_states[:, :text_tokens], hidden_states[:, text_tokens:]
+
+
+def _block_rules() -> dict:
+    """``{exact block class: (what, our block class)}``: blocks whose forward we
+    reproduce with fused seams; their children are patched inside."""
+    _, _, flux, *_ = _diffusers()
+    return {
+        flux.FluxTransformerBlock: ("diffusers FluxTransformerBlock", FluxTransformerBlock),
+        flux.FluxSingleTransformerBlock: ("diffusers FluxSingleTransformerBlock", FluxSingleTransformerBlock),
+    }
+
+
+_UNFUSED_BLOCKS = ("JointTransformerBlock", "WanTransformerBlock", "LTXVideoTransformerBlock")
 
 
 def _left_alone(module: nn.Module, act) -> Optional[str]:
     """Why a module we know of stays (None: not one we report)."""
     if type(module) is act.GELU:
         return f"GELU(approximate={module.approximate!r}) after its Linear: no fused op; torch.compile fuses it"
-    if type(module).__name__ in _BLOCKS and type(module).__module__.startswith("diffusers."):
-        return ("its forward keeps the gated residuals and the second norm's modulation (no extension point); "
-                "its norms, activations and attention are patched inside")
+    if type(module).__name__ in _UNFUSED_BLOCKS and type(module).__module__.startswith("diffusers."):
+        return ("its forward keeps the gated residuals and the second norm's modulation (no fused block "
+                "forward for it yet); its norms, activations and attention are patched inside")
     return None
 
 
@@ -186,6 +287,8 @@ class _FusedProcessor:
     def __init__(self, original, kernel: str = "auto"):
         self.original = original
         self.kernel = kernel
+        # Resolved here, not while Dynamo traces a call.
+        self.rms_norm_classes = (RMSNorm, nn.RMSNorm, _diffusers()[0].RMSNorm)
 
     def attend(self, query, key, value):
         """Attention of ``[B, L, H, D]`` q, k, v."""
@@ -193,6 +296,30 @@ class _FusedProcessor:
             out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
             return out.transpose(1, 2)
         return attention(query, key, value, seq_dim=1)
+
+    def rms_weight(self, norm: nn.Module) -> Optional[tuple]:
+        """``(weight, eps)`` of a per-head RMSNorm that ``fused.qk_norm_rope``
+        can run (weighted, no bias, a set eps); None for any other norm."""
+        if type(norm) not in self.rms_norm_classes:
+            return None
+        weight, eps = getattr(norm, "weight", None), getattr(norm, "eps", None)
+        if weight is None or getattr(norm, "bias", None) is not None or eps is None:
+            return None
+        return weight, eps
+
+    def norm_rope(self, query, key, norm_q, norm_k, rope):
+        """q/k-norm then rotary embedding of ``[B, L, H, D]`` q and k (``rope``:
+        ``(cos, sin)`` tables ``[L, D]`` with pairs interleaved, or None): one
+        ``fused.qk_norm_rope`` launch when both norms are weighted RMSNorms with
+        one eps, else the norms and ``fused.rope_qk``."""
+        q_norm, k_norm = self.rms_weight(norm_q), self.rms_weight(norm_k)
+        if rope is not None and q_norm is not None and k_norm is not None and q_norm[1] == k_norm[1]:
+            return qk_norm_rope(query, key, q_norm[0], k_norm[0], *rope, eps=q_norm[1], interleaved=True,
+                                seq_dim=1)
+        query, key = norm_q(query), norm_k(key)
+        if rope is None:
+            return query, key
+        return rope_qk(query, key, *rope, interleaved=True, seq_dim=1)
 
 
 def _sdpa_is_faster(query, key, value) -> bool:
@@ -213,7 +340,8 @@ def _sdpa_is_faster(query, key, value) -> bool:
 
 class FluxAttnProcessor(_FusedProcessor):
     """diffusers' ``FluxAttnProcessor`` (Flux double- and single-stream attention)
-    with rotary embedding and attention as fused ops."""
+    with q/k-norm and rotary embedding in one fused op, and attention as a
+    fused op (or SDPA, see :func:`patch`)."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
@@ -224,16 +352,21 @@ class FluxAttnProcessor(_FusedProcessor):
         def heads(t):
             return t.unflatten(-1, (-1, attn.head_dim))
 
-        query = attn.norm_q(heads(attn.to_q(hidden_states)))
-        key = attn.norm_k(heads(attn.to_k(hidden_states)))
+        def rows(start, end):  # the rotary tables' rows of one stream
+            return None if image_rotary_emb is None else tuple(t[start:end] for t in image_rotary_emb)
+
+        image_rope = rows(-hidden_states.shape[1], None)
+        query, key = self.norm_rope(heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)),
+                                attn.norm_q, attn.norm_k, image_rope)
         value = heads(attn.to_v(hidden_states))
         if encoder_hidden_states is not None:
-            query = torch.cat([attn.norm_added_q(heads(attn.add_q_proj(encoder_hidden_states))), query], dim=1)
-            key = torch.cat([attn.norm_added_k(heads(attn.add_k_proj(encoder_hidden_states))), key], dim=1)
+            # Text tokens come first in the joint sequence and in the tables;
+            # each stream is normed with its own weights and rotated with its rows.
+            text_query, text_key = self.norm_rope(
+                heads(attn.add_q_proj(encoder_hidden_states)), heads(attn.add_k_proj(encoder_hidden_states)),
+                attn.norm_added_q, attn.norm_added_k, rows(0, encoder_hidden_states.shape[1]))
+            query, key = torch.cat([text_query, query], dim=1), torch.cat([text_key, key], dim=1)
             value = torch.cat([heads(attn.add_v_proj(encoder_hidden_states)), value], dim=1)
-        if image_rotary_emb is not None:
-            cos, sin = image_rotary_emb
-            query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1)
         out = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out
@@ -360,12 +493,24 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
         raise ValueError(f"compile_ops.patch: attention_kernel must be one of {ATTENTION_KERNELS}, "
                          f"got {attention_kernel!r}")
     _, act, *_ = _diffusers()
-    rules = _module_rules()
+    rules, blocks = _module_rules(), _block_rules()
     report, undo = PatchReport(), []
 
     def walk(module: nn.Module, prefix: str) -> None:
         for name, child in list(module.named_children()):
             path = f"{prefix}.{name}" if prefix else name
+            block = blocks.get(type(child))
+            if block is not None:
+                new = block[1].build(child)
+                if new is None:
+                    report.left.append((path, block[0], "a forward or norms the fused block does not reproduce; "
+                                                        "its modules are patched inside"))
+                else:
+                    setattr(module, name, new)
+                    undo.append(("module", module, name, child))
+                    report.replaced.append((path, block[0], f"compile_ops {block[1].__name__} (fused seams)"))
+                walk(new or child, path)  # the block's own modules
+                continue
             rule = rules.get(type(child))
             new = rule[1](child) if rule else None
             if new is not None:
