@@ -54,7 +54,12 @@ def test_gradcheck_fp64(spec, device):
             full = [next(it) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
             return spec.op(*full)
 
-        assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-5, rtol=1e-4)
+        # The full numerical Jacobian costs two calls per input element: 13k
+        # elements (block-sparse's GQA case) took 13 minutes of CI. Past a few
+        # thousand, gradcheck's fast mode compares one random projection of the
+        # Jacobian instead, which a wrong gradient still fails.
+        fast = sum(t.numel() for t in inputs) > 4096
+        assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-5, rtol=1e-4, fast_mode=fast)
 
 
 @pytest.mark.parametrize("spec", registry.OPS, ids=IDS)
