@@ -15,6 +15,11 @@ from compile_ops.ops.modulate import gated_residual, gated_residual_norm_modulat
 from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
 from compile_ops.meta.rope import GridRope, grid_rope
 from compile_ops.ops.rope import qk_norm_rope, rope, rope_grid, rope_qk
+from compile_ops import distributed as _distributed
+
+# DTensor sharding rules for every op (a no-op without torch.distributed); see
+# compile_ops/distributed.py for why this happens at import.
+_distributed.register()
 
 
 

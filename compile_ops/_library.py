@@ -30,6 +30,8 @@ import torch
 from torch.library import wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from compile_ops import distributed
+
 NAMESPACE = "fused"
 
 #: CPU tensors run the Triton kernels through triton's interpreter.
@@ -146,8 +148,13 @@ class FusedOp:
 
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
         """Register ``backward``/``setup_context`` on the op, and build the
-        ``autograd.Function`` that the fast path uses with the same two functions."""
-        self.custom_op.register_autograd(backward, setup_context=setup_context)
+        ``autograd.Function`` that the fast path uses with the same two functions.
+
+        The registered pair is wrapped for DTensor arguments (see
+        :func:`compile_ops.distributed.gradients_as_dtensors`); the fast path
+        never sees DTensors and is left as is."""
+        self.custom_op.register_autograd(distributed.gradients_as_dtensors(backward),
+                                         setup_context=distributed.remember_output_layouts(setup_context))
         body = self.body
 
         def forward(*args):
