@@ -36,14 +36,15 @@ class DiTBlock(nn.Module):
 
     AdaLN conditioning (shift/scale/gate from a timestep embedding) around a
     LayerNorm without affine parameters, attention with per-head RMSNorm on q
-    and k (qk-norm), a GELU-tanh MLP, and gated residuals.
+    and k (qk-norm), a GELU-tanh MLP, and gated residuals. Flux's block size
+    is ``DiTBlock(3072, 24)``.
 
     Args:
         dim: hidden size C.
         heads: attention heads; ``dim`` must be a multiple.
         mlp_ratio: MLP hidden size as a multiple of ``dim``.
-        fused: True routes the norms, modulations and gated residuals through
-            ``compile_ops`` (``torch.ops.fused.*``);
+        fused: True routes the norms, modulations, gated residuals and
+            attention through ``compile_ops`` (``torch.ops.fused.*``);
             False through ``torch.nn.functional``. Parameter names are the same
             either way, so one block's ``state_dict`` loads into the other.
 
@@ -60,7 +61,9 @@ class DiTBlock(nn.Module):
         # Real DiTs zero-init the modulation (AdaLN-Zero), which zeroes the gates
         # and with them most gradients; the default init keeps every path live.
         self.ada = nn.Linear(dim, 6 * dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
+        # Separate projections, as in diffusers: tensor parallelism shards each
+        # by heads (bench/distributed_train.py); a packed qkv would shard across q/k/v.
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
         # Near 1 but not 1, so that a norm that dropped its weight would show.
         self.q_norm_weight = nn.Parameter(1.0 + 0.1 * torch.randn(self.head_dim))
         self.k_norm_weight = nn.Parameter(1.0 + 0.1 * torch.randn(self.head_dim))
@@ -74,12 +77,18 @@ class DiTBlock(nn.Module):
         return F.rms_norm(x, (self.head_dim,), weight, EPS)
 
     def _attention(self, h):
-        B, L, C = h.shape
-        # q and k reach the norm as strided [B, H, L, D] views, as in diffusers.
-        q, k, v = self.qkv(h).view(B, L, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q = self._rmsnorm(q, self.q_norm_weight)
-        k = self._rmsnorm(k, self.k_norm_weight)
-        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, C))
+        def heads(t):  # [B, L, H, D]
+            return t.unflatten(-1, (self.heads, self.head_dim))
+
+        q = self._rmsnorm(heads(self.to_q(h)), self.q_norm_weight)
+        k = self._rmsnorm(heads(self.to_k(h)), self.k_norm_weight)
+        v = heads(self.to_v(h))
+        if self.fused:
+            out = compile_ops.attention(q, k, v, seq_dim=1)
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            out = out.transpose(1, 2)
+        return self.proj(out.flatten(2))
 
     def _mlp(self, h):
         return self.mlp_out(F.gelu(self.mlp_in(h), approximate="tanh"))
@@ -180,7 +189,7 @@ def main() -> int:
     assert len(recorder.graphs) == 1, f"expected 1 Dynamo graph, got {len(recorder.graphs)}"
     calls = fused_calls(recorder.graphs[0])
     expected = {"fused.norm_modulate": 1, "fused.gated_residual_norm_modulate": 1,
-                "fused.gated_residual": 1, "fused.rmsnorm": 2}
+                "fused.gated_residual": 1, "fused.rmsnorm": 2, "fused.attention": 1}
     assert dict(calls) == expected, f"fused ops in the graph: {dict(calls)}, expected {expected}"
     print(f"  Dynamo: {len(recorder.graphs)} graph, 0 graph breaks; fused ops in the graph: "
           + ", ".join(f"{name} x{n}" for name, n in sorted(calls.items())))
