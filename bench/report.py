@@ -9,7 +9,8 @@
 The README block is everything between the lines ``<!-- perf-table:start -->``
 and ``<!-- perf-table:end -->`` (``attention-table`` / ``attention-causal-table``
 for bench/attention.py's JSON, ``block-sparse-table`` for
-bench/block_sparse.py's, ``diffusers-e2e-table`` for bench/diffusers_e2e.py's);
+bench/block_sparse.py's, ``diffusers-e2e-table`` for bench/diffusers_e2e.py's,
+``distributed-train-table`` for bench/distributed_train.py's);
 it is regenerated from the JSON, never edited by
 hand.
 """
@@ -257,6 +258,44 @@ def diffusers_e2e_table(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def is_distributed_train(data: dict) -> bool:
+    """bench/distributed_train.py's JSON."""
+    return any("multi" in r for r in data["rows"])
+
+
+def distributed_train_table(data: dict) -> str:
+    """Markdown: FSDP2 training throughput on 1 and N GPUs, the loss
+    agreement, and the heads-sharded block's check."""
+    row, env = data["rows"][0], data["env"]
+    config, gpus = row["config"], row["gpus"]
+    batch = config["global_batch"]
+    runs = (("1 GPU, whole batch", row["single"], 1, batch), ("1 GPU", row["baseline"], 1, batch // gpus),
+            (f"{gpus} GPUs", row["multi"], gpus, batch // gpus))
+    base = row["baseline"]["training"]["samples_per_s"]
+    out = [f"{env['gpu']} x {gpus} | torch {env['torch']} | triton {env['triton']} | "
+           f"{env['date'][:16].replace('T', ' ')} | {config['depth']} blocks of {config['dim']} wide, "
+           f"{config['heads']} heads, {config['tokens']} tokens a sample, {config['dtype']} compute, fp32 parameters "
+           f"and gradient reduction, AdamW (fused), {config['steps']} steps ({config['warmup']} untimed).", "",
+           "| run | samples per GPU | ms per step | samples/s | samples/s per GPU | vs 1 GPU | peak MiB per GPU |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, run, ranks, per_rank in runs:
+        t = run["training"]
+        out.append(f"| {name} | {per_rank} | {t['step_ms']:.1f} | {t['samples_per_s']:.2f} | "
+                   f"{t['samples_per_s'] / ranks:.2f} | {t['samples_per_s'] / base:.2f}x | {t['peak_MiB']:.0f} |")
+    single, multi = row["single"]["training"]["losses"], row["multi"]["training"]["losses"]
+    worst = max(abs(a - b) / abs(a) for a, b in zip(single, multi))
+    heads = row["multi"]["heads_sharded"]
+    collectives = ", ".join(f"{n} x {k.split('.')[-1]}" for k, n in heads["forward_collectives"].items())
+    out += ["", f"Per-step losses, {gpus} GPUs against 1 GPU on the same global batch of {config['global_batch']}: "
+                f"largest relative difference {worst:.1e} over {len(single)} steps.",
+            f"Heads-sharded block (tensor parallel, eager): forward collectives {collectives}; worst relative "
+            f"error against the unsharded block (output and every gradient) {max(heads['relative_errors'].values()):.1e}"
+            f"; {heads['sharded_ms']:.2f} ms forward+backward against {heads['unsharded_ms']:.2f} unsharded."]
+    if row["failures"]:
+        out += ["", "Failed: " + "; ".join(row["failures"])]
+    return "\n".join(out) + "\n"
+
+
 def update_readme(readme_path: str, block: str, marker: str = "perf-table") -> None:
     """Replace the lines between the ``<!-- marker:start -->`` and ``<!-- marker:end -->``
     lines of ``readme_path`` with ``block``."""
@@ -347,7 +386,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     data = load(args.json)
     # bench/run.py's op table comes last: the other runners' JSON is recognised by its rows.
-    special = ((is_diffusers_e2e, diffusers_e2e_table, lambda rows: "diffusers-e2e-table"),
+    special = ((is_distributed_train, distributed_train_table, lambda rows: "distributed-train-table"),
+               (is_diffusers_e2e, diffusers_e2e_table, lambda rows: "diffusers-e2e-table"),
                (is_block_sparse, block_sparse_table, lambda rows: "block-sparse-table"),
                (is_attention, attention_table,
                 lambda rows: "attention-causal-table" if any(r.get("causal") for r in rows) else "attention-table"))

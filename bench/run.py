@@ -603,6 +603,12 @@ def main(argv=None) -> int:
             from bench import diffusers_e2e
 
             status |= diffusers_e2e.main(["--out", args.out])
+        if torch.cuda.device_count() >= 2:
+            from bench import distributed_train
+
+            status |= distributed_train.main(["--out", args.out, "--gpus", "2"])
+        else:
+            _log("run.py: one GPU here: no FSDP2 / heads-sharded run (bench/distributed_train.py needs 2)")
     return status
 
 
