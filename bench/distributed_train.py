@@ -59,7 +59,7 @@ class Config:
     heads: int = 24
     depth: int = 8
     tokens: int = 4096
-    global_batch: int = 2
+    global_batch: int = 4
     steps: int = 30
     warmup: int = 5
     lr: float = 1e-4
@@ -176,11 +176,13 @@ def heads_sharded_block(config: Config, mesh, device) -> dict:
     replicated = [Replicate()] * mesh.ndim
 
     def sharded_step():
+        sharded.zero_grad(set_to_none=True)
         out = sharded(DTensor.from_local(x, mesh, replicated), DTensor.from_local(temb, mesh, replicated))
         out.backward(DTensor.from_local(grad, mesh, replicated))
         return out
 
     def reference_step():
+        reference.zero_grad(set_to_none=True)
         out = reference(x, temb)
         out.backward(grad)
         return out
@@ -188,28 +190,63 @@ def heads_sharded_block(config: Config, mesh, device) -> dict:
     with CommDebugMode() as comm:
         out = sharded(DTensor.from_local(x, mesh, replicated), DTensor.from_local(temb, mesh, replicated))
     forward_collectives = {str(k): v for k, v in comm.get_comm_counts().items()}
-    sharded.zero_grad(set_to_none=True)
     got, want = sharded_step(), reference_step()
     errors = {"output": _relative_error(got.full_tensor(), want)}
     for (name, p), (_, q) in zip(sharded.named_parameters(), reference.named_parameters()):
         errors[name] = _relative_error(p.grad.full_tensor(), q.grad)
     return {"forward_collectives": forward_collectives, "relative_errors": errors,
-            "sharded_ms": _time(sharded_step, sharded, device), "unsharded_ms": _time(reference_step, reference,
-                                                                                     device)}
+            "sharded_ms": _time(sharded_step, device), "unsharded_ms": _time(reference_step, device)}
+
+
+def sequence_sharded_attention(config: Config, mesh, device) -> dict:
+    """``compile_ops.attention`` on q/k/v sharded on the sequence (context
+    parallelism), against the unsharded call: output and gradients, the
+    forward's collectives (all-to-alls on NCCL; gloo has none and DTensor
+    emulates them with all-gathers), the output's placement, and times."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import compile_ops
+
+    torch.manual_seed(2)
+    shape = (1, config.tokens, config.heads, config.dim // config.heads)  # [B, L, H, D]
+    full = [torch.randn(shape, device=device, dtype=getattr(torch, config.dtype), requires_grad=True)
+            for _ in range(3)]
+    grad = torch.randn_like(full[0])
+    sharded = [distribute_tensor(t.detach(), mesh, [Shard(1)]).requires_grad_() for t in full]
+    sharded_grad = distribute_tensor(grad, mesh, [Shard(1)])
+    with CommDebugMode() as comm:
+        out = compile_ops.attention(*sharded, seq_dim=1)
+    out.backward(sharded_grad)
+    want = compile_ops.attention(*full, seq_dim=1)
+    want.backward(grad)
+    errors = {"output": _relative_error(out.full_tensor(), want)}
+    errors.update({f"d{name}": _relative_error(s.grad.full_tensor(), t.grad)
+                   for name, s, t in zip("qkv", sharded, full)})
+
+    def step(inputs, g):
+        for t in inputs:
+            t.grad = None
+        compile_ops.attention(*inputs, seq_dim=1).backward(g)
+
+    return {"forward_collectives": {str(k): v for k, v in comm.get_comm_counts().items()},
+            "output_placements": str(out.placements), "relative_errors": errors,
+            "backend": dist.get_backend(),
+            "sharded_ms": _time(lambda: step(sharded, sharded_grad), device),
+            "unsharded_ms": _time(lambda: step(full, grad), device)}
 
 
 def _relative_error(got, want) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
 
 
-def _time(step, module, device, reps: int = 10) -> float:
-    """ms per forward+backward."""
+def _time(step, device, reps: int = 10) -> float:
+    """ms per call of ``step`` (a forward+backward that clears its own gradients)."""
     for _ in range(2):
         step()
     _sync(device)
     start = time.perf_counter()
     for _ in range(reps):
-        module.zero_grad(set_to_none=True)
         step()
     _sync(device)
     return (time.perf_counter() - start) / reps * 1e3
@@ -228,6 +265,7 @@ def _worker(rank: int, world: int, config: Config, port: int, out_path: str, dev
         result = {"world": world, "training": fsdp_training(config, mesh, device)}
         if world > 1:
             result["heads_sharded"] = heads_sharded_block(config, mesh, device)
+            result["sequence_sharded"] = sequence_sharded_attention(config, mesh, device)
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(result, f)
@@ -264,6 +302,14 @@ def check(config: Config, single: dict, multi: dict) -> list:
     collectives = heads["forward_collectives"]
     if set(collectives) != {"c10d_functional.all_reduce"} or sum(collectives.values()) != 2:
         failures.append(f"heads-sharded forward: collectives {collectives}, expected the 2 row-parallel all-reduces")
+    sequence = multi["sequence_sharded"]
+    failures += [f"sequence-sharded attention: {name} relative error {err:.2e} > {config.tp_rtol}"
+                 for name, err in sequence["relative_errors"].items() if not err <= config.tp_rtol]
+    if sequence["output_placements"] != "(Shard(dim=1),)":
+        failures.append(f"sequence-sharded attention: output {sequence['output_placements']}, expected Shard(dim=1)")
+    gathers = [k for k in sequence["forward_collectives"] if "all_gather" in k]
+    if sequence["backend"] == "nccl" and gathers:  # gloo has no all-to-all: DTensor gathers there
+        failures.append(f"sequence-sharded attention gathered: {sequence['forward_collectives']}")
     return failures
 
 
@@ -300,6 +346,10 @@ def main(argv=None) -> int:
     print(f"heads-sharded block: {heads['sharded_ms']:.2f} ms fwd+bwd against {heads['unsharded_ms']:.2f} unsharded; "
           f"forward collectives {heads['forward_collectives']}; worst relative error "
           f"{max(heads['relative_errors'].values()):.2e}")
+    sequence = multi["sequence_sharded"]
+    print(f"sequence-sharded attention: {sequence['sharded_ms']:.2f} ms fwd+bwd against "
+          f"{sequence['unsharded_ms']:.2f} on one GPU; output {sequence['output_placements']}; forward collectives "
+          f"{sequence['forward_collectives']}; worst relative error {max(sequence['relative_errors'].values()):.2e}")
     if device_type == "cuda":
         from bench.run import environment, write_results
 

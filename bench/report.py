@@ -291,6 +291,13 @@ def distributed_train_table(data: dict) -> str:
             f"Heads-sharded block (tensor parallel, eager): forward collectives {collectives}; worst relative "
             f"error against the unsharded block (output and every gradient) {max(heads['relative_errors'].values()):.1e}"
             f"; {heads['sharded_ms']:.2f} ms forward+backward against {heads['unsharded_ms']:.2f} unsharded."]
+    sequence = row["multi"].get("sequence_sharded")
+    if sequence:
+        collectives = ", ".join(f"{n} x {k.split('.')[-1]}" for k, n in sequence["forward_collectives"].items())
+        out.append(f"Sequence-sharded attention ([1, {config['tokens']}, {config['heads']}, "
+                   f"{config['dim'] // config['heads']}], eager): output {sequence['output_placements']}, forward "
+                   f"collectives {collectives}; worst relative error {max(sequence['relative_errors'].values()):.1e}; "
+                   f"{sequence['sharded_ms']:.2f} ms forward+backward against {sequence['unsharded_ms']:.2f} on one GPU.")
     if row["failures"]:
         out += ["", "Failed: " + "; ".join(row["failures"])]
     return "\n".join(out) + "\n"

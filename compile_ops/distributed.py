@@ -23,8 +23,11 @@ of a per-sample scale under sequence sharding). A channel dim is never an axis,
 so a DTensor sharded on it is redistributed before the op runs.
 
 Not offered, on purpose:
-- sequence sharding of attention: every query needs every key (ring or
-  all-to-all attention is a different algorithm), so DTensor gathers;
+- sequence sharding in attention's rule: every query needs every key. The
+  public ``attention`` and ``block_sparse_attention`` instead move
+  sequence-sharded q/k/v to head shards with all-to-all and the results back
+  (:func:`sequence_parallel`, DeepSpeed-Ulysses); a direct call of the op
+  on sequence shards is gathered by DTensor;
 - sequence sharding of ``rope_grid``: positions come from the token index, and
   a shard does not know its offset;
 - an axis along which the sharded tensors have different sizes (GQA heads,
@@ -462,6 +465,45 @@ def replicated_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Replicate
     mesh = layout[0]
     return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+# ---------------------------------------------------------------- sequence-parallel attention
+
+
+def sequence_parallel(attend: Callable, q, k, v, seq_dim: int):
+    """``attend(q, k, v) -> (out, lse)`` for q/k/v sharded on the sequence, without
+    gathering them: the DeepSpeed-Ulysses exchange. One all-to-all each moves
+    q, k and v from sequence shards to head shards (every rank then holds whole
+    sequences for its heads, which attention's rule runs locally), and one
+    each moves out and lse back to sequence shards. Other calls, and sequence-
+    sharded ones that cannot switch (a head count that does not divide by the
+    ranks, k/v laid out unlike q, heads already sharded), run ``attend`` as
+    they are; DTensor then gathers what the rule needs.
+
+    Args:
+        attend: the attention op, options bound.
+        q, k, v: ``[B, H, L, D]`` (``seq_dim=2``) or ``[B, L, H, D]`` (``seq_dim=1``).
+        seq_dim: 1 or 2.
+    """
+    layout = layout_of(q)
+    if layout is None or seq_dim not in (1, 2) or q.ndim != 4 or any(layout_of(t) != layout for t in (k, v)):
+        return attend(q, k, v)
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = layout
+    heads_dim = 3 - seq_dim
+    over = [i for i, p in enumerate(placements) if p == Shard(seq_dim)]
+    ranks = 1
+    for i in over:
+        ranks *= mesh.size(i)
+    if not over or Shard(heads_dim) in placements or q.shape[heads_dim] % ranks or k.shape[heads_dim] % ranks:
+        return attend(q, k, v)
+
+    by_heads = [Shard(heads_dim) if i in over else p for i, p in enumerate(placements)]
+    out, lse = attend(*(t.redistribute(mesh, by_heads) for t in (q, k, v)))
+    # lse is [B, H, L] in both layouts: its sequence is dim 2.
+    lse_by_sequence = [Shard(2) if i in over else p for i, p in enumerate(lse.placements)]
+    return out.redistribute(mesh, placements), lse.redistribute(mesh, lse_by_sequence)
 
 
 # ---------------------------------------------------------------- registration

@@ -13,8 +13,10 @@ The backward goes through autograd's registered formulas, so every
 ``fused.*_backward`` op runs on DTensors too.
 
 "Not local" cases shard a dim the op cannot split (the channel dim, the head
-dim, attention's sequence): the result must still be right (DTensor
-redistributes) and no output may be sharded on that dim. A last check
+dim, grid RoPE's sequence): the result must still be right (DTensor
+redistributes) and no output may be sharded on that dim. Attention on
+sequence shards is its own case: the public functions switch q/k/v to head
+shards and the results back (compile_ops.distributed.sequence_parallel). A last check
 registers a wrong rule (rmsnorm split along its channel dim) and asserts that
 the same comparison catches it: the harness can fail.
 
@@ -212,6 +214,16 @@ def _attention_cases():
                    (s, s), (s, s, s, None, None))
         yield Case(f"block_sparse_attention_shared_lists/{axis}", _block_sparse, _block_sparse_inputs(1, 1),
                    (s, s, s, R, R), (s, s), (s, s, s, None, None))
+    # Sequence-sharded q/k/v: the public functions move them to head shards and
+    # back (Ulysses), so the results come back sharded on the sequence. (gloo
+    # has no all-to-all: DTensor emulates it with all-gathers on CPU;
+    # bench/distributed_train.py checks NCCL's all-to-alls.)
+    for seq_dim in (2, 1):
+        s = Shard(seq_dim)
+        yield Case(f"attention_seq_dim{seq_dim}/sequence", partial(_attention, seq_dim), _attention_inputs(seq_dim),
+                   (s, s, s, R), (s, Shard(2)), (s, s, s, None))
+    yield Case("block_sparse_attention/sequence", _block_sparse, _block_sparse_inputs(B, H),
+               (Shard(2), Shard(2), Shard(2), R, R), (Shard(2), Shard(2)), (Shard(2), Shard(2), Shard(2), None, None))
 
 
 # ---------------------------------------------------------------- cases: dims that are not local
@@ -230,11 +242,6 @@ def _not_local_cases():
                lambda: (act(B, H, L, D), table(L, D), table(L, D)), (Shard(3), R, R), None, not_sharded_on=3)
     yield Case("attention/head_dim", partial(_attention, 2), _attention_inputs(2),
                (Shard(3), Shard(3), Shard(3), R), None, not_sharded_on=3)
-    # Every query needs every key: no sequence-sharded attention without ring/all-to-all.
-    yield Case("attention/sequence", partial(_attention, 2), _attention_inputs(2),
-               (Shard(2), Shard(2), Shard(2), R), None, not_sharded_on=2)
-    yield Case("block_sparse_attention/sequence", _block_sparse, _block_sparse_inputs(1, 1),
-               (Shard(2), Shard(2), Shard(2), R, R), None, not_sharded_on=2)
     # Grid RoPE positions come from the global token index.
     yield Case("rope_grid/sequence", _rope_grid, _rope_grid_inputs, (Shard(2), Shard(2)), None, not_sharded_on=2)
 
