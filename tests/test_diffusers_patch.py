@@ -150,6 +150,19 @@ def test_flux_blocks_run_their_seams_and_qk_norms_through_the_fused_ops(monkeypa
     assert calls == Counter(gated_residual_norm_modulate=2, gated_residual=3, qk_norm_rope=3)
 
 
+def test_diffusers_caching_enabled_after_patch_finds_the_fused_blocks():
+    hooks = pytest.importorskip("diffusers.hooks")
+    model, patched, inputs, _ = _pair("flux")
+    for m in (model, patched):  # first-block cache: looks each block's outputs up by its class
+        m.enable_cache(hooks.FirstBlockCacheConfig(threshold=0.2))
+    torch.manual_seed(3)
+    args = _to(inputs(4), DEVICE)
+    for _ in range(3):  # the first call fills the cache, the later ones may reuse it
+        args["timestep"] = args["timestep"] * 0.99
+        with model.cache_context("cond"), patched.cache_context("cond"):
+            torch.testing.assert_close(patched(**args).sample, model(**args).sample, **TOL)
+
+
 def test_a_flux_block_whose_norms_the_fused_forward_does_not_reproduce_keeps_its_forward():
     torch.manual_seed(0)
     model, inputs = _flux()

@@ -254,10 +254,27 @@ def _block_rules() -> dict:
     """``{exact block class: (what, our block class)}``: blocks whose forward we
     reproduce with fused seams; their children are patched inside."""
     _, _, flux, *_ = _diffusers()
-    return {
+    rules = {
         flux.FluxTransformerBlock: ("diffusers FluxTransformerBlock", FluxTransformerBlock),
         flux.FluxSingleTransformerBlock: ("diffusers FluxSingleTransformerBlock", FluxSingleTransformerBlock),
     }
+    for theirs, (_, ours) in rules.items():
+        _share_block_metadata(ours, theirs)
+    return rules
+
+
+def _share_block_metadata(ours: type, theirs: type) -> None:
+    """diffusers' caching hooks (``enable_cache``: first-block cache, FasterCache,
+    ...) look a block's outputs up by its class in a registry; give ours the
+    original's entry, so that caching enabled after patch() finds our blocks.
+    The registry is private: where a diffusers release lacks it, there is
+    nothing to share."""
+    try:
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+        TransformerBlockRegistry._register()
+        TransformerBlockRegistry.register(model_class=ours, metadata=TransformerBlockRegistry.get(theirs))
+    except (ImportError, AttributeError, ValueError):
+        pass
 
 
 _UNFUSED_BLOCKS = ("JointTransformerBlock", "WanTransformerBlock", "LTXVideoTransformerBlock")
