@@ -36,7 +36,11 @@ def _outputs(out):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("spec", registry.OPS, ids=IDS)
 def test_opcheck(spec, dtype, device):
-    for requires_grad in ([False, True] if spec.differentiable else [False]):
+    # The autograd checks do not depend on the dtype: fp32 runs them, fp64
+    # checks the schema and the fake's dtype rules (a third of phase 1's time
+    # on a 2-core CI box went here).
+    with_grad = spec.differentiable and dtype == torch.float32
+    for requires_grad in ([False, True] if with_grad else [False]):
         for args in spec.edge_inputs(dtype, device, requires_grad):
             torch.library.opcheck(spec.op, args)
 
