@@ -25,7 +25,11 @@ NCCL on GPUs, gloo on CPU):
    (``compile_ops/distributed.py``). Checked against the unsharded block,
    forward and the gradients, and with ``CommDebugMode``: the forward's only
    collectives must be the two row-parallel all-reduces (attention did not
-   gather).
+   gather). Timed eagerly and compiled with ``fullgraph=True`` (DTensor inputs).
+3. **Sequence-sharded attention** (N > 1): ``compile_ops.attention`` on q/k/v
+   sharded on the sequence, which it runs by all-to-all on head shards
+   (``compile_ops.distributed.sequence_parallel``), against the unsharded
+   call; timed eagerly and compiled.
 
 Writes ``<out>/distributed-train-<gpu>.json``; exits non-zero when a check
 fails. ``tests/test_distributed_train.py`` runs the same code on CPU with a
@@ -40,6 +44,7 @@ import socket
 import sys
 import tempfile
 import time
+from functools import partial
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -51,6 +56,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench.demo import DiTBlock  # noqa: E402
+from bench.report import compiled_summary  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -175,15 +181,15 @@ def heads_sharded_block(config: Config, mesh, device) -> dict:
     x, temb, grad = (t[:1].to(dtype) for t in (x, temb, grad))
     replicated = [Replicate()] * mesh.ndim
 
-    def sharded_step():
+    def sharded_step(block=sharded):
         sharded.zero_grad(set_to_none=True)
-        out = sharded(DTensor.from_local(x, mesh, replicated), DTensor.from_local(temb, mesh, replicated))
+        out = block(DTensor.from_local(x, mesh, replicated), DTensor.from_local(temb, mesh, replicated))
         out.backward(DTensor.from_local(grad, mesh, replicated))
         return out
 
-    def reference_step():
+    def reference_step(block=reference):
         reference.zero_grad(set_to_none=True)
-        out = reference(x, temb)
+        out = block(x, temb)
         out.backward(grad)
         return out
 
@@ -195,7 +201,9 @@ def heads_sharded_block(config: Config, mesh, device) -> dict:
     for (name, p), (_, q) in zip(sharded.named_parameters(), reference.named_parameters()):
         errors[name] = _relative_error(p.grad.full_tensor(), q.grad)
     return {"forward_collectives": forward_collectives, "relative_errors": errors,
-            "sharded_ms": _time(sharded_step, device), "unsharded_ms": _time(reference_step, device)}
+            "sharded_ms": _time(sharded_step, device), "unsharded_ms": _time(reference_step, device),
+            **_compiled_times(config, partial(sharded_step, _compile(config, sharded)),
+                              partial(reference_step, _compile(config, reference)), device)}
 
 
 def sequence_sharded_attention(config: Config, mesh, device) -> dict:
@@ -224,16 +232,39 @@ def sequence_sharded_attention(config: Config, mesh, device) -> dict:
     errors.update({f"d{name}": _relative_error(s.grad.full_tensor(), t.grad)
                    for name, s, t in zip("qkv", sharded, full)})
 
-    def step(inputs, g):
+    def attend(q, k, v):
+        return compile_ops.attention(q, k, v, seq_dim=1)
+
+    def step(inputs, g, fn=attend):
         for t in inputs:
             t.grad = None
-        compile_ops.attention(*inputs, seq_dim=1).backward(g)
+        fn(*inputs).backward(g)
 
+    compiled = _compile(config, attend)
     return {"forward_collectives": {str(k): v for k, v in comm.get_comm_counts().items()},
             "output_placements": str(out.placements), "relative_errors": errors,
             "backend": dist.get_backend(),
             "sharded_ms": _time(lambda: step(sharded, sharded_grad), device),
-            "unsharded_ms": _time(lambda: step(full, grad), device)}
+            "unsharded_ms": _time(lambda: step(full, grad), device),
+            **_compiled_times(config, lambda: step(sharded, sharded_grad, compiled),
+                              lambda: step(full, grad, compiled), device)}
+
+
+def _compile(config: Config, fn):
+    return torch.compile(fn, fullgraph=True, backend=config.compile_backend) if config.compile_backend else fn
+
+
+def _compiled_times(config: Config, sharded_step, unsharded_step, device) -> dict:
+    """``{"compiled_sharded_ms", "compiled_unsharded_ms"}`` (fullgraph), or the
+    error that compiling raised: DTensor under compile is newer ground than
+    the eager path, and a failure here is a finding, not a crash of the run."""
+    if not config.compile_backend:
+        return {}
+    try:
+        return {"compiled_sharded_ms": _time(sharded_step, device),
+                "compiled_unsharded_ms": _time(unsharded_step, device)}
+    except Exception as e:  # noqa: BLE001 (reported in the results)
+        return {"compile_error": f"{type(e).__name__}: {str(e)[:400]}"}
 
 
 def _relative_error(got, want) -> float:
@@ -343,12 +374,13 @@ def main(argv=None) -> int:
           f"{b['losses'][-1]:.5f}, max relative difference "
           f"{max(abs(x - y) / abs(x) for x, y in zip(a['losses'], b['losses'])):.2e}")
     heads = multi["heads_sharded"]
-    print(f"heads-sharded block: {heads['sharded_ms']:.2f} ms fwd+bwd against {heads['unsharded_ms']:.2f} unsharded; "
+    print(f"heads-sharded block: {heads['sharded_ms']:.2f} ms fwd+bwd against {heads['unsharded_ms']:.2f} unsharded "
+          f"({compiled_summary(heads)}); "
           f"forward collectives {heads['forward_collectives']}; worst relative error "
           f"{max(heads['relative_errors'].values()):.2e}")
     sequence = multi["sequence_sharded"]
     print(f"sequence-sharded attention: {sequence['sharded_ms']:.2f} ms fwd+bwd against "
-          f"{sequence['unsharded_ms']:.2f} on one GPU; output {sequence['output_placements']}; forward collectives "
+          f"{sequence['unsharded_ms']:.2f} on one GPU ({compiled_summary(sequence)}); output {sequence['output_placements']}; forward collectives "
           f"{sequence['forward_collectives']}; worst relative error {max(sequence['relative_errors'].values()):.2e}")
     if device_type == "cuda":
         from bench.run import environment, write_results

@@ -263,6 +263,15 @@ def is_distributed_train(data: dict) -> bool:
     return any("multi" in r for r in data["rows"])
 
 
+def compiled_summary(result: dict) -> str:
+    """bench/distributed_train.py's compiled timings of a sharded run, in words."""
+    if "compile_error" in result:
+        return f"compiled: failed, {result['compile_error']}"
+    if "compiled_sharded_ms" not in result:
+        return "not compiled"
+    return f"compiled: {result['compiled_sharded_ms']:.2f} against {result['compiled_unsharded_ms']:.2f}"
+
+
 def distributed_train_table(data: dict) -> str:
     """Markdown: FSDP2 training throughput on 1 and N GPUs, the loss
     agreement, and the heads-sharded block's check."""
@@ -288,16 +297,18 @@ def distributed_train_table(data: dict) -> str:
     collectives = ", ".join(f"{n} x {k.split('.')[-1]}" for k, n in heads["forward_collectives"].items())
     out += ["", f"Per-step losses, {gpus} GPUs against 1 GPU on the same global batch of {config['global_batch']}: "
                 f"largest relative difference {worst:.1e} over {len(single)} steps.",
-            f"Heads-sharded block (tensor parallel, eager): forward collectives {collectives}; worst relative "
+            f"Heads-sharded block (tensor parallel): forward collectives {collectives}; worst relative "
             f"error against the unsharded block (output and every gradient) {max(heads['relative_errors'].values()):.1e}"
-            f"; {heads['sharded_ms']:.2f} ms forward+backward against {heads['unsharded_ms']:.2f} unsharded."]
+            f"; {heads['sharded_ms']:.2f} ms forward+backward against {heads['unsharded_ms']:.2f} unsharded, eager "
+            f"({compiled_summary(heads)})."]
     sequence = row["multi"].get("sequence_sharded")
     if sequence:
         collectives = ", ".join(f"{n} x {k.split('.')[-1]}" for k, n in sequence["forward_collectives"].items())
         out.append(f"Sequence-sharded attention ([1, {config['tokens']}, {config['heads']}, "
-                   f"{config['dim'] // config['heads']}], eager): output {sequence['output_placements']}, forward "
+                   f"{config['dim'] // config['heads']}]): output {sequence['output_placements']}, forward "
                    f"collectives {collectives}; worst relative error {max(sequence['relative_errors'].values()):.1e}; "
-                   f"{sequence['sharded_ms']:.2f} ms forward+backward against {sequence['unsharded_ms']:.2f} on one GPU.")
+                   f"{sequence['sharded_ms']:.2f} ms forward+backward against {sequence['unsharded_ms']:.2f} on one "
+                   f"GPU, eager ({compiled_summary(sequence)}).")
     if row["failures"]:
         out += ["", "Failed: " + "; ".join(row["failures"])]
     return "\n".join(out) + "\n"

@@ -276,6 +276,22 @@ def _two_mesh_dim_cases():
                ((Shard(0), Shard(1)),) * 3 + (None,), mesh=(1, WORLD))
 
 
+def _qk_norm_attention(q, k, v, weight):
+    return compile_ops.attention(compile_ops.rmsnorm(q, weight), k, v, seq_dim=1)
+
+
+def _compiled_cases():
+    """The rules under ``torch.compile(fullgraph=True)``: Dynamo traces DTensors
+    through the ops' sharding rules, and through sequence_parallel's
+    redistributes for sequence shards."""
+    compiled = torch.compile(_qk_norm_attention, fullgraph=True, backend="aot_eager")
+    for axis, d in (("heads", 2), ("sequence", 1)):
+        s = Shard(d)
+        yield Case(f"compiled_qk_norm_attention/{axis}", compiled,
+                   lambda: (act(B, L, H, D), act(B, L, HK, D), act(B, L, HK, D), param(D)), (s, s, s, R), (s,),
+                   (s, s, s, P))
+
+
 def _cases():
     for axis, d in ROW_AXES:
         yield from _row_cases(axis, d)
@@ -291,6 +307,7 @@ def _cases():
                lambda q, k, v, n: torch.ops.fused.attention(q, k, v, 0.35, False, seq_dim=1, kv_lengths=n),
                _attention_inputs(1), (Shard(0),) * 4, (Shard(0), Shard(0)), (Shard(0),) * 3 + (None,))
     yield from _attention_cases()
+    yield from _compiled_cases()
     yield from _not_local_cases()
 
 
