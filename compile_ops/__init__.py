@@ -22,7 +22,6 @@ from compile_ops import distributed as _distributed
 _distributed.register()
 
 
-
 def patch(model, attention_processors: bool = True, attention_kernel: str = "auto"):
     """Swap the fused ops into a diffusers transformer; see
     :func:`compile_ops.integrations.diffusers.patch`."""

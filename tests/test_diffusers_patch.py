@@ -248,6 +248,19 @@ def test_processors_hand_uncovered_calls_to_the_original():
     assert len(calls) == 1
 
 
+def test_processors_share_diffusers_settings_with_the_original():
+    _, patched, _, _ = _pair("flux")
+    processor = patched.transformer_blocks[0].attn.processor
+    original = processor.original
+    assert processor._parallel_config is None
+    processor._parallel_config = "a parallel config"  # what enable_parallelism writes
+    assert original._parallel_config == "a parallel config"  # the original, which then runs the calls
+    assert processor._parallel_config == "a parallel config"
+    assert "_parallel_config" not in vars(processor)
+    copied = copy.deepcopy(processor)  # __getattr__ must not recurse while copy rebuilds the object
+    assert copied.kernel == processor.kernel and copied.original is not original
+
+
 def test_attention_kernel_choice_keeps_the_outputs_and_rejects_unknown_names():
     torch.manual_seed(0)
     model, inputs = _flux()

@@ -301,11 +301,29 @@ class _FusedProcessor:
     fused path does not cover. ``kernel`` picks the attention kernel (see
     :func:`patch`)."""
 
+    #: Attributes diffusers sets on a model's processors
+    #: (``set_attention_backend``, ``enable_parallelism``): they live on the
+    #: original, which runs the calls they concern (a parallel config sends
+    #: every call there).
+    _ORIGINALS = ("_attention_backend", "_parallel_config")
+
     def __init__(self, original, kernel: str = "auto"):
         self.original = original
         self.kernel = kernel
         # Resolved here, not while Dynamo traces a call.
         self.rms_norm_classes = (RMSNorm, nn.RMSNorm, _diffusers()[0].RMSNorm)
+
+    def __getattr__(self, name):  # only for names not set on this object
+        original = self.__dict__.get("original")  # absent while copy/pickle rebuild the object
+        if original is None:
+            raise AttributeError(name)
+        return getattr(original, name)
+
+    def __setattr__(self, name, value):
+        if name in self._ORIGINALS:
+            setattr(self.original, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def attend(self, query, key, value):
         """Attention of ``[B, L, H, D]`` q, k, v."""
@@ -347,12 +365,6 @@ def _sdpa_is_faster(query, key, value) -> bool:
     shape (bench/diffusers_e2e.py)."""
     training = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not training
-
-    def __getattr__(self, name):  # diffusers reads _attention_backend, _parallel_config
-        original = self.__dict__.get("original")  # absent while copy/pickle rebuild the object
-        if original is None:
-            raise AttributeError(name)
-        return getattr(original, name)
 
 
 class FluxAttnProcessor(_FusedProcessor):
