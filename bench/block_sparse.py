@@ -26,6 +26,15 @@ SHAPE = (1, 24, 32760, 128)
 DENSITIES = (0.25, 0.5)
 
 
+def random_block_mask(n: int, density: float, generator: torch.Generator) -> torch.Tensor:
+    """``[n, n]`` bool on the GPU: each 128 x 128 block kept with probability
+    ``density``, plus the diagonal and the first key block (a sink)."""
+    mask = torch.rand(n, n, device="cuda", generator=generator) < density
+    mask.fill_diagonal_(True)
+    mask[:, 0] = True
+    return mask
+
+
 def main(argv=None) -> int:
     import compile_ops
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -66,9 +75,7 @@ def main(argv=None) -> int:
     dense = measure("fused_dense", 1.0, lambda: compile_ops.attention(q, k, v), flops_dense)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for density in DENSITIES:
-        mask = torch.rand(n, n, device="cuda", generator=gen) < density
-        mask.fill_diagonal_(True)
-        mask[:, 0] = True
+        mask = random_block_mask(n, density, gen)
         kept = mask.float().mean().item()
         index, count = compile_ops.block_index_from_mask(mask[None, None])
         flops = flops_dense * kept

@@ -21,6 +21,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 import compile_ops  # noqa: E402
+from bench.block_sparse import random_block_mask  # noqa: E402
 from bench.run import graph_replay_time, make_timer, warm_up_gpu, write_sweep  # noqa: E402
 from compile_ops.ops import attention as attention_ops  # noqa: E402
 
@@ -42,11 +43,8 @@ SPARSE_SHAPE, SPARSE_DENSITY = (1, 24, 32760, 128), 0.25
 
 
 def _quarter_of_the_blocks(length: int):
-    """bench/block_sparse.py's random mask (diagonal and first column kept) as lists."""
-    n = (length + 127) // 128
-    mask = torch.rand(n, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)) < SPARSE_DENSITY
-    mask.fill_diagonal_(True)
-    mask[:, 0] = True
+    """bench/block_sparse.py's first random mask, as lists."""
+    mask = random_block_mask((length + 127) // 128, SPARSE_DENSITY, torch.Generator(device="cuda").manual_seed(0))
     return compile_ops.block_index_from_mask(mask[None, None]), mask.float().mean().item()
 
 #: Block-sparse: program tiles of at most one 128-token block, steps that divide it.
@@ -99,8 +97,8 @@ def main(*argv):
                     ms = tflops = float("nan")
                 finally:
                     setattr(attention_ops, pass_name, default)
-                rows.append({"shape": [b, h, length, d], "block_sparse": sparse, "pass": pass_name, "config": list(config), "ms": ms,
-                             "TFLOPs": tflops})
+                rows.append({"shape": [b, h, length, d], "block_sparse": sparse, "pass": pass_name,
+                             "config": list(config), "ms": ms, "TFLOPs": tflops})
                 print(f"{b}x{h}x{length}x{d} {pass_name:<14} {config}: {ms * 1e3:8.1f} us {tflops:6.0f} TFLOP/s",
                       flush=True)
         del q, k, v
