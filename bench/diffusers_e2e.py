@@ -15,9 +15,9 @@ Full-size configs with random weights (nothing is downloaded), bf16, batch 1:
 
 Training runs SDPA without its cuDNN backend: torch 2.11's cuDNN attention
 backward fails at this shape (``mha_graph.execute(...).is_good()``), so the
-native step uses SDPA's flash backend. Each case runs native eager, native ``torch.compile`` (default mode), patched
-eager and patched compiled, one model patched in place between the two
-halves. Times are medians of ``triton.testing.do_bench``; the peak memory is
+native step uses SDPA's flash backend. Each case runs native eager, native
+``torch.compile`` (default mode), patched eager and patched compiled, one
+model patched in place between the two halves. Times are medians of ``triton.testing.do_bench``; the peak memory is
 the allocator's peak during one call above what was allocated before it.
 Writes ``<out>/diffusers-e2e-<gpu>.json`` (rows merge with an existing file
 by case and provider).
