@@ -163,6 +163,14 @@ def markdown_table(data: dict) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def run_line(env: dict, *versions: str, gpus: int = 1) -> str:
+    """The head of a runner's table: GPU (and count), torch, triton, any other
+    ``versions``, and the time of the run (UTC, to the minute)."""
+    gpu = env["gpu"] if gpus == 1 else f"{env['gpu']} x {gpus}"
+    return " | ".join([gpu, f"torch {env['torch']}", f"triton {env['triton']}", *versions,
+                       env["date"][:16].replace("T", " ")])
+
+
 def is_attention(data: dict) -> bool:
     """bench/attention.py's JSON (TFLOP/s rows) rather than bench/run.py's."""
     return any("fwd_TFLOPs" in r or r.get("provider") == "sdpa_flash" for r in data["rows"])
@@ -177,8 +185,7 @@ def attention_table(data: dict) -> str:
     providers = list(dict.fromkeys(r["provider"] for r in rows))
     shapes = list(dict.fromkeys(tuple(r["shape"]) for r in rows))
     by = {(tuple(r["shape"]), r["provider"]): r for r in rows}
-    out = [f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | {env['date'][:16].replace('T', ' ')}"
-           f" | bf16, [B, H, L, D], {'causal' if causal else 'non-causal'} self-attention.", "",
+    out = [run_line(env) + f" | bf16, [B, H, L, D], {'causal' if causal else 'non-causal'} self-attention.", "",
            "TFLOP/s forward / forward+backward (CUDA-graph replay; 4·B·H·L²·D per forward"
            f"{', halved for causal' if causal else ''}, 3.5x for forward+backward), and the peak memory "
            "of one forward+backward step above its inputs.", "",
@@ -208,8 +215,8 @@ def block_sparse_table(data: dict) -> str:
     dense = next(r for r in rows if r["provider"] == "fused_dense")
     by = {(r["provider"], r["density"]): r for r in rows if "density" in r}
     shape = _shape(dense["shape"])
-    out = [f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | {env['date'][:16].replace('T', ' ')}"
-           f" | bf16, {shape}, random 128x128 block masks (diagonal and block 0 kept), one for every head.", "",
+    out = [run_line(env) + f" | bf16, {shape}, random 128x128 block masks (diagonal and block 0 kept), one for "
+           "every head.", "",
            "ms forward / forward+backward (CUDA-graph replay); the speed-ups divide our dense attention's time "
            f"({dense['fwd_ms']:.2f} / {dense['fwdbwd_ms']:.1f} ms) and FlexAttention's (compiled, same `BlockMask`) "
            "by ours.", "",
@@ -239,8 +246,7 @@ def diffusers_e2e_table(data: dict) -> str:
     rows, env = data["rows"], data["env"]
     by = {(r["case"], r["provider"]): r for r in rows}
     providers = ("native_eager", "native_compiled", "patched_eager", "patched_compiled")
-    out = [f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | diffusers {env.get('diffusers', '?')}"
-           f" | {env['date'][:16].replace('T', ' ')} | bf16, batch 1, random weights.", "",
+    out = [run_line(env, f"diffusers {env.get('diffusers', '?')}") + " | bf16, batch 1, random weights.", "",
            "ms per call (peak MiB above the memory in use before it); compiled = `torch.compile` default mode.", "",
            "| case | attention kernel | " + " | ".join(providers) + " | patched vs native, compiled / eager |",
            "|---|---|" + "---:|" * (len(providers) + 1)]
@@ -252,8 +258,6 @@ def diffusers_e2e_table(data: dict) -> str:
             speed = (f"{by[(case, 'native_compiled')]['ms'] / by[(case, 'patched_compiled')]['ms']:.2f}x / "
                      f"{by[(case, 'native_eager')]['ms'] / by[(case, 'patched_eager')]['ms']:.2f}x")
         kernel = by.get((case, "patched_eager"), {}).get("attention_kernel", "?")
-        if any("note" in by.get((case, p), {}) for p in providers):
-            kernel += " (earlier run, see note)"
         out.append(f"| {case} | {kernel} | " + " | ".join(cells) + f" | {speed} |")
     return "\n".join(out) + "\n"
 
@@ -281,8 +285,7 @@ def distributed_train_table(data: dict) -> str:
     runs = (("1 GPU, whole batch", row["single"], 1, batch), ("1 GPU", row["baseline"], 1, batch // gpus),
             (f"{gpus} GPUs", row["multi"], gpus, batch // gpus))
     base = row["baseline"]["training"]["samples_per_s"]
-    out = [f"{env['gpu']} x {gpus} | torch {env['torch']} | triton {env['triton']} | "
-           f"{env['date'][:16].replace('T', ' ')} | {config['depth']} blocks of {config['dim']} wide, "
+    out = [run_line(env, gpus=gpus) + f" | {config['depth']} blocks of {config['dim']} wide, "
            f"{config['heads']} heads, {config['tokens']} tokens a sample, {config['dtype']} compute, fp32 parameters "
            f"and gradient reduction, AdamW (fused), {config['steps']} steps ({config['warmup']} untimed).", "",
            "| run | samples per GPU | ms per step | samples/s | samples/s per GPU | vs 1 GPU | peak MiB per GPU |",
