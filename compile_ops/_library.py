@@ -30,7 +30,7 @@ import torch
 from torch.library import wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from compile_ops import distributed
+from compile_ops import _dtensor
 
 NAMESPACE = "fused"
 
@@ -151,10 +151,10 @@ class FusedOp:
         ``autograd.Function`` that the fast path uses with the same two functions.
 
         The registered pair is wrapped for DTensor arguments (see
-        :func:`compile_ops.distributed.gradients_as_dtensors`); the fast path
+        :func:`compile_ops._dtensor.gradients_as_dtensors`); the fast path
         never sees DTensors and is left as is."""
-        self.custom_op.register_autograd(distributed.gradients_as_dtensors(backward),
-                                         setup_context=distributed.remember_output_layouts(setup_context))
+        self.custom_op.register_autograd(_dtensor.gradients_as_dtensors(backward),
+                                         setup_context=_dtensor.remember_output_layouts(setup_context))
         body = self.body
 
         def forward(*args):

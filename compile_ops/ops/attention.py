@@ -13,7 +13,7 @@ import torch
 import triton
 from torch import Tensor
 
-from compile_ops import distributed, meta, reference
+from compile_ops import _dtensor, meta, reference
 from compile_ops._library import fused_op, launcher
 from compile_ops.kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                            attn_fwd_kernel)
@@ -232,7 +232,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, ca
         (and the lse). A query with no visible key gives 0 (lse -inf).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = distributed.sequence_parallel(
+    out, lse = _dtensor.sequence_parallel(
         lambda q, k, v: _attention_op(q, k, v, scale, causal, seq_dim, kv_lengths), q, k, v, seq_dim)
     return (out, lse) if return_lse else out
 

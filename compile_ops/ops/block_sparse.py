@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from compile_ops import distributed, meta, reference
+from compile_ops import _dtensor, meta, reference
 from compile_ops._library import fused_op
 from compile_ops.meta.attention import SPARSE_BLOCK
 from compile_ops.ops._launch import unit_last_stride
@@ -119,7 +119,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_index: Tensor,
         query with no listed (or no visible) key gives 0 and an lse of -inf.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = distributed.sequence_parallel(
+    out, lse = _dtensor.sequence_parallel(
         lambda q, k, v: _block_sparse_attention_op(q, k, v, block_index, block_count, scale, causal, seq_dim,
                                                    kv_lengths), q, k, v, seq_dim)
     return (out, lse) if return_lse else out

@@ -16,7 +16,7 @@ import torch
 import triton
 from torch import Tensor
 
-from compile_ops import distributed, meta, reference
+from compile_ops import _dtensor, meta, reference
 from compile_ops._library import fused_op, launcher, multiprocessor_count
 from compile_ops.kernels.rope import qk_norm_rope_bwd_kernel, rope_kernel
 from compile_ops.meta.modulate import static_int
@@ -340,7 +340,7 @@ def rope_grid(q: Tensor, k: Tensor, spec: "meta.rope.GridRope", height: int, wid
     Returns:
         ``(q_rotated, k_rotated)``, contiguous, in the inputs' shapes and dtype.
     """
-    constants = distributed.replicated_like(_grid_constants(spec, q.device), q)
+    constants = _dtensor.replicated_like(_grid_constants(spec, q.device), q)
     return _rope_grid_op(q, k, constants, height, width, spec.interleaved, seq_dim, False)
 
 

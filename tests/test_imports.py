@@ -1,0 +1,125 @@
+"""The house: imports run one way.
+
+Walks every ``import`` statement of ``compile_ops`` and ``bench`` (module level
+and inside functions alike: a lazy import is still a dependency) and fails on
+a circle, naming it. A package's ``__init__`` counts as the module of the
+package's name; importing a submodule does not count as importing its parent
+package (Python does that for every module, which would make everything one
+circle), but ``from pkg import name`` counts as importing ``pkg.name`` when
+that is a module, else ``pkg`` itself.
+
+Why it matters: ``_library`` (the registration helper, the lowest layer)
+imported the DTensor rules table, which imported every op, which imported
+``_library``; and ``bench/run.py`` imported the runners that imported it back.
+Such loops make the import order decide whether a name exists yet.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def module_files(package: str) -> dict:
+    """``{module name: path}`` of every ``.py`` file of ``package``."""
+    files = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = path
+    return files
+
+
+def _absolute(module: str, is_package: bool, level: int, name) -> str:
+    if level == 0:
+        return name or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def import_graph(package: str) -> dict:
+    """``{module: set of modules of the same package it imports}``."""
+    files = module_files(package)
+    graph = {}
+    for module, path in files.items():
+        is_package = path.name == "__init__.py"
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(module, is_package, node.level, node.module)
+                for alias in node.names:
+                    submodule = f"{base}.{alias.name}"
+                    targets.add(submodule if submodule in files else base)
+        graph[module] = {t for t in targets if t in files and t != module}
+    return graph
+
+
+def find_cycle(graph: dict):
+    """One import circle as a list of modules (first == last), or None."""
+    state = {}  # module -> "open" while on the DFS stack, "done" after
+
+    def visit(module, stack):
+        state[module] = "open"
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                return stack[stack.index(target):] + [target]
+            if target not in state:
+                cycle = visit(target, stack)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[module] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            cycle = visit(module, [])
+            if cycle:
+                return cycle
+    return None
+
+
+@pytest.mark.parametrize("package", ["compile_ops", "bench"])
+def test_no_import_circles(package):
+    graph = import_graph(package)
+    assert len(graph) > 5, graph  # the walk found the package's modules
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_walk_sees_the_arrows_it_must_see():
+    """The checker is not vacuous: known arrows appear, and a planted circle is found."""
+    graph = import_graph("compile_ops")
+    assert "compile_ops._dtensor" in graph["compile_ops._library"]
+    assert "compile_ops._library" in graph["compile_ops.ops.norm"]
+    assert "compile_ops.ops.attention" in graph["compile_ops.distributed"]
+    # function-level imports count: __init__.patch imports the diffusers integration lazily
+    assert "compile_ops.integrations.diffusers" in graph["compile_ops"]
+    planted = {name: set(targets) for name, targets in graph.items()}
+    planted["compile_ops._dtensor"].add("compile_ops.distributed")
+    cycle = find_cycle(planted)
+    assert cycle is not None and "compile_ops._dtensor" in cycle and "compile_ops.distributed" in cycle
+
+
+def test_the_lowest_layers_import_no_op():
+    """``_dtensor`` and ``_library`` sit under every op: neither reaches ``ops`` or the rules table."""
+    graph = import_graph("compile_ops")
+
+    def reachable(module):
+        seen, todo = set(), [module]
+        while todo:
+            for target in graph[todo.pop()]:
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+        return seen
+
+    for low in ("compile_ops._dtensor", "compile_ops._library"):
+        above = {m for m in reachable(low) if m.startswith("compile_ops.ops") or m == "compile_ops.distributed"}
+        assert not above, f"{low} reaches {sorted(above)}"
