@@ -1,13 +1,60 @@
 #!/usr/bin/env bash
-# The whole test suite, on any machine. With a GPU every layer runs on CUDA in
-# one pytest process. Without one: the reference path and fake-CUDA tracing in
-# one process, then the real Triton kernels under triton's interpreter in a
-# second (TRITON_INTERPRET must be set before triton is imported).
-set -euo pipefail
+# The whole test suite, on any machine; the README's test command and CI's.
+#
+# Without a GPU: two pytest processes. The reference path and fake-CUDA tracing
+# run in the first; the real Triton kernels under triton's interpreter in the
+# second (TRITON_INTERPRET must be set before triton is imported). Hypothesis
+# uses the "ci" profile (bounded, derandomized: the same examples every run).
+#
+# With a GPU: every layer on CUDA in one pytest process, Hypothesis on the
+# "gpu" profile (bounded examples, a random seed printed at the start so a
+# failure can be replayed with HYPOTHESIS_SEED=<seed>), with the Triton and
+# Inductor caches in .cache/ (or $TRITON_CACHE_DIR / $TORCHINDUCTOR_CACHE_DIR)
+# so that a second run, or a machine the folder is carried to, compiles
+# nothing again. The log goes to $TEST_LOG (default .cache/gpu-tests.log).
+#
+# Every layer runs even when an earlier one fails; the exit status is non-zero
+# if any failed, and the failed layers are named at the end.
+# Extra arguments go to every pytest call (e.g. -k attention, -x).
+set -uo pipefail
 cd "$(dirname "$0")/.."
+
+failed=()
+run_layer() {  # run_layer NAME COMMAND...: run one layer, remember a failure
+  local name=$1
+  shift
+  echo "=== layer: $name"
+  local start=$SECONDS
+  "$@"
+  local rc=$?
+  echo "=== layer: $name: exit $rc after $((SECONDS - start)) s"
+  [ $rc -eq 0 ] || failed+=("$name (exit $rc)")
+}
+
 if python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  python -m pytest tests "$@"
+  export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu}
+  export HYPOTHESIS_SEED=${HYPOTHESIS_SEED:-$(python -c "import random; print(random.randrange(2**31))")}
+  export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.cache/triton}
+  export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}
+  TEST_LOG=${TEST_LOG:-$PWD/.cache/gpu-tests.log}
+  mkdir -p "$TRITON_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR" "$(dirname "$TEST_LOG")"
+  echo "GPU run: Hypothesis profile $HYPOTHESIS_PROFILE, seed $HYPOTHESIS_SEED (replay: HYPOTHESIS_SEED=$HYPOTHESIS_SEED)"
+  echo "Triton cache $TRITON_CACHE_DIR ($(find "$TRITON_CACHE_DIR" -type f | wc -l) files), log $TEST_LOG"
+  logged_pytest() {  # pytest's own exit status, not tee's
+    python -m pytest "$@" 2>&1 | tee "$TEST_LOG"
+    return "${PIPESTATUS[0]}"
+  }
+  run_layer "cuda: every layer" logged_pytest tests --hypothesis-seed="$HYPOTHESIS_SEED" --durations=30 "$@"
 else
-  python -m pytest tests -m "not kernels" "$@"
-  TRITON_INTERPRET=1 python -m pytest tests -m kernels "$@"
+  export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
+  echo "CPU run: Hypothesis profile $HYPOTHESIS_PROFILE"
+  run_layer "cpu: reference path + fake-CUDA tracing" python -m pytest tests -m "not kernels" --durations=15 "$@"
+  run_layer "cpu: Triton interpreter" env TRITON_INTERPRET=1 python -m pytest tests -m kernels --durations=15 "$@"
 fi
+
+if [ ${#failed[@]} -ne 0 ]; then
+  echo "FAILED layers:"
+  printf '  %s\n' "${failed[@]}"
+  exit 1
+fi
+echo "all layers passed"

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import compile_ops
 from bad_input import bad_input_test
+from shapes import size
 from compile_ops.reference import attention as ref
 from conftest import INTERPRET, KERNEL_DEVICE
 from numerics import assert_within_torch_error
@@ -94,9 +95,9 @@ def attention_cases(draw):
     b = draw(st.integers(1, 2))
     hk = draw(st.integers(1, 2))
     hq = hk * draw(st.sampled_from([1, 2, 3]))
-    lengths = st.one_of(st.integers(1, 80), st.sampled_from([97, 113, 129]))
+    lengths = size(st.one_of(st.integers(1, 80), st.sampled_from([97, 113, 129])), [1, 17, 64, 129])
     lq, lk = draw(lengths), draw(lengths)
-    d = draw(st.sampled_from([16, 32, 40, 64, 72, 80, 96, 128]))
+    d = draw(size(st.sampled_from([16, 32, 40, 64, 72, 80, 96, 128]), [40, 64, 128]))
     seq_dim = draw(st.sampled_from([1, 2]))
     causal = draw(st.booleans())
     padded = draw(st.booleans())

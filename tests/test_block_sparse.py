@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import compile_ops
 from bad_input import bad_input_test
+from shapes import examples
 from compile_ops.ops import block_sparse as bs
 from compile_ops.reference import block_sparse as ref
 from conftest import INTERPRET, KERNEL_DEVICE
@@ -67,7 +68,7 @@ def _random_lists(b, h, lq, lk, density, seed, device):
 
 
 @pytest.mark.kernels
-@settings(max_examples=6 if INTERPRET else 60)
+@settings(max_examples=examples(cpu=6, gpu=20))
 @given(sparse_cases())
 def test_kernels_match_fp64_reference_forward_and_backward(case):
     dtype, b, hq, hk, lq, lk, d, seq_dim, causal, per_head, kv_lengths, density, seed = case

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import compile_ops
 from bad_input import bad_input_test
+from shapes import size
 from conftest import KERNEL_DEVICE
 from numerics import assert_within_torch_error
 
@@ -48,7 +49,7 @@ def glu_cases(draw):
     op = draw(st.sampled_from(sorted(OPS)))
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
     lead = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
-    h = draw(st.one_of(st.integers(1, 160), st.sampled_from([256, 1000, 1536])))
+    h = draw(size(st.one_of(st.integers(1, 160), st.sampled_from([256, 1000, 1536])), [1, 37, 128, 1536]))
     layout = draw(st.sampled_from(["contiguous", "row_slice", "channel_strided"]))
     gate_first = draw(st.booleans())
     scale = draw(st.sampled_from([1.0, 4.0]))  # 4: gates deep in the activations' tails

@@ -19,6 +19,7 @@ import compile_ops
 from compile_ops._library import OP_BODIES
 from compile_ops.reference import modulate as ref
 from bad_input import bad_input_test
+from shapes import size
 from conftest import HAS_CUDA, KERNEL_DEVICE
 from numerics import assert_within_torch_error
 
@@ -88,7 +89,7 @@ def modulation_cases(draw):
     op = draw(st.sampled_from(OPS))
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
     B, L = draw(st.integers(1, 3)), draw(st.integers(1, 9))
-    C = draw(st.one_of(st.integers(1, 80), st.sampled_from([128, 333, 1024])))
+    C = draw(size(st.one_of(st.integers(1, 80), st.sampled_from([128, 333, 1024])), [1, 37, 128, 1024]))
     forms = [draw(st.sampled_from(sorted(FORMS))) for _ in range(3)]
     mod_dtype = draw(st.sampled_from([dtype, dtype, torch.float32]))
     chunked = draw(st.booleans())  # modulation as a strided chunk of a [B, 6C] embedding

@@ -16,6 +16,7 @@ import compile_ops
 from compile_ops._library import OP_BODIES
 from compile_ops.reference import norm as ref
 from bad_input import bad_input_test
+from shapes import size
 from conftest import KERNEL_DEVICE
 from numerics import assert_within_torch_error
 
@@ -75,7 +76,7 @@ def norm_cases(draw):
     op = draw(st.sampled_from(["rmsnorm", "layernorm", "add_rmsnorm"]))
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
     lead = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
-    n = draw(st.one_of(st.integers(1, 200), st.sampled_from([256, 1000, 1536, 3072])))
+    n = draw(size(st.one_of(st.integers(1, 200), st.sampled_from([256, 1000, 1536, 3072])), [1, 37, 128, 1000, 3072]))
     weight = draw(st.sampled_from(["none", "same", "fp32"]))
     bias = op != "add_rmsnorm" and draw(st.booleans())
     strided = draw(st.booleans())
