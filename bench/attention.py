@@ -23,7 +23,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.run import environment, graph_replay_time, make_timer, warm_up_gpu, write_results  # noqa: E402
+from bench.toolkit import environment, graph_replay_time, make_timer, warm_up_gpu, write_results  # noqa: E402
 
 #: Flux at 1024x1024 (24 heads), Wan 2.1 480p x 81 frames (12 heads), a
 #: HunyuanVideo-sized 40-head sequence, and head dim 64.

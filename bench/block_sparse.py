@@ -20,7 +20,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.run import environment, graph_replay_time, make_timer, warm_up_gpu, write_results  # noqa: E402
+from bench.toolkit import environment, graph_replay_time, make_timer, warm_up_gpu, write_results  # noqa: E402
 
 SHAPE = (1, 24, 32760, 128)
 DENSITIES = (0.25, 0.5)

@@ -34,7 +34,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.run import environment, results_path, warm_up_gpu, write_results  # noqa: E402
+from bench.toolkit import environment, results_path, warm_up_gpu, write_results  # noqa: E402
 
 DTYPE = torch.bfloat16
 

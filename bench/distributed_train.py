@@ -28,7 +28,7 @@ NCCL on GPUs, gloo on CPU):
    gather). Timed eagerly and compiled with ``fullgraph=True`` (DTensor inputs).
 3. **Sequence-sharded attention** (N > 1): ``compile_ops.attention`` on q/k/v
    sharded on the sequence, which it runs by all-to-all on head shards
-   (``compile_ops.distributed.sequence_parallel``), against the unsharded
+   (``compile_ops._dtensor.sequence_parallel``), against the unsharded
    call; timed eagerly and compiled.
 
 Writes ``<out>/distributed-train-<gpu>.json``; exits non-zero when a check
@@ -57,6 +57,7 @@ from torch import nn  # noqa: E402
 
 from bench.demo import DiTBlock  # noqa: E402
 from bench.report import compiled_summary  # noqa: E402
+from bench.toolkit import environment, write_results  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -383,8 +384,6 @@ def main(argv=None) -> int:
           f"{sequence['unsharded_ms']:.2f} on one GPU ({compiled_summary(sequence)}); output {sequence['output_placements']}; forward collectives "
           f"{sequence['forward_collectives']}; worst relative error {max(sequence['relative_errors'].values()):.2e}")
     if device_type == "cuda":
-        from bench.run import environment, write_results
-
         print("wrote", write_results(args.out, "distributed-train", environment(),
                                      [{"config": dataclasses.asdict(config), "gpus": args.gpus, "single": single,
                                        "baseline": baseline, "multi": multi, "failures": failures}]))

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 import compile_ops  # noqa: E402
 from bench.block_sparse import random_block_mask  # noqa: E402
-from bench.run import graph_replay_time, make_timer, warm_up_gpu, write_sweep  # noqa: E402
+from bench.toolkit import graph_replay_time, make_timer, warm_up_gpu, write_sweep  # noqa: E402
 from compile_ops.ops import attention as attention_ops  # noqa: E402
 
 SHAPES = ((1, 24, 4608, 128), (2, 24, 4096, 64))

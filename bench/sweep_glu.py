@@ -4,7 +4,7 @@ MAX_BLOCK_N and NUM_WARPS in compile_ops/ops/glu.py.
     PYTHONPATH=. python bench/sweep_glu.py [OUT.json] [OPS] [TILE/BLOCK_N/WARPS,...]
 
 At the registry's GLU shapes, bf16, CUDA-graph replays of the forward and of
-the forward+backward step (``bench.run.run_sweep``).
+the forward+backward step (``bench.toolkit.run_sweep``).
 """
 import os
 import sys
@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.run import module_config, run_sweep  # noqa: E402
+from bench.toolkit import module_config, run_sweep  # noqa: E402
 from compile_ops import registry  # noqa: E402
 from compile_ops.ops import glu as glu_ops  # noqa: E402
 

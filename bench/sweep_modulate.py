@@ -23,7 +23,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench.run import (bytes_model, graph_replay_time, make_timer, time_forward_backward,  # noqa: E402
+from bench.toolkit import (bytes_model, graph_replay_time, make_timer, time_forward_backward,  # noqa: E402
                        warm_up_gpu, write_sweep)
 from compile_ops import registry  # noqa: E402
 from compile_ops.ops import modulate as modulate_ops  # noqa: E402

@@ -6,7 +6,7 @@ PROGRAMS_PER_SM and NUM_WARPS in compile_ops/ops/rope.py.
 rope_qk (half-split, [B, L, H, D]), rope (interleaved, [B, H, L, D]),
 rope_grid and qk_norm_rope at the registry's RoPE shapes, bf16, timed as CUDA
 graph replays of the forward and of the whole forward+backward step
-(``bench.run.run_sweep``: three interleaved rounds, median kept).
+(``bench.toolkit.run_sweep``: three interleaved rounds, median kept).
 """
 import os
 import sys
@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.run import module_config, run_sweep  # noqa: E402
+from bench.toolkit import module_config, run_sweep  # noqa: E402
 from compile_ops import registry  # noqa: E402
 from compile_ops.ops import rope as rope_ops  # noqa: E402
 

@@ -16,7 +16,7 @@ The backward goes through autograd's registered formulas, so every
 dim, grid RoPE's sequence): the result must still be right (DTensor
 redistributes) and no output may be sharded on that dim. Attention on
 sequence shards is its own case: the public functions switch q/k/v to head
-shards and the results back (compile_ops.distributed.sequence_parallel). A last check
+shards and the results back (compile_ops._dtensor.sequence_parallel). A last check
 registers a wrong rule (rmsnorm split along its channel dim) and asserts that
 the same comparison catches it: the harness can fail.
 

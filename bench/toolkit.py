@@ -1,0 +1,320 @@
+"""What the benchmark runners share: environment, timing, byte counts, results files, sweeps.
+
+Imported by every runner (``bench/ops.py``, ``attention.py``, ``block_sparse.py``,
+``diffusers_e2e.py``, ``distributed_train.py``, ``sweep_<family>.py``); it
+imports no runner, and ``bench/run.py`` only parses arguments and dispatches
+to the runners, so the imports of ``bench/`` run one way.
+
+- Environment: :func:`environment` (GPU, torch, triton, CUDA, Liger versions),
+  :func:`gpu_slug` (the file stem of a GPU name).
+- Timing: :func:`warm_up_gpu`, :func:`make_timer` (``triton.testing.do_bench``
+  median, L2 flushed), :func:`graph_replay_time` (CUDA-graph replays),
+  :func:`time_forward`, :func:`time_forward_backward`, and the device copy
+  bandwidth that sets the roofline (:func:`copy_bandwidth_TBps`).
+- Bytes: :func:`bytes_model`.
+- Results: :func:`results_path`, :func:`write_results`, :func:`write_sweep`,
+  :func:`merge_runs`.
+- Launch-config sweeps: :func:`run_sweep`, :func:`sweep_times`, :func:`module_config`.
+- Small helpers: :func:`log`, :func:`shape_str`, :func:`error_text`,
+  :func:`as_tuple`, :func:`tensors_of`.
+"""
+import datetime
+import functools
+import importlib.metadata
+import json
+import os
+import re
+import time
+
+import torch
+
+#: The device copy that sets the roofline: 2 GiB, far past any L2.
+COPY_BYTES = 2 * 1024**3
+#: do_bench (warmup, rep) in milliseconds of run time, full and --quick.
+TIMING = {False: (25, 200), True: (5, 25)}
+
+
+# ---------------------------------------------------------------- small helpers
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def shape_str(shape) -> str:
+    return "x".join(str(d) for d in shape)
+
+
+def as_tuple(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def tensors_of(values) -> list:
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def error_text(exc: BaseException) -> str:
+    # Compile errors run to pages; their cause is in the first lines.
+    return f"{type(exc).__name__}: {exc}".strip()[:500]
+
+
+# ---------------------------------------------------------------- environment
+
+def gpu_slug(name: str) -> str:
+    """A file stem for a GPU name: "NVIDIA H100 80GB HBM3" -> "h100",
+    "NVIDIA A100-SXM4-80GB" -> "a100", "NVIDIA GeForce RTX 4090" -> "rtx4090"."""
+    vendor = {"nvidia", "geforce", "tesla", "quadro", "amd", "radeon", "instinct"}
+    words = [w for w in re.split(r"[\s_]+", name.lower()) if w and w not in vendor]
+    if not words:
+        return "gpu"
+    stem = words[0].split("-")[0]
+    if stem.isalpha() and len(words) > 1:  # a product line before the model: "rtx 4090"
+        stem += words[1].split("-")[0]
+    return re.sub(r"[^a-z0-9]+", "", stem) or "gpu"
+
+
+def environment() -> dict:
+    """GPU and software versions recorded with the results."""
+    import triton
+
+    try:
+        liger = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        liger = None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "liger": liger,
+    }
+
+
+# ---------------------------------------------------------------- timing
+
+def make_timer(quick: bool):
+    """``timer(fn) -> ms``: median of ``triton.testing.do_bench`` (L2 flushed between runs)."""
+    from triton.testing import do_bench
+
+    warmup, rep = TIMING[quick]
+
+    def timer(fn):
+        return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+    return timer
+
+
+def warm_up_gpu(seconds: float = 8.0) -> None:
+    """Keep the GPU busy before timing: on a freshly started machine, timings of
+    the same kernel in the first minutes spread by up to 2x (bench/notes.md)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth_TBps(timer) -> float:
+    """Device-to-device copy bandwidth in TB/s, counting bytes read and written."""
+    src = torch.empty(COPY_BYTES // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    moved = src.nbytes + dst.nbytes
+    src = dst = None  # give the 4 GiB back before the op benchmarks
+    torch.cuda.empty_cache()
+    return moved / (ms * 1e-3) / 1e12
+
+
+def graph_replay_time(fn, timer) -> float:
+    """ms per replay of a CUDA graph holding one call of ``fn``: the GPU time of
+    the kernels without the host-side cost of launching them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture stream, as torch.cuda.graphs requires
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timer(graph.replay)
+
+
+def _training_step(fn, args):
+    """A forward+backward step: backward of every float output with a fixed
+    random gradient; input ``.grad`` is set to None so nothing accumulates."""
+    leaves = [a for a in tensors_of(args) if a.requires_grad]
+    outs = as_tuple(fn(*args))
+    # Outputs that carry gradients: not integer ones, nor statistics an op marks
+    # non-differentiable (fused.norm_modulate's mean and rstd).
+    float_idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+    grads = [torch.randn_like(outs[i]) for i in float_idx]
+    del outs
+
+    def step():
+        outs = as_tuple(fn(*args))
+        torch.autograd.backward([outs[i] for i in float_idx], grads)
+        for a in leaves:
+            a.grad = None
+
+    step()  # compile the backward outside the timing
+    return step
+
+
+def time_forward(fn, args, timer, graph: bool = False) -> float:
+    """Forward time in ms, under ``torch.no_grad`` (no autograd graph is recorded);
+    with ``graph``, of CUDA-graph replays of the call."""
+    with torch.no_grad():
+        fn(*args)  # compile and autotune outside the timing
+        call = lambda: fn(*args)  # noqa: E731
+        return graph_replay_time(call, timer) if graph else timer(call)
+
+
+def time_forward_backward(fn, args, timer, graph: bool = False) -> float:
+    """Forward+backward time in ms of :func:`_training_step`; with ``graph``, of
+    CUDA-graph replays of it."""
+    step = _training_step(fn, args)
+    return graph_replay_time(step, timer) if graph else timer(step)
+
+
+# ---------------------------------------------------------------- bytes
+
+def bytes_model(args, outs, backward_reads_inputs: bool = True) -> tuple:
+    """``(forward bytes, forward+backward bytes)`` from the actual tensors.
+
+    Forward = inputs read once + outputs written once; forward+backward adds
+    the output gradients read, the input gradients written and the
+    differentiable inputs read again (5 tensor passes for rmsnorm; 4 for a
+    rotation, whose backward does not read its inputs: ``backward_reads_inputs=False``).
+    The same count serves every provider of a row, so GB/s compare like time does.
+    """
+    inputs = tensors_of(args)
+    outputs = tensors_of(outs)
+    fwd = sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
+    grad_outputs = sum(t.nbytes for t in outputs if t.is_floating_point())
+    differentiable = sum(t.nbytes for t in inputs if t.requires_grad)
+    # Input gradients written, and the inputs read again by the backward.
+    return fwd, fwd + grad_outputs + (2 if backward_reads_inputs else 1) * differentiable
+
+
+# ---------------------------------------------------------------- results files
+
+def results_path(out_dir: str, stem: str, env: dict) -> str:
+    """``<out_dir>/<stem>-<gpu>.json``: where a runner's results go."""
+    return os.path.join(out_dir, f"{stem}-{gpu_slug(env['gpu'])}.json")
+
+
+def write_results(out_dir: str, stem: str, env: dict, rows: list) -> str:
+    """A runner's rows with the GPU and versions, at :func:`results_path`; returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = results_path(out_dir, stem, env)
+    with open(path, "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+    return path
+
+
+def write_sweep(out_path, rows: list) -> None:
+    """A sweep script's rows as JSON with the GPU and versions (no-op without a path)."""
+    if out_path:
+        import triton
+
+        with open(out_path, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "rows": rows}, f, indent=1)
+
+
+def merge_runs(old: dict, new: dict) -> dict:
+    """``old`` with the ops that ``new`` measured replaced by ``new``'s rows (each
+    op's providers, peers included, still come from one run). Refused across
+    GPUs or versions; the runs' dates and copy bandwidths are kept."""
+    keys = ("gpu", "torch", "triton", "cuda", "liger")
+    if any(old["env"].get(k) != new["env"].get(k) for k in keys):
+        raise SystemExit(f"run.py --merge: {[old['env'].get(k) for k in keys]} != "
+                         f"{[new['env'].get(k) for k in keys]}; run every op instead")
+    measured = {r["op"] for r in new["rows"]}
+    old_date = old["env"].get("date")
+    kept = [dict(r, date=r.get("date", old_date)) for r in old["rows"] if r["op"] not in measured]
+    runs = {r["date"]: None for r in kept + new["rows"]}
+    copies = dict(old.get("copy_TBps_by_run", {old_date: old["copy_TBps"]}))
+    copies[new["env"]["date"]] = new["copy_TBps"]
+    return dict(new, rows=kept + new["rows"], overhead=new["overhead"] or old.get("overhead"),
+                runs=sorted(runs), copy_TBps_by_run={d: copies[d] for d in sorted(runs) if d in copies})
+
+
+# ---------------------------------------------------------------- launch-config sweeps
+
+def sweep_times(spec, args, configs, configure, timer, rounds: int = 3) -> dict:
+    """``{(kind, config): median ms}`` for kind "fwd" and "fwdbwd", timed as CUDA
+    graph replays of the forward and of the whole training step, in
+    ``rounds`` interleaved rounds (so that clock drift spreads over every
+    config). ``configure(config)`` is a context manager that makes the op
+    launch with ``config``; a config that fails to compile times as NaN."""
+    import statistics
+
+    times = {(kind, config): [] for kind in ("fwd", "fwdbwd") for config in configs}
+    for _ in range(rounds):
+        for kind, config in times:
+            try:
+                with configure(config):
+                    if kind == "fwd":
+                        with torch.no_grad():
+                            ms = graph_replay_time(functools.partial(spec.op, *args), timer)
+                    else:
+                        ms = time_forward_backward(spec.op, args, timer, graph=True)
+            except Exception as e:  # noqa: BLE001 (a config that fails is a result)
+                log(f"{spec.name} {kind} {config}: {error_text(e)[:200]}")
+                ms = float("nan")
+            times[(kind, config)].append(ms)
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
+def module_config(module, *names):
+    """A ``configure`` for :func:`run_sweep` that sets the launch-config globals
+    ``module.<names>`` to a config's values while it is timed."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def configure(config):
+        saved = [getattr(module, n) for n in names]
+        for n, v in zip(names, config):
+            setattr(module, n, v)
+        try:
+            yield
+        finally:
+            for n, v in zip(names, saved):
+                setattr(module, n, v)
+
+    return configure
+
+
+def run_sweep(out_path, ops, shapes, configs, configure, fields, default_ops, default_configs) -> list:
+    """The launch-config sweep of ``bench/sweep_<family>.py``: every op of
+    ``ops`` (comma-separated, else ``default_ops``) at every shape, bf16, timed
+    by :func:`sweep_times` under each config (``"a/b/c,..."``, else
+    ``default_configs``); ``fields`` names a config's values in the rows.
+    Prints one line per measurement and writes the rows with :func:`write_sweep`."""
+    import itertools
+
+    from compile_ops import registry
+
+    ops = ops.split(",") if ops else default_ops
+    configs = [tuple(int(v) for v in c.split("/")) for c in configs.split(",")] if configs else default_configs
+    timer = make_timer(quick=False)
+    warm_up_gpu()
+    results = []
+    for name, shape in itertools.product(ops, shapes):
+        spec = registry.BY_NAME[name]
+        args = spec.make_inputs(shape, torch.bfloat16, "cuda", True)
+        with torch.no_grad():
+            fwd_bytes, fwdbwd_bytes = bytes_model(args, spec.reference(*args), spec.backward_reads_inputs)
+        for (kind, config), ms in sweep_times(spec, args, configs, configure, timer).items():
+            gbps = (fwd_bytes if kind == "fwd" else fwdbwd_bytes) / (ms * 1e-3) / 1e9
+            results.append({"op": name, "shape": list(shape), "kind": kind, **dict(zip(fields, config)),
+                            "ms": ms, "GBps": gbps})
+            described = " ".join(f"{f} {v}" for f, v in zip(fields, config))
+            log(f"{name:<13} {shape_str(shape):<14} {kind:<7} {described}: {ms * 1e3:8.1f} us {gbps:7.0f} GB/s")
+    write_sweep(out_path, results)
+    return results
