@@ -10,6 +10,8 @@ from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.attention import attention, scaled_dot_product_attention
 from compile_ops.ops.block_sparse import (block_index_from_mask, block_sparse_attention, radial_mask,
                                           sliding_tile_mask, tile_permutation, topk_block_index)
+from compile_ops.modules.fp8 import FP8Linear
+from compile_ops.ops.fp8 import fp8_linear, quantize_fp8_rows
 from compile_ops.ops.glu import geglu, swiglu
 from compile_ops.ops.modulate import gated_residual, gated_residual_norm_modulate, modulate, norm_modulate
 from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
@@ -22,11 +24,11 @@ from compile_ops import distributed as _distributed
 _distributed.register()
 
 
-def patch(model, attention_processors: bool = True, attention_kernel: str = "auto"):
-    """Swap the fused ops into a diffusers transformer; see
-    :func:`compile_ops.integrations.diffusers.patch`."""
+def patch(model, attention_processors: bool = True, attention_kernel: str = "auto", precision: str = "bf16"):
+    """Swap the fused ops into a diffusers transformer (``precision="fp8"``: FP8
+    Linears in its blocks); see :func:`compile_ops.integrations.diffusers.patch`."""
     from compile_ops.integrations.diffusers import patch as _patch
-    return _patch(model, attention_processors, attention_kernel)
+    return _patch(model, attention_processors, attention_kernel, precision)
 
 
 def unpatch(model) -> None:
@@ -43,4 +45,4 @@ __all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm",
            "rope", "rope_qk", "rope_grid", "qk_norm_rope", "grid_rope", "GridRope",
            "geglu", "swiglu", "GEGLU", "SwiGLU", "attention", "scaled_dot_product_attention",
            "block_sparse_attention", "block_index_from_mask", "sliding_tile_mask", "tile_permutation",
-           "radial_mask", "topk_block_index", "patch", "unpatch"]
+           "radial_mask", "topk_block_index", "FP8Linear", "fp8_linear", "quantize_fp8_rows", "patch", "unpatch"]

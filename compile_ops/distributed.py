@@ -64,7 +64,7 @@ from typing import Callable, Sequence
 import torch
 
 # The rules are checked against the schemas these modules register.
-from compile_ops.ops import attention, block_sparse, glu, modulate, norm, rope  # noqa: F401
+from compile_ops.ops import attention, block_sparse, fp8, glu, modulate, norm, rope  # noqa: F401
 
 #: The op's shardable axes of the attention and RoPE families. The row-wise
 #: families use x's leading dims (ints) as their axes.
@@ -269,6 +269,8 @@ RULES: dict[str, Rule] = {
          **_TABLES},
         (*_QK_OUT, Out("q_weight", replicated, gradient=True), Out("k_weight", replicated, gradient=True)),
         batch_sequence_heads, "q"),
+    # ------------------------------------------------------------ fp8
+    "quantize_fp8_rows": _rows_rule({"x": leading_dims}, (_ROW_OUT, _ROW_OUT)),
     # ------------------------------------------------------------ attention
     "attention": Rule(_ATTENTION_ARGS, (Out("q", heads_layout), Out("q", log_sum_exp)), batch_heads, "q"),
     "attention_backward": Rule(_ATTENTION_BACKWARD_ARGS, _ATTENTION_GRADS, batch_heads, "q"),

@@ -13,6 +13,7 @@ import torch
 from compile_ops import reference
 from compile_ops.meta import rope as meta_rope
 from compile_ops.ops import attention as _attention_ops  # noqa: F401
+from compile_ops.ops import fp8 as _fp8_ops  # noqa: F401
 from compile_ops.ops import glu as _glu_ops  # noqa: F401
 from compile_ops.ops import modulate as _modulate_ops  # noqa: F401  (registers the ops)
 from compile_ops.ops import norm as _norm_ops  # noqa: F401
@@ -410,6 +411,29 @@ def _glu_backward_edges(dtype, device, requires_grad):
     return cases
 
 
+# ---------------------------------------------------------------- fp8 family
+
+
+def _make_quantize(shape, dtype, device, requires_grad):
+    return (_tensor(shape, dtype, device, False),)
+
+
+def _quantize_edges(dtype, device, requires_grad):
+    """Rows to quantize: a DiT-like tile, an infinite value and an all-zero row,
+    zero rows, a row slice, 1-D, and a row wider than one block (the two-pass
+    loop). NaN is tests/test_fp8.py's: opcheck compares outputs without equal_nan."""
+    special = _tensor((4, 16), dtype, device)
+    special[0, 3], special[2] = float("inf"), 0.0
+    return [
+        (_tensor((2, 3, 16), dtype, device),),
+        (special,),
+        (_tensor((0, 16), dtype, device),),
+        (_tensor((4, 40), dtype, device)[:, 4:20],),  # row stride 40
+        (_tensor((24,), dtype, device),),
+        (_tensor((2, 5000), dtype, device),),          # wider than MAX_BLOCK_N
+    ]
+
+
 # ---------------------------------------------------------------- attention family
 
 
@@ -541,6 +565,9 @@ OPS: tuple[OpSpec, ...] = (
            bench_shapes=GLU_SHAPES, op_name="geglu"),
     OpSpec("swiglu", "glu", reference.glu.swiglu, _make_glu(), _glu_edges(), bench_shapes=GLU_SHAPES),
     OpSpec("glu_backward", "glu", reference.glu.glu_backward, None, _glu_backward_edges, differentiable=False),
+    # Inference only: its autograd formula raises (no gradient to check).
+    OpSpec("quantize_fp8_rows", "fp8", reference.fp8.quantize_fp8_rows, _make_quantize, _quantize_edges,
+           differentiable=False),
     OpSpec("attention", "attention", reference.attention.attention, _make_attention, _attention_edges, tf32=True),
     OpSpec("attention_backward", "attention", reference.attention.attention_backward, None,
            _attention_backward_edges, differentiable=False),

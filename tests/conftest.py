@@ -21,7 +21,7 @@ KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
 def _round_bf16_like_the_gpu():
-    """triton 3.6's interpreter casts fp32 -> bf16 by truncation (0.569 -> 0.5664)
+    """(And fp32 -> e4m3 likewise, see below.) triton 3.6's interpreter casts fp32 -> bf16 by truncation (0.569 -> 0.5664)
     where the GPU rounds to nearest even (-> 0.5703), even with an explicit
     ``fp_downcast_rounding="rtne"``. Patch that one cast so that CPU runs of the
     kernels produce the GPU's bits; every other cast is left to the interpreter."""
@@ -37,7 +37,20 @@ def _round_bf16_like_the_gpu():
             return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
         return truncating_cast(self, src, dst_type)
 
+    misrounding_fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            # The interpreter's fp32 -> e4m3 convert misrounds (-7.8248 -> -4.0 where
+            # the GPU's cvt.rn.satfinite gives -8.0). Round to nearest even with
+            # finite overflow saturated to +-448 and NaN kept, as the GPU does.
+            values = torch.from_numpy(np.ascontiguousarray(src.data))
+            rounded = torch.where(values.isnan(), values, values.clamp(-448.0, 448.0)).to(torch.float8_e4m3fn)
+            return interpreter.TensorHandle(rounded.view(torch.uint8).numpy(), tl.float8e4nv)
+        return misrounding_fp_to_fp(self, src, dst_type, rounding_mode)
+
     interpreter.InterpreterBuilder.cast_impl = cast_impl
+    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
 
 
 if INTERPRET:

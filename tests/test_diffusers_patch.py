@@ -274,3 +274,130 @@ def test_attention_kernel_choice_keeps_the_outputs_and_rejects_unknown_names():
         torch.testing.assert_close(patched(**args).sample, want, **TOL)
     with pytest.raises(ValueError, match="attention_kernel must be one of"):
         compile_ops.patch(copy.deepcopy(model), attention_kernel="flash")
+
+
+# ---------------------------------------------------------------- precision="fp8"
+
+
+class _SimulatedFP8Linear(torch.nn.Module):
+    """The FP8 recipe restated in plain PyTorch, independently of compile_ops:
+    per-row (token) activation scales and per-output-channel weight scales,
+    ``scale = amax / 448`` over the row's finite values (floored at 1e-12),
+    values ``clamp(x * (448 / amax), -448, 448)`` rounded to e4m3, products
+    summed in fp32."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.weight_q, self.weight_scale = self.quantize(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    @staticmethod
+    def quantize(x):
+        x = x.float()
+        amax = torch.where(torch.isfinite(x), x.abs(), 0.0).amax(-1, keepdim=True).clamp(min=1e-12)
+        q = (x * (448.0 / amax)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return q, (amax / 448.0).squeeze(-1)
+
+    def forward(self, x):
+        q, scale = self.quantize(x)
+        out = (q.float() * scale[..., None]) @ (self.weight_q.float() * self.weight_scale[:, None]).T
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype)
+
+
+def _wan16():
+    """Wan with 16-wide heads: every projection a multiple of 16 (torch._scaled_mm's rule)."""
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32)
+    return model, _wan()[1]
+
+
+FP8_MODELS = {"flux": _flux, "wan": _wan16, "sd3": _sd3, "ltx": _ltx}
+
+
+def _fp8_pair(name):
+    torch.manual_seed(0)
+    model, inputs = FP8_MODELS[name]()
+    model = model.to(DEVICE).eval()
+    patched = copy.deepcopy(model)
+    report = compile_ops.patch(patched, precision="fp8")
+    simulated = copy.deepcopy(model)
+    for path, _, detail in report.replaced:
+        if "FP8Linear" in detail:
+            owner, _, leaf = path.rpartition(".")
+            parent = simulated.get_submodule(owner)
+            setattr(parent, leaf, _SimulatedFP8Linear(getattr(parent, leaf)))
+    return model, patched, simulated, inputs, report
+
+
+def _relative_l2(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@pytest.mark.parametrize("name", FP8_MODELS)
+def test_fp8_patched_model_matches_the_same_quantization_in_plain_pytorch(name):
+    model, patched, simulated, inputs, report = _fp8_pair(name)
+    fp8 = [path for path, _, detail in report.replaced if "FP8Linear" in detail]
+    assert len(fp8) >= 6, report  # the blocks' projections and MLPs were quantized
+    torch.manual_seed(1)
+    args = _to(inputs(8), DEVICE)
+    with torch.no_grad():
+        exact, want, got = (m(**args).sample for m in (model, simulated, patched))
+    to_exact, to_simulation = _relative_l2(want, exact), _relative_l2(got, want)
+    print(f"{name}: FP8 vs the unquantized model {to_exact:.2e}; patched vs same-quantization reference "
+          f"{to_simulation:.2e}")
+    # The quantization moved the output (the test sees FP8 at all) ...
+    assert to_exact > 1e-3
+    # ... and the patched model applies the same quantization: what is left is
+    # the fused ops' fp32 rounding, flipping an e4m3 rounding here and there.
+    assert to_simulation < to_exact / 20, (to_simulation, to_exact)
+
+
+def test_fp8_report_lists_every_linear_and_why():
+    model, patched, _, _, report = _fp8_pair("flux")
+    rows = {path: detail for path, _, detail in report.replaced + report.left}
+    linears = [path for path, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert set(linears) <= set(rows), set(linears) - set(rows)
+    assert "FP8Linear" in rows["transformer_blocks.0.attn.to_q"]
+    assert "FP8Linear" in rows["transformer_blocks.0.ff.net.2"]
+    assert "FP8Linear" in rows["single_transformer_blocks.0.proj_out"]
+    assert "outside the transformer blocks" in rows["x_embedder"]
+    assert "modulation" in rows["transformer_blocks.0.norm1.linear"]
+    weights = [n for n, _ in patched.named_parameters() if n.startswith("transformer_blocks.0.attn.to_q")]
+    assert weights == [], weights  # the bf16 weight is gone, not kept beside the FP8 one
+    with pytest.raises(RuntimeError, match="precision='fp8'"):
+        compile_ops.unpatch(patched)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        compile_ops.patch(copy.deepcopy(model), precision="int4")
+
+
+def test_fp8_on_a_model_with_nothing_to_quantize_reports_instead_of_raising():
+    model, _ = _wan()  # 24-wide projections: not multiples of 16
+    report = compile_ops.patch(model.to(DEVICE), precision="fp8")
+    assert not [p for p, _, d in report.replaced if "FP8Linear" in d]
+    reasons = [d for p, w, d in report.left if w == "nn.Linear" and p.startswith("blocks.")]
+    assert reasons and all("multiples of 16" in d for d in reasons), reasons
+
+
+def test_fp8_patched_model_refuses_a_gradient():
+    _, patched, _, inputs, _ = _fp8_pair("flux")
+    args = _to(inputs(4), DEVICE)
+    args["hidden_states"].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="inference"):
+        patched(**args).sample.sum().backward()
+
+
+def test_fp8_patched_model_compiles_with_fullgraph_and_no_recompile_across_resolutions():
+    torch._dynamo.reset()
+    _, patched, _, inputs, _ = _fp8_pair("flux")
+    compiled = torch.compile(patched, fullgraph=True, backend="aot_eager", dynamic=True)
+    with torch.no_grad():
+        for i, side in enumerate((4, 6)):
+            torch.manual_seed(2)
+            args = _to(inputs(side), DEVICE)
+            with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+                out = compiled(**args).sample
+            torch.testing.assert_close(out, patched(**args).sample, **TOL)

@@ -292,9 +292,17 @@ def _compiled_cases():
                    (s, s, s, P))
 
 
+def _quantize_fp8(x):
+    q, scale = compile_ops.quantize_fp8_rows(x)
+    return q.float(), scale  # compared as floats: assert_close has no float8 path
+
+
 def _cases():
     for axis, d in ROW_AXES:
         yield from _row_cases(axis, d)
+        # One scale per row: every row axis is local (inference only: no gradient).
+        yield Case(f"quantize_fp8_rows/{axis}", _quantize_fp8, lambda: (torch.randn(B, L, C),), (Shard(d),),
+                   (Shard(d), Shard(d)))
     for axis, bhld, blhd in (("batch", 0, 0), ("sequence", 2, 1), ("heads", 1, 2)):
         yield from _rope_cases(axis, bhld, blhd)
     for axis, d in (("batch", 0), ("heads", 1)):

@@ -491,10 +491,66 @@ def _processor_rules() -> dict:
     }
 
 
+# ---------------------------------------------------------------- FP8 linears
+
+PRECISIONS = ("bf16", "fp8")
+
+#: The ModuleLists of transformer blocks in diffusers' DiTs (Flux, SD3, LTX:
+#: ``transformer_blocks``; Flux: ``single_transformer_blocks``; Wan: ``blocks``).
+_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
+
+#: Parents whose Linear projects the timestep embedding into modulation
+#: vectors: one row per sample, where FP8 saves nothing and costs a quantization.
+_MODULATION_PARENTS = ("AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous")
+
+
+def _fp8_reason(path: str, parent: nn.Module, linear: nn.Linear, in_blocks: bool) -> Optional[str]:
+    """Why ``linear`` stays in its dtype under ``precision="fp8"`` (None: it runs in FP8)."""
+    if not in_blocks:
+        return "outside the transformer blocks (embedders, final layer: a few rows or once per step)"
+    if type(parent).__name__ in _MODULATION_PARENTS:
+        return "AdaLN modulation projection: one row per sample"
+    if linear.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"weight dtype {linear.weight.dtype} (expected a floating point weight)"
+    if linear.in_features % 16 or linear.out_features % 16:
+        return (f"in_features={linear.in_features}, out_features={linear.out_features}: "
+                "torch._scaled_mm needs both to be multiples of 16")
+    return None
+
+
+def _quantize_linears(model: nn.Module, report: PatchReport) -> None:
+    """Replace the transformer blocks' Linears with :class:`FP8Linear` (weights
+    quantized once per output channel; the original weight is no longer held),
+    and report every Linear of the model, FP8 or not, with the reason."""
+    from compile_ops.modules.fp8 import FP8Linear
+    from compile_ops.ops.fp8 import check_fp8_device
+
+    def walk(module: nn.Module, prefix: str, in_blocks: bool) -> None:
+        for name, child in list(module.named_children()):
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, FP8Linear):
+                continue
+            if type(child) is nn.Linear:
+                why = _fp8_reason(path, module, child, in_blocks)
+                if why is None:
+                    check_fp8_device(child.weight.device)
+                    setattr(module, name, FP8Linear.from_linear(child))
+                    report.replaced.append((path, "nn.Linear", "compile_ops.FP8Linear (e4m3, rowwise scales)"))
+                else:
+                    report.left.append((path, "nn.Linear", f"kept in {child.weight.dtype}: {why}"))
+                continue
+            if isinstance(child, nn.Linear):  # a subclass (LoRA layers, ...): its forward may differ
+                report.left.append((path, type(child).__name__, "a Linear subclass: its forward is kept"))
+            walk(child, path, in_blocks or (isinstance(child, nn.ModuleList) and name in _BLOCK_LISTS))
+
+    walk(model, "", False)
+
+
 # ---------------------------------------------------------------- patch / unpatch
 
 
-def patch(model: nn.Module, attention_processors: bool = True, attention_kernel: str = "auto") -> PatchReport:
+def patch(model: nn.Module, attention_processors: bool = True, attention_kernel: str = "auto",
+          precision: str = "bf16") -> PatchReport:
     """Swap the fused ops into a diffusers transformer, in place.
 
     Call it before ``torch.compile`` and before any offloading or caching hook
@@ -511,6 +567,18 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
             (torch's SDPA) or ``"auto"``: SDPA for 16-bit inference on a GPU,
             where its cuDNN backend is faster, ``fused.attention`` otherwise
             (training, CPU, fp32).
+        precision: ``"bf16"`` keeps the Linears as they are; ``"fp8"``
+            replaces the transformer blocks' Linears (attention projections,
+            MLPs, the single-stream projections) with :class:`FP8Linear`:
+            e4m3 weights with one scale per output channel, quantized here
+            once, and activations quantized per row (token) on every call.
+            Inference only (a gradient through an FP8 Linear raises), and
+            permanent: the original weights are released, so :func:`unpatch`
+            refuses the model (reload it instead). Embedders, the final
+            layer and the AdaLN modulation projections stay in their dtype;
+            the report lists every Linear and why. On CUDA it needs FP8
+            tensor cores (sm_89+); elsewhere the reference path simulates
+            the same quantization.
 
     Returns:
         A :class:`PatchReport`; ``print`` it for a summary.
@@ -521,6 +589,8 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
     if attention_kernel not in ATTENTION_KERNELS:
         raise ValueError(f"compile_ops.patch: attention_kernel must be one of {ATTENTION_KERNELS}, "
                          f"got {attention_kernel!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"compile_ops.patch: precision must be one of {PRECISIONS}, got {precision!r}")
     _, act, *_ = _diffusers()
     rules, blocks = _module_rules(), _block_rules()
     report, undo = PatchReport(), []
@@ -567,15 +637,22 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
         module.set_processor(match[1](processor, attention_kernel))
         undo.append(("processor", module, None, processor))
         report.replaced.append((path, match[0], f"compile_ops {match[1].__name__}"))
+    if precision == "fp8":
+        _quantize_linears(model, report)
+        # The originals in ``undo`` hold the bf16 weights: drop them, or memory would not drop.
+        undo = None
     setattr(model, _STATE, undo)
     return report
 
 
 def unpatch(model: nn.Module) -> None:
     """Put back what :func:`patch` replaced (the same module objects)."""
-    undo = getattr(model, _STATE, None)
-    if undo is None:
+    if not hasattr(model, _STATE):
         raise RuntimeError("compile_ops.unpatch: the model is not patched")
+    undo = getattr(model, _STATE)
+    if undo is None:
+        raise RuntimeError("compile_ops.unpatch: the model was patched with precision='fp8', which released its "
+                           "original weights; load the model again instead")
     for kind, owner, name, original in reversed(undo):
         if kind == "module":
             setattr(owner, name, original)

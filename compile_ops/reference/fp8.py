@@ -1,0 +1,56 @@
+"""The FP8 recipe, exactly: the CPU path and the test oracle of the fp8 family.
+
+Rowwise e4m3 (torchao's ``PerRow`` recipe for ``Float8DynamicActivation
+Float8WeightConfig``, the one users run on Flux today): every row of an
+activation (a token) and every output channel of a weight has its own fp32
+scale. Per row, because DiT activations carry a few outlier tokens and
+channels: one scale per tensor would spend e4m3's 3 mantissa bits of every
+other token on them.
+
+Per row ``x [K]``:
+
+- ``amax = max |x_i|`` over the row's *finite* values, in fp32, at least
+  ``AMAX_FLOOR``: an inf or NaN neither makes the scale infinite nor (rows
+  being independent) reaches another row; an all-zero row gets a finite scale.
+- ``q = e4m3(clamp(x * (448 / amax), -448, 448))``, rounded to nearest even:
+  ``448 / amax`` is one IEEE fp32 division, the product one fp32 rounding, so
+  a kernel doing the same two operations writes the same bytes. The clamp
+  sends +-inf to +-448 (e4m3fn has no infinity: the GPU's saturating convert
+  does the same) and keeps NaN.
+- ``scale = amax / 448`` (fp32), the factor that dequantizes: ``x ~ q * scale``.
+
+A GEMM of two such operands is ``(q_x * scale_x[:, None]) @ (q_w * scale_w[:, None]).T``
+accumulated in fp32, plus the bias, cast to the output dtype: what
+``torch._scaled_mm`` computes with rowwise scales.
+"""
+from typing import Optional
+
+import torch
+
+#: The largest finite float8_e4m3fn value.
+E4M3_MAX = 448.0
+#: Below this amax a row counts as zero (torchao's floor): its scale stays finite.
+AMAX_FLOOR = 1e-12
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple:
+    """``x [..., K]`` -> ``(q [..., K] float8_e4m3fn, scale [...] float32)``."""
+    xf = x.float()
+    amax = torch.where(torch.isfinite(xf), xf.abs(), 0.0).amax(-1, keepdim=True) if x.shape[-1] else \
+        xf.new_zeros((*x.shape[:-1], 1))
+    amax = amax.clamp(min=AMAX_FLOOR)
+    # A tensor numerator: torch computes ``python_float / tensor`` as a multiply by
+    # the reciprocal, 1 ulp off in a quarter of cases, and the kernel divides exactly.
+    inverse = amax.new_full((), E4M3_MAX) / amax
+    q = (xf * inverse).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, (amax / E4M3_MAX).squeeze(-1)
+
+
+def fp8_linear(q_x: torch.Tensor, scale_x: torch.Tensor, q_w: torch.Tensor, scale_w: torch.Tensor,
+               bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """``q_x [M, K]``, ``scale_x [M]``, ``q_w [N, K]``, ``scale_w [N]``, ``bias [N]``
+    -> ``[M, N]`` in ``out_dtype``, summed in fp32."""
+    out = (q_x.float() * scale_x[:, None].float()) @ (q_w.float() * scale_w[:, None].float()).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
