@@ -11,9 +11,11 @@ from compile_ops.ops.attention import attention, scaled_dot_product_attention
 from compile_ops.ops.block_sparse import (block_index_from_mask, block_sparse_attention, radial_mask,
                                           sliding_tile_mask, tile_permutation, topk_block_index)
 from compile_ops.modules.fp8 import FP8Linear
-from compile_ops.ops.fp8 import fp8_linear, quantize_fp8_rows
+from compile_ops.ops.fp8 import FP8Rows, fp8_linear, quantize_fp8_rows
 from compile_ops.ops.glu import geglu, swiglu
-from compile_ops.ops.modulate import gated_residual, gated_residual_norm_modulate, modulate, norm_modulate
+from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
+                                      gated_residual_norm_modulate_fp8, modulate, norm_modulate,
+                                      norm_modulate_fp8)
 from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
 from compile_ops.meta.rope import GridRope, grid_rope
 from compile_ops.ops.rope import qk_norm_rope, rope, rope_grid, rope_qk
@@ -41,8 +43,10 @@ __version__ = "0.1.0"
 
 __all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm",
            "modulate", "norm_modulate", "gated_residual", "gated_residual_norm_modulate",
+           "norm_modulate_fp8", "gated_residual_norm_modulate_fp8",
            "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous",
            "rope", "rope_qk", "rope_grid", "qk_norm_rope", "grid_rope", "GridRope",
            "geglu", "swiglu", "GEGLU", "SwiGLU", "attention", "scaled_dot_product_attention",
            "block_sparse_attention", "block_index_from_mask", "sliding_tile_mask", "tile_permutation",
-           "radial_mask", "topk_block_index", "FP8Linear", "fp8_linear", "quantize_fp8_rows", "patch", "unpatch"]
+           "radial_mask", "topk_block_index", "FP8Linear", "FP8Rows", "fp8_linear", "quantize_fp8_rows",
+           "patch", "unpatch"]

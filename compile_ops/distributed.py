@@ -246,6 +246,14 @@ RULES: dict[str, Rule] = {
         {"residual": leading_dims, "x": leading_dims, "gate": modulation, "scale": modulation,
          "shift": modulation, **_AFFINE},
         (_ROW_OUT, _ROW_OUT, *_NORM_STATS)),
+    # FP8 output modes (inference only: no backward op): the normed output's
+    # e4m3 values and one scale per row, both indexed like x's rows.
+    "norm_modulate_fp8": _rows_rule({"x": leading_dims, "scale": modulation, "shift": modulation, **_AFFINE},
+                                    (_ROW_OUT, _ROW_OUT)),
+    "gated_residual_norm_modulate_fp8": _rows_rule(
+        {"residual": leading_dims, "x": leading_dims, "gate": modulation, "scale": modulation,
+         "shift": modulation, **_AFFINE},
+        (_ROW_OUT, _ROW_OUT, _ROW_OUT)),
     "modulate_backward": _rows_rule(
         {"grad_out": leading_dims, "grad_h": leading_dims, "h": leading_dims, "mean": row_statistics,
          "rstd": row_statistics, "x_branch": leading_dims, "gate": modulation, "scale": modulation,

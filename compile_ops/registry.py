@@ -38,7 +38,9 @@ class OpSpec:
     """Small argument tuples that cover the op's options and edge cases (no
     weight, zero rows, strided rows, mixed dtypes) for opcheck and tracing."""
     differentiable: bool = True
-    """Has a registered autograd formula (backward ops do not)."""
+    """Has a gradient to check: False for backward ops (no autograd formula) and
+    inference-only ops (``quantize_fp8_rows``: its formula raises), which skip
+    opcheck's autograd inputs, gradcheck and the forward+backward compile test."""
     bench_shapes: Sequence[Shape] = ()
     """DiT activation shapes ``[B, L, C]`` benchmarked on the GPU."""
     backward_reads_inputs: bool = True
@@ -548,6 +550,13 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec("gated_residual_norm_modulate", "modulate", reference.modulate.gated_residual_norm_modulate,
            _make_modulation(_gated_residual_norm_modulate_args("layernorm")),
            _modulation_edges(_gated_residual_norm_modulate_args("rmsnorm")), bench_shapes=DIT_NORM_SHAPES),
+    # The FP8 output modes (inference only): the same arguments, e4m3 rows + scales out.
+    OpSpec("norm_modulate_fp8", "modulate", reference.modulate.norm_modulate_fp8,
+           _make_modulation(_norm_modulate_args("layernorm")), _modulation_edges(_norm_modulate_args("rmsnorm")),
+           differentiable=False),
+    OpSpec("gated_residual_norm_modulate_fp8", "modulate", reference.modulate.gated_residual_norm_modulate_fp8,
+           _make_modulation(_gated_residual_norm_modulate_args("layernorm")),
+           _modulation_edges(_gated_residual_norm_modulate_args("layernorm")), differentiable=False),
     OpSpec("modulate_backward", "modulate", reference.modulate.modulate_backward, None,
            _modulate_backward_edges, differentiable=False),
     OpSpec("rope", "rope", reference.rope.rope, _make_rope, _rope_edges, bench_shapes=ROPE_SHAPES,

@@ -292,9 +292,18 @@ def _compiled_cases():
                    (s, s, s, P))
 
 
+def _as_floats(out):
+    """FP8 outputs as floats: assert_close has no float8 path."""
+    return tuple(t.float() if t.dtype == torch.float8_e4m3fn else t for t in _flatten(out))
+
+
+def _flatten(out):
+    for t in (out if isinstance(out, tuple) else (out,)):
+        yield from (_flatten(t) if isinstance(t, tuple) else (t,))
+
+
 def _quantize_fp8(x):
-    q, scale = compile_ops.quantize_fp8_rows(x)
-    return q.float(), scale  # compared as floats: assert_close has no float8 path
+    return _as_floats(compile_ops.quantize_fp8_rows(x))
 
 
 def _cases():
@@ -303,6 +312,15 @@ def _cases():
         # One scale per row: every row axis is local (inference only: no gradient).
         yield Case(f"quantize_fp8_rows/{axis}", _quantize_fp8, lambda: (torch.randn(B, L, C),), (Shard(d),),
                    (Shard(d), Shard(d)))
+        sample = Shard(0) if d == 0 else R
+        yield Case(f"norm_modulate_fp8/{axis}", lambda *t: _as_floats(compile_ops.norm_modulate_fp8(*t)),
+                   lambda: (torch.randn(B, L, C), torch.randn(B, C), torch.randn(B, C)), (Shard(d), sample, sample),
+                   (Shard(d), Shard(d)))
+        yield Case(f"gated_residual_norm_modulate_fp8/{axis}",
+                   lambda r, x, g, sc, sh: _as_floats(compile_ops.gated_residual_norm_modulate_fp8(r, x, g, sc, sh)),
+                   lambda: (torch.randn(B, L, C), torch.randn(B, L, C), torch.randn(B, C), torch.randn(B, C),
+                            torch.randn(B, C)), (Shard(d), Shard(d), sample, sample, sample),
+                   (Shard(d), Shard(d), Shard(d)))
     for axis, bhld, blhd in (("batch", 0, 0), ("sequence", 2, 1), ("heads", 1, 2)):
         yield from _rope_cases(axis, bhld, blhd)
     for axis, d in (("batch", 0), ("heads", 1)):

@@ -445,3 +445,49 @@ def forward(self, L_emb_ : torch.Tensor, L_self_modules_linear_parameters_weight
     norm_modulate = torch.ops.fused.norm_modulate(l_x_, scale_msa, shift_msa, None, None, 'layernorm', 1e-06);  l_x_ = scale_msa = shift_msa = None
     getitem_3 = norm_modulate[0];  norm_modulate = None
     return (getitem_3, gate_msa)""")
+
+
+# ---------------------------------------------------------------- FP8 output modes (inference)
+
+
+def _detached(args):
+    return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _same_fp8(rows, want):
+    q, scale = rows
+    want_q, want_scale = want
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), "e4m3 bytes differ"
+    assert torch.equal(scale, want_scale), "row scales differ"
+
+
+@pytest.mark.parametrize("op", ["norm_modulate", "gated_residual_norm_modulate"])
+def test_fp8_modes_are_quantize_of_the_unquantized_output_and_refuse_gradients(op):
+    case = (op, torch.bfloat16, 2, 5, 48, ["per-sample [B, C]", "per-token [B, L, C]", "per-sample [B, C]"], torch.bfloat16, True, False,
+            "layernorm", "weight+bias", False)
+    args = _detached(_case_args(*case, "cpu"))
+    fused = getattr(compile_ops, f"{op}_fp8")(*args)
+    plain = getattr(compile_ops, op)(*args)
+    if op == "gated_residual_norm_modulate":
+        assert torch.equal(fused[0], plain[0])
+        fused, plain = fused[1], plain[1]
+    _same_fp8(fused, compile_ops.quantize_fp8_rows(plain))
+    with pytest.raises(RuntimeError, match="inference-only"):
+        getattr(compile_ops, f"{op}_fp8")(*_case_args(*case, "cpu"))  # inputs that require grad
+
+
+@pytest.mark.kernels
+@given(modulation_cases())
+def test_kernels_fp8_modes_write_the_bytes_of_quantizing_their_own_output(case):
+    """The epilogue quantizes the output the unquantized kernel would store: the
+    bytes equal ``quantize_fp8_rows`` of that output, bit for bit (both kernels)."""
+    op = "gated_residual_norm_modulate" if case[0].startswith("gated") else "norm_modulate"
+    torch.manual_seed(0)
+    args = _detached(_case_args(op, *case[1:], KERNEL_DEVICE))
+    fused = getattr(compile_ops, f"{op}_fp8")(*args)
+    plain = getattr(compile_ops, op)(*args)
+    if op == "gated_residual_norm_modulate":
+        assert torch.equal(fused[0], plain[0])
+        fused, plain = fused[1], plain[1]
+    _same_fp8(fused, compile_ops.quantize_fp8_rows(plain))

@@ -3,17 +3,30 @@
 The recipe is ``compile_ops/reference/fp8.py``'s, operation for operation, so
 that the kernel writes the reference's bytes: the scale and its inverse are
 correctly rounded fp32 divisions (triton's plain fp32 ``/`` is approximate on
-NVIDIA GPUs), the product one fp32 multiply, the convert round-to-nearest-even.
+NVIDIA GPUs), the product one fp32 multiply, the clamp exact, the convert
+round-to-nearest-even (``cvt.rn.satfinite.e4m3x2.f32`` on sm_89+).
 
-:func:`quantize_tile` is the piece other kernels call as an epilogue (a
-``QUANTIZE`` constexpr): a tile of whole rows in fp32 in, e4m3 values and one
-scale per row out. :func:`quantize_fp8_rows_kernel` is the standalone pass for
-a tensor that no fused producer quantized.
+:func:`quantize_tile` is the piece other kernels call as an epilogue, behind
+a constexpr flag so one kernel serves both output modes::
+
+    y = ...                                   # [BLOCK_M, BLOCK_N] fp32, whole rows
+    if QUANTIZE:                              # tl.constexpr
+        q, scale = quantize_tile(y, mask)     # mask: [BLOCK_M, BLOCK_N] valid elements
+        tl.store(Q + offsets, q, mask=mask)   # Q: *fp8e4nv
+        tl.store(S + rows, scale, mask=rows < n_rows)
+    else:
+        tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+
+A producer whose rows span several tiles (a looped kernel) accumulates
+:func:`row_amax` over its tiles, takes :func:`fp8_scales` of the result, and
+converts each tile with :func:`to_e4m3`, as :func:`quantize_fp8_rows_kernel`
+does. :func:`quantize_fp8_rows_kernel` is the standalone pass for a tensor
+that no fused producer quantized.
 """
 import triton
 import triton.language as tl
 
-from compile_ops.kernels.norm import _tile, _tile_rows
+from compile_ops.kernels.norm import _div_exact, _tile, _tile_rows
 
 E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
 AMAX_FLOOR: tl.constexpr = tl.constexpr(1e-12)
@@ -21,20 +34,24 @@ FP32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def _finite_abs(y, mask):
-    """|y| where y is finite and inside the mask, else 0 (NaN compares false)."""
+def row_amax(y, mask):
+    """``max |y|`` of each row of a ``[BLOCK_M, BLOCK_N]`` fp32 tile over its finite
+    elements inside ``mask`` (0 for none): inf and NaN never reach a scale
+    (``a <= FP32_MAX`` is false for both)."""
     a = tl.abs(y)
-    return tl.where(mask & (a <= FP32_MAX), a, 0.0)
+    return tl.max(tl.where(mask & (a <= FP32_MAX), a, 0.0), axis=1)
 
 
 @triton.jit
 def fp8_scales(amax):
-    """``(inverse, scale)`` of row maxima ``amax [BLOCK_M]`` (fp32): ``448 / amax``
-    multiplies the values, ``amax / 448`` dequantizes; both correctly rounded."""
+    """``(inverse, scale)`` of row maxima ``amax [BLOCK_M]`` (fp32, finite, >= 0):
+    ``448 / amax`` multiplies the values, ``amax / 448`` dequantizes; both
+    correctly rounded, like the reference's torch divisions (triton's plain
+    fp32 ``/`` is approximate on NVIDIA GPUs)."""
     amax = tl.maximum(amax, AMAX_FLOOR)
+    # _div_exact divides by a scalar; the inverse has the scalar on top.
     inverse = tl.div_rn(tl.full(amax.shape, E4M3_MAX, tl.float32), amax)
-    scale = tl.div_rn(amax, tl.full(amax.shape, E4M3_MAX, tl.float32))
-    return inverse, scale
+    return inverse, _div_exact(amax, E4M3_MAX)
 
 
 @triton.jit
@@ -46,9 +63,11 @@ def to_e4m3(y, inverse):
 
 @triton.jit
 def quantize_tile(y, mask):
-    """``(q, scale)`` of a ``[BLOCK_M, BLOCK_N]`` fp32 tile holding whole rows
-    (masked columns ignored): e4m3 values and one fp32 scale per row."""
-    inverse, scale = fp8_scales(tl.max(_finite_abs(y, mask), axis=1))
+    """The FP8 epilogue: ``(q, scale)`` of ``y [BLOCK_M, BLOCK_N]`` fp32 holding
+    whole rows, ``mask [BLOCK_M, BLOCK_N]`` its valid elements (the others are
+    ignored; store q under the same mask). ``q [BLOCK_M, BLOCK_N]`` float8e4nv,
+    ``scale [BLOCK_M]`` fp32: the bytes of ``reference.fp8.quantize_fp8_rows``."""
+    inverse, scale = fp8_scales(row_amax(y, mask))
     return to_e4m3(y, inverse), scale
 
 
@@ -67,7 +86,7 @@ def quantize_fp8_rows_kernel(X, Q, S, n_rows, K, stride_row, stride_col,
             c = k0 + cols
             mask = row_mask[:, None] & (c < K)[None, :]
             y = tl.load(X + _tile(rows, c, stride_row, stride_col), mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(_finite_abs(y, mask), axis=1))
+            amax = tl.maximum(amax, row_amax(y, mask))
         inverse, scale = fp8_scales(amax)
         for k1 in range(0, K, BLOCK_N):
             c2 = k1 + cols

@@ -21,6 +21,7 @@ gradients are reduced without atomics, deterministically.
 import triton
 import triton.language as tl
 
+from compile_ops.kernels.fp8 import quantize_tile
 from compile_ops.kernels.norm import _centered_mean_rstd, _grad_input, _tile
 
 
@@ -75,7 +76,7 @@ def _normalized(h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM: t
 
 @triton.jit
 def modulate_fwd_kernel(
-    X, RES, GATE, SCALE, SHIFT, W, B, OUT, RES_OUT, MEAN, RSTD,
+    X, RES, GATE, SCALE, SHIFT, W, B, OUT, RES_OUT, MEAN, RSTD, OUT_SCALE,
     n_rows, N, tokens, seg_rows, chunk_rows, chunks,
     stride_x_row, stride_x_col, stride_res_row, stride_res_col,
     g_sb, g_sg, g_ss, g_sc, g_group,
@@ -85,10 +86,17 @@ def modulate_fwd_kernel(
     GATED: tl.constexpr, NORM: tl.constexpr, MODULATED: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QUANTIZE: tl.constexpr = False, OUT_DTYPE: tl.constexpr = None,
 ):
     """RES_OUT = RES + GATE * X (GATED); OUT = modulate(norm(h) * W + B) with h
     RES_OUT read back at its dtype (GATED) or X. OUT is written when NORM or
     MODULATED; with NORM, the row statistics go to MEAN (LayerNorm) and RSTD.
+
+    QUANTIZE (the FP8 output mode, inference): OUT is e4m3 and OUT_SCALE gets
+    one fp32 scale per row (``kernels/fp8.py``), of the output rounded to
+    OUT_DTYPE first, so the bytes are those of ``quantize_fp8_rows`` of the
+    unquantized op's output; rows are whole in a tile, so the row maximum is
+    one reduction of registers already held.
 
     Program p takes piece p: ``chunk_rows`` rows of one segment, which share
     their modulation rows, so those are read once per piece as 1-D rows rather
@@ -127,7 +135,12 @@ def modulate_fwd_kernel(
                 tl.store(RSTD + rows, rstd, mask=row_mask)
             if MODULATED:
                 y = y * (1.0 + scale.to(ACC_DTYPE))[None, :] + shift.to(ACC_DTYPE)[None, :]
-            tl.store(OUT + _tile(rows, cols, N, 1), y.to(OUT.dtype.element_ty), mask=mask)
+            if QUANTIZE:
+                q, q_scale = quantize_tile(y.to(OUT_DTYPE).to(tl.float32), mask)
+                tl.store(OUT + _tile(rows, cols, N, 1), q, mask=mask)
+                tl.store(OUT_SCALE + rows, q_scale, mask=row_mask)
+            else:
+                tl.store(OUT + _tile(rows, cols, N, 1), y.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -1,4 +1,6 @@
 """Shape and dtype rules of the fp8 family, and its validation (the fakes)."""
+from typing import Optional
+
 import torch
 
 from compile_ops.meta._validate import check_floating, fail
@@ -15,3 +17,43 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple:
     """``(q [..., K] float8_e4m3fn, scale [...] float32)``, both contiguous."""
     check_rows("quantize_fp8_rows", "x", x)
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{t.dtype} {list(t.shape)} on {t.device}"
+
+
+def _linear_fail(msg: str, exc=ValueError):
+    # fp8_linear is a function over two ops (quantize, GEMM), not a fused op:
+    # its messages name the public function.
+    raise exc(f"compile_ops.fp8_linear: {msg}")
+
+
+def check_fp8_rows(q: torch.Tensor, scale: torch.Tensor, argname: str = "x") -> None:
+    """An already-quantized input ``(q [..., K] float8_e4m3fn, scale [...] float32)``."""
+    if q.dtype != torch.float8_e4m3fn or q.dim() < 1:
+        _linear_fail(f"{argname}.q must be float8_e4m3fn [..., K], got {_describe(q)}", TypeError)
+    if scale.dtype != torch.float32 or tuple(scale.shape) != tuple(q.shape[:-1]):
+        _linear_fail(f"{argname}.scale must be float32 {list(q.shape[:-1])} (one per row of {argname}.q "
+                     f"{list(q.shape)}), got {_describe(scale)}")
+    if scale.device != q.device:
+        _linear_fail(f"{argname}.scale is on {scale.device} but {argname}.q is on {q.device}")
+
+
+def check_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> None:
+    """``x [..., K]`` (the activation, or its quantized values) against ``weight_q [N, K]``
+    float8_e4m3fn, ``weight_scale [N]`` float32 and ``bias [N]`` (floating) or None,
+    all on x's device."""
+    k = x.shape[-1]
+    if weight_q.dtype != torch.float8_e4m3fn or weight_q.dim() != 2 or weight_q.shape[1] != k:
+        _linear_fail(f"weight_q must be float8_e4m3fn [N, {k}] (K = x's last dim, x is {list(x.shape)}), "
+                     f"got {_describe(weight_q)}", TypeError if weight_q.dtype != torch.float8_e4m3fn else ValueError)
+    n = weight_q.shape[0]
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (n,):
+        _linear_fail(f"weight_scale must be float32 [{n}] (one per row of weight_q), got {_describe(weight_scale)}")
+    if bias is not None and (tuple(bias.shape) != (n,) or not bias.dtype.is_floating_point):
+        _linear_fail(f"bias must be a floating [{n}] tensor or None, got {_describe(bias)}")
+    for argname, t in (("weight_q", weight_q), ("weight_scale", weight_scale), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            _linear_fail(f"{argname} is on {t.device} but x is on {x.device}; all tensors must share a device")

@@ -1,10 +1,10 @@
 """``FP8Linear``: an ``nn.Linear`` for inference with e4m3 weights and activations."""
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
 
-from compile_ops.ops.fp8 import check_fp8_device, fp8_linear, quantize_fp8_rows
+from compile_ops.ops.fp8 import FP8Rows, check_fp8_device, fp8_linear, quantize_fp8_rows
 
 
 class FP8Linear(nn.Module):
@@ -15,12 +15,24 @@ class FP8Linear(nn.Module):
     ``bias [N]`` as buffers, not parameters: nothing here trains, and
     ``model.to(device)`` / ``state_dict`` carry them. The bf16 weight is not
     kept: the Linear's weight memory drops to a half (plus 4 bytes a row).
+
+    ``forward`` takes ``x [..., in_features]`` (quantized per row on each
+    call) or an :class:`~compile_ops.ops.fp8.FP8Rows` ``(q, scale)`` that a
+    producing kernel already quantized; the output has x's dtype, or
+    ``out_dtype`` (the original Linear's weight dtype) for an FP8Rows input.
+
+    ``module.to(dtype)`` / ``.half()`` (a diffusers pipeline's ``.to``) moves
+    the quantized weight and its scales but keeps their dtypes: a float8
+    tensor counts as floating point to ``nn.Module.to``, which would otherwise
+    widen the weight and round the fp32 scales to the new dtype.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device=None, dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        #: The output dtype of an already-quantized (FP8Rows) input, which has no dtype of its own.
+        self.out_dtype = dtype or torch.bfloat16
         self.register_buffer("weight_q", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn,
                                                      device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
@@ -35,17 +47,30 @@ class FP8Linear(nn.Module):
             raise TypeError(f"FP8Linear.from_linear: expected an nn.Linear, got {type(linear).__name__}")
         weight = linear.weight
         check_fp8_device(weight.device)
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None, device="meta")
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, device="meta",
+                  dtype=weight.dtype)
         new.weight_q, new.weight_scale = quantize_fp8_rows(weight.detach())
         new.bias = None if linear.bias is None else linear.bias.detach().clone()
         return new
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``x [..., in_features]`` -> ``[..., out_features]`` in x's dtype."""
-        if x.shape[-1] != self.in_features:
+    def _apply(self, fn, recurse=True):
+        quantized = {"weight_q": self.weight_q, "weight_scale": self.weight_scale}
+        super()._apply(fn, recurse)
+        for name, original in quantized.items():
+            if getattr(self, name).dtype != original.dtype:  # a dtype cast: redo it as a move only
+                setattr(self, name, original.to(getattr(self, name).device))
+        return self
+
+    def forward(self, x: Union[Tensor, FP8Rows]) -> Tensor:
+        """``x [..., in_features]`` or ``FP8Rows(q [..., in_features], scale [...])``
+        -> ``[..., out_features]``."""
+        k = x.q.shape[-1] if isinstance(x, FP8Rows) else x.shape[-1]
+        if k != self.in_features:
+            shape = x.q.shape if isinstance(x, FP8Rows) else x.shape
             raise ValueError(f"FP8Linear: x must have {self.in_features} channels (last dim), "
-                             f"got shape {tuple(x.shape)}")
-        return fp8_linear(x, self.weight_q, self.weight_scale, self.bias)
+                             f"got shape {tuple(shape)}")
+        out_dtype = self.out_dtype if isinstance(x, FP8Rows) else x.dtype
+        return fp8_linear(x, self.weight_q, self.weight_scale, self.bias, out_dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -16,6 +16,11 @@ def acc_dtype(x: Tensor):
     return tl.float64 if accumulation_dtype(x) == torch.float64 else tl.float32
 
 
+#: torch dtypes as the kernels' ``tl.constexpr`` dtype arguments.
+TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+                 torch.float64: tl.float64}
+
+
 def as_rows(t: Tensor) -> Tensor:
     """``t`` as ``[rows, N]``: a view whenever the leading dims collapse to one
     row stride (contiguous, row slices, expanded gradients); a copy otherwise."""

@@ -5,13 +5,21 @@ parameter any more, and e4m3 rounding is flat almost everywhere), so a call
 that would need one raises, naming the way out, instead of training a model
 through a rounding step.
 
-Where FP8 runs is decided in one place, :func:`check_fp8_device`: CUDA GPUs
+Where FP8 runs is decided in one place, :func:`uses_scaled_mm`: CUDA GPUs
 with FP8 tensor cores (sm_89: Ada, Hopper and newer) run the Triton
 quantization and ``torch._scaled_mm``; older GPUs get an error naming their
 capability; other devices run the exact reference of
 ``compile_ops/reference/fp8.py``, which is how CI checks a patched model.
+
+Gradients: every public entry point (:func:`quantize_fp8_rows`,
+:func:`fp8_linear`, ``FP8Linear``) refuses at the call when autograd would
+record it (grad mode on and an input that requires grad), so the error comes
+where the FP8 path is entered, eagerly and under ``torch.compile`` alike.
+``torch.ops.fused.quantize_fp8_rows`` called directly has an autograd formula
+whose backward raises the same message (without one, torch would warn and
+return no gradient).
 """
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import triton
@@ -36,16 +44,54 @@ INFERENCE_ONLY = ("FP8 paths are inference-only (compile_ops.patch(precision='fp
                   "or torch.no_grad(), or patch it without precision='fp8' to train")
 
 
+class FP8Rows(NamedTuple):
+    """Activations quantized per row: ``q [..., K]`` float8_e4m3fn and ``scale [...]``
+    fp32, with ``x ~ q * scale[..., None]`` (``compile_ops/reference/fp8.py``).
+
+    What :func:`quantize_fp8_rows` returns, and what a producing kernel's FP8
+    output mode hands to :func:`fp8_linear` / ``FP8Linear`` instead of a
+    bf16 tensor. A NamedTuple: ``torch.compile`` and ``torch.export`` take it
+    as two tensors (pytree), and ``q, scale = rows`` unpacks it."""
+    q: Tensor
+    scale: Tensor
+
+
+@torch.compiler.assume_constant_result
+def _cuda_capability(index: Optional[int]) -> tuple:
+    """``(major, minor, name)`` of CUDA device ``index`` (None: the current one).
+    A constant to torch.compile: looked up once while tracing, not in the graph."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return major, minor, torch.cuda.get_device_name(index)
+
+
 def check_fp8_device(device: torch.device) -> None:
     """Raise on a CUDA device without FP8 tensor cores (below sm_89)."""
+    uses_scaled_mm(device)
+
+
+def uses_scaled_mm(device: torch.device) -> bool:
+    """The one place that decides where FP8 runs: True on a CUDA GPU with FP8
+    tensor cores (Triton quantization, ``torch._scaled_mm``), False on other
+    devices (the exact reference); a RuntimeError naming the capability on a
+    CUDA GPU below sm_89."""
     device = torch.device(device)
-    if device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < FP8_CAPABILITY:
-            raise RuntimeError(
-                f"compile_ops FP8: {torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}; "
-                f"FP8 GEMMs need FP8 tensor cores (sm_89 or newer: Ada, Hopper, Blackwell). "
-                "Patch without precision='fp8' on this GPU")
+    if device.type != "cuda":
+        return False
+    major, minor, name = _cuda_capability(device.index)
+    if (major, minor) < FP8_CAPABILITY:
+        raise RuntimeError(
+            f"compile_ops FP8: {name} is sm_{major}{minor}; "
+            f"FP8 GEMMs need FP8 tensor cores (sm_89 or newer: Ada, Hopper, Blackwell). "
+            "Patch without precision='fp8' on this GPU")
+    return True
+
+
+def refuse_gradient(fn: str, *tensors: Optional[Tensor]) -> None:
+    """The inference-only policy of every FP8 entry point (this family's and the
+    producers' FP8 output modes): raise, naming ``fn``, when grad mode is on and
+    any of ``tensors`` (None and non-tensors skipped) requires grad."""
+    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors):
+        raise RuntimeError(f"{fn}: an input requires grad. {INFERENCE_ONLY}")
 
 
 @fused_op("quantize_fp8_rows", fake=meta.fp8.quantize_fp8_rows, reference=reference.fp8.quantize_fp8_rows)
@@ -75,51 +121,70 @@ def _save_nothing(ctx, inputs, output):
 _quantize_fp8_rows.register_autograd(_no_gradient, setup_context=_save_nothing)
 
 
-def quantize_fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_fp8_rows(x: Tensor) -> FP8Rows:
     """Rowwise e4m3 quantization (``compile_ops/reference/fp8.py`` specifies it).
 
     Args:
-        x: ``[..., K]`` fp32, fp16 or bf16; any strides.
+        x: ``[..., K]`` fp32, fp16 or bf16 (fp64 is read as fp32); any strides.
 
     Returns:
-        ``(q, scale)``: ``q [..., K]`` float8_e4m3fn and ``scale [...]`` fp32,
-        contiguous, with ``x ~ q * scale[..., None]``.
+        ``FP8Rows(q, scale)``: ``q [..., K]`` float8_e4m3fn and ``scale [...]``
+        fp32, contiguous, with ``x ~ q * scale[..., None]``.
+
+    Raises a RuntimeError when x requires grad under grad mode (inference only).
     """
-    return _quantize_fp8_rows(x)
+    refuse_gradient("quantize_fp8_rows", x)
+    q, scale = _quantize_fp8_rows(x)
+    return FP8Rows(q, scale)
 
 
-def fp8_linear(x: Tensor, weight_q: Tensor, weight_scale: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def fp8_linear(x: Union[Tensor, FP8Rows], weight_q: Tensor, weight_scale: Tensor,
+               bias: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """``x @ W.T + bias`` with x quantized per row and W per output channel.
 
     Args:
-        x: ``[..., K]`` activations (bf16 in a DiT; fp16, fp32 too).
-        weight_q: ``[N, K]`` float8_e4m3fn, from :func:`quantize_fp8_rows` of W.
+        x: ``[..., K]`` activations (bf16 in a DiT; fp16, fp32 too), quantized
+            here by :func:`quantize_fp8_rows`; or an :class:`FP8Rows`
+            ``(q [..., K] float8_e4m3fn, scale [...] fp32)`` already quantized
+            (by a producing kernel's FP8 output mode).
+        weight_q: ``[N, K]`` float8_e4m3fn, :func:`quantize_fp8_rows` of W.
         weight_scale: ``[N]`` fp32, its scales.
         bias: ``[N]`` or None.
+        out_dtype: the output dtype; default x's dtype, bf16 for an FP8Rows x.
 
     Returns:
-        ``[..., N]`` in x's dtype. On CUDA ``torch._scaled_mm`` with rowwise
-        scales writes bf16 (its rowwise mode's output), cast to x's dtype;
-        elsewhere the reference sums in fp32 and casts once.
+        ``[..., N]`` (x's leading dims). On a CUDA GPU ``torch._scaled_mm``
+        with rowwise scales (its rowwise mode writes bf16 and takes a bf16
+        bias: an fp32 output is that bf16 result, cast); elsewhere the
+        reference, summed in fp32 and cast once.
     """
-    if torch.is_grad_enabled() and x.requires_grad:
-        raise RuntimeError(f"fp8_linear: x requires grad. {INFERENCE_ONLY}")
-    k = x.shape[-1]
-    if weight_q.dtype != torch.float8_e4m3fn or weight_q.dim() != 2 or weight_q.shape[1] != k:
-        raise ValueError(f"fp8_linear: weight_q must be float8_e4m3fn [N, {k}] (x's last dim), "
-                         f"got {weight_q.dtype} {tuple(weight_q.shape)}")
-    n = weight_q.shape[0]
-    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (n,):
-        raise ValueError(f"fp8_linear: weight_scale must be float32 [{n}], got {weight_scale.dtype} "
-                         f"{tuple(weight_scale.shape)}")
-    if bias is not None and tuple(bias.shape) != (n,):
-        raise ValueError(f"fp8_linear: bias must have shape [{n}], got {tuple(bias.shape)}")
-    q, scale = quantize_fp8_rows(x.reshape(-1, k))
-    if x.device.type == "cuda":
-        check_fp8_device(x.device)
-        out = torch._scaled_mm(q, weight_q.t(), scale_a=scale[:, None], scale_b=weight_scale[None, :],
-                               bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16)
-        out = out.to(x.dtype)
+    if isinstance(x, FP8Rows):
+        meta.fp8.check_fp8_rows(x.q, x.scale)
+        refuse_gradient("fp8_linear", x.q, x.scale)
+        lead, k = x.q.shape[:-1], x.q.shape[-1]
+        q, scale = x.q.reshape(-1, k), x.scale.reshape(-1)
+        out_dtype = out_dtype or torch.bfloat16
+        meta.fp8.check_linear(x.q, weight_q, weight_scale, bias)
     else:
-        out = reference.fp8.fp8_linear(q, scale, weight_q, weight_scale, bias, x.dtype)
-    return out.reshape(*x.shape[:-1], n)
+        refuse_gradient("fp8_linear", x)
+        meta.fp8.check_linear(x, weight_q, weight_scale, bias)
+        lead, k = x.shape[:-1], x.shape[-1]
+        q, scale = _quantize_fp8_rows(x.reshape(-1, k))
+        out_dtype = out_dtype or x.dtype
+    n = weight_q.shape[0]
+    if uses_scaled_mm(q.device):
+        if k % 16 or n % 16:
+            raise ValueError(f"compile_ops.fp8_linear: torch._scaled_mm needs K and N to be multiples of 16, "
+                             f"got K={k}, N={n}")
+        # Row-major x, column-major W (weight_q [N, K] transposed), scales [M, 1]
+        # and [1, N]: the layouts of _scaled_mm's rowwise mode. clone and
+        # unsqueeze, not .contiguous() and [:, None]: those cannot be fake-traced
+        # for CUDA on a CPU-only torch, which the tests do to this branch.
+        q = q if q.is_contiguous() else q.clone(memory_format=torch.contiguous_format)
+        scale = scale if scale.is_contiguous() else scale.clone(memory_format=torch.contiguous_format)
+        out = torch._scaled_mm(q, weight_q.t(), scale_a=scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
+                               bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16)
+        out = out.to(out_dtype)
+    else:
+        out = reference.fp8.fp8_linear(q, scale, weight_q, weight_scale, bias, out_dtype)
+    return out.reshape(*lead, n)

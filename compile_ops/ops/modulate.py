@@ -25,7 +25,8 @@ from compile_ops._library import fused_op, launcher, multiprocessor_count
 from compile_ops.kernels.modulate import modulate_bwd_kernel, modulate_fwd_kernel
 from compile_ops.meta.modulate import Broadcast, static_int
 from compile_ops.meta._validate import accumulation_dtype
-from compile_ops.ops._launch import acc_dtype, as_rows, column_sum, contiguous_param, grad_or_none
+from compile_ops.ops._launch import TRITON_DTYPES, acc_dtype, as_rows, column_sum, contiguous_param, grad_or_none
+from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 from compile_ops.ops.norm import BACKWARD_PROGRAMS_PER_SM, LaunchConfig
 from compile_ops.ops.norm import backward_config as norm_backward_config
 
@@ -78,7 +79,10 @@ def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Option
                     scale: Optional[Tensor], shift: Optional[Tensor], weight: Optional[Tensor],
                     bias: Optional[Tensor], norm: str, eps: float, out: Optional[Tensor],
                     residual_out: Optional[Tensor] = None, mean: Optional[Tensor] = None,
-                    rstd: Optional[Tensor] = None) -> None:
+                    rstd: Optional[Tensor] = None, out_scale: Optional[Tensor] = None,
+                    out_dtype: Optional[torch.dtype] = None) -> None:
+    """``out_scale`` given: the FP8 output mode, ``out`` e4m3 and ``out_scale`` its
+    row scales, of the output rounded to ``out_dtype`` (the unquantized op's)."""
     x2 = as_rows(x)
     res2 = None if residual is None else as_rows(residual)
     n_rows, n = x2.shape
@@ -90,7 +94,7 @@ def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Option
     cfg = forward_config(int(n), gate is not None)
     launcher(modulate_fwd_kernel)[(n_segments * chunks,)](
         x2, res2, gate, scale, shift, contiguous_param(weight), contiguous_param(bias), out, residual_out,
-        mean if norm == "layernorm" else None, rstd,
+        mean if norm == "layernorm" else None, rstd, out_scale,
         n_rows, n, tokens, seg_rows, FORWARD_PIECE_ROWS, chunks,
         x2.stride(0), x2.stride(1),
         0 if res2 is None else res2.stride(0), 0 if res2 is None else res2.stride(1),
@@ -98,7 +102,9 @@ def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Option
         eps,
         GATED=gate is not None, NORM=NORM_CODES[norm], MODULATED=scale is not None,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACC_DTYPE=acc_dtype(x),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        QUANTIZE=out_scale is not None, OUT_DTYPE=TRITON_DTYPES[out_dtype or torch.float32],
+        num_warps=cfg.num_warps,
     )
 
 
@@ -171,6 +177,34 @@ def _gated_residual_norm_modulate_op(residual: Tensor, x: Tensor, gate: Tensor, 
     _launch_forward("gated_residual_norm_modulate", x, residual, gate, scale, shift, weight, bias, norm, eps,
                     out, residual_out, mean, rstd)
     return residual_out, out, mean, rstd
+
+
+# ---------------------------------------------------------------- FP8 output mode (inference)
+
+
+@fused_op("norm_modulate_fp8", fake=meta.modulate.norm_modulate_fp8, reference=reference.modulate.norm_modulate_fp8)
+def _norm_modulate_fp8_op(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tensor],
+                          bias: Optional[Tensor], norm: str, eps: float) -> tuple[Tensor, Tensor]:
+    q, q_scale = meta.modulate.norm_modulate_fp8(x, scale, shift, weight, bias, norm, eps)
+    # The unquantized op's outputs: its dtype, and row statistics the kernel writes (not returned).
+    out, mean, rstd = meta.modulate.norm_modulate(x, scale, shift, weight, bias, norm, eps)
+    _launch_forward("norm_modulate_fp8", x, None, None, scale, shift, weight, bias, norm, eps, q,
+                    mean=mean, rstd=rstd, out_scale=q_scale, out_dtype=out.dtype)
+    return q, q_scale
+
+
+@fused_op("gated_residual_norm_modulate_fp8", fake=meta.modulate.gated_residual_norm_modulate_fp8,
+          reference=reference.modulate.gated_residual_norm_modulate_fp8)
+def _gated_residual_norm_modulate_fp8_op(residual: Tensor, x: Tensor, gate: Tensor, scale: Tensor, shift: Tensor,
+                                         weight: Optional[Tensor], bias: Optional[Tensor], norm: str,
+                                         eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    residual_out, q, q_scale = meta.modulate.gated_residual_norm_modulate_fp8(
+        residual, x, gate, scale, shift, weight, bias, norm, eps)
+    _, out, mean, rstd = meta.modulate.gated_residual_norm_modulate(
+        residual, x, gate, scale, shift, weight, bias, norm, eps)
+    _launch_forward("gated_residual_norm_modulate_fp8", x, residual, gate, scale, shift, weight, bias, norm, eps,
+                    q, residual_out, mean, rstd, out_scale=q_scale, out_dtype=out.dtype)
+    return residual_out, q, q_scale
 
 
 # ---------------------------------------------------------------- backward op
@@ -416,3 +450,37 @@ def gated_residual_norm_modulate(residual: Tensor, x: Tensor, gate: Tensor, scal
     residual_out, out, _, _ = _gated_residual_norm_modulate_op(residual, x, gate, scale, shift, weight, bias,
                                                                norm, eps)
     return residual_out, out
+
+
+def norm_modulate_fp8(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tensor] = None,
+                      bias: Optional[Tensor] = None, norm: str = "layernorm", eps: float = 1e-6) -> FP8Rows:
+    """:func:`norm_modulate` with its output quantized per row to e4m3 in the same
+    kernel (the FP8 output mode, for an FP8 Linear that reads it; inference only).
+
+    Args: as :func:`norm_modulate` (``x [B, *tokens, C]``; scale/shift broadcast
+    to x; weight/bias ``[C]`` or None).
+
+    Returns:
+        ``FP8Rows(q [B, *tokens, C] float8_e4m3fn, scale [B, *tokens] fp32)``:
+        the bytes of ``quantize_fp8_rows(norm_modulate(...))``, without writing
+        and re-reading the bf16 output.
+    """
+    refuse_gradient("norm_modulate_fp8", x, scale, shift, weight, bias)
+    return FP8Rows(*_norm_modulate_fp8_op(x, scale, shift, weight, bias, norm, eps))
+
+
+def gated_residual_norm_modulate_fp8(residual: Tensor, x: Tensor, gate: Tensor, scale: Tensor, shift: Tensor,
+                                     weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                                     norm: str = "layernorm", eps: float = 1e-6) -> tuple[Tensor, FP8Rows]:
+    """:func:`gated_residual_norm_modulate` with ``out`` quantized per row to e4m3
+    in the same kernel (inference only).
+
+    Args: as :func:`gated_residual_norm_modulate`.
+
+    Returns:
+        ``(residual_out [B, *tokens, C], FP8Rows(q [B, *tokens, C], scale [B, *tokens]))``.
+    """
+    refuse_gradient("gated_residual_norm_modulate_fp8", residual, x, gate, scale, shift, weight, bias)
+    residual_out, q, q_scale = _gated_residual_norm_modulate_fp8_op(residual, x, gate, scale, shift, weight, bias,
+                                                                    norm, eps)
+    return residual_out, FP8Rows(q, q_scale)

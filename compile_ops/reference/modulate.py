@@ -9,6 +9,7 @@ import torch
 
 from compile_ops.meta import modulate as meta
 from compile_ops.meta._validate import accumulation_dtype
+from compile_ops.reference.fp8 import quantize_fp8_rows
 from compile_ops.reference.norm import _affine
 
 
@@ -73,6 +74,17 @@ def gated_residual_norm_modulate(residual: torch.Tensor, x: torch.Tensor, gate: 
     """``(residual_out, out, mean, rstd)``."""
     residual_out = gated_residual(residual, x, gate)
     return (residual_out, *norm_modulate(residual_out, scale, shift, weight, bias, norm, eps))
+
+
+def norm_modulate_fp8(x, scale, shift, weight, bias, norm, eps) -> tuple:
+    """``(q, scale)``: :func:`norm_modulate`'s output, quantized per row (``reference/fp8.py``)."""
+    return quantize_fp8_rows(norm_modulate(x, scale, shift, weight, bias, norm, eps)[0])
+
+
+def gated_residual_norm_modulate_fp8(residual, x, gate, scale, shift, weight, bias, norm, eps) -> tuple:
+    """``(residual_out, q, scale)``: the seam with its normed output quantized per row."""
+    residual_out, out, _, _ = gated_residual_norm_modulate(residual, x, gate, scale, shift, weight, bias, norm, eps)
+    return (residual_out, *quantize_fp8_rows(out))
 
 
 def modulate_backward(grad_out: Optional[torch.Tensor], grad_h: Optional[torch.Tensor],
