@@ -401,3 +401,28 @@ def test_fp8_patched_model_compiles_with_fullgraph_and_no_recompile_across_resol
             with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
                 out = compiled(**args).sample
             torch.testing.assert_close(out, patched(**args).sample, **TOL)
+
+
+def test_fp8_flux_seams_hand_fp8_rows_to_the_mlp(monkeypatch):
+    """Under precision="fp8" each double-block stream's seam writes the MLP's
+    FP8 input itself (gated_residual_norm_modulate_fp8), and the MLP's first
+    FP8Linear takes those rows without quantizing again."""
+    _, patched, simulated, inputs, _ = _fp8_pair("flux")
+    calls = Counter()
+
+    def counting(module, name):
+        op = getattr(module, name)
+        return lambda *a, **k: calls.update([name]) or op(*a, **k)
+
+    from compile_ops.ops import fp8 as fp8_ops
+    for name in ("gated_residual_norm_modulate", "gated_residual_norm_modulate_fp8"):
+        monkeypatch.setattr(integration, name, counting(integration, name))
+    monkeypatch.setattr(fp8_ops, "_quantize_fp8_rows", counting(fp8_ops, "_quantize_fp8_rows"))
+    args = _to(inputs(4), DEVICE)
+    with torch.no_grad():
+        got, want = patched(**args).sample, simulated(**args).sample
+    assert calls["gated_residual_norm_modulate_fp8"] == 2 and calls["gated_residual_norm_modulate"] == 0
+    # FP8 Linears of the blocks: 20 quantize their input, the two MLP inputs come from the seams.
+    fp8_linears = sum(isinstance(m, compile_ops.FP8Linear) for m in patched.modules())
+    assert calls["_quantize_fp8_rows"] == fp8_linears - 2, (calls, fp8_linears)
+    assert _relative_l2(got, want) < 1e-4

@@ -33,11 +33,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from compile_ops.modules.fp8 import FP8Linear
 from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.attention import attention
-from compile_ops.ops.modulate import gated_residual, gated_residual_norm_modulate
+from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
+                                      gated_residual_norm_modulate_fp8)
 from compile_ops.ops.rope import qk_norm_rope, rope_qk
 
 _STATE = "_compile_ops_patch"
@@ -190,6 +192,16 @@ class _BlockForward(nn.Module):
         return cls(original)
 
 
+def _reads_fp8_rows(ff: nn.Module) -> bool:
+    """diffusers' ``FeedForward`` whose first module is its ``GELU`` over an
+    :class:`FP8Linear` (after ``patch(precision="fp8")``): it can take the
+    seam's FP8 rows, since ``GELU`` hands its input straight to ``proj``."""
+    net = getattr(ff, "net", None)
+    return (type(ff).__name__ == "FeedForward" and isinstance(net, nn.ModuleList) and len(net) > 0
+            and type(net[0]).__name__ == "GELU" and type(net[0]).__module__.startswith("diffusers.")
+            and isinstance(getattr(net[0], "proj", None), FP8Linear))
+
+
 def _is_plain_layer_norm(norm: nn.Module) -> bool:
     return type(norm) in (nn.LayerNorm, LayerNorm) and len(norm.normalized_shape) == 1
 
@@ -210,8 +222,11 @@ class FluxTransformerBlock(_BlockForward):
 
     @staticmethod
     def _second_half(stream, attn_out, gate_attn, shift, scale, gate_ff, norm, ff):
-        stream, normed = gated_residual_norm_modulate(stream, attn_out, gate_attn, scale, shift, norm.weight,
-                                                      norm.bias, "layernorm", norm.eps)
+        seam = gated_residual_norm_modulate_fp8 if _reads_fp8_rows(ff) else gated_residual_norm_modulate
+        # Under precision="fp8" the seam writes e4m3 rows + scales for the MLP's
+        # first FP8Linear, in the same kernel: no bf16 round trip, no quantize pass.
+        stream, normed = seam(stream, attn_out, gate_attn, scale, shift, norm.weight, norm.bias, "layernorm",
+                              norm.eps)
         return gated_residual(stream, ff(normed), gate_ff)
 
     def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
@@ -522,7 +537,6 @@ def _quantize_linears(model: nn.Module, report: PatchReport) -> None:
     """Replace the transformer blocks' Linears with :class:`FP8Linear` (weights
     quantized once per output channel; the original weight is no longer held),
     and report every Linear of the model, FP8 or not, with the reason."""
-    from compile_ops.modules.fp8 import FP8Linear
     from compile_ops.ops.fp8 import check_fp8_device
 
     def walk(module: nn.Module, prefix: str, in_blocks: bool) -> None:
