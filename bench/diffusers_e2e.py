@@ -13,6 +13,18 @@ Full-size configs with random weights (nothing is downloaded), bf16, batch 1:
   the embedders and final norm), forward + backward of a mean-square loss at
   4096 + 512 tokens, parameters trainable.
 
+FP8 inference (``--fp8``, the step cases): two more providers, each on a
+freshly built model, since both quantize in place and release the bf16
+weights: ``fp8_compiled`` (``compile_ops.patch(model, precision="fp8")`` +
+``torch.compile``) and ``torchao_fp8_compiled`` (torchao's
+``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` +
+``torch.compile``, what users install today). Their rows also give the step
+output's relative L2 error against the bf16 model's output on the same
+inputs, and the bytes of the model's weights.
+
+``--repeats N`` measures every provider N times (do_bench medians) and
+reports the median of those and their spread.
+
 Training runs SDPA without its cuDNN backend: torch 2.11's cuDNN attention
 backward fails at this shape (``mha_graph.execute(...).is_good()``), so the
 native step uses SDPA's flash backend. Each case runs native eager, native
@@ -87,9 +99,8 @@ def _measure(fn, timer_ms: float):
     return do_bench(fn, warmup=timer_ms / 4, rep=timer_ms, return_mode="median"), peak
 
 
-def run_case(name: str, timer_ms: float) -> list:
-    import compile_ops
-
+def _build(name: str):
+    """The case's model (bf16, on the GPU, the same random weights every call) and inputs."""
     build, train = CASES[name]
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -101,7 +112,69 @@ def run_case(name: str, timer_ms: float) -> list:
             torch.set_default_dtype(default)
     inputs = {k: v.to("cuda", DTYPE if v.is_floating_point() and "ids" not in k else v.dtype)
               for k, v in inputs.items()}
-    model.train(train).requires_grad_(train)
+    return model.train(train).requires_grad_(train), inputs
+
+
+def _weight_MiB(model) -> float:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 2 ** 20
+
+
+def _repeated(fn, timer_ms: float, repeats: int) -> dict:
+    """Median, min and max of ``repeats`` do_bench medians, and the peak memory."""
+    runs = [_measure(fn, timer_ms) for _ in range(repeats)]
+    times = sorted(ms for ms, _ in runs)
+    return {"ms": times[len(times) // 2], "ms_min": times[0], "ms_max": times[-1], "ms_runs": times,
+            "peak_MiB": max(peak for _, peak in runs)}
+
+
+def _quantize(provider: str, model):
+    """Quantize ``model`` in place for an FP8 provider; the patch report, if any."""
+    if provider == "fp8_compiled":
+        import compile_ops
+        return compile_ops.patch(model, precision="fp8")
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    return None
+
+
+def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact) -> list:
+    """``fp8_compiled`` and ``torchao_fp8_compiled`` on fresh models; ``exact`` is the
+    bf16 model's output on the same inputs."""
+    rows = []
+    for provider in ("fp8_compiled", "torchao_fp8_compiled"):
+        model, inputs = _build(name)
+        try:
+            report = _quantize(provider, model)
+        except ImportError as e:  # torchao not installed: say so in the results
+            rows.append({"case": name, "provider": provider, "error": f"{type(e).__name__}: {e}"})
+            print(f"{name:<11} {provider:<21} skipped: {e}", flush=True)
+            continue
+        module = torch.compile(model)
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = module(**inputs).sample  # compiles
+            setup_s = time.perf_counter() - start
+            err = ((out.double() - exact.double()).norm() / exact.double().norm()).item()
+            row = _repeated(lambda m=module: m(**inputs).sample, timer_ms, repeats)
+        row.update(case=name, provider=provider, first_call_s=setup_s, rel_l2_vs_bf16=err, train=False,
+                   tokens=_tokens(name), weights_MiB=_weight_MiB(model))
+        if report is not None:
+            row["fp8_linears"] = sum("FP8Linear" in detail for _, _, detail in report.replaced)
+        rows.append(row)
+        print(f"{name:<11} {provider:<21} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f})  "
+              f"rel. L2 vs bf16 {err:.2e}  weights {row['weights_MiB']:.0f} MiB  (first call {setup_s:.0f} s)",
+              flush=True)
+        del model, module
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False) -> list:
+    import compile_ops
+
+    _, train = CASES[name]
+    model, inputs = _build(name)
     torch.backends.cuda.enable_cudnn_sdp(not train)
 
     def step(module):
@@ -115,6 +188,10 @@ def run_case(name: str, timer_ms: float) -> list:
         return loss
 
     rows, report = [], None
+    exact = None
+    if fp8 and not train:
+        with torch.no_grad():
+            exact = model(**inputs).sample.detach().clone()
     for provider in ("native_eager", "native_compiled", "patched_eager", "patched_compiled"):
         if provider == "patched_eager":
             torch._dynamo.reset()
@@ -124,11 +201,12 @@ def run_case(name: str, timer_ms: float) -> list:
         start = time.perf_counter()
         step(module)  # compiles
         setup_s = time.perf_counter() - start
-        ms, peak = _measure(lambda: step(module), timer_ms)
-        rows.append({"case": name, "provider": provider, "ms": ms, "peak_MiB": peak, "first_call_s": setup_s,
-                     "train": train, "tokens": _tokens(name), "attention_kernel": "auto"})
-        print(f"{name:<11} {provider:<17} {ms:9.2f} ms  peak {peak:8.0f} MiB  (first call {setup_s:.0f} s)",
-              flush=True)
+        row = _repeated(lambda: step(module), timer_ms, repeats)
+        row.update(case=name, provider=provider, first_call_s=setup_s, train=train, tokens=_tokens(name),
+                   attention_kernel="auto", weights_MiB=_weight_MiB(model))
+        rows.append(row)
+        print(f"{name:<11} {provider:<17} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f})  "
+              f"peak {row['peak_MiB']:8.0f} MiB  (first call {setup_s:.0f} s)", flush=True)
     by = {r["provider"]: r for r in rows}
     print(f"{name}: patched compiled {by['native_compiled']['ms'] / by['patched_compiled']['ms']:.3f}x native "
           f"compiled; patched eager {by['native_eager']['ms'] / by['patched_eager']['ms']:.3f}x native eager",
@@ -138,6 +216,8 @@ def run_case(name: str, timer_ms: float) -> list:
     del model
     torch._dynamo.reset()
     torch.cuda.empty_cache()
+    if exact is not None:
+        rows += run_fp8_providers(name, timer_ms, repeats, exact)
     return rows
 
 
@@ -150,6 +230,9 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--rep-ms", type=float, default=3000.0, help="do_bench's time budget per measurement")
+    p.add_argument("--repeats", type=int, default=1, help="measurements per provider (median and spread)")
+    p.add_argument("--fp8", action="store_true",
+                   help="also compile_ops FP8 and torchao float8 providers on the inference cases")
     args = p.parse_args(argv)
     warm_up_gpu()
     env = environment()
@@ -162,7 +245,7 @@ def main(argv=None) -> int:
         with open(path) as f:
             rows = json.load(f)["rows"]
     for name in args.cases.split(","):  # written after each case: a later one may run out of time
-        rows = [r for r in rows if r["case"] != name] + run_case(name, args.rep_ms)
+        rows = [r for r in rows if r["case"] != name] + run_case(name, args.rep_ms, args.repeats, args.fp8)
         write_results(args.out, "diffusers-e2e", env, rows)
     print(f"wrote {path}")
     return 0

@@ -259,6 +259,38 @@ def diffusers_e2e_table(data: dict) -> str:
                      f"{by[(case, 'native_eager')]['ms'] / by[(case, 'patched_eager')]['ms']:.2f}x")
         kernel = by.get((case, "patched_eager"), {}).get("attention_kernel", "?")
         out.append(f"| {case} | {kernel} | " + " | ".join(cells) + f" | {speed} |")
+    return "\n".join(out) + "\n" + _fp8_e2e_table(by)
+
+
+FP8_PROVIDERS = ("native_compiled", "fp8_compiled", "torchao_fp8_compiled")
+
+
+def _fp8_e2e_table(by: dict) -> str:
+    """Markdown: the FP8 providers of ``diffusers_e2e.py --fp8`` beside native
+    compiled bf16: median ms (spread over the repeats), speed-ups, the output's
+    relative L2 error against bf16, weight memory and the first compiled call."""
+    cases = [case for case in dict.fromkeys(c for c, _ in by) if (case, "fp8_compiled") in by]
+    if not cases:
+        return ""
+    out = ["", "FP8 inference, compiled: median ms (min-max over the repeats); error = the step output's relative "
+           "L2 distance to the bf16 model's.", "",
+           "| case | provider | ms | vs native compiled | vs torchao float8 | rel. L2 vs bf16 | weights MiB | "
+           "first call s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for case in cases:
+        native, torchao = by.get((case, "native_compiled")), by.get((case, "torchao_fp8_compiled"))
+        for provider in FP8_PROVIDERS:
+            r = by.get((case, provider))
+            if r is None or "error" in r:
+                reason = "not run" if r is None else r["error"]
+                out.append(f"| {case} | {provider} | {reason} | | | | | |")
+                continue
+            spread = f" ({r['ms_min']:.1f}-{r['ms_max']:.1f})" if "ms_min" in r else ""
+            vs_native = f"{native['ms'] / r['ms']:.2f}x" if native else "-"
+            vs_torchao = f"{torchao['ms'] / r['ms']:.2f}x" if torchao and "error" not in torchao else "-"
+            err = f"{r['rel_l2_vs_bf16']:.1e}" if "rel_l2_vs_bf16" in r else "-"
+            weights = f"{r['weights_MiB']:.0f}" if "weights_MiB" in r else "-"
+            out.append(f"| {case} | {provider} | {r['ms']:.1f}{spread} | {vs_native} | {vs_torchao} | {err} | "
+                       f"{weights} | {r['first_call_s']:.0f} |")
     return "\n".join(out) + "\n"
 
 
