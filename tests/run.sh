@@ -28,7 +28,8 @@ run_layer() {  # run_layer NAME COMMAND...: run one layer, remember a failure
   "$@"
   local rc=$?
   echo "=== layer: $name: exit $rc after $((SECONDS - start)) s"
-  [ $rc -eq 0 ] || failed+=("$name (exit $rc)")
+  # 5: pytest collected nothing, which a -k/-m filter does to a layer on purpose.
+  [ $rc -eq 0 ] || [ $rc -eq 5 ] || failed+=("$name (exit $rc)")
 }
 
 if python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
