@@ -462,17 +462,21 @@ def _same_fp8(rows, want):
     assert torch.equal(scale, want_scale), "row scales differ"
 
 
-@pytest.mark.parametrize("op", ["norm_modulate", "gated_residual_norm_modulate"])
-def test_fp8_modes_are_quantize_of_the_unquantized_output_and_refuse_gradients(op):
-    case = (op, torch.bfloat16, 2, 5, 48, ["per-sample [B, C]", "per-token [B, L, C]", "per-sample [B, C]"], torch.bfloat16, True, False,
-            "layernorm", "weight+bias", False)
-    args = _detached(_case_args(*case, "cpu"))
+def _check_fp8_mode(op, args):
+    """``<op>_fp8(*args)`` is ``quantize_fp8_rows`` of ``<op>(*args)``'s normed output, bytes and scales."""
     fused = getattr(compile_ops, f"{op}_fp8")(*args)
     plain = getattr(compile_ops, op)(*args)
     if op == "gated_residual_norm_modulate":
         assert torch.equal(fused[0], plain[0])
         fused, plain = fused[1], plain[1]
     _same_fp8(fused, compile_ops.quantize_fp8_rows(plain))
+
+
+@pytest.mark.parametrize("op", ["norm_modulate", "gated_residual_norm_modulate"])
+def test_fp8_modes_are_quantize_of_the_unquantized_output_and_refuse_gradients(op):
+    forms = ["per-sample [B, C]", "per-token [B, L, C]", "per-sample [B, C]"]
+    case = (op, torch.bfloat16, 2, 5, 48, forms, torch.bfloat16, True, False, "layernorm", "weight+bias", False)
+    _check_fp8_mode(op, _detached(_case_args(*case, "cpu")))
     with pytest.raises(RuntimeError, match="inference-only"):
         getattr(compile_ops, f"{op}_fp8")(*_case_args(*case, "cpu"))  # inputs that require grad
 
@@ -484,10 +488,4 @@ def test_kernels_fp8_modes_write_the_bytes_of_quantizing_their_own_output(case):
     bytes equal ``quantize_fp8_rows`` of that output, bit for bit (both kernels)."""
     op = "gated_residual_norm_modulate" if case[0].startswith("gated") else "norm_modulate"
     torch.manual_seed(0)
-    args = _detached(_case_args(op, *case[1:], KERNEL_DEVICE))
-    fused = getattr(compile_ops, f"{op}_fp8")(*args)
-    plain = getattr(compile_ops, op)(*args)
-    if op == "gated_residual_norm_modulate":
-        assert torch.equal(fused[0], plain[0])
-        fused, plain = fused[1], plain[1]
-    _same_fp8(fused, compile_ops.quantize_fp8_rows(plain))
+    _check_fp8_mode(op, _detached(_case_args(op, *case[1:], KERNEL_DEVICE)))
