@@ -40,7 +40,6 @@ import copy
 import dataclasses
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -284,13 +283,21 @@ def _time(step, device, reps: int = 10) -> float:
     return (time.perf_counter() - start) / reps * 1e3
 
 
-def _worker(rank: int, world: int, config: Config, port: int, out_path: str, device_type: str) -> None:
+def _worker(rank: int, world: int, config: Config, rendezvous: str, out_path: str, device_type: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device_type == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the CPU's cores
+    # A file rendezvous, not MASTER_ADDR/MASTER_PORT: the env:// rendezvous makes
+    # rank 0 host a TCPStore whose server thread can still be running when the
+    # spawned process exits, and a joinable std::thread destroyed at exit is
+    # std::terminate ("terminate called without an active exception", SIGABRT
+    # in one run of the CPU test in several). A FileStore starts no thread and
+    # needs no free port (_free_port's pick could also be taken in between).
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{rendezvous}",
+                            rank=rank, world_size=world)
     try:
         device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
         mesh = init_device_mesh(device_type, (world,))
@@ -305,17 +312,12 @@ def _worker(rank: int, world: int, config: Config, port: int, out_path: str, dev
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(config: Config, world: int, device_type: str) -> dict:
     """Run :func:`_worker` on ``world`` processes; rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.json")
-        torch.multiprocessing.spawn(_worker, args=(world, config, _free_port(), out_path, device_type),
+        rendezvous = os.path.join(tmp, "rendezvous")
+        torch.multiprocessing.spawn(_worker, args=(world, config, rendezvous, out_path, device_type),
                                     nprocs=world, join=True)
         with open(out_path) as f:
             return json.load(f)
