@@ -38,6 +38,7 @@ from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.attention import attention
+from compile_ops.ops.fp8 import quantize_fp8_rows
 from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
                                       gated_residual_norm_modulate_fp8)
 from compile_ops.ops.rope import qk_norm_rope, rope_qk
@@ -372,6 +373,15 @@ class _FusedProcessor:
         return rope_qk(query, key, *rope, interleaved=True, seq_dim=1)
 
 
+def _shared_input(x, *linears: nn.Module):
+    """``x`` for projections that all read it: quantized once to FP8 rows when
+    every one of them is an :class:`FP8Linear` (q, k and v after
+    ``patch(precision="fp8")``), instead of once per projection."""
+    if all(isinstance(linear, FP8Linear) for linear in linears):
+        return quantize_fp8_rows(x)
+    return x
+
+
 def _sdpa_is_faster(query, key, value) -> bool:
     """Inference in fp16/bf16 on a GPU: SDPA's cuDNN backend runs the forward
     1.2-1.35x faster than fused.attention on an H100/H200 (README attention
@@ -400,17 +410,18 @@ class FluxAttnProcessor(_FusedProcessor):
             return None if image_rotary_emb is None else tuple(t[start:end] for t in image_rotary_emb)
 
         image_rope = rows(-hidden_states.shape[1], None)
-        query, key = self.norm_rope(heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)),
-                                attn.norm_q, attn.norm_k, image_rope)
-        value = heads(attn.to_v(hidden_states))
+        x = _shared_input(hidden_states, attn.to_q, attn.to_k, attn.to_v)
+        query, key = self.norm_rope(heads(attn.to_q(x)), heads(attn.to_k(x)), attn.norm_q, attn.norm_k, image_rope)
+        value = heads(attn.to_v(x))
         if encoder_hidden_states is not None:
             # Text tokens come first in the joint sequence and in the tables;
             # each stream is normed with its own weights and rotated with its rows.
-            text_query, text_key = self.norm_rope(
-                heads(attn.add_q_proj(encoder_hidden_states)), heads(attn.add_k_proj(encoder_hidden_states)),
-                attn.norm_added_q, attn.norm_added_k, rows(0, encoder_hidden_states.shape[1]))
+            c = _shared_input(encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            text_query, text_key = self.norm_rope(heads(attn.add_q_proj(c)), heads(attn.add_k_proj(c)),
+                                                  attn.norm_added_q, attn.norm_added_k,
+                                                  rows(0, encoder_hidden_states.shape[1]))
             query, key = torch.cat([text_query, query], dim=1), torch.cat([text_key, key], dim=1)
-            value = torch.cat([heads(attn.add_v_proj(encoder_hidden_states)), value], dim=1)
+            value = torch.cat([heads(attn.add_v_proj(c)), value], dim=1)
         out = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out
@@ -430,6 +441,7 @@ class WanAttnProcessor(_FusedProcessor):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        context = _shared_input(context, attn.to_k, attn.to_v)
         key = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1))
         value = attn.to_v(context).unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
@@ -454,13 +466,15 @@ class JointAttnProcessor(_FusedProcessor):
         def normed(norm, t):
             return t if norm is None else norm(t)
 
-        query = normed(attn.norm_q, heads(attn.to_q(hidden_states)))
-        key = normed(attn.norm_k, heads(attn.to_k(hidden_states)))
-        value = heads(attn.to_v(hidden_states))
+        x = _shared_input(hidden_states, attn.to_q, attn.to_k, attn.to_v)
+        query = normed(attn.norm_q, heads(attn.to_q(x)))
+        key = normed(attn.norm_k, heads(attn.to_k(x)))
+        value = heads(attn.to_v(x))
         if encoder_hidden_states is not None:
-            query = torch.cat([query, normed(attn.norm_added_q, heads(attn.add_q_proj(encoder_hidden_states)))], 1)
-            key = torch.cat([key, normed(attn.norm_added_k, heads(attn.add_k_proj(encoder_hidden_states)))], 1)
-            value = torch.cat([value, heads(attn.add_v_proj(encoder_hidden_states))], 1)
+            c = _shared_input(encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            query = torch.cat([query, normed(attn.norm_added_q, heads(attn.add_q_proj(c)))], 1)
+            key = torch.cat([key, normed(attn.norm_added_k, heads(attn.add_k_proj(c)))], 1)
+            value = torch.cat([value, heads(attn.add_v_proj(c))], 1)
         out = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return attn.to_out[1](attn.to_out[0](out))
@@ -480,6 +494,7 @@ class LTXVideoAttnProcessor(_FusedProcessor):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         query = attn.norm_q(attn.to_q(hidden_states))
+        context = _shared_input(context, attn.to_k, attn.to_v)
         key = attn.norm_k(attn.to_k(context))
         if image_rotary_emb is not None:
             # LTX's tables span all heads' channels ([B, L, heads * D], pairs
