@@ -393,9 +393,11 @@ def test_fp8_patched_model_refuses_a_gradient():
 
 
 def test_fp8_patched_model_compiles_with_fullgraph_and_no_recompile_across_resolutions():
+    # Dynamo alone: graph breaks and recompiles are its; FP8Linear's AOT graph
+    # and export are test_fp8's (aot_eager here cost 57 s of CPU CI).
     torch._dynamo.reset()
     _, patched, _, inputs, _ = _fp8_pair("flux")
-    compiled = torch.compile(patched, fullgraph=True, backend="aot_eager", dynamic=True)
+    compiled = torch.compile(patched, fullgraph=True, backend="eager", dynamic=True)
     with torch.no_grad():
         for i, side in enumerate((4, 6)):
             torch.manual_seed(2)
