@@ -38,11 +38,13 @@ tiny config.
 import argparse
 import copy
 import dataclasses
+import gc
 import json
 import os
 import sys
 import tempfile
 import time
+import warnings
 from functools import partial
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -290,12 +292,9 @@ def _worker(rank: int, world: int, config: Config, rendezvous: str, out_path: st
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the CPU's cores
-    # A file rendezvous, not MASTER_ADDR/MASTER_PORT: the env:// rendezvous makes
-    # rank 0 host a TCPStore whose server thread can still be running when the
-    # spawned process exits, and a joinable std::thread destroyed at exit is
-    # std::terminate ("terminate called without an active exception", SIGABRT
-    # in one run of the CPU test in several). A FileStore starts no thread and
-    # needs no free port (_free_port's pick could also be taken in between).
+    # A file rendezvous, not MASTER_ADDR/MASTER_PORT: no TCPStore server thread
+    # on rank 0 (with env:// it ran until the process exited, see
+    # teardown_process_group) and no free port to pick and lose in between.
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{rendezvous}",
                             rank=rank, world_size=world)
     try:
@@ -308,8 +307,63 @@ def _worker(rank: int, world: int, config: Config, rendezvous: str, out_path: st
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(result, f)
-    finally:
+    except BaseException:
+        # A failed rank leaves at once (its peers may sit in a collective that
+        # will never complete; spawn terminates them): no barrier, and the group
+        # is not freed, since freeing it joins threads that may be stuck there.
         dist.destroy_process_group()
+        raise
+    teardown_process_group(device_ids=[rank] if device_type == "cuda" else None)
+
+
+#: Names (``/proc/self/task/*/comm``) of the threads that the c10d backends and stores start.
+_BACKEND_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore", "pt_nccl")
+
+
+def teardown_process_group(device_ids=None) -> None:
+    """Destroy the default process group so that its threads end here, not at interpreter exit.
+
+    Why: gloo has no shutdown, so ``destroy_process_group()`` alone leaves its
+    threads (``pt_gloo_runloop``, ``gloo_tcp_loop``; with env:// also rank 0's
+    ``pt_tcpstore_uv``) running until the ProcessGroup object is freed, and a
+    DeviceMesh holds its groups in ``_pg_registry`` while DTensor's
+    module-level caches hold the mesh: the object was never freed, and those
+    threads ran on through interpreter finalization and exit(), the likely
+    window of the CPU test's rare ``terminate called without an active
+    exception`` SIGABRT. So: a barrier (no rank frees its backend while a
+    peer is still in a collective with it), destroy, drop every mesh's
+    references (a mesh is dead once its groups are; torch.compile's copies of
+    the mesh hold them too) and collect: the group's destructor drains its
+    queue and joins its threads now, with the interpreter fully alive. Warns
+    if a backend thread survives (a torch that holds the group elsewhere).
+    """
+    dist.barrier(device_ids=device_ids)
+    dist.destroy_process_group()
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DeviceMesh):  # not isinstance: gc's list holds weak proxies, which raise there
+            getattr(obj, "_pg_registry", {}).clear()
+    gc.collect()
+    leftover = [name for name in _thread_names() if name.startswith(_BACKEND_THREADS)]
+    if leftover:
+        warnings.warn(f"threads of the destroyed process group still running: {leftover}", stacklevel=2)
+
+
+def _thread_names() -> list:
+    """This process's threads by name (Linux; empty elsewhere)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    names = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names
 
 
 def run_world(config: Config, world: int, device_type: str) -> dict:
