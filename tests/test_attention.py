@@ -4,8 +4,8 @@
 fp16/fp32 only there, its bf16 arithmetic is wrong) against an fp64 reference
 by the two-reference rule: the kernel's error at most 2x (forward) / 3x
 (backward) that of PyTorch's own attention at the input dtype (SDPA for
-fp16/bf16; for fp32, which the kernels run with TF32 dots on a GPU, the same
-math with TF32 matmuls).
+fp16/bf16; for fp32 the same math, with TF32 matmuls where the session's fp32
+matmul precision lets the kernels use TF32 dots on a GPU).
 """
 import math
 
@@ -67,12 +67,14 @@ def torch_at_dtype(q, k, v, dout, scale, causal, seq_dim, kv_lengths, allowed=No
     fp16/bf16: SDPA and its backward (on a GPU its flash backend). fp32: the
     flash formulas that SDPA's fp32 backends use (their backward forms
     ``rowsum(dO * O)`` and cancels against it), with every dot operand rounded
-    to TF32 on a GPU, where the kernels use TF32 dots (the interpreter's dots
+    to TF32 on a GPU when torch's fp32 matmul precision allows TF32, as the
+    kernels then use TF32 dots (IEEE dots otherwise; the interpreter's dots
     are exact fp32).
     """
     q, k, v, dout = (_bhld(t.detach(), seq_dim) for t in (q, k, v, dout))
     if q.dtype == torch.float32:
-        operand = _tf32 if q.device.type == "cuda" else (lambda t: t)
+        tf32 = q.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
+        operand = _tf32 if tf32 else (lambda t: t)
         out, grads, lse = _fp32_flash(q, k, v, dout, scale, causal, kv_lengths, operand, allowed)
     else:
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
@@ -254,3 +256,25 @@ def _bad_input_cases():
 
 
 test_bad_input_raises_a_clear_error = bad_input_test(_bad_input_cases)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp32_dots_follow_torchs_fp32_matmul_precision():
+    """IEEE fp32 dots at torch's default ("highest"), TF32 where "high" allows
+    them: the setting torch.matmul and SDPA follow."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 128, 64, device="cuda") for _ in range(3))
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        ieee = compile_ops.attention(q, k, v)
+        torch.set_float32_matmul_precision("high")
+        tf32 = compile_ops.attention(q, k, v)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+    def error(out):
+        return ((out.double() - exact).norm() / exact.norm()).item()
+
+    assert error(ieee) < 1e-5 and error(tf32) > 10 * error(ieee), (error(ieee), error(tf32))

@@ -114,7 +114,8 @@ def test_compile_fullgraph_one_compile_across_lengths(spec, backend):
         ref_loss = sum(o.float().square().sum() for o in _outputs(spec.reference(*ref_args)))
         ref_loss.backward()
         ref_grads = [a.grad for a in _tensors(ref_args) if a.requires_grad]
-        tf32 = spec.tf32 and device == "cuda"  # 10-bit mantissas in the dots: ~1e-3 relative
+        # 10-bit mantissas in the dots where torch's fp32 matmul precision allows TF32: ~1e-3 relative
+        tf32 = spec.tf32 and device == "cuda" and torch.get_float32_matmul_precision() != "highest"
         torch.testing.assert_close(loss, ref_loss, rtol=5e-3 if tf32 else 1e-5, atol=1e-5)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g, r, rtol=1e-2 if tf32 else 1e-4, atol=1e-2 if tf32 else 1e-4)

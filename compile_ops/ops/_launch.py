@@ -16,6 +16,21 @@ def acc_dtype(x: Tensor):
     return tl.float64 if accumulation_dtype(x) == torch.float64 else tl.float32
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for operands of ``dtype``, as torch's fp32 matmul setting says.
+
+    fp32 dots use TF32 tensor cores only where the user allowed TF32 for
+    matmuls (``torch.set_float32_matmul_precision("high")`` or ``"medium"``,
+    ``torch.backends.cuda.matmul.allow_tf32 = True``); at torch's default
+    ("highest") they are IEEE fp32, so an fp32 model's attention is as exact
+    as the SDPA it replaces. Read when the op runs, or once when a compiled
+    graph is traced. fp16/bf16 operands ignore it; fp64 is always IEEE.
+    """
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "ieee"
+
+
 #: torch dtypes as the kernels' ``tl.constexpr`` dtype arguments.
 TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
                  torch.float64: tl.float64}

@@ -17,7 +17,7 @@ from compile_ops import _dtensor, meta, reference
 from compile_ops._library import fused_op, launcher
 from compile_ops.kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                            attn_fwd_kernel)
-from compile_ops.ops._launch import acc_dtype, unit_last_stride
+from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
 
 # ---------------------------------------------------------------- launch configs
 
@@ -82,7 +82,7 @@ def _bhl_strides(t: Tensor, seq_dim: int) -> tuple:
 
 def _common(q: Tensor, k: Tensor, causal: bool, seq_dim: int, kv_lengths: Optional[Tensor]) -> dict:
     """Sizes (b, h, hk, lq, lk, d) and the constexprs every attention kernel takes.
-    ``DOT_PRECISION`` matters for fp32 (TF32 dots) and fp64 (IEEE); half
+    ``DOT_PRECISION`` matters for fp32 (TF32 or IEEE, ``dot_precision``); half
     operands ignore it. ``FMA_EXPONENT``: 16-bit inputs form exponents with
     one fma (their p is rounded to 16 bits anyway); fp32/fp64 keep torch's
     accuracy."""
@@ -90,7 +90,7 @@ def _common(q: Tensor, k: Tensor, causal: bool, seq_dim: int, kv_lengths: Option
     hk, lk = meta.attention.dims(k, seq_dim)[1:3]
     return dict(b=b, h=h, hk=hk, lq=lq, lk=lk, d=d,
                 consts=dict(D=d, BLOCK_D=block_d(d), CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None,
-                            DOT_PRECISION="ieee" if q.dtype == torch.float64 else "tf32", ACC=acc_dtype(q),
+                            DOT_PRECISION=dot_precision(q.dtype), ACC=acc_dtype(q),
                             FMA_EXPONENT=q.dtype in (torch.float16, torch.bfloat16),
                             SPARSE_BLOCK=meta.attention.SPARSE_BLOCK))
 
@@ -218,7 +218,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, ca
     Args:
         q: ``[B, Hq, Lq, D]`` (``seq_dim=2``, SDPA's layout) or ``[B, Lq, Hq, D]``
             (``seq_dim=1``, flash-attn's / diffusers' dispatcher's), any strides;
-            fp16/bf16 (fp32 runs with TF32 dots); D up to 256.
+            fp16/bf16 (fp32 runs with TF32 dots where torch's fp32 matmul
+            precision allows TF32, IEEE dots otherwise); D up to 256.
         k, v: ``[B, Hk, Lk, D]`` / ``[B, Lk, Hk, D]`` in q's layout and dtype;
             ``Hk`` divides ``Hq`` (GQA/MQA); Lk may differ from Lq.
         scale: defaults to ``1 / sqrt(D)``.
