@@ -23,7 +23,13 @@ output's relative L2 error against the bf16 model's output on the same
 inputs, and the bytes of the model's weights.
 
 ``--repeats N`` measures every provider N times (do_bench medians) and
-reports the median of those and their spread.
+reports the median of those and their spread. ``--providers a,b`` runs only
+those. ``--compile regional`` compiles each transformer block in place
+(``block.compile(fullgraph=True)``; blocks of one class share one compiled
+graph, as in diffusers' ``compile_repeated_blocks``) instead of the whole
+model: the same kernels in the blocks, minutes less compiling (torchao's
+float8 Flux takes 8 minutes whole); every compiled provider of a run uses the
+same mode, recorded in its rows.
 
 Training runs SDPA without its cuDNN backend: torch 2.11's cuDNN attention
 backward fails at this shape (``mha_graph.execute(...).is_good()``), so the
@@ -85,6 +91,28 @@ CASES = {
 }
 
 
+#: The ModuleLists of repeated transformer blocks in the benchmarked models.
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
+
+
+def _compiled(model, mode: str):
+    """``model`` compiled whole (``mode="full"``) or block by block in place (``"regional"``)."""
+    if mode == "full":
+        return torch.compile(model)
+    for name in BLOCK_LISTS:
+        for block in getattr(model, name, ()):
+            block.compile(fullgraph=True)
+    return model
+
+
+def _uncompiled(model) -> None:
+    """Undo ``_compiled(model, "regional")``: patch() swaps blocks, and a compiled
+    block would keep running its old graph."""
+    for name in BLOCK_LISTS:
+        for block in getattr(model, name, ()):
+            block._compiled_call_impl = None
+
+
 def _measure(fn, timer_ms: float):
     """(median ms, peak MiB above the memory in use before the call)."""
     from triton.testing import do_bench
@@ -115,8 +143,18 @@ def _build(name: str):
     return model.train(train).requires_grad_(train), inputs
 
 
+def _tensor_bytes(t) -> int:
+    """The bytes ``t`` holds: a wrapper subclass (torchao's Float8Tensor) counts its
+    inner tensors, not ``numel`` times the size of the dtype it presents."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        return sum(_tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
+
+
 def _weight_MiB(model) -> float:
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 2 ** 20
+    return sum(_tensor_bytes(t) for t in (*model.parameters(), *model.buffers())) / 2 ** 20
 
 
 def _repeated(fn, timer_ms: float, repeats: int) -> dict:
@@ -137,11 +175,15 @@ def _quantize(provider: str, model):
     return None
 
 
-def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact) -> list:
-    """``fp8_compiled`` and ``torchao_fp8_compiled`` on fresh models; ``exact`` is the
-    bf16 model's output on the same inputs."""
+FP8_PROVIDERS = ("fp8_compiled", "torchao_fp8_compiled")
+BF16_PROVIDERS = ("native_eager", "native_compiled", "patched_eager", "patched_compiled")
+
+
+def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact, providers, compile_mode: str) -> list:
+    """``fp8_compiled`` and ``torchao_fp8_compiled`` (those in ``providers``) on fresh
+    models; ``exact`` is the bf16 model's output on the same inputs."""
     rows = []
-    for provider in ("fp8_compiled", "torchao_fp8_compiled"):
+    for provider in (p for p in FP8_PROVIDERS if p in providers):
         model, inputs = _build(name)
         try:
             report = _quantize(provider, model)
@@ -149,7 +191,7 @@ def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact) -> list:
             rows.append({"case": name, "provider": provider, "error": f"{type(e).__name__}: {e}"})
             print(f"{name:<11} {provider:<21} skipped: {e}", flush=True)
             continue
-        module = torch.compile(model)
+        module = _compiled(model, compile_mode)
         with torch.no_grad():
             start = time.perf_counter()
             out = module(**inputs).sample  # compiles
@@ -157,7 +199,7 @@ def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact) -> list:
             err = ((out.double() - exact.double()).norm() / exact.double().norm()).item()
             row = _repeated(lambda m=module: m(**inputs).sample, timer_ms, repeats)
         row.update(case=name, provider=provider, first_call_s=setup_s, rel_l2_vs_bf16=err, train=False,
-                   tokens=_tokens(name), weights_MiB=_weight_MiB(model))
+                   tokens=_tokens(name), weights_MiB=_weight_MiB(model), compile=compile_mode)
         if report is not None:
             row["fp8_linears"] = sum("FP8Linear" in detail for _, _, detail in report.replaced)
         rows.append(row)
@@ -170,7 +212,8 @@ def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact) -> list:
     return rows
 
 
-def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False) -> list:
+def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, providers=None,
+             compile_mode: str = "full") -> list:
     import compile_ops
 
     _, train = CASES[name]
@@ -187,37 +230,42 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False) ->
             p.grad = None
         return loss
 
+    providers = set(providers or (*BF16_PROVIDERS, *FP8_PROVIDERS))
     rows, report = [], None
     exact = None
     if fp8 and not train:
         with torch.no_grad():
             exact = model(**inputs).sample.detach().clone()
-    for provider in ("native_eager", "native_compiled", "patched_eager", "patched_compiled"):
-        if provider == "patched_eager":
+    for provider in BF16_PROVIDERS:
+        if provider.startswith("patched") and report is None:
             torch._dynamo.reset()
+            _uncompiled(model)
             report = compile_ops.patch(model)
             print(report, flush=True)
-        module = torch.compile(model) if provider.endswith("compiled") else model
+        if provider not in providers:
+            continue
+        module = _compiled(model, compile_mode) if provider.endswith("compiled") else model
         start = time.perf_counter()
         step(module)  # compiles
         setup_s = time.perf_counter() - start
         row = _repeated(lambda: step(module), timer_ms, repeats)
         row.update(case=name, provider=provider, first_call_s=setup_s, train=train, tokens=_tokens(name),
-                   attention_kernel="auto", weights_MiB=_weight_MiB(model))
+                   attention_kernel="auto", weights_MiB=_weight_MiB(model), compile=compile_mode)
         rows.append(row)
         print(f"{name:<11} {provider:<17} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f})  "
               f"peak {row['peak_MiB']:8.0f} MiB  (first call {setup_s:.0f} s)", flush=True)
     by = {r["provider"]: r for r in rows}
-    print(f"{name}: patched compiled {by['native_compiled']['ms'] / by['patched_compiled']['ms']:.3f}x native "
-          f"compiled; patched eager {by['native_eager']['ms'] / by['patched_eager']['ms']:.3f}x native eager",
-          flush=True)
+    for kind in ("compiled", "eager"):
+        if f"native_{kind}" in by and f"patched_{kind}" in by:
+            print(f"{name}: patched {kind} {by[f'native_{kind}']['ms'] / by[f'patched_{kind}']['ms']:.3f}x "
+                  f"native {kind}", flush=True)
     for r in rows:
         r["patched"] = {"replaced": len(report.replaced), "left": len(report.left)}
     del model
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     if exact is not None:
-        rows += run_fp8_providers(name, timer_ms, repeats, exact)
+        rows += run_fp8_providers(name, timer_ms, repeats, exact, providers, compile_mode)
     return rows
 
 
@@ -231,6 +279,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--rep-ms", type=float, default=3000.0, help="do_bench's time budget per measurement")
     p.add_argument("--repeats", type=int, default=1, help="measurements per provider (median and spread)")
+    p.add_argument("--providers", default=None, help="comma-separated subset of "
+                   + ",".join((*BF16_PROVIDERS, *FP8_PROVIDERS)))
+    p.add_argument("--compile", dest="compile_mode", choices=("full", "regional"), default="full",
+                   help="compile the whole model, or each transformer block in place")
     p.add_argument("--fp8", action="store_true",
                    help="also compile_ops FP8 and torchao float8 providers on the inference cases")
     args = p.parse_args(argv)
@@ -245,7 +297,10 @@ def main(argv=None) -> int:
         with open(path) as f:
             rows = json.load(f)["rows"]
     for name in args.cases.split(","):  # written after each case: a later one may run out of time
-        rows = [r for r in rows if r["case"] != name] + run_case(name, args.rep_ms, args.repeats, args.fp8)
+        new = run_case(name, args.rep_ms, args.repeats, args.fp8,
+                       args.providers.split(",") if args.providers else None, args.compile_mode)
+        measured = {(r["case"], r["provider"]) for r in new}
+        rows = [r for r in rows if (r["case"], r["provider"]) not in measured] + new
         write_results(args.out, "diffusers-e2e", env, rows)
     print(f"wrote {path}")
     return 0

@@ -240,6 +240,20 @@ def is_diffusers_e2e(data: dict) -> bool:
     return any("case" in r for r in data["rows"])
 
 
+def is_diffusers_e2e_fp8(data: dict) -> bool:
+    """diffusers_e2e.py's JSON of an FP8-only run (``--fp8 --providers native_compiled,...``)."""
+    providers = {r.get("provider") for r in data["rows"]}
+    return "fp8_compiled" in providers and not providers & {"native_eager", "patched_eager", "patched_compiled"}
+
+
+def diffusers_e2e_fp8_table(data: dict) -> str:
+    """Markdown: the FP8 table alone, under the run's environment line."""
+    modes = sorted({r.get("compile", "full") for r in data["rows"]})
+    return (run_line(data["env"], f"diffusers {data['env'].get('diffusers', '?')}, torchao "
+                     f"{data['env'].get('torchao', '?')}") + f" | bf16, batch 1, random weights, compile: "
+            f"{', '.join(modes)}.\n" + _fp8_e2e_table({(r["case"], r["provider"]): r for r in data["rows"]}))
+
+
 def diffusers_e2e_table(data: dict) -> str:
     """Markdown: ms and peak MiB per case for native/patched x eager/compiled,
     and the patched speed-ups."""
@@ -288,9 +302,12 @@ def _fp8_e2e_table(by: dict) -> str:
             vs_native = f"{native['ms'] / r['ms']:.2f}x" if native else "-"
             vs_torchao = f"{torchao['ms'] / r['ms']:.2f}x" if torchao and "error" not in torchao else "-"
             err = f"{r['rel_l2_vs_bf16']:.1e}" if "rel_l2_vs_bf16" in r else "-"
-            weights = f"{r['weights_MiB']:.0f}" if "weights_MiB" in r else "-"
+            weights = f"{r['weights_MiB']:.0f}" if "weights_MiB" in r else "not measured"
+            first = f"{r['first_call_s']:.0f}"
+            if "first_call_cold_s" in r:  # the row's own first call found warm caches
+                first += f" (cold: {r['first_call_cold_s']:.0f})"
             out.append(f"| {case} | {provider} | {r['ms']:.1f}{spread} | {vs_native} | {vs_torchao} | {err} | "
-                       f"{weights} | {r['first_call_s']:.0f} |")
+                       f"{weights} | {first} |")
     return "\n".join(out) + "\n"
 
 
@@ -440,6 +457,7 @@ def main(argv=None) -> int:
     data = load(args.json)
     # bench/run.py's op table comes last: the other runners' JSON is recognised by its rows.
     special = ((is_distributed_train, distributed_train_table, lambda rows: "distributed-train-table"),
+               (is_diffusers_e2e_fp8, diffusers_e2e_fp8_table, lambda rows: "diffusers-e2e-fp8-table"),
                (is_diffusers_e2e, diffusers_e2e_table, lambda rows: "diffusers-e2e-table"),
                (is_block_sparse, block_sparse_table, lambda rows: "block-sparse-table"),
                (is_attention, attention_table,

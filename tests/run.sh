@@ -12,12 +12,16 @@
 # Inductor caches in .cache/ (or $TRITON_CACHE_DIR / $TORCHINDUCTOR_CACHE_DIR)
 # so that a second run, or a machine the folder is carried to, compiles
 # nothing again. The log goes to $TEST_LOG (default .cache/gpu-tests.log).
+# Where pytest-xdist is installed, $TEST_WORKERS processes (default 8) share
+# the GPU: a cold run's time is Triton compiling kernel variants on the CPU,
+# which one process does on one core.
 #
 # Every layer runs even when an earlier one fails; the exit status is non-zero
 # if any failed, and the failed layers are named at the end.
 # Extra arguments go to every pytest call (e.g. -k attention, -x).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}  # the GPU machines have python3 only
 
 failed=()
 run_layer() {  # run_layer NAME COMMAND...: run one layer, remember a failure
@@ -32,9 +36,9 @@ run_layer() {  # run_layer NAME COMMAND...: run one layer, remember a failure
   [ $rc -eq 0 ] || [ $rc -eq 5 ] || failed+=("$name (exit $rc)")
 }
 
-if python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-gpu}
-  export HYPOTHESIS_SEED=${HYPOTHESIS_SEED:-$(python -c "import random; print(random.randrange(2**31))")}
+  export HYPOTHESIS_SEED=${HYPOTHESIS_SEED:-$("$PY" -c "import random; print(random.randrange(2**31))")}
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.cache/triton}
   export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}
   TEST_LOG=${TEST_LOG:-$PWD/.cache/gpu-tests.log}
@@ -42,15 +46,17 @@ if python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)
   echo "GPU run: Hypothesis profile $HYPOTHESIS_PROFILE, seed $HYPOTHESIS_SEED (replay: HYPOTHESIS_SEED=$HYPOTHESIS_SEED)"
   echo "Triton cache $TRITON_CACHE_DIR ($(find "$TRITON_CACHE_DIR" -type f | wc -l) files), log $TEST_LOG"
   logged_pytest() {  # pytest's own exit status, not tee's
-    python -m pytest "$@" 2>&1 | tee "$TEST_LOG"
+    "$PY" -m pytest "$@" 2>&1 | tee "$TEST_LOG"
     return "${PIPESTATUS[0]}"
   }
-  run_layer "cuda: every layer" logged_pytest tests --hypothesis-seed="$HYPOTHESIS_SEED" --durations=30 "$@"
+  workers=()
+  if "$PY" -c "import xdist" 2>/dev/null && [ "${TEST_WORKERS:-8}" -gt 1 ]; then workers=(-n "${TEST_WORKERS:-8}"); fi
+  run_layer "cuda: every layer" logged_pytest tests "${workers[@]}" --hypothesis-seed="$HYPOTHESIS_SEED" --durations=30 "$@"
 else
   export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
   echo "CPU run: Hypothesis profile $HYPOTHESIS_PROFILE"
-  run_layer "cpu: reference path + fake-CUDA tracing" python -m pytest tests -m "not kernels" --durations=15 "$@"
-  run_layer "cpu: Triton interpreter" env TRITON_INTERPRET=1 python -m pytest tests -m kernels --durations=15 "$@"
+  run_layer "cpu: reference path + fake-CUDA tracing" "$PY" -m pytest tests -m "not kernels" --durations=15 "$@"
+  run_layer "cpu: Triton interpreter" env TRITON_INTERPRET=1 "$PY" -m pytest tests -m kernels --durations=15 "$@"
 fi
 
 if [ ${#failed[@]} -ne 0 ]; then
