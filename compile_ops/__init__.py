@@ -10,7 +10,7 @@ from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.attention import attention, scaled_dot_product_attention
 from compile_ops.ops.block_sparse import (block_index_from_mask, block_sparse_attention, radial_mask,
                                           sliding_tile_mask, tile_permutation, topk_block_index)
-from compile_ops.modules.fp8 import FP8Linear
+from compile_ops.modules.fp8 import FP8Linear, FP8ProjectionActivation
 from compile_ops.ops.fp8 import FP8Rows, fp8_linear, quantize_fp8_rows
 from compile_ops.ops.glu import geglu, swiglu
 from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
@@ -48,5 +48,5 @@ __all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm",
            "rope", "rope_qk", "rope_grid", "qk_norm_rope", "grid_rope", "GridRope",
            "geglu", "swiglu", "GEGLU", "SwiGLU", "attention", "scaled_dot_product_attention",
            "block_sparse_attention", "block_index_from_mask", "sliding_tile_mask", "tile_permutation",
-           "radial_mask", "topk_block_index", "FP8Linear", "FP8Rows", "fp8_linear", "quantize_fp8_rows",
+           "radial_mask", "topk_block_index", "FP8Linear", "FP8ProjectionActivation", "FP8Rows", "fp8_linear", "quantize_fp8_rows",
            "patch", "unpatch"]

@@ -48,8 +48,9 @@ class OpSpec:
     rotation, whose backward needs only the angles, does not): the benchmark's
     byte count of a forward+backward step."""
     tf32: bool = False
-    """fp32 inputs run with TF32 dots on a GPU (attention): compared with the
-    fp32 reference at TF32's tolerance there."""
+    """fp32 inputs run with TF32 dots on a GPU where torch's fp32 matmul
+    precision allows TF32 (attention): compared with the fp32 reference at
+    TF32's tolerance then."""
     op_name: Optional[str] = None
     """The ``torch.ops.fused`` op, when ``name`` labels one variant of it
     (``geglu_tanh`` is ``fused.geglu`` with ``approximate="tanh"``)."""
@@ -416,11 +417,19 @@ def _glu_backward_edges(dtype, device, requires_grad):
 # ---------------------------------------------------------------- fp8 family
 
 
-def _make_quantize(shape, dtype, device, requires_grad):
-    return (_tensor(shape, dtype, device, False),)
+def _make_quantize(*activation):
+    def make_inputs(shape, dtype, device, requires_grad):
+        return (_tensor(shape, dtype, device, False), *activation)
+    return make_inputs
 
 
-def _quantize_edges(dtype, device, requires_grad):
+def _quantize_edges(*activation):
+    def edges(dtype, device, requires_grad):
+        return [(*case, *activation) for case in _quantize_edge_tensors(dtype, device)]
+    return edges
+
+
+def _quantize_edge_tensors(dtype, device):
     """Rows to quantize: a DiT-like tile, an infinite value and an all-zero row,
     zero rows, a row slice, 1-D, and a row wider than one block (the two-pass
     loop). NaN is tests/test_fp8.py's: opcheck compares outputs without equal_nan."""
@@ -575,8 +584,11 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec("swiglu", "glu", reference.glu.swiglu, _make_glu(), _glu_edges(), bench_shapes=GLU_SHAPES),
     OpSpec("glu_backward", "glu", reference.glu.glu_backward, None, _glu_backward_edges, differentiable=False),
     # Inference only: its autograd formula raises (no gradient to check).
-    OpSpec("quantize_fp8_rows", "fp8", reference.fp8.quantize_fp8_rows, _make_quantize, _quantize_edges,
+    OpSpec("quantize_fp8_rows", "fp8", reference.fp8.quantize_fp8_rows, _make_quantize(), _quantize_edges(),
            differentiable=False),
+    # The MLP's hidden activation quantized in the same pass (the kernel's ACT).
+    OpSpec("quantize_fp8_rows_gelu_tanh", "fp8", reference.fp8.quantize_fp8_rows, _make_quantize("gelu_tanh"),
+           _quantize_edges("gelu_tanh"), differentiable=False, op_name="quantize_fp8_rows"),
     OpSpec("attention", "attention", reference.attention.attention, _make_attention, _attention_edges, tf32=True),
     OpSpec("attention_backward", "attention", reference.attention.attention_backward, None,
            _attention_backward_edges, differentiable=False),

@@ -419,14 +419,20 @@ def test_fp8_patched_model_compiles_with_fullgraph_and_no_recompile_across_resol
 def test_fp8_flux_seams_hand_fp8_rows_to_the_mlp(monkeypatch):
     """Under precision="fp8" each double-block stream's seam writes the MLP's
     FP8 input itself (gated_residual_norm_modulate_fp8), the MLP's first
-    FP8Linear takes those rows without quantizing again, and q/k/v share one
+    FP8Linear takes those rows without quantizing again, the MLP's GELU output
+    is quantized in the pass that computes it, and q/k/v share one
     quantization of their input."""
     _, patched, simulated, inputs, _ = _fp8_pair("flux")
     calls = Counter()
 
     def counting(module, name):
         op = getattr(module, name)
-        return lambda *a, **k: calls.update([name]) or op(*a, **k)
+
+        def call(*a, **k):
+            activation = (a[1] if len(a) > 1 else k.get("activation", "none")) if "quantize" in name else "none"
+            calls.update([name if activation == "none" else f"{name}/{activation}"])
+            return op(*a, **k)
+        return call
 
     from compile_ops.ops import fp8 as fp8_ops
     for name in ("gated_residual_norm_modulate", "gated_residual_norm_modulate_fp8"):
@@ -440,5 +446,36 @@ def test_fp8_flux_seams_hand_fp8_rows_to_the_mlp(monkeypatch):
     # and q/k/v quantize their shared input once (image and text streams of
     # the double block, the single block).
     fp8_linears = sum(isinstance(m, compile_ops.FP8Linear) for m in patched.modules())
-    assert fp8_linears == 17 and calls["_quantize_fp8_rows"] == 17 - 2 - 2 * 2 - 2, calls
+    # The MLPs' down projections take their rows from the pass that computes
+    # the GELU (two of the nine).
+    assert fp8_linears == 17 and sum(calls[k] for k in calls if k.startswith("_quantize")) == 9, calls
+    assert calls["_quantize_fp8_rows/gelu_tanh"] == 2, calls
+    assert sum(isinstance(m, compile_ops.FP8ProjectionActivation) for m in patched.modules()) == 2
     assert _relative_l2(got, want) < 1e-4
+
+
+def test_fp8_mlp_activation_is_fused_only_where_nothing_sits_between():
+    """A FeedForward's GELU hands FP8 rows to the down projection when the
+    Dropout between them is the identity (p=0); with p>0 it stays as it was
+    and the report says why. Both give the same-quantization result."""
+    from diffusers.models.attention import FeedForward
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.transformer_blocks = torch.nn.ModuleList(
+        [FeedForward(32, dropout=p, activation_fn="gelu-approximate") for p in (0.0, 0.1)]).eval()
+    reference = copy.deepcopy(model)
+    report = compile_ops.patch(model, precision="fp8")
+    fused, kept = model.transformer_blocks
+    assert isinstance(fused.net[0], compile_ops.FP8ProjectionActivation) and fused.net[0].activation == "gelu_tanh"
+    assert type(kept.net[0]).__name__ == "GELU"
+    assert any(path == "transformer_blocks.1.net.0" and "Dropout(p=0.1" in why for path, _, why in report.left)
+    for path, _, _ in report.replaced:
+        if path.endswith(("net.0.proj", "net.2")):
+            owner, _, leaf = path.rpartition(".")
+            parent = reference.get_submodule(owner)
+            setattr(parent, leaf, _SimulatedFP8Linear(getattr(parent, leaf)))
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        for ours, theirs in zip(model.transformer_blocks, reference.transformer_blocks):
+            torch.testing.assert_close(ours(x), theirs(x), rtol=1e-6, atol=1e-6)

@@ -303,8 +303,8 @@ def _flatten(out):
         yield from (_flatten(t) if isinstance(t, tuple) else (t,))
 
 
-def _quantize_fp8(x):
-    return _as_floats(compile_ops.quantize_fp8_rows(x))
+def _quantize_fp8(x, activation="none"):
+    return _as_floats(compile_ops.quantize_fp8_rows(x, activation))
 
 
 def _cases():
@@ -313,6 +313,8 @@ def _cases():
         # One scale per row: every row axis is local (inference only: no gradient).
         yield Case(f"quantize_fp8_rows/{axis}", _quantize_fp8, lambda: (torch.randn(B, L, C),), (Shard(d),),
                    (Shard(d), Shard(d)))
+        yield Case(f"quantize_fp8_rows_gelu_tanh/{axis}", lambda x: _quantize_fp8(x, "gelu_tanh"),
+                   lambda: (torch.randn(B, L, C),), (Shard(d),), (Shard(d), Shard(d)))
         sample = Shard(0) if d == 0 else R
         yield Case(f"norm_modulate_fp8/{axis}", lambda *t: _as_floats(compile_ops.norm_modulate_fp8(*t)),
                    lambda: (torch.randn(B, L, C), torch.randn(B, C), torch.randn(B, C)), (Shard(d), sample, sample),

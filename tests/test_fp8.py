@@ -76,6 +76,25 @@ def test_reference_and_op_follow_the_recipe(dtype):
     assert torch.equal(q.float().abs().amax(-1), torch.full((6,), 448.0))
 
 
+_TORCH_ACTIVATIONS = {"gelu": lambda t: torch.nn.functional.gelu(t),
+                      "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+                      "silu": torch.nn.functional.silu}
+
+
+@pytest.mark.parametrize("activation", _TORCH_ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_mode_quantizes_the_activation_rounded_to_the_input_dtype(activation, dtype):
+    """quantize_fp8_rows(x, act) is the recipe applied to act(x) computed in
+    fp32 and rounded to x's dtype (what the unquantized activation writes)."""
+    torch.manual_seed(0)
+    x = (torch.randn(6, 40) * 3).to(dtype)
+    q, scale = compile_ops.quantize_fp8_rows(x, activation)
+    want_q, want_scale = _spec_quantize(_TORCH_ACTIVATIONS[activation](x.float()).to(dtype))
+    assert _same_bytes(q, want_q) and torch.equal(scale, want_scale)
+    plain_q, _ = compile_ops.quantize_fp8_rows(x)
+    assert not _same_bytes(q, plain_q)  # the mode does something
+
+
 def test_non_finite_values_keep_the_scale_finite_and_stay_in_their_row():
     x = torch.randn(7, 16)
     x[0, 3], x[1, 5], x[2], x[3], x[4], x[5, 0] = float("inf"), float("nan"), 0.0, float("nan"), -float("inf"), 1e-30
@@ -209,6 +228,9 @@ def _bad_cases():
         (lambda: quantize(torch.ones(3, 4, dtype=torch.int32)), TypeError,
          "fused.quantize_fp8_rows: x must have a floating dtype.*int32"),
         (lambda: quantize(torch.tensor(1.0)), ValueError, "fused.quantize_fp8_rows: x must have at least 1 dim"),
+        (lambda: quantize(x, "relu"), ValueError,
+         "fused.quantize_fp8_rows: activation must be one of 'none', 'gelu', 'gelu_tanh', 'silu', got 'relu'"),
+        (lambda: quantize(x, None), TypeError, "activation must be one of.*got None"),
         # The dispatcher checks the schema first, and names the argument.
         (lambda: quantize([1.0, 2.0]), RuntimeError, "Expected a value of type 'Tensor' for argument 'x'"),
         (lambda: linear(torch.randn(2, 32), qw, sw), ValueError,
@@ -255,19 +277,23 @@ def _fake_cuda_launches(fn, *args):
     return gm, out, launches
 
 
-@pytest.mark.parametrize("shape, looped", [((2, 7, 64), False), ((3, 3072), False), ((5, 4096 + 37), True),
-                                           ((2, 2 ** 19, 4096), False), ((2 ** 20, 8192), True)])
-def test_fake_cuda_trace_launches_the_quantize_kernel(shape, looped):
+@pytest.mark.parametrize("shape, looped, activation, act",
+                         [((2, 7, 64), False, "none", -1), ((3, 3072), False, "none", -1),
+                          ((5, 4096 + 37), True, "none", -1), ((2, 2 ** 19, 4096), False, "none", -1),
+                          ((2 ** 20, 8192), True, "none", -1), ((2, 4096, 12288), True, "gelu_tanh", 1)])
+def test_fake_cuda_trace_launches_the_quantize_kernel(shape, looped, activation, act):
     """The Triton branch on fake CUDA tensors (meta-sized past 2^31 elements):
-    one launch, the looped variant past 4096 columns, a grid that covers every
-    row, outputs shaped like the fake's."""
+    one launch, the looped variant past 4096 columns, the activation's ACT code,
+    a grid that covers every row, outputs shaped like the fake's."""
     with torch.device("meta"):
         x = torch.empty(shape, dtype=torch.bfloat16)
-    _, (q, scale), launches = _fake_cuda_launches(OP_BODIES["fused::quantize_fp8_rows"], x)
+    body = OP_BODIES["fused::quantize_fp8_rows"]
+    _, (q, scale), launches = _fake_cuda_launches(lambda t: body(t, activation), x)
     assert [name for name, _, _ in launches] == ["quantize_fp8_rows_kernel"]
     _, kwargs, grid = launches[0]
     rows = x.numel() // shape[-1]
     assert kwargs["LOOPED"] is looped and kwargs["n_rows"] == rows and kwargs["K"] == shape[-1]
+    assert kwargs["ACT"] == act
     assert grid[0] * kwargs["BLOCK_M"] >= rows and 0 < grid[0] < 2 ** 31
     assert (q.shape, q.dtype, scale.shape, scale.dtype) == (shape, torch.float8_e4m3fn, shape[:-1], torch.float32)
 
@@ -306,9 +332,10 @@ def test_sm90_code_rounds_like_the_reference(looped):
     from compile_ops.kernels.fp8 import quantize_fp8_rows_kernel
 
     signature = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "n_rows": "i32", "K": "i32", "stride_row": "i32",
-                 "stride_col": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "LOOPED": "constexpr"}
+                 "stride_col": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "LOOPED": "constexpr",
+                 "ACT": "constexpr"}
     src = ASTSource(fn=quantize_fp8_rows_kernel, signature=signature,
-                    constexprs={"BLOCK_M": 1, "BLOCK_N": 4096, "LOOPED": looped})
+                    constexprs={"BLOCK_M": 1, "BLOCK_N": 4096, "LOOPED": looped, "ACT": -1})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     assert set(re.findall(r"cvt\.[\w.]*e4m3[\w.]*", ptx)) == {"cvt.rn.satfinite.e4m3x2.f32"}
     assert set(re.findall(r"div\.[\w.]+", ptx)) == {"div.rn.f32"}
@@ -344,3 +371,32 @@ def test_kernel_writes_the_references_bytes(dtype, rows, k, layout, special, mag
     want_q, want_scale = ref.quantize_fp8_rows(x.cpu())
     assert _same_bytes_but_nan_sign(q.cpu(), want_q), "e4m3 bytes differ from the reference"
     assert torch.equal(scale.cpu(), want_scale)
+
+
+def _unquantized_activation(x, activation):
+    """act(x) at x's dtype from the GLU kernels (``value * act(gate)`` with a
+    value of ones: exact), which share the quantize kernel's activation code."""
+    ones_and_x = torch.cat([torch.ones_like(x), x], dim=-1)  # value half, gate half
+    if activation == "silu":
+        return compile_ops.swiglu(ones_and_x)
+    return compile_ops.geglu(ones_and_x, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("activation", _TORCH_ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape, layout", [((3, 37), "contiguous"), ((4, 64), "column_stride"),
+                                           ((2, 4096 + 37), "contiguous")])  # the last: the two-pass loop
+def test_kernel_activation_mode_writes_the_bytes_of_quantizing_the_activation(activation, dtype, shape, layout):
+    """Bytes and scales equal to quantizing the activation's own kernel output;
+    the distance to torch's activation (other tanh/erf/exp) is reported."""
+    torch.manual_seed(shape[-1])
+    x = torch.randn(shape[0], shape[1] * (2 if layout == "column_stride" else 1)) * 3
+    x = (x[:, ::2] if layout == "column_stride" else x).to(dtype).to(KERNEL_DEVICE)
+    q, scale = compile_ops.quantize_fp8_rows(x, activation)
+    want_q, want_scale = compile_ops.quantize_fp8_rows(_unquantized_activation(x, activation))
+    assert _same_bytes(q, want_q) and torch.equal(scale, want_scale)
+    exact_q, exact_scale = ref.quantize_fp8_rows(x.cpu(), activation)
+    deq, exact = q.cpu().float() * scale.cpu()[:, None], exact_q.float() * exact_scale[:, None]
+    print(f"{activation} {dtype}: relative L2 to quantizing torch's activation "
+          f"{((deq - exact).norm() / exact.norm()).item():.1e}")

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from compile_ops.modules.fp8 import FP8Linear
+from compile_ops.modules.fp8 import FP8Linear, FP8ProjectionActivation
 from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
@@ -193,14 +193,45 @@ class _BlockForward(nn.Module):
         return cls(original)
 
 
+def _is_diffusers_gelu(module: nn.Module) -> bool:
+    return type(module).__name__ == "GELU" and type(module).__module__.startswith("diffusers.")
+
+
 def _reads_fp8_rows(ff: nn.Module) -> bool:
-    """diffusers' ``FeedForward`` whose first module is its ``GELU`` over an
-    :class:`FP8Linear` (after ``patch(precision="fp8")``): it can take the
-    seam's FP8 rows, since ``GELU`` hands its input straight to ``proj``."""
+    """diffusers' ``FeedForward`` whose first module is its ``GELU`` (or our
+    :class:`FP8ProjectionActivation` in its place) over an :class:`FP8Linear`
+    (after ``patch(precision="fp8")``): it can take the seam's FP8 rows,
+    since that module hands its input straight to ``proj``."""
     net = getattr(ff, "net", None)
     return (type(ff).__name__ == "FeedForward" and isinstance(net, nn.ModuleList) and len(net) > 0
-            and type(net[0]).__name__ == "GELU" and type(net[0]).__module__.startswith("diffusers.")
+            and (_is_diffusers_gelu(net[0]) or isinstance(net[0], FP8ProjectionActivation))
             and isinstance(getattr(net[0], "proj", None), FP8Linear))
+
+
+def _fuse_mlp_activations(model: nn.Module, report: PatchReport) -> None:
+    """In every diffusers ``FeedForward`` ``[GELU(proj), Dropout(0), Linear]``
+    whose two Linears run in FP8, the GELU's output is quantized in the pass
+    that computes it (:class:`FP8ProjectionActivation`) and handed to the
+    down projection as FP8 rows; the zero-probability Dropout between them
+    (an identity) goes. Others are reported."""
+    for path, ff in list(model.named_modules()):
+        net = getattr(ff, "net", None)
+        if type(ff).__name__ != "FeedForward" or not isinstance(net, nn.ModuleList) or len(net) < 3:
+            continue
+        gelu, dropout, down = net[0], net[1], net[2]
+        if not (_is_diffusers_gelu(gelu) and isinstance(getattr(gelu, "proj", None), FP8Linear)
+                and isinstance(down, FP8Linear)):
+            continue
+        if type(dropout) is not nn.Dropout or dropout.p != 0:
+            report.left.append((f"{path}.net.0", type(gelu).__name__, f"output stays {down.out_dtype}: "
+                                f"{dropout!r} between it and the FP8 down projection"))
+            continue
+        activation = "gelu" if gelu.approximate == "none" else "gelu_tanh"
+        net[0], net[1] = FP8ProjectionActivation(gelu.proj, activation), nn.Identity()
+        fused = f"{path}.net.0"
+        report.left[:] = [entry for entry in report.left if entry[0] != fused]  # "no fused op": now there is
+        report.replaced.append((fused, "diffusers GELU", f"compile_ops FP8ProjectionActivation ({activation} "
+                                "computed and quantized for the FP8 down projection in one pass)"))
 
 
 def _is_plain_layer_norm(norm: nn.Module) -> bool:
@@ -668,6 +699,7 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
         report.replaced.append((path, match[0], f"compile_ops {match[1].__name__}"))
     if precision == "fp8":
         _quantize_linears(model, report)
+        _fuse_mlp_activations(model, report)
         # The originals in ``undo`` hold the bf16 weights: drop them, or memory would not drop.
         undo = None
     setattr(model, _STATE, undo)

@@ -21,11 +21,16 @@ A producer whose rows span several tiles (a looped kernel) accumulates
 :func:`row_amax` over its tiles, takes :func:`fp8_scales` of the result, and
 converts each tile with :func:`to_e4m3`, as :func:`quantize_fp8_rows_kernel`
 does. :func:`quantize_fp8_rows_kernel` is the standalone pass for a tensor
-that no fused producer quantized.
+that no fused producer quantized, and the activation a Linear's output goes
+through before the next Linear (``ACT``: GELU, tanh GELU or SiLU of each
+element, rounded to the input's dtype as the unquantized activation would
+write it, then quantized): an MLP's hidden activation is read once and never
+written in 16 bits.
 """
 import triton
 import triton.language as tl
 
+from compile_ops.kernels.glu import activation
 from compile_ops.kernels.norm import _div_exact, _tile, _tile_rows
 
 E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
@@ -72,11 +77,24 @@ def quantize_tile(y, mask):
 
 
 @triton.jit
+def _load_values(X, rows, c, stride_row, stride_col, mask, ACT: tl.constexpr):
+    """The fp32 tile of values to quantize: X's elements, or with ``ACT >= 0``
+    (``kernels.glu``'s codes) their activation rounded to X's dtype (masked
+    elements load 0, whose activation is 0 in every mode)."""
+    y = tl.load(X + _tile(rows, c, stride_row, stride_col), mask=mask, other=0.0).to(tl.float32)
+    if ACT >= 0:
+        y = activation(y, ACT, False)[0].to(X.dtype.element_ty).to(tl.float32)
+    return y
+
+
+@triton.jit
 def quantize_fp8_rows_kernel(X, Q, S, n_rows, K, stride_row, stride_col,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr):
-    """Q[r] = e4m3 of row r of X, S[r] its scale. One program per BLOCK_M rows.
-    Rows wider than one block (LOOPED) take two passes over X: the row maxima,
-    then the values; Q and S are contiguous."""
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
+                             ACT: tl.constexpr):
+    """Q[r] = e4m3 of row r of X (of act(X) with ``ACT >= 0``), S[r] its scale.
+    One program per BLOCK_M rows. Rows wider than one block (LOOPED) take two
+    passes over X: the row maxima, then the values (the activation computed in
+    each); Q and S are contiguous."""
     rows = _tile_rows(tl.program_id(0), BLOCK_M)
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_N)
@@ -85,17 +103,17 @@ def quantize_fp8_rows_kernel(X, Q, S, n_rows, K, stride_row, stride_col,
         for k0 in range(0, K, BLOCK_N):
             c = k0 + cols
             mask = row_mask[:, None] & (c < K)[None, :]
-            y = tl.load(X + _tile(rows, c, stride_row, stride_col), mask=mask, other=0.0).to(tl.float32)
+            y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT)
             amax = tl.maximum(amax, row_amax(y, mask))
         inverse, scale = fp8_scales(amax)
         for k1 in range(0, K, BLOCK_N):
             c2 = k1 + cols
             mask2 = row_mask[:, None] & (c2 < K)[None, :]
-            y2 = tl.load(X + _tile(rows, c2, stride_row, stride_col), mask=mask2, other=0.0).to(tl.float32)
+            y2 = _load_values(X, rows, c2, stride_row, stride_col, mask2, ACT)
             tl.store(Q + _tile(rows, c2, K, 1), to_e4m3(y2, inverse), mask=mask2)
     else:
         mask = row_mask[:, None] & (cols < K)[None, :]
-        y = tl.load(X + _tile(rows, cols, stride_row, stride_col), mask=mask, other=0.0).to(tl.float32)
+        y = _load_values(X, rows, cols, stride_row, stride_col, mask, ACT)
         q, scale = quantize_tile(y, mask)
         tl.store(Q + _tile(rows, cols, K, 1), q, mask=mask)
     tl.store(S + rows, scale, mask=row_mask)

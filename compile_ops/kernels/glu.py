@@ -24,6 +24,8 @@ import triton.language as tl
 #: compare with the literals: Inductor's copy of a user kernel does not carry
 #: module globals along.
 GELU, GELU_TANH, SILU = 0, 1, 2
+#: The ``ACT`` constexpr of each activation name (``meta.glu.ACTIVATIONS``).
+ACTIVATION_CODES = {"gelu": GELU, "gelu_tanh": GELU_TANH, "silu": SILU}
 
 
 @triton.jit
@@ -46,7 +48,7 @@ def _sigmoid_and_complement(z):
 
 
 @triton.jit
-def _activation(g, ACT: tl.constexpr, DERIVATIVE: tl.constexpr):
+def activation(g, ACT: tl.constexpr, DERIVATIVE: tl.constexpr):
     """``(act(g), act'(g))``; the derivative is ``g`` (unused) unless DERIVATIVE.
 
     GELU:      g * Phi(g), Phi(g) = (1 + erf(g / sqrt 2)) / 2;  act' = Phi(g) + g * phi(g)
@@ -97,7 +99,7 @@ def glu_kernel(X, DY, OUT, n_rows, H, stride_x_row, stride_dy_row,
     x_tile = X + rows[:, None] * stride_x_row + cols[None, :]
     value = tl.load(x_tile + value_col, mask=mask, other=0.0).to(ACC_DTYPE)
     gate = tl.load(x_tile + gate_col, mask=mask, other=0.0).to(ACC_DTYPE)
-    act, dact = _activation(gate, ACT, BACKWARD)
+    act, dact = activation(gate, ACT, BACKWARD)
     if BACKWARD:
         dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(ACC_DTYPE)
         dx_tile = OUT + rows[:, None] * (2 * H) + cols[None, :]

@@ -4,6 +4,10 @@ from typing import Optional
 import torch
 
 from compile_ops.meta._validate import check_floating, fail
+from compile_ops.meta.glu import ACTIVATIONS
+
+#: ``activation`` of ``fused.quantize_fp8_rows``: none, or what it applies before quantizing.
+QUANTIZE_ACTIVATIONS = ("none", *ACTIVATIONS)
 
 
 def check_rows(op: str, argname: str, x: torch.Tensor) -> None:
@@ -13,9 +17,16 @@ def check_rows(op: str, argname: str, x: torch.Tensor) -> None:
         fail(op, f"{argname} must have at least 1 dim (channels last), got a 0-dim tensor")
 
 
-def quantize_fp8_rows(x: torch.Tensor) -> tuple:
+def check_activation(activation: str) -> None:
+    if not isinstance(activation, str) or activation not in QUANTIZE_ACTIVATIONS:
+        fail("quantize_fp8_rows", f"activation must be one of {', '.join(map(repr, QUANTIZE_ACTIVATIONS))}, "
+             f"got {activation!r}", ValueError if isinstance(activation, str) else TypeError)
+
+
+def quantize_fp8_rows(x: torch.Tensor, activation: str = "none") -> tuple:
     """``(q [..., K] float8_e4m3fn, scale [...] float32)``, both contiguous."""
     check_rows("quantize_fp8_rows", "x", x)
+    check_activation(activation)
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 

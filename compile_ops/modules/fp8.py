@@ -75,3 +75,31 @@ class FP8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, fp8 e4m3 rowwise")
+
+
+class FP8ProjectionActivation(nn.Module):
+    """An MLP's first half for an FP8 second half: ``act(proj(x))`` handed on
+    as :class:`~compile_ops.ops.fp8.FP8Rows`, the activation computed and
+    quantized per row in one pass (``quantize_fp8_rows(h, activation)``) so
+    the hidden activation is never written in 16 bits. Inference only.
+
+    What ``patch(precision="fp8")`` puts in place of diffusers' ``GELU``
+    inside a ``FeedForward`` whose next Linear runs in FP8.
+
+    Args:
+        proj: the :class:`FP8Linear` ``K -> N``.
+        activation: ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``.
+
+    ``forward(x)``: ``x [..., K]`` or FP8Rows of it -> ``FP8Rows`` ``q [..., N]``
+    float8_e4m3fn, ``scale [...]`` fp32.
+    """
+
+    def __init__(self, proj: FP8Linear, activation: str):
+        super().__init__()
+        self.proj, self.activation = proj, activation
+
+    def forward(self, x: Union[Tensor, FP8Rows]) -> FP8Rows:
+        return quantize_fp8_rows(self.proj(x), self.activation)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"

@@ -28,6 +28,7 @@ from torch import Tensor
 from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher
 from compile_ops.kernels.fp8 import quantize_fp8_rows_kernel
+from compile_ops.kernels.glu import ACTIVATION_CODES
 from compile_ops.ops._launch import as_rows
 
 #: FP8 tensor cores: sm_89 (Ada) and newer, sm_90 (Hopper) among them.
@@ -95,18 +96,19 @@ def refuse_gradient(fn: str, *tensors: Optional[Tensor]) -> None:
 
 
 @fused_op("quantize_fp8_rows", fake=meta.fp8.quantize_fp8_rows, reference=reference.fp8.quantize_fp8_rows)
-def _quantize_fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    q, scale = meta.fp8.quantize_fp8_rows(x)
+def _quantize_fp8_rows(x: Tensor, activation: str = "none") -> tuple[Tensor, Tensor]:
+    q, scale = meta.fp8.quantize_fp8_rows(x, activation)
     x2 = as_rows(x)
     n_rows, k = x2.shape
     if n_rows == 0 or k == 0:  # nothing to launch; the reference gives the (empty or floor) scales
-        return tuple(t.contiguous() for t in reference.fp8.quantize_fp8_rows(x))
+        return tuple(t.contiguous() for t in reference.fp8.quantize_fp8_rows(x, activation))
     block_n = min(triton.next_power_of_2(int(k)), MAX_BLOCK_N)
     block_m = max(1, TILE // block_n)
     grid = (triton.cdiv(n_rows, block_m),)
     launcher(quantize_fp8_rows_kernel)[grid](
         x2, q, scale, n_rows, k, x2.stride(0), x2.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, LOOPED=block_n < k, num_warps=NUM_WARPS)
+        BLOCK_M=block_m, BLOCK_N=block_n, LOOPED=block_n < k, ACT=ACTIVATION_CODES.get(activation, -1),
+        num_warps=NUM_WARPS)
     return q, scale
 
 
@@ -121,11 +123,15 @@ def _save_nothing(ctx, inputs, output):
 _quantize_fp8_rows.register_autograd(_no_gradient, setup_context=_save_nothing)
 
 
-def quantize_fp8_rows(x: Tensor) -> FP8Rows:
+def quantize_fp8_rows(x: Tensor, activation: str = "none") -> FP8Rows:
     """Rowwise e4m3 quantization (``compile_ops/reference/fp8.py`` specifies it).
 
     Args:
         x: ``[..., K]`` fp32, fp16 or bf16 (fp64 is read as fp32); any strides.
+        activation: ``"none"``, or ``"gelu"``, ``"gelu_tanh"``, ``"silu"``:
+            quantize ``act(x)`` (rounded to x's dtype, as the activation would
+            write it) in the same pass, for the Linear after an MLP's
+            activation.
 
     Returns:
         ``FP8Rows(q, scale)``: ``q [..., K]`` float8_e4m3fn and ``scale [...]``
@@ -134,7 +140,8 @@ def quantize_fp8_rows(x: Tensor) -> FP8Rows:
     Raises a RuntimeError when x requires grad under grad mode (inference only).
     """
     refuse_gradient("quantize_fp8_rows", x)
-    q, scale = _quantize_fp8_rows(x)
+    meta.fp8.check_activation(activation)
+    q, scale = _quantize_fp8_rows(x, activation)
     return FP8Rows(q, scale)
 
 

@@ -36,14 +36,23 @@ from typing import Optional
 
 import torch
 
+from compile_ops.reference.glu import apply_activation
+
 #: The largest finite float8_e4m3fn value.
 E4M3_MAX = 448.0
 #: Below this amax a row counts as zero (torchao's floor): its scale stays finite.
 AMAX_FLOOR = 1e-12
 
 
-def quantize_fp8_rows(x: torch.Tensor) -> tuple:
-    """``x [..., K]`` -> ``(q [..., K] float8_e4m3fn, scale [...] float32)``."""
+def quantize_fp8_rows(x: torch.Tensor, activation: str = "none") -> tuple:
+    """``x [..., K]`` -> ``(q [..., K] float8_e4m3fn, scale [...] float32)``.
+
+    ``activation`` (``"none"`` or a name of ``meta.glu.ACTIVATIONS``): quantize
+    ``act(x)`` computed in fp32 and rounded to x's dtype, the tensor the
+    unquantized activation would have written (the kernel's tanh, erf and exp
+    are not torch's: its bytes may differ from these by a rounding)."""
+    if activation != "none":
+        x = apply_activation(x.float(), activation).to(x.dtype)
     xf = x.float()
     amax = torch.where(torch.isfinite(xf), xf.abs(), 0.0).amax(-1, keepdim=True) if x.shape[-1] else \
         xf.new_zeros((*x.shape[:-1], 1))

@@ -18,15 +18,16 @@ def halves(x: torch.Tensor, gate_first: bool) -> tuple[torch.Tensor, torch.Tenso
     return (second, first) if gate_first else (first, second)
 
 
-def _act(gate: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "silu":
+def apply_activation(gate: torch.Tensor, name: str) -> torch.Tensor:
+    """``name`` (``meta.glu.ACTIVATIONS``) of ``gate``, elementwise, at gate's dtype."""
+    if name == "silu":
         return F.silu(gate)
-    return F.gelu(gate, approximate="none" if activation == "gelu" else "tanh")
+    return F.gelu(gate, approximate="none" if name == "gelu" else "tanh")
 
 
 def _gated(x: torch.Tensor, activation: str, gate_first: bool) -> torch.Tensor:
     value, gate = (t.to(accumulation_dtype(x)) for t in halves(x, gate_first))
-    return (value * _act(gate, activation)).to(x.dtype)
+    return (value * apply_activation(gate, activation)).to(x.dtype)
 
 
 def geglu(x: torch.Tensor, approximate: str = "none", gate_first: bool = False) -> torch.Tensor:
@@ -54,7 +55,7 @@ def glu_backward(grad_out: torch.Tensor, x: torch.Tensor, activation: str, gate_
     acc = accumulation_dtype(x)
     value, gate = (t.to(acc) for t in halves(x, gate_first))
     dy = grad_out.to(acc)
-    dvalue = dy * _act(gate, activation)
+    dvalue = dy * apply_activation(gate, activation)
     dgate = dy * value * activation_derivative(gate, activation)
     parts = (dgate, dvalue) if gate_first else (dvalue, dgate)
     return torch.cat(parts, dim=-1).to(x.dtype)
