@@ -278,7 +278,7 @@ RULES: dict[str, Rule] = {
         (*_QK_OUT, Out("q_weight", replicated, gradient=True), Out("k_weight", replicated, gradient=True)),
         batch_sequence_heads, "q"),
     # ------------------------------------------------------------ fp8
-    "quantize_fp8_rows": _rows_rule({"x": leading_dims}, (_ROW_OUT, _ROW_OUT)),
+    "quantize_fp8_rows": _rows_rule({"x": leading_dims, "head": leading_dims}, (_ROW_OUT, _ROW_OUT)),
     # ------------------------------------------------------------ attention
     "attention": Rule(_ATTENTION_ARGS, (Out("q", heads_layout), Out("q", log_sum_exp)), batch_heads, "q"),
     "attention_backward": Rule(_ATTENTION_BACKWARD_ARGS, _ATTENTION_GRADS, batch_heads, "q"),

@@ -429,6 +429,24 @@ def _quantize_edges(*activation):
     return edges
 
 
+def _make_quantize_concat(shape, dtype, device, requires_grad):
+    x = _tensor(shape, dtype, device, False)
+    return (x, "gelu_tanh", _tensor((*shape[:-1], max(1, shape[-1] // 4)), dtype, device, False))
+
+
+def _quantize_concat_edges(dtype, device, requires_grad):
+    """A head and an activation segment: small, the head's row strided, both
+    wider than one block, an empty head, zero rows."""
+    wide = _tensor((2, 5000), dtype, device)
+    return [
+        (_tensor((2, 3, 16), dtype, device), "gelu_tanh", _tensor((2, 3, 8), dtype, device)),
+        (_tensor((4, 24), dtype, device), "none", _tensor((4, 40), dtype, device)[:, 4:20]),
+        (wide, "gelu_tanh", _tensor((2, 4200), dtype, device)),
+        (_tensor((3, 16), dtype, device), "silu", _tensor((3, 0), dtype, device)),
+        (_tensor((0, 16), dtype, device), "gelu_tanh", _tensor((0, 8), dtype, device)),
+    ]
+
+
 def _quantize_edge_tensors(dtype, device):
     """Rows to quantize: a DiT-like tile, an infinite value and an all-zero row,
     zero rows, a row slice, 1-D, and a row wider than one block (the two-pass
@@ -589,6 +607,9 @@ OPS: tuple[OpSpec, ...] = (
     # The MLP's hidden activation quantized in the same pass (the kernel's ACT).
     OpSpec("quantize_fp8_rows_gelu_tanh", "fp8", reference.fp8.quantize_fp8_rows, _make_quantize("gelu_tanh"),
            _quantize_edges("gelu_tanh"), differentiable=False, op_name="quantize_fp8_rows"),
+    # ... and the row concatenation of a head and the activation (Flux's single block).
+    OpSpec("quantize_fp8_rows_concat", "fp8", reference.fp8.quantize_fp8_rows, _make_quantize_concat,
+           _quantize_concat_edges, differentiable=False, op_name="quantize_fp8_rows"),
     OpSpec("attention", "attention", reference.attention.attention, _make_attention, _attention_edges, tf32=True),
     OpSpec("attention_backward", "attention", reference.attention.attention_backward, None,
            _attention_backward_edges, differentiable=False),

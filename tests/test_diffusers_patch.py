@@ -420,7 +420,8 @@ def test_fp8_flux_seams_hand_fp8_rows_to_the_mlp(monkeypatch):
     """Under precision="fp8" each double-block stream's seam writes the MLP's
     FP8 input itself (gated_residual_norm_modulate_fp8), the MLP's first
     FP8Linear takes those rows without quantizing again, the MLP's GELU output
-    is quantized in the pass that computes it, and q/k/v share one
+    is quantized in the pass that computes it (in the single block, with the
+    attention output concatenated before it), and q/k/v share one
     quantization of their input."""
     _, patched, simulated, inputs, _ = _fp8_pair("flux")
     calls = Counter()
@@ -429,8 +430,12 @@ def test_fp8_flux_seams_hand_fp8_rows_to_the_mlp(monkeypatch):
         op = getattr(module, name)
 
         def call(*a, **k):
-            activation = (a[1] if len(a) > 1 else k.get("activation", "none")) if "quantize" in name else "none"
-            calls.update([name if activation == "none" else f"{name}/{activation}"])
+            label = name
+            if "quantize" in name:  # what the pass quantizes: "/<activation>", "+head" for a concatenation
+                activation = a[1] if len(a) > 1 else k.get("activation", "none")
+                head = (a[2] if len(a) > 2 else k.get("head")) is not None
+                label += ("" if activation == "none" else f"/{activation}") + ("+head" if head else "")
+            calls.update([label])
             return op(*a, **k)
         return call
 
@@ -447,9 +452,10 @@ def test_fp8_flux_seams_hand_fp8_rows_to_the_mlp(monkeypatch):
     # the double block, the single block).
     fp8_linears = sum(isinstance(m, compile_ops.FP8Linear) for m in patched.modules())
     # The MLPs' down projections take their rows from the pass that computes
-    # the GELU (two of the nine).
+    # the GELU (two of the nine), and the single block's proj_out from the
+    # pass that computes its GELU and concatenates the attention output.
     assert fp8_linears == 17 and sum(calls[k] for k in calls if k.startswith("_quantize")) == 9, calls
-    assert calls["_quantize_fp8_rows/gelu_tanh"] == 2, calls
+    assert calls["_quantize_fp8_rows/gelu_tanh"] == 2 and calls["_quantize_fp8_rows/gelu_tanh+head"] == 1, calls
     assert sum(isinstance(m, compile_ops.FP8ProjectionActivation) for m in patched.modules()) == 2
     assert _relative_l2(got, want) < 1e-4
 

@@ -315,6 +315,10 @@ def _cases():
                    (Shard(d), Shard(d)))
         yield Case(f"quantize_fp8_rows_gelu_tanh/{axis}", lambda x: _quantize_fp8(x, "gelu_tanh"),
                    lambda: (torch.randn(B, L, C),), (Shard(d),), (Shard(d), Shard(d)))
+        yield Case(f"quantize_fp8_rows_concat/{axis}",
+                   lambda x, head: _as_floats(compile_ops.quantize_fp8_rows(x, "gelu_tanh", head=head)),
+                   lambda: (torch.randn(B, L, C), torch.randn(B, L, C // 2)), (Shard(d), Shard(d)),
+                   (Shard(d), Shard(d)))
         sample = Shard(0) if d == 0 else R
         yield Case(f"norm_modulate_fp8/{axis}", lambda *t: _as_floats(compile_ops.norm_modulate_fp8(*t)),
                    lambda: (torch.randn(B, L, C), torch.randn(B, C), torch.randn(B, C)), (Shard(d), sample, sample),

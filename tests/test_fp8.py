@@ -93,6 +93,11 @@ def test_activation_mode_quantizes_the_activation_rounded_to_the_input_dtype(act
     assert _same_bytes(q, want_q) and torch.equal(scale, want_scale)
     plain_q, _ = compile_ops.quantize_fp8_rows(x)
     assert not _same_bytes(q, plain_q)  # the mode does something
+    # With a head: one scale per row of cat([head, act(x)]), the concatenation never written.
+    head = (torch.randn(6, 24) * 5).to(dtype)
+    q, scale = compile_ops.quantize_fp8_rows(x, activation, head=head)
+    want_q, want_scale = _spec_quantize(torch.cat([head, _TORCH_ACTIVATIONS[activation](x.float()).to(dtype)], -1))
+    assert q.shape == (6, 64) and _same_bytes(q, want_q) and torch.equal(scale, want_scale)
 
 
 def test_non_finite_values_keep_the_scale_finite_and_stay_in_their_row():
@@ -231,6 +236,11 @@ def _bad_cases():
         (lambda: quantize(x, "relu"), ValueError,
          "fused.quantize_fp8_rows: activation must be one of 'none', 'gelu', 'gelu_tanh', 'silu', got 'relu'"),
         (lambda: quantize(x, None), TypeError, "activation must be one of.*got None"),
+        (lambda: quantize(x, head=torch.randn(3, 8)), ValueError,
+         r"head must be \[..., K_head\] with x's leading dims \[2\].*got \[3, 8\]"),
+        (lambda: quantize(x, head=torch.randn(2, 8, dtype=torch.float64)), TypeError,
+         "head must have x's dtype torch.float32.*got torch.float64"),
+        (lambda: quantize(x, head=torch.randn(2, 8, device="meta")), ValueError, "head is on meta but x is on cpu"),
         # The dispatcher checks the schema first, and names the argument.
         (lambda: quantize([1.0, 2.0]), RuntimeError, "Expected a value of type 'Tensor' for argument 'x'"),
         (lambda: linear(torch.randn(2, 32), qw, sw), ValueError,
@@ -280,20 +290,27 @@ def _fake_cuda_launches(fn, *args):
 @pytest.mark.parametrize("shape, looped, activation, act",
                          [((2, 7, 64), False, "none", -1), ((3, 3072), False, "none", -1),
                           ((5, 4096 + 37), True, "none", -1), ((2, 2 ** 19, 4096), False, "none", -1),
-                          ((2 ** 20, 8192), True, "none", -1), ((2, 4096, 12288), True, "gelu_tanh", 1)])
+                          ((2 ** 20, 8192), True, "none", -1), ((2, 4096, 12288), True, "gelu_tanh", 1),
+                          ((2, 4096, 64), True, "head", 1)])
 def test_fake_cuda_trace_launches_the_quantize_kernel(shape, looped, activation, act):
     """The Triton branch on fake CUDA tensors (meta-sized past 2^31 elements):
     one launch, the looped variant past 4096 columns, the activation's ACT code,
     a grid that covers every row, outputs shaped like the fake's."""
     with torch.device("meta"):
         x = torch.empty(shape, dtype=torch.bfloat16)
+        head = torch.empty((*shape[:-1], 3072), dtype=torch.bfloat16) if activation == "head" else None
     body = OP_BODIES["fused::quantize_fp8_rows"]
-    _, (q, scale), launches = _fake_cuda_launches(lambda t: body(t, activation), x)
+    if head is None:
+        _, (q, scale), launches = _fake_cuda_launches(lambda t: body(t, activation), x)
+    else:  # Flux's single block: the attention output, then the MLP's activation
+        _, (q, scale), launches = _fake_cuda_launches(lambda t, h: body(t, "gelu_tanh", h), x, head)
+        shape = (*shape[:-1], 3072 + shape[-1])
     assert [name for name, _, _ in launches] == ["quantize_fp8_rows_kernel"]
     _, kwargs, grid = launches[0]
-    rows = x.numel() // shape[-1]
-    assert kwargs["LOOPED"] is looped and kwargs["n_rows"] == rows and kwargs["K"] == shape[-1]
-    assert kwargs["ACT"] == act
+    rows = x.numel() // x.shape[-1]
+    assert kwargs["LOOPED"] is looped and kwargs["n_rows"] == rows and kwargs["K"] == x.shape[-1]
+    assert kwargs["ACT"] == act and kwargs["HAS_HEAD"] is (head is not None)
+    assert kwargs["K_HEAD"] == (0 if head is None else 3072)
     assert grid[0] * kwargs["BLOCK_M"] >= rows and 0 < grid[0] < 2 ** 31
     assert (q.shape, q.dtype, scale.shape, scale.dtype) == (shape, torch.float8_e4m3fn, shape[:-1], torch.float32)
 
@@ -320,7 +337,7 @@ def test_fake_cuda_trace_of_fp8_linear_calls_scaled_mm_rowwise(monkeypatch, bias
 @pytest.mark.parametrize("looped", [False, True])
 def test_sm90_code_rounds_like_the_reference(looped):
     """What makes the GPU's bytes the reference's, read from the sm_90 PTX (no GPU
-    needed): IEEE division for the scales (not div.approx/div.full, which plain
+    needed; the looped variant with a head segment): IEEE division for the scales (not div.approx/div.full, which plain
     fp32 ``/`` gives), no flush-to-zero, and the round-to-nearest-even saturating
     convert that tests/conftest.py's interpreter patch reproduces."""
     import re
@@ -332,10 +349,11 @@ def test_sm90_code_rounds_like_the_reference(looped):
     from compile_ops.kernels.fp8 import quantize_fp8_rows_kernel
 
     signature = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "n_rows": "i32", "K": "i32", "stride_row": "i32",
-                 "stride_col": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "LOOPED": "constexpr",
-                 "ACT": "constexpr"}
+                 "stride_col": "i32", "HEAD": "*bf16", "K_HEAD": "i32", "stride_head_row": "i32",
+                 "stride_head_col": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "LOOPED": "constexpr",
+                 "ACT": "constexpr", "HAS_HEAD": "constexpr"}
     src = ASTSource(fn=quantize_fp8_rows_kernel, signature=signature,
-                    constexprs={"BLOCK_M": 1, "BLOCK_N": 4096, "LOOPED": looped, "ACT": -1})
+                    constexprs={"BLOCK_M": 1, "BLOCK_N": 4096, "LOOPED": looped, "ACT": -1, "HAS_HEAD": looped})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     assert set(re.findall(r"cvt\.[\w.]*e4m3[\w.]*", ptx)) == {"cvt.rn.satfinite.e4m3x2.f32"}
     assert set(re.findall(r"div\.[\w.]+", ptx)) == {"div.rn.f32"}
@@ -396,6 +414,11 @@ def test_kernel_activation_mode_writes_the_bytes_of_quantizing_the_activation(ac
     q, scale = compile_ops.quantize_fp8_rows(x, activation)
     want_q, want_scale = compile_ops.quantize_fp8_rows(_unquantized_activation(x, activation))
     assert _same_bytes(q, want_q) and torch.equal(scale, want_scale)
+    # A head segment (strided rows) before the activation: the concatenation's rows.
+    head = (torch.randn(shape[0], shape[1] + 8) * 4).to(dtype).to(KERNEL_DEVICE)[:, 3:3 + shape[1] // 2]
+    q_cat, scale_cat = compile_ops.quantize_fp8_rows(x, activation, head=head)
+    want_q, want_scale = compile_ops.quantize_fp8_rows(torch.cat([head, _unquantized_activation(x, activation)], -1))
+    assert _same_bytes(q_cat, want_q) and torch.equal(scale_cat, want_scale)
     exact_q, exact_scale = ref.quantize_fp8_rows(x.cpu(), activation)
     deq, exact = q.cpu().float() * scale.cpu()[:, None], exact_q.float() * exact_scale[:, None]
     print(f"{activation} {dtype}: relative L2 to quantizing torch's activation "

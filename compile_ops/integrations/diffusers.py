@@ -277,9 +277,20 @@ class FluxTransformerBlock(_BlockForward):
         return encoder_hidden_states, hidden_states
 
 
+def _fp8_concat_activation(act: nn.Module, proj_out: nn.Module) -> Optional[str]:
+    """The ``quantize_fp8_rows`` activation that lets ``proj_out`` (an FP8Linear)
+    take ``cat([attention, act(mlp)])`` quantized in one pass, or None."""
+    if not isinstance(proj_out, FP8Linear) or type(act) is not nn.GELU:
+        return None
+    return "gelu" if act.approximate == "none" else "gelu_tanh"
+
+
 class FluxSingleTransformerBlock(_BlockForward):
     """diffusers' ``FluxSingleTransformerBlock`` with the gated residual after
-    ``proj_out`` as ``fused.gated_residual``."""
+    ``proj_out`` as ``fused.gated_residual``. Under ``precision="fp8"`` the
+    MLP's GELU, the concatenation with the attention output and the
+    quantization for ``proj_out`` are one pass (``quantize_fp8_rows`` with a
+    head): neither the activation nor the concatenation is written."""
 
     signature = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs")
 
@@ -288,10 +299,15 @@ class FluxSingleTransformerBlock(_BlockForward):
         text_tokens = encoder_hidden_states.shape[1]
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         normed, gate = self.norm(hidden_states, emb=temb)
-        mlp = self.act_mlp(self.proj_mlp(normed))
+        mlp = self.proj_mlp(normed)
         attn_out = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb,
                              **(joint_attention_kwargs or {}))
-        hidden_states = gated_residual(hidden_states, self.proj_out(torch.cat([attn_out, mlp], dim=2)), gate)
+        fp8_activation = _fp8_concat_activation(self.act_mlp, self.proj_out)
+        if fp8_activation is not None:
+            projected = self.proj_out(quantize_fp8_rows(mlp, fp8_activation, head=attn_out))
+        else:
+            projected = self.proj_out(torch.cat([attn_out, self.act_mlp(mlp)], dim=2))
+        hidden_states = gated_residual(hidden_states, projected, gate)
         if hidden_states.dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
         return hidden_states[:, :text_tokens], hidden_states[:, text_tokens:]

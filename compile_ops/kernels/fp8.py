@@ -88,29 +88,54 @@ def _load_values(X, rows, c, stride_row, stride_col, mask, ACT: tl.constexpr):
 
 
 @triton.jit
+def _segment_amax(amax, X, rows, row_mask, cols, K, stride_row, stride_col,
+                  ACT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``amax`` raised to the row maxima of a ``K``-column segment of the rows."""
+    for k0 in range(0, K, BLOCK_N):
+        c = k0 + cols
+        mask = row_mask[:, None] & (c < K)[None, :]
+        y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT)
+        amax = tl.maximum(amax, row_amax(y, mask))
+    return amax
+
+
+@triton.jit
+def _segment_store(Q, q_row_stride, q_col0, X, rows, row_mask, cols, K, stride_row, stride_col, inverse,
+                   ACT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The e4m3 values of a ``K``-column segment, at Q's columns from ``q_col0``."""
+    for k0 in range(0, K, BLOCK_N):
+        c = k0 + cols
+        mask = row_mask[:, None] & (c < K)[None, :]
+        y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT)
+        tl.store(Q + _tile(rows, q_col0 + c, q_row_stride, 1), to_e4m3(y, inverse), mask=mask)
+
+
+@triton.jit
 def quantize_fp8_rows_kernel(X, Q, S, n_rows, K, stride_row, stride_col,
+                             HEAD, K_HEAD, stride_head_row, stride_head_col,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
-                             ACT: tl.constexpr):
+                             ACT: tl.constexpr, HAS_HEAD: tl.constexpr):
     """Q[r] = e4m3 of row r of X (of act(X) with ``ACT >= 0``), S[r] its scale.
-    One program per BLOCK_M rows. Rows wider than one block (LOOPED) take two
-    passes over X: the row maxima, then the values (the activation computed in
-    each); Q and S are contiguous."""
+    With HAS_HEAD the row is ``HEAD[r]`` (K_HEAD columns, as they are) followed
+    by that: the quantization of a concatenation that is never written (always
+    LOOPED). One program per BLOCK_M rows. Rows wider than one block (LOOPED)
+    take two passes over each segment: the row maxima, then the values (the
+    activation computed in each); Q and S are contiguous."""
     rows = _tile_rows(tl.program_id(0), BLOCK_M)
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_N)
     if LOOPED:
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_N):
-            c = k0 + cols
-            mask = row_mask[:, None] & (c < K)[None, :]
-            y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT)
-            amax = tl.maximum(amax, row_amax(y, mask))
+        if HAS_HEAD:
+            amax = _segment_amax(amax, HEAD, rows, row_mask, cols, K_HEAD, stride_head_row, stride_head_col,
+                                 -1, BLOCK_N)
+        amax = _segment_amax(amax, X, rows, row_mask, cols, K, stride_row, stride_col, ACT, BLOCK_N)
         inverse, scale = fp8_scales(amax)
-        for k1 in range(0, K, BLOCK_N):
-            c2 = k1 + cols
-            mask2 = row_mask[:, None] & (c2 < K)[None, :]
-            y2 = _load_values(X, rows, c2, stride_row, stride_col, mask2, ACT)
-            tl.store(Q + _tile(rows, c2, K, 1), to_e4m3(y2, inverse), mask=mask2)
+        if HAS_HEAD:
+            _segment_store(Q, K_HEAD + K, 0, HEAD, rows, row_mask, cols, K_HEAD, stride_head_row,
+                           stride_head_col, inverse, -1, BLOCK_N)
+        _segment_store(Q, K_HEAD + K, K_HEAD, X, rows, row_mask, cols, K, stride_row, stride_col, inverse,
+                       ACT, BLOCK_N)
     else:
         mask = row_mask[:, None] & (cols < K)[None, :]
         y = _load_values(X, rows, cols, stride_row, stride_col, mask, ACT)

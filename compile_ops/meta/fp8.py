@@ -3,7 +3,7 @@ from typing import Optional
 
 import torch
 
-from compile_ops.meta._validate import check_floating, fail
+from compile_ops.meta._validate import check_floating, check_same_device, fail
 from compile_ops.meta.glu import ACTIVATIONS
 
 #: ``activation`` of ``fused.quantize_fp8_rows``: none, or what it applies before quantizing.
@@ -23,11 +23,28 @@ def check_activation(activation: str) -> None:
              f"got {activation!r}", ValueError if isinstance(activation, str) else TypeError)
 
 
-def quantize_fp8_rows(x: torch.Tensor, activation: str = "none") -> tuple:
-    """``(q [..., K] float8_e4m3fn, scale [...] float32)``, both contiguous."""
+def check_head(x: torch.Tensor, head: Optional[torch.Tensor]) -> int:
+    """``head [..., K_head]`` (or None): x's leading dims, dtype and device. Returns K_head."""
+    if head is None:
+        return 0
+    op = "quantize_fp8_rows"
+    check_floating(op, "head", head)
+    if head.dim() != x.dim() or tuple(head.shape[:-1]) != tuple(x.shape[:-1]):
+        fail(op, f"head must be [..., K_head] with x's leading dims {list(x.shape[:-1])} (its rows are "
+             f"concatenated before x's), got {list(head.shape)}")
+    if head.dtype != x.dtype:
+        fail(op, f"head must have x's dtype {x.dtype} (a concatenation of the two), got {head.dtype}", TypeError)
+    check_same_device(op, x, head=head)
+    return head.shape[-1]
+
+
+def quantize_fp8_rows(x: torch.Tensor, activation: str = "none", head: Optional[torch.Tensor] = None) -> tuple:
+    """``(q [..., K_head + K] float8_e4m3fn, scale [...] float32)``, both contiguous."""
     check_rows("quantize_fp8_rows", "x", x)
     check_activation(activation)
-    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    k_head = check_head(x, head)
+    return (x.new_empty((*x.shape[:-1], k_head + x.shape[-1]), dtype=torch.float8_e4m3fn),
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -96,19 +96,22 @@ def refuse_gradient(fn: str, *tensors: Optional[Tensor]) -> None:
 
 
 @fused_op("quantize_fp8_rows", fake=meta.fp8.quantize_fp8_rows, reference=reference.fp8.quantize_fp8_rows)
-def _quantize_fp8_rows(x: Tensor, activation: str = "none") -> tuple[Tensor, Tensor]:
-    q, scale = meta.fp8.quantize_fp8_rows(x, activation)
+def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tensor] = None
+                       ) -> tuple[Tensor, Tensor]:
+    q, scale = meta.fp8.quantize_fp8_rows(x, activation, head)
     x2 = as_rows(x)
     n_rows, k = x2.shape
-    if n_rows == 0 or k == 0:  # nothing to launch; the reference gives the (empty or floor) scales
-        return tuple(t.contiguous() for t in reference.fp8.quantize_fp8_rows(x, activation))
-    block_n = min(triton.next_power_of_2(int(k)), MAX_BLOCK_N)
+    head2 = x2 if head is None else as_rows(head)  # without a head: a pointer the kernel never reads
+    k_head = 0 if head is None else head2.shape[1]
+    if n_rows == 0 or k + k_head == 0:  # nothing to launch; the reference gives the (empty or floor) scales
+        return tuple(t.contiguous() for t in reference.fp8.quantize_fp8_rows(x, activation, head))
+    block_n = min(triton.next_power_of_2(int(max(k, k_head))), MAX_BLOCK_N)
     block_m = max(1, TILE // block_n)
     grid = (triton.cdiv(n_rows, block_m),)
     launcher(quantize_fp8_rows_kernel)[grid](
-        x2, q, scale, n_rows, k, x2.stride(0), x2.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, LOOPED=block_n < k, ACT=ACTIVATION_CODES.get(activation, -1),
-        num_warps=NUM_WARPS)
+        x2, q, scale, n_rows, k, x2.stride(0), x2.stride(1), head2, k_head, head2.stride(0), head2.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, LOOPED=head is not None or block_n < k,
+        ACT=ACTIVATION_CODES.get(activation, -1), HAS_HEAD=head is not None, num_warps=NUM_WARPS)
     return q, scale
 
 
@@ -123,7 +126,7 @@ def _save_nothing(ctx, inputs, output):
 _quantize_fp8_rows.register_autograd(_no_gradient, setup_context=_save_nothing)
 
 
-def quantize_fp8_rows(x: Tensor, activation: str = "none") -> FP8Rows:
+def quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tensor] = None) -> FP8Rows:
     """Rowwise e4m3 quantization (``compile_ops/reference/fp8.py`` specifies it).
 
     Args:
@@ -132,16 +135,20 @@ def quantize_fp8_rows(x: Tensor, activation: str = "none") -> FP8Rows:
             quantize ``act(x)`` (rounded to x's dtype, as the activation would
             write it) in the same pass, for the Linear after an MLP's
             activation.
+        head: ``[..., K_head]`` in x's dtype with x's leading dims, or None:
+            quantize the rows of ``cat([head, act(x)], -1)`` without writing
+            the concatenation (Flux's single block: the attention output and
+            the MLP activation before ``proj_out``).
 
     Returns:
-        ``FP8Rows(q, scale)``: ``q [..., K]`` float8_e4m3fn and ``scale [...]``
-        fp32, contiguous, with ``x ~ q * scale[..., None]``.
+        ``FP8Rows(q, scale)``: ``q [..., K_head + K]`` float8_e4m3fn and
+        ``scale [...]`` fp32, contiguous, with ``x ~ q * scale[..., None]``.
 
     Raises a RuntimeError when x requires grad under grad mode (inference only).
     """
-    refuse_gradient("quantize_fp8_rows", x)
+    refuse_gradient("quantize_fp8_rows", x, head)
     meta.fp8.check_activation(activation)
-    q, scale = _quantize_fp8_rows(x, activation)
+    q, scale = _quantize_fp8_rows(x, activation, head)
     return FP8Rows(q, scale)
 
 

@@ -44,15 +44,19 @@ E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-12
 
 
-def quantize_fp8_rows(x: torch.Tensor, activation: str = "none") -> tuple:
+def quantize_fp8_rows(x: torch.Tensor, activation: str = "none", head: Optional[torch.Tensor] = None) -> tuple:
     """``x [..., K]`` -> ``(q [..., K] float8_e4m3fn, scale [...] float32)``.
 
     ``activation`` (``"none"`` or a name of ``meta.glu.ACTIVATIONS``): quantize
     ``act(x)`` computed in fp32 and rounded to x's dtype, the tensor the
     unquantized activation would have written (the kernel's tanh, erf and exp
-    are not torch's: its bytes may differ from these by a rounding)."""
+    are not torch's: its bytes may differ from these by a rounding).
+    ``head [..., K_head]``: quantize ``cat([head, act(x)], -1)`` (q is
+    ``[..., K_head + K]``, one scale per row of the concatenation)."""
     if activation != "none":
         x = apply_activation(x.float(), activation).to(x.dtype)
+    if head is not None:
+        x = torch.cat([head, x], dim=-1)
     xf = x.float()
     amax = torch.where(torch.isfinite(xf), xf.abs(), 0.0).amax(-1, keepdim=True) if x.shape[-1] else \
         xf.new_zeros((*x.shape[:-1], 1))
