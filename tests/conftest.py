@@ -18,6 +18,11 @@ HAS_CUDA = torch.cuda.is_available()
 
 #: Where kernel tests put their tensors: the GPU, or the CPU under the interpreter.
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
+#: For properties of programs running at once (no atomics, a fixed reduction
+#: order): the interpreter runs a grid's programs one after another, so there
+#: every run agrees by construction and the test would prove nothing.
+concurrent_programs_only = pytest.mark.skipif(
+    INTERPRET, reason="the interpreter runs programs one at a time: run-to-run determinism is the GPU's property")
 
 
 def _round_bf16_like_the_gpu():

@@ -20,7 +20,7 @@ from compile_ops._library import OP_BODIES
 from compile_ops.reference import modulate as ref
 from bad_input import bad_input_test
 from shapes import size
-from conftest import HAS_CUDA, KERNEL_DEVICE
+from conftest import HAS_CUDA, KERNEL_DEVICE, concurrent_programs_only
 from numerics import assert_within_torch_error
 
 OPS = ("modulate", "norm_modulate", "gated_residual", "gated_residual_norm_modulate")
@@ -193,6 +193,7 @@ def test_kernels_norm_modulate_equals_the_norm_family_when_unmodulated():
 
 
 @pytest.mark.kernels
+@concurrent_programs_only
 @pytest.mark.parametrize("form", ["per-sample [B, C]", "per-frame [B, F, 1, C]", "per-channel [C]"])
 def test_kernels_backward_is_deterministic(form):
     """Many rows, so many programs' partial sums meet in every reduced gradient."""

@@ -17,7 +17,7 @@ from compile_ops._library import OP_BODIES
 from compile_ops.reference import norm as ref
 from bad_input import bad_input_test
 from shapes import size
-from conftest import KERNEL_DEVICE
+from conftest import KERNEL_DEVICE, concurrent_programs_only
 from numerics import assert_within_torch_error
 
 HALF = (torch.float16, torch.bfloat16)
@@ -167,6 +167,7 @@ def test_kernels_add_rmsnorm_out_is_rmsnorm_of_residual_out(dtype):
 
 
 @pytest.mark.kernels
+@concurrent_programs_only
 @pytest.mark.parametrize("op", ["rmsnorm", "layernorm", "add_rmsnorm"])
 def test_kernels_backward_is_deterministic(op):
     """Many rows, so many programs' partial sums meet in the weight gradient
