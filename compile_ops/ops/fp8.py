@@ -101,7 +101,9 @@ def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tenso
     q, scale = meta.fp8.quantize_fp8_rows(x, activation, head)
     x2 = as_rows(x)
     n_rows, k = x2.shape
-    head2 = x2 if head is None else as_rows(head)  # without a head: a pointer the kernel never reads
+    # Rows by x's count: reshape(-1, 0) of an empty head is ambiguous. Without a
+    # head, x again: a pointer the kernel never reads.
+    head2 = x2 if head is None else head.reshape(n_rows, head.shape[-1])
     k_head = 0 if head is None else head2.shape[1]
     if n_rows == 0 or k + k_head == 0:  # nothing to launch; the reference gives the (empty or floor) scales
         return tuple(t.contiguous() for t in reference.fp8.quantize_fp8_rows(x, activation, head))
