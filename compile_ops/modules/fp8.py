@@ -4,6 +4,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
+from compile_ops.meta.glu import ACTIVATIONS
 from compile_ops.ops.fp8 import FP8Rows, check_fp8_device, fp8_linear, quantize_fp8_rows
 
 
@@ -96,6 +97,11 @@ class FP8ProjectionActivation(nn.Module):
 
     def __init__(self, proj: FP8Linear, activation: str):
         super().__init__()
+        if not isinstance(proj, FP8Linear):
+            raise TypeError(f"FP8ProjectionActivation: proj must be a compile_ops.FP8Linear, got {type(proj).__name__}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"FP8ProjectionActivation: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, "
+                             f"got {activation!r}")
         self.proj, self.activation = proj, activation
 
     def forward(self, x: Union[Tensor, FP8Rows]) -> FP8Rows:
