@@ -91,12 +91,11 @@ CASES = {
 }
 
 
-#: The ModuleLists of repeated transformer blocks in the benchmarked models.
-BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
-
-
 def _compiled(model, mode: str):
-    """``model`` compiled whole (``mode="full"``) or block by block in place (``"regional"``)."""
+    """``model`` compiled whole (``mode="full"``) or block by block in place (``"regional"``:
+    the repeated blocks in the ModuleLists that ``compile_ops.patch`` knows)."""
+    from compile_ops.integrations.diffusers import BLOCK_LISTS
+
     if mode == "full":
         return torch.compile(model)
     for name in BLOCK_LISTS:
@@ -108,6 +107,8 @@ def _compiled(model, mode: str):
 def _uncompiled(model) -> None:
     """Undo ``_compiled(model, "regional")``: patch() swaps blocks, and a compiled
     block would keep running its old graph."""
+    from compile_ops.integrations.diffusers import BLOCK_LISTS
+
     for name in BLOCK_LISTS:
         for block in getattr(model, name, ()):
             block._compiled_call_impl = None

@@ -276,7 +276,8 @@ def diffusers_e2e_table(data: dict) -> str:
     return "\n".join(out) + "\n" + _fp8_e2e_table(by)
 
 
-FP8_PROVIDERS = ("native_compiled", "fp8_compiled", "torchao_fp8_compiled")
+#: The rows of the FP8 table: bf16 compiled, then the two FP8 providers.
+FP8_TABLE_ROWS = ("native_compiled", "fp8_compiled", "torchao_fp8_compiled")
 
 
 def _fp8_e2e_table(by: dict) -> str:
@@ -292,7 +293,7 @@ def _fp8_e2e_table(by: dict) -> str:
            "first call s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for case in cases:
         native, torchao = by.get((case, "native_compiled")), by.get((case, "torchao_fp8_compiled"))
-        for provider in FP8_PROVIDERS:
+        for provider in FP8_TABLE_ROWS:
             r = by.get((case, provider))
             if r is None or "error" in r:
                 reason = "not run" if r is None else r["error"]

@@ -18,6 +18,13 @@ HAS_CUDA = torch.cuda.is_available()
 
 #: Where kernel tests put their tensors: the GPU, or the CPU under the interpreter.
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
+def tf32_dots(device) -> bool:
+    """Whether fp32 attention's dots run on TF32 tensor cores on ``device``: a GPU
+    whose session allows TF32 matmuls (torch's fp32 matmul precision, not
+    "highest"). Tests of fp32 attention choose their reference and tolerance by it."""
+    return torch.device(device).type == "cuda" and torch.get_float32_matmul_precision() != "highest"
+
+
 #: For properties of programs running at once (no atomics, a fixed reduction
 #: order): the interpreter runs a grid's programs one after another, so there
 #: every run agrees by construction and the test would prove nothing.

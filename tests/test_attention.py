@@ -19,7 +19,7 @@ import compile_ops
 from bad_input import bad_input_test
 from shapes import size
 from compile_ops.reference import attention as ref
-from conftest import INTERPRET, KERNEL_DEVICE
+from conftest import INTERPRET, KERNEL_DEVICE, tf32_dots
 from numerics import assert_within_torch_error
 
 LSE_ROUNDINGS = 2
@@ -73,8 +73,7 @@ def torch_at_dtype(q, k, v, dout, scale, causal, seq_dim, kv_lengths, allowed=No
     """
     q, k, v, dout = (_bhld(t.detach(), seq_dim) for t in (q, k, v, dout))
     if q.dtype == torch.float32:
-        tf32 = q.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
-        operand = _tf32 if tf32 else (lambda t: t)
+        operand = _tf32 if tf32_dots(q.device) else (lambda t: t)
         out, grads, lse = _fp32_flash(q, k, v, dout, scale, causal, kv_lengths, operand, allowed)
     else:
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))

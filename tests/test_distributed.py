@@ -24,7 +24,6 @@ One spawn runs every case (a process group costs seconds to start); each case
 is a test of its own that reads the spawn's verdict.
 """
 import datetime
-import gc
 import json
 import os
 import time
@@ -477,29 +476,11 @@ def _worker(rank: int, world: int, directory: str) -> None:
     except BaseException:
         dist.destroy_process_group()  # leave at once: no barrier, no join of threads a peer may hold up
         raise
-    _teardown_process_group()
+    # gloo's threads end here, not during interpreter exit (the likely cause of
+    # the FSDP2 test's rare SIGABRT): see teardown_process_group.
+    from bench.distributed_train import teardown_process_group
 
-
-def _teardown_process_group() -> None:
-    """Destroy the process group so that gloo's threads end here, not at interpreter exit.
-
-    gloo has no shutdown: its threads (pt_gloo_runloop, gloo_tcp_loop) end
-    when the ProcessGroup object is freed, and the meshes (kept alive by
-    DTensor's caches) hold their groups in ``_pg_registry``, so after
-    ``destroy_process_group()`` alone they ran on through interpreter
-    finalization and exit(): the likely window of the rare SIGABRT of the
-    FSDP2 test (see teardown_process_group in bench/distributed_train.py).
-    Barrier, destroy, drop every mesh's references, collect: the groups'
-    destructors join their threads now.
-    """
-    from torch.distributed.device_mesh import DeviceMesh
-
-    dist.barrier()
-    dist.destroy_process_group()
-    for obj in gc.get_objects():
-        if issubclass(type(obj), DeviceMesh):  # not isinstance: gc's list holds weak proxies, which raise there
-            getattr(obj, "_pg_registry", {}).clear()
-    gc.collect()
+    teardown_process_group()
 
 
 @pytest.fixture(scope="module")

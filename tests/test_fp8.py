@@ -341,9 +341,10 @@ def test_fake_cuda_trace_of_fp8_linear_calls_scaled_mm_rowwise(monkeypatch, bias
 @pytest.mark.parametrize("looped", [False, True])
 def test_sm90_code_rounds_like_the_reference(looped):
     """What makes the GPU's bytes the reference's, read from the sm_90 PTX (no GPU
-    needed; the looped variant with a head segment): IEEE division for the scales (not div.approx/div.full, which plain
-    fp32 ``/`` gives), no flush-to-zero, and the round-to-nearest-even saturating
-    convert that tests/conftest.py's interpreter patch reproduces."""
+    needed; the looped variant with a head segment): IEEE division for the
+    scales (not div.approx/div.full, which plain fp32 ``/`` gives), no
+    flush-to-zero, and the round-to-nearest-even saturating convert that
+    tests/conftest.py's interpreter patch reproduces."""
     import re
 
     import triton

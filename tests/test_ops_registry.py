@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from compile_ops import registry
 from compile_ops._library import OP_BODIES
-from conftest import HAS_CUDA, KERNEL_DEVICE
+from conftest import HAS_CUDA, KERNEL_DEVICE, tf32_dots
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 DIFFERENTIABLE = [s for s in registry.OPS if s.differentiable]
@@ -114,8 +114,7 @@ def test_compile_fullgraph_one_compile_across_lengths(spec, backend):
         ref_loss = sum(o.float().square().sum() for o in _outputs(spec.reference(*ref_args)))
         ref_loss.backward()
         ref_grads = [a.grad for a in _tensors(ref_args) if a.requires_grad]
-        # 10-bit mantissas in the dots where torch's fp32 matmul precision allows TF32: ~1e-3 relative
-        tf32 = spec.tf32 and device == "cuda" and torch.get_float32_matmul_precision() != "highest"
+        tf32 = spec.tf32 and tf32_dots(device)  # 10-bit mantissas in the dots: ~1e-3 relative
         torch.testing.assert_close(loss, ref_loss, rtol=5e-3 if tf32 else 1e-5, atol=1e-5)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g, r, rtol=1e-2 if tf32 else 1e-4, atol=1e-2 if tf32 else 1e-4)

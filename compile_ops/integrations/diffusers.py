@@ -574,7 +574,7 @@ PRECISIONS = ("bf16", "fp8")
 
 #: The ModuleLists of transformer blocks in diffusers' DiTs (Flux, SD3, LTX:
 #: ``transformer_blocks``; Flux: ``single_transformer_blocks``; Wan: ``blocks``).
-_BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
 
 #: Parents whose Linear projects the timestep embedding into modulation
 #: vectors: one row per sample, where FP8 saves nothing and costs a quantization.
@@ -617,7 +617,7 @@ def _quantize_linears(model: nn.Module, report: PatchReport) -> None:
                 continue
             if isinstance(child, nn.Linear):  # a subclass (LoRA layers, ...): its forward may differ
                 report.left.append((path, type(child).__name__, "a Linear subclass: its forward is kept"))
-            walk(child, path, in_blocks or (isinstance(child, nn.ModuleList) and name in _BLOCK_LISTS))
+            walk(child, path, in_blocks or (isinstance(child, nn.ModuleList) and name in BLOCK_LISTS))
 
     walk(model, "", False)
 

@@ -113,7 +113,8 @@ def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tenso
     launcher(quantize_fp8_rows_kernel)[grid](
         x2, q, scale, n_rows, k, x2.stride(0), x2.stride(1), head2, k_head, head2.stride(0), head2.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, LOOPED=head is not None or block_n < k,
-        ACT=ACTIVATION_CODES.get(activation, -1), HAS_HEAD=head is not None, num_warps=NUM_WARPS)
+        ACT=-1 if activation == "none" else ACTIVATION_CODES[activation], HAS_HEAD=head is not None,
+        num_warps=NUM_WARPS)
     return q, scale
 
 

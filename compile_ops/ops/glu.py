@@ -15,7 +15,6 @@ from compile_ops._library import fused_op, launcher
 from compile_ops.kernels.glu import ACTIVATION_CODES, glu_kernel
 from compile_ops.ops._launch import acc_dtype, as_rows, unit_last_stride
 
-
 # ---------------------------------------------------------------- launch configs
 
 
@@ -56,7 +55,8 @@ def _launch(x: Tensor, grad_out, out: Tensor, activation: str, gate_first: bool)
     grid = (triton.cdiv(n_rows, cfg.block_m) * triton.cdiv(h, cfg.block_n),)
     launcher(glu_kernel)[grid](
         x2, dy2, out, n_rows, h, x2.stride(0), 0 if dy2 is None else dy2.stride(0),
-        ACT=ACTIVATION_CODES[activation], GATE_FIRST=gate_first, BACKWARD=grad_out is not None, ACC_DTYPE=acc_dtype(x),
+        ACT=ACTIVATION_CODES[activation], GATE_FIRST=gate_first, BACKWARD=grad_out is not None,
+        ACC_DTYPE=acc_dtype(x),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
 
