@@ -13,14 +13,17 @@ Full-size configs with random weights (nothing is downloaded), bf16, batch 1:
   the embedders and final norm), forward + backward of a mean-square loss at
   4096 + 512 tokens, parameters trainable.
 
-FP8 inference (``--fp8``, the step cases): two more providers, each on a
-freshly built model, since both quantize in place and release the bf16
+FP8 inference (``--fp8``, the step cases): more providers, each on a
+freshly built model, since they quantize in place and release the bf16
 weights: ``fp8_compiled`` (``compile_ops.patch(model, precision="fp8")`` +
-``torch.compile``) and ``torchao_fp8_compiled`` (torchao's
+``torch.compile``), ``fp8_fp32_accum_compiled`` (the same with
+``fp8_fast_accum=False``) and ``torchao_fp8_compiled`` (torchao's
 ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` +
 ``torch.compile``, what users install today). Their rows also give the step
 output's relative L2 error against the bf16 model's output on the same
-inputs, and the bytes of the model's weights.
+inputs, each block Linear's own error under the provider's recipe (on the
+bf16 model's input to it: median, max and the worst Linear), and the bytes
+of the model's weights.
 
 ``--repeats N`` measures every provider N times (do_bench medians) and
 reports the median of those and their spread. ``--providers a,b`` runs only
@@ -41,6 +44,7 @@ Writes ``<out>/diffusers-e2e-<gpu>.json`` (rows merge with an existing file
 by case and provider).
 """
 import argparse
+import copy
 import json
 import os
 import sys
@@ -168,21 +172,82 @@ def _repeated(fn, timer_ms: float, repeats: int) -> dict:
 
 def _quantize(provider: str, model):
     """Quantize ``model`` in place for an FP8 provider; the patch report, if any."""
-    if provider == "fp8_compiled":
+    if provider in ("fp8_compiled", "fp8_fp32_accum_compiled"):
         import compile_ops
-        return compile_ops.patch(model, precision="fp8")
+        return compile_ops.patch(model, precision="fp8", fp8_fast_accum=provider == "fp8_compiled")
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
     quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
     return None
 
 
-FP8_PROVIDERS = ("fp8_compiled", "torchao_fp8_compiled")
+def _fp8_recipe(provider: str):
+    """``linear -> quantized module`` for an FP8 provider (one Linear at a time)."""
+    if provider == "torchao_fp8_compiled":
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        def torchao(linear):
+            twin = copy.deepcopy(linear)
+            quantize_(twin, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+            return twin
+        return torchao
+    from compile_ops import FP8Linear
+    return lambda linear: FP8Linear.from_linear(linear, fast_accum=provider == "fp8_compiled")
+
+
+def _per_linear_errors(model, inputs, providers) -> tuple:
+    """The bf16 step output, and per FP8 provider the error of each block
+    Linear alone: during one bf16 forward, every Linear in the transformer
+    blocks (AdaLN modulation projections aside: one row, not quantized by
+    compile_ops) is also run through each provider's recipe on the same
+    input, and its relative L2 distance to the bf16 output kept. Errors do
+    not compound through depth here, unlike the step output's.
+
+    Returns ``(output, {provider: {"median", "max", "worst", "linears"}})``."""
+    from compile_ops.integrations.diffusers import BLOCK_LISTS
+
+    recipes = {}
+    for p in providers:
+        try:
+            recipes[p] = _fp8_recipe(p)
+        except ImportError:  # torchao missing: its row says so
+            pass
+    errors = {p: {} for p in recipes}
+
+    def hook(path):
+        def measure(linear, args, output):
+            exact = output.double()
+            for p, recipe in recipes.items():
+                got = recipe(linear)(args[0]).double()
+                errors[p][path] = ((got - exact).norm() / exact.norm()).item()
+        return measure
+
+    handles = []
+    for list_name in BLOCK_LISTS:
+        for path, m in getattr(model, list_name, torch.nn.Module()).named_modules(prefix=list_name):
+            if type(m) is torch.nn.Linear and ".norm" not in path and m.in_features % 16 == m.out_features % 16 == 0:
+                handles.append(m.register_forward_hook(hook(path)))
+    try:
+        with torch.no_grad():
+            out = model(**inputs).sample.detach().clone()
+    finally:
+        for h in handles:
+            h.remove()
+    summary = {}
+    for p, by_path in errors.items():
+        values = sorted(by_path.values())
+        summary[p] = {"median": values[len(values) // 2], "max": values[-1],
+                      "worst": max(by_path, key=by_path.get), "linears": len(values)}
+    return out, summary
+
+
+FP8_PROVIDERS = ("fp8_compiled", "fp8_fp32_accum_compiled", "torchao_fp8_compiled")
 BF16_PROVIDERS = ("native_eager", "native_compiled", "patched_eager", "patched_compiled")
 
 
-def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact, providers, compile_mode: str) -> list:
-    """``fp8_compiled`` and ``torchao_fp8_compiled`` (those in ``providers``) on fresh
-    models; ``exact`` is the bf16 model's output on the same inputs."""
+def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact, providers, compile_mode: str,
+                      per_linear: dict) -> list:
+    """The FP8 providers in ``providers`` on fresh models; ``exact`` is the bf16
+    model's output on the same inputs, ``per_linear`` :func:`_per_linear_errors`'."""
     rows = []
     for provider in (p for p in FP8_PROVIDERS if p in providers):
         model, inputs = _build(name)
@@ -203,6 +268,8 @@ def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact, providers
                    tokens=_tokens(name), weights_MiB=_weight_MiB(model), compile=compile_mode)
         if report is not None:
             row["fp8_linears"] = sum("FP8Linear" in detail for _, _, detail in report.replaced)
+        if provider in per_linear:
+            row["per_linear_rel_l2"] = per_linear[provider]
         rows.append(row)
         print(f"{name:<11} {provider:<21} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f})  "
               f"rel. L2 vs bf16 {err:.2e}  weights {row['weights_MiB']:.0f} MiB  (first call {setup_s:.0f} s)",
@@ -233,10 +300,12 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
 
     providers = set(providers or (*BF16_PROVIDERS, *FP8_PROVIDERS))
     rows, report = [], None
-    exact = None
+    exact, per_linear = None, {}
     if fp8 and not train:
-        with torch.no_grad():
-            exact = model(**inputs).sample.detach().clone()
+        exact, per_linear = _per_linear_errors(model, inputs, [p for p in FP8_PROVIDERS if p in providers])
+        for p, e in per_linear.items():
+            print(f"{name:<11} {p:<21} per-Linear rel. L2 vs bf16: median {e['median']:.2e}, max {e['max']:.2e} "
+                  f"({e['worst']}; {e['linears']} Linears)", flush=True)
     for provider in BF16_PROVIDERS:
         if provider.startswith("patched") and report is None:
             torch._dynamo.reset()
@@ -266,7 +335,7 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     if exact is not None:
-        rows += run_fp8_providers(name, timer_ms, repeats, exact, providers, compile_mode)
+        rows += run_fp8_providers(name, timer_ms, repeats, exact, providers, compile_mode, per_linear)
     return rows
 
 

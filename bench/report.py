@@ -276,8 +276,8 @@ def diffusers_e2e_table(data: dict) -> str:
     return "\n".join(out) + "\n" + _fp8_e2e_table(by)
 
 
-#: The rows of the FP8 table: bf16 compiled, then the two FP8 providers.
-FP8_TABLE_ROWS = ("native_compiled", "fp8_compiled", "torchao_fp8_compiled")
+#: The rows of the FP8 table: bf16 compiled, then the FP8 providers (a row not run is left out).
+FP8_TABLE_ROWS = ("native_compiled", "fp8_compiled", "fp8_fp32_accum_compiled", "torchao_fp8_compiled")
 
 
 def _fp8_e2e_table(by: dict) -> str:
@@ -288,27 +288,32 @@ def _fp8_e2e_table(by: dict) -> str:
     if not cases:
         return ""
     out = ["", "FP8 inference, compiled: median ms (min-max over the repeats); error = the step output's relative "
-           "L2 distance to the bf16 model's.", "",
-           "| case | provider | ms | vs native compiled | vs torchao float8 | rel. L2 vs bf16 | weights MiB | "
-           "first call s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+           "L2 distance to the bf16 model's; per Linear = each block Linear's own error on the bf16 model's "
+           "input to it, median (max) over the Linears.", "",
+           "| case | provider | ms | vs native compiled | vs torchao float8 | rel. L2 vs bf16 | per Linear | "
+           "weights MiB | peak MiB | first call s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for case in cases:
         native, torchao = by.get((case, "native_compiled")), by.get((case, "torchao_fp8_compiled"))
         for provider in FP8_TABLE_ROWS:
             r = by.get((case, provider))
+            if r is None and provider == "fp8_fp32_accum_compiled":  # an optional row
+                continue
             if r is None or "error" in r:
                 reason = "not run" if r is None else r["error"]
-                out.append(f"| {case} | {provider} | {reason} | | | | | |")
+                out.append(f"| {case} | {provider} | {reason} | | | | | | | |")
                 continue
             spread = f" ({r['ms_min']:.1f}-{r['ms_max']:.1f})" if "ms_min" in r else ""
             vs_native = f"{native['ms'] / r['ms']:.2f}x" if native else "-"
             vs_torchao = f"{torchao['ms'] / r['ms']:.2f}x" if torchao and "error" not in torchao else "-"
             err = f"{r['rel_l2_vs_bf16']:.1e}" if "rel_l2_vs_bf16" in r else "-"
             weights = f"{r['weights_MiB']:.0f}" if "weights_MiB" in r else "not measured"
+            per_linear = r.get("per_linear_rel_l2")
+            per_linear = f"{per_linear['median']:.1e} ({per_linear['max']:.1e})" if per_linear else "-"
             first = f"{r['first_call_s']:.0f}"
             if "first_call_cold_s" in r:  # the row's own first call found warm caches
                 first += f" (cold: {r['first_call_cold_s']:.0f})"
             out.append(f"| {case} | {provider} | {r['ms']:.1f}{spread} | {vs_native} | {vs_torchao} | {err} | "
-                       f"{weights} | {first} |")
+                       f"{per_linear} | {weights} | {r['peak_MiB']:.0f} | {first} |")
     return "\n".join(out) + "\n"
 
 

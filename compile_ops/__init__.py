@@ -26,11 +26,12 @@ from compile_ops import distributed as _distributed
 _distributed.register()
 
 
-def patch(model, attention_processors: bool = True, attention_kernel: str = "auto", precision: str = "bf16"):
+def patch(model, attention_processors: bool = True, attention_kernel: str = "auto", precision: str = "bf16",
+          fp8_fast_accum: bool = True):
     """Swap the fused ops into a diffusers transformer (``precision="fp8"``: FP8
     Linears in its blocks); see :func:`compile_ops.integrations.diffusers.patch`."""
     from compile_ops.integrations.diffusers import patch as _patch
-    return _patch(model, attention_processors, attention_kernel, precision)
+    return _patch(model, attention_processors, attention_kernel, precision, fp8_fast_accum)
 
 
 def unpatch(model) -> None:

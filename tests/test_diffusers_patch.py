@@ -288,8 +288,9 @@ class _SimulatedFP8Linear(torch.nn.Module):
     ``scale = amax / 448`` over the row's finite values (floored at 1e-12),
     values ``clamp(x * (448 / amax), -448, 448)`` rounded to e4m3, products
     summed in fp32. On a GPU the products are summed by the device's FP8 GEMM
-    (``torch._scaled_mm`` rowwise, as FP8Linear runs there: tensor-core sums,
-    bf16 bias, output rounded to bf16, its only rowwise output type), so the
+    (``torch._scaled_mm`` rowwise with fast accumulation, as FP8Linear runs
+    there by default: tensor-core sums, bf16 bias, output rounded to bf16,
+    its only rowwise output type), so the
     comparison isolates the quantization from the GEMM's summation order."""
 
     def __init__(self, linear):
@@ -309,7 +310,8 @@ class _SimulatedFP8Linear(torch.nn.Module):
         if q.is_cuda:
             out = torch._scaled_mm(q.reshape(-1, q.shape[-1]), self.weight_q.t(), scale_a=scale.reshape(-1, 1),
                                    scale_b=self.weight_scale[None, :], out_dtype=torch.bfloat16,
-                                   bias=None if self.bias is None else self.bias.to(torch.bfloat16))
+                                   bias=None if self.bias is None else self.bias.to(torch.bfloat16),
+                                   use_fast_accum=True)
             return out.reshape(*q.shape[:-1], -1).to(x.dtype)
         out = (q.float() * scale[..., None]) @ (self.weight_q.float() * self.weight_scale[:, None]).T
         if self.bias is not None:
@@ -383,6 +385,11 @@ def test_fp8_report_lists_every_linear_and_why():
         compile_ops.unpatch(patched)
     with pytest.raises(ValueError, match="precision must be one of"):
         compile_ops.patch(copy.deepcopy(model), precision="int4")
+    fp8 = [m for m in patched.modules() if isinstance(m, compile_ops.FP8Linear)]
+    assert fp8 and all(m.fast_accum for m in fp8)  # the default, as torchao's float8 inference
+    exact_sums = copy.deepcopy(model)
+    compile_ops.patch(exact_sums, precision="fp8", fp8_fast_accum=False)
+    assert not any(m.fast_accum for m in exact_sums.modules() if isinstance(m, compile_ops.FP8Linear))
 
 
 def test_fp8_on_a_model_with_nothing_to_quantize_reports_instead_of_raising():
@@ -421,8 +428,9 @@ def test_fp8_flux_seams_hand_fp8_rows_to_the_mlp(monkeypatch):
     FP8 input itself (gated_residual_norm_modulate_fp8), the MLP's first
     FP8Linear takes those rows without quantizing again, the MLP's GELU output
     is quantized in the pass that computes it (in the single block, with the
-    attention output concatenated before it), and q/k/v share one
-    quantization of their input."""
+    attention output concatenated before it), and the AdaLN norms before
+    q/k/v (and the single block's proj_mlp) write their FP8 rows themselves
+    (norm_modulate_fp8): only the attention outputs are quantized apart."""
     _, patched, simulated, inputs, _ = _fp8_pair("flux")
     calls = Counter()
 
@@ -439,22 +447,29 @@ def test_fp8_flux_seams_hand_fp8_rows_to_the_mlp(monkeypatch):
             return op(*a, **k)
         return call
 
+    from compile_ops.modules import modulate as modulate_modules
     from compile_ops.ops import fp8 as fp8_ops
     for name in ("gated_residual_norm_modulate", "gated_residual_norm_modulate_fp8"):
         monkeypatch.setattr(integration, name, counting(integration, name))
+    for name in ("norm_modulate", "norm_modulate_fp8"):
+        monkeypatch.setattr(modulate_modules, name, counting(modulate_modules, name))
     monkeypatch.setattr(fp8_ops, "_quantize_fp8_rows", counting(fp8_ops, "_quantize_fp8_rows"))
     args = _to(inputs(4), DEVICE)
     with torch.no_grad():
         got, want = patched(**args).sample, simulated(**args).sample
     assert calls["gated_residual_norm_modulate_fp8"] == 2 and calls["gated_residual_norm_modulate"] == 0
-    # 17 FP8 Linears, 9 quantize passes: the two MLP inputs come from the seams,
-    # and q/k/v quantize their shared input once (image and text streams of
-    # the double block, the single block).
+    # The three AdaLN norms (image and text streams of the double block, the
+    # single block) write FP8 rows for q/k/v and proj_mlp; the final norm
+    # (before the bf16 proj_out) stays bf16.
+    assert calls["norm_modulate_fp8"] == 3 and calls["norm_modulate"] == 1, calls
+    # 17 FP8 Linears, 5 quantize passes: the MLPs' down projections take their
+    # rows from the pass that computes the GELU (two), the single block's
+    # proj_out from the pass that computes its GELU and concatenates the
+    # attention output (one); only the double block's two attention outputs
+    # (to_out, to_add_out) are quantized on their own.
     fp8_linears = sum(isinstance(m, compile_ops.FP8Linear) for m in patched.modules())
-    # The MLPs' down projections take their rows from the pass that computes
-    # the GELU (two of the nine), and the single block's proj_out from the
-    # pass that computes its GELU and concatenates the attention output.
-    assert fp8_linears == 17 and sum(calls[k] for k in calls if k.startswith("_quantize")) == 9, calls
+    assert fp8_linears == 17 and sum(calls[k] for k in calls if k.startswith("_quantize")) == 5, calls
+    assert calls["_quantize_fp8_rows"] == 2, calls
     assert calls["_quantize_fp8_rows/gelu_tanh"] == 2 and calls["_quantize_fp8_rows/gelu_tanh+head"] == 1, calls
     assert sum(isinstance(m, compile_ops.FP8ProjectionActivation) for m in patched.modules()) == 2
     assert _relative_l2(got, want) < 1e-4

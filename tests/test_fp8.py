@@ -136,6 +136,29 @@ def test_fp8_linear_reference_matches_scaled_mm_on_the_same_operands():
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast_accum", [True, False])
+def test_fp8_linear_on_the_gpu_is_scaled_mm_with_its_accumulation_flag(fast_accum):
+    """FP8Linear on a GPU: the bytes of torch._scaled_mm on its operands with the
+    module's accumulation setting; both settings' distance to the fp32 sum of
+    the same products printed (fast accumulation: a few more low bits on long K)."""
+    torch.manual_seed(0)
+    k, n = 4096, 256  # long K: where the accumulator's precision shows
+    linear = torch.nn.Linear(k, n).to("cuda", torch.bfloat16)
+    fp8 = compile_ops.FP8Linear.from_linear(linear, fast_accum=fast_accum)
+    x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = fp8(x)
+    qx, sx = compile_ops.quantize_fp8_rows(x)
+    want = torch._scaled_mm(qx, fp8.weight_q.t(), scale_a=sx[:, None], scale_b=fp8.weight_scale[None, :],
+                            bias=fp8.bias, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+    assert torch.equal(got, want)
+    fp32_sum = ref.fp8_linear(qx, sx, fp8.weight_q, fp8.weight_scale, fp8.bias, torch.float32)
+    err = ((got.float() - fp32_sum).norm() / fp32_sum.norm()).item()
+    print(f"fast_accum={fast_accum}: relative L2 to the fp32 sum of the same products {err:.2e}")
+    assert err < 1e-2  # bf16 output rounding (~2e-3) plus the accumulator's; a wrong scale is O(1)
+
+
 def _linear(k=64, n=48, bias=True, dtype=torch.float32):
     torch.manual_seed(0)
     return torch.nn.Linear(k, n, bias=bias).to(dtype)
@@ -331,6 +354,15 @@ def test_fake_cuda_trace_of_fp8_linear_calls_scaled_mm_rowwise(monkeypatch, bias
     targets = [n.target for n in gm.graph.nodes]
     assert torch.ops.fused.quantize_fp8_rows.default in targets and torch.ops.aten._scaled_mm.default in targets
     assert out.shape == (2, 7, 48) and out.dtype == torch.bfloat16
+    # Fast accumulation by default (as torchao's float8 inference), else as asked.
+    for fast_accum in (True, False):
+        kwargs = {} if fast_accum else {"fast_accum": False}
+        gm, _, _ = _fake_cuda_launches(lambda x, *w: compile_ops.fp8_linear(x, *w, **kwargs), x, fp8.weight_q,
+                                       fp8.weight_scale)
+        (mm,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten._scaled_mm.default]
+        schema_args = torch.ops.aten._scaled_mm.default._schema.arguments
+        use_fast_accum = mm.kwargs.get("use_fast_accum", mm.args[-1] if len(mm.args) == len(schema_args) else False)
+        assert use_fast_accum is fast_accum, mm
     rows = compile_ops.quantize_fp8_rows(x)
     gm, out, _ = _fake_cuda_launches(lambda q, s, *w: compile_ops.fp8_linear(FP8Rows(q, s), *w, torch.float32),
                                      rows.q, rows.scale, fp8.weight_q, fp8.weight_scale, fp8.bias)

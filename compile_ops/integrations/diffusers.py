@@ -38,7 +38,7 @@ from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.attention import attention
-from compile_ops.ops.fp8 import quantize_fp8_rows
+from compile_ops.ops.fp8 import FP8Rows, quantize_fp8_rows
 from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
                                       gated_residual_norm_modulate_fp8)
 from compile_ops.ops.rope import qk_norm_rope, rope_qk
@@ -263,8 +263,11 @@ class FluxTransformerBlock(_BlockForward):
 
     def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
                 joint_attention_kwargs=None):
-        normed, *image_mod = self.norm1(hidden_states, emb=temb)
-        normed_context, *context_mod = self.norm1_context(encoder_hidden_states, emb=temb)
+        # Under precision="fp8" both AdaLN norms write e4m3 rows for q/k/v directly.
+        fp8 = (isinstance(self.norm1, AdaLayerNormZero) and isinstance(self.norm1_context, AdaLayerNormZero)
+               and FluxAttnProcessor.takes_fp8_rows(self.attn, encoder_hidden_states, joint_attention_kwargs))
+        normed, *image_mod = self.norm1(hidden_states, emb=temb, **_fp8_rows_kwarg(fp8))
+        normed_context, *context_mod = self.norm1_context(encoder_hidden_states, emb=temb, **_fp8_rows_kwarg(fp8))
         outputs = self.attn(hidden_states=normed, encoder_hidden_states=normed_context,
                             image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
         hidden_states = self._second_half(hidden_states, outputs[0], *image_mod, self.norm2, self.ff)
@@ -275,6 +278,12 @@ class FluxTransformerBlock(_BlockForward):
         if encoder_hidden_states.dtype == torch.float16:
             encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
         return encoder_hidden_states, hidden_states
+
+
+def _fp8_rows_kwarg(fp8: bool) -> dict:
+    """``{"fp8_rows": True}`` for our AdaLN norms' FP8 output mode, else nothing
+    (the plain call, which any norm module takes)."""
+    return {"fp8_rows": True} if fp8 else {}
 
 
 def _fp8_concat_activation(act: nn.Module, proj_out: nn.Module) -> Optional[str]:
@@ -298,7 +307,10 @@ class FluxSingleTransformerBlock(_BlockForward):
                 joint_attention_kwargs=None):
         text_tokens = encoder_hidden_states.shape[1]
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-        normed, gate = self.norm(hidden_states, emb=temb)
+        # Under precision="fp8" the AdaLN norm writes e4m3 rows for proj_mlp and q/k/v directly.
+        fp8 = (isinstance(self.norm, AdaLayerNormZeroSingle) and isinstance(self.proj_mlp, FP8Linear)
+               and FluxAttnProcessor.takes_fp8_rows(self.attn, None, joint_attention_kwargs))
+        normed, gate = self.norm(hidden_states, emb=temb, **_fp8_rows_kwarg(fp8))
         mlp = self.proj_mlp(normed)
         attn_out = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb,
                              **(joint_attention_kwargs or {}))
@@ -423,10 +435,18 @@ class _FusedProcessor:
 def _shared_input(x, *linears: nn.Module):
     """``x`` for projections that all read it: quantized once to FP8 rows when
     every one of them is an :class:`FP8Linear` (q, k and v after
-    ``patch(precision="fp8")``), instead of once per projection."""
+    ``patch(precision="fp8")``), instead of once per projection. FP8 rows
+    (a norm's FP8 output mode) pass as they are."""
+    if isinstance(x, FP8Rows):
+        return x
     if all(isinstance(linear, FP8Linear) for linear in linears):
         return quantize_fp8_rows(x)
     return x
+
+
+def _tokens(x) -> int:
+    """The sequence length of ``[B, L, C]`` hidden states or of their FP8 rows."""
+    return (x.q if isinstance(x, FP8Rows) else x).shape[1]
 
 
 def _sdpa_is_faster(query, key, value) -> bool:
@@ -444,10 +464,33 @@ class FluxAttnProcessor(_FusedProcessor):
     with q/k-norm and rotary embedding in one fused op, and attention as a
     fused op (or SDPA, see :func:`patch`)."""
 
+    def covers(self, attn, encoder_hidden_states, attention_mask) -> bool:
+        """Whether the fused path runs this call (else the original processor does)."""
+        return not (attention_mask is not None or attn.fused_projections or getattr(self, "_parallel_config", None)
+                    or (encoder_hidden_states is not None and attn.added_kv_proj_dim is None))
+
+    @staticmethod
+    def takes_fp8_rows(attn, encoder_hidden_states=None, joint_attention_kwargs=None) -> bool:
+        """Whether ``attn(hidden_states=FP8Rows, ...)`` is safe for a block to call:
+        ``attn``'s processor is ours, covers the call, and every projection that
+        reads the hidden states (and the text states, when given) is an
+        :class:`FP8Linear`, so the norm before can write FP8 rows directly."""
+        processor, kwargs = attn.processor, joint_attention_kwargs or {}
+        if not isinstance(processor, FluxAttnProcessor) or set(kwargs) - {"attention_mask"} or \
+                not processor.covers(attn, encoder_hidden_states, kwargs.get("attention_mask")):
+            return False
+        linears = [attn.to_q, attn.to_k, attn.to_v]
+        if encoder_hidden_states is not None:
+            linears += [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj]
+        return all(isinstance(linear, FP8Linear) for linear in linears)
+
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
-        if attention_mask is not None or attn.fused_projections or getattr(self, "_parallel_config", None) or \
-                (encoder_hidden_states is not None and attn.added_kv_proj_dim is None):
+        if not self.covers(attn, encoder_hidden_states, attention_mask):
+            if isinstance(hidden_states, FP8Rows) or isinstance(encoder_hidden_states, FP8Rows):
+                raise RuntimeError("compile_ops FluxAttnProcessor: FP8 rows reached a call the fused path does "
+                                   "not cover (a mask, fused projections or a parallel config since the block "
+                                   "checked); this is a compile_ops bug")
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
         def heads(t):
@@ -456,7 +499,7 @@ class FluxAttnProcessor(_FusedProcessor):
         def rows(start, end):  # the rotary tables' rows of one stream
             return None if image_rotary_emb is None else tuple(t[start:end] for t in image_rotary_emb)
 
-        image_rope = rows(-hidden_states.shape[1], None)
+        image_rope = rows(-_tokens(hidden_states), None)
         x = _shared_input(hidden_states, attn.to_q, attn.to_k, attn.to_v)
         query, key = self.norm_rope(heads(attn.to_q(x)), heads(attn.to_k(x)), attn.norm_q, attn.norm_k, image_rope)
         value = heads(attn.to_v(x))
@@ -466,13 +509,13 @@ class FluxAttnProcessor(_FusedProcessor):
             c = _shared_input(encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
             text_query, text_key = self.norm_rope(heads(attn.add_q_proj(c)), heads(attn.add_k_proj(c)),
                                                   attn.norm_added_q, attn.norm_added_k,
-                                                  rows(0, encoder_hidden_states.shape[1]))
+                                                  rows(0, _tokens(encoder_hidden_states)))
             query, key = torch.cat([text_query, query], dim=1), torch.cat([text_key, key], dim=1)
             value = torch.cat([heads(attn.add_v_proj(c)), value], dim=1)
         out = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out
-        text, image = out.split_with_sizes([encoder_hidden_states.shape[1], hidden_states.shape[1]], dim=1)
+        text, image = out.split_with_sizes([_tokens(encoder_hidden_states), _tokens(hidden_states)], dim=1)
         image = attn.to_out[1](attn.to_out[0](image))
         return image, attn.to_add_out(text)
 
@@ -595,7 +638,7 @@ def _fp8_reason(path: str, parent: nn.Module, linear: nn.Linear, in_blocks: bool
     return None
 
 
-def _quantize_linears(model: nn.Module, report: PatchReport) -> None:
+def _quantize_linears(model: nn.Module, report: PatchReport, fast_accum: bool) -> None:
     """Replace the transformer blocks' Linears with :class:`FP8Linear` (weights
     quantized once per output channel; the original weight is no longer held),
     and report every Linear of the model, FP8 or not, with the reason."""
@@ -610,8 +653,9 @@ def _quantize_linears(model: nn.Module, report: PatchReport) -> None:
                 why = _fp8_reason(path, module, child, in_blocks)
                 if why is None:
                     check_fp8_device(child.weight.device)
-                    setattr(module, name, FP8Linear.from_linear(child))
-                    report.replaced.append((path, "nn.Linear", "compile_ops.FP8Linear (e4m3, rowwise scales)"))
+                    setattr(module, name, FP8Linear.from_linear(child, fast_accum))
+                    report.replaced.append((path, "nn.Linear", "compile_ops.FP8Linear (e4m3, rowwise scales"
+                                            + (", fast accumulation)" if fast_accum else ")")))
                 else:
                     report.left.append((path, "nn.Linear", f"kept in {child.weight.dtype}: {why}"))
                 continue
@@ -626,7 +670,7 @@ def _quantize_linears(model: nn.Module, report: PatchReport) -> None:
 
 
 def patch(model: nn.Module, attention_processors: bool = True, attention_kernel: str = "auto",
-          precision: str = "bf16") -> PatchReport:
+          precision: str = "bf16", fp8_fast_accum: bool = True) -> PatchReport:
     """Swap the fused ops into a diffusers transformer, in place.
 
     Call it before ``torch.compile`` and before any offloading or caching hook
@@ -655,6 +699,10 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
             the report lists every Linear and why. On CUDA it needs FP8
             tensor cores (sm_89+); elsewhere the reference path simulates
             the same quantization.
+        fp8_fast_accum: under ``precision="fp8"``, the FP8 GEMMs' fast
+            accumulation on the GPU (the default, as torchao's float8
+            inference); False promotes partial sums to fp32, slower and a
+            little more exact (:func:`~compile_ops.ops.fp8.fp8_linear`).
 
     Returns:
         A :class:`PatchReport`; ``print`` it for a summary.
@@ -714,7 +762,7 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
         undo.append(("processor", module, None, processor))
         report.replaced.append((path, match[0], f"compile_ops {match[1].__name__}"))
     if precision == "fp8":
-        _quantize_linears(model, report)
+        _quantize_linears(model, report, fp8_fast_accum)
         _fuse_mlp_activations(model, report)
         # The originals in ``undo`` hold the bf16 weights: drop them, or memory would not drop.
         undo = None

@@ -29,9 +29,11 @@ class FP8Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 device=None, dtype: Optional[torch.dtype] = None):
+                 device=None, dtype: Optional[torch.dtype] = None, fast_accum: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        #: torch._scaled_mm's fast accumulation on a GPU (:func:`~compile_ops.ops.fp8.fp8_linear`).
+        self.fast_accum = fast_accum
         #: The output dtype of an already-quantized (FP8Rows) input, which has no dtype of its own.
         self.out_dtype = dtype or torch.bfloat16
         self.register_buffer("weight_q", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn,
@@ -42,14 +44,15 @@ class FP8Linear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear) -> "FP8Linear":
-        """The FP8 twin of ``linear`` (on its device; raises on a GPU without FP8 tensor cores)."""
+    def from_linear(cls, linear: nn.Linear, fast_accum: bool = True) -> "FP8Linear":
+        """The FP8 twin of ``linear`` (on its device; raises on a GPU without FP8
+        tensor cores). ``fast_accum``: see :func:`~compile_ops.ops.fp8.fp8_linear`."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"FP8Linear.from_linear: expected an nn.Linear, got {type(linear).__name__}")
         weight = linear.weight
         check_fp8_device(weight.device)
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, device="meta",
-                  dtype=weight.dtype)
+                  dtype=weight.dtype, fast_accum=fast_accum)
         new.weight_q, new.weight_scale = quantize_fp8_rows(weight.detach())
         new.bias = None if linear.bias is None else linear.bias.detach().clone()
         return new
@@ -71,11 +74,11 @@ class FP8Linear(nn.Module):
             raise ValueError(f"FP8Linear: x must have {self.in_features} channels (last dim), "
                              f"got shape {tuple(shape)}")
         out_dtype = self.out_dtype if isinstance(x, FP8Rows) else x.dtype
-        return fp8_linear(x, self.weight_q, self.weight_scale, self.bias, out_dtype)
+        return fp8_linear(x, self.weight_q, self.weight_scale, self.bias, out_dtype, self.fast_accum)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, fp8 e4m3 rowwise")
+                f"bias={self.bias is not None}, fp8 e4m3 rowwise, fast_accum={self.fast_accum}")
 
 
 class FP8ProjectionActivation(nn.Module):

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from compile_ops.modules.norm import LayerNorm, RMSNorm
-from compile_ops.ops.modulate import norm_modulate
+from compile_ops.ops.modulate import norm_modulate, norm_modulate_fp8
 
 #: diffusers' AdaLayerNormZero norm types -> the eps its LayerNorm uses
 #: (``FP32LayerNorm`` keeps torch's default; the kernels compute in fp32 either way).
@@ -28,6 +28,10 @@ class AdaLayerNormZero(nn.Module):
 
     ``num_embeddings`` (the class-label embedding of the original DiT) is not
     supported: compute ``emb`` outside and pass it.
+
+    ``fp8_rows=True`` (inference, for a block whose q/k/v projections are
+    FP8 Linears): the first output is ``FP8Rows`` of the modulated norm,
+    quantized per row in the norm's kernel (``fused.norm_modulate_fp8``).
     """
 
     def __init__(self, embedding_dim: int, num_embeddings: Optional[int] = None,
@@ -45,19 +49,21 @@ class AdaLayerNormZero(nn.Module):
         self.linear = nn.Linear(embedding_dim, 6 * embedding_dim, bias=bias)
 
     def forward(self, x: Tensor, timestep: Optional[Tensor] = None, class_labels: Optional[Tensor] = None,
-                hidden_dtype: Optional[torch.dtype] = None, emb: Optional[Tensor] = None):
+                hidden_dtype: Optional[torch.dtype] = None, emb: Optional[Tensor] = None, fp8_rows: bool = False):
         if emb is None:
             raise ValueError("AdaLayerNormZero: emb ([B, C]) is required")
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-        x = norm_modulate(x, scale_msa, shift_msa, None, None, "layernorm", self.eps)
+        x = (norm_modulate_fp8 if fp8_rows else norm_modulate)(x, scale_msa, shift_msa, None, None, "layernorm",
+                                                              self.eps)
         return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
 class AdaLayerNormZeroSingle(nn.Module):
     """diffusers' ``AdaLayerNormZeroSingle`` (Flux single-stream blocks).
 
-    ``forward(x [B, L, C], emb=[B, C])`` returns ``(norm(x) * (1 + scale) + shift, gate)``.
+    ``forward(x [B, L, C], emb=[B, C])`` returns ``(norm(x) * (1 + scale) + shift, gate)``;
+    ``fp8_rows=True``: the first as ``FP8Rows`` (see :class:`AdaLayerNormZero`).
     """
 
     def __init__(self, embedding_dim: int, norm_type: str = "layer_norm", bias: bool = True):
@@ -67,12 +73,13 @@ class AdaLayerNormZeroSingle(nn.Module):
         self.silu = nn.SiLU()
         self.linear = nn.Linear(embedding_dim, 3 * embedding_dim, bias=bias)
 
-    def forward(self, x: Tensor, emb: Optional[Tensor] = None):
+    def forward(self, x: Tensor, emb: Optional[Tensor] = None, fp8_rows: bool = False):
         if emb is None:
             raise ValueError("AdaLayerNormZeroSingle: emb ([B, C]) is required")
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
-        return norm_modulate(x, scale_msa, shift_msa, None, None, "layernorm", 1e-6), gate_msa
+        modulate = norm_modulate_fp8 if fp8_rows else norm_modulate
+        return modulate(x, scale_msa, shift_msa, None, None, "layernorm", 1e-6), gate_msa
 
 
 class AdaLayerNormContinuous(nn.Module):

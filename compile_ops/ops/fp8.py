@@ -156,7 +156,8 @@ def quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tensor
 
 
 def fp8_linear(x: Union[Tensor, FP8Rows], weight_q: Tensor, weight_scale: Tensor,
-               bias: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+               bias: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+               fast_accum: bool = True) -> Tensor:
     """``x @ W.T + bias`` with x quantized per row and W per output channel.
 
     Args:
@@ -168,6 +169,13 @@ def fp8_linear(x: Union[Tensor, FP8Rows], weight_q: Tensor, weight_scale: Tensor
         weight_scale: ``[N]`` fp32, its scales.
         bias: ``[N]`` or None.
         out_dtype: the output dtype; default x's dtype, bf16 for an FP8Rows x.
+        fast_accum: on a GPU, ``torch._scaled_mm``'s fast accumulation (the
+            tensor cores' own accumulator for the whole K loop, as torchao's
+            float8 inference does by default) instead of promoting partial
+            sums to fp32 every few K steps. On an H100 the rowwise-scaled
+            GEMM without it is the slower CUTLASS path; the cost is a few
+            more low bits of error on long K (bench/results: the step error
+            of both settings). The reference (CPU) always sums in fp32.
 
     Returns:
         ``[..., N]`` (x's leading dims). On a CUDA GPU ``torch._scaled_mm``
@@ -200,7 +208,8 @@ def fp8_linear(x: Union[Tensor, FP8Rows], weight_q: Tensor, weight_scale: Tensor
         q = q if q.is_contiguous() else q.clone(memory_format=torch.contiguous_format)
         scale = scale if scale.is_contiguous() else scale.clone(memory_format=torch.contiguous_format)
         out = torch._scaled_mm(q, weight_q.t(), scale_a=scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
-                               bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16)
+                               bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16,
+                               use_fast_accum=fast_accum)
         out = out.to(out_dtype)
     else:
         out = reference.fp8.fp8_linear(q, scale, weight_q, weight_scale, bias, out_dtype)
