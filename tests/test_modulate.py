@@ -455,12 +455,25 @@ def _detached(args):
     return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def _same_fp8(rows, want):
+def _same_fp8(rows, want, fp32_output=False):
+    """Equal e4m3 bytes and scales. ``fp32_output``: the stated bound where the
+    quantized output is fp32 (no 16-bit rounding in between): the fused and
+    the unfused kernel compute the fp32 output in separately compiled code,
+    whose last bit may differ (seen on an H100, triton 3.6: one row scale
+    apart in a Hypothesis case); scales agree within 1 fp32 ulp, and the
+    values of a row whose scale moved within one e4m3 step."""
     q, scale = rows
     want_q, want_scale = want
     assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), "e4m3 bytes differ"
-    assert torch.equal(scale, want_scale), "row scales differ"
+    if not fp32_output:
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), "e4m3 bytes differ"
+        assert torch.equal(scale, want_scale), "row scales differ"
+        return
+    torch.testing.assert_close(scale, want_scale, rtol=2 ** -23, atol=0)
+    same = scale == want_scale
+    assert torch.equal(q[same].view(torch.uint8), want_q[same].view(torch.uint8)), "e4m3 bytes differ"
+    # One e4m3 step: 2**-3 relative for normals, 2**-9 absolute among subnormals.
+    torch.testing.assert_close(q[~same].float(), want_q[~same].float(), rtol=2 ** -3, atol=2 ** -9)
 
 
 def _check_fp8_mode(op, args):
@@ -470,7 +483,7 @@ def _check_fp8_mode(op, args):
     if op == "gated_residual_norm_modulate":
         assert torch.equal(fused[0], plain[0])
         fused, plain = fused[1], plain[1]
-    _same_fp8(fused, compile_ops.quantize_fp8_rows(plain))
+    _same_fp8(fused, compile_ops.quantize_fp8_rows(plain), fp32_output=plain.dtype == torch.float32)
 
 
 @pytest.mark.parametrize("op", ["norm_modulate", "gated_residual_norm_modulate"])
