@@ -44,7 +44,6 @@ Writes ``<out>/diffusers-e2e-<gpu>.json`` (rows merge with an existing file
 by case and provider).
 """
 import argparse
-import copy
 import json
 import os
 import sys
@@ -186,7 +185,10 @@ def _fp8_recipe(provider: str):
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
         def torchao(linear):
-            twin = copy.deepcopy(linear)
+            # A fresh Linear, not a deepcopy: a copy would keep the measuring hook.
+            twin = torch.nn.Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                                   device=linear.weight.device, dtype=linear.weight.dtype)
+            twin.load_state_dict(linear.state_dict())
             quantize_(twin, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
             return twin
         return torchao
