@@ -19,6 +19,7 @@ from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modula
 from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
 from compile_ops.meta.rope import GridRope, grid_rope
 from compile_ops.ops.rope import qk_norm_rope, rope, rope_grid, rope_qk
+from compile_ops.integrations.sparse_attention import Radial, SlidingTile, TopK
 from compile_ops import distributed as _distributed
 
 # DTensor sharding rules for every op (a no-op without torch.distributed); see
@@ -27,11 +28,13 @@ _distributed.register()
 
 
 def patch(model, attention_processors: bool = True, attention_kernel: str = "auto", precision: str = "bf16",
-          fp8_fast_accum: bool = True):
+          fp8_fast_accum: bool = True, attention=None):
     """Swap the fused ops into a diffusers transformer (``precision="fp8"``: FP8
-    Linears in its blocks); see :func:`compile_ops.integrations.diffusers.patch`."""
+    Linears in its blocks; ``attention=SlidingTile(...)``, ``Radial(...)`` or
+    ``TopK(...)``: sparse video self-attention); see
+    :func:`compile_ops.integrations.diffusers.patch`."""
     from compile_ops.integrations.diffusers import patch as _patch
-    return _patch(model, attention_processors, attention_kernel, precision, fp8_fast_accum)
+    return _patch(model, attention_processors, attention_kernel, precision, fp8_fast_accum, attention)
 
 
 def unpatch(model) -> None:

@@ -170,6 +170,48 @@ def test_tile_permutation_makes_tiles_contiguous():
     assert perm.tolist() == want
 
 
+def test_ragged_tile_permutation_puts_whole_tiles_first_and_round_trips():
+    """A tile that does not divide the grid: whole tiles first (row-major), then
+    the cut ones (row-major), tokens row-major inside each; argsort undoes it."""
+    frames, height, width, tile = 3, 5, 6, (2, 2, 4)
+    perm = bs.tile_permutation(frames, height, width, tile, ragged=True)
+    assert torch.equal(perm.sort().values, torch.arange(frames * height * width))
+    x = torch.randn(1, frames * height * width, 3)
+    assert torch.equal(x[:, perm][:, torch.argsort(perm)], x)
+    tiles = {}  # (cut, tile coordinates) -> its tokens in row-major order
+    for f, h, w in itertools.product(range(frames), range(height), range(width)):
+        coords = (f // 2, h // 2, w // 4)
+        cut = f // 2 == frames // 2 or h // 2 == height // 2 or w // 4 == width // 4
+        tiles.setdefault((cut, coords), []).append((f * height + h) * width + w)
+    want = [token for key in sorted(tiles) for token in tiles[key]]
+    assert perm.tolist() == want
+    with pytest.raises(ValueError, match="must divide"):
+        bs.tile_permutation(frames, height, width, tile)  # ragged is asked for, not assumed
+
+
+@pytest.mark.parametrize("grid, tile, window", [((4, 4, 8), (2, 4, 16), (1, 1, 1)), ((3, 5, 20), (2, 4, 8), (2, 1, 2)),
+                                                ((5, 7, 9), (2, 2, 4), (3, 3, 3))])
+def test_sliding_tile_block_mask_is_the_smallest_block_mask_over_the_token_pattern(grid, tile, window):
+    """Built from tokens: token a attends to token b when b's tile lies in a's
+    tile's window (sliding_tile_mask over the rounded-up tile grid); a block
+    pair is kept exactly when some token pair in it is."""
+    perm, mask = bs.sliding_tile_block_mask(*grid, tile, window)
+    assert torch.equal(perm, bs.tile_permutation(*grid, tile, ragged=True))
+    tile_grid = [-(-n // t) for n, t in zip(grid, tile)]
+    near = bs.sliding_tile_mask(tile_grid, window)
+    coords = torch.stack(torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij"), -1).reshape(-1, 3)
+    tile_ids = ((coords // torch.tensor(tile)) * torch.tensor([tile_grid[1] * tile_grid[2], tile_grid[2], 1])).sum(-1)
+    token_mask = near[tile_ids[perm][:, None], tile_ids[perm][None, :]]  # in permuted order
+    n = perm.numel()
+    blocks = -(-n // 128)
+    padded = torch.zeros(blocks * 128, blocks * 128, dtype=torch.bool)
+    padded[:n, :n] = token_mask
+    want = padded.view(blocks, 128, blocks, 128).any(3).any(1)
+    assert torch.equal(mask, want)
+    if all(g % t == 0 for g, t in zip(grid, tile)) and math.prod(tile) == 128:
+        assert torch.equal(mask, near)  # aligned tiles: exactly the tile pattern
+
+
 def test_sliding_tile_mask_matches_a_loop():
     grid, window = (3, 4, 5), (3, 2, 3)
     mask = bs.sliding_tile_mask(grid, window)

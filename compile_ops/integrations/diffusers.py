@@ -42,6 +42,7 @@ from compile_ops.ops.fp8 import FP8Rows, quantize_fp8_rows
 from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
                                       gated_residual_norm_modulate_fp8)
 from compile_ops.ops.rope import qk_norm_rope, rope_qk
+from compile_ops.integrations.sparse_attention import SparseAttention
 
 _STATE = "_compile_ops_patch"
 
@@ -52,6 +53,9 @@ class PatchReport:
     rows (detail: the replacement, or why the module was left)."""
     replaced: list = dataclasses.field(default_factory=list)
     left: list = dataclasses.field(default_factory=list)
+    #: The SparseAttention plan of ``patch(attention=...)``: its ``describe()``
+    #: gives the density of each grid the model has run at.
+    sparse_attention: Optional[SparseAttention] = None
 
     def __str__(self) -> str:
         lines = [f"compile_ops.patch: {len(self.replaced)} replaced, {len(self.left)} left as they were"]
@@ -60,6 +64,8 @@ class PatchReport:
             for (what, detail), n in groups.items():
                 first = next(path for path, w, d in rows if (w, d) == (what, detail))
                 lines.append(f"  {title}: {n} x {what}: {detail} (e.g. {first})")
+        if self.sparse_attention is not None:
+            lines.append(self.sparse_attention.describe())
         return "\n".join(lines)
 
 
@@ -385,6 +391,9 @@ class _FusedProcessor:
     def __init__(self, original, kernel: str = "auto"):
         self.original = original
         self.kernel = kernel
+        #: The model's SparseAttention plan for a video self-attention layer
+        #: (``patch(attention=...)``), else None.
+        self.sparse = None
         # Resolved here, not while Dynamo traces a call.
         self.rms_norm_classes = (RMSNorm, nn.RMSNorm, _diffusers()[0].RMSNorm)
 
@@ -406,6 +415,14 @@ class _FusedProcessor:
             out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
             return out.transpose(1, 2)
         return attention(query, key, value, seq_dim=1)
+
+    def attend_self(self, query, key, value):
+        """Video self-attention of ``[B, L, H, D]`` q, k, v: the sparse plan's
+        layout for this call where one is set, else :meth:`attend`."""
+        layout = None if self.sparse is None else self.sparse.layout
+        if layout is None:
+            return self.attend(query, key, value)
+        return layout.attend(query, key, value)
 
     def rms_weight(self, norm: nn.Module) -> Optional[tuple]:
         """``(weight, eps)`` of a per-head RMSNorm that ``fused.qk_norm_rope``
@@ -538,7 +555,8 @@ class WanAttnProcessor(_FusedProcessor):
             # [1, L, 1, D] tables with each pair's angle repeated: Wan rotates (2i, 2i + 1) pairs.
             cos, sin = (t[0, :, 0] for t in rotary_emb)
             query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1)
-        out = self.attend(query, key, value).flatten(2, 3).type_as(query)
+        attend = self.attend if encoder_hidden_states is not None else self.attend_self
+        out = attend(query, key, value).flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
 
@@ -593,7 +611,8 @@ class LTXVideoAttnProcessor(_FusedProcessor):
             query, key = (t.squeeze(2) for t in rope_qk(query.unsqueeze(2), key.unsqueeze(2), cos, sin,
                                                         interleaved=True, seq_dim=1))
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, attn.to_v(context)))
-        out = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
+        attend = self.attend if encoder_hidden_states is not None else self.attend_self
+        out = attend(query, key, value).flatten(2, 3).to(query.dtype)
         return attn.to_out[1](attn.to_out[0](out))
 
 
@@ -666,11 +685,61 @@ def _quantize_linears(model: nn.Module, report: PatchReport, fast_accum: bool) -
     walk(model, "", False)
 
 
+# ---------------------------------------------------------------- sparse self-attention
+
+
+def _wan_grid(model, args, kwargs) -> tuple:
+    """Wan's token grid: its ``[B, C, F, H, W]`` latents over the patch size."""
+    latents = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    return tuple(n // p for n, p in zip(latents.shape[2:], model.config.patch_size))
+
+
+def _ltx_grid(model, args, kwargs) -> Optional[tuple]:
+    """LTX-Video's token grid, from the ``num_frames/height/width`` it is called
+    with (None when they are not given: the call runs dense)."""
+    names = ("num_frames", "height", "width")
+    dims = [kwargs.get(n, args[4 + i] if len(args) > 4 + i else None) for i, n in enumerate(names)]
+    if any(d is None for d in dims):
+        return None
+    t, p = model.config.patch_size_t, model.config.patch_size
+    return (int(dims[0]) // t, int(dims[1]) // p, int(dims[2]) // p)
+
+
+def _sparse_models() -> dict:
+    """``{model class: (grid function, self-attention module name)}``: the video
+    DiTs whose self-attention can run sparse."""
+    from diffusers import LTXVideoTransformer3DModel, WanTransformer3DModel
+    return {WanTransformer3DModel: (_wan_grid, "attn1"), LTXVideoTransformer3DModel: (_ltx_grid, "attn1")}
+
+
+def _attach_sparse_attention(model: nn.Module, config, report: PatchReport, undo: list) -> None:
+    """Give the model's video self-attention processors one SparseAttention plan
+    and the forward pre-hook that picks its layout per call."""
+    kind = _sparse_models().get(type(model))
+    if kind is None:
+        raise TypeError(f"compile_ops.patch: sparse attention covers "
+                        f"{', '.join(c.__name__ for c in _sparse_models())}; got {type(model).__name__}")
+    grid_of, self_attention = kind
+    layers = [(path, m) for path, m in model.named_modules()
+              if path.rpartition(".")[2] == self_attention and isinstance(getattr(m, "processor", None),
+                                                                            _FusedProcessor)]
+    if not layers:
+        raise RuntimeError("compile_ops.patch: sparse attention needs compile_ops' attention processors "
+                           "(attention_processors=True), and none was installed on the self-attention layers")
+    plan = SparseAttention(config, grid_of, len(layers))
+    for path, module in layers:
+        module.processor.sparse = plan
+        report.replaced.append((path, "self-attention", f"compile_ops block-sparse attention ({config})"))
+    handle = model.register_forward_pre_hook(plan.pre_forward, with_kwargs=True)
+    undo.append(("hook", handle, None, None))
+    report.sparse_attention = plan
+
+
 # ---------------------------------------------------------------- patch / unpatch
 
 
 def patch(model: nn.Module, attention_processors: bool = True, attention_kernel: str = "auto",
-          precision: str = "bf16", fp8_fast_accum: bool = True) -> PatchReport:
+          precision: str = "bf16", fp8_fast_accum: bool = True, attention=None) -> PatchReport:
     """Swap the fused ops into a diffusers transformer, in place.
 
     Call it before ``torch.compile`` and before any offloading or caching hook
@@ -703,6 +772,15 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
             accumulation on the GPU (the default, as torchao's float8
             inference); False promotes partial sums to fp32, slower and a
             little more exact (:func:`~compile_ops.ops.fp8.fp8_linear`).
+        attention: None (dense attention), or a sparse self-attention
+            configuration for a video DiT (Wan, LTX-Video):
+            :class:`~compile_ops.SlidingTile`, :class:`~compile_ops.Radial` or
+            :class:`~compile_ops.TopK`. Its self-attention layers then run
+            ``fused.block_sparse_attention`` on tokens permuted into tiles
+            (per grid, built once and cached; text cross-attention stays
+            dense); see ``compile_ops/integrations/sparse_attention.py`` for
+            the schedule and the compile count. The report's
+            ``sparse_attention.describe()`` gives the density per grid.
 
     Returns:
         A :class:`PatchReport`; ``print`` it for a summary.
@@ -761,6 +839,8 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
         module.set_processor(match[1](processor, attention_kernel))
         undo.append(("processor", module, None, processor))
         report.replaced.append((path, match[0], f"compile_ops {match[1].__name__}"))
+    if attention is not None:
+        _attach_sparse_attention(model, attention, report, undo)
     if precision == "fp8":
         _quantize_linears(model, report, fp8_fast_accum)
         _fuse_mlp_activations(model, report)
@@ -781,6 +861,8 @@ def unpatch(model: nn.Module) -> None:
     for kind, owner, name, original in reversed(undo):
         if kind == "module":
             setattr(owner, name, original)
+        elif kind == "hook":
+            owner.remove()  # the sparse attention pre-hook's handle
         else:
             owner.set_processor(original)
     delattr(model, _STATE)

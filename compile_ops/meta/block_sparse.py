@@ -151,13 +151,16 @@ def _positive_ints(op: str, name: str, values, n: int = 3) -> tuple:
     return values
 
 
-def check_tiles(op: str, grid, tile) -> tuple:
-    """``(frames, height, width)`` cut into ``tile`` cubes: the tile grid."""
+def check_tiles(op: str, grid, tile, ragged: bool = False) -> tuple:
+    """``(frames, height, width)`` cut into ``tile`` cubes: the tile grid. With
+    ``ragged`` a tile that does not divide the grid leaves smaller tiles at
+    the far edges (the tile grid rounds up); without, it is an error."""
     grid = _positive_ints(op, "(frames, height, width)", grid)
     tile = _positive_ints(op, "tile", tile)
-    if any(g % t for g, t in zip(grid, tile)):
-        fail(op, f"tile {tile} must divide the token grid (frames, height, width) = {grid}")
-    return tuple(g // t for g, t in zip(grid, tile))
+    if not ragged and any(g % t for g, t in zip(grid, tile)):
+        fail(op, f"tile {tile} must divide the token grid (frames, height, width) = {grid} "
+                 "(or pass ragged=True: smaller tiles at the far edges)")
+    return tuple(-(-g // t) for g, t in zip(grid, tile))
 
 
 def check_window(op: str, tile_grid, window) -> None:

@@ -139,19 +139,77 @@ def block_index_from_mask(mask: Tensor) -> tuple[Tensor, Tensor]:
     return reference.block_sparse.block_index_from_mask(mask)
 
 
-def tile_permutation(frames: int, height: int, width: int, tile: Sequence[int], device=None) -> Tensor:
+def tile_permutation(frames: int, height: int, width: int, tile: Sequence[int], device=None,
+                     ragged: bool = False) -> Tensor:
     """The token order that makes each ``tile = (t, h, w)`` cube of a
     ``(frames, height, width)`` grid (row-major tokens) contiguous: tiles in
     row-major order, tokens row-major inside each tile.
+
+    ``ragged=True`` accepts a tile that does not divide the grid: the tiles
+    at the far edge of each such axis are cut short (fewer tokens) and come
+    after the whole tiles (each group in row-major order), so that whole
+    tiles of 128 tokens stay aligned with the kernels' blocks. Without it
+    such a tile is an error.
 
     Returns:
         ``[frames * height * width]`` int64 ``perm``: ``x[:, perm]`` reorders a
         ``[B, L, ...]`` sequence into tiles; ``torch.argsort(perm)`` undoes it.
     """
-    grid = meta.block_sparse.check_tiles("tile_permutation", (frames, height, width), tile)
+    meta.block_sparse.check_tiles("tile_permutation", (frames, height, width), tile, ragged)
+    return torch.argsort(_tile_sort_key(frames, height, width, tile, device).reshape(-1), stable=True)
+
+
+def _tile_sort_key(frames: int, height: int, width: int, tile: Sequence[int], device) -> Tensor:
+    """``[frames, height, width]`` int64 ``(cut * n_tiles + tile) * volume + place``:
+    ``tile`` a token's tile (row-major over the rounded-up tile grid of
+    ``n_tiles``), ``cut`` 1 in a tile cut short at the grid's far edge,
+    ``place`` its row-major place in the tile. Distinct per token; sorting by
+    it gives :func:`tile_permutation`, and ``key // volume % n_tiles`` is the
+    token's tile."""
     t, h, w = tile
-    ids = torch.arange(frames * height * width, device=device).view(grid[0], t, grid[1], h, grid[2], w)
-    return ids.permute(0, 2, 4, 1, 3, 5).reshape(-1)
+    tiles = [-(-n // size) for n, size in zip((frames, height, width), tile)]
+    f = torch.arange(frames, device=device).view(-1, 1, 1)
+    y = torch.arange(height, device=device).view(1, -1, 1)
+    x = torch.arange(width, device=device).view(1, 1, -1)
+    tile_id = ((f // t) * tiles[1] + y // h) * tiles[2] + x // w
+    # A tile is cut when it is the last along an axis that the tile does not divide.
+    cut = ((f // t == frames // t) | (y // h == height // h) | (x // w == width // w)).long()
+    return (cut * math.prod(tiles) + tile_id) * (t * h * w) + ((f % t) * h + y % h) * w + x % w
+
+
+def sliding_tile_block_mask(frames: int, height: int, width: int, tile: Sequence[int], window: Sequence[int],
+                            device=None) -> tuple[Tensor, Tensor]:
+    """Sliding-tile attention on any token grid, at the kernels' 128-token block
+    granularity: tokens in :func:`tile_permutation` order (``ragged``: edge
+    tiles may be smaller, and come last), and query block i attends to key block j when a
+    tile that block i's tokens belong to lies within ``window`` tiles of a
+    tile of block j's (the window shifted inward at the grid's edges, as
+    :func:`sliding_tile_mask`). With 128-token tiles dividing the grid this is
+    :func:`sliding_tile_mask`; otherwise blocks straddle tiles and the mask
+    is the smallest block mask covering every tile pair in the window (a
+    superset of token-level sliding-tile attention, never a subset).
+
+    Args:
+        frames, height, width: the token grid (after patchifying).
+        tile: ``(t, h, w)`` tokens per tile (``t * h * w`` near 128 keeps the
+            superset tight).
+        window: ``(wt, wh, ww)`` tiles, each at most the tile grid's extent.
+
+    Returns:
+        ``(perm [frames * height * width] int64, mask [NB, NB] bool)`` with
+        ``NB = ceil(frames * height * width / 128)``.
+    """
+    tile_grid = meta.block_sparse.check_tiles("sliding_tile_block_mask", (frames, height, width), tile, True)
+    meta.block_sparse.check_window("sliding_tile_block_mask", tile_grid, window)
+    key = _tile_sort_key(frames, height, width, tile, device).reshape(-1)
+    perm = torch.argsort(key, stable=True)
+    n_tokens, n_tiles = perm.numel(), math.prod(tile_grid)
+    tile_of = key[perm] // math.prod(tile) % n_tiles  # each permuted token's tile
+    n_blocks = meta.block_sparse.num_blocks(n_tokens)
+    touches = torch.zeros(n_blocks, n_tiles, device=device)
+    touches[torch.arange(n_tokens, device=device) // SPARSE_BLOCK, tile_of] = 1.0
+    near = sliding_tile_mask(tile_grid, window, device=device).float()
+    return perm, (touches @ near @ touches.T) > 0
 
 
 def _window_starts(n: int, size: int, device) -> Tensor:

@@ -1,0 +1,215 @@
+"""Sparse self-attention for video DiTs, as :func:`compile_ops.patch` turns it on.
+
+``patch(model, attention=SlidingTile(...))`` (or :class:`Radial`, :class:`TopK`)
+gives the model's video self-attention layers one shared
+:class:`SparseAttention` plan. A forward pre-hook on the model reads the
+latent grid of each call (Wan: the ``[B, C, F, H, W]`` input and the patch
+size; LTX-Video: its ``num_frames/height/width`` arguments) and the denoising
+step, and picks the layout for it: the token permutation and block lists,
+built once per grid and cached. The processors then run
+``fused.block_sparse_attention`` on the permuted q/k/v and un-permute the
+output; cross-attention to text stays dense.
+
+Schedule: ``dense_steps=N`` keeps the first N denoising steps dense (a step
+= a distinct timestep; a timestep above the previous call's starts a new
+generation). It reads the timestep on the host once per call, in the
+pre-hook: compile the blocks (``block.compile()``, diffusers'
+``compile_repeated_blocks``), not the whole model, where a schedule is set.
+Switching between dense and sparse costs one compile of each block per
+mode, once (torch.compile keeps both graphs); a new grid is a new compile
+too, as for any shape change under static shapes.
+
+The block size is the kernels' 128 tokens. A tile that does not divide the
+grid leaves smaller tiles at its far edges (no padding, no error): blocks
+then straddle tiles, and the block mask is the smallest one covering every
+tile pair in the window (``sliding_tile_block_mask``), a superset of the
+token-level pattern. A window larger than the tile grid raises, naming both.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from compile_ops.meta.block_sparse import num_blocks
+from compile_ops.ops.block_sparse import (block_index_from_mask, block_sparse_attention, radial_mask,
+                                          sliding_tile_block_mask, tile_permutation, topk_block_index)
+
+
+def _check_steps(cls: str, dense_steps) -> None:
+    if not isinstance(dense_steps, int) or isinstance(dense_steps, bool) or dense_steps < 0:
+        raise ValueError(f"compile_ops.{cls}: dense_steps must be an int >= 0, got {dense_steps!r}")
+
+
+def _check_triple(cls: str, name: str, value) -> tuple:
+    if not (isinstance(value, (tuple, list)) and len(value) == 3
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise ValueError(f"compile_ops.{cls}: {name} must be three positive ints (frames, height, width), "
+                         f"got {value!r}")
+    return tuple(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlidingTile:
+    """Sliding-tile attention (STA): tokens grouped in ``tile`` cubes of the
+    latent grid, each tile attending to the ``window`` tiles around it.
+
+    Args:
+        window: ``(wt, wh, ww)`` tiles (at most the tile grid's extent).
+        tile: ``(t, h, w)`` latent tokens per tile; ``t * h * w`` = 128 (the
+            kernels' block) keeps the block mask exactly the tile pattern on
+            grids the tile divides.
+        dense_steps: the first denoising steps run dense (module docstring).
+    """
+    window: tuple = (3, 3, 3)
+    tile: tuple = (2, 8, 8)
+    dense_steps: int = 0
+
+    def __post_init__(self):
+        _check_triple("SlidingTile", "window", self.window)
+        _check_triple("SlidingTile", "tile", self.tile)
+        _check_steps("SlidingTile", self.dense_steps)
+
+    def layout(self, grid: tuple, device) -> "Layout":
+        perm, mask = sliding_tile_block_mask(*grid, self.tile, self.window, device=device)
+        return Layout.from_mask(perm, mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class Radial:
+    """Radial attention: tokens in frame order; blocks within ``dense_frames``
+    frames of each other attend fully, farther ones within a spatial reach
+    that halves each time the temporal distance doubles (``radial_mask``).
+
+    Args:
+        dense_frames: latent frames of full attention around each frame.
+        dense_steps: the first denoising steps run dense.
+    """
+    dense_frames: int = 1
+    dense_steps: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.dense_frames, int) or isinstance(self.dense_frames, bool) or self.dense_frames < 0:
+            raise ValueError(f"compile_ops.Radial: dense_frames must be an int >= 0, got {self.dense_frames!r}")
+        _check_steps("Radial", self.dense_steps)
+
+    def layout(self, grid: tuple, device) -> "Layout":
+        frames, height, width = grid
+        return Layout.from_mask(None, radial_mask(frames, height * width, self.dense_frames, device=device))
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK:
+    """Dynamic block selection: per query block and head, the key blocks that
+    hold ``coverage`` of the attention mass estimated from block means
+    (``topk_block_index``), on tokens grouped in ``tile`` cubes so that a
+    block is a local patch of the video.
+
+    Args:
+        coverage: share of the estimated mass to keep, in (0, 1].
+        sink_blocks: key blocks always kept.
+        tile: as :class:`SlidingTile`'s.
+        dense_steps: the first denoising steps run dense.
+    """
+    coverage: float = 0.9
+    sink_blocks: int = 1
+    tile: tuple = (2, 8, 8)
+    dense_steps: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.coverage, (int, float)) or not 0 < self.coverage <= 1:
+            raise ValueError(f"compile_ops.TopK: coverage must be in (0, 1], got {self.coverage!r}")
+        _check_triple("TopK", "tile", self.tile)
+        _check_steps("TopK", self.dense_steps)
+
+    def layout(self, grid: tuple, device) -> "Layout":
+        perm = tile_permutation(*grid, self.tile, device=device, ragged=True)
+        return Layout(perm, torch.argsort(perm), None, None, None, self)
+
+
+SPARSE_ATTENTION = (SlidingTile, Radial, TopK)
+
+
+@dataclasses.dataclass
+class Layout:
+    """One grid's sparse attention: ``perm [L]`` (None: natural order) and its
+    inverse, and static block lists ``index [1, 1, NB, NB]`` / ``count [1, 1, NB]``
+    with their ``density`` (or None for lists chosen per call: ``topk``)."""
+    perm: Optional[Tensor]
+    inverse: Optional[Tensor]
+    index: Optional[Tensor]
+    count: Optional[Tensor]
+    density: Optional[float]
+    topk: Optional[TopK] = None
+
+    @classmethod
+    def from_mask(cls, perm: Optional[Tensor], mask: Tensor) -> "Layout":
+        index, count = block_index_from_mask(mask)
+        return cls(perm, None if perm is None else torch.argsort(perm), index[None, None], count[None, None],
+                   mask.float().mean().item())
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """Block-sparse attention of ``[B, L, H, D]`` q, k, v in this layout."""
+        if self.perm is not None:
+            query, key, value = (t.index_select(1, self.perm) for t in (query, key, value))
+        if self.topk is not None:
+            index, count = topk_block_index(query, key, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
+        else:
+            index, count = self.index, self.count
+        out = block_sparse_attention(query, key, value, index, count, seq_dim=1)
+        return out if self.inverse is None else out.index_select(1, self.inverse)
+
+
+class SparseAttention:
+    """The plan a patched model's self-attention processors share: the config,
+    the layouts built so far (one per grid), and the layout of the current
+    call (None: dense), which the model's forward pre-hook sets.
+
+    ``describe()`` says which attention runs and at what density per grid."""
+
+    def __init__(self, config, grid_of, layers: int):
+        if not isinstance(config, SPARSE_ATTENTION):
+            raise TypeError(f"compile_ops.patch: attention must be one of "
+                            f"{', '.join(c.__name__ for c in SPARSE_ATTENTION)} (or None), "
+                            f"got {type(config).__name__}")
+        self.config, self.grid_of, self.layers = config, grid_of, layers
+        self.layouts: dict = {}
+        self.layout: Optional[Layout] = None
+        self.step, self._last_timestep = 0, None
+
+    def _count_step(self, timestep) -> None:
+        if self.config.dense_steps == 0 or timestep is None:
+            return
+        if torch.compiler.is_compiling():
+            raise RuntimeError("compile_ops sparse attention: dense_steps reads the timestep on the host in the "
+                               "model's forward pre-hook; compile the transformer blocks "
+                               "(block.compile() / compile_repeated_blocks) rather than the whole model, or "
+                               "use dense_steps=0")
+        t = float(timestep.flatten()[0]) if isinstance(timestep, Tensor) else float(timestep)
+        if self._last_timestep is None or t > self._last_timestep:
+            self.step = 0  # the first call, or a new generation
+        elif t != self._last_timestep:
+            self.step += 1
+        self._last_timestep = t
+
+    def pre_forward(self, module, args, kwargs) -> None:
+        """The model's forward pre-hook: the grid of this call, the step, the layout."""
+        grid = self.grid_of(module, args, kwargs)
+        self._count_step(kwargs.get("timestep"))
+        if grid is None or self.step < self.config.dense_steps:
+            self.layout = None
+            return
+        device = next(module.parameters()).device
+        key = (grid, device)
+        if key not in self.layouts:
+            self.layouts[key] = self.config.layout(grid, device)
+        self.layout = self.layouts[key]
+
+    def describe(self) -> str:
+        lines = [f"sparse self-attention in {self.layers} layers: {self.config}"]
+        for (grid, _), layout in self.layouts.items():
+            density = "chosen per call (top-k)" if layout.density is None else f"{layout.density:.1%} of blocks"
+            lines.append(f"  grid {grid} ({num_blocks(grid[0] * grid[1] * grid[2])} blocks): {density}")
+        return "\n".join(lines)

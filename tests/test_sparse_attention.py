@@ -1,0 +1,236 @@
+"""Sparse self-attention through compile_ops.patch(model, attention=...): Wan and
+LTX-Video, against the dense patched model (a window covering the grid) and
+against dense attention under the same explicit token mask (smaller windows)."""
+import copy
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+import compile_ops
+from compile_ops.integrations import sparse_attention as sparse
+from compile_ops.ops import block_sparse as bs
+from conftest import HAS_CUDA, KERNEL_DEVICE
+
+diffusers = pytest.importorskip("diffusers")
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+TOL = dict(rtol=2e-3, atol=2e-3) if HAS_CUDA else dict(rtol=1e-4, atol=1e-5)
+
+
+def _wan():
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64)
+
+    def inputs(frames, side, timestep=500):
+        # frames x side/2 x side/2 tokens
+        return dict(hidden_states=torch.randn(1, 4, frames, side, side), encoder_hidden_states=torch.randn(1, 6, 16),
+                    timestep=torch.tensor([timestep]))
+    return model, inputs, lambda frames, side: (frames, side // 2, side // 2)
+
+
+def _ltx():
+    torch.manual_seed(0)
+    model = diffusers.LTXVideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, num_layers=1, caption_channels=16)
+
+    def inputs(frames, side, timestep=500):
+        return dict(hidden_states=torch.randn(1, frames * side * side, 4), encoder_hidden_states=torch.randn(1, 6, 16),
+                    timestep=torch.tensor([timestep]), encoder_attention_mask=torch.ones(1, 6),
+                    num_frames=frames, height=side, width=side)
+    return model, inputs, lambda frames, side: (frames, side, side)
+
+
+MODELS = {"wan": (_wan, (4, 32)), "ltx": (_ltx, (4, 16))}  # 4 x 16 x 16 tokens: 8 blocks of 128
+
+
+def _pair(name, config):
+    build, _ = MODELS[name]
+    model, inputs, grid = build()
+    model = model.to(DEVICE).float()
+    dense = copy.deepcopy(model)
+    compile_ops.patch(dense)
+    sparse_model = copy.deepcopy(model)
+    report = compile_ops.patch(sparse_model, attention=config)
+    return dense, sparse_model, report, inputs, grid
+
+
+def _forward_backward(model, args):
+    args = {k: v.clone().requires_grad_(k == "hidden_states") if isinstance(v, torch.Tensor) and v.is_floating_point()
+            else v for k, v in args.items()}
+    out = model(**args).sample
+    out.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, args["hidden_states"].grad, grads
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_window_covering_the_grid_is_the_dense_patched_model(name):
+    dense, sparse_model, report, inputs, _ = _pair(name, compile_ops.SlidingTile(window=(2, 2, 2), tile=(2, 8, 8)))
+    args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(*MODELS[name][1]).items()}
+    want, want_dx, want_grads = _forward_backward(dense, args)
+    got, got_dx, got_grads = _forward_backward(sparse_model, args)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(got_dx, want_dx, **TOL)
+    assert want_grads.keys() == got_grads.keys()
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], **TOL, msg=lambda m: f"{n}: {m}")
+    assert "100.0% of blocks" in str(report), str(report)  # ran sparse, with every block listed
+
+
+def _masked_reference(layout, query, key, value):
+    """Dense attention of [B, L, H, D] q, k, v under the layout's explicit token
+    mask, in the natural token order (no permutation, no block lists)."""
+    length = query.shape[1]
+    position = torch.argsort(layout.perm) if layout.perm is not None else torch.arange(length, device=query.device)
+    block = position // 128
+    blocks = bs.ascending(layout.index, layout.count)[0, 0]  # the block lists, back to a mask
+    block_mask = torch.zeros(blocks.shape[0], blocks.shape[0], dtype=torch.bool, device=query.device)
+    for i in range(blocks.shape[0]):
+        block_mask[i, blocks[i, :layout.count[0, 0, i]].long()] = True
+    mask = block_mask[block[:, None], block[None, :]]
+    out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)),
+                                                           attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+#: Radial attention needs frames of more than two blocks to drop any (1024 tokens a frame here).
+RADIAL_SIZES = {"wan": (4, 64), "ltx": (4, 32)}
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("config", [compile_ops.SlidingTile(window=(1, 2, 1), tile=(2, 8, 8)),
+                                    compile_ops.SlidingTile(window=(1, 1, 1), tile=(1, 4, 8)),
+                                    compile_ops.Radial(dense_frames=1)], ids=["sta-2x", "sta-ragged", "radial"])
+def test_a_smaller_window_is_dense_attention_under_the_same_explicit_mask(name, config):
+    _, sparse_model, report, inputs, grid = _pair(name, config)
+    reference = copy.deepcopy(sparse_model)
+    layouts = []
+    for module in reference.modules():
+        processor = getattr(module, "processor", None)
+        if getattr(processor, "sparse", None) is not None:
+            plan = processor.sparse
+
+            def masked(query, key, value, plan=plan):
+                layouts.append(plan.layout)
+                return _masked_reference(plan.layout, query, key, value)
+            processor.attend_self = masked
+    size = RADIAL_SIZES[name] if isinstance(config, compile_ops.Radial) else MODELS[name][1]
+    args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(*size).items()}
+    got, got_dx, _ = _forward_backward(sparse_model, args)
+    want, want_dx, _ = _forward_backward(reference, args)
+    assert layouts and all(layout is not None for layout in layouts)  # the reference ran masked, every layer
+    density = layouts[0].density
+    assert 0 < density < 1, density  # sparse for real
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(got_dx, want_dx, **TOL)
+    print(f"{name} {config}: {density:.1%} of blocks; {report.sparse_attention.describe()}")
+
+
+def test_dense_steps_keep_the_first_steps_dense_and_a_new_generation_restarts():
+    _, sparse_model, report, inputs, _ = _pair("wan", compile_ops.SlidingTile(window=(1, 1, 1), dense_steps=2))
+    plan, seen = report.sparse_attention, []
+    with torch.no_grad():
+        for t in (900, 900, 800, 700, 600, 950, 900):  # CFG repeats a timestep; 950 starts a new generation
+            sparse_model(**{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+                            for k, v in inputs(4, 32, timestep=t).items()})
+            seen.append(plan.layout is not None)
+    assert seen == [False, False, False, True, True, False, False], seen
+
+
+def test_the_report_names_the_layers_and_the_density_per_grid():
+    dense, sparse_model, report, inputs, grid = _pair("wan", compile_ops.SlidingTile(window=(1, 1, 1)))
+    rows = [path for path, what, _ in report.replaced if what == "self-attention"]
+    assert rows == ["blocks.0.attn1", "blocks.1.attn1"], rows
+    with torch.no_grad():
+        sparse_model(**{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(4, 32).items()})
+    text = str(report)
+    assert "sparse self-attention in 2 layers" in text and "grid (4, 16, 16) (8 blocks): 12.5% of blocks" in text
+    compile_ops.unpatch(sparse_model)  # the hook goes with the processors
+    assert not sparse_model._forward_pre_hooks
+
+
+def test_the_permutation_and_layouts_are_built_once_per_grid(monkeypatch):
+    _, sparse_model, report, inputs, _ = _pair("wan", compile_ops.SlidingTile(window=(1, 1, 1)))
+    builds = []
+    original = bs.sliding_tile_block_mask
+    monkeypatch.setattr(sparse, "sliding_tile_block_mask", lambda *a, **k: builds.append(a) or original(*a, **k))
+    with torch.no_grad():
+        for frames, side in ((4, 32), (4, 32), (2, 32), (4, 32)):
+            sparse_model(**{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+                            for k, v in inputs(frames, side).items()})
+    assert [a[:3] for a in builds] == [(4, 16, 16), (2, 16, 16)], builds
+
+
+def test_configurations_that_do_not_fit_raise_by_name():
+    _, sparse_model, _, inputs, _ = _pair("wan", compile_ops.SlidingTile(window=(3, 1, 1), tile=(2, 8, 8)))
+    with pytest.raises(ValueError, match=r"window \(3, 1, 1\) must fit in the tile grid \(2, 2, 2\)"):
+        sparse_model(**{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(4, 32).items()})
+    with pytest.raises(ValueError, match="window must be three positive ints"):
+        compile_ops.SlidingTile(window=(0, 1, 1))
+    with pytest.raises(ValueError, match="dense_steps must be an int >= 0"):
+        compile_ops.Radial(dense_steps=-1)
+    with pytest.raises(ValueError, match=r"coverage must be in \(0, 1\]"):
+        compile_ops.TopK(coverage=1.5)
+    flux = diffusers.FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                                            attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                            pooled_projection_dim=16, axes_dims_rope=(2, 2, 4))
+    with pytest.raises(TypeError, match="sparse attention covers WanTransformer3DModel"):
+        compile_ops.patch(flux, attention=compile_ops.SlidingTile())
+    with pytest.raises(TypeError, match="attention must be one of SlidingTile, Radial, TopK"):
+        compile_ops.patch(_wan()[0], attention="sta")
+    with pytest.raises(RuntimeError, match="attention_processors=True"):
+        compile_ops.patch(_wan()[0], attention_processors=False, attention=compile_ops.SlidingTile())
+
+
+def test_topk_runs_sparse_lists_chosen_per_call():
+    _, sparse_model, report, inputs, _ = _pair("wan", compile_ops.TopK(coverage=0.5, tile=(2, 8, 8)))
+    dense = copy.deepcopy(sparse_model)
+    for module in dense.modules():
+        if getattr(getattr(module, "processor", None), "sparse", None) is not None:
+            module.processor.sparse = None
+    args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(4, 32).items()}
+    with torch.no_grad():
+        got, want = sparse_model(**args).sample, dense(**args).sample
+    assert report.sparse_attention.layout.topk is not None and "chosen per call" in str(report)
+    err = ((got - want).norm() / want.norm()).item()
+    print(f"TopK(coverage=0.5) vs dense: relative L2 {err:.2e}")
+    assert torch.isfinite(got).all() and 0 < err < 0.5  # dropped blocks move it, but not to noise
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_regional_compile_fullgraph_compiles_once_per_mode_and_grid(name):
+    """The blocks compiled in place (diffusers' compile_repeated_blocks), as the
+    schedule needs: one graph per (mode, grid); switching back is no recompile."""
+    torch._dynamo.reset()
+    _, sparse_model, report, inputs, _ = _pair(name, compile_ops.SlidingTile(window=(1, 1, 1), dense_steps=1))
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    blocks = sparse_model.blocks if name == "wan" else sparse_model.transformer_blocks
+    for block in blocks:
+        block.compile(backend=counter, fullgraph=True)
+    eager = copy.deepcopy(sparse_model)
+    for block in (eager.blocks if name == "wan" else eager.transformer_blocks):
+        block._compiled_call_impl = None
+    frames, side = MODELS[name][1]
+    with torch.no_grad():
+        for t in (900, 800, 950, 850):  # dense, sparse, dense (new generation), sparse
+            args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+                    for k, v in inputs(frames, side, timestep=t).items()}
+            torch.testing.assert_close(sparse_model(**args).sample, eager(**args).sample, **TOL)
+    assert counter.frame_count == 2, counter.frame_count  # one per mode, shared by the blocks
+
+
+@pytest.mark.kernels
+def test_kernels_run_a_permuted_toy_sequence_like_the_masked_reference():
+    """The block-sparse kernels (GPU, or the interpreter) on a ragged-tile permuted sequence."""
+    torch.manual_seed(0)
+    grid = (3, 6, 20)  # 360 tokens, 3 blocks; tile (2, 4, 8) is ragged on every axis
+    layout = compile_ops.SlidingTile(window=(1, 1, 1), tile=(2, 4, 8)).layout(grid, KERNEL_DEVICE)
+    q, k, v = (torch.randn(1, 360, 2, 16, device=KERNEL_DEVICE) for _ in range(3))
+    got = layout.attend(q, k, v)
+    want = _masked_reference(layout, q.double(), k.double(), v.double())
+    assert 0 < layout.density < 1
+    torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=2e-3)
