@@ -1,0 +1,167 @@
+"""Sparse self-attention on a whole video DiT step: Wan 2.1 1.3B (random
+full-size weights, bf16, batch 1) at 480p and 720p x 81 frames, native
+compiled dense against ``compile_ops.patch(model, attention=PRESET)``
+compiled, side by side in one run, with the accuracy cost next to the speed.
+
+Accuracy, on random latents and on a smooth latent video (low-frequency noise
+upsampled, unit variance; closer to what a denoiser sees late in sampling):
+- each self-attention layer's sparse output against dense attention (SDPA)
+  on the same q, k, v (median and max over the layers);
+- the step output's relative L2 distance to the dense bf16 model's.
+Random weights say nothing about perceived quality: the published
+evaluations of sliding-tile attention (VBench, human preference on
+HunyuanVideo and Wan) are what the preset's window follows.
+
+    python bench/sparse_e2e.py [--cases wan_step,wan_step_720p] [--repeats 3] [--out DIR]
+
+Results: ``<out>/sparse-e2e-<gpu>.json`` (written after each case).
+"""
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from bench.diffusers_e2e import DTYPE, _compiled, _repeated, _uncompiled  # noqa: E402
+from bench.toolkit import environment, warm_up_gpu, write_results  # noqa: E402
+
+#: The sliding-tile preset measured here (tiles of 2 x 8 x 8 latent tokens, a
+#: window of 3 x 3 x 3 tiles); its density per grid is in the results.
+PRESET = dict(window=(3, 3, 3), tile=(2, 8, 8))
+
+#: case -> latent (frames, height, width) of Wan's VAE for 81 frames.
+CASES = {"wan_step": (21, 60, 104), "wan_step_720p": (21, 90, 160)}
+
+
+def _build(name: str):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(DTYPE)
+        try:
+            model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128,
+                                          in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
+                                          ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                                          qk_norm="rms_norm_across_heads", eps=1e-6)
+        finally:
+            torch.set_default_dtype(default)
+    frames, height, width = CASES[name]
+    inputs = dict(hidden_states=torch.randn(1, 16, frames, height, width, device="cuda", dtype=DTYPE),
+                  encoder_hidden_states=torch.randn(1, 512, 4096, device="cuda", dtype=DTYPE),
+                  timestep=torch.tensor([500], device="cuda"))
+    return model.eval().requires_grad_(False), inputs
+
+
+def _smooth_latents(like: torch.Tensor) -> torch.Tensor:
+    """Low-frequency noise (1/4 of the frames, 1/16 of the height and width)
+    upsampled trilinearly to ``like``'s shape, at unit variance."""
+    b, c, f, h, w = like.shape
+    coarse = torch.randn(b, c, max(f // 4, 2), max(h // 16, 2), max(w // 16, 2), device=like.device)
+    smooth = torch.nn.functional.interpolate(coarse, size=(f, h, w), mode="trilinear", align_corners=False)
+    return (smooth / smooth.std()).to(like.dtype)
+
+
+def _relative_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def _with_attention_errors(model, inputs) -> tuple:
+    """One eager step of the patched model in which every sparse self-attention
+    layer also runs dense SDPA on the same q, k, v: ``(output, errors)``."""
+    errors = []
+    processors = [m.processor for m in model.modules()
+                  if getattr(getattr(m, "processor", None), "sparse", None) is not None]
+
+    def both(processor):
+        def attend(query, key, value):
+            out = processor.sparse.layout.attend(query, key, value)
+            dense = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
+            errors.append(_relative_l2(out, dense.transpose(1, 2)))
+            return out
+        return attend
+
+    for processor in processors:
+        processor.attend_self = both(processor)  # an instance attribute over the method
+    try:
+        with torch.no_grad():
+            out = model(**inputs).sample
+    finally:
+        for processor in processors:
+            del processor.attend_self
+    return out, errors
+
+
+def _summary(errors: list) -> dict:
+    values = sorted(errors)
+    return {"median": values[len(values) // 2], "max": values[-1], "layers": len(values)}
+
+
+def run_case(name: str, timer_ms: float, repeats: int) -> list:
+    import compile_ops
+
+    model, inputs = _build(name)
+    smooth = dict(inputs, hidden_states=_smooth_latents(inputs["hidden_states"]))
+    with torch.no_grad():
+        exact, exact_smooth = model(**inputs).sample, model(**smooth).sample
+    tokens = CASES[name][0] * CASES[name][1] // 2 * CASES[name][2] // 2
+    rows = []
+
+    def timed(provider, extra):
+        module = _compiled(model, "regional")
+        with torch.no_grad():
+            start = time.perf_counter()
+            module(**inputs)
+            first = time.perf_counter() - start
+            row = _repeated(lambda: module(**inputs).sample, timer_ms, repeats)
+        row.update(case=name, provider=provider, first_call_s=first, tokens=tokens, compile="regional", **extra)
+        rows.append(row)
+        print(f"{name:<14} {provider:<16} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f})  "
+              f"(first call {first:.0f} s) {extra}", flush=True)
+
+    timed("native_compiled", {})
+    _uncompiled(model)
+    torch._dynamo.reset()
+    report = compile_ops.patch(model, attention=compile_ops.SlidingTile(**PRESET))
+    out, errors = _with_attention_errors(model, inputs)
+    out_smooth, errors_smooth = _with_attention_errors(model, smooth)
+    layout = report.sparse_attention.layout
+    timed("sparse_compiled", {
+        "preset": f"SlidingTile(window={PRESET['window']}, tile={PRESET['tile']})", "density": layout.density,
+        "step_rel_l2": _relative_l2(out, exact), "step_rel_l2_smooth": _relative_l2(out_smooth, exact_smooth),
+        "attention_rel_l2": _summary(errors), "attention_rel_l2_smooth": _summary(errors_smooth)})
+    print(report.sparse_attention.describe(), flush=True)
+    del model
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--rep-ms", type=float, default=2000.0, help="do_bench's time budget per measurement")
+    p.add_argument("--repeats", type=int, default=3, help="measurements per provider (median and spread)")
+    args = p.parse_args(argv)
+    warm_up_gpu()
+    env = environment()
+    import diffusers
+
+    env["diffusers"] = diffusers.__version__
+    rows = []
+    for name in args.cases.split(","):
+        rows += run_case(name, args.rep_ms, args.repeats)
+        path = write_results(args.out, "sparse-e2e", env, rows)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
