@@ -202,25 +202,28 @@ def test_topk_runs_sparse_lists_chosen_per_call():
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_regional_compile_fullgraph_compiles_once_per_mode_and_grid(name):
-    """The blocks compiled in place (diffusers' compile_repeated_blocks), as the
-    schedule needs: one graph per (mode, grid); switching back is no recompile."""
+def test_regional_compile_fullgraph_compiles_once_per_mode_across_resolutions(name):
+    """The blocks compiled in place (diffusers' compile_repeated_blocks) with
+    dynamic shapes, as the schedule needs: one graph per mode, shared by the
+    blocks, for every resolution; switching modes back is no recompile."""
     torch._dynamo.reset()
     _, sparse_model, report, inputs, _ = _pair(name, compile_ops.SlidingTile(window=(1, 1, 1), dense_steps=1))
     counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
     blocks = sparse_model.blocks if name == "wan" else sparse_model.transformer_blocks
     for block in blocks:
-        block.compile(backend=counter, fullgraph=True)
+        block.compile(backend=counter, fullgraph=True, dynamic=True)
     eager = copy.deepcopy(sparse_model)
     for block in (eager.blocks if name == "wan" else eager.transformer_blocks):
         block._compiled_call_impl = None
     frames, side = MODELS[name][1]
     with torch.no_grad():
-        for t in (900, 800, 950, 850):  # dense, sparse, dense (new generation), sparse
-            args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
-                    for k, v in inputs(frames, side, timestep=t).items()}
-            torch.testing.assert_close(sparse_model(**args).sample, eager(**args).sample, **TOL)
-    assert counter.frame_count == 2, counter.frame_count  # one per mode, shared by the blocks
+        for size in ((frames, side), (frames // 2, side * 3 // 2)):  # two grids
+            for t in (900, 800):  # dense (first step), sparse
+                args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+                        for k, v in inputs(*size, timestep=t).items()}
+                torch.testing.assert_close(sparse_model(**args).sample, eager(**args).sample, **TOL)
+    assert len(report.sparse_attention.layouts) == 2  # both grids ran sparse
+    assert counter.frame_count == 2, counter.frame_count  # one per mode
 
 
 @pytest.mark.kernels

@@ -15,9 +15,10 @@ Schedule: ``dense_steps=N`` keeps the first N denoising steps dense (a step
 generation). It reads the timestep on the host once per call, in the
 pre-hook: compile the blocks (``block.compile()``, diffusers'
 ``compile_repeated_blocks``), not the whole model, where a schedule is set.
-Switching between dense and sparse costs one compile of each block per
-mode, once (torch.compile keeps both graphs); a new grid is a new compile
-too, as for any shape change under static shapes.
+Compile count, blocks compiled with ``dynamic=True``: one graph per mode
+(dense, sparse), shared by the blocks, for every resolution; switching back
+and forth costs nothing more (torch.compile keeps both). With static shapes
+(the default) a new resolution compiles again, as it does for a dense model.
 
 The block size is the kernels' 128 tokens. A tile that does not divide the
 grid leaves smaller tiles at its far edges (no padding, no error): blocks
@@ -143,6 +144,13 @@ class Layout:
     count: Optional[Tensor]
     density: Optional[float]
     topk: Optional[TopK] = None
+
+    def __post_init__(self):
+        # Sizes that follow the grid: dynamic to torch.compile(dynamic=True)
+        # from the first compile, so a second resolution is no recompile.
+        for t, dims in ((self.perm, (0,)), (self.inverse, (0,)), (self.index, (2, 3)), (self.count, (2,))):
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, dims)
 
     @classmethod
     def from_mask(cls, perm: Optional[Tensor], mask: Tensor) -> "Layout":
