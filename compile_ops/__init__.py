@@ -20,6 +20,7 @@ from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
 from compile_ops.meta.rope import GridRope, grid_rope
 from compile_ops.ops.rope import qk_norm_rope, rope, rope_grid, rope_qk
 from compile_ops.integrations.sparse_attention import Radial, SlidingTile, TopK
+from compile_ops.integrations.attention_backend import register_diffusers_backend
 from compile_ops import distributed as _distributed
 
 # DTensor sharding rules for every op (a no-op without torch.distributed); see

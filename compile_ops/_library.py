@@ -24,7 +24,7 @@ import contextlib
 import functools
 import os
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.library import wrap_triton
@@ -122,7 +122,8 @@ def _untraced(args, kwargs) -> bool:
             if type(a) is not torch.Tensor:
                 return False
             first = first if first is not None else a
-    return first is not None and runs_triton(first)
+    # Under autocast the dispatcher's Autocast kernel (register_autocast_policy) casts first.
+    return first is not None and runs_triton(first) and not torch.is_autocast_enabled(first.device.type)
 
 
 def _needs_grad(args, kwargs) -> bool:
@@ -180,7 +181,36 @@ class FusedOp:
         return _launch_eagerly(self.body, args, kwargs)
 
 
-def fused_op(name: str, *, fake: Callable, reference: Callable):
+#: Autocast policies, mirroring aten's for the ops ours replace: ``"fp32"``
+#: (``layer_norm``, ``rms_norm``: floating inputs cast to fp32, on CUDA only:
+#: aten has no CPU autocast kernel for them) and ``"lower"``
+#: (``scaled_dot_product_attention``: cast to the autocast dtype, on CUDA and CPU).
+AUTOCAST_POLICIES = {"fp32": ("cuda",), "lower": ("cuda", "cpu")}
+_AUTOCAST_LIB = torch.library.Library(NAMESPACE, "IMPL")
+
+
+def register_autocast_policy(name: str, policy: str) -> None:
+    """Give ``torch.ops.fused.<name>`` an Autocast kernel with ``policy`` (see
+    :data:`AUTOCAST_POLICIES`): inside ``torch.autocast`` the op's floating
+    tensor arguments on that device are cast, then the op runs with autocast
+    excluded, as aten's autocast kernels do. (``torch.library.register_autocast``
+    takes one fixed dtype; ``"lower"`` follows the autocast dtype in effect.)"""
+    op = getattr(getattr(torch.ops, NAMESPACE), name).default
+    for device_type in AUTOCAST_POLICIES[policy]:
+        key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+        def cast_and_run(*args, device_type=device_type, keyset=keyset):
+            dtype = torch.float32 if policy == "fp32" else torch.get_autocast_dtype(device_type)
+            with torch._C._ExcludeDispatchKeyGuard(keyset):
+                return op(*torch.library._cast(args, device_type, dtype))
+
+        # The Python dispatcher (torch.compile, make_fx) reads py_impl; eager reads the library kernel.
+        op.py_impl(getattr(torch._C.DispatchKey, key))(cast_and_run)
+        _AUTOCAST_LIB.impl(name, lambda _keyset, *args, run=cast_and_run: run(*args), key, with_keyset=True)
+
+
+def fused_op(name: str, *, fake: Callable, reference: Callable, autocast: Optional[str] = None):
     """Define ``torch.ops.fused.<name>`` from the decorated Triton launcher.
 
     The launcher's type hints give the op schema; it launches kernels through
@@ -189,7 +219,9 @@ def fused_op(name: str, *, fake: Callable, reference: Callable):
     launcher calls it too, so shapes, dtypes and strides have one source of
     truth. ``reference`` (from ``reference/``) is the implementation on devices
     without Triton; its outputs are made contiguous to match the fake's.
-    Returns a :class:`FusedOp`.
+    ``autocast``: the op's policy under ``torch.autocast`` (a key of
+    :data:`AUTOCAST_POLICIES`, as the aten op it replaces), or None (none:
+    the op sees the dtypes it is given). Returns a :class:`FusedOp`.
     """
 
     def decorate(launch: Callable):
@@ -209,6 +241,8 @@ def fused_op(name: str, *, fake: Callable, reference: Callable):
         OP_BODIES[qualname] = body
         op = torch.library.triton_op(qualname, body, mutates_args=())
         op.register_fake(fake)
+        if autocast is not None:
+            register_autocast_policy(name, autocast)
         return FusedOp(name, op, body)
 
     return decorate

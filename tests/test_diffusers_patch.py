@@ -500,3 +500,110 @@ def test_fp8_mlp_activation_is_fused_only_where_nothing_sits_between():
     with torch.no_grad():
         for ours, theirs in zip(model.transformer_blocks, reference.transformer_blocks):
             torch.testing.assert_close(ours(x), theirs(x), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- IP-Adapters
+
+
+def _flux_ip_adapter_state_dict(model):
+    """A random Flux IP-Adapter in the layout diffusers' loader reads (as diffusers'
+    own Flux transformer tests build it): k/v projections per double block and
+    the image projection."""
+    from diffusers.models.embeddings import ImageProjection
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+    torch.manual_seed(3)
+    hidden = model.config.num_attention_heads * model.config.attention_head_dim
+    cross = model.config.joint_attention_dim
+    ip = {}
+    names = [n for n in model.attn_processors if not n.startswith("single_transformer_blocks")]
+    for key_id, _ in enumerate(names):
+        sd = FluxIPAdapterAttnProcessor(hidden_size=hidden, cross_attention_dim=cross, scale=1.0).state_dict()
+        for kv in ("k", "v"):
+            for p in ("weight", "bias"):
+                ip[f"{key_id}.to_{kv}_ip.{p}"] = sd[f"to_{kv}_ip.0.{p}"]
+    sd = ImageProjection(cross_attention_dim=cross, image_embed_dim=model.config.pooled_projection_dim,
+                         num_image_text_embeds=4).state_dict()
+    proj = {"proj.weight": sd["image_embeds.weight"], "proj.bias": sd["image_embeds.bias"],
+            "norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]}
+    return {"image_proj": proj, "ip_adapter": ip}
+
+
+def test_ip_adapter_loads_and_unloads_on_a_patched_flux():
+    """diffusers rebuilds the processors it keeps by calling their class with no
+    arguments (loading an IP-Adapter; unloading it, as the Flux and SD3
+    pipelines do): ours then wrap a fresh diffusers processor. With the adapter
+    the patched model equals the unpatched one with the same adapter; unloaded,
+    it is the patched model again, still fused."""
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+    torch.manual_seed(0)
+    model, inputs = _flux()
+    model = model.to(DEVICE)
+    patched = copy.deepcopy(model)
+    compile_ops.patch(patched)
+    args = _to(inputs(4), DEVICE)
+    args["hidden_states"], args["encoder_hidden_states"] = args["hidden_states"][:1], args["encoder_hidden_states"][:1]
+    args["pooled_projections"], args["timestep"] = args["pooled_projections"][:1], args["timestep"][:1]
+    with torch.no_grad():
+        before = patched(**args).sample
+    adapter = _flux_ip_adapter_state_dict(model)
+    for m in (model, patched):
+        m._load_ip_adapter_weights([adapter])
+    processors = patched.attn_processors
+    assert any(isinstance(p, FluxIPAdapterAttnProcessor) for p in processors.values())
+    kept = [p for p in processors.values() if not isinstance(p, FluxIPAdapterAttnProcessor)]
+    assert kept and all(isinstance(p, integration.FluxAttnProcessor) for p in kept), kept
+    torch.manual_seed(0)
+    image_embeds = torch.randn(1, 1, model.config.joint_attention_dim, device=DEVICE)
+    with_adapter = dict(args, joint_attention_kwargs={"ip_adapter_image_embeds": image_embeds})
+    with torch.no_grad():
+        got, want = patched(**with_adapter).sample, model(**with_adapter).sample
+    torch.testing.assert_close(got, want, **TOL)
+    assert not torch.allclose(got, before, atol=1e-4, rtol=1e-4)  # the adapter acts
+    # Unloading, as FluxIPAdapterMixin.unload_ip_adapter rebuilds the processors.
+    patched.set_attn_processor({name: integration.FluxAttnProcessor() if isinstance(p, FluxIPAdapterAttnProcessor)
+                                else p.__class__() for name, p in patched.attn_processors.items()})
+    assert all(isinstance(p, integration.FluxAttnProcessor) for p in patched.attn_processors.values())
+    with torch.no_grad():
+        torch.testing.assert_close(patched(**args).sample, before, **TOL)
+
+
+# ---------------------------------------------------------------- the diffusers attention backend
+
+
+@pytest.mark.parametrize("name", ["wan", "ltx"])
+def test_compile_ops_is_a_diffusers_attention_backend(name, monkeypatch):
+    """``set_attention_backend("compile_ops")`` on an unpatched model: the
+    dispatcher's calls run fused.attention (masked calls, LTX's text
+    cross-attention, go to SDPA), outputs equal the native backend's, and a
+    fullgraph compile traces it."""
+    from compile_ops.integrations import attention_backend
+
+    compile_ops.register_diffusers_backend()
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    model = model.to(DEVICE)
+    args = _to(inputs(4), DEVICE)
+    with torch.no_grad():
+        want = model(**args).sample
+    calls = Counter()
+    fused = attention_backend.attention
+    monkeypatch.setattr(attention_backend, "attention", lambda *a, **k: calls.update(["fused"]) or fused(*a, **k))
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
+    model.set_attention_backend("compile_ops")  # also sets diffusers' process-wide active backend
+    try:
+        with torch.no_grad():
+            got = model(**args).sample
+            compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(**args).sample
+    finally:
+        model.reset_attention_backend()
+        _AttentionBackendRegistry.set_active_backend(active)
+        torch._dynamo.reset()
+    assert calls["fused"] >= 1, calls
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(compiled, want, **TOL)
+    with pytest.raises(ValueError, match="must be one of"):
+        model.set_attention_backend("compile-ops")

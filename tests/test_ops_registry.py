@@ -12,6 +12,7 @@ from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import compile_ops
 from compile_ops import registry
 from compile_ops._library import OP_BODIES
 from conftest import HAS_CUDA, KERNEL_DEVICE, tf32_dots
@@ -214,3 +215,86 @@ def test_inductor_inlines_the_triton_kernel():
     assert "norm_fwd_kernel" in code
     assert "torch.ops.fused" not in code, "the op ran as an opaque extern call"
     torch.testing.assert_close(out, 2 * registry.reference.norm.rmsnorm(x, w, 1e-6), rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------- autocast
+
+
+def _fake_cuda_autocast(fn, dtype=torch.bfloat16):
+    """``fn()`` under CUDA autocast on fake CUDA tensors (no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        enabled, previous = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", dtype)
+        try:
+            return fn()
+        finally:
+            torch.set_autocast_enabled("cuda", enabled)
+            torch.set_autocast_dtype("cuda", previous)
+
+
+def _autocast_pairs(device):
+    """(name, ours, the aten op it replaces) on bf16 activations and fp32 parameters."""
+    x = torch.randn(2, 8, 16, device=device, dtype=torch.bfloat16)
+    w, b = torch.randn(16, device=device), torch.randn(16, device=device)
+    mod = torch.randn(2, 16, device=device, dtype=torch.bfloat16)
+    q = torch.randn(1, 2, 130, 16, device=device)  # fp32: autocast lowers it
+    index, count = torch.zeros(1, 1, 2, 1, dtype=torch.int32, device=device), torch.ones(1, 1, 2, dtype=torch.int32,
+                                                                                            device=device)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return [
+        ("rmsnorm", lambda: compile_ops.rmsnorm(x, w, 1e-6), lambda: torch.nn.functional.rms_norm(x, (16,), w, 1e-6)),
+        ("layernorm", lambda: compile_ops.layernorm(x, w, b, 1e-6),
+         lambda: torch.nn.functional.layer_norm(x, (16,), w, b, 1e-6)),
+        ("norm_modulate", lambda: compile_ops.norm_modulate(x, mod, mod, w, b),
+         lambda: torch.nn.functional.layer_norm(x, (16,), w, b, 1e-6) * (1 + mod.unsqueeze(1)) + mod.unsqueeze(1)),
+        ("attention", lambda: compile_ops.attention(q, q, q), lambda: sdpa(q, q, q)),
+        ("block_sparse_attention", lambda: compile_ops.block_sparse_attention(q, q, q, index, count),
+         lambda: sdpa(q, q, q)),
+    ]
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_under_cuda_autocast_ops_take_the_dtype_of_the_aten_op_they_replace(autocast_dtype):
+    """Norms compute in fp32 (aten's layer_norm/rms_norm policy), attention in
+    the autocast dtype (SDPA's), traced on fake CUDA tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        pairs = _autocast_pairs("cuda")
+    for name, ours, theirs in pairs:
+        got, want = _fake_cuda_autocast(lambda: (ours(), theirs()), autocast_dtype)
+        assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+        assert got.dtype == (torch.float32 if "norm" in name else autocast_dtype), name
+
+
+def test_under_cpu_autocast_attention_is_the_op_on_lowered_inputs_and_norms_are_left_alone():
+    """CPU autocast (aten: SDPA lowered, the norms have no CPU autocast kernel):
+    the same values as calling the op on the cast inputs, gradients back in fp32,
+    eager and compiled."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 40, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = compile_ops.attention(q, q, q)
+        compiled = torch.compile(lambda t: compile_ops.attention(t, t, t), backend="aot_eager", fullgraph=True)(q)
+        x = torch.randn(2, 8, 16, dtype=torch.bfloat16)
+        normed = compile_ops.rmsnorm(x, torch.randn(16), 1e-6)
+    lowered = q.detach().bfloat16()
+    assert got.dtype == compiled.dtype == torch.bfloat16
+    assert torch.equal(got, compile_ops.attention(lowered, lowered, lowered)) and torch.equal(compiled, got)
+    got.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+    assert normed.dtype == torch.bfloat16  # as torch.nn.functional.rms_norm on CPU under autocast
+
+
+def test_autocast_kernels_exist_exactly_for_the_ops_with_a_policy():
+    with_policy = {"rmsnorm": ("cuda",), "layernorm": ("cuda",), "add_rmsnorm": ("cuda",),
+                   "norm_modulate": ("cuda",), "gated_residual_norm_modulate": ("cuda",),
+                   "attention": ("cuda", "cpu"), "block_sparse_attention": ("cuda", "cpu")}
+    for name in ("rmsnorm", "layernorm", "add_rmsnorm", "norm_modulate", "gated_residual_norm_modulate", "attention",
+                 "block_sparse_attention", "rope", "geglu", "modulate", "quantize_fp8_rows"):
+        for device, key in (("cuda", "AutocastCUDA"), ("cpu", "AutocastCPU")):
+            has = torch._C._dispatch_has_kernel_for_dispatch_key(f"fused::{name}", key)
+            assert has == (device in with_policy.get(name, ())), (name, key)

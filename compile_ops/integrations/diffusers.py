@@ -42,6 +42,7 @@ from compile_ops.ops.fp8 import FP8Rows, quantize_fp8_rows
 from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
                                       gated_residual_norm_modulate_fp8)
 from compile_ops.ops.rope import qk_norm_rope, rope_qk
+from compile_ops.integrations.attention_backend import register_diffusers_backend
 from compile_ops.integrations.sparse_attention import SparseAttention
 
 _STATE = "_compile_ops_patch"
@@ -388,14 +389,23 @@ class _FusedProcessor:
     #: every call there).
     _ORIGINALS = ("_attention_backend", "_parallel_config")
 
-    def __init__(self, original, kernel: str = "auto"):
-        self.original = original
+    def __init__(self, original=None, kernel: str = "auto"):
+        # No original: diffusers rebuilding the processors it keeps by calling
+        # their class with no arguments (loading or unloading an IP-Adapter on
+        # Flux and SD3); ours then wraps a fresh diffusers processor of the
+        # class it replaces, with the default kernel choice.
+        self.original = self._diffusers_processor()() if original is None else original
         self.kernel = kernel
         #: The model's SparseAttention plan for a video self-attention layer
         #: (``patch(attention=...)``), else None.
         self.sparse = None
         # Resolved here, not while Dynamo traces a call.
         self.rms_norm_classes = (RMSNorm, nn.RMSNorm, _diffusers()[0].RMSNorm)
+
+    @classmethod
+    def _diffusers_processor(cls) -> type:
+        """The diffusers processor class this one replaces."""
+        return next(theirs for (_, theirs), (_, ours) in _processor_rules().items() if ours is cls)
 
     def __getattr__(self, name):  # only for names not set on this object
         original = self.__dict__.get("original")  # absent while copy/pickle rebuild the object
@@ -794,6 +804,7 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
     if precision not in PRECISIONS:
         raise ValueError(f"compile_ops.patch: precision must be one of {PRECISIONS}, got {precision!r}")
     _, act, *_ = _diffusers()
+    register_diffusers_backend()  # model.set_attention_backend("compile_ops") from here on
     rules, blocks = _module_rules(), _block_rules()
     report, undo = PatchReport(), []
 

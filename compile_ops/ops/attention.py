@@ -172,7 +172,8 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
 # ---------------------------------------------------------------- ops
 
 
-@fused_op("attention", fake=meta.attention.attention, reference=reference.attention.attention)
+@fused_op("attention", fake=meta.attention.attention, reference=reference.attention.attention,
+          autocast="lower")
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2,
                   kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     out, lse = meta.attention.attention(q, k, v, scale, causal, seq_dim, kv_lengths)

@@ -49,7 +49,7 @@ def key_block_lists(block_index: Tensor, block_count: Tensor, num_key_blocks: in
 
 
 @fused_op("block_sparse_attention", fake=meta.block_sparse.block_sparse_attention,
-          reference=reference.block_sparse.block_sparse_attention)
+          reference=reference.block_sparse.block_sparse_attention, autocast="lower")
 def _block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, block_index: Tensor, block_count: Tensor,
                                scale: float, causal: bool, seq_dim: int = 2,
                                kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:

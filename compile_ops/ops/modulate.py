@@ -150,7 +150,8 @@ def _modulate_op(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     return out
 
 
-@fused_op("norm_modulate", fake=meta.modulate.norm_modulate, reference=reference.modulate.norm_modulate)
+@fused_op("norm_modulate", fake=meta.modulate.norm_modulate, reference=reference.modulate.norm_modulate,
+          autocast="fp32")
 def _norm_modulate_op(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tensor],
                       bias: Optional[Tensor], norm: str, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     out, mean, rstd = meta.modulate.norm_modulate(x, scale, shift, weight, bias, norm, eps)
@@ -168,7 +169,7 @@ def _gated_residual_op(residual: Tensor, x: Tensor, gate: Tensor) -> Tensor:
 
 
 @fused_op("gated_residual_norm_modulate", fake=meta.modulate.gated_residual_norm_modulate,
-          reference=reference.modulate.gated_residual_norm_modulate)
+          reference=reference.modulate.gated_residual_norm_modulate, autocast="fp32")
 def _gated_residual_norm_modulate_op(residual: Tensor, x: Tensor, gate: Tensor, scale: Tensor, shift: Tensor,
                                      weight: Optional[Tensor], bias: Optional[Tensor], norm: str,
                                      eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:

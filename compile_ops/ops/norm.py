@@ -94,21 +94,21 @@ def _launch_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tens
 
 # ---------------------------------------------------------------- forward ops
 
-@fused_op("rmsnorm", fake=meta.norm.rmsnorm, reference=reference.norm.rmsnorm)
+@fused_op("rmsnorm", fake=meta.norm.rmsnorm, reference=reference.norm.rmsnorm, autocast="fp32")
 def _rmsnorm_op(x: Tensor, weight: Optional[Tensor], eps: float, bias: Optional[Tensor] = None) -> Tensor:
     out = meta.norm.rmsnorm(x, weight, eps, bias)
     _launch_forward(x, None, weight, bias, eps, True, out, None)
     return out
 
 
-@fused_op("layernorm", fake=meta.norm.layernorm, reference=reference.norm.layernorm)
+@fused_op("layernorm", fake=meta.norm.layernorm, reference=reference.norm.layernorm, autocast="fp32")
 def _layernorm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
     out = meta.norm.layernorm(x, weight, bias, eps)
     _launch_forward(x, None, weight, bias, eps, False, out, None)
     return out
 
 
-@fused_op("add_rmsnorm", fake=meta.norm.add_rmsnorm, reference=reference.norm.add_rmsnorm)
+@fused_op("add_rmsnorm", fake=meta.norm.add_rmsnorm, reference=reference.norm.add_rmsnorm, autocast="fp32")
 def _add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Optional[Tensor],
                     eps: float) -> tuple[Tensor, Tensor]:
     out, residual_out = meta.norm.add_rmsnorm(x, residual, weight, eps)

@@ -1,0 +1,54 @@
+"""compile_ops as a diffusers attention backend: ``model.set_attention_backend("compile_ops")``.
+
+diffusers' newer attention processors call ``dispatch_attention_fn``, which
+looks the backend up in its registry by an ``AttentionBackendName`` member.
+:func:`register_diffusers_backend` adds a ``COMPILE_OPS = "compile_ops"``
+member to that enum (diffusers has no public way to add one) and registers
+:func:`compile_ops_attention` under it, so every diffusers model whose
+processors go through the dispatcher can run ``fused.attention``, not only
+the four whose processors :func:`compile_ops.patch` replaces (those keep
+their fused q/k-norm and rotary embedding and ignore the backend setting).
+
+What ``fused.attention`` does not take (an attention mask, dropout) goes to
+torch's SDPA, as diffusers' ``native`` backend runs it. Context parallelism
+is not declared: diffusers refuses the backend on a model with a parallel
+config, naming the backends that support one.
+"""
+from __future__ import annotations
+
+import torch
+
+from compile_ops.ops.attention import attention
+
+#: The name users pass to ``set_attention_backend`` / ``attention_backend``.
+BACKEND = "compile_ops"
+
+
+def compile_ops_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                          scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """diffusers' backend signature: ``query [B, Lq, Hq, D]``, ``key``/``value``
+    ``[B, Lk, Hk, D]`` (Hk dividing Hq), ``attn_mask`` broadcastable to
+    ``[B, Hq, Lq, Lk]`` (bool or additive) or None -> ``[B, Lq, Hq, D]``."""
+    if attn_mask is None and dropout_p == 0.0:
+        return attention(query, key, value, scale=scale, causal=is_causal, seq_dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (query, key, value)), attn_mask=attn_mask, dropout_p=dropout_p,
+        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return out.transpose(1, 2)
+
+
+def register_diffusers_backend() -> None:
+    """Register ``"compile_ops"`` in diffusers' attention dispatch (idempotent;
+    :func:`compile_ops.patch` calls it). Needs diffusers 0.35+ (the dispatcher)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    if BACKEND not in AttentionBackendName._value2member_map_:
+        member = str.__new__(AttentionBackendName, BACKEND)
+        member._name_, member._value_ = BACKEND.upper(), BACKEND
+        AttentionBackendName._member_map_[member._name_] = member
+        AttentionBackendName._value2member_map_[BACKEND] = member
+        AttentionBackendName._member_names_.append(member._name_)
+    member = AttentionBackendName(BACKEND)
+    if member not in _AttentionBackendRegistry._backends:
+        _AttentionBackendRegistry.register(member)(compile_ops_attention)
