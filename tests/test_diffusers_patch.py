@@ -607,3 +607,75 @@ def test_compile_ops_is_a_diffusers_attention_backend(name, monkeypatch):
     torch.testing.assert_close(compiled, want, **TOL)
     with pytest.raises(ValueError, match="must be one of"):
         model.set_attention_backend("compile-ops")
+
+
+# ---------------------------------------------------------------- HunyuanVideo, CogVideoX, Qwen-Image
+
+
+def _hunyuan_video():
+    model = diffusers.HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1, num_single_layers=1,
+        num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True, text_embed_dim=16,
+        pooled_projection_dim=8, rope_axes_dim=(2, 4, 4), image_condition_type=None)
+    return model, lambda: dict(hidden_states=torch.randn(1, 4, 1, 16, 16), timestep=torch.tensor([500.0]),
+                               encoder_hidden_states=torch.randn(1, 12, 16), pooled_projections=torch.randn(1, 8),
+                               encoder_attention_mask=torch.ones(1, 12), guidance=torch.tensor([300.0]))
+
+
+def _cogvideox():
+    model = diffusers.CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=2, text_embed_dim=8,
+        num_layers=2, sample_width=8, sample_height=8, sample_frames=8, patch_size=2, patch_size_t=None,
+        temporal_compression_ratio=4, max_text_seq_length=8)
+    return model, lambda: dict(hidden_states=torch.randn(2, 1, 4, 8, 8), encoder_hidden_states=torch.randn(2, 8, 8),
+                               timestep=torch.tensor([100, 700]))
+
+
+def _qwen_image():
+    model = diffusers.QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+        joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+    return model, lambda: dict(hidden_states=torch.randn(1, 16, 16), encoder_hidden_states=torch.randn(1, 8, 16),
+                               encoder_hidden_states_mask=torch.ones(1, 8, dtype=torch.long),
+                               timestep=torch.tensor([1.0]), img_shapes=[(1, 4, 4)])
+
+
+MORE_MODELS = {"hunyuan_video": (_hunyuan_video, True), "cogvideox": (_cogvideox, False),
+               "qwen_image": (_qwen_image, True)}  # name: (build, its processors call diffusers' dispatcher)
+
+
+@pytest.mark.parametrize("name", MORE_MODELS)
+def test_more_dits_patch_to_the_same_forward_and_backward_and_run_the_backend(name):
+    """HunyuanVideo, CogVideoX and Qwen-Image (diffusers' own tiny test configs):
+    norms and AdaLN modules patched, outputs and gradients unchanged; their
+    attention stays diffusers', and where it calls the dispatcher the
+    compile_ops backend runs there with the same outputs."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    build, dispatches = MORE_MODELS[name]
+    torch.manual_seed(0)
+    model, inputs = build()
+    model = model.to(DEVICE)
+    patched = copy.deepcopy(model)
+    report = compile_ops.patch(patched)
+    assert any("compile_ops.LayerNorm" in d or "compile_ops.RMSNorm" in d for _, _, d in report.replaced), report
+    left = [d for _, w, d in report.left if "Processor" in w]
+    assert left and any("dispatcher" in d for d in left) == dispatches, left  # the report says which is which
+    torch.manual_seed(1)
+    args = _to(inputs(), DEVICE)
+    want, got = model(**args).sample, patched(**args).sample
+    torch.testing.assert_close(got, want, **TOL)
+    want.square().mean().backward()
+    got.square().mean().backward()
+    for (path, p), (_, q) in zip(model.named_parameters(), patched.named_parameters()):
+        if p.grad is not None:
+            _assert_gradient_close(q.grad, p.grad, path)
+    if dispatches:
+        active = _AttentionBackendRegistry._active_backend
+        patched.set_attention_backend("compile_ops")
+        try:
+            with torch.no_grad():
+                torch.testing.assert_close(patched(**args).sample, want.detach(), **TOL)
+        finally:
+            patched.reset_attention_backend()
+            _AttentionBackendRegistry.set_active_backend(active)

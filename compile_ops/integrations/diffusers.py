@@ -845,7 +845,9 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
         match = next((v for (attn_cls, proc_cls), v in processors.items()
                       if isinstance(module, attn_cls) and type(processor) is proc_cls), None)
         if match is None:
-            report.left.append((path, type(processor).__name__, "attention processor not covered; kept"))
+            how = ("it calls diffusers' attention dispatcher: model.set_attention_backend('compile_ops') runs "
+                   "fused.attention there" if hasattr(processor, "_attention_backend") else "it calls SDPA itself")
+            report.left.append((path, type(processor).__name__, f"attention processor not covered; kept ({how})"))
             continue
         module.set_processor(match[1](processor, attention_kernel))
         undo.append(("processor", module, None, processor))
