@@ -640,16 +640,18 @@ def _qwen_image():
                                timestep=torch.tensor([1.0]), img_shapes=[(1, 4, 4)])
 
 
-MORE_MODELS = {"hunyuan_video": (_hunyuan_video, True), "cogvideox": (_cogvideox, False),
-               "qwen_image": (_qwen_image, True)}  # name: (build, its processors call diffusers' dispatcher)
+# name: (build, a kept processor calls diffusers' dispatcher). HunyuanVideo's
+# attention runs compile_ops' processor; its token refiner's calls SDPA.
+MORE_MODELS = {"hunyuan_video": (_hunyuan_video, False), "cogvideox": (_cogvideox, False),
+               "qwen_image": (_qwen_image, True)}
 
 
 @pytest.mark.parametrize("name", MORE_MODELS)
 def test_more_dits_patch_to_the_same_forward_and_backward_and_run_the_backend(name):
     """HunyuanVideo, CogVideoX and Qwen-Image (diffusers' own tiny test configs):
-    norms and AdaLN modules patched, outputs and gradients unchanged; their
-    attention stays diffusers', and where it calls the dispatcher the
-    compile_ops backend runs there with the same outputs."""
+    norms and AdaLN modules patched (HunyuanVideo's attention processors too),
+    outputs and gradients unchanged; kept processors that call the dispatcher
+    run the compile_ops backend there with the same outputs."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     build, dispatches = MORE_MODELS[name]
@@ -661,6 +663,8 @@ def test_more_dits_patch_to_the_same_forward_and_backward_and_run_the_backend(na
     assert any("compile_ops.LayerNorm" in d or "compile_ops.RMSNorm" in d for _, _, d in report.replaced), report
     left = [d for _, w, d in report.left if "Processor" in w]
     assert left and any("dispatcher" in d for d in left) == dispatches, left  # the report says which is which
+    if name == "hunyuan_video":
+        assert sum("HunyuanVideoAttnProcessor" in d for _, _, d in report.replaced) == 2, report
     torch.manual_seed(1)
     args = _to(inputs(), DEVICE)
     want, got = model(**args).sample, patched(**args).sample

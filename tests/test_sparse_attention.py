@@ -44,7 +44,24 @@ def _ltx():
     return model, inputs, lambda frames, side: (frames, side, side)
 
 
-MODELS = {"wan": (_wan, (4, 32)), "ltx": (_ltx, (4, 16))}  # 4 x 16 x 16 tokens: 8 blocks of 128
+def _hunyuan():
+    """HunyuanVideo: text tokens follow the video tokens in every attention;
+    the last two of its 12 text tokens are padding (a key-length mask)."""
+    torch.manual_seed(0)
+    model = diffusers.HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1, num_single_layers=1,
+        num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True, text_embed_dim=16,
+        pooled_projection_dim=8, rope_axes_dim=(2, 4, 4), image_condition_type=None)
+
+    def inputs(frames, side, timestep=500):
+        return dict(hidden_states=torch.randn(1, 4, frames, side, side), timestep=torch.tensor([float(timestep)]),
+                    encoder_hidden_states=torch.randn(1, 12, 16), pooled_projections=torch.randn(1, 8),
+                    encoder_attention_mask=torch.tensor([[1.0] * 10 + [0.0] * 2]), guidance=torch.tensor([300.0]))
+    return model, inputs, lambda frames, side: (frames, side, side)
+
+
+# 4 x 16 x 16 video tokens: 8 blocks of 128
+MODELS = {"wan": (_wan, (4, 32)), "ltx": (_ltx, (4, 16)), "hunyuan": (_hunyuan, (4, 16))}
 
 
 def _pair(name, config):
@@ -81,9 +98,10 @@ def test_a_window_covering_the_grid_is_the_dense_patched_model(name):
     assert "100.0% of blocks" in str(report), str(report)  # ran sparse, with every block listed
 
 
-def _masked_reference(layout, query, key, value):
+def _masked_reference(layout, query, key, value, kv_lengths=None):
     """Dense attention of [B, L, H, D] q, k, v under the layout's explicit token
-    mask, in the natural token order (no permutation, no block lists)."""
+    mask (and the key lengths), in the natural token order (no permutation,
+    no block lists)."""
     length = query.shape[1]
     position = torch.argsort(layout.perm) if layout.perm is not None else torch.arange(length, device=query.device)
     block = position // 128
@@ -92,13 +110,15 @@ def _masked_reference(layout, query, key, value):
     for i in range(blocks.shape[0]):
         block_mask[i, blocks[i, :layout.count[0, 0, i]].long()] = True
     mask = block_mask[block[:, None], block[None, :]]
+    if kv_lengths is not None:
+        mask = mask & (torch.arange(length, device=query.device) < kv_lengths[:, None, None, None])
     out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)),
                                                            attn_mask=mask)
     return out.transpose(1, 2)
 
 
 #: Radial attention needs frames of more than two blocks to drop any (1024 tokens a frame here).
-RADIAL_SIZES = {"wan": (4, 64), "ltx": (4, 32)}
+RADIAL_SIZES = {"wan": (4, 64), "ltx": (4, 32), "hunyuan": (4, 32)}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -114,9 +134,10 @@ def test_a_smaller_window_is_dense_attention_under_the_same_explicit_mask(name, 
         if getattr(processor, "sparse", None) is not None:
             plan = processor.sparse
 
-            def masked(query, key, value, plan=plan):
+            def masked(query, key, value, text_tokens=0, kv_lengths=None, plan=plan):
+                assert text_tokens == plan.layout.text_tokens
                 layouts.append(plan.layout)
-                return _masked_reference(plan.layout, query, key, value)
+                return _masked_reference(plan.layout, query, key, value, kv_lengths)
             processor.attend_self = masked
     size = RADIAL_SIZES[name] if isinstance(config, compile_ops.Radial) else MODELS[name][1]
     args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(*size).items()}

@@ -43,7 +43,7 @@ from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modula
                                       gated_residual_norm_modulate_fp8)
 from compile_ops.ops.rope import qk_norm_rope, rope_qk
 from compile_ops.integrations.attention_backend import register_diffusers_backend
-from compile_ops.integrations.sparse_attention import SparseAttention
+from compile_ops.integrations.sparse_attention import SparseAttention, TopK
 
 _STATE = "_compile_ops_patch"
 
@@ -419,20 +419,27 @@ class _FusedProcessor:
         else:
             super().__setattr__(name, value)
 
-    def attend(self, query, key, value):
-        """Attention of ``[B, L, H, D]`` q, k, v."""
+    def attend(self, query, key, value, kv_lengths=None):
+        """Attention of ``[B, L, H, D]`` q, k, v; ``kv_lengths [B]``: keys past
+        each sample's length are masked (padded text tokens at the end)."""
         if self.kernel == "sdpa" or (self.kernel == "auto" and _sdpa_is_faster(query, key, value)):
-            out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
+            mask = None
+            if kv_lengths is not None:
+                keys = torch.arange(key.shape[1], device=key.device)
+                mask = (keys < kv_lengths.unsqueeze(1)).unsqueeze(1).unsqueeze(1)  # [B, 1, 1, Lk]
+            out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)),
+                                                                   attn_mask=mask)
             return out.transpose(1, 2)
-        return attention(query, key, value, seq_dim=1)
+        return attention(query, key, value, seq_dim=1, kv_lengths=kv_lengths)
 
-    def attend_self(self, query, key, value):
-        """Video self-attention of ``[B, L, H, D]`` q, k, v: the sparse plan's
-        layout for this call where one is set, else :meth:`attend`."""
+    def attend_self(self, query, key, value, text_tokens: int = 0, kv_lengths=None):
+        """Video self-attention of ``[B, L, H, D]`` q, k, v (the last
+        ``text_tokens`` of L text, attended densely): the sparse plan's layout
+        for this call where one is set, else :meth:`attend`."""
         layout = None if self.sparse is None else self.sparse.layout
         if layout is None:
-            return self.attend(query, key, value)
-        return layout.attend(query, key, value)
+            return self.attend(query, key, value, kv_lengths)
+        return layout.attend(query, key, value, kv_lengths)
 
     def rms_weight(self, norm: nn.Module) -> Optional[tuple]:
         """``(weight, eps)`` of a per-head RMSNorm that ``fused.qk_norm_rope``
@@ -626,9 +633,68 @@ class LTXVideoAttnProcessor(_FusedProcessor):
         return attn.to_out[1](attn.to_out[0](out))
 
 
+def _prefix_lengths(mask):
+    """``[B]`` int32 key lengths of a ``[B, 1, 1, N]`` (or ``[B, N]``) boolean key
+    mask that keeps a prefix of each row (HunyuanVideo builds it so: video
+    tokens, then the valid text tokens); checked on the device, without a sync."""
+    mask = mask.reshape(mask.shape[0], mask.shape[-1])
+    lengths = mask.sum(-1, dtype=torch.int32)
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    torch._assert_async((mask == (keys < lengths.unsqueeze(1))).all(),
+                        "compile_ops HunyuanVideoAttnProcessor: the attention mask is not a prefix of each row")
+    return lengths
+
+
+class HunyuanVideoAttnProcessor(_FusedProcessor):
+    """diffusers' ``HunyuanVideoAttnProcessor2_0`` (double-stream joint attention
+    and single-stream attention; video tokens first, text last) with q/k-norm
+    and rotary embedding fused, the text padding mask as key lengths, and
+    sparse self-attention over the video tokens when ``patch(attention=...)``
+    set a plan (the text tokens attend and are attended densely)."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        if getattr(self, "_parallel_config", None) or (attention_mask is not None and attention_mask.dtype != torch.bool):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        joint = attn.add_q_proj is not None and encoder_hidden_states is not None
+        text_tokens = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]
+        if not joint and encoder_hidden_states is not None:
+            hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+
+        def heads(t):
+            return t.unflatten(2, (attn.heads, -1))
+
+        x = _shared_input(hidden_states, attn.to_q, attn.to_k, attn.to_v)
+        query, key, value = heads(attn.to_q(x)), heads(attn.to_k(x)), heads(attn.to_v(x))
+        video = query.shape[1] - (0 if joint else text_tokens)
+        # Rotary embedding on the video tokens only; the q/k norms on all.
+        query, key = self.norm_rope(query[:, :video], key[:, :video], attn.norm_q, attn.norm_k, image_rotary_emb) \
+            if video == query.shape[1] else \
+            tuple(torch.cat(pair, dim=1) for pair in zip(
+                self.norm_rope(query[:, :video], key[:, :video], attn.norm_q, attn.norm_k, image_rotary_emb),
+                self.norm_rope(query[:, video:], key[:, video:], attn.norm_q, attn.norm_k, None)))
+        if joint:
+            c = _shared_input(encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            text_query, text_key = self.norm_rope(heads(attn.add_q_proj(c)), heads(attn.add_k_proj(c)),
+                                                  attn.norm_added_q, attn.norm_added_k, None)
+            query, key = torch.cat([query, text_query], dim=1), torch.cat([key, text_key], dim=1)
+            value = torch.cat([value, heads(attn.add_v_proj(c))], dim=1)
+        lengths = None if attention_mask is None else _prefix_lengths(attention_mask)
+        out = self.attend_self(query, key, value, text_tokens, lengths).flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return out, None
+        out, text = out[:, :-text_tokens], out[:, -text_tokens:]
+        if getattr(attn, "to_out", None) is not None:
+            out = attn.to_out[1](attn.to_out[0](out))
+        if getattr(attn, "to_add_out", None) is not None:
+            text = attn.to_add_out(text)
+        return out, text
+
+
 def _processor_rules() -> dict:
     """``{(attention class, exact processor class): (what, our processor class)}``."""
     from diffusers.models import attention_processor
+    from diffusers.models.transformers import transformer_hunyuan_video as hunyuan
 
     _, _, flux, wan, ltx = _diffusers()
     return {
@@ -637,6 +703,8 @@ def _processor_rules() -> dict:
         (attention_processor.Attention, attention_processor.JointAttnProcessor2_0):
             ("diffusers JointAttnProcessor2_0", JointAttnProcessor),
         (ltx.LTXAttention, ltx.LTXVideoAttnProcessor): ("diffusers LTXVideoAttnProcessor", LTXVideoAttnProcessor),
+        (attention_processor.Attention, hunyuan.HunyuanVideoAttnProcessor2_0):
+            ("diffusers HunyuanVideoAttnProcessor2_0", HunyuanVideoAttnProcessor),
     }
 
 
@@ -715,11 +783,26 @@ def _ltx_grid(model, args, kwargs) -> Optional[tuple]:
     return (int(dims[0]) // t, int(dims[1]) // p, int(dims[2]) // p)
 
 
+def _hunyuan_grid(model, args, kwargs) -> tuple:
+    """HunyuanVideo's token grid: its ``[B, C, F, H, W]`` latents over the patch size."""
+    latents = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    t, p = model.config.patch_size_t, model.config.patch_size
+    return (latents.shape[2] // t, latents.shape[3] // p, latents.shape[4] // p)
+
+
+def _hunyuan_text(model, args, kwargs) -> int:
+    """HunyuanVideo's text tokens, which follow the video tokens in every attention."""
+    text = kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[2]
+    return text.shape[1]
+
+
 def _sparse_models() -> dict:
-    """``{model class: (grid function, self-attention module name)}``: the video
-    DiTs whose self-attention can run sparse."""
-    from diffusers import LTXVideoTransformer3DModel, WanTransformer3DModel
-    return {WanTransformer3DModel: (_wan_grid, "attn1"), LTXVideoTransformer3DModel: (_ltx_grid, "attn1")}
+    """``{model class: (grid function, self-attention module name, text function)}``:
+    the video DiTs whose self-attention can run sparse (text function: the text
+    tokens in the same attention, or None where text is cross-attended)."""
+    from diffusers import HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel, WanTransformer3DModel
+    return {WanTransformer3DModel: (_wan_grid, "attn1", None), LTXVideoTransformer3DModel: (_ltx_grid, "attn1", None),
+            HunyuanVideoTransformer3DModel: (_hunyuan_grid, "attn", _hunyuan_text)}
 
 
 def _attach_sparse_attention(model: nn.Module, config, report: PatchReport, undo: list) -> None:
@@ -729,14 +812,17 @@ def _attach_sparse_attention(model: nn.Module, config, report: PatchReport, undo
     if kind is None:
         raise TypeError(f"compile_ops.patch: sparse attention covers "
                         f"{', '.join(c.__name__ for c in _sparse_models())}; got {type(model).__name__}")
-    grid_of, self_attention = kind
+    grid_of, self_attention, text_of = kind
     layers = [(path, m) for path, m in model.named_modules()
               if path.rpartition(".")[2] == self_attention and isinstance(getattr(m, "processor", None),
                                                                             _FusedProcessor)]
     if not layers:
         raise RuntimeError("compile_ops.patch: sparse attention needs compile_ops' attention processors "
                            "(attention_processors=True), and none was installed on the self-attention layers")
-    plan = SparseAttention(config, grid_of, len(layers))
+    if text_of is not None and isinstance(config, TopK):
+        raise ValueError(f"compile_ops.patch: TopK covers video-only self-attention; {type(model).__name__} attends "
+                         "to video and text together: use SlidingTile or Radial")
+    plan = SparseAttention(config, grid_of, len(layers), text_of)
     for path, module in layers:
         module.processor.sparse = plan
         report.replaced.append((path, "self-attention", f"compile_ops block-sparse attention ({config})"))

@@ -3,12 +3,16 @@
 ``patch(model, attention=SlidingTile(...))`` (or :class:`Radial`, :class:`TopK`)
 gives the model's video self-attention layers one shared
 :class:`SparseAttention` plan. A forward pre-hook on the model reads the
-latent grid of each call (Wan: the ``[B, C, F, H, W]`` input and the patch
-size; LTX-Video: its ``num_frames/height/width`` arguments) and the denoising
-step, and picks the layout for it: the token permutation and block lists,
-built once per grid and cached. The processors then run
+latent grid of each call (Wan, HunyuanVideo: the ``[B, C, F, H, W]`` input
+and the patch size; LTX-Video: its ``num_frames/height/width`` arguments) and
+the denoising step, and picks the layout for it: the token permutation and
+block lists, built once per grid and cached. The processors then run
 ``fused.block_sparse_attention`` on the permuted q/k/v and un-permute the
-output; cross-attention to text stays dense.
+output. Text stays dense: cross-attention (Wan, LTX-Video) is untouched, and
+where text tokens follow the video tokens in the same attention
+(HunyuanVideo) every query attends to them and they attend to everything;
+the text padding mask becomes key lengths (the permutation keeps the
+padding last). :class:`TopK` covers video-only self-attention.
 
 Schedule: ``dense_steps=N`` keeps the first N denoising steps dense (a step
 = a distinct timestep; a timestep above the previous call's starts a new
@@ -73,9 +77,9 @@ class SlidingTile:
         _check_triple("SlidingTile", "tile", self.tile)
         _check_steps("SlidingTile", self.dense_steps)
 
-    def layout(self, grid: tuple, device) -> "Layout":
+    def layout(self, grid: tuple, device, text_tokens: int = 0) -> "Layout":
         perm, mask = sliding_tile_block_mask(*grid, self.tile, self.window, device=device)
-        return Layout.from_mask(perm, mask)
+        return Layout.from_mask(perm, mask, perm.numel(), text_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +100,10 @@ class Radial:
             raise ValueError(f"compile_ops.Radial: dense_frames must be an int >= 0, got {self.dense_frames!r}")
         _check_steps("Radial", self.dense_steps)
 
-    def layout(self, grid: tuple, device) -> "Layout":
+    def layout(self, grid: tuple, device, text_tokens: int = 0) -> "Layout":
         frames, height, width = grid
-        return Layout.from_mask(None, radial_mask(frames, height * width, self.dense_frames, device=device))
+        return Layout.from_mask(None, radial_mask(frames, height * width, self.dense_frames, device=device),
+                                frames * height * width, text_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,24 +130,44 @@ class TopK:
         _check_triple("TopK", "tile", self.tile)
         _check_steps("TopK", self.dense_steps)
 
-    def layout(self, grid: tuple, device) -> "Layout":
+    def layout(self, grid: tuple, device, text_tokens: int = 0) -> "Layout":
+        if text_tokens:
+            raise ValueError("compile_ops.TopK: block lists chosen per call cover video-only self-attention "
+                             "(Wan, LTX-Video); for joint video + text attention (HunyuanVideo) use SlidingTile "
+                             "or Radial")
         perm = tile_permutation(*grid, self.tile, device=device, ragged=True)
-        return Layout(perm, torch.argsort(perm), None, None, None, self)
+        return Layout(perm, torch.argsort(perm), None, None, None, topk=self)
 
 
 SPARSE_ATTENTION = (SlidingTile, Radial, TopK)
 
 
+def _with_text(mask: Tensor, video: int, text: int) -> Tensor:
+    """The video block mask extended to ``video + text`` tokens (text last): every
+    query block attends to every block holding text (the one shared with the
+    last video tokens included), and blocks holding text attend to all."""
+    n = num_blocks(video + text)
+    full = torch.zeros(n, n, dtype=torch.bool, device=mask.device)
+    full[:mask.shape[0], :mask.shape[1]] = mask
+    first_text = video // 128
+    full[:, first_text:] = True
+    full[first_text:, :] = True
+    return full
+
+
 @dataclasses.dataclass
 class Layout:
-    """One grid's sparse attention: ``perm [L]`` (None: natural order) and its
-    inverse, and static block lists ``index [1, 1, NB, NB]`` / ``count [1, 1, NB]``
-    with their ``density`` (or None for lists chosen per call: ``topk``)."""
+    """One (grid, text length)'s sparse attention: ``perm [L]`` of the whole
+    sequence (video tokens permuted, text tokens after them in place; None:
+    natural order) and its inverse, and static block lists
+    ``index [1, 1, NB, NB]`` / ``count [1, 1, NB]`` with their ``density`` (or
+    None for lists chosen per call: ``topk``)."""
     perm: Optional[Tensor]
     inverse: Optional[Tensor]
     index: Optional[Tensor]
     count: Optional[Tensor]
     density: Optional[float]
+    text_tokens: int = 0
     topk: Optional[TopK] = None
 
     def __post_init__(self):
@@ -153,20 +178,28 @@ class Layout:
                 torch._dynamo.maybe_mark_dynamic(t, dims)
 
     @classmethod
-    def from_mask(cls, perm: Optional[Tensor], mask: Tensor) -> "Layout":
+    def from_mask(cls, perm: Optional[Tensor], mask: Tensor, video: int, text_tokens: int = 0) -> "Layout":
+        """``mask [NB, NB]`` over the ``video`` (permuted) video tokens, ``perm``
+        their order (None: natural), followed by ``text_tokens`` text tokens."""
+        if text_tokens:
+            mask = _with_text(mask, video, text_tokens)
+            if perm is not None:
+                perm = torch.cat([perm, torch.arange(video, video + text_tokens, device=perm.device)])
         index, count = block_index_from_mask(mask)
         return cls(perm, None if perm is None else torch.argsort(perm), index[None, None], count[None, None],
-                   mask.float().mean().item())
+                   mask.float().mean().item(), text_tokens)
 
-    def attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        """Block-sparse attention of ``[B, L, H, D]`` q, k, v in this layout."""
+    def attend(self, query: Tensor, key: Tensor, value: Tensor, kv_lengths: Optional[Tensor] = None) -> Tensor:
+        """Block-sparse attention of ``[B, L, H, D]`` q, k, v in this layout;
+        ``kv_lengths [B]``: keys past each sample's length are masked (padded
+        text at the end, which the permutation leaves there)."""
         if self.perm is not None:
             query, key, value = (t.index_select(1, self.perm) for t in (query, key, value))
         if self.topk is not None:
             index, count = topk_block_index(query, key, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
         else:
             index, count = self.index, self.count
-        out = block_sparse_attention(query, key, value, index, count, seq_dim=1)
+        out = block_sparse_attention(query, key, value, index, count, seq_dim=1, kv_lengths=kv_lengths)
         return out if self.inverse is None else out.index_select(1, self.inverse)
 
 
@@ -177,12 +210,15 @@ class SparseAttention:
 
     ``describe()`` says which attention runs and at what density per grid."""
 
-    def __init__(self, config, grid_of, layers: int):
+    def __init__(self, config, grid_of, layers: int, text_of=None):
         if not isinstance(config, SPARSE_ATTENTION):
             raise TypeError(f"compile_ops.patch: attention must be one of "
                             f"{', '.join(c.__name__ for c in SPARSE_ATTENTION)} (or None), "
                             f"got {type(config).__name__}")
         self.config, self.grid_of, self.layers = config, grid_of, layers
+        #: ``(model, args, kwargs) -> text tokens`` appended to the video tokens in
+        #: the same attention (HunyuanVideo), or None (text in cross-attention).
+        self.text_of = text_of
         self.layouts: dict = {}
         self.layout: Optional[Layout] = None
         self.step, self._last_timestep = 0, None
@@ -210,14 +246,17 @@ class SparseAttention:
             self.layout = None
             return
         device = next(module.parameters()).device
-        key = (grid, device)
+        text = 0 if self.text_of is None else self.text_of(module, args, kwargs)
+        key = (grid, text, device)
         if key not in self.layouts:
-            self.layouts[key] = self.config.layout(grid, device)
+            self.layouts[key] = self.config.layout(grid, device, text)
         self.layout = self.layouts[key]
 
     def describe(self) -> str:
         lines = [f"sparse self-attention in {self.layers} layers: {self.config}"]
-        for (grid, _), layout in self.layouts.items():
+        for (grid, text, _), layout in self.layouts.items():
             density = "chosen per call (top-k)" if layout.density is None else f"{layout.density:.1%} of blocks"
-            lines.append(f"  grid {grid} ({num_blocks(grid[0] * grid[1] * grid[2])} blocks): {density}")
+            tokens = grid[0] * grid[1] * grid[2] + text
+            with_text = f" + {text} text tokens" if text else ""
+            lines.append(f"  grid {grid}{with_text} ({num_blocks(tokens)} blocks): {density}")
         return "\n".join(lines)
