@@ -654,7 +654,8 @@ class HunyuanVideoAttnProcessor(_FusedProcessor):
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
-        if getattr(self, "_parallel_config", None) or (attention_mask is not None and attention_mask.dtype != torch.bool):
+        if getattr(self, "_parallel_config", None) or \
+                (attention_mask is not None and attention_mask.dtype != torch.bool):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         joint = attn.add_q_proj is not None and encoder_hidden_states is not None
         text_tokens = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]
@@ -666,13 +667,13 @@ class HunyuanVideoAttnProcessor(_FusedProcessor):
 
         x = _shared_input(hidden_states, attn.to_q, attn.to_k, attn.to_v)
         query, key, value = heads(attn.to_q(x)), heads(attn.to_k(x)), heads(attn.to_v(x))
-        video = query.shape[1] - (0 if joint else text_tokens)
-        # Rotary embedding on the video tokens only; the q/k norms on all.
-        query, key = self.norm_rope(query[:, :video], key[:, :video], attn.norm_q, attn.norm_k, image_rotary_emb) \
-            if video == query.shape[1] else \
-            tuple(torch.cat(pair, dim=1) for pair in zip(
-                self.norm_rope(query[:, :video], key[:, :video], attn.norm_q, attn.norm_k, image_rotary_emb),
-                self.norm_rope(query[:, video:], key[:, video:], attn.norm_q, attn.norm_k, None)))
+        if joint or not text_tokens:
+            query, key = self.norm_rope(query, key, attn.norm_q, attn.norm_k, image_rotary_emb)
+        else:  # single-stream: the rotary embedding on the video tokens only, the q/k norms on all
+            video = query.shape[1] - text_tokens
+            video_qk = self.norm_rope(query[:, :video], key[:, :video], attn.norm_q, attn.norm_k, image_rotary_emb)
+            text_qk = self.norm_rope(query[:, video:], key[:, video:], attn.norm_q, attn.norm_k, None)
+            query, key = (torch.cat(pair, dim=1) for pair in zip(video_qk, text_qk))
         if joint:
             c = _shared_input(encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
             text_query, text_key = self.norm_rope(heads(attn.add_q_proj(c)), heads(attn.add_k_proj(c)),
