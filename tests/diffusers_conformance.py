@@ -17,7 +17,10 @@ checkout; the model files are ``models/transformers/test_models_transformer_<mod
 there. diffusers' test utilities need ``accelerate`` installed (``peft`` for
 the LoRA tests, which are skipped without it). The checkout's tests may be
 older or newer than the installed diffusers, so some may fail in both modes:
-only the differences are about compile_ops. Nothing is fetched: both modes
+only the differences are about compile_ops. Most of those tests compare a
+model with itself (save and reload, LoRA, processors, training), so this checks
+behaviour more than numerics; the patched model's agreement with the unpatched
+one is ``tests/test_diffusers_patch.py``'s job. Nothing is fetched: both modes
 run with ``HF_HUB_OFFLINE=1`` (tests that need a Hub model fail in both, or
 use the local Hub cache).
 
@@ -226,8 +229,8 @@ def report(results: dict, missing: list) -> None:
             run, c = result[mode], result[mode]["counts"]
             print(f"{model + ' / ' + mode:<28} {run['status']:<9} {c['collected']:>9} {c['passed']:>7} "
                   f"{c['failed']:>7} {c['error']:>6} {c['skipped']:>8} {run['wall_s']:>8.1f}")
-            if run["status"] != "ok":
-                print("\n".join("    | " + line for line in run["log_tail"].splitlines()))
+            for line in run["log_tail"].splitlines():  # only when it ended without a report
+                print("    | " + line)
         patched = result["patched"]["models_patched"]
         print(f"    models patched: {', '.join(f'{n} x {cls}' for cls, n in patched.items()) or 'none'}")
     for model in missing:
@@ -252,15 +255,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--diffusers-tests", type=Path, required=True,
+    parser.add_argument("--diffusers-tests", type=Path, required=True, metavar="PATH",
                         help="the tests/ directory of a diffusers source checkout")
-    parser.add_argument("--models", default=",".join(MODELS),
-                        help="comma-separated <model> names of test_models_transformer_<model>.py (default: %(default)s)")
-    parser.add_argument("-k", dest="k_expr", help="pytest -k expression, passed to every run")
+    parser.add_argument("--models", default=",".join(MODELS), metavar="NAMES",
+                        help="comma-separated <model>s of test_models_transformer_<model>.py (default: %(default)s)")
+    parser.add_argument("-k", dest="k_expr", metavar="EXPR", help="pytest -k expression, passed to every run")
     parser.add_argument("--out", type=Path, help="write the counts, times, outcomes and differences here as JSON")
-    parser.add_argument("--workers", type=int, default=1,
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
                         help="pytest runs at a time (each file in each mode is one run; default %(default)s)")
-    parser.add_argument("--timeout", type=float, default=1200,
+    parser.add_argument("--timeout", type=float, default=1200, metavar="SECONDS",
                         help="seconds one file may run in one mode before it is killed (default %(default)s)")
     return parser.parse_args(argv)
 
