@@ -26,6 +26,7 @@ are reported, as is a lone tanh-GELU after a Linear (no fused op here;
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 from collections import Counter
 from typing import Callable, Optional
@@ -891,7 +892,8 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
     if precision not in PRECISIONS:
         raise ValueError(f"compile_ops.patch: precision must be one of {PRECISIONS}, got {precision!r}")
     _, act, *_ = _diffusers()
-    register_diffusers_backend()  # model.set_attention_backend("compile_ops") from here on
+    if importlib.util.find_spec("diffusers.models.attention_dispatch") is not None:  # diffusers 0.35+
+        register_diffusers_backend()  # model.set_attention_backend("compile_ops") from here on
     rules, blocks = _module_rules(), _block_rules()
     report, undo = PatchReport(), []
 
