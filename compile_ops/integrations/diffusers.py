@@ -440,6 +440,9 @@ class _FusedProcessor:
         layout = None if self.sparse is None else self.sparse.layout
         if layout is None:
             return self.attend(query, key, value, kv_lengths)
+        if layout.text_tokens != text_tokens:
+            raise RuntimeError(f"compile_ops sparse attention: the layout was built for {layout.text_tokens} text "
+                               f"tokens, this attention has {text_tokens}; this is a compile_ops bug")
         return layout.attend(query, key, value, kv_lengths)
 
     def rms_weight(self, norm: nn.Module) -> Optional[tuple]:

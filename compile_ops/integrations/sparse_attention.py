@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from compile_ops.meta.attention import SPARSE_BLOCK
 from compile_ops.meta.block_sparse import num_blocks
 from compile_ops.ops.block_sparse import (block_index_from_mask, block_sparse_attention, radial_mask,
                                           sliding_tile_block_mask, tile_permutation, topk_block_index)
@@ -149,7 +150,7 @@ def _with_text(mask: Tensor, video: int, text: int) -> Tensor:
     n = num_blocks(video + text)
     full = torch.zeros(n, n, dtype=torch.bool, device=mask.device)
     full[:mask.shape[0], :mask.shape[1]] = mask
-    first_text = video // 128
+    first_text = video // SPARSE_BLOCK
     full[:, first_text:] = True
     full[first_text:, :] = True
     return full
