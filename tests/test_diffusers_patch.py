@@ -683,3 +683,35 @@ def test_more_dits_patch_to_the_same_forward_and_backward_and_run_the_backend(na
         finally:
             patched.reset_attention_backend()
             _AttentionBackendRegistry.set_active_backend(active)
+
+
+# ---------------------------------------------------------------- layerwise casting
+
+
+@pytest.mark.parametrize("name", ["wan", "ltx"])
+@pytest.mark.parametrize("storage", [torch.float8_e4m3fn, torch.float16], ids=["fp8-storage", "fp16-storage"])
+def test_layerwise_casting_training_under_autocast_matches_the_unpatched_model(name, storage):
+    """diffusers' layerwise casting (weights stored in 8/16 bits, upcast per
+    layer to bf16) with training under autocast, as diffusers' own
+    test_layerwise_casting_training does: the patched model trains, and its
+    output and gradients stay within bf16 rounding of the unpatched model's
+    (a wrong cast or dtype would be O(1) away)."""
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    model = model.to(DEVICE)
+    args = _to(inputs(4), DEVICE)
+    results = []
+    for patched in (False, True):
+        m = copy.deepcopy(model)
+        if patched:
+            compile_ops.patch(m)
+        m.enable_layerwise_casting(storage_dtype=storage, compute_dtype=torch.bfloat16)
+        m.train()
+        with torch.amp.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+            out = m(**args).sample
+        out.float().square().mean().backward()
+        results.append((out.float(), m.proj_out.weight.grad.float()))
+    (want, want_grad), (got, got_grad) = results
+    assert torch.isfinite(got).all() and torch.isfinite(got_grad).all()
+    assert _relative_l2(got, want) < 2e-2, _relative_l2(got, want)
+    assert _relative_l2(got_grad, want_grad) < 2e-2, _relative_l2(got_grad, want_grad)
