@@ -55,7 +55,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.toolkit import environment, results_path, warm_up_gpu, write_results  # noqa: E402
+from bench.toolkit import environment, relative_l2, results_path, warm_up_gpu, write_results  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -76,14 +76,16 @@ def _flux(num_layers: int, num_single_layers: int):
     return model, inputs
 
 
-def _wan():
+def _wan(height: int = 60, width: int = 104):
+    """Wan 2.1 1.3B and one step's inputs: 81 frames (21 latent frames) of
+    ``height x width`` latents (480p: 60 x 104, 720p: 90 x 160)."""
     from diffusers import WanTransformer3DModel
 
     model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128,
                                   in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960,
                                   num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
-    inputs = dict(hidden_states=torch.randn(1, 16, 21, 60, 104), encoder_hidden_states=torch.randn(1, 512, 4096),
-                  timestep=torch.tensor([500]))
+    inputs = dict(hidden_states=torch.randn(1, 16, 21, height, width),
+                  encoder_hidden_states=torch.randn(1, 512, 4096), timestep=torch.tensor([500]))
     return model, inputs
 
 
@@ -92,6 +94,8 @@ CASES = {
     "wan_step": (_wan, False),
     "flux_train": (lambda: _flux(2, 4), True),
 }
+#: Cases other runners build with :func:`_build` (bench/sparse_e2e.py), not run here by default.
+EXTRA_CASES = {"wan_step_720p": (lambda: _wan(90, 160), False)}
 
 
 def _compiled(model, mode: str):
@@ -133,7 +137,7 @@ def _measure(fn, timer_ms: float):
 
 def _build(name: str):
     """The case's model (bf16, on the GPU, the same random weights every call) and inputs."""
-    build, train = CASES[name]
+    build, train = {**CASES, **EXTRA_CASES}[name]
     torch.manual_seed(0)
     with torch.device("cuda"):
         default = torch.get_default_dtype()
@@ -217,10 +221,8 @@ def _per_linear_errors(model, inputs, providers) -> tuple:
 
     def hook(path):
         def measure(linear, args, output):
-            exact = output.double()
             for p, recipe in recipes.items():
-                got = recipe(linear)(args[0]).double()
-                errors[p][path] = ((got - exact).norm() / exact.norm()).item()
+                errors[p][path] = relative_l2(recipe(linear)(args[0]), output)
         return measure
 
     handles = []
@@ -264,7 +266,7 @@ def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact, providers
             start = time.perf_counter()
             out = module(**inputs).sample  # compiles
             setup_s = time.perf_counter() - start
-            err = ((out.double() - exact.double()).norm() / exact.double().norm()).item()
+            err = relative_l2(out, exact)
             row = _repeated(lambda m=module: m(**inputs).sample, timer_ms, repeats)
         row.update(case=name, provider=provider, first_call_s=setup_s, rel_l2_vs_bf16=err, train=False,
                    tokens=_tokens(name), weights_MiB=_weight_MiB(model), compile=compile_mode)
@@ -345,6 +347,17 @@ def _tokens(name: str) -> int:
     return 21 * 30 * 52 if name == "wan_step" else 4096 + 512
 
 
+def diffusers_environment() -> dict:
+    """Warm the GPU up and return the run's environment with diffusers' version
+    (what every diffusers runner records)."""
+    import diffusers
+
+    warm_up_gpu()
+    env = environment()
+    env["diffusers"] = diffusers.__version__
+    return env
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(CASES))
@@ -358,11 +371,7 @@ def main(argv=None) -> int:
     p.add_argument("--fp8", action="store_true",
                    help="also compile_ops FP8 and torchao float8 providers on the inference cases")
     args = p.parse_args(argv)
-    warm_up_gpu()
-    env = environment()
-    import diffusers
-
-    env["diffusers"] = diffusers.__version__
+    env = diffusers_environment()
     path = results_path(args.out, "diffusers-e2e", env)
     rows = []
     if os.path.exists(path):

@@ -58,7 +58,7 @@ from torch import nn  # noqa: E402
 
 from bench.demo import DiTBlock  # noqa: E402
 from bench.report import compiled_summary  # noqa: E402
-from bench.toolkit import environment, write_results  # noqa: E402
+from bench.toolkit import environment, relative_l2, write_results  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -199,9 +199,9 @@ def heads_sharded_block(config: Config, mesh, device) -> dict:
         out = sharded(DTensor.from_local(x, mesh, replicated), DTensor.from_local(temb, mesh, replicated))
     forward_collectives = {str(k): v for k, v in comm.get_comm_counts().items()}
     got, want = sharded_step(), reference_step()
-    errors = {"output": _relative_error(got.full_tensor(), want)}
+    errors = {"output": relative_l2(got.full_tensor(), want)}
     for (name, p), (_, q) in zip(sharded.named_parameters(), reference.named_parameters()):
-        errors[name] = _relative_error(p.grad.full_tensor(), q.grad)
+        errors[name] = relative_l2(p.grad.full_tensor(), q.grad)
     return {"forward_collectives": forward_collectives, "relative_errors": errors,
             "sharded_ms": _time(sharded_step, device), "unsharded_ms": _time(reference_step, device),
             **_compiled_times(config, partial(sharded_step, _compile(config, sharded)),
@@ -230,8 +230,8 @@ def sequence_sharded_attention(config: Config, mesh, device) -> dict:
     out.backward(sharded_grad)
     want = compile_ops.attention(*full, seq_dim=1)
     want.backward(grad)
-    errors = {"output": _relative_error(out.full_tensor(), want)}
-    errors.update({f"d{name}": _relative_error(s.grad.full_tensor(), t.grad)
+    errors = {"output": relative_l2(out.full_tensor(), want)}
+    errors.update({f"d{name}": relative_l2(s.grad.full_tensor(), t.grad)
                    for name, s, t in zip("qkv", sharded, full)})
 
     def attend(q, k, v):
@@ -267,10 +267,6 @@ def _compiled_times(config: Config, sharded_step, unsharded_step, device) -> dic
                 "compiled_unsharded_ms": _time(unsharded_step, device)}
     except Exception as e:  # noqa: BLE001 (reported in the results)
         return {"compile_error": f"{type(e).__name__}: {str(e)[:400]}"}
-
-
-def _relative_error(got, want) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
 
 
 def _time(step, device, reps: int = 10) -> float:

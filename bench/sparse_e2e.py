@@ -27,36 +27,15 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.diffusers_e2e import DTYPE, _compiled, _repeated, _uncompiled  # noqa: E402
-from bench.toolkit import environment, warm_up_gpu, write_results  # noqa: E402
+from bench.diffusers_e2e import _build, _compiled, _repeated, _uncompiled, diffusers_environment  # noqa: E402
+from bench.toolkit import relative_l2, write_results  # noqa: E402
 
 #: The sliding-tile preset measured here (tiles of 2 x 8 x 8 latent tokens, a
 #: window of 3 x 3 x 3 tiles); its density per grid is in the results.
 PRESET = dict(window=(3, 3, 3), tile=(2, 8, 8))
 
-#: case -> latent (frames, height, width) of Wan's VAE for 81 frames.
-CASES = {"wan_step": (21, 60, 104), "wan_step_720p": (21, 90, 160)}
-
-
-def _build(name: str):
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(DTYPE)
-        try:
-            model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128,
-                                          in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
-                                          ffn_dim=8960, num_layers=30, cross_attn_norm=True,
-                                          qk_norm="rms_norm_across_heads", eps=1e-6)
-        finally:
-            torch.set_default_dtype(default)
-    frames, height, width = CASES[name]
-    inputs = dict(hidden_states=torch.randn(1, 16, frames, height, width, device="cuda", dtype=DTYPE),
-                  encoder_hidden_states=torch.randn(1, 512, 4096, device="cuda", dtype=DTYPE),
-                  timestep=torch.tensor([500], device="cuda"))
-    return model.eval().requires_grad_(False), inputs
+#: The cases (bench/diffusers_e2e.py builds them): Wan at 480p and 720p x 81 frames.
+CASES = ("wan_step", "wan_step_720p")
 
 
 def _smooth_latents(like: torch.Tensor) -> torch.Tensor:
@@ -66,10 +45,6 @@ def _smooth_latents(like: torch.Tensor) -> torch.Tensor:
     coarse = torch.randn(b, c, max(f // 4, 2), max(h // 16, 2), max(w // 16, 2), device=like.device)
     smooth = torch.nn.functional.interpolate(coarse, size=(f, h, w), mode="trilinear", align_corners=False)
     return (smooth / smooth.std()).to(like.dtype)
-
-
-def _relative_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 def _with_attention_errors(model, inputs) -> tuple:
@@ -83,7 +58,7 @@ def _with_attention_errors(model, inputs) -> tuple:
         def attend(query, key, value):
             out = processor.sparse.layout.attend(query, key, value)
             dense = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
-            errors.append(_relative_l2(out, dense.transpose(1, 2)))
+            errors.append(relative_l2(out, dense.transpose(1, 2)))
             return out
         return attend
 
@@ -106,11 +81,12 @@ def _summary(errors: list) -> dict:
 def run_case(name: str, timer_ms: float, repeats: int) -> list:
     import compile_ops
 
-    model, inputs = _build(name)
+    model, inputs = _build(name)  # bf16, eval, no gradients
     smooth = dict(inputs, hidden_states=_smooth_latents(inputs["hidden_states"]))
     with torch.no_grad():
         exact, exact_smooth = model(**inputs).sample, model(**smooth).sample
-    tokens = CASES[name][0] * CASES[name][1] // 2 * CASES[name][2] // 2
+    frames, height, width = inputs["hidden_states"].shape[2:]
+    tokens = frames * (height // 2) * (width // 2)  # Wan's 1 x 2 x 2 patches
     rows = []
 
     def timed(provider, extra):
@@ -134,7 +110,7 @@ def run_case(name: str, timer_ms: float, repeats: int) -> list:
     layout = report.sparse_attention.layout
     timed("sparse_compiled", {
         "preset": f"SlidingTile(window={PRESET['window']}, tile={PRESET['tile']})", "density": layout.density,
-        "step_rel_l2": _relative_l2(out, exact), "step_rel_l2_smooth": _relative_l2(out_smooth, exact_smooth),
+        "step_rel_l2": relative_l2(out, exact), "step_rel_l2_smooth": relative_l2(out_smooth, exact_smooth),
         "attention_rel_l2": _summary(errors), "attention_rel_l2_smooth": _summary(errors_smooth)})
     print(report.sparse_attention.describe(), flush=True)
     del model
@@ -150,11 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--rep-ms", type=float, default=2000.0, help="do_bench's time budget per measurement")
     p.add_argument("--repeats", type=int, default=3, help="measurements per provider (median and spread)")
     args = p.parse_args(argv)
-    warm_up_gpu()
-    env = environment()
-    import diffusers
-
-    env["diffusers"] = diffusers.__version__
+    env = diffusers_environment()
     rows = []
     for name in args.cases.split(","):
         rows += run_case(name, args.rep_ms, args.repeats)

@@ -59,6 +59,13 @@ def error_text(exc: BaseException) -> str:
 
 # ---------------------------------------------------------------- environment
 
+def relative_l2(got, want) -> float:
+    """``|got - want| / |want|`` (L2 over all elements, in fp64): how the
+    runners report an approximate result's distance to the exact one."""
+    want = want.double()
+    return ((got.double() - want).norm() / want.norm().clamp(min=1e-300)).item()
+
+
 def gpu_slug(name: str) -> str:
     """A file stem for a GPU name: "NVIDIA H100 80GB HBM3" -> "h100",
     "NVIDIA A100-SXM4-80GB" -> "a100", "NVIDIA GeForce RTX 4090" -> "rtx4090"."""
