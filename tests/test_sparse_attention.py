@@ -99,23 +99,28 @@ def test_a_window_covering_the_grid_is_the_dense_patched_model(name):
     assert "100.0% of blocks" in str(report), str(report)  # ran sparse, with every block listed
 
 
-def _masked_reference(layout, query, key, value, kv_lengths=None):
-    """Dense attention of [B, L, H, D] q, k, v under the layout's explicit token
-    mask (and the key lengths), in the natural token order (no permutation,
-    no block lists)."""
+def _dense_under_lists(index, count, perm, query, key, value, kv_lengths=None):
+    """Dense SDPA of [B, L, H, D] q, k, v in the natural token order under the
+    explicit token mask of block lists ``index``/``count`` (made over the
+    sequence permuted by ``perm``; None: natural), and the key lengths: no
+    permuted attention, no block-sparse kernel."""
     length = query.shape[1]
-    position = torch.argsort(layout.perm) if layout.perm is not None else torch.arange(length, device=query.device)
-    block = position // 128
-    blocks = bs.ascending(layout.index, layout.count)[0, 0]  # the block lists, back to a mask
-    block_mask = torch.zeros(blocks.shape[0], blocks.shape[0], dtype=torch.bool, device=query.device)
-    for i in range(blocks.shape[0]):
-        block_mask[i, blocks[i, :layout.count[0, 0, i]].long()] = True
-    mask = block_mask[block[:, None], block[None, :]]
+    position = torch.argsort(perm) if perm is not None else torch.arange(length, device=query.device)
+    block = position // 128  # each token's block in the permuted sequence
+    listed = torch.zeros(*index.shape[:3], index.shape[2], dtype=torch.bool, device=query.device)
+    for b, h, i in itertools.product(*(range(n) for n in index.shape[:3])):  # each list's first `count` blocks
+        listed[b, h, i, index[b, h, i, :count[b, h, i]].long()] = True
+    mask = listed[:, :, block[:, None], block[None, :]]  # [B or 1, H or 1, L, L]
     if kv_lengths is not None:
         mask = mask & (torch.arange(length, device=query.device) < kv_lengths[:, None, None, None])
     out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)),
                                                            attn_mask=mask)
     return out.transpose(1, 2)
+
+
+def _masked_reference(layout, query, key, value, kv_lengths=None):
+    """Dense attention under a static layout's explicit token mask."""
+    return _dense_under_lists(layout.index, layout.count, layout.perm, query, key, value, kv_lengths)
 
 
 #: Radial attention needs frames of more than two blocks to drop any (1024 tokens a frame here).
@@ -150,6 +155,26 @@ def test_a_smaller_window_is_dense_attention_under_the_same_explicit_mask(name, 
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(got_dx, want_dx, **TOL)
     print(f"{name} {config}: {density:.1%} of blocks; {report.sparse_attention.describe()}")
+
+
+@pytest.mark.parametrize("video_grid, text", [((4, 16, 16), 12), ((3, 6, 20), 140)])
+def test_text_after_the_video_is_attended_by_all_and_attends_to_all(video_grid, text):
+    """A joint video + text layout (HunyuanVideo): the video blocks keep the
+    sliding-tile pattern; every block holding text (the one shared with the
+    last video tokens included) is in every list, and lists everything."""
+    config = compile_ops.SlidingTile(window=(1, 1, 1), tile=(2, 4, 8))
+    layout = config.layout(video_grid, "cpu", text_tokens=text)
+    video = video_grid[0] * video_grid[1] * video_grid[2]
+    n = -(-(video + text) // 128)
+    listed = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        listed[i, layout.index[0, 0, i, :layout.count[0, 0, i]].long()] = True
+    perm, video_mask = bs.sliding_tile_block_mask(*video_grid, config.tile, config.window)
+    first_text = video // 128
+    assert torch.equal(layout.perm, torch.cat([perm, torch.arange(video, video + text)]))
+    assert torch.equal(listed[:first_text, :first_text], video_mask[:first_text, :first_text])
+    assert listed[:, first_text:].all() and listed[first_text:, :].all()
+    assert 0 < layout.density < 1
 
 
 def test_dense_steps_keep_the_first_steps_dense_and_a_new_generation_restarts():
@@ -211,17 +236,10 @@ def test_configurations_that_do_not_fit_raise_by_name():
 def _topk_reference(layout, query, key, value):
     """TopK restated without the block-sparse kernels: the lists that
     topk_block_index picks on the tile-permuted q/k, as an explicit per-head
-    token mask for dense SDPA, in the natural order."""
-    q, k, v = (t.index_select(1, layout.perm) for t in (query, key, value))
+    token mask for dense SDPA."""
+    q, k = (t.index_select(1, layout.perm) for t in (query, key))
     index, count = bs.topk_block_index(q, k, layout.topk.coverage, layout.topk.sink_blocks, seq_dim=1)
-    length = q.shape[1]
-    blocks = torch.arange(length, device=q.device) // 128
-    listed = torch.zeros(*index.shape[:3], index.shape[2], dtype=torch.bool, device=q.device)
-    for b, h, i in itertools.product(*(range(n) for n in index.shape[:3])):  # each list's first `count` blocks
-        listed[b, h, i, index[b, h, i, :count[b, h, i]].long()] = True
-    mask = listed[:, :, blocks][:, :, :, blocks]  # [B, H, L, L] in permuted order
-    out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask)
-    return out.transpose(1, 2).index_select(1, layout.inverse)
+    return _dense_under_lists(index, count, layout.perm, query, key, value)
 
 
 def test_topk_is_dense_attention_under_the_lists_it_chose():
