@@ -204,8 +204,8 @@ def test_patch_refuses_a_compiled_hooked_or_already_patched_model():
     with pytest.raises(RuntimeError, match="already compiled; call compile_ops.patch"):
         compile_ops.patch(torch.compile(model))
     hooked, _ = _flux()
-    hooked.transformer_blocks[0]._hf_hook = object()  # what accelerate's offloading attaches
-    with pytest.raises(RuntimeError, match="before enable_model_cpu_offload"):
+    hooked.enable_cache(diffusers.FirstBlockCacheConfig(threshold=0.1))  # a diffusers hook on the blocks
+    with pytest.raises(RuntimeError, match="carries diffusers hooks .*before group offloading"):
         compile_ops.patch(hooked)
     compile_ops.patch(model)
     with pytest.raises(RuntimeError, match="already patched"):
@@ -715,3 +715,118 @@ def test_layerwise_casting_training_under_autocast_matches_the_unpatched_model(n
     assert torch.isfinite(got).all() and torch.isfinite(got_grad).all()
     assert _relative_l2(got, want) < 2e-2, _relative_l2(got, want)
     assert _relative_l2(got_grad, want_grad) < 2e-2, _relative_l2(got_grad, want_grad)
+
+
+# ---------------------------------------------------------------- offloading hooks
+#
+# Offloading and casting hooks keep a module's own weights off the device (or
+# in a storage dtype) except during its call. A fused seam that reads a
+# module's weight instead of calling it must see that and call it. Each test
+# checks the patched, hooked model against the plain unpatched one: a seam
+# that reads a held-out weight gets NaN, meta tensors or CPU tensors.
+
+
+class _HeldOutWeights(diffusers.hooks.ModelHook):
+    """diffusers' leaf-level group offloading in miniature: a module's own
+    parameters are NaN except during its call (the hook puts them back in
+    ``pre_forward`` and takes them out in ``post_forward``)."""
+
+    def initialize_hook(self, module):
+        self.values = {name: p.detach().clone() for name, p in module.named_parameters(recurse=False)}
+        self._hold_out(module)
+        return module
+
+    def _hold_out(self, module):
+        with torch.no_grad():
+            for p in module.parameters(recurse=False):
+                p.fill_(float("nan"))
+
+    def pre_forward(self, module, *args, **kwargs):
+        with torch.no_grad():
+            for name, p in module.named_parameters(recurse=False):
+                p.copy_(self.values[name])
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        self._hold_out(module)
+        return output
+
+
+def _hold_out_every_leaf_weight(model):
+    for module in model.modules():
+        if next(module.parameters(recurse=False), None) is not None:
+            registry = diffusers.hooks.HookRegistry.check_if_exists_or_initialize(module)
+            registry.register_hook(_HeldOutWeights(), "held_out_weights")
+
+
+def _offload(model, how, tmp_path):
+    """accelerate's two ways: ``cpu_offload`` (a hook on every module that
+    holds tensors, weights on the meta device between calls) and
+    ``dispatch_model`` with a device map that puts the blocks and the final
+    norm on disk, as ``from_pretrained(device_map=..., max_memory=...)`` does
+    for a model too large for the GPU (a hook per block, weights loaded by name
+    for the call, executed on the main device)."""
+    accelerate = pytest.importorskip("accelerate")
+    if how == "cpu_offload":
+        return accelerate.cpu_offload(model, execution_device=torch.device(DEVICE))
+    device_map = {}
+    for name, child in model.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            device_map.update({f"{name}.{i}": "disk" for i in range(len(child))})
+        else:
+            device_map[name] = "disk" if name == "norm_out" else DEVICE
+    return accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path))
+
+
+OFFLOAD_MODELS = ["flux", "sd3"]  # the seams that read q/k-norm and LayerNorm weights themselves
+
+
+@pytest.mark.parametrize("name", OFFLOAD_MODELS)
+@pytest.mark.parametrize("order", ["patch-then-offload", "offload-then-patch"])
+@pytest.mark.parametrize("how", ["cpu_offload", "device_map"])
+def test_accelerate_offloading_before_or_after_patch_matches_the_unpatched_model(name, order, how, tmp_path):
+    model, patched, inputs, _ = _pair(name)
+    args = _to(inputs(4), DEVICE)
+    with torch.no_grad():
+        want = model(**args).sample
+        if order == "patch-then-offload":
+            _offload(patched, how, tmp_path)
+        else:  # what patching after from_pretrained(device_map=...) meets
+            unpatched = copy.deepcopy(model)
+            _offload(unpatched, how, tmp_path)
+            compile_ops.patch(unpatched)
+            patched = unpatched
+        assert any(p.device.type == "meta" for p in patched.parameters())  # the weights really are away
+        got = patched(**args).sample
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("name", OFFLOAD_MODELS)
+def test_diffusers_leaf_hooks_that_hold_weights_out_between_calls_are_honoured(name):
+    model, patched, inputs, _ = _pair(name)
+    args = _to(inputs(4), DEVICE)
+    _hold_out_every_leaf_weight(patched)
+    with torch.no_grad():
+        want, got = model(**args).sample, patched(**args).sample
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_fp8_refuses_weights_an_accelerate_hook_offloads():
+    pytest.importorskip("accelerate")
+    model, _ = _flux()
+    _offload(model, "cpu_offload", None)
+    with pytest.raises(RuntimeError, match="precision='fp8' quantizes the weights now"):
+        compile_ops.patch(model, precision="fp8")
+
+
+def test_ada_layer_norm_continuous_calls_its_affine_norm_when_a_hook_holds_the_weight():
+    torch.manual_seed(0)
+    norm = compile_ops.modules.modulate.AdaLayerNormContinuous(16, 8, elementwise_affine=True).to(DEVICE)
+    with torch.no_grad():
+        norm.norm.weight.uniform_(0.5, 1.5)
+    x, emb = torch.randn(2, 5, 16, device=DEVICE), torch.randn(2, 8, device=DEVICE)
+    with torch.no_grad():
+        want = norm(x, emb)
+        _hold_out_every_leaf_weight(norm)
+        got = norm(x, emb)
+    torch.testing.assert_close(got, want, **TOL)

@@ -36,6 +36,7 @@ from torch import nn
 
 from compile_ops.modules.fp8 import FP8Linear, FP8ProjectionActivation
 from compile_ops.modules.glu import GEGLU, SwiGLU
+from compile_ops.modules.hooks import must_call
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.attention import attention
@@ -81,20 +82,50 @@ def _diffusers():
     return normalization, activations, transformer_flux, transformer_wan, transformer_ltx
 
 
-def _check_order(model: nn.Module) -> None:
+def _check_order(model: nn.Module, precision: str) -> None:
     """patch() rewrites modules: after torch.compile the compiled code would
-    not see it, and offloading hooks hold references to the old modules."""
+    not see it, and diffusers' hooks (offloading, caching, layerwise casting)
+    wrap the modules it replaces. accelerate's hooks (``from_pretrained(
+    device_map=...)``, ``cpu_offload``) are carried over to the replacements
+    (:func:`_carry_accelerate_hook`), except under ``precision="fp8"`` when
+    they offload: FP8 weights are made here, and the offloaded ones are not
+    here to quantize."""
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or \
             getattr(model, "_compiled_call_impl", None) is not None:
         raise RuntimeError("compile_ops.patch: the model is already compiled; call compile_ops.patch(model) "
                            "first, then torch.compile(model)")
     for name, module in model.named_modules():
-        if hasattr(module, "_hf_hook") or getattr(module, "_diffusers_hook", None) is not None:
-            raise RuntimeError(f"compile_ops.patch: {name or 'the model'} carries an offloading or caching hook; "
-                               "call compile_ops.patch(model) before enable_model_cpu_offload, "
-                               "enable_sequential_cpu_offload, group offloading or caching")
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is not None and registry.hooks:
+            raise RuntimeError(f"compile_ops.patch: {name or 'the model'} carries diffusers hooks "
+                               f"({', '.join(registry.hooks)}); call compile_ops.patch(model) before group "
+                               "offloading, layerwise casting or caching")
+        if precision == "fp8" and _offloads(getattr(module, "_hf_hook", None)):
+            raise RuntimeError(f"compile_ops.patch: precision='fp8' quantizes the weights now, and "
+                               f"{name or 'the model'}'s are offloaded by an accelerate hook (device_map / "
+                               "cpu_offload); load the model onto the GPU, patch, then offload")
     if hasattr(model, _STATE):
         raise RuntimeError("compile_ops.patch: the model is already patched (compile_ops.unpatch undoes it)")
+
+
+def _offloads(hook) -> bool:
+    """Whether an accelerate hook (or a ``SequentialHook`` of them) keeps weights off the device."""
+    if hook is None:
+        return False
+    return bool(getattr(hook, "offload", False)) or any(_offloads(h) for h in getattr(hook, "hooks", ()))
+
+
+def _carry_accelerate_hook(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new`` the accelerate hook of the module it replaces. The hook
+    moves (or loads from its weights map) the module's tensors by name around
+    each call, and our modules keep diffusers' names, so it serves the
+    replacement as it served the original; the original keeps its hook for
+    :func:`unpatch`."""
+    hook = getattr(old, "_hf_hook", None)
+    if hook is not None:
+        from accelerate.hooks import add_hook_to_module  # present: it made the hook
+
+        add_hook_to_module(new, hook)
 
 
 def _adopt(new: nn.Module, old: nn.Module) -> Optional[nn.Module]:
@@ -262,6 +293,9 @@ class FluxTransformerBlock(_BlockForward):
 
     @staticmethod
     def _second_half(stream, attn_out, gate_attn, shift, scale, gate_ff, norm, ff):
+        if must_call(norm):  # an offloading/casting hook owns its weight: the unfused seam calls it
+            stream = gated_residual(stream, attn_out, gate_attn)
+            return gated_residual(stream, ff(norm(stream) * (1 + scale[:, None]) + shift[:, None]), gate_ff)
         seam = gated_residual_norm_modulate_fp8 if _reads_fp8_rows(ff) else gated_residual_norm_modulate
         # Under precision="fp8" the seam writes e4m3 rows + scales for the MLP's
         # first FP8Linear, in the same kernel: no bf16 round trip, no quantize pass.
@@ -447,8 +481,9 @@ class _FusedProcessor:
 
     def rms_weight(self, norm: nn.Module) -> Optional[tuple]:
         """``(weight, eps)`` of a per-head RMSNorm that ``fused.qk_norm_rope``
-        can run (weighted, no bias, a set eps); None for any other norm."""
-        if type(norm) not in self.rms_norm_classes:
+        can run (weighted, no bias, a set eps); None for any other norm, and
+        for one whose call is hooked (offloading, casting: :func:`must_call`)."""
+        if type(norm) not in self.rms_norm_classes or must_call(norm):
             return None
         weight, eps = getattr(norm, "weight", None), getattr(norm, "eps", None)
         if weight is None or getattr(norm, "bias", None) is not None or eps is None:
@@ -843,8 +878,11 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
           precision: str = "bf16", fp8_fast_accum: bool = True, attention=None) -> PatchReport:
     """Swap the fused ops into a diffusers transformer, in place.
 
-    Call it before ``torch.compile`` and before any offloading or caching hook
-    (it raises otherwise). Works on CPU (the ops' reference paths) and CUDA.
+    Call it before ``torch.compile`` and before diffusers' hooks (group
+    offloading, layerwise casting, caching; it raises otherwise). accelerate's
+    offloading hooks (``from_pretrained(device_map=...)``, sequential CPU
+    offload) may already be there: each replacement takes over its
+    original's hook. Works on CPU (the ops' reference paths) and CUDA.
 
     Args:
         model: a diffusers transformer (``FluxTransformer2DModel``,
@@ -888,7 +926,7 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile_ops.patch: model must be a torch.nn.Module, got {type(model).__name__}")
-    _check_order(model)
+    _check_order(model, precision)
     if attention_kernel not in ATTENTION_KERNELS:
         raise ValueError(f"compile_ops.patch: attention_kernel must be one of {ATTENTION_KERNELS}, "
                          f"got {attention_kernel!r}")
@@ -911,6 +949,7 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
                                                         "its modules are patched inside"))
                 else:
                     setattr(module, name, new)
+                    _carry_accelerate_hook(child, new)
                     undo.append(("module", module, name, child))
                     report.replaced.append((path, block[0], f"compile_ops {block[1].__name__} (fused seams)"))
                 walk(new or child, path)  # the block's own modules
@@ -919,6 +958,7 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
             new = rule[1](child) if rule else None
             if new is not None:
                 setattr(module, name, new)
+                _carry_accelerate_hook(child, new)
                 undo.append(("module", module, name, child))
                 report.replaced.append((path, rule[0], f"compile_ops.{type(new).__name__}"))
                 continue  # the replacement owns the subtree

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from compile_ops.modules.hooks import must_call
 from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.modulate import norm_modulate, norm_modulate_fp8
 
@@ -110,4 +111,6 @@ class AdaLayerNormContinuous(nn.Module):
         # Back to x's dtype, as diffusers does (the embedding may be fp32).
         emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
         scale, shift = torch.chunk(emb, 2, dim=1)
+        if must_call(self.norm):  # an offloading/casting hook owns its weight: let it run
+            return self.norm(x) * (1 + scale[:, None]) + shift[:, None]
         return norm_modulate(x, scale, shift, self.norm.weight, self.norm.bias, self._norm, self.norm.eps)
