@@ -475,6 +475,33 @@ def test_fp8_flux_seams_hand_fp8_rows_to_the_mlp(monkeypatch):
     assert _relative_l2(got, want) < 1e-4
 
 
+def test_fp8_self_attention_quantizes_its_input_once_for_q_k_and_v(monkeypatch):
+    """Wan's self-attention: to_q, to_k and to_v read one tensor, quantized
+    in one pass (a second pass for q re-reads 32760 x 1536 activations per
+    block at 480p); cross-attention quantizes its query and the text once each.
+    (LTX-Video's masked cross-attention runs diffusers' processor, whose
+    to_k and to_v each quantize the text: 128 tokens, left as it is.)"""
+    _, patched, simulated, inputs, _ = _fp8_pair("wan")
+    from compile_ops.ops import fp8 as fp8_ops
+    inputs_quantized = []
+    quantize = fp8_ops._quantize_fp8_rows
+
+    def recording(x, *args, **kwargs):
+        inputs_quantized.append(x)
+        return quantize(x, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_ops, "_quantize_fp8_rows", recording)
+    args = _to(inputs(4), DEVICE)
+    with torch.no_grad():
+        got, want = patched(**args).sample, simulated(**args).sample
+    # (The text is quantized once per block: each block's cross-attention reads it.)
+    # (Views of one tensor, e.g. flattened to rows: same storage, same first element, same size.)
+    same = [(x.data_ptr(), x.numel()) for x in inputs_quantized]  # all held alive: no address reuse
+    twice = [i for i in range(1, len(same)) if same[i] == same[i - 1]]
+    assert inputs_quantized and not twice, f"calls {twice} quantize the tensor the call before them did"
+    assert _relative_l2(got, want) < 1e-4
+
+
 def test_fp8_mlp_activation_is_fused_only_where_nothing_sits_between():
     """A FeedForward's GELU hands FP8 rows to the down projection when the
     Dropout between them is the identity (p=0); with p>0 it stays as it was

@@ -159,6 +159,24 @@ def test_fp8_linear_on_the_gpu_is_scaled_mm_with_its_accumulation_flag(fast_accu
     assert err < 1e-2  # bf16 output rounding (~2e-3) plus the accumulator's; a wrong scale is O(1)
 
 
+@pytest.mark.gpu
+def test_fp8_linear_runs_under_cuda_graphs_without_a_skip():
+    """``torch.compile(mode="reduce-overhead")``: the quantize kernel and the
+    FP8 GEMM are captured in a CUDA graph (no host sync, no CPU tensor, no
+    data-dependent allocation), and the replays give the eager bytes."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fp8 = compile_ops.FP8Linear.from_linear(torch.nn.Linear(256, 512).to("cuda", torch.bfloat16))
+    graphed = torch.compile(fp8, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for step in range(4):  # warm-up, record, replays
+            x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(graphed(x), fp8(x)), f"call {step}"
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
 def _linear(k=64, n=48, bias=True, dtype=torch.float32):
     torch.manual_seed(0)
     return torch.nn.Linear(k, n, bias=bias).to(dtype)

@@ -517,6 +517,16 @@ def _shared_input(x, *linears: nn.Module):
     return x
 
 
+def _projection_inputs(attn, hidden_states, encoder_hidden_states=None) -> tuple:
+    """``(input of to_q, input of to_k and to_v)`` of a self- or cross-attention
+    layer, each quantized once to FP8 rows when all the Linears that read it are
+    FP8 (self-attention: one pass for q, k and v, not one for q and one for k/v)."""
+    if encoder_hidden_states is None:
+        x = _shared_input(hidden_states, attn.to_q, attn.to_k, attn.to_v)
+        return x, x
+    return hidden_states, _shared_input(encoder_hidden_states, attn.to_k, attn.to_v)
+
+
 def _tokens(x) -> int:
     """The sequence length of ``[B, L, C]`` hidden states or of their FP8 rows."""
     return (x.q if isinstance(x, FP8Rows) else x).shape[1]
@@ -602,9 +612,8 @@ class WanAttnProcessor(_FusedProcessor):
         if attention_mask is not None or attn.add_k_proj is not None or attn.fused_projections \
                 or getattr(self, "_parallel_config", None):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        hidden_states, context = _projection_inputs(attn, hidden_states, encoder_hidden_states)
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        context = _shared_input(context, attn.to_k, attn.to_v)
         key = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1))
         value = attn.to_v(context).unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
@@ -656,9 +665,8 @@ class LTXVideoAttnProcessor(_FusedProcessor):
                  image_rotary_emb=None):
         if attention_mask is not None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        hidden_states, context = _projection_inputs(attn, hidden_states, encoder_hidden_states)
         query = attn.norm_q(attn.to_q(hidden_states))
-        context = _shared_input(context, attn.to_k, attn.to_v)
         key = attn.norm_k(attn.to_k(context))
         if image_rotary_emb is not None:
             # LTX's tables span all heads' channels ([B, L, heads * D], pairs
