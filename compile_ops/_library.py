@@ -189,6 +189,15 @@ AUTOCAST_POLICIES = {"fp32": ("cuda",), "lower": ("cuda", "cpu")}
 _AUTOCAST_LIB = torch.library.Library(NAMESPACE, "IMPL")
 
 
+def aten_autocast_policy(aten_op: str, policy: str) -> Optional[str]:
+    """``policy`` when this torch gives ``aten_op`` an autocast kernel on each
+    device the policy covers, else None: ours then mirrors aten's op on every
+    torch release. (aten's ``rms_norm`` is in CUDA autocast's fp32 list in torch
+    2.13 and has no autocast kernel in 2.11, where it keeps the input dtype.)"""
+    keys = ("Autocast" + torch._C._dispatch_key_for_device(d) for d in AUTOCAST_POLICIES[policy])
+    return policy if all(torch._C._dispatch_has_kernel_for_dispatch_key(aten_op, k) for k in keys) else None
+
+
 def register_autocast_policy(name: str, policy: str) -> None:
     """Give ``torch.ops.fused.<name>`` an Autocast kernel with ``policy`` (see
     :data:`AUTOCAST_POLICIES`): inside ``torch.autocast`` the op's floating

@@ -460,8 +460,10 @@ def _same_fp8(rows, want, fp32_output=False):
     quantized output is fp32 (no 16-bit rounding in between): the fused and
     the unfused kernel compute the fp32 output in separately compiled code,
     whose last bit may differ (seen on an H100, triton 3.6: one row scale
-    apart in a Hypothesis case); scales agree within 1 fp32 ulp, and the
-    values of a row whose scale moved within one e4m3 step."""
+    apart in a Hypothesis case); a row's amax then differs by 1 fp32 ulp,
+    which ``amax / 448`` (rounded again) turns into at most 2 ulps of the
+    scale (seen: 2 ulps at 0.0154), and the values of a row whose scale
+    moved stay within one e4m3 step."""
     q, scale = rows
     want_q, want_scale = want
     assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
@@ -469,7 +471,7 @@ def _same_fp8(rows, want, fp32_output=False):
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), "e4m3 bytes differ"
         assert torch.equal(scale, want_scale), "row scales differ"
         return
-    torch.testing.assert_close(scale, want_scale, rtol=2 ** -23, atol=0)
+    torch.testing.assert_close(scale, want_scale, rtol=2 ** -22, atol=0)
     same = scale == want_scale
     assert torch.equal(q[same].view(torch.uint8), want_q[same].view(torch.uint8)), "e4m3 bytes differ"
     # One e4m3 step: 2**-3 relative for normals, 2**-9 absolute among subnormals.

@@ -267,7 +267,8 @@ def test_under_cuda_autocast_ops_take_the_dtype_of_the_aten_op_they_replace(auto
     for name, ours, theirs in pairs:
         got, want = _fake_cuda_autocast(lambda: (ours(), theirs()), autocast_dtype)
         assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
-        assert got.dtype == (torch.float32 if "norm" in name else autocast_dtype), name
+        if name != "rmsnorm":  # aten's rms_norm: fp32 under CUDA autocast from torch 2.12 or so, else unlisted
+            assert got.dtype == (torch.float32 if "norm" in name else autocast_dtype), name
 
 
 def test_under_cpu_autocast_attention_is_the_op_on_lowered_inputs_and_norms_are_left_alone():

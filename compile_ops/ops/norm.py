@@ -13,7 +13,7 @@ import triton
 from torch import Tensor
 
 from compile_ops import meta, reference
-from compile_ops._library import fused_op, launcher, multiprocessor_count
+from compile_ops._library import aten_autocast_policy, fused_op, launcher, multiprocessor_count
 from compile_ops.kernels.norm import norm_bwd_kernel, norm_fwd_kernel
 from compile_ops.meta._validate import accumulation_dtype
 from compile_ops.ops._launch import (acc_dtype, as_rows, column_sum, contiguous_param,
@@ -94,7 +94,11 @@ def _launch_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tens
 
 # ---------------------------------------------------------------- forward ops
 
-@fused_op("rmsnorm", fake=meta.norm.rmsnorm, reference=reference.norm.rmsnorm, autocast="fp32")
+#: The RMSNorms follow aten's rms_norm under autocast, which depends on the torch release.
+_RMS_NORM_AUTOCAST = aten_autocast_policy("aten::rms_norm", "fp32")
+
+
+@fused_op("rmsnorm", fake=meta.norm.rmsnorm, reference=reference.norm.rmsnorm, autocast=_RMS_NORM_AUTOCAST)
 def _rmsnorm_op(x: Tensor, weight: Optional[Tensor], eps: float, bias: Optional[Tensor] = None) -> Tensor:
     out = meta.norm.rmsnorm(x, weight, eps, bias)
     _launch_forward(x, None, weight, bias, eps, True, out, None)
@@ -108,7 +112,8 @@ def _layernorm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], e
     return out
 
 
-@fused_op("add_rmsnorm", fake=meta.norm.add_rmsnorm, reference=reference.norm.add_rmsnorm, autocast="fp32")
+@fused_op("add_rmsnorm", fake=meta.norm.add_rmsnorm, reference=reference.norm.add_rmsnorm,
+          autocast=_RMS_NORM_AUTOCAST)
 def _add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Optional[Tensor],
                     eps: float) -> tuple[Tensor, Tensor]:
     out, residual_out = meta.norm.add_rmsnorm(x, residual, weight, eps)
