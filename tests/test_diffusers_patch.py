@@ -639,6 +639,39 @@ def test_compile_ops_is_a_diffusers_attention_backend(name, monkeypatch):
         model.set_attention_backend("compile-ops")
 
 
+def test_a_block_sparse_mask_through_diffusers_dispatch_runs_block_sparse_attention():
+    """``dispatch_attention_fn(..., attn_mask=BlockSparseMask)`` on the
+    compile_ops backend: the attention over the listed 128-token blocks,
+    equal to dense SDPA under the same blocks as a token mask, eager and under
+    a fullgraph compile; a mask of another type or dropout is refused by name."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    compile_ops.register_diffusers_backend()
+    torch.manual_seed(0)
+    lq, heads, d = 300, 2, 16  # 3 query blocks, the last partial
+    q, k, v = (torch.randn(1, lq, heads, d, device=DEVICE) for _ in range(3))
+    blocks = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool, device=DEVICE)
+    mask = compile_ops.BlockSparseMask.from_block_mask(blocks[None, None].expand(1, heads, 3, 3))
+    tokens = blocks.repeat_interleave(128, 0)[:lq].repeat_interleave(128, 1)[:, :lq]
+    want = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                                            attn_mask=tokens).transpose(1, 2)
+
+    def attend(q, k, v, mask):
+        return dispatch_attention_fn(q, k, v, attn_mask=mask, backend="compile_ops")
+
+    got = attend(q, k, v, mask)
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")(q, k, v, mask)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(compiled, want, **TOL)
+    dense = dispatch_attention_fn(q, k, v, backend="compile_ops")
+    assert not torch.allclose(got, dense, **TOL)  # the mask acts
+    with pytest.raises(TypeError, match="attn_mask must be a tensor, a compile_ops.BlockSparseMask or None, got"):
+        attend(q, k, v, [blocks])
+    with pytest.raises(ValueError, match="dropout_p must be 0 with a BlockSparseMask"):
+        dispatch_attention_fn(q, k, v, attn_mask=mask, dropout_p=0.1, backend="compile_ops")
+
+
 # ---------------------------------------------------------------- HunyuanVideo, CogVideoX, Qwen-Image
 
 

@@ -9,8 +9,11 @@ processors go through the dispatcher can run ``fused.attention``, not only
 the four whose processors :func:`compile_ops.patch` replaces (those keep
 their fused q/k-norm and rotary embedding and ignore the backend setting).
 
-What ``fused.attention`` does not take (an attention mask, dropout) goes to
-torch's SDPA, as diffusers' ``native`` backend runs it. Context parallelism
+An ``attn_mask`` that is a :class:`~compile_ops.BlockSparseMask` runs
+``fused.block_sparse_attention`` over its block lists (the way a FlexAttention
+``BlockMask`` selects diffusers' ``flex`` kernel). What the fused ops do not
+take (a tensor mask, dropout) goes to torch's SDPA, as diffusers' ``native``
+backend runs it. Context parallelism
 is not declared: diffusers refuses the backend on a model with a parallel
 config, naming the backends that support one.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from compile_ops.ops.attention import attention
+from compile_ops.ops.block_sparse import BlockSparseMask
 
 #: The name users pass to ``set_attention_backend`` / ``attention_backend``.
 BACKEND = "compile_ops"
@@ -29,7 +33,16 @@ def compile_ops_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
     """diffusers' backend signature: ``query [B, Lq, Hq, D]``, ``key``/``value``
     ``[B, Lk, Hk, D]`` (Hk dividing Hq), ``attn_mask`` broadcastable to
-    ``[B, Hq, Lq, Lk]`` (bool or additive) or None -> ``[B, Lq, Hq, D]``."""
+    ``[B, Hq, Lq, Lk]`` (bool or additive), a :class:`BlockSparseMask`
+    (block lists over ``ceil(Lq / 128)`` query blocks) or None -> ``[B, Lq, Hq, D]``."""
+    if isinstance(attn_mask, BlockSparseMask):
+        if dropout_p != 0.0:
+            raise ValueError(f"compile_ops attention backend: dropout_p must be 0 with a BlockSparseMask, "
+                             f"got {dropout_p}")
+        return attn_mask.attend(query, key, value, scale=scale, causal=is_causal, seq_dim=1)
+    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"compile_ops attention backend: attn_mask must be a tensor, a compile_ops.BlockSparseMask "
+                        f"or None, got {type(attn_mask).__name__}")
     if attn_mask is None and dropout_p == 0.0:
         return attention(query, key, value, scale=scale, causal=is_causal, seq_dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(

@@ -14,6 +14,7 @@ Inductor fuses them): :func:`block_index_from_mask`, :func:`sliding_tile_mask`
 with :func:`tile_permutation`, :func:`radial_mask` and the dynamic
 :func:`topk_block_index`.
 """
+import dataclasses
 import math
 from typing import Optional, Sequence
 
@@ -123,6 +124,33 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_index: Tensor,
         lambda q, k, v: _block_sparse_attention_op(q, k, v, block_index, block_count, scale, causal, seq_dim,
                                                    kv_lengths), q, k, v, seq_dim)
     return (out, lse) if return_lse else out
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSparseMask:
+    """Block lists as one mask object, to hand where an attention mask goes:
+    ``dispatch_attention_fn(..., attn_mask=BlockSparseMask(...))`` under
+    ``set_attention_backend("compile_ops")`` runs :func:`block_sparse_attention`
+    (as FlexAttention's ``BlockMask`` does for diffusers' ``flex`` backend).
+
+    Args:
+        block_index: ``[B or 1, Hq or 1, ceil(Lq / 128), W]`` int32/int64, as
+            :func:`block_sparse_attention` takes it.
+        block_count: ``[B or 1, Hq or 1, ceil(Lq / 128)]`` int32/int64.
+    """
+    block_index: Tensor
+    block_count: Tensor
+
+    @classmethod
+    def from_block_mask(cls, mask: Tensor) -> "BlockSparseMask":
+        """From a dense block mask ``[B or 1, Hq or 1, NQ, NK]`` bool (see :func:`block_index_from_mask`)."""
+        return cls(*block_index_from_mask(mask))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, causal: bool = False,
+               seq_dim: int = 2) -> Tensor:
+        """:func:`block_sparse_attention` of q, k, v over these lists."""
+        return block_sparse_attention(q, k, v, self.block_index, self.block_count, scale=scale, causal=causal,
+                                      seq_dim=seq_dim)
 
 
 def block_index_from_mask(mask: Tensor) -> tuple[Tensor, Tensor]:
