@@ -40,8 +40,8 @@ native step uses SDPA's flash backend. Each case runs native eager, native
 ``torch.compile`` (default mode), patched eager and patched compiled, one
 model patched in place between the two halves. Times are medians of ``triton.testing.do_bench``; the peak memory is
 the allocator's peak during one call above what was allocated before it.
-Writes ``<out>/diffusers-e2e-<gpu>.json`` (rows merge with an existing file
-by case and provider).
+Writes ``<out>/diffusers-e2e-<gpu>.json`` (``--fp8``: ``diffusers-e2e-fp8-<gpu>.json``,
+with torchao's version; rows merge with an existing file by case and provider).
 """
 import argparse
 import json
@@ -372,7 +372,13 @@ def main(argv=None) -> int:
                    help="also compile_ops FP8 and torchao float8 providers on the inference cases")
     args = p.parse_args(argv)
     env = diffusers_environment()
-    path = results_path(args.out, "diffusers-e2e", env)
+    env["command"] = "python bench/diffusers_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    stem = "diffusers-e2e"
+    if args.fp8:  # the FP8 comparison has its own file, with the peer's version
+        import torchao
+
+        stem, env["torchao"] = "diffusers-e2e-fp8", torchao.__version__
+    path = results_path(args.out, stem, env)
     rows = []
     if os.path.exists(path):
         with open(path) as f:
@@ -382,7 +388,7 @@ def main(argv=None) -> int:
                        args.providers.split(",") if args.providers else None, args.compile_mode)
         measured = {(r["case"], r["provider"]) for r in new}
         rows = [r for r in rows if (r["case"], r["provider"]) not in measured] + new
-        write_results(args.out, "diffusers-e2e", env, rows)
+        write_results(args.out, stem, env, rows)
     print(f"wrote {path}")
     return 0
 
