@@ -1,7 +1,7 @@
 """Sweep the attention kernels' tile configs on a GPU, to pick forward_tiles,
 dkdv_tiles and dq_tiles in compile_ops/ops/attention.py.
 
-    PYTHONPATH=. python bench/sweep_attention.py [OUT.json] [--block-sparse]
+    PYTHONPATH=. python bench/sweep_attention.py [OUT.json] [--block-sparse | --hopper]
 
 bf16, non-causal, CUDA-graph replays: forward configs timed on the forward,
 backward configs (dk/dv pass, then dq pass) on the whole forward+backward step
@@ -55,8 +55,70 @@ SPARSE_CANDIDATES = {
 }
 
 
+#: ``--hopper``: the forward's Hopper options (issue 28) against the default
+#: tiles, at the shapes of the README's attention tables, with SDPA's cuDNN
+#: backend in the same run. Each entry: (block_m, block_n, warps, stages,
+#: tma, dot_acc, warp_specialize).
+HOPPER_SHAPES = ((1, 24, 4608, 128), (1, 12, 32760, 128), (1, 40, 16384, 128), (1, 12, 75600, 128))
+HOPPER_CANDIDATES = [
+    (128, 128, 8, 3, False, False, False),  # today's default
+    (128, 128, 8, 3, False, True, False),
+    (128, 128, 8, 3, True, False, False),
+    (128, 128, 8, 3, True, True, False),
+    (128, 128, 8, 2, True, True, False),
+    (128, 128, 8, 4, True, True, False),
+    (128, 64, 4, 3, True, True, False),
+    (128, 128, 8, 3, True, True, True),
+    (128, 64, 8, 3, True, True, True),
+    (128, 128, 4, 3, True, True, True),
+]
+
+
+def hopper_sweep(out_path):
+    """Forward TFLOP/s of each HOPPER_CANDIDATES entry and of cuDNN; each
+    candidate's largest difference from the default's output is printed (the
+    options change the schedule, not the arithmetic, beyond the order of adds)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    timer = make_timer(quick=False)
+    warm_up_gpu()
+    rows = []
+    for b, h, length, d in HOPPER_SHAPES:
+        q, k, v = (torch.randn(b, length, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * b * h * length * length * d
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ms = graph_replay_time(lambda: torch.nn.functional.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (q, k, v))), timer)
+        rows.append({"shape": [b, h, length, d], "provider": "cudnn", "ms": ms, "TFLOPs": flops / ms / 1e9})
+        print(f"{b}x{h}x{length}x{d} cudnn: {ms * 1e3:8.1f} us {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
+        default = attention_ops.forward_tiles
+        reference = None
+        for config in HOPPER_CANDIDATES:
+            attention_ops.forward_tiles = functools.partial(lambda *a, t: t, t=attention_ops.Tiles(*config))
+            try:
+                with torch.no_grad():
+                    out = compile_ops.attention(q, k, v, seq_dim=1)  # [B, L, H, D]: the models' layout
+                    reference = out if reference is None else reference
+                    diff = (out.float() - reference.float()).abs().max().item()
+                    ms = graph_replay_time(lambda: compile_ops.attention(q, k, v, seq_dim=1), timer)
+                tflops = flops / ms / 1e9
+            except Exception as e:  # noqa: BLE001 (a config that fails to compile is a result)
+                print(f"{config}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                ms = tflops = diff = float("nan")
+            finally:
+                attention_ops.forward_tiles = default
+            rows.append({"shape": [b, h, length, d], "provider": "fused", "config": list(config), "ms": ms,
+                         "TFLOPs": tflops, "max_diff_to_default": diff})
+            print(f"{b}x{h}x{length}x{d} {config}: {ms * 1e3:8.1f} us {tflops:6.0f} TFLOP/s "
+                  f"(max |diff| to default {diff:.2e})", flush=True)
+        del q, k, v
+    write_sweep(out_path, rows)
+
+
 def main(*argv):
     out_path = next((a for a in argv if not a.startswith("--")), None)
+    if "--hopper" in argv:
+        return hopper_sweep(out_path)
     sparse = "--block-sparse" in argv
     timer = make_timer(quick=False)
     warm_up_gpu()

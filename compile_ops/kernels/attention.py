@@ -168,7 +168,7 @@ def _tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARS
 def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last, BLOCKS, kv_len, Lk, qk_scale,
                D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-               SPARSE: tl.constexpr):
+               SPARSE: tl.constexpr, TMA: tl.constexpr, DOT_ACC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """Online softmax over key tiles; ``m`` is the running max of the raw
     scores q.k, and exponents are ``(s - m) * scale * log2(e)``: scaled after
     the subtraction, so their rounding error is relative to the (small)
@@ -177,12 +177,22 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
     exactly, and a causal first row a dq of 0). ``FMA_EXPONENT`` (16-bit
     inputs) forms the exponent as one fma, ``s * c - m * c``: one instruction
     less per score, and its extra error (an ulp of ``m * c``) is far below
-    the rounding of p to the 16-bit dtype for the second dot."""
-    for i in range(first, last):  # key tiles
+    the rounding of p to the 16-bit dtype for the second dot.
+
+    Hopper options (``forward_tiles`` picks them): ``TMA``: K and V are tensor
+    descriptors, loaded by the TMA unit (rows past Lk and columns past D come
+    back as zeros); ``DOT_ACC``: the rescaled accumulator is the second dot's
+    accumulator operand (wgmma adds into it) instead of a separate add;
+    ``WARP_SPECIALIZE``: Triton's producer/consumer warp groups for the loop."""
+    for i in tl.range(first, last, warp_specialize=WARP_SPECIALIZE):  # key tiles
         start_n = _tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE)
         cols = start_n + offs_n
-        k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
-        v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
+        if TMA:
+            k = K.load([start_n, 0])
+            v = V.load([start_n, 0])
+        else:
+            k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
+            v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             s = tl.where(_visible(q_rows, cols, kv_len, CAUSAL), s, float("-inf"))
@@ -198,7 +208,10 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
             p = tl.exp2((s - m_shift[:, None]) * qk_scale)
             alpha = tl.exp2((m - m_shift) * qk_scale)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if DOT_ACC:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
     return acc, m, l
 
@@ -210,10 +223,13 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-                    SPARSE: tl.constexpr):
+                    SPARSE: tl.constexpr, TMA: tl.constexpr = False, DOT_ACC: tl.constexpr = False,
+                    WARP_SPECIALIZE: tl.constexpr = False):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
-    that BLOCKS/COUNTS list for this query block."""
+    that BLOCKS/COUNTS list for this query block. TMA, DOT_ACC,
+    WARP_SPECIALIZE: see ``_fwd_tiles`` (TMA needs 16-byte aligned bases and
+    row strides, which the launcher checks)."""
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
         KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     o_off = b * sob + h * soh
@@ -223,7 +239,15 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS,
     scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
     qk_scale = scale * 1.4426950408889634  # log2(e)
 
-    q = _load_tile(Q + q_off, q_start, tl.arange(0, BLOCK_M), Lq, sql, offs_d, D, BLOCK_D, True)
+    if TMA:
+        q = tl.make_tensor_descriptor(Q + q_off, shape=[Lq, D], strides=[sql, 1],
+                                      block_shape=[BLOCK_M, BLOCK_D]).load([q_start, 0])
+        keys = tl.make_tensor_descriptor(K + k_off, shape=[Lk, D], strides=[skl, 1], block_shape=[BLOCK_N, BLOCK_D])
+        values = tl.make_tensor_descriptor(V + v_off, shape=[Lk, D], strides=[svl, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        q = _load_tile(Q + q_off, q_start, tl.arange(0, BLOCK_M), Lq, sql, offs_d, D, BLOCK_D, True)
+        keys, values = K + k_off, V + v_off
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     m = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     l = tl.zeros([BLOCK_M], dtype=ACC)
@@ -232,12 +256,12 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS,
         blocks, count = _block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
     first_masked = _tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
     last = _tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
-    acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0, first_masked,
+    acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, 0, first_masked,
                            blocks, kv_len, Lk, qk_scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION, FMA_EXPONENT,
-                           SPARSE_BLOCK, SPARSE)
-    acc, m, l = _fwd_tiles(acc, m, l, q, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, first_masked, last,
+                           SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, WARP_SPECIALIZE)
+    acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, first_masked, last,
                            blocks, kv_len, Lk, qk_scale, D, BLOCK_D, True, CAUSAL, DOT_PRECISION, FMA_EXPONENT,
-                           SPARSE_BLOCK, SPARSE)
+                           SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, False)
 
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]

@@ -28,6 +28,12 @@ class Tiles:
     block_n: int
     num_warps: int
     num_stages: int
+    #: Forward only, Hopper (see kernels/attention.py ``_fwd_tiles``): K/V by
+    #: TMA tensor descriptors (taken only where the tensors are aligned for it),
+    #: the accumulator as the second dot's operand, warp-specialized key loop.
+    tma: bool = False
+    dot_acc: bool = False
+    warp_specialize: bool = False
 
 
 def block_d(d: int) -> int:
@@ -108,6 +114,23 @@ def _lists(blocks: Optional[tuple]) -> tuple:
     return (index, count, *index.stride()[:3], *count.stride())
 
 
+def _tma_ready(seq_dim: int, *tensors: Tensor) -> bool:
+    """TMA descriptors over each (batch, head)'s ``[L, D]`` rows need 16-byte
+    aligned bases and row strides: the data pointers and the batch, head and
+    position strides (in bytes) must be multiples of 16."""
+    for t in tensors:
+        if not t.is_cuda or t.data_ptr() % 16:
+            return False
+        if any(stride * t.element_size() % 16 for stride in _bhl_strides(t, seq_dim)):
+            return False
+    return True
+
+
+def _scratch(size: int, alignment: int, stream) -> Tensor:
+    """Global memory for the descriptors a kernel builds on the device (TMA)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                    seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple] = None) -> None:
     """Fill ``out`` and ``lse`` (from the fake). ``blocks``: block-sparse
@@ -117,6 +140,10 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
         return
     q, k, v = (unit_last_stride(t) for t in (q, k, v))  # D is unit-stride in every layout models use
     t = forward_tiles(int(c["d"]), q.dtype)
+    tma = t.tma and _tma_ready(seq_dim, q, k, v)
+    if tma:
+        # Inductor sets triton's allocator before its launches; eager launches need it set too.
+        triton.set_allocator(_scratch)
     index, count, *list_strides = _lists(blocks)
     grid = (triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])
     launcher(attn_fwd_kernel)[grid](
@@ -125,7 +152,7 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
         *_bhl_strides(out, seq_dim), *list_strides,
         c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
-        SPARSE=blocks is not None, **c["consts"],
+        SPARSE=blocks is not None, TMA=tma, DOT_ACC=t.dot_acc, WARP_SPECIALIZE=t.warp_specialize, **c["consts"],
     )
 
 
