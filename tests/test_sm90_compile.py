@@ -88,3 +88,31 @@ def test_every_launched_kernel_variant_compiles_for_sm90(spec, dtype):
             src = ASTSource(fn=kernel, signature=typed, constexprs=constants)
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
             assert compiled.asm.get("cubin"), f"{name[0]} ({float_type} scalars): no cubin"
+
+
+@pytest.mark.parametrize("options", [dict(tma=True), dict(dot_acc=True), dict(tma=True, dot_acc=True),
+                                     dict(tma=True, dot_acc=True, warp_specialize=True)],
+                         ids=["tma", "dot_acc", "tma-dot_acc", "tma-dot_acc-ws"])
+def test_attention_forward_hopper_options_compile_for_sm90(options, monkeypatch):
+    """The forward's Hopper options (issue 28), which forward_tiles does not
+    pick by default yet: traced with the options forced on every launch, the
+    variants compile for sm_90 too (and the TMA variant is the one launched)."""
+    from compile_ops.ops import attention as attention_ops
+
+    default = attention_ops.forward_tiles
+
+    def tiles(d, dtype):
+        t = default(d, dtype)
+        return attention_ops.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, **options)
+
+    monkeypatch.setattr(attention_ops, "forward_tiles", tiles)
+    spec = next(s for s in registry.OPS if s.name == "attention")
+    launches = _launches(spec, torch.bfloat16)
+    forward = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants) in launches.items()
+               if name == "attn_fwd_kernel"]
+    assert forward and any(c.get("TMA") for _, _, c in forward) == options.get("tma", False)
+    for kernel, signature, constants in forward:
+        ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
+        src = ASTSource(fn=kernel, signature=ordered, constexprs=constants)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        assert compiled.asm.get("cubin")

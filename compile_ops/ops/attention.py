@@ -116,10 +116,12 @@ def _lists(blocks: Optional[tuple]) -> tuple:
 
 def _tma_ready(seq_dim: int, *tensors: Tensor) -> bool:
     """TMA descriptors over each (batch, head)'s ``[L, D]`` rows need 16-byte
-    aligned bases and row strides: the data pointers and the batch, head and
-    position strides (in bytes) must be multiples of 16."""
+    aligned bases and row strides: the storage offset and the batch, head and
+    position strides (in bytes) must be multiples of 16 (storages themselves
+    are aligned by the CUDA allocator; the offset, unlike ``data_ptr``, is
+    there on the fake tensors torch.compile traces with)."""
     for t in tensors:
-        if not t.is_cuda or t.data_ptr() % 16:
+        if not t.is_cuda or t.storage_offset() * t.element_size() % 16:
             return False
         if any(stride * t.element_size() % 16 for stride in _bhl_strides(t, seq_dim)):
             return False
