@@ -42,7 +42,7 @@ from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.attention import attention
 from compile_ops.ops.fp8 import FP8Rows, quantize_fp8_rows
 from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
-                                      gated_residual_norm_modulate_fp8)
+                                      gated_residual_norm_modulate_fp8, norm_modulate, norm_modulate_fp8)
 from compile_ops.ops.rope import qk_norm_rope, rope_qk
 from compile_ops.integrations.attention_backend import register_diffusers_backend
 from compile_ops.integrations.sparse_attention import SparseAttention, TopK
@@ -218,16 +218,25 @@ class _BlockForward(nn.Module):
     #: when they match, since a diffusers release with another forward would
     #: otherwise be silently reinterpreted.
     signature: tuple = ()
+    #: The parameters the original holds itself (not in a child): ours shares
+    #: them, by name. A block with others is not replaced.
+    own_parameters: tuple = ()
 
     def __init__(self, original: nn.Module):
         super().__init__()
         for name, child in original.named_children():
             setattr(self, name, child)
+        for name in self.own_parameters:
+            setattr(self, name, getattr(original, name))
+        # For the calls the fused forward does not cover: diffusers' forward,
+        # run on this block (same children and parameters, same names).
+        self._original_forward = type(original).forward
 
     @classmethod
     def build(cls, original: nn.Module) -> Optional[nn.Module]:
         params = tuple(inspect.signature(type(original).forward).parameters)[1:]
-        if params != cls.signature or any(True for _ in original.named_parameters(recurse=False)):
+        own = {name for name, _ in original.named_parameters(recurse=False)}
+        if params != cls.signature or own != set(cls.own_parameters):
             return None
         return cls(original)
 
@@ -367,13 +376,76 @@ class FluxSingleTransformerBlock(_BlockForward):
         return hidden_states[:, :text_tokens], hidden_states[:, text_tokens:]
 
 
+class WanTransformerBlock(_BlockForward):
+    """diffusers' ``WanTransformerBlock`` (Wan 2.1 / 2.2 T2V and I2V) with its
+    three seams fused: the first norm and its modulation as
+    ``fused.norm_modulate``; the gated attention residual with the
+    cross-attention norm, and the cross-attention residual with the MLP norm
+    and modulation, each as one ``fused.gated_residual_norm_modulate``; the
+    gated MLP residual as ``fused.gated_residual``. Under ``precision="fp8"``
+    the seams feeding FP8 Linears write e4m3 rows in the same kernel.
+
+    The modulation vectors are cast to the stream's dtype before the kernels
+    (diffusers keeps them fp32 and casts the results back): the kernels
+    compute in fp32 either way, and fp32-ones would make every output fp32.
+    Per-token modulation (Wan 2.2 TI2V's ``[B, L, 6, C]`` temb) and norms whose
+    calls are hooked (offloading, casting) run diffusers' forward."""
+
+    signature = ("hidden_states", "encoder_hidden_states", "temb", "rotary_emb")
+    own_parameters = ("scale_shift_table",)
+
+    @classmethod
+    def build(cls, original):
+        # diffusers' FP32LayerNorm (a LayerNorm computed in fp32, its result cast
+        # back) is what the kernels compute: they normalize in fp32.
+        fp32_layer_norm = _diffusers()[0].FP32LayerNorm
+
+        def layer_norm(norm):
+            return _is_plain_layer_norm(norm) or (type(norm) is fp32_layer_norm and len(norm.normalized_shape) == 1)
+
+        norm2 = original.norm2
+        if not (layer_norm(original.norm1) and layer_norm(original.norm3)
+                and (type(norm2) is nn.Identity or layer_norm(norm2))):
+            return None
+        return super().build(original)
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
+        norms = (self.norm1, self.norm2, self.norm3)
+        if temb.ndim != 3 or any(must_call(norm) for norm in norms):
+            return self._original_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb)
+        norm1, norm2, norm3 = norms
+        modulation = (self.scale_shift_table + temb.float()).to(hidden_states.dtype)
+        shift, scale, gate, c_shift, c_scale, c_gate = modulation.chunk(6, dim=1)  # [B, 1, C] each
+        # 1. Self-attention, its input written as FP8 rows when q/k/v are FP8 Linears.
+        modulate = norm_modulate_fp8 if WanAttnProcessor.takes_fp8_rows(self.attn1) else norm_modulate
+        normed = modulate(hidden_states, scale, shift, norm1.weight, norm1.bias, "layernorm", norm1.eps)
+        attn_out = self.attn1(normed, None, None, rotary_emb)
+        # 2. Cross-attention: the gated residual and its (unmodulated) norm in one pass.
+        if type(norm2) is nn.Identity:
+            hidden_states = gated_residual(hidden_states, attn_out, gate)
+            normed = hidden_states
+        else:
+            seam = (gated_residual_norm_modulate_fp8 if WanAttnProcessor.takes_fp8_rows(self.attn2, cross=True)
+                    else gated_residual_norm_modulate)
+            zero = torch.zeros_like(shift)
+            hidden_states, normed = seam(hidden_states, attn_out, gate, zero, zero, norm2.weight, norm2.bias,
+                                         "layernorm", norm2.eps)
+        attn_out = self.attn2(normed, encoder_hidden_states, None, None)
+        # 3. Feed-forward: the (ungated) cross-attention residual and the MLP's modulated norm in one pass.
+        seam = gated_residual_norm_modulate_fp8 if _reads_fp8_rows(self.ffn) else gated_residual_norm_modulate
+        hidden_states, normed = seam(hidden_states, attn_out, torch.ones_like(c_gate), c_scale, c_shift,
+                                     norm3.weight, norm3.bias, "layernorm", norm3.eps)
+        return gated_residual(hidden_states, self.ffn(normed), c_gate)
+
+
 def _block_rules() -> dict:
     """``{exact block class: (what, our block class)}``: blocks whose forward we
     reproduce with fused seams; their children are patched inside."""
-    _, _, flux, *_ = _diffusers()
+    _, _, flux, wan, _ = _diffusers()
     rules = {
         flux.FluxTransformerBlock: ("diffusers FluxTransformerBlock", FluxTransformerBlock),
         flux.FluxSingleTransformerBlock: ("diffusers FluxSingleTransformerBlock", FluxSingleTransformerBlock),
+        wan.WanTransformerBlock: ("diffusers WanTransformerBlock", WanTransformerBlock),
     }
     for theirs, (_, ours) in rules.items():
         _share_block_metadata(ours, theirs)
@@ -394,7 +466,7 @@ def _share_block_metadata(ours: type, theirs: type) -> None:
         pass
 
 
-_UNFUSED_BLOCKS = ("JointTransformerBlock", "WanTransformerBlock", "LTXVideoTransformerBlock")
+_UNFUSED_BLOCKS = ("JointTransformerBlock", "LTXVideoTransformerBlock")
 
 
 def _left_alone(module: nn.Module, act) -> Optional[str]:
@@ -607,6 +679,18 @@ class WanAttnProcessor(_FusedProcessor):
     """diffusers' ``WanAttnProcessor`` (self- and text cross-attention) with
     rotary embedding and attention as fused ops; image-conditioned (I2V)
     attention stays with the original."""
+
+    @staticmethod
+    def takes_fp8_rows(attn, cross: bool = False) -> bool:
+        """Whether this layer's fused path runs and can take its input (the
+        query's, for ``cross``-attention) as FP8 rows: its projections that
+        read it are FP8 Linears and the call is one this processor covers."""
+        processor = getattr(attn, "processor", None)
+        if type(processor) is not WanAttnProcessor or attn.add_k_proj is not None or attn.fused_projections \
+                or getattr(processor, "_parallel_config", None):
+            return False
+        readers = (attn.to_q,) if cross else (attn.to_q, attn.to_k, attn.to_v)
+        return all(isinstance(linear, FP8Linear) for linear in readers)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         if attention_mask is not None or attn.add_k_proj is not None or attn.fused_projections \
