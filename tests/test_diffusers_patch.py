@@ -835,7 +835,7 @@ def _offload(model, how, tmp_path):
     accelerate = pytest.importorskip("accelerate")
     if how == "cpu_offload":
         return accelerate.cpu_offload(model, execution_device=torch.device(DEVICE))
-    device_map = {}
+    device_map = {name: DEVICE for name, _ in model.named_parameters(recurse=False)}  # Wan's scale_shift_table
     for name, child in model.named_children():
         if isinstance(child, torch.nn.ModuleList):
             device_map.update({f"{name}.{i}": "disk" for i in range(len(child))})
@@ -844,7 +844,7 @@ def _offload(model, how, tmp_path):
     return accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path))
 
 
-OFFLOAD_MODELS = ["flux", "sd3"]  # the seams that read q/k-norm and LayerNorm weights themselves
+OFFLOAD_MODELS = ["flux", "sd3", "wan"]  # seams that read q/k-norm and LayerNorm weights themselves
 
 
 @pytest.mark.parametrize("name", OFFLOAD_MODELS)
