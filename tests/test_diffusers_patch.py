@@ -896,3 +896,87 @@ def test_ada_layer_norm_continuous_calls_its_affine_norm_when_a_hook_holds_the_w
         _hold_out_every_leaf_weight(norm)
         got = norm(x, emb)
     torch.testing.assert_close(got, want, **TOL)
+
+
+# ---------------------------------------------------------------- export and AOTInductor (issue 20)
+
+
+def _flux_block_inputs(model, side):
+    """Inputs of the first double block of a patched tiny Flux at ``side x side`` image tokens."""
+    args = _to(_flux()[1](side), DEVICE)
+    with torch.no_grad():
+        hidden = model.x_embedder(args["hidden_states"])
+        text = model.context_embedder(args["encoder_hidden_states"])
+        temb = model.time_text_embed(args["timestep"] * 1000, args["pooled_projections"])
+        rope = model.pos_embed(torch.cat([args["txt_ids"], args["img_ids"]]))
+    return dict(hidden_states=hidden, encoder_hidden_states=text, temb=temb, image_rotary_emb=rope)
+
+
+def _fused_targets(graph_module) -> set:
+    return {str(n.target) for n in graph_module.graph.nodes
+            if n.op == "call_function" and str(n.target).startswith("fused.")}
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU target; a GPU package holds the Triton kernels instead")
+def test_patched_flux_exports_with_a_dynamic_sequence_and_a_block_runs_as_an_aoti_package(tmp_path):
+    """torch.export of a whole patched tiny Flux with a dynamic image sequence
+    (the fused ops stay ops in the graph) matches eager at two lengths; one
+    patched double block goes through AOTInductor (CPU), loads, and matches
+    eager at lengths it was not exported at."""
+    torch.manual_seed(0)
+    model, inputs = _flux()
+    model = model.to(DEVICE).eval()
+    compile_ops.patch(model)
+    seq = torch.export.Dim("seq", min=4, max=256)
+    args = _to(inputs(4), DEVICE)
+    dynamic = {name: None for name in args}
+    dynamic["hidden_states"], dynamic["img_ids"] = {1: seq}, {0: seq}
+    exported = torch.export.export(model, (), args, dynamic_shapes=dynamic)
+    assert {"fused.qk_norm_rope.default", "fused.gated_residual_norm_modulate.default"} <= \
+        _fused_targets(exported.graph_module), _fused_targets(exported.graph_module)
+    for side in (4, 6):
+        args = _to(inputs(side), DEVICE)
+        with torch.no_grad():
+            torch.testing.assert_close(exported.module()(**args).sample, model(**args).sample, **TOL)
+
+    block = model.transformer_blocks[0]
+    kwargs = _flux_block_inputs(model, 4)
+    rope_len = seq + 8  # 8 text tokens, then the image's
+    exported = torch.export.export(block, (), kwargs, dynamic_shapes=dict(
+        hidden_states={1: seq}, encoder_hidden_states=None, temb=None,
+        image_rotary_emb=({0: rope_len}, {0: rope_len})))
+    package = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "flux_block.pt2"))
+    loaded = torch._inductor.aoti_load_package(package)
+    for side in (5, 7):
+        kwargs = _flux_block_inputs(model, side)
+        with torch.no_grad():
+            want = block(**kwargs)
+            got = loaded(**kwargs)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_patched_model_under_cuda_graphs_has_no_skip_and_matches_the_default_mode(name):
+    """``torch.compile(mode="reduce-overhead")`` of a patched model: captured
+    whole in CUDA graphs (no "skipping cudagraphs" from any op: a host sync, a
+    CPU tensor or a data-dependent allocation would cause one) and, replayed,
+    equal to the default mode's output."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    model = model.to("cuda").eval()
+    compile_ops.patch(model)
+    args = _to(inputs(4), "cuda")
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        want = torch.compile(model, fullgraph=True)(**args).sample
+        graphed = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        for _ in range(3):  # warm-up, record, replay
+            got = graphed(**args).sample.clone()
+    torch._dynamo.reset()
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -299,3 +299,23 @@ def test_autocast_kernels_exist_exactly_for_the_ops_with_a_policy():
         for device, key in (("cuda", "AutocastCUDA"), ("cpu", "AutocastCPU")):
             has = torch._C._dispatch_has_kernel_for_dispatch_key(f"fused::{name}", key)
             assert has == (device in with_policy.get(name, ())), (name, key)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", registry.OPS, ids=IDS)
+def test_launchers_never_synchronize_with_the_device(spec):
+    """No launcher reads a CUDA tensor back on the host (``.item()``,
+    ``.tolist()``, ``.cpu()``, a data-dependent shape): that would stall the
+    stream and break CUDA graphs (``torch.compile(mode="reduce-overhead")``).
+    CUDA's sync debug mode turns any synchronizing call into an error; the
+    op runs forward and, where it has one, backward."""
+    args = spec.make_inputs((2, 64, 64), torch.bfloat16, "cuda", spec.differentiable)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [o for o in _outputs(spec.op(*args)) if o.requires_grad]
+        if outs:
+            sum(o.float().sum() for o in outs).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
