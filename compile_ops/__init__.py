@@ -30,13 +30,15 @@ _distributed.register()
 
 
 def patch(model, attention_processors: bool = True, attention_kernel: str = "auto", precision: str = "bf16",
-          fp8_fast_accum: bool = True, attention=None):
+          fp8_fast_accum: bool = True, attention=None, attention_precision: str = "exact"):
     """Swap the fused ops into a diffusers transformer (``precision="fp8"``: FP8
     Linears in its blocks; ``attention=SlidingTile(...)``, ``Radial(...)`` or
-    ``TopK(...)``: sparse video self-attention); see
+    ``TopK(...)``: sparse video self-attention; ``attention_precision="int8"``:
+    8-bit dense attention for inference); see
     :func:`compile_ops.integrations.diffusers.patch`."""
     from compile_ops.integrations.diffusers import patch as _patch
-    return _patch(model, attention_processors, attention_kernel, precision, fp8_fast_accum, attention)
+    return _patch(model, attention_processors, attention_kernel, precision, fp8_fast_accum, attention,
+                  attention_precision)
 
 
 def unpatch(model) -> None:

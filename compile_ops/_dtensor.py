@@ -88,7 +88,7 @@ def replicated_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_parallel(attend: Callable, q, k, v, seq_dim: int):
-    """``attend(q, k, v) -> (out, lse)`` for q/k/v sharded on the sequence, without
+    """``attend(q, k, v) -> (out, lse)`` (or ``-> out``: 8-bit attention) for q/k/v sharded on the sequence, without
     gathering them: the DeepSpeed-Ulysses exchange. One all-to-all each moves
     q, k and v from sequence shards to head shards (every rank then holds whole
     sequences for its heads, which attention's rule runs locally), and one
@@ -117,7 +117,10 @@ def sequence_parallel(attend: Callable, q, k, v, seq_dim: int):
         return attend(q, k, v)
 
     by_heads = [Shard(heads_dim) if i in over else p for i, p in enumerate(placements)]
-    out, lse = attend(*(t.redistribute(mesh, by_heads) for t in (q, k, v)))
+    result = attend(*(t.redistribute(mesh, by_heads) for t in (q, k, v)))
+    if not isinstance(result, tuple):
+        return result.redistribute(mesh, placements)
+    out, lse = result
     # lse is [B, H, L] in both layouts: its sequence is dim 2.
     lse_by_sequence = [Shard(2) if i in over else p for i, p in enumerate(lse.placements)]
     return out.redistribute(mesh, placements), lse.redistribute(mesh, lse_by_sequence)

@@ -493,6 +493,29 @@ def _make_attention(shape, dtype, device, requires_grad):
     return (*_qkv(b, h, h, length, length, d, 2, dtype, device, requires_grad), d ** -0.5, False, 2, None)
 
 
+def _int8_dtype(dtype):
+    """8-bit attention takes fp16/bf16: other requested dtypes run as fp16 (the
+    interpreter's bf16 dots are wrong in triton 3.6; the GPU runs both)."""
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
+def _attention_int8_edges(dtype, device, requires_grad):
+    """The attention edges in a 16-bit dtype, keys offset by a per-channel
+    constant (what the smoothing removes), no gradient (inference only)."""
+    dtype = _int8_dtype(dtype)
+    cases = []
+    for q, k, v, scale, causal, seq_dim, kv_lengths in _attention_edges(dtype, device, False):
+        offset = torch.linspace(-3, 3, k.shape[-1], device=device).to(dtype)
+        cases.append((q, (k + offset).to(dtype), v, scale, causal, seq_dim, kv_lengths))
+    return cases
+
+
+def _make_attention_int8(shape, dtype, device, requires_grad):
+    """q, k, v ``[B, L, H, D]`` (the models' layout), non-causal self-attention, 16-bit."""
+    b, length, h, d = _heads(shape)
+    return (*_qkv(b, h, h, length, length, d, 1, _int8_dtype(dtype), device, False), d ** -0.5, False, 1, None)
+
+
 def _attention_backward_edges(dtype, device, requires_grad):
     cases = []
     for q, k, v, scale, causal, seq_dim, kv_lengths in _attention_edges(dtype, device, False):
@@ -613,6 +636,9 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec("attention", "attention", reference.attention.attention, _make_attention, _attention_edges, tf32=True),
     OpSpec("attention_backward", "attention", reference.attention.attention_backward, None,
            _attention_backward_edges, differentiable=False),
+    # Inference only: its autograd formula raises.
+    OpSpec("attention_int8", "attention", reference.attention.attention_int8, _make_attention_int8,
+           _attention_int8_edges, differentiable=False),
     OpSpec("block_sparse_attention", "block_sparse", reference.block_sparse.block_sparse_attention,
            _make_block_sparse, _block_sparse_edges, tf32=True),
     OpSpec("block_sparse_attention_backward", "block_sparse", reference.block_sparse.block_sparse_attention_backward,

@@ -277,3 +277,97 @@ def test_fp32_dots_follow_torchs_fp32_matmul_precision():
         return ((out.double() - exact).norm() / exact.norm()).item()
 
     assert error(ieee) < 1e-5 and error(tf32) > 10 * error(ieee), (error(ieee), error(tf32))
+
+
+# ---------------------------------------------------------------- 8-bit attention (precision="int8")
+
+
+def _relative_l2(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def _int8_case(seq_dim, b, hq, hk, lq, lk, d, dtype, device, key_offset=2.0):
+    """q, k, v with keys carrying a per-channel offset (what the smoothing removes)."""
+    def t(h, length):
+        shape = (b, h, length, d) if seq_dim == 2 else (b, length, h, d)
+        return torch.randn(shape, device=device)
+    offset = key_offset * torch.randn(d, device=device)
+    return t(hq, lq).to(dtype), (t(hk, lk) + offset).to(dtype), t(hk, lk).to(dtype)
+
+
+def test_int8_specification_quantizes_per_token_and_smoothing_leaves_attention_exact():
+    """The specification in reference.attention: INT8 values in [-127, 127]
+    with per-token scales ``amax / 127`` (the row's largest value maps to
+    +-127), k's mean removed first, which changes no exact attention output;
+    the approximation's distance to exact attention is printed."""
+    torch.manual_seed(0)
+    q, k, v = _int8_case(1, 2, 4, 2, 37, 53, 24, torch.bfloat16, "cpu", key_offset=4.0)
+    q8, q_scale, k8, k_scale = ref.smooth_quantize_qk(q, k, seq_dim=1)
+    assert q8.dtype == k8.dtype == torch.int8 and q8.shape == q.shape and k8.shape == k.shape
+    assert q_scale.shape == (2, 4, 37) and k_scale.shape == (2, 2, 53) and q_scale.is_contiguous()
+    assert int(q8.abs().max()) == 127 and (q8.abs().amax(-1) == 127).all()  # every token uses the full range
+    torch.testing.assert_close(q_scale, q.float().abs().amax(-1).transpose(1, 2) / 127)
+    smoothed = k.float() - k.float().mean(dim=1, keepdim=True)
+    torch.testing.assert_close(k_scale, smoothed.abs().amax(-1).transpose(1, 2) / 127)
+    # Softmax ignores the shift: exact attention with and without the smoothing agree (fp64).
+    exact, _ = ref.attention(q.double(), k.double(), v.double(), 0.2, False, 1)
+    shifted, _ = ref.attention(q.double(), k.double() - k.double().mean(dim=1, keepdim=True), v.double(), 0.2,
+                               False, 1)
+    torch.testing.assert_close(shifted, exact, rtol=1e-10, atol=1e-10)
+    approx = ref.attention_int8(q, k, v, 0.2, False, 1)
+    err = _relative_l2(approx, exact)
+    print(f"int8 specification vs exact attention: relative L2 {err:.2e}")
+    assert err < 5e-2  # 8-bit q.k, per token: ~1e-2 here; a wrong scale or a missing smoothing is O(1)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("seq_dim, causal, lengths, hq, hk, lq, lk, d", [
+    (2, False, None, 2, 2, 130, 130, 64),   # two query tiles, a partial key tile
+    (1, True, None, 4, 2, 50, 66, 40),      # [B, L, H, D], GQA, Lq != Lk, D padded
+    (2, False, (30, 66), 2, 1, 33, 66, 128),  # padded keys, MQA
+])
+def test_kernels_int8_match_the_same_quantization(seq_dim, causal, lengths, hq, hk, lq, lk, d):
+    """The kernel against the specification (exact attention of the same
+    dequantized q and k): within the 16-bit rounding of P and the output,
+    as the 16-bit kernel is to exact attention; the distance of both to exact
+    attention is printed."""
+    torch.manual_seed(0)
+    dtypes = [torch.float16] + ([] if INTERPRET else [torch.bfloat16])
+    for dtype in dtypes:
+        q, k, v = _int8_case(seq_dim, 2, hq, hk, lq, lk, d, dtype, KERNEL_DEVICE)
+        kv_lengths = None if lengths is None else torch.tensor(lengths, device=KERNEL_DEVICE)
+        with torch.no_grad():
+            got = compile_ops.attention(q, k, v, causal=causal, seq_dim=seq_dim, kv_lengths=kv_lengths,
+                                        precision="int8")
+        assert got.dtype == dtype and got.shape == q.shape
+        want = ref.attention_int8(q.cpu(), k.cpu(), v.cpu(), d ** -0.5, causal, seq_dim,
+                                  None if kv_lengths is None else kv_lengths.cpu())
+        exact, _ = ref.attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), d ** -0.5, causal, seq_dim,
+                                 None if kv_lengths is None else kv_lengths.cpu())
+        to_spec, to_exact = _relative_l2(got.cpu(), want), _relative_l2(got.cpu(), exact)
+        print(f"{dtype} int8 kernel: to the specification {to_spec:.2e}, to exact attention {to_exact:.2e}")
+        # 16-bit P and output rounding: ~2e-4 (fp16) / ~2e-3 (bf16); the quantization itself is ~1e-2.
+        assert to_spec < (1e-3 if dtype == torch.float16 else 6e-3), to_spec
+
+
+def test_int8_compiles_with_fullgraph_and_equals_eager():
+    torch.manual_seed(0)
+    q, k, v = _int8_case(1, 1, 2, 2, 9, 9, 16, torch.float16, "cpu")
+    attend = lambda q, k, v: compile_ops.attention(q, k, v, seq_dim=1, precision="int8")  # noqa: E731
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), attend(q, k, v), rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+def test_int8_refuses_other_dtypes_a_gradient_and_an_lse():
+    q, k, v = _int8_case(2, 1, 2, 2, 8, 8, 16, torch.float16, "cpu")
+    with pytest.raises(TypeError, match="fused.attention_int8: q, k and v must be float16 or bfloat16"):
+        compile_ops.attention(q.float(), k.float(), v.float(), precision="int8")
+    with pytest.raises(ValueError, match="precision='int8' returns no lse"):
+        compile_ops.attention(q, k, v, precision="int8", return_lse=True)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        compile_ops.attention(q, k, v, precision="fp4")
+    q.requires_grad_()
+    out = compile_ops.attention(q, k, v, precision="int8")
+    with pytest.raises(RuntimeError, match="fused.attention_int8 is inference only"):
+        out.float().sum().backward()

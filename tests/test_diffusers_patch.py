@@ -980,3 +980,46 @@ def test_patched_model_under_cuda_graphs_has_no_skip_and_matches_the_default_mod
     torch._dynamo.reset()
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- 8-bit attention (issue 29)
+
+
+@pytest.mark.parametrize("name, layers", [("flux", 2), ("wan", 4)])
+def test_int8_attention_precision_runs_8_bit_attention_on_16_bit_inference_only(name, layers, monkeypatch):
+    """``patch(attention_precision="int8")``: every attention call of a bf16
+    model's inference goes through 8-bit attention (the specification's
+    reference on CPU, the kernel on a GPU), close to the exact patched model
+    at 8-bit quantization's distance (printed); a call that needs a
+    gradient keeps the exact kernels, and an unknown precision is refused."""
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    model = model.to(DEVICE, torch.bfloat16).eval()
+    exact, int8 = copy.deepcopy(model), copy.deepcopy(model)
+    compile_ops.patch(exact)
+    compile_ops.patch(int8, attention_precision="int8")
+    calls = Counter()
+    attend = integration.attention
+
+    def counting(*args, **kwargs):
+        calls.update([kwargs.get("precision", "exact")])
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "attention", counting)
+    args = {key: value.to(torch.bfloat16) if torch.is_tensor(value) and value.is_floating_point() else value
+            for key, value in _to(inputs(4), DEVICE).items()}
+    with torch.no_grad():
+        got = int8(**args).sample
+        assert calls["int8"] == layers and calls["exact"] == 0, calls
+        want = exact(**args).sample
+    err = _relative_l2(got, want)
+    print(f"{name}: int8 attention vs exact attention, step output relative L2 {err:.2e}")
+    assert 0 < err < 5e-2
+    calls.clear()
+    int8.train()
+    for p in int8.parameters():
+        p.requires_grad_(True)
+    int8(**args).sample.float().square().mean().backward()  # training: the exact kernels, a gradient
+    assert calls["int8"] == 0 and calls["exact"] == layers, calls
+    with pytest.raises(ValueError, match="attention_precision must be one of"):
+        compile_ops.patch(MODELS[name]()[0], attention_precision="fp8")

@@ -200,7 +200,27 @@ def _block_sparse_inputs(list_batch, list_heads):
                     torch.ones(list_batch, list_heads, 1, dtype=torch.int32))
 
 
+def _attention_int8(seq_dim, q, k, v):
+    return compile_ops.attention(q, k, v, seq_dim=seq_dim, precision="int8")
+
+
+def _attention_int8_inputs(seq_dim):
+    """16-bit q, k, v (8-bit attention's inputs), inference: no gradient."""
+    def qkv(heads, length):
+        shape = (B, heads, length, D) if seq_dim == 2 else (B, length, heads, D)
+        return torch.randn(shape).to(torch.bfloat16)
+    return lambda: (qkv(H, L), qkv(HK, L), qkv(HK, L))
+
+
 def _attention_cases():
+    for seq_dim in (2, 1):
+        heads = 3 - seq_dim
+        for axis, d in (("batch", 0), ("heads", heads), ("sequence", seq_dim)):
+            # Sequence shards move to head shards and back (Ulysses): k's mean
+            # (the smoothing) is then over whole sequences, as unsharded.
+            s = Shard(d)
+            yield Case(f"attention_int8_seq_dim{seq_dim}/{axis}", partial(_attention_int8, seq_dim),
+                       _attention_int8_inputs(seq_dim), (s, s, s), (s,))
     for seq_dim in (2, 1):
         heads = 3 - seq_dim
         for axis, d in (("batch", 0), ("heads", heads)):

@@ -21,7 +21,7 @@ from compile_ops import registry
 from compile_ops._library import OP_BODIES
 
 _POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64",
-            torch.int32: "*i32", torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
+            torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
 
 
 def _fake_cuda(args):

@@ -526,9 +526,19 @@ class _FusedProcessor:
         else:
             super().__setattr__(name, value)
 
+    #: ``patch(attention_precision=...)``: "int8" runs dense attention as
+    #: ``fused.attention_int8`` where it applies (see :meth:`attend`).
+    attention_precision = "exact"
+
     def attend(self, query, key, value, kv_lengths=None):
         """Attention of ``[B, L, H, D]`` q, k, v; ``kv_lengths [B]``: keys past
-        each sample's length are masked (padded text tokens at the end)."""
+        each sample's length are masked (padded text tokens at the end).
+        Under ``attention_precision="int8"``, 16-bit inference calls run 8-bit
+        attention; calls that need a gradient (training) and fp32 ones keep
+        the exact kernels."""
+        if self.attention_precision == "int8" and query.dtype in (torch.float16, torch.bfloat16) \
+                and not _needs_gradient(query, key, value):
+            return attention(query, key, value, seq_dim=1, kv_lengths=kv_lengths, precision="int8")
         if self.kernel == "sdpa" or (self.kernel == "auto" and _sdpa_is_faster(query, key, value)):
             mask = None
             if kv_lengths is not None:
@@ -604,14 +614,17 @@ def _tokens(x) -> int:
     return (x.q if isinstance(x, FP8Rows) else x).shape[1]
 
 
+def _needs_gradient(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _sdpa_is_faster(query, key, value) -> bool:
     """Inference in fp16/bf16 on a GPU: SDPA's cuDNN backend runs the forward
     1.2-1.35x faster than fused.attention on an H100/H200 (README attention
     tables). Training keeps fused.attention: its backward is ahead of SDPA's
     flash backend, and torch 2.11's cuDNN backward fails at Flux's training
     shape (bench/diffusers_e2e.py)."""
-    training = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not training
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not _needs_gradient(query, key, value)
 
 
 class FluxAttnProcessor(_FusedProcessor):
@@ -966,8 +979,12 @@ def _attach_sparse_attention(model: nn.Module, config, report: PatchReport, undo
 # ---------------------------------------------------------------- patch / unpatch
 
 
+ATTENTION_PRECISIONS = ("exact", "int8")
+
+
 def patch(model: nn.Module, attention_processors: bool = True, attention_kernel: str = "auto",
-          precision: str = "bf16", fp8_fast_accum: bool = True, attention=None) -> PatchReport:
+          precision: str = "bf16", fp8_fast_accum: bool = True, attention=None,
+          attention_precision: str = "exact") -> PatchReport:
     """Swap the fused ops into a diffusers transformer, in place.
 
     Call it before ``torch.compile`` and before diffusers' hooks (group
@@ -1013,6 +1030,12 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
             the schedule and the compile count. The report's
             ``sparse_attention.describe()`` gives the density per grid.
 
+        attention_precision: ``"exact"``, or ``"int8"``: our processors run
+            dense attention as 8-bit attention (``attention(...,
+            precision="int8")``: smoothed k, q and k in INT8 per token) on
+            16-bit inference calls; training calls and fp32 models keep the
+            exact kernels, sparse layouts stay 16-bit.
+
     Returns:
         A :class:`PatchReport`; ``print`` it for a summary.
     """
@@ -1024,6 +1047,12 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
                          f"got {attention_kernel!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"compile_ops.patch: precision must be one of {PRECISIONS}, got {precision!r}")
+    if attention_precision not in ATTENTION_PRECISIONS:
+        raise ValueError(f"compile_ops.patch: attention_precision must be one of {ATTENTION_PRECISIONS}, "
+                         f"got {attention_precision!r}")
+    if attention_precision != "exact" and not attention_processors:
+        raise ValueError("compile_ops.patch: attention_precision needs attention_processors=True (our "
+                         "processors run it)")
     _, act, *_ = _diffusers()
     if importlib.util.find_spec("diffusers.models.attention_dispatch") is not None:  # diffusers 0.35+
         register_diffusers_backend()  # model.set_attention_backend("compile_ops") from here on
@@ -1073,7 +1102,9 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
                    "fused.attention there" if hasattr(processor, "_attention_backend") else "it calls SDPA itself")
             report.left.append((path, type(processor).__name__, f"attention processor not covered; kept ({how})"))
             continue
-        module.set_processor(match[1](processor, attention_kernel))
+        ours = match[1](processor, attention_kernel)
+        ours.attention_precision = attention_precision
+        module.set_processor(ours)
         undo.append(("processor", module, None, processor))
         report.replaced.append((path, match[0], f"compile_ops {match[1].__name__}"))
     if attention is not None:

@@ -166,9 +166,11 @@ def _tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARS
 
 @triton.jit
 def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last, BLOCKS, kv_len, Lk, qk_scale,
+               q_scale, K_SCALE,
                D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-               SPARSE: tl.constexpr, TMA: tl.constexpr, DOT_ACC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+               SPARSE: tl.constexpr, TMA: tl.constexpr, DOT_ACC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+               INT8: tl.constexpr):
     """Online softmax over key tiles; ``m`` is the running max of the raw
     scores q.k, and exponents are ``(s - m) * scale * log2(e)``: scaled after
     the subtraction, so their rounding error is relative to the (small)
@@ -183,7 +185,11 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
     descriptors, loaded by the TMA unit (rows past Lk and columns past D come
     back as zeros); ``DOT_ACC``: the rescaled accumulator is the second dot's
     accumulator operand (wgmma adds into it) instead of a separate add;
-    ``WARP_SPECIALIZE``: Triton's producer/consumer warp groups for the loop."""
+    ``WARP_SPECIALIZE``: Triton's producer/consumer warp groups for the loop.
+
+    ``INT8`` (8-bit attention): q and k are int8 with per-token scales
+    (``q_scale`` of this program's rows, ``K_SCALE`` of its head's keys); the
+    QK product is an integer dot (exact in int32), dequantized per score."""
     for i in tl.range(first, last, warp_specialize=WARP_SPECIALIZE):  # key tiles
         start_n = _tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE)
         cols = start_n + offs_n
@@ -193,7 +199,11 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
         else:
             k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
             v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if INT8:
+            k_scale = tl.load(K_SCALE + cols, mask=cols < Lk, other=0.0)
+            s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             s = tl.where(_visible(q_rows, cols, kv_len, CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -217,19 +227,20 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
 
 
 @triton.jit
-def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS,
+def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
                     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr,
                     H, GROUP, Lq, Lk, scale,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                     SPARSE: tl.constexpr, TMA: tl.constexpr = False, DOT_ACC: tl.constexpr = False,
-                    WARP_SPECIALIZE: tl.constexpr = False):
+                    WARP_SPECIALIZE: tl.constexpr = False, INT8: tl.constexpr = False):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
     that BLOCKS/COUNTS list for this query block. TMA, DOT_ACC,
     WARP_SPECIALIZE: see ``_fwd_tiles`` (TMA needs 16-byte aligned bases and
-    row strides, which the launcher checks)."""
+    row strides, which the launcher checks). INT8: Q and K int8, Q_SCALE /
+    K_SCALE their per-token scales ``[B, H(k), L]`` fp32 contiguous."""
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
         KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     o_off = b * sob + h * soh
@@ -251,17 +262,21 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS,
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     m = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     l = tl.zeros([BLOCK_M], dtype=ACC)
+    q_scale, k_scales = 0.0, K_SCALE
+    if INT8:
+        q_scale = tl.load(Q_SCALE + (b * H + h) * Lq + q_rows, mask=q_rows < Lq, other=0.0)
+        k_scales = K_SCALE + (b * (H // GROUP) + h // GROUP) * Lk
     blocks, count = BLOCKS, 0
     if SPARSE:
         blocks, count = _block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
     first_masked = _tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
     last = _tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
     acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, 0, first_masked,
-                           blocks, kv_len, Lk, qk_scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION, FMA_EXPONENT,
-                           SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, WARP_SPECIALIZE)
+                           blocks, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, False, CAUSAL,
+                           DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, WARP_SPECIALIZE, INT8)
     acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, first_masked, last,
-                           blocks, kv_len, Lk, qk_scale, D, BLOCK_D, True, CAUSAL, DOT_PRECISION, FMA_EXPONENT,
-                           SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, False)
+                           blocks, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, True, CAUSAL,
+                           DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, False, INT8)
 
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]

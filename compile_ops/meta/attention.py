@@ -95,6 +95,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     return q.new_empty(q.shape), q.new_empty((b, h, lq), dtype=accumulation_dtype(q))
 
 
+#: 8-bit attention takes 16-bit activations (what a DiT feeds it) and writes them.
+INT8_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                   seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out in q's shape, dtype and layout, contiguous (no lse: inference only)."""
+    check_attention("attention_int8", q, k, v, scale, causal, seq_dim, kv_lengths)
+    if q.dtype not in INT8_DTYPES:
+        fail("attention_int8", f"q, k and v must be float16 or bfloat16 (8-bit attention quantizes 16-bit "
+                               f"activations), got {q.dtype}", TypeError)
+    check_kv_lengths_values("attention_int8", kv_lengths, dims(k, seq_dim)[2])
+    return q.new_empty(q.shape)
+
+
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
                        kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -134,27 +134,37 @@ def _scratch(size: int, alignment: int, stream) -> Tensor:
 
 
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
-                   seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple] = None) -> None:
+                   seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple] = None,
+                   int8_scales: Optional[tuple] = None) -> None:
     """Fill ``out`` and ``lse`` (from the fake). ``blocks``: block-sparse
-    attention's ``(index [B, H, Lq blocks, width], count [B, H, Lq blocks])``."""
+    attention's ``(index [B, H, Lq blocks, width], count [B, H, Lq blocks])``.
+    ``int8_scales``: 8-bit attention's ``(q_scale [B, H, Lq], k_scale [B, Hk,
+    Lk])``, q and k being int8 (the rest follows v's dtype)."""
     c = _common(q, k, causal, seq_dim, kv_lengths)
     if out.numel() == 0:
         return
     q, k, v = (unit_last_stride(t) for t in (q, k, v))  # D is unit-stride in every layout models use
-    t = forward_tiles(int(c["d"]), q.dtype)
-    tma = t.tma and _tma_ready(seq_dim, q, k, v)
+    int8 = int8_scales is not None
+    consts = c["consts"]
+    if int8:  # the accumulators and the PV dot follow v; an int8 dot needs K (= D) >= 32
+        consts = dict(consts, ACC=acc_dtype(v), DOT_PRECISION=dot_precision(v.dtype), FMA_EXPONENT=True,
+                      BLOCK_D=max(32, consts["BLOCK_D"]))
+    q_scale, k_scale = int8_scales if int8 else (None, None)
+    t = forward_tiles(int(c["d"]), v.dtype)
+    tma = t.tma and not int8 and _tma_ready(seq_dim, q, k, v)
     if tma:
         # Inductor sets triton's allocator before its launches; eager launches need it set too.
         triton.set_allocator(_scratch)
     index, count, *list_strides = _lists(blocks)
     grid = (triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])
     launcher(attn_fwd_kernel)[grid](
-        q, k, v, out, lse, kv_lengths, index, count,
+        q, k, v, out, lse, kv_lengths, index, count, q_scale, k_scale,
         *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
         *_bhl_strides(out, seq_dim), *list_strides,
         c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
-        SPARSE=blocks is not None, TMA=tma, DOT_ACC=t.dot_acc, WARP_SPECIALIZE=t.warp_specialize, **c["consts"],
+        SPARSE=blocks is not None, TMA=tma, DOT_ACC=t.dot_acc, WARP_SPECIALIZE=t.warp_specialize, INT8=int8,
+        **consts,
     )
 
 
@@ -238,11 +248,43 @@ def _backward_attention(ctx, grad_out, _grad_lse):
 _attention_op.register_autograd(_backward_attention, setup_context=_setup_attention)
 
 
+@fused_op("attention_int8", fake=meta.attention.attention_int8, reference=reference.attention.attention_int8,
+          autocast="lower")
+def _attention_int8_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2,
+                       kv_lengths: Optional[Tensor] = None) -> Tensor:
+    out = meta.attention.attention_int8(q, k, v, scale, causal, seq_dim, kv_lengths)
+    # The quantization is torch ops (Inductor fuses them into a few reductions
+    # under torch.compile); the specification is reference.attention's.
+    q8, q_scale, k8, k_scale = reference.attention.smooth_quantize_qk(q, k, seq_dim)
+    b, h, lq, _ = meta.attention.dims(q, seq_dim)
+    lse = q.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
+    launch_forward(q8, k8, v, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale))
+    return out
+
+
+def _refuse_int8_gradient(ctx, grad_out):
+    raise RuntimeError("fused.attention_int8 is inference only (its q and k are rounded to 8 bits, which has no "
+                       "useful gradient): train with precision='exact', or run the call under torch.no_grad()")
+
+
+def _save_nothing(ctx, inputs, output):
+    pass
+
+
+_attention_int8_op.register_autograd(_refuse_int8_gradient, setup_context=_save_nothing)
+
+
 # ---------------------------------------------------------------- public functions
 
 
+#: ``attention``'s precisions: the input dtype's own (16-bit or fp32 dots), or
+#: 8-bit q and k (inference; ``fused.attention_int8``).
+PRECISIONS = ("exact", "int8")
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, causal: bool = False,
-              seq_dim: int = 2, kv_lengths: Optional[Tensor] = None, return_lse: bool = False):
+              seq_dim: int = 2, kv_lengths: Optional[Tensor] = None, return_lse: bool = False,
+              precision: str = "exact"):
     """Flash attention: ``softmax(scale q k^T) v`` without materializing the scores.
 
     Args:
@@ -257,12 +299,27 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, ca
         kv_lengths: ``[B]`` int32/int64 or None: keys at or past
             ``kv_lengths[b]`` are ignored for batch element b (padded text tokens).
         return_lse: also return the log-sum-exp ``[B, Hq, Lq]`` fp32.
+        precision: ``"exact"`` (the dots in the inputs' dtype) or ``"int8"``:
+            inference on fp16/bf16 inputs with k smoothed (its mean over the
+            sequence subtracted, which softmax ignores) and q and k rounded to
+            INT8 per token, an integer QK product and P V in the input dtype
+            (``fused.attention_int8``; specified in
+            ``compile_ops/reference/attention.py``). A gradient through it
+            raises; no lse.
 
     Returns:
         ``[B, Hq, Lq, D]`` / ``[B, Lq, Hq, D]`` in q's dtype and layout, contiguous
         (and the lse). A query with no visible key gives 0 (lse -inf).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if precision not in PRECISIONS:
+        raise ValueError(f"compile_ops.attention: precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "int8":
+        if return_lse:
+            raise ValueError("compile_ops.attention: precision='int8' returns no lse (inference only); "
+                             "call it with return_lse=False")
+        return _dtensor.sequence_parallel(
+            lambda q, k, v: _attention_int8_op(q, k, v, scale, causal, seq_dim, kv_lengths), q, k, v, seq_dim)
     out, lse = _dtensor.sequence_parallel(
         lambda q, k, v: _attention_op(q, k, v, scale, causal, seq_dim, kv_lengths), q, k, v, seq_dim)
     return (out, lse) if return_lse else out

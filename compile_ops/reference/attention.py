@@ -82,3 +82,54 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         return (t if seq_dim == 2 else t.transpose(1, 2)).to(like.dtype)
 
     return back(dq, q), back(dk, k), back(dv, v)
+
+
+# ---------------------------------------------------------------- 8-bit attention (inference)
+
+#: The largest INT8 magnitude a quantized q or k value takes (symmetric: -127..127).
+INT8_MAX = 127.0
+
+
+def quantize_int8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 per token (per row of the last dim): ``scale = amax / 127``
+    over the row (fp32; an all-zero row gets the smallest normal amax, so
+    its values stay 0), ``q = round_half_even(x / scale)`` clamped to
+    [-127, 127]. ``x`` is fp32; returns ``(q int8, scale fp32 [...])``."""
+    amax = x.abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = amax / INT8_MAX
+    q = torch.round(x / scale.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def smooth_quantize_qk(q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> tuple:
+    """The quantization of ``precision="int8"`` attention, exactly: k smoothed
+    by subtracting its mean over the sequence, per (batch, k head, channel),
+    in fp32 (softmax is blind to it: every score of a query moves by the same
+    ``q . mean``); then q and the smoothed k quantized per token
+    (:func:`quantize_int8_tokens`). Returns ``(q_int8, q_scale, k_int8,
+    k_scale)``: the int8 tensors in the inputs' layout, the scales
+    ``[B, H, L]`` fp32 contiguous."""
+    qf, kf = q.float(), k.float()
+    kf = kf - kf.mean(dim=seq_dim, keepdim=True)
+    q8, q_scale = quantize_int8_tokens(qf)
+    k8, k_scale = quantize_int8_tokens(kf)
+    if seq_dim == 1:  # scales [B, L, H] -> [B, H, L], laid out so (a clone: traceable on fake CUDA tensors)
+        q_scale, k_scale = (s.transpose(1, 2).clone(memory_format=torch.contiguous_format) for s in (q_scale, k_scale))
+    return q8, q_scale, k8, k_scale
+
+
+def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                   seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """8-bit attention's specification: exact attention (fp32) of the
+    dequantized q and smoothed k of :func:`smooth_quantize_qk` with v as it
+    is; out in q's dtype and layout. The kernel computes the same scores up
+    to fp32 rounding (integer products are exact) and differs from this only
+    as the 16-bit kernel differs from :func:`attention`."""
+    q8, q_scale, k8, k_scale = smooth_quantize_qk(q, k, seq_dim)
+    if seq_dim == 1:
+        q_hat = q8.float() * q_scale.transpose(1, 2)[..., None]
+        k_hat = k8.float() * k_scale.transpose(1, 2)[..., None]
+    else:
+        q_hat, k_hat = q8.float() * q_scale[..., None], k8.float() * k_scale[..., None]
+    out, _ = attention(q_hat, k_hat, v.float(), scale, causal, seq_dim, kv_lengths)
+    return out.to(q.dtype)
