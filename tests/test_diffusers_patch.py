@@ -1023,3 +1023,38 @@ def test_int8_attention_precision_runs_8_bit_attention_on_16_bit_inference_only(
     assert calls["int8"] == 0 and calls["exact"] == layers, calls
     with pytest.raises(ValueError, match="attention_precision must be one of"):
         compile_ops.patch(MODELS[name]()[0], attention_precision="fp8")
+
+
+def test_int8_attention_dense_steps_keep_the_first_denoising_steps_exact(monkeypatch):
+    """``attention_dense_steps=2``: the first two denoising steps of a
+    generation (distinct timesteps; a repeated one is classifier-free
+    guidance's second call) run exact attention, later ones 8-bit, and a
+    timestep above the last starts a new generation."""
+    torch.manual_seed(0)
+    model, inputs = _wan()
+    model = model.to(DEVICE, torch.bfloat16).eval()
+    compile_ops.patch(model, attention_precision="int8", attention_dense_steps=2)
+    calls = Counter()
+    attend = integration.attention
+
+    def counting(*args, **kwargs):
+        calls.update([kwargs.get("precision", "exact")])
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "attention", counting)
+    args = {key: value.to(torch.bfloat16) if torch.is_tensor(value) and value.is_floating_point() else value
+            for key, value in _to(inputs(4), DEVICE).items()}
+    seen = []
+    with torch.no_grad():
+        for t in (900, 900, 800, 700, 600, 950):
+            calls.clear()
+            model(**dict(args, timestep=torch.tensor([t], device=DEVICE)))
+            seen.append("int8" if calls["int8"] else "exact")
+            assert not (calls["int8"] and calls["exact"]), calls  # one precision per call
+    assert seen == ["exact", "exact", "exact", "int8", "int8", "exact"], seen
+    compile_ops.unpatch(model)
+    assert not model._forward_pre_hooks
+    with pytest.raises(ValueError, match="attention_dense_steps applies to attention_precision='int8'"):
+        compile_ops.patch(_wan()[0], attention_dense_steps=1)
+    with pytest.raises(ValueError, match="attention_dense_steps: dense_steps must be an int >= 0"):
+        compile_ops.patch(_wan()[0], attention_precision="int8", attention_dense_steps=-1)

@@ -45,6 +45,7 @@ from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modula
                                       gated_residual_norm_modulate_fp8, norm_modulate, norm_modulate_fp8)
 from compile_ops.ops.rope import qk_norm_rope, rope_qk
 from compile_ops.integrations.attention_backend import register_diffusers_backend
+from compile_ops.integrations.schedule import DenseFirst
 from compile_ops.integrations.sparse_attention import SparseAttention, TopK
 
 _STATE = "_compile_ops_patch"
@@ -527,8 +528,10 @@ class _FusedProcessor:
             super().__setattr__(name, value)
 
     #: ``patch(attention_precision=...)``: "int8" runs dense attention as
-    #: ``fused.attention_int8`` where it applies (see :meth:`attend`).
+    #: ``fused.attention_int8`` where it applies (see :meth:`attend`), from the
+    #: step ``int8_schedule`` (a :class:`DenseFirst`, or None: every step) says.
     attention_precision = "exact"
+    int8_schedule: Optional[DenseFirst] = None
 
     def attend(self, query, key, value, kv_lengths=None):
         """Attention of ``[B, L, H, D]`` q, k, v; ``kv_lengths [B]``: keys past
@@ -536,8 +539,8 @@ class _FusedProcessor:
         Under ``attention_precision="int8"``, 16-bit inference calls run 8-bit
         attention; calls that need a gradient (training) and fp32 ones keep
         the exact kernels."""
-        if self.attention_precision == "int8" and query.dtype in (torch.float16, torch.bfloat16) \
-                and not _needs_gradient(query, key, value):
+        if self.attention_precision == "int8" and (self.int8_schedule is None or self.int8_schedule.active) \
+                and query.dtype in (torch.float16, torch.bfloat16) and not _needs_gradient(query, key, value):
             return attention(query, key, value, seq_dim=1, kv_lengths=kv_lengths, precision="int8")
         if self.kernel == "sdpa" or (self.kernel == "auto" and _sdpa_is_faster(query, key, value)):
             mask = None
@@ -984,7 +987,7 @@ ATTENTION_PRECISIONS = ("exact", "int8")
 
 def patch(model: nn.Module, attention_processors: bool = True, attention_kernel: str = "auto",
           precision: str = "bf16", fp8_fast_accum: bool = True, attention=None,
-          attention_precision: str = "exact") -> PatchReport:
+          attention_precision: str = "exact", attention_dense_steps: int = 0) -> PatchReport:
     """Swap the fused ops into a diffusers transformer, in place.
 
     Call it before ``torch.compile`` and before diffusers' hooks (group
@@ -1035,6 +1038,11 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
             precision="int8")``: smoothed k, q and k in INT8 per token) on
             16-bit inference calls; training calls and fp32 models keep the
             exact kernels, sparse layouts stay 16-bit.
+        attention_dense_steps: with ``attention_precision="int8"``, the first
+            N denoising steps of each generation run exact attention (counted
+            from the timestep, as sparse attention's ``dense_steps``; see
+            ``compile_ops/integrations/schedule.py``: compile the blocks, not
+            the whole model, when N > 0).
 
     Returns:
         A :class:`PatchReport`; ``print`` it for a summary.
@@ -1050,6 +1058,10 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
     if attention_precision not in ATTENTION_PRECISIONS:
         raise ValueError(f"compile_ops.patch: attention_precision must be one of {ATTENTION_PRECISIONS}, "
                          f"got {attention_precision!r}")
+    schedule = DenseFirst(attention_dense_steps)  # validates it
+    if attention_dense_steps and attention_precision != "int8":
+        raise ValueError("compile_ops.patch: attention_dense_steps applies to attention_precision='int8', "
+                         f"got attention_precision={attention_precision!r}")
     if attention_precision != "exact" and not attention_processors:
         raise ValueError("compile_ops.patch: attention_precision needs attention_processors=True (our "
                          "processors run it)")
@@ -1104,9 +1116,13 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
             continue
         ours = match[1](processor, attention_kernel)
         ours.attention_precision = attention_precision
+        if attention_dense_steps:
+            ours.int8_schedule = schedule
         module.set_processor(ours)
         undo.append(("processor", module, None, processor))
         report.replaced.append((path, match[0], f"compile_ops {match[1].__name__}"))
+    if attention_dense_steps:
+        undo.append(("hook", model.register_forward_pre_hook(schedule.pre_forward, with_kwargs=True), None, None))
     if attention is not None:
         _attach_sparse_attention(model, attention, report, undo)
     if precision == "fp8":

@@ -40,13 +40,13 @@ from torch import Tensor
 
 from compile_ops.meta.attention import SPARSE_BLOCK
 from compile_ops.meta.block_sparse import num_blocks
+from compile_ops.integrations.schedule import DenoisingSteps, check_dense_steps
 from compile_ops.ops.block_sparse import (block_index_from_mask, block_sparse_attention, radial_mask,
                                           sliding_tile_block_mask, tile_permutation, topk_block_index)
 
 
 def _check_steps(cls: str, dense_steps) -> None:
-    if not isinstance(dense_steps, int) or isinstance(dense_steps, bool) or dense_steps < 0:
-        raise ValueError(f"compile_ops.{cls}: dense_steps must be an int >= 0, got {dense_steps!r}")
+    check_dense_steps(f"compile_ops.{cls}", dense_steps)
 
 
 def _check_triple(cls: str, name: str, value) -> tuple:
@@ -222,28 +222,14 @@ class SparseAttention:
         self.text_of = text_of
         self.layouts: dict = {}
         self.layout: Optional[Layout] = None
-        self.step, self._last_timestep = 0, None
-
-    def _count_step(self, timestep) -> None:
-        if self.config.dense_steps == 0 or timestep is None:
-            return
-        if torch.compiler.is_compiling():
-            raise RuntimeError("compile_ops sparse attention: dense_steps reads the timestep on the host in the "
-                               "model's forward pre-hook; compile the transformer blocks "
-                               "(block.compile() / compile_repeated_blocks) rather than the whole model, or "
-                               "use dense_steps=0")
-        t = float(timestep.flatten()[0]) if isinstance(timestep, Tensor) else float(timestep)
-        if self._last_timestep is None or t > self._last_timestep:
-            self.step = 0  # the first call, or a new generation
-        elif t != self._last_timestep:
-            self.step += 1
-        self._last_timestep = t
+        self.steps = DenoisingSteps("compile_ops sparse attention")
 
     def pre_forward(self, module, args, kwargs) -> None:
         """The model's forward pre-hook: the grid of this call, the step, the layout."""
         grid = self.grid_of(module, args, kwargs)
-        self._count_step(kwargs.get("timestep"))
-        if grid is None or self.step < self.config.dense_steps:
+        if self.config.dense_steps:
+            self.steps.update(kwargs.get("timestep"))
+        if grid is None or self.steps.step < self.config.dense_steps:
             self.layout = None
             return
         device = next(module.parameters()).device
