@@ -219,6 +219,16 @@ def register_autocast_policy(name: str, policy: str) -> None:
         _AUTOCAST_LIB.impl(name, lambda _keyset, *args, run=cast_and_run: run(*args), key, with_keyset=True)
 
 
+def register_no_gradient(op, message: str) -> None:
+    """The autograd formula of an inference-only op (FP8 quantization, 8-bit
+    attention): outputs track their inputs, and a backward through them
+    raises ``message``."""
+    def no_gradient(ctx, *grads):
+        raise RuntimeError(message)
+
+    op.register_autograd(no_gradient, setup_context=lambda ctx, inputs, output: None)
+
+
 def fused_op(name: str, *, fake: Callable, reference: Callable, autocast: Optional[str] = None):
     """Define ``torch.ops.fused.<name>`` from the decorated Triton launcher.
 

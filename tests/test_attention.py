@@ -7,6 +7,7 @@ by the two-reference rule: the kernel's error at most 2x (forward) / 3x
 fp16/bf16; for fp32 the same math, with TF32 matmuls where the session's fp32
 matmul precision lets the kernels use TF32 dots on a GPU).
 """
+import dataclasses
 import math
 
 import pytest
@@ -371,3 +372,31 @@ def test_int8_refuses_other_dtypes_a_gradient_and_an_lse():
     out = compile_ops.attention(q, k, v, precision="int8")
     with pytest.raises(RuntimeError, match="fused.attention_int8 is inference only"):
         out.float().sum().backward()
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("options", [dict(tma=True), dict(dot_acc=True),
+                                     dict(tma=True, dot_acc=True, warp_specialize=True)],
+                         ids=["tma", "dot_acc", "tma-dot_acc-ws"])
+def test_kernels_hopper_options_compute_what_the_default_forward_does(options, monkeypatch):
+    """The forward's Hopper options (off by default until measured faster)
+    change how tiles are loaded and accumulated, not the result: forced on,
+    with a padded head dim, a partial key tile, key lengths and both layouts,
+    the output equals the default's up to the order of additions."""
+    from compile_ops.ops import attention as attention_ops
+
+    default = attention_ops.forward_tiles
+    torch.manual_seed(0)
+    for seq_dim in (1, 2):
+        shape = (2, 70, 2, 40) if seq_dim == 1 else (2, 2, 70, 40)
+        q, k, v = (torch.randn(shape, device=KERNEL_DEVICE).to(torch.float16) for _ in range(3))
+        kv_lengths = torch.tensor([50, 70], device=KERNEL_DEVICE)
+        want = compile_ops.attention(q, k, v, seq_dim=seq_dim, kv_lengths=kv_lengths)
+        with monkeypatch.context() as m:
+            m.setattr(attention_ops, "forward_tiles",
+                      lambda d, dtype: attention_ops.Tiles(*dataclasses.astuple(default(d, dtype))[:4], **options))
+            if INTERPRET:  # the interpreter's tensors are on the CPU: so are the descriptors' scratch and checks
+                m.setattr(attention_ops, "_tma_ready", lambda *tensors: True)
+                m.setattr(attention_ops, "_scratch", lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+            got = compile_ops.attention(q, k, v, seq_dim=seq_dim, kv_lengths=kv_lengths)
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)

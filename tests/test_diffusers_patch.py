@@ -985,6 +985,24 @@ def test_patched_model_under_cuda_graphs_has_no_skip_and_matches_the_default_mod
 # ---------------------------------------------------------------- 8-bit attention (issue 29)
 
 
+def _count_attention_precisions(monkeypatch) -> Counter:
+    """Counts, by precision ("exact" or "int8"), the attention calls our processors make from now on."""
+    calls = Counter()
+    attend = integration.attention
+
+    def counting(*args, **kwargs):
+        calls.update([kwargs.get("precision", "exact")])
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "attention", counting)
+    return calls
+
+
+def _bf16(args: dict) -> dict:
+    return {key: value.to(torch.bfloat16) if torch.is_tensor(value) and value.is_floating_point() else value
+            for key, value in args.items()}
+
+
 @pytest.mark.parametrize("name, layers", [("flux", 2), ("wan", 4)])
 def test_int8_attention_precision_runs_8_bit_attention_on_16_bit_inference_only(name, layers, monkeypatch):
     """``patch(attention_precision="int8")``: every attention call of a bf16
@@ -998,16 +1016,8 @@ def test_int8_attention_precision_runs_8_bit_attention_on_16_bit_inference_only(
     exact, int8 = copy.deepcopy(model), copy.deepcopy(model)
     compile_ops.patch(exact)
     compile_ops.patch(int8, attention_precision="int8")
-    calls = Counter()
-    attend = integration.attention
-
-    def counting(*args, **kwargs):
-        calls.update([kwargs.get("precision", "exact")])
-        return attend(*args, **kwargs)
-
-    monkeypatch.setattr(integration, "attention", counting)
-    args = {key: value.to(torch.bfloat16) if torch.is_tensor(value) and value.is_floating_point() else value
-            for key, value in _to(inputs(4), DEVICE).items()}
+    calls = _count_attention_precisions(monkeypatch)
+    args = _bf16(_to(inputs(4), DEVICE))
     with torch.no_grad():
         got = int8(**args).sample
         assert calls["int8"] == layers and calls["exact"] == 0, calls
@@ -1034,16 +1044,8 @@ def test_int8_attention_dense_steps_keep_the_first_denoising_steps_exact(monkeyp
     model, inputs = _wan()
     model = model.to(DEVICE, torch.bfloat16).eval()
     compile_ops.patch(model, attention_precision="int8", attention_dense_steps=2)
-    calls = Counter()
-    attend = integration.attention
-
-    def counting(*args, **kwargs):
-        calls.update([kwargs.get("precision", "exact")])
-        return attend(*args, **kwargs)
-
-    monkeypatch.setattr(integration, "attention", counting)
-    args = {key: value.to(torch.bfloat16) if torch.is_tensor(value) and value.is_floating_point() else value
-            for key, value in _to(inputs(4), DEVICE).items()}
+    calls = _count_attention_precisions(monkeypatch)
+    args = _bf16(_to(inputs(4), DEVICE))
     seen = []
     with torch.no_grad():
         for t in (900, 900, 800, 700, 600, 950):

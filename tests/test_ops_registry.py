@@ -199,6 +199,25 @@ def test_kernels_run_triton_not_the_reference(spec, monkeypatch):
     assert all(a.grad is not None for a in _tensors(args) if a.requires_grad)
 
 
+INFERENCE_ONLY = [s for s in registry.OPS if not s.differentiable and s.make_inputs is not None]
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("spec", INFERENCE_ONLY, ids=[s.name for s in INFERENCE_ONLY])
+def test_kernels_run_triton_not_the_reference_for_inference_only_ops(spec, monkeypatch):
+    """The same for the ops without a gradient (FP8 quantization, 8-bit
+    attention), forward only: their family tests compare the kernel with the
+    reference, which would pass if the op ran the reference."""
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the reference ran where the Triton kernel should have")
+
+    for s in registry.OPS:
+        monkeypatch.setattr(s.reference, "__code__", no_reference.__code__)
+    with torch.no_grad():
+        outs = _outputs(spec.op(*spec.make_inputs((2, 5, 32), torch.float16, KERNEL_DEVICE, False)))
+    assert outs and all(o.device.type == torch.device(KERNEL_DEVICE).type for o in outs)
+
+
 # ---------------------------------------------------------------- layer 4: GPU only
 
 

@@ -284,7 +284,9 @@ def _fuse_mlp_activations(model: nn.Module, report: PatchReport) -> None:
 
 
 def _is_plain_layer_norm(norm: nn.Module) -> bool:
-    return type(norm) in (nn.LayerNorm, LayerNorm) and len(norm.normalized_shape) == 1
+    """A LayerNorm over the last dim that the fused seams compute: torch's, ours,
+    or diffusers' FP32LayerNorm (computed in fp32 and cast back, as the kernels do)."""
+    return type(norm) in (nn.LayerNorm, LayerNorm, _diffusers()[0].FP32LayerNorm) and len(norm.normalized_shape) == 1
 
 
 class FluxTransformerBlock(_BlockForward):
@@ -397,16 +399,9 @@ class WanTransformerBlock(_BlockForward):
 
     @classmethod
     def build(cls, original):
-        # diffusers' FP32LayerNorm (a LayerNorm computed in fp32, its result cast
-        # back) is what the kernels compute: they normalize in fp32.
-        fp32_layer_norm = _diffusers()[0].FP32LayerNorm
-
-        def layer_norm(norm):
-            return _is_plain_layer_norm(norm) or (type(norm) is fp32_layer_norm and len(norm.normalized_shape) == 1)
-
         norm2 = original.norm2
-        if not (layer_norm(original.norm1) and layer_norm(original.norm3)
-                and (type(norm2) is nn.Identity or layer_norm(norm2))):
+        if not (_is_plain_layer_norm(original.norm1) and _is_plain_layer_norm(original.norm3)
+                and (type(norm2) is nn.Identity or _is_plain_layer_norm(norm2))):
             return None
         return super().build(original)
 

@@ -14,7 +14,7 @@ import triton
 from torch import Tensor
 
 from compile_ops import _dtensor, meta, reference
-from compile_ops._library import fused_op, launcher
+from compile_ops._library import fused_op, launcher, register_no_gradient
 from compile_ops.kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                            attn_fwd_kernel)
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
@@ -262,16 +262,9 @@ def _attention_int8_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bo
     return out
 
 
-def _refuse_int8_gradient(ctx, grad_out):
-    raise RuntimeError("fused.attention_int8 is inference only (its q and k are rounded to 8 bits, which has no "
-                       "useful gradient): train with precision='exact', or run the call under torch.no_grad()")
-
-
-def _save_nothing(ctx, inputs, output):
-    pass
-
-
-_attention_int8_op.register_autograd(_refuse_int8_gradient, setup_context=_save_nothing)
+register_no_gradient(_attention_int8_op, "fused.attention_int8 is inference only (its q and k are rounded to 8 "
+                     "bits, which has no useful gradient): train with precision='exact', or run the call under "
+                     "torch.no_grad()")
 
 
 # ---------------------------------------------------------------- public functions

@@ -26,7 +26,7 @@ import triton
 from torch import Tensor
 
 from compile_ops import meta, reference
-from compile_ops._library import fused_op, launcher
+from compile_ops._library import fused_op, launcher, register_no_gradient
 from compile_ops.kernels.fp8 import quantize_fp8_rows_kernel
 from compile_ops.kernels.glu import ACTIVATION_CODES
 from compile_ops.ops._launch import as_rows
@@ -118,15 +118,7 @@ def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tenso
     return q, scale
 
 
-def _no_gradient(ctx, grad_q, grad_scale):
-    raise RuntimeError(f"fused.quantize_fp8_rows: {INFERENCE_ONLY}")
-
-
-def _save_nothing(ctx, inputs, output):
-    pass
-
-
-_quantize_fp8_rows.register_autograd(_no_gradient, setup_context=_save_nothing)
+register_no_gradient(_quantize_fp8_rows, f"fused.quantize_fp8_rows: {INFERENCE_ONLY}")
 
 
 def quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tensor] = None) -> FP8Rows:
