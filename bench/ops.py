@@ -24,7 +24,6 @@ import functools
 import importlib
 import json
 import os
-import time
 import traceback
 
 import torch
@@ -34,10 +33,6 @@ from bench.toolkit import (TIMING, as_tuple, bytes_model, copy_bandwidth_TBps, e
                            log, make_timer, merge_runs, shape_str, tensors_of, time_forward, time_forward_backward,
                            warm_up_gpu)
 
-#: Shape and call count of the eager-overhead probe: small enough that the
-#: kernel takes a few microseconds and the host-side cost of a call shows.
-OVERHEAD_SHAPE = (1, 64, 3072)
-OVERHEAD_CALLS = 2000
 #: Providers every op gets, in table order; peers follow.
 CORE_PROVIDERS = ("fused_eager", "fused_compiled", "native_eager", "native_compiled")
 
@@ -135,80 +130,6 @@ def bench_shape(spec, shape, providers: dict, timer, copy_TBps: float, progress:
     return rows
 
 
-def eager_overhead(device="cuda", calls: int = OVERHEAD_CALLS, warmup: int = 200) -> dict:
-    """Host time per call of ``torch.ops.fused.rmsnorm`` against a bare Triton
-    launch of the same kernel with the same arguments, on an input small
-    enough that the launch path, not the kernel, sets the time."""
-    import triton
-    import triton.language as tl
-
-    from compile_ops.kernels.norm import norm_fwd_kernel
-    from compile_ops.ops.norm import forward_config
-
-    eps = 1e-6
-    x = torch.randn(OVERHEAD_SHAPE, dtype=torch.bfloat16, device=device)
-    weight = (1.0 + 0.1 * torch.randn(OVERHEAD_SHAPE[-1], device=device)).to(torch.bfloat16)
-    # What ops/norm.py::_launch_forward passes for rmsnorm without residual or
-    # bias: rows as a view, the output allocated up front, fp32 statistics.
-    x2 = x.reshape(-1, x.shape[-1])
-    n_rows, n = x2.shape
-    cfg = forward_config(n)
-    out = torch.empty_like(x)
-    grid = (triton.cdiv(n_rows, cfg.block_m),)
-
-    def bare():
-        norm_fwd_kernel[grid](
-            x2, None, weight, None, out, None,
-            n_rows, n,
-            x2.stride(0), x2.stride(1), 0, 0,
-            eps,
-            IS_RMS=True, HAS_RESIDUAL=False, HAS_WEIGHT=True, HAS_BIAS=False, ACC_DTYPE=tl.float32,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
-
-    def fused():
-        return torch.ops.fused.rmsnorm(x, weight, eps)
-
-    def sync():
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize()
-
-    def per_call_us(fn):
-        for _ in range(warmup):
-            fn()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        return (time.perf_counter() - t0) / calls * 1e6
-
-    bare()
-    # Same kernel, same configuration: the outputs must agree bit for bit, or
-    # the probe is not timing what the op launches.
-    same_output = torch.equal(fused(), out)
-    from compile_ops._library import OP_BODIES
-
-    from torch._library.triton import set_wrap_triton_enabled
-
-    body = OP_BODIES["fused::rmsnorm"]
-    fused_us, bare_us = per_call_us(fused), per_call_us(bare)
-
-    # Our Python alone (validation, configs, launch) without torch's dispatcher
-    # and autograd layers: splits the overhead between this project and
-    # torch.library. Wrapping is off as inside the op's own backend (with it on,
-    # a direct call would go through the tracing HOP instead).
-    def body_call():
-        with set_wrap_triton_enabled(False):
-            return body(x, weight, eps)
-
-    body_us = per_call_us(body_call)
-    return {"shape": list(OVERHEAD_SHAPE), "calls": calls, "fused_op_us": fused_us,
-            "bare_triton_us": bare_us, "op_body_us": body_us, "ratio": fused_us / bare_us,
-            "same_output": same_output}
-
-
 # ---------------------------------------------------------------- driver
 
 def select_specs(ops_arg):
@@ -256,10 +177,12 @@ def run(ops: str, quick: bool, out: str, merge: bool) -> int:
     overhead = None
     if any(spec.name == "rmsnorm" for spec in specs):
         try:
-            overhead = eager_overhead()
-            log(f"eager overhead at {shape_str(OVERHEAD_SHAPE)}: fused.rmsnorm {overhead['fused_op_us']:.1f} us "
-                f"per call, bare Triton launch {overhead['bare_triton_us']:.1f} us "
-                f"(x{overhead['ratio']:.2f}; same output: {overhead['same_output']})")
+            from bench import host
+
+            overhead = host.measure(next(s for s in specs if s.name == "rmsnorm"))
+            log(f"eager overhead at {shape_str(overhead['shape'])}: fused.rmsnorm {overhead['eager_us']:.1f} us "
+                f"per call (through the dispatcher {overhead['dispatcher_us']:.1f}), bare Triton launch "
+                f"{overhead['bare_us']:.1f} us (x{overhead['ratio']:.2f}; same output: {overhead['same_output']})")
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             overhead = {"error": error_text(e)}

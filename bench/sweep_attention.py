@@ -23,6 +23,7 @@ import torch  # noqa: E402
 import compile_ops  # noqa: E402
 from bench.block_sparse import random_block_mask  # noqa: E402
 from bench.toolkit import graph_replay_time, make_timer, warm_up_gpu, write_sweep  # noqa: E402
+from compile_ops._library import clear_launch_plans  # noqa: E402
 from compile_ops.ops import attention as attention_ops  # noqa: E402
 
 SHAPES = ((1, 24, 4608, 128), (2, 24, 4096, 64))
@@ -95,6 +96,7 @@ def hopper_sweep(out_path):
         reference = None
         for config in HOPPER_CANDIDATES:
             attention_ops.forward_tiles = functools.partial(lambda *a, t: t, t=attention_ops.Tiles(*config))
+            clear_launch_plans()  # eager calls replay the tiles they were recorded with
             try:
                 with torch.no_grad():
                     out = compile_ops.attention(q, k, v, seq_dim=1)  # [B, L, H, D]: the models' layout
@@ -107,12 +109,13 @@ def hopper_sweep(out_path):
                 ms = tflops = diff = float("nan")
             finally:
                 attention_ops.forward_tiles = default
+                clear_launch_plans()
             rows.append({"shape": [b, h, length, d], "provider": "fused", "config": list(config), "ms": ms,
                          "TFLOPs": tflops, "max_diff_to_default": diff})
             print(f"{b}x{h}x{length}x{d} {config}: {ms * 1e3:8.1f} us {tflops:6.0f} TFLOP/s "
                   f"(max |diff| to default {diff:.2e})", flush=True)
         del q, k, v
-    write_sweep(out_path, rows)
+        write_sweep(out_path, rows)  # after each shape: a timed-out sweep keeps what it measured
 
 
 def main(*argv):
@@ -149,6 +152,7 @@ def main(*argv):
             default = getattr(attention_ops, pass_name)
             for config in configs:
                 setattr(attention_ops, pass_name, functools.partial(lambda *a, t: t, t=attention_ops.Tiles(*config)))
+                clear_launch_plans()
                 try:
                     timed, work = (forward, flops) if pass_name == "forward_tiles" else (step, 3.5 * flops)
                     timed()  # compile outside the timing
@@ -159,12 +163,13 @@ def main(*argv):
                     ms = tflops = float("nan")
                 finally:
                     setattr(attention_ops, pass_name, default)
+                    clear_launch_plans()
                 rows.append({"shape": [b, h, length, d], "block_sparse": sparse, "pass": pass_name,
                              "config": list(config), "ms": ms, "TFLOPs": tflops})
                 print(f"{b}x{h}x{length}x{d} {pass_name:<14} {config}: {ms * 1e3:8.1f} us {tflops:6.0f} TFLOP/s",
                       flush=True)
         del q, k, v
-    write_sweep(out_path, rows)
+        write_sweep(out_path, rows)  # after each shape: a timed-out sweep keeps what it measured
 
 
 if __name__ == "__main__":

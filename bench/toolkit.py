@@ -283,16 +283,20 @@ def module_config(module, *names):
     ``module.<names>`` to a config's values while it is timed."""
     import contextlib
 
+    from compile_ops._library import clear_launch_plans
+
     @contextlib.contextmanager
     def configure(config):
         saved = [getattr(module, n) for n in names]
         for n, v in zip(names, config):
             setattr(module, n, v)
+        clear_launch_plans()  # eager calls replay the config they were recorded with
         try:
             yield
         finally:
             for n, v in zip(names, saved):
                 setattr(module, n, v)
+            clear_launch_plans()
 
     return configure
 

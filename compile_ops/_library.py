@@ -30,7 +30,7 @@ import torch
 from torch.library import wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from compile_ops import _dtensor
+from compile_ops import _dtensor, _replay
 
 NAMESPACE = "fused"
 
@@ -63,6 +63,30 @@ def device_guard(t: torch.Tensor):
     return _NO_GUARD
 
 
+@torch.compiler.assume_constant_result
+def cuda_capability(index: Optional[int]) -> tuple:
+    """``(major, minor, name)`` of CUDA device ``index`` (None: the current one).
+    A constant to torch.compile: looked up once while tracing, not in the graph.
+
+    With :func:`has_tma` the one place that tells GPUs apart: FP8 GEMMs need
+    sm_89 (``ops/fp8.py``), the Hopper attention options sm_90."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return major, minor, torch.cuda.get_device_name(index)
+
+
+#: The first capability with TMA (tensor descriptors) and warpgroup MMA.
+HOPPER = (9, 0)
+
+
+def has_tma(t: torch.Tensor) -> bool:
+    """True when ``t`` is on a GPU with TMA (Hopper, sm_90, or newer): kernels
+    take their Hopper path there and the portable one elsewhere (older GPUs,
+    the interpreter, fake CUDA tensors on a CPU-only build)."""
+    if t.device.type != "cuda" or not HAS_CUDA:
+        return False
+    return cuda_capability(t.device.index)[:2] >= HOPPER
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -89,6 +113,9 @@ def _first_tensor(args, kwargs) -> torch.Tensor:
 #: The Python body of every fused op by qualified name, for tests that
 #: fake-trace the Triton branch (the registered kernel is a wrapper around it).
 OP_BODIES: dict[str, Callable] = {}
+#: Every op's :class:`FusedOp` by name (``"rmsnorm"``), for the host-cost
+#: benchmark (``bench/host.py``), which calls each op's eager fast path.
+FUSED_OPS: dict[str, "FusedOp"] = {}
 
 _launch_state = threading.local()
 
@@ -97,17 +124,30 @@ def launcher(kernel):
     """How launchers call a ``@triton.jit`` kernel: through ``wrap_triton``, so
     that tracing records it, except on the eager fast path where nothing traces
     and the kernel is launched as is (``wrap_triton`` outside an op would route
-    the launch through its tracing machinery, ~9x slower)."""
-    return kernel if getattr(_launch_state, "eager", False) else wrap_triton(kernel)
+    the launch through its tracing machinery, ~9x slower), or recorded for a
+    launch plan (``_replay``)."""
+    return _replay.recording_kernel(kernel) if getattr(_launch_state, "eager", False) else wrap_triton(kernel)
 
 
-def _launch_eagerly(body, args, kwargs):
+def _launch_eagerly(body, args, kwargs, plans: Optional[dict] = None):
+    """``body`` on the eager fast path; with ``plans`` (CUDA tensors) through
+    launch plans: replayed from an earlier call of the same signature."""
     previous = getattr(_launch_state, "eager", False)
     _launch_state.eager = True
     try:
-        return body(*args, **kwargs)
+        if plans is None:
+            return body(*args, **kwargs)
+        with device_guard(_first_tensor(args, kwargs)):
+            return _replay.run(plans, body, args, kwargs)
     finally:
         _launch_state.eager = previous
+
+
+def clear_launch_plans() -> None:
+    """Forget every op's launch plans: after changing a launch config (sweeps,
+    tests that monkeypatch one), the next eager call records a new plan."""
+    for op in FUSED_OPS.values():
+        op.plans.clear()
 
 
 def _untraced(args, kwargs) -> bool:
@@ -124,6 +164,13 @@ def _untraced(args, kwargs) -> bool:
             first = first if first is not None else a
     # Under autocast the dispatcher's Autocast kernel (register_autocast_policy) casts first.
     return first is not None and runs_triton(first) and not torch.is_autocast_enabled(first.device.type)
+
+
+def _on_cuda(args, kwargs) -> bool:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.is_cuda
+    return False
 
 
 def _needs_grad(args, kwargs) -> bool:
@@ -146,6 +193,8 @@ class FusedOp:
         self.body = body
         self.op = getattr(getattr(torch.ops, NAMESPACE), name)
         self._autograd_function = None
+        #: Launch plans by call signature (``_replay``): eager CUDA calls only.
+        self.plans: dict = {}
 
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
         """Register ``backward``/``setup_context`` on the op, and build the
@@ -156,10 +205,10 @@ class FusedOp:
         never sees DTensors and is left as is."""
         self.custom_op.register_autograd(_dtensor.gradients_as_dtensors(backward),
                                          setup_context=_dtensor.remember_output_layouts(setup_context))
-        body = self.body
+        body, plans = self.body, self.plans
 
         def forward(*args):
-            return _launch_eagerly(body, args, {})
+            return _launch_eagerly(body, args, {}, plans if _on_cuda(args, {}) else None)
 
         def setup(ctx, inputs, output):
             setup_context(ctx, inputs, output)
@@ -176,9 +225,11 @@ class FusedOp:
     def __call__(self, *args, **kwargs):
         if not _untraced(args, kwargs):
             return self.op(*args, **kwargs)
-        if self._autograd_function is not None and _needs_grad(args, kwargs):
+        if _needs_grad(args, kwargs):
+            if self._autograd_function is None:  # inference only: the op's formula raises on backward
+                return self.op(*args, **kwargs)
             return self._autograd_function.apply(*args, **kwargs)
-        return _launch_eagerly(self.body, args, kwargs)
+        return _launch_eagerly(self.body, args, kwargs, self.plans if _on_cuda(args, kwargs) else None)
 
 
 #: Autocast policies, mirroring aten's for the ops ours replace: ``"fp32"``
@@ -262,6 +313,7 @@ def fused_op(name: str, *, fake: Callable, reference: Callable, autocast: Option
         op.register_fake(fake)
         if autocast is not None:
             register_autocast_policy(name, autocast)
-        return FusedOp(name, op, body)
+        FUSED_OPS[name] = FusedOp(name, op, body)
+        return FUSED_OPS[name]
 
     return decorate

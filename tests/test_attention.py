@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import compile_ops
 from bad_input import bad_input_test
 from shapes import size
+from compile_ops._library import clear_launch_plans
 from compile_ops.reference import attention as ref
 from conftest import INTERPRET, KERNEL_DEVICE, tf32_dots
 from numerics import assert_within_torch_error
@@ -298,18 +299,25 @@ def _int8_case(seq_dim, b, hq, hk, lq, lk, d, dtype, device, key_offset=2.0):
 
 def test_int8_specification_quantizes_per_token_and_smoothing_leaves_attention_exact():
     """The specification in reference.attention: INT8 values in [-127, 127]
-    with per-token scales ``amax / 127`` (the row's largest value maps to
-    +-127), k's mean removed first, which changes no exact attention output;
-    the approximation's distance to exact attention is printed."""
+    with scales ``amax / 127`` per query token and per block of 128 keys
+    (each row's or block's largest value maps to +-127), k's mean removed
+    first, which changes no exact attention output; the approximation's
+    distance to exact attention is printed."""
     torch.manual_seed(0)
-    q, k, v = _int8_case(1, 2, 4, 2, 37, 53, 24, torch.bfloat16, "cpu", key_offset=4.0)
+    q, k, v = _int8_case(1, 2, 4, 2, 37, 300, 24, torch.bfloat16, "cpu", key_offset=4.0)
     q8, q_scale, k8, k_scale = ref.smooth_quantize_qk(q, k, seq_dim=1)
     assert q8.dtype == k8.dtype == torch.int8 and q8.shape == q.shape and k8.shape == k.shape
-    assert q_scale.shape == (2, 4, 37) and k_scale.shape == (2, 2, 53) and q_scale.is_contiguous()
+    assert q_scale.shape == (2, 4, 37) and k_scale.shape == (2, 2, 3) and q_scale.is_contiguous()
+    assert k_scale.is_contiguous()
     assert int(q8.abs().max()) == 127 and (q8.abs().amax(-1) == 127).all()  # every token uses the full range
     torch.testing.assert_close(q_scale, q.float().abs().amax(-1).transpose(1, 2) / 127)
     smoothed = k.float() - k.float().mean(dim=1, keepdim=True)
-    torch.testing.assert_close(k_scale, smoothed.abs().amax(-1).transpose(1, 2) / 127)
+    blocks = [smoothed[:, i:i + 128].abs().amax(dim=(1, 3)) for i in (0, 128, 256)]  # [B, Hk] each
+    torch.testing.assert_close(k_scale, torch.stack(blocks, dim=-1) / 127)
+    for i, start in enumerate((0, 128, 256)):  # every block uses the full range, the last (44 keys) too
+        assert (k8[:, start:start + 128].abs().amax(dim=(1, 3)) == 127).all(), i
+    torch.testing.assert_close(ref.dequantize_int8(k8.transpose(1, 2), k_scale, 128),
+                               smoothed.transpose(1, 2), rtol=0, atol=float(k_scale.max()) / 2 * 1.001)
     # Softmax ignores the shift: exact attention with and without the smoothing agree (fp64).
     exact, _ = ref.attention(q.double(), k.double(), v.double(), 0.2, False, 1)
     shifted, _ = ref.attention(q.double(), k.double() - k.double().mean(dim=1, keepdim=True), v.double(), 0.2,
@@ -318,7 +326,7 @@ def test_int8_specification_quantizes_per_token_and_smoothing_leaves_attention_e
     approx = ref.attention_int8(q, k, v, 0.2, False, 1)
     err = _relative_l2(approx, exact)
     print(f"int8 specification vs exact attention: relative L2 {err:.2e}")
-    assert err < 5e-2  # 8-bit q.k, per token: ~1e-2 here; a wrong scale or a missing smoothing is O(1)
+    assert err < 5e-2  # 8-bit q.k: ~1e-2 here; a wrong scale or a missing smoothing is O(1)
 
 
 @pytest.mark.kernels
@@ -379,8 +387,9 @@ def test_int8_refuses_other_dtypes_a_gradient_and_an_lse():
                                      dict(tma=True, dot_acc=True, warp_specialize=True)],
                          ids=["tma", "dot_acc", "tma-dot_acc-ws"])
 def test_kernels_hopper_options_compute_what_the_default_forward_does(options, monkeypatch):
-    """The forward's Hopper options (off by default until measured faster)
-    change how tiles are loaded and accumulated, not the result: forced on,
+    """The forward's Hopper options (forward_tiles picks TMA at D=128 on
+    Hopper, the others are off) change how tiles are loaded and accumulated,
+    not the result: forced on,
     with a padded head dim, a partial key tile, key lengths and both layouts,
     the output equals the default's up to the order of additions."""
     from compile_ops.ops import attention as attention_ops
@@ -394,9 +403,12 @@ def test_kernels_hopper_options_compute_what_the_default_forward_does(options, m
         want = compile_ops.attention(q, k, v, seq_dim=seq_dim, kv_lengths=kv_lengths)
         with monkeypatch.context() as m:
             m.setattr(attention_ops, "forward_tiles",
-                      lambda d, dtype: attention_ops.Tiles(*dataclasses.astuple(default(d, dtype))[:4], **options))
+                      lambda d, dtype, tma=False: attention_ops.Tiles(*dataclasses.astuple(default(d, dtype))[:4],
+                                                                      **options))
             if INTERPRET:  # the interpreter's tensors are on the CPU: so are the descriptors' scratch and checks
                 m.setattr(attention_ops, "_tma_ready", lambda *tensors: True)
                 m.setattr(attention_ops, "_scratch", lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+            clear_launch_plans()  # the eager call above left a plan for the default tiles
             got = compile_ops.attention(q, k, v, seq_dim=seq_dim, kv_lengths=kv_lengths)
+        clear_launch_plans()
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)

@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import compile_ops
 from bad_input import bad_input_test
-from compile_ops import FP8Rows
+from compile_ops import FP8Rows, _library
 from compile_ops._library import OP_BODIES
 from compile_ops.ops import fp8 as ops
 from compile_ops.reference import fp8 as ref
@@ -364,7 +364,7 @@ def test_fake_cuda_trace_launches_the_quantize_kernel(shape, looped, activation,
 def test_fake_cuda_trace_of_fp8_linear_calls_scaled_mm_rowwise(monkeypatch, bias):
     """The CUDA branch of fp8_linear (as on an H100): our quantization, then
     torch._scaled_mm with [M, 1] and [1, N] scales, whose meta function checks them."""
-    monkeypatch.setattr(ops, "_cuda_capability", lambda index: (9, 0, "NVIDIA H100"))
+    monkeypatch.setattr(_library, "cuda_capability", lambda index: (9, 0, "NVIDIA H100"))
     fp8 = compile_ops.FP8Linear.from_linear(_linear(bias=bias, dtype=torch.bfloat16))
     x = torch.randn(2, 7, 64, dtype=torch.bfloat16)
     gm, out, _ = _fake_cuda_launches(lambda x, *w: compile_ops.fp8_linear(x, *w), x, fp8.weight_q, fp8.weight_scale,

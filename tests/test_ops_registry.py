@@ -338,3 +338,88 @@ def test_launchers_never_synchronize_with_the_device(spec):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- eager launch plans (compile_ops/_replay.py)
+
+def test_launch_plan_signature_tells_apart_what_launchers_depend_on():
+    """Calls that may launch differently have different keys: dtype, shape,
+    strides, pointer alignment, scalar values and their types, argument names,
+    torch's fp32 matmul precision; a kind of argument plans do not cover
+    (a list) gives no key, so that call runs its body."""
+    from compile_ops._replay import signature
+
+    x = torch.randn(4, 8)
+    key = signature((x, 1e-6), {})
+    assert key == signature((torch.randn(4, 8), 1e-6), {})
+    others = [signature((x.half(), 1e-6), {}), signature((x[:, :4], 1e-6), {}), signature((x.t(), 1e-6), {}),
+              signature((x.view(-1)[1:].view(31)[:28].view(4, 7), 1e-6), {}), signature((x, 1e-5), {}),
+              signature((x, 1), {}), signature((x,), {"eps": 1e-6}), signature((x, True), {})]
+    assert all(o is not None and o != key for o in others) and len(set(others)) == len(others)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if previous == "highest" else "highest")
+    try:
+        assert signature((x, 1e-6), {}) != key
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert signature((x, [1, 2]), {}) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [s for s in registry.OPS if s.make_inputs], ids=lambda s: s.name)
+def test_eager_launch_plans_replay_the_op_exactly(spec):
+    """The second eager call of a signature replays the first one's launches
+    on new tensors: its outputs equal the op's through the dispatcher (which
+    never replays) bit for bit, for new inputs at other addresses, and for
+    inputs whose pointers sit at another 16-byte alignment (a new signature)."""
+    from compile_ops._library import FUSED_OPS, clear_launch_plans
+    from compile_ops._replay import Plan
+
+    op = FUSED_OPS[spec.op_name or spec.name]
+    clear_launch_plans()
+    torch.manual_seed(0)
+    def shifted(a):  # the same values one element past a 16-byte boundary
+        if not isinstance(a, torch.Tensor) or not a.is_contiguous():
+            return a
+        return torch.empty(a.numel() + 1, dtype=a.dtype, device=a.device)[1:].view(a.shape).copy_(a)
+
+    with torch.no_grad():
+        for i in range(4):
+            args = spec.make_inputs((2, 40, 256), torch.bfloat16, "cuda", False)
+            args = tuple(shifted(a) for a in args) if i == 3 else args
+            for got, want in zip(_outputs(op(*args)), _outputs(spec.op(*args))):
+                assert torch.equal(got, want) or (got.isnan() == want.isnan()).all() and torch.equal(
+                    got.nan_to_num(), want.nan_to_num())
+        planned = [p for p in op.plans.values() if type(p) is Plan]
+        print(f"{spec.name}: {len(planned)} of {len(op.plans)} signatures planned")
+    if spec.name in PLANNED_OPS:
+        assert planned, f"{spec.name}: no launch plan; its eager calls pay the full host cost"
+    clear_launch_plans()
+
+
+#: Ops whose eager calls must get launch plans (every kernel argument is an
+#: input, an output or a view of one): a change that breaks planning fails here.
+PLANNED_OPS = {"rmsnorm", "add_rmsnorm", "layernorm", "modulate", "norm_modulate", "gated_residual",
+               "gated_residual_norm_modulate", "rope", "rope_qk", "rope_grid", "qk_norm_rope", "geglu",
+               "geglu_tanh", "swiglu", "quantize_fp8_rows", "attention"}
+
+
+@pytest.mark.gpu
+def test_launch_plans_refuse_what_a_replay_would_get_wrong():
+    """A body that reads a tensor value (a sync), or hands a kernel an
+    intermediate tensor (8-bit attention's quantized q and k), gets no plan
+    and still returns the right result; a changed launch config replays the
+    old one until clear_launch_plans()."""
+    from compile_ops._library import FUSED_OPS, clear_launch_plans
+    from compile_ops._replay import UNPLANNED, run
+
+    plans = {}
+    x = torch.randn(8, 64, device="cuda")
+    reads_a_value = lambda x: x * float(x.sum())  # noqa: E731
+    assert torch.equal(run(plans, reads_a_value, (x,), {}), reads_a_value(x))
+    assert list(plans.values()) == [UNPLANNED]
+    clear_launch_plans()
+    q, k, v = (torch.randn(1, 2, 130, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    with torch.no_grad():
+        compile_ops.attention(q, k, v, precision="int8")
+    assert list(FUSED_OPS["attention_int8"].plans.values()) == [UNPLANNED]

@@ -75,7 +75,11 @@ def _launches(spec, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("spec", registry.OPS, ids=[s.name for s in registry.OPS])
-def test_every_launched_kernel_variant_compiles_for_sm90(spec, dtype):
+def test_every_launched_kernel_variant_compiles_for_sm90(spec, dtype, monkeypatch):
+    from compile_ops.ops import attention as attention_ops
+
+    # The variants an H100 launches: the fake CUDA device of a CPU-only build has TMA.
+    monkeypatch.setattr(attention_ops, "has_tma", lambda t: t.device.type == "cuda")
     launches = _launches(spec, dtype)
     assert launches, "the op launched no kernel"
     for name, (kernel, signature, constants) in launches.items():
@@ -94,14 +98,14 @@ def test_every_launched_kernel_variant_compiles_for_sm90(spec, dtype):
                                      dict(tma=True, dot_acc=True, warp_specialize=True)],
                          ids=["tma", "dot_acc", "tma-dot_acc", "tma-dot_acc-ws"])
 def test_attention_forward_hopper_options_compile_for_sm90(options, monkeypatch):
-    """The forward's Hopper options (issue 28), which forward_tiles does not
-    pick by default yet: traced with the options forced on every launch, the
+    """The forward's Hopper options (issue 28), of which forward_tiles picks
+    only TMA (at D=128): traced with the options forced on every launch, the
     variants compile for sm_90 too (and the TMA variant is the one launched)."""
     from compile_ops.ops import attention as attention_ops
 
     default = attention_ops.forward_tiles
 
-    def tiles(d, dtype):
+    def tiles(d, dtype, tma=False):
         t = default(d, dtype)
         return attention_ops.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, **options)
 

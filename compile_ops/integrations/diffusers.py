@@ -1030,7 +1030,7 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
 
         attention_precision: ``"exact"``, or ``"int8"``: our processors run
             dense attention as 8-bit attention (``attention(...,
-            precision="int8")``: smoothed k, q and k in INT8 per token) on
+            precision="int8")``: smoothed k, q in INT8 per token, k per block) on
             16-bit inference calls; training calls and fp32 models keep the
             exact kernels, sparse layouts stay 16-bit.
         attention_dense_steps: with ``attention_precision="int8"``, the first

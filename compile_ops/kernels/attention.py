@@ -128,6 +128,10 @@ def _block_list(BLOCKS, COUNTS, b, h, row, sbb, sbh, sbr, scb, sch, scr):
 
 
 LIST_CHUNK = tl.constexpr(64)  # listed blocks compared at once by _tiles_before
+#: 1.5 * 2**23 and its fp32 bits: int32 scores plus these bits, read as fp32,
+#: are exactly _INT8_BIAS + score (the INT8 path of _fwd_tiles).
+_INT8_BIAS = tl.constexpr(12582912.0)
+_INT8_BIAS_BITS = tl.constexpr(0x4B400000)
 
 
 @triton.jit
@@ -170,7 +174,7 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
                D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                SPARSE: tl.constexpr, TMA: tl.constexpr, DOT_ACC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-               INT8: tl.constexpr):
+               INT8: tl.constexpr, KEY_BLOCK: tl.constexpr):
     """Online softmax over key tiles; ``m`` is the running max of the raw
     scores q.k, and exponents are ``(s - m) * scale * log2(e)``: scaled after
     the subtraction, so their rounding error is relative to the (small)
@@ -187,9 +191,16 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
     accumulator operand (wgmma adds into it) instead of a separate add;
     ``WARP_SPECIALIZE``: Triton's producer/consumer warp groups for the loop.
 
-    ``INT8`` (8-bit attention): q and k are int8 with per-token scales
-    (``q_scale`` of this program's rows, ``K_SCALE`` of its head's keys); the
-    QK product is an integer dot (exact in int32), dequantized per score."""
+    ``INT8`` (8-bit attention): q and k are int8, q with per-token scales
+    (``q_scale``, this program's rows), k with one scale per KEY_BLOCK
+    keys (``K_SCALE``, this head's blocks), so a tile's scores are its
+    integer dot (exact in int32) times one factor per row. Converting int32
+    scores to fp32 is a 16-per-clock instruction on Hopper, as slow as the
+    exp2 itself; instead each score's bits get 1.5 * 2**23 added, which makes
+    them the fp32 number ``1.5 * 2**23 + s`` exactly (``|s| < 2**22``: at most
+    127 * 127 * 256), and the offset is folded into the exponent's fma
+    (``_INT8_BIAS``). Per score that is one integer add where the 16-bit path
+    has none."""
     for i in tl.range(first, last, warp_specialize=WARP_SPECIALIZE):  # key tiles
         start_n = _tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE)
         cols = start_n + offs_n
@@ -200,17 +211,26 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
             k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
             v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
         if INT8:
-            k_scale = tl.load(K_SCALE + cols, mask=cols < Lk, other=0.0)
-            s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
+            # Biased scores (see above) and the row factor that makes them real: (s - BIAS) * row.
+            s = (tl.dot(q, tl.trans(k), out_dtype=tl.int32) + _INT8_BIAS_BITS).to(tl.float32, bitcast=True)
+            row = q_scale * tl.load(K_SCALE + start_n // KEY_BLOCK)
         else:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             s = tl.where(_visible(q_rows, cols, kv_len, CAUSAL), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
+        if INT8:  # row > 0: the largest biased score is the largest score
+            m_new = tl.maximum(m, (tl.max(s, 1) - _INT8_BIAS) * row)
+        else:
+            m_new = tl.maximum(m, tl.max(s, 1))
         # A row that has seen no visible key yet keeps m = -inf: shift by 0 so
         # that exp2 gives 0, not exp2(-inf + inf) = NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if FMA_EXPONENT:
+        if INT8:  # exp2((s - BIAS) * row * c - m * c) as one fma per score
+            factor = row * qk_scale
+            shift = factor * _INT8_BIAS + m_shift * qk_scale  # (constexpr on the right: the interpreter needs it)
+            p = tl.exp2(s * factor[:, None] - shift[:, None])
+            alpha = tl.exp2((m - m_shift) * qk_scale)
+        elif FMA_EXPONENT:
             m_scaled = m_shift * qk_scale
             p = tl.exp2(s * qk_scale - m_scaled[:, None])
             alpha = tl.exp2(m * qk_scale - m_scaled)
@@ -234,13 +254,16 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
                     CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                     SPARSE: tl.constexpr, TMA: tl.constexpr = False, DOT_ACC: tl.constexpr = False,
-                    WARP_SPECIALIZE: tl.constexpr = False, INT8: tl.constexpr = False):
+                    WARP_SPECIALIZE: tl.constexpr = False, INT8: tl.constexpr = False,
+                    INT8_KEY_BLOCK: tl.constexpr = 128):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
     that BLOCKS/COUNTS list for this query block. TMA, DOT_ACC,
     WARP_SPECIALIZE: see ``_fwd_tiles`` (TMA needs 16-byte aligned bases and
-    row strides, which the launcher checks). INT8: Q and K int8, Q_SCALE /
-    K_SCALE their per-token scales ``[B, H(k), L]`` fp32 contiguous."""
+    row strides, which the launcher checks). INT8: Q and K int8, Q_SCALE
+    their per-token scales ``[B, H, Lq]``, K_SCALE one per INT8_KEY_BLOCK keys
+    ``[B, Hk, ceil(Lk / INT8_KEY_BLOCK)]`` (fp32 contiguous; BLOCK_N divides
+    INT8_KEY_BLOCK)."""
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
         KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     o_off = b * sob + h * soh
@@ -264,8 +287,9 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     l = tl.zeros([BLOCK_M], dtype=ACC)
     q_scale, k_scales = 0.0, K_SCALE
     if INT8:
-        q_scale = tl.load(Q_SCALE + (b * H + h) * Lq + q_rows, mask=q_rows < Lq, other=0.0)
-        k_scales = K_SCALE + (b * (H // GROUP) + h // GROUP) * Lk
+        # Rows past Lq get a factor of 1 (never 0: a masked score times 0 would be NaN); they are not stored.
+        q_scale = tl.load(Q_SCALE + (b * H + h) * Lq + q_rows, mask=q_rows < Lq, other=1.0)
+        k_scales = K_SCALE + (b * (H // GROUP) + h // GROUP) * tl.cdiv(Lk, INT8_KEY_BLOCK)
     blocks, count = BLOCKS, 0
     if SPARSE:
         blocks, count = _block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
@@ -273,10 +297,11 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     last = _tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
     acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, 0, first_masked,
                            blocks, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, False, CAUSAL,
-                           DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, WARP_SPECIALIZE, INT8)
+                           DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, WARP_SPECIALIZE, INT8,
+                           INT8_KEY_BLOCK)
     acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, first_masked, last,
                            blocks, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, True, CAUSAL,
-                           DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, False, INT8)
+                           DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, False, INT8, INT8_KEY_BLOCK)
 
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]

@@ -14,7 +14,7 @@ import triton
 from torch import Tensor
 
 from compile_ops import _dtensor, meta, reference
-from compile_ops._library import fused_op, launcher, register_no_gradient
+from compile_ops._library import fused_op, has_tma, launcher, register_no_gradient
 from compile_ops.kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                            attn_fwd_kernel)
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
@@ -41,16 +41,21 @@ def block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def forward_tiles(d: int, dtype: torch.dtype) -> Tiles:
+def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False) -> Tiles:
     """Forward tiles by padded head dim: ``bench/sweep_attention.py`` on an H100,
-    bf16 (bench/results/sweep-attention-h100-*.json)."""
+    bf16 (bench/results/sweep-attention-h100-*.json). ``tma``: the GPU has TMA
+    (``_library.has_tma``): D=128 then loads K and V by tensor descriptors,
+    524-578 TFLOP/s against 463-515 with pointer loads at the four shapes of
+    ``sweep_attention.py --hopper`` (bench/results/sweep-attention-hopper-h100.json;
+    a 4th stage ran out of shared memory, warp specialization and the
+    accumulator as a dot operand moved it by -3% to +2%)."""
     bd = block_d(d)
     if dtype in (torch.float32, torch.float64):
         return Tiles(32, 32, 4, 2)  # fp32 operands take twice the shared memory
     if bd <= 64:
         return Tiles(128, 64, 8, 3)   # 390 TFLOP/s at D=64 against 326 for 4 warps
     if bd <= 128:
-        return Tiles(128, 128, 8, 3)  # 419 against 369 for 64-key tiles
+        return Tiles(128, 128, 8, 3, tma=tma)  # 419 against 369 for 64-key tiles
     return Tiles(64, 32, 4, 2)
 
 
@@ -139,7 +144,7 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     """Fill ``out`` and ``lse`` (from the fake). ``blocks``: block-sparse
     attention's ``(index [B, H, Lq blocks, width], count [B, H, Lq blocks])``.
     ``int8_scales``: 8-bit attention's ``(q_scale [B, H, Lq], k_scale [B, Hk,
-    Lk])``, q and k being int8 (the rest follows v's dtype)."""
+    ceil(Lk / INT8_KEY_BLOCK)])``, q and k being int8 (the rest follows v's dtype)."""
     c = _common(q, k, causal, seq_dim, kv_lengths)
     if out.numel() == 0:
         return
@@ -150,8 +155,10 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
         consts = dict(consts, ACC=acc_dtype(v), DOT_PRECISION=dot_precision(v.dtype), FMA_EXPONENT=True,
                       BLOCK_D=max(32, consts["BLOCK_D"]))
     q_scale, k_scale = int8_scales if int8 else (None, None)
-    t = forward_tiles(int(c["d"]), v.dtype)
-    tma = t.tma and not int8 and _tma_ready(seq_dim, q, k, v)
+    t = forward_tiles(int(c["d"]), v.dtype, has_tma(q))
+    # One k scale per tile: its key tiles divide the scale blocks (all tiles are powers of two up to 128).
+    assert not int8 or reference.attention.INT8_KEY_BLOCK % t.block_n == 0, t
+    tma = t.tma and _tma_ready(seq_dim, q, k, v)
     if tma:
         # Inductor sets triton's allocator before its launches; eager launches need it set too.
         triton.set_allocator(_scratch)
@@ -164,7 +171,7 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
         c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
         SPARSE=blocks is not None, TMA=tma, DOT_ACC=t.dot_acc, WARP_SPECIALIZE=t.warp_specialize, INT8=int8,
-        **consts,
+        INT8_KEY_BLOCK=reference.attention.INT8_KEY_BLOCK, **consts,
     )
 
 
@@ -294,8 +301,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, ca
         return_lse: also return the log-sum-exp ``[B, Hq, Lq]`` fp32.
         precision: ``"exact"`` (the dots in the inputs' dtype) or ``"int8"``:
             inference on fp16/bf16 inputs with k smoothed (its mean over the
-            sequence subtracted, which softmax ignores) and q and k rounded to
-            INT8 per token, an integer QK product and P V in the input dtype
+            sequence subtracted, which softmax ignores), q rounded to INT8 per
+            token and k per block of 128 keys, an integer QK product and P V
+            in the input dtype
             (``fused.attention_int8``; specified in
             ``compile_ops/reference/attention.py``). A gradient through it
             raises; no lse.

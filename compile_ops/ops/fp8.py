@@ -26,6 +26,7 @@ import triton
 from torch import Tensor
 
 from compile_ops import meta, reference
+from compile_ops import _library
 from compile_ops._library import fused_op, launcher, register_no_gradient
 from compile_ops.kernels.fp8 import quantize_fp8_rows_kernel
 from compile_ops.kernels.glu import ACTIVATION_CODES
@@ -57,14 +58,6 @@ class FP8Rows(NamedTuple):
     scale: Tensor
 
 
-@torch.compiler.assume_constant_result
-def _cuda_capability(index: Optional[int]) -> tuple:
-    """``(major, minor, name)`` of CUDA device ``index`` (None: the current one).
-    A constant to torch.compile: looked up once while tracing, not in the graph."""
-    major, minor = torch.cuda.get_device_capability(index)
-    return major, minor, torch.cuda.get_device_name(index)
-
-
 def check_fp8_device(device: torch.device) -> None:
     """Raise on a CUDA device without FP8 tensor cores (below sm_89)."""
     uses_scaled_mm(device)
@@ -78,7 +71,7 @@ def uses_scaled_mm(device: torch.device) -> bool:
     device = torch.device(device)
     if device.type != "cuda":
         return False
-    major, minor, name = _cuda_capability(device.index)
+    major, minor, name = _library.cuda_capability(device.index)
     if (major, minor) < FP8_CAPABILITY:
         raise RuntimeError(
             f"compile_ops FP8: {name} is sm_{major}{minor}; "

@@ -88,33 +88,67 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 #: The largest INT8 magnitude a quantized q or k value takes (symmetric: -127..127).
 INT8_MAX = 127.0
+#: Keys that share one INT8 scale: one scale per key tile lets the kernel fold
+#: it into the per-row factor of its scores (SageAttention quantizes K per
+#: block too); the kernel's key tiles divide it.
+INT8_KEY_BLOCK = 128
 
 
-def quantize_int8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric INT8 per token (per row of the last dim): ``scale = amax / 127``
-    over the row (fp32; an all-zero row gets the smallest normal amax, so
-    its values stay 0), ``q = round_half_even(x / scale)`` clamped to
-    [-127, 127]. ``x`` is fp32; returns ``(q int8, scale fp32 [...])``."""
-    amax = x.abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny)
-    scale = amax / INT8_MAX
-    q = torch.round(x / scale.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+def quantize_int8(x: torch.Tensor, block: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 of ``x [B, H, L, D]`` (fp32) with one scale per ``block``
+    consecutive positions (1: per token): ``scale = amax / 127`` over the block's
+    rows (an all-zero block gets the smallest normal amax, so its values stay
+    0), ``q = round_half_even(x / scale)`` clamped to [-127, 127]. Returns
+    ``(q int8 [B, H, L, D], scale fp32 [B, H, ceil(L / block)])``."""
+    b, h, length, _ = x.shape
+    amax = x.abs().amax(-1)
+    if block > 1:  # whole blocks, then the partial last one
+        whole = length // block * block
+        parts = [_dense(amax.narrow(-1, 0, whole)).view(b, h, -1, block).amax(-1)]
+        if whole < length:
+            parts.append(amax.narrow(-1, whole, length - whole).amax(-1, keepdim=True))
+        amax = torch.cat(parts, dim=-1)
+    scale = amax.clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
+    per_row = _per_row(scale, block, length)
+    q = torch.round(x / per_row.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
+
+
+def dequantize_int8(q8: torch.Tensor, scale: torch.Tensor, block: int = 1) -> torch.Tensor:
+    """fp32 values of :func:`quantize_int8`'s ``(q8 [B, H, L, D], scale)``."""
+    return q8.float() * _per_row(scale, block, q8.shape[2]).unsqueeze(-1)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous (a clone, not ``.contiguous()`` or a copying reshape,
+    which cannot be fake-traced for CUDA on a CPU-only torch build; for the
+    same reason this family slices with ``narrow``, not ``t[..., :n]``)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _per_row(scale: torch.Tensor, block: int, length: int) -> torch.Tensor:
+    """Block scales ``[B, H, blocks]`` repeated for each of the ``length`` rows."""
+    return _dense(scale.unsqueeze(-1).expand(*scale.shape, block)).view(*scale.shape[:2], -1).narrow(-1, 0, length)
 
 
 def smooth_quantize_qk(q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> tuple:
     """The quantization of ``precision="int8"`` attention, exactly: k smoothed
-    by subtracting its mean over the sequence, per (batch, k head, channel),
-    in fp32 (softmax is blind to it: every score of a query moves by the same
-    ``q . mean``); then q and the smoothed k quantized per token
-    (:func:`quantize_int8_tokens`). Returns ``(q_int8, q_scale, k_int8,
-    k_scale)``: the int8 tensors in the inputs' layout, the scales
-    ``[B, H, L]`` fp32 contiguous."""
-    qf, kf = q.float(), k.float()
-    kf = kf - kf.mean(dim=seq_dim, keepdim=True)
-    q8, q_scale = quantize_int8_tokens(qf)
-    k8, k_scale = quantize_int8_tokens(kf)
-    if seq_dim == 1:  # scales [B, L, H] -> [B, H, L], laid out so (a clone: traceable on fake CUDA tensors)
-        q_scale, k_scale = (s.transpose(1, 2).clone(memory_format=torch.contiguous_format) for s in (q_scale, k_scale))
+    by subtracting its mean over the sequence (all Lk positions, padded keys
+    too), per (batch, k head, channel), in fp32 (softmax is blind to it: every
+    score of a query moves by the same ``q . mean``); then q quantized per
+    token and the smoothed k per block of :data:`INT8_KEY_BLOCK` keys
+    (:func:`quantize_int8`). Returns ``(q_int8, q_scale [B, H, Lq], k_int8,
+    k_scale [B, Hk, ceil(Lk / INT8_KEY_BLOCK)])``: the int8 tensors in the
+    inputs' layout, the scales fp32 contiguous."""
+    qf, kf = (t.float() if seq_dim == 2 else t.float().transpose(1, 2) for t in (q, k))  # [B, H, L, D] views
+    kf = kf - kf.mean(dim=2, keepdim=True)
+    q8, q_scale = quantize_int8(qf)
+    k8, k_scale = quantize_int8(kf, INT8_KEY_BLOCK)
+    if seq_dim == 1:
+        q8, k8 = q8.transpose(1, 2), k8.transpose(1, 2)
+    # The kernel indexes the scales as contiguous (a clone: traceable on fake CUDA tensors).
+    q_scale, k_scale = (s if s.is_contiguous() else s.clone(memory_format=torch.contiguous_format)
+                        for s in (q_scale, k_scale))
     return q8, q_scale, k8, k_scale
 
 
@@ -126,10 +160,9 @@ def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     to fp32 rounding (integer products are exact) and differs from this only
     as the 16-bit kernel differs from :func:`attention`."""
     q8, q_scale, k8, k_scale = smooth_quantize_qk(q, k, seq_dim)
+    q_hat, k_hat = (t if seq_dim == 2 else t.transpose(1, 2) for t in (q8, k8))
+    q_hat, k_hat = dequantize_int8(q_hat, q_scale), dequantize_int8(k_hat, k_scale, INT8_KEY_BLOCK)
     if seq_dim == 1:
-        q_hat = q8.float() * q_scale.transpose(1, 2)[..., None]
-        k_hat = k8.float() * k_scale.transpose(1, 2)[..., None]
-    else:
-        q_hat, k_hat = q8.float() * q_scale[..., None], k8.float() * k_scale[..., None]
+        q_hat, k_hat = q_hat.transpose(1, 2), k_hat.transpose(1, 2)
     out, _ = attention(q_hat, k_hat, v.float(), scale, causal, seq_dim, kv_lengths)
     return out.to(q.dtype)

@@ -1,0 +1,220 @@
+"""Launch plans: an eager fused op's second call with the same signature replays its first.
+
+Why (issue 20, ``bench/host.py`` on an H100 host): an eager call of a fused op
+spent 58-370 us of host time before its kernels ran, against 20-49 us for the
+bare Triton launches it makes. The time goes to the fake's validation and
+output shapes, the launch configuration, and Triton's own argument binding
+and specialization in ``JITFunction.run``. For a given *signature* (every
+tensor argument's dtype, device, shape, strides and pointer alignment, every
+other argument's value, and torch's fp32 matmul precision, the one global
+setting launchers read) all of that comes out the same. So the first call of
+a signature runs the op's body and records its launches; later calls
+allocate the outputs, point the recorded launches at the new tensors and call
+Triton's compiled launcher directly.
+
+A signature gets a plan only when replaying it is certainly the call:
+
+- every tensor a kernel received is an input or an output of the op, or a
+  view of one (same storage, fixed offset): no intermediate computed by torch
+  ops (a copy, a quantization, a zeroed buffer) that a replay would skip;
+- the inputs are distinct storages, and so are the outputs;
+- kernel arguments are tensors, numbers, strings, triton dtypes or None, and
+  grids are tuples of ints;
+- the body read no tensor values (it runs under
+  ``torch.cuda.set_sync_debug_mode("error")`` while recording);
+- replaying the plan into outputs prefilled with NaN (or -1) reproduces the
+  recorded call's outputs exactly (an output written by a torch op, or not
+  fully written, fails this).
+
+Otherwise the signature is marked and runs the body every time. Launch
+configs that sweeps and tests monkeypatch are not part of the signature:
+after changing one, call ``compile_ops._library.clear_launch_plans()``.
+
+Only CUDA tensors get plans (the interpreter runs kernels differently).
+This module imports torch and triton only; ``_library`` uses it.
+"""
+import threading
+from typing import Callable, Optional
+
+import torch
+from triton import knobs
+from triton.runtime import _allocation
+from triton.runtime.jit import JITFunction
+
+#: Entries per op before its plans are dropped (a model has a handful of signatures per op).
+MAX_PLANS = 256
+#: A signature that was recorded and cannot be replayed.
+UNPLANNED = object()
+_NOT_SEEN = object()
+_SCALARS = (bool, int, float, str, type(None))
+
+_state = threading.local()
+
+
+def signature(args, kwargs) -> Optional[tuple]:
+    """The key of a call (see the module docstring), or None when an argument
+    is of a kind plans do not handle (the call then runs the body)."""
+    key = [torch.get_float32_matmul_precision()]
+    for a in (*args, *kwargs.values()):
+        if type(a) is torch.Tensor:
+            key.append((a.dtype, a.get_device(), a.shape, a.stride(), a.data_ptr() % 16))
+        elif isinstance(a, _SCALARS):
+            key.append((type(a), a))
+        elif isinstance(a, torch.dtype):
+            key.append(a)
+        else:
+            return None
+    if kwargs:
+        key.append(tuple(kwargs))
+    return tuple(key)
+
+
+def recording_kernel(kernel):
+    """What ``_library.launcher`` hands a launcher while a call is recorded:
+    ``kernel`` itself, or a proxy that also records its launches."""
+    launches = getattr(_state, "launches", None)
+    return kernel if launches is None else _Recorded(kernel, launches)
+
+
+class _Recorded:
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            compiled = self.kernel[grid](*args, **kwargs)
+            self.launches.append((self.kernel, compiled, grid, args, kwargs))
+            return compiled
+        return launch
+
+
+class _Unplannable(Exception):
+    pass
+
+
+class Plan:
+    """The recorded launches of one signature, replayable on new tensors."""
+
+    def __init__(self, inputs: list, outputs, launches: list):
+        self.single = isinstance(outputs, torch.Tensor)
+        outs = [outputs] if self.single else list(outputs)
+        if not outs or any(type(o) is not torch.Tensor for o in outs):
+            raise _Unplannable("outputs are not one tensor or a tuple of tensors")
+        self.outputs = [(tuple(o.shape), o.stride(), o.dtype) for o in outs]
+        self.device = outs[0].device
+        self.allocator = None
+        storages = {}
+        for i, t in enumerate(inputs + outs):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in storages or ptr == 0:  # shared (or empty) storages: a pointer's source is ambiguous
+                raise _Unplannable("tensors share a storage")
+            storages[ptr] = (i, t.data_ptr())
+        self.launches = []
+        for kernel, compiled, grid, args, kwargs in launches:
+            if type(kernel) is not JITFunction or compiled is None or callable(grid):
+                raise _Unplannable("not a plain @triton.jit launch with a fixed grid")
+            if getattr(compiled.metadata, "global_scratch_size", 0):
+                self.allocator = _allocation._allocator.get()  # device-built TMA descriptors need it
+            bound = kernel.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in kernel.arg_names})
+            bound.apply_defaults()
+            values, slots = [], []
+            for position, value in enumerate(bound.arguments.values()):
+                if isinstance(value, torch.Tensor):
+                    source = storages.get(value.untyped_storage().data_ptr())
+                    if source is None:
+                        raise _Unplannable("a kernel argument is an intermediate tensor")
+                    slots.append((position, source[0], value.data_ptr() - source[1]))
+                    value = None
+                elif not isinstance(value, _SCALARS) and type(value).__module__.split(".")[0] != "triton":
+                    raise _Unplannable(f"a kernel argument of type {type(value).__name__}")
+                values.append(value)
+            grid = tuple(grid) + (1,) * (3 - len(grid))
+            if not all(type(g) is int for g in grid):
+                raise _Unplannable("a grid of non-ints")
+            self.launches.append((compiled.run, compiled.function, compiled.packed_metadata, grid, values, slots))
+
+    def replay(self, inputs: list):
+        """The op's outputs for ``inputs`` (tensors in signature order): new
+        outputs, the recorded launches pointed at them."""
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
+                for shape, stride, dtype in self.outputs]
+        self.launch(inputs, outs)
+        return outs[0] if self.single else tuple(outs)
+
+    def launch(self, inputs: list, outs: list) -> None:
+        ptrs = [t.data_ptr() for t in inputs] + [o.data_ptr() for o in outs]
+        if self.allocator is not None and _allocation._allocator.get() is not self.allocator:
+            _allocation._allocator.set(self.allocator)  # a new thread: its context has none set
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        for run, function, packed, grid, values, slots in self.launches:
+            values = values.copy()
+            for position, source, offset in slots:
+                values[position] = ptrs[source] + offset
+            run(*grid, stream, function, packed, None, None, None, *values)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.is_floating_point():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
+
+
+def _verified(plan: Plan, inputs: list, outputs) -> bool:
+    """Replaying ``plan`` into prefilled outputs gives the recorded ``outputs`` exactly."""
+    outs = [torch.empty_strided(shape, stride, dtype=dtype, device=plan.device)
+            for shape, stride, dtype in plan.outputs]
+    for o in outs:
+        o.fill_(float("nan") if o.is_floating_point() else -1)
+    plan.launch(inputs, outs)
+    want = [outputs] if plan.single else list(outputs)
+    return all(_same(o, w) for o, w in zip(outs, want))
+
+
+def record(plans: dict, key: tuple, body: Callable, args: tuple, kwargs: dict):
+    """Run ``body`` once, recording its launches; store a verified :class:`Plan`
+    (or UNPLANNED) under ``key``. Returns the body's outputs."""
+    if torch.cuda.is_current_stream_capturing():  # recording syncs to verify: not inside a CUDA graph
+        return body(*args, **kwargs)
+    launches = []
+    _state.launches = launches
+    sync_mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outputs = body(*args, **kwargs)
+    except RuntimeError as e:
+        if "synchroniz" not in str(e):
+            raise  # the op's own error (bad input): the caller sees it as without plans
+        torch.cuda.set_sync_debug_mode(sync_mode)
+        _state.launches = None
+        plans[key] = UNPLANNED  # the launch path reads tensor values
+        return body(*args, **kwargs)
+    finally:
+        _state.launches = None
+        torch.cuda.set_sync_debug_mode(sync_mode)
+    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        return outputs  # a profiler's hooks: record later, without them
+    inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    try:
+        plan = Plan(inputs, outputs, launches)
+        plans[key] = plan if _verified(plan, inputs, outputs) else UNPLANNED
+    except _Unplannable:
+        plans[key] = UNPLANNED
+    if len(plans) > MAX_PLANS:
+        plans.clear()
+    return outputs
+
+
+def run(plans: dict, body: Callable, args: tuple, kwargs: dict):
+    """The eager call of an op with ``body`` on CUDA tensors: replayed where
+    ``plans`` has a plan for its signature, recorded on its first call, else
+    the body. The caller has made the tensors' device current."""
+    if getattr(_state, "launches", None) is not None:
+        # Called by another op's body that is being recorded: its launches join that recording.
+        return body(*args, **kwargs)
+    key = signature(args, kwargs)
+    plan = _NOT_SEEN if key is None else plans.get(key, _NOT_SEEN)
+    if type(plan) is Plan and knobs.runtime.launch_enter_hook is None:
+        return plan.replay([a for a in (*args, *kwargs.values()) if type(a) is torch.Tensor])
+    if plan is _NOT_SEEN and key is not None:
+        return record(plans, key, body, args, kwargs)
+    return body(*args, **kwargs)
