@@ -42,6 +42,13 @@ model patched in place between the two halves. Times are medians of ``triton.tes
 the allocator's peak during one call above what was allocated before it.
 Writes ``<out>/diffusers-e2e-<gpu>.json`` (``--fp8``: ``diffusers-e2e-fp8-<gpu>.json``,
 with torchao's version; rows merge with an existing file by case and provider).
+
+8-bit attention (``--int8-attention``, the step cases): native compiled
+(SDPA, cuDNN), patched compiled (our bf16 attention), patched with
+``attention_precision="int8"`` compiled, and SageAttention 1.0.6 in place of
+SDPA (its blocks compiled with graph breaks), each on a fresh model, with
+the step output's relative L2 to the bf16 model's eager output:
+``diffusers-e2e-int8-<gpu>.json``.
 """
 import argparse
 import json
@@ -98,7 +105,7 @@ CASES = {
 EXTRA_CASES = {"wan_step_720p": (lambda: _wan(90, 160), False)}
 
 
-def _compiled(model, mode: str):
+def _compiled(model, mode: str, fullgraph: bool = True):
     """``model`` compiled whole (``mode="full"``) or block by block in place (``"regional"``:
     the repeated blocks in the ModuleLists that ``compile_ops.patch`` knows)."""
     from compile_ops.integrations.diffusers import BLOCK_LISTS
@@ -107,7 +114,7 @@ def _compiled(model, mode: str):
         return torch.compile(model)
     for name in BLOCK_LISTS:
         for block in getattr(model, name, ()):
-            block.compile(fullgraph=True)
+            block.compile(fullgraph=fullgraph)
     return model
 
 
@@ -343,8 +350,79 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
     return rows
 
 
+#: ``--int8-attention``: the step with 8-bit attention against bf16 attention
+#: and SageAttention, all compiled the same way.
+INT8_PROVIDERS = ("native_compiled", "patched_compiled", "int8_attention_compiled", "sage_attention_compiled")
+
+
+def _sage_sdpa():
+    """SDPA's signature over SageAttention 1.0.6's ``sageattn`` (8-bit QK per
+    block, fp16 PV, Triton), as its README plugs it into models."""
+    from sageattention import sageattn
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or dropout_p:
+            raise ValueError("sageattn takes no mask and no dropout")
+        return sageattn(q, k, v, tensor_layout="HND", is_causal=is_causal, sm_scale=scale)
+
+    return sdpa
+
+
+def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers, compile_mode: str) -> list:
+    """Each of INT8_PROVIDERS (those in ``providers``) on a fresh model; rows
+    with the step output's relative L2 to the bf16 model with SDPA (eager)."""
+    import compile_ops
+
+    model, inputs = _build(name)
+    with torch.no_grad():
+        exact = model(**inputs).sample
+    del model
+    rows = []
+    for provider in (p for p in INT8_PROVIDERS if p in (providers or INT8_PROVIDERS)):
+        model, inputs = _build(name)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        try:
+            if provider == "patched_compiled":
+                compile_ops.patch(model)
+            elif provider == "int8_attention_compiled":
+                compile_ops.patch(model, attention_precision="int8")
+            elif provider == "sage_attention_compiled":
+                torch.nn.functional.scaled_dot_product_attention = _sage_sdpa()
+            # SageAttention's launcher is not traceable whole: its blocks compile with graph breaks.
+            module = _compiled(model, compile_mode, fullgraph=provider != "sage_attention_compiled")
+            with torch.no_grad():
+                start = time.perf_counter()
+                out = module(**inputs).sample  # compiles
+                setup_s = time.perf_counter() - start
+                row = _repeated(lambda m=module: m(**inputs).sample, timer_ms, repeats)
+        except Exception as e:  # noqa: BLE001 (a peer that fails is a result; the others still run)
+            rows.append({"case": name, "provider": provider, "error": f"{type(e).__name__}: {e}"[:500]})
+            print(f"{name:<11} {provider:<24} error: {rows[-1]['error'][:300]}", flush=True)
+            continue
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = sdpa
+        row.update(case=name, provider=provider, first_call_s=setup_s, rel_l2_vs_bf16=relative_l2(out, exact),
+                   train=False, tokens=_tokens(name), compile=compile_mode)
+        rows.append(row)
+        print(f"{name:<11} {provider:<24} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f})  "
+              f"rel. L2 vs bf16 SDPA {row['rel_l2_vs_bf16']:.2e}  (first call {setup_s:.0f} s)", flush=True)
+        del model, module
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _tokens(name: str) -> int:
-    return 21 * 30 * 52 if name == "wan_step" else 4096 + 512
+    return {"wan_step": 21 * 30 * 52, "wan_step_720p": 21 * 45 * 80}.get(name, 4096 + 512)
+
+
+def _version(package: str):
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def diffusers_environment() -> dict:
@@ -370,6 +448,8 @@ def main(argv=None) -> int:
                    help="compile the whole model, or each transformer block in place")
     p.add_argument("--fp8", action="store_true",
                    help="also compile_ops FP8 and torchao float8 providers on the inference cases")
+    p.add_argument("--int8-attention", action="store_true",
+                   help="only the 8-bit attention comparison (INT8_PROVIDERS) on the inference cases")
     args = p.parse_args(argv)
     env = diffusers_environment()
     env["command"] = "python bench/diffusers_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -378,14 +458,19 @@ def main(argv=None) -> int:
         import torchao
 
         stem, env["torchao"] = "diffusers-e2e-fp8", torchao.__version__
+    if args.int8_attention:  # its own file too, with the peer's version
+        stem, env["sageattention"] = "diffusers-e2e-int8", _version("sageattention")
     path = results_path(args.out, stem, env)
     rows = []
     if os.path.exists(path):
         with open(path) as f:
             rows = json.load(f)["rows"]
     for name in args.cases.split(","):  # written after each case: a later one may run out of time
-        new = run_case(name, args.rep_ms, args.repeats, args.fp8,
-                       args.providers.split(",") if args.providers else None, args.compile_mode)
+        chosen = args.providers.split(",") if args.providers else None
+        if args.int8_attention:
+            new = run_int8_attention_case(name, args.rep_ms, args.repeats, chosen, args.compile_mode)
+        else:
+            new = run_case(name, args.rep_ms, args.repeats, args.fp8, chosen, args.compile_mode)
         measured = {(r["case"], r["provider"]) for r in new}
         rows = [r for r in rows if (r["case"], r["provider"]) not in measured] + new
         write_results(args.out, stem, env, rows)

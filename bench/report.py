@@ -208,6 +208,56 @@ def attention_table(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def is_attention_int8(data: dict) -> bool:
+    """bench/attention.py --int8's JSON: rows per input kind, with their error."""
+    return any("inputs" in r and "rel_l2_vs_fp64" in r for r in data["rows"])
+
+
+def attention_int8_table(data: dict) -> str:
+    """Markdown: forward TFLOP/s of 8-bit attention beside cuDNN, our exact
+    kernel and SageAttention, each with its relative L2 to fp64 attention,
+    per shape and input kind."""
+    rows = data["rows"]
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    keys = list(dict.fromkeys((tuple(r["shape"]), r["inputs"]) for r in rows))
+    by = {(tuple(r["shape"]), r["inputs"], r["provider"]): r for r in rows}
+    out = [run_line(data["env"]) + " | [B, H, L, D], non-causal, forward; bf16 inputs, 8-bit providers "
+           "quantize inside the timed call.", "",
+           "TFLOP/s (4·B·H·L²·D per forward, `do_bench` median) and, in brackets, the relative L2 distance "
+           "to fp64 attention. Inputs: `normal` N(0, 1); `offset_keys` keys with a per-channel offset of "
+           "N(0, 4²) and doubled queries.", "",
+           "| shape | inputs | " + " | ".join(providers) + " |", "|---|---|" + "---:|" * len(providers)]
+    for shape, kind in keys:
+        cells = []
+        for prov in providers:
+            r = by.get((shape, kind, prov))
+            cells.append("err" if not r or "error" in r else f"{r['fwd_TFLOPs']:.0f} ({r['rel_l2_vs_fp64']:.1e})")
+        out.append(f"| {_shape(shape)} | {kind} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def is_host(data: dict) -> bool:
+    """bench/host.py's JSON: host microseconds per eager call."""
+    return any("bare_us" in r for r in data["rows"])
+
+
+def host_table(data: dict) -> str:
+    """Markdown: host microseconds per eager call of each op, against a bare
+    Triton launch of its kernels and the PyTorch composite."""
+    out = [run_line(data["env"]) + " | host µs per call at [1, 64, 3072] bf16 (median of 5 x 1000 calls; the "
+           "kernels themselves take the GPU µs column).", "",
+           "| op | eager | through the dispatcher | bare Triton launch | eager / bare | PyTorch composite "
+           "| GPU µs | launch plan |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in data["rows"]:
+        if "error" in r:
+            out.append(f"| {r['op']} | err | | | | | | |")
+            continue
+        out.append(f"| {r['op']} | {r['eager_us']:.1f} | {r['dispatcher_us']:.1f} | {r['bare_us']:.1f} | "
+                   f"{r['ratio']:.2f} | {r['reference_us']:.1f} | {r.get('gpu_us', float('nan')):.1f} | "
+                   f"{'replayed' if r.get('planned') else 'body'} |")
+    return "\n".join(out) + "\n"
+
+
 def is_block_sparse(data: dict) -> bool:
     """bench/block_sparse.py's JSON."""
     return any(r.get("provider") == "fused_sparse" for r in data["rows"])
@@ -508,6 +558,8 @@ def main(argv=None) -> int:
                (is_diffusers_e2e_fp8, diffusers_e2e_fp8_table, lambda rows: "diffusers-e2e-fp8-table"),
                (is_diffusers_e2e, diffusers_e2e_table, lambda rows: "diffusers-e2e-table"),
                (is_block_sparse, block_sparse_table, lambda rows: "block-sparse-table"),
+               (is_host, host_table, lambda rows: "host-table"),
+               (is_attention_int8, attention_int8_table, lambda rows: "attention-int8-table"),
                (is_attention, attention_table,
                 lambda rows: "attention-causal-table" if any(r.get("causal") for r in rows) else "attention-table"))
     for recognise, make_table, marker in special:

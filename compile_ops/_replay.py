@@ -51,6 +51,14 @@ _SCALARS = (bool, int, float, str, type(None))
 _state = threading.local()
 
 
+def launch_hooks_set() -> bool:
+    """Whether a profiler (proton, ...) hooks Triton's launches: replays pass
+    no hooks, so they are off then. (Triton 3.6 keeps the hooks as chains,
+    empty when unset; older releases as a function or None.)"""
+    return any(h is not None and getattr(h, "calls", True)
+               for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+
+
 def signature(args, kwargs) -> Optional[tuple]:
     """The key of a call (see the module docstring), or None when an argument
     is of a kind plans do not handle (the call then runs the body)."""
@@ -191,7 +199,7 @@ def record(plans: dict, key: tuple, body: Callable, args: tuple, kwargs: dict):
     finally:
         _state.launches = None
         torch.cuda.set_sync_debug_mode(sync_mode)
-    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+    if launch_hooks_set():
         return outputs  # a profiler's hooks: record later, without them
     inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     try:
@@ -213,7 +221,7 @@ def run(plans: dict, body: Callable, args: tuple, kwargs: dict):
         return body(*args, **kwargs)
     key = signature(args, kwargs)
     plan = _NOT_SEEN if key is None else plans.get(key, _NOT_SEEN)
-    if type(plan) is Plan and knobs.runtime.launch_enter_hook is None:
+    if type(plan) is Plan and not launch_hooks_set():
         return plan.replay([a for a in (*args, *kwargs.values()) if type(a) is torch.Tensor])
     if plan is _NOT_SEEN and key is not None:
         return record(plans, key, body, args, kwargs)

@@ -310,7 +310,11 @@ def test_under_cpu_autocast_attention_is_the_op_on_lowered_inputs_and_norms_are_
 
 
 def test_autocast_kernels_exist_exactly_for_the_ops_with_a_policy():
-    with_policy = {"rmsnorm": ("cuda",), "layernorm": ("cuda",), "add_rmsnorm": ("cuda",),
+    from compile_ops._library import aten_autocast_policy
+
+    # The RMS norms mirror aten's rms_norm, which has a CUDA autocast kernel from torch 2.13 on, none in 2.11.
+    rms = ("cuda",) if aten_autocast_policy("aten::rms_norm", "fp32") else ()
+    with_policy = {"rmsnorm": rms, "layernorm": ("cuda",), "add_rmsnorm": rms,
                    "norm_modulate": ("cuda",), "gated_residual_norm_modulate": ("cuda",),
                    "attention": ("cuda", "cpu"), "block_sparse_attention": ("cuda", "cpu")}
     for name in ("rmsnorm", "layernorm", "add_rmsnorm", "norm_modulate", "gated_residual_norm_modulate", "attention",
@@ -320,14 +324,23 @@ def test_autocast_kernels_exist_exactly_for_the_ops_with_a_policy():
             assert has == (device in with_policy.get(name, ())), (name, key)
 
 
+#: Ops whose eager calls read tensor values on purpose: block-sparse attention
+#: checks its block lists' values (``meta/block_sparse.py``), in eager calls
+#: only (never while tracing or capturing a CUDA graph), so those calls get no
+#: launch plan either.
+EAGER_VALUE_CHECKS = {"block_sparse_attention"}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", registry.OPS, ids=IDS)
+@pytest.mark.parametrize("spec", [s for s in registry.OPS if s.make_inputs and s.name not in EAGER_VALUE_CHECKS],
+                         ids=lambda s: s.name)
 def test_launchers_never_synchronize_with_the_device(spec):
     """No launcher reads a CUDA tensor back on the host (``.item()``,
     ``.tolist()``, ``.cpu()``, a data-dependent shape): that would stall the
     stream and break CUDA graphs (``torch.compile(mode="reduce-overhead")``).
     CUDA's sync debug mode turns any synchronizing call into an error; the
-    op runs forward and, where it has one, backward."""
+    op runs forward and, where it has one, backward (the backward ops run
+    there: they have no inputs of their own)."""
     args = spec.make_inputs((2, 64, 64), torch.bfloat16, "cuda", spec.differentiable)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
