@@ -360,10 +360,10 @@ def _sage_sdpa():
     block, fp16 PV, Triton), as its README plugs it into models."""
     from sageattention import sageattn
 
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if attn_mask is not None or dropout_p:
             raise ValueError("sageattn takes no mask and no dropout")
-        return sageattn(q, k, v, tensor_layout="HND", is_causal=is_causal, sm_scale=scale)
+        return sageattn(query, key, value, tensor_layout="HND", is_causal=is_causal, sm_scale=scale)
 
     return sdpa
 

@@ -296,6 +296,36 @@ def is_diffusers_e2e(data: dict) -> bool:
     return any("case" in r for r in data["rows"])
 
 
+def is_diffusers_e2e_int8(data: dict) -> bool:
+    """diffusers_e2e.py --int8-attention's JSON."""
+    return any(r.get("provider") == "int8_attention_compiled" for r in data["rows"])
+
+
+def diffusers_e2e_int8_table(data: dict) -> str:
+    """Markdown: a step with 8-bit attention beside SDPA, our bf16 attention
+    and SageAttention, with spreads and each step's distance to the bf16 model."""
+    env = data["env"]
+    by = {(r["case"], r["provider"]): r for r in data["rows"]}
+    cases = list(dict.fromkeys(r["case"] for r in data["rows"]))
+    providers = ("native_compiled", "patched_compiled", "int8_attention_compiled", "sage_attention_compiled")
+    out = [run_line(env, f"diffusers {env.get('diffusers', '?')}, sageattention {env.get('sageattention', '?')}")
+           + " | bf16, batch 1, random weights, regional compile; ms per step, median of 3 (min-max), and the "
+           "step output's relative L2 to the bf16 model in eager mode.", "",
+           "| case | tokens | " + " | ".join(providers) + " | int8 vs native |",
+           "|---|---:|" + "---:|" * (len(providers) + 1)]
+    for case in cases:
+        cells = []
+        for p in providers:
+            r = by.get((case, p))
+            cells.append("-" if r is None else "err" if "error" in r else
+                         f"{r['ms']:.1f} ({r['ms_min']:.1f}-{r['ms_max']:.1f}), {r['rel_l2_vs_bf16']:.1e}")
+        native, int8 = by.get((case, "native_compiled")), by.get((case, "int8_attention_compiled"))
+        speed = f"{native['ms'] / int8['ms']:.3f}x" if native and int8 and "ms" in native and "ms" in int8 else "-"
+        tokens = next((r["tokens"] for (c, _), r in by.items() if c == case and "tokens" in r), "")
+        out.append(f"| {case} | {tokens} | " + " | ".join(cells) + f" | {speed} |")
+    return "\n".join(out) + "\n"
+
+
 def is_diffusers_e2e_fp8(data: dict) -> bool:
     """diffusers_e2e.py's JSON of an FP8-only run (``--fp8 --providers native_compiled,...``)."""
     providers = {r.get("provider") for r in data["rows"]}
@@ -555,6 +585,7 @@ def main(argv=None) -> int:
     # bench/run.py's op table comes last: the other runners' JSON is recognised by its rows.
     special = ((is_distributed_train, distributed_train_table, lambda rows: "distributed-train-table"),
                (is_sparse_e2e, sparse_e2e_table, lambda rows: "sparse-e2e-table"),
+               (is_diffusers_e2e_int8, diffusers_e2e_int8_table, lambda rows: "diffusers-e2e-int8-table"),
                (is_diffusers_e2e_fp8, diffusers_e2e_fp8_table, lambda rows: "diffusers-e2e-fp8-table"),
                (is_diffusers_e2e, diffusers_e2e_table, lambda rows: "diffusers-e2e-table"),
                (is_block_sparse, block_sparse_table, lambda rows: "block-sparse-table"),

@@ -15,13 +15,16 @@ Triton's compiled launcher directly.
 A signature gets a plan only when replaying it is certainly the call:
 
 - every tensor a kernel received is an input or an output of the op, or a
-  view of one (same storage, fixed offset): no intermediate computed by torch
-  ops (a copy, a quantization, a zeroed buffer) that a replay would skip;
+  view of one (same storage, fixed offset), or empty (a placeholder): no
+  intermediate computed by torch ops (a copy, a quantization, a zeroed
+  buffer) that a replay would skip;
 - the inputs are distinct storages, and so are the outputs;
 - kernel arguments are tensors, numbers, strings, triton dtypes or None, and
   grids are tuples of ints;
 - the body read no tensor values (it runs under
-  ``torch.cuda.set_sync_debug_mode("error")`` while recording);
+  ``torch.cuda.set_sync_debug_mode("error")`` while recording; nothing is
+  recorded while a CUDA graph is captured or the user's sync debug mode is on,
+  since verifying a plan syncs);
 - replaying the plan into outputs prefilled with NaN (or -1) reproduces the
   recorded call's outputs exactly (an output written by a torch op, or not
   fully written, fails this).
@@ -129,10 +132,13 @@ class Plan:
             for position, value in enumerate(bound.arguments.values()):
                 if isinstance(value, torch.Tensor):
                     source = storages.get(value.untyped_storage().data_ptr())
-                    if source is None:
+                    if source is not None:
+                        slots.append((position, source[0], value.data_ptr() - source[1]))
+                        value = None
+                    elif value.numel() == 0:  # a placeholder the kernel never reads (rope without k)
+                        value = value.data_ptr()
+                    else:
                         raise _Unplannable("a kernel argument is an intermediate tensor")
-                    slots.append((position, source[0], value.data_ptr() - source[1]))
-                    value = None
                 elif not isinstance(value, _SCALARS) and type(value).__module__.split(".")[0] != "triton":
                     raise _Unplannable(f"a kernel argument of type {type(value).__name__}")
                 values.append(value)
@@ -181,7 +187,8 @@ def _verified(plan: Plan, inputs: list, outputs) -> bool:
 def record(plans: dict, key: tuple, body: Callable, args: tuple, kwargs: dict):
     """Run ``body`` once, recording its launches; store a verified :class:`Plan`
     (or UNPLANNED) under ``key``. Returns the body's outputs."""
-    if torch.cuda.is_current_stream_capturing():  # recording syncs to verify: not inside a CUDA graph
+    if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode():
+        # Recording syncs to verify: not inside a CUDA graph, nor where the user is hunting syncs.
         return body(*args, **kwargs)
     launches = []
     _state.launches = launches
