@@ -13,7 +13,10 @@ Where code runs:
 - Eager calls from Python skip torch's dispatcher when nothing traces them (see
   ``FusedOp.__call__``): on an H100 host the dispatcher and torch.library's
   autograd layers cost ~40 us per op call and made an eager forward+backward
-  step host-bound (~950 us against ~350 us of kernels at 1x16384x5120).
+  step host-bound (~950 us against ~350 us of kernels at 1x16384x5120). On
+  CUDA, those calls also replay launch plans (``_replay``): a signature's
+  first call records its launches, later ones skip validation, configuration
+  and Triton's argument binding.
 - With ``TRITON_INTERPRET=1`` in the environment *before* triton is imported,
   CPU tensors run the real Triton kernels through the interpreter instead: that
   is how a CPU-only CI executes every kernel. Triton's interpreter cannot be
