@@ -22,7 +22,6 @@ at most 1.5). Writes ``<out>/host-<gpu>.json``; ``bench/ops.py`` runs the
 rmsnorm row for its report line.
 """
 import argparse
-import contextlib
 import cProfile
 import io
 import os
@@ -43,25 +42,6 @@ from bench.toolkit import as_tuple, environment, graph_replay_time, log, make_ti
 OVERHEAD_SHAPE = (1, 64, 3072)
 CALLS = 1000
 ROUNDS = 5
-
-
-@contextlib.contextmanager
-def recorded_launches():
-    """Record each Triton launch made inside the block as ``(kernel, grid, args, kwargs)``."""
-    from triton.runtime.jit import JITFunction
-
-    launches, original = [], JITFunction.run
-
-    def run(self, *args, grid, warmup, **kwargs):
-        if not warmup:
-            launches.append((self, grid, args, dict(kwargs)))
-        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    JITFunction.run = run
-    try:
-        yield launches
-    finally:
-        JITFunction.run = original
 
 
 def per_call_us(fn, calls: int = CALLS, rounds: int = ROUNDS) -> float:
@@ -95,7 +75,7 @@ def profile_text(fn, calls: int = 2000, top: int = 14) -> str:
 def measure(spec, shape=OVERHEAD_SHAPE, timer=None, profile: bool = False) -> dict:
     """One row of host costs for a registry op (see the module docstring)."""
     from compile_ops._library import FUSED_OPS, clear_launch_plans
-    from compile_ops._replay import Plan
+    from compile_ops._replay import Plan, recorded_launches
 
     fused = FUSED_OPS[spec.op_name or spec.name]
     torch.manual_seed(0)
@@ -112,12 +92,12 @@ def measure(spec, shape=OVERHEAD_SHAPE, timer=None, profile: bool = False) -> di
             return spec.reference(*args)
 
         clear_launch_plans()
-        with recorded_launches() as launches:  # the first call: the body runs (and a plan is recorded)
+        with recorded_launches() as launches:  # the body runs, its launches recorded (no plan yet)
             want = as_tuple(eager())
         torch.cuda.synchronize()
 
         def bare():
-            for kernel, grid, a, kw in launches:
+            for kernel, _, grid, a, kw in launches:
                 kernel[grid](*a, **kw)
 
         # bare() writes the first call's outputs again and later calls replay

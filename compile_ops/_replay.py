@@ -36,6 +36,7 @@ after changing one, call ``compile_ops._library.clear_launch_plans()``.
 Only CUDA tensors get plans (the interpreter runs kernels differently).
 This module imports torch and triton only; ``_library`` uses it.
 """
+import contextlib
 import threading
 from typing import Callable, Optional
 
@@ -78,6 +79,20 @@ def signature(args, kwargs) -> Optional[tuple]:
     if kwargs:
         key.append(tuple(kwargs))
     return tuple(key)
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Record the launches that fused ops' eager calls make inside the block,
+    as ``(kernel, compiled, grid, args, kwargs)`` (``bench/host.py`` replays
+    them bare). Calls inside it run their bodies: no plan is used or made."""
+    previous = getattr(_state, "launches", None)
+    launches = []
+    _state.launches = launches
+    try:
+        yield launches
+    finally:
+        _state.launches = previous
 
 
 def recording_kernel(kernel):
@@ -190,25 +205,21 @@ def record(plans: dict, key: tuple, body: Callable, args: tuple, kwargs: dict):
     if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode():
         # Recording syncs to verify: not inside a CUDA graph, nor where the user is hunting syncs.
         return body(*args, **kwargs)
-    launches = []
-    _state.launches = launches
-    sync_mode = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
     try:
-        outputs = body(*args, **kwargs)
+        with recorded_launches() as launches:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                outputs = body(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)  # the user's mode: recording starts only when it is off
     except RuntimeError as e:
         if "synchroniz" not in str(e):
             raise  # the op's own error (bad input): the caller sees it as without plans
-        torch.cuda.set_sync_debug_mode(sync_mode)
-        _state.launches = None
         plans[key] = UNPLANNED  # the launch path reads tensor values
         return body(*args, **kwargs)
-    finally:
-        _state.launches = None
-        torch.cuda.set_sync_debug_mode(sync_mode)
     if launch_hooks_set():
         return outputs  # a profiler's hooks: record later, without them
-    inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    inputs = _tensors(args, kwargs)
     try:
         plan = Plan(inputs, outputs, launches)
         plans[key] = plan if _verified(plan, inputs, outputs) else UNPLANNED
@@ -217,6 +228,12 @@ def record(plans: dict, key: tuple, body: Callable, args: tuple, kwargs: dict):
     if len(plans) > MAX_PLANS:
         plans.clear()
     return outputs
+
+
+def _tensors(args, kwargs) -> list:
+    """A call's tensor arguments in signature order: what plans' slots index
+    (one filter for recording and replay, so the indices agree)."""
+    return [a for a in (*args, *kwargs.values()) if type(a) is torch.Tensor]
 
 
 def run(plans: dict, body: Callable, args: tuple, kwargs: dict):
@@ -229,7 +246,7 @@ def run(plans: dict, body: Callable, args: tuple, kwargs: dict):
     key = signature(args, kwargs)
     plan = _NOT_SEEN if key is None else plans.get(key, _NOT_SEEN)
     if type(plan) is Plan and not launch_hooks_set():
-        return plan.replay([a for a in (*args, *kwargs.values()) if type(a) is torch.Tensor])
+        return plan.replay(_tensors(args, kwargs))
     if plan is _NOT_SEEN and key is not None:
         return record(plans, key, body, args, kwargs)
     return body(*args, **kwargs)
