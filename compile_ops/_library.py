@@ -156,13 +156,13 @@ def clear_launch_plans() -> None:
 def _untraced(args, kwargs) -> bool:
     """True when this call is plain eager execution on tensors that run Triton:
     not under torch.compile or export, no dispatch mode (fake tensors, make_fx,
-    functionalization), no tensor subclass (DTensor, FakeTensor)."""
+    functionalization), no tensor subclass (DTensor, FakeTensor) but Parameter."""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
     first = None
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, torch.Tensor):
-            if type(a) is not torch.Tensor:
+            if type(a) not in _replay.PLAIN_TENSORS:
                 return False
             first = first if first is not None else a
     # Under autocast the dispatcher's Autocast kernel (register_autocast_policy) casts first.

@@ -51,6 +51,9 @@ MAX_PLANS = 256
 UNPLANNED = object()
 _NOT_SEEN = object()
 _SCALARS = (bool, int, float, str, type(None))
+#: Tensor types that run Triton as they are: a module's weights come as
+#: Parameters, a nominal subclass (DTensor, FakeTensor and the like are not plain).
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 _state = threading.local()
 
@@ -68,7 +71,7 @@ def signature(args, kwargs) -> Optional[tuple]:
     is of a kind plans do not handle (the call then runs the body)."""
     key = [torch.get_float32_matmul_precision()]
     for a in (*args, *kwargs.values()):
-        if type(a) is torch.Tensor:
+        if type(a) in PLAIN_TENSORS:
             key.append((a.dtype, a.get_device(), a.shape, a.stride(), a.data_ptr() % 16))
         elif isinstance(a, _SCALARS):
             key.append((type(a), a))
@@ -233,7 +236,7 @@ def record(plans: dict, key: tuple, body: Callable, args: tuple, kwargs: dict):
 def _tensors(args, kwargs) -> list:
     """A call's tensor arguments in signature order: what plans' slots index
     (one filter for recording and replay, so the indices agree)."""
-    return [a for a in (*args, *kwargs.values()) if type(a) is torch.Tensor]
+    return [a for a in (*args, *kwargs.values()) if type(a) in PLAIN_TENSORS]
 
 
 def run(plans: dict, body: Callable, args: tuple, kwargs: dict):

@@ -376,6 +376,27 @@ def test_launch_plan_signature_tells_apart_what_launchers_depend_on():
     finally:
         torch.set_float32_matmul_precision(previous)
     assert signature((x, [1, 2]), {}) is None
+    # A module's weight is a Parameter: a plain tensor to plans (the key of its data).
+    assert signature((torch.nn.Parameter(x), 1e-6), {}) == key
+
+
+@pytest.mark.gpu
+def test_module_weights_take_the_eager_fast_path():
+    """A norm module's call, whose weight is an nn.Parameter, is replayed from
+    a launch plan like a call on plain tensors (Parameters were once taken for
+    a tensor subclass and always ran the dispatcher's path)."""
+    from compile_ops._library import FUSED_OPS, clear_launch_plans
+    from compile_ops._replay import Plan
+
+    clear_launch_plans()
+    weight = torch.nn.Parameter(torch.randn(256, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(2, 40, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        outputs = [torch.ops.fused.rmsnorm.default(x, weight, 1e-6)] + [compile_ops.rmsnorm(x, weight, 1e-6)
+                                                                        for _ in range(3)]
+    assert all(torch.equal(o, outputs[0]) for o in outputs)
+    assert [type(p) for p in FUSED_OPS["rmsnorm"].plans.values()] == [Plan]
+    clear_launch_plans()
 
 
 @pytest.mark.gpu
