@@ -10,7 +10,7 @@ It exits 1 when some test does worse patched than unpatched, else 0.
 
     python tests/diffusers_conformance.py --diffusers-tests ~/diffusers/tests \
         [--models flux,wan,sd3,ltx,hunyuan_video,cogvideox,qwenimage] [-k EXPR] \
-        [--out results.json] [--workers N] [--timeout SECONDS]
+        [--out results.json] [--workers N] [--processes N] [--timeout SECONDS]
 
 ``--diffusers-tests`` is the ``tests/`` directory of a diffusers source
 checkout; the model files are ``models/transformers/test_models_transformer_<model>.py``
@@ -56,7 +56,8 @@ RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 2, "missing": 3}
 
 PLUGIN = "diffusers_conformance"
 PATCH_ENV = "COMPILE_OPS_CONFORMANCE_PATCH"
-#: Where the plugin writes how many models of each class it patched (JSON).
+#: The directory where each pytest process of the patched mode (one, or
+#: pytest-xdist's workers) writes how many models of each class it patched (JSON).
 COUNTS_ENV = "COMPILE_OPS_CONFORMANCE_COUNTS"
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -108,10 +109,10 @@ def pytest_configure(config) -> None:
 
 
 def pytest_unconfigure(config) -> None:
-    """Patched mode: record how many models of each class were patched."""
-    path = os.environ.get(COUNTS_ENV)
-    if os.environ.get(PATCH_ENV) == "1" and path:
-        Path(path).write_text(json.dumps(dict(_patched)))
+    """Patched mode: record how many models of each class this process patched."""
+    directory = os.environ.get(COUNTS_ENV)
+    if os.environ.get(PATCH_ENV) == "1" and directory:
+        Path(directory, f"patched-{os.getpid()}.json").write_text(json.dumps(dict(_patched)))
 
 
 # ---------------------------------------------------------------- the runner
@@ -154,22 +155,25 @@ def parse_junit(path: Path, module: str) -> dict:
     return results
 
 
-def run_pytest(root: Path, test_file: Path, mode: str, k_expr: str | None, timeout: float) -> dict:
-    """Run one test file in one mode; return its outcomes, counts, wall time and status.
+def run_pytest(root: Path, test_file: Path, mode: str, k_expr: str | None, timeout: float,
+               processes: int = 1) -> dict:
+    """Run one test file in one mode (in ``processes`` pytest-xdist workers
+    when above 1); return its outcomes, counts, wall time and status.
 
     ``status`` is "ok", "timeout" (the process group was killed: no outcomes)
     or "no report" (pytest ended without writing its junit XML).
     """
     with tempfile.TemporaryDirectory(prefix="conformance-") as tmp:
-        junit, counts_file, log = Path(tmp, "junit.xml"), Path(tmp, "patched.json"), Path(tmp, "pytest.log")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", **{COUNTS_ENV: str(counts_file)})
+        junit, log = Path(tmp, "junit.xml"), Path(tmp, "pytest.log")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", **{COUNTS_ENV: tmp})
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), str(REPO_ROOT), env.get("PYTHONPATH")]))
         if mode == "patched":
             env[PATCH_ENV] = "1"
         else:
             env.pop(PATCH_ENV, None)
         command = [sys.executable, "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", "-q",
-                   f"--junitxml={junit}", str(test_file.relative_to(root))] + (["-k", k_expr] if k_expr else [])
+                   f"--junitxml={junit}", str(test_file.relative_to(root))] + (["-k", k_expr] if k_expr else []) + (
+                       ["-n", str(processes)] if processes > 1 else [])
         start = time.monotonic()
         with open(log, "w") as out:
             process = subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -184,12 +188,14 @@ def run_pytest(root: Path, test_file: Path, mode: str, k_expr: str | None, timeo
         wall = time.monotonic() - start
         module = ".".join(test_file.relative_to(root).with_suffix("").parts)
         tests = parse_junit(junit, module) if status == "ok" else {}
-        patched = json.loads(counts_file.read_text()) if counts_file.is_file() else {}
+        patched = Counter()
+        for counts_file in Path(tmp).glob("patched-*.json"):
+            patched.update(json.loads(counts_file.read_text()))
         tail = "" if status == "ok" else "\n".join(log.read_text(errors="replace").splitlines()[-20:])
     counts = Counter(test["outcome"] for test in tests.values())
     return {"status": status, "wall_s": round(wall, 1), "exit_code": process.returncode,
             "counts": {"collected": len(tests), **{o: counts[o] for o in OUTCOMES}},
-            "models_patched": patched, "log_tail": tail, "tests": tests}
+            "models_patched": dict(patched), "log_tail": tail, "tests": tests}
 
 
 def differences(unpatched: dict, patched: dict) -> list:
@@ -263,6 +269,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="write the counts, times, outcomes and differences here as JSON")
     parser.add_argument("--workers", type=int, default=1, metavar="N",
                         help="pytest runs at a time (each file in each mode is one run; default %(default)s)")
+    parser.add_argument("--processes", type=int, default=1, metavar="N",
+                        help="pytest-xdist workers of each run (needs pytest-xdist; default %(default)s: no xdist)")
     parser.add_argument("--timeout", type=float, default=1200, metavar="SECONDS",
                         help="seconds one file may run in one mode before it is killed (default %(default)s)")
     return parser.parse_args(argv)
@@ -288,7 +296,8 @@ def main(argv=None) -> int:
             missing.append(model)
     jobs = [(model, mode) for model in files for mode in MODES]
     with ThreadPoolExecutor(max_workers=max(1, args.workers)) as pool:
-        futures = {job: pool.submit(run_pytest, root, files[job[0]], job[1], args.k_expr, args.timeout)
+        futures = {job: pool.submit(run_pytest, root, files[job[0]], job[1], args.k_expr, args.timeout,
+                                   args.processes)
                    for job in jobs}
         runs = {job: future.result() for job, future in futures.items()}
     results = {}
