@@ -62,7 +62,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.toolkit import environment, relative_l2, results_path, warm_up_gpu, write_results  # noqa: E402
+from bench.toolkit import (environment, kernel_profile, relative_l2, results_path, warm_up_gpu,  # noqa: E402
+                           write_results)
 
 DTYPE = torch.bfloat16
 
@@ -255,8 +256,19 @@ FP8_PROVIDERS = ("fp8_compiled", "fp8_fp32_accum_compiled", "torchao_fp8_compile
 BF16_PROVIDERS = ("native_eager", "native_compiled", "patched_eager", "patched_compiled")
 
 
+def _profiled(row: dict, fn, profile: bool) -> None:
+    """With ``--profile``: the step's GPU time by kernel family into ``row``, and printed."""
+    if not profile:
+        return
+    row["kernels"] = kernel_profile(fn)
+    families = "  ".join(f"{f} {ms:.1f}" for f, ms in row["kernels"]["families"].items())
+    print(f"    GPU {row['kernels']['gpu_ms']:.1f} ms: {families}", flush=True)
+    for name, ms, launches in row["kernels"]["top"]:
+        print(f"      {ms:7.2f} ms {launches:4d}x {name}", flush=True)
+
+
 def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact, providers, compile_mode: str,
-                      per_linear: dict) -> list:
+                      per_linear: dict, profile: bool = False) -> list:
     """The FP8 providers in ``providers`` on fresh models; ``exact`` is the bf16
     model's output on the same inputs, ``per_linear`` :func:`_per_linear_errors`'."""
     rows = []
@@ -275,6 +287,7 @@ def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact, providers
             setup_s = time.perf_counter() - start
             err = relative_l2(out, exact)
             row = _repeated(lambda m=module: m(**inputs).sample, timer_ms, repeats)
+            _profiled(row, lambda m=module: m(**inputs).sample, profile)
         row.update(case=name, provider=provider, first_call_s=setup_s, rel_l2_vs_bf16=err, train=False,
                    tokens=_tokens(name), weights_MiB=_weight_MiB(model), compile=compile_mode)
         if report is not None:
@@ -292,7 +305,7 @@ def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact, providers
 
 
 def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, providers=None,
-             compile_mode: str = "full") -> list:
+             compile_mode: str = "full", profile: bool = False) -> list:
     import compile_ops
 
     _, train = CASES[name]
@@ -330,6 +343,7 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
         step(module)  # compiles
         setup_s = time.perf_counter() - start
         row = _repeated(lambda: step(module), timer_ms, repeats)
+        _profiled(row, lambda: step(module), profile)
         row.update(case=name, provider=provider, first_call_s=setup_s, train=train, tokens=_tokens(name),
                    attention_kernel="auto", weights_MiB=_weight_MiB(model), compile=compile_mode)
         rows.append(row)
@@ -346,7 +360,7 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     if exact is not None:
-        rows += run_fp8_providers(name, timer_ms, repeats, exact, providers, compile_mode, per_linear)
+        rows += run_fp8_providers(name, timer_ms, repeats, exact, providers, compile_mode, per_linear, profile)
     return rows
 
 
@@ -368,7 +382,8 @@ def _sage_sdpa():
     return sdpa
 
 
-def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers, compile_mode: str) -> list:
+def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers, compile_mode: str,
+                            profile: bool = False) -> list:
     """Each of INT8_PROVIDERS (those in ``providers``) on a fresh model; rows
     with the step output's relative L2 to the bf16 model with SDPA (eager)."""
     import compile_ops
@@ -395,6 +410,7 @@ def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers,
                 out = module(**inputs).sample  # compiles
                 setup_s = time.perf_counter() - start
                 row = _repeated(lambda m=module: m(**inputs).sample, timer_ms, repeats)
+                _profiled(row, lambda m=module: m(**inputs).sample, profile)
         except Exception as e:  # noqa: BLE001 (a peer that fails is a result; the others still run)
             rows.append({"case": name, "provider": provider, "error": f"{type(e).__name__}: {e}"[:500]})
             print(f"{name:<11} {provider:<24} error: {rows[-1]['error'][:300]}", flush=True)
@@ -450,6 +466,8 @@ def main(argv=None) -> int:
                    help="also compile_ops FP8 and torchao float8 providers on the inference cases")
     p.add_argument("--int8-attention", action="store_true",
                    help="only the 8-bit attention comparison (INT8_PROVIDERS) on the inference cases")
+    p.add_argument("--profile", action="store_true",
+                   help="also each step's GPU time by kernel family and its top kernels (torch.profiler)")
     args = p.parse_args(argv)
     env = diffusers_environment()
     env["command"] = "python bench/diffusers_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -468,9 +486,10 @@ def main(argv=None) -> int:
     for name in args.cases.split(","):  # written after each case: a later one may run out of time
         chosen = args.providers.split(",") if args.providers else None
         if args.int8_attention:
-            new = run_int8_attention_case(name, args.rep_ms, args.repeats, chosen, args.compile_mode)
+            new = run_int8_attention_case(name, args.rep_ms, args.repeats, chosen, args.compile_mode,
+                                          args.profile)
         else:
-            new = run_case(name, args.rep_ms, args.repeats, args.fp8, chosen, args.compile_mode)
+            new = run_case(name, args.rep_ms, args.repeats, args.fp8, chosen, args.compile_mode, args.profile)
         measured = {(r["case"], r["provider"]) for r in new}
         rows = [r for r in rows if (r["case"], r["provider"]) not in measured] + new
         write_results(args.out, stem, env, rows)

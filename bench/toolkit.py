@@ -150,6 +150,43 @@ def graph_replay_time(fn, timer) -> float:
     return timer(graph.replay)
 
 
+#: Kernel families of a model step's profile, by kernel name (first match wins).
+KERNEL_FAMILIES = (
+    ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|_scaled_mm|sm90_.*_tn|splitK"),
+    ("attention", r"flash|fmha|cudnn|attn|sdpa"),
+    ("compile_ops", r"^_?(rms|layer|norm|modulate|gated|rope|qk_norm|geglu|swiglu|glu|quantize|fp8)"),
+    ("inductor", r"^triton_"),
+)
+
+
+def kernel_profile(fn, calls: int = 3, top: int = 12) -> dict:
+    """Where one call of ``fn`` spends its GPU time: ``torch.profiler`` over
+    ``calls`` calls (after one unrecorded), the kernels' device time per call
+    by family (:data:`KERNEL_FAMILIES`, else "other") and the ``top`` kernels
+    by time, as ``{"gpu_ms", "families": {family: ms}, "top": [[name, ms, launches]]}``."""
+    import re
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith("Memcpy"):
+            ms, launches = kernels.get(event.name, (0.0, 0))
+            kernels[event.name] = (ms + event.device_time / 1e3 / calls, launches + 1)
+    families = {}
+    for name, (ms, _) in kernels.items():
+        family = next((f for f, pattern in KERNEL_FAMILIES if re.search(pattern, name, re.I)), "other")
+        families[family] = families.get(family, 0.0) + ms
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"gpu_ms": sum(ms for ms, _ in kernels.values()), "families": dict(sorted(families.items())),
+            "top": [[name[:120], ms, launches // calls] for name, (ms, launches) in ranked]}
+
+
 def _training_step(fn, args):
     """A forward+backward step: backward of every float output with a fixed
     random gradient; input ``.grad`` is set to None so nothing accumulates."""
