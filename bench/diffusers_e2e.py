@@ -17,7 +17,8 @@ FP8 inference (``--fp8``, the step cases): more providers, each on a
 freshly built model, since they quantize in place and release the bf16
 weights: ``fp8_compiled`` (``compile_ops.patch(model, precision="fp8")`` +
 ``torch.compile``), ``fp8_fp32_accum_compiled`` (the same with
-``fp8_fast_accum=False``) and ``torchao_fp8_compiled`` (torchao's
+``fp8_fast_accum=False``), ``fp8_modulation_compiled`` (with
+``fp8_modulation=True``: the AdaLN modulation projections in FP8 too) and ``torchao_fp8_compiled`` (torchao's
 ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` +
 ``torch.compile``, what users install today). Their rows also give the step
 output's relative L2 error against the bf16 model's output on the same
@@ -183,9 +184,10 @@ def _repeated(fn, timer_ms: float, repeats: int) -> dict:
 
 def _quantize(provider: str, model):
     """Quantize ``model`` in place for an FP8 provider; the patch report, if any."""
-    if provider in ("fp8_compiled", "fp8_fp32_accum_compiled"):
+    if provider in ("fp8_compiled", "fp8_fp32_accum_compiled", "fp8_modulation_compiled"):
         import compile_ops
-        return compile_ops.patch(model, precision="fp8", fp8_fast_accum=provider == "fp8_compiled")
+        return compile_ops.patch(model, precision="fp8", fp8_fast_accum=provider != "fp8_fp32_accum_compiled",
+                                 fp8_modulation=provider == "fp8_modulation_compiled")
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
     quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
     return None
@@ -205,7 +207,7 @@ def _fp8_recipe(provider: str):
             return twin
         return torchao
     from compile_ops import FP8Linear
-    return lambda linear: FP8Linear.from_linear(linear, fast_accum=provider == "fp8_compiled")
+    return lambda linear: FP8Linear.from_linear(linear, fast_accum=provider != "fp8_fp32_accum_compiled")
 
 
 def _per_linear_errors(model, inputs, providers) -> tuple:
@@ -252,7 +254,7 @@ def _per_linear_errors(model, inputs, providers) -> tuple:
     return out, summary
 
 
-FP8_PROVIDERS = ("fp8_compiled", "fp8_fp32_accum_compiled", "torchao_fp8_compiled")
+FP8_PROVIDERS = ("fp8_compiled", "fp8_modulation_compiled", "fp8_fp32_accum_compiled", "torchao_fp8_compiled")
 BF16_PROVIDERS = ("native_eager", "native_compiled", "patched_eager", "patched_compiled")
 
 

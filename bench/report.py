@@ -363,7 +363,10 @@ def diffusers_e2e_table(data: dict) -> str:
 
 
 #: The rows of the FP8 table: bf16 compiled, then the FP8 providers (a row not run is left out).
-FP8_TABLE_ROWS = ("native_compiled", "fp8_compiled", "fp8_fp32_accum_compiled", "torchao_fp8_compiled")
+FP8_TABLE_ROWS = ("native_compiled", "fp8_compiled", "fp8_modulation_compiled", "fp8_fp32_accum_compiled",
+                  "torchao_fp8_compiled")
+#: Rows left out of the FP8 table when they were not run.
+OPTIONAL_FP8_ROWS = ("fp8_modulation_compiled", "fp8_fp32_accum_compiled")
 
 
 def _fp8_e2e_table(by: dict) -> str:
@@ -382,7 +385,7 @@ def _fp8_e2e_table(by: dict) -> str:
         native, torchao = by.get((case, "native_compiled")), by.get((case, "torchao_fp8_compiled"))
         for provider in FP8_TABLE_ROWS:
             r = by.get((case, provider))
-            if r is None and provider == "fp8_fp32_accum_compiled":  # an optional row
+            if r is None and provider in OPTIONAL_FP8_ROWS:
                 continue
             if r is None or "error" in r:
                 reason = "not run" if r is None else r["error"]

@@ -31,15 +31,16 @@ _distributed.register()
 
 def patch(model, attention_processors: bool = True, attention_kernel: str = "auto", precision: str = "bf16",
           fp8_fast_accum: bool = True, attention=None, attention_precision: str = "exact",
-          attention_dense_steps: int = 0):
+          attention_dense_steps: int = 0, fp8_modulation: bool = False):
     """Swap the fused ops into a diffusers transformer (``precision="fp8"``: FP8
-    Linears in its blocks; ``attention=SlidingTile(...)``, ``Radial(...)`` or
+    Linears in its blocks, their AdaLN modulation projections too with
+    ``fp8_modulation=True``; ``attention=SlidingTile(...)``, ``Radial(...)`` or
     ``TopK(...)``: sparse video self-attention; ``attention_precision="int8"``:
     8-bit dense attention for inference, after ``attention_dense_steps``); see
     :func:`compile_ops.integrations.diffusers.patch`."""
     from compile_ops.integrations.diffusers import patch as _patch
     return _patch(model, attention_processors, attention_kernel, precision, fp8_fast_accum, attention,
-                  attention_precision, attention_dense_steps)
+                  attention_precision, attention_dense_steps, fp8_modulation)
 
 
 def unpatch(model) -> None:

@@ -337,12 +337,12 @@ def _wan16():
 FP8_MODELS = {"flux": _flux, "wan": _wan16, "sd3": _sd3, "ltx": _ltx}
 
 
-def _fp8_pair(name):
+def _fp8_pair(name, **options):
     torch.manual_seed(0)
     model, inputs = FP8_MODELS[name]()
     model = model.to(DEVICE).eval()
     patched = copy.deepcopy(model)
-    report = compile_ops.patch(patched, precision="fp8")
+    report = compile_ops.patch(patched, precision="fp8", **options)
     simulated = copy.deepcopy(model)
     for path, _, detail in report.replaced:
         if "FP8Linear" in detail:
@@ -373,6 +373,30 @@ def test_fp8_patched_model_matches_the_same_quantization_in_plain_pytorch(name):
     # ... and the patched model applies the same quantization: what is left is
     # the fused ops' fp32 rounding, flipping an e4m3 rounding here and there.
     assert to_simulation < to_exact / 20, (to_simulation, to_exact)
+
+
+def test_fp8_modulation_quantizes_the_adaln_projections_too():
+    """patch(fp8_modulation=True): the blocks' AdaLN modulation projections
+    (one row per sample) are FP8 Linears as well, the model still equals the
+    same quantization in plain PyTorch, and its weights shrink further;
+    without precision='fp8' the option is refused."""
+    model, patched, simulated, inputs, report = _fp8_pair("flux", fp8_modulation=True)
+    rows = {path: detail for path, _, detail in report.replaced + report.left}
+    for path in ("transformer_blocks.0.norm1.linear", "transformer_blocks.0.norm1_context.linear",
+                 "single_transformer_blocks.0.norm.linear"):
+        assert "FP8Linear" in rows[path], (path, rows[path])
+    assert "outside the transformer blocks" in rows["norm_out.linear"]  # the final layer stays
+    torch.manual_seed(1)
+    args = _to(inputs(8), DEVICE)
+    with torch.no_grad():
+        exact, want, got = (m(**args).sample for m in (model, simulated, patched))
+    assert _relative_l2(got, want) < _relative_l2(want, exact) / 20
+    _, default, *_ = _fp8_pair("flux")
+    assert sum(b.numel() * b.element_size() for b in patched.buffers()) + sum(
+        p.numel() * p.element_size() for p in patched.parameters()) < sum(
+        t.numel() * t.element_size() for t in (*default.buffers(), *default.parameters()))
+    with pytest.raises(ValueError, match="fp8_modulation applies to precision='fp8'"):
+        compile_ops.patch(copy.deepcopy(model), fp8_modulation=True)
 
 
 def test_fp8_report_lists_every_linear_and_why():
