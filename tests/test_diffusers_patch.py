@@ -888,7 +888,11 @@ def test_accelerate_offloading_before_or_after_patch_matches_the_unpatched_model
             patched = unpatched
         assert any(p.device.type == "meta" for p in patched.parameters())  # the weights really are away
         got = patched(**args).sample
+        compile_ops.unpatch(patched)  # the offloaded model without compile_ops: as it was
+        assert not any(type(m).__module__.startswith("compile_ops") for m in patched.modules())
+        restored = patched(**args).sample
     torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(restored, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", OFFLOAD_MODELS)
@@ -1084,3 +1088,33 @@ def test_int8_attention_dense_steps_keep_the_first_denoising_steps_exact(monkeyp
         compile_ops.patch(_wan()[0], attention_dense_steps=1)
     with pytest.raises(ValueError, match="attention_dense_steps: dense_steps must be an int >= 0"):
         compile_ops.patch(_wan()[0], attention_precision="int8", attention_dense_steps=-1)
+
+
+def test_unpatch_after_an_ip_adapter_keeps_the_adapter():
+    """``unpatch`` after diffusers replaced processors (loading an IP-Adapter
+    rebuilds them all) gives the unpatched model with the same adapter: the
+    adapter's processors stay, ours go back to diffusers' own, and the
+    blocks and norms are the originals again."""
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+    torch.manual_seed(0)
+    model, inputs = _flux()
+    model = model.to(DEVICE)
+    patched = copy.deepcopy(model)
+    compile_ops.patch(patched)
+    adapter = _flux_ip_adapter_state_dict(model)
+    for m in (model, patched):
+        m._load_ip_adapter_weights([adapter])
+    compile_ops.unpatch(patched)
+    assert not any(type(m).__module__.startswith("compile_ops") for m in patched.modules())
+    kinds = {name: type(p) for name, p in patched.attn_processors.items()}
+    assert kinds == {name: type(p) for name, p in model.attn_processors.items()}, kinds
+    assert any(k is FluxIPAdapterAttnProcessor for k in kinds.values())
+    args = _to(inputs(4), DEVICE)
+    args["hidden_states"], args["encoder_hidden_states"] = args["hidden_states"][:1], args["encoder_hidden_states"][:1]
+    args["pooled_projections"], args["timestep"] = args["pooled_projections"][:1], args["timestep"][:1]
+    torch.manual_seed(0)
+    image_embeds = torch.randn(1, 1, model.config.joint_attention_dim, device=DEVICE)
+    args["joint_attention_kwargs"] = {"ip_adapter_image_embeds": image_embeds}
+    with torch.no_grad():
+        torch.testing.assert_close(patched(**args).sample, model(**args).sample, rtol=0, atol=0)

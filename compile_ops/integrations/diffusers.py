@@ -1157,6 +1157,11 @@ def unpatch(model: nn.Module) -> None:
             setattr(owner, name, original)
         elif kind == "hook":
             owner.remove()  # the sparse attention pre-hook's handle
-        else:
-            owner.set_processor(original)
+        elif isinstance(owner.processor, _FusedProcessor):
+            # Ours: the one patch set gives back the original; one diffusers
+            # rebuilt since (by calling our class, as loading an IP-Adapter
+            # does) gives back the diffusers processor it wraps.
+            current = owner.processor
+            owner.set_processor(original if current.original is original else current.original)
+        # else: diffusers put a processor of its own there since (an IP-Adapter's): it stays.
     delattr(model, _STATE)
