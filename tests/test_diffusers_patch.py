@@ -985,12 +985,15 @@ def test_patched_flux_exports_with_a_dynamic_sequence_and_a_block_runs_as_an_aot
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["flux", "wan"])
-def test_patched_model_under_cuda_graphs_has_no_skip_and_matches_the_default_mode(name):
-    """``torch.compile(mode="reduce-overhead")`` of a patched model: captured
-    whole in CUDA graphs (no "skipping cudagraphs" from any op: a host sync, a
-    CPU tensor or a data-dependent allocation would cause one) and, replayed,
-    equal to the default mode's output."""
+@pytest.mark.parametrize("name", ["flux", "wan", "sd3", "ltx"])
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"])
+def test_patched_model_under_cuda_graphs_has_no_skip_and_matches_the_default_mode(name, mode):
+    """``torch.compile(mode=...)`` of a patched model, for each way people
+    compile one: captured whole in CUDA graphs where the mode uses them (no
+    "skipping cudagraphs" from any op: a host sync, a CPU tensor or a
+    data-dependent allocation would cause one), with no graph break
+    (fullgraph), and equal to the default mode's output (max-autotune may
+    pick other GEMM kernels: fp32 sums in another order)."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -1002,12 +1005,13 @@ def test_patched_model_under_cuda_graphs_has_no_skip_and_matches_the_default_mod
     counters.clear()
     with torch.no_grad():
         want = torch.compile(model, fullgraph=True)(**args).sample
-        graphed = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        graphed = torch.compile(model, mode=mode, fullgraph=True)
         for _ in range(3):  # warm-up, record, replay
             got = graphed(**args).sample.clone()
     torch._dynamo.reset()
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    tolerance = 1e-5 if mode == "reduce-overhead" else 1e-4
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
 # ---------------------------------------------------------------- 8-bit attention (issue 29)
