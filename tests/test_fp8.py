@@ -334,13 +334,16 @@ def _fake_cuda_launches(fn, *args):
 
 @pytest.mark.parametrize("shape, looped, activation, act",
                          [((2, 7, 64), False, "none", -1), ((3, 3072), False, "none", -1),
-                          ((5, 4096 + 37), True, "none", -1), ((2, 2 ** 19, 4096), False, "none", -1),
-                          ((2 ** 20, 8192), True, "none", -1), ((2, 4096, 12288), True, "gelu_tanh", 1),
-                          ((2, 4096, 64), True, "head", 1)])
+                          ((5, 4096 + 37), False, "none", -1), ((5, 16384 + 37), True, "none", -1),
+                          ((2, 2 ** 19, 4096), False, "none", -1), ((2 ** 20, 8192), False, "none", -1),
+                          ((2, 4096, 12288), False, "gelu_tanh", 1), ((2, 4096, 12288), False, "head", 1),
+                          ((2, 64, 16384 + 64), True, "head", 1)])
 def test_fake_cuda_trace_launches_the_quantize_kernel(shape, looped, activation, act):
     """The Triton branch on fake CUDA tensors (meta-sized past 2^31 elements):
-    one launch, the looped variant past 4096 columns, the activation's ACT code,
-    a grid that covers every row, outputs shaped like the fake's."""
+    one launch, rows read once up to 16384 columns (an MLP's hidden activation
+    and Flux's concatenation with the attention output among them), the
+    looped variant past that, the activation's ACT code, a grid that covers
+    every row, outputs shaped like the fake's."""
     with torch.device("meta"):
         x = torch.empty(shape, dtype=torch.bfloat16)
         head = torch.empty((*shape[:-1], 3072), dtype=torch.bfloat16) if activation == "head" else None
@@ -356,6 +359,8 @@ def test_fake_cuda_trace_launches_the_quantize_kernel(shape, looped, activation,
     assert kwargs["LOOPED"] is looped and kwargs["n_rows"] == rows and kwargs["K"] == x.shape[-1]
     assert kwargs["ACT"] == act and kwargs["HAS_HEAD"] is (head is not None)
     assert kwargs["K_HEAD"] == (0 if head is None else 3072)
+    if not looped:  # whole rows in registers: the blocks cover them
+        assert kwargs["BLOCK_N"] >= x.shape[-1] and kwargs["BLOCK_H"] >= kwargs["K_HEAD"]
     assert grid[0] * kwargs["BLOCK_M"] >= rows and 0 < grid[0] < 2 ** 31
     assert (q.shape, q.dtype, scale.shape, scale.dtype) == (shape, torch.float8_e4m3fn, shape[:-1], torch.float32)
 
@@ -391,7 +396,7 @@ def test_fake_cuda_trace_of_fp8_linear_calls_scaled_mm_rowwise(monkeypatch, bias
 @pytest.mark.parametrize("looped", [False, True])
 def test_sm90_code_rounds_like_the_reference(looped):
     """What makes the GPU's bytes the reference's, read from the sm_90 PTX (no GPU
-    needed; the looped variant with a head segment): IEEE division for the
+    needed; both variants with a head segment, as Flux's single block runs them): IEEE division for the
     scales (not div.approx/div.full, which plain fp32 ``/`` gives), no
     flush-to-zero, and the round-to-nearest-even saturating convert that
     tests/conftest.py's interpreter patch reproduces."""
@@ -406,10 +411,11 @@ def test_sm90_code_rounds_like_the_reference(looped):
     signature = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "n_rows": "i32", "K": "i32", "stride_row": "i32",
                  "stride_col": "i32", "HEAD": "*bf16", "K_HEAD": "i32", "stride_head_row": "i32",
                  "stride_head_col": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "LOOPED": "constexpr",
-                 "ACT": "constexpr", "HAS_HEAD": "constexpr"}
+                 "ACT": "constexpr", "HAS_HEAD": "constexpr", "BLOCK_H": "constexpr"}
     src = ASTSource(fn=quantize_fp8_rows_kernel, signature=signature,
-                    constexprs={"BLOCK_M": 1, "BLOCK_N": 4096, "LOOPED": looped, "ACT": -1, "HAS_HEAD": looped})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+                    constexprs={"BLOCK_M": 1, "BLOCK_N": 16384, "LOOPED": looped, "ACT": 1, "HAS_HEAD": True,
+                                "BLOCK_H": 1 if looped else 4096})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16}).asm["ptx"]
     assert set(re.findall(r"cvt\.[\w.]*e4m3[\w.]*", ptx)) == {"cvt.rn.satfinite.e4m3x2.f32"}
     assert set(re.findall(r"div\.[\w.]+", ptx)) == {"div.rn.f32"}
     assert ".ftz" not in ptx
@@ -459,7 +465,8 @@ def _unquantized_activation(x, activation):
 @pytest.mark.parametrize("activation", _TORCH_ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape, layout", [((3, 37), "contiguous"), ((4, 64), "column_stride"),
-                                           ((2, 4096 + 37), "contiguous")])  # the last: the two-pass loop
+                                           ((2, 4096 + 37), "contiguous"),
+                                           ((2, 16384 + 37), "contiguous")])  # the last: the two-pass loop
 def test_kernel_activation_mode_writes_the_bytes_of_quantizing_the_activation(activation, dtype, shape, layout):
     """Bytes and scales equal to quantizing the activation's own kernel output;
     the distance to torch's activation (other tanh/erf/exp) is reported."""

@@ -35,11 +35,17 @@ from compile_ops.ops._launch import as_rows
 #: FP8 tensor cores: sm_89 (Ada) and newer, sm_90 (Hopper) among them.
 FP8_CAPABILITY = (8, 9)
 
-#: Elements per program and the widest column block (rows up to this width are
-#: held whole in registers; wider rows take the two-pass loop).
+#: Elements per program (several narrow rows share one) and the widest column
+#: block: rows up to this width (X's and a head's each) are read once and held
+#: in registers, wider ones take the kernel's two-pass loop.
 TILE = 4096
-MAX_BLOCK_N = 4096
-NUM_WARPS = 4
+MAX_BLOCK_N = 16384
+
+
+def _num_warps(elements: int) -> int:
+    """Warps for a program holding ``elements`` values: about 32 per thread
+    (4 warps for a 4096-element tile, 16 for a 16384-wide row and its head)."""
+    return 4 if elements <= 4096 else 8 if elements <= 8192 else 16
 
 INFERENCE_ONLY = ("FP8 paths are inference-only (compile_ops.patch(precision='fp8'), FP8Linear): "
                   "nothing can be differentiated through them; run the model under torch.inference_mode() "
@@ -100,14 +106,19 @@ def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tenso
     k_head = 0 if head is None else head2.shape[1]
     if n_rows == 0 or k + k_head == 0:  # nothing to launch; the reference gives the (empty or floor) scales
         return tuple(t.contiguous() for t in reference.fp8.quantize_fp8_rows(x, activation, head))
-    block_n = min(triton.next_power_of_2(int(max(k, k_head))), MAX_BLOCK_N)
-    block_m = max(1, TILE // block_n)
+    looped = max(k, k_head) > MAX_BLOCK_N
+    if looped:  # one block width for both segments' loops
+        block_n, block_h = MAX_BLOCK_N, 1
+    else:
+        block_n, block_h = triton.next_power_of_2(int(k)), triton.next_power_of_2(int(max(k_head, 1)))
+    width = block_n + (block_h if head is not None else 0)  # the values a row holds
+    block_m = max(1, TILE // triton.next_power_of_2(width))  # a power of two, as tl.arange needs
     grid = (triton.cdiv(n_rows, block_m),)
     launcher(quantize_fp8_rows_kernel)[grid](
         x2, q, scale, n_rows, k, x2.stride(0), x2.stride(1), head2, k_head, head2.stride(0), head2.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, LOOPED=head is not None or block_n < k,
+        BLOCK_M=block_m, BLOCK_N=block_n, LOOPED=looped,
         ACT=-1 if activation == "none" else ACTIVATION_CODES[activation], HAS_HEAD=head is not None,
-        num_warps=NUM_WARPS)
+        BLOCK_H=block_h, num_warps=_num_warps(block_m * width))
     return q, scale
 
 
