@@ -329,6 +329,34 @@ def test_int8_specification_quantizes_per_token_and_smoothing_leaves_attention_e
     assert err < 5e-2  # 8-bit q.k: ~1e-2 here; a wrong scale or a missing smoothing is O(1)
 
 
+@given(st.integers(1, 300), st.sampled_from([1, 16, 128]), st.integers(1, 40),
+       st.sampled_from(["normal", "outlier", "zero_block"]), st.integers(0, 2 ** 16))
+def test_int8_block_quantization_properties(length, block, d, kind, seed):
+    """quantize_int8 for any length and block: scales ``[B, H, ceil(L / block)]``
+    equal to each block's amax / 127 (the floor for an all-zero block, whose
+    values stay 0), every value in [-127, 127], the block's largest value at
+    +-127, and each dequantized value within half a step of the input."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, length, d, generator=g)
+    if kind == "outlier":
+        x[..., length // 2, d // 2] = 1e4
+    elif kind == "zero_block":
+        x[..., :min(block, length), :] = 0
+    q, scale = ref.quantize_int8(x, block)
+    blocks = -(-length // block)
+    assert q.dtype == torch.int8 and scale.shape == (2, 3, blocks) and scale.dtype == torch.float32
+    assert int(q.abs().max()) <= 127
+    padded = torch.cat([x.abs().amax(-1), x.new_zeros(2, 3, blocks * block - length)], -1)
+    amax = padded.view(2, 3, blocks, block).amax(-1)
+    torch.testing.assert_close(scale, amax.clamp(min=torch.finfo(torch.float32).tiny) / 127, rtol=0, atol=0)
+    q_amax = torch.cat([q.abs().amax(-1).float(), q.new_zeros(2, 3, blocks * block - length).float()], -1)
+    q_amax = q_amax.view(2, 3, blocks, block).amax(-1)
+    assert torch.equal(q_amax == 127, amax > 0)  # full range used, zero blocks stay zero
+    step = ref.dequantize_int8(q, scale, block) - x
+    per_row = scale.repeat_interleave(block, -1)[..., :length, None]
+    assert (step.abs() <= per_row / 2 * (1 + 1e-6)).all()
+
+
 @pytest.mark.kernels
 @pytest.mark.parametrize("seq_dim, causal, lengths, hq, hk, lq, lk, d", [
     (2, False, None, 2, 2, 130, 130, 64),   # two query tiles, a partial key tile
