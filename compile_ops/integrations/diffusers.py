@@ -1158,10 +1158,9 @@ def unpatch(model: nn.Module) -> None:
         elif kind == "hook":
             owner.remove()  # the sparse attention pre-hook's handle
         elif isinstance(owner.processor, _FusedProcessor):
-            # Ours: the one patch set gives back the original; one diffusers
-            # rebuilt since (by calling our class, as loading an IP-Adapter
-            # does) gives back the diffusers processor it wraps.
-            current = owner.processor
-            owner.set_processor(original if current.original is original else current.original)
+            # Ours gives back the diffusers processor it wraps: the original for
+            # the one patch set, a fresh one for one diffusers rebuilt since
+            # (by calling our class, as loading an IP-Adapter does).
+            owner.set_processor(owner.processor.original)
         # else: diffusers put a processor of its own there since (an IP-Adapter's): it stays.
     delattr(model, _STATE)

@@ -47,6 +47,7 @@ def _num_warps(elements: int) -> int:
     (4 warps for a 4096-element tile, 16 for a 16384-wide row and its head)."""
     return 4 if elements <= 4096 else 8 if elements <= 8192 else 16
 
+
 INFERENCE_ONLY = ("FP8 paths are inference-only (compile_ops.patch(precision='fp8'), FP8Linear): "
                   "nothing can be differentiated through them; run the model under torch.inference_mode() "
                   "or torch.no_grad(), or patch it without precision='fp8' to train")
