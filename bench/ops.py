@@ -111,6 +111,8 @@ def bench_shape(spec, shape, providers: dict, timer, copy_TBps: float, progress:
                 ("fwdbwd_graph", functools.partial(time_forward_backward, graph=True), fwdbwd_bytes,
                  "fwd+bwd/graph")):
             row[f"{key}_us"] = row[f"{key}_GBps"] = row[f"{key}_pct_copy"] = None
+            if key.startswith("fwdbwd") and not spec.differentiable:
+                continue  # inference-only (an FP8 output mode): there is no backward to time
             where = f"{spec.name} {shape_str(shape)} {name:<22} {label:<13}"
             try:
                 us = measure(fn, args, timer) * 1e3

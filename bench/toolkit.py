@@ -291,14 +291,16 @@ def merge_runs(old: dict, new: dict) -> dict:
 # ---------------------------------------------------------------- launch-config sweeps
 
 def sweep_times(spec, args, configs, configure, timer, rounds: int = 3) -> dict:
-    """``{(kind, config): median ms}`` for kind "fwd" and "fwdbwd", timed as CUDA
+    """``{(kind, config): median ms}`` for kind "fwd" and "fwdbwd" ("fwd" only
+    for an op that is not differentiable), timed as CUDA
     graph replays of the forward and of the whole training step, in
     ``rounds`` interleaved rounds (so that clock drift spreads over every
     config). ``configure(config)`` is a context manager that makes the op
     launch with ``config``; a config that fails to compile times as NaN."""
     import statistics
 
-    times = {(kind, config): [] for kind in ("fwd", "fwdbwd") for config in configs}
+    kinds = ("fwd", "fwdbwd") if spec.differentiable else ("fwd",)  # inference-only ops: no backward
+    times = {(kind, config): [] for kind in kinds for config in configs}
     for _ in range(rounds):
         for kind, config in times:
             try:
@@ -340,11 +342,11 @@ def module_config(module, *names):
 
 def run_sweep(out_path, ops, shapes, configs, configure, fields, default_ops, default_configs) -> list:
     """The launch-config sweep of ``bench/sweep_<family>.py``: every op of
-    ``ops`` (comma-separated, else ``default_ops``) at every shape, bf16, timed
+    ``ops`` (comma-separated, else ``default_ops``) at every shape (None: each
+    op's registry bench shapes), bf16, timed
     by :func:`sweep_times` under each config (``"a/b/c,..."``, else
     ``default_configs``); ``fields`` names a config's values in the rows.
     Prints one line per measurement and writes the rows with :func:`write_sweep`."""
-    import itertools
 
     from compile_ops import registry
 
@@ -353,8 +355,10 @@ def run_sweep(out_path, ops, shapes, configs, configure, fields, default_ops, de
     timer = make_timer(quick=False)
     warm_up_gpu()
     results = []
-    for name, shape in itertools.product(ops, shapes):
-        spec = registry.BY_NAME[name]
+    plan = [(registry.BY_NAME[name], shape) for name in ops
+            for shape in (shapes or registry.BY_NAME[name].bench_shapes)]
+    for spec, shape in plan:
+        name = spec.name
         args = spec.make_inputs(shape, torch.bfloat16, "cuda", True)
         with torch.no_grad():
             fwd_bytes, fwdbwd_bytes = bytes_model(args, spec.reference(*args), spec.backward_reads_inputs)

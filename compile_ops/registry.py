@@ -579,6 +579,11 @@ DIT_NORM_SHAPES = ((2, 4096, 3072), (1, 32768, 1536), (1, 16384, 5120))
 #: q/k of Flux at 1024x1024 (24 heads of 128) and Wan 2.1 at 480p x 81 frames
 #: (12 heads of 128 at 1536): [1,24,4608,128] and [1,12,32760,128].
 ROPE_SHAPES = ((1, 4608, 3072), (1, 32760, 1536))
+#: Flux.1-dev's FP8 activations at 1024x1024: the double block's MLP hidden
+#: activation (4096 image tokens, 12288 wide), the single block's (4608 tokens,
+#: with the attention output's 3072 columns as the concatenation's head), and
+#: an attention output (3072 wide, no activation).
+FP8_SHAPES = ((1, 4096, 12288), (1, 4608, 12288), (1, 4096, 3072))
 
 OPS: tuple[OpSpec, ...] = (
     OpSpec("rmsnorm", "norm", reference.norm.rmsnorm, _make(_rmsnorm_args),
@@ -603,10 +608,11 @@ OPS: tuple[OpSpec, ...] = (
     # The FP8 output modes (inference only): the same arguments, e4m3 rows + scales out.
     OpSpec("norm_modulate_fp8", "modulate", reference.modulate.norm_modulate_fp8,
            _make_modulation(_norm_modulate_args("layernorm")), _modulation_edges(_norm_modulate_args("rmsnorm")),
-           differentiable=False),
+           differentiable=False, bench_shapes=DIT_NORM_SHAPES[:1]),
     OpSpec("gated_residual_norm_modulate_fp8", "modulate", reference.modulate.gated_residual_norm_modulate_fp8,
            _make_modulation(_gated_residual_norm_modulate_args("layernorm")),
-           _modulation_edges(_gated_residual_norm_modulate_args("layernorm")), differentiable=False),
+           _modulation_edges(_gated_residual_norm_modulate_args("layernorm")), differentiable=False,
+           bench_shapes=DIT_NORM_SHAPES[:1]),
     OpSpec("modulate_backward", "modulate", reference.modulate.modulate_backward, None,
            _modulate_backward_edges, differentiable=False),
     OpSpec("rope", "rope", reference.rope.rope, _make_rope, _rope_edges, bench_shapes=ROPE_SHAPES,
@@ -626,13 +632,15 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec("glu_backward", "glu", reference.glu.glu_backward, None, _glu_backward_edges, differentiable=False),
     # Inference only: its autograd formula raises (no gradient to check).
     OpSpec("quantize_fp8_rows", "fp8", reference.fp8.quantize_fp8_rows, _make_quantize(), _quantize_edges(),
-           differentiable=False),
+           differentiable=False, bench_shapes=FP8_SHAPES[2:]),
     # The MLP's hidden activation quantized in the same pass (the kernel's ACT).
     OpSpec("quantize_fp8_rows_gelu_tanh", "fp8", reference.fp8.quantize_fp8_rows, _make_quantize("gelu_tanh"),
-           _quantize_edges("gelu_tanh"), differentiable=False, op_name="quantize_fp8_rows"),
+           _quantize_edges("gelu_tanh"), differentiable=False, op_name="quantize_fp8_rows",
+           bench_shapes=FP8_SHAPES[:1]),
     # ... and the row concatenation of a head and the activation (Flux's single block).
     OpSpec("quantize_fp8_rows_concat", "fp8", reference.fp8.quantize_fp8_rows, _make_quantize_concat,
-           _quantize_concat_edges, differentiable=False, op_name="quantize_fp8_rows"),
+           _quantize_concat_edges, differentiable=False, op_name="quantize_fp8_rows",
+           bench_shapes=FP8_SHAPES[1:2]),
     OpSpec("attention", "attention", reference.attention.attention, _make_attention, _attention_edges, tf32=True),
     OpSpec("attention_backward", "attention", reference.attention.attention_backward, None,
            _attention_backward_edges, differentiable=False),

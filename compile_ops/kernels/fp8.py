@@ -77,11 +77,13 @@ def quantize_tile(y, mask):
 
 
 @triton.jit
-def _load_values(X, rows, c, stride_row, stride_col, mask, ACT: tl.constexpr):
+def _load_values(X, rows, c, stride_row, stride_col, mask, ACT: tl.constexpr, EVICT: tl.constexpr):
     """The fp32 tile of values to quantize: X's elements, or with ``ACT >= 0``
     (``kernels.glu``'s codes) their activation rounded to X's dtype (masked
-    elements load 0, whose activation is 0 in every mode)."""
-    y = tl.load(X + _tile(rows, c, stride_row, stride_col), mask=mask, other=0.0).to(tl.float32)
+    elements load 0, whose activation is 0 in every mode). EVICT: the load's
+    L2 eviction policy (the two-pass loop keeps its first read for the second)."""
+    y = tl.load(X + _tile(rows, c, stride_row, stride_col), mask=mask, other=0.0,
+                eviction_policy=EVICT).to(tl.float32)
     if ACT >= 0:
         y = activation(y, ACT, False)[0].to(X.dtype.element_ty).to(tl.float32)
     return y
@@ -94,7 +96,7 @@ def _segment_amax(amax, X, rows, row_mask, cols, K, stride_row, stride_col,
     for k0 in range(0, K, BLOCK_N):
         c = k0 + cols
         mask = row_mask[:, None] & (c < K)[None, :]
-        y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT)
+        y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT, "evict_last")
         amax = tl.maximum(amax, row_amax(y, mask))
     return amax
 
@@ -106,7 +108,7 @@ def _segment_store(Q, q_row_stride, q_col0, X, rows, row_mask, cols, K, stride_r
     for k0 in range(0, K, BLOCK_N):
         c = k0 + cols
         mask = row_mask[:, None] & (c < K)[None, :]
-        y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT)
+        y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT, "evict_first")
         tl.store(Q + _tile(rows, q_col0 + c, q_row_stride, 1), to_e4m3(y, inverse), mask=mask)
 
 
@@ -144,12 +146,12 @@ def quantize_fp8_rows_kernel(X, Q, S, n_rows, K, stride_row, stride_col,
                        ACT, BLOCK_N)
     else:
         mask = row_mask[:, None] & (cols < K)[None, :]
-        y = _load_values(X, rows, cols, stride_row, stride_col, mask, ACT)
+        y = _load_values(X, rows, cols, stride_row, stride_col, mask, ACT, "")
         amax = row_amax(y, mask)
         if HAS_HEAD:
             head_cols = tl.arange(0, BLOCK_H)
             head_mask = row_mask[:, None] & (head_cols < K_HEAD)[None, :]
-            h = _load_values(HEAD, rows, head_cols, stride_head_row, stride_head_col, head_mask, -1)
+            h = _load_values(HEAD, rows, head_cols, stride_head_row, stride_head_col, head_mask, -1, "")
             amax = tl.maximum(amax, row_amax(h, head_mask))
         inverse, scale = fp8_scales(amax)
         if HAS_HEAD:

@@ -35,17 +35,25 @@ from compile_ops.ops._launch import as_rows
 #: FP8 tensor cores: sm_89 (Ada) and newer, sm_90 (Hopper) among them.
 FP8_CAPABILITY = (8, 9)
 
-#: Elements per program (several narrow rows share one) and the widest column
-#: block: rows up to this width (X's and a head's each) are read once and held
-#: in registers, wider ones take the kernel's two-pass loop.
+#: Launch configuration (``bench/sweep_fp8.py`` sweeps it on a GPU). TILE:
+#: elements per program of the single pass, where several narrow rows share
+#: one. MAX_BLOCK_N: the widest row (x's and a head's each) held in registers
+#: and read once; wider rows take the kernel's two-pass loop, LOOP_BLOCK_N
+#: columns and LOOP_BLOCK_M rows a step, LOOP_WARPS warps. SINGLE_MAX_WARPS
+#: caps the single pass's warps (about 32 values a thread below it).
 TILE = 4096
 MAX_BLOCK_N = 16384
+LOOP_BLOCK_N = 16384
+LOOP_BLOCK_M = 1
+LOOP_WARPS = 16
+SINGLE_MAX_WARPS = 16
 
 
 def _num_warps(elements: int) -> int:
-    """Warps for a program holding ``elements`` values: about 32 per thread
-    (4 warps for a 4096-element tile, 16 for a 16384-wide row and its head)."""
-    return 4 if elements <= 4096 else 8 if elements <= 8192 else 16
+    """Warps for a program holding ``elements`` values (a power of two): about
+    32 per thread, 4 to SINGLE_MAX_WARPS (4 warps for a 4096-element tile, 16
+    for a 16384-wide row)."""
+    return max(4, min(SINGLE_MAX_WARPS, elements // 1024))
 
 
 INFERENCE_ONLY = ("FP8 paths are inference-only (compile_ops.patch(precision='fp8'), FP8Linear): "
@@ -109,17 +117,18 @@ def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tenso
         return tuple(t.contiguous() for t in reference.fp8.quantize_fp8_rows(x, activation, head))
     looped = max(k, k_head) > MAX_BLOCK_N
     if looped:  # one block width for both segments' loops
-        block_n, block_h = MAX_BLOCK_N, 1
+        block_m, block_n, block_h, warps = LOOP_BLOCK_M, LOOP_BLOCK_N, 1, LOOP_WARPS
     else:
         block_n, block_h = triton.next_power_of_2(int(k)), triton.next_power_of_2(int(max(k_head, 1)))
-    width = block_n + (block_h if head is not None else 0)  # the values a row holds
-    block_m = max(1, TILE // triton.next_power_of_2(width))  # a power of two, as tl.arange needs
+        width = triton.next_power_of_2(block_n + (block_h if head is not None else 0))  # the values a row holds
+        block_m = max(1, TILE // width)  # a power of two, as tl.arange needs
+        warps = _num_warps(block_m * width)
     grid = (triton.cdiv(n_rows, block_m),)
     launcher(quantize_fp8_rows_kernel)[grid](
         x2, q, scale, n_rows, k, x2.stride(0), x2.stride(1), head2, k_head, head2.stride(0), head2.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, LOOPED=looped,
         ACT=-1 if activation == "none" else ACTIVATION_CODES[activation], HAS_HEAD=head is not None,
-        BLOCK_H=block_h, num_warps=_num_warps(block_m * width))
+        BLOCK_H=block_h, num_warps=warps)
     return q, scale
 
 
