@@ -2,13 +2,15 @@
 compile_ops/ops/modulate.py (the forward uses the norm family's forward_config,
 the backward its own backward_config).
 
-    PYTHONPATH=. python bench/sweep_modulate.py [OUT.json]
+    PYTHONPATH=. python bench/sweep_modulate.py [OUT.json] [OPS]
 
 norm_modulate and gated_residual_norm_modulate (LayerNorm without affine,
 per-sample [B, C] modulation: the DiT case) at the DiT shapes, bf16, timed as
 CUDA-graph replays: the forward alone per forward config, and the whole
 forward+backward step per backward config (the backward alone misled the norm
 family's sweep, bench/notes.md). Three interleaved rounds, median kept.
+OPS (comma-separated) may name the FP8 output modes, norm_modulate_fp8 and
+gated_residual_norm_modulate_fp8: forward only (inference), at the first shape.
 """
 import functools
 import itertools
@@ -26,34 +28,38 @@ import triton  # noqa: E402
 from bench.toolkit import (bytes_model, graph_replay_time, make_timer, time_forward_backward,  # noqa: E402
                        warm_up_gpu, write_sweep)
 from compile_ops import registry  # noqa: E402
+from compile_ops._library import clear_launch_plans  # noqa: E402
 from compile_ops.ops import modulate as modulate_ops  # noqa: E402
 from compile_ops.ops.norm import LaunchConfig  # noqa: E402
 
-FORWARD = [(1, 4, 4), (2, 4, 4), (1, 4, 8), (1, 8, 4)]  # (block_m, warps, piece rows)
+FORWARD = [(1, 4, 4), (2, 4, 4), (1, 4, 8), (1, 8, 4), (2, 8, 4), (1, 8, 8), (1, 16, 4), (4, 8, 4)]  # (block_m, warps, piece rows)
+OPS = ("norm_modulate", "gated_residual_norm_modulate")
 BACKWARD = [(1, 4, 0), (1, 8, 0), (2, 4, 0), (2, 8, 0)]  # (block_m, warps, -)
 ROUNDS = 3
 
 
-def main(out_path=None):
+def main(out_path=None, ops=None):
     timer = make_timer(quick=False)
     warm_up_gpu()
     results = []
-    for name, shape in itertools.product(("norm_modulate", "gated_residual_norm_modulate"),
-                                         registry.DIT_NORM_SHAPES):
+    for name, shape in itertools.product(ops.split(",") if ops else OPS, registry.DIT_NORM_SHAPES):
         spec = registry.BY_NAME[name]
+        if not spec.differentiable and shape != registry.DIT_NORM_SHAPES[0]:
+            continue
         args = spec.make_inputs(shape, torch.bfloat16, "cuda", True)
         with torch.no_grad():
             fwd_bytes, fwdbwd_bytes = bytes_model(args, spec.reference(*args))
         block_n = triton.next_power_of_2(shape[-1])
-        cands = [("fwd", *c) for c in FORWARD] + [("fwdbwd", *c) for c in BACKWARD]
+        cands = [("fwd", *c) for c in FORWARD] + [("fwdbwd", *c) for c in BACKWARD if spec.differentiable]
         times = {c: [] for c in cands}
         for _ in range(ROUNDS):
             for kind, m, w, piece in cands:
                 cfg = LaunchConfig(m, block_n, False, w)
                 saved = modulate_ops.forward_config, modulate_ops.backward_config, modulate_ops.FORWARD_PIECE_ROWS
+                clear_launch_plans()  # eager calls replay the config they were recorded with
                 try:
                     if kind == "fwd":
-                        modulate_ops.forward_config = lambda n, gated, cfg=cfg: cfg
+                        modulate_ops.forward_config = lambda *key, cfg=cfg: cfg
                         modulate_ops.FORWARD_PIECE_ROWS = piece
                         with torch.no_grad():
                             ms = graph_replay_time(functools.partial(spec.op, *args), timer)
@@ -78,4 +84,4 @@ def main(out_path=None):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    main(*sys.argv[1:3])

@@ -579,11 +579,12 @@ DIT_NORM_SHAPES = ((2, 4096, 3072), (1, 32768, 1536), (1, 16384, 5120))
 #: q/k of Flux at 1024x1024 (24 heads of 128) and Wan 2.1 at 480p x 81 frames
 #: (12 heads of 128 at 1536): [1,24,4608,128] and [1,12,32760,128].
 ROPE_SHAPES = ((1, 4608, 3072), (1, 32760, 1536))
-#: Flux.1-dev's FP8 activations at 1024x1024: the double block's MLP hidden
+#: FP8 activations. Flux.1-dev's at 1024x1024: the double block's MLP hidden
 #: activation (4096 image tokens, 12288 wide), the single block's (4608 tokens,
-#: with the attention output's 3072 columns as the concatenation's head), and
-#: an attention output (3072 wide, no activation).
-FP8_SHAPES = ((1, 4096, 12288), (1, 4608, 12288), (1, 4096, 3072))
+#: with the attention output's 3072 columns as the concatenation's head), an
+#: attention output (3072 wide, no activation); Wan 2.1 1.3B's MLP hidden
+#: activation at 480p (32760 tokens, 8960 wide).
+FP8_SHAPES = ((1, 4096, 12288), (1, 4608, 12288), (1, 4096, 3072), (1, 32760, 8960))
 
 OPS: tuple[OpSpec, ...] = (
     OpSpec("rmsnorm", "norm", reference.norm.rmsnorm, _make(_rmsnorm_args),
@@ -636,7 +637,7 @@ OPS: tuple[OpSpec, ...] = (
     # The MLP's hidden activation quantized in the same pass (the kernel's ACT).
     OpSpec("quantize_fp8_rows_gelu_tanh", "fp8", reference.fp8.quantize_fp8_rows, _make_quantize("gelu_tanh"),
            _quantize_edges("gelu_tanh"), differentiable=False, op_name="quantize_fp8_rows",
-           bench_shapes=FP8_SHAPES[:1]),
+           bench_shapes=FP8_SHAPES[:1] + FP8_SHAPES[3:]),
     # ... and the row concatenation of a head and the activation (Flux's single block).
     OpSpec("quantize_fp8_rows_concat", "fp8", reference.fp8.quantize_fp8_rows, _make_quantize_concat,
            _quantize_concat_edges, differentiable=False, op_name="quantize_fp8_rows",

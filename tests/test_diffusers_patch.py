@@ -992,25 +992,36 @@ def test_patched_model_under_cuda_graphs_has_no_skip_and_matches_the_default_mod
     compile one: captured whole in CUDA graphs where the mode uses them (no
     "skipping cudagraphs" from any op: a host sync, a CPU tensor or a
     data-dependent allocation would cause one), with no graph break
-    (fullgraph), and equal to the default mode's output (max-autotune may
-    pick other GEMM kernels: fp32 sums in another order)."""
+    (fullgraph), and equal to the default mode's output. max-autotune picks
+    other kernels for the layers we leave to Inductor (on the H100, Wan's
+    output moved by 5e-4 with them), so there the patched model may move by
+    at most twice what the unpatched model moves between the same two modes."""
     from torch._dynamo.utils import counters
 
-    torch.manual_seed(0)
-    model, inputs = MODELS[name]()
-    model = model.to("cuda").eval()
-    compile_ops.patch(model)
-    args = _to(inputs(4), "cuda")
-    torch._dynamo.reset()
-    counters.clear()
-    with torch.no_grad():
-        want = torch.compile(model, fullgraph=True)(**args).sample
-        graphed = torch.compile(model, mode=mode, fullgraph=True)
-        for _ in range(3):  # warm-up, record, replay
-            got = graphed(**args).sample.clone()
-    torch._dynamo.reset()
-    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
-    tolerance = 1e-5 if mode == "reduce-overhead" else 1e-4
+    def default_and_mode(patch):
+        torch.manual_seed(0)
+        model, inputs = MODELS[name]()
+        model = model.to("cuda").eval()
+        if patch:
+            compile_ops.patch(model)
+        args = _to(inputs(4), "cuda")
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            want = torch.compile(model, fullgraph=True)(**args).sample
+            graphed = torch.compile(model, mode=mode, fullgraph=True)
+            for _ in range(3):  # warm-up, record, replay
+                got = graphed(**args).sample.clone()
+        torch._dynamo.reset()
+        assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+        return got, want
+
+    got, want = default_and_mode(patch=True)
+    tolerance = 1e-5
+    if mode != "reduce-overhead":  # same kernels in both for reduce-overhead: no allowance
+        native_got, native_want = default_and_mode(patch=False)
+        tolerance = max(1e-4, 2 * (native_got - native_want).abs().max().item())
+    print(f"{name} {mode}: patched moved {(got - want).abs().max().item():.1e}, allowed {tolerance:.1e}")
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 

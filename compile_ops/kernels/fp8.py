@@ -17,10 +17,10 @@ a constexpr flag so one kernel serves both output modes::
     else:
         tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
 
-A producer whose rows span several tiles (a looped kernel) accumulates
-:func:`row_amax` over its tiles, takes :func:`fp8_scales` of the result, and
-converts each tile with :func:`to_e4m3`, as :func:`quantize_fp8_rows_kernel`
-does. :func:`quantize_fp8_rows_kernel` is the standalone pass for a tensor
+A producer whose rows span several tiles keeps the elementwise maximum of
+:func:`finite_abs` over its tiles, reduces it once per row, takes
+:func:`fp8_scales` of the result, and converts each tile with
+:func:`to_e4m3`, as :func:`quantize_fp8_rows_kernel` does. :func:`quantize_fp8_rows_kernel` is the standalone pass for a tensor
 that no fused producer quantized, and the activation a Linear's output goes
 through before the next Linear (``ACT``: GELU, tanh GELU or SiLU of each
 element, rounded to the input's dtype as the unquantized activation would
@@ -39,12 +39,20 @@ FP32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
+def finite_abs(y, mask):
+    """``|y|`` where ``mask`` holds and y is finite, else 0: the elements a row's
+    scale counts (inf and NaN never reach one: ``a <= FP32_MAX`` is false for
+    both). A producer that holds a row in several tiles keeps the elementwise
+    maximum of these and reduces once, rather than once per tile."""
+    a = tl.abs(y)
+    return tl.where(mask & (a <= FP32_MAX), a, 0.0)
+
+
+@triton.jit
 def row_amax(y, mask):
     """``max |y|`` of each row of a ``[BLOCK_M, BLOCK_N]`` fp32 tile over its finite
-    elements inside ``mask`` (0 for none): inf and NaN never reach a scale
-    (``a <= FP32_MAX`` is false for both)."""
-    a = tl.abs(y)
-    return tl.max(tl.where(mask & (a <= FP32_MAX), a, 0.0), axis=1)
+    elements inside ``mask`` (0 for none)."""
+    return tl.max(finite_abs(y, mask), axis=1)
 
 
 @triton.jit
@@ -90,24 +98,29 @@ def _load_values(X, rows, c, stride_row, stride_col, mask, ACT: tl.constexpr, EV
 
 
 @triton.jit
-def _segment_amax(amax, X, rows, row_mask, cols, K, stride_row, stride_col,
-                  ACT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``amax`` raised to the row maxima of a ``K``-column segment of the rows."""
-    for k0 in range(0, K, BLOCK_N):
-        c = k0 + cols
-        mask = row_mask[:, None] & (c < K)[None, :]
-        y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT, "evict_last")
-        amax = tl.maximum(amax, row_amax(y, mask))
-    return amax
+def _columns(c0, K, rows, row_mask, BLOCK_N: tl.constexpr):
+    """Columns ``c0 .. c0 + BLOCK_N`` of a ``K``-column segment, and their mask for ``rows``."""
+    c = c0 + tl.arange(0, BLOCK_N)
+    return c, row_mask[:, None] & (c < K)[None, :]
 
 
 @triton.jit
-def _segment_store(Q, q_row_stride, q_col0, X, rows, row_mask, cols, K, stride_row, stride_col, inverse,
+def _segment_peak(peak, X, rows, row_mask, K, stride_row, stride_col,
+                  ACT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``peak [BLOCK_M, BLOCK_N]`` raised to :func:`finite_abs` of a ``K``-column segment's blocks."""
+    for k0 in range(0, K, BLOCK_N):
+        c, mask = _columns(k0, K, rows, row_mask, BLOCK_N)
+        y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT, "evict_last")
+        peak = tl.maximum(peak, finite_abs(y, mask))
+    return peak
+
+
+@triton.jit
+def _segment_store(Q, q_row_stride, q_col0, X, rows, row_mask, K, stride_row, stride_col, inverse,
                    ACT: tl.constexpr, BLOCK_N: tl.constexpr):
     """The e4m3 values of a ``K``-column segment, at Q's columns from ``q_col0``."""
     for k0 in range(0, K, BLOCK_N):
-        c = k0 + cols
-        mask = row_mask[:, None] & (c < K)[None, :]
+        c, mask = _columns(k0, K, rows, row_mask, BLOCK_N)
         y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT, "evict_first")
         tl.store(Q + _tile(rows, q_col0 + c, q_row_stride, 1), to_e4m3(y, inverse), mask=mask)
 
@@ -116,45 +129,58 @@ def _segment_store(Q, q_row_stride, q_col0, X, rows, row_mask, cols, K, stride_r
 def quantize_fp8_rows_kernel(X, Q, S, n_rows, K, stride_row, stride_col,
                              HEAD, K_HEAD, stride_head_row, stride_head_col,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
-                             ACT: tl.constexpr, HAS_HEAD: tl.constexpr, BLOCK_H: tl.constexpr = 1):
+                             ACT: tl.constexpr, HAS_HEAD: tl.constexpr,
+                             CHUNKS: tl.constexpr = 1, HEAD_CHUNKS: tl.constexpr = 0):
     """Q[r] = e4m3 of row r of X (of act(X) with ``ACT >= 0``), S[r] its scale.
     With HAS_HEAD the row is ``HEAD[r]`` (K_HEAD columns, as they are) followed
     by that: the quantization of a concatenation that is never written. One
-    program per BLOCK_M rows. A row that fits its blocks (BLOCK_N columns of X,
-    BLOCK_H of HEAD) is read once and held in registers; a wider one (LOOPED)
-    takes two passes over each segment: the row maxima, then the values (the
-    activation computed in each). Q and S are contiguous.
+    program per BLOCK_M rows; Q and S are contiguous.
 
-    Why the single pass goes up to 16384 columns (the launcher's choice): an
-    MLP's hidden activation (Flux: 12288 wide, 3072 more of attention output
-    as the head) in two passes is read twice with its activation computed
-    twice, which on an H100 made this kernel 15% of an FP8 Flux step."""
+    Single pass (not LOOPED): the row is read once and held in registers as
+    HEAD_CHUNKS blocks of HEAD then CHUNKS blocks of X, each BLOCK_N wide
+    (a tuple of tiles, unrolled), so that a row is padded to whole blocks,
+    not to a power of two (Flux's 3072 + 12288 columns: 4 blocks of 4096,
+    where one block per segment was 4096 + 16384); the row maximum is the
+    elementwise maximum over the blocks, reduced once. LOOPED (rows too wide
+    to hold): two passes over each segment in BLOCK_N blocks, the row maxima
+    and then the values (the activation computed in each; the first pass
+    asks L2 to keep what the second reads again).
+
+    Why hold rows up to 16384 columns: an MLP's hidden activation (Flux:
+    12288 wide, 3072 more of attention output as the head) in two passes is
+    read twice with its activation computed twice, which on an H100 made this
+    kernel 15% of an FP8 Flux step."""
     rows = _tile_rows(tl.program_id(0), BLOCK_M)
     row_mask = rows < n_rows
-    cols = tl.arange(0, BLOCK_N)
+    peak = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if LOOPED:
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         if HAS_HEAD:
-            amax = _segment_amax(amax, HEAD, rows, row_mask, cols, K_HEAD, stride_head_row, stride_head_col,
-                                 -1, BLOCK_N)
-        amax = _segment_amax(amax, X, rows, row_mask, cols, K, stride_row, stride_col, ACT, BLOCK_N)
-        inverse, scale = fp8_scales(amax)
+            peak = _segment_peak(peak, HEAD, rows, row_mask, K_HEAD, stride_head_row, stride_head_col, -1, BLOCK_N)
+        peak = _segment_peak(peak, X, rows, row_mask, K, stride_row, stride_col, ACT, BLOCK_N)
+        inverse, scale = fp8_scales(tl.max(peak, axis=1))
         if HAS_HEAD:
-            _segment_store(Q, K_HEAD + K, 0, HEAD, rows, row_mask, cols, K_HEAD, stride_head_row,
+            _segment_store(Q, K_HEAD + K, 0, HEAD, rows, row_mask, K_HEAD, stride_head_row,
                            stride_head_col, inverse, -1, BLOCK_N)
-        _segment_store(Q, K_HEAD + K, K_HEAD, X, rows, row_mask, cols, K, stride_row, stride_col, inverse,
+        _segment_store(Q, K_HEAD + K, K_HEAD, X, rows, row_mask, K, stride_row, stride_col, inverse,
                        ACT, BLOCK_N)
     else:
-        mask = row_mask[:, None] & (cols < K)[None, :]
-        y = _load_values(X, rows, cols, stride_row, stride_col, mask, ACT, "")
-        amax = row_amax(y, mask)
-        if HAS_HEAD:
-            head_cols = tl.arange(0, BLOCK_H)
-            head_mask = row_mask[:, None] & (head_cols < K_HEAD)[None, :]
-            h = _load_values(HEAD, rows, head_cols, stride_head_row, stride_head_col, head_mask, -1, "")
-            amax = tl.maximum(amax, row_amax(h, head_mask))
-        inverse, scale = fp8_scales(amax)
-        if HAS_HEAD:
-            tl.store(Q + _tile(rows, head_cols, K_HEAD + K, 1), to_e4m3(h, inverse), mask=head_mask)
-        tl.store(Q + _tile(rows, K_HEAD + cols, K_HEAD + K, 1), to_e4m3(y, inverse), mask=mask)
+        tiles = ()
+        for i in tl.static_range(HEAD_CHUNKS):
+            c, mask = _columns(i * BLOCK_N, K_HEAD, rows, row_mask, BLOCK_N)
+            h = _load_values(HEAD, rows, c, stride_head_row, stride_head_col, mask, -1, "")
+            peak = tl.maximum(peak, finite_abs(h, mask))
+            tiles = tiles + (h,)
+        for i in tl.static_range(CHUNKS):
+            c, mask = _columns(i * BLOCK_N, K, rows, row_mask, BLOCK_N)
+            y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT, "")
+            peak = tl.maximum(peak, finite_abs(y, mask))
+            tiles = tiles + (y,)
+        inverse, scale = fp8_scales(tl.max(peak, axis=1))
+        for i in tl.static_range(HEAD_CHUNKS):
+            c, mask = _columns(i * BLOCK_N, K_HEAD, rows, row_mask, BLOCK_N)
+            tl.store(Q + _tile(rows, c, K_HEAD + K, 1), to_e4m3(tiles[i], inverse), mask=mask)
+        for i in tl.static_range(CHUNKS):
+            c, mask = _columns(i * BLOCK_N, K, rows, row_mask, BLOCK_N)
+            tl.store(Q + _tile(rows, K_HEAD + c, K_HEAD + K, 1), to_e4m3(tiles[HEAD_CHUNKS + i], inverse),
+                     mask=mask)
     tl.store(S + rows, scale, mask=row_mask)

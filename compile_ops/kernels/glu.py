@@ -13,9 +13,13 @@ Row offsets are int64 (tensors past 2**31 elements); the launcher hands in
 rows with a unit column stride, so loads vectorize.
 
 The activations are written with what both the compiler and triton's
-interpreter support (``tl.erf``, ``tl.exp``; no libdevice), and so that their
+interpreter support (``tl.erf``, ``tl.exp``; no libdevice). The backward's
 derivatives never cancel: the sigmoid and its complement both come from
-``exp(-|z|) <= 1``, which also never overflows.
+``exp(-|z|) <= 1`` and a correctly rounded reciprocal. The forward needs the
+sigmoid alone and takes the cheap form ``1 / (1 + exp(-z))`` (one exp, fp32's
+approximate division, a few ulps of fp32): the rowwise FP8 quantization of an
+MLP's hidden activation computes it for every element and was bound by that
+arithmetic, not by memory, with the exact form (bench/notes.md).
 """
 import triton
 import triton.language as tl
@@ -48,6 +52,12 @@ def _sigmoid_and_complement(z):
 
 
 @triton.jit
+def _sigmoid(z):
+    """``1 / (1 + exp(-z))``: 0 and 1 exactly where exp over- or underflows, NaN for NaN."""
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
 def activation(g, ACT: tl.constexpr, DERIVATIVE: tl.constexpr):
     """``(act(g), act'(g))``; the derivative is ``g`` (unused) unless DERIVATIVE.
 
@@ -65,18 +75,23 @@ def activation(g, ACT: tl.constexpr, DERIVATIVE: tl.constexpr):
     elif ACT == 1:  # GELU_TANH
         g2 = g * g
         # 2u; 0.7978845608028654 = sqrt(2 / pi)
-        s, s_c = _sigmoid_and_complement(2.0 * 0.7978845608028654 * (g + 0.044715 * g2 * g))
-        act = g * s
+        z = 2.0 * 0.7978845608028654 * (g + 0.044715 * g2 * g)
         d = g
         if DERIVATIVE:
+            s, s_c = _sigmoid_and_complement(z)
             du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g2)
             d = s + 2.0 * g * s * s_c * du
-    else:
-        s, s_c = _sigmoid_and_complement(g)
+        else:
+            s = _sigmoid(z)
         act = g * s
+    else:
         d = g
         if DERIVATIVE:
+            s, s_c = _sigmoid_and_complement(g)
             d = s * (1.0 + g * s_c)
+        else:
+            s = _sigmoid(g)
+        act = g * s
     return act, d
 
 

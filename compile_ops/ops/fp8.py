@@ -35,25 +35,33 @@ from compile_ops.ops._launch import as_rows
 #: FP8 tensor cores: sm_89 (Ada) and newer, sm_90 (Hopper) among them.
 FP8_CAPABILITY = (8, 9)
 
-#: Launch configuration (``bench/sweep_fp8.py`` sweeps it on a GPU). TILE:
-#: elements per program of the single pass, where several narrow rows share
-#: one. MAX_BLOCK_N: the widest row (x's and a head's each) held in registers
-#: and read once; wider rows take the kernel's two-pass loop, LOOP_BLOCK_N
-#: columns and LOOP_BLOCK_M rows a step, LOOP_WARPS warps. SINGLE_MAX_WARPS
-#: caps the single pass's warps (about 32 values a thread below it).
+#: Launch configuration, from the H100 sweep (bench/sweep_fp8.py,
+#: bench/results/sweep-fp8-h100.json). MAX_ROW_VALUES: a program holds up to
+#: this many values (its rows padded to whole blocks) in registers and reads
+#: them once; wider rows take the kernel's two-pass loop, LOOP_BLOCK_N columns
+#: a step with LOOP_WARPS warps (at Flux's 4096 x 12288 tanh GELU: held 69 us,
+#: looped 99). Held rows are cut into blocks of CHUNK_N columns (narrower rows
+#: take one block of their own power of two, several rows a program up to TILE
+#: values): blocks of 1024 that pad less were slower (114 us against 69; Wan's
+#: 8960 columns 499 against 468 in three padded blocks of 4096). Warps: a
+#: thread holds about VALUES_PER_THREAD values, ACTIVATION_VALUES_PER_THREAD
+#: where each costs an activation (more warps hide its latency: Flux's single
+#: block 97 us against 104; a plain 8960-wide row 295 against 366 the other
+#: way), 4 to MAX_WARPS.
+MAX_ROW_VALUES = 16384
+CHUNK_N = 4096
 TILE = 4096
-MAX_BLOCK_N = 16384
-LOOP_BLOCK_N = 16384
-LOOP_BLOCK_M = 1
-LOOP_WARPS = 16
-SINGLE_MAX_WARPS = 16
+VALUES_PER_THREAD = 128
+ACTIVATION_VALUES_PER_THREAD = 32
+MAX_WARPS = 16
+LOOP_BLOCK_N = 2048
+LOOP_WARPS = 4
 
 
-def _num_warps(elements: int) -> int:
-    """Warps for a program holding ``elements`` values (a power of two): about
-    32 per thread, 4 to SINGLE_MAX_WARPS (4 warps for a 4096-element tile, 16
-    for a 16384-wide row)."""
-    return max(4, min(SINGLE_MAX_WARPS, elements // 1024))
+def _num_warps(values: int, per_thread: int) -> int:
+    """Warps for a program holding ``values`` values, about ``per_thread`` a
+    thread: 4 to MAX_WARPS (a power of two)."""
+    return max(4, min(MAX_WARPS, triton.next_power_of_2(values) // (32 * per_thread)))
 
 
 INFERENCE_ONLY = ("FP8 paths are inference-only (compile_ops.patch(precision='fp8'), FP8Linear): "
@@ -115,20 +123,23 @@ def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tenso
     k_head = 0 if head is None else head2.shape[1]
     if n_rows == 0 or k + k_head == 0:  # nothing to launch; the reference gives the (empty or floor) scales
         return tuple(t.contiguous() for t in reference.fp8.quantize_fp8_rows(x, activation, head))
-    looped = max(k, k_head) > MAX_BLOCK_N
-    if looped:  # one block width for both segments' loops
-        block_m, block_n, block_h, warps = LOOP_BLOCK_M, LOOP_BLOCK_N, 1, LOOP_WARPS
+    # Both segments in blocks of one width (the kernel keeps one elementwise maximum).
+    block_n = min(CHUNK_N, triton.next_power_of_2(int(max(k, k_head))))
+    chunks, head_chunks = triton.cdiv(int(k), block_n), triton.cdiv(int(k_head), block_n)
+    row_values = block_n * (chunks + head_chunks)
+    looped = row_values > MAX_ROW_VALUES
+    if looped:
+        block_m, block_n, chunks, head_chunks, warps = 1, LOOP_BLOCK_N, 0, 0, LOOP_WARPS
     else:
-        block_n, block_h = triton.next_power_of_2(int(k)), triton.next_power_of_2(int(max(k_head, 1)))
-        width = triton.next_power_of_2(block_n + (block_h if head is not None else 0))  # the values a row holds
-        block_m = max(1, TILE // width)  # a power of two, as tl.arange needs
-        warps = _num_warps(block_m * width)
+        block_m = 1 << max(0, (TILE // row_values).bit_length() - 1)  # a power of two, as tl.arange needs
+        per_thread = VALUES_PER_THREAD if activation == "none" else ACTIVATION_VALUES_PER_THREAD
+        warps = _num_warps(block_m * row_values, per_thread)
     grid = (triton.cdiv(n_rows, block_m),)
     launcher(quantize_fp8_rows_kernel)[grid](
         x2, q, scale, n_rows, k, x2.stride(0), x2.stride(1), head2, k_head, head2.stride(0), head2.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, LOOPED=looped,
         ACT=-1 if activation == "none" else ACTIVATION_CODES[activation], HAS_HEAD=head is not None,
-        BLOCK_H=block_h, num_warps=warps)
+        CHUNKS=chunks, HEAD_CHUNKS=head_chunks, num_warps=warps)
     return q, scale
 
 
