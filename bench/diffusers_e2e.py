@@ -42,7 +42,7 @@ native step uses SDPA's flash backend. Each case runs native eager, native
 model patched in place between the two halves. Times are medians of ``triton.testing.do_bench``; the peak memory is
 the allocator's peak during one call above what was allocated before it.
 Writes ``<out>/diffusers-e2e-<gpu>.json`` (``--fp8``: ``diffusers-e2e-fp8-<gpu>.json``,
-with torchao's version; rows merge with an existing file by case and provider).
+with torchao's version; rows merge with an existing file by case, provider and compile mode).
 
 8-bit attention (``--int8-attention``, the step cases): native compiled
 (SDPA, cuDNN), patched compiled (our bf16 attention), patched with
@@ -107,16 +107,24 @@ CASES = {
 EXTRA_CASES = {"wan_step_720p": (lambda: _wan(90, 160), False)}
 
 
+#: ``--compile``: the whole model or its blocks, in torch.compile's default
+#: mode or, with "-cudagraphs", ``mode="reduce-overhead"`` (the step replayed
+#: from CUDA graphs: GPU time without the host's launch cost).
+COMPILE_MODES = ("full", "regional", "full-cudagraphs", "regional-cudagraphs")
+
+
 def _compiled(model, mode: str, fullgraph: bool = True):
-    """``model`` compiled whole (``mode="full"``) or block by block in place (``"regional"``:
-    the repeated blocks in the ModuleLists that ``compile_ops.patch`` knows)."""
+    """``model`` compiled whole (``mode`` "full...") or block by block in place
+    ("regional...": the repeated blocks in the ModuleLists that
+    ``compile_ops.patch`` knows), in CUDA graphs for a "-cudagraphs" mode."""
     from compile_ops.integrations.diffusers import BLOCK_LISTS
 
-    if mode == "full":
-        return torch.compile(model)
+    kwargs = {"mode": "reduce-overhead"} if mode.endswith("-cudagraphs") else {}
+    if mode.startswith("full"):
+        return torch.compile(model, **kwargs)
     for name in BLOCK_LISTS:
         for block in getattr(model, name, ()):
-            block.compile(fullgraph=fullgraph)
+            block.compile(fullgraph=fullgraph, **kwargs)
     return model
 
 
@@ -174,12 +182,27 @@ def _weight_MiB(model) -> float:
     return sum(_tensor_bytes(t) for t in (*model.parameters(), *model.buffers())) / 2 ** 20
 
 
+def _host_ms(fn, calls: int = 5) -> float:
+    """Median ms for ``fn`` to return (its launches queued, the GPU not waited
+    for), from an idle GPU: near the step's time, the step is bound by the
+    host (or by the launch queue filling); well below it, by the GPU."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(times)[calls // 2]
+
+
 def _repeated(fn, timer_ms: float, repeats: int) -> dict:
-    """Median, min and max of ``repeats`` do_bench medians, and the peak memory."""
+    """Median, min and max of ``repeats`` do_bench medians, the peak memory,
+    and :func:`_host_ms`."""
     runs = [_measure(fn, timer_ms) for _ in range(repeats)]
     times = sorted(ms for ms, _ in runs)
     return {"ms": times[len(times) // 2], "ms_min": times[0], "ms_max": times[-1], "ms_runs": times,
-            "peak_MiB": max(peak for _, peak in runs)}
+            "peak_MiB": max(peak for _, peak in runs), "host_ms": _host_ms(fn)}
 
 
 def _quantize(provider: str, model):
@@ -297,7 +320,7 @@ def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact, providers
         if provider in per_linear:
             row["per_linear_rel_l2"] = per_linear[provider]
         rows.append(row)
-        print(f"{name:<11} {provider:<21} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f})  "
+        print(f"{name:<11} {provider:<21} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, host {row['host_ms']:.1f})  "
               f"rel. L2 vs bf16 {err:.2e}  weights {row['weights_MiB']:.0f} MiB  (first call {setup_s:.0f} s)",
               flush=True)
         del model, module
@@ -349,7 +372,7 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
         row.update(case=name, provider=provider, first_call_s=setup_s, train=train, tokens=_tokens(name),
                    attention_kernel="auto", weights_MiB=_weight_MiB(model), compile=compile_mode)
         rows.append(row)
-        print(f"{name:<11} {provider:<17} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f})  "
+        print(f"{name:<11} {provider:<17} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, host {row['host_ms']:.1f})  "
               f"peak {row['peak_MiB']:8.0f} MiB  (first call {setup_s:.0f} s)", flush=True)
     by = {r["provider"]: r for r in rows}
     for kind in ("compiled", "eager"):
@@ -422,7 +445,7 @@ def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers,
         row.update(case=name, provider=provider, first_call_s=setup_s, rel_l2_vs_bf16=relative_l2(out, exact),
                    train=False, tokens=_tokens(name), compile=compile_mode)
         rows.append(row)
-        print(f"{name:<11} {provider:<24} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f})  "
+        print(f"{name:<11} {provider:<24} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, host {row['host_ms']:.1f})  "
               f"rel. L2 vs bf16 SDPA {row['rel_l2_vs_bf16']:.2e}  (first call {setup_s:.0f} s)", flush=True)
         del model, module
         torch._dynamo.reset()
@@ -462,8 +485,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="measurements per provider (median and spread)")
     p.add_argument("--providers", default=None, help="comma-separated subset of "
                    + ",".join((*BF16_PROVIDERS, *FP8_PROVIDERS)))
-    p.add_argument("--compile", dest="compile_mode", choices=("full", "regional"), default="full",
-                   help="compile the whole model, or each transformer block in place")
+    p.add_argument("--compile", dest="compile_mode", choices=COMPILE_MODES, default="full",
+                   help="compile the whole model, or each transformer block in place; -cudagraphs: in CUDA graphs")
     p.add_argument("--fp8", action="store_true",
                    help="also compile_ops FP8 and torchao float8 providers on the inference cases")
     p.add_argument("--int8-attention", action="store_true",
@@ -492,8 +515,10 @@ def main(argv=None) -> int:
                                           args.profile)
         else:
             new = run_case(name, args.rep_ms, args.repeats, args.fp8, chosen, args.compile_mode, args.profile)
-        measured = {(r["case"], r["provider"]) for r in new}
-        rows = [r for r in rows if (r["case"], r["provider"]) not in measured] + new
+        def key(r):  # a provider's rows in another compile mode are other rows
+            return r["case"], r["provider"], r.get("compile", "full")
+        measured = {key(r) for r in new}
+        rows = [r for r in rows if key(r) not in measured] + new
         write_results(args.out, stem, env, rows)
     print(f"wrote {path}")
     return 0

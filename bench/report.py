@@ -337,7 +337,13 @@ def diffusers_e2e_fp8_table(data: dict) -> str:
     modes = sorted({r.get("compile", "full") for r in data["rows"]})
     return (run_line(data["env"], f"diffusers {data['env'].get('diffusers', '?')}, torchao "
                      f"{data['env'].get('torchao', '?')}") + f" | bf16, batch 1, random weights, compile: "
-            f"{', '.join(modes)}.\n" + _fp8_e2e_table({(r["case"], r["provider"]): r for r in data["rows"]}))
+            f"{', '.join(modes)}.\n" + _fp8_e2e_table({(_case_label(r), r["provider"]): r for r in data["rows"]}))
+
+
+def _case_label(row: dict) -> str:
+    """A row's case, marked where the step was replayed from CUDA graphs
+    (``--compile ...-cudagraphs``): those rows compare among themselves."""
+    return row["case"] + (" (CUDA graphs)" if row.get("compile", "").endswith("-cudagraphs") else "")
 
 
 def diffusers_e2e_table(data: dict) -> str:
