@@ -27,7 +27,10 @@ bf16 model's input to it: median, max and the worst Linear), and the bytes
 of the model's weights.
 
 ``--repeats N`` measures every provider N times (do_bench medians) and
-reports the median of those and their spread. ``--providers a,b`` runs only
+reports the median of those and their spread, and the host time of a call
+(near the step's time: the step is bound by launching its kernels).
+``--replay`` also times each step as the replay of one CUDA graph holding
+it (``replay_ms``): the GPU time alone, whatever a provider's launch cost. ``--providers a,b`` runs only
 those. ``--compile regional`` compiles each transformer block in place
 (``block.compile(fullgraph=True)``; blocks of one class share one compiled
 graph, as in diffusers' ``compile_repeated_blocks``) instead of the whole
@@ -107,24 +110,16 @@ CASES = {
 EXTRA_CASES = {"wan_step_720p": (lambda: _wan(90, 160), False)}
 
 
-#: ``--compile``: the whole model or its blocks, in torch.compile's default
-#: mode or, with "-cudagraphs", ``mode="reduce-overhead"`` (the step replayed
-#: from CUDA graphs: GPU time without the host's launch cost).
-COMPILE_MODES = ("full", "regional", "full-cudagraphs", "regional-cudagraphs")
-
-
 def _compiled(model, mode: str, fullgraph: bool = True):
-    """``model`` compiled whole (``mode`` "full...") or block by block in place
-    ("regional...": the repeated blocks in the ModuleLists that
-    ``compile_ops.patch`` knows), in CUDA graphs for a "-cudagraphs" mode."""
+    """``model`` compiled whole (``mode="full"``) or block by block in place (``"regional"``:
+    the repeated blocks in the ModuleLists that ``compile_ops.patch`` knows)."""
     from compile_ops.integrations.diffusers import BLOCK_LISTS
 
-    kwargs = {"mode": "reduce-overhead"} if mode.endswith("-cudagraphs") else {}
-    if mode.startswith("full"):
-        return torch.compile(model, **kwargs)
+    if mode == "full":
+        return torch.compile(model)
     for name in BLOCK_LISTS:
         for block in getattr(model, name, ()):
-            block.compile(fullgraph=fullgraph, **kwargs)
+            block.compile(fullgraph=fullgraph)
     return model
 
 
@@ -196,13 +191,39 @@ def _host_ms(fn, calls: int = 5) -> float:
     return sorted(times)[calls // 2]
 
 
+#: ``--replay``: steps are also timed as replays of a CUDA graph (:func:`_replayed`).
+REPLAY = False
+
+
+def _replayed(fn):
+    """The replay of one CUDA graph holding a call of ``fn`` (warmed up on a
+    side stream first, as capture requires): the step's GPU time without the
+    host's launches, which regional compile and eager steps pay per kernel."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _repeated(fn, timer_ms: float, repeats: int) -> dict:
     """Median, min and max of ``repeats`` do_bench medians, the peak memory,
-    and :func:`_host_ms`."""
+    :func:`_host_ms`, and under ``--replay`` the same medians of the step's
+    CUDA-graph replay (``replay_ms``...)."""
     runs = [_measure(fn, timer_ms) for _ in range(repeats)]
     times = sorted(ms for ms, _ in runs)
-    return {"ms": times[len(times) // 2], "ms_min": times[0], "ms_max": times[-1], "ms_runs": times,
-            "peak_MiB": max(peak for _, peak in runs), "host_ms": _host_ms(fn)}
+    row = {"ms": times[len(times) // 2], "ms_min": times[0], "ms_max": times[-1], "ms_runs": times,
+           "peak_MiB": max(peak for _, peak in runs), "host_ms": _host_ms(fn)}
+    if REPLAY:
+        replay = _replayed(fn)
+        times = sorted(_measure(replay, timer_ms)[0] for _ in range(repeats))
+        row.update(replay_ms=times[len(times) // 2], replay_ms_min=times[0], replay_ms_max=times[-1])
+    return row
 
 
 def _quantize(provider: str, model):
@@ -323,6 +344,9 @@ def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact, providers
         print(f"{name:<11} {provider:<21} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, host {row['host_ms']:.1f})  "
               f"rel. L2 vs bf16 {err:.2e}  weights {row['weights_MiB']:.0f} MiB  (first call {setup_s:.0f} s)",
               flush=True)
+        if "replay_ms" in row:
+            print(f"{'':<11} {provider:<21} {row['replay_ms']:9.2f} ms ({row['replay_ms_min']:.2f}-"
+                  f"{row['replay_ms_max']:.2f}) as a CUDA-graph replay", flush=True)
         del model, module
         torch._dynamo.reset()
         torch.cuda.empty_cache()
@@ -477,6 +501,11 @@ def diffusers_environment() -> dict:
     return env
 
 
+def _row_key(row: dict) -> tuple:
+    """A results row's identity: a provider's rows in another compile mode are other rows."""
+    return row["case"], row["provider"], row.get("compile", "full")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(CASES))
@@ -485,8 +514,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="measurements per provider (median and spread)")
     p.add_argument("--providers", default=None, help="comma-separated subset of "
                    + ",".join((*BF16_PROVIDERS, *FP8_PROVIDERS)))
-    p.add_argument("--compile", dest="compile_mode", choices=COMPILE_MODES, default="full",
-                   help="compile the whole model, or each transformer block in place; -cudagraphs: in CUDA graphs")
+    p.add_argument("--compile", dest="compile_mode", choices=("full", "regional"), default="full",
+                   help="compile the whole model, or each transformer block in place")
+    p.add_argument("--replay", action="store_true",
+                   help="also time each step as the replay of one CUDA graph holding it (GPU time, no host cost)")
     p.add_argument("--fp8", action="store_true",
                    help="also compile_ops FP8 and torchao float8 providers on the inference cases")
     p.add_argument("--int8-attention", action="store_true",
@@ -494,6 +525,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also each step's GPU time by kernel family and its top kernels (torch.profiler)")
     args = p.parse_args(argv)
+    global REPLAY
+    REPLAY = args.replay
     env = diffusers_environment()
     env["command"] = "python bench/diffusers_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
     stem = "diffusers-e2e"
@@ -515,10 +548,8 @@ def main(argv=None) -> int:
                                           args.profile)
         else:
             new = run_case(name, args.rep_ms, args.repeats, args.fp8, chosen, args.compile_mode, args.profile)
-        def key(r):  # a provider's rows in another compile mode are other rows
-            return r["case"], r["provider"], r.get("compile", "full")
-        measured = {key(r) for r in new}
-        rows = [r for r in rows if key(r) not in measured] + new
+        measured = {_row_key(r) for r in new}
+        rows = [r for r in rows if _row_key(r) not in measured] + new
         write_results(args.out, stem, env, rows)
     print(f"wrote {path}")
     return 0

@@ -337,13 +337,7 @@ def diffusers_e2e_fp8_table(data: dict) -> str:
     modes = sorted({r.get("compile", "full") for r in data["rows"]})
     return (run_line(data["env"], f"diffusers {data['env'].get('diffusers', '?')}, torchao "
                      f"{data['env'].get('torchao', '?')}") + f" | bf16, batch 1, random weights, compile: "
-            f"{', '.join(modes)}.\n" + _fp8_e2e_table({(_case_label(r), r["provider"]): r for r in data["rows"]}))
-
-
-def _case_label(row: dict) -> str:
-    """A row's case, marked where the step was replayed from CUDA graphs
-    (``--compile ...-cudagraphs``): those rows compare among themselves."""
-    return row["case"] + (" (CUDA graphs)" if row.get("compile", "").endswith("-cudagraphs") else "")
+            f"{', '.join(modes)}.\n" + _fp8_e2e_table({(r["case"], r["provider"]): r for r in data["rows"]}))
 
 
 def diffusers_e2e_table(data: dict) -> str:
@@ -385,8 +379,12 @@ def _fp8_e2e_table(by: dict) -> str:
     out = ["", "FP8 inference, compiled: median ms (min-max over the repeats); error = the step output's relative "
            "L2 distance to the bf16 model's; per Linear = each block Linear's own error on the bf16 model's "
            "input to it, median (max) over the Linears.", "",
-           "| case | provider | ms | vs native compiled | vs torchao float8 | rel. L2 vs bf16 | per Linear | "
-           "weights MiB | peak MiB | first call s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "Graph replay = the same step replayed from one CUDA graph (its GPU time without the host's "
+           "launches; `--replay`), vs torchao's replay; host ms = a call's return before the GPU finishes (near "
+           "ms: the step waits on launching).", "",
+           "| case | provider | ms | vs native compiled | vs torchao float8 | graph replay ms | host ms | "
+           "rel. L2 vs bf16 | per Linear | weights MiB | peak MiB | first call s |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for case in cases:
         native, torchao = by.get((case, "native_compiled")), by.get((case, "torchao_fp8_compiled"))
         for provider in FP8_TABLE_ROWS:
@@ -395,19 +393,26 @@ def _fp8_e2e_table(by: dict) -> str:
                 continue
             if r is None or "error" in r:
                 reason = "not run" if r is None else r["error"]
-                out.append(f"| {case} | {provider} | {reason} | | | | | | | |")
+                out.append(f"| {case} | {provider} | {reason} | | | | | | | | | |")
                 continue
             spread = f" ({r['ms_min']:.1f}-{r['ms_max']:.1f})" if "ms_min" in r else ""
             vs_native = f"{native['ms'] / r['ms']:.2f}x" if native else "-"
             vs_torchao = f"{torchao['ms'] / r['ms']:.2f}x" if torchao and "error" not in torchao else "-"
             err = f"{r['rel_l2_vs_bf16']:.1e}" if "rel_l2_vs_bf16" in r else "-"
+            replay = "-"
+            if "replay_ms" in r:
+                replay = f"{r['replay_ms']:.1f} ({r['replay_ms_min']:.1f}-{r['replay_ms_max']:.1f})"
+                if torchao and "replay_ms" in torchao:
+                    replay += f", {torchao['replay_ms'] / r['replay_ms']:.2f}x"
+            host = f"{r['host_ms']:.1f}" if "host_ms" in r else "-"
             weights = f"{r['weights_MiB']:.0f}" if "weights_MiB" in r else "not measured"
             per_linear = r.get("per_linear_rel_l2")
             per_linear = f"{per_linear['median']:.1e} ({per_linear['max']:.1e})" if per_linear else "-"
             first = f"{r['first_call_s']:.0f}"
             if "first_call_cold_s" in r:  # the row's own first call found warm caches
                 first += f" (cold: {r['first_call_cold_s']:.0f})"
-            out.append(f"| {case} | {provider} | {r['ms']:.1f}{spread} | {vs_native} | {vs_torchao} | {err} | "
+            out.append(f"| {case} | {provider} | {r['ms']:.1f}{spread} | {vs_native} | {vs_torchao} | {replay} | "
+                       f"{host} | {err} | "
                        f"{per_linear} | {weights} | {r['peak_MiB']:.0f} | {first} |")
     return "\n".join(out) + "\n"
 

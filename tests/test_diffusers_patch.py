@@ -984,6 +984,57 @@ def test_patched_flux_exports_with_a_dynamic_sequence_and_a_block_runs_as_an_aot
             torch.testing.assert_close(g, w, **TOL)
 
 
+_LOAD_AND_RUN = """
+import sys, torch
+import compile_ops  # registers the fused ops the saved graph calls
+program = torch.export.load(sys.argv[1])
+io = torch.load(sys.argv[2])
+with torch.no_grad():
+    (got,) = program.module()(**io["args"])
+    (compiled,) = torch.compile(program.module(), fullgraph=True, backend=sys.argv[4])(**io["args"])
+torch.save({"got": got, "compiled": compiled}, sys.argv[3])
+"""
+
+
+def test_patched_flux_ships_as_a_saved_exported_program_that_a_fresh_process_runs(tmp_path):
+    """``torch.export.save`` of a whole patched tiny Flux with a dynamic image
+    sequence, and ``torch.export.load`` in a fresh process that imports
+    compile_ops (the fused ops are ops in the file; their kernels come from the
+    installed package): the loaded program, eager and under
+    ``torch.compile(fullgraph=True)``, matches the model at a length it was not
+    exported at. On the GPU machine this is the shipping path that works:
+    loading any AOTInductor package there crashes in a CUDA driver thread, for
+    plain PyTorch too (bench/notes.md)."""
+    import os
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    model, inputs = _flux()
+    model = model.to(DEVICE).eval()
+    compile_ops.patch(model)
+    seq = torch.export.Dim("seq", min=4, max=256)
+    # A tuple out (return_dict=False): a saved program's output structure must
+    # be one that pytree can load without diffusers' output class registered.
+    args = dict(_to(inputs(4), DEVICE), return_dict=False)
+    dynamic = {name: None for name in args}
+    dynamic["hidden_states"], dynamic["img_ids"] = {1: seq}, {0: seq}
+    torch.export.save(torch.export.export(model, (), args, dynamic_shapes=dynamic), tmp_path / "flux.pt2")
+    args = dict(_to(inputs(6), DEVICE), return_dict=False)
+    with torch.no_grad():
+        (want,) = model(**args)
+    torch.save({"args": args}, tmp_path / "io.pt")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, str(tmp_path / "flux.pt2"), str(tmp_path / "io.pt"),
+                          str(tmp_path / "out.pt"), "inductor" if HAS_CUDA else "aot_eager"],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = torch.load(tmp_path / "out.pt")
+    torch.testing.assert_close(out["got"], want, **TOL)
+    torch.testing.assert_close(out["compiled"], want, **TOL)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flux", "wan", "sd3", "ltx"])
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"])
