@@ -18,7 +18,9 @@ freshly built model, since they quantize in place and release the bf16
 weights: ``fp8_compiled`` (``compile_ops.patch(model, precision="fp8")`` +
 ``torch.compile``), ``fp8_fp32_accum_compiled`` (the same with
 ``fp8_fast_accum=False``), ``fp8_modulation_compiled`` (with
-``fp8_modulation=True``: the AdaLN modulation projections in FP8 too) and ``torchao_fp8_compiled`` (torchao's
+``fp8_modulation=True``: the AdaLN modulation projections in FP8 too),
+``fp8_int8_attention_compiled`` (with ``attention_precision="int8"``: 8-bit
+attention too, a second approximation whose cost the step error shows) and ``torchao_fp8_compiled`` (torchao's
 ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` +
 ``torch.compile``, what users install today). Their rows also give the step
 output's relative L2 error against the bf16 model's output on the same
@@ -228,10 +230,11 @@ def _repeated(fn, timer_ms: float, repeats: int) -> dict:
 
 def _quantize(provider: str, model):
     """Quantize ``model`` in place for an FP8 provider; the patch report, if any."""
-    if provider in ("fp8_compiled", "fp8_fp32_accum_compiled", "fp8_modulation_compiled"):
+    if provider in ("fp8_compiled", "fp8_fp32_accum_compiled", "fp8_modulation_compiled", "fp8_int8_attention_compiled"):
         import compile_ops
         return compile_ops.patch(model, precision="fp8", fp8_fast_accum=provider != "fp8_fp32_accum_compiled",
-                                 fp8_modulation=provider == "fp8_modulation_compiled")
+                                 fp8_modulation=provider == "fp8_modulation_compiled",
+                                 attention_precision="int8" if provider == "fp8_int8_attention_compiled" else "exact")
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
     quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
     return None
@@ -298,7 +301,8 @@ def _per_linear_errors(model, inputs, providers) -> tuple:
     return out, summary
 
 
-FP8_PROVIDERS = ("fp8_compiled", "fp8_modulation_compiled", "fp8_fp32_accum_compiled", "torchao_fp8_compiled")
+FP8_PROVIDERS = ("fp8_compiled", "fp8_modulation_compiled", "fp8_fp32_accum_compiled", "fp8_int8_attention_compiled",
+                 "torchao_fp8_compiled")
 BF16_PROVIDERS = ("native_eager", "native_compiled", "patched_eager", "patched_compiled")
 
 

@@ -364,9 +364,9 @@ def diffusers_e2e_table(data: dict) -> str:
 
 #: The rows of the FP8 table: bf16 compiled, then the FP8 providers (a row not run is left out).
 FP8_TABLE_ROWS = ("native_compiled", "fp8_compiled", "fp8_modulation_compiled", "fp8_fp32_accum_compiled",
-                  "torchao_fp8_compiled")
+                  "fp8_int8_attention_compiled", "torchao_fp8_compiled")
 #: Rows left out of the FP8 table when they were not run.
-OPTIONAL_FP8_ROWS = ("fp8_modulation_compiled", "fp8_fp32_accum_compiled")
+OPTIONAL_FP8_ROWS = ("fp8_modulation_compiled", "fp8_fp32_accum_compiled", "fp8_int8_attention_compiled")
 
 
 def _fp8_e2e_table(by: dict) -> str:
