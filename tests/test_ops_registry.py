@@ -435,7 +435,8 @@ def test_eager_launch_plans_replay_the_op_exactly(spec):
 #: input, an output or a view of one): a change that breaks planning fails here.
 PLANNED_OPS = {"rmsnorm", "add_rmsnorm", "layernorm", "modulate", "norm_modulate", "gated_residual",
                "gated_residual_norm_modulate", "rope", "rope_qk", "rope_grid", "qk_norm_rope", "geglu",
-               "geglu_tanh", "swiglu", "quantize_fp8_rows", "attention"}
+               "geglu_tanh", "swiglu", "quantize_fp8_rows", "norm_modulate_fp8", "gated_residual_norm_modulate_fp8",
+               "attention"}
 
 
 @pytest.mark.gpu

@@ -90,7 +90,8 @@ def modulate_fwd_kernel(
 ):
     """RES_OUT = RES + GATE * X (GATED); OUT = modulate(norm(h) * W + B) with h
     RES_OUT read back at its dtype (GATED) or X. OUT is written when NORM or
-    MODULATED; with NORM, the row statistics go to MEAN (LayerNorm) and RSTD.
+    MODULATED; with NORM, the row statistics go to MEAN (LayerNorm) and RSTD
+    (not under QUANTIZE).
 
     QUANTIZE (the FP8 output mode, inference): OUT is e4m3 and OUT_SCALE gets
     one fp32 scale per row (``kernels/fp8.py``), of the output rounded to
@@ -129,10 +130,11 @@ def modulate_fwd_kernel(
         if NORM != 0 or MODULATED:
             y, xhat, mean, rstd = _normalized(h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM,
                                               HAS_WEIGHT, HAS_BIAS, False)
-            if NORM == 2:
-                tl.store(MEAN + rows, mean, mask=row_mask)
-            if NORM != 0:
-                tl.store(RSTD + rows, rstd, mask=row_mask)
+            if not QUANTIZE:  # the statistics are for a backward, which FP8 outputs have not
+                if NORM == 2:
+                    tl.store(MEAN + rows, mean, mask=row_mask)
+                if NORM != 0:
+                    tl.store(RSTD + rows, rstd, mask=row_mask)
             if MODULATED:
                 y = y * (1.0 + scale.to(ACC_DTYPE))[None, :] + shift.to(ACC_DTYPE)[None, :]
             if QUANTIZE:

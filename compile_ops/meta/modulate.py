@@ -221,7 +221,7 @@ def gated_residual_norm_modulate(residual: torch.Tensor, x: torch.Tensor, gate: 
     return (residual_out, out, *row_stats(residual_out, norm))
 
 
-def _fp8_rows(out: torch.Tensor) -> tuple:
+def fp8_rows(out: torch.Tensor) -> tuple:
     """``(q, scale)`` of the FP8 output mode for an output like ``out``."""
     return out.new_empty(out.shape, dtype=torch.float8_e4m3fn), out.new_empty(out.shape[:-1], dtype=torch.float32)
 
@@ -230,7 +230,7 @@ def norm_modulate_fp8(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
                       weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                       norm: str, eps: float) -> tuple:
     """``(q [..., C] float8_e4m3fn, scale [...] float32)`` of :func:`norm_modulate`'s output."""
-    return _fp8_rows(norm_modulate(x, scale, shift, weight, bias, norm, eps)[0])
+    return fp8_rows(norm_modulate(x, scale, shift, weight, bias, norm, eps)[0])
 
 
 def gated_residual_norm_modulate_fp8(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor,
@@ -239,7 +239,7 @@ def gated_residual_norm_modulate_fp8(residual: torch.Tensor, x: torch.Tensor, ga
                                      norm: str, eps: float) -> tuple:
     """``(residual_out, q, scale)``: :func:`gated_residual_norm_modulate`'s ``out`` quantized."""
     residual_out, out, _, _ = gated_residual_norm_modulate(residual, x, gate, scale, shift, weight, bias, norm, eps)
-    return (residual_out, *_fp8_rows(out))
+    return (residual_out, *fp8_rows(out))
 
 
 def modulate_backward(grad_out: Optional[torch.Tensor], grad_h: Optional[torch.Tensor],

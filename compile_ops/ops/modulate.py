@@ -186,11 +186,13 @@ def _gated_residual_norm_modulate_op(residual: Tensor, x: Tensor, gate: Tensor, 
 @fused_op("norm_modulate_fp8", fake=meta.modulate.norm_modulate_fp8, reference=reference.modulate.norm_modulate_fp8)
 def _norm_modulate_fp8_op(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tensor],
                           bias: Optional[Tensor], norm: str, eps: float) -> tuple[Tensor, Tensor]:
-    q, q_scale = meta.modulate.norm_modulate_fp8(x, scale, shift, weight, bias, norm, eps)
-    # The unquantized op's outputs: its dtype, and row statistics the kernel writes (not returned).
-    out, mean, rstd = meta.modulate.norm_modulate(x, scale, shift, weight, bias, norm, eps)
+    # The unquantized op's output gives the dtype the values round to before
+    # quantizing. No row statistics (inference): every tensor the kernel gets
+    # is an input or an output, so eager calls replay a launch plan.
+    out, _, _ = meta.modulate.norm_modulate(x, scale, shift, weight, bias, norm, eps)
+    q, q_scale = meta.modulate.fp8_rows(out)
     _launch_forward("norm_modulate_fp8", x, None, None, scale, shift, weight, bias, norm, eps, q,
-                    mean=mean, rstd=rstd, out_scale=q_scale, out_dtype=out.dtype)
+                    out_scale=q_scale, out_dtype=out.dtype)
     return q, q_scale
 
 
@@ -199,12 +201,11 @@ def _norm_modulate_fp8_op(x: Tensor, scale: Tensor, shift: Tensor, weight: Optio
 def _gated_residual_norm_modulate_fp8_op(residual: Tensor, x: Tensor, gate: Tensor, scale: Tensor, shift: Tensor,
                                          weight: Optional[Tensor], bias: Optional[Tensor], norm: str,
                                          eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    residual_out, q, q_scale = meta.modulate.gated_residual_norm_modulate_fp8(
+    residual_out, out, _, _ = meta.modulate.gated_residual_norm_modulate(
         residual, x, gate, scale, shift, weight, bias, norm, eps)
-    _, out, mean, rstd = meta.modulate.gated_residual_norm_modulate(
-        residual, x, gate, scale, shift, weight, bias, norm, eps)
+    q, q_scale = meta.modulate.fp8_rows(out)  # as norm_modulate_fp8: out's dtype, no row statistics
     _launch_forward("gated_residual_norm_modulate_fp8", x, residual, gate, scale, shift, weight, bias, norm, eps,
-                    q, residual_out, mean, rstd, out_scale=q_scale, out_dtype=out.dtype)
+                    q, residual_out, out_scale=q_scale, out_dtype=out.dtype)
     return residual_out, q, q_scale
 
 
