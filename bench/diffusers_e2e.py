@@ -20,7 +20,8 @@ weights: ``fp8_compiled`` (``compile_ops.patch(model, precision="fp8")`` +
 ``fp8_fast_accum=False``), ``fp8_modulation_compiled`` (with
 ``fp8_modulation=True``: the AdaLN modulation projections in FP8 too),
 ``fp8_int8_attention_compiled`` (with ``attention_precision="int8"``: 8-bit
-attention too, a second approximation whose cost the step error shows) and ``torchao_fp8_compiled`` (torchao's
+attention too, a second approximation whose cost the step error shows) and
+``torchao_fp8_compiled`` (torchao's
 ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` +
 ``torch.compile``, what users install today). Their rows also give the step
 output's relative L2 error against the bf16 model's output on the same
@@ -32,8 +33,8 @@ of the model's weights.
 reports the median of those and their spread, and the host time of a call
 (near the step's time: the step is bound by launching its kernels).
 ``--replay`` also times each step as the replay of one CUDA graph holding
-it (``replay_ms``): the GPU time alone, whatever a provider's launch cost. ``--providers a,b`` runs only
-those. ``--compile regional`` compiles each transformer block in place
+it (``replay_ms``): the GPU time alone, whatever a provider's launch cost.
+``--providers a,b`` runs only those. ``--compile regional`` compiles each transformer block in place
 (``block.compile(fullgraph=True)``; blocks of one class share one compiled
 graph, as in diffusers' ``compile_repeated_blocks``) instead of the whole
 model: the same kernels in the blocks, minutes less compiling (torchao's
@@ -230,7 +231,7 @@ def _repeated(fn, timer_ms: float, repeats: int) -> dict:
 
 def _quantize(provider: str, model):
     """Quantize ``model`` in place for an FP8 provider; the patch report, if any."""
-    if provider in ("fp8_compiled", "fp8_fp32_accum_compiled", "fp8_modulation_compiled", "fp8_int8_attention_compiled"):
+    if provider != "torchao_fp8_compiled":  # ours: FP8_PROVIDERS' other entries
         import compile_ops
         return compile_ops.patch(model, precision="fp8", fp8_fast_accum=provider != "fp8_fp32_accum_compiled",
                                  fp8_modulation=provider == "fp8_modulation_compiled",
@@ -345,7 +346,8 @@ def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact, providers
         if provider in per_linear:
             row["per_linear_rel_l2"] = per_linear[provider]
         rows.append(row)
-        print(f"{name:<11} {provider:<21} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, host {row['host_ms']:.1f})  "
+        print(f"{name:<11} {provider:<21} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, "
+              f"host {row['host_ms']:.1f})  "
               f"rel. L2 vs bf16 {err:.2e}  weights {row['weights_MiB']:.0f} MiB  (first call {setup_s:.0f} s)",
               flush=True)
         if "replay_ms" in row:
@@ -400,7 +402,8 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
         row.update(case=name, provider=provider, first_call_s=setup_s, train=train, tokens=_tokens(name),
                    attention_kernel="auto", weights_MiB=_weight_MiB(model), compile=compile_mode)
         rows.append(row)
-        print(f"{name:<11} {provider:<17} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, host {row['host_ms']:.1f})  "
+        print(f"{name:<11} {provider:<17} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, "
+              f"host {row['host_ms']:.1f})  "
               f"peak {row['peak_MiB']:8.0f} MiB  (first call {setup_s:.0f} s)", flush=True)
     by = {r["provider"]: r for r in rows}
     for kind in ("compiled", "eager"):
@@ -473,7 +476,8 @@ def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers,
         row.update(case=name, provider=provider, first_call_s=setup_s, rel_l2_vs_bf16=relative_l2(out, exact),
                    train=False, tokens=_tokens(name), compile=compile_mode)
         rows.append(row)
-        print(f"{name:<11} {provider:<24} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, host {row['host_ms']:.1f})  "
+        print(f"{name:<11} {provider:<24} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, "
+              f"host {row['host_ms']:.1f})  "
               f"rel. L2 vs bf16 SDPA {row['rel_l2_vs_bf16']:.2e}  (first call {setup_s:.0f} s)", flush=True)
         del model, module
         torch._dynamo.reset()

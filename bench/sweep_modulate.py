@@ -32,7 +32,8 @@ from compile_ops._library import clear_launch_plans  # noqa: E402
 from compile_ops.ops import modulate as modulate_ops  # noqa: E402
 from compile_ops.ops.norm import LaunchConfig  # noqa: E402
 
-FORWARD = [(1, 4, 4), (2, 4, 4), (1, 4, 8), (1, 8, 4), (2, 8, 4), (1, 8, 8), (1, 16, 4), (4, 8, 4)]  # (block_m, warps, piece rows)
+# (block_m, warps, piece rows)
+FORWARD = [(1, 4, 4), (2, 4, 4), (1, 4, 8), (1, 8, 4), (2, 8, 4), (1, 8, 8), (1, 16, 4), (4, 8, 4)]
 OPS = ("norm_modulate", "gated_residual_norm_modulate")
 BACKWARD = [(1, 4, 0), (1, 8, 0), (2, 4, 0), (2, 8, 0)]  # (block_m, warps, -)
 ROUNDS = 3

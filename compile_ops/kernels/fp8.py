@@ -20,8 +20,9 @@ a constexpr flag so one kernel serves both output modes::
 A producer whose rows span several tiles keeps the elementwise maximum of
 :func:`finite_abs` over its tiles, reduces it once per row, takes
 :func:`fp8_scales` of the result, and converts each tile with
-:func:`to_e4m3`, as :func:`quantize_fp8_rows_kernel` does. :func:`quantize_fp8_rows_kernel` is the standalone pass for a tensor
-that no fused producer quantized, and the activation a Linear's output goes
+:func:`to_e4m3`, as :func:`quantize_fp8_rows_kernel` does.
+:func:`quantize_fp8_rows_kernel` is the standalone pass for a tensor that
+no fused producer quantized, and the activation a Linear's output goes
 through before the next Linear (``ACT``: GELU, tanh GELU or SiLU of each
 element, rounded to the input's dtype as the unquantized activation would
 write it, then quantized): an MLP's hidden activation is read once and never

@@ -35,8 +35,8 @@ from compile_ops.ops._launch import as_rows
 #: FP8 tensor cores: sm_89 (Ada) and newer, sm_90 (Hopper) among them.
 FP8_CAPABILITY = (8, 9)
 
-#: Launch configuration, from the H100 sweep (bench/sweep_fp8.py,
-#: bench/results/sweep-fp8-h100.json). MAX_ROW_VALUES: a program holds up to
+#: Launch configuration, from the H100 sweeps (bench/sweep_fp8.py,
+#: bench/results/sweep-fp8-h100-round1.json and -round2.json). MAX_ROW_VALUES: a program holds up to
 #: this many values (its rows padded to whole blocks) in registers and reads
 #: them once; wider rows take the kernel's two-pass loop, LOOP_BLOCK_N columns
 #: a step with LOOP_WARPS warps (at Flux's 4096 x 12288 tanh GELU: held 69 us,
