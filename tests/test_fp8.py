@@ -474,6 +474,36 @@ def _unquantized_activation(x, activation):
 
 
 @pytest.mark.kernels
+@given(st.integers(1, 5), st.integers(1, 600), st.integers(0, 300), st.sampled_from([16, 64]),
+       st.sampled_from(["none", "gelu_tanh", "silu"]), st.sampled_from([torch.float32, torch.float16]))
+def test_kernel_holds_a_row_in_any_number_of_blocks_or_loops_past_them(rows, k, k_head, chunk_n, activation, dtype):
+    """The launch config scaled down (blocks of 16 or 64 columns, rows held up to
+    8 blocks, looped past that in blocks of the same width), so that small
+    rows take every path Flux's rows take at full size: one or many blocks of
+    x, of the head, both, a last block partly masked, and the two-pass loop.
+    Bytes and scales equal the reference's of the concatenation, with the
+    activation the GLU kernels compute (``_unquantized_activation``)."""
+    from compile_ops._library import clear_launch_plans
+
+    torch.manual_seed(k * 301 + k_head)
+    x = (torch.randn(rows, k) * 3).to(dtype).to(KERNEL_DEVICE)
+    head = (torch.randn(rows, k_head) * 2).to(dtype).to(KERNEL_DEVICE) if k_head else None
+    saved = ops.CHUNK_N, ops.MAX_ROW_VALUES, ops.LOOP_BLOCK_N
+    ops.CHUNK_N, ops.MAX_ROW_VALUES, ops.LOOP_BLOCK_N = chunk_n, 8 * chunk_n, chunk_n
+    clear_launch_plans()
+    try:
+        q, scale = compile_ops.quantize_fp8_rows(x, activation, head=head)
+    finally:
+        ops.CHUNK_N, ops.MAX_ROW_VALUES, ops.LOOP_BLOCK_N = saved
+        clear_launch_plans()
+    values = x if activation == "none" else _unquantized_activation(x, activation)
+    if head is not None:
+        values = torch.cat([head, values], dim=-1)
+    want_q, want_scale = ref.quantize_fp8_rows(values.cpu())
+    assert _same_bytes(q.cpu(), want_q) and torch.equal(scale.cpu(), want_scale)
+
+
+@pytest.mark.kernels
 @pytest.mark.parametrize("activation", _TORCH_ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape, layout", [((3, 37), "contiguous"), ((4, 64), "column_stride"),
