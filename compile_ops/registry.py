@@ -436,12 +436,14 @@ def _make_quantize_concat(shape, dtype, device, requires_grad):
 
 def _quantize_concat_edges(dtype, device, requires_grad):
     """A head and an activation segment: small, the head's row strided, both
-    wider than one block, an empty head, zero rows."""
+    wider than one block (held), wider than a program holds (the loop), an
+    empty head, zero rows."""
     wide = _tensor((2, 5000), dtype, device)
     return [
         (_tensor((2, 3, 16), dtype, device), "gelu_tanh", _tensor((2, 3, 8), dtype, device)),
         (_tensor((4, 24), dtype, device), "none", _tensor((4, 40), dtype, device)[:, 4:20]),
         (wide, "gelu_tanh", _tensor((2, 4200), dtype, device)),
+        (_tensor((2, 13000), dtype, device), "gelu_tanh", _tensor((2, 4000), dtype, device)),
         (_tensor((3, 16), dtype, device), "silu", _tensor((3, 0), dtype, device)),
         (_tensor((0, 16), dtype, device), "gelu_tanh", _tensor((0, 8), dtype, device)),
     ]
@@ -449,8 +451,8 @@ def _quantize_concat_edges(dtype, device, requires_grad):
 
 def _quantize_edge_tensors(dtype, device):
     """Rows to quantize: a DiT-like tile, an infinite value and an all-zero row,
-    zero rows, a row slice, 1-D, and a row wider than one block (the two-pass
-    loop). NaN is tests/test_fp8.py's: opcheck compares outputs without equal_nan."""
+    zero rows, a row slice, 1-D, a row held in two blocks and one past what a
+    program holds (the two-pass loop). NaN is tests/test_fp8.py's: opcheck compares outputs without equal_nan."""
     special = _tensor((4, 16), dtype, device)
     special[0, 3], special[2] = float("inf"), 0.0
     return [
@@ -459,7 +461,8 @@ def _quantize_edge_tensors(dtype, device):
         (_tensor((0, 16), dtype, device),),
         (_tensor((4, 40), dtype, device)[:, 4:20],),  # row stride 40
         (_tensor((24,), dtype, device),),
-        (_tensor((2, 5000), dtype, device),),          # wider than MAX_BLOCK_N
+        (_tensor((2, 5000), dtype, device),),          # held in two blocks
+        (_tensor((2, 16384 + 37), dtype, device),),    # past MAX_ROW_VALUES: the two-pass loop
     ]
 
 
