@@ -25,5 +25,5 @@ left=$((${TOTAL_LIMIT:-585} - SECONDS))
 if [ "$left" -gt 60 ]; then
   # shellcheck disable=SC2086  # E2E_ARGS is a list of arguments
   timeout "$left" python3 bench/diffusers_e2e.py --out "$out/results" ${E2E_ARGS:---cases flux_step --fp8 \
-    --repeats 3 --compile regional --rep-ms 1500 --providers native_compiled,fp8_compiled,torchao_fp8_compiled}
+    --repeats 3 --compile regional --replay --rep-ms 1500 --providers native_compiled,fp8_compiled,torchao_fp8_compiled}
 fi
