@@ -69,8 +69,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.toolkit import (environment, kernel_profile, relative_l2, results_path, warm_up_gpu,  # noqa: E402
-                           write_results)
+from bench.toolkit import (captured_graph, environment, kernel_profile, relative_l2, results_path,  # noqa: E402
+                           warm_up_gpu, write_results)
 
 DTYPE = torch.bfloat16
 
@@ -194,24 +194,10 @@ def _host_ms(fn, calls: int = 5) -> float:
     return sorted(times)[calls // 2]
 
 
-#: ``--replay``: steps are also timed as replays of a CUDA graph (:func:`_replayed`).
+#: ``--replay``: steps are also timed as replays of one CUDA graph holding the
+#: step (``toolkit.captured_graph``): the GPU time without the host's launches,
+#: which regional compile and eager steps pay per kernel.
 REPLAY = False
-
-
-def _replayed(fn):
-    """The replay of one CUDA graph holding a call of ``fn`` (warmed up on a
-    side stream first, as capture requires): the step's GPU time without the
-    host's launches, which regional compile and eager steps pay per kernel."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _repeated(fn, timer_ms: float, repeats: int) -> dict:
@@ -223,7 +209,7 @@ def _repeated(fn, timer_ms: float, repeats: int) -> dict:
     row = {"ms": times[len(times) // 2], "ms_min": times[0], "ms_max": times[-1], "ms_runs": times,
            "peak_MiB": max(peak for _, peak in runs), "host_ms": _host_ms(fn)}
     if REPLAY:
-        replay = _replayed(fn)
+        replay = captured_graph(fn, warmups=2)
         times = sorted(_measure(replay, timer_ms)[0] for _ in range(repeats))
         row.update(replay_ms=times[len(times) // 2], replay_ms_min=times[0], replay_ms_max=times[-1])
     return row

@@ -135,19 +135,26 @@ def copy_bandwidth_TBps(timer) -> float:
     return moved / (ms * 1e-3) / 1e12
 
 
-def graph_replay_time(fn, timer) -> float:
-    """ms per replay of a CUDA graph holding one call of ``fn``: the GPU time of
-    the kernels without the host-side cost of launching them."""
+def captured_graph(fn, warmups: int = 3):
+    """``replay()`` of a CUDA graph holding one call of ``fn`` (warmed up
+    ``warmups`` times off the capture stream first, as torch.cuda.graphs
+    requires); the bound method keeps the graph alive."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up off the capture stream, as torch.cuda.graphs requires
-        for _ in range(3):
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return timer(graph.replay)
+    return graph.replay
+
+
+def graph_replay_time(fn, timer) -> float:
+    """ms per replay of a CUDA graph holding one call of ``fn``: the GPU time of
+    the kernels without the host-side cost of launching them."""
+    return timer(captured_graph(fn))
 
 
 #: Kernel families of a model step's profile, by kernel name (first match wins).
