@@ -12,7 +12,7 @@ causal), forward+backward 3.5x that. Times are CUDA-graph replays (the kernels'
 own time), median of ``triton.testing.do_bench``; peak memory of one
 forward+backward step above the inputs. Writes ``<out>/attention-<gpu>.json``.
 
-``--int8``: 8-bit attention (``precision="int8"``, eager and compiled) beside
+``--int8``: 8-bit attention (``precision="int8"`` and ``"int8_fp8"``, eager and compiled) beside
 cuDNN bf16, our exact kernel and SageAttention where installed, forward only,
 on N(0, 1) inputs and on keys with a per-channel offset; every row carries its
 relative L2 distance to fp64 attention (``attention-int8-<gpu>.json``).
@@ -117,8 +117,12 @@ def int8_providers() -> dict:
     def int8(q, k, v):
         return compile_ops.attention(q, k, v, precision="int8")
 
+    def int8_fp8(q, k, v):
+        return compile_ops.attention(q, k, v, precision="int8_fp8")
+
     out = {"sdpa_cudnn": cudnn, "fused_eager": lambda q, k, v: compile_ops.attention(q, k, v),
-           "fused_int8_eager": int8, "fused_int8_compiled": torch.compile(int8, fullgraph=True)}
+           "fused_int8_eager": int8, "fused_int8_compiled": torch.compile(int8, fullgraph=True),
+           "fused_int8_fp8_eager": int8_fp8, "fused_int8_fp8_compiled": torch.compile(int8_fp8, fullgraph=True)}
     try:
         from sageattention import sageattn
 
@@ -154,7 +158,9 @@ def int8_comparison(shapes, timer) -> list:
                 try:
                     with torch.no_grad():
                         out = fn(q, k, v)
-                        row["rel_l2_vs_fp64"] = ((out[:, :, :n].double() - exact).norm() / exact.norm()).item()
+                        got = out[:, :, :n].double()
+                        row["rel_l2_vs_fp64"] = ((got - exact).norm() / exact.norm()).item()
+                        row["cosine_vs_fp64"] = F.cosine_similarity(got.flatten(), exact.flatten(), dim=0).item()
                         try:
                             row["fwd_ms"] = graph_replay_time(lambda: fn(q, k, v), timer)
                         except Exception:  # noqa: BLE001 (not capturable: time plain calls)
@@ -162,7 +168,8 @@ def int8_comparison(shapes, timer) -> list:
                             row["fwd_ms"], row["timing"] = timer(lambda: fn(q, k, v)), "eager calls"
                     row["fwd_TFLOPs"] = flops / row["fwd_ms"] / 1e9
                     print(f"{b}x{h}x{length}x{d} {kind:<11} {name:<20} fwd {row['fwd_TFLOPs']:6.0f} TFLOP/s "
-                          f"rel. L2 vs fp64 {row['rel_l2_vs_fp64']:.2e}", flush=True)
+                          f"rel. L2 vs fp64 {row['rel_l2_vs_fp64']:.2e} cosine {row['cosine_vs_fp64']:.6f}",
+                          flush=True)
                 except Exception as e:  # noqa: BLE001 (a failing provider is a result)
                     row["error"] = f"{type(e).__name__}: {e}"[:400]
                     print(f"{b}x{h}x{length}x{d} {kind:<11} {name:<20} FAILED {row['error'][:200]}", flush=True)

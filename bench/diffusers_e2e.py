@@ -20,7 +20,9 @@ weights: ``fp8_compiled`` (``compile_ops.patch(model, precision="fp8")`` +
 ``fp8_fast_accum=False``), ``fp8_modulation_compiled`` (with
 ``fp8_modulation=True``: the AdaLN modulation projections in FP8 too),
 ``fp8_int8_attention_compiled`` (with ``attention_precision="int8"``: 8-bit
-attention too, a second approximation whose cost the step error shows) and
+attention too, a second approximation whose cost the step error shows),
+``fp8_int8_fp8_attention_compiled`` (``attention_precision="int8_fp8"``: P V in
+FP8 as well) and
 ``torchao_fp8_compiled`` (torchao's
 ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` +
 ``torch.compile``, what users install today). Their rows also give the step
@@ -52,7 +54,7 @@ with torchao's version; rows merge with an existing file by case, provider and c
 
 8-bit attention (``--int8-attention``, the step cases): native compiled
 (SDPA, cuDNN), patched compiled (our bf16 attention), patched with
-``attention_precision="int8"`` compiled, and SageAttention 1.0.6 in place of
+``attention_precision="int8"`` and ``"int8_fp8"`` compiled, and SageAttention 1.0.6 in place of
 SDPA (its blocks compiled with graph breaks), each on a fresh model, with
 the step output's relative L2 to the bf16 model's eager output:
 ``diffusers-e2e-int8-<gpu>.json``.
@@ -221,7 +223,7 @@ def _quantize(provider: str, model):
         import compile_ops
         return compile_ops.patch(model, precision="fp8", fp8_fast_accum=provider != "fp8_fp32_accum_compiled",
                                  fp8_modulation=provider == "fp8_modulation_compiled",
-                                 attention_precision="int8" if provider == "fp8_int8_attention_compiled" else "exact")
+                                 attention_precision=FP8_ATTENTION.get(provider, "exact"))
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
     quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
     return None
@@ -289,7 +291,9 @@ def _per_linear_errors(model, inputs, providers) -> tuple:
 
 
 FP8_PROVIDERS = ("fp8_compiled", "fp8_modulation_compiled", "fp8_fp32_accum_compiled", "fp8_int8_attention_compiled",
-                 "torchao_fp8_compiled")
+                 "fp8_int8_fp8_attention_compiled", "torchao_fp8_compiled")
+#: The FP8 providers that run 8-bit attention too: their attention_precision.
+FP8_ATTENTION = {"fp8_int8_attention_compiled": "int8", "fp8_int8_fp8_attention_compiled": "int8_fp8"}
 BF16_PROVIDERS = ("native_eager", "native_compiled", "patched_eager", "patched_compiled")
 
 
@@ -408,7 +412,8 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
 
 #: ``--int8-attention``: the step with 8-bit attention against bf16 attention
 #: and SageAttention, all compiled the same way.
-INT8_PROVIDERS = ("native_compiled", "patched_compiled", "int8_attention_compiled", "sage_attention_compiled")
+INT8_PROVIDERS = ("native_compiled", "patched_compiled", "int8_attention_compiled", "int8_fp8_attention_compiled",
+                  "sage_attention_compiled")
 
 
 def _sage_sdpa():
@@ -441,8 +446,8 @@ def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers,
         try:
             if provider == "patched_compiled":
                 compile_ops.patch(model)
-            elif provider == "int8_attention_compiled":
-                compile_ops.patch(model, attention_precision="int8")
+            elif provider in ("int8_attention_compiled", "int8_fp8_attention_compiled"):
+                compile_ops.patch(model, attention_precision=provider.removesuffix("_attention_compiled"))
             elif provider == "sage_attention_compiled":
                 torch.nn.functional.scaled_dot_product_attention = _sage_sdpa()
             # SageAttention's launcher is not traceable whole: its blocks compile with graph breaks.

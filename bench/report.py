@@ -224,14 +224,16 @@ def attention_int8_table(data: dict) -> str:
     out = [run_line(data["env"]) + " | [B, H, L, D], non-causal, forward; bf16 inputs, 8-bit providers "
            "quantize inside the timed call.", "",
            "TFLOP/s (4·B·H·L²·D per forward, `do_bench` median) and, in brackets, the relative L2 distance "
-           "to fp64 attention. Inputs: `normal` N(0, 1); `offset_keys` keys with a per-channel offset of "
+           "to fp64 attention (and its cosine similarity, where the run recorded it). Inputs: `normal` N(0, 1); `offset_keys` keys with a per-channel offset of "
            "N(0, 4²) and doubled queries.", "",
            "| shape | inputs | " + " | ".join(providers) + " |", "|---|---|" + "---:|" * len(providers)]
     for shape, kind in keys:
         cells = []
         for prov in providers:
             r = by.get((shape, kind, prov))
-            cells.append("err" if not r or "error" in r else f"{r['fwd_TFLOPs']:.0f} ({r['rel_l2_vs_fp64']:.1e})")
+            cosine = f", cos {r['cosine_vs_fp64']:.5f}" if r and "cosine_vs_fp64" in r else ""
+            cells.append("err" if not r or "error" in r else
+                         f"{r['fwd_TFLOPs']:.0f} ({r['rel_l2_vs_fp64']:.1e}{cosine})")
         out.append(f"| {_shape(shape)} | {kind} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
@@ -307,11 +309,13 @@ def diffusers_e2e_int8_table(data: dict) -> str:
     env = data["env"]
     by = {(r["case"], r["provider"]): r for r in data["rows"]}
     cases = list(dict.fromkeys(r["case"] for r in data["rows"]))
-    providers = ("native_compiled", "patched_compiled", "int8_attention_compiled", "sage_attention_compiled")
+    providers = [p for p in ("native_compiled", "patched_compiled", "int8_attention_compiled",
+                             "int8_fp8_attention_compiled", "sage_attention_compiled")
+                 if any(r["provider"] == p for r in data["rows"])]
     out = [run_line(env, f"diffusers {env.get('diffusers', '?')}, sageattention {env.get('sageattention', '?')}")
            + " | bf16, batch 1, random weights, regional compile; ms per step, median of 3 (min-max), and the "
            "step output's relative L2 to the bf16 model in eager mode.", "",
-           "| case | tokens | " + " | ".join(providers) + " | int8 vs native |",
+           "| case | tokens | " + " | ".join(providers) + " | fastest 8-bit vs native |",
            "|---|---:|" + "---:|" * (len(providers) + 1)]
     for case in cases:
         cells = []
@@ -319,8 +323,10 @@ def diffusers_e2e_int8_table(data: dict) -> str:
             r = by.get((case, p))
             cells.append("-" if r is None else "err" if "error" in r else
                          f"{r['ms']:.1f} ({r['ms_min']:.1f}-{r['ms_max']:.1f}), {r['rel_l2_vs_bf16']:.1e}")
-        native, int8 = by.get((case, "native_compiled")), by.get((case, "int8_attention_compiled"))
-        speed = f"{native['ms'] / int8['ms']:.3f}x" if native and int8 and "ms" in native and "ms" in int8 else "-"
+        native = by.get((case, "native_compiled"))
+        eight_bit = [r["ms"] for p in ("int8_attention_compiled", "int8_fp8_attention_compiled")
+                     if "ms" in (r := by.get((case, p), {}))]
+        speed = f"{native['ms'] / min(eight_bit):.3f}x" if native and "ms" in native and eight_bit else "-"
         tokens = next((r["tokens"] for (c, _), r in by.items() if c == case and "tokens" in r), "")
         out.append(f"| {case} | {tokens} | " + " | ".join(cells) + f" | {speed} |")
     return "\n".join(out) + "\n"
@@ -364,9 +370,10 @@ def diffusers_e2e_table(data: dict) -> str:
 
 #: The rows of the FP8 table: bf16 compiled, then the FP8 providers (a row not run is left out).
 FP8_TABLE_ROWS = ("native_compiled", "fp8_compiled", "fp8_modulation_compiled", "fp8_fp32_accum_compiled",
-                  "fp8_int8_attention_compiled", "torchao_fp8_compiled")
+                  "fp8_int8_attention_compiled", "fp8_int8_fp8_attention_compiled", "torchao_fp8_compiled")
 #: Rows left out of the FP8 table when they were not run.
-OPTIONAL_FP8_ROWS = ("fp8_modulation_compiled", "fp8_fp32_accum_compiled", "fp8_int8_attention_compiled")
+OPTIONAL_FP8_ROWS = ("fp8_modulation_compiled", "fp8_fp32_accum_compiled", "fp8_int8_attention_compiled",
+                     "fp8_int8_fp8_attention_compiled")
 
 
 def _fp8_e2e_table(by: dict) -> str:

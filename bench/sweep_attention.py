@@ -1,14 +1,15 @@
 """Sweep the attention kernels' tile configs on a GPU, to pick forward_tiles,
 dkdv_tiles and dq_tiles in compile_ops/ops/attention.py.
 
-    PYTHONPATH=. python bench/sweep_attention.py [OUT.json] [--block-sparse | --hopper]
+    PYTHONPATH=. python bench/sweep_attention.py [OUT.json] [--block-sparse | --hopper | --eight-bit]
 
 bf16, non-causal, CUDA-graph replays: forward configs timed on the forward,
 backward configs (dk/dv pass, then dq pass) on the whole forward+backward step
 with the other passes at their defaults. ``--block-sparse`` times
 fused.block_sparse_attention at [1, 24, 32760, 128] with a random mask that
 keeps a quarter of the 128 x 128 blocks (bench/block_sparse.py's), with the
-configs whose tiles fit in a block.
+configs whose tiles fit in a block. ``--eight-bit``: the forward tiles of
+8-bit attention (INT8 q k with 16-bit or FP8 P V), kernel only.
 """
 import functools
 import os
@@ -118,10 +119,73 @@ def hopper_sweep(out_path):
         write_sweep(out_path, rows)  # after each shape: a timed-out sweep keeps what it measured
 
 
+#: ``--eight-bit``: tiles of the 8-bit forward modes (and the 16-bit one beside
+#: them) at HOPPER_SHAPES, TMA on: (block_m, block_n, warps, stages, warp_specialize).
+EIGHT_BIT_CANDIDATES = {
+    "exact": [(128, 128, 8, 3, False), (64, 128, 4, 3, False), (64, 128, 4, 2, False), (64, 64, 4, 3, False)],
+    "int8": [(128, 128, 8, 3, False), (64, 128, 4, 3, False), (64, 128, 4, 2, False), (64, 64, 4, 3, False),
+             (64, 128, 4, 4, False)],
+    # FP8 P V's key tiles are the specification's 128 (reference.attention.FP8_PV_TILE).
+    "int8_fp8": [(128, 128, 8, 3, False), (64, 128, 4, 3, False), (64, 128, 4, 2, False), (64, 128, 4, 4, False),
+                 (128, 128, 4, 3, False), (64, 128, 4, 3, True)],
+}
+
+
+def eight_bit_sweep(out_path):
+    """Kernel-only forward TFLOP/s of each EIGHT_BIT_CANDIDATES entry (the
+    quantized operands prepared outside the timed launch, as
+    ``fused.attention_int8`` / ``_fp8`` prepare them) and of cuDNN, per shape."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from compile_ops import reference
+
+    timer = make_timer(quick=False)
+    warm_up_gpu()
+    rows = []
+    default = attention_ops.forward_tiles
+    for b, h, length, d in HOPPER_SHAPES:
+        flops = 4 * b * h * length * length * d
+        q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q8, q_scale, k8, k_scale = reference.attention.smooth_quantize_qk(q, k, 2)
+        vt8, v_scale = attention_ops.fp8_values_transposed(v, 2)
+        out, lse = torch.empty_like(q), torch.empty(b, h, length, device="cuda")
+        launches = {
+            "exact": lambda: attention_ops.launch_forward(q, k, v, out, lse, d ** -0.5, False, 2, None),
+            "int8": lambda: attention_ops.launch_forward(q8, k8, v, out, lse, d ** -0.5, False, 2, None,
+                                                         int8_scales=(q_scale, k_scale)),
+            "int8_fp8": lambda: attention_ops.launch_forward(q8, k8, vt8, out, lse, d ** -0.5, False, 2, None,
+                                                             int8_scales=(q_scale, k_scale), v_scale=v_scale),
+        }
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ms = graph_replay_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), timer)
+        rows.append({"shape": [b, h, length, d], "provider": "cudnn", "ms": ms, "TFLOPs": flops / ms / 1e9})
+        print(f"{b}x{h}x{length}x{d} cudnn: {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
+        for mode, configs in EIGHT_BIT_CANDIDATES.items():
+            for config in configs:
+                attention_ops.forward_tiles = functools.partial(
+                    lambda *a, c: attention_ops.Tiles(*c[:4], tma=True, warp_specialize=c[4]), c=config)
+                try:
+                    ms = graph_replay_time(launches[mode], timer)
+                    tflops = flops / ms / 1e9
+                except Exception as e:  # noqa: BLE001 (a config that fails to compile is a result)
+                    print(f"{mode} {config}: {type(e).__name__}: {str(e)[-200:]}", flush=True)
+                    ms = tflops = float("nan")
+                finally:
+                    attention_ops.forward_tiles = default
+                rows.append({"shape": [b, h, length, d], "provider": mode, "config": list(config), "ms": ms,
+                             "TFLOPs": tflops})
+                print(f"{b}x{h}x{length}x{d} {mode} {config}: {tflops:6.0f} TFLOP/s", flush=True)
+        del q, k, v, q8, k8, vt8
+        torch.cuda.empty_cache()
+        write_sweep(out_path, rows)  # after each shape: a timed-out sweep keeps what it measured
+
+
 def main(*argv):
     out_path = next((a for a in argv if not a.startswith("--")), None)
     if "--hopper" in argv:
         return hopper_sweep(out_path)
+    if "--eight-bit" in argv:
+        return eight_bit_sweep(out_path)
     sparse = "--block-sparse" in argv
     timer = make_timer(quick=False)
     warm_up_gpu()

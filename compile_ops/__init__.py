@@ -35,7 +35,8 @@ def patch(model, attention_processors: bool = True, attention_kernel: str = "aut
     """Swap the fused ops into a diffusers transformer (``precision="fp8"``: FP8
     Linears in its blocks, their AdaLN modulation projections too with
     ``fp8_modulation=True``; ``attention=SlidingTile(...)``, ``Radial(...)`` or
-    ``TopK(...)``: sparse video self-attention; ``attention_precision="int8"``:
+    ``TopK(...)``: sparse video self-attention; ``attention_precision="int8"``
+    (or ``"int8_fp8"``, P V in FP8 too):
     8-bit dense attention for inference, after ``attention_dense_steps``); see
     :func:`compile_ops.integrations.diffusers.patch`."""
     from compile_ops.integrations.diffusers import patch as _patch

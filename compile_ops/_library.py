@@ -79,6 +79,22 @@ def cuda_capability(index: Optional[int]) -> tuple:
 
 #: The first capability with TMA (tensor descriptors) and warpgroup MMA.
 HOPPER = (9, 0)
+#: The first capability with FP8 (e4m3) tensor cores: FP8 GEMMs (``ops/fp8.py``)
+#: and FP8 P V in attention (``ops/attention.py``).
+FP8_MMA = (8, 9)
+
+
+def require_fp8_mma(t: torch.Tensor, what: str) -> bool:
+    """True when ``t`` is on a CUDA GPU with FP8 tensor cores; False off CUDA
+    (the caller's reference or interpreter path); a RuntimeError naming the
+    GPU's capability and ``what`` needed it on a CUDA GPU below sm_89."""
+    if t.device.type != "cuda" or not HAS_CUDA:
+        return False
+    major, minor, name = cuda_capability(t.device.index)
+    if (major, minor) < FP8_MMA:
+        raise RuntimeError(f"compile_ops: {what} needs FP8 tensor cores (sm_89 or newer: Ada, Hopper, "
+                           f"Blackwell); {name} is sm_{major}{minor}")
+    return True
 
 
 def has_tma(t: torch.Tensor) -> bool:

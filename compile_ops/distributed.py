@@ -285,6 +285,7 @@ RULES: dict[str, Rule] = {
     # 8-bit attention: k's mean (the smoothing) is over each (batch, head)'s
     # whole sequence, which batch and head shards keep whole.
     "attention_int8": Rule(_ATTENTION_ARGS, (Out("q", heads_layout),), batch_heads, "q"),
+    "attention_int8_fp8": Rule(_ATTENTION_ARGS, (Out("q", heads_layout),), batch_heads, "q"),
     "block_sparse_attention": Rule({**_ATTENTION_ARGS, **_BLOCK_LISTS},
                                    (Out("q", heads_layout), Out("q", log_sum_exp)), batch_heads, "q"),
     "block_sparse_attention_backward": Rule({**_ATTENTION_BACKWARD_ARGS, **_BLOCK_LISTS}, _ATTENTION_GRADS,

@@ -651,6 +651,8 @@ OPS: tuple[OpSpec, ...] = (
     # Inference only: its autograd formula raises.
     OpSpec("attention_int8", "attention", reference.attention.attention_int8, _make_attention_int8,
            _attention_int8_edges, differentiable=False),
+    OpSpec("attention_int8_fp8", "attention", reference.attention.attention_int8_fp8, _make_attention_int8,
+           _attention_int8_edges, differentiable=False),
     OpSpec("block_sparse_attention", "block_sparse", reference.block_sparse.block_sparse_attention,
            _make_block_sparse, _block_sparse_edges, tf32=True),
     OpSpec("block_sparse_attention_backward", "block_sparse", reference.block_sparse.block_sparse_attention_backward,

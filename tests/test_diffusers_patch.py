@@ -1080,7 +1080,7 @@ def test_patched_model_under_cuda_graphs_has_no_skip_and_matches_the_default_mod
 
 
 def _count_attention_precisions(monkeypatch) -> Counter:
-    """Counts, by precision ("exact" or "int8"), the attention calls our processors make from now on."""
+    """Counts, by precision ("exact", "int8", "int8_fp8"), the attention calls our processors make from now on."""
     calls = Counter()
     attend = integration.attention
 
@@ -1097,34 +1097,37 @@ def _bf16(args: dict) -> dict:
             for key, value in args.items()}
 
 
+@pytest.mark.parametrize("precision", ["int8", "int8_fp8"])
 @pytest.mark.parametrize("name, layers", [("flux", 2), ("wan", 4)])
-def test_int8_attention_precision_runs_8_bit_attention_on_16_bit_inference_only(name, layers, monkeypatch):
-    """``patch(attention_precision="int8")``: every attention call of a bf16
-    model's inference goes through 8-bit attention (the specification's
-    reference on CPU, the kernel on a GPU), close to the exact patched model
-    at 8-bit quantization's distance (printed); a call that needs a
-    gradient keeps the exact kernels, and an unknown precision is refused."""
+def test_int8_attention_precision_runs_8_bit_attention_on_16_bit_inference_only(name, layers, precision,
+                                                                                 monkeypatch):
+    """``patch(attention_precision="int8" / "int8_fp8")``: every attention call
+    of a bf16 model's inference goes through 8-bit attention (the
+    specification's reference on CPU, the kernel on a GPU), close to the
+    exact patched model at 8-bit quantization's distance (printed); a call
+    that needs a gradient keeps the exact kernels, and an unknown precision
+    is refused."""
     torch.manual_seed(0)
     model, inputs = MODELS[name]()
     model = model.to(DEVICE, torch.bfloat16).eval()
     exact, int8 = copy.deepcopy(model), copy.deepcopy(model)
     compile_ops.patch(exact)
-    compile_ops.patch(int8, attention_precision="int8")
+    compile_ops.patch(int8, attention_precision=precision)
     calls = _count_attention_precisions(monkeypatch)
     args = _bf16(_to(inputs(4), DEVICE))
     with torch.no_grad():
         got = int8(**args).sample
-        assert calls["int8"] == layers and calls["exact"] == 0, calls
+        assert calls[precision] == layers and calls["exact"] == 0, calls
         want = exact(**args).sample
     err = _relative_l2(got, want)
-    print(f"{name}: int8 attention vs exact attention, step output relative L2 {err:.2e}")
+    print(f"{name}: {precision} attention vs exact attention, step output relative L2 {err:.2e}")
     assert 0 < err < 5e-2
     calls.clear()
     int8.train()
     for p in int8.parameters():
         p.requires_grad_(True)
     int8(**args).sample.float().square().mean().backward()  # training: the exact kernels, a gradient
-    assert calls["int8"] == 0 and calls["exact"] == layers, calls
+    assert calls[precision] == 0 and calls["exact"] == layers, calls
     with pytest.raises(ValueError, match="attention_precision must be one of"):
         compile_ops.patch(MODELS[name]()[0], attention_precision="fp8")
 
@@ -1150,7 +1153,7 @@ def test_int8_attention_dense_steps_keep_the_first_denoising_steps_exact(monkeyp
     assert seen == ["exact", "exact", "exact", "int8", "int8", "exact"], seen
     compile_ops.unpatch(model)
     assert not model._forward_pre_hooks
-    with pytest.raises(ValueError, match="attention_dense_steps applies to attention_precision='int8'"):
+    with pytest.raises(ValueError, match="attention_dense_steps applies to an 8-bit attention_precision"):
         compile_ops.patch(_wan()[0], attention_dense_steps=1)
     with pytest.raises(ValueError, match="attention_dense_steps: dense_steps must be an int >= 0"):
         compile_ops.patch(_wan()[0], attention_precision="int8", attention_dense_steps=-1)

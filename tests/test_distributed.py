@@ -200,8 +200,8 @@ def _block_sparse_inputs(list_batch, list_heads):
                     torch.ones(list_batch, list_heads, 1, dtype=torch.int32))
 
 
-def _attention_int8(seq_dim, q, k, v):
-    return compile_ops.attention(q, k, v, seq_dim=seq_dim, precision="int8")
+def _attention_int8(seq_dim, q, k, v, precision="int8"):
+    return compile_ops.attention(q, k, v, seq_dim=seq_dim, precision=precision)
 
 
 def _attention_int8_inputs(seq_dim):
@@ -221,6 +221,11 @@ def _attention_cases():
             s = Shard(d)
             yield Case(f"attention_int8_seq_dim{seq_dim}/{axis}", partial(_attention_int8, seq_dim),
                        _attention_int8_inputs(seq_dim), (s, s, s), (s,))
+        # FP8 P V: v's channel scales are over whole sequences too; one case (sequence shards, which
+        # move to head shards) suffices beside the int8 ones, the rule being theirs.
+        if seq_dim == 1:
+            yield Case("attention_int8_fp8_seq_dim1/sequence", partial(_attention_int8, 1, precision="int8_fp8"),
+                       _attention_int8_inputs(1), (Shard(1),) * 3, (Shard(1),))
     for seq_dim in (2, 1):
         heads = 3 - seq_dim
         for axis, d in (("batch", 0), ("heads", heads)):

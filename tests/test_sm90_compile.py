@@ -105,8 +105,8 @@ def test_attention_forward_hopper_options_compile_for_sm90(options, monkeypatch)
 
     default = attention_ops.forward_tiles
 
-    def tiles(d, dtype, tma=False):
-        t = default(d, dtype)
+    def tiles(d, dtype, tma=False, precision="exact"):
+        t = default(d, dtype, False, precision)
         return attention_ops.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, **options)
 
     monkeypatch.setattr(attention_ops, "forward_tiles", tiles)

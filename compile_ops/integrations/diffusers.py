@@ -522,21 +522,23 @@ class _FusedProcessor:
         else:
             super().__setattr__(name, value)
 
-    #: ``patch(attention_precision=...)``: "int8" runs dense attention as
-    #: ``fused.attention_int8`` where it applies (see :meth:`attend`), from the
-    #: step ``int8_schedule`` (a :class:`DenseFirst`, or None: every step) says.
+    #: ``patch(attention_precision=...)``: "int8" ("int8_fp8") runs dense
+    #: attention as ``fused.attention_int8`` (``attention_int8_fp8``) where it
+    #: applies (see :meth:`attend`), from the step ``int8_schedule`` (a
+    #: :class:`DenseFirst`, or None: every step) says.
     attention_precision = "exact"
     int8_schedule: Optional[DenseFirst] = None
 
     def attend(self, query, key, value, kv_lengths=None):
         """Attention of ``[B, L, H, D]`` q, k, v; ``kv_lengths [B]``: keys past
         each sample's length are masked (padded text tokens at the end).
-        Under ``attention_precision="int8"``, 16-bit inference calls run 8-bit
-        attention; calls that need a gradient (training) and fp32 ones keep
-        the exact kernels."""
-        if self.attention_precision == "int8" and (self.int8_schedule is None or self.int8_schedule.active) \
+        Under ``attention_precision="int8"`` or ``"int8_fp8"``, 16-bit
+        inference calls run 8-bit attention; calls that need a gradient
+        (training) and fp32 ones keep the exact kernels."""
+        if self.attention_precision != "exact" and (self.int8_schedule is None or self.int8_schedule.active) \
                 and query.dtype in (torch.float16, torch.bfloat16) and not _needs_gradient(query, key, value):
-            return attention(query, key, value, seq_dim=1, kv_lengths=kv_lengths, precision="int8")
+            return attention(query, key, value, seq_dim=1, kv_lengths=kv_lengths,
+                             precision=self.attention_precision)
         if self.kernel == "sdpa" or (self.kernel == "auto" and _sdpa_is_faster(query, key, value)):
             mask = None
             if kv_lengths is not None:
@@ -982,7 +984,7 @@ def _attach_sparse_attention(model: nn.Module, config, report: PatchReport, undo
 # ---------------------------------------------------------------- patch / unpatch
 
 
-ATTENTION_PRECISIONS = ("exact", "int8")
+ATTENTION_PRECISIONS = ("exact", "int8", "int8_fp8")
 
 
 def patch(model: nn.Module, attention_processors: bool = True, attention_kernel: str = "auto",
@@ -1045,8 +1047,9 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
             dense attention as 8-bit attention (``attention(...,
             precision="int8")``: smoothed k, q in INT8 per token, k per block) on
             16-bit inference calls; training calls and fp32 models keep the
-            exact kernels, sparse layouts stay 16-bit.
-        attention_dense_steps: with ``attention_precision="int8"``, the first
+            exact kernels, sparse layouts stay 16-bit. ``"int8_fp8"``: the
+            same with P V in FP8 too (``precision="int8_fp8"``; sm_89 or newer).
+        attention_dense_steps: with an 8-bit ``attention_precision``, the first
             N denoising steps of each generation run exact attention (counted
             from the timestep, as sparse attention's ``dense_steps``; see
             ``compile_ops/integrations/schedule.py``: compile the blocks, not
@@ -1069,9 +1072,9 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
     schedule = DenseFirst(attention_dense_steps)  # validates it
     if fp8_modulation and precision != "fp8":
         raise ValueError(f"compile_ops.patch: fp8_modulation applies to precision='fp8', got precision={precision!r}")
-    if attention_dense_steps and attention_precision != "int8":
-        raise ValueError("compile_ops.patch: attention_dense_steps applies to attention_precision='int8', "
-                         f"got attention_precision={attention_precision!r}")
+    if attention_dense_steps and attention_precision == "exact":
+        raise ValueError("compile_ops.patch: attention_dense_steps applies to an 8-bit attention_precision "
+                         "('int8' or 'int8_fp8'), got attention_precision='exact'")
     if attention_precision != "exact" and not attention_processors:
         raise ValueError("compile_ops.patch: attention_precision needs attention_processors=True (our "
                          "processors run it)")

@@ -63,6 +63,19 @@ def _load_tile(base, start, offs, n_rows, stride_row, cols, D: tl.constexpr, BLO
 
 
 @triton.jit
+def _load_channels(base, start, offs, n_keys, stride_channel, chans, D: tl.constexpr, KEY_MASK: tl.constexpr):
+    """Keys ``start + offs`` of a channel-major tensor (FP8 P V's transposed V,
+    ``[D, Lk]`` with unit key stride) as a ``[BLOCK_D, len(offs)]`` tile, zero
+    past D and (KEY_MASK) past ``n_keys``. The pointer path of pre-Hopper GPUs
+    and the interpreter; Hopper loads the same tile by TMA."""
+    ptrs = base + chans[:, None] * stride_channel + (tl.cast(start, tl.int64) + offs)[None, :]
+    mask = (chans < D)[:, None]
+    if KEY_MASK:
+        mask = mask & (start + offs < n_keys)[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _store_tile(base, start, offs, n_rows, stride_row, cols, value, D: tl.constexpr):
     tl.store(_tile_ptrs(base, start, offs, stride_row, cols), value.to(base.dtype.element_ty),
              mask=(start + offs < n_rows)[:, None] & (cols < D)[None, :])
@@ -132,6 +145,9 @@ LIST_CHUNK = tl.constexpr(64)  # listed blocks compared at once by _tiles_before
 #: are exactly _INT8_BIAS + score (the INT8 path of _fwd_tiles).
 _INT8_BIAS = tl.constexpr(12582912.0)
 _INT8_BIAS_BITS = tl.constexpr(0x4B400000)
+#: FP8 P V rounds ``2**8 * p`` to e4m3, not p (reference.attention.P_FP8_SHIFT):
+#: probabilities down to 2**-14 stay normal numbers. A per-row term of the exponent.
+_P_FP8_SHIFT = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -174,7 +190,7 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
                D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                SPARSE: tl.constexpr, TMA: tl.constexpr, DOT_ACC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-               INT8: tl.constexpr, KEY_BLOCK: tl.constexpr):
+               INT8: tl.constexpr, KEY_BLOCK: tl.constexpr, PV_FP8: tl.constexpr):
     """Online softmax over key tiles; ``m`` is the running max of the raw
     scores q.k, and exponents are ``(s - m) * scale * log2(e)``: scaled after
     the subtraction, so their rounding error is relative to the (small)
@@ -200,16 +216,29 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
     them the fp32 number ``1.5 * 2**23 + s`` exactly (``|s| < 2**22``: at most
     127 * 127 * 256), and the offset is folded into the exponent's fma
     (``_INT8_BIAS``). Per score that is one integer add where the 16-bit path
-    has none."""
+    has none.
+
+    ``PV_FP8`` (with INT8): V is e4m3, transposed (``[D, Lk]`` per head, one
+    scale per channel applied after the loop), and each tile's ``2**8 * p``
+    is rounded to e4m3 for an FP8 dot at twice the 16-bit rate. The tile's
+    products are summed by a fresh dot and added to the fp32 accumulator
+    (two-level accumulation: Hopper's FP8 MMA keeps fewer accumulator bits
+    than fp32, which over one tile of keys is far below e4m3's rounding)."""
     for i in tl.range(first, last, warp_specialize=WARP_SPECIALIZE):  # key tiles
         start_n = _tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE)
         cols = start_n + offs_n
         if TMA:
             k = K.load([start_n, 0])
-            v = V.load([start_n, 0])
+            if PV_FP8:  # the transposed tile: the FP8 MMA takes its B operand K-major
+                v = tl.trans(V.load([0, start_n]))
+            else:
+                v = V.load([start_n, 0])
         else:
             k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
-            v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
+            if PV_FP8:
+                v = tl.trans(_load_channels(V, start_n, offs_n, Lk, svl, offs_d, D, MASKED))
+            else:
+                v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
         if INT8:
             # Biased scores (see above) and the row factor that makes them real: (s - BIAS) * row.
             s = (tl.dot(q, tl.trans(k), out_dtype=tl.int32) + _INT8_BIAS_BITS).to(tl.float32, bitcast=True)
@@ -228,6 +257,8 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
         if INT8:  # exp2((s - BIAS) * row * c - m * c) as one fma per score
             factor = row * qk_scale
             shift = factor * _INT8_BIAS + m_shift * qk_scale  # (constexpr on the right: the interpreter needs it)
+            if PV_FP8:
+                shift = shift - _P_FP8_SHIFT
             p = tl.exp2(s * factor[:, None] - shift[:, None])
             alpha = tl.exp2((m - m_shift) * qk_scale)
         elif FMA_EXPONENT:
@@ -238,7 +269,9 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
             p = tl.exp2((s - m_shift[:, None]) * qk_scale)
             alpha = tl.exp2((m - m_shift) * qk_scale)
         l = l * alpha + tl.sum(p, 1)
-        if DOT_ACC:
+        if PV_FP8:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), v)
+        elif DOT_ACC:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -247,7 +280,7 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
 
 
 @triton.jit
-def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
+def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE, V_SCALE,
                     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr,
                     H, GROUP, Lq, Lk, scale,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -255,7 +288,7 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
                     ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                     SPARSE: tl.constexpr, TMA: tl.constexpr = False, DOT_ACC: tl.constexpr = False,
                     WARP_SPECIALIZE: tl.constexpr = False, INT8: tl.constexpr = False,
-                    INT8_KEY_BLOCK: tl.constexpr = 128):
+                    INT8_KEY_BLOCK: tl.constexpr = 128, PV_FP8: tl.constexpr = False):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
     that BLOCKS/COUNTS list for this query block. TMA, DOT_ACC,
@@ -263,7 +296,9 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     row strides, which the launcher checks). INT8: Q and K int8, Q_SCALE
     their per-token scales ``[B, H, Lq]``, K_SCALE one per INT8_KEY_BLOCK keys
     ``[B, Hk, ceil(Lk / INT8_KEY_BLOCK)]`` (fp32 contiguous; BLOCK_N divides
-    INT8_KEY_BLOCK)."""
+    INT8_KEY_BLOCK). PV_FP8 (with INT8): V is e4m3 ``[B, Hk, D, Lk]`` with a
+    unit key stride (``svl`` is then the stride between channels) and V_SCALE
+    its per-channel scales ``[B, Hk, D]`` (fp32 contiguous)."""
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
         KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     o_off = b * sob + h * soh
@@ -277,8 +312,12 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
         q = tl.make_tensor_descriptor(Q + q_off, shape=[Lq, D], strides=[sql, 1],
                                       block_shape=[BLOCK_M, BLOCK_D]).load([q_start, 0])
         keys = tl.make_tensor_descriptor(K + k_off, shape=[Lk, D], strides=[skl, 1], block_shape=[BLOCK_N, BLOCK_D])
-        values = tl.make_tensor_descriptor(V + v_off, shape=[Lk, D], strides=[svl, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
+        if PV_FP8:  # transposed: channels are its rows
+            values = tl.make_tensor_descriptor(V + v_off, shape=[D, Lk], strides=[svl, 1],
+                                               block_shape=[BLOCK_D, BLOCK_N])
+        else:
+            values = tl.make_tensor_descriptor(V + v_off, shape=[Lk, D], strides=[svl, 1],
+                                               block_shape=[BLOCK_N, BLOCK_D])
     else:
         q = _load_tile(Q + q_off, q_start, tl.arange(0, BLOCK_M), Lq, sql, offs_d, D, BLOCK_D, True)
         keys, values = K + k_off, V + v_off
@@ -298,15 +337,21 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, 0, first_masked,
                            blocks, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, False, CAUSAL,
                            DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, WARP_SPECIALIZE, INT8,
-                           INT8_KEY_BLOCK)
+                           INT8_KEY_BLOCK, PV_FP8)
     acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, first_masked, last,
                            blocks, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, True, CAUSAL,
-                           DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, False, INT8, INT8_KEY_BLOCK)
+                           DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, False, INT8, INT8_KEY_BLOCK,
+                           PV_FP8)
 
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]
+    log2_l = tl.log2(tl.where(empty, 1.0, l))
+    if PV_FP8:  # V's channel scales; l sums 2**8 p
+        v_scales = V_SCALE + (b * (H // GROUP) + h // GROUP) * D
+        out = out * tl.load(v_scales + offs_d, mask=offs_d < D, other=0.0)[None, :]
+        log2_l = log2_l - _P_FP8_SHIFT
     _store_tile(OUT + o_off, q_start, tl.arange(0, BLOCK_M), Lq, sol, offs_d, out, D)
-    lse = tl.where(empty, float("-inf"), m * scale + tl.log2(tl.where(empty, 1.0, l)) * 0.6931471805599453)  # ln 2
+    lse = tl.where(empty, float("-inf"), m * scale + log2_l * 0.6931471805599453)  # ln 2
     tl.store(LSE + tl.cast(tl.program_id(1), tl.int64) * Lq + q_rows, lse, mask=q_rows < Lq)
 
 

@@ -99,15 +99,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
 INT8_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def _eight_bit(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+               seq_dim: int, kv_lengths: Optional[torch.Tensor]) -> torch.Tensor:
+    check_attention(op, q, k, v, scale, causal, seq_dim, kv_lengths)
+    if q.dtype not in INT8_DTYPES:
+        fail(op, f"q, k and v must be float16 or bfloat16 (8-bit attention quantizes 16-bit "
+                 f"activations), got {q.dtype}", TypeError)
+    check_kv_lengths_values(op, kv_lengths, dims(k, seq_dim)[2])
+    return q.new_empty(q.shape)
+
+
 def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
                    seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
     """out in q's shape, dtype and layout, contiguous (no lse: inference only)."""
-    check_attention("attention_int8", q, k, v, scale, causal, seq_dim, kv_lengths)
-    if q.dtype not in INT8_DTYPES:
-        fail("attention_int8", f"q, k and v must be float16 or bfloat16 (8-bit attention quantizes 16-bit "
-                               f"activations), got {q.dtype}", TypeError)
-    check_kv_lengths_values("attention_int8", kv_lengths, dims(k, seq_dim)[2])
-    return q.new_empty(q.shape)
+    return _eight_bit("attention_int8", q, k, v, scale, causal, seq_dim, kv_lengths)
+
+
+def attention_int8_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                       seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As :func:`attention_int8` (INT8 q k, and P V in FP8)."""
+    return _eight_bit("attention_int8_fp8", q, k, v, scale, causal, seq_dim, kv_lengths)
 
 
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -14,7 +14,7 @@ import triton
 from torch import Tensor
 
 from compile_ops import _dtensor, meta, reference
-from compile_ops._library import fused_op, has_tma, launcher, register_no_gradient
+from compile_ops._library import fused_op, has_tma, launcher, register_no_gradient, require_fp8_mma
 from compile_ops.kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                            attn_fwd_kernel)
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
@@ -41,15 +41,27 @@ def block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False) -> Tiles:
+def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False, precision: str = "exact") -> Tiles:
     """Forward tiles by padded head dim: ``bench/sweep_attention.py`` on an H100,
     bf16 (bench/results/sweep-attention-h100-*.json). ``tma``: the GPU has TMA
     (``_library.has_tma``): D=128 then loads K and V by tensor descriptors,
     524-578 TFLOP/s against 463-515 with pointer loads at the four shapes of
     ``sweep_attention.py --hopper`` (bench/results/sweep-attention-hopper-h100.json;
     a 4th stage ran out of shared memory, warp specialization and the
-    accumulator as a dot operand moved it by -3% to +2%)."""
+    accumulator as a dot operand moved it by -3% to +2%).
+
+    ``precision``: the 8-bit modes (``"int8"``, ``"int8_fp8"``) at D=128 take
+    64 queries in one warp group (bench/notes.md, 8-bit attention: several
+    small programs per SM overlap one's softmax with another's MMAs):
+    ``"int8_fp8"`` 682-805 TFLOP/s at the four shapes against 583-663 with
+    128 queries in two groups, ``"int8"`` 580-635 at 2 stages against
+    542-611. FP8 P V's key tiles are the specification's 128
+    (reference.attention.FP8_PV_TILE) at every D."""
     bd = block_d(d)
+    if precision == "int8_fp8":
+        return Tiles(64, 128, 4, 3, tma=tma) if bd <= 128 else Tiles(64, 128, 8, 2, tma=tma)
+    if precision == "int8" and 64 < bd <= 128:
+        return Tiles(64, 128, 4, 2, tma=tma)
     if dtype in (torch.float32, torch.float64):
         return Tiles(32, 32, 4, 2)  # fp32 operands take twice the shared memory
     if bd <= 64:
@@ -140,38 +152,52 @@ def _scratch(size: int, alignment: int, stream) -> Tensor:
 
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                    seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple] = None,
-                   int8_scales: Optional[tuple] = None) -> None:
+                   int8_scales: Optional[tuple] = None, v_scale: Optional[Tensor] = None) -> None:
     """Fill ``out`` and ``lse`` (from the fake). ``blocks``: block-sparse
     attention's ``(index [B, H, Lq blocks, width], count [B, H, Lq blocks])``.
     ``int8_scales``: 8-bit attention's ``(q_scale [B, H, Lq], k_scale [B, Hk,
-    ceil(Lk / INT8_KEY_BLOCK)])``, q and k being int8 (the rest follows v's dtype)."""
+    ceil(Lk / INT8_KEY_BLOCK)])``, q and k being int8 (the rest follows v's
+    dtype unless ``v_scale``). ``v_scale`` (with ``int8_scales``): FP8 P V,
+    v being e4m3 ``[B, Hk, D, Lk]`` with a unit key stride
+    (:func:`fp8_values_transposed`) and ``v_scale [B, Hk, D]`` its channel
+    scales; out's dtype is then q's original one (``out``'s)."""
     c = _common(q, k, causal, seq_dim, kv_lengths)
     if out.numel() == 0:
         return
-    q, k, v = (unit_last_stride(t) for t in (q, k, v))  # D is unit-stride in every layout models use
+    pv_fp8 = v_scale is not None
+    q, k = (unit_last_stride(t) for t in (q, k))  # D is unit-stride in every layout models use
+    if not pv_fp8:
+        v = unit_last_stride(v)
     int8 = int8_scales is not None
+    assert int8 or not pv_fp8, "FP8 P V is a mode of 8-bit attention"
     consts = c["consts"]
-    if int8:  # the accumulators and the PV dot follow v; an int8 dot needs K (= D) >= 32
-        consts = dict(consts, ACC=acc_dtype(v), DOT_PRECISION=dot_precision(v.dtype), FMA_EXPONENT=True,
+    if int8:  # the accumulators and a 16-bit PV dot follow out; an int8 dot needs K (= D) >= 32
+        consts = dict(consts, ACC=acc_dtype(out), DOT_PRECISION=dot_precision(out.dtype), FMA_EXPONENT=True,
                       BLOCK_D=max(32, consts["BLOCK_D"]))
     q_scale, k_scale = int8_scales if int8 else (None, None)
-    t = forward_tiles(int(c["d"]), v.dtype, has_tma(q))
+    t = forward_tiles(int(c["d"]), out.dtype, has_tma(q), "int8_fp8" if pv_fp8 else "int8" if int8 else "exact")
     # One k scale per tile: its key tiles divide the scale blocks (all tiles are powers of two up to 128).
     assert not int8 or reference.attention.INT8_KEY_BLOCK % t.block_n == 0, t
-    tma = t.tma and _tma_ready(seq_dim, q, k, v)
+    # The rounded probabilities are relative to the running max of the specification's tiles.
+    assert not pv_fp8 or t.block_n == reference.attention.FP8_PV_TILE, t
+    v_seq_dim = 2 if pv_fp8 else seq_dim  # the transposed v: its channels take the position stride
+    if pv_fp8 and v.stride(3) != 1:
+        raise ValueError(f"launch_forward: FP8 P V takes v as [B, Hk, D, Lk] with unit key stride, got strides "
+                         f"{tuple(v.stride())}")
+    tma = t.tma and _tma_ready(seq_dim, q, k) and _tma_ready(v_seq_dim, v)
     if tma:
         # Inductor sets triton's allocator before its launches; eager launches need it set too.
         triton.set_allocator(_scratch)
     index, count, *list_strides = _lists(blocks)
     grid = (triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])
     launcher(attn_fwd_kernel)[grid](
-        q, k, v, out, lse, kv_lengths, index, count, q_scale, k_scale,
-        *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
+        q, k, v, out, lse, kv_lengths, index, count, q_scale, k_scale, v_scale,
+        *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, v_seq_dim),
         *_bhl_strides(out, seq_dim), *list_strides,
         c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
         SPARSE=blocks is not None, TMA=tma, DOT_ACC=t.dot_acc, WARP_SPECIALIZE=t.warp_specialize, INT8=int8,
-        INT8_KEY_BLOCK=reference.attention.INT8_KEY_BLOCK, **consts,
+        INT8_KEY_BLOCK=reference.attention.INT8_KEY_BLOCK, PV_FP8=pv_fp8, **consts,
     )
 
 
@@ -274,12 +300,52 @@ register_no_gradient(_attention_int8_op, "fused.attention_int8 is inference only
                      "torch.no_grad()")
 
 
+def fp8_values_transposed(v: Tensor, seq_dim: int) -> tuple[Tensor, Tensor]:
+    """``reference.attention.quantize_v_fp8`` of v (``[B, Hk, Lk, D]`` or
+    ``[B, Lk, Hk, D]``) laid out as the FP8 P V kernel reads it: e4m3
+    ``[B, Hk, D, Lk]`` with a unit key stride and rows padded to 16 bytes
+    (TMA's row alignment), and the channel scales ``[B, Hk, D]``. Torch ops
+    (under torch.compile, Inductor fuses the transposed write into one pass
+    after the amax reduction); the padding is rounded too, as zeros."""
+    vf = v.float() if seq_dim == 2 else v.float().transpose(1, 2)
+    v_scale = reference.attention.fp8_channel_scales(vf)
+    lk = vf.shape[2]
+    scaled = (vf / v_scale.unsqueeze(2)).transpose(2, 3)
+    # Contiguous whatever the padding: with none, pad returns the transposed view, and a cast
+    # that preserved its strides would leave the keys D apart (the kernel reads them as adjacent).
+    vt = torch.nn.functional.pad(scaled, (0, -lk % 16)).to(torch.float8_e4m3fn,
+                                                            memory_format=torch.contiguous_format)
+    return vt.narrow(3, 0, lk), v_scale
+
+
+@fused_op("attention_int8_fp8", fake=meta.attention.attention_int8_fp8,
+          reference=reference.attention.attention_int8_fp8, autocast="lower")
+def _attention_int8_fp8_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2,
+                           kv_lengths: Optional[Tensor] = None) -> Tensor:
+    out = meta.attention.attention_int8_fp8(q, k, v, scale, causal, seq_dim, kv_lengths)
+    require_fp8_mma(q, "precision='int8_fp8' attention (P V in FP8)")
+    q8, q_scale, k8, k_scale = reference.attention.smooth_quantize_qk(q, k, seq_dim)
+    vt8, v_scale = fp8_values_transposed(v, seq_dim)
+    b, h, lq, _ = meta.attention.dims(q, seq_dim)
+    lse = q.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
+    launch_forward(q8, k8, vt8, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale),
+                   v_scale=v_scale)
+    return out
+
+
+register_no_gradient(_attention_int8_fp8_op, "fused.attention_int8_fp8 is inference only (q, k, v and the "
+                     "probabilities are rounded to 8 bits): train with precision='exact', or run the call under "
+                     "torch.no_grad()")
+
+
 # ---------------------------------------------------------------- public functions
 
 
-#: ``attention``'s precisions: the input dtype's own (16-bit or fp32 dots), or
-#: 8-bit q and k (inference; ``fused.attention_int8``).
-PRECISIONS = ("exact", "int8")
+#: ``attention``'s precisions: the input dtype's own (16-bit or fp32 dots),
+#: 8-bit q and k (inference; ``fused.attention_int8``), and with P V in FP8
+#: too (``fused.attention_int8_fp8``, sm_89 or newer).
+PRECISIONS = ("exact", "int8", "int8_fp8")
+_EIGHT_BIT_OPS = {"int8": _attention_int8_op, "int8_fp8": _attention_int8_fp8_op}
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, causal: bool = False,
@@ -305,8 +371,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, ca
             token and k per block of 128 keys, an integer QK product and P V
             in the input dtype
             (``fused.attention_int8``; specified in
-            ``compile_ops/reference/attention.py``). A gradient through it
-            raises; no lse.
+            ``compile_ops/reference/attention.py``). ``"int8_fp8"``: the
+            same, and P V in FP8 too (v in e4m3 per channel, the
+            probabilities rounded to e4m3; ``fused.attention_int8_fp8``;
+            sm_89 or newer). A gradient through either raises; no lse.
 
     Returns:
         ``[B, Hq, Lq, D]`` / ``[B, Lq, Hq, D]`` in q's dtype and layout, contiguous
@@ -315,12 +383,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, ca
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if precision not in PRECISIONS:
         raise ValueError(f"compile_ops.attention: precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "int8":
+    if precision in _EIGHT_BIT_OPS:
         if return_lse:
-            raise ValueError("compile_ops.attention: precision='int8' returns no lse (inference only); "
+            raise ValueError(f"compile_ops.attention: precision={precision!r} returns no lse (inference only); "
                              "call it with return_lse=False")
+        op = _EIGHT_BIT_OPS[precision]
         return _dtensor.sequence_parallel(
-            lambda q, k, v: _attention_int8_op(q, k, v, scale, causal, seq_dim, kv_lengths), q, k, v, seq_dim)
+            lambda q, k, v: op(q, k, v, scale, causal, seq_dim, kv_lengths), q, k, v, seq_dim)
     out, lse = _dtensor.sequence_parallel(
         lambda q, k, v: _attention_op(q, k, v, scale, causal, seq_dim, kv_lengths), q, k, v, seq_dim)
     return (out, lse) if return_lse else out

@@ -33,7 +33,7 @@ from compile_ops.kernels.glu import ACTIVATION_CODES
 from compile_ops.ops._launch import as_rows
 
 #: FP8 tensor cores: sm_89 (Ada) and newer, sm_90 (Hopper) among them.
-FP8_CAPABILITY = (8, 9)
+FP8_CAPABILITY = _library.FP8_MMA
 
 #: Launch configuration, from the H100 sweeps (bench/sweep_fp8.py,
 #: bench/results/sweep-fp8-h100-round1.json and -round2.json). MAX_ROW_VALUES: a program holds up to

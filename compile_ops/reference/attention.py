@@ -166,3 +166,68 @@ def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         q_hat, k_hat = q_hat.transpose(1, 2), k_hat.transpose(1, 2)
     out, _ = attention(q_hat, k_hat, v.float(), scale, causal, seq_dim, kv_lengths)
     return out.to(q.dtype)
+
+
+#: e4m3's largest finite value: V's per-channel scale maps the channel's amax there.
+FP8_MAX = 448.0
+#: FP8 P V rounds ``2**P_FP8_SHIFT * p`` (p <= 1) to e4m3, not p: the factor is
+#: free in the kernel (a term of the exponent) and keeps probabilities down to
+#: 2**-14 normal numbers, where p itself would turn subnormal below 2**-6.
+P_FP8_SHIFT = 8
+#: The keys of one step of the online softmax whose running max the rounded
+#: probabilities are relative to: the kernel's key tile under FP8 P V.
+FP8_PV_TILE = 128
+
+
+def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 of ``v [B, H, L, D]`` (fp32) with one scale per (batch, head,
+    channel) over the sequence: ``scale = amax / 448`` (an all-zero channel
+    gets the smallest normal amax), values ``v / scale`` rounded to nearest
+    even (``|v / scale| <= 448``: nothing saturates). Returns
+    ``(e4m3 [B, H, L, D], scale fp32 [B, H, D])``."""
+    scale = fp8_channel_scales(v)
+    return (v / scale.unsqueeze(2)).to(torch.float8_e4m3fn), scale
+
+
+def fp8_channel_scales(v: torch.Tensor) -> torch.Tensor:
+    """:func:`quantize_v_fp8`'s scales ``[B, H, D]`` of ``v [B, H, L, D]`` (fp32)."""
+    return v.abs().amax(2).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+
+
+def attention_int8_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                       seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """8-bit attention with FP8 P V, specified step by step as the kernel
+    computes it: q and smoothed k of :func:`smooth_quantize_qk`, v of
+    :func:`quantize_v_fp8`, and an online softmax over key tiles of
+    :data:`FP8_PV_TILE`: per tile, the running max ``m`` of the raw scores,
+    ``p = 2**P_FP8_SHIFT * exp((s - m) * scale)`` rounded to e4m3 for the
+    product with the e4m3 v (summed in fp32), the row sums ``l`` of the
+    unrounded p, both rescaled as the max grows; ``out = acc * v_scale / l``
+    in q's dtype and layout (0 for a query with no visible key). The kernel
+    differs from this by fp32 rounding (its exponents are fmas, its FP8 dot
+    accumulates a tile with fewer bits), which moves a rare p across an e4m3
+    rounding boundary."""
+    q8, q_scale, k8, k_scale = smooth_quantize_qk(q, k, seq_dim)
+    q_hat, k_hat = (t if seq_dim == 2 else t.transpose(1, 2) for t in (q8, k8))
+    q_hat, k_hat = dequantize_int8(q_hat, q_scale), dequantize_int8(k_hat, k_scale, INT8_KEY_BLOCK)
+    v8, v_scale = quantize_v_fp8(_bhld(v, seq_dim, torch.float32))
+    hq = q_hat.shape[1]
+    k_hat, v_hat, v_scale = (_heads_of_q(t, hq) for t in (k_hat, v8.float(), v_scale))
+    s = q_hat @ k_hat.transpose(-1, -2)
+    s = s.masked_fill(~visible(s.shape[2], s.shape[3], causal, kv_lengths, s.shape[0], s.device), float("-inf"))
+    c = scale * 1.4426950408889634  # log2(e): the kernel's exp2 form
+    m = s.new_full(s.shape[:3], float("-inf"))
+    l = s.new_zeros(s.shape[:3])
+    acc = s.new_zeros(*s.shape[:3], v_hat.shape[-1])
+    for start in range(0, s.shape[3], FP8_PV_TILE):
+        tile = s.narrow(3, start, min(FP8_PV_TILE, s.shape[3] - start))
+        m_new = torch.maximum(m, tile.amax(-1))
+        m_shift = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no visible key yet: p = 0, not NaN
+        p = torch.exp2((tile - m_shift.unsqueeze(-1)) * c + P_FP8_SHIFT)
+        alpha = torch.exp2((m - m_shift) * c)
+        l = l * alpha + p.sum(-1)
+        p8 = p.to(torch.float8_e4m3fn).float()
+        acc = acc * alpha.unsqueeze(-1) + p8 @ v_hat.narrow(2, start, tile.shape[3])
+        m = m_new
+    out = acc * v_scale.unsqueeze(2) / l.masked_fill(l == 0, 1.0).unsqueeze(-1)
+    return (out if seq_dim == 2 else out.transpose(1, 2)).to(q.dtype)
