@@ -8,7 +8,7 @@ CUDA it runs the CPU demo (``bench/demo.py``) instead and exits with its status.
 
 This file only parses arguments and dispatches: the op benchmark and its
 method are in ``bench/ops.py``; a full run (no ``--ops``) then runs
-``bench/attention.py`` (non-causal and causal), ``bench/block_sparse.py``,
+``bench/attention.py`` (non-causal and causal), ``bench/block_sparse.py``, ``bench/moe.py``,
 ``bench/diffusers_e2e.py`` (where diffusers is installed) and
 ``bench/distributed_train.py`` (on 2 or more GPUs). What the runners share
 (timing, environment, results files) is in ``bench/toolkit.py``.
@@ -56,6 +56,9 @@ def main(argv=None) -> int:
         from bench import block_sparse
 
         status |= block_sparse.main(["--out", args.out] + quick)
+        from bench import moe
+
+        status |= moe.main(["--out", args.out] + quick)
         try:
             import diffusers  # noqa: F401  (the optional extra)
         except ImportError:

@@ -5,6 +5,7 @@ re-exported here.
 """
 from compile_ops import ops  # noqa: F401  (registers torch.ops.fused.*)
 from compile_ops.modules.glu import GEGLU, SwiGLU
+from compile_ops.modules.moe import MoEFeedForward
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.attention import attention, scaled_dot_product_attention
@@ -17,6 +18,7 @@ from compile_ops.ops.glu import geglu, swiglu
 from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
                                       gated_residual_norm_modulate_fp8, modulate, norm_modulate,
                                       norm_modulate_fp8)
+from compile_ops.ops.moe import moe_route
 from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
 from compile_ops.meta.rope import GridRope, grid_rope
 from compile_ops.ops.rope import qk_norm_rope, rope, rope_grid, rope_qk
@@ -58,6 +60,7 @@ __all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm",
            "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous",
            "rope", "rope_qk", "rope_grid", "qk_norm_rope", "grid_rope", "GridRope",
            "geglu", "swiglu", "GEGLU", "SwiGLU", "attention", "scaled_dot_product_attention",
+           "moe_route", "MoEFeedForward",
            "block_sparse_attention", "BlockSparseMask", "block_index_from_mask", "sliding_tile_mask", "tile_permutation",
            "radial_mask", "topk_block_index", "sliding_tile_block_mask",
            "FP8Linear", "FP8ProjectionActivation", "FP8Rows", "fp8_linear", "quantize_fp8_rows",

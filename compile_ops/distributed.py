@@ -64,7 +64,7 @@ from typing import Callable, Sequence
 import torch
 
 # The rules are checked against the schemas these modules register.
-from compile_ops.ops import attention, block_sparse, fp8, glu, modulate, norm, rope  # noqa: F401
+from compile_ops.ops import attention, block_sparse, fp8, glu, modulate, moe, norm, rope  # noqa: F401
 
 #: The op's shardable axes of the attention and RoPE families. The row-wise
 #: families use x's leading dims (ints) as their axes.
@@ -212,6 +212,11 @@ def batch_heads(call: Call) -> tuple:
     return (BATCH, HEADS)
 
 
+def no_axes(call: Call) -> tuple:
+    """An op that runs on whole tensors only: DTensor gathers its inputs."""
+    return ()
+
+
 def _rows_rule(inputs: dict, outputs: tuple, primary: str = "x") -> Rule:
     return Rule(inputs, outputs, row_axes, primary)
 
@@ -279,6 +284,21 @@ RULES: dict[str, Rule] = {
         batch_sequence_heads, "q"),
     # ------------------------------------------------------------ fp8
     "quantize_fp8_rows": _rows_rule({"x": leading_dims, "head": leading_dims}, (_ROW_OUT, _ROW_OUT)),
+    # ------------------------------------------------------------ moe
+    # Routing runs replicated (x gathered): token shards would give correct
+    # probs, weights and experts (row-wise) and counts (a Partial sum), but
+    # token_index holds global token ids in one ascending list per expert
+    # over all tokens, which neither Shard nor Partial of the local lists
+    # describes (a shard's ids are local and its lists are pieces of the
+    # global ones). The backward is row-wise again: dx follows x's token
+    # shards, the router weight's gradient is Partial.
+    "moe_route": Rule({"x": leading_dims, "router_weight": replicated},
+                      (*(Out("x", leading_dims),) * 3, Out("router_weight", replicated),
+                       Out("router_weight", replicated)), no_axes),
+    "moe_route_backward": _rows_rule(
+        {"grad_probs": leading_dims, "grad_weights": leading_dims, "x": leading_dims, "router_weight": replicated,
+         "probs": leading_dims, "experts": leading_dims},
+        (Out("x", leading_dims), Out("router_weight", replicated, gradient=True))),
     # ------------------------------------------------------------ attention
     "attention": Rule(_ATTENTION_ARGS, (Out("q", heads_layout), Out("q", log_sum_exp)), batch_heads, "q"),
     "attention_backward": Rule(_ATTENTION_BACKWARD_ARGS, _ATTENTION_GRADS, batch_heads, "q"),

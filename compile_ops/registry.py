@@ -16,6 +16,7 @@ from compile_ops.ops import attention as _attention_ops  # noqa: F401
 from compile_ops.ops import fp8 as _fp8_ops  # noqa: F401
 from compile_ops.ops import glu as _glu_ops  # noqa: F401
 from compile_ops.ops import modulate as _modulate_ops  # noqa: F401  (registers the ops)
+from compile_ops.ops import moe as _moe_ops  # noqa: F401
 from compile_ops.ops import norm as _norm_ops  # noqa: F401
 from compile_ops.ops import rope as _rope_ops  # noqa: F401
 
@@ -414,6 +415,55 @@ def _glu_backward_edges(dtype, device, requires_grad):
     return cases
 
 
+# ---------------------------------------------------------------- moe family
+
+
+def _router(num_experts, h, dtype, device, g):
+    """A router weight ``[E, H]`` scaled so that the logits of N(0, 1) tokens are about N(0, 1)."""
+    return _tensor((num_experts, h), dtype, device, g, scale=h ** -0.5)
+
+
+def _make_moe(num_experts, top_k, renormalize):
+    """x ``[L, C]``: one sequence's tokens (B is not used, so that the
+    sequence dim is the token dim the compile test marks dynamic)."""
+    def make_inputs(shape, dtype, device, requires_grad):
+        _, length, c = shape
+        return (_tensor((length, c), dtype, device, requires_grad), _router(num_experts, c, dtype, device,
+                                                                           requires_grad), top_k, renormalize)
+    return make_inputs
+
+
+def _moe_edges(dtype, device, requires_grad):
+    """Tokens not a multiple of the routing block (32), E not a power of 2,
+    k = 1 and k = E, strided rows, E past 64 (the narrower H chunks), zero tokens."""
+    g = requires_grad
+
+    def x(t, h):
+        return _tensor((t, h), dtype, device, g)
+
+    row_slice = _tensor((6, 40), dtype, device)[:, 4:20].detach().requires_grad_(g)  # row stride 40
+    return [
+        (x(37, 8), _router(5, 8, dtype, device, g), 2, True),
+        (x(9, 16), _router(17, 16, dtype, device, g), 1, False),
+        (row_slice, _router(3, 16, dtype, device, g), 3, True),
+        (x(5, 16), _router(130, 16, dtype, device, g), 2, True),
+        (x(0, 16), _router(4, 16, dtype, device, g), 2, True),
+    ]
+
+
+def _moe_backward_edges(dtype, device, requires_grad):
+    cases = []
+    for x, w, top_k, renormalize in _moe_edges(dtype, device, False)[:3]:
+        probs, weights, experts, _, _ = reference.moe.moe_route(x, w, top_k, renormalize)
+        cases.append((_tensor(probs.shape, probs.dtype, device), _tensor(weights.shape, weights.dtype, device),
+                      x, w, probs, experts, renormalize))
+    # Expanded (stride-0) gradients, as probs.sum().backward() produces.
+    grad_probs, grad_weights, x, w, probs, experts, _ = cases[0]
+    cases.append((torch.ones((), dtype=probs.dtype, device=device).expand(probs.shape),
+                  torch.ones((), dtype=probs.dtype, device=device).expand(experts.shape), x, w, probs, experts, False))
+    return cases
+
+
 # ---------------------------------------------------------------- fp8 family
 
 
@@ -589,6 +639,11 @@ ROPE_SHAPES = ((1, 4608, 3072), (1, 32760, 1536))
 #: activation at 480p (32760 tokens, 8960 wide).
 FP8_SHAPES = ((1, 4096, 12288), (1, 4608, 12288), (1, 4096, 3072), (1, 32760, 8960))
 
+#: MoE routing at issue 23's shapes ``[1, T, H]``: 4096 tokens of width 4096
+#: (E = 64, k = 2), and HiDream-I1's width 2560 (E = 4, k = 2).
+MOE_SHAPES = ((1, 4096, 4096),)
+MOE_HIDREAM_SHAPES = ((1, 4096, 2560),)
+
 OPS: tuple[OpSpec, ...] = (
     OpSpec("rmsnorm", "norm", reference.norm.rmsnorm, _make(_rmsnorm_args),
            _norm_edges(_rmsnorm_args), bench_shapes=DIT_NORM_SHAPES),
@@ -634,6 +689,14 @@ OPS: tuple[OpSpec, ...] = (
            bench_shapes=GLU_SHAPES, op_name="geglu"),
     OpSpec("swiglu", "glu", reference.glu.swiglu, _make_glu(), _glu_edges(), bench_shapes=GLU_SHAPES),
     OpSpec("glu_backward", "glu", reference.glu.glu_backward, None, _glu_backward_edges, differentiable=False),
+    OpSpec("moe_route", "moe", reference.moe.moe_route, _make_moe(64, 2, True), _moe_edges,
+           bench_shapes=MOE_SHAPES),
+    # HiDream-I1's gate: 4 experts, 2 per token, not renormalized.
+    OpSpec("moe_route_hidream", "moe", reference.moe.moe_route, _make_moe(4, 2, False),
+           lambda dtype, device, g: _moe_edges(dtype, device, g)[1:2], bench_shapes=MOE_HIDREAM_SHAPES,
+           op_name="moe_route"),
+    OpSpec("moe_route_backward", "moe", reference.moe.moe_route_backward, None, _moe_backward_edges,
+           differentiable=False),
     # Inference only: its autograd formula raises (no gradient to check).
     OpSpec("quantize_fp8_rows", "fp8", reference.fp8.quantize_fp8_rows, _make_quantize(), _quantize_edges(),
            differentiable=False, bench_shapes=FP8_SHAPES[2:]),

@@ -331,6 +331,18 @@ def _quantize_fp8(x, activation="none"):
     return _as_floats(compile_ops.quantize_fp8_rows(x, activation))
 
 
+def _moe_cases():
+    """Routing runs on whole tensors (its rule, compile_ops/distributed.py:
+    token_index lists global token ids): token shards are gathered and every
+    output is replicated. Its backward is row-wise and gets the replicated
+    gradients with x still token-sharded: DTensor picks the placements, so
+    only the gradients' values are checked."""
+    yield Case("moe_route/tokens", lambda x, w: compile_ops.moe_route(x, w, 2), lambda: (act(B * L, C), act(4, C)),
+               (Shard(0), R), (R,) * 5)
+    yield Case("moe_route_not_renormalized/tokens", lambda x, w: compile_ops.moe_route(x, w, 1, False),
+               lambda: (act(B * L, C), act(3, C)), (Shard(0), R), (R,) * 5)
+
+
 def _cases():
     for axis, d in ROW_AXES:
         yield from _row_cases(axis, d)
@@ -366,6 +378,7 @@ def _cases():
     yield from _attention_cases()
     yield from _compiled_cases()
     yield from _not_local_cases()
+    yield from _moe_cases()
 
 
 CASES = {case.name: case for case in _cases()} if dist.is_available() else {}

@@ -1,2 +1,2 @@
 """Shape/dtype/stride rules and input validation, one module per op family (torch only)."""
-from compile_ops.meta import attention, block_sparse, fp8, glu, modulate, norm, rope  # noqa: F401
+from compile_ops.meta import attention, block_sparse, fp8, glu, modulate, moe, norm, rope  # noqa: F401

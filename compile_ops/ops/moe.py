@@ -1,0 +1,161 @@
+"""The MoE routing family as ``torch.ops.fused`` ops: moe_route and moe_route_backward.
+
+``fused.moe_route`` runs the router product, the fp32 softmax and the top-k
+in one kernel and the per-expert counts and token lists in a second, small
+one (``kernels/moe.py`` says why two); ``fused.moe_route_backward`` turns the
+gradients of the probabilities and routing weights into ``d logits`` in one
+kernel and multiplies it with the router weight and x in torch (two GEMMs
+that cuBLAS runs at its speed). Layouts: ``compile_ops/meta/moe.py``.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+
+from compile_ops import meta, reference
+from compile_ops._library import fused_op, launcher
+from compile_ops.kernels.moe import moe_route_backward_kernel, moe_route_kernel, moe_token_lists_kernel
+from compile_ops.ops._launch import TRITON_DTYPES, acc_dtype, dot_precision, unit_last_stride
+
+# ---------------------------------------------------------------- launch configs
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_t: int  # tokens per program
+    block_e: int  # experts held per row (E padded to a power of 2, at least tl.dot's 16)
+    block_h: int  # hidden columns per tl.dot step
+    num_warps: int
+    num_stages: int
+
+
+#: Tokens per routing program: 32 gives 128 programs at T = 4096, about one
+#: per SM of an H100, each streaming its rows of x once (the kernel is bound by
+#: reading x: 32 MB at 4096 x 4096 bf16) while the router weight (512 KB at
+#: E = 64) stays in L2. Not tuned on a GPU yet: a sweep over BLOCK_T/BLOCK_H is
+#: the next step (bench/moe.py times the default).
+BLOCK_T = 32
+#: Tokens per step of the per-expert scan.
+SCAN_BLOCK_T = 1024
+#: Rows per program of the backward's elementwise kernel.
+BACKWARD_BLOCK_T = 32
+
+
+def launch_config(e: int, dtype: torch.dtype) -> LaunchConfig:
+    """H chunks of 128 bytes-per-element-scaled columns: 128 columns of bf16, 64
+    of fp32/fp64 (the same bytes per stage); half of that for E past 64, so
+    that the pipelined stages of the router weight tile fit in shared memory."""
+    block_e = max(16, triton.next_power_of_2(e))
+    block_h = 128 if dtype in (torch.float16, torch.bfloat16) else 64
+    if block_e > 64:
+        block_h //= 2
+    return LaunchConfig(BLOCK_T, block_e, block_h, num_warps=4, num_stages=3 if block_e <= 64 else 2)
+
+
+def _launch_route(x: Tensor, w: Tensor, top_k: int, renormalize: bool, outs: tuple) -> None:
+    probs, weights, experts, counts, token_index = outs
+    n_tokens, h = x.shape
+    e = w.shape[0]
+    cfg = launch_config(int(e), x.dtype)  # a dynamic E is specialized here: BLOCK_E depends on it
+    block_k = triton.next_power_of_2(top_k)
+    launcher(moe_route_kernel)[(triton.cdiv(n_tokens, cfg.block_t),)](
+        x, w, probs, weights, experts, n_tokens, h, e, x.stride(0), w.stride(0),
+        TOP_K=top_k, BLOCK_K=block_k, RENORMALIZE=renormalize, DOT_PRECISION=dot_precision(x.dtype),
+        ACC_DTYPE=acc_dtype(x), BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_H=cfg.block_h,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    launcher(moe_token_lists_kernel)[(e,)](
+        experts, counts, token_index, n_tokens, TOP_K=top_k, BLOCK_K=block_k, BLOCK_T=SCAN_BLOCK_T, num_warps=4)
+
+
+# ---------------------------------------------------------------- ops
+
+
+@fused_op("moe_route", fake=meta.moe.moe_route, reference=reference.moe.moe_route)
+def _moe_route_op(x: Tensor, router_weight: Tensor, top_k: int,
+                  renormalize: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    outs = meta.moe.moe_route(x, router_weight, top_k, renormalize)
+    if x.shape[0] > 0:
+        _launch_route(unit_last_stride(x), unit_last_stride(router_weight), top_k, renormalize, outs)
+    else:  # no tokens: nothing routed, and no program would write the counts
+        outs[3].zero_()
+    return outs
+
+
+@fused_op("moe_route_backward", fake=meta.moe.moe_route_backward, reference=reference.moe.moe_route_backward)
+def _moe_route_backward_op(grad_probs: Tensor, grad_weights: Tensor, x: Tensor, router_weight: Tensor,
+                           probs: Tensor, experts: Tensor, renormalize: bool) -> tuple[Tensor, Tensor]:
+    meta.moe.moe_route_backward(grad_probs, grad_weights, x, router_weight, probs, experts, renormalize)
+    n_tokens, e = probs.shape
+    dlogits = probs.new_empty((n_tokens, e))
+    if n_tokens > 0:
+        launcher(moe_route_backward_kernel)[(triton.cdiv(n_tokens, BACKWARD_BLOCK_T),)](
+            grad_probs, grad_weights, probs, experts, dlogits, n_tokens, e,
+            grad_probs.stride(0), grad_probs.stride(1), grad_weights.stride(0), grad_weights.stride(1),
+            TOP_K=experts.shape[1], RENORMALIZE=renormalize, ACC_DTYPE=TRITON_DTYPES[probs.dtype],
+            BLOCK_T=BACKWARD_BLOCK_T, BLOCK_E=max(16, triton.next_power_of_2(int(e))), num_warps=4)
+    # The two products in the inputs' dtype (cuBLAS, fp32 accumulation), as
+    # the gradient of torch's F.linear would be computed.
+    dlogits = dlogits.to(x.dtype)
+    return dlogits @ router_weight, dlogits.t() @ x
+
+
+def _setup_moe_route(ctx, inputs, output):
+    x, router_weight, top_k, renormalize = inputs
+    probs, _, experts, counts, token_index = output
+    ctx.mark_non_differentiable(experts, counts, token_index)
+    # probs [T, E] and experts [T, k] are all the backward needs besides the
+    # inputs of the two products: no logits are kept.
+    ctx.save_for_backward(x, router_weight, probs, experts)
+    ctx.renormalize = renormalize
+
+
+def _backward_moe_route(ctx, grad_probs, grad_weights, _grad_experts, _grad_counts, _grad_index):
+    x, router_weight, probs, experts = ctx.saved_tensors
+    if grad_probs is None:
+        grad_probs = torch.zeros_like(probs)
+    if grad_weights is None:
+        grad_weights = probs.new_zeros(experts.shape)
+    dx, dw = _moe_route_backward_op(grad_probs, grad_weights, x, router_weight, probs, experts, ctx.renormalize)
+    return dx, dw, None, None
+
+
+_moe_route_op.register_autograd(_backward_moe_route, setup_context=_setup_moe_route)
+
+
+# ---------------------------------------------------------------- public function
+
+
+def moe_route(x: Tensor, router_weight: Tensor, top_k: int, renormalize: bool = True) -> tuple:
+    """Mixture-of-experts routing in one op: router logits, fp32 softmax, top-k,
+    per-expert counts and token lists.
+
+    Args:
+        x: ``[T, H]`` tokens (fp16/bf16/fp32/fp64), any row stride.
+        router_weight: ``[E, H]``, x's dtype; ``1 <= E <= meta.moe.MAX_EXPERTS`` (256).
+            The logits are ``x @ router_weight.T`` (``nn.Linear(H, E, bias=False)``'s weight).
+        top_k: experts per token, ``1 <= top_k <= E``.
+        renormalize: divide the k chosen probabilities by their sum, so that
+            each token's routing weights sum to 1 (Mixtral, Qwen-MoE's
+            ``norm_topk_prob``); False keeps the softmax probabilities as they
+            are (HiDream-I1's gate, DeepSeek-V2).
+
+    Returns:
+        ``(probs, weights, experts, counts, token_index)``:
+
+        - ``probs [T, E]`` fp32 (fp64 for fp64 inputs): the softmax of the logits;
+        - ``weights [T, top_k]``, probs' dtype: the chosen probabilities,
+          largest first (renormalized if asked);
+        - ``experts [T, top_k]`` int64: the chosen experts in the same order;
+          equal probabilities go to the lowest expert index first;
+        - ``counts [E]`` int32: tokens per expert (they sum to ``T * top_k``);
+        - ``token_index [E, T]`` int32: row e holds the tokens routed to expert
+          e in ascending order in its first ``counts[e]`` entries, then ``T``.
+
+        ``probs`` and ``weights`` are differentiable with respect to x and
+        router_weight; the three integer outputs are not. Results are the same
+        bits on every run (no atomics).
+    """
+    meta.moe.check_options("moe_route", top_k, renormalize)
+    return _moe_route_op(x, router_weight, top_k, renormalize)
