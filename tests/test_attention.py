@@ -443,6 +443,30 @@ def test_kernels_int8_match_the_same_quantization(precision, seq_dim, causal, le
         assert to_spec < bounds[dtype], to_spec
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("seq_dim, b, hq, hk, lq, lk, d", [
+    (1, 2, 4, 2, 50, 300, 40),   # GQA, D padded, a partial last key block, v's rows padded to 16
+    (2, 1, 2, 2, 130, 256, 64),  # two q tiles, whole key blocks, no row padding
+])
+def test_kernels_8bit_quantization_writes_the_specified_operands(seq_dim, b, hq, hk, lq, lk, d):
+    """quantize_8bit (the Triton passes the 8-bit ops run) against the torch
+    specification: q, its scales, v's channel scales and e4m3 bytes
+    identical; k's int8 values within 1 of it (its mean is summed in another
+    order) and its block scales within an fp32 rounding."""
+    from compile_ops.ops import attention as attention_ops
+
+    torch.manual_seed(0)
+    q, k, v = _int8_case(seq_dim, b, hq, hk, lq, lk, d, torch.float16, KERNEL_DEVICE, key_offset=3.0)
+    q8, q_scale, k8, k_scale, vt8, v_scale = (t.cpu() for t in attention_ops.quantize_8bit(q, k, v, seq_dim))
+    want_q8, want_q_scale, want_k8, want_k_scale = ref.smooth_quantize_qk(q.cpu(), k.cpu(), seq_dim)
+    want_vt8, want_v_scale = attention_ops.fp8_values_transposed(v.cpu(), seq_dim)
+    assert torch.equal(q8, want_q8) and torch.equal(q_scale, want_q_scale)
+    assert torch.equal(v_scale, want_v_scale)
+    assert vt8.stride(3) == 1 and torch.equal(vt8.view(torch.uint8), want_vt8.view(torch.uint8))
+    assert (k8.int() - want_k8.int()).abs().max() <= 1 and (k8 != want_k8).float().mean() < 1e-3
+    torch.testing.assert_close(k_scale, want_k_scale, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("precision", list(EIGHT_BIT))
 def test_int8_compiles_with_fullgraph_and_equals_eager(precision):
     torch.manual_seed(0)

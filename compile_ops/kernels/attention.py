@@ -355,6 +355,104 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     tl.store(LSE + tl.cast(tl.program_id(1), tl.int64) * Lq + q_rows, lse, mask=q_rows < Lq)
 
 
+# ---------------------------------------------------------------- 8-bit operands
+
+#: Adding and subtracting 1.5 * 2**23 rounds an fp32 |x| < 2**22 to an integer,
+#: half to even (fp32 addition rounds so): torch.round's rounding.
+_RNE_MAGIC = tl.constexpr(12582912.0)
+_INT8_MAX = tl.constexpr(127.0)
+_E4M3_MAX = tl.constexpr(448.0)
+_FP32_TINY = tl.constexpr(1.1754943508222875e-38)
+
+
+@triton.jit
+def _int8_of(x, scale):
+    """``round_half_even(x / scale)`` clamped to [-127, 127], as int8 (the
+    division correctly rounded, as torch's)."""
+    r = (tl.div_rn(x, scale) + _RNE_MAGIC) - _RNE_MAGIC
+    return tl.minimum(tl.maximum(r, -_INT8_MAX), _INT8_MAX).to(tl.int8)
+
+
+@triton.jit
+def qk8_stats_kernel(K, V, K_SUM, V_AMAX, Hk, Lk, skb, skh, skl, svb, svh, svl, rows_per_chunk,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, CHUNKS: tl.constexpr,
+                     WITH_V: tl.constexpr):
+    """Per (batch, k head) and chunk ``program_id(0)`` of ``rows_per_chunk``
+    keys: k's column sums (K_SUM) and, WITH_V, v's column amax (V_AMAX), both
+    fp32 ``[B * Hk, CHUNKS, D]``: the partials of k's mean and of v's FP8
+    channel scales, reduced in a fixed order by ``qk8_quantize_kernel`` (no
+    atomics: the same bits on every run)."""
+    bh = tl.program_id(1)
+    b = tl.cast(bh, tl.int64) // Hk
+    h = bh - b * Hk
+    cols = tl.arange(0, BLOCK_D)
+    first = tl.program_id(0) * rows_per_chunk
+    last = tl.minimum(first + rows_per_chunk, Lk)
+    k_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+    v_amax = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(first, last, BLOCK_L):
+        rows = start + tl.arange(0, BLOCK_L)
+        mask = (rows < last)[:, None] & (cols < D)[None, :]
+        k = tl.load(K + b * skb + h * skh + rows[:, None].to(tl.int64) * skl + cols[None, :], mask=mask, other=0.0)
+        k_sum += tl.sum(k.to(tl.float32), 0)
+        if WITH_V:
+            v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask,
+                        other=0.0)
+            v_amax = tl.maximum(v_amax, tl.max(tl.abs(v.to(tl.float32)), 0))
+    out = (tl.cast(bh, tl.int64) * CHUNKS + tl.program_id(0)) * D + cols
+    tl.store(K_SUM + out, k_sum, mask=cols < D)
+    if WITH_V:
+        tl.store(V_AMAX + out, v_amax, mask=cols < D)
+
+
+@triton.jit
+def qk8_quantize_kernel(X, X8, X_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sxb, sxh, sxl, s8b, s8h, s8l,
+                        svb, svh, svl, svtd,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, CHUNKS: tl.constexpr,
+                        PER_TOKEN: tl.constexpr, WITH_V: tl.constexpr):
+    """8-bit attention's operands for ``BLOCK_L`` positions of one (batch,
+    head), as ``reference.attention.smooth_quantize_qk`` and
+    ``quantize_v_fp8`` specify them. PER_TOKEN (q): X8 int8 with one scale
+    per row (X_SCALE ``[B * H, L]``). Otherwise (k, BLOCK_L = INT8_KEY_BLOCK):
+    X less its mean over the sequence (K_SUM's partials / L), one scale per
+    block (X_SCALE ``[B * H, cdiv(L, BLOCK_L)]``); WITH_V: also v's tile in
+    e4m3 with the channel scales from V_AMAX's partials (V_SCALE ``[B * H,
+    D]``, written by the first block), stored transposed into VT8 (channel
+    stride ``svtd``, unit position stride)."""
+    bh = tl.program_id(1)
+    b = tl.cast(bh, tl.int64) // H
+    h = bh - b * H
+    blk = tl.program_id(0)
+    rows = blk * BLOCK_L + tl.arange(0, BLOCK_L)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < L
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    x = tl.load(X + b * sxb + h * sxh + rows[:, None].to(tl.int64) * sxl + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    if PER_TOKEN:
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), _FP32_TINY), _INT8_MAX)
+        x8 = _int8_of(x, scale[:, None])
+        tl.store(X_SCALE + tl.cast(bh, tl.int64) * L + rows, scale, mask=row_ok)
+    else:
+        partials = tl.cast(bh, tl.int64) * CHUNKS * D + tl.arange(0, CHUNKS)[:, None] * D + cols[None, :]
+        chunk_mask = (cols < D)[None, :]
+        mean = tl.div_rn(tl.sum(tl.load(K_SUM + partials, mask=chunk_mask, other=0.0), 0), L.to(tl.float32))
+        x = tl.where(mask, x - mean[None, :], 0.0)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), _FP32_TINY), _INT8_MAX)
+        x8 = _int8_of(x, scale)
+        tl.store(X_SCALE + tl.cast(bh, tl.int64) * tl.cdiv(L, BLOCK_L) + blk, scale)
+        if WITH_V:
+            v_scale = tl.div_rn(tl.maximum(tl.max(tl.load(V_AMAX + partials, mask=chunk_mask, other=0.0), 0),
+                                           _FP32_TINY), _E4M3_MAX)
+            if blk == 0:
+                tl.store(V_SCALE + tl.cast(bh, tl.int64) * D + cols, v_scale, mask=cols < D)
+            v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            v8 = tl.div_rn(v, tl.where(cols < D, v_scale, 1.0)[None, :]).to(tl.float8e4nv)
+            tl.store(VT8 + tl.cast(bh, tl.int64) * D * svtd + cols[None, :] * svtd + rows[:, None], v8, mask=mask)
+    tl.store(X8 + b * s8b + h * s8h + rows[:, None].to(tl.int64) * s8l + cols[None, :], x8, mask=mask)
+
+
 # ---------------------------------------------------------------- backward
 
 

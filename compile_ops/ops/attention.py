@@ -16,7 +16,7 @@ from torch import Tensor
 from compile_ops import _dtensor, meta, reference
 from compile_ops._library import fused_op, has_tma, launcher, register_no_gradient, require_fp8_mma
 from compile_ops.kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
-                                           attn_fwd_kernel)
+                                           attn_fwd_kernel, qk8_quantize_kernel, qk8_stats_kernel)
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
 
 # ---------------------------------------------------------------- launch configs
@@ -286,9 +286,8 @@ _attention_op.register_autograd(_backward_attention, setup_context=_setup_attent
 def _attention_int8_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2,
                        kv_lengths: Optional[Tensor] = None) -> Tensor:
     out = meta.attention.attention_int8(q, k, v, scale, causal, seq_dim, kv_lengths)
-    # The quantization is torch ops (Inductor fuses them into a few reductions
-    # under torch.compile); the specification is reference.attention's.
-    q8, q_scale, k8, k_scale = reference.attention.smooth_quantize_qk(q, k, seq_dim)
+    q, k = (unit_last_stride(t) for t in (q, k))
+    q8, q_scale, k8, k_scale = quantize_8bit(q, k, None, seq_dim)  # reference.attention's specification
     b, h, lq, _ = meta.attention.dims(q, seq_dim)
     lse = q.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
     launch_forward(q8, k8, v, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale))
@@ -300,13 +299,64 @@ register_no_gradient(_attention_int8_op, "fused.attention_int8 is inference only
                      "torch.no_grad()")
 
 
+#: Partial sums per (batch, k head) of the 8-bit quantization's sequence
+#: reductions (k's mean, v's channel amax): enough programs to fill a GPU at
+#: one head, few enough that every quantizing program reads them all.
+STAT_CHUNKS = 16
+
+
+def quantize_8bit(q: Tensor, k: Tensor, v: Optional[Tensor], seq_dim: int) -> tuple:
+    """8-bit attention's operands by Triton kernels: ``(q8, q_scale, k8,
+    k_scale)`` of ``reference.attention.smooth_quantize_qk`` and, with v,
+    ``(vt8, v_scale)`` of :func:`fp8_values_transposed`, in three launches
+    (k's and v's sequence reductions, then q, then k and v) that read each
+    16-bit input at most twice. The same values as the reference up to the
+    order of k's mean's sum (an fp32 ulp, which can move a rare k value to
+    the next integer).
+
+    Args:
+        q: ``[B, Hq, Lq, D]`` (seq_dim 2) or ``[B, Lq, Hq, D]`` (1), fp16/bf16,
+            unit-stride D.
+        k, v: ``[B, Hk, Lk, D]`` / ``[B, Lk, Hk, D]``, unit-stride D; v None for
+            16-bit P V.
+    """
+    b, h, lq, d = meta.attention.dims(q, seq_dim)
+    hk, lk = meta.attention.dims(k, seq_dim)[1:3]
+    consts = dict(D=d, BLOCK_D=block_d(d), CHUNKS=STAT_CHUNKS)
+    with_v = v is not None
+    q8, k8 = torch.empty_like(q, dtype=torch.int8), torch.empty_like(k, dtype=torch.int8)
+    q_scale = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
+    k_blocks = triton.cdiv(lk, reference.attention.INT8_KEY_BLOCK)
+    k_scale = torch.empty((b, hk, k_blocks), dtype=torch.float32, device=q.device)
+    k_sum = torch.empty((b * hk, STAT_CHUNKS, d), dtype=torch.float32, device=q.device)
+    v_amax = torch.empty_like(k_sum) if with_v else None
+    vt8 = v_scale = None
+    if with_v:
+        vt8 = torch.empty((b, hk, d, lk + -lk % 16), dtype=torch.float8_e4m3fn, device=q.device).narrow(3, 0, lk)
+        v_scale = torch.empty((b, hk, d), dtype=torch.float32, device=q.device)
+    v_strides = _bhl_strides(v, seq_dim) if with_v else (0, 0, 0)
+    if lk > 0 and b * hk > 0:
+        launcher(qk8_stats_kernel)[(STAT_CHUNKS, b * hk)](
+            k, v, k_sum, v_amax, hk, lk, *_bhl_strides(k, seq_dim), *v_strides,
+            triton.cdiv(lk, STAT_CHUNKS), BLOCK_L=64, WITH_V=with_v, num_warps=4, **consts)
+        launcher(qk8_quantize_kernel)[(k_blocks, b * hk)](
+            k, k8, k_scale, k_sum, v, vt8, v_amax, v_scale, hk, lk, *_bhl_strides(k, seq_dim),
+            *_bhl_strides(k8, seq_dim), *v_strides, vt8.stride(2) if with_v else 0,
+            BLOCK_L=reference.attention.INT8_KEY_BLOCK, PER_TOKEN=False, WITH_V=with_v, num_warps=8, **consts)
+    if lq > 0 and b * h > 0:
+        launcher(qk8_quantize_kernel)[(triton.cdiv(lq, 64), b * h)](
+            q, q8, q_scale, None, None, None, None, None, h, lq, *_bhl_strides(q, seq_dim),
+            *_bhl_strides(q8, seq_dim), 0, 0, 0, 0, BLOCK_L=64, PER_TOKEN=True, WITH_V=False, num_warps=4, **consts)
+    return (q8, q_scale, k8, k_scale) + ((vt8, v_scale) if with_v else ())
+
+
 def fp8_values_transposed(v: Tensor, seq_dim: int) -> tuple[Tensor, Tensor]:
     """``reference.attention.quantize_v_fp8`` of v (``[B, Hk, Lk, D]`` or
     ``[B, Lk, Hk, D]``) laid out as the FP8 P V kernel reads it: e4m3
     ``[B, Hk, D, Lk]`` with a unit key stride and rows padded to 16 bytes
-    (TMA's row alignment), and the channel scales ``[B, Hk, D]``. Torch ops
-    (under torch.compile, Inductor fuses the transposed write into one pass
-    after the amax reduction); the padding is rounded too, as zeros."""
+    (TMA's row alignment), and the channel scales ``[B, Hk, D]``. In torch
+    ops: the layout's specification, which :func:`quantize_8bit`'s kernel
+    writes (the padding columns, never read, excepted)."""
     vf = v.float() if seq_dim == 2 else v.float().transpose(1, 2)
     v_scale = reference.attention.fp8_channel_scales(vf)
     lk = vf.shape[2]
@@ -324,8 +374,8 @@ def _attention_int8_fp8_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal
                            kv_lengths: Optional[Tensor] = None) -> Tensor:
     out = meta.attention.attention_int8_fp8(q, k, v, scale, causal, seq_dim, kv_lengths)
     require_fp8_mma(q, "precision='int8_fp8' attention (P V in FP8)")
-    q8, q_scale, k8, k_scale = reference.attention.smooth_quantize_qk(q, k, seq_dim)
-    vt8, v_scale = fp8_values_transposed(v, seq_dim)
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))
+    q8, q_scale, k8, k_scale, vt8, v_scale = quantize_8bit(q, k, v, seq_dim)  # reference.attention's specification
     b, h, lq, _ = meta.attention.dims(q, seq_dim)
     lse = q.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
     launch_forward(q8, k8, vt8, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale),
