@@ -40,7 +40,14 @@ def patch(model, attention_processors: bool = True, attention_kernel: str = "aut
     ``TopK(...)``: sparse video self-attention; ``attention_precision="int8"``
     (or ``"int8_fp8"``, P V in FP8 too):
     8-bit dense attention for inference, after ``attention_dense_steps``); see
-    :func:`compile_ops.integrations.diffusers.patch`."""
+    :func:`compile_ops.integrations.diffusers.patch`. A Hugging Face transformers
+    model (Llama, Qwen2) goes to :func:`compile_ops.integrations.transformers.patch`."""
+    from compile_ops.integrations import transformers as _transformers
+    if _transformers.is_transformers_model(model):
+        return _transformers.patch(model, attention_processors, attention_kernel=attention_kernel, precision=precision,
+                                   fp8_fast_accum=fp8_fast_accum, attention=attention,
+                                   attention_precision=attention_precision,
+                                   attention_dense_steps=attention_dense_steps, fp8_modulation=fp8_modulation)
     from compile_ops.integrations.diffusers import patch as _patch
     return _patch(model, attention_processors, attention_kernel, precision, fp8_fast_accum, attention,
                   attention_precision, attention_dense_steps, fp8_modulation)
