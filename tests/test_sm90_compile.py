@@ -120,3 +120,25 @@ def test_attention_forward_hopper_options_compile_for_sm90(options, monkeypatch)
         src = ASTSource(fn=kernel, signature=ordered, constexprs=constants)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
         assert compiled.asm.get("cubin")
+
+
+@pytest.mark.parametrize("spec", [s for s in registry.OPS if s.name in ("attention_int8", "attention_int8_fp8")],
+                         ids=lambda s: s.name)
+def test_8bit_quantization_kernels_compile_with_constant_lengths(spec, monkeypatch):
+    """Inductor may hand a kernel a static int argument as a Python constant
+    (a compiled 8-bit attention at 32760 tokens once failed so: ``L.to`` on an
+    int): the quantization kernels compile with every int argument constant."""
+    from compile_ops.ops import attention as attention_ops
+
+    monkeypatch.setattr(attention_ops, "has_tma", lambda t: t.device.type == "cuda")
+    launches = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants)
+                in _launches(spec, torch.bfloat16).items() if name.startswith("qk8_")]
+    assert launches
+    for kernel, signature, constants in launches:
+        ints = [p for p, t in signature.items() if t in ("i32", "i64")]
+        constants = dict(constants, **{p: 1000 + i for i, p in enumerate(ints)})
+        typed = {p: ("constexpr" if p in constants else t) for p, t in signature.items()}
+        ordered = {p: typed[p] for p in kernel.arg_names if p in typed}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=ordered, constexprs=constants),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert compiled.asm.get("cubin")

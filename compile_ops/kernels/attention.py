@@ -436,7 +436,8 @@ def qk8_quantize_kernel(X, X8, X_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sx
     else:
         partials = tl.cast(bh, tl.int64) * CHUNKS * D + tl.arange(0, CHUNKS)[:, None] * D + cols[None, :]
         chunk_mask = (cols < D)[None, :]
-        mean = tl.div_rn(tl.sum(tl.load(K_SUM + partials, mask=chunk_mask, other=0.0), 0), L.to(tl.float32))
+        # (tl.cast, not L.to: Inductor may pass L as a Python int constant)
+        mean = tl.div_rn(tl.sum(tl.load(K_SUM + partials, mask=chunk_mask, other=0.0), 0), tl.cast(L, tl.float32))
         x = tl.where(mask, x - mean[None, :], 0.0)
         scale = tl.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), _FP32_TINY), _INT8_MAX)
         x8 = _int8_of(x, scale)

@@ -287,7 +287,7 @@ def _attention_int8_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bo
                        kv_lengths: Optional[Tensor] = None) -> Tensor:
     out = meta.attention.attention_int8(q, k, v, scale, causal, seq_dim, kv_lengths)
     q, k = (unit_last_stride(t) for t in (q, k))
-    q8, q_scale, k8, k_scale = quantize_8bit(q, k, None, seq_dim)  # reference.attention's specification
+    q8, q_scale, k8, k_scale = _eight_bit_operands(q, k, None, seq_dim)
     b, h, lq, _ = meta.attention.dims(q, seq_dim)
     lse = q.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
     launch_forward(q8, k8, v, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale))
@@ -350,13 +350,27 @@ def quantize_8bit(q: Tensor, k: Tensor, v: Optional[Tensor], seq_dim: int) -> tu
     return (q8, q_scale, k8, k_scale) + ((vt8, v_scale) if with_v else ())
 
 
+def _eight_bit_operands(q: Tensor, k: Tensor, v: Optional[Tensor], seq_dim: int) -> tuple:
+    """The 8-bit ops' quantized operands (:func:`quantize_8bit`'s tuple), by
+    whichever path is faster where the op runs: under torch.compile the
+    specification's torch ops, which Inductor fuses with the neighbouring
+    code (545 TFLOP/s for the whole op at 1x24x4608x128 against 510 with
+    the Triton passes, equal from 16K tokens up: bench/notes.md); eager, the
+    Triton passes (504 against 192 for a dozen torch ops at 4608 tokens,
+    771 against 590 at 32760)."""
+    if torch.compiler.is_compiling():
+        operands = reference.attention.smooth_quantize_qk(q, k, seq_dim)
+        return operands + (fp8_values_transposed(v, seq_dim) if v is not None else ())
+    return quantize_8bit(q, k, v, seq_dim)
+
+
 def fp8_values_transposed(v: Tensor, seq_dim: int) -> tuple[Tensor, Tensor]:
     """``reference.attention.quantize_v_fp8`` of v (``[B, Hk, Lk, D]`` or
     ``[B, Lk, Hk, D]``) laid out as the FP8 P V kernel reads it: e4m3
     ``[B, Hk, D, Lk]`` with a unit key stride and rows padded to 16 bytes
     (TMA's row alignment), and the channel scales ``[B, Hk, D]``. In torch
-    ops: the layout's specification, which :func:`quantize_8bit`'s kernel
-    writes (the padding columns, never read, excepted)."""
+    ops (the compiled path, and the layout's specification, which
+    :func:`quantize_8bit`'s kernel writes, padding columns excepted)."""
     vf = v.float() if seq_dim == 2 else v.float().transpose(1, 2)
     v_scale = reference.attention.fp8_channel_scales(vf)
     lk = vf.shape[2]
@@ -375,7 +389,7 @@ def _attention_int8_fp8_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal
     out = meta.attention.attention_int8_fp8(q, k, v, scale, causal, seq_dim, kv_lengths)
     require_fp8_mma(q, "precision='int8_fp8' attention (P V in FP8)")
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
-    q8, q_scale, k8, k_scale, vt8, v_scale = quantize_8bit(q, k, v, seq_dim)  # reference.attention's specification
+    q8, q_scale, k8, k_scale, vt8, v_scale = _eight_bit_operands(q, k, v, seq_dim)
     b, h, lq, _ = meta.attention.dims(q, seq_dim)
     lse = q.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
     launch_forward(q8, k8, vt8, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale),
