@@ -29,9 +29,11 @@ def _fake_cuda(args):
                  if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def _launches(spec, dtype):
+def _launches(spec, dtype, body=None):
     """``{key: (kernel, signature, constexprs)}`` of every launch of the op's body
-    over its edge inputs and one DiT-sized input."""
+    (or of ``body``, called with the op's arguments) over its edge inputs and
+    one DiT-sized input."""
+    body = body or OP_BODIES[spec.qualname]
     cases = list(spec.edge_inputs(dtype, "cpu", False))
     with FakeTensorMode(allow_non_fake_inputs=True):
         if spec.make_inputs is not None:
@@ -39,7 +41,7 @@ def _launches(spec, dtype):
                 cases.append(spec.make_inputs((2, 64, 3072), dtype, "meta", False))
         launches = {}
         for args in cases:
-            gm = make_fx(lambda *a: OP_BODIES[spec.qualname](*a))(*_fake_cuda(args))
+            gm = make_fx(lambda *a: body(*a))(*_fake_cuda(args))
             for node in gm.graph.nodes:
                 if node.target is not torch.ops.higher_order.triton_kernel_wrapper_mutation:
                     continue
@@ -124,21 +126,25 @@ def test_attention_forward_hopper_options_compile_for_sm90(options, monkeypatch)
 
 @pytest.mark.parametrize("spec", [s for s in registry.OPS if s.name in ("attention_int8", "attention_int8_fp8")],
                          ids=lambda s: s.name)
-def test_8bit_quantization_kernels_compile_with_constant_lengths(spec, monkeypatch):
-    """Inductor may hand a kernel a static int argument as a Python constant
-    (a compiled 8-bit attention at 32760 tokens once failed so: ``L.to`` on an
-    int): the quantization kernels compile with every int argument constant."""
+def test_8bit_quantization_kernels_compile_for_sm90(spec):
+    """The Triton quantization passes of eager 8-bit attention (traced, the
+    ops take the specification's torch ops, so the op bodies above do not
+    reach them): every variant compiles for sm_90, with its int arguments as
+    arguments and as constants (Inductor may pass a static int so: ``L.to``
+    on an int once failed to compile)."""
     from compile_ops.ops import attention as attention_ops
 
-    monkeypatch.setattr(attention_ops, "has_tma", lambda t: t.device.type == "cuda")
-    launches = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants)
-                in _launches(spec, torch.bfloat16).items() if name.startswith("qk8_")]
-    assert launches
+    def quantize(q, k, v, scale, causal, seq_dim, kv_lengths):
+        return attention_ops.quantize_8bit(q, k, v if spec.name == "attention_int8_fp8" else None, seq_dim)
+
+    launches = list(_launches(spec, torch.bfloat16, quantize).values())
+    assert {kernel.fn.__name__ for kernel, _, _ in launches} == {"qk8_stats_kernel", "qk8_quantize_kernel"}
     for kernel, signature, constants in launches:
         ints = [p for p, t in signature.items() if t in ("i32", "i64")]
-        constants = dict(constants, **{p: 1000 + i for i, p in enumerate(ints)})
-        typed = {p: ("constexpr" if p in constants else t) for p, t in signature.items()}
-        ordered = {p: typed[p] for p in kernel.arg_names if p in typed}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=ordered, constexprs=constants),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        assert compiled.asm.get("cubin")
+        for constant_ints in (False, True):
+            consts = dict(constants, **({p: 1000 + i for i, p in enumerate(ints)} if constant_ints else {}))
+            typed = {p: ("constexpr" if p in consts else t) for p, t in signature.items()}
+            ordered = {p: typed[p] for p in kernel.arg_names if p in typed}
+            compiled = triton.compile(ASTSource(fn=kernel, signature=ordered, constexprs=consts),
+                                      target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            assert compiled.asm.get("cubin")

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import triton
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from compile_ops import _dtensor, meta, reference
 from compile_ops._library import fused_op, has_tma, launcher, register_no_gradient, require_fp8_mma
@@ -332,7 +333,10 @@ def quantize_8bit(q: Tensor, k: Tensor, v: Optional[Tensor], seq_dim: int) -> tu
     v_amax = torch.empty_like(k_sum) if with_v else None
     vt8 = v_scale = None
     if with_v:
-        vt8 = torch.empty((b, hk, d, lk + -lk % 16), dtype=torch.float8_e4m3fn, device=q.device).narrow(3, 0, lk)
+        # The kernel is handed the whole padded buffer, not the narrowed view the attention kernel
+        # reads: a traced kernel mutating a view made Inductor emit an e4m3 slice copy that failed
+        # to compile (tl.full of fp8) at 32760 tokens.
+        vt8 = torch.empty((b, hk, d, lk + -lk % 16), dtype=torch.float8_e4m3fn, device=q.device)
         v_scale = torch.empty((b, hk, d), dtype=torch.float32, device=q.device)
     v_strides = _bhl_strides(v, seq_dim) if with_v else (0, 0, 0)
     if lk > 0 and b * hk > 0:
@@ -347,18 +351,19 @@ def quantize_8bit(q: Tensor, k: Tensor, v: Optional[Tensor], seq_dim: int) -> tu
         launcher(qk8_quantize_kernel)[(triton.cdiv(lq, 64), b * h)](
             q, q8, q_scale, None, None, None, None, None, h, lq, *_bhl_strides(q, seq_dim),
             *_bhl_strides(q8, seq_dim), 0, 0, 0, 0, BLOCK_L=64, PER_TOKEN=True, WITH_V=False, num_warps=4, **consts)
-    return (q8, q_scale, k8, k_scale) + ((vt8, v_scale) if with_v else ())
+    return (q8, q_scale, k8, k_scale) + ((vt8.narrow(3, 0, lk), v_scale) if with_v else ())
 
 
 def _eight_bit_operands(q: Tensor, k: Tensor, v: Optional[Tensor], seq_dim: int) -> tuple:
-    """The 8-bit ops' quantized operands (:func:`quantize_8bit`'s tuple), by
-    whichever path is faster where the op runs: under torch.compile the
-    specification's torch ops, which Inductor fuses with the neighbouring
-    code (545 TFLOP/s for the whole op at 1x24x4608x128 against 510 with
-    the Triton passes, equal from 16K tokens up: bench/notes.md); eager, the
-    Triton passes (504 against 192 for a dozen torch ops at 4608 tokens,
-    771 against 590 at 32760)."""
-    if torch.compiler.is_compiling():
+    """The 8-bit ops' quantized operands (:func:`quantize_8bit`'s tuple).
+    Traced (fake tensors: torch.compile's Inductor lowering, torch.export,
+    the fake-CUDA tests), the specification's torch ops, which Inductor
+    fuses with the neighbouring code: the whole op at 545 TFLOP/s at
+    1x24x4608x128 against 510 with the Triton passes traced in its place,
+    equal from 16K tokens up (bench/notes.md). Run eagerly, the Triton
+    passes: 500 against 192 for a dozen torch ops at 4608 tokens, 760
+    against 590 at 32760."""
+    if is_fake(q):
         operands = reference.attention.smooth_quantize_qk(q, k, seq_dim)
         return operands + (fp8_values_transposed(v, seq_dim) if v is not None else ())
     return quantize_8bit(q, k, v, seq_dim)
