@@ -30,6 +30,11 @@ ops sort them), so the listed tiles that need a mask are a contiguous run,
 the same run as the dense loop's: with every block listed, sparse and dense
 attention run the same code on the same tiles in the same order.
 
+8-bit attention (the forward's ``INT8`` and ``PV_FP8`` options) reads
+operands that ``qk8_stats_kernel`` and ``qk8_quantize_kernel`` write when the
+ops run eagerly: k's column sums and v's channel amax in fixed partials, then
+q per token, k per 128-key block in INT8 and v in e4m3, transposed.
+
 Offsets of the (batch, head) bases are int64; q, k, v, dO and O have a unit
 stride along D (the launcher guarantees it); D is padded to ``BLOCK_D``.
 """
