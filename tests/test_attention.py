@@ -417,6 +417,33 @@ def test_fp8_pv_specification_rounds_v_per_channel_and_p_against_the_running_max
     assert err < 6e-2 and _relative_l2(tiled, int8) < 6e-2  # e4m3's 3 mantissa bits: ~3.5e-2; a wrong scale is O(1)
 
 
+@given(st.integers(1, 300), st.integers(1, 40), st.sampled_from(["normal", "outlier", "zero_channel", "tiny"]),
+       st.integers(0, 2 ** 16))
+def test_fp8_v_quantization_properties(length, d, kind, seed):
+    """quantize_v_fp8 for any length and width: scales ``[B, H, D]`` equal to
+    each channel's amax / 448 (the floor for an all-zero channel, whose values
+    stay 0), each channel's largest value at +-448, and every dequantized value
+    within half an e4m3 step of the input: 2**-4 of it in e4m3's normal range,
+    2**-10 of the scale below (subnormals), plus fp32's rounding of v / scale."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(2, 3, length, d, generator=g)
+    if kind == "outlier":
+        v[..., length // 2, d // 2] = 1e4
+    elif kind == "zero_channel":
+        v[..., d // 2] = 0
+    elif kind == "tiny":
+        v = v * 1e-30
+    v8, scale = ref.quantize_v_fp8(v)
+    assert v8.dtype == torch.float8_e4m3fn and scale.shape == (2, 3, d) and scale.dtype == torch.float32
+    amax = v.abs().amax(2)
+    torch.testing.assert_close(scale, amax.clamp(min=torch.finfo(torch.float32).tiny) / 448, rtol=0, atol=0)
+    values = v8.float()
+    assert torch.equal(values.abs().amax(2) == 448, amax > 0)  # full range used, zero channels stay zero
+    step = (values * scale.unsqueeze(2) - v).abs()
+    bound = torch.maximum(v.abs() * 2.0 ** -4, scale.unsqueeze(2) * 2.0 ** -10) * (1 + 2.0 ** -20)
+    assert (step <= bound).all()
+
+
 @pytest.mark.kernels
 @pytest.mark.parametrize("precision", list(EIGHT_BIT))
 @pytest.mark.parametrize("seq_dim, causal, lengths, hq, hk, lq, lk, d", [
