@@ -17,7 +17,7 @@ import torch
 import compile_ops
 from compile_ops.integrations import transformers as integration
 from compile_ops.modules import norm as norm_modules
-from test_diffusers_patch import DEVICE, TOL, _assert_gradient_close
+from patch_checks import DEVICE, TOL, assert_patched_matches_forward_and_backward
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,16 +64,7 @@ def _inputs(length, batch=2):
 def test_patched_model_matches_the_original_forward_and_backward(name):
     model, patched, _ = _pair(name)
     torch.manual_seed(1)
-    args = _inputs(9)
-    want = model(**args).logits
-    got = patched(**args).logits
-    torch.testing.assert_close(got, want, **TOL)
-    weights = torch.randn_like(want)
-    (want * weights).sum().backward()
-    (got * weights).sum().backward()
-    grads = dict(model.named_parameters())
-    for path, p in patched.named_parameters():
-        _assert_gradient_close(p.grad, grads[path].grad, path)
+    assert_patched_matches_forward_and_backward(model, patched, _inputs(9), lambda out: out.logits)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])

@@ -116,6 +116,14 @@ def _offloads(hook) -> bool:
     return bool(getattr(hook, "offload", False)) or any(_offloads(h) for h in getattr(hook, "hooks", ()))
 
 
+def _swap_module(parent: nn.Module, name: str, old: nn.Module, new: nn.Module, undo: list) -> None:
+    """Put ``new`` in ``old``'s place as ``parent.<name>``, with old's
+    accelerate hook, and record the swap for :func:`unpatch`."""
+    setattr(parent, name, new)
+    _carry_accelerate_hook(old, new)
+    undo.append(("module", parent, name, old))
+
+
 def _carry_accelerate_hook(old: nn.Module, new: nn.Module) -> None:
     """Give ``new`` the accelerate hook of the module it replaces. The hook
     moves (or loads from its weights map) the module's tensors by name around
@@ -1094,18 +1102,14 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
                     report.left.append((path, block[0], "a forward or norms the fused block does not reproduce; "
                                                         "its modules are patched inside"))
                 else:
-                    setattr(module, name, new)
-                    _carry_accelerate_hook(child, new)
-                    undo.append(("module", module, name, child))
+                    _swap_module(module, name, child, new, undo)
                     report.replaced.append((path, block[0], f"compile_ops {block[1].__name__} (fused seams)"))
                 walk(new or child, path)  # the block's own modules
                 continue
             rule = rules.get(type(child))
             new = rule[1](child) if rule else None
             if new is not None:
-                setattr(module, name, new)
-                _carry_accelerate_hook(child, new)
-                undo.append(("module", module, name, child))
+                _swap_module(module, name, child, new, undo)
                 report.replaced.append((path, rule[0], f"compile_ops.{type(new).__name__}"))
                 continue  # the replacement owns the subtree
             if rule:

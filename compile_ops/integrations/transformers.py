@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from compile_ops.integrations.diffusers import PatchReport, _STATE, _carry_accelerate_hook, _check_order, _on_meta
+from compile_ops.integrations.diffusers import PatchReport, _STATE, _check_order, _on_meta, _swap_module
 from compile_ops.integrations.diffusers import patch as _diffusers_patch
 from compile_ops.modules.norm import RMSNorm
 from compile_ops.ops.glu import swiglu
@@ -254,9 +254,7 @@ def patch(model: nn.Module, attention_processors: bool = True, **diffusers_optio
             rule = rules.get(type(child))
             new = rule[1](child) if rule else None
             if new is not None:
-                setattr(module, name, new)
-                _carry_accelerate_hook(child, new)
-                undo.append(("module", module, name, child))
+                _swap_module(module, name, child, new, undo)
                 report.replaced.append((path, rule[0], f"compile_ops {type(new).__name__}"))
                 continue  # the replacement holds the original's children, which need nothing
             if rule:

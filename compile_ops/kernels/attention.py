@@ -41,6 +41,8 @@ stride along D (the launcher guarantees it); D is padded to ``BLOCK_D``.
 import triton
 import triton.language as tl
 
+from compile_ops.kernels.fp8 import E4M3_MAX
+
 
 @triton.jit
 def _tile_ptrs(base, start, offs, stride_row, cols):
@@ -362,19 +364,17 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
 
 # ---------------------------------------------------------------- 8-bit operands
 
-#: Adding and subtracting 1.5 * 2**23 rounds an fp32 |x| < 2**22 to an integer,
-#: half to even (fp32 addition rounds so): torch.round's rounding.
-_RNE_MAGIC = tl.constexpr(12582912.0)
 _INT8_MAX = tl.constexpr(127.0)
-_E4M3_MAX = tl.constexpr(448.0)
 _FP32_TINY = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit
 def _int8_of(x, scale):
     """``round_half_even(x / scale)`` clamped to [-127, 127], as int8 (the
-    division correctly rounded, as torch's)."""
-    r = (tl.div_rn(x, scale) + _RNE_MAGIC) - _RNE_MAGIC
+    division correctly rounded, as torch's). Adding and subtracting
+    ``_INT8_BIAS`` (1.5 * 2**23) rounds an fp32 |x| < 2**22 to an integer, half
+    to even, as fp32 addition rounds: torch.round's rounding."""
+    r = (tl.div_rn(x, scale) + _INT8_BIAS) - _INT8_BIAS
     return tl.minimum(tl.maximum(r, -_INT8_MAX), _INT8_MAX).to(tl.int8)
 
 
@@ -449,7 +449,7 @@ def qk8_quantize_kernel(X, X8, X_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sx
         tl.store(X_SCALE + tl.cast(bh, tl.int64) * tl.cdiv(L, BLOCK_L) + blk, scale)
         if WITH_V:
             v_scale = tl.div_rn(tl.maximum(tl.max(tl.load(V_AMAX + partials, mask=chunk_mask, other=0.0), 0),
-                                           _FP32_TINY), _E4M3_MAX)
+                                           _FP32_TINY), E4M3_MAX)
             if blk == 0:
                 tl.store(V_SCALE + tl.cast(bh, tl.int64) * D + cols, v_scale, mask=cols < D)
             v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask,
