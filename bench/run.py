@@ -1,10 +1,13 @@
 """Benchmark runner: every registry op at DiT shapes, fused against native PyTorch and peers.
 
     python bench/run.py [--ops rmsnorm,layernorm] [--quick] [--out bench/results]
+    python bench/run.py --profile rmsnorm,attention [--out bench/results]
 
 On a CUDA machine it writes ``<out>/<gpu>.json`` (e.g. ``bench/results/h100.json``),
 prints the table (``bench/report.py``) and writes ``<out>/<gpu>.png``. Without
 CUDA it runs the CPU demo (``bench/demo.py``) instead and exits with its status.
+``--profile OPS`` runs Nsight Compute on each op's kernels instead of timing
+(``bench/nsight.py``: DRAM throughput, occupancy, stall reasons per kernel).
 
 This file only parses arguments and dispatches: the op benchmark and its
 method are in ``bench/ops.py``; a full run (no ``--ops``) then runs
@@ -34,6 +37,8 @@ def parse_args(argv=None):
                    help="directory for <gpu>.json and <gpu>.png (default: bench/results)")
     p.add_argument("--merge", action="store_true",
                    help="keep the other ops' rows of an existing <gpu>.json (same GPU and versions)")
+    p.add_argument("--profile", default="", metavar="OPS",
+                   help="comma-separated ops to profile with ncu (bench/nsight.py) instead of the benchmark")
     return p.parse_args(argv)
 
 
@@ -44,6 +49,10 @@ def main(argv=None) -> int:
         log("run.py: no CUDA device here, so no benchmark; running the CPU demo (bench/demo.py) instead.")
         from bench import demo
         return demo.main()
+    if args.profile:
+        from bench import nsight
+
+        return max(nsight.profile(op.strip(), args.out) for op in args.profile.split(",") if op.strip())
     from bench import ops
 
     status = ops.run(args.ops, args.quick, args.out, args.merge)

@@ -158,6 +158,12 @@ def log_sum_exp(shape, call: Call) -> Axes:
     return {BATCH: 0, HEADS: 1, SEQUENCE: 2}
 
 
+def fp8_rows(shape, call: Call) -> Axes:
+    """8-bit attention's FP8 output rows: values ``[B, Lq, Hq, D]`` and scales
+    ``[B, Lq]``, in that layout whatever q's."""
+    return {BATCH: 0, SEQUENCE: 1, **({HEADS: 2} if len(shape) == 4 else {})}
+
+
 def per_sample(shape, call: Call) -> Axes:
     """kv_lengths ``[B]``."""
     return {BATCH: 0}
@@ -210,6 +216,11 @@ def batch_sequence_heads(call: Call) -> tuple:
 def batch_heads(call: Call) -> tuple:
     """Attention needs every key for each query, and grid RoPE the global token index."""
     return (BATCH, HEADS)
+
+
+def batch_only(call: Call) -> tuple:
+    """An op that reduces over every head and position of a batch element."""
+    return (BATCH,)
 
 
 def no_axes(call: Call) -> tuple:
@@ -306,6 +317,10 @@ RULES: dict[str, Rule] = {
     # whole sequence, which batch and head shards keep whole.
     "attention_int8": Rule(_ATTENTION_ARGS, (Out("q", heads_layout),), batch_heads, "q"),
     "attention_int8_fp8": Rule(_ATTENTION_ARGS, (Out("q", heads_layout),), batch_heads, "q"),
+    # Its FP8 rows: the rows' scale is a max over every head of v, so only
+    # batch shards keep it whole; the values are [B, Lq, Hq, D] and the
+    # scales [B, Lq] whatever q's layout.
+    "attention_int8_fp8_rows": Rule(_ATTENTION_ARGS, (Out("q", fp8_rows), Out("q", fp8_rows)), batch_only, "q"),
     "block_sparse_attention": Rule({**_ATTENTION_ARGS, **_BLOCK_LISTS},
                                    (Out("q", heads_layout), Out("q", log_sum_exp)), batch_heads, "q"),
     "block_sparse_attention_backward": Rule({**_ATTENTION_BACKWARD_ARGS, **_BLOCK_LISTS}, _ATTENTION_GRADS,

@@ -716,6 +716,9 @@ OPS: tuple[OpSpec, ...] = (
            _attention_int8_edges, differentiable=False),
     OpSpec("attention_int8_fp8", "attention", reference.attention.attention_int8_fp8, _make_attention_int8,
            _attention_int8_edges, differentiable=False),
+    # Its output as the FP8 rows of the output projection (issue 26's epilogue).
+    OpSpec("attention_int8_fp8_rows", "attention", reference.attention.attention_int8_fp8_rows,
+           _make_attention_int8, _attention_int8_edges, differentiable=False),
     OpSpec("block_sparse_attention", "block_sparse", reference.block_sparse.block_sparse_attention,
            _make_block_sparse, _block_sparse_edges, tf32=True),
     OpSpec("block_sparse_attention_backward", "block_sparse", reference.block_sparse.block_sparse_attention_backward,

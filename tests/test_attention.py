@@ -474,6 +474,105 @@ def test_kernels_int8_match_the_same_quantization(precision, seq_dim, causal, le
         assert to_spec < bounds[dtype], to_spec
 
 
+def _e4m3_index(x: torch.Tensor) -> torch.Tensor:
+    """Each e4m3 value's signed position on e4m3's number line (+-0 at 0):
+    adjacent representable values differ by 1."""
+    bits = x.view(torch.uint8).int()
+    magnitude = bits & 0x7F
+    return torch.where(bits & 0x80 > 0, -magnitude, magnitude)
+
+
+def test_fp8_rows_specification_bounds_the_output_by_v_and_rounds_it_once():
+    """attention_int8_fp8_rows: one scale per batch element, twice the largest
+    of v's channel scales (the floor for an all-zero v), on every row; no
+    value saturates (|out| <= 448 * v_scale of its channel, p's rounding
+    adds at most 2**-4); every value is out's fp32 result rounded once to
+    e4m3 (within half a step of attention_int8_fp8's, which rounds out to
+    16 bits first). The cost of the bound against a per-row amax scale is
+    printed: e4m3's exponent keeps it small."""
+    from compile_ops.reference import fp8 as ref_fp8
+
+    torch.manual_seed(0)
+    q, k, v = _int8_case(1, 2, 4, 2, 70, 300, 32, torch.bfloat16, "cpu")
+    v[1, :, 1, 5] *= 40.0  # an outlier channel in one batch element: only its scale moves
+    values, row_scale = ref.attention_int8_fp8_rows(q, k, v, 0.2, False, 1)
+    assert values.shape == (2, 70, 4, 32) and values.dtype == torch.float8_e4m3fn
+    assert row_scale.shape == (2, 70) and row_scale.dtype == torch.float32
+    _, v_scale = ref.quantize_v_fp8(v.float().transpose(1, 2))
+    want_scale = 2 * v_scale.flatten(1).amax(1)
+    assert torch.equal(row_scale, want_scale[:, None].expand(2, 70))
+    assert want_scale[1] > 10 * want_scale[0]
+    assert values.float().abs().max() < 448 * 17 / 32  # |out| / scale <= 224 (1 + 2**-4): nothing clamps
+    out16 = ref.attention_int8_fp8(q, k, v, 0.2, False, 1).float()
+    dequantized = values.float() * row_scale[:, :, None, None]
+    step = torch.maximum(out16.abs() * 2.0 ** -4, row_scale[:, :, None, None] * 2.0 ** -9)
+    assert ((dequantized - out16).abs() <= step).all()  # half a step from fp32, plus bf16's rounding of out16
+    per_row = ref_fp8.quantize_fp8_rows(out16.flatten(2, 3))
+    per_row = (per_row[0].float() * per_row[1][..., None]).unflatten(2, (4, 32))
+    for b in range(2):  # batch 1's rows are dominated by the outlier channel, which a per-row scale hits exactly
+        err, per_row_err = _relative_l2(dequantized[b], out16[b]), _relative_l2(per_row[b], out16[b])
+        print(f"FP8 rows against the 16-bit output, batch {b}: bound scale {err:.2e}, per-row amax scale "
+              f"{per_row_err:.2e}")
+        assert err < 4e-2
+
+    zeros, zero_scale = ref.attention_int8_fp8_rows(q, k, torch.zeros_like(v), 0.2, False, 1)
+    assert (zeros.float() == 0).all() and torch.isfinite(zero_scale).all() and (zero_scale > 0).all()
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("seq_dim, causal, lengths, hq, hk, lq, lk, d", [
+    (1, False, None, 2, 2, 130, 300, 64),   # two query tiles, a partial last key tile
+    (2, True, (30, 266), 4, 2, 50, 266, 40),  # SDPA's layout in, [B, L, H, D] rows out; GQA, padded keys, D padded
+])
+def test_kernels_fp8_rows_match_the_specification(seq_dim, causal, lengths, hq, hk, lq, lk, d):
+    """The FP8 output epilogue. Exactly: its scales equal the specification's,
+    and its values are the same kernel's 16-bit output (``precision="int8_fp8"``)
+    times the scale's reciprocal rounded to e4m3, within one step (the 16-bit
+    output was rounded once more) and rarely off at all. Against the
+    specification (attention_int8_fp8_rows) as a whole, dequantized: the
+    16-bit kernel's distance to its specification plus e4m3's rounding of
+    that difference. Distances are printed, with the rows' to exact attention."""
+    torch.manual_seed(0)
+    q, k, v = _int8_case(seq_dim, 2, hq, hk, lq, lk, d, torch.float16, KERNEL_DEVICE)
+    kv_lengths = None if lengths is None else torch.tensor(lengths, device=KERNEL_DEVICE)
+    with torch.no_grad():
+        rows = compile_ops.attention_fp8_rows(q, k, v, causal=causal, seq_dim=seq_dim, kv_lengths=kv_lengths)
+        out16 = compile_ops.attention(q, k, v, causal=causal, seq_dim=seq_dim, kv_lengths=kv_lengths,
+                                      precision="int8_fp8")
+    assert rows.q.shape == (2, lq, hq * d) and rows.q.dtype == torch.float8_e4m3fn and rows.scale.shape == (2, lq)
+    lengths_cpu = None if kv_lengths is None else kv_lengths.cpu()
+    want, want_scale = ref.attention_int8_fp8_rows(q.cpu(), k.cpu(), v.cpu(), d ** -0.5, causal, seq_dim, lengths_cpu)
+    assert torch.equal(rows.scale.cpu(), want_scale)
+    out16 = (out16 if seq_dim == 1 else out16.transpose(1, 2)).flatten(2, 3).cpu().float()
+    inverse = torch.ones_like(want_scale) / want_scale
+    rounded = (out16 * inverse[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    steps = (_e4m3_index(rows.q.cpu()) - _e4m3_index(rounded)).abs()
+    assert steps.max() <= 1 and steps.float().mean() < 0.01, (steps.max(), steps.float().mean())
+    dequantized = rows.q.cpu().double() * want_scale[..., None].double()
+    to_spec = _relative_l2(dequantized, want.flatten(2, 3).double() * want_scale[..., None].double())
+    exact = _exact_of(q, k, v, d ** -0.5, causal, seq_dim, lengths_cpu)
+    to_exact = _relative_l2(dequantized, (exact if seq_dim == 1 else exact.transpose(1, 2)).flatten(2, 3))
+    print(f"FP8 rows kernel: {steps.float().mean():.2%} of values a step from its 16-bit output's; to the "
+          f"specification {to_spec:.2e}, to exact attention {to_exact:.2e}")
+    assert to_spec < 3e-2, to_spec  # a wrong scale or layout is O(1)
+
+
+def test_fp8_rows_compile_with_fullgraph_and_refuse_a_gradient():
+    torch.manual_seed(0)
+    q, k, v = _int8_case(1, 1, 2, 2, 9, 9, 16, torch.float16, "cpu")
+    attend = lambda q, k, v: compile_ops.attention_fp8_rows(q, k, v, seq_dim=1)  # noqa: E731
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    got, want = compiled(q, k, v), attend(q, k, v)
+    assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(got.scale, want.scale)
+    torch._dynamo.reset()
+    q.requires_grad_()
+    with pytest.raises(RuntimeError, match="compile_ops.attention_fp8_rows: an input requires grad"):
+        compile_ops.attention_fp8_rows(q, k, v, seq_dim=1)
+    with pytest.raises(TypeError, match="fused.attention_int8_fp8_rows: q, k and v must be float16 or bfloat16"):
+        with torch.no_grad():
+            compile_ops.attention_fp8_rows(q.float(), k.float(), v.float(), seq_dim=1)
+
+
 @pytest.mark.kernels
 @pytest.mark.parametrize("seq_dim, b, hq, hk, lq, lk, d", [
     (1, 2, 4, 2, 50, 300, 40),   # GQA, D padded, a partial last key block, v's rows padded to 16

@@ -1104,6 +1104,45 @@ def test_int8_attention_precision_runs_8_bit_attention_on_16_bit_inference_only(
         compile_ops.patch(MODELS[name]()[0], attention_precision="fp8")
 
 
+@pytest.mark.parametrize("name, rows_calls", [("flux", 1), ("wan", 4)])
+def test_fp8_linears_with_fp8_pv_attention_take_the_attention_output_as_fp8_rows(name, rows_calls, monkeypatch):
+    """``patch(precision="fp8", attention_precision="int8_fp8")``: attention
+    whose output projection is an FP8Linear hands it FP8 rows from the
+    kernel's epilogue (``compile_ops.attention_fp8_rows``: Wan's self- and
+    cross-attention, Flux's double-stream blocks; the single-stream block
+    concatenates the output with its MLP's, and keeps the 16-bit output).
+    Against the same model with that output quantized per row by a pass of
+    its own, the step output moves by about e4m3's rounding (printed)."""
+    torch.manual_seed(0)
+    model, inputs = FP8_MODELS[name]()
+    model = model.to(DEVICE, torch.bfloat16).eval()
+    rows_model, pass_model = copy.deepcopy(model), copy.deepcopy(model)
+    for m in (rows_model, pass_model):
+        compile_ops.patch(m, precision="fp8", attention_precision="int8_fp8")
+    args = _bf16(_to(inputs(4), DEVICE))
+    calls = []
+    rows = integration.attention_fp8_rows
+
+    def counted(*a, **kw):
+        calls.append(a[0].shape)
+        return rows(*a, **kw)
+
+    def quantized_by_a_pass(q, k, v, seq_dim, kv_lengths):  # what the processors did before the epilogue
+        out = compile_ops.attention(q, k, v, seq_dim=seq_dim, kv_lengths=kv_lengths, precision="int8_fp8")
+        return compile_ops.quantize_fp8_rows(out.flatten(2, 3))
+
+    with torch.no_grad():
+        monkeypatch.setattr(integration, "attention_fp8_rows", counted)
+        got = rows_model(**args).sample
+        assert len(calls) == rows_calls, calls
+        monkeypatch.setattr(integration, "attention_fp8_rows", quantized_by_a_pass)
+        want = pass_model(**args).sample
+    err = _relative_l2(got, want)
+    print(f"{name}: attention output as FP8 rows (epilogue's bound scale) vs a per-row quantization pass: "
+          f"step output relative L2 {err:.2e}")
+    assert 0 < err < 5e-2
+
+
 def test_int8_attention_dense_steps_keep_the_first_denoising_steps_exact(monkeypatch):
     """``attention_dense_steps=2``: the first two denoising steps of a
     generation (distinct timesteps; a repeated one is classifier-free

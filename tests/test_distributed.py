@@ -204,6 +204,10 @@ def _attention_int8(seq_dim, q, k, v, precision="int8"):
     return compile_ops.attention(q, k, v, seq_dim=seq_dim, precision=precision)
 
 
+def _attention_fp8_rows(seq_dim, q, k, v):
+    return _as_floats(compile_ops.attention_fp8_rows(q, k, v, seq_dim=seq_dim))
+
+
 def _attention_int8_inputs(seq_dim):
     """16-bit q, k, v (8-bit attention's inputs), inference: no gradient."""
     def qkv(heads, length):
@@ -226,6 +230,13 @@ def _attention_cases():
         if seq_dim == 1:
             yield Case("attention_int8_fp8_seq_dim1/sequence", partial(_attention_int8, 1, precision="int8_fp8"),
                        _attention_int8_inputs(1), (Shard(1),) * 3, (Shard(1),))
+        # Its FP8 output rows: the scale is a max over every head of v, so batch
+        # shards stay local and head shards are gathered (replicated outputs).
+        rows = partial(_attention_fp8_rows, seq_dim)
+        yield Case(f"attention_fp8_rows_seq_dim{seq_dim}/batch", rows, _attention_int8_inputs(seq_dim),
+                   (Shard(0),) * 3, (Shard(0), Shard(0)))
+        yield Case(f"attention_fp8_rows_seq_dim{seq_dim}/heads", rows, _attention_int8_inputs(seq_dim),
+                   (Shard(heads),) * 3, (R, R))
     for seq_dim in (2, 1):
         heads = 3 - seq_dim
         for axis, d in (("batch", 0), ("heads", heads)):

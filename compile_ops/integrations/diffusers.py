@@ -39,7 +39,7 @@ from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.hooks import must_call
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
-from compile_ops.ops.attention import attention
+from compile_ops.ops.attention import attention, attention_fp8_rows
 from compile_ops.ops.fp8 import FP8Rows, quantize_fp8_rows
 from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
                                       gated_residual_norm_modulate_fp8, norm_modulate, norm_modulate_fp8)
@@ -537,14 +537,19 @@ class _FusedProcessor:
     attention_precision = "exact"
     int8_schedule: Optional[DenseFirst] = None
 
-    def attend(self, query, key, value, kv_lengths=None):
+    def attend(self, query, key, value, kv_lengths=None, fp8_rows: bool = False):
         """Attention of ``[B, L, H, D]`` q, k, v; ``kv_lengths [B]``: keys past
         each sample's length are masked (padded text tokens at the end).
         Under ``attention_precision="int8"`` or ``"int8_fp8"``, 16-bit
         inference calls run 8-bit attention; calls that need a gradient
-        (training) and fp32 ones keep the exact kernels."""
+        (training) and fp32 ones keep the exact kernels. ``fp8_rows`` (the
+        caller's output projection is an :class:`FP8Linear`): where
+        ``"int8_fp8"`` runs, the output comes as :class:`FP8Rows` ``[B, L, H * D]``
+        from the kernel's epilogue (:func:`attention_fp8_rows`), else as a tensor."""
         if self.attention_precision != "exact" and (self.int8_schedule is None or self.int8_schedule.active) \
                 and query.dtype in (torch.float16, torch.bfloat16) and not _needs_gradient(query, key, value):
+            if fp8_rows and self.attention_precision == "int8_fp8":
+                return attention_fp8_rows(query, key, value, seq_dim=1, kv_lengths=kv_lengths)
             return attention(query, key, value, seq_dim=1, kv_lengths=kv_lengths,
                              precision=self.attention_precision)
         if self.kernel == "sdpa" or (self.kernel == "auto" and _sdpa_is_faster(query, key, value)):
@@ -557,13 +562,13 @@ class _FusedProcessor:
             return out.transpose(1, 2)
         return attention(query, key, value, seq_dim=1, kv_lengths=kv_lengths)
 
-    def attend_self(self, query, key, value, text_tokens: int = 0, kv_lengths=None):
+    def attend_self(self, query, key, value, text_tokens: int = 0, kv_lengths=None, fp8_rows: bool = False):
         """Video self-attention of ``[B, L, H, D]`` q, k, v (the last
         ``text_tokens`` of L text, attended densely): the sparse plan's layout
-        for this call where one is set, else :meth:`attend`."""
+        for this call where one is set, else :meth:`attend` (``fp8_rows`` as there)."""
         layout = None if self.sparse is None else self.sparse.layout
         if layout is None:
-            return self.attend(query, key, value, kv_lengths)
+            return self.attend(query, key, value, kv_lengths, fp8_rows)
         if layout.text_tokens != text_tokens:
             raise RuntimeError(f"compile_ops sparse attention: the layout was built for {layout.text_tokens} text "
                                f"tokens, this attention has {text_tokens}; this is a compile_ops bug")
@@ -615,6 +620,12 @@ def _projection_inputs(attn, hidden_states, encoder_hidden_states=None) -> tuple
         x = _shared_input(hidden_states, attn.to_q, attn.to_k, attn.to_v)
         return x, x
     return hidden_states, _shared_input(encoder_hidden_states, attn.to_k, attn.to_v)
+
+
+def _heads_joined(out, dtype: torch.dtype):
+    """Attention's ``[B, L, H, D]`` output as the ``[B, L, H * D]`` rows of
+    the output projection, in ``dtype``; FP8 rows (already joined) as they are."""
+    return out if isinstance(out, FP8Rows) else out.flatten(2, 3).to(dtype)
 
 
 def _tokens(x) -> int:
@@ -688,10 +699,19 @@ class FluxAttnProcessor(_FusedProcessor):
                                                   rows(0, _tokens(encoder_hidden_states)))
             query, key = torch.cat([text_query, query], dim=1), torch.cat([text_key, key], dim=1)
             value = torch.cat([heads(attn.add_v_proj(c)), value], dim=1)
-        out = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
+        # Double-stream blocks' output projections can read FP8 rows; the
+        # single-stream block concatenates the output with its MLP's first.
+        fp8_rows = encoder_hidden_states is not None and isinstance(attn.to_out[0], FP8Linear) \
+            and isinstance(attn.to_add_out, FP8Linear)
+        out = _heads_joined(self.attend(query, key, value, fp8_rows=fp8_rows), query.dtype)
         if encoder_hidden_states is None:
             return out
-        text, image = out.split_with_sizes([_tokens(encoder_hidden_states), _tokens(hidden_states)], dim=1)
+        sizes = [_tokens(encoder_hidden_states), _tokens(hidden_states)]
+        if isinstance(out, FP8Rows):
+            text, image = (FP8Rows(*parts) for parts in zip(out.q.split_with_sizes(sizes, dim=1),
+                                                             out.scale.split_with_sizes(sizes, dim=1)))
+        else:
+            text, image = out.split_with_sizes(sizes, dim=1)
         image = attn.to_out[1](attn.to_out[0](image))
         return image, attn.to_add_out(text)
 
@@ -726,7 +746,7 @@ class WanAttnProcessor(_FusedProcessor):
             cos, sin = (t[0, :, 0] for t in rotary_emb)
             query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1)
         attend = self.attend if encoder_hidden_states is not None else self.attend_self
-        out = attend(query, key, value).flatten(2, 3).type_as(query)
+        out = _heads_joined(attend(query, key, value, fp8_rows=isinstance(attn.to_out[0], FP8Linear)), query.dtype)
         return attn.to_out[1](attn.to_out[0](out))
 
 

@@ -41,7 +41,7 @@ stride along D (the launcher guarantees it); D is padded to ``BLOCK_D``.
 import triton
 import triton.language as tl
 
-from compile_ops.kernels.fp8 import E4M3_MAX
+from compile_ops.kernels.fp8 import E4M3_MAX, to_e4m3
 
 
 @triton.jit
@@ -287,7 +287,7 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
 
 
 @triton.jit
-def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE, V_SCALE,
+def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE, V_SCALE, ROW_SCALE, OUT_SCALE,
                     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr,
                     H, GROUP, Lq, Lk, scale,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -295,7 +295,8 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
                     ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                     SPARSE: tl.constexpr, TMA: tl.constexpr = False, DOT_ACC: tl.constexpr = False,
                     WARP_SPECIALIZE: tl.constexpr = False, INT8: tl.constexpr = False,
-                    INT8_KEY_BLOCK: tl.constexpr = 128, PV_FP8: tl.constexpr = False):
+                    INT8_KEY_BLOCK: tl.constexpr = 128, PV_FP8: tl.constexpr = False,
+                    OUT_FP8: tl.constexpr = False):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
     that BLOCKS/COUNTS list for this query block. TMA, DOT_ACC,
@@ -305,7 +306,11 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     ``[B, Hk, ceil(Lk / INT8_KEY_BLOCK)]`` (fp32 contiguous; BLOCK_N divides
     INT8_KEY_BLOCK). PV_FP8 (with INT8): V is e4m3 ``[B, Hk, D, Lk]`` with a
     unit key stride (``svl`` is then the stride between channels) and V_SCALE
-    its per-channel scales ``[B, Hk, D]`` (fp32 contiguous)."""
+    its per-channel scales ``[B, Hk, D]`` (fp32 contiguous). OUT_FP8: OUT is
+    e4m3, ``out / ROW_SCALE[b]`` rounded to nearest even and clamped to
+    +-448 (``ROW_SCALE [B]`` fp32, a bound on |out|: the FP8 rows of
+    ``reference.attention.attention_int8_fp8_rows``), and the programs of head
+    0 write that scale to their rows of ``OUT_SCALE [B, Lq]``."""
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
         KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     o_off = b * sob + h * soh
@@ -357,6 +362,13 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
         v_scales = V_SCALE + (b * (H // GROUP) + h // GROUP) * D
         out = out * tl.load(v_scales + offs_d, mask=offs_d < D, other=0.0)[None, :]
         log2_l = log2_l - _P_FP8_SHIFT
+    if OUT_FP8:
+        row_scale = tl.load(ROW_SCALE + b)
+        # The reciprocal correctly rounded, as the specification's fp32 division.
+        inverse = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), row_scale)
+        out = to_e4m3(out.to(tl.float32), inverse)
+        if h == 0:
+            tl.store(OUT_SCALE + b * Lq + q_rows, tl.zeros([BLOCK_M], tl.float32) + row_scale, mask=q_rows < Lq)
     _store_tile(OUT + o_off, q_start, tl.arange(0, BLOCK_M), Lq, sol, offs_d, out, D)
     lse = tl.where(empty, float("-inf"), m * scale + log2_l * 0.6931471805599453)  # ln 2
     tl.store(LSE + tl.cast(tl.program_id(1), tl.int64) * Lq + q_rows, lse, mask=q_rows < Lq)

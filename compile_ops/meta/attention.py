@@ -121,6 +121,16 @@ def attention_int8_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return _eight_bit("attention_int8_fp8", q, k, v, scale, causal, seq_dim, kv_lengths)
 
 
+def attention_int8_fp8_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                            seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> tuple:
+    """``(values [B, Lq, Hq, D] float8_e4m3fn, row_scale [B, Lq] fp32)``, contiguous,
+    whatever q's layout: the rows ``[B, Lq, Hq * D]`` of an FP8 output projection."""
+    _eight_bit("attention_int8_fp8_rows", q, k, v, scale, causal, seq_dim, kv_lengths)
+    b, h, lq, d = dims(q, seq_dim)
+    return (q.new_empty((b, lq, h, d), dtype=torch.float8_e4m3fn),
+            q.new_empty((b, lq), dtype=torch.float32))
+
+
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
                        kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

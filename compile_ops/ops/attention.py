@@ -19,6 +19,7 @@ from compile_ops._library import fused_op, has_tma, launcher, register_no_gradie
 from compile_ops.kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                            attn_fwd_kernel, qk8_quantize_kernel, qk8_stats_kernel)
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
+from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 
 # ---------------------------------------------------------------- launch configs
 
@@ -153,7 +154,8 @@ def _scratch(size: int, alignment: int, stream) -> Tensor:
 
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                    seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple] = None,
-                   int8_scales: Optional[tuple] = None, v_scale: Optional[Tensor] = None) -> None:
+                   int8_scales: Optional[tuple] = None, v_scale: Optional[Tensor] = None,
+                   fp8_rows: Optional[tuple] = None) -> None:
     """Fill ``out`` and ``lse`` (from the fake). ``blocks``: block-sparse
     attention's ``(index [B, H, Lq blocks, width], count [B, H, Lq blocks])``.
     ``int8_scales``: 8-bit attention's ``(q_scale [B, H, Lq], k_scale [B, Hk,
@@ -161,7 +163,10 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     dtype unless ``v_scale``). ``v_scale`` (with ``int8_scales``): FP8 P V,
     v being e4m3 ``[B, Hk, D, Lk]`` with a unit key stride
     (:func:`fp8_values_transposed`) and ``v_scale [B, Hk, D]`` its channel
-    scales; out's dtype is then q's original one (``out``'s)."""
+    scales; out's dtype is then q's original one (``out``'s). ``fp8_rows``
+    (with ``v_scale``): ``(row_scale [B], out_scale [B, Lq])`` fp32, out being
+    e4m3 ``[B, Lq, Hq, D]`` whatever seq_dim: the output written as the FP8
+    rows of ``reference.attention.attention_int8_fp8_rows``."""
     c = _common(q, k, causal, seq_dim, kv_lengths)
     if out.numel() == 0:
         return
@@ -171,12 +176,14 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
         v = unit_last_stride(v)
     int8 = int8_scales is not None
     assert int8 or not pv_fp8, "FP8 P V is a mode of 8-bit attention"
+    assert pv_fp8 or fp8_rows is None, "FP8 output rows are a mode of FP8 P V"
     consts = c["consts"]
     if int8:  # the accumulators and a 16-bit PV dot follow out; an int8 dot needs K (= D) >= 32
-        consts = dict(consts, ACC=acc_dtype(out), DOT_PRECISION=dot_precision(out.dtype), FMA_EXPONENT=True,
-                      BLOCK_D=max(32, consts["BLOCK_D"]))
+        acc = torch.float32 if fp8_rows is not None else out.dtype
+        consts = dict(consts, ACC=acc_dtype(out.new_empty(0, dtype=acc)), DOT_PRECISION=dot_precision(acc),
+                      FMA_EXPONENT=True, BLOCK_D=max(32, consts["BLOCK_D"]))
     q_scale, k_scale = int8_scales if int8 else (None, None)
-    t = forward_tiles(int(c["d"]), out.dtype, has_tma(q), "int8_fp8" if pv_fp8 else "int8" if int8 else "exact")
+    t = forward_tiles(int(c["d"]), q.dtype if int8 else out.dtype, has_tma(q), "int8_fp8" if pv_fp8 else "int8" if int8 else "exact")
     # One k scale per tile: its key tiles divide the scale blocks (all tiles are powers of two up to 128).
     assert not int8 or reference.attention.INT8_KEY_BLOCK % t.block_n == 0, t
     # The rounded probabilities are relative to the running max of the specification's tiles.
@@ -190,15 +197,16 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
         # Inductor sets triton's allocator before its launches; eager launches need it set too.
         triton.set_allocator(_scratch)
     index, count, *list_strides = _lists(blocks)
+    row_scale, out_scale = fp8_rows if fp8_rows is not None else (None, None)
     grid = (triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])
     launcher(attn_fwd_kernel)[grid](
-        q, k, v, out, lse, kv_lengths, index, count, q_scale, k_scale, v_scale,
+        q, k, v, out, lse, kv_lengths, index, count, q_scale, k_scale, v_scale, row_scale, out_scale,
         *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, v_seq_dim),
-        *_bhl_strides(out, seq_dim), *list_strides,
+        *_bhl_strides(out, 1 if fp8_rows is not None else seq_dim), *list_strides,
         c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
         SPARSE=blocks is not None, TMA=tma, DOT_ACC=t.dot_acc, WARP_SPECIALIZE=t.warp_specialize, INT8=int8,
-        INT8_KEY_BLOCK=reference.attention.INT8_KEY_BLOCK, PV_FP8=pv_fp8, **consts,
+        INT8_KEY_BLOCK=reference.attention.INT8_KEY_BLOCK, PV_FP8=pv_fp8, OUT_FP8=fp8_rows is not None, **consts,
     )
 
 
@@ -408,6 +416,25 @@ register_no_gradient(_attention_int8_fp8_op, "fused.attention_int8_fp8 is infere
                      "torch.no_grad()")
 
 
+@fused_op("attention_int8_fp8_rows", fake=meta.attention.attention_int8_fp8_rows,
+          reference=reference.attention.attention_int8_fp8_rows, autocast="lower")
+def _attention_int8_fp8_rows_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2,
+                                kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    values, out_scale = meta.attention.attention_int8_fp8_rows(q, k, v, scale, causal, seq_dim, kv_lengths)
+    require_fp8_mma(q, "FP8 output rows of 8-bit attention")
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))
+    q8, q_scale, k8, k_scale, vt8, v_scale = _eight_bit_operands(q, k, v, seq_dim)
+    b, h, lq, _ = meta.attention.dims(q, seq_dim)
+    lse = q.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
+    launch_forward(q8, k8, vt8, values, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale),
+                   v_scale=v_scale, fp8_rows=(reference.attention.fp8_rows_scale(v_scale), out_scale))
+    return values, out_scale
+
+
+register_no_gradient(_attention_int8_fp8_rows_op, "fused.attention_int8_fp8_rows is inference only (its output "
+                     "is e4m3): train with precision='exact', or run the call under torch.no_grad()")
+
+
 # ---------------------------------------------------------------- public functions
 
 
@@ -463,6 +490,35 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, ca
     out, lse = _dtensor.sequence_parallel(
         lambda q, k, v: _attention_op(q, k, v, scale, causal, seq_dim, kv_lengths), q, k, v, seq_dim)
     return (out, lse) if return_lse else out
+
+
+def attention_fp8_rows(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, causal: bool = False,
+                       seq_dim: int = 2, kv_lengths: Optional[Tensor] = None) -> FP8Rows:
+    """:func:`attention` with ``precision="int8_fp8"`` whose output comes as the
+    FP8 rows an FP8 output projection reads (``FP8Linear``, :func:`fp8_linear`):
+    the kernel writes e4m3 values and their scales in its epilogue, so the
+    output is never written in 16 bits nor quantized by a pass of its own.
+    Inference only (sm_89 or newer on a GPU; the exact specification,
+    ``reference.attention.attention_int8_fp8_rows``, elsewhere).
+
+    The rows' scale is a bound, not each row's amax (a row spans every head,
+    a program holds one): twice the largest of v's channel scales per batch
+    element, which e4m3's exponent makes as precise as a per-row scale for
+    all values above 2**-6 of it (the reference's docstring says why).
+
+    Args:
+        q, k, v: as :func:`attention` (fp16/bf16, either layout, GQA).
+        scale, causal, kv_lengths: as :func:`attention`.
+        seq_dim: q/k/v's layout (2: ``[B, H, L, D]``, 1: ``[B, L, H, D]``).
+
+    Returns:
+        ``FP8Rows(q=[B, Lq, Hq * D] float8_e4m3fn, scale=[B, Lq] fp32)``, whatever
+        ``seq_dim``: the projection's input rows, heads concatenated per token.
+    """
+    refuse_gradient("compile_ops.attention_fp8_rows", q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    values, row_scale = _attention_int8_fp8_rows_op(q, k, v, scale, causal, seq_dim, kv_lengths)
+    return FP8Rows(values.flatten(2, 3), row_scale)
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,

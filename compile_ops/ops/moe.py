@@ -30,27 +30,32 @@ class LaunchConfig:
     num_stages: int
 
 
-#: Tokens per routing program: 32 gives 128 programs at T = 4096, about one
-#: per SM of an H100, each streaming its rows of x once (the kernel is bound by
-#: reading x: 32 MB at 4096 x 4096 bf16) while the router weight (512 KB at
-#: E = 64) stays in L2. Not tuned on a GPU yet: a sweep over BLOCK_T/BLOCK_H is
-#: the next step (bench/moe.py times the default).
-BLOCK_T = 32
-#: Tokens per step of the per-expert scan.
+#: The routing kernel's launch config, for E <= 64 (bench/sweep_moe.py sweeps
+#: these globals). 32 tokens per program give 128 programs at T = 4096, about
+#: one per SM of an H100, each streaming its rows of x once (the kernel is
+#: bound by reading x: 32 MB at 4096 x 4096 bf16) while the router weight
+#: (512 KB at E = 64) stays in L2. ROUTE_BLOCK_H is in 16-bit columns; fp32
+#: and fp64 take half as many (the same bytes per pipeline stage).
+ROUTE_BLOCK_T = 32
+ROUTE_BLOCK_H = 128
+ROUTE_NUM_WARPS = 4
+ROUTE_NUM_STAGES = 3
+#: Tokens per step, and warps, of the per-expert scan.
 SCAN_BLOCK_T = 1024
+SCAN_NUM_WARPS = 4
 #: Rows per program of the backward's elementwise kernel.
 BACKWARD_BLOCK_T = 32
 
 
 def launch_config(e: int, dtype: torch.dtype) -> LaunchConfig:
-    """H chunks of 128 bytes-per-element-scaled columns: 128 columns of bf16, 64
-    of fp32/fp64 (the same bytes per stage); half of that for E past 64, so
-    that the pipelined stages of the router weight tile fit in shared memory."""
+    """The routing kernel's config for E experts in ``dtype``: past 64 experts
+    half the H chunk and 2 stages, so that the pipelined stages of the router
+    weight tile fit in shared memory."""
     block_e = max(16, triton.next_power_of_2(e))
-    block_h = 128 if dtype in (torch.float16, torch.bfloat16) else 64
+    block_h = ROUTE_BLOCK_H if dtype in (torch.float16, torch.bfloat16) else ROUTE_BLOCK_H // 2
     if block_e > 64:
-        block_h //= 2
-    return LaunchConfig(BLOCK_T, block_e, block_h, num_warps=4, num_stages=3 if block_e <= 64 else 2)
+        return LaunchConfig(ROUTE_BLOCK_T, block_e, block_h // 2, num_warps=ROUTE_NUM_WARPS, num_stages=2)
+    return LaunchConfig(ROUTE_BLOCK_T, block_e, block_h, num_warps=ROUTE_NUM_WARPS, num_stages=ROUTE_NUM_STAGES)
 
 
 def _launch_route(x: Tensor, w: Tensor, top_k: int, renormalize: bool, outs: tuple) -> None:
@@ -66,7 +71,8 @@ def _launch_route(x: Tensor, w: Tensor, top_k: int, renormalize: bool, outs: tup
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     launcher(moe_token_lists_kernel)[(e,)](
-        experts, counts, token_index, n_tokens, TOP_K=top_k, BLOCK_K=block_k, BLOCK_T=SCAN_BLOCK_T, num_warps=4)
+        experts, counts, token_index, n_tokens, TOP_K=top_k, BLOCK_K=block_k, BLOCK_T=SCAN_BLOCK_T,
+        num_warps=SCAN_NUM_WARPS)
 
 
 # ---------------------------------------------------------------- ops

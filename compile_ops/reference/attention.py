@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from compile_ops.meta._validate import accumulation_dtype
+from compile_ops.reference.fp8 import AMAX_FLOOR
 
 
 def _bhld(t: torch.Tensor, seq_dim: int, acc) -> torch.Tensor:
@@ -207,12 +208,63 @@ def attention_int8_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     differs from this by fp32 rounding (its exponents are fmas, its FP8 dot
     accumulates a tile with fewer bits), which moves a rare p across an e4m3
     rounding boundary."""
+    out, _ = _attention_int8_fp8_fp32(q, k, v, scale, causal, seq_dim, kv_lengths)
+    return (out if seq_dim == 2 else out.transpose(1, 2)).to(q.dtype)
+
+
+#: The FP8 output rows' scale is this many times v's largest channel scale:
+#: |out| <= max |v| for a convex combination of v's rows, and the e4m3
+#: rounding of p can lift the weights' sum to 1 + 2**-4; a factor of 2 leaves
+#: room for that at the cost of one binade at the bottom of e4m3's range.
+FP8_ROWS_HEADROOM = 2.0
+
+
+def attention_int8_fp8_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                            seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> tuple:
+    """:func:`attention_int8_fp8` with its output written as the e4m3 rows an
+    FP8 output projection reads (``compile_ops/reference/fp8.py``'s operand
+    format: values and one fp32 scale per row), instead of in q's dtype.
+
+    The scale is not the row's own amax (a row of the projection's input
+    spans every head, and the kernel holds one head): it is a bound known
+    before attention runs. Every output channel is a convex combination of
+    the dequantized v's channel, so ``|out| <= 448 * v_scale`` of that channel
+    and head; per batch element ``b``,
+    ``row_scale = FP8_ROWS_HEADROOM * max_{h, c} v_scale[b, h, c]``, and
+    ``values = e4m3(clamp(out * (1 / row_scale), -448, 448))`` with the
+    reciprocal one fp32 division and ``out`` the fp32 result before
+    :func:`attention_int8_fp8`'s cast. e4m3 is a floating-point format, so a
+    bound above the row's amax costs no relative precision until values fall
+    below 2**-6 of it (e4m3's subnormals): out's values sit at most a factor
+    (row amax / v's amax) lower than a per-row scale would put them.
+
+    Returns ``(values [B, Lq, Hq, D] float8_e4m3fn, row_scale [B, Lq] fp32)``:
+    the ``[B, Lq, Hq * D]`` rows of the projection, whatever ``seq_dim``."""
+    out, v_scale = _attention_int8_fp8_fp32(q, k, v, scale, causal, seq_dim, kv_lengths)
+    row_scale = fp8_rows_scale(v_scale)
+    inverse = torch.ones_like(row_scale) / row_scale  # a tensor division: IEEE, as the kernel's div_rn
+    values = (out * inverse[:, None, None, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values.transpose(1, 2).contiguous(), row_scale[:, None].expand(-1, out.shape[2]).contiguous()
+
+
+def fp8_rows_scale(v_scale: torch.Tensor) -> torch.Tensor:
+    """:func:`attention_int8_fp8_rows`'s scale per batch element ``[B]`` from v's
+    channel scales ``[B, Hk, D]``: ``FP8_ROWS_HEADROOM * max(v_scale[b])``, at
+    least ``FP8_ROWS_HEADROOM * AMAX_FLOOR / 448`` (the FP8 recipe's floor: an
+    all-zero v gives zeros with a finite reciprocal, not 0 * inf)."""
+    return FP8_ROWS_HEADROOM * v_scale.flatten(1).amax(1).clamp(min=AMAX_FLOOR / FP8_MAX)
+
+
+def _attention_int8_fp8_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                             seq_dim: int, kv_lengths: Optional[torch.Tensor]) -> tuple:
+    """:func:`attention_int8_fp8`'s ``out [B, Hq, Lq, D]`` in fp32, before the
+    cast, and v's channel scales ``[B, Hk, D]``."""
     q8, q_scale, k8, k_scale = smooth_quantize_qk(q, k, seq_dim)
     q_hat, k_hat = (t if seq_dim == 2 else t.transpose(1, 2) for t in (q8, k8))
     q_hat, k_hat = dequantize_int8(q_hat, q_scale), dequantize_int8(k_hat, k_scale, INT8_KEY_BLOCK)
     v8, v_scale = quantize_v_fp8(_bhld(v, seq_dim, torch.float32))
     hq = q_hat.shape[1]
-    k_hat, v_hat, v_scale = (_heads_of_q(t, hq) for t in (k_hat, v8.float(), v_scale))
+    k_hat, v_hat, v_scale_q = (_heads_of_q(t, hq) for t in (k_hat, v8.float(), v_scale))
     s = q_hat @ k_hat.transpose(-1, -2)
     s = s.masked_fill(~visible(s.shape[2], s.shape[3], causal, kv_lengths, s.shape[0], s.device), float("-inf"))
     c = scale * 1.4426950408889634  # log2(e): the kernel's exp2 form
@@ -229,5 +281,5 @@ def attention_int8_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
         p8 = p.to(torch.float8_e4m3fn).float()
         acc = acc * alpha.unsqueeze(-1) + p8 @ v_hat.narrow(2, start, tile.shape[3])
         m = m_new
-    out = acc * v_scale.unsqueeze(2) / l.masked_fill(l == 0, 1.0).unsqueeze(-1)
-    return (out if seq_dim == 2 else out.transpose(1, 2)).to(q.dtype)
+    out = acc * v_scale_q.unsqueeze(2) / l.masked_fill(l == 0, 1.0).unsqueeze(-1)
+    return out, v_scale
