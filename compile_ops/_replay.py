@@ -15,9 +15,13 @@ Triton's compiled launcher directly.
 A signature gets a plan only when replaying it is certainly the call:
 
 - every tensor a kernel received is an input or an output of the op, or a
-  view of one (same storage, fixed offset), or empty (a placeholder): no
-  intermediate computed by torch ops (a copy, a quantization, a zeroed
-  buffer) that a replay would skip;
+  view of one (same storage, fixed offset), or empty (a placeholder), or
+  scratch: a buffer of the body's that its kernels write before they read
+  it (MoE routing's partial logits and per-block counts), which a replay
+  allocates afresh. An intermediate computed by torch ops (a copy, a
+  quantization, a zeroed buffer) would be skipped by a replay: the check
+  below fills scratch with NaN (all bits set) before verifying, so such a
+  plan fails it;
 - the inputs are distinct storages, and so are the outputs;
 - kernel arguments are tensors, numbers, strings, triton dtypes or None, and
   grids are tuples of ints;
@@ -138,6 +142,8 @@ class Plan:
             if ptr in storages or ptr == 0:  # shared (or empty) storages: a pointer's source is ambiguous
                 raise _Unplannable("tensors share a storage")
             storages[ptr] = (i, t.data_ptr())
+        #: Scratch storages, ``(bytes, device)`` each: sources numbered after the outputs.
+        self.scratch = []
         self.launches = []
         for kernel, compiled, grid, args, kwargs in launches:
             if type(kernel) is not JITFunction or compiled is None or callable(grid):
@@ -155,8 +161,14 @@ class Plan:
                         value = None
                     elif value.numel() == 0:  # a placeholder the kernel never reads (rope without k)
                         value = value.data_ptr()
-                    else:
-                        raise _Unplannable("a kernel argument is an intermediate tensor")
+                    else:  # scratch: allocated again by every replay, NaN-filled by the verification
+                        storage = value.untyped_storage()
+                        storages[storage.data_ptr()] = (len(inputs) + len(outs) + len(self.scratch),
+                                                        storage.data_ptr())
+                        self.scratch.append(storage.nbytes())
+                        source = storages[storage.data_ptr()]
+                        slots.append((position, source[0], value.data_ptr() - source[1]))
+                        value = None
                 elif not isinstance(value, _SCALARS) and type(value).__module__.split(".")[0] != "triton":
                     raise _Unplannable(f"a kernel argument of type {type(value).__name__}")
                 values.append(value)
@@ -173,8 +185,12 @@ class Plan:
         self.launch(inputs, outs)
         return outs[0] if self.single else tuple(outs)
 
-    def launch(self, inputs: list, outs: list) -> None:
-        ptrs = [t.data_ptr() for t in inputs] + [o.data_ptr() for o in outs]
+    def launch(self, inputs: list, outs: list, fill_scratch: bool = False) -> None:
+        scratch = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in self.scratch]
+        if fill_scratch:
+            for buffer in scratch:
+                buffer.fill_(0xFF)  # NaN in every float dtype, -1 in every int one
+        ptrs = [t.data_ptr() for t in inputs] + [o.data_ptr() for o in outs] + [b.data_ptr() for b in scratch]
         if self.allocator is not None and _allocation._allocator.get() is not self.allocator:
             _allocation._allocator.set(self.allocator)  # a new thread: its context has none set
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
@@ -197,7 +213,7 @@ def _verified(plan: Plan, inputs: list, outputs) -> bool:
             for shape, stride, dtype in plan.outputs]
     for o in outs:
         o.fill_(float("nan") if o.is_floating_point() else -1)
-    plan.launch(inputs, outs)
+    plan.launch(inputs, outs, fill_scratch=True)
     want = [outputs] if plan.single else list(outputs)
     return all(_same(o, w) for o, w in zip(outs, want))
 

@@ -14,6 +14,8 @@ interpreter: fp16/fp32 there, its bf16 dots are wrong) against:
 The rest check the layouts by hand, the validation, and the module against a
 plain PyTorch MoE layer, eager and compiled with fullgraph.
 """
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -69,16 +71,40 @@ def route_cases(draw):
     t = draw(size(st.integers(0, 80), [1, 37, 200]))
     h = draw(size(st.integers(1, 96), [16, 72, 256]))
     dtype = draw(st.sampled_from(KERNEL_DTYPES))
-    return t, h, e, top_k, dtype, draw(st.booleans()), draw(st.integers(0, 2 ** 16))
+    return t, h, e, top_k, dtype, draw(st.booleans()), draw(st.booleans()), draw(st.integers(0, 2 ** 16))
+
+
+@contextlib.contextmanager
+def _split_router(split: bool):
+    """With ``split``, every router runs the wide routers' path (the logits
+    in slices of H, 32 columns wide, summed by the routing kernel), which only
+    DiT-sized routers take by default; the launch plans recorded under the
+    other config are dropped on the way in and out."""
+    from compile_ops._library import clear_launch_plans
+    from compile_ops.ops import moe as moe_ops
+
+    names = ("SPLIT_MIN_WEIGHT_BYTES", "SPLIT_COLUMNS", "ROUTE_BLOCK_H", "LOGITS_BLOCK_T")
+    saved = [getattr(moe_ops, n) for n in names]
+    if split:
+        for n, v in zip(names, (0, 32, 32, 16)):
+            setattr(moe_ops, n, v)
+    clear_launch_plans()
+    try:
+        yield
+    finally:
+        for n, v in zip(names, saved):
+            setattr(moe_ops, n, v)
+        clear_launch_plans()
 
 
 @pytest.mark.kernels
 @settings(max_examples=examples(30, 20))
 @given(route_cases())
 def test_kernels_match_the_reference_and_choose_its_experts(case):
-    t, h, e, top_k, dtype, renormalize, seed = case
+    t, h, e, top_k, dtype, renormalize, split, seed = case
     x, w = _route_inputs(t, h, e, dtype, KERNEL_DEVICE, requires_grad=True, seed=seed)
-    probs, weights, experts, counts, token_index = compile_ops.moe_route(x, w, top_k, renormalize)
+    with _split_router(split):
+        probs, weights, experts, counts, token_index = compile_ops.moe_route(x, w, top_k, renormalize)
     assert (probs.dtype, weights.dtype, experts.dtype, counts.dtype, token_index.dtype) == \
         (torch.float32, torch.float32, torch.int64, torch.int32, torch.int32)
     assert probs.shape == (t, e) and weights.shape == experts.shape == (t, top_k)

@@ -432,21 +432,24 @@ def test_eager_launch_plans_replay_the_op_exactly(spec):
 
 
 #: Ops whose eager calls must get launch plans (every kernel argument is an
-#: input, an output or a view of one): a change that breaks planning fails here.
+#: input, an output, a view of one, or scratch the op's kernels write): a
+#: change that breaks planning fails here.
 PLANNED_OPS = {"rmsnorm", "add_rmsnorm", "layernorm", "modulate", "norm_modulate", "gated_residual",
                "gated_residual_norm_modulate", "rope", "rope_qk", "rope_grid", "qk_norm_rope", "geglu",
                "geglu_tanh", "swiglu", "quantize_fp8_rows", "norm_modulate_fp8", "gated_residual_norm_modulate_fp8",
-               "attention"}
+               "attention", "moe_route", "moe_route_hidream", "attention_int8", "attention_int8_fp8"}
 
 
 @pytest.mark.gpu
 def test_launch_plans_refuse_what_a_replay_would_get_wrong():
     """A body that reads a tensor value (a sync), or hands a kernel an
-    intermediate tensor (8-bit attention's quantized q and k), gets no plan
-    and still returns the right result; a changed launch config replays the
+    intermediate tensor that torch ops computed (the FP8 rows' scale bound,
+    from v's channel scales), gets no plan and still returns the right
+    result (scratch that the body's own kernels write, 8-bit attention's
+    quantized q and k, is replayed); a changed launch config replays the
     old one until clear_launch_plans()."""
     from compile_ops._library import FUSED_OPS, clear_launch_plans
-    from compile_ops._replay import UNPLANNED, run
+    from compile_ops._replay import UNPLANNED, Plan, run
 
     plans = {}
     x = torch.randn(8, 64, device="cuda")
@@ -457,4 +460,8 @@ def test_launch_plans_refuse_what_a_replay_would_get_wrong():
     q, k, v = (torch.randn(1, 2, 130, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     with torch.no_grad():
         compile_ops.attention(q, k, v, precision="int8")
-    assert list(FUSED_OPS["attention_int8"].plans.values()) == [UNPLANNED]
+        rows = compile_ops.attention_fp8_rows(q, k, v)
+        again = compile_ops.attention_fp8_rows(q, k, v)
+    assert [type(p) for p in FUSED_OPS["attention_int8"].plans.values()] == [Plan]
+    assert list(FUSED_OPS["attention_int8_fp8_rows"].plans.values()) == [UNPLANNED]
+    assert torch.equal(rows.q.view(torch.uint8), again.q.view(torch.uint8)) and torch.equal(rows.scale, again.scale)

@@ -1,8 +1,9 @@
 """The MoE routing family as ``torch.ops.fused`` ops: moe_route and moe_route_backward.
 
 ``fused.moe_route`` runs the router product, the fp32 softmax and the top-k
-in one kernel and the per-expert counts and token lists in a second, small
-one (``kernels/moe.py`` says why two); ``fused.moe_route_backward`` turns the
+in one kernel (a wide router's product in slices of H, in a launch before)
+and the per-expert counts and token lists in a second one (``kernels/moe.py``
+says why); ``fused.moe_route_backward`` turns the
 gradients of the probabilities and routing weights into ``d logits`` in one
 kernel and multiplies it with the router weight and x in torch (two GEMMs
 that cuBLAS runs at its speed). Layouts: ``compile_ops/meta/moe.py``.
@@ -15,7 +16,8 @@ from torch import Tensor
 
 from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher
-from compile_ops.kernels.moe import moe_route_backward_kernel, moe_route_kernel, moe_token_lists_kernel
+from compile_ops.kernels.moe import (moe_route_backward_kernel, moe_route_kernel, moe_router_logits_kernel,
+                                     moe_token_lists_kernel)
 from compile_ops.ops._launch import TRITON_DTYPES, acc_dtype, dot_precision, unit_last_stride
 
 # ---------------------------------------------------------------- launch configs
@@ -23,56 +25,93 @@ from compile_ops.ops._launch import TRITON_DTYPES, acc_dtype, dot_precision, uni
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    block_t: int  # tokens per program
+    block_t: int  # tokens per routing (and token-list) program
     block_e: int  # experts held per row (E padded to a power of 2, at least tl.dot's 16)
     block_h: int  # hidden columns per tl.dot step
     num_warps: int
     num_stages: int
+    #: 0: the routing kernel computes its logits; else H is cut into this many
+    #: slices, whose partial logits a first launch writes (the logits_* fields).
+    split: int = 0
+    logits_block_t: int = 0
+    logits_num_warps: int = 0
+    logits_num_stages: int = 0
 
 
-#: The routing kernel's launch config, for E <= 64 (bench/sweep_moe.py sweeps
-#: these globals). 32 tokens per program give 128 programs at T = 4096, about
-#: one per SM of an H100, each streaming its rows of x once (the kernel is
-#: bound by reading x: 32 MB at 4096 x 4096 bf16) while the router weight
-#: (512 KB at E = 64) stays in L2. ROUTE_BLOCK_H is in 16-bit columns; fp32
-#: and fp64 take half as many (the same bytes per pipeline stage).
+#: The routing kernel's launch config when it computes its logits (narrow
+#: routers: HiDream's E = 4). bench/sweep_moe.py sweeps these globals. 32
+#: tokens per program give 128 programs at T = 4096, about one per SM of an
+#: H100; ROUTE_BLOCK_H is in 16-bit columns (fp32 takes half as many, fp64 a
+#: quarter: the same bytes per pipeline stage). 5 stages: 24.0 us against
+#: 25.2 for 4 and 25.5 for 3 at HiDream's 4096 x 2560 (the whole op, with the
+#: earlier token-list kernel; bench/results/sweep-moe-round1-h100.log).
 ROUTE_BLOCK_T = 32
 ROUTE_BLOCK_H = 128
 ROUTE_NUM_WARPS = 4
-ROUTE_NUM_STAGES = 3
-#: Tokens per step, and warps, of the per-expert scan.
-SCAN_BLOCK_T = 1024
-SCAN_NUM_WARPS = 4
+ROUTE_NUM_STAGES = 5
+#: Wide routers (router weight of at least SPLIT_MIN_WEIGHT_BYTES) cut H into
+#: slices of SPLIT_COLUMNS: each of the first launch's programs reads
+#: LOGITS_BLOCK_T tokens' slice of x and the weight's slice once (see
+#: kernels/moe.py for why); the routing kernel then sums the slices for
+#: ROUTE_SPLIT_BLOCK_T tokens a program.
+SPLIT_MIN_WEIGHT_BYTES = 128 * 1024
+SPLIT_COLUMNS = 1024
+LOGITS_BLOCK_T = 128
+LOGITS_NUM_WARPS = 8
+LOGITS_NUM_STAGES = 3
+ROUTE_SPLIT_BLOCK_T = 32
+#: Blocks' counts summed at a time by the token-list programs.
+COUNT_CHUNK = 64
 #: Rows per program of the backward's elementwise kernel.
 BACKWARD_BLOCK_T = 32
 
 
-def launch_config(e: int, dtype: torch.dtype) -> LaunchConfig:
-    """The routing kernel's config for E experts in ``dtype``: past 64 experts
-    half the H chunk and 2 stages, so that the pipelined stages of the router
-    weight tile fit in shared memory."""
+def launch_config(e: int, h: int, dtype: torch.dtype) -> LaunchConfig:
+    """The routing kernels' config for E experts of width H in ``dtype``: past
+    64 experts half the H chunk and 2 stages, so that the pipelined stages of
+    the router weight tile fit in shared memory."""
     block_e = max(16, triton.next_power_of_2(e))
-    block_h = ROUTE_BLOCK_H if dtype in (torch.float16, torch.bfloat16) else ROUTE_BLOCK_H // 2
-    if block_e > 64:
-        return LaunchConfig(ROUTE_BLOCK_T, block_e, block_h // 2, num_warps=ROUTE_NUM_WARPS, num_stages=2)
-    return LaunchConfig(ROUTE_BLOCK_T, block_e, block_h, num_warps=ROUTE_NUM_WARPS, num_stages=ROUTE_NUM_STAGES)
+    block_h = max(16, ROUTE_BLOCK_H * 2 // dtype.itemsize)  # the same bytes per stage in every dtype
+    wide = block_e > 64
+    if wide:
+        block_h //= 2
+    split = triton.cdiv(h, SPLIT_COLUMNS) if e * h * dtype.itemsize >= SPLIT_MIN_WEIGHT_BYTES else 1
+    if split > 1:
+        return LaunchConfig(ROUTE_SPLIT_BLOCK_T, block_e, block_h, num_warps=4, num_stages=1, split=split,
+                            logits_block_t=LOGITS_BLOCK_T if not wide else LOGITS_BLOCK_T // 2,
+                            logits_num_warps=LOGITS_NUM_WARPS, logits_num_stages=2 if wide else LOGITS_NUM_STAGES)
+    return LaunchConfig(ROUTE_BLOCK_T, block_e, block_h, num_warps=ROUTE_NUM_WARPS,
+                        num_stages=2 if wide else ROUTE_NUM_STAGES)
 
 
 def _launch_route(x: Tensor, w: Tensor, top_k: int, renormalize: bool, outs: tuple) -> None:
     probs, weights, experts, counts, token_index = outs
     n_tokens, h = x.shape
     e = w.shape[0]
-    cfg = launch_config(int(e), x.dtype)  # a dynamic E is specialized here: BLOCK_E depends on it
+    # Dynamic E and H are specialized here: BLOCK_E and the split depend on them.
+    cfg = launch_config(int(e), int(h), x.dtype)
     block_k = triton.next_power_of_2(top_k)
-    launcher(moe_route_kernel)[(triton.cdiv(n_tokens, cfg.block_t),)](
-        x, w, probs, weights, experts, n_tokens, h, e, x.stride(0), w.stride(0),
+    acc = acc_dtype(x)
+    partial = None
+    if cfg.split:
+        h_per_split = triton.cdiv(triton.cdiv(h, cfg.split), cfg.block_h) * cfg.block_h
+        split = triton.cdiv(h, h_per_split)
+        partial = x.new_empty((split, n_tokens, e), dtype=probs.dtype)
+        launcher(moe_router_logits_kernel)[(triton.cdiv(n_tokens, cfg.logits_block_t), split)](
+            x, w, partial, n_tokens, h, e, x.stride(0), w.stride(0), h_per_split,
+            DOT_PRECISION=dot_precision(x.dtype), ACC_DTYPE=acc, BLOCK_T=cfg.logits_block_t, BLOCK_E=cfg.block_e,
+            BLOCK_H=cfg.block_h, num_warps=cfg.logits_num_warps, num_stages=cfg.logits_num_stages)
+    n_blocks = triton.cdiv(n_tokens, cfg.block_t)
+    block_counts = x.new_empty((n_blocks, e), dtype=torch.int32)
+    launcher(moe_route_kernel)[(n_blocks,)](
+        x, w, partial, probs, weights, experts, block_counts, n_tokens, h, e, x.stride(0), w.stride(0),
         TOP_K=top_k, BLOCK_K=block_k, RENORMALIZE=renormalize, DOT_PRECISION=dot_precision(x.dtype),
-        ACC_DTYPE=acc_dtype(x), BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_H=cfg.block_h,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ACC_DTYPE=acc, SPLIT=0 if partial is None else partial.shape[0], BLOCK_T=cfg.block_t,
+        BLOCK_E=cfg.block_e, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    launcher(moe_token_lists_kernel)[(e,)](
-        experts, counts, token_index, n_tokens, TOP_K=top_k, BLOCK_K=block_k, BLOCK_T=SCAN_BLOCK_T,
-        num_warps=SCAN_NUM_WARPS)
+    launcher(moe_token_lists_kernel)[(n_blocks,)](
+        experts, block_counts, counts, token_index, n_tokens, n_blocks, e, TOP_K=top_k, BLOCK_K=block_k,
+        BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, COUNT_CHUNK=COUNT_CHUNK, num_warps=4)
 
 
 # ---------------------------------------------------------------- ops
