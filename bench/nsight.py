@@ -115,8 +115,8 @@ def summary_lines(op: str, shape, results: dict) -> list:
     lines = [f"# ncu profile of `fused.{op}` at {'x'.join(map(str, shape))}, bf16", ""]
     for pass_name, launches in results.items():
         lines += [f"## {pass_name}", "",
-                  "| kernel | µs | DRAM GB read+written | DRAM % of peak | SM % of peak | occupancy achieved / theoretical (%) "
-                  "| regs | top stalls (cycles per issue) |",
+                  "| kernel | µs | DRAM GB read+written | DRAM % of peak | SM % of peak "
+                  "| occupancy achieved / theoretical (%) | regs | top stalls (cycles per issue) |",
                   "|---|---|---|---|---|---|---|---|"]
         for launch in launches:
             m = launch["metrics"]

@@ -178,12 +178,11 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     assert int8 or not pv_fp8, "FP8 P V is a mode of 8-bit attention"
     assert pv_fp8 or fp8_rows is None, "FP8 output rows are a mode of FP8 P V"
     consts = c["consts"]
-    if int8:  # the accumulators and a 16-bit PV dot follow out; an int8 dot needs K (= D) >= 32
-        acc = torch.float32 if fp8_rows is not None else out.dtype
-        consts = dict(consts, ACC=acc_dtype(out.new_empty(0, dtype=acc)), DOT_PRECISION=dot_precision(acc),
-                      FMA_EXPONENT=True, BLOCK_D=max(32, consts["BLOCK_D"]))
+    if int8:  # the accumulators and a 16-bit PV dot follow out (fp32 for e4m3 rows); an int8 dot needs K (= D) >= 32
+        consts = dict(consts, ACC=acc_dtype(out), DOT_PRECISION=dot_precision(out.dtype), FMA_EXPONENT=True,
+                      BLOCK_D=max(32, consts["BLOCK_D"]))
     q_scale, k_scale = int8_scales if int8 else (None, None)
-    t = forward_tiles(int(c["d"]), q.dtype if int8 else out.dtype, has_tma(q), "int8_fp8" if pv_fp8 else "int8" if int8 else "exact")
+    t = forward_tiles(int(c["d"]), out.dtype, has_tma(q), "int8_fp8" if pv_fp8 else "int8" if int8 else "exact")
     # One k scale per tile: its key tiles divide the scale blocks (all tiles are powers of two up to 128).
     assert not int8 or reference.attention.INT8_KEY_BLOCK % t.block_n == 0, t
     # The rounded probabilities are relative to the running max of the specification's tiles.
