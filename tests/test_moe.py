@@ -74,27 +74,18 @@ def route_cases(draw):
     return t, h, e, top_k, dtype, draw(st.booleans()), draw(st.booleans()), draw(st.integers(0, 2 ** 16))
 
 
-@contextlib.contextmanager
 def _split_router(split: bool):
     """With ``split``, every router runs the wide routers' path (the logits
     in slices of H, 32 columns wide, summed by the routing kernel), which only
-    DiT-sized routers take by default; the launch plans recorded under the
-    other config are dropped on the way in and out."""
-    from compile_ops._library import clear_launch_plans
+    DiT-sized routers take by default; bench.toolkit's config override drops
+    the launch plans recorded under the other config on the way in and out."""
+    from bench.toolkit import module_config
     from compile_ops.ops import moe as moe_ops
 
+    if not split:
+        return contextlib.nullcontext()
     names = ("SPLIT_MIN_WEIGHT_BYTES", "SPLIT_COLUMNS", "ROUTE_BLOCK_H", "LOGITS_BLOCK_T")
-    saved = [getattr(moe_ops, n) for n in names]
-    if split:
-        for n, v in zip(names, (0, 32, 32, 16)):
-            setattr(moe_ops, n, v)
-    clear_launch_plans()
-    try:
-        yield
-    finally:
-        for n, v in zip(names, saved):
-            setattr(moe_ops, n, v)
-        clear_launch_plans()
+    return module_config(moe_ops, *names)((0, 32, 32, 16))
 
 
 @pytest.mark.kernels

@@ -703,7 +703,7 @@ class FluxAttnProcessor(_FusedProcessor):
         # single-stream block concatenates the output with its MLP's first.
         fp8_rows = encoder_hidden_states is not None and isinstance(attn.to_out[0], FP8Linear) \
             and isinstance(attn.to_add_out, FP8Linear)
-        out = _heads_joined(self.attend(query, key, value, **({"fp8_rows": True} if fp8_rows else {})), query.dtype)
+        out = _heads_joined(self.attend(query, key, value, fp8_rows=fp8_rows), query.dtype)
         if encoder_hidden_states is None:
             return out
         sizes = [_tokens(encoder_hidden_states), _tokens(hidden_states)]
@@ -746,9 +746,7 @@ class WanAttnProcessor(_FusedProcessor):
             cos, sin = (t[0, :, 0] for t in rotary_emb)
             query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1)
         attend = self.attend if encoder_hidden_states is not None else self.attend_self
-        # fp8_rows only where it applies: the call keeps its plain form otherwise.
-        rows = {"fp8_rows": True} if isinstance(attn.to_out[0], FP8Linear) else {}
-        out = _heads_joined(attend(query, key, value, **rows), query.dtype)
+        out = _heads_joined(attend(query, key, value, fp8_rows=isinstance(attn.to_out[0], FP8Linear)), query.dtype)
         return attn.to_out[1](attn.to_out[0](out))
 
 

@@ -294,11 +294,7 @@ _attention_op.register_autograd(_backward_attention, setup_context=_setup_attent
 def _attention_int8_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2,
                        kv_lengths: Optional[Tensor] = None) -> Tensor:
     out = meta.attention.attention_int8(q, k, v, scale, causal, seq_dim, kv_lengths)
-    q, k = (unit_last_stride(t) for t in (q, k))
-    q8, q_scale, k8, k_scale = _eight_bit_operands(q, k, None, seq_dim)
-    b, h, lq, _ = meta.attention.dims(q, seq_dim)
-    lse = q.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
-    launch_forward(q8, k8, v, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale))
+    _launch_eight_bit(q, k, v, out, scale, causal, seq_dim, kv_lengths, pv_fp8=False)
     return out
 
 
@@ -395,18 +391,32 @@ def fp8_values_transposed(v: Tensor, seq_dim: int) -> tuple[Tensor, Tensor]:
     return vt.narrow(3, 0, lk), v_scale
 
 
+def _launch_eight_bit(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: float, causal: bool, seq_dim: int,
+                      kv_lengths: Optional[Tensor], pv_fp8: bool, out_scale: Optional[Tensor] = None) -> None:
+    """The body the 8-bit ops share: quantize q and k (and, with ``pv_fp8``,
+    v: FP8 P V) and fill ``out`` from the forward kernel. ``out_scale``
+    ``[B, Lq]`` (FP8 P V only): out is the e4m3 rows of
+    ``reference.attention.attention_int8_fp8_rows``, these their scales."""
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))
+    q8, q_scale, k8, k_scale, *v_operands = _eight_bit_operands(q, k, v if pv_fp8 else None, seq_dim)
+    b, h, lq, _ = meta.attention.dims(q, seq_dim)
+    lse = q.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
+    if not pv_fp8:
+        launch_forward(q8, k8, v, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale))
+        return
+    vt8, v_scale = v_operands
+    fp8_rows = None if out_scale is None else (reference.attention.fp8_rows_scale(v_scale), out_scale)
+    launch_forward(q8, k8, vt8, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale),
+                   v_scale=v_scale, fp8_rows=fp8_rows)
+
+
 @fused_op("attention_int8_fp8", fake=meta.attention.attention_int8_fp8,
           reference=reference.attention.attention_int8_fp8, autocast="lower")
 def _attention_int8_fp8_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2,
                            kv_lengths: Optional[Tensor] = None) -> Tensor:
     out = meta.attention.attention_int8_fp8(q, k, v, scale, causal, seq_dim, kv_lengths)
     require_fp8_mma(q, "precision='int8_fp8' attention (P V in FP8)")
-    q, k, v = (unit_last_stride(t) for t in (q, k, v))
-    q8, q_scale, k8, k_scale, vt8, v_scale = _eight_bit_operands(q, k, v, seq_dim)
-    b, h, lq, _ = meta.attention.dims(q, seq_dim)
-    lse = q.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
-    launch_forward(q8, k8, vt8, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale),
-                   v_scale=v_scale)
+    _launch_eight_bit(q, k, v, out, scale, causal, seq_dim, kv_lengths, pv_fp8=True)
     return out
 
 
@@ -421,12 +431,7 @@ def _attention_int8_fp8_rows_op(q: Tensor, k: Tensor, v: Tensor, scale: float, c
                                 kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     values, out_scale = meta.attention.attention_int8_fp8_rows(q, k, v, scale, causal, seq_dim, kv_lengths)
     require_fp8_mma(q, "FP8 output rows of 8-bit attention")
-    q, k, v = (unit_last_stride(t) for t in (q, k, v))
-    q8, q_scale, k8, k_scale, vt8, v_scale = _eight_bit_operands(q, k, v, seq_dim)
-    b, h, lq, _ = meta.attention.dims(q, seq_dim)
-    lse = q.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
-    launch_forward(q8, k8, vt8, values, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale),
-                   v_scale=v_scale, fp8_rows=(reference.attention.fp8_rows_scale(v_scale), out_scale))
+    _launch_eight_bit(q, k, v, values, scale, causal, seq_dim, kv_lengths, pv_fp8=True, out_scale=out_scale)
     return values, out_scale
 
 
