@@ -56,7 +56,19 @@ METRICS = (
     "launch__grid_size",
     "launch__block_size",
     r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio",
+    # Which unit is busy: issue slots, the tensor cores, and the XU (exp2,
+    # conversions), FMA and ALU pipes, as % of their peak over active cycles.
+    "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    r"regex:sm__inst_executed_pipe_(xu|fma|alu)\.avg\.pct_of_peak_sustained_active",
 )
+#: ``--sass``: ncu's instruction-level sampling (where warps wait, per SASS instruction).
+SASS_SECTIONS = ("SourceCounters", "WarpStateStats")
+PIPES = (("issue", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
+         ("tensor", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"),
+         ("XU", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active"),
+         ("FMA", "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active"),
+         ("ALU", "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active"))
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
 #: Shapes for ops without registry benchmark shapes ([B, L, C]: C = heads x 128).
@@ -106,7 +118,8 @@ def stalls(metrics: dict) -> list:
     """``[(reason, cycles per issued instruction)]``, largest first."""
     found = [(name[len(STALL_PREFIX):-len(STALL_SUFFIX)], value) for name, value in metrics.items()
              if name.startswith(STALL_PREFIX) and name.endswith(STALL_SUFFIX) and isinstance(value, (int, float))
-             and not name.endswith("_not_issued" + STALL_SUFFIX)]
+             and not name.endswith("_not_issued" + STALL_SUFFIX)
+             and name != STALL_PREFIX + "selected" + STALL_SUFFIX]  # issuing, 1.00 by definition
     return sorted(found, key=lambda item: -item[1])
 
 
@@ -116,8 +129,9 @@ def summary_lines(op: str, shape, results: dict) -> list:
     for pass_name, launches in results.items():
         lines += [f"## {pass_name}", "",
                   "| kernel | µs | DRAM GB read+written | DRAM % of peak | SM % of peak "
-                  "| occupancy achieved / theoretical (%) | regs | top stalls (cycles per issue) |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| occupancy achieved / theoretical (%) | regs | busy % (issue, tensor, XU, FMA, ALU) "
+                  "| top stalls (cycles per issue) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for launch in launches:
             m = launch["metrics"]
             dram = (m.get("dram__bytes_read.sum", 0) + m.get("dram__bytes_write.sum", 0)) / 1e9
@@ -127,9 +141,46 @@ def summary_lines(op: str, shape, results: dict) -> list:
                          f"| {m.get('sm__throughput.avg.pct_of_peak_sustained_elapsed', 0):.1f} "
                          f"| {m.get('sm__warps_active.avg.pct_of_peak_sustained_active', 0):.1f} / "
                          f"{m.get('sm__maximum_warps_per_active_cycle_pct', 0):.1f} "
-                         f"| {m.get('launch__registers_per_thread', '')} | {top} |")
+                         f"| {m.get('launch__registers_per_thread', '')} "
+                         f"| {' / '.join(f'{m[k]:.0f}' if isinstance(m.get(k), (int, float)) else '-' for _, k in PIPES)} "
+                         f"| {top} |")
         lines.append("")
     return lines
+
+
+def sass_hotspots(text: str, top: int = 15) -> list:
+    """From ncu's ``--page source --print-source sass --csv`` output: the ``top``
+    SASS instructions by warp-stall samples, as ``{"address", "sass",
+    "share", "reasons": [(reason, samples)] (three largest)}``; ``share`` is
+    the instruction's fraction of all samples of its kernel. ncu prints one
+    block per profiled kernel; this reads the first (``--kernel`` picks it)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
+    if start is None:
+        return []
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith('"Kernel Name"')), len(lines))
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:end]))))
+    samples = "Warp Stall Sampling (All Samples)"
+
+    def count(row, key):
+        value = _number(row.get(key) or "0")
+        return value if isinstance(value, (int, float)) else 0
+
+    total = sum(count(row, samples) for row in rows) or 1
+    reasons = [k for k in (rows[0] if rows else {}) if k.startswith("stall_") and "Not Issued" not in k]
+    ranked = sorted(rows, key=lambda row: -count(row, samples))[:top]
+    return [{"address": row["Address"], "sass": row["Source"].strip(), "share": count(row, samples) / total,
+             "reasons": sorted(((k[len("stall_"):], count(row, k)) for k in reasons), key=lambda x: -x[1])[:3]}
+            for row in ranked]
+
+
+def sass_lines(pass_name: str, hotspots: list) -> list:
+    lines = [f"### {pass_name}: SASS instructions with the most warp-stall samples", "",
+             "| share | instruction | top reasons (samples) |", "|---|---|---|"]
+    for h in hotspots:
+        reasons = ", ".join(f"{r} {n}" for r, n in h["reasons"])
+        lines.append(f"| {100 * h['share']:.1f}% | `{h['sass'][:70]}` | {reasons} |")
+    return lines + [""]
 
 
 def _shape_of(op: str, shape_arg: str):
@@ -173,8 +224,11 @@ def run_target(op: str, shape, pass_name: str) -> None:
 
 # ---------------------------------------------------------------- the driver
 
-def profile(op: str, out: str, shape_arg: str = "", passes: str = "") -> int:
-    """Profile ``op`` under ncu, write its JSON and Markdown summary; 0 on success."""
+def profile(op: str, out: str, shape_arg: str = "", passes: str = "", sass: int = 0, kernel: str = "") -> int:
+    """Profile ``op`` under ncu, write its JSON and Markdown summary; 0 on success.
+    ``sass``: also the ``sass`` SASS instructions of each pass where warps stall
+    most (a second ncu run with source counters); ``kernel``: only kernels
+    whose name matches this regular expression (ncu's ``--kernel-name regex:``)."""
     import torch
     import triton
 
@@ -191,13 +245,23 @@ def profile(op: str, out: str, shape_arg: str = "", passes: str = "") -> int:
     wanted = passes.split(",") if passes else (["fwd", "fwdbwd"] if spec.differentiable else ["fwd"])
     ncu = ncu_binary()
     version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1:]
-    results, failures = {}, {}
+    results, failures, hotspots = {}, {}, {}
     for pass_name in wanted:
-        command = [ncu, "--profile-from-start", "off", "--target-processes", "all", "--csv", "--page", "details",
-                   "--print-units", "base", "--metrics", ",".join(METRICS),
-                   sys.executable, os.path.abspath(__file__), op, "--target", pass_name,
-                   "--shape", ",".join(map(str, shape))]
+        target = [sys.executable, os.path.abspath(__file__), op, "--target", pass_name,
+                  "--shape", ",".join(map(str, shape))]
+        only = ["--kernel-name", f"regex:{kernel}"] if kernel else []
+        command = [ncu, "--profile-from-start", "off", "--target-processes", "all", *only, "--csv", "--page",
+                   "details", "--print-units", "base", "--metrics", ",".join(METRICS), *target]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+        if sass:
+            sections = [a for name in SASS_SECTIONS for a in ("--section", name)]
+            source = subprocess.run([ncu, "--profile-from-start", "off", "--target-processes", "all", *only,
+                                     *sections, "--import-source", "no", "--csv", "--page", "source",
+                                     "--print-source", "sass", *target], capture_output=True, text=True, env=env)
+            hotspots[pass_name] = sass_hotspots(source.stdout, sass)
+            if not hotspots[pass_name]:
+                log(f"nsight: {op} {pass_name}: no SASS source page (exit {source.returncode}):\n"
+                    f"{(source.stderr or source.stdout)[-2000:]}")
         log(f"nsight: {op} {'x'.join(map(str, shape))} {pass_name}")
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         launches = parse_csv(done.stdout)
@@ -209,12 +273,14 @@ def profile(op: str, out: str, shape_arg: str = "", passes: str = "") -> int:
     env_info = environment()
     data = {"op": op, "shape": list(shape), "dtype": "bfloat16", "gpu": env_info["gpu"], "torch": torch.__version__,
             "triton": triton.__version__, "ncu": version[0] if version else None, "metrics": list(METRICS),
-            "passes": results, "failures": failures}
+            "passes": results, "failures": failures, "sass_hotspots": hotspots}
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, f"profile-{op}-{gpu_slug(env_info['gpu'])}")
     with open(stem + ".json", "w") as f:
         json.dump(data, f, indent=1)
     lines = summary_lines(op, shape, results)
+    for pass_name, found in hotspots.items():
+        lines += sass_lines(pass_name, found)
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -228,12 +294,15 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="", help="B,L,C (default: the registry's first benchmark shape)")
     p.add_argument("--passes", default="", help="fwd,fwdbwd (default: both for differentiable ops)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--sass", type=int, default=0, metavar="N",
+                   help="also list the N SASS instructions where warps stall most (instruction-level sampling)")
+    p.add_argument("--kernel", default="", help="profile only kernels whose name matches this regular expression")
     p.add_argument("--target", default="", help=argparse.SUPPRESS)  # set in the child that ncu runs
     args = p.parse_args(argv)
     if args.target:
         run_target(args.op, _shape_of(args.op, args.shape), args.target)
         return 0
-    return profile(args.op, args.out, args.shape, args.passes)
+    return profile(args.op, args.out, args.shape, args.passes, args.sass, args.kernel)
 
 
 if __name__ == "__main__":
