@@ -18,19 +18,16 @@ K and V come by TMA into a ring of STAGES buffers with one mbarrier each,
 refilled once the wgmma that read a buffer has completed.
 
 What it measured (``attention_gluon_check.py``, H100, torch 2.11, triton
-3.6, bench/results/attention-gluon-experiment-h100.json, TFLOP/s at
-1x24x4608 / 1x12x32760 / 1x40x16384 / 1x12x75600, D=128, same run):
-int8_fp8 385 / 708 / 647 / 755 against the triton.language kernel's
-701 / 805 / 778 / 768; bf16 (64-key tiles, 3 stages) 485 / 539 / 534 / 530
-against 513 / 532 / 566 / 572 (cuDNN 590 / 568 / 624 / 572). Not profiled:
-why the 4608-token case is twice as slow (a per-program cost, since the
-per-tile cost at 32760 is within 12%), and the four CTA barriers Gluon puts
-around each step's mbarrier expects. Known defect: bf16 at
-1x12x4680 in the [B, L, H, D] layout gives NaN rows (other shapes, ragged
-ones included, match the portable kernel to ~1e-3); the P operand of an
-in-flight wgmma is held in registers that Gluon cannot list as a
-dependency of the wait for 8-bit types (its lowering rejects them), which
-is a suspect.
+3.6, bench/results/attention-gluon-experiment-h100.json, kernel only with
+the operands quantized beforehand, TFLOP/s at 1x24x4608 / 1x12x32760 /
+1x40x16384 / 1x12x75600, D=128, same run): int8_fp8 703 / 787 / 786 / 785
+against the triton.language kernel's 699 / 793 / 770 / 761; bf16 (64-key
+tiles, 3 stages) 480 / 536 / 533 / 526 against 508 / 526 / 558 / 567 (cuDNN
+584 / 562 / 617 / 569). Known defect: a race. With 64-key tiles whole
+64-query programs come out wrong or NaN at random on longer sequences, and
+int8_fp8 did once at 1x12x4680 (results/attention-gluon-experiment-races-h100.txt);
+the suspect is the in-flight P operand's registers, which nothing names as a
+dependency of the wait (Gluon's lowering rejects 8-bit dependencies).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

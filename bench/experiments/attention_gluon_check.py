@@ -15,11 +15,14 @@ def bhl(t, seq_dim):
     return (t.stride(0), t.stride(1), t.stride(2)) if seq_dim == 2 else (t.stride(0), t.stride(2), t.stride(1))
 
 
-def gluon_fwd(q, k, v, seq_dim, mode, block_n=None, stages=2, q8=None):
-    """q, k, v as given to the ops ([B,H,L,D] seq_dim 2 / [B,L,H,D] seq_dim 1), bf16."""
+def gluon_fwd(q, k, v, seq_dim, mode, block_n=None, stages=2, q8=None, v8=None, fill=None):
+    """q, k, v as given to the ops ([B,H,L,D] seq_dim 2 / [B,L,H,D] seq_dim 1), bf16.
+    ``q8`` (smooth_quantize_qk's four tensors) and ``v8`` (fp8_values_transposed's
+    two): operands quantized beforehand, as the portable kernel's timing has them.
+    ``fill``: the output's value before the launch (default: uninitialized)."""
     b, h, lq, d = (q.shape if seq_dim == 2 else (q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
     hk, lk = (k.shape[1], k.shape[2]) if seq_dim == 2 else (k.shape[2], k.shape[1])
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if fill is None else torch.full_like(q, fill)
     lse = torch.empty(b, h, lq, device="cuda")
     qs = ks = vs = None
     if mode == "bf16":
@@ -28,7 +31,7 @@ def gluon_fwd(q, k, v, seq_dim, mode, block_n=None, stages=2, q8=None):
     else:
         qq, qs, kk, ks = q8 if q8 is not None else reference.attention.smooth_quantize_qk(q, k, seq_dim)
         if mode == "int8_fp8":
-            vv, vs = A.fp8_values_transposed(v, seq_dim)
+            vv, vs = v8 if v8 is not None else A.fp8_values_transposed(v, seq_dim)
             vsd = 2
             block_n = 128
         else:
@@ -77,41 +80,47 @@ def check(b, h, hk, lq, lk, seq_dim, mode):
     print(row, flush=True)
 
 
-for mode in ("int8_fp8", "bf16", "int8"):
-    for args in [(1, 4, 4, 1000, 1000, 2), (2, 8, 2, 333, 4096, 1), (1, 2, 2, 64, 77, 2), (1, 2, 2, 130, 1, 1),
-                 (1, 3, 3, 200, 256, 2), (1, 12, 12, 4680, 4680, 1), (1, 2, 1, 513, 129, 2)]:
-        check(*args[:5], args[5], mode)
+def main():
+    for mode in ("int8_fp8", "bf16", "int8"):
+        for args in [(1, 4, 4, 1000, 1000, 2), (2, 8, 2, 333, 4096, 1), (1, 2, 2, 64, 77, 2), (1, 2, 2, 130, 1, 1),
+                     (1, 3, 3, 200, 256, 2), (1, 12, 12, 4680, 4680, 1), (1, 2, 1, 513, 129, 2)]:
+            check(*args[:5], args[5], mode)
 
-timer = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=200)
-for b, h, L, d in [(1, 24, 4608, 128), (1, 12, 32760, 128), (1, 40, 16384, 128), (1, 12, 75600, 128)]:
-    flops = 4 * b * h * L * L * d
-    q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    q8 = reference.attention.smooth_quantize_qk(q, k, 2)
-    vt8, v_scale = A.fp8_values_transposed(v, 2)
-    out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
-    cands = {"cudnn": lambda: F.scaled_dot_product_attention(q, k, v)}
-    cands["portable bf16"] = lambda: A.launch_forward(q, k, v, out, lse, d ** -0.5, False, 2, None)
-    cands["portable int8_fp8"] = lambda: A.launch_forward(q8[0], q8[2], vt8, out, lse, d ** -0.5, False, 2, None,
-                                                          int8_scales=(q8[1], q8[3]), v_scale=v_scale)
-    for bn, st in [(64, 2), (64, 3), (128, 2)]:
-        cands[f"gluon bf16 {bn}x{st}"] = (lambda bn=bn, st=st: gluon_fwd(q, k, v, 2, "bf16", bn, st))
-    for st in (2, 3):
-        cands[f"gluon int8_fp8 128x{st}"] = (lambda st=st: gluon_fwd(q, k, v, 2, "int8_fp8", 128, st, q8=q8))
-    cands["gluon int8 64x2"] = lambda: gluon_fwd(q, k, v, 2, "int8", 64, 2, q8=q8)
-    for name, fn in cands.items():
-        try:
-            if name == "cudnn":
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+    timer = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=200)
+    for b, h, L, d in [(1, 24, 4608, 128), (1, 12, 32760, 128), (1, 40, 16384, 128), (1, 12, 75600, 128)]:
+        flops = 4 * b * h * L * L * d
+        q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q8 = reference.attention.smooth_quantize_qk(q, k, 2)
+        vt8, v_scale = A.fp8_values_transposed(v, 2)
+        out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
+        cands = {"cudnn": lambda: F.scaled_dot_product_attention(q, k, v)}
+        cands["portable bf16"] = lambda: A.launch_forward(q, k, v, out, lse, d ** -0.5, False, 2, None)
+        cands["portable int8_fp8"] = lambda: A.launch_forward(q8[0], q8[2], vt8, out, lse, d ** -0.5, False, 2, None,
+                                                              int8_scales=(q8[1], q8[3]), v_scale=v_scale)
+        for bn, st in [(64, 2), (64, 3), (128, 2)]:
+            cands[f"gluon bf16 {bn}x{st}"] = (lambda bn=bn, st=st: gluon_fwd(q, k, v, 2, "bf16", bn, st))
+        for st in (2, 3):
+            cands[f"gluon int8_fp8 128x{st}"] = (lambda st=st: gluon_fwd(q, k, v, 2, "int8_fp8", 128, st, q8=q8,
+                                                                                      v8=(vt8, v_scale)))
+        cands["gluon int8 64x2"] = lambda: gluon_fwd(q, k, v, 2, "int8", 64, 2, q8=q8)
+        for name, fn in cands.items():
+            try:
+                if name == "cudnn":
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        fn(); ms = timer(fn)
+                else:
                     fn(); ms = timer(fn)
-            else:
-                fn(); ms = timer(fn)
-            tf = flops / ms / 1e9
-        except Exception as e:  # noqa: BLE001
-            print(name, "failed", type(e).__name__, str(e)[-300:], flush=True)
-            ms = tf = float("nan")
-        R["timing"].append(dict(shape=[b, h, L, d], provider=name, ms=ms, TFLOPs=tf))
-        print(f"{b}x{h}x{L}x{d} {name:24s} {tf:6.0f} TFLOP/s", flush=True)
-    del q, k, v, q8, vt8
-    torch.cuda.empty_cache()
-R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-json.dump(R, open(sys.argv[1], "w"), indent=1)
+                tf = flops / ms / 1e9
+            except Exception as e:  # noqa: BLE001
+                print(name, "failed", type(e).__name__, str(e)[-300:], flush=True)
+                ms = tf = float("nan")
+            R["timing"].append(dict(shape=[b, h, L, d], provider=name, ms=ms, TFLOPs=tf))
+            print(f"{b}x{h}x{L}x{d} {name:24s} {tf:6.0f} TFLOP/s", flush=True)
+        del q, k, v, q8, vt8
+        torch.cuda.empty_cache()
+    R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    json.dump(R, open(sys.argv[1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
