@@ -2,6 +2,7 @@
 
     python bench/run.py --profile rmsnorm,norm_modulate,attention [--out bench/results]
     PYTHONPATH=. python bench/nsight.py OP [--shape B,L,C] [--passes fwd,fwdbwd] [--out DIR]
+                                           [--kernel REGEX] [--sass N]
 
 For each op, at one shape (``--shape``, else the registry's first benchmark
 shape; attention: 1 x 4608 x 3072, Flux's 24 heads of 128), bf16, and for
@@ -14,7 +15,11 @@ profiles every kernel of that one call, the aten kernels of a backward too.
 Per kernel launch it collects (:data:`METRICS`): duration, DRAM bytes and
 throughput as % of peak, SM throughput, achieved and theoretical occupancy,
 registers per thread, grid and block size, and the warp stall reasons (cycles
-per issued instruction that warps spend stalled on each reason). It writes
+per issued instruction that warps spend stalled on each reason), and how busy
+the issue slots, the tensor cores and the XU (exp2, conversions), FMA and ALU
+pipes were. ``--sass N`` adds a second ncu run with source counters: the N
+SASS instructions where warps were sampled waiting most, with their reasons
+(best with ``--kernel`` naming one kernel). It writes
 ``<out>/profile-<op>-<gpu>.json`` (the raw metrics, the GPU, torch, triton and
 ncu versions) and ``<out>/profile-<op>-<gpu>.md`` (a short table: each
 kernel's time, DRAM % of peak, occupancy and top three stall reasons).
@@ -175,6 +180,7 @@ def sass_hotspots(text: str, top: int = 15) -> list:
 
 
 def sass_lines(pass_name: str, hotspots: list) -> list:
+    """The Markdown table of one pass's :func:`sass_hotspots`."""
     lines = [f"### {pass_name}: SASS instructions with the most warp-stall samples", "",
              "| share | instruction | top reasons (samples) |", "|---|---|---|"]
     for h in hotspots:
