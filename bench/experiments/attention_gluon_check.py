@@ -1,13 +1,17 @@
 """GPU check and timing of the Gluon forward experiment (attention_gluon.py) against the
 portable kernel and cuDNN: ``python bench/experiments/attention_gluon_check.py OUT.json`` on an H100."""
-import sys, json, torch, triton, time
+import json
+import sys
+
+import torch
 import torch.nn.functional as F
+import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench.experiments.attention_gluon import attn_fwd_hopper_kernel
 from compile_ops import reference
 from compile_ops.ops import attention as A
-from bench.experiments.attention_gluon import attn_fwd_hopper_kernel
 
-triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 R = {"checks": [], "timing": []}
 
 
@@ -37,6 +41,8 @@ def gluon_fwd(q, k, v, seq_dim, mode, block_n=None, stages=2, q8=None, v8=None, 
         else:
             vv, vsd = v, seq_dim
             block_n = block_n or 64
+    # The kernel builds its TMA descriptors on the device, in memory from this allocator.
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     grid = (triton.cdiv(lq, 64), b * h)
     attn_fwd_hopper_kernel[grid](qq, kk, vv, out, lse, qs, ks, vs, *bhl(qq, seq_dim), *bhl(kk, seq_dim),
                                  *bhl(vv, vsd), *bhl(out, seq_dim), h, h // hk, lq, lk, float(d ** -0.5),
