@@ -33,13 +33,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+# The portable kernel's constants (gl.constexpr is tl.constexpr): the INT8
+# bias trick and FP8 P V's shift mean the same here.
+from compile_ops.kernels.attention import _INT8_BIAS, _INT8_BIAS_BITS, _P_FP8_SHIFT  # noqa: E402
+
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
-#: As kernels/attention.py: int32 scores plus these bits, read as fp32, are 1.5 * 2**23 + score.
-_INT8_BIAS = gl.constexpr(12582912.0)
-_INT8_BIAS_BITS = gl.constexpr(0x4B400000)
-#: FP8 P V rounds 2**8 * p to e4m3 (reference.attention.P_FP8_SHIFT).
-_P_FP8_SHIFT = gl.constexpr(8.0)
 
 
 @gluon.jit
