@@ -164,6 +164,26 @@ def fp8_rows(shape, call: Call) -> Axes:
     return {BATCH: 0, SEQUENCE: 1, **({HEADS: 2} if len(shape) == 4 else {})}
 
 
+def key_block_scales(shape, call: Call) -> Axes:
+    """8-bit attention's k scales ``[B, Hk, key blocks]``: a block's scale
+    depends on k's mean over the whole sequence, so only batch and heads shard."""
+    return {BATCH: 0, HEADS: 1}
+
+
+def qk8_output(shape, call: Call) -> Axes:
+    """``fused.attention_qk8``'s outputs: out in q's layout, or with
+    ``fp8_rows`` the FP8 rows (:func:`fp8_rows`); the empty placeholder
+    scale of the former is replicated."""
+    if call["fp8_rows"]:
+        return fp8_rows(shape, call)
+    return heads_layout(shape, call) if len(shape) == 4 else {}
+
+
+def qk8_axes(call: Call) -> tuple:
+    """FP8 rows' scale spans every head: batch shards only, then."""
+    return (BATCH,) if call["fp8_rows"] else (BATCH, HEADS)
+
+
 def per_sample(shape, call: Call) -> Axes:
     """kv_lengths ``[B]``."""
     return {BATCH: 0}
@@ -288,6 +308,10 @@ RULES: dict[str, Rule] = {
     "rope_grid": Rule({**_QK, "constants": replicated}, _QK_OUT, batch_heads, "q"),
     "qk_norm_rope": Rule({**_QK, "q_weight": replicated, "k_weight": replicated, **_TABLES}, _QK_OUT,
                          batch_sequence_heads, "q"),
+    # q and k for 8-bit attention: k's smoothing mean spans the sequence.
+    "qk_rope_int8": Rule({**_QK, "q_weight": replicated, "k_weight": replicated, **_TABLES},
+                         (Out("q", heads_layout), Out("q", log_sum_exp), Out("k", heads_layout),
+                          Out("k", key_block_scales)), batch_heads, "q"),
     "qk_norm_rope_backward": Rule(
         {"grad_q": heads_layout, "grad_k": heads_layout, **_QK, "q_weight": replicated, "k_weight": replicated,
          **_TABLES},
@@ -321,6 +345,9 @@ RULES: dict[str, Rule] = {
     # batch shards keep it whole; the values are [B, Lq, Hq, D] and the
     # scales [B, Lq] whatever q's layout.
     "attention_int8_fp8_rows": Rule(_ATTENTION_ARGS, (Out("q", fp8_rows), Out("q", fp8_rows)), batch_only, "q"),
+    # ... and on q and k quantized by fused.qk_rope_int8.
+    "attention_qk8": Rule({**_ATTENTION_ARGS, "q_scale": log_sum_exp, "k_scale": key_block_scales},
+                          (Out("q", qk8_output), Out("q", qk8_output)), qk8_axes, "q"),
     "block_sparse_attention": Rule({**_ATTENTION_ARGS, **_BLOCK_LISTS},
                                    (Out("q", heads_layout), Out("q", log_sum_exp)), batch_heads, "q"),
     "block_sparse_attention_backward": Rule({**_ATTENTION_BACKWARD_ARGS, **_BLOCK_LISTS}, _ATTENTION_GRADS,

@@ -357,6 +357,21 @@ def _qk_norm_rope_edges(dtype, device, requires_grad):
     ]
 
 
+def _make_qk_rope_int8(shape, dtype, device, requires_grad):
+    """:func:`_make_qk_norm_rope`'s q, k in 16 bits (8-bit attention's inputs)."""
+    return (*_make_qk_norm_rope(shape, _int8_dtype(dtype), device, False)[:-4], 1e-6, True, 1, None)
+
+
+def _qk_rope_int8_edges(dtype, device, requires_grad):
+    """The qk_norm_rope edges in 16 bits with keys offset per channel (what the
+    smoothing removes), and each once more as a plain rotation (no weights)."""
+    cases = []
+    for q, k, q_w, k_w, *rest in _qk_norm_rope_edges(_int8_dtype(dtype), device, False):
+        k = (k + torch.linspace(-3, 3, k.shape[-1], device=device).to(k.dtype)).to(k.dtype)
+        cases += [(q, k, q_w, k_w, *rest), (q, k, None, None, *rest)]
+    return cases
+
+
 def _qk_norm_rope_backward_edges(dtype, device, requires_grad):
     cases = []
     for args in _qk_norm_rope_edges(dtype, device, False):
@@ -569,6 +584,24 @@ def _make_attention_int8(shape, dtype, device, requires_grad):
     return (*_qkv(b, h, h, length, length, d, 1, _int8_dtype(dtype), device, False), d ** -0.5, False, 1, None)
 
 
+def _quantized_qk_args(q, k, v, scale, causal, seq_dim, kv_lengths, pv_fp8, fp8_rows):
+    """fused.attention_qk8's arguments: q and k quantized by the specification."""
+    return (*reference.attention.smooth_quantize_qk(q, k, seq_dim), v, scale, causal, seq_dim, kv_lengths,
+            pv_fp8, fp8_rows)
+
+
+def _attention_qk8_edges(dtype, device, requires_grad):
+    """The 8-bit edges with q and k quantized, in the three P V / output modes in turn."""
+    modes = ((False, False), (True, False), (True, True))
+    return [_quantized_qk_args(*case, *modes[i % 3])
+            for i, case in enumerate(_attention_int8_edges(dtype, device, False))]
+
+
+def _make_attention_qk8(shape, dtype, device, requires_grad):
+    """:func:`_make_attention_int8`'s inputs with q and k quantized, FP8 P V."""
+    return _quantized_qk_args(*_make_attention_int8(shape, dtype, device, False), True, False)
+
+
 def _attention_backward_edges(dtype, device, requires_grad):
     cases = []
     for q, k, v, scale, causal, seq_dim, kv_lengths in _attention_edges(dtype, device, False):
@@ -684,6 +717,9 @@ OPS: tuple[OpSpec, ...] = (
            bench_shapes=ROPE_SHAPES),
     OpSpec("qk_norm_rope_backward", "rope", reference.rope.qk_norm_rope_backward, None,
            _qk_norm_rope_backward_edges, differentiable=False),
+    # 8-bit attention's q and k from the rotation's kernel (inference only).
+    OpSpec("qk_rope_int8", "rope", reference.rope.qk_rope_int8, _make_qk_rope_int8, _qk_rope_int8_edges,
+           differentiable=False),
     OpSpec("geglu", "glu", reference.glu.geglu, _make_glu("none"), _glu_edges("none"), bench_shapes=GLU_SHAPES),
     OpSpec("geglu_tanh", "glu", reference.glu.geglu, _make_glu("tanh"), _glu_edges("tanh"),
            bench_shapes=GLU_SHAPES, op_name="geglu"),
@@ -719,6 +755,9 @@ OPS: tuple[OpSpec, ...] = (
     # Its output as the FP8 rows of the output projection (issue 26's epilogue).
     OpSpec("attention_int8_fp8_rows", "attention", reference.attention.attention_int8_fp8_rows,
            _make_attention_int8, _attention_int8_edges, differentiable=False),
+    # ... on q and k quantized by fused.qk_rope_int8.
+    OpSpec("attention_qk8", "attention", reference.attention.attention_qk8, _make_attention_qk8,
+           _attention_qk8_edges, differentiable=False),
     OpSpec("block_sparse_attention", "block_sparse", reference.block_sparse.block_sparse_attention,
            _make_block_sparse, _block_sparse_edges, tf32=True),
     OpSpec("block_sparse_attention_backward", "block_sparse", reference.block_sparse.block_sparse_attention_backward,

@@ -139,6 +139,26 @@ def test_8bit_quantization_kernels_compile_for_sm90(spec):
 
     launches = list(_launches(spec, torch.bfloat16, quantize).values())
     assert {kernel.fn.__name__ for kernel, _, _ in launches} == {"qk8_stats_kernel", "qk8_quantize_kernel"}
+    _compile_with_constant_ints(launches)
+
+
+def test_fp8_values_alone_kernels_compile_for_sm90():
+    """v's quantization alone (WITH_K off: q and k came quantized from
+    fused.qk_rope_int8), as attention_qk8 runs it eagerly."""
+    from compile_ops.ops import attention as attention_ops
+
+    spec = next(s for s in registry.OPS if s.name == "attention_qk8")
+
+    def quantize(q, q_scale, k, k_scale, v, scale, causal, seq_dim, *rest):
+        return attention_ops.quantize_8bit(None, None, v, seq_dim)
+
+    launches = list(_launches(spec, torch.bfloat16, quantize).values())
+    assert {kernel.fn.__name__ for kernel, _, _ in launches} == {"qk8_stats_kernel", "qk8_quantize_kernel"}
+    assert all(constants["WITH_K"] is False for _, _, constants in launches)
+    _compile_with_constant_ints(launches)
+
+
+def _compile_with_constant_ints(launches):
     for kernel, signature, constants in launches:
         ints = [p for p, t in signature.items() if t in ("i32", "i64")]
         for constant_ints in (False, True):

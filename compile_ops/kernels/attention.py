@@ -393,12 +393,12 @@ def _int8_of(x, scale):
 @triton.jit
 def qk8_stats_kernel(K, V, K_SUM, V_AMAX, Hk, Lk, skb, skh, skl, svb, svh, svl, rows_per_chunk,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, CHUNKS: tl.constexpr,
-                     WITH_V: tl.constexpr):
+                     WITH_V: tl.constexpr, WITH_K: tl.constexpr):
     """Per (batch, k head) and chunk ``program_id(0)`` of ``rows_per_chunk``
-    keys: k's column sums (K_SUM) and, WITH_V, v's column amax (V_AMAX), both
-    fp32 ``[B * Hk, CHUNKS, D]``: the partials of k's mean and of v's FP8
-    channel scales, reduced in a fixed order by ``qk8_quantize_kernel`` (no
-    atomics: the same bits on every run)."""
+    keys: WITH_K, k's column sums (K_SUM) and, WITH_V, v's column amax
+    (V_AMAX), both fp32 ``[B * Hk, CHUNKS, D]``: the partials of k's mean and
+    of v's FP8 channel scales, reduced in a fixed order by
+    ``qk8_quantize_kernel`` (no atomics: the same bits on every run)."""
     bh = tl.program_id(1)
     b = tl.cast(bh, tl.int64) // Hk
     h = bh - b * Hk
@@ -410,14 +410,17 @@ def qk8_stats_kernel(K, V, K_SUM, V_AMAX, Hk, Lk, skb, skh, skl, svb, svh, svl, 
     for start in range(first, last, BLOCK_L):
         rows = start + tl.arange(0, BLOCK_L)
         mask = (rows < last)[:, None] & (cols < D)[None, :]
-        k = tl.load(K + b * skb + h * skh + rows[:, None].to(tl.int64) * skl + cols[None, :], mask=mask, other=0.0)
-        k_sum += tl.sum(k.to(tl.float32), 0)
+        if WITH_K:
+            k = tl.load(K + b * skb + h * skh + rows[:, None].to(tl.int64) * skl + cols[None, :], mask=mask,
+                        other=0.0)
+            k_sum += tl.sum(k.to(tl.float32), 0)
         if WITH_V:
             v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask,
                         other=0.0)
             v_amax = tl.maximum(v_amax, tl.max(tl.abs(v.to(tl.float32)), 0))
     out = (tl.cast(bh, tl.int64) * CHUNKS + tl.program_id(0)) * D + cols
-    tl.store(K_SUM + out, k_sum, mask=cols < D)
+    if WITH_K:
+        tl.store(K_SUM + out, k_sum, mask=cols < D)
     if WITH_V:
         tl.store(V_AMAX + out, v_amax, mask=cols < D)
 
@@ -426,7 +429,7 @@ def qk8_stats_kernel(K, V, K_SUM, V_AMAX, Hk, Lk, skb, skh, skl, svb, svh, svl, 
 def qk8_quantize_kernel(X, X8, X_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sxb, sxh, sxl, s8b, s8h, s8l,
                         svb, svh, svl, svtd,
                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, CHUNKS: tl.constexpr,
-                        PER_TOKEN: tl.constexpr, WITH_V: tl.constexpr):
+                        PER_TOKEN: tl.constexpr, WITH_V: tl.constexpr, WITH_K: tl.constexpr):
     """8-bit attention's operands for ``BLOCK_L`` positions of one (batch,
     head), as ``reference.attention.smooth_quantize_qk`` and
     ``quantize_v_fp8`` specify them. PER_TOKEN (q): X8 int8 with one scale
@@ -435,7 +438,8 @@ def qk8_quantize_kernel(X, X8, X_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sx
     block (X_SCALE ``[B * H, cdiv(L, BLOCK_L)]``); WITH_V: also v's tile in
     e4m3 with the channel scales from V_AMAX's partials (V_SCALE ``[B * H,
     D]``, written by the first block), stored transposed into VT8 (channel
-    stride ``svtd``, unit position stride)."""
+    stride ``svtd``, unit position stride). Without WITH_K, v's part alone
+    (k quantized elsewhere: ``fused.qk_rope_int8``)."""
     bh = tl.program_id(1)
     b = tl.cast(bh, tl.int64) // H
     h = bh - b * H
@@ -444,8 +448,9 @@ def qk8_quantize_kernel(X, X8, X_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sx
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < L
     mask = row_ok[:, None] & (cols < D)[None, :]
-    x = tl.load(X + b * sxb + h * sxh + rows[:, None].to(tl.int64) * sxl + cols[None, :], mask=mask,
-                other=0.0).to(tl.float32)
+    if WITH_K:
+        x = tl.load(X + b * sxb + h * sxh + rows[:, None].to(tl.int64) * sxl + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
     if PER_TOKEN:
         scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), _FP32_TINY), _INT8_MAX)
         x8 = _int8_of(x, scale[:, None])
@@ -453,12 +458,14 @@ def qk8_quantize_kernel(X, X8, X_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sx
     else:
         partials = tl.cast(bh, tl.int64) * CHUNKS * D + tl.arange(0, CHUNKS)[:, None] * D + cols[None, :]
         chunk_mask = (cols < D)[None, :]
-        # (tl.cast, not L.to: Inductor may pass L as a Python int constant)
-        mean = tl.div_rn(tl.sum(tl.load(K_SUM + partials, mask=chunk_mask, other=0.0), 0), tl.cast(L, tl.float32))
-        x = tl.where(mask, x - mean[None, :], 0.0)
-        scale = tl.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), _FP32_TINY), _INT8_MAX)
-        x8 = _int8_of(x, scale)
-        tl.store(X_SCALE + tl.cast(bh, tl.int64) * tl.cdiv(L, BLOCK_L) + blk, scale)
+        if WITH_K:
+            # (tl.cast, not L.to: Inductor may pass L as a Python int constant)
+            mean = tl.div_rn(tl.sum(tl.load(K_SUM + partials, mask=chunk_mask, other=0.0), 0),
+                             tl.cast(L, tl.float32))
+            x = tl.where(mask, x - mean[None, :], 0.0)
+            scale = tl.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), _FP32_TINY), _INT8_MAX)
+            x8 = _int8_of(x, scale)
+            tl.store(X_SCALE + tl.cast(bh, tl.int64) * tl.cdiv(L, BLOCK_L) + blk, scale)
         if WITH_V:
             v_scale = tl.div_rn(tl.maximum(tl.max(tl.load(V_AMAX + partials, mask=chunk_mask, other=0.0), 0),
                                            _FP32_TINY), E4M3_MAX)
@@ -468,7 +475,8 @@ def qk8_quantize_kernel(X, X8, X_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sx
                         other=0.0).to(tl.float32)
             v8 = tl.div_rn(v, tl.where(cols < D, v_scale, 1.0)[None, :]).to(tl.float8e4nv)
             tl.store(VT8 + tl.cast(bh, tl.int64) * D * svtd + cols[None, :] * svtd + rows[:, None], v8, mask=mask)
-    tl.store(X8 + b * s8b + h * s8h + rows[:, None].to(tl.int64) * s8l + cols[None, :], x8, mask=mask)
+    if WITH_K:
+        tl.store(X8 + b * s8b + h * s8h + rows[:, None].to(tl.int64) * s8l + cols[None, :], x8, mask=mask)
 
 
 # ---------------------------------------------------------------- backward

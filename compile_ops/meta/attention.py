@@ -30,7 +30,9 @@ def dims(t: torch.Tensor, seq_dim: int) -> tuple:
 
 
 def check_attention(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                    seq_dim: int, kv_lengths: Optional[torch.Tensor]) -> None:
+                    seq_dim: int, kv_lengths: Optional[torch.Tensor], quantized_qk: bool = False) -> None:
+    """Shapes, dtypes, devices and options of an attention call.
+    ``quantized_qk``: q and k are 8-bit attention's INT8 operands, v 16-bit."""
     if seq_dim not in (1, 2) or isinstance(seq_dim, bool):
         fail(op, f"seq_dim must be 2 ([B, H, L, D]) or 1 ([B, L, H, D]), got {seq_dim!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -39,12 +41,23 @@ def check_attention(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         if t.dim() != 4:
             layout = "[B, H, L, D]" if seq_dim == 2 else "[B, L, H, D]"
             fail(op, f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
+        if quantized_qk:
+            continue
         if t.dtype not in DTYPES:
             names = ", ".join(str(d).replace("torch.", "") for d in DTYPES)
             fail(op, f"{name} must have dtype {names}, got {t.dtype}", TypeError)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            fail(op, f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share a dtype", TypeError)
+    if quantized_qk:
+        for name, t in (("q", q), ("k", k)):
+            if t.dtype != torch.int8:
+                fail(op, f"{name} must be int8 (8-bit attention's quantized operand, from fused.qk_rope_int8), "
+                         f"got {t.dtype}", TypeError)
+        if v.dtype not in INT8_DTYPES:
+            fail(op, f"v must be float16 or bfloat16 (the output's dtype), got {v.dtype}", TypeError)
+    else:
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != q.dtype:
+                fail(op, f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share a dtype",
+                     TypeError)
     check_same_device(op, q, "q", k=k, v=v, kv_lengths=kv_lengths)
     bq, hq, _, dq = dims(q, seq_dim)
     bk, hk, lk, dk = dims(k, seq_dim)
@@ -97,6 +110,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
 
 #: 8-bit attention takes 16-bit activations (what a DiT feeds it) and writes them.
 INT8_DTYPES = (torch.float16, torch.bfloat16)
+#: Keys that share one INT8 scale: one scale per key tile lets the kernel fold
+#: it into the per-row factor of its scores (SageAttention quantizes K per
+#: block too); the kernel's key tiles divide it.
+INT8_KEY_BLOCK = 128
+
+
+def int8_qk_shapes(q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> tuple:
+    """Empty ``(q8, q_scale [B, Hq, Lq], k8, k_scale [B, Hk, ceil(Lk /
+    INT8_KEY_BLOCK)])`` of 8-bit attention's quantized q and k: the int8
+    tensors in q's and k's shapes (contiguous), the scales fp32."""
+    b, h, lq, _ = dims(q, seq_dim)
+    hk, lk = dims(k, seq_dim)[1:3]
+    return (q.new_empty(q.shape, dtype=torch.int8), q.new_empty((b, h, lq), dtype=torch.float32),
+            k.new_empty(k.shape, dtype=torch.int8),
+            k.new_empty((b, hk, -(-lk // INT8_KEY_BLOCK)), dtype=torch.float32))
 
 
 def _eight_bit(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -129,6 +157,40 @@ def attention_int8_fp8_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     b, h, lq, d = dims(q, seq_dim)
     return (q.new_empty((b, lq, h, d), dtype=torch.float8_e4m3fn),
             q.new_empty((b, lq), dtype=torch.float32))
+
+
+def attention_qk8(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                  v: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
+                  kv_lengths: Optional[torch.Tensor] = None, pv_fp8: bool = False,
+                  fp8_rows: bool = False) -> tuple:
+    """``(out, out_scale)`` of 8-bit attention on quantized q and k: out in
+    q's shape and layout and v's dtype, out_scale empty; with ``fp8_rows``
+    (which needs ``pv_fp8``), :func:`attention_int8_fp8_rows`'s e4m3 values
+    ``[B, Lq, Hq, D]`` and scales ``[B, Lq]``."""
+    op = "attention_qk8"
+    check_attention(op, q, k, v, scale, causal, seq_dim, kv_lengths, quantized_qk=True)
+    check_kv_lengths_values(op, kv_lengths, dims(k, seq_dim)[2])
+    for name, flag in (("pv_fp8", pv_fp8), ("fp8_rows", fp8_rows)):
+        if not isinstance(flag, bool):
+            fail(op, f"{name} must be a bool, got {type(flag).__name__}", TypeError)
+    if fp8_rows and not pv_fp8:
+        fail(op, "fp8_rows=True (e4m3 output rows) is a mode of FP8 P V: pass pv_fp8=True too")
+    _, want_q, _, want_k = int8_qk_shapes(q, k, seq_dim)
+    for name, t, want in (("q_scale", q_scale, want_q), ("k_scale", k_scale, want_k)):
+        if not isinstance(t, torch.Tensor):
+            fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+        if tuple(t.shape) != tuple(want.shape):
+            fail(op, f"{name} must have shape {tuple(want.shape)} (one scale per "
+                     f"{'query' if name == 'q_scale' else f'block of {INT8_KEY_BLOCK} keys'} and head), "
+                     f"got {tuple(t.shape)}")
+        if t.dtype != torch.float32:
+            fail(op, f"{name} must be float32, got {t.dtype}", TypeError)
+    check_same_device(op, q, "q", q_scale=q_scale, k_scale=k_scale)
+    if fp8_rows:
+        b, h, lq, d = dims(q, seq_dim)
+        return (q.new_empty((b, lq, h, d), dtype=torch.float8_e4m3fn),
+                q.new_empty((b, lq), dtype=torch.float32))
+    return q.new_empty(q.shape, dtype=v.dtype), q.new_empty((0,), dtype=torch.float32)
 
 
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from compile_ops.meta._validate import check_eps, check_floating, check_same_device, fail
+from compile_ops.meta.attention import INT8_DTYPES, int8_qk_shapes
 
 
 def rotary_dim_of(op: str, x: torch.Tensor, rotary_dim: Optional[int]):
@@ -111,6 +112,28 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     check_norm_weight("qk_norm_rope", "k_weight", k_weight, k, "k")
     check_eps("qk_norm_rope", eps)
     return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def qk_rope_int8(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor],
+                 k_weight: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                 interleaved: bool, seq_dim: int, rotary_dim: Optional[int] = None) -> tuple:
+    """``(q8, q_scale [B, Hq, L], k8, k_scale [B, Hk, ceil(L / 128)])``: the
+    int8 tensors in q's and k's shapes, contiguous; the scales fp32."""
+    op = "qk_rope_int8"
+    check_qk(op, q, k, seq_dim)
+    check_rope(op, q, cos, sin, seq_dim, rotary_dim)
+    if (q_weight is None) != (k_weight is None):
+        fail(op, "q_weight and k_weight must both be given (RMSNorm of q and k, then RoPE) or both be None "
+                 f"(RoPE alone), got q_weight={'None' if q_weight is None else 'a tensor'} and "
+                 f"k_weight={'None' if k_weight is None else 'a tensor'}")
+    if q_weight is not None:
+        check_norm_weight(op, "q_weight", q_weight, q, "q")
+        check_norm_weight(op, "k_weight", k_weight, k, "k")
+        check_eps(op, eps)
+    if q.dtype not in INT8_DTYPES:
+        fail(op, f"q and k must be float16 or bfloat16 (8-bit attention quantizes 16-bit activations), "
+                 f"got {q.dtype}", TypeError)
+    return int8_qk_shapes(q, k, seq_dim)
 
 
 def qk_norm_rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -7,7 +7,7 @@ q, k, v, the output and the lse (O(L) extra memory) and calls
 """
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -294,7 +294,7 @@ _attention_op.register_autograd(_backward_attention, setup_context=_setup_attent
 def _attention_int8_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2,
                        kv_lengths: Optional[Tensor] = None) -> Tensor:
     out = meta.attention.attention_int8(q, k, v, scale, causal, seq_dim, kv_lengths)
-    _launch_eight_bit(q, k, v, out, scale, causal, seq_dim, kv_lengths, pv_fp8=False)
+    _launch_eight_bit(_quantized(q, k, v, seq_dim, pv_fp8=False), v, out, scale, causal, seq_dim, kv_lengths)
     return out
 
 
@@ -310,14 +310,15 @@ register_no_gradient(_attention_int8_op, "fused.attention_int8 is inference only
 STAT_CHUNKS = 16
 
 
-def quantize_8bit(q: Tensor, k: Tensor, v: Optional[Tensor], seq_dim: int) -> tuple:
+def quantize_8bit(q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tuple:
     """8-bit attention's operands by Triton kernels: ``(q8, q_scale, k8,
     k_scale)`` of ``reference.attention.smooth_quantize_qk`` and, with v,
     ``(vt8, v_scale)`` of :func:`fp8_values_transposed`, in three launches
     (k's and v's sequence reductions, then q, then k and v) that read each
     16-bit input at most twice. The same values as the reference up to the
     order of k's mean's sum (an fp32 ulp, which can move a rare k value to
-    the next integer).
+    the next integer). q and k None: v's two alone (q and k came quantized
+    from ``fused.qk_rope_int8``).
 
     Args:
         q: ``[B, Hq, Lq, D]`` (seq_dim 2) or ``[B, Lq, Hq, D]`` (1), fp16/bf16,
@@ -325,37 +326,47 @@ def quantize_8bit(q: Tensor, k: Tensor, v: Optional[Tensor], seq_dim: int) -> tu
         k, v: ``[B, Hk, Lk, D]`` / ``[B, Lk, Hk, D]``, unit-stride D; v None for
             16-bit P V.
     """
-    b, h, lq, d = meta.attention.dims(q, seq_dim)
-    hk, lk = meta.attention.dims(k, seq_dim)[1:3]
+    with_k, with_v = k is not None, v is not None
+    kv = k if with_k else v
+    b, hk, lk, d = meta.attention.dims(kv, seq_dim)
     consts = dict(D=d, BLOCK_D=block_d(d), CHUNKS=STAT_CHUNKS)
-    with_v = v is not None
-    q8, k8 = torch.empty_like(q, dtype=torch.int8), torch.empty_like(k, dtype=torch.int8)
-    q_scale = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
-    k_blocks = triton.cdiv(lk, reference.attention.INT8_KEY_BLOCK)
-    k_scale = torch.empty((b, hk, k_blocks), dtype=torch.float32, device=q.device)
-    k_sum = torch.empty((b * hk, STAT_CHUNKS, d), dtype=torch.float32, device=q.device)
-    v_amax = torch.empty_like(k_sum) if with_v else None
-    vt8 = v_scale = None
+    stats = torch.empty((b * hk, STAT_CHUNKS, d), dtype=torch.float32, device=kv.device)
+    k_sum = stats if with_k else None
+    v_amax = torch.empty_like(stats) if with_v else None
+    quantized = ()
+    k8 = k_scale = vt8 = v_scale = None
+    if with_k:
+        k8 = torch.empty_like(k, dtype=torch.int8)
+        k_scale = torch.empty((b, hk, triton.cdiv(lk, reference.attention.INT8_KEY_BLOCK)), dtype=torch.float32,
+                              device=k.device)
     if with_v:
         # The kernel is handed the whole padded buffer, not the narrowed view the attention kernel
         # reads: a traced kernel mutating a view made Inductor emit an e4m3 slice copy that failed
         # to compile (tl.full of fp8) at 32760 tokens.
-        vt8 = torch.empty((b, hk, d, lk + -lk % 16), dtype=torch.float8_e4m3fn, device=q.device)
-        v_scale = torch.empty((b, hk, d), dtype=torch.float32, device=q.device)
+        vt8 = torch.empty((b, hk, d, lk + -lk % 16), dtype=torch.float8_e4m3fn, device=v.device)
+        v_scale = torch.empty((b, hk, d), dtype=torch.float32, device=v.device)
+    k_strides = _bhl_strides(k, seq_dim) if with_k else (0, 0, 0)
     v_strides = _bhl_strides(v, seq_dim) if with_v else (0, 0, 0)
     if lk > 0 and b * hk > 0:
         launcher(qk8_stats_kernel)[(STAT_CHUNKS, b * hk)](
-            k, v, k_sum, v_amax, hk, lk, *_bhl_strides(k, seq_dim), *v_strides,
-            triton.cdiv(lk, STAT_CHUNKS), BLOCK_L=64, WITH_V=with_v, num_warps=4, **consts)
-        launcher(qk8_quantize_kernel)[(k_blocks, b * hk)](
-            k, k8, k_scale, k_sum, v, vt8, v_amax, v_scale, hk, lk, *_bhl_strides(k, seq_dim),
-            *_bhl_strides(k8, seq_dim), *v_strides, vt8.stride(2) if with_v else 0,
-            BLOCK_L=reference.attention.INT8_KEY_BLOCK, PER_TOKEN=False, WITH_V=with_v, num_warps=8, **consts)
-    if lq > 0 and b * h > 0:
-        launcher(qk8_quantize_kernel)[(triton.cdiv(lq, 64), b * h)](
-            q, q8, q_scale, None, None, None, None, None, h, lq, *_bhl_strides(q, seq_dim),
-            *_bhl_strides(q8, seq_dim), 0, 0, 0, 0, BLOCK_L=64, PER_TOKEN=True, WITH_V=False, num_warps=4, **consts)
-    return (q8, q_scale, k8, k_scale) + ((vt8.narrow(3, 0, lk), v_scale) if with_v else ())
+            k, v, k_sum, v_amax, hk, lk, *k_strides, *v_strides,
+            triton.cdiv(lk, STAT_CHUNKS), BLOCK_L=64, WITH_V=with_v, WITH_K=with_k, num_warps=4, **consts)
+        launcher(qk8_quantize_kernel)[(triton.cdiv(lk, reference.attention.INT8_KEY_BLOCK), b * hk)](
+            k, k8, k_scale, k_sum, v, vt8, v_amax, v_scale, hk, lk, *k_strides,
+            *(_bhl_strides(k8, seq_dim) if with_k else (0, 0, 0)), *v_strides, vt8.stride(2) if with_v else 0,
+            BLOCK_L=reference.attention.INT8_KEY_BLOCK, PER_TOKEN=False, WITH_V=with_v, WITH_K=with_k,
+            num_warps=8, **consts)
+    if q is not None:
+        h, lq = meta.attention.dims(q, seq_dim)[1:3]
+        q8 = torch.empty_like(q, dtype=torch.int8)
+        q_scale = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
+        if lq > 0 and b * h > 0:
+            launcher(qk8_quantize_kernel)[(triton.cdiv(lq, 64), b * h)](
+                q, q8, q_scale, None, None, None, None, None, h, lq, *_bhl_strides(q, seq_dim),
+                *_bhl_strides(q8, seq_dim), 0, 0, 0, 0, BLOCK_L=64, PER_TOKEN=True, WITH_V=False, WITH_K=True,
+                num_warps=4, **consts)
+        quantized = (q8, q_scale, k8, k_scale)
+    return quantized + ((vt8.narrow(3, 0, lk), v_scale) if with_v else ())
 
 
 def _eight_bit_operands(q: Tensor, k: Tensor, v: Optional[Tensor], seq_dim: int) -> tuple:
@@ -366,9 +377,9 @@ def _eight_bit_operands(q: Tensor, k: Tensor, v: Optional[Tensor], seq_dim: int)
     1x24x4608x128 against 510 with the Triton passes traced in its place,
     equal from 16K tokens up (bench/notes.md). Run eagerly, the Triton
     passes: 500 against 192 for a dozen torch ops at 4608 tokens, 760
-    against 590 at 32760."""
-    if is_fake(q):
-        operands = reference.attention.smooth_quantize_qk(q, k, seq_dim)
+    against 590 at 32760. q and k None: v's alone."""
+    if is_fake(v if q is None else q):
+        operands = () if q is None else reference.attention.smooth_quantize_qk(q, k, seq_dim)
         return operands + (fp8_values_transposed(v, seq_dim) if v is not None else ())
     return quantize_8bit(q, k, v, seq_dim)
 
@@ -391,23 +402,34 @@ def fp8_values_transposed(v: Tensor, seq_dim: int) -> tuple[Tensor, Tensor]:
     return vt.narrow(3, 0, lk), v_scale
 
 
-def _launch_eight_bit(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: float, causal: bool, seq_dim: int,
-                      kv_lengths: Optional[Tensor], pv_fp8: bool, out_scale: Optional[Tensor] = None) -> None:
-    """The body the 8-bit ops share: quantize q and k (and, with ``pv_fp8``,
-    v: FP8 P V) and fill ``out`` from the forward kernel. ``out_scale``
-    ``[B, Lq]`` (FP8 P V only): out is the e4m3 rows of
-    ``reference.attention.attention_int8_fp8_rows``, these their scales."""
-    q, k, v = (unit_last_stride(t) for t in (q, k, v))
-    q8, q_scale, k8, k_scale, *v_operands = _eight_bit_operands(q, k, v if pv_fp8 else None, seq_dim)
-    b, h, lq, _ = meta.attention.dims(q, seq_dim)
-    lse = q.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
-    if not pv_fp8:
-        launch_forward(q8, k8, v, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale))
+def _launch_eight_bit(operands: tuple, v: Tensor, out: Tensor, scale: float, causal: bool, seq_dim: int,
+                      kv_lengths: Optional[Tensor], out_scale: Optional[Tensor] = None) -> None:
+    """The body the 8-bit ops share: fill ``out`` from the forward kernel.
+    ``operands``: ``(q8, q_scale, k8, k_scale)`` and, for FP8 P V, ``(vt8,
+    v_scale)`` (:func:`quantize_8bit`'s tuple); without the latter P V is
+    16-bit, on ``v``. ``out_scale`` ``[B, Lq]`` (FP8 P V only): out is the
+    e4m3 rows of ``reference.attention.attention_int8_fp8_rows``, these their
+    scales."""
+    q8, q_scale, k8, k_scale, *v_operands = operands
+    b, h, lq, _ = meta.attention.dims(q8, seq_dim)
+    lse = v.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
+    if not v_operands:
+        launch_forward(q8, k8, unit_last_stride(v), out, lse, scale, causal, seq_dim, kv_lengths,
+                       int8_scales=(q_scale, k_scale))
         return
     vt8, v_scale = v_operands
     fp8_rows = None if out_scale is None else (reference.attention.fp8_rows_scale(v_scale), out_scale)
     launch_forward(q8, k8, vt8, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale),
                    v_scale=v_scale, fp8_rows=fp8_rows)
+
+
+def _quantized(q: Optional[Tensor], k: Optional[Tensor], v: Tensor, seq_dim: int, pv_fp8: bool) -> tuple:
+    """:func:`_eight_bit_operands` of q and k (None: they come quantized) and,
+    for FP8 P V, v, in one pass where they share it."""
+    if q is None and not pv_fp8:
+        return ()
+    q, k, v = (None if t is None else unit_last_stride(t) for t in (q, k, v))
+    return _eight_bit_operands(q, k, v if pv_fp8 else None, seq_dim)
 
 
 @fused_op("attention_int8_fp8", fake=meta.attention.attention_int8_fp8,
@@ -416,7 +438,7 @@ def _attention_int8_fp8_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal
                            kv_lengths: Optional[Tensor] = None) -> Tensor:
     out = meta.attention.attention_int8_fp8(q, k, v, scale, causal, seq_dim, kv_lengths)
     require_fp8_mma(q, "precision='int8_fp8' attention (P V in FP8)")
-    _launch_eight_bit(q, k, v, out, scale, causal, seq_dim, kv_lengths, pv_fp8=True)
+    _launch_eight_bit(_quantized(q, k, v, seq_dim, pv_fp8=True), v, out, scale, causal, seq_dim, kv_lengths)
     return out
 
 
@@ -431,7 +453,8 @@ def _attention_int8_fp8_rows_op(q: Tensor, k: Tensor, v: Tensor, scale: float, c
                                 kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     values, out_scale = meta.attention.attention_int8_fp8_rows(q, k, v, scale, causal, seq_dim, kv_lengths)
     require_fp8_mma(q, "FP8 output rows of 8-bit attention")
-    _launch_eight_bit(q, k, v, values, scale, causal, seq_dim, kv_lengths, pv_fp8=True, out_scale=out_scale)
+    _launch_eight_bit(_quantized(q, k, v, seq_dim, pv_fp8=True), v, values, scale, causal, seq_dim, kv_lengths,
+                      out_scale=out_scale)
     return values, out_scale
 
 
@@ -439,7 +462,51 @@ register_no_gradient(_attention_int8_fp8_rows_op, "fused.attention_int8_fp8_rows
                      "is e4m3): train with precision='exact', or run the call under torch.no_grad()")
 
 
+@fused_op("attention_qk8", fake=meta.attention.attention_qk8, reference=reference.attention.attention_qk8)
+def _attention_qk8_op(q: Tensor, q_scale: Tensor, k: Tensor, k_scale: Tensor, v: Tensor, scale: float,
+                      causal: bool, seq_dim: int = 2, kv_lengths: Optional[Tensor] = None, pv_fp8: bool = False,
+                      fp8_rows: bool = False) -> tuple[Tensor, Tensor]:
+    out, out_scale = meta.attention.attention_qk8(q, q_scale, k, k_scale, v, scale, causal, seq_dim, kv_lengths,
+                                                  pv_fp8, fp8_rows)
+    if pv_fp8:
+        require_fp8_mma(q, "8-bit attention with P V in FP8")
+    operands = (q, q_scale, k, k_scale) + _quantized(None, None, v, seq_dim, pv_fp8)
+    _launch_eight_bit(operands, v, out, scale, causal, seq_dim, kv_lengths, out_scale if fp8_rows else None)
+    return out, out_scale
+
+
+register_no_gradient(_attention_qk8_op, "fused.attention_qk8 is inference only (its q and k are INT8): train "
+                     "with precision='exact', or run the call under torch.no_grad()")
+
+
 # ---------------------------------------------------------------- public functions
+
+
+class Int8QK(NamedTuple):
+    """q and k of 8-bit attention, already quantized as
+    ``reference.attention.smooth_quantize_qk`` specifies: what
+    ``rope_qk(..., quantize=True)`` and ``qk_norm_rope(..., quantize=True)``
+    write straight from the projections (no 16-bit q or k in memory), and
+    what :func:`attention` and :func:`attention_fp8_rows` take as ``q`` (with
+    ``k=None``) in place of 16-bit q and k."""
+    q: Tensor
+    """int8, q's shape and layout."""
+    q_scale: Tensor
+    """``[B, Hq, Lq]`` fp32: one scale per query."""
+    k: Tensor
+    """int8, k's shape and layout: k less its mean over the sequence."""
+    k_scale: Tensor
+    """``[B, Hk, ceil(Lk / 128)]`` fp32: one scale per block of 128 keys."""
+
+
+def _given_quantized(name: str, q, k) -> bool:
+    """Whether a call passes :class:`Int8QK` as q (and then k must be None)."""
+    if not isinstance(q, Int8QK):
+        return False
+    if k is not None:
+        raise ValueError(f"{name}: q is an Int8QK (q and k quantized together), so k must be None, got "
+                         f"{type(k).__name__}")
+    return True
 
 
 #: ``attention``'s precisions: the input dtype's own (16-bit or fp32 dots),
@@ -459,6 +526,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, ca
             (``seq_dim=1``, flash-attn's / diffusers' dispatcher's), any strides;
             fp16/bf16 (fp32 runs with TF32 dots where torch's fp32 matmul
             precision allows TF32, IEEE dots otherwise); D up to 256.
+            Or an :class:`Int8QK` (q and k already quantized by
+            ``rope_qk``/``qk_norm_rope(..., quantize=True)``) with k None and
+            an 8-bit ``precision``: the same computation, minus the
+            quantization of q and k.
         k, v: ``[B, Hk, Lk, D]`` / ``[B, Lk, Hk, D]`` in q's layout and dtype;
             ``Hk`` divides ``Hq`` (GQA/MQA); Lk may differ from Lq.
         scale: defaults to ``1 / sqrt(D)``.
@@ -481,13 +552,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, ca
         ``[B, Hq, Lq, D]`` / ``[B, Lq, Hq, D]`` in q's dtype and layout, contiguous
         (and the lse). A query with no visible key gives 0 (lse -inf).
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if precision not in PRECISIONS:
         raise ValueError(f"compile_ops.attention: precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision in _EIGHT_BIT_OPS and return_lse:
+        raise ValueError(f"compile_ops.attention: precision={precision!r} returns no lse (inference only); "
+                         "call it with return_lse=False")
+    if _given_quantized("compile_ops.attention", q, k):
+        if precision not in _EIGHT_BIT_OPS:
+            raise ValueError(f"compile_ops.attention: q is an Int8QK (quantized q and k), which needs an 8-bit "
+                             f"precision {tuple(_EIGHT_BIT_OPS)}, got precision={precision!r}")
+        scale = 1.0 / math.sqrt(q.q.shape[-1]) if scale is None else float(scale)
+        return _attention_qk8_op(*q, v, scale, causal, seq_dim, kv_lengths, precision == "int8_fp8", False)[0]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if precision in _EIGHT_BIT_OPS:
-        if return_lse:
-            raise ValueError(f"compile_ops.attention: precision={precision!r} returns no lse (inference only); "
-                             "call it with return_lse=False")
         op = _EIGHT_BIT_OPS[precision]
         return _dtensor.sequence_parallel(
             lambda q, k, v: op(q, k, v, scale, causal, seq_dim, kv_lengths), q, k, v, seq_dim)
@@ -511,7 +588,8 @@ def attention_fp8_rows(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] =
     all values above 2**-6 of it (the reference's docstring says why).
 
     Args:
-        q, k, v: as :func:`attention` (fp16/bf16, either layout, GQA).
+        q, k, v: as :func:`attention` (fp16/bf16, either layout, GQA), or q
+            an :class:`Int8QK` and k None.
         scale, causal, kv_lengths: as :func:`attention`.
         seq_dim: q/k/v's layout (2: ``[B, H, L, D]``, 1: ``[B, L, H, D]``).
 
@@ -519,6 +597,11 @@ def attention_fp8_rows(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] =
         ``FP8Rows(q=[B, Lq, Hq * D] float8_e4m3fn, scale=[B, Lq] fp32)``, whatever
         ``seq_dim``: the projection's input rows, heads concatenated per token.
     """
+    if _given_quantized("compile_ops.attention_fp8_rows", q, k):
+        refuse_gradient("compile_ops.attention_fp8_rows", v)
+        scale = 1.0 / math.sqrt(q.q.shape[-1]) if scale is None else float(scale)
+        values, row_scale = _attention_qk8_op(*q, v, scale, causal, seq_dim, kv_lengths, True, True)
+        return FP8Rows(values.flatten(2, 3), row_scale)
     refuse_gradient("compile_ops.attention_fp8_rows", q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     values, row_scale = _attention_int8_fp8_rows_op(q, k, v, scale, causal, seq_dim, kv_lengths)

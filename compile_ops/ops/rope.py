@@ -17,11 +17,12 @@ import triton
 from torch import Tensor
 
 from compile_ops import _dtensor, meta, reference
-from compile_ops._library import fused_op, launcher, multiprocessor_count
+from compile_ops._library import fused_op, launcher, multiprocessor_count, register_no_gradient
 from compile_ops.kernels.rope import qk_norm_rope_bwd_kernel, rope_kernel
 from compile_ops.meta.modulate import static_int
 from compile_ops.meta._validate import accumulation_dtype
 from compile_ops.ops._launch import acc_dtype, column_sum
+from compile_ops.ops.attention import Int8QK
 
 #: Channels of one head-row tile per program (positions x head dim).
 TILE = 2048
@@ -59,10 +60,12 @@ def _aligned(t: Tensor) -> Tensor:
     return t if offset is not None and offset % 2 == 0 else t.clone()
 
 
-def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int):
-    """``(BLOCK_L, n_pos_blocks, heads_per_program, launch grid)``."""
+def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int, block_l: Optional[int] = None):
+    """``(BLOCK_L, n_pos_blocks, heads_per_program, launch grid)``; ``block_l``
+    fixes BLOCK_L (the quantizing mode's scale blocks)."""
     batch, length = q.shape[0], q.shape[seq_dim]
-    block_l = max(1, min(64, TILE // triton.next_power_of_2(d)))
+    if block_l is None:
+        block_l = max(1, min(64, TILE // triton.next_power_of_2(d)))
     n_pos_blocks = triton.cdiv(length, block_l)
     heads_per_program = n_heads
     n_pos = static_int(batch * n_pos_blocks)
@@ -90,18 +93,26 @@ def _pair_blocks(r: int, d: int) -> dict:
 def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Optional[Tensor], seq_dim: int,
                     r: int, interleaved: bool, half_table: bool, cos: Tensor, sin: Tensor, inverse: bool,
                     weights=(None, None), eps: float = 0.0, grid_angles: bool = False, frame_size: int = 1,
-                    width: int = 1):
+                    width: int = 1, quantize: int = 0, scales=(None, None), k_sum: Optional[Tensor] = None):
     """Launch rope_kernel over q (and k); with ``grid_angles``, ``cos`` holds
-    the grid constants."""
+    the grid constants. ``quantize`` (rope_kernel's QUANTIZE): 1, q_out is
+    the ``[blocks, B, H, D]`` fp32 column sums of q (k's, launched alone);
+    2, q_out and k_out are INT8 with ``scales`` ``(q_scale [B, Hq, L],
+    k_scale [B, Hk, blocks])`` and ``k_sum [B, Hk, D]``."""
     d = q.shape[3]
     r = int(r)  # a constexpr: a head dim made dynamic is specialized here
     hq = q.shape[3 - seq_dim]
     hk = 0 if k is None else k.shape[3 - seq_dim]
     if q.numel() == 0 and (k is None or k.numel() == 0):
         return
-    block_l, n_pos_blocks, heads_per_program, grid = _grid(q, hq + hk, seq_dim, d)
+    block_l, n_pos_blocks, heads_per_program, grid = _grid(
+        q, hq + hk, seq_dim, d, reference.attention.INT8_KEY_BLOCK if quantize else None)
     k_strides = _positions_and_heads(q if k is None else k, seq_dim)
-    k_out_strides = _positions_and_heads(q_out if k is None else k_out, seq_dim)[:3]
+    if quantize == 1:  # the sums [blocks, B, H, D] are addressed as (batch, block, head) rows
+        q_out_strides = (q_out.stride(1), q_out.stride(0), q_out.stride(2))
+    else:
+        q_out_strides = _positions_and_heads(q_out, seq_dim)[:3]
+    k_out_strides = q_out_strides if k is None else _positions_and_heads(k_out, seq_dim)[:3]
     if k is None:
         # No k: HK = 0 and nothing touches K/K_OUT, but K_OUT must not alias
         # Q_OUT: under functionalization each written argument becomes its own
@@ -109,15 +120,20 @@ def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Option
         k, k_out = q, q_out.new_empty(0)
     cos, sin, stride_tb, stride_tl = _tables(cos, sin, grid_angles)
     q_w, k_w = (None if w is None else _aligned(w) for w in weights)
+    q_scale, k_scale = scales
+    scale_strides = [t.stride(i) if t is not None else 0 for t in (q_scale, k_scale, k_sum) for i in (0, 1)]
+    pairs = _pair_blocks(r, d)
     launcher(rope_kernel)[grid](
         q, k, q_out, k_out, cos, sin, q if q_w is None else q_w, q if k_w is None else k_w,
+        q_scale, k_scale, k_sum,
         q.shape[seq_dim], hq, hk, d, n_pos_blocks, heads_per_program,
-        *_positions_and_heads(q, seq_dim), *k_strides,
-        *_positions_and_heads(q_out, seq_dim)[:3], *k_out_strides,
+        *_positions_and_heads(q, seq_dim), *k_strides, *q_out_strides, *k_out_strides, *scale_strides,
         stride_tb, stride_tl, frame_size, width, eps,
         R=r, INTERLEAVED=interleaved, PACKED=_pairs_packable(q, k), HALF_TABLE=half_table,
         GRID_ANGLES=grid_angles, NORM=q_w is not None, INVERSE=inverse, BLOCK_L=block_l,
-        **_pair_blocks(r, d), ACC=acc_dtype(q), num_warps=NUM_WARPS,
+        **pairs, ACC=acc_dtype(q), QUANTIZE=quantize,
+        # A quantizing program holds a whole scale block (128 positions): more warps, not more registers.
+        num_warps=max(NUM_WARPS, min(16, block_l * pairs["BLOCK_P"] // 512)) if quantize else NUM_WARPS,
     )
 
 
@@ -283,6 +299,37 @@ def _backward_qk_norm_rope(ctx, grad_q, grad_k):
 _qk_norm_rope_op.register_autograd(_backward_qk_norm_rope, setup_context=_setup_qk_norm_rope)
 
 
+# -------------------------------------------------------- fused.qk_rope_int8
+
+
+@fused_op("qk_rope_int8", fake=meta.rope.qk_rope_int8, reference=reference.rope.qk_rope_int8)
+def _qk_rope_int8_op(q: Tensor, k: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], cos: Tensor,
+                     sin: Tensor, eps: float, interleaved: bool, seq_dim: int,
+                     rotary_dim: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    q8, q_scale, k8, k_scale = meta.rope.qk_rope_int8(q, k, q_weight, k_weight, cos, sin, eps, interleaved,
+                                                      seq_dim, rotary_dim)
+    r, half = meta.rope.table_layout(q, cos, rotary_dim)
+    b, hk, d, blocks = k.shape[0], k.shape[3 - seq_dim], k.shape[3], k_scale.shape[2]
+    # Two passes over k's projection, none over a 16-bit k: its column sums per
+    # block of 128 keys, reduced in a fixed order to the mean's numerator;
+    # then q and k rotated again and quantized (the rotation is recomputed
+    # rather than stored and read back).
+    sums = torch.empty((blocks, b, hk, d), dtype=torch.float32, device=k.device)
+    k_sum = torch.empty((b, hk, d), dtype=torch.float32, device=k.device)
+    _launch_forward(k, None, sums, None, seq_dim, r, interleaved, half, cos, sin, False,
+                    weights=(k_weight, None), eps=float(eps), quantize=1)
+    if sums.numel():
+        column_sum(sums.view(blocks, -1), blocks, k_sum)
+    _launch_forward(q, k, q8, k8, seq_dim, r, interleaved, half, cos, sin, False, weights=(q_weight, k_weight),
+                    eps=float(eps), quantize=2, scales=(q_scale, k_scale), k_sum=k_sum)
+    return q8, q_scale, k8, k_scale
+
+
+register_no_gradient(_qk_rope_int8_op, "fused.qk_rope_int8 is inference only (it rounds q and k to 8 bits "
+                     "for 8-bit attention): train with the 16-bit rope_qk / qk_norm_rope, or run under "
+                     "torch.no_grad()")
+
+
 # ---------------------------------------------------------- public functions
 
 
@@ -307,17 +354,26 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, seq_dim
 
 
 def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, seq_dim: int = 2,
-            rotary_dim: Optional[int] = None) -> tuple[Tensor, Tensor]:
+            rotary_dim: Optional[int] = None, quantize: bool = False):
     """:func:`rope` of q and k in one launch (each table row is read once for both).
 
     Args:
         q: ``[B, Hq, L, D]`` (``seq_dim=2``) or ``[B, L, Hq, D]`` (``seq_dim=1``), any strides.
         k: the same layout, dtype, B, L and D as q; ``Hk`` heads (GQA: any Hk).
         cos, sin, interleaved, seq_dim, rotary_dim: as for :func:`rope`.
+        quantize: inference with 8-bit attention (fp16/bf16 q, k): return
+            the rotated q and k quantized for ``attention(..., precision=
+            "int8" | "int8_fp8")`` (:class:`~compile_ops.Int8QK`), written
+            by the rotation's own kernel (``fused.qk_rope_int8``), never in
+            16 bits. The same values as this function's output passed to
+            8-bit attention, up to the summation order of k's mean.
 
     Returns:
-        ``(q_rotated, k_rotated)``, each contiguous in its input's shape and dtype.
+        ``(q_rotated, k_rotated)``, each contiguous in its input's shape and dtype;
+        with ``quantize``, an :class:`~compile_ops.Int8QK`.
     """
+    if quantize:
+        return Int8QK(*_qk_rope_int8_op(q, k, None, None, cos, sin, 0.0, interleaved, seq_dim, rotary_dim))
     return _rope_qk_op(q, k, cos, sin, interleaved, seq_dim, rotary_dim, False)
 
 
@@ -357,7 +413,7 @@ def _grid_constants(spec: "meta.rope.GridRope", device) -> Tensor:
 
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor,
                  eps: float = 1e-6, interleaved: bool = False, seq_dim: int = 2,
-                 rotary_dim: Optional[int] = None) -> tuple[Tensor, Tensor]:
+                 rotary_dim: Optional[int] = None, quantize: bool = False):
     """Per-head RMSNorm with weight, then RoPE, of q and k in one kernel (the
     ``norm_q`` / ``norm_k`` + ``apply_rotary_emb`` of Flux, SD3 and HunyuanVideo).
 
@@ -369,10 +425,15 @@ def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: 
         eps: the RMSNorm epsilon.
         interleaved, seq_dim, rotary_dim: as for :func:`rope` (channels past
             ``rotary_dim`` are normalized, not rotated).
+        quantize: as for :func:`rope_qk`: q and k for 8-bit attention, as an
+            :class:`~compile_ops.Int8QK`, from the same kernel.
 
     Returns:
         ``(q_out, k_out)`` in q's and k's shapes and dtype, contiguous: the norm
         and the rotation in fp32, rounded once (diffusers rounds the norm's
-        output to the weight's dtype before rotating).
+        output to the weight's dtype before rotating). With ``quantize``, an
+        :class:`~compile_ops.Int8QK`.
     """
+    if quantize:
+        return Int8QK(*_qk_rope_int8_op(q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim))
     return _qk_norm_rope_op(q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim)

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from compile_ops.meta._validate import accumulation_dtype
+from compile_ops.meta.attention import INT8_KEY_BLOCK
 from compile_ops.reference.fp8 import AMAX_FLOOR
 
 
@@ -89,10 +90,6 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 #: The largest INT8 magnitude a quantized q or k value takes (symmetric: -127..127).
 INT8_MAX = 127.0
-#: Keys that share one INT8 scale: one scale per key tile lets the kernel fold
-#: it into the per-row factor of its scores (SageAttention quantizes K per
-#: block too); the kernel's key tiles divide it.
-INT8_KEY_BLOCK = 128
 
 
 def quantize_int8(x: torch.Tensor, block: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +102,7 @@ def quantize_int8(x: torch.Tensor, block: int = 1) -> tuple[torch.Tensor, torch.
     amax = x.abs().amax(-1)
     if block > 1:  # whole blocks, then the partial last one
         whole = length // block * block
-        parts = [_dense(amax.narrow(-1, 0, whole)).view(b, h, -1, block).amax(-1)]
+        parts = [_dense(amax.narrow(-1, 0, whole)).view(b, h, whole // block, block).amax(-1)]
         if whole < length:
             parts.append(amax.narrow(-1, whole, length - whole).amax(-1, keepdim=True))
         amax = torch.cat(parts, dim=-1)
@@ -129,7 +126,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _per_row(scale: torch.Tensor, block: int, length: int) -> torch.Tensor:
     """Block scales ``[B, H, blocks]`` repeated for each of the ``length`` rows."""
-    return _dense(scale.unsqueeze(-1).expand(*scale.shape, block)).view(*scale.shape[:2], -1).narrow(-1, 0, length)
+    return _dense(scale.unsqueeze(-1).expand(*scale.shape, block)).view(*scale.shape[:2], scale.shape[2] * block).narrow(-1, 0, length)
 
 
 def smooth_quantize_qk(q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> tuple:
@@ -160,13 +157,39 @@ def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     is; out in q's dtype and layout. The kernel computes the same scores up
     to fp32 rounding (integer products are exact) and differs from this only
     as the 16-bit kernel differs from :func:`attention`."""
-    q8, q_scale, k8, k_scale = smooth_quantize_qk(q, k, seq_dim)
+    return attention_qk8(*smooth_quantize_qk(q, k, seq_dim), v, scale, causal, seq_dim, kv_lengths)[0]
+
+
+def _dequantized_qk(q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor,
+                    seq_dim: int) -> tuple:
+    """fp32 ``[B, H, L, D]`` views of :func:`smooth_quantize_qk`'s q and k."""
     q_hat, k_hat = (t if seq_dim == 2 else t.transpose(1, 2) for t in (q8, k8))
-    q_hat, k_hat = dequantize_int8(q_hat, q_scale), dequantize_int8(k_hat, k_scale, INT8_KEY_BLOCK)
-    if seq_dim == 1:
-        q_hat, k_hat = q_hat.transpose(1, 2), k_hat.transpose(1, 2)
-    out, _ = attention(q_hat, k_hat, v.float(), scale, causal, seq_dim, kv_lengths)
-    return out.to(q.dtype)
+    return dequantize_int8(q_hat, q_scale), dequantize_int8(k_hat, k_scale, INT8_KEY_BLOCK)
+
+
+def attention_qk8(q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor,
+                  v: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
+                  kv_lengths: Optional[torch.Tensor] = None, pv_fp8: bool = False,
+                  fp8_rows: bool = False) -> tuple:
+    """8-bit attention from q and k already quantized as
+    :func:`smooth_quantize_qk` specifies (``fused.qk_rope_int8`` writes them
+    straight from the projections): :func:`attention_int8`'s computation,
+    :func:`attention_int8_fp8`'s with ``pv_fp8``, and
+    :func:`attention_int8_fp8_rows`'s with ``fp8_rows`` too, on these
+    operands. Returns ``(out in q's layout and v's dtype, empty)``, or the
+    FP8 rows ``(values [B, Lq, Hq, D], scales [B, Lq])``."""
+    no_scale = v.new_empty((0,), dtype=torch.float32)
+    if not pv_fp8:
+        q_hat, k_hat = _dequantized_qk(q8, q_scale, k8, k_scale, seq_dim)
+        out, _ = attention(q_hat, k_hat, _bhld(v, seq_dim, torch.float32), scale, causal, 2, kv_lengths)
+        return (out if seq_dim == 2 else out.transpose(1, 2)).to(v.dtype), no_scale
+    out, v_scale = _attention_int8_fp8_fp32(q8, q_scale, k8, k_scale, v, scale, causal, seq_dim, kv_lengths)
+    if not fp8_rows:
+        return (out if seq_dim == 2 else out.transpose(1, 2)).to(v.dtype), no_scale
+    row_scale = fp8_rows_scale(v_scale)
+    inverse = torch.ones_like(row_scale) / row_scale  # a tensor division: IEEE, as the kernel's div_rn
+    values = (out * inverse[:, None, None, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values.transpose(1, 2).contiguous(), row_scale[:, None].expand(-1, out.shape[2]).contiguous()
 
 
 #: e4m3's largest finite value: V's per-channel scale maps the channel's amax there.
@@ -208,8 +231,8 @@ def attention_int8_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     differs from this by fp32 rounding (its exponents are fmas, its FP8 dot
     accumulates a tile with fewer bits), which moves a rare p across an e4m3
     rounding boundary."""
-    out, _ = _attention_int8_fp8_fp32(q, k, v, scale, causal, seq_dim, kv_lengths)
-    return (out if seq_dim == 2 else out.transpose(1, 2)).to(q.dtype)
+    return attention_qk8(*smooth_quantize_qk(q, k, seq_dim), v, scale, causal, seq_dim, kv_lengths,
+                         pv_fp8=True)[0]
 
 
 #: The FP8 output rows' scale is this many times v's largest channel scale:
@@ -240,11 +263,8 @@ def attention_int8_fp8_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
     Returns ``(values [B, Lq, Hq, D] float8_e4m3fn, row_scale [B, Lq] fp32)``:
     the ``[B, Lq, Hq * D]`` rows of the projection, whatever ``seq_dim``."""
-    out, v_scale = _attention_int8_fp8_fp32(q, k, v, scale, causal, seq_dim, kv_lengths)
-    row_scale = fp8_rows_scale(v_scale)
-    inverse = torch.ones_like(row_scale) / row_scale  # a tensor division: IEEE, as the kernel's div_rn
-    values = (out * inverse[:, None, None, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return values.transpose(1, 2).contiguous(), row_scale[:, None].expand(-1, out.shape[2]).contiguous()
+    return attention_qk8(*smooth_quantize_qk(q, k, seq_dim), v, scale, causal, seq_dim, kv_lengths,
+                         pv_fp8=True, fp8_rows=True)
 
 
 def fp8_rows_scale(v_scale: torch.Tensor) -> torch.Tensor:
@@ -255,13 +275,12 @@ def fp8_rows_scale(v_scale: torch.Tensor) -> torch.Tensor:
     return FP8_ROWS_HEADROOM * v_scale.flatten(1).amax(1).clamp(min=AMAX_FLOOR / FP8_MAX)
 
 
-def _attention_int8_fp8_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                             seq_dim: int, kv_lengths: Optional[torch.Tensor]) -> tuple:
+def _attention_int8_fp8_fp32(q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor,
+                             v: torch.Tensor, scale: float, causal: bool, seq_dim: int,
+                             kv_lengths: Optional[torch.Tensor]) -> tuple:
     """:func:`attention_int8_fp8`'s ``out [B, Hq, Lq, D]`` in fp32, before the
-    cast, and v's channel scales ``[B, Hk, D]``."""
-    q8, q_scale, k8, k_scale = smooth_quantize_qk(q, k, seq_dim)
-    q_hat, k_hat = (t if seq_dim == 2 else t.transpose(1, 2) for t in (q8, k8))
-    q_hat, k_hat = dequantize_int8(q_hat, q_scale), dequantize_int8(k_hat, k_scale, INT8_KEY_BLOCK)
+    cast, and v's channel scales ``[B, Hk, D]``, from the quantized q and k."""
+    q_hat, k_hat = _dequantized_qk(q8, q_scale, k8, k_scale, seq_dim)
     v8, v_scale = quantize_v_fp8(_bhld(v, seq_dim, torch.float32))
     hq = q_hat.shape[1]
     k_hat, v_hat, v_scale_q = (_heads_of_q(t, hq) for t in (k_hat, v8.float(), v_scale))

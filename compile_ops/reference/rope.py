@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from compile_ops.meta import rope as meta
+from compile_ops.reference.attention import smooth_quantize_qk
 from compile_ops.meta._validate import accumulation_dtype
 
 
@@ -103,6 +104,22 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     r, half = meta.table_layout(q, cos, rotary_dim)
     return (_norm_rope(q, q_weight, cos, sin, eps, r, half, interleaved, seq_dim),
             _norm_rope(k, k_weight, cos, sin, eps, r, half, interleaved, seq_dim))
+
+
+def qk_rope_int8(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor],
+                 k_weight: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                 interleaved: bool, seq_dim: int, rotary_dim: Optional[int] = None) -> tuple:
+    """8-bit attention's q and k straight from the projections: :func:`qk_norm_rope`
+    (weights given) or :func:`rope_qk` (both None), rounded to q's dtype as
+    those ops return it, then ``reference.attention.smooth_quantize_qk``
+    (k less its mean over the sequence; q INT8 per token, k per block of
+    128 keys). Exactly the composition of the two ops."""
+    meta.qk_rope_int8(q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim)
+    if q_weight is None:
+        q, k = rope_qk(q, k, cos, sin, interleaved, seq_dim, rotary_dim)
+    else:
+        q, k = qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim)
+    return smooth_quantize_qk(q, k, seq_dim)
 
 
 def qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps: float, interleaved: bool,
