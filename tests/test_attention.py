@@ -234,6 +234,7 @@ def _bad_input_cases():
 
     q, k, v = qkv((2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16))
     att = torch.ops.fused.attention
+    qk8, qk8_op = _quantized_for_bad_input(q, k), torch.ops.fused.attention_qk8
     return [
         (lambda: att(*qkv((2, 4, 8, 16), (2, 2, 8, 32), (2, 2, 8, 32)), 0.1, False), ValueError,
          r"head dims differ: q 16, k 32"),
@@ -254,10 +255,56 @@ def _bad_input_cases():
          r"kv_lengths must be in \[0, Lk=8\], got values in \[8, 9\]"),
         (lambda: att(q, k, v, 0.1, False, 2, torch.tensor([8])), ValueError, r"kv_lengths must have shape \(2,\)"),
         (lambda: att(q, k, v, 0.1, False, 2, torch.tensor([8.0, 8.0])), TypeError, r"kv_lengths must be int32"),
+        # 8-bit attention on q and k quantized beforehand (Int8QK, fused.attention_qk8)
+        (lambda: compile_ops.attention(qk8, k, v, precision="int8"), ValueError,
+         r"compile_ops.attention: q is an Int8QK .* so k must be None, got Tensor"),
+        (lambda: compile_ops.attention(qk8, None, v), ValueError,
+         r"q is an Int8QK \(quantized q and k\), which needs an 8-bit precision .* got precision='exact'"),
+        (lambda: compile_ops.attention_fp8_rows(qk8, k, v), ValueError, r"attention_fp8_rows: .* k must be None"),
+        (lambda: qk8_op(q, qk8.q_scale, qk8.k, qk8.k_scale, v, 0.1, False), TypeError,
+         r"attention_qk8: q must be int8 \(8-bit attention's quantized operand"),
+        (lambda: qk8_op(qk8.q, qk8.q_scale, qk8.k, qk8.k_scale, v.float(), 0.1, False), TypeError,
+         r"attention_qk8: v must be float16 or bfloat16"),
+        (lambda: qk8_op(qk8.q, qk8.q_scale[:, :, :4], qk8.k, qk8.k_scale, v, 0.1, False), ValueError,
+         r"q_scale must have shape \(2, 4, 8\) \(one scale per query and head\), got \(2, 4, 4\)"),
+        (lambda: qk8_op(qk8.q, qk8.q_scale, qk8.k, qk8.k_scale.double(), v, 0.1, False), TypeError,
+         r"k_scale must be float32, got torch.float64"),
+        (lambda: qk8_op(*qk8, v, 0.1, False, 2, None, False, True), ValueError,
+         r"fp8_rows=True \(e4m3 output rows\) is a mode of FP8 P V: pass pv_fp8=True too"),
+        (lambda: qk8_op(*qk8, v, 0.1, False, 2, None, True, True)[0].float().sum().backward(), RuntimeError,
+         r"element 0 of tensors does not require grad"),
     ]
 
 
+def _quantized_for_bad_input(q, k):
+    return compile_ops.Int8QK(*ref.smooth_quantize_qk(q, k, 2))
+
+
 test_bad_input_raises_a_clear_error = bad_input_test(_bad_input_cases)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("seq_dim, hq, hk, lq, lk, d", [
+    (1, 4, 2, 50, 300, 64),    # GQA, a partial last key block
+    (2, 2, 2, 130, 256, 128),  # whole key blocks: v needs no row padding
+])
+def test_kernels_attention_on_quantized_qk_is_the_8bit_ops(seq_dim, hq, hk, lq, lk, d):
+    """``attention(Int8QK, None, v, precision=...)`` (``fused.attention_qk8``)
+    given q and k quantized by the 8-bit ops' own Triton pass is bit for bit
+    those ops (the same kernel on the same operands, v quantized alone), in
+    all three output forms."""
+    from compile_ops.ops import attention as attention_ops
+
+    torch.manual_seed(0)
+    q, k, v = _int8_case(seq_dim, 2, hq, hk, lq, lk, d, torch.float16, KERNEL_DEVICE)
+    qk = compile_ops.Int8QK(*attention_ops.quantize_8bit(q, k, None, seq_dim))
+    with torch.no_grad():
+        for precision in EIGHT_BIT:
+            got = compile_ops.attention(qk, None, v, seq_dim=seq_dim, precision=precision)
+            want = compile_ops.attention(q, k, v, seq_dim=seq_dim, precision=precision)
+            assert got.dtype == v.dtype and torch.equal(got, want), precision
+        got, want = (compile_ops.attention_fp8_rows(a, b, v, seq_dim=seq_dim) for a, b in ((qk, None), (q, k)))
+        assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(got.scale, want.scale)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

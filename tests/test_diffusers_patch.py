@@ -1104,6 +1104,45 @@ def test_int8_attention_precision_runs_8_bit_attention_on_16_bit_inference_only(
         compile_ops.patch(MODELS[name]()[0], attention_precision="fp8")
 
 
+@pytest.mark.parametrize("precision", ["int8", "int8_fp8"])
+@pytest.mark.parametrize("name, fused_calls", [("flux", 1), ("wan", 2)])
+def test_8bit_attention_takes_q_and_k_quantized_by_their_rotation(name, fused_calls, precision, monkeypatch):
+    """Under an 8-bit attention_precision, self-attention whose q and k are
+    rotated by our processor (Wan's self-attention, Flux's single-stream
+    block) gets them quantized by the rotation's kernel (``Int8QK``,
+    ``fused.qk_rope_int8``); Flux's double-stream block joins two streams
+    after rotating them, so its attention quantizes them. The model equals
+    the same model quantizing inside attention: exactly on CPU (the same
+    specification), within an INT8 step's effect on a GPU (k's mean is summed
+    in another order there)."""
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    model = model.to(DEVICE, torch.bfloat16).eval()
+    fused, unfused = copy.deepcopy(model), copy.deepcopy(model)
+    for m in (fused, unfused):
+        compile_ops.patch(m, attention_precision=precision)
+    args = _bf16(_to(inputs(4), DEVICE))
+    seen = Counter()
+    attend = integration.attention
+
+    def counting(q, *a, **kw):
+        seen.update([type(q).__name__])
+        return attend(q, *a, **kw)
+
+    monkeypatch.setattr(integration, "attention", counting)
+    with torch.no_grad():
+        got = fused(**args).sample
+        assert seen["Int8QK"] == fused_calls and seen["Tensor"] == (2 if name == "flux" else 4) - fused_calls, seen
+        monkeypatch.setattr(integration._FusedProcessor, "quantizes_qk", lambda self, *tensors: False)
+        seen.clear()
+        want = unfused(**args).sample
+        assert seen["Int8QK"] == 0, seen
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:
+        assert _relative_l2(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("name, rows_calls", [("flux", 1), ("wan", 4)])
 def test_fp8_linears_with_fp8_pv_attention_take_the_attention_output_as_fp8_rows(name, rows_calls, monkeypatch):
     """``patch(precision="fp8", attention_precision="int8_fp8")``: attention
@@ -1124,7 +1163,7 @@ def test_fp8_linears_with_fp8_pv_attention_take_the_attention_output_as_fp8_rows
     rows = integration.attention_fp8_rows
 
     def counted(*a, **kw):
-        calls.append(a[0].shape)
+        calls.append(type(a[0]).__name__)
         return rows(*a, **kw)
 
     def quantized_by_a_pass(q, k, v, seq_dim, kv_lengths):  # what the processors did before the epilogue

@@ -261,6 +261,16 @@ def _bad_input_cases():
          r"eps must be >= 0"),
         (lambda: rope_ops.qk_norm_rope(x, x, torch.ones(16), torch.ones(16), torch.randn(5, 6),
                                        torch.randn(5, 6)), ValueError, r"cos must have rotary_dim=16"),
+        # the quantizing mode (8-bit attention's q and k)
+        (lambda: rope_ops.rope_qk(x, x, c, c, quantize=True), TypeError,
+         r"qk_rope_int8: q and k must be float16 or bfloat16 \(8-bit attention quantizes 16-bit activations\), "
+         r"got torch.float32"),
+        (lambda: torch.ops.fused.qk_rope_int8(x.half(), x.half(), torch.ones(16), None, c, c, 1e-6, True, 2),
+         ValueError, r"q_weight and k_weight must both be given .* got q_weight=a tensor and k_weight=None"),
+        (lambda: rope_ops.qk_norm_rope(x.half(), x.half(), torch.ones(8), torch.ones(16), c, c, quantize=True),
+         ValueError, r"qk_rope_int8: q_weight must have shape \(16,\)"),
+        (lambda: rope_ops.rope_qk(x.half(), x.half(), c, c, quantize=True)[0].float().sum().backward(),
+         RuntimeError, r"element 0 of tensors does not require grad"),
         # grid RoPE
         (lambda: rope_ops.rope_grid(x, x, grid_rope("wan", 16), 2, 2), ValueError,
          r"rope_grid: q has L=5 tokens along seq_dim=2, not a whole number of height x width = 2 x 2 frames"),
@@ -276,3 +286,71 @@ def _bad_input_cases():
 
 
 test_bad_input_raises_a_clear_error = bad_input_test(_bad_input_cases)
+
+
+# ------------------------------------------------- the quantizing mode (qk_rope_int8)
+
+
+def _int8_rope_case(seq_dim, b, hq, hk, length, d, r, dtype, device, key_offset=3.0):
+    """q, k (keys offset per channel: what the smoothing removes) and full
+    interleaved tables of rotary dim ``r``."""
+    def t(h):
+        shape = (b, length, h, d) if seq_dim == 1 else (b, h, length, d)
+        return torch.randn(shape, device=device)
+    offset = torch.linspace(-key_offset, key_offset, d, device=device)
+    q, k = (2 * t(hq)).to(dtype), (t(hk) + offset).to(dtype)
+    angle = torch.randn(length, r // 2, device=device) * 3
+    return q, k, angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("norm", [True, False], ids=["qk_norm_rope", "rope_qk"])
+@pytest.mark.parametrize("seq_dim, b, hq, hk, length, d, r, interleaved", [
+    (1, 2, 4, 2, 300, 64, 64, True),     # GQA, three key blocks (the last partial), packed int8 pairs
+    (2, 1, 2, 2, 128, 40, 32, False),    # one whole key block, half-split pairs, a tail past the rotary dim
+    (1, 1, 3, 1, 70, 128, 128, True),    # MQA, a single partial block, Flux's and Wan's head dim
+])
+def test_kernels_quantizing_rotation_writes_the_specified_operands(norm, seq_dim, b, hq, hk, length, d, r,
+                                                                    interleaved):
+    """``rope_qk``/``qk_norm_rope(..., quantize=True)`` (``fused.qk_rope_int8``)
+    against its specification, the 16-bit op then
+    ``reference.attention.smooth_quantize_qk``: q's INT8 values and scales
+    identical; k's within 1 (its mean is summed in another order) and its
+    block scales within an fp32 rounding. Both dtypes, both layouts."""
+    torch.manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        q, k, cos, sin = _int8_rope_case(seq_dim, b, hq, hk, length, d, r, dtype, KERNEL_DEVICE)
+        weights = (torch.rand(d, device=KERNEL_DEVICE) + 0.5, torch.rand(d, device=KERNEL_DEVICE) + 0.5)
+        if norm:
+            got = rope_ops.qk_norm_rope(q, k, *weights, cos, sin, 1e-6, interleaved, seq_dim, r, quantize=True)
+        else:
+            got = rope_ops.rope_qk(q, k, cos, sin, interleaved, seq_dim, r, quantize=True)
+        args = [t.cpu() for t in (q, k, *weights, cos, sin)]
+        want = ref.qk_rope_int8(*args[:2], *(args[2:4] if norm else (None, None)), *args[4:], 1e-6, interleaved,
+                                seq_dim, r)
+        q8, q_scale, k8, k_scale = (t.cpu() for t in got)
+        assert q8.dtype == k8.dtype == torch.int8 and q8.shape == q.shape and k8.shape == k.shape
+        assert q_scale.shape == (b, hq, length) and k_scale.shape == (b, hk, -(-length // 128))
+        assert torch.equal(q8, want[0]) and torch.equal(q_scale, want[1])
+        assert (k8.int() - want[2].int()).abs().max() <= 1 and (k8 != want[2]).float().mean() < 1e-3
+        torch.testing.assert_close(k_scale, want[3], rtol=1e-6, atol=0)
+
+
+def test_quantizing_rotation_is_the_16_bit_rotation_then_the_8_bit_quantization():
+    """The specification, stated: on the reference path the quantized q and k
+    are exactly smooth_quantize_qk of the 16-bit op's output, and 8-bit
+    attention given them equals 8-bit attention given the 16-bit q and k."""
+    import compile_ops
+    from compile_ops.reference import attention as attention_ref
+
+    torch.manual_seed(0)
+    q, k, cos, sin = _int8_rope_case(1, 1, 2, 2, 200, 32, 32, torch.bfloat16, "cpu")
+    w = torch.rand(32) + 0.5
+    v = torch.randn(1, 200, 2, 32, dtype=torch.bfloat16)
+    qk = rope_ops.qk_norm_rope(q, k, w, w, cos, sin, 1e-6, True, 1, quantize=True)
+    q16, k16 = rope_ops.qk_norm_rope(q, k, w, w, cos, sin, 1e-6, True, 1)
+    for got, want in zip(qk, attention_ref.smooth_quantize_qk(q16, k16, 1)):
+        assert torch.equal(got, want)
+    for precision in ("int8", "int8_fp8"):
+        assert torch.equal(compile_ops.attention(qk, None, v, seq_dim=1, precision=precision),
+                           compile_ops.attention(q16, k16, v, seq_dim=1, precision=precision))

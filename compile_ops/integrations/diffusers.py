@@ -39,7 +39,7 @@ from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.hooks import must_call
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
-from compile_ops.ops.attention import attention, attention_fp8_rows
+from compile_ops.ops.attention import Int8QK, attention, attention_fp8_rows
 from compile_ops.ops.fp8 import FP8Rows, quantize_fp8_rows
 from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
                                       gated_residual_norm_modulate_fp8, norm_modulate, norm_modulate_fp8)
@@ -546,8 +546,7 @@ class _FusedProcessor:
         caller's output projection is an :class:`FP8Linear`): where
         ``"int8_fp8"`` runs, the output comes as :class:`FP8Rows` ``[B, L, H * D]``
         from the kernel's epilogue (:func:`attention_fp8_rows`), else as a tensor."""
-        if self.attention_precision != "exact" and (self.int8_schedule is None or self.int8_schedule.active) \
-                and query.dtype in (torch.float16, torch.bfloat16) and not _needs_gradient(query, key, value):
+        if isinstance(query, Int8QK) or self.eight_bit(query, key, value):
             if fp8_rows and self.attention_precision == "int8_fp8":
                 return attention_fp8_rows(query, key, value, seq_dim=1, kv_lengths=kv_lengths)
             return attention(query, key, value, seq_dim=1, kv_lengths=kv_lengths,
@@ -562,12 +561,24 @@ class _FusedProcessor:
             return out.transpose(1, 2)
         return attention(query, key, value, seq_dim=1, kv_lengths=kv_lengths)
 
+    def eight_bit(self, query, key, value) -> bool:
+        """Whether :meth:`attend` runs these 16-bit q, k, v as 8-bit attention:
+        an 8-bit ``attention_precision``, a step the schedule says, no gradient."""
+        return self.attention_precision != "exact" and (self.int8_schedule is None or self.int8_schedule.active) \
+            and query.dtype in (torch.float16, torch.bfloat16) and not _needs_gradient(query, key, value)
+
+    def quantizes_qk(self, query, key, value) -> bool:
+        """Whether q and k of a self-attention call can come quantized from their
+        rotation (``rope_qk``/``qk_norm_rope(..., quantize=True)``): 8-bit
+        attention runs (:meth:`eight_bit`) and no sparse plan takes the call."""
+        return self.eight_bit(query, key, value) and (self.sparse is None or self.sparse.layout is None)
+
     def attend_self(self, query, key, value, text_tokens: int = 0, kv_lengths=None, fp8_rows: bool = False):
         """Video self-attention of ``[B, L, H, D]`` q, k, v (the last
         ``text_tokens`` of L text, attended densely): the sparse plan's layout
         for this call where one is set, else :meth:`attend` (``fp8_rows`` as there)."""
         layout = None if self.sparse is None else self.sparse.layout
-        if layout is None:
+        if layout is None or isinstance(query, Int8QK):
             return self.attend(query, key, value, kv_lengths, fp8_rows)
         if layout.text_tokens != text_tokens:
             raise RuntimeError(f"compile_ops sparse attention: the layout was built for {layout.text_tokens} text "
@@ -585,19 +596,24 @@ class _FusedProcessor:
             return None
         return weight, eps
 
-    def norm_rope(self, query, key, norm_q, norm_k, rope):
+    def norm_rope(self, query, key, norm_q, norm_k, rope, quantize: bool = False):
         """q/k-norm then rotary embedding of ``[B, L, H, D]`` q and k (``rope``:
         ``(cos, sin)`` tables ``[L, D]`` with pairs interleaved, or None): one
         ``fused.qk_norm_rope`` launch when both norms are weighted RMSNorms with
-        one eps, else the norms and ``fused.rope_qk``."""
+        one eps, else the norms and ``fused.rope_qk``. ``quantize`` (with
+        rope; :meth:`quantizes_qk`): ``(Int8QK, None)`` for 8-bit attention,
+        from the same kernel."""
         q_norm, k_norm = self.rms_weight(norm_q), self.rms_weight(norm_k)
+        quantize = quantize and rope is not None
         if rope is not None and q_norm is not None and k_norm is not None and q_norm[1] == k_norm[1]:
-            return qk_norm_rope(query, key, q_norm[0], k_norm[0], *rope, eps=q_norm[1], interleaved=True,
-                                seq_dim=1)
+            out = qk_norm_rope(query, key, q_norm[0], k_norm[0], *rope, eps=q_norm[1], interleaved=True,
+                               seq_dim=1, quantize=quantize)
+            return (out, None) if quantize else out
         query, key = norm_q(query), norm_k(key)
         if rope is None:
             return query, key
-        return rope_qk(query, key, *rope, interleaved=True, seq_dim=1)
+        out = rope_qk(query, key, *rope, interleaved=True, seq_dim=1, quantize=quantize)
+        return (out, None) if quantize else out
 
 
 def _shared_input(x, *linears: nn.Module):
@@ -688,8 +704,12 @@ class FluxAttnProcessor(_FusedProcessor):
 
         image_rope = rows(-_tokens(hidden_states), None)
         x = _shared_input(hidden_states, attn.to_q, attn.to_k, attn.to_v)
-        query, key = self.norm_rope(heads(attn.to_q(x)), heads(attn.to_k(x)), attn.norm_q, attn.norm_k, image_rope)
-        value = heads(attn.to_v(x))
+        query, key, value = heads(attn.to_q(x)), heads(attn.to_k(x)), heads(attn.to_v(x))
+        # A single-stream call's q and k can come quantized from their rotation;
+        # a double-stream call's text and image streams are joined after it,
+        # and k's smoothing mean spans both, so its attention quantizes them.
+        quantize = encoder_hidden_states is None and self.quantizes_qk(query, key, value)
+        query, key = self.norm_rope(query, key, attn.norm_q, attn.norm_k, image_rope, quantize)
         if encoder_hidden_states is not None:
             # Text tokens come first in the joint sequence and in the tables;
             # each stream is normed with its own weights and rotated with its rows.
@@ -703,7 +723,7 @@ class FluxAttnProcessor(_FusedProcessor):
         # single-stream block concatenates the output with its MLP's first.
         fp8_rows = encoder_hidden_states is not None and isinstance(attn.to_out[0], FP8Linear) \
             and isinstance(attn.to_add_out, FP8Linear)
-        out = _heads_joined(self.attend(query, key, value, fp8_rows=fp8_rows), query.dtype)
+        out = _heads_joined(self.attend(query, key, value, fp8_rows=fp8_rows), value.dtype)
         if encoder_hidden_states is None:
             return out
         sizes = [_tokens(encoder_hidden_states), _tokens(hidden_states)]
@@ -744,9 +764,12 @@ class WanAttnProcessor(_FusedProcessor):
         if rotary_emb is not None:
             # [1, L, 1, D] tables with each pair's angle repeated: Wan rotates (2i, 2i + 1) pairs.
             cos, sin = (t[0, :, 0] for t in rotary_emb)
-            query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1)
+            if self.quantizes_qk(query, key, value):  # q and k for 8-bit attention straight from the rotation
+                query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1, quantize=True), None
+            else:
+                query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1)
         attend = self.attend if encoder_hidden_states is not None else self.attend_self
-        out = _heads_joined(attend(query, key, value, fp8_rows=isinstance(attn.to_out[0], FP8Linear)), query.dtype)
+        out = _heads_joined(attend(query, key, value, fp8_rows=isinstance(attn.to_out[0], FP8Linear)), value.dtype)
         return attn.to_out[1](attn.to_out[0](out))
 
 
