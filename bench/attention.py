@@ -15,7 +15,9 @@ forward+backward step above the inputs. Writes ``<out>/attention-<gpu>.json``.
 ``--int8``: 8-bit attention (``precision="int8"`` and ``"int8_fp8"``, eager and compiled) beside
 cuDNN bf16, our exact kernel and SageAttention where installed, forward only,
 on N(0, 1) inputs and on keys with a per-channel offset; every row carries its
-relative L2 distance to fp64 attention (``attention-int8-<gpu>.json``).
+relative L2 distance to fp64 attention (``attention-int8-<gpu>.json``). ``--int8 --rope``:
+q/k-norm + rotation + 8-bit attention, q and k quantized by the rotation's kernel against
+by attention, beside rotation + cuDNN (``attention-int8-rope-<gpu>.json``).
 """
 import argparse
 import os
@@ -179,6 +181,81 @@ def int8_comparison(shapes, timer) -> list:
     return rows
 
 
+def rope_int8_providers() -> dict:
+    """``--rope``: q/k-norm + rotation + attention of ``[B, L, H, D]``
+    projections (what a patched Flux block runs; Wan's self-attention is the
+    same without the norm), each provider the pair as a model calls it: our
+    ``qk_norm_rope`` then cuDNN bf16 (SDPA on the transposed views), then
+    8-bit attention quantizing its 16-bit q and k, and ``qk_norm_rope(...,
+    quantize=True)`` handing them over quantized (``Int8QK``: no 16-bit q or
+    k written). Eager and compiled."""
+    import compile_ops
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def cudnn(q, k, v, w, cos, sin):
+        q, k = compile_ops.qk_norm_rope(q, k, w, w, cos, sin, 1e-6, True, 1)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+
+    def quantized_in_attention(q, k, v, w, cos, sin):
+        q, k = compile_ops.qk_norm_rope(q, k, w, w, cos, sin, 1e-6, True, 1)
+        return compile_ops.attention(q, k, v, seq_dim=1, precision="int8_fp8")
+
+    def quantized_by_rotation(q, k, v, w, cos, sin):
+        qk = compile_ops.qk_norm_rope(q, k, w, w, cos, sin, 1e-6, True, 1, quantize=True)
+        return compile_ops.attention(qk, None, v, seq_dim=1, precision="int8_fp8")
+
+    out = {}
+    for name, fn in (("rope_sdpa_cudnn", cudnn), ("rope_int8_fp8", quantized_in_attention),
+                     ("rope_int8_fp8_fused_quant", quantized_by_rotation)):
+        out[f"{name}_eager"] = fn
+        out[f"{name}_compiled"] = torch.compile(fn, fullgraph=True)
+    return out
+
+
+def rope_int8_comparison(shapes, timer) -> list:
+    """``--rope``: TFLOP/s (attention's FLOPs; the time includes the norm and
+    rotation) of :func:`rope_int8_providers` as CUDA-graph replays, and each
+    one's relative L2 distance to fp64 attention of the bf16-rotated q and k
+    over the first ERROR_QUERIES queries."""
+    from compile_ops.reference.attention import attention as exact_attention
+    import compile_ops
+
+    rows = []
+    for b, h, length, d in shapes:
+        torch._dynamo.reset()
+        flops = 4 * b * h * length * length * d
+        for kind in INT8_INPUTS:
+            q, k, v = (t.transpose(1, 2).contiguous() for t in int8_inputs(kind, b, h, length, d))  # [B, L, H, D]
+            w = (torch.rand(d, device="cuda") + 0.5).to(torch.bfloat16)
+            angle = torch.randn(length, d // 2, device="cuda") * 10
+            cos, sin = angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1)
+            n = min(ERROR_QUERIES, length)
+            q16, k16 = compile_ops.qk_norm_rope(q, k, w, w, cos, sin, 1e-6, True, 1)
+            exact, _ = exact_attention(q16[:, :n].double(), k16.double(), v.double(), d ** -0.5, False, 1)
+            q16 = k16 = None
+            args = (q, k, v, w, cos, sin)
+            for name, fn in rope_int8_providers().items():
+                row = {"shape": [b, h, length, d], "inputs": kind, "provider": name}
+                try:
+                    with torch.no_grad():
+                        got = fn(*args)[:, :n].double()
+                        row["rel_l2_vs_fp64"] = ((got - exact).norm() / exact.norm()).item()
+                        row["cosine_vs_fp64"] = F.cosine_similarity(got.flatten(), exact.flatten(), dim=0).item()
+                        got = None
+                        row["fwd_ms"] = graph_replay_time(lambda: fn(*args), timer)
+                    row["fwd_TFLOPs"] = flops / row["fwd_ms"] / 1e9
+                    print(f"{b}x{h}x{length}x{d} {kind:<11} {name:<34} {row['fwd_ms']:8.3f} ms "
+                          f"{row['fwd_TFLOPs']:6.0f} TFLOP/s rel. L2 vs fp64 {row['rel_l2_vs_fp64']:.2e}", flush=True)
+                except Exception as e:  # noqa: BLE001 (a failing provider is a result)
+                    row["error"] = f"{type(e).__name__}: {e}"[:400]
+                    print(f"{b}x{h}x{length}x{d} {kind:<11} {name:<34} FAILED {row['error'][:200]}", flush=True)
+                rows.append(row)
+            args = q = k = v = exact = None
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -187,12 +264,19 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="", help="BxHxLxD,... (default: the DiT shapes)")
     p.add_argument("--int8", action="store_true",
                    help="the 8-bit comparison instead: forward only, errors against fp64 attention")
+    p.add_argument("--rope", action="store_true",
+                   help="with --int8: q/k-norm + rotation + attention pairs, the quantization in the rotation "
+                        "against in attention, beside the rotation + cuDNN bf16")
     args = p.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     timer = make_timer(args.quick)
     env = environment()
     print(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']}", flush=True)
     warm_up_gpu()
+    if args.int8 and args.rope:
+        rows = rope_int8_comparison(shapes, timer)
+        print(f"wrote {write_results(args.out, 'attention-int8-rope', env, rows)}", flush=True)
+        return 1 if any("error" in r for r in rows) else 0
     if args.int8:
         rows = int8_comparison(shapes, timer)
         print(f"wrote {write_results(args.out, 'attention-int8', env, rows)}", flush=True)

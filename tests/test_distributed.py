@@ -216,6 +216,21 @@ def _attention_int8_inputs(seq_dim):
     return lambda: (qkv(H, L), qkv(HK, L), qkv(HK, L))
 
 
+def _quantizing_rotation(q, k, w, w_k, c, sn):
+    return tuple(compile_ops.qk_norm_rope(q, k, w, w_k, c, sn, interleaved=True, seq_dim=1, quantize=True))
+
+
+def _attention_on_quantized(q, k, w, w_k, c, sn):
+    qk = compile_ops.qk_norm_rope(q, k, w, w_k, c, sn, interleaved=True, seq_dim=1, quantize=True)
+    return compile_ops.attention(qk, None, k, seq_dim=1, precision="int8_fp8")
+
+
+def _quantizing_rotation_inputs():
+    """16-bit [B, L, H, D] q, k (GQA), norm weights and full tables: inference."""
+    return (torch.randn(B, L, H, D).to(torch.bfloat16), torch.randn(B, L, HK, D).to(torch.bfloat16),
+            torch.rand(D) + 0.5, torch.rand(D) + 0.5, torch.randn(L, D), torch.randn(L, D))
+
+
 def _attention_cases():
     for seq_dim in (2, 1):
         heads = 3 - seq_dim
@@ -250,6 +265,14 @@ def _attention_cases():
                    (s, s), (s, s, s, None, None))
         yield Case(f"block_sparse_attention_shared_lists/{axis}", _block_sparse, _block_sparse_inputs(1, 1),
                    (s, s, s, R, R), (s, s), (s, s, s, None, None))
+    # q and k quantized by their rotation (k's smoothing mean spans the sequence:
+    # batch and head shards only), and 8-bit attention on them.
+    for axis, d in (("batch", 0), ("heads", 2)):
+        s, scales = Shard(d), Shard(0 if axis == "batch" else 1)
+        yield Case(f"qk_rope_int8/{axis}", _quantizing_rotation, _quantizing_rotation_inputs,
+                   (s, s, R, R, R, R), (s, scales, s, scales))
+        yield Case(f"attention_qk8/{axis}", _attention_on_quantized, _quantizing_rotation_inputs,
+                   (s, s, R, R, R, R), (s,))
     # Sequence-sharded q/k/v: the public functions move them to head shards and
     # back (Ulysses), so the results come back sharded on the sequence. (gloo
     # has no all-to-all: DTensor emulates it with all-gathers on CPU;

@@ -60,7 +60,8 @@ def _aligned(t: Tensor) -> Tensor:
     return t if offset is not None and offset % 2 == 0 else t.clone()
 
 
-def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int, block_l: Optional[int] = None):
+def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int, block_l: Optional[int] = None,
+          programs_per_sm: int = PROGRAMS_PER_SM):
     """``(BLOCK_L, n_pos_blocks, heads_per_program, launch grid)``; ``block_l``
     fixes BLOCK_L (the quantizing mode's scale blocks)."""
     batch, length = q.shape[0], q.shape[seq_dim]
@@ -72,7 +73,7 @@ def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int, block_l: Optional[int] 
     if n_pos is not None and n_pos > 0:
         # Split the heads only as far as needed to fill the GPU: every split
         # re-reads (or recomputes) the angle tile.
-        splits = min(n_heads, triton.cdiv(PROGRAMS_PER_SM * multiprocessor_count(q), n_pos))
+        splits = min(n_heads, triton.cdiv(programs_per_sm * multiprocessor_count(q), n_pos))
         heads_per_program = triton.cdiv(n_heads, max(1, splits))
     return block_l, n_pos_blocks, heads_per_program, (batch * n_pos_blocks, triton.cdiv(n_heads, heads_per_program))
 
@@ -83,6 +84,16 @@ def _tables(cos: Tensor, sin: Tensor, per_pair_constants: bool = False):
     per_batch = not per_pair_constants and cos.dim() == 3 and cos.shape[0] > 1
     cos, sin = _aligned(cos), _aligned(sin)
     return cos, sin, cos.stride(0) if per_batch else 0, cos.stride(-2)
+
+
+#: The quantizing mode's programs per SM (its programs are 8x the default's positions).
+QUANTIZE_PROGRAMS_PER_SM = PROGRAMS_PER_SM
+
+
+def _quantize_warps(block_l: int, block_p: int) -> int:
+    """Warps of a quantizing program, which holds a whole scale block (128
+    positions): more warps, not more registers per thread."""
+    return max(NUM_WARPS, min(16, block_l * block_p // 512))
 
 
 def _pair_blocks(r: int, d: int) -> dict:
@@ -106,7 +117,8 @@ def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Option
     if q.numel() == 0 and (k is None or k.numel() == 0):
         return
     block_l, n_pos_blocks, heads_per_program, grid = _grid(
-        q, hq + hk, seq_dim, d, reference.attention.INT8_KEY_BLOCK if quantize else None)
+        q, hq + hk, seq_dim, d, reference.attention.INT8_KEY_BLOCK if quantize else None,
+        QUANTIZE_PROGRAMS_PER_SM if quantize else PROGRAMS_PER_SM)
     k_strides = _positions_and_heads(q if k is None else k, seq_dim)
     if quantize == 1:  # the sums [blocks, B, H, D] are addressed as (batch, block, head) rows
         q_out_strides = (q_out.stride(1), q_out.stride(0), q_out.stride(2))
@@ -132,8 +144,7 @@ def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Option
         R=r, INTERLEAVED=interleaved, PACKED=_pairs_packable(q, k), HALF_TABLE=half_table,
         GRID_ANGLES=grid_angles, NORM=q_w is not None, INVERSE=inverse, BLOCK_L=block_l,
         **pairs, ACC=acc_dtype(q), QUANTIZE=quantize,
-        # A quantizing program holds a whole scale block (128 positions): more warps, not more registers.
-        num_warps=max(NUM_WARPS, min(16, block_l * pairs["BLOCK_P"] // 512)) if quantize else NUM_WARPS,
+        num_warps=_quantize_warps(block_l, pairs["BLOCK_P"]) if quantize else NUM_WARPS,
     )
 
 
