@@ -54,7 +54,9 @@ with torchao's version; rows merge with an existing file by case, provider and c
 
 8-bit attention (``--int8-attention``, the step cases): native compiled
 (SDPA, cuDNN), patched compiled (our bf16 attention), patched with
-``attention_precision="int8"`` and ``"int8_fp8"`` compiled, and SageAttention 1.0.6 in place of
+``attention_precision="int8"`` and ``"int8_fp8"`` compiled (the latter once more with q and k
+quantized by attention at every length, ``int8_fp8_attention_quant_in_attention_compiled``,
+where the default quantizes them in their rotation from 16384 tokens up), and SageAttention 1.0.6 in place of
 SDPA (its blocks compiled with graph breaks), each on a fresh model, with
 the step output's relative L2 to the bf16 model's eager output:
 ``diffusers-e2e-int8-<gpu>.json``.
@@ -413,7 +415,10 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
 #: ``--int8-attention``: the step with 8-bit attention against bf16 attention
 #: and SageAttention, all compiled the same way.
 INT8_PROVIDERS = ("native_compiled", "patched_compiled", "int8_attention_compiled", "int8_fp8_attention_compiled",
-                  "sage_attention_compiled")
+                  "int8_fp8_attention_quant_in_attention_compiled", "sage_attention_compiled")
+#: The provider whose q and k attention quantizes at every length (the
+#: rotation's quantizing mode off), beside int8_fp8_attention_compiled.
+QUANT_IN_ATTENTION = "int8_fp8_attention_quant_in_attention_compiled"
 
 
 def _sage_sdpa():
@@ -434,20 +439,25 @@ def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers,
     """Each of INT8_PROVIDERS (those in ``providers``) on a fresh model; rows
     with the step output's relative L2 to the bf16 model with SDPA (eager)."""
     import compile_ops
+    from compile_ops.integrations import diffusers as integration
 
     model, inputs = _build(name)
     with torch.no_grad():
         exact = model(**inputs).sample
     del model
     rows = []
+    min_tokens = integration.QUANTIZE_IN_ROTATION_MIN_TOKENS
     for provider in (p for p in INT8_PROVIDERS if p in (providers or INT8_PROVIDERS)):
         model, inputs = _build(name)
         sdpa = torch.nn.functional.scaled_dot_product_attention
         try:
             if provider == "patched_compiled":
                 compile_ops.patch(model)
-            elif provider in ("int8_attention_compiled", "int8_fp8_attention_compiled"):
-                compile_ops.patch(model, attention_precision=provider.removesuffix("_attention_compiled"))
+            elif provider in ("int8_attention_compiled", "int8_fp8_attention_compiled", QUANT_IN_ATTENTION):
+                compile_ops.patch(model, attention_precision="int8" if provider.startswith("int8_attention")
+                                  else "int8_fp8")
+                if provider == QUANT_IN_ATTENTION:
+                    integration.QUANTIZE_IN_ROTATION_MIN_TOKENS = 2 ** 62
             elif provider == "sage_attention_compiled":
                 torch.nn.functional.scaled_dot_product_attention = _sage_sdpa()
             # SageAttention's launcher is not traceable whole: its blocks compile with graph breaks.
@@ -464,6 +474,7 @@ def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers,
             continue
         finally:
             torch.nn.functional.scaled_dot_product_attention = sdpa
+            integration.QUANTIZE_IN_ROTATION_MIN_TOKENS = min_tokens
         row.update(case=name, provider=provider, first_call_s=setup_s, rel_l2_vs_bf16=relative_l2(out, exact),
                    train=False, tokens=_tokens(name), compile=compile_mode)
         rows.append(row)

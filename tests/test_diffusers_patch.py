@@ -1104,13 +1104,27 @@ def test_int8_attention_precision_runs_8_bit_attention_on_16_bit_inference_only(
         compile_ops.patch(MODELS[name]()[0], attention_precision="fp8")
 
 
+def _count_query_types(monkeypatch) -> Counter:
+    """Counts, by the type of q (``Tensor`` or ``Int8QK``), the attention calls our processors make from now on."""
+    seen = Counter()
+    attend = integration.attention
+
+    def counting(q, *a, **kw):
+        seen.update([type(q).__name__])
+        return attend(q, *a, **kw)
+
+    monkeypatch.setattr(integration, "attention", counting)
+    return seen
+
+
 @pytest.mark.parametrize("precision", ["int8", "int8_fp8"])
 @pytest.mark.parametrize("name, fused_calls", [("flux", 1), ("wan", 2)])
 def test_8bit_attention_takes_q_and_k_quantized_by_their_rotation(name, fused_calls, precision, monkeypatch):
     """Under an 8-bit attention_precision, self-attention whose q and k are
     rotated by our processor (Wan's self-attention, Flux's single-stream
     block) gets them quantized by the rotation's kernel (``Int8QK``,
-    ``fused.qk_rope_int8``); Flux's double-stream block joins two streams
+    ``fused.qk_rope_int8``) from QUANTIZE_IN_ROTATION_MIN_TOKENS tokens up
+    (below it, attention quantizes them); Flux's double-stream block joins two streams
     after rotating them, so its attention quantizes them. The model equals
     the same model quantizing inside attention: exactly on CPU (the same
     specification), within an INT8 step's effect on a GPU (k's mean is summed
@@ -1122,15 +1136,14 @@ def test_8bit_attention_takes_q_and_k_quantized_by_their_rotation(name, fused_ca
     for m in (fused, unfused):
         compile_ops.patch(m, attention_precision=precision)
     args = _bf16(_to(inputs(4), DEVICE))
+    with torch.no_grad():  # below the length the rotation quantizes from: attention quantizes
+        seen = _count_query_types(monkeypatch)
+        fused(**args)
+        assert seen["Int8QK"] == 0, seen
+    monkeypatch.setattr(integration, "QUANTIZE_IN_ROTATION_MIN_TOKENS", 1)  # the tiny models' sequences
     seen = Counter()
-    attend = integration.attention
-
-    def counting(q, *a, **kw):
-        seen.update([type(q).__name__])
-        return attend(q, *a, **kw)
-
-    monkeypatch.setattr(integration, "attention", counting)
     with torch.no_grad():
+        seen = _count_query_types(monkeypatch)
         got = fused(**args).sample
         assert seen["Int8QK"] == fused_calls and seen["Tensor"] == (2 if name == "flux" else 4) - fused_calls, seen
         monkeypatch.setattr(integration._FusedProcessor, "quantizes_qk", lambda self, *tensors: False)

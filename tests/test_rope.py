@@ -316,11 +316,10 @@ def test_kernels_quantizing_rotation_writes_the_specified_operands(norm, seq_dim
     """``rope_qk``/``qk_norm_rope(..., quantize=True)`` (``fused.qk_rope_int8``)
     against its specification, the 16-bit op then
     ``reference.attention.smooth_quantize_qk``: q's INT8 values and scales
-    identical; k's within 1 (its mean is summed in another order) and its
-    block scales within an fp32 rounding. Both dtypes, both layouts. The
-    16-bit op is the one on the kernels' device: on a GPU the norm's rstd
-    may round a 16-bit output to its neighbour (its sum's order), which the
-    16-bit op's own tests bound."""
+    identical (on a GPU with the norm: see below); k's within 1 (its mean is
+    summed in another order) and its block scales within an fp32 rounding.
+    Both dtypes, both layouts. The 16-bit op is the one on the kernels'
+    device, whose norm differs from the reference's by its sum's order."""
     torch.manual_seed(0)
     for dtype in (torch.float16, torch.bfloat16):
         q, k, cos, sin = _int8_rope_case(seq_dim, b, hq, hk, length, d, r, dtype, KERNEL_DEVICE)
@@ -337,7 +336,15 @@ def test_kernels_quantizing_rotation_writes_the_specified_operands(norm, seq_dim
         q8, q_scale, k8, k_scale = (t.cpu() for t in got)
         assert q8.dtype == k8.dtype == torch.int8 and q8.shape == q.shape and k8.shape == k.shape
         assert q_scale.shape == (b, hq, length) and k_scale.shape == (b, hk, -(-length // 128))
-        assert torch.equal(q8, want[0]) and torch.equal(q_scale, want[1])
+        if norm and KERNEL_DEVICE == "cuda":
+            # The quantizing kernel's layout (128 positions a program) sums the norm's squares in
+            # another order than the 16-bit op's: a rare 16-bit value rounds to its neighbour, which
+            # moves its INT8 value by at most 1 and its row's scale by at most one 16-bit step.
+            assert (q8.int() - want[0].int()).abs().max() <= 1 and (q8 != want[0]).float().mean() < 1e-3
+            torch.testing.assert_close(q_scale, want[1], rtol=2 ** -7, atol=0)
+            assert (q_scale != want[1]).float().mean() < 1e-2
+        else:
+            assert torch.equal(q8, want[0]) and torch.equal(q_scale, want[1])
         assert (k8.int() - want[2].int()).abs().max() <= 1 and (k8 != want[2]).float().mean() < 1e-3
         torch.testing.assert_close(k_scale, want[3], rtol=1e-6, atol=0)
 

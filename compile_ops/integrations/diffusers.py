@@ -489,6 +489,16 @@ def _left_alone(module: nn.Module, act) -> Optional[str]:
 ATTENTION_KERNELS = ("auto", "fused", "sdpa")
 
 
+#: Self-attention from this many tokens up takes q and k quantized by their
+#: rotation's kernel (``fused.qk_rope_int8``); shorter sequences let 8-bit
+#: attention quantize them. H100 (bench/results/rope-int8-sweep-h100.json),
+#: rotation + quantization of q and k: at 4608 tokens (Flux) 0.152 ms fused
+#: against 0.145 compiled unfused, no gain (its 128-position programs are
+#: too few to fill the GPU); at 32760 (Wan 480p) 0.371 against 0.654, at
+#: 75600 0.818 against 1.375.
+QUANTIZE_IN_ROTATION_MIN_TOKENS = 16384
+
+
 class _FusedProcessor:
     """Base of our processors: the original processor runs every call that the
     fused path does not cover. ``kernel`` picks the attention kernel (see
@@ -568,10 +578,12 @@ class _FusedProcessor:
             and query.dtype in (torch.float16, torch.bfloat16) and not _needs_gradient(query, key, value)
 
     def quantizes_qk(self, query, key, value) -> bool:
-        """Whether q and k of a self-attention call can come quantized from their
+        """Whether q and k of a self-attention call come quantized from their
         rotation (``rope_qk``/``qk_norm_rope(..., quantize=True)``): 8-bit
-        attention runs (:meth:`eight_bit`) and no sparse plan takes the call."""
-        return self.eight_bit(query, key, value) and (self.sparse is None or self.sparse.layout is None)
+        attention runs (:meth:`eight_bit`), no sparse plan takes the call, and
+        the sequence is long enough (:data:`QUANTIZE_IN_ROTATION_MIN_TOKENS`)."""
+        return self.eight_bit(query, key, value) and (self.sparse is None or self.sparse.layout is None) \
+            and query.shape[1] >= QUANTIZE_IN_ROTATION_MIN_TOKENS
 
     def attend_self(self, query, key, value, text_tokens: int = 0, kv_lengths=None, fp8_rows: bool = False):
         """Video self-attention of ``[B, L, H, D]`` q, k, v (the last
