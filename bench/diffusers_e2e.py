@@ -56,7 +56,7 @@ with torchao's version; rows merge with an existing file by case, provider and c
 (SDPA, cuDNN), patched compiled (our bf16 attention), patched with
 ``attention_precision="int8"`` and ``"int8_fp8"`` compiled (the latter once more with q and k
 quantized by attention at every length, ``int8_fp8_attention_quant_in_attention_compiled``,
-where the default quantizes them in their rotation from 16384 tokens up), and SageAttention 1.0.6 in place of
+where the default quantizes them in their rotation from 8192 tokens up), and SageAttention 1.0.6 in place of
 SDPA (its blocks compiled with graph breaks), each on a fresh model, with
 the step output's relative L2 to the bf16 model's eager output:
 ``diffusers-e2e-int8-<gpu>.json``.

@@ -310,7 +310,8 @@ def diffusers_e2e_int8_table(data: dict) -> str:
     by = {(r["case"], r["provider"]): r for r in data["rows"]}
     cases = list(dict.fromkeys(r["case"] for r in data["rows"]))
     providers = [p for p in ("native_compiled", "patched_compiled", "int8_attention_compiled",
-                             "int8_fp8_attention_compiled", "sage_attention_compiled")
+                             "int8_fp8_attention_compiled", "int8_fp8_attention_quant_in_attention_compiled",
+                             "sage_attention_compiled")
                  if any(r["provider"] == p for r in data["rows"])]
     out = [run_line(env, f"diffusers {env.get('diffusers', '?')}, sageattention {env.get('sageattention', '?')}")
            + " | bf16, batch 1, random weights, regional compile; ms per step, median of 3 (min-max), and the "

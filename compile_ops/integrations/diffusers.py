@@ -491,12 +491,12 @@ ATTENTION_KERNELS = ("auto", "fused", "sdpa")
 
 #: Self-attention from this many tokens up takes q and k quantized by their
 #: rotation's kernel (``fused.qk_rope_int8``); shorter sequences let 8-bit
-#: attention quantize them. H100 (bench/results/rope-int8-sweep-h100.json),
-#: rotation + quantization of q and k: at 4608 tokens (Flux) 0.152 ms fused
-#: against 0.145 compiled unfused, no gain (its 128-position programs are
-#: too few to fill the GPU); at 32760 (Wan 480p) 0.371 against 0.654, at
-#: 75600 0.818 against 1.375.
-QUANTIZE_IN_ROTATION_MIN_TOKENS = 16384
+#: attention quantize them. H100, rotation + quantization of q and k
+#: (bench/results/rope-int8-sweep-h100.json, run 2): 4608 tokens (Flux)
+#: 0.152 ms fused against 0.129 compiled unfused (its 128-position programs
+#: are too few to fill the GPU there); 8192: 0.223 against 0.311; 16384 x 40
+#: heads: 0.545 against 0.970; 32760 (Wan 480p): 0.372 against 0.621.
+QUANTIZE_IN_ROTATION_MIN_TOKENS = 8192
 
 
 class _FusedProcessor:
