@@ -318,8 +318,9 @@ def test_kernels_quantizing_rotation_writes_the_specified_operands(norm, seq_dim
     ``reference.attention.smooth_quantize_qk``: q's INT8 values and scales
     identical (on a GPU with the norm: see below); k's within 1 (its mean is
     summed in another order) and its block scales within an fp32 rounding.
-    Both layouts; both dtypes on a GPU (fp16 under the interpreter). The 16-bit op is the one on the kernels'
-    device, whose norm differs from the reference's by its sum's order."""
+    Both layouts; both dtypes on a GPU (fp16 under the interpreter). The
+    16-bit op is the one on the kernels' device, whose norm differs from the
+    reference's by its sum's order."""
     torch.manual_seed(0)
     for dtype in (torch.float16,) + (() if INTERPRET else (torch.bfloat16,)):  # the interpreter's time
         q, k, cos, sin = _int8_rope_case(seq_dim, b, hq, hk, length, d, r, dtype, KERNEL_DEVICE)
