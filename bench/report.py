@@ -260,6 +260,30 @@ def host_table(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def is_aoti(data: dict) -> bool:
+    """bench/aoti.py's JSON: a patched model as an AOTInductor package run from C++."""
+    return any("aoti_ms" in r for r in data["rows"])
+
+
+def aoti_table(data: dict) -> str:
+    """Markdown: the package's step from C++ against the compiled patched model, and its sizes and times."""
+    env = data["env"]
+    out = [run_line(env, f"diffusers {env.get('diffusers')}") + " | bf16, batch 1, random weights; ms: median "
+           "(min-max) of 3 rounds of 10 calls (C++) or 3 do_bench medians (compiled).", "",
+           "| case | blocks | package GB | compile + package s | C++ load s | AOTI package from C++ ms "
+           "| compiled (regional) ms | package vs compiled | rel. L2 vs eager (package; 768 px) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        compiled = r.get("compiled", {})
+        out.append(
+            f"| {r['case']} | {r['layers'][0]} + {r['layers'][1]} | {r['package_GB']:.1f} | {r['package_s']:.0f} "
+            f"| {r['aoti_1024px']['load_s']:.1f} | {r['aoti_ms']:.1f} ({r['aoti_ms_min']:.1f}-{r['aoti_ms_max']:.1f}) "
+            f"| {compiled.get('ms', float('nan')):.1f} ({compiled.get('ms_min', float('nan')):.1f}-"
+            f"{compiled.get('ms_max', float('nan')):.1f}) | {r.get('aoti_vs_compiled', float('nan')):.2f}x "
+            f"| {r['aoti_1024px']['rel_l2_vs_eager']:.1e}; {r['aoti_768px']['rel_l2_vs_eager']:.1e} |")
+    return "\n".join(out) + "\n"
+
+
 def is_block_sparse(data: dict) -> bool:
     """bench/block_sparse.py's JSON."""
     return any(r.get("provider") == "fused_sparse" for r in data["rows"])
@@ -605,7 +629,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     data = load(args.json)
     # bench/run.py's op table comes last: the other runners' JSON is recognised by its rows.
-    special = ((is_distributed_train, distributed_train_table, lambda rows: "distributed-train-table"),
+    special = ((is_aoti, aoti_table, lambda rows: "aoti-table"),
+               (is_distributed_train, distributed_train_table, lambda rows: "distributed-train-table"),
                (is_sparse_e2e, sparse_e2e_table, lambda rows: "sparse-e2e-table"),
                (is_diffusers_e2e_int8, diffusers_e2e_int8_table, lambda rows: "diffusers-e2e-int8-table"),
                (is_diffusers_e2e_fp8, diffusers_e2e_fp8_table, lambda rows: "diffusers-e2e-fp8-table"),
