@@ -22,7 +22,7 @@ A signature gets a plan only when replaying it is certainly the call:
   quantization, a zeroed buffer) would be skipped by a replay: the check
   below fills scratch with NaN (all bits set) before verifying, so such a
   plan fails it;
-- the inputs are distinct storages, and so are the outputs;
+- the inputs are distinct storages, and so are the outputs (empty ones aside);
 - kernel arguments are tensors, numbers, strings, triton dtypes or None, and
   grids are tuples of ints;
 - the body read no tensor values (it runs under
@@ -138,8 +138,12 @@ class Plan:
         self.allocator = None
         storages = {}
         for i, t in enumerate(inputs + outs):
+            if t.untyped_storage().nbytes() == 0:
+                # Nothing to point at (attention_qk8's out_scale when it writes 16-bit rows): a kernel
+                # handed one gets the placeholder below, and a replay allocates it empty again.
+                continue
             ptr = t.untyped_storage().data_ptr()
-            if ptr in storages or ptr == 0:  # shared (or empty) storages: a pointer's source is ambiguous
+            if ptr in storages:  # shared storages: a pointer's source is ambiguous
                 raise _Unplannable("tensors share a storage")
             storages[ptr] = (i, t.data_ptr())
         #: Scratch storages, ``(bytes, device)`` each: sources numbered after the outputs.
