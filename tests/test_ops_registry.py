@@ -438,24 +438,30 @@ PLANNED_OPS = {"rmsnorm", "add_rmsnorm", "layernorm", "modulate", "norm_modulate
                "gated_residual_norm_modulate", "rope", "rope_qk", "rope_grid", "qk_norm_rope", "geglu",
                "geglu_tanh", "swiglu", "quantize_fp8_rows", "norm_modulate_fp8", "gated_residual_norm_modulate_fp8",
                "attention", "moe_route", "moe_route_hidream", "attention_int8", "attention_int8_fp8", "qk_rope_int8",
-               "attention_qk8"}
+               "attention_qk8", "attention_int8_fp8_rows"}
 
 
 @pytest.mark.gpu
 def test_launch_plans_refuse_what_a_replay_would_get_wrong():
     """A body that reads a tensor value (a sync), or hands a kernel an
-    intermediate tensor that torch ops computed (the FP8 rows' scale bound,
-    from v's channel scales), gets no plan and still returns the right
-    result (scratch that the body's own kernels write, 8-bit attention's
-    quantized q and k, is replayed); a changed launch config replays the
-    old one until clear_launch_plans()."""
-    from compile_ops._library import FUSED_OPS, clear_launch_plans
+    intermediate tensor that torch ops computed (rmsnorm's body on ``2 * x``),
+    gets no plan and still returns the right result; scratch that the body's
+    own kernels write (8-bit attention's quantized q and k, the FP8 rows'
+    scale bound) is replayed."""
+    from compile_ops._library import FUSED_OPS, _launch_eagerly, clear_launch_plans
     from compile_ops._replay import UNPLANNED, Plan, run
 
     plans = {}
     x = torch.randn(8, 64, device="cuda")
     reads_a_value = lambda x: x * float(x.sum())  # noqa: E731
     assert torch.equal(run(plans, reads_a_value, (x,), {}), reads_a_value(x))
+    assert list(plans.values()) == [UNPLANNED]
+    plans = {}
+    spec = next(s for s in registry.OPS if s.name == "rmsnorm")
+    args = spec.make_inputs((2, 40, 256), torch.bfloat16, "cuda", False)
+    doubled_first = lambda x, *rest: FUSED_OPS["rmsnorm"].body(2 * x, *rest)  # noqa: E731
+    for _ in range(2):
+        assert torch.equal(_launch_eagerly(doubled_first, args, {}, plans), spec.op(2 * args[0], *args[1:]))
     assert list(plans.values()) == [UNPLANNED]
     clear_launch_plans()
     q, k, v = (torch.randn(1, 2, 130, 64, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -464,5 +470,5 @@ def test_launch_plans_refuse_what_a_replay_would_get_wrong():
         rows = compile_ops.attention_fp8_rows(q, k, v)
         again = compile_ops.attention_fp8_rows(q, k, v)
     assert [type(p) for p in FUSED_OPS["attention_int8"].plans.values()] == [Plan]
-    assert list(FUSED_OPS["attention_int8_fp8_rows"].plans.values()) == [UNPLANNED]
+    assert [type(p) for p in FUSED_OPS["attention_int8_fp8_rows"].plans.values()] == [Plan]
     assert torch.equal(rows.q.view(torch.uint8), again.q.view(torch.uint8)) and torch.equal(rows.scale, again.scale)

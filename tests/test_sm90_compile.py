@@ -158,6 +158,21 @@ def test_fp8_values_alone_kernels_compile_for_sm90():
     _compile_with_constant_ints(launches)
 
 
+def test_fp8_rows_scale_kernel_compiles_for_sm90():
+    """The FP8 output rows' scale bound, computed by a kernel in eager calls
+    (traced, the reference's torch ops take its place, so no op body above
+    reaches it), at Flux's and Wan's Hk * D."""
+    from compile_ops import reference
+    from compile_ops.kernels.attention import fp8_rows_scale_kernel
+
+    signature = {"V_SCALE": "*fp32", "ROW_SCALE": "*fp32", "per_batch": "i32"}
+    for per_batch in (24 * 128, 12 * 128, 40):
+        constants = dict(FLOOR=reference.fp8.AMAX_FLOOR / reference.attention.FP8_MAX,
+                         HEADROOM=reference.attention.FP8_ROWS_HEADROOM,
+                         BLOCK=min(4096, triton.next_power_of_2(per_batch)))
+        _compile_with_constant_ints([(fp8_rows_scale_kernel, signature, constants)])
+
+
 def _compile_with_constant_ints(launches):
     for kernel, signature, constants in launches:
         ints = [p for p, t in signature.items() if t in ("i32", "i64")]

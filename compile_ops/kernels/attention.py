@@ -426,6 +426,22 @@ def qk8_stats_kernel(K, V, K_SUM, V_AMAX, Hk, Lk, skb, skh, skl, svb, svh, svl, 
 
 
 @triton.jit
+def fp8_rows_scale_kernel(V_SCALE, ROW_SCALE, per_batch, FLOOR: tl.constexpr, HEADROOM: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """``reference.attention.fp8_rows_scale`` for batch element
+    ``program_id(0)``: ``HEADROOM * max(FLOOR, max(V_SCALE[b]))`` over its
+    ``per_batch`` channel scales (``[B, Hk, D]``, contiguous). The same fp32
+    operations as the reference, so the same bits; a kernel rather than torch
+    ops so that an eager call's launches are all its own (a launch plan)."""
+    base = tl.cast(tl.program_id(0), tl.int64) * per_batch
+    amax = tl.zeros([BLOCK], dtype=tl.float32)  # channel scales are positive
+    for start in range(0, per_batch, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.load(V_SCALE + base + offs, mask=offs < per_batch, other=0.0))
+    tl.store(ROW_SCALE + tl.program_id(0), tl.maximum(tl.max(amax, 0), FLOOR) * HEADROOM)
+
+
+@triton.jit
 def qk8_quantize_kernel(X, X8, X_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sxb, sxh, sxl, s8b, s8h, s8l,
                         svb, svh, svl, svtd,
                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, CHUNKS: tl.constexpr,

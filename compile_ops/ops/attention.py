@@ -17,7 +17,8 @@ from torch._subclasses.fake_tensor import is_fake
 from compile_ops import _dtensor, meta, reference
 from compile_ops._library import fused_op, has_tma, launcher, register_no_gradient, require_fp8_mma
 from compile_ops.kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
-                                           attn_fwd_kernel, qk8_quantize_kernel, qk8_stats_kernel)
+                                           attn_fwd_kernel, fp8_rows_scale_kernel, qk8_quantize_kernel,
+                                           qk8_stats_kernel)
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
 from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 
@@ -402,6 +403,24 @@ def fp8_values_transposed(v: Tensor, seq_dim: int) -> tuple[Tensor, Tensor]:
     return vt.narrow(3, 0, lk), v_scale
 
 
+def fp8_rows_scale(v_scale: Tensor) -> Tensor:
+    """``reference.attention.fp8_rows_scale`` of v's channel scales ``[B, Hk,
+    D]`` (contiguous fp32): ``[B]``. Traced, the reference's torch ops; run
+    eagerly, one small kernel, so that the FP8-rows op's launches can be
+    replayed (``_replay``: an intermediate from torch ops cannot be)."""
+    if is_fake(v_scale):
+        return reference.attention.fp8_rows_scale(v_scale)
+    b = v_scale.shape[0]
+    row_scale = torch.empty((b,), dtype=torch.float32, device=v_scale.device)
+    if b > 0:
+        per_batch = v_scale[0].numel()
+        launcher(fp8_rows_scale_kernel)[(b,)](
+            v_scale, row_scale, per_batch, FLOOR=reference.fp8.AMAX_FLOOR / reference.attention.FP8_MAX,
+            HEADROOM=reference.attention.FP8_ROWS_HEADROOM,
+            BLOCK=min(4096, triton.next_power_of_2(max(per_batch, 1))), num_warps=4)
+    return row_scale
+
+
 def _launch_eight_bit(operands: tuple, v: Tensor, out: Tensor, scale: float, causal: bool, seq_dim: int,
                       kv_lengths: Optional[Tensor], out_scale: Optional[Tensor] = None) -> None:
     """The body the 8-bit ops share: fill ``out`` from the forward kernel.
@@ -418,7 +437,7 @@ def _launch_eight_bit(operands: tuple, v: Tensor, out: Tensor, scale: float, cau
                        int8_scales=(q_scale, k_scale))
         return
     vt8, v_scale = v_operands
-    fp8_rows = None if out_scale is None else (reference.attention.fp8_rows_scale(v_scale), out_scale)
+    fp8_rows = None if out_scale is None else (fp8_rows_scale(v_scale), out_scale)
     launch_forward(q8, k8, vt8, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale),
                    v_scale=v_scale, fp8_rows=fp8_rows)
 
