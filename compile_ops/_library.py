@@ -206,10 +206,12 @@ class FusedOp:
     and the same autograd formula without the dispatcher's layers.
     """
 
-    def __init__(self, name: str, custom_op, body: Callable):
+    def __init__(self, name: str, custom_op, body: Callable, eager_check: Optional[Callable] = None):
         self.name = name
         self.custom_op = custom_op
         self.body = body
+        #: Value checks the fast path runs before every call (see :func:`fused_op`).
+        self.eager_check = eager_check
         self.op = getattr(getattr(torch.ops, NAMESPACE), name)
         self._autograd_function = None
         #: Launch plans by call signature (``_replay``): eager CUDA calls only.
@@ -244,6 +246,8 @@ class FusedOp:
     def __call__(self, *args, **kwargs):
         if not _untraced(args, kwargs):
             return self.op(*args, **kwargs)
+        if self.eager_check is not None:
+            self.eager_check(*args, **kwargs)
         if _needs_grad(args, kwargs):
             if self._autograd_function is None:  # inference only: the op's formula raises on backward
                 return self.op(*args, **kwargs)
@@ -299,7 +303,8 @@ def register_no_gradient(op, message: str) -> None:
     op.register_autograd(no_gradient, setup_context=lambda ctx, inputs, output: None)
 
 
-def fused_op(name: str, *, fake: Callable, reference: Callable, autocast: Optional[str] = None):
+def fused_op(name: str, *, fake: Callable, reference: Callable, autocast: Optional[str] = None,
+             eager_check: Optional[Callable] = None):
     """Define ``torch.ops.fused.<name>`` from the decorated Triton launcher.
 
     The launcher's type hints give the op schema; it launches kernels through
@@ -310,7 +315,10 @@ def fused_op(name: str, *, fake: Callable, reference: Callable, autocast: Option
     without Triton; its outputs are made contiguous to match the fake's.
     ``autocast``: the op's policy under ``torch.autocast`` (a key of
     :data:`AUTOCAST_POLICIES`, as the aten op it replaces), or None (none:
-    the op sees the dtypes it is given). Returns a :class:`FusedOp`.
+    the op sees the dtypes it is given). ``eager_check``: called with the
+    op's arguments before each call on the eager fast path, for checks of
+    argument *values* that a launch plan's replay (which skips the body and
+    so the fake's validation) must not skip. Returns a :class:`FusedOp`.
     """
 
     def decorate(launch: Callable):
@@ -332,7 +340,7 @@ def fused_op(name: str, *, fake: Callable, reference: Callable, autocast: Option
         op.register_fake(fake)
         if autocast is not None:
             register_autocast_policy(name, autocast)
-        FUSED_OPS[name] = FusedOp(name, op, body)
+        FUSED_OPS[name] = FusedOp(name, op, body, eager_check)
         return FUSED_OPS[name]
 
     return decorate

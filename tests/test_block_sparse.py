@@ -289,6 +289,72 @@ def test_builders_and_attention_trace_with_fullgraph():
             torch.testing.assert_close(got_grad, want_grad)
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("shape", [(1, 1, 3, 5), (2, 3, 7, 40), (1, 2, 4, 1), (1, 1, 2, 300)])
+def test_kernels_sort_the_lists_as_the_specification(dtype, shape):
+    """``sort_block_lists_kernel`` (ops.block_sparse.ascending) equals
+    ``reference.block_sparse.ascending``: each row's listed entries ascending,
+    the rest the dtype's largest value; also from broadcast (stride 0) lists."""
+    torch.manual_seed(0)
+    b, h, nq, w = shape
+    index = torch.stack([torch.randperm(w + 3)[:w] for _ in range(b * h * nq)]).view(shape).to(dtype)
+    count = torch.randint(0, w + 1, (b, h, nq), dtype=dtype)
+    index, count = index.to(KERNEL_DEVICE), count.to(KERNEL_DEVICE)
+    assert torch.equal(bs.ascending(index, count), ref.ascending(index, count))
+    wide_index, wide_count = index[:, :1].expand(b, 4, nq, w), count[:, :1].expand(b, 4, nq)
+    assert torch.equal(bs.ascending(wide_index, wide_count), ref.ascending(wide_index, wide_count))
+
+
+def test_list_values_are_checked_once_per_unchanged_list_tensors(monkeypatch):
+    """The eager value check (a host sync on a GPU) runs once for the same
+    list tensors, again after an in-place change or for new tensors, and a
+    bad change is still refused: what lets a launch plan replay the op."""
+    from compile_ops.meta import block_sparse as meta_bs
+
+    checks = []
+    real = meta_bs._check_values
+    monkeypatch.setattr(meta_bs, "_check_values", lambda *a: checks.append(1) or real(*a))
+    meta_bs._CHECKED_LISTS.clear()
+    q, k, v = (torch.randn(1, 2, 300, 16) for _ in range(3))
+    index, count = ref.block_index_from_mask(torch.ones(1, 2, 3, 3, dtype=torch.bool))
+    for _ in range(3):
+        compile_ops.block_sparse_attention(q, k, v, index, count)
+    assert len(checks) == 1
+    compile_ops.block_sparse_attention(q, k, v, index.clone(), count)  # new tensors
+    assert len(checks) == 2
+    index[0, 0, 0, 0] = index[0, 0, 0, 1]  # in place: a block listed twice
+    with pytest.raises(ValueError, match="block_index lists a block twice"):
+        compile_ops.block_sparse_attention(q, k, v, index, count)
+    with torch.inference_mode():  # no version counters: checked every call
+        index, count = ref.block_index_from_mask(torch.ones(1, 2, 3, 3, dtype=torch.bool))
+        before = len(checks)
+        for _ in range(2):
+            compile_ops.block_sparse_attention(q, k, v, index, count)
+        assert len(checks) - before >= 2  # every call (on a GPU, its eager check and its body's fake)
+
+
+@pytest.mark.gpu
+def test_a_replayed_call_still_refuses_bad_lists():
+    """Once block-sparse attention's eager calls are replayed (a launch plan),
+    new lists of the same shapes and dtypes are still checked: a bad list is
+    refused, not handed to the kernel."""
+    from compile_ops._library import FUSED_OPS, clear_launch_plans
+    from compile_ops._replay import Plan
+
+    clear_launch_plans()
+    q, k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    index, count = bs.block_index_from_mask(torch.ones(1, 2, 3, 3, dtype=torch.bool, device="cuda"))
+    with torch.no_grad():
+        want = compile_ops.block_sparse_attention(q, k, v, index, count)
+        got = compile_ops.block_sparse_attention(q, k, v, index, count)
+        assert [type(p) for p in FUSED_OPS["block_sparse_attention"].plans.values()] == [Plan]
+        assert torch.equal(got, want)
+        with pytest.raises(ValueError, match=r"block_index lists key blocks in \[1, 3\]"):
+            compile_ops.block_sparse_attention(q, k, v, index.clamp(max=3) + 1, count)
+    clear_launch_plans()
+
+
 # ---------------------------------------------------------------- bad input
 
 

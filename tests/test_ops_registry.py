@@ -438,7 +438,7 @@ PLANNED_OPS = {"rmsnorm", "add_rmsnorm", "layernorm", "modulate", "norm_modulate
                "gated_residual_norm_modulate", "rope", "rope_qk", "rope_grid", "qk_norm_rope", "geglu",
                "geglu_tanh", "swiglu", "quantize_fp8_rows", "norm_modulate_fp8", "gated_residual_norm_modulate_fp8",
                "attention", "moe_route", "moe_route_hidream", "attention_int8", "attention_int8_fp8", "qk_rope_int8",
-               "attention_qk8", "attention_int8_fp8_rows"}
+               "attention_qk8", "attention_int8_fp8_rows", "block_sparse_attention"}
 
 
 @pytest.mark.gpu

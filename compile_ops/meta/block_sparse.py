@@ -14,6 +14,7 @@ blocks lie in ``[0, ceil(Lk / 128))``, each at most once; the kernels visit
 them in the listed order. Within a listed block, causal masking and
 ``kv_lengths`` still apply per token.
 """
+import weakref
 from typing import Optional
 
 import torch
@@ -53,12 +54,70 @@ def check_block_lists(op: str, block_index: torch.Tensor, block_count: torch.Ten
     check_block_list_values(op, block_index, block_count, num_blocks(lk), "key")
 
 
+#: Lists whose values passed :func:`check_block_list_values`, by ``(id(block_index),
+#: id(block_count), limit, what)``: weak references to both and their version
+#: counters. Reading the values syncs with the GPU; a model passes the same
+#: list tensors to every layer and step, and a call with them, unchanged,
+#: skips the check (so its launches can be replayed: ``compile_ops._replay``).
+#: The weak references tell a live tensor from a new one at a reused id; an
+#: in-place change through torch bumps the version. (A write that bypasses
+#: torch, such as a user's own kernel storing into the lists, is not seen.)
+_CHECKED_LISTS: dict = {}
+MAX_CHECKED_LISTS = 64
+
+
+def _versions(*tensors) -> Optional[tuple]:
+    """The tensors' version counters; None where one has none (an inference-mode tensor)."""
+    try:
+        return tuple(t._version for t in tensors)
+    except RuntimeError:
+        return None
+
+
+def _checked_before(key: tuple, block_index: torch.Tensor, block_count: torch.Tensor) -> bool:
+    entry = _CHECKED_LISTS.get(key)
+    if entry is None:
+        return False
+    index_ref, count_ref, versions = entry
+    return index_ref() is block_index and count_ref() is block_count and \
+        versions is not None and versions == _versions(block_index, block_count)
+
+
+def _remember_checked(key: tuple, block_index: torch.Tensor, block_count: torch.Tensor) -> None:
+    if len(_CHECKED_LISTS) >= MAX_CHECKED_LISTS:
+        _CHECKED_LISTS.clear()
+    _CHECKED_LISTS[key] = (weakref.ref(block_index), weakref.ref(block_count), _versions(block_index, block_count))
+
+
 def check_block_list_values(op: str, block_index: torch.Tensor, block_count: torch.Tensor, limit, what: str) -> None:
     """Counts in ``[0, W]``; the listed entries in ``[0, limit)`` and distinct.
-    Eager calls only: under tracing the lists are data."""
+    Eager calls only: under tracing the lists are data. The same unchanged
+    list tensors are checked once (``_CHECKED_LISTS``)."""
     if block_count.numel() == 0 or isinstance(limit, torch.SymInt) or not values_readable(block_index) \
             or not values_readable(block_count):
         return
+    key = (id(block_index), id(block_count), limit, what)
+    if _checked_before(key, block_index, block_count):
+        return
+    _check_values(op, block_index, block_count, limit, what)
+    _remember_checked(key, block_index, block_count)
+
+
+def check_block_lists_eagerly(q, k, v, block_index, block_count, scale, causal, seq_dim=2, kv_lengths=None) -> None:
+    """``fused.block_sparse_attention``'s eager check, run before its launches
+    are replayed (a replay skips the op's body, hence its fake's validation):
+    the lists' values (:func:`check_block_list_values`). Malformed arguments
+    are left to the body, whose validation names them."""
+    if not (isinstance(block_index, torch.Tensor) and isinstance(block_count, torch.Tensor)
+            and isinstance(k, torch.Tensor) and k.dim() == 4 and seq_dim in (1, 2) and block_index.dim() == 4
+            and block_index.dtype in INDEX_DTYPES and block_count.dtype in INDEX_DTYPES
+            and tuple(block_count.shape) == tuple(block_index.shape[:3])):
+        return
+    check_block_list_values("block_sparse_attention", block_index, block_count, num_blocks(dims(k, seq_dim)[2]),
+                            "key")
+
+
+def _check_values(op: str, block_index: torch.Tensor, block_count: torch.Tensor, limit, what: str) -> None:
     width = block_index.shape[-1]
     lo, hi = int(block_count.min()), int(block_count.max())
     if lo < 0 or hi > width:

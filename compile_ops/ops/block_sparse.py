@@ -19,10 +19,12 @@ import math
 from typing import Optional, Sequence
 
 import torch
+import triton
 from torch import Tensor
 
 from compile_ops import _dtensor, meta, reference
-from compile_ops._library import fused_op
+from compile_ops._library import fused_op, launcher
+from compile_ops.kernels.block_sparse import sort_block_lists_kernel
 from compile_ops.meta.attention import SPARSE_BLOCK
 from compile_ops.ops._launch import unit_last_stride
 from compile_ops.ops.attention import launch_backward, launch_forward
@@ -33,13 +35,24 @@ def _per_head(index: Tensor, count: Tensor, batch: int, heads: int) -> tuple:
     return unit_last_stride(index).expand(batch, heads, -1, -1), count.expand(batch, heads, -1)
 
 
+#: Lists sorted per program by ``sort_block_lists_kernel``: about 4096 entries a program.
+SORT_ENTRIES_PER_PROGRAM = 4096
+
+
 def ascending(index: Tensor, count: Tensor) -> Tensor:
-    """Each row's first ``count`` entries sorted ascending (the kernels' order:
-    the listed tiles that need a mask are then one run, as in the dense loop);
-    entries past the count become the dtype's largest value."""
-    slots = torch.arange(index.shape[-1], device=index.device)
-    unused = torch.iinfo(index.dtype).max
-    return torch.where(slots < count.unsqueeze(-1), index, unused).sort(-1).values
+    """``reference.block_sparse.ascending`` of ``index [B1, H1, NQ, W]`` and
+    ``count [B1, H1, NQ]``, by ``sort_block_lists_kernel`` (the same values:
+    a sort has one result)."""
+    out = torch.empty(index.shape, dtype=index.dtype, device=index.device)
+    rows, width = index.shape[:3].numel(), index.shape[3]
+    if rows == 0 or width == 0:
+        return out
+    block_w = triton.next_power_of_2(width)
+    per_program = max(1, SORT_ENTRIES_PER_PROGRAM // block_w)
+    launcher(sort_block_lists_kernel)[(triton.cdiv(rows, per_program),)](
+        index, count, out, index.shape[1], index.shape[2], width, rows, *index.stride(), *count.stride(),
+        BLOCK_W=block_w, ROWS=per_program, UNUSED=torch.iinfo(index.dtype).max, num_warps=4)
+    return out
 
 
 def key_block_lists(block_index: Tensor, block_count: Tensor, num_key_blocks: int) -> tuple[Tensor, Tensor]:
@@ -50,7 +63,8 @@ def key_block_lists(block_index: Tensor, block_count: Tensor, num_key_blocks: in
 
 
 @fused_op("block_sparse_attention", fake=meta.block_sparse.block_sparse_attention,
-          reference=reference.block_sparse.block_sparse_attention, autocast="lower")
+          reference=reference.block_sparse.block_sparse_attention, autocast="lower",
+          eager_check=meta.block_sparse.check_block_lists_eagerly)
 def _block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, block_index: Tensor, block_count: Tensor,
                                scale: float, causal: bool, seq_dim: int = 2,
                                kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:

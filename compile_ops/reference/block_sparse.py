@@ -13,6 +13,16 @@ from compile_ops.meta.attention import SPARSE_BLOCK, dims
 from compile_ops.reference import attention as dense
 
 
+def ascending(index: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Each row's first ``count`` entries sorted ascending (the attention
+    kernels' order: the listed tiles that need a mask are then one run, as in
+    the dense loop); entries past the count become the dtype's largest value.
+    ``index [B1, H1, NQ, W]``, ``count [B1, H1, NQ]``; contiguous out."""
+    slots = torch.arange(index.shape[-1], device=index.device)
+    unused = torch.iinfo(index.dtype).max
+    return torch.where(slots < count.unsqueeze(-1), index, unused).sort(-1).values.contiguous()
+
+
 def block_mask_from_lists(block_index: torch.Tensor, block_count: torch.Tensor, num_key_blocks: int) -> torch.Tensor:
     """``[B, H, NQ, NK]`` bool: the listed blocks (the inverse of ``block_index_from_mask``)."""
     width = block_index.shape[-1]
