@@ -58,7 +58,7 @@ from compile_ops.ops.rope import rope_qk
 
 #: ``{transformers.models.<name>: (class prefix, attention attributes passed to
 #: the attention interface)}``: the families whose RMSNorm, MLP and attention
-#: forwards are reproduced (transformers 5.17). Qwen2 hands its sliding window
+#: forwards are reproduced (transformers 5.17-5.24). Qwen2 hands its sliding window
 #: to the interface; Llama has none.
 FAMILIES = {
     "llama": ("Llama", ()),
@@ -105,8 +105,11 @@ class RotaryAttention(nn.Module):
     (the same objects) and plain attributes (config, layer_idx, head_dim,
     scaling, ...) it takes."""
 
-    #: The original forward's parameters, in order.
-    signature = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values", "kwargs")
+    #: The original forward's parameters, in order, as transformers releases
+    #: have them: 5.17-5.23 pass the KV cache as ``past_key_values``; 5.24
+    #: renamed it ``cache`` and hands the call's kwargs to its ``update``.
+    signatures = (("hidden_states", "position_embeddings", "attention_mask", "past_key_values", "kwargs"),
+                  ("hidden_states", "position_embeddings", "attention_mask", "cache", "kwargs"))
     #: Set per family: module attributes passed to the attention interface, and
     #: the family's ``eager_attention_forward`` (the interface's default).
     interface_attributes: tuple = ()
@@ -123,9 +126,10 @@ class RotaryAttention(nn.Module):
             setattr(self, name, child)
 
     def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor] | None = None,
-                attention_mask: Optional[Tensor] = None, past_key_values=None, **kwargs):
+                attention_mask: Optional[Tensor] = None, past_key_values=None, cache=None, **kwargs):
         """hidden_states ``[B, L, hidden]``; position_embeddings ``(cos, sin)``, each
-        ``[B or 1, L, head_dim]`` (transformers' full tables, in the model's dtype).
+        ``[B or 1, L, head_dim]`` (transformers' full tables, in the model's dtype);
+        the KV cache as ``cache`` (transformers 5.24) or ``past_key_values`` (earlier).
         Returns ``(output [B, L, hidden], attention weights or None)``, as transformers'."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -139,7 +143,9 @@ class RotaryAttention(nn.Module):
                              self.k_proj(hidden_states).view(hidden_shape), cos, sin, interleaved=False, seq_dim=1)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        if past_key_values is not None:
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                           type(self).eager_attention_forward)
@@ -156,7 +162,7 @@ class RotaryAttention(nn.Module):
         are not the ones reproduced."""
         params = tuple(inspect.signature(type(original).forward).parameters)[1:]
         children = {name for name, _ in original.named_children()}
-        if params != cls.signature or children != {"q_proj", "k_proj", "v_proj", "o_proj"} or \
+        if params not in cls.signatures or children != {"q_proj", "k_proj", "v_proj", "o_proj"} or \
                 next(original.parameters(recurse=False), None) is not None:
             return None
         return cls(original)
