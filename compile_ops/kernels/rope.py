@@ -293,9 +293,8 @@ def _rotate_heads(X, OUT, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2
         y1, y2, t = _normed_rotated(x_rows + head * stride_xh, stride_xd, p, mask, tail, tail_mask,
                                     w1, w2, w_tail, c1, s1, c2, s2, D, eps,
                                     R, INTERLEAVED, PACKED, NORM, INVERSE, BLOCK_T, ACC)
-        if MODE == 0:
-            rows = out_rows + head * stride_oh
-        else:
+        rows = out_rows + head * stride_oh  # MODE 0, 2, 3: this head's output rows
+        if MODE != 0:
             # What the 16-bit op would have stored: the quantization's input.
             x_dtype = X.dtype.element_ty
             y1 = tl.where(mask, y1.to(x_dtype).to(ACC), 0.0)
@@ -323,7 +322,6 @@ def _rotate_heads(X, OUT, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2
             scale = tl.div_rn(tl.maximum(tl.max(_abs_max(y1, y2, t, BLOCK_T), 0), _FP32_TINY), _INT8_MAX)
             tl.store(SCALE + b * stride_sb + head * stride_sh + block, scale)
         if MODE >= 2:
-            rows = out_rows + head * stride_oh
             y1 = _int8_of(y1, scale)
             y2 = _int8_of(y2, scale)
             if BLOCK_T > 0:
@@ -352,7 +350,8 @@ def rope_kernel(
 
     ``QUANTIZE`` (8-bit attention's operands, ``BLOCK_L = INT8_KEY_BLOCK``;
     ``_rotate_heads`` has the details): 1, Q's column sums per position block
-    into Q_OUT (``[B, H, blocks, D]`` fp32; run on k alone, HK = 0); 2, Q_OUT
+    into Q_OUT (fp32 rows addressed as (batch, block, head) by strides; the
+    launcher's buffer is ``[blocks, B, H, D]``; run on k alone, HK = 0); 2, Q_OUT
     and K_OUT are INT8, q with a scale per row (Q_SCALE), k smoothed by the
     mean of K_SUM's sums with one scale per block (K_SCALE)."""
     b, pos, pos_mask, first_head = _program_block(L, n_pos_blocks, heads_per_program, BLOCK_L)

@@ -331,9 +331,9 @@ def quantize_8bit(q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor],
     kv = k if with_k else v
     b, hk, lk, d = meta.attention.dims(kv, seq_dim)
     consts = dict(D=d, BLOCK_D=block_d(d), CHUNKS=STAT_CHUNKS)
-    stats = torch.empty((b * hk, STAT_CHUNKS, d), dtype=torch.float32, device=kv.device)
-    k_sum = stats if with_k else None
-    v_amax = torch.empty_like(stats) if with_v else None
+    # Per (batch, k head) and chunk: k's column sums, v's column amax (each only when quantized).
+    k_sum, v_amax = (torch.empty((b * hk, STAT_CHUNKS, d), dtype=torch.float32, device=kv.device) if wanted
+                     else None for wanted in (with_k, with_v))
     quantized = ()
     k8 = k_scale = vt8 = v_scale = None
     if with_k:

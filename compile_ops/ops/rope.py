@@ -60,8 +60,7 @@ def _aligned(t: Tensor) -> Tensor:
     return t if offset is not None and offset % 2 == 0 else t.clone()
 
 
-def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int, block_l: Optional[int] = None,
-          programs_per_sm: int = PROGRAMS_PER_SM):
+def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int, block_l: Optional[int] = None):
     """``(BLOCK_L, n_pos_blocks, heads_per_program, launch grid)``; ``block_l``
     fixes BLOCK_L (the quantizing mode's scale blocks)."""
     batch, length = q.shape[0], q.shape[seq_dim]
@@ -73,7 +72,7 @@ def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int, block_l: Optional[int] 
     if n_pos is not None and n_pos > 0:
         # Split the heads only as far as needed to fill the GPU: every split
         # re-reads (or recomputes) the angle tile.
-        splits = min(n_heads, triton.cdiv(programs_per_sm * multiprocessor_count(q), n_pos))
+        splits = min(n_heads, triton.cdiv(PROGRAMS_PER_SM * multiprocessor_count(q), n_pos))
         heads_per_program = triton.cdiv(n_heads, max(1, splits))
     return block_l, n_pos_blocks, heads_per_program, (batch * n_pos_blocks, triton.cdiv(n_heads, heads_per_program))
 
@@ -86,14 +85,12 @@ def _tables(cos: Tensor, sin: Tensor, per_pair_constants: bool = False):
     return cos, sin, cos.stride(0) if per_batch else 0, cos.stride(-2)
 
 
-#: The quantizing mode's programs per SM: with its warps, swept on an H100 (1, 2, 4, 8 x 4, 8, 16
-#: warps; bench/notes.md "q and k quantized by their rotation"), 4 and 16 within 5% of the best everywhere.
-QUANTIZE_PROGRAMS_PER_SM = PROGRAMS_PER_SM
-
-
 def _quantize_warps(block_l: int, block_p: int) -> int:
     """Warps of a quantizing program, which holds a whole scale block (128
-    positions): more warps, not more registers per thread."""
+    positions): more warps, not more registers per thread. With the default
+    programs per SM, swept on an H100 against 1, 2, 4, 8 programs per SM x 4,
+    8, 16 warps (bench/notes.md "q and k quantized by their rotation"): within
+    5% of the best everywhere."""
     return max(NUM_WARPS, min(16, block_l * block_p // 512))
 
 
@@ -118,8 +115,7 @@ def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Option
     if q.numel() == 0 and (k is None or k.numel() == 0):
         return
     block_l, n_pos_blocks, heads_per_program, grid = _grid(
-        q, hq + hk, seq_dim, d, reference.attention.INT8_KEY_BLOCK if quantize else None,
-        QUANTIZE_PROGRAMS_PER_SM if quantize else PROGRAMS_PER_SM)
+        q, hq + hk, seq_dim, d, reference.attention.INT8_KEY_BLOCK if quantize else None)
     k_strides = _positions_and_heads(q if k is None else k, seq_dim)
     if quantize == 1:  # the sums [blocks, B, H, D] are addressed as (batch, block, head) rows
         q_out_strides = (q_out.stride(1), q_out.stride(0), q_out.stride(2))
