@@ -1,9 +1,8 @@
 """The MoE routing family as ``torch.ops.fused`` ops: moe_route and moe_route_backward.
 
-``fused.moe_route`` runs the router product, the fp32 softmax, the top-k and
-the per-expert counts and token lists in one kernel, after a launch that
-fills the lists' padding and zeroes its counters (a wide router's partial
-products in slices of H, or a small kernel of its own; ``kernels/moe.py``
+``fused.moe_route`` runs the router product, the fp32 softmax and the top-k
+in one kernel (a wide router's product in slices of H, in a launch before)
+and the per-expert counts and token lists in a second one (``kernels/moe.py``
 says why); ``fused.moe_route_backward`` turns the
 gradients of the probabilities and routing weights into ``d logits`` in one
 kernel and multiplies it with the router weight and x in torch (two GEMMs
@@ -17,8 +16,8 @@ from torch import Tensor
 
 from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher
-from compile_ops.kernels.moe import (moe_route_backward_kernel, moe_route_kernel, moe_route_prepare_kernel,
-                                     moe_router_logits_kernel)
+from compile_ops.kernels.moe import (moe_route_backward_kernel, moe_route_kernel, moe_router_logits_kernel,
+                                     moe_token_lists_kernel)
 from compile_ops.ops._launch import TRITON_DTYPES, acc_dtype, dot_precision, unit_last_stride
 
 # ---------------------------------------------------------------- launch configs
@@ -26,26 +25,26 @@ from compile_ops.ops._launch import TRITON_DTYPES, acc_dtype, dot_precision, uni
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    block_t: int  # tokens per routing program (a token block)
+    block_t: int  # tokens per routing (and token-list) program
     block_e: int  # experts held per row (E padded to a power of 2, at least tl.dot's 16)
     block_h: int  # hidden columns per tl.dot step
     num_warps: int
     num_stages: int
-    #: 1: the routing kernel computes its logits; else H is cut into this many
+    #: 0: the routing kernel computes its logits; else H is cut into this many
     #: slices, whose partial logits a first launch writes (the logits_* fields).
-    split: int = 1
+    split: int = 0
     logits_block_t: int = 0
     logits_num_warps: int = 0
     logits_num_stages: int = 0
 
 
-#: Narrow routers (HiDream's E = 4): the routing kernel computes its logits.
-#: bench/sweep_moe.py sweeps these globals. 32 tokens per program give 128
-#: programs at T = 4096, about one per SM of an H100; ROUTE_BLOCK_H is in
-#: 16-bit columns (fp32 takes half as many, fp64 a quarter: the same bytes per
-#: pipeline stage). 5 stages: 24.0 us against 25.2 for 4 and 25.5 for 3 at
-#: HiDream's 4096 x 2560 (the whole op, with the earlier token-list kernel;
-#: bench/results/sweep-moe-round1-h100.log).
+#: The routing kernel's launch config when it computes its logits (narrow
+#: routers: HiDream's E = 4). bench/sweep_moe.py sweeps these globals. 32
+#: tokens per program give 128 programs at T = 4096, about one per SM of an
+#: H100; ROUTE_BLOCK_H is in 16-bit columns (fp32 takes half as many, fp64 a
+#: quarter: the same bytes per pipeline stage). 5 stages: 24.0 us against
+#: 25.2 for 4 and 25.5 for 3 at HiDream's 4096 x 2560 (the whole op, with the
+#: earlier token-list kernel; bench/results/sweep-moe-round1-h100.log).
 ROUTE_BLOCK_T = 32
 ROUTE_BLOCK_H = 128
 ROUTE_NUM_WARPS = 4
@@ -61,12 +60,8 @@ LOGITS_BLOCK_T = 128
 LOGITS_NUM_WARPS = 8
 LOGITS_NUM_STAGES = 3
 ROUTE_SPLIT_BLOCK_T = 32
-#: Earlier blocks' counts summed at a time by a block's look-back.
+#: Blocks' counts summed at a time by the token-list programs.
 COUNT_CHUNK = 64
-#: Elements per store of the prepare work (token lists' padding, counters).
-PREPARE_BLOCK = 2048
-#: Programs of the prepare kernel (narrow routers), each storing every PREPARE_PROGRAMS-th piece.
-PREPARE_PROGRAMS = 132
 #: Rows per program of the backward's elementwise kernel.
 BACKWARD_BLOCK_T = 32
 
@@ -95,33 +90,28 @@ def _launch_route(x: Tensor, w: Tensor, top_k: int, renormalize: bool, outs: tup
     e = w.shape[0]
     # Dynamic E and H are specialized here: BLOCK_E and the split depend on them.
     cfg = launch_config(int(e), int(h), x.dtype)
+    block_k = triton.next_power_of_2(top_k)
     acc = acc_dtype(x)
-    n_blocks = triton.cdiv(n_tokens, cfg.block_t)
-    # Scratch: per-block counts, and the counters (the ticket, a published flag per block).
-    block_counts = x.new_empty((n_blocks, e), dtype=torch.int32)
-    sync = x.new_empty((1 + n_blocks,), dtype=torch.int32)
     partial = None
-    if cfg.split > 1:
+    if cfg.split:
         h_per_split = triton.cdiv(triton.cdiv(h, cfg.split), cfg.block_h) * cfg.block_h
         split = triton.cdiv(h, h_per_split)
         partial = x.new_empty((split, n_tokens, e), dtype=probs.dtype)
         launcher(moe_router_logits_kernel)[(triton.cdiv(n_tokens, cfg.logits_block_t), split)](
-            x, w, partial, token_index, sync, n_tokens, h, e, x.stride(0), w.stride(0), h_per_split,
-            token_index.numel(), sync.numel(), DOT_PRECISION=dot_precision(x.dtype), ACC_DTYPE=acc,
-            BLOCK_T=cfg.logits_block_t, BLOCK_E=cfg.block_e, BLOCK_H=cfg.block_h, PREPARE_BLOCK=PREPARE_BLOCK,
-            num_warps=cfg.logits_num_warps, num_stages=cfg.logits_num_stages)
-    else:
-        n_prepare = min(PREPARE_PROGRAMS, triton.cdiv(max(token_index.numel(), sync.numel()), PREPARE_BLOCK))
-        launcher(moe_route_prepare_kernel)[(n_prepare,)](
-            token_index, sync, token_index.numel(), sync.numel(), n_tokens, BLOCK=PREPARE_BLOCK, num_warps=4)
+            x, w, partial, n_tokens, h, e, x.stride(0), w.stride(0), h_per_split,
+            DOT_PRECISION=dot_precision(x.dtype), ACC_DTYPE=acc, BLOCK_T=cfg.logits_block_t, BLOCK_E=cfg.block_e,
+            BLOCK_H=cfg.block_h, num_warps=cfg.logits_num_warps, num_stages=cfg.logits_num_stages)
+    n_blocks = triton.cdiv(n_tokens, cfg.block_t)
+    block_counts = x.new_empty((n_blocks, e), dtype=torch.int32)
     launcher(moe_route_kernel)[(n_blocks,)](
-        x, w, partial, probs, weights, experts, block_counts, counts, token_index, sync,
-        n_tokens, h, e, x.stride(0), w.stride(0),
-        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-        DOT_PRECISION=dot_precision(x.dtype), ACC_DTYPE=acc, SPLIT=0 if partial is None else partial.shape[0],
-        BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_H=cfg.block_h, COUNT_CHUNK=COUNT_CHUNK,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x, w, partial, probs, weights, experts, block_counts, n_tokens, h, e, x.stride(0), w.stride(0),
+        TOP_K=top_k, BLOCK_K=block_k, RENORMALIZE=renormalize, DOT_PRECISION=dot_precision(x.dtype),
+        ACC_DTYPE=acc, SPLIT=0 if partial is None else partial.shape[0], BLOCK_T=cfg.block_t,
+        BLOCK_E=cfg.block_e, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    launcher(moe_token_lists_kernel)[(n_blocks,)](
+        experts, block_counts, counts, token_index, n_tokens, n_blocks, e, TOP_K=top_k, BLOCK_K=block_k,
+        BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, COUNT_CHUNK=COUNT_CHUNK, num_warps=4)
 
 
 # ---------------------------------------------------------------- ops
@@ -210,7 +200,7 @@ def moe_route(x: Tensor, router_weight: Tensor, top_k: int, renormalize: bool = 
 
         ``probs`` and ``weights`` are differentiable with respect to x and
         router_weight; the three integer outputs are not. Results are the same
-        bits on every run (atomics only order the kernel's tiles).
+        bits on every run (no atomics).
     """
     meta.moe.check_options("moe_route", top_k, renormalize)
     return _moe_route_op(x, router_weight, top_k, renormalize)
