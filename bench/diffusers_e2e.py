@@ -36,7 +36,10 @@ reports the median of those and their spread, and the host time of a call
 (near the step's time: the step is bound by launching its kernels).
 ``--replay`` also times each step as the replay of one CUDA graph holding
 it (``replay_ms``): the GPU time alone, whatever a provider's launch cost.
-``--providers a,b`` runs only those. ``--compile regional`` compiles each transformer block in place
+``--providers a,b`` runs only those. ``--inductor-modes default,reduce-overhead``
+runs the compiled providers in each of those ``torch.compile`` modes, side by
+side (with ``cudagraph_skips``: Inductor's count of graphs it ran without CUDA
+graphs; issue 20's comparison). ``--compile regional`` compiles each transformer block in place
 (``block.compile(fullgraph=True)``; blocks of one class share one compiled
 graph, as in diffusers' ``compile_repeated_blocks``) instead of the whole
 model: the same kernels in the blocks, minutes less compiling (torchao's
@@ -72,6 +75,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
 from bench.toolkit import (captured_graph, environment, kernel_profile, relative_l2, results_path,  # noqa: E402
                            warm_up_gpu, write_results)
@@ -117,16 +121,17 @@ CASES = {
 EXTRA_CASES = {"wan_step_720p": (lambda: _wan(90, 160), False)}
 
 
-def _compiled(model, mode: str, fullgraph: bool = True):
+def _compiled(model, mode: str, fullgraph: bool = True, inductor_mode: str = "default"):
     """``model`` compiled whole (``mode="full"``) or block by block in place (``"regional"``:
-    the repeated blocks in the ModuleLists that ``compile_ops.patch`` knows)."""
+    the repeated blocks in the ModuleLists that ``compile_ops.patch`` knows), in
+    ``torch.compile``'s ``inductor_mode`` ("default", "reduce-overhead", ...)."""
     from compile_ops.integrations.diffusers import BLOCK_LISTS
 
     if mode == "full":
-        return torch.compile(model)
+        return torch.compile(model, mode=inductor_mode)
     for name in BLOCK_LISTS:
         for block in getattr(model, name, ()):
-            block.compile(fullgraph=fullgraph)
+            block.compile(fullgraph=fullgraph, mode=inductor_mode)
     return model
 
 
@@ -352,7 +357,7 @@ def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact, providers
 
 
 def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, providers=None,
-             compile_mode: str = "full", profile: bool = False) -> list:
+             compile_mode: str = "full", profile: bool = False, inductor_mode: str = "default") -> list:
     import compile_ops
 
     _, train = CASES[name]
@@ -385,14 +390,20 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
             print(report, flush=True)
         if provider not in providers:
             continue
-        module = _compiled(model, compile_mode) if provider.endswith("compiled") else model
+        compiled = provider.endswith("compiled")
+        module = _compiled(model, compile_mode, inductor_mode=inductor_mode) if compiled else model
+        skips_before = counters["inductor"]["cudagraph_skips"]
         start = time.perf_counter()
         step(module)  # compiles
         setup_s = time.perf_counter() - start
         row = _repeated(lambda: step(module), timer_ms, repeats)
         _profiled(row, lambda: step(module), profile)
         row.update(case=name, provider=provider, first_call_s=setup_s, train=train, tokens=_tokens(name),
-                   attention_kernel="auto", weights_MiB=_weight_MiB(model), compile=compile_mode)
+                   attention_kernel="auto", weights_MiB=_weight_MiB(model),
+                   compile=compile_mode if inductor_mode == "default" else f"{compile_mode}+{inductor_mode}")
+        if compiled and inductor_mode != "default":
+            # Inductor counts each graph it runs without CUDA graphs ("skipping cudagraphs: ...").
+            row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips_before
         rows.append(row)
         print(f"{name:<11} {provider:<17} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, "
               f"host {row['host_ms']:.1f})  "
@@ -526,6 +537,9 @@ def main(argv=None) -> int:
                    + ",".join((*BF16_PROVIDERS, *FP8_PROVIDERS)))
     p.add_argument("--compile", dest="compile_mode", choices=("full", "regional"), default="full",
                    help="compile the whole model, or each transformer block in place")
+    p.add_argument("--inductor-modes", default="default",
+                   help="comma-separated torch.compile modes (default,reduce-overhead,max-autotune...) for the "
+                        "compiled providers, each a row of its own, in diffusers-e2e-modes-<gpu>.json unless default")
     p.add_argument("--replay", action="store_true",
                    help="also time each step as the replay of one CUDA graph holding it (GPU time, no host cost)")
     p.add_argument("--fp8", action="store_true",
@@ -546,6 +560,9 @@ def main(argv=None) -> int:
         stem, env["torchao"] = "diffusers-e2e-fp8", torchao.__version__
     if args.int8_attention:  # its own file too, with the peer's version
         stem, env["sageattention"] = "diffusers-e2e-int8", _version("sageattention")
+    modes = args.inductor_modes.split(",")
+    if modes != ["default"]:  # the compile-mode comparison has its own file
+        stem = "diffusers-e2e-modes"
     path = results_path(args.out, stem, env)
     rows = []
     if os.path.exists(path):
@@ -557,7 +574,8 @@ def main(argv=None) -> int:
             new = run_int8_attention_case(name, args.rep_ms, args.repeats, chosen, args.compile_mode,
                                           args.profile)
         else:
-            new = run_case(name, args.rep_ms, args.repeats, args.fp8, chosen, args.compile_mode, args.profile)
+            new = [row for mode in modes for row in run_case(name, args.rep_ms, args.repeats, args.fp8, chosen,
+                                                             args.compile_mode, args.profile, mode)]
         measured = {_row_key(r) for r in new}
         rows = [r for r in rows if _row_key(r) not in measured] + new
         write_results(args.out, stem, env, rows)

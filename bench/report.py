@@ -284,6 +284,28 @@ def aoti_table(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def is_compile_modes(data: dict) -> bool:
+    """bench/diffusers_e2e.py's JSON from ``--inductor-modes``: a provider in several torch.compile modes."""
+    return any("+" in r.get("compile", "") for r in data["rows"])
+
+
+def compile_modes_table(data: dict) -> str:
+    """Markdown: each case's compiled step in every torch.compile mode of the run, against the default mode."""
+    env = data["env"]
+    out = [run_line(env, f"diffusers {env.get('diffusers')}") + " | bf16, batch 1, random weights, inference; "
+           "ms: median (min-max) of 3 do_bench medians.", "",
+           "| case | provider | torch.compile mode | ms | vs default mode | host ms | cudagraph skips | first call s |",
+           "|---|---|---|---:|---:|---:|---:|---:|"]
+    default = {(r["case"], r["provider"]): r["ms"] for r in data["rows"] if "+" not in r.get("compile", "")}
+    for r in data["rows"]:
+        mode = r["compile"].split("+")[1] if "+" in r["compile"] else "default"
+        base = default.get((r["case"], r["provider"]), float("nan"))
+        out.append(f"| {r['case']} | {r['provider']} | {mode} ({r['compile'].split('+')[0]}) | {r['ms']:.1f} "
+                   f"({r['ms_min']:.1f}-{r['ms_max']:.1f}) | {base / r['ms']:.3f}x | {r['host_ms']:.1f} "
+                   f"| {r.get('cudagraph_skips', '-')} | {r['first_call_s']:.0f} |")
+    return "\n".join(out) + "\n"
+
+
 def is_block_sparse(data: dict) -> bool:
     """bench/block_sparse.py's JSON."""
     return any(r.get("provider") == "fused_sparse" for r in data["rows"])
@@ -630,6 +652,7 @@ def main(argv=None) -> int:
     data = load(args.json)
     # bench/run.py's op table comes last: the other runners' JSON is recognised by its rows.
     special = ((is_aoti, aoti_table, lambda rows: "aoti-table"),
+               (is_compile_modes, compile_modes_table, lambda rows: "compile-modes-table"),
                (is_distributed_train, distributed_train_table, lambda rows: "distributed-train-table"),
                (is_sparse_e2e, sparse_e2e_table, lambda rows: "sparse-e2e-table"),
                (is_diffusers_e2e_int8, diffusers_e2e_int8_table, lambda rows: "diffusers-e2e-int8-table"),
