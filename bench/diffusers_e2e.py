@@ -549,6 +549,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also each step's GPU time by kernel family and its top kernels (torch.profiler)")
     args = p.parse_args(argv)
+    modes = args.inductor_modes.split(",")
+    if modes != ["default"] and (args.fp8 or args.int8_attention):
+        p.error("--inductor-modes compares the bf16 providers: not with --fp8 or --int8-attention")
     global REPLAY
     REPLAY = args.replay
     env = diffusers_environment()
@@ -560,7 +563,6 @@ def main(argv=None) -> int:
         stem, env["torchao"] = "diffusers-e2e-fp8", torchao.__version__
     if args.int8_attention:  # its own file too, with the peer's version
         stem, env["sageattention"] = "diffusers-e2e-int8", _version("sageattention")
-    modes = args.inductor_modes.split(",")
     if modes != ["default"]:  # the compile-mode comparison has its own file
         stem = "diffusers-e2e-modes"
     path = results_path(args.out, stem, env)
