@@ -529,6 +529,26 @@ def _e4m3_index(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits & 0x80 > 0, -magnitude, magnitude)
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("b, hk, d", [(3, 2, 16), (2, 40, 128), (1, 1, 5)])
+def test_kernels_fp8_rows_scale_bound_is_the_reference_bit_for_bit(b, hk, d):
+    """The FP8 rows' scale bound that eager calls compute by a kernel
+    (``fp8_rows_scale_kernel``) equals ``reference.attention.fp8_rows_scale``
+    exactly: the largest channel scale of each batch element (placed last,
+    past the kernel loop's first block at Hk * D = 5120), the floor for an
+    all-zero v (batch element 0), and the headroom factor."""
+    from compile_ops.ops.attention import fp8_rows_scale
+
+    torch.manual_seed(0)
+    v_scale = torch.rand(b, hk, d) * torch.logspace(-6, 2, b)[:, None, None]
+    v_scale[1:, -1, -1] *= 4.0  # each largest in the last channel: past the loop's first block at 5120
+    v_scale[0] = 0.0
+    v_scale = v_scale.to(KERNEL_DEVICE)
+    got = fp8_rows_scale(v_scale)
+    assert got.shape == (b,) and got.dtype == torch.float32
+    assert torch.equal(got, ref.fp8_rows_scale(v_scale))
+
+
 def test_fp8_rows_specification_bounds_the_output_by_v_and_rounds_it_once():
     """attention_int8_fp8_rows: one scale per batch element, twice the largest
     of v's channel scales (the floor for an all-zero v), on every row; no
