@@ -770,3 +770,51 @@ def test_kernels_hopper_options_compute_what_the_default_forward_does(precision,
                 got = compile_ops.attention(q, k, v, seq_dim=seq_dim, kv_lengths=kv_lengths, precision=precision)
         clear_launch_plans()
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("precision", ["exact", "int8", "int8_fp8"])
+def test_kernels_persistent_forward_computes_what_a_program_per_tile_does(precision, monkeypatch):
+    """The persistent forward (a fixed grid looping over query tiles, one key
+    loop whose partial last tile is masked under a runtime branch, K and V by
+    whole-tensor descriptors) against the default grid: GQA, a padded head
+    dim, partial query and key tiles, both layouts, three programs for more
+    tiles than that (so programs run several tiles, of different heads)."""
+    from compile_ops import _library
+    from compile_ops.ops import attention as attention_ops
+
+    default = attention_ops.forward_tiles
+    torch.manual_seed(0)
+    for seq_dim in (1, 2):
+        lq, lk = 70, 150  # 2 and 3 tiles of 64 / 128 rows (int8_fp8's 128-key tiles: 2)
+        q_shape = (2, lq, 4, 48) if seq_dim == 1 else (2, 4, lq, 48)
+        k_shape = (2, lk, 2, 48) if seq_dim == 1 else (2, 2, lk, 48)
+        q = torch.randn(q_shape, device=KERNEL_DEVICE).to(torch.float16)
+        k, v = (torch.randn(k_shape, device=KERNEL_DEVICE).to(torch.float16) for _ in range(2))
+        with torch.no_grad():
+            want = compile_ops.attention(q, k, v, seq_dim=seq_dim, precision=precision)
+        with monkeypatch.context() as m:
+            m.setattr(attention_ops, "forward_tiles",
+                      lambda d, dtype, tma=False, precision="exact": dataclasses.replace(
+                          default(d, dtype, False, precision), tma=True, programs_per_sm=3))
+            m.setattr(attention_ops, "multiprocessor_count", lambda t: 1)
+            launched = []
+
+            class RecordingLauncher:
+                def __init__(self, kernel):
+                    self.kernel = kernel
+
+                def __getitem__(self, grid):
+                    launched.append(grid)
+                    return _library.launcher(self.kernel)[grid]
+
+            m.setattr(attention_ops, "launcher", RecordingLauncher)
+            if INTERPRET:
+                m.setattr(attention_ops, "_tma_ready", lambda *tensors: True)
+                m.setattr(attention_ops, "_scratch", lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+            clear_launch_plans()
+            with torch.no_grad():
+                got = compile_ops.attention(q, k, v, seq_dim=seq_dim, precision=precision)
+        clear_launch_plans()
+        assert (3,) in launched, launched  # the forward ran on the persistent grid
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
