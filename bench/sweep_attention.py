@@ -180,87 +180,12 @@ def eight_bit_sweep(out_path):
         write_sweep(out_path, rows)  # after each shape: a timed-out sweep keeps what it measured
 
 
-#: ``--persistent``: the persistent forward (issue 28; ``Tiles.programs_per_sm``)
-#: against a program per tile, kernel only, [B, H, L, D] with TMA. Each entry:
-#: (block_m, block_n, warps, stages, programs_per_sm, extra kernel constexprs).
-PERSISTENT_SHAPES = HOPPER_SHAPES + ((2, 24, 4096, 128),)
-PERSISTENT_CANDIDATES = {
-    "exact": [(128, 128, 8, 3, 0, {}), (128, 128, 8, 3, 1, {}), (128, 128, 8, 2, 1, {}), (128, 64, 8, 3, 1, {}),
-              (128, 128, 8, 3, 1, {"FLATTEN": False}), (128, 128, 8, 3, 1, {"Q_REGS": True})],
-    "int8_fp8": [(64, 128, 4, 3, 0, {}), (64, 128, 4, 3, 1, {}), (64, 128, 4, 3, 2, {}),
-                 (64, 128, 4, 3, 2, {"FLATTEN": False}), (64, 128, 4, 2, 2, {})],
-}
-
-
-#: ``--persistent --ab``: the default and the unflattened persistent loop
-#: alternated three times (the first sweep had them within -4% to +8% of each other).
-PERSISTENT_AB = {mode: [configs[0], next(c for c in configs if c[5] == {"FLATTEN": False})] * 3
-                 for mode, configs in PERSISTENT_CANDIDATES.items()}
-
-
-def persistent_sweep(out_path, candidates=PERSISTENT_CANDIDATES):
-    """Kernel-only forward TFLOP/s of ``candidates`` and of cuDNN, and each
-    candidate's largest difference to its mode's first (default) entry."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from compile_ops import reference
-
-    timer = make_timer(quick=False)
-    warm_up_gpu()
-    rows = []
-    default = attention_ops.forward_tiles
-    for b, h, length, d in PERSISTENT_SHAPES:
-        flops = 4 * b * h * length * length * d
-        q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        q8, q_scale, k8, k_scale = reference.attention.smooth_quantize_qk(q, k, 2)
-        vt8, v_scale = attention_ops.fp8_values_transposed(v, 2)
-        out, lse = torch.empty_like(q), torch.empty(b, h, length, device="cuda")
-        launches = {
-            "exact": lambda: attention_ops.launch_forward(q, k, v, out, lse, d ** -0.5, False, 2, None),
-            "int8_fp8": lambda: attention_ops.launch_forward(q8, k8, vt8, out, lse, d ** -0.5, False, 2, None,
-                                                             int8_scales=(q_scale, k_scale), v_scale=v_scale),
-        }
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            ms = graph_replay_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), timer)
-        rows.append({"shape": [b, h, length, d], "provider": "cudnn", "ms": ms, "TFLOPs": flops / ms / 1e9})
-        print(f"{b}x{h}x{length}x{d} cudnn: {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
-        for mode, configs in candidates.items():
-            reference_out = None
-            for config in configs:
-                *tiles, per_sm, extra = config
-                attention_ops.forward_tiles = functools.partial(
-                    lambda *a, c: attention_ops.Tiles(*c[:4], tma=True, programs_per_sm=c[4]), c=config)
-                attention_ops._FORWARD_EXPERIMENT.update(extra)
-                try:
-                    launches[mode]()
-                    torch.cuda.synchronize()
-                    reference_out = out.clone() if reference_out is None else reference_out
-                    diff = (out.float() - reference_out.float()).abs().max().item()
-                    ms = graph_replay_time(launches[mode], timer)
-                    tflops = flops / ms / 1e9
-                except Exception as e:  # noqa: BLE001 (a config that fails to compile or launch is a result)
-                    print(f"{mode} {config}: {type(e).__name__}: {str(e)[-200:]}", flush=True)
-                    ms = tflops = diff = float("nan")
-                finally:
-                    attention_ops.forward_tiles = default
-                    attention_ops._FORWARD_EXPERIMENT.clear()
-                rows.append({"shape": [b, h, length, d], "provider": mode, "config": [*tiles, per_sm, extra],
-                             "ms": ms, "TFLOPs": tflops, "max_diff_to_default": diff})
-                print(f"{b}x{h}x{length}x{d} {mode} {config}: {tflops:6.0f} TFLOP/s (max |diff| {diff:.2e})",
-                      flush=True)
-        del q, k, v, q8, k8, vt8
-        torch.cuda.empty_cache()
-        write_sweep(out_path, rows)  # after each shape: a timed-out sweep keeps what it measured
-
-
 def main(*argv):
     out_path = next((a for a in argv if not a.startswith("--")), None)
     if "--hopper" in argv:
         return hopper_sweep(out_path)
     if "--eight-bit" in argv:
         return eight_bit_sweep(out_path)
-    if "--persistent" in argv:
-        return persistent_sweep(out_path, PERSISTENT_AB if "--ab" in argv else PERSISTENT_CANDIDATES)
     sparse = "--block-sparse" in argv
     timer = make_timer(quick=False)
     warm_up_gpu()

@@ -98,25 +98,23 @@ def _visible(q_rows, k_cols, kv_len, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _program_head(bh, H, GROUP, sqb, sqh, skb, skh):
-    """``(batch, head, q offset, k/v offset)`` of (batch, q head) number ``bh``,
+def _program_head(H, GROUP, sqb, sqh, skb, skh):
+    """``(batch, head, q offset, k/v offset)`` of this program's (batch, q head),
     all int64: one batch element may hold more than 2**31 elements."""
-    b = tl.cast(bh, tl.int64) // H
-    h = bh - b * H
+    b = tl.cast(tl.program_id(1), tl.int64) // H
+    h = tl.program_id(1) - b * H
     return b, h, b * sqb + h * sqh, b * skb + (h // GROUP) * skh
 
 
 @triton.jit
-def _query_program(tile_m, bh, KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M: tl.constexpr,
+def _query_program(KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr):
-    """The setup of query tile ``tile_m`` (``BLOCK_M`` queries) of (batch, q
-    head) number ``bh`` (forward, dq pass): ``(batch, head, q/k/v offsets,
-    first query, kv_len, end of the unmasked key tiles, end of all key
-    tiles)``. Without causal or kv_lengths the ends depend on Lk alone, so a
-    persistent loop over tiles sees its key loops' bounds as invariant."""
-    b, h, q_off, k_off = _program_head(bh, H, GROUP, sqb, sqh, skb, skh)
+    """The setup of a program that owns ``BLOCK_M`` queries (forward, dq pass):
+    ``(batch, head, q/k/v offsets, first query, kv_len, end of the unmasked
+    key tiles, end of all key tiles)``."""
+    b, h, q_off, k_off = _program_head(H, GROUP, sqb, sqh, skb, skh)
     v_off = b * svb + (h // GROUP) * svh
-    q_start = tile_m * BLOCK_M
+    q_start = tl.program_id(0) * BLOCK_M
     kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
     end = kv_len
     if CAUSAL:
@@ -194,23 +192,12 @@ def _tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARS
 
 
 @triton.jit
-def _tma_tile(desc, b, h, row, col, WHOLE: tl.constexpr):
-    """The tile at ``(row, col)`` of a tensor descriptor over one head's 2-D
-    rows or (WHOLE) over a whole ``[B, H, rows, cols]`` tensor, at head (b, h)."""
-    if WHOLE:  # TMA coordinates are int32 (b and h come as int64 from _program_head)
-        tile = desc.load([tl.cast(b, tl.int32), tl.cast(h, tl.int32), row, col])
-        return tl.reshape(tile, [tile.shape[2], tile.shape[3]])
-    else:
-        return desc.load([row, col])
-
-
-@triton.jit
 def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last, BLOCKS, kv_len, Lk, qk_scale,
-               q_scale, K_SCALE, kb, kh,
+               q_scale, K_SCALE,
                D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                SPARSE: tl.constexpr, TMA: tl.constexpr, DOT_ACC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-               INT8: tl.constexpr, KEY_BLOCK: tl.constexpr, PV_FP8: tl.constexpr, PERSISTENT: tl.constexpr):
+               INT8: tl.constexpr, KEY_BLOCK: tl.constexpr, PV_FP8: tl.constexpr):
     """Online softmax over key tiles; ``m`` is the running max of the raw
     scores q.k, and exponents are ``(s - m) * scale * log2(e)``: scaled after
     the subtraction, so their rounding error is relative to the (small)
@@ -226,11 +213,6 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
     back as zeros); ``DOT_ACC``: the rescaled accumulator is the second dot's
     accumulator operand (wgmma adds into it) instead of a separate add;
     ``WARP_SPECIALIZE``: Triton's producer/consumer warp groups for the loop.
-    ``PERSISTENT`` (the persistent kernel): K and V are descriptors over the
-    whole ``[B, Hk, L, D]`` tensors, tiles addressed with k/v head ``(kb,
-    kh)``, and this is the tile's only key loop: the partial last tile (keys
-    past kv_len) is masked under a runtime branch rather than in a loop of
-    its own, since Triton flattens a tile loop with one key loop only.
 
     ``INT8`` (8-bit attention): q and k are int8, q with per-token scales
     (``q_scale``, this program's rows), k with one scale per KEY_BLOCK
@@ -253,11 +235,11 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
         start_n = _tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE)
         cols = start_n + offs_n
         if TMA:
-            k = _tma_tile(K, kb, kh, start_n, 0, PERSISTENT)
+            k = K.load([start_n, 0])
             if PV_FP8:  # the transposed tile: the FP8 MMA takes its B operand K-major
-                v = tl.trans(_tma_tile(V, kb, kh, 0, start_n, PERSISTENT))
+                v = tl.trans(V.load([0, start_n]))
             else:
-                v = _tma_tile(V, kb, kh, start_n, 0, PERSISTENT)
+                v = V.load([start_n, 0])
         else:
             k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
             if PV_FP8:
@@ -272,9 +254,6 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             s = tl.where(_visible(q_rows, cols, kv_len, CAUSAL), s, float("-inf"))
-        elif PERSISTENT:
-            if start_n + offs_n.shape[0] > kv_len:
-                s = tl.where(_visible(q_rows, cols, kv_len, CAUSAL), s, float("-inf"))
         if INT8:  # row > 0: the largest biased score is the largest score
             m_new = tl.maximum(m, (tl.max(s, 1) - _INT8_BIAS) * row)
         else:
@@ -308,19 +287,32 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
 
 
 @triton.jit
-def _fwd_query_tile(tile_m, bh, Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE, V_SCALE, ROW_SCALE,
-                    OUT_SCALE, sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr,
+def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE, V_SCALE, ROW_SCALE, OUT_SCALE,
+                    sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr,
                     H, GROUP, Lq, Lk, scale,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-                    SPARSE: tl.constexpr, TMA: tl.constexpr, DOT_ACC: tl.constexpr,
-                    WARP_SPECIALIZE: tl.constexpr, INT8: tl.constexpr, INT8_KEY_BLOCK: tl.constexpr,
-                    PV_FP8: tl.constexpr, OUT_FP8: tl.constexpr, PERSISTENT: tl.constexpr, Q_REGS: tl.constexpr = False):
-    """``attn_fwd_kernel`` for query tile ``tile_m`` of (batch, q head) ``bh``.
-    PERSISTENT: Q, K and V are the whole tensors' descriptors (see the kernel)."""
+                    SPARSE: tl.constexpr, TMA: tl.constexpr = False, DOT_ACC: tl.constexpr = False,
+                    WARP_SPECIALIZE: tl.constexpr = False, INT8: tl.constexpr = False,
+                    INT8_KEY_BLOCK: tl.constexpr = 128, PV_FP8: tl.constexpr = False,
+                    OUT_FP8: tl.constexpr = False):
+    """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
+    ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
+    that BLOCKS/COUNTS list for this query block. TMA, DOT_ACC,
+    WARP_SPECIALIZE: see ``_fwd_tiles`` (TMA needs 16-byte aligned bases and
+    row strides, which the launcher checks). INT8: Q and K int8, Q_SCALE
+    their per-token scales ``[B, H, Lq]``, K_SCALE one per INT8_KEY_BLOCK keys
+    ``[B, Hk, ceil(Lk / INT8_KEY_BLOCK)]`` (fp32 contiguous; BLOCK_N divides
+    INT8_KEY_BLOCK). PV_FP8 (with INT8): V is e4m3 ``[B, Hk, D, Lk]`` with a
+    unit key stride (``svl`` is then the stride between channels) and V_SCALE
+    its per-channel scales ``[B, Hk, D]`` (fp32 contiguous). OUT_FP8: OUT is
+    e4m3, ``out / ROW_SCALE[b]`` rounded to nearest even and clamped to
+    +-448 (``ROW_SCALE [B]`` fp32, a bound on |out|: the FP8 rows of
+    ``reference.attention.attention_int8_fp8_rows``), and the programs of head
+    0 write that scale to their rows of ``OUT_SCALE [B, Lq]``."""
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
-        tile_m, bh, KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
+        KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     o_off = b * sob + h * soh
     q_rows = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -328,12 +320,7 @@ def _fwd_query_tile(tile_m, bh, Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCA
     scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
     qk_scale = scale * 1.4426950408889634  # log2(e)
 
-    if PERSISTENT:  # K, V: the kernel's whole-tensor descriptors
-        q = _load_tile(Q + q_off, q_start, tl.arange(0, BLOCK_M), Lq, sql, offs_d, D, BLOCK_D, True)
-        if Q_REGS:  # EXPERIMENT
-            q = q + tl.zeros_like(q)
-        keys, values = K, V
-    elif TMA:
+    if TMA:
         q = tl.make_tensor_descriptor(Q + q_off, shape=[Lq, D], strides=[sql, 1],
                                       block_shape=[BLOCK_M, BLOCK_D]).load([q_start, 0])
         keys = tl.make_tensor_descriptor(K + k_off, shape=[Lk, D], strides=[skl, 1], block_shape=[BLOCK_N, BLOCK_D])
@@ -359,20 +346,14 @@ def _fwd_query_tile(tile_m, bh, Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCA
         blocks, count = _block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
     first_masked = _tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
     last = _tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
-    if PERSISTENT:  # one key loop (see _fwd_tiles)
-        acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, 0, last, blocks,
-                               kv_len, Lk, qk_scale, q_scale, k_scales, b, h // GROUP, D, BLOCK_D, False, CAUSAL,
-                               DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, WARP_SPECIALIZE, INT8,
-                               INT8_KEY_BLOCK, PV_FP8, True)
-    else:
-        acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, 0, first_masked,
-                               blocks, kv_len, Lk, qk_scale, q_scale, k_scales, b, h // GROUP, D, BLOCK_D, False,
-                               CAUSAL, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC,
-                               WARP_SPECIALIZE, INT8, INT8_KEY_BLOCK, PV_FP8, False)
-        acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, first_masked, last,
-                               blocks, kv_len, Lk, qk_scale, q_scale, k_scales, b, h // GROUP, D, BLOCK_D, True,
-                               CAUSAL, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, False, INT8,
-                               INT8_KEY_BLOCK, PV_FP8, False)
+    acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, 0, first_masked,
+                           blocks, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, False, CAUSAL,
+                           DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, WARP_SPECIALIZE, INT8,
+                           INT8_KEY_BLOCK, PV_FP8)
+    acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, first_masked, last,
+                           blocks, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, True, CAUSAL,
+                           DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, False, INT8, INT8_KEY_BLOCK,
+                           PV_FP8)
 
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]
@@ -390,72 +371,7 @@ def _fwd_query_tile(tile_m, bh, Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCA
             tl.store(OUT_SCALE + b * Lq + q_rows, tl.zeros([BLOCK_M], tl.float32) + row_scale, mask=q_rows < Lq)
     _store_tile(OUT + o_off, q_start, tl.arange(0, BLOCK_M), Lq, sol, offs_d, out, D)
     lse = tl.where(empty, float("-inf"), m * scale + log2_l * 0.6931471805599453)  # ln 2
-    tl.store(LSE + tl.cast(bh, tl.int64) * Lq + q_rows, lse, mask=q_rows < Lq)
-
-
-@triton.jit
-def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE, V_SCALE, ROW_SCALE, OUT_SCALE,
-                    sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr,
-                    B, H, GROUP, Lq, Lk, scale,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-                    SPARSE: tl.constexpr, TMA: tl.constexpr = False, DOT_ACC: tl.constexpr = False,
-                    WARP_SPECIALIZE: tl.constexpr = False, INT8: tl.constexpr = False,
-                    INT8_KEY_BLOCK: tl.constexpr = 128, PV_FP8: tl.constexpr = False,
-                    OUT_FP8: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
-                    FLATTEN: tl.constexpr = True, Q_REGS: tl.constexpr = False):
-    """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
-    ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
-    that BLOCKS/COUNTS list for this query block. TMA, DOT_ACC,
-    WARP_SPECIALIZE: see ``_fwd_tiles`` (TMA needs 16-byte aligned bases and
-    row strides, which the launcher checks). INT8: Q and K int8, Q_SCALE
-    their per-token scales ``[B, H, Lq]``, K_SCALE one per INT8_KEY_BLOCK keys
-    ``[B, Hk, ceil(Lk / INT8_KEY_BLOCK)]`` (fp32 contiguous; BLOCK_N divides
-    INT8_KEY_BLOCK). PV_FP8 (with INT8): V is e4m3 ``[B, Hk, D, Lk]`` with a
-    unit key stride (``svl`` is then the stride between channels) and V_SCALE
-    its per-channel scales ``[B, Hk, D]`` (fp32 contiguous). OUT_FP8: OUT is
-    e4m3, ``out / ROW_SCALE[b]`` rounded to nearest even and clamped to
-    +-448 (``ROW_SCALE [B]`` fp32, a bound on |out|: the FP8 rows of
-    ``reference.attention.attention_int8_fp8_rows``), and the programs of head
-    0 write that scale to their rows of ``OUT_SCALE [B, Lq]``.
-
-    Grid: ``(query tiles, B * H)``, one program per tile; or, PERSISTENT (with
-    TMA; no CAUSAL, kv_lengths or SPARSE), a fixed number of programs that
-    each loop over tiles ``program_id, program_id + programs, ...`` (a head's
-    tiles in a row: its keys stay in L2). Triton's loop-nest flattening
-    (``flatten=True``) makes the tile loop and the key loops one pipelined
-    loop, so the next tile's first K/V loads are in flight during this
-    tile's last tiles and epilogue, which a program per tile waits for. It
-    needs key loops with bounds independent of the tile (Lk alone: hence no
-    causal or kv_lengths) and descriptors over the whole ``[B, H, L, D]``
-    tensors, made once per program (a head's rows past L read as zeros, as
-    with the per-head ones)."""
-    if PERSISTENT:
-        Hk = H // GROUP
-        k_desc = tl.make_tensor_descriptor(K, shape=[B, Hk, Lk, D], strides=[skb, skh, skl, 1],
-                                           block_shape=[1, 1, BLOCK_N, BLOCK_D])
-        if PV_FP8:  # transposed: channels are its rows
-            v_desc = tl.make_tensor_descriptor(V, shape=[B, Hk, D, Lk], strides=[svb, svh, svl, 1],
-                                               block_shape=[1, 1, BLOCK_D, BLOCK_N])
-        else:
-            v_desc = tl.make_tensor_descriptor(V, shape=[B, Hk, Lk, D], strides=[svb, svh, svl, 1],
-                                               block_shape=[1, 1, BLOCK_N, BLOCK_D])
-        tiles_m = tl.cdiv(Lq, BLOCK_M)
-        for tile in tl.range(tl.program_id(0), tiles_m * B * H, tl.num_programs(0), flatten=FLATTEN):
-            _fwd_query_tile(tile % tiles_m, tile // tiles_m, Q, k_desc, v_desc, OUT, LSE, KV_LEN, BLOCKS,
-                            COUNTS, Q_SCALE, K_SCALE, V_SCALE, ROW_SCALE, OUT_SCALE, sqb, sqh, sql, skb, skh, skl,
-                            svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr, H, GROUP, Lq, Lk, scale,
-                            D, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN, DOT_PRECISION, ACC, FMA_EXPONENT,
-                            SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, WARP_SPECIALIZE, INT8, INT8_KEY_BLOCK, PV_FP8,
-                            OUT_FP8, True, Q_REGS)
-    else:
-        _fwd_query_tile(tl.program_id(0), tl.program_id(1), Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE,
-                        K_SCALE, V_SCALE, ROW_SCALE, OUT_SCALE, sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob,
-                        soh, sol, sbb, sbh, sbr, scb, sch, scr, H, GROUP, Lq, Lk, scale,
-                        D, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN, DOT_PRECISION, ACC, FMA_EXPONENT,
-                        SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, WARP_SPECIALIZE, INT8, INT8_KEY_BLOCK, PV_FP8,
-                        OUT_FP8, False)
+    tl.store(LSE + tl.cast(tl.program_id(1), tl.int64) * Lq + q_rows, lse, mask=q_rows < Lq)
 
 
 # ---------------------------------------------------------------- 8-bit operands
@@ -586,7 +502,7 @@ def qk8_quantize_kernel(X, X8, X_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sx
 def attn_bwd_delta_kernel(OUT, DO, DELTA, H, Lq, sob, soh, sol, sdb, sdh, sdl,
                           D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ACC: tl.constexpr):
     """DELTA ``[B * H, Lq]`` = rowsum(dO * O)."""
-    _, _, o_off, do_off = _program_head(tl.program_id(1), H, 1, sob, soh, sdb, sdh)  # O and dO share q's heads
+    _, _, o_off, do_off = _program_head(H, 1, sob, soh, sdb, sdh)  # O and dO share q's heads
     start = tl.program_id(0) * BLOCK_M
     offs = tl.arange(0, BLOCK_M)
     rows = start + offs
@@ -654,7 +570,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN, BLOCKS, COUNTS
     """dk, dv of BLOCK_N keys of one (batch, k/v head), summed over its GQA group.
     SPARSE: BLOCKS/COUNTS are the transposed lists (per q head and key block,
     the query blocks that list it)."""
-    b, hk, k_off, v_off = _program_head(tl.program_id(1), HK, 1, skb, skh, svb, svh)  # a program per (batch, k/v head)
+    b, hk, k_off, v_off = _program_head(HK, 1, skb, skh, svb, svh)  # a program per (batch, k/v head)
     k_start = tl.program_id(0) * BLOCK_N
     k_cols = k_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -730,8 +646,7 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN, BLOCKS, COUNTS,
                        SPARSE: tl.constexpr):
     """dq of BLOCK_M queries of one (batch, head); SPARSE as the forward."""
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
-        tl.program_id(0), tl.program_id(1), KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N,
-        CAUSAL, HAS_KV_LEN)
+        KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     q_rows = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)

@@ -15,8 +15,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from compile_ops import _dtensor, meta, reference
-from compile_ops._library import (fused_op, has_tma, launcher, multiprocessor_count, register_no_gradient,
-                                  require_fp8_mma)
+from compile_ops._library import fused_op, has_tma, launcher, register_no_gradient, require_fp8_mma
 from compile_ops.kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                            attn_fwd_kernel, fp8_rows_scale_kernel, qk8_quantize_kernel,
                                            qk8_stats_kernel)
@@ -38,10 +37,6 @@ class Tiles:
     tma: bool = False
     dot_acc: bool = False
     warp_specialize: bool = False
-    #: Forward only, with TMA: a persistent grid of this many programs per SM
-    #: looping over the query tiles (0: a program per tile). Taken only for
-    #: dense attention without causal or kv_lengths (``attn_fwd_kernel``).
-    programs_per_sm: int = 0
 
 
 def block_d(d: int) -> int:
@@ -158,9 +153,6 @@ def _scratch(size: int, alignment: int, stream) -> Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-_FORWARD_EXPERIMENT: dict = {}  # EXPERIMENT: extra constexprs of the persistent forward (FLATTEN, Q_REGS)
-
-
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                    seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple] = None,
                    int8_scales: Optional[tuple] = None, v_scale: Optional[Tensor] = None,
@@ -201,24 +193,20 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
         raise ValueError(f"launch_forward: FP8 P V takes v as [B, Hk, D, Lk] with unit key stride, got strides "
                          f"{tuple(v.stride())}")
     tma = t.tma and _tma_ready(seq_dim, q, k) and _tma_ready(v_seq_dim, v)
-    persistent = tma and t.programs_per_sm > 0 and blocks is None and not causal and kv_lengths is None
     if tma:
         # Inductor sets triton's allocator before its launches; eager launches need it set too.
         triton.set_allocator(_scratch)
     index, count, *list_strides = _lists(blocks)
     row_scale, out_scale = fp8_rows if fp8_rows is not None else (None, None)
     grid = (triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])
-    if persistent:
-        grid = (min(grid[0] * grid[1], t.programs_per_sm * multiprocessor_count(q)),)
     launcher(attn_fwd_kernel)[grid](
         q, k, v, out, lse, kv_lengths, index, count, q_scale, k_scale, v_scale, row_scale, out_scale,
         *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, v_seq_dim),
         *_bhl_strides(out, 1 if fp8_rows is not None else seq_dim), *list_strides,
-        c["b"], c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
+        c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
         SPARSE=blocks is not None, TMA=tma, DOT_ACC=t.dot_acc, WARP_SPECIALIZE=t.warp_specialize, INT8=int8,
-        INT8_KEY_BLOCK=reference.attention.INT8_KEY_BLOCK, PV_FP8=pv_fp8, OUT_FP8=fp8_rows is not None,
-        PERSISTENT=persistent, **consts, **_FORWARD_EXPERIMENT,
+        INT8_KEY_BLOCK=reference.attention.INT8_KEY_BLOCK, PV_FP8=pv_fp8, OUT_FP8=fp8_rows is not None, **consts,
     )
 
 
