@@ -1,7 +1,7 @@
 """Sweep the attention kernels' tile configs on a GPU, to pick forward_tiles,
 dkdv_tiles and dq_tiles in compile_ops/ops/attention.py.
 
-    PYTHONPATH=. python bench/sweep_attention.py [OUT.json] [--block-sparse | --hopper | --eight-bit]
+    PYTHONPATH=. python bench/sweep_attention.py [OUT.json] [--block-sparse | --hopper | --eight-bit | --backward-tma]
 
 bf16, non-causal, CUDA-graph replays: forward configs timed on the forward,
 backward configs (dk/dv pass, then dq pass) on the whole forward+backward step
@@ -180,12 +180,75 @@ def eight_bit_sweep(out_path):
         write_sweep(out_path, rows)  # after each shape: a timed-out sweep keeps what it measured
 
 
+#: ``--backward-tma``: the backward passes' TMA loads (issue 28) on and off,
+#: (dk/dv pass, dq pass), timed on the forward+backward step at HOPPER_SHAPES
+#: and Flux's training shape, twice in alternation.
+BACKWARD_TMA_SHAPES = HOPPER_SHAPES + ((2, 24, 4096, 128),)
+BACKWARD_TMA_CANDIDATES = [(False, False), (True, False), (False, True), (True, True)] * 2
+
+
+def backward_tma_sweep(out_path):
+    """Forward+backward TFLOP/s (3.5x the forward's FLOPs) with the backward's
+    TMA options forced, cuDNN's and FlexAttention's step in the same run, and
+    each candidate's largest gradient difference to the pointer loads'."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    timer = make_timer(quick=False)
+    warm_up_gpu()
+    rows = []
+    defaults = attention_ops.dkdv_tiles, attention_ops.dq_tiles
+    for b, h, length, d in BACKWARD_TMA_SHAPES:
+        q, k, v = (torch.randn(b, length, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn_like(q)
+        flops = 3.5 * 4 * b * h * length * length * d
+
+        def step(attend):
+            attend().backward(grad)
+            grads = [t.grad for t in (q, k, v)]
+            q.grad = k.grad = v.grad = None
+            return grads
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ms = graph_replay_time(lambda: step(lambda: torch.nn.functional.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)), timer)
+        rows.append({"shape": [b, h, length, d], "provider": "cudnn", "ms": ms, "TFLOPs": flops / ms / 1e9})
+        print(f"{b}x{h}x{length}x{d} cudnn: {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
+        reference = None
+        for dkdv_tma, dq_tma in BACKWARD_TMA_CANDIDATES:
+            attention_ops.dkdv_tiles = functools.partial(
+                lambda *a, tma, **kw: defaults[0](*a[:3], tma=tma), tma=dkdv_tma)
+            attention_ops.dq_tiles = functools.partial(lambda *a, tma, **kw: defaults[1](*a[:3], tma=tma), tma=dq_tma)
+            clear_launch_plans()
+            try:
+                grads = step(lambda: compile_ops.attention(q, k, v, seq_dim=1))
+                reference = grads if reference is None else reference
+                diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(grads, reference))
+                ms = graph_replay_time(lambda: step(lambda: compile_ops.attention(q, k, v, seq_dim=1)), timer)
+                tflops = flops / ms / 1e9
+            except Exception as e:  # noqa: BLE001 (a config that fails to compile is a result)
+                print(f"{(dkdv_tma, dq_tma)}: {type(e).__name__}: {str(e)[-300:]}", flush=True)
+                ms = tflops = diff = float("nan")
+            finally:
+                attention_ops.dkdv_tiles, attention_ops.dq_tiles = defaults
+                clear_launch_plans()
+            rows.append({"shape": [b, h, length, d], "provider": "fused", "dkdv_tma": dkdv_tma, "dq_tma": dq_tma,
+                         "ms": ms, "TFLOPs": tflops, "max_grad_diff_to_pointer_loads": diff})
+            print(f"{b}x{h}x{length}x{d} dkdv_tma={dkdv_tma} dq_tma={dq_tma}: {tflops:6.0f} TFLOP/s "
+                  f"(max |grad diff| {diff:.2e})", flush=True)
+        del q, k, v, grad
+        torch.cuda.empty_cache()
+        write_sweep(out_path, rows)  # after each shape: a timed-out sweep keeps what it measured
+
+
 def main(*argv):
     out_path = next((a for a in argv if not a.startswith("--")), None)
     if "--hopper" in argv:
         return hopper_sweep(out_path)
     if "--eight-bit" in argv:
         return eight_bit_sweep(out_path)
+    if "--backward-tma" in argv:
+        return backward_tma_sweep(out_path)
     sparse = "--block-sparse" in argv
     timer = make_timer(quick=False)
     warm_up_gpu()

@@ -770,3 +770,44 @@ def test_kernels_hopper_options_compute_what_the_default_forward_does(precision,
                 got = compile_ops.attention(q, k, v, seq_dim=seq_dim, kv_lengths=kv_lengths, precision=precision)
         clear_launch_plans()
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kernels_backward_tma_computes_what_pointer_loads_do(causal, monkeypatch):
+    """The backward passes' Hopper option (dkdv_tiles / dq_tiles take TMA at
+    D=128 on Hopper): the dk/dv pass's q and dO tiles and the dq pass's k and
+    v tiles through whole-tensor descriptors give the gradients of the
+    pointer loads: forced on, with GQA, a padded head dim, partial query and
+    key tiles, key lengths and both layouts."""
+    from compile_ops.ops import attention as attention_ops
+
+    defaults = attention_ops.dkdv_tiles, attention_ops.dq_tiles
+    torch.manual_seed(0)
+    for seq_dim in (1, 2):
+        q_shape = (2, 70, 4, 48) if seq_dim == 1 else (2, 4, 70, 48)
+        k_shape = (2, 150, 2, 48) if seq_dim == 1 else (2, 2, 150, 48)
+        q = torch.randn(q_shape, device=KERNEL_DEVICE).to(torch.float16)
+        k, v = (torch.randn(k_shape, device=KERNEL_DEVICE).to(torch.float16) for _ in range(2))
+        grad = torch.randn_like(q)
+        kv_lengths = torch.tensor([150, 101], device=KERNEL_DEVICE)
+
+        def gradients():
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            compile_ops.attention(*inputs, causal=causal, seq_dim=seq_dim, kv_lengths=kv_lengths).backward(grad)
+            return [t.grad for t in inputs]
+
+        want = gradients()
+        with monkeypatch.context() as m:
+            m.setattr(attention_ops, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
+                defaults[0](d, dtype, sparse), tma=True))
+            m.setattr(attention_ops, "dq_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
+                defaults[1](d, dtype, sparse), tma=True))
+            if INTERPRET:
+                m.setattr(attention_ops, "_tma_ready", lambda *tensors: True)
+                m.setattr(attention_ops, "_scratch", lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+            clear_launch_plans()
+            got = gradients()
+        clear_launch_plans()
+        for name, g, w in zip("qkv", got, want):
+            torch.testing.assert_close(g, w, rtol=2e-3, atol=2e-3, msg=lambda m: f"d{name}: {m}")

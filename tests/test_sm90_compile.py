@@ -124,6 +124,34 @@ def test_attention_forward_hopper_options_compile_for_sm90(options, monkeypatch)
         assert compiled.asm.get("cubin")
 
 
+def test_attention_backward_tma_compiles_for_sm90(monkeypatch):
+    """The backward passes' TMA option (dkdv_tiles / dq_tiles take it at
+    D=128, dense, on Hopper), forced on every launch of the backward op's
+    inputs (whose heads are narrower than 128): the TMA variants of the dk/dv
+    and dq kernels compile for sm_90."""
+    import dataclasses
+
+    from compile_ops.ops import attention as attention_ops
+
+    defaults = attention_ops.dkdv_tiles, attention_ops.dq_tiles
+    monkeypatch.setattr(attention_ops, "has_tma", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(attention_ops, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
+        defaults[0](d, dtype, sparse), tma=tma))
+    monkeypatch.setattr(attention_ops, "dq_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
+        defaults[1](d, dtype, sparse), tma=tma))
+    spec = next(s for s in registry.OPS if s.name == "attention_backward")
+    # Inputs whose rows are not 16-byte aligned (D = 12 in bf16) keep the pointer loads.
+    launches = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants)
+                in _launches(spec, torch.bfloat16).items()
+                if name in ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel") and constants["TMA"]]
+    assert {kernel.fn.__name__ for kernel, _, _ in launches} == {"attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}
+    for kernel, signature, constants in launches:
+        ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
+        src = ASTSource(fn=kernel, signature=ordered, constexprs=constants)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        assert compiled.asm.get("cubin")
+
+
 @pytest.mark.parametrize("spec", [s for s in registry.OPS if s.name in ("attention_int8", "attention_int8_fp8")],
                          ids=lambda s: s.name)
 def test_8bit_quantization_kernels_compile_for_sm90(spec):

@@ -513,6 +513,16 @@ def attn_bwd_delta_kernel(OUT, DO, DELTA, H, Lq, sob, soh, sol, sdb, sdh, sdl,
 
 
 @triton.jit
+def _tma_rows(desc, b, h, row):
+    """``[rows, BLOCK_D]`` from ``row`` on of head (b, h), through a tensor
+    descriptor over a whole ``[B, H, L, D]`` tensor with block ``[1, 1, rows,
+    BLOCK_D]``; rows past L and columns past D come back as zeros (the
+    masked pointer loads' ``other``). TMA coordinates are int32."""
+    tile = desc.load([tl.cast(b, tl.int32), tl.cast(h, tl.int32), row, 0])
+    return tl.reshape(tile, [tile.shape[2], tile.shape[3]])
+
+
+@triton.jit
 def _saved_lse(LSE, rows, Lq):
     """The saved lse, +inf for rows past Lq and rows with no visible key, so
     that their probabilities are 0."""
@@ -536,14 +546,19 @@ def _probabilities(s, scale, lse, FMA_EXPONENT: tl.constexpr):
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, sql, sdl, k_cols, offs_m, offs_d, first, last, BLOCKS, Lq,
-                scale, D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+                scale, b, h, D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-                SPARSE: tl.constexpr):
+                SPARSE: tl.constexpr, TMA: tl.constexpr):
+    """TMA: Q and DO are whole-tensor descriptors, read at head (b, h)."""
     for i in range(first, last):  # query tiles
         start_m = _tile_start(i, BLOCKS, offs_m.shape[0], SPARSE_BLOCK, SPARSE)
         rows = start_m + offs_m
-        q = _load_tile(Q, start_m, offs_m, Lq, sql, offs_d, D, BLOCK_D, True)
-        do = _load_tile(DO, start_m, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True)
+        if TMA:
+            q = _tma_rows(Q, b, h, start_m)
+            do = _tma_rows(DO, b, h, start_m)
+        else:
+            q = _load_tile(Q, start_m, offs_m, Lq, sql, offs_d, D, BLOCK_D, True)
+            do = _load_tile(DO, start_m, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True)
         lse = _saved_lse(LSE, rows, Lq)
         delta = tl.load(DELTA + rows, mask=rows < Lq, other=0.0)
         # Transposed scores [keys, queries]: dk and dv come out without transposes.
@@ -562,14 +577,16 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, sql, sdl, k_cols, offs_m, offs_
 def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN, BLOCKS, COUNTS,
                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl,
                          sdkb, sdkh, sdkl, sdvb, sdvh, sdvl, sbb, sbh, sbr, scb, sch, scr,
-                         HK, GROUP, Lq, Lk, scale,
+                         B, HK, GROUP, Lq, Lk, scale,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-                         SPARSE: tl.constexpr):
+                         SPARSE: tl.constexpr, TMA: tl.constexpr = False):
     """dk, dv of BLOCK_N keys of one (batch, k/v head), summed over its GQA group.
     SPARSE: BLOCKS/COUNTS are the transposed lists (per q head and key block,
-    the query blocks that list it)."""
+    the query blocks that list it). TMA (Hopper): the loop's q and dO tiles
+    by tensor descriptors over the whole tensors (16-byte aligned bases and
+    strides, which the launcher checks)."""
     b, hk, k_off, v_off = _program_head(HK, 1, skb, skh, svb, svh)  # a program per (batch, k/v head)
     k_start = tl.program_id(0) * BLOCK_N
     k_cols = k_start + tl.arange(0, BLOCK_N)
@@ -590,11 +607,18 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN, BLOCKS, COUNTS
     if CAUSAL:
         q_begin = (k_start // BLOCK_M) * BLOCK_M
         unmasked_begin = tl.minimum(tl.cdiv(k_start + BLOCK_N, BLOCK_M) * BLOCK_M, tl.cdiv(Lq, BLOCK_M) * BLOCK_M)
+    if TMA:
+        q_rows_src = tl.make_tensor_descriptor(Q, shape=[B, HK * GROUP, Lq, D], strides=[sqb, sqh, sql, 1],
+                                               block_shape=[1, 1, BLOCK_M, BLOCK_D])
+        do_rows_src = tl.make_tensor_descriptor(DO, shape=[B, HK * GROUP, Lq, D], strides=[sdb, sdh, sdl, 1],
+                                                block_shape=[1, 1, BLOCK_M, BLOCK_D])
     if k_start < kv_len:
         for g in range(0, GROUP):
             h = hk * GROUP + g
-            q_base = Q + b * sqb + h * sqh
-            do_base = DO + b * sdb + h * sdh
+            if TMA:
+                q_base, do_base = q_rows_src, do_rows_src
+            else:
+                q_base, do_base = Q + b * sqb + h * sqh, DO + b * sdb + h * sdh
             row_base = (b * HK * GROUP + h) * Lq
             blocks, count = BLOCKS, 0
             if SPARSE:
@@ -604,11 +628,11 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN, BLOCKS, COUNTS
             first_unmasked = _tiles_before(unmasked_begin, blocks, count, BLOCK_M, SPARSE_BLOCK, SPARSE)
             last = _tiles_before(tl.cdiv(Lq, BLOCK_M) * BLOCK_M, blocks, count, BLOCK_M, SPARSE_BLOCK, SPARSE)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl, k_cols,
-                                 offs_m, offs_d, first, first_unmasked, blocks, Lq, scale, D, BLOCK_D, True,
-                                 DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE)
+                                 offs_m, offs_d, first, first_unmasked, blocks, Lq, scale, b, h, D, BLOCK_D, True,
+                                 DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl, k_cols,
-                                 offs_m, offs_d, first_unmasked, last, blocks, Lq, scale, D, BLOCK_D, False,
-                                 DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE)
+                                 offs_m, offs_d, first_unmasked, last, blocks, Lq, scale, b, h, D, BLOCK_D, False,
+                                 DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA)
     valid = (k_cols < kv_len)[:, None]
     _store_tile(DK + b * sdkb + hk * sdkh, k_start, offs_n, Lk, sdkl, offs_d,
                 tl.where(valid, dk * scale, 0.0), D)
@@ -617,14 +641,19 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN, BLOCKS, COUNTS
 
 @triton.jit
 def _dq_tiles(dq, q, do, lse, delta, K, V, skl, svl, q_rows, offs_n, offs_d, first, last, BLOCKS, kv_len, Lk,
-              scale, D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              scale, b, hk, D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
               DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-              SPARSE: tl.constexpr):
+              SPARSE: tl.constexpr, TMA: tl.constexpr):
+    """TMA: K and V are whole-tensor descriptors, read at k/v head (b, hk)."""
     for i in range(first, last):  # key tiles
         start_n = _tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE)
         cols = start_n + offs_n
-        k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
-        v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
+        if TMA:
+            k = _tma_rows(K, b, hk, start_n)
+            v = _tma_rows(V, b, hk, start_n)
+        else:
+            k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
+            v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
         p = _probabilities(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale, lse[:, None],
                            FMA_EXPONENT)
         if MASKED:
@@ -639,12 +668,14 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, skl, svl, q_rows, offs_n, offs_d, fir
 def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN, BLOCKS, COUNTS,
                        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sdqb, sdqh, sdql,
                        sbb, sbh, sbr, scb, sch, scr,
-                       H, GROUP, Lq, Lk, scale,
+                       B, H, GROUP, Lq, Lk, scale,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-                       SPARSE: tl.constexpr):
-    """dq of BLOCK_M queries of one (batch, head); SPARSE as the forward."""
+                       SPARSE: tl.constexpr, TMA: tl.constexpr = False):
+    """dq of BLOCK_M queries of one (batch, head); SPARSE as the forward. TMA
+    (Hopper): the loop's k and v tiles by tensor descriptors over the whole
+    tensors, as the dk/dv pass's q and dO."""
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
         KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     q_rows = q_start + tl.arange(0, BLOCK_M)
@@ -663,10 +694,18 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN, BLOCKS, COUNTS,
         blocks, count = _block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
     first_masked = _tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
     last = _tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
-    dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, 0, first_masked,
-                   blocks, kv_len, Lk, scale, D, BLOCK_D, False, CAUSAL, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK,
-                   SPARSE)
-    dq = _dq_tiles(dq, q, do, lse, delta, K + k_off, V + v_off, skl, svl, q_rows, offs_n, offs_d, first_masked, last,
-                   blocks, kv_len, Lk, scale, D, BLOCK_D, True, CAUSAL, DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK,
-                   SPARSE)
+    if TMA:
+        Hk = H // GROUP
+        keys = tl.make_tensor_descriptor(K, shape=[B, Hk, Lk, D], strides=[skb, skh, skl, 1],
+                                         block_shape=[1, 1, BLOCK_N, BLOCK_D])
+        values = tl.make_tensor_descriptor(V, shape=[B, Hk, Lk, D], strides=[svb, svh, svl, 1],
+                                           block_shape=[1, 1, BLOCK_N, BLOCK_D])
+    else:
+        keys, values = K + k_off, V + v_off
+    dq = _dq_tiles(dq, q, do, lse, delta, keys, values, skl, svl, q_rows, offs_n, offs_d, 0, first_masked,
+                   blocks, kv_len, Lk, scale, b, h // GROUP, D, BLOCK_D, False, CAUSAL, DOT_PRECISION, FMA_EXPONENT,
+                   SPARSE_BLOCK, SPARSE, TMA)
+    dq = _dq_tiles(dq, q, do, lse, delta, keys, values, skl, svl, q_rows, offs_n, offs_d, first_masked, last,
+                   blocks, kv_len, Lk, scale, b, h // GROUP, D, BLOCK_D, True, CAUSAL, DOT_PRECISION, FMA_EXPONENT,
+                   SPARSE_BLOCK, SPARSE, TMA)
     _store_tile(DQ + b * sdqb + h * sdqh, q_start, offs_m, Lq, sdql, offs_d, dq * scale, D)

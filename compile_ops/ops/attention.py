@@ -74,8 +74,11 @@ def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False, precision: str 
     return Tiles(64, 32, 4, 2)
 
 
-def dkdv_tiles(d: int, dtype: torch.dtype, sparse: bool = False) -> Tiles:
-    """dk/dv pass: ``block_n`` keys per program, ``block_m``-query steps."""
+def dkdv_tiles(d: int, dtype: torch.dtype, sparse: bool = False, tma: bool = False) -> Tiles:
+    """dk/dv pass: ``block_n`` keys per program, ``block_m``-query steps.
+    ``tma`` (the GPU has it): at D=128, 16-bit, dense, the steps' q and dO
+    tiles come by TMA (``bench/results/sweep-attention-backward-tma-h100.json``;
+    block-sparse keeps the pointer loads its tiles were tuned with)."""
     bd = block_d(d)
     if dtype in (torch.float32, torch.float64) or bd > 128:
         return Tiles(16, 32, 4, 2)
@@ -86,14 +89,17 @@ def dkdv_tiles(d: int, dtype: torch.dtype, sparse: bool = False) -> Tiles:
     # steps and 4 warps took 1.75x as long. Block-sparse loops (an index load
     # feeds each step's addresses) pipeline better at 2 stages, where dense
     # ones lose 15% (bench/results/sweep-block-sparse-h100.json, bench/notes.md).
-    return Tiles(64, 128, 8, 2 if sparse else 3)
+    return Tiles(64, 128, 8, 2 if sparse else 3, tma=tma and not sparse)
 
 
-def dq_tiles(d: int, dtype: torch.dtype, sparse: bool = False) -> Tiles:
-    """dq pass: ``block_m`` queries per program, ``block_n``-key steps."""
+def dq_tiles(d: int, dtype: torch.dtype, sparse: bool = False, tma: bool = False) -> Tiles:
+    """dq pass: ``block_m`` queries per program, ``block_n``-key steps; ``tma``
+    as :func:`dkdv_tiles` (the steps' k and v tiles)."""
     if dtype in (torch.float32, torch.float64) or block_d(d) > 128:
         return Tiles(32, 16, 4, 2)
-    return Tiles(128, 64, 8, 2 if sparse and block_d(d) == 128 else 3)
+    if block_d(d) <= 64:
+        return Tiles(128, 64, 8, 3)
+    return Tiles(128, 64, 8, 2 if sparse else 3, tma=tma and not sparse)
 
 
 # ---------------------------------------------------------------- launch helpers
@@ -231,22 +237,28 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
         D=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=rows, ACC=consts["ACC"], num_warps=4)
     strides = (*_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
                *_bhl_strides(grad_out, seq_dim))
-    t = dkdv_tiles(d, q.dtype, sparse)
+    t = dkdv_tiles(d, q.dtype, sparse, has_tma(q))
+    tma = t.tma and _tma_ready(seq_dim, q, grad_out)
+    if tma:
+        triton.set_allocator(_scratch)  # eager launches make their descriptors on the device too
     index, count, *list_strides = _lists(key_blocks)
     launcher(attn_bwd_dkdv_kernel)[(triton.cdiv(c["lk"], t.block_n), c["b"] * c["hk"])](
         q, k, v, grad_out, lse, delta, dk, dv, kv_lengths, index, count, *strides,
         *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim), *list_strides,
-        c["hk"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
+        c["b"], c["hk"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
-        **consts,
+        TMA=tma, **consts,
     )
-    t = dq_tiles(d, q.dtype, sparse)
+    t = dq_tiles(d, q.dtype, sparse, has_tma(q))
+    tma = t.tma and _tma_ready(seq_dim, k, v)
+    if tma:
+        triton.set_allocator(_scratch)
     index, count, *list_strides = _lists(blocks)
     launcher(attn_bwd_dq_kernel)[(triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])](
         q, k, v, grad_out, lse, delta, dq, kv_lengths, index, count, *strides, *_bhl_strides(dq, seq_dim),
-        *list_strides, c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
+        *list_strides, c["b"], c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
-        **consts,
+        TMA=tma, **consts,
     )
 
 
