@@ -1,7 +1,8 @@
 """Sweep the attention kernels' tile configs on a GPU, to pick forward_tiles,
 dkdv_tiles and dq_tiles in compile_ops/ops/attention.py.
 
-    PYTHONPATH=. python bench/sweep_attention.py [OUT.json] [--block-sparse | --hopper | --eight-bit | --backward-tma]
+    PYTHONPATH=. python bench/sweep_attention.py [OUT.json] [--block-sparse | --tma | --hopper | --eight-bit |
+                                                             --backward-tma]
 
 bf16, non-causal, CUDA-graph replays: forward configs timed on the forward,
 backward configs (dk/dv pass, then dq pass) on the whole forward+backward step
@@ -38,6 +39,16 @@ CANDIDATES = {
                    (32, 64, 8, 3), (16, 64, 4, 3)],
     "dq_tiles": [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 4),
                  (64, 128, 8, 3)],
+}
+
+
+#: ``--tma``: the backward passes' tiles with TMA loads (D=128 only), the other
+#: passes at their defaults.
+TMA_TILE_SHAPES = ((1, 24, 4608, 128), (1, 40, 16384, 128))
+TMA_TILE_CANDIDATES = {
+    "dkdv_tiles": [(64, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 4), (32, 128, 4, 3), (64, 64, 4, 3),
+                   (128, 128, 8, 2)],
+    "dq_tiles": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
 }
 
 
@@ -250,10 +261,12 @@ def main(*argv):
     if "--backward-tma" in argv:
         return backward_tma_sweep(out_path)
     sparse = "--block-sparse" in argv
+    # --tma: the backward passes' tiles again with their TMA loads (issue 28), at D=128.
+    tma = "--tma" in argv
     timer = make_timer(quick=False)
     warm_up_gpu()
     rows = []
-    for b, h, length, d in [SPARSE_SHAPE] if sparse else SHAPES:
+    for b, h, length, d in [SPARSE_SHAPE] if sparse else TMA_TILE_SHAPES if tma else SHAPES:
         q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         grad = torch.randn_like(q)
@@ -275,10 +288,11 @@ def main(*argv):
             attend().backward(grad)
             q.grad = k.grad = v.grad = None
 
-        for pass_name, configs in (SPARSE_CANDIDATES if sparse else CANDIDATES).items():
+        for pass_name, configs in (SPARSE_CANDIDATES if sparse else TMA_TILE_CANDIDATES if tma else CANDIDATES).items():
             default = getattr(attention_ops, pass_name)
             for config in configs:
-                setattr(attention_ops, pass_name, functools.partial(lambda *a, t: t, t=attention_ops.Tiles(*config)))
+                tiles = attention_ops.Tiles(*config, tma=tma)
+                setattr(attention_ops, pass_name, functools.partial(lambda *a, t, **kw: t, t=tiles))
                 clear_launch_plans()
                 try:
                     timed, work = (forward, flops) if pass_name == "forward_tiles" else (step, 3.5 * flops)
@@ -292,7 +306,7 @@ def main(*argv):
                     setattr(attention_ops, pass_name, default)
                     clear_launch_plans()
                 rows.append({"shape": [b, h, length, d], "block_sparse": sparse, "pass": pass_name,
-                             "config": list(config), "ms": ms, "TFLOPs": tflops})
+                             "config": list(config), "tma": tma, "ms": ms, "TFLOPs": tflops})
                 print(f"{b}x{h}x{length}x{d} {pass_name:<14} {config}: {ms * 1e3:8.1f} us {tflops:6.0f} TFLOP/s",
                       flush=True)
         del q, k, v
