@@ -35,6 +35,12 @@ operands that ``qk8_stats_kernel`` and ``qk8_quantize_kernel`` write when the
 ops run eagerly: k's column sums and v's channel amax in fixed partials, then
 q per token, k per 128-key block in INT8 and v in e4m3, transposed.
 
+On Hopper the tiles a loop streams come by TMA (``TMA``): the forward's K
+and V through per-head descriptors, the backward's q and dO (dk/dv pass) and
+k and v (dq pass) through descriptors over the whole ``[B, H, L, D]``
+tensors (``_tma_rows``); the launchers pick it in ``forward_tiles``,
+``dkdv_tiles`` and ``dq_tiles``.
+
 Offsets of the (batch, head) bases are int64; q, k, v, dO and O have a unit
 stride along D (the launcher guarantees it); D is padded to ``BLOCK_D``.
 """
