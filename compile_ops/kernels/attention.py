@@ -38,7 +38,7 @@ q per token, k per 128-key block in INT8 and v in e4m3, transposed.
 On Hopper the tiles a loop streams come by TMA (``TMA``): the forward's K
 and V through per-head descriptors, the backward's q and dO (dk/dv pass) and
 k and v (dq pass) through descriptors over the whole ``[B, H, L, D]``
-tensors (``_tma_rows``); the launchers pick it in ``forward_tiles``,
+tensors (``_streamed_rows``); the launchers pick it in ``forward_tiles``,
 ``dkdv_tiles`` and ``dq_tiles``.
 
 Offsets of the (batch, head) bases are int64; q, k, v, dO and O have a unit
@@ -519,13 +519,19 @@ def attn_bwd_delta_kernel(OUT, DO, DELTA, H, Lq, sob, soh, sol, sdb, sdh, sdl,
 
 
 @triton.jit
-def _tma_rows(desc, b, h, row):
-    """``[rows, BLOCK_D]`` from ``row`` on of head (b, h), through a tensor
-    descriptor over a whole ``[B, H, L, D]`` tensor with block ``[1, 1, rows,
-    BLOCK_D]``; rows past L and columns past D come back as zeros (the
-    masked pointer loads' ``other``). TMA coordinates are int32."""
-    tile = desc.load([tl.cast(b, tl.int32), tl.cast(h, tl.int32), row, 0])
-    return tl.reshape(tile, [tile.shape[2], tile.shape[3]])
+def _streamed_rows(src, b, h, start, offs, n_rows, stride_row, cols, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   ROW_MASK: tl.constexpr, TMA: tl.constexpr):
+    """A backward loop step's ``[len(offs), BLOCK_D]`` tile, rows ``start +
+    offs`` of head (b, h): TMA (Hopper), through ``src``, a tensor descriptor
+    over the whole ``[B, H, L, D]`` tensor with block ``[1, 1, len(offs),
+    BLOCK_D]``, whose rows past L and columns past D come back as zeros (TMA
+    coordinates are int32); else by pointers from ``src``, the head's base,
+    zero past D and (ROW_MASK) past ``n_rows``, as :func:`_load_tile`."""
+    if TMA:
+        tile = src.load([tl.cast(b, tl.int32), tl.cast(h, tl.int32), start, 0])
+        return tl.reshape(tile, [tile.shape[2], tile.shape[3]])
+    else:
+        return _load_tile(src, start, offs, n_rows, stride_row, cols, D, BLOCK_D, ROW_MASK)
 
 
 @triton.jit
@@ -559,12 +565,8 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, sql, sdl, k_cols, offs_m, offs_
     for i in range(first, last):  # query tiles
         start_m = _tile_start(i, BLOCKS, offs_m.shape[0], SPARSE_BLOCK, SPARSE)
         rows = start_m + offs_m
-        if TMA:
-            q = _tma_rows(Q, b, h, start_m)
-            do = _tma_rows(DO, b, h, start_m)
-        else:
-            q = _load_tile(Q, start_m, offs_m, Lq, sql, offs_d, D, BLOCK_D, True)
-            do = _load_tile(DO, start_m, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True)
+        q = _streamed_rows(Q, b, h, start_m, offs_m, Lq, sql, offs_d, D, BLOCK_D, True, TMA)
+        do = _streamed_rows(DO, b, h, start_m, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True, TMA)
         lse = _saved_lse(LSE, rows, Lq)
         delta = tl.load(DELTA + rows, mask=rows < Lq, other=0.0)
         # Transposed scores [keys, queries]: dk and dv come out without transposes.
@@ -654,12 +656,8 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, skl, svl, q_rows, offs_n, offs_d, fir
     for i in range(first, last):  # key tiles
         start_n = _tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE)
         cols = start_n + offs_n
-        if TMA:
-            k = _tma_rows(K, b, hk, start_n)
-            v = _tma_rows(V, b, hk, start_n)
-        else:
-            k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
-            v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
+        k = _streamed_rows(K, b, hk, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED, TMA)
+        v = _streamed_rows(V, b, hk, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED, TMA)
         p = _probabilities(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale, lse[:, None],
                            FMA_EXPONENT)
         if MASKED:
