@@ -811,3 +811,39 @@ def test_kernels_backward_tma_computes_what_pointer_loads_do(causal, monkeypatch
         clear_launch_plans()
         for name, g, w in zip("qkv", got, want):
             torch.testing.assert_close(g, w, rtol=2e-3, atol=2e-3, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("length", [4608, 4600])
+def test_symbolic_lengths_keep_their_divisibility_hint_and_guard_it(length):
+    """Under dynamic shapes (a compiled model's second resolution) Inductor
+    cannot tell the kernels that a symbolic Lq/Lk is a multiple of 16, as
+    Triton's JIT does from the value (H100: the dk/dv pass 25% slower, bench
+    notes). The launchers pass it as ``ALIGNED_LENGTHS`` to all three kernels,
+    and computing it guards on the divisibility, so a graph traced at an
+    aligned length is not reused at an unaligned one."""
+    from torch._dynamo.source import ConstantSource
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from compile_ops._library import OP_BODIES
+
+    env = ShapeEnv()
+    sym = env.create_unspecified_symint_and_symbol(length, ConstantSource("L"), DimDynamic.DYNAMIC)
+    with FakeTensorMode(shape_env=env):
+        q, k, v, grad = (torch.empty(1, 2, sym, 64, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+        lse = torch.empty(1, 2, sym, dtype=torch.float32, device="cuda")
+
+        def both(q, k, v, grad, lse):
+            OP_BODIES["fused::attention"](q, k, v, 0.125, False, 2, None)
+            return OP_BODIES["fused::attention_backward"](grad, q, k, v, grad, lse, 0.125, False, 2, None)
+
+        gm = make_fx(both)(q, k, v, grad, lse)
+    aligned = {kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__: n.kwargs["kwargs"]["ALIGNED_LENGTHS"]
+               for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation
+               and "ALIGNED_LENGTHS" in n.kwargs["kwargs"]}
+    assert aligned == dict.fromkeys(["attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"],
+                                    length % 16 == 0)
+    guard = f"{'Eq' if length % 16 == 0 else 'Ne'}(Mod({sym}, 16), 0)"
+    assert guard in [str(g.expr) for g in env.guards]

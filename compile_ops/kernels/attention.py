@@ -6,8 +6,9 @@ softmax (exp2 of scores scaled by ``scale * log2(e)``) and writes the output
 and the natural-log log-sum-exp. Nothing ``Lq x Lk`` is
 stored.
 
-Backward, deterministic (no atomics): ``attn_bwd_delta_kernel`` computes
-``delta = rowsum(dO * O)``; ``attn_bwd_dkdv_kernel`` gives each program
+Backward, deterministic (no atomics): ``attn_bwd_row_stats_kernel`` computes
+``delta = rowsum(dO * O)`` and a copy of the lse, both in rows padded to
+``STATS_ROW_ALIGN``; ``attn_bwd_dkdv_kernel`` gives each program
 ``BLOCK_N`` keys of one k/v head and loops over the q heads of its GQA group
 and their query tiles, accumulating dk and dv in registers;
 ``attn_bwd_dq_kernel`` gives each program ``BLOCK_M`` queries and loops over
@@ -101,6 +102,23 @@ def _visible(q_rows, k_cols, kv_len, CAUSAL: tl.constexpr):
     if CAUSAL:
         ok = ok & (k_cols[None, :] <= q_rows[:, None])
     return ok
+
+
+@triton.jit
+def _lengths(Lq, Lk, ALIGNED_LENGTHS: tl.constexpr):
+    """``(Lq, Lk)``, known to the compiler as multiples of 16 when
+    ALIGNED_LENGTHS. Why: Triton's JIT specializes integer arguments divisible
+    by 16 on its own, but Inductor, launching a kernel under dynamic shapes
+    (the second resolution a compiled model sees), cannot prove it for a
+    symbolic length and drops the hint; the lse/delta and mask arithmetic then
+    loses its vector width (H100, [1,24,4608,128] compiled dynamic: the dk/dv
+    pass 1.34 ms against 1.07). ``n // 16 * 16`` is n itself here, and a form
+    the compiler's divisibility analysis reads (``tl.multiple_of`` is ignored
+    on a scalar argument)."""
+    if ALIGNED_LENGTHS:
+        return Lq // 16 * 16, Lk // 16 * 16
+    else:
+        return Lq, Lk
 
 
 @triton.jit
@@ -302,7 +320,7 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
                     SPARSE: tl.constexpr, TMA: tl.constexpr = False, DOT_ACC: tl.constexpr = False,
                     WARP_SPECIALIZE: tl.constexpr = False, INT8: tl.constexpr = False,
                     INT8_KEY_BLOCK: tl.constexpr = 128, PV_FP8: tl.constexpr = False,
-                    OUT_FP8: tl.constexpr = False):
+                    OUT_FP8: tl.constexpr = False, ALIGNED_LENGTHS: tl.constexpr = False):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
     that BLOCKS/COUNTS list for this query block. TMA, DOT_ACC,
@@ -316,7 +334,9 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     e4m3, ``out / ROW_SCALE[b]`` rounded to nearest even and clamped to
     +-448 (``ROW_SCALE [B]`` fp32, a bound on |out|: the FP8 rows of
     ``reference.attention.attention_int8_fp8_rows``), and the programs of head
-    0 write that scale to their rows of ``OUT_SCALE [B, Lq]``."""
+    0 write that scale to their rows of ``OUT_SCALE [B, Lq]``. ALIGNED_LENGTHS
+    (the three attention kernels): Lq and Lk are multiples of 16 (``_lengths``)."""
+    Lq, Lk = _lengths(Lq, Lk, ALIGNED_LENGTHS)
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
         KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     o_off = b * sob + h * soh
@@ -504,18 +524,42 @@ def qk8_quantize_kernel(X, X8, X_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sx
 # ---------------------------------------------------------------- backward
 
 
+#: The backward's per-query statistics (``attn_bwd_row_stats_kernel``) sit in
+#: rows of ``_stats_row_length(Lq)``: Lq rounded up to this, a multiple of both
+#: passes' query tiles. Why padded: the dk/dv pass loads them once per query
+#: tile, and at a length that is not a multiple of 16 (Wan 480p: 32760
+#: tokens) a row base of ``head * Lq`` and a mask of ``rows < Lq`` cost those
+#: loads their vector width and the kernel 2.2x its spills (H100,
+#: [1,24,4600,128]: the pass 1.35 ms against 1.04 at 4608). Padded, the rows
+#: start aligned and are read without a mask.
+STATS_ROW_ALIGN = tl.constexpr(128)
+
+
 @triton.jit
-def attn_bwd_delta_kernel(OUT, DO, DELTA, H, Lq, sob, soh, sol, sdb, sdh, sdl,
-                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ACC: tl.constexpr):
-    """DELTA ``[B * H, Lq]`` = rowsum(dO * O)."""
+def _stats_row_length(Lq):
+    return tl.cdiv(Lq, STATS_ROW_ALIGN) * STATS_ROW_ALIGN
+
+
+@triton.jit
+def attn_bwd_row_stats_kernel(OUT, DO, LSE, DELTA, LSE_ROWS, H, Lq, sob, soh, sol, sdb, sdh, sdl,
+                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ACC: tl.constexpr):
+    """The backward's per-query statistics, ``[B * H, _stats_row_length(Lq)]``
+    fp32 each (the grid covers the padded rows; BLOCK_M divides
+    STATS_ROW_ALIGN): DELTA = rowsum(dO * O), 0 past Lq; LSE_ROWS = the
+    forward's LSE ``[B * H, Lq]``, +inf past Lq and for rows with no visible
+    key, so that their probabilities are 0."""
     _, _, o_off, do_off = _program_head(H, 1, sob, soh, sdb, sdh)  # O and dO share q's heads
     start = tl.program_id(0) * BLOCK_M
     offs = tl.arange(0, BLOCK_M)
     rows = start + offs
     offs_d = tl.arange(0, BLOCK_D)
+    head = tl.cast(tl.program_id(1), tl.int64)
     o = _load_tile(OUT + o_off, start, offs, Lq, sol, offs_d, D, BLOCK_D, True).to(ACC)
     do = _load_tile(DO + do_off, start, offs, Lq, sdl, offs_d, D, BLOCK_D, True).to(ACC)
-    tl.store(DELTA + tl.cast(tl.program_id(1), tl.int64) * Lq + rows, tl.sum(o * do, 1), mask=rows < Lq)
+    lse = tl.load(LSE + head * Lq + rows, mask=rows < Lq, other=float("inf"))
+    padded = head * _stats_row_length(Lq) + rows
+    tl.store(DELTA + padded, tl.sum(o * do, 1))  # rows past Lq loaded as zeros: 0
+    tl.store(LSE_ROWS + padded, tl.where(lse == float("-inf"), float("inf"), lse))
 
 
 @triton.jit
@@ -535,14 +579,6 @@ def _streamed_rows(src, b, h, start, offs, n_rows, stride_row, cols, D: tl.const
 
 
 @triton.jit
-def _saved_lse(LSE, rows, Lq):
-    """The saved lse, +inf for rows past Lq and rows with no visible key, so
-    that their probabilities are 0."""
-    lse = tl.load(LSE + rows, mask=rows < Lq, other=float("inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse)
-
-
-@triton.jit
 def _probabilities(s, scale, lse, FMA_EXPONENT: tl.constexpr):
     """``exp(scale * s - lse)``: the exponent is formed in natural units, with
     torch's two roundings, and only then moved to log2 units for exp2 (scaling
@@ -557,18 +593,19 @@ def _probabilities(s, scale, lse, FMA_EXPONENT: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, sql, sdl, k_cols, offs_m, offs_d, first, last, BLOCKS, Lq,
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE_ROWS, DELTA, sql, sdl, k_cols, offs_m, offs_d, first, last, BLOCKS, Lq,
                 scale, b, h, D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                 SPARSE: tl.constexpr, TMA: tl.constexpr):
-    """TMA: Q and DO are whole-tensor descriptors, read at head (b, h)."""
+    """TMA: Q and DO are whole-tensor descriptors, read at head (b, h).
+    LSE_ROWS and DELTA: this head's padded statistics rows."""
     for i in range(first, last):  # query tiles
         start_m = _tile_start(i, BLOCKS, offs_m.shape[0], SPARSE_BLOCK, SPARSE)
         rows = start_m + offs_m
         q = _streamed_rows(Q, b, h, start_m, offs_m, Lq, sql, offs_d, D, BLOCK_D, True, TMA)
         do = _streamed_rows(DO, b, h, start_m, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True, TMA)
-        lse = _saved_lse(LSE, rows, Lq)
-        delta = tl.load(DELTA + rows, mask=rows < Lq, other=0.0)
+        lse = tl.load(LSE_ROWS + rows)  # padded rows: no mask (attn_bwd_row_stats_kernel)
+        delta = tl.load(DELTA + rows)
         # Transposed scores [keys, queries]: dk and dv come out without transposes.
         p_t = _probabilities(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), scale, lse[None, :],
                              FMA_EXPONENT)
@@ -582,19 +619,21 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, sql, sdl, k_cols, offs_m, offs_
 
 
 @triton.jit
-def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN, BLOCKS, COUNTS,
+def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DK, DV, KV_LEN, BLOCKS, COUNTS,
                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl,
                          sdkb, sdkh, sdkl, sdvb, sdvh, sdvl, sbb, sbh, sbr, scb, sch, scr,
                          B, HK, GROUP, Lq, Lk, scale,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-                         SPARSE: tl.constexpr, TMA: tl.constexpr = False):
+                         SPARSE: tl.constexpr, TMA: tl.constexpr = False,
+                         ALIGNED_LENGTHS: tl.constexpr = False):
     """dk, dv of BLOCK_N keys of one (batch, k/v head), summed over its GQA group.
     SPARSE: BLOCKS/COUNTS are the transposed lists (per q head and key block,
     the query blocks that list it). TMA (Hopper): the loop's q and dO tiles
     by tensor descriptors over the whole tensors (16-byte aligned bases and
     strides, which the launcher checks)."""
+    Lq, Lk = _lengths(Lq, Lk, ALIGNED_LENGTHS)
     b, hk, k_off, v_off = _program_head(HK, 1, skb, skh, svb, svh)  # a program per (batch, k/v head)
     k_start = tl.program_id(0) * BLOCK_N
     k_cols = k_start + tl.arange(0, BLOCK_N)
@@ -627,7 +666,7 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN, BLOCKS, COUNTS
                 q_base, do_base = q_rows_src, do_rows_src
             else:
                 q_base, do_base = Q + b * sqb + h * sqh, DO + b * sdb + h * sdh
-            row_base = (b * HK * GROUP + h) * Lq
+            row_base = (b * HK * GROUP + h) * _stats_row_length(Lq)
             blocks, count = BLOCKS, 0
             if SPARSE:
                 blocks, count = _block_list(BLOCKS, COUNTS, b, h, k_start // SPARSE_BLOCK, sbb, sbh, sbr,
@@ -635,10 +674,10 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KV_LEN, BLOCKS, COUNTS
             first = _tiles_before(q_begin, blocks, count, BLOCK_M, SPARSE_BLOCK, SPARSE)
             first_unmasked = _tiles_before(unmasked_begin, blocks, count, BLOCK_M, SPARSE_BLOCK, SPARSE)
             last = _tiles_before(tl.cdiv(Lq, BLOCK_M) * BLOCK_M, blocks, count, BLOCK_M, SPARSE_BLOCK, SPARSE)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl, k_cols,
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE_ROWS + row_base, DELTA + row_base, sql, sdl, k_cols,
                                  offs_m, offs_d, first, first_unmasked, blocks, Lq, scale, b, h, D, BLOCK_D, True,
                                  DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sql, sdl, k_cols,
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE_ROWS + row_base, DELTA + row_base, sql, sdl, k_cols,
                                  offs_m, offs_d, first_unmasked, last, blocks, Lq, scale, b, h, D, BLOCK_D, False,
                                  DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA)
     valid = (k_cols < kv_len)[:, None]
@@ -669,29 +708,31 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, skl, svl, q_rows, offs_n, offs_d, fir
 
 
 @triton.jit
-def attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KV_LEN, BLOCKS, COUNTS,
+def attn_bwd_dq_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ, KV_LEN, BLOCKS, COUNTS,
                        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sdqb, sdqh, sdql,
                        sbb, sbh, sbr, scb, sch, scr,
                        B, H, GROUP, Lq, Lk, scale,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-                       SPARSE: tl.constexpr, TMA: tl.constexpr = False):
+                       SPARSE: tl.constexpr, TMA: tl.constexpr = False,
+                       ALIGNED_LENGTHS: tl.constexpr = False):
     """dq of BLOCK_M queries of one (batch, head); SPARSE as the forward. TMA
     (Hopper): the loop's k and v tiles by tensor descriptors over the whole
     tensors, as the dk/dv pass's q and dO."""
+    Lq, Lk = _lengths(Lq, Lk, ALIGNED_LENGTHS)
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
         KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     q_rows = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
-    row_base = tl.cast(tl.program_id(1), tl.int64) * Lq
+    row_base = tl.cast(tl.program_id(1), tl.int64) * _stats_row_length(Lq)
     offs_m = tl.arange(0, BLOCK_M)
     q = _load_tile(Q + q_off, q_start, offs_m, Lq, sql, offs_d, D, BLOCK_D, True)
     do = _load_tile(DO + b * sdb + h * sdh, q_start, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True)
-    lse = _saved_lse(LSE + row_base, q_rows, Lq)
-    delta = tl.load(DELTA + row_base + q_rows, mask=q_rows < Lq, other=0.0)
+    lse = tl.load(LSE_ROWS + row_base + q_rows)  # padded rows: no mask
+    delta = tl.load(DELTA + row_base + q_rows)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     blocks, count = BLOCKS, 0
     if SPARSE:

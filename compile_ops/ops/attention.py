@@ -16,9 +16,9 @@ from torch._subclasses.fake_tensor import is_fake
 
 from compile_ops import _dtensor, meta, reference
 from compile_ops._library import fused_op, has_tma, launcher, register_no_gradient, require_fp8_mma
-from compile_ops.kernels.attention import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
-                                           attn_fwd_kernel, fp8_rows_scale_kernel, qk8_quantize_kernel,
-                                           qk8_stats_kernel)
+from compile_ops.kernels.attention import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
+                                           attn_bwd_row_stats_kernel, attn_fwd_kernel, fp8_rows_scale_kernel,
+                                           qk8_quantize_kernel, qk8_stats_kernel)
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
 from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 
@@ -117,14 +117,19 @@ def _common(q: Tensor, k: Tensor, causal: bool, seq_dim: int, kv_lengths: Option
     ``DOT_PRECISION`` matters for fp32 (TF32 or IEEE, ``dot_precision``); half
     operands ignore it. ``FMA_EXPONENT``: 16-bit inputs form exponents with
     one fma (their p is rounded to 16 bits anyway); fp32/fp64 keep torch's
-    accuracy."""
+    accuracy. ``ALIGNED_LENGTHS``: Lq and Lk are multiples of 16, the hint
+    Triton's JIT takes from the values itself and Inductor loses when the
+    lengths are symbolic (``kernels.attention._lengths``); traced with dynamic
+    shapes, computing it guards on the lengths' divisibility, so a compiled
+    graph serves either aligned or unaligned lengths, each at full speed."""
     b, h, lq, d = meta.attention.dims(q, seq_dim)
     hk, lk = meta.attention.dims(k, seq_dim)[1:3]
     return dict(b=b, h=h, hk=hk, lq=lq, lk=lk, d=d,
                 consts=dict(D=d, BLOCK_D=block_d(d), CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None,
                             DOT_PRECISION=dot_precision(q.dtype), ACC=acc_dtype(q),
                             FMA_EXPONENT=q.dtype in (torch.float16, torch.bfloat16),
-                            SPARSE_BLOCK=meta.attention.SPARSE_BLOCK))
+                            SPARSE_BLOCK=meta.attention.SPARSE_BLOCK,
+                            ALIGNED_LENGTHS=bool(lq % 16 == 0 and lk % 16 == 0)))
 
 
 # ---------------------------------------------------------------- launchers
@@ -230,32 +235,37 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     lse = lse.contiguous()
     d, consts = int(c["d"]), c["consts"]
     sparse = blocks is not None
-    delta = torch.empty_like(lse)
+    # Per-query statistics in padded rows (kernels.attention.STATS_ROW_ALIGN): delta and the lse.
+    stats_row = triton.cdiv(c["lq"], STATS_ROW_ALIGN.value) * STATS_ROW_ALIGN.value
+    delta, lse_rows = (lse.new_empty((c["b"] * c["h"], stats_row)) for _ in range(2))
     rows = 64
-    launcher(attn_bwd_delta_kernel)[(triton.cdiv(c["lq"], rows), c["b"] * c["h"])](
-        out, grad_out, delta, c["h"], c["lq"], *_bhl_strides(out, seq_dim), *_bhl_strides(grad_out, seq_dim),
-        D=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=rows, ACC=consts["ACC"], num_warps=4)
+    launcher(attn_bwd_row_stats_kernel)[(stats_row // rows, c["b"] * c["h"])](
+        out, grad_out, lse, delta, lse_rows, c["h"], c["lq"], *_bhl_strides(out, seq_dim),
+        *_bhl_strides(grad_out, seq_dim), D=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=rows, ACC=consts["ACC"],
+        num_warps=4)
     strides = (*_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
                *_bhl_strides(grad_out, seq_dim))
     t = dkdv_tiles(d, q.dtype, sparse, has_tma(q))
+    assert STATS_ROW_ALIGN.value % t.block_m == 0, t  # the statistics rows hold whole query tiles
     tma = t.tma and _tma_ready(seq_dim, q, grad_out)
     if tma:
         triton.set_allocator(_scratch)  # eager launches make their descriptors on the device too
     index, count, *list_strides = _lists(key_blocks)
     launcher(attn_bwd_dkdv_kernel)[(triton.cdiv(c["lk"], t.block_n), c["b"] * c["hk"])](
-        q, k, v, grad_out, lse, delta, dk, dv, kv_lengths, index, count, *strides,
+        q, k, v, grad_out, lse_rows, delta, dk, dv, kv_lengths, index, count, *strides,
         *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim), *list_strides,
         c["b"], c["hk"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
         TMA=tma, **consts,
     )
     t = dq_tiles(d, q.dtype, sparse, has_tma(q))
+    assert STATS_ROW_ALIGN.value % t.block_m == 0, t
     tma = t.tma and _tma_ready(seq_dim, k, v)
     if tma:
         triton.set_allocator(_scratch)
     index, count, *list_strides = _lists(blocks)
     launcher(attn_bwd_dq_kernel)[(triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])](
-        q, k, v, grad_out, lse, delta, dq, kv_lengths, index, count, *strides, *_bhl_strides(dq, seq_dim),
+        q, k, v, grad_out, lse_rows, delta, dq, kv_lengths, index, count, *strides, *_bhl_strides(dq, seq_dim),
         *list_strides, c["b"], c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
         TMA=tma, **consts,
