@@ -9,8 +9,9 @@ shared/DESIGN.md. Providers: ``fused_eager`` (``compile_ops.attention``),
 one backend) and ``flex_compiled`` (``torch.compile(flex_attention)``, no mask).
 TFLOP/s as the anchors count them: forward ``4 B H Lq Lk D`` (halved when
 causal), forward+backward 3.5x that. Times are CUDA-graph replays (the kernels'
-own time), median of ``triton.testing.do_bench``; peak memory of one
-forward+backward step above the inputs. Writes ``<out>/attention-<gpu>.json``.
+own time), median of ``triton.testing.do_bench``, each after the call has
+kept the GPU busy for ``BUSY_SECONDS``; peak memory of one forward+backward
+step above the inputs. Writes ``<out>/attention-<gpu>.json``.
 
 ``--int8``: 8-bit attention (``precision="int8"`` and ``"int8_fp8"``, eager and compiled) beside
 cuDNN bf16, our exact kernel and SageAttention where installed, forward only,
@@ -75,6 +76,30 @@ def providers(causal: bool) -> dict:
     return out
 
 
+#: Seconds each provider runs untimed, at the shape, right before its timings.
+#: Why: a provider measured straight after the GPU sat idle (while the next
+#: provider compiled, or a shape's tensors were made) ran up to 13% slower at
+#: the long shapes; six alternated measurements of the same two providers at
+#: [1,12,32760,128] gave 421, 411, 448, 469, 463, 467 TFLOP/s in that order
+#: (bench/results/attention-alternated-order-h100.json), while do_bench's own
+#: warm-up is 25 ms, half of one 32760-token step.
+BUSY_SECONDS = 2.0
+
+
+def keep_busy(fn, seconds: float = BUSY_SECONDS) -> None:
+    """Call ``fn`` for about ``seconds`` (at least twice), then synchronize."""
+    import time
+
+    start = time.perf_counter()
+    calls = 0
+    while calls < 2 or time.perf_counter() - start < seconds:
+        fn()
+        calls += 1
+        if calls % 8 == 0:
+            torch.cuda.synchronize()  # keep the host from queueing seconds ahead
+    torch.cuda.synchronize()
+
+
 def measure(fn, q, k, v, timer) -> dict:
     grad = torch.randn_like(q)
 
@@ -94,8 +119,10 @@ def measure(fn, q, k, v, timer) -> dict:
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    return {"fwd_ms": graph_replay_time(forward, timer), "fwdbwd_ms": graph_replay_time(step, timer),
-            "peak_MiB": peak / 2**20}
+    keep_busy(forward)
+    fwd_ms = graph_replay_time(forward, timer)
+    keep_busy(step)
+    return {"fwd_ms": fwd_ms, "fwdbwd_ms": graph_replay_time(step, timer), "peak_MiB": peak / 2**20}
 
 
 #: ``--int8``: the input kinds the 8-bit comparison measures errors on: N(0, 1)
