@@ -164,6 +164,18 @@ def _scratch(size: int, alignment: int, stream) -> Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def _take_tma(wanted: bool, *layouts: tuple) -> bool:
+    """Whether a launch loads by TMA: its tiles want it and every ``(seq_dim,
+    *tensors)`` of ``layouts`` is aligned for descriptors (:func:`_tma_ready`).
+    If so, triton's allocator is set for the descriptors the kernel makes on
+    the device: Inductor sets its own before its launches, eager launches
+    need it set too."""
+    tma = wanted and all(_tma_ready(seq_dim, *tensors) for seq_dim, *tensors in layouts)
+    if tma:
+        triton.set_allocator(_scratch)
+    return tma
+
+
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                    seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple] = None,
                    int8_scales: Optional[tuple] = None, v_scale: Optional[Tensor] = None,
@@ -203,10 +215,7 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     if pv_fp8 and v.stride(3) != 1:
         raise ValueError(f"launch_forward: FP8 P V takes v as [B, Hk, D, Lk] with unit key stride, got strides "
                          f"{tuple(v.stride())}")
-    tma = t.tma and _tma_ready(seq_dim, q, k) and _tma_ready(v_seq_dim, v)
-    if tma:
-        # Inductor sets triton's allocator before its launches; eager launches need it set too.
-        triton.set_allocator(_scratch)
+    tma = _take_tma(t.tma, (seq_dim, q, k), (v_seq_dim, v))
     index, count, *list_strides = _lists(blocks)
     row_scale, out_scale = fp8_rows if fp8_rows is not None else (None, None)
     grid = (triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])
@@ -247,9 +256,7 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
                *_bhl_strides(grad_out, seq_dim))
     t = dkdv_tiles(d, q.dtype, sparse, has_tma(q))
     assert STATS_ROW_ALIGN.value % t.block_m == 0, t  # the statistics rows hold whole query tiles
-    tma = t.tma and _tma_ready(seq_dim, q, grad_out)
-    if tma:
-        triton.set_allocator(_scratch)  # eager launches make their descriptors on the device too
+    tma = _take_tma(t.tma, (seq_dim, q, grad_out))
     index, count, *list_strides = _lists(key_blocks)
     launcher(attn_bwd_dkdv_kernel)[(triton.cdiv(c["lk"], t.block_n), c["b"] * c["hk"])](
         q, k, v, grad_out, lse_rows, delta, dk, dv, kv_lengths, index, count, *strides,
@@ -260,9 +267,7 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     )
     t = dq_tiles(d, q.dtype, sparse, has_tma(q))
     assert STATS_ROW_ALIGN.value % t.block_m == 0, t
-    tma = t.tma and _tma_ready(seq_dim, k, v)
-    if tma:
-        triton.set_allocator(_scratch)
+    tma = _take_tma(t.tma, (seq_dim, k, v))
     index, count, *list_strides = _lists(blocks)
     launcher(attn_bwd_dq_kernel)[(triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])](
         q, k, v, grad_out, lse_rows, delta, dq, kv_lengths, index, count, *strides, *_bhl_strides(dq, seq_dim),
