@@ -155,11 +155,10 @@ def test_attention_backward_tma_compiles_for_sm90(monkeypatch):
 @pytest.mark.parametrize("spec", [s for s in registry.OPS if s.name in ("attention_int8", "attention_int8_fp8")],
                          ids=lambda s: s.name)
 def test_8bit_quantization_kernels_compile_for_sm90(spec):
-    """The Triton quantization passes of eager 8-bit attention (traced, the
-    ops take the specification's torch ops, so the op bodies above do not
-    reach them): every variant compiles for sm_90, with its int arguments as
-    arguments and as constants (Inductor may pass a static int so: ``L.to``
-    on an int once failed to compile)."""
+    """The Triton quantization passes of 8-bit attention (the op bodies above
+    reach them too; here alone): every variant compiles for sm_90, with its
+    int arguments as arguments and as constants (Inductor may pass a static
+    int so: ``L.to`` on an int once failed to compile)."""
     from compile_ops.ops import attention as attention_ops
 
     def quantize(q, k, v, scale, causal, seq_dim, kv_lengths):

@@ -407,13 +407,30 @@ _FP32_TINY = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit
-def _int8_of(x, scale):
-    """``round_half_even(x / scale)`` clamped to [-127, 127], as int8 (the
-    division correctly rounded, as torch's). Adding and subtracting
+def _scale_of(amax, TOP: tl.constexpr):
+    """A quantization scale and its reciprocal: ``max(amax / TOP, tiny)``
+    (fp32's smallest normal: an all-zero block or channel stays 0 and the
+    reciprocal stays finite) and ``1 / scale``, both correctly rounded, as
+    ``reference.attention.quantization_scale``. The values are then
+    multiplied by the reciprocal: one FMUL each, where a correctly rounded
+    division per value (``div.rn.f32``, a dozen instructions and a slow-path
+    branch) made the quantizing passes arithmetic-bound."""
+    scale = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, TOP, tl.float32)), _FP32_TINY)
+    return scale, tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def _int8_of(x, inverse):
+    """``round_half_even(x * inverse)`` clamped to [-127, 127], as int8 (the
+    product rounded to fp32, as torch's). Adding and subtracting
     ``_INT8_BIAS`` (1.5 * 2**23) rounds an fp32 |x| < 2**22 to an integer, half
-    to even, as fp32 addition rounds: torch.round's rounding."""
-    r = (tl.div_rn(x, scale) + _INT8_BIAS) - _INT8_BIAS
-    return tl.minimum(tl.maximum(r, -_INT8_MAX), _INT8_MAX).to(tl.int8)
+    to even, as fp32 addition rounds: torch.round's rounding. The clamp comes
+    first (the same result: its bounds are integers) so that the compiler
+    cannot contract the product and the bias into one fma, which would round
+    once where torch rounds twice (seen in sm_90 PTX: a product just below a
+    half rounded up)."""
+    clamped = tl.minimum(tl.maximum(x * inverse, -_INT8_MAX), _INT8_MAX)
+    return ((clamped + _INT8_BIAS) - _INT8_BIAS).to(tl.int8)
 
 
 @triton.jit
@@ -431,24 +448,27 @@ def qk8_stats_kernel(K, V, K_SUM, V_AMAX, Hk, Lk, skb, skh, skl, svb, svh, svl, 
     cols = tl.arange(0, BLOCK_D)
     first = tl.program_id(0) * rows_per_chunk
     last = tl.minimum(first + rows_per_chunk, Lk)
-    k_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-    v_amax = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # Elementwise accumulators, reduced over their rows once after the loop,
+    # not a row reduction (shared memory and barriers) in every step: the
+    # per-step form ran at 1.0-1.3 TB/s on an H100 (bench/notes.md).
+    k_sum = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+    v_amax = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
     for start in range(first, last, BLOCK_L):
         rows = start + tl.arange(0, BLOCK_L)
         mask = (rows < last)[:, None] & (cols < D)[None, :]
         if WITH_K:
             k = tl.load(K + b * skb + h * skh + rows[:, None].to(tl.int64) * skl + cols[None, :], mask=mask,
                         other=0.0)
-            k_sum += tl.sum(k.to(tl.float32), 0)
+            k_sum += k.to(tl.float32)
         if WITH_V:
             v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask,
                         other=0.0)
-            v_amax = tl.maximum(v_amax, tl.max(tl.abs(v.to(tl.float32)), 0))
+            v_amax = tl.maximum(v_amax, tl.abs(v.to(tl.float32)))
     out = (tl.cast(bh, tl.int64) * CHUNKS + tl.program_id(0)) * D + cols
     if WITH_K:
-        tl.store(K_SUM + out, k_sum, mask=cols < D)
+        tl.store(K_SUM + out, tl.sum(k_sum, 0), mask=cols < D)
     if WITH_V:
-        tl.store(V_AMAX + out, v_amax, mask=cols < D)
+        tl.store(V_AMAX + out, tl.max(v_amax, 0), mask=cols < D)
 
 
 @triton.jit
@@ -494,8 +514,8 @@ def qk8_quantize_kernel(X, X8, X_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sx
         x = tl.load(X + b * sxb + h * sxh + rows[:, None].to(tl.int64) * sxl + cols[None, :], mask=mask,
                     other=0.0).to(tl.float32)
     if PER_TOKEN:
-        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 1), _FP32_TINY), _INT8_MAX)
-        x8 = _int8_of(x, scale[:, None])
+        scale, inverse = _scale_of(tl.max(tl.abs(x), 1), _INT8_MAX)
+        x8 = _int8_of(x, inverse[:, None])
         tl.store(X_SCALE + tl.cast(bh, tl.int64) * L + rows, scale, mask=row_ok)
     else:
         partials = tl.cast(bh, tl.int64) * CHUNKS * D + tl.arange(0, CHUNKS)[:, None] * D + cols[None, :]
@@ -505,17 +525,17 @@ def qk8_quantize_kernel(X, X8, X_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sx
             mean = tl.div_rn(tl.sum(tl.load(K_SUM + partials, mask=chunk_mask, other=0.0), 0),
                              tl.cast(L, tl.float32))
             x = tl.where(mask, x - mean[None, :], 0.0)
-            scale = tl.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), _FP32_TINY), _INT8_MAX)
-            x8 = _int8_of(x, scale)
+            scale, inverse = _scale_of(tl.max(tl.max(tl.abs(x), 1), 0), _INT8_MAX)
+            x8 = _int8_of(x, inverse)
             tl.store(X_SCALE + tl.cast(bh, tl.int64) * tl.cdiv(L, BLOCK_L) + blk, scale)
         if WITH_V:
-            v_scale = tl.div_rn(tl.maximum(tl.max(tl.load(V_AMAX + partials, mask=chunk_mask, other=0.0), 0),
-                                           _FP32_TINY), E4M3_MAX)
+            v_scale, v_inverse = _scale_of(tl.max(tl.load(V_AMAX + partials, mask=chunk_mask, other=0.0), 0),
+                                           E4M3_MAX)
             if blk == 0:
                 tl.store(V_SCALE + tl.cast(bh, tl.int64) * D + cols, v_scale, mask=cols < D)
             v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask,
                         other=0.0).to(tl.float32)
-            v8 = tl.div_rn(v, tl.where(cols < D, v_scale, 1.0)[None, :]).to(tl.float8e4nv)
+            v8 = (v * v_inverse[None, :]).to(tl.float8e4nv)
             tl.store(VT8 + tl.cast(bh, tl.int64) * D * svtd + cols[None, :] * svtd + rows[:, None], v8, mask=mask)
     if WITH_K:
         tl.store(X8 + b * s8b + h * s8h + rows[:, None].to(tl.int64) * s8l + cols[None, :], x8, mask=mask)

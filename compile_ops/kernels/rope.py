@@ -25,7 +25,7 @@ Channels past R pass through (``NORM``: normalized and weighted like the rest).
 import triton
 import triton.language as tl
 
-from compile_ops.kernels.attention import _FP32_TINY, _INT8_MAX, _int8_of
+from compile_ops.kernels.attention import _INT8_MAX, _int8_of, _scale_of
 from compile_ops.kernels.norm import _div_exact, _rsqrt_exact
 
 @triton.jit
@@ -307,9 +307,9 @@ def _rotate_heads(X, OUT, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2
             if BLOCK_T > 0:
                 tl.store(sums + tail, tl.sum(t, 0), mask=tail < D)
         if MODE == 2:
-            scale = tl.div_rn(tl.maximum(_abs_max(y1, y2, t, BLOCK_T), _FP32_TINY), _INT8_MAX)
+            scale, inverse = _scale_of(_abs_max(y1, y2, t, BLOCK_T), _INT8_MAX)
             tl.store(SCALE + b * stride_sb + head * stride_sh + pos, scale, mask=pos_mask)
-            scale = scale[:, None]
+            inverse = inverse[:, None]
         if MODE == 3:
             mean_row = K_SUM + b * stride_mb + head * stride_mh + tl.zeros([1], tl.int64)
             length = tl.cast(L, ACC)  # (tl.cast: Inductor may pass L as a Python int constant)
@@ -319,13 +319,13 @@ def _rotate_heads(X, OUT, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2
             if BLOCK_T > 0:
                 m_tail = tl.load(mean_row + tail, mask=tail < D, other=0.0)[None, :]
                 t = tl.where(tail_mask, t - tl.div_rn(m_tail, length), 0.0)
-            scale = tl.div_rn(tl.maximum(tl.max(_abs_max(y1, y2, t, BLOCK_T), 0), _FP32_TINY), _INT8_MAX)
+            scale, inverse = _scale_of(tl.max(_abs_max(y1, y2, t, BLOCK_T), 0), _INT8_MAX)
             tl.store(SCALE + b * stride_sb + head * stride_sh + block, scale)
         if MODE >= 2:
-            y1 = _int8_of(y1, scale)
-            y2 = _int8_of(y2, scale)
+            y1 = _int8_of(y1, inverse)
+            y2 = _int8_of(y2, inverse)
             if BLOCK_T > 0:
-                t = _int8_of(t, scale)
+                t = _int8_of(t, inverse)
         if MODE != 1:
             _store_pairs(rows, p, mask, y1, y2, R, INTERLEAVED)
             if BLOCK_T > 0:

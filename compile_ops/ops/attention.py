@@ -383,7 +383,7 @@ def quantize_8bit(q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor],
             k, k8, k_scale, k_sum, v, vt8, v_amax, v_scale, hk, lk, *k_strides,
             *(_bhl_strides(k8, seq_dim) if with_k else (0, 0, 0)), *v_strides, vt8.stride(2) if with_v else 0,
             BLOCK_L=reference.attention.INT8_KEY_BLOCK, PER_TOKEN=False, WITH_V=with_v, WITH_K=with_k,
-            num_warps=8, **consts)
+            num_warps=4, **consts)  # 8 warps: 1.2x the time (H200, bench/notes.md)
     if q is not None:
         h, lq = meta.attention.dims(q, seq_dim)[1:3]
         q8 = torch.empty_like(q, dtype=torch.int8)
@@ -397,32 +397,17 @@ def quantize_8bit(q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor],
     return quantized + ((vt8.narrow(3, 0, lk), v_scale) if with_v else ())
 
 
-def _eight_bit_operands(q: Tensor, k: Tensor, v: Optional[Tensor], seq_dim: int) -> tuple:
-    """The 8-bit ops' quantized operands (:func:`quantize_8bit`'s tuple).
-    Traced (fake tensors: torch.compile's Inductor lowering, torch.export,
-    the fake-CUDA tests), the specification's torch ops, which Inductor
-    fuses with the neighbouring code: the whole op at 545 TFLOP/s at
-    1x24x4608x128 against 510 with the Triton passes traced in its place,
-    equal from 16K tokens up (bench/notes.md). Run eagerly, the Triton
-    passes: 500 against 192 for a dozen torch ops at 4608 tokens, 760
-    against 590 at 32760. q and k None: v's alone."""
-    if is_fake(v if q is None else q):
-        operands = () if q is None else reference.attention.smooth_quantize_qk(q, k, seq_dim)
-        return operands + (fp8_values_transposed(v, seq_dim) if v is not None else ())
-    return quantize_8bit(q, k, v, seq_dim)
-
-
 def fp8_values_transposed(v: Tensor, seq_dim: int) -> tuple[Tensor, Tensor]:
     """``reference.attention.quantize_v_fp8`` of v (``[B, Hk, Lk, D]`` or
     ``[B, Lk, Hk, D]``) laid out as the FP8 P V kernel reads it: e4m3
     ``[B, Hk, D, Lk]`` with a unit key stride and rows padded to 16 bytes
     (TMA's row alignment), and the channel scales ``[B, Hk, D]``. In torch
-    ops (the compiled path, and the layout's specification, which
-    :func:`quantize_8bit`'s kernel writes, padding columns excepted)."""
+    ops: the layout's specification, which :func:`quantize_8bit`'s kernel
+    writes (padding columns excepted), for the tests and benchmarks."""
     vf = v.float() if seq_dim == 2 else v.float().transpose(1, 2)
-    v_scale = reference.attention.fp8_channel_scales(vf)
+    v_scale, v_inverse = reference.attention.fp8_channel_scales(vf)
     lk = vf.shape[2]
-    scaled = (vf / v_scale.unsqueeze(2)).transpose(2, 3)
+    scaled = (vf * v_inverse.unsqueeze(2)).transpose(2, 3)
     # Contiguous whatever the padding: with none, pad returns the transposed view, and a cast
     # that preserved its strides would leave the keys D apart (the kernel reads them as adjacent).
     vt = torch.nn.functional.pad(scaled, (0, -lk % 16)).to(torch.float8_e4m3fn,
@@ -470,12 +455,16 @@ def _launch_eight_bit(operands: tuple, v: Tensor, out: Tensor, scale: float, cau
 
 
 def _quantized(q: Optional[Tensor], k: Optional[Tensor], v: Tensor, seq_dim: int, pv_fp8: bool) -> tuple:
-    """:func:`_eight_bit_operands` of q and k (None: they come quantized) and,
-    for FP8 P V, v, in one pass where they share it."""
+    """:func:`quantize_8bit` of q and k (None: they come quantized) and, for
+    FP8 P V, v, in one pass where they share it. Traced too (torch.compile,
+    torch.export): the Triton passes beat Inductor's fusion of the
+    specification's torch ops at every measured shape for ``int8_fp8`` (H100,
+    1x24x4608x128: 568 TFLOP/s eager against 541 compiled with the torch
+    ops; bench/notes.md), and one path is what both modes then run."""
     if q is None and not pv_fp8:
         return ()
     q, k, v = (None if t is None else unit_last_stride(t) for t in (q, k, v))
-    return _eight_bit_operands(q, k, v if pv_fp8 else None, seq_dim)
+    return quantize_8bit(q, k, v if pv_fp8 else None, seq_dim)
 
 
 @fused_op("attention_int8_fp8", fake=meta.attention.attention_int8_fp8,

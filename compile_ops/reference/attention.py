@@ -95,8 +95,8 @@ INT8_MAX = 127.0
 def quantize_int8(x: torch.Tensor, block: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT8 of ``x [B, H, L, D]`` (fp32) with one scale per ``block``
     consecutive positions (1: per token): ``scale = amax / 127`` over the block's
-    rows (an all-zero block gets the smallest normal amax, so its values stay
-    0), ``q = round_half_even(x / scale)`` clamped to [-127, 127]. Returns
+    rows (:func:`quantization_scale`: an all-zero block's values stay 0),
+    ``q = round_half_even(x * (1 / scale))`` clamped to [-127, 127]. Returns
     ``(q int8 [B, H, L, D], scale fp32 [B, H, ceil(L / block)])``."""
     b, h, length, _ = x.shape
     amax = x.abs().amax(-1)
@@ -106,10 +106,22 @@ def quantize_int8(x: torch.Tensor, block: int = 1) -> tuple[torch.Tensor, torch.
         if whole < length:
             parts.append(amax.narrow(-1, whole, length - whole).amax(-1, keepdim=True))
         amax = torch.cat(parts, dim=-1)
-    scale = amax.clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
-    per_row = _per_row(scale, block, length)
-    q = torch.round(x / per_row.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    scale, inverse = quantization_scale(amax, INT8_MAX)
+    q = torch.round(x * _per_row(inverse, block, length).unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
+
+
+def quantization_scale(amax: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit operands' scale for a block's (or channel's) largest
+    magnitude ``amax`` (fp32), and its reciprocal: ``scale = max(amax / top,
+    tiny)`` (fp32's smallest normal: an all-zero block keeps its zeros, and
+    ``1 / scale`` stays finite) and ``inverse = 1 / scale``, both correctly
+    rounded (tensor divisions are IEEE on CPU and CUDA). The values are then
+    multiplied by ``inverse``, not divided by ``scale``: the kernels do one
+    multiplication per value where a correctly rounded division costs a
+    dozen instructions (it made the quantizing passes arithmetic-bound)."""
+    scale = (amax / top).clamp(min=torch.finfo(torch.float32).tiny)
+    return scale, torch.ones_like(scale) / scale
 
 
 def dequantize_int8(q8: torch.Tensor, scale: torch.Tensor, block: int = 1) -> torch.Tensor:
@@ -205,17 +217,18 @@ FP8_PV_TILE = 128
 
 def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 of ``v [B, H, L, D]`` (fp32) with one scale per (batch, head,
-    channel) over the sequence: ``scale = amax / 448`` (an all-zero channel
-    gets the smallest normal amax), values ``v / scale`` rounded to nearest
-    even (``|v / scale| <= 448``: nothing saturates). Returns
+    channel) over the sequence: ``scale = amax / 448`` (:func:`quantization_scale`),
+    values ``v * (1 / scale)`` rounded to nearest even (at most 448 and an
+    fp32 ulp, which rounds to 448: nothing saturates). Returns
     ``(e4m3 [B, H, L, D], scale fp32 [B, H, D])``."""
-    scale = fp8_channel_scales(v)
-    return (v / scale.unsqueeze(2)).to(torch.float8_e4m3fn), scale
+    scale, inverse = fp8_channel_scales(v)
+    return (v * inverse.unsqueeze(2)).to(torch.float8_e4m3fn), scale
 
 
-def fp8_channel_scales(v: torch.Tensor) -> torch.Tensor:
-    """:func:`quantize_v_fp8`'s scales ``[B, H, D]`` of ``v [B, H, L, D]`` (fp32)."""
-    return v.abs().amax(2).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+def fp8_channel_scales(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_v_fp8`'s scales ``[B, H, D]`` of ``v [B, H, L, D]`` (fp32)
+    and their reciprocals."""
+    return quantization_scale(v.abs().amax(2), FP8_MAX)
 
 
 def attention_int8_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
