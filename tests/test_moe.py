@@ -160,6 +160,20 @@ def test_kernels_ties_go_to_the_lowest_expert_and_nan_rows_to_the_first(dtype):
     assert token_index.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3], [2, 3, 4, 4], [0, 1, 4, 4], [4] * 4, [4] * 4]
 
 
+@pytest.mark.parametrize("route_block_h", [32, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_launch_configs_keep_the_dot_chunk_at_16_or_more(dtype, route_block_h, monkeypatch):
+    """Every routing config's H chunk is at least tl.dot's K of 16, also for
+    routers past 64 experts (whose chunk is halved) and the tests' narrow
+    wide-router override (32 columns): the interpreter runs a chunk of 8, the
+    GPU's compiler rejects it (found on an H100: fp32, E = 130)."""
+    from compile_ops.ops import moe as moe_ops
+
+    monkeypatch.setattr(moe_ops, "ROUTE_BLOCK_H", route_block_h)
+    for e in (4, 64, 65, 130, 256):
+        assert moe_ops.launch_config(e, 16, dtype).block_h >= 16, (e, dtype)
+
+
 @pytest.mark.kernels
 @concurrent_programs_only
 def test_kernels_reruns_are_bit_identical():

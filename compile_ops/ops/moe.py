@@ -74,7 +74,10 @@ def launch_config(e: int, h: int, dtype: torch.dtype) -> LaunchConfig:
     block_h = max(16, ROUTE_BLOCK_H * 2 // dtype.itemsize)  # the same bytes per stage in every dtype
     wide = block_e > 64
     if wide:
-        block_h //= 2
+        # Not below tl.dot's K of 16: a config with a narrow ROUTE_BLOCK_H (the
+        # tests' wide-router override, 32 columns) gave fp32 and fp64 chunks of
+        # 8, which the interpreter runs and the GPU's compiler rejects.
+        block_h = max(16, block_h // 2)
     split = triton.cdiv(h, SPLIT_COLUMNS) if e * h * dtype.itemsize >= SPLIT_MIN_WEIGHT_BYTES else 1
     if split > 1:
         return LaunchConfig(ROUTE_SPLIT_BLOCK_T, block_e, block_h, num_warps=4, num_stages=1, split=split,
