@@ -317,21 +317,32 @@ def block_sparse_table(data: dict) -> str:
     the mask builders' times."""
     rows, env = data["rows"], data["env"]
     dense = next(r for r in rows if r["provider"] == "fused_dense")
+    cudnn = next((r for r in rows if r["provider"] == "sdpa_cudnn_dense"), None)
     by = {(r["provider"], r["density"]): r for r in rows if "density" in r}
     shape = _shape(dense["shape"])
+
+    def ratio(a, b):
+        both = f"{a['fwdbwd_ms'] / b['fwdbwd_ms']:.2f}x" if "fwdbwd_ms" in a and "fwdbwd_ms" in b else "-"
+        return f"{a['fwd_ms'] / b['fwd_ms']:.2f}x / {both}"
+
+    def times(r):
+        return f"{r['fwd_ms']:.2f} / " + (f"{r['fwdbwd_ms']:.1f}" if "fwdbwd_ms" in r else "-")
+
+    cudnn_text = (f", SDPA's cuDNN dense attention's ({times(cudnn)} ms; its backward: "
+                  f"{cudnn.get('fwdbwd_error', 'ran')[:80]})" if cudnn and "fwdbwd_ms" not in cudnn
+                  else f", SDPA's cuDNN dense attention's ({times(cudnn)} ms)" if cudnn else "")
     out = [run_line(env) + f" | bf16, {shape}, random 128x128 block masks (diagonal and block 0 kept), one for "
            "every head.", "",
            "ms forward / forward+backward (CUDA-graph replay); the speed-ups divide our dense attention's time "
-           f"({dense['fwd_ms']:.2f} / {dense['fwdbwd_ms']:.1f} ms) and FlexAttention's (compiled, same `BlockMask`) "
-           "by ours.", "",
-           "| blocks kept | fused_sparse | flex_block_mask | vs fused dense | vs flex |",
-           "|---:|---:|---:|---:|---:|"]
+           f"({times(dense)} ms){cudnn_text} and FlexAttention's (compiled, same `BlockMask`) by ours.", "",
+           "| blocks kept | fused_sparse | flex_block_mask | vs fused dense | " + ("vs cuDNN dense | " if cudnn else "")
+           + "vs flex |",
+           "|---:|---:|---:|---:|" + ("---:|" if cudnn else "") + "---:|"]
     for density in sorted({d for p, d in by if p == "fused_sparse"}):
         ours, flex = by[("fused_sparse", density)], by.get(("flex_block_mask", density), {})
-        ratio = (lambda a, b: f"{a['fwd_ms'] / b['fwd_ms']:.2f}x / {a['fwdbwd_ms'] / b['fwdbwd_ms']:.2f}x")
-        out.append(f"| {density:.0%} | {ours['fwd_ms']:.2f} / {ours['fwdbwd_ms']:.1f} | "
-                   + (f"{flex['fwd_ms']:.2f} / {flex['fwdbwd_ms']:.1f} | " if flex else "- | ")
-                   + f"{ratio(dense, ours)} | " + (f"{ratio(flex, ours)} |" if flex else "- |"))
+        out.append(f"| {density:.0%} | {times(ours)} | " + (f"{times(flex)} | " if flex else "- | ")
+                   + f"{ratio(dense, ours)} | " + (f"{ratio(cudnn, ours)} | " if cudnn else "")
+                   + (f"{ratio(flex, ours)} |" if flex else "- |"))
     builders = [r for r in rows if "ms" in r]
     if builders:
         out += ["", "Mask building, compiled: " + "; ".join(
