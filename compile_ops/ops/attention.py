@@ -342,8 +342,8 @@ def quantize_8bit(q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor],
     """8-bit attention's operands by Triton kernels: ``(q8, q_scale, k8,
     k_scale)`` of ``reference.attention.smooth_quantize_qk`` and, with v,
     ``(vt8, v_scale)`` of :func:`fp8_values_transposed`, in three launches
-    (k's and v's sequence reductions, then q, then k and v) that read each
-    16-bit input at most twice. The same values as the reference up to the
+    (k's and v's sequence reductions, then k and v, then q) that read each
+    16-bit input at most twice; eager and traced calls alike. The same values as the reference up to the
     order of k's mean's sum (an fp32 ulp, which can move a rare k value to
     the next integer). q and k None: v's two alone (q and k came quantized
     from ``fused.qk_rope_int8``).
