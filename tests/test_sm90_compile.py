@@ -212,6 +212,32 @@ def _compile_with_constant_ints(launches):
             assert compiled.asm.get("cubin")
 
 
+def test_8bit_rounding_keeps_the_product_out_of_an_fma():
+    """``_int8_of`` rounds ``x * (1 / scale)`` by adding and subtracting
+    1.5 * 2**23: if the compiler contracts the product and that add into one
+    fma, the product is never rounded to fp32 and a value just below a half
+    rounds up, unlike torch (6 GPU test failures, none under the interpreter,
+    which cannot contract). In the sm_90 PTX of every quantizing kernel
+    (attention's passes and the quantizing rotation) the bias (``0f4B400000``)
+    is added by a plain add, never an fma."""
+    from compile_ops.ops import attention as attention_ops
+
+    spec = next(s for s in registry.OPS if s.name == "attention_int8_fp8")
+    launches = list(_launches(spec, torch.bfloat16, lambda q, k, v, *rest: attention_ops.quantize_8bit(
+        q, k, v, rest[2])).values())
+    rope = next(s for s in registry.OPS if s.name == "qk_rope_int8")
+    launches += list(_launches(rope, torch.bfloat16).values())
+    checked = 0
+    for kernel, signature, constants in launches:
+        ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
+        ptx = triton.compile(ASTSource(fn=kernel, signature=ordered, constexprs=constants),
+                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        bias_lines = [line.strip() for line in ptx.splitlines() if "0f4B400000" in line]
+        assert not [line for line in bias_lines if line.startswith("fma")], (kernel.fn.__name__, bias_lines[:3])
+        checked += any(line.startswith("add") for line in bias_lines)
+    assert checked >= 2, "no kernel rounded by the bias: the check looked at nothing"
+
+
 @pytest.mark.parametrize("mode", ["bf16", "int8", "int8_fp8"])
 def test_gluon_attention_experiment_compiles_for_sm90(mode):
     """bench/experiments/attention_gluon.py (the Gluon forward that lost to the
