@@ -119,8 +119,14 @@ def test_kernels_match_the_reference_and_choose_its_experts(case):
     exact_probs, exact_weights = _composite(xd, wd, experts, renormalize)
     x_plain, w_plain = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
     plain_probs, plain_weights = _composite(x_plain, w_plain, experts, renormalize)
-    assert_within_torch_error(probs, exact_probs, plain_probs, 2.0, "probs")
-    assert_within_torch_error(weights, exact_weights, plain_weights, 2.0, "weights", terms=top_k)
+    # fp32 logits sum H products at fp32 in the kernel's order (Triton's IEEE
+    # dot: a running fma chain), each addition a rounding that cuBLAS's order
+    # can dodge by luck: H terms of the floor, as the attention tests' fp32
+    # gradients (the H100 found 3.8e-7 against torch's 1.1e-7 at H = 256, E = 4:
+    # 3 ulps). A 16-bit x rounds torch's logits to its dtype, far coarser.
+    summed = h if dtype in (torch.float32, torch.float64) else 1
+    assert_within_torch_error(probs, exact_probs, plain_probs, 2.0, "probs", terms=summed)
+    assert_within_torch_error(weights, exact_weights, plain_weights, 2.0, "weights", terms=top_k * summed)
 
     # The expert choice of the fp64 reference, wherever its margins exceed the
     # kernel's rounding error twice (then no error of that size can reorder them).

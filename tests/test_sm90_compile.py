@@ -152,6 +152,32 @@ def test_attention_backward_tma_compiles_for_sm90(monkeypatch):
         assert compiled.asm.get("cubin")
 
 
+def test_block_sparse_forward_streams_keys_three_deep_on_sm90(monkeypatch):
+    """The block-sparse forward on Hopper reads its block list past Triton's
+    pipeliner (``LIST_BY_ASM``, kernels.attention._tile_start): its D=128 TMA
+    variant compiles for sm_90 with K and V buffered three tiles deep in both
+    key loops, as the dense forward's, and no async copy of the list into a
+    one-entry buffer (what an ordinary load of the list gets, with K and V two
+    deep: the slower sparse forward this option replaced)."""
+    from compile_ops.ops import attention as attention_ops
+
+    monkeypatch.setattr(attention_ops, "has_tma", lambda t: t.device.type == "cuda")
+    spec = next(s for s in registry.OPS if s.name == "block_sparse_attention")
+    launches = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants)
+                in _launches(spec, torch.bfloat16).items()
+                if name == "attn_fwd_kernel" and constants.get("LIST_BY_ASM") and constants["BLOCK_D"] == 128]
+    assert launches, "no D=128 block-sparse forward read its list past the pipeliner"
+    for kernel, signature, constants in launches:
+        ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
+        src = ASTSource(fn=kernel, signature=ordered, constexprs=constants)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+        ttgir = compiled.asm["ttgir"]
+        buffers = ttgir.count("ttg.local_alloc : () -> !ttg.memdesc<3x128x128xbf16")
+        assert buffers == 4, f"K and V three tiles deep in {buffers} of the 4 buffers of the two key loops"
+        assert "1x1xi32" not in ttgir, "the block list went through an async copy again"
+        assert "ld.global.b32" in compiled.asm["ptx"]
+
+
 @pytest.mark.parametrize("spec", [s for s in registry.OPS if s.name in ("attention_int8", "attention_int8_fp8")],
                          ids=lambda s: s.name)
 def test_8bit_quantization_kernels_compile_for_sm90(spec):

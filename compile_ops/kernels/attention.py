@@ -201,13 +201,31 @@ def _tiles_before(row, BLOCKS, count, TILE: tl.constexpr, SPARSE_BLOCK: tl.const
 
 
 @triton.jit
-def _tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARSE: tl.constexpr):
+def _tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARSE: tl.constexpr,
+                LIST_BY_ASM: tl.constexpr = False, count=0):
     """First row of the loop's i-th tile: ``i * TILE``, or (SPARSE) a tile of
-    the ``i // (SPARSE_BLOCK // TILE)``-th listed block."""
+    the ``i // (SPARSE_BLOCK // TILE)``-th listed block.
+
+    LIST_BY_ASM (the forward on Hopper, CUDA only): the listed block is read by
+    a plain ``ld.global`` that Triton's software pipeliner does not claim.
+    Given an ordinary load there, Triton 3.6 pipelines it as an async copy
+    into a one-entry buffer and spends one of the loop's stages on it, so K
+    and V stream two tiles deep instead of the dense loop's three (TTGIR of
+    the TMA forward): the sparse forward ran 1-8% slower for it
+    (bench/notes.md). Declared pure so that the pipeliner may hoist it
+    (the lists are read-only here); hoisted reads past the list are clamped
+    to its entries ``[0, count)`` (entry 0 when empty: the launcher takes
+    this path only for lists at least one entry wide)."""
     if SPARSE:
         i = tl.cast(i, tl.int32)  # the interpreter's range yields Python ints
         per_block: tl.constexpr = SPARSE_BLOCK // TILE
-        return tl.load(BLOCKS + i // per_block).to(tl.int32) * SPARSE_BLOCK + (i % per_block) * TILE
+        if LIST_BY_ASM:
+            entry = tl.maximum(tl.minimum(i // per_block, count - 1), 0)
+            block = tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [BLOCKS + entry],
+                                              dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            block = tl.load(BLOCKS + i // per_block).to(tl.int32)
+        return block * SPARSE_BLOCK + (i % per_block) * TILE
     else:
         return i * TILE
 
@@ -216,12 +234,13 @@ def _tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARS
 
 
 @triton.jit
-def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last, BLOCKS, kv_len, Lk, qk_scale,
+def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last, BLOCKS, count, kv_len, Lk, qk_scale,
                q_scale, K_SCALE,
                D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                SPARSE: tl.constexpr, TMA: tl.constexpr, DOT_ACC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-               INT8: tl.constexpr, KEY_BLOCK: tl.constexpr, PV_FP8: tl.constexpr):
+               INT8: tl.constexpr, KEY_BLOCK: tl.constexpr, PV_FP8: tl.constexpr,
+               LIST_BY_ASM: tl.constexpr = False):
     """Online softmax over key tiles; ``m`` is the running max of the raw
     scores q.k, and exponents are ``(s - m) * scale * log2(e)``: scaled after
     the subtraction, so their rounding error is relative to the (small)
@@ -236,7 +255,9 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
     descriptors, loaded by the TMA unit (rows past Lk and columns past D come
     back as zeros); ``DOT_ACC``: the rescaled accumulator is the second dot's
     accumulator operand (wgmma adds into it) instead of a separate add;
-    ``WARP_SPECIALIZE``: Triton's producer/consumer warp groups for the loop.
+    ``WARP_SPECIALIZE``: Triton's producer/consumer warp groups for the loop;
+    ``LIST_BY_ASM`` (SPARSE): the block list read past the pipeliner
+    (:func:`_tile_start`; ``count`` entries).
 
     ``INT8`` (8-bit attention): q and k are int8, q with per-token scales
     (``q_scale``, this program's rows), k with one scale per KEY_BLOCK
@@ -256,7 +277,7 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
     (two-level accumulation: Hopper's FP8 MMA keeps fewer accumulator bits
     than fp32, which over one tile of keys is far below e4m3's rounding)."""
     for i in tl.range(first, last, warp_specialize=WARP_SPECIALIZE):  # key tiles
-        start_n = _tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE)
+        start_n = _tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE, LIST_BY_ASM, count)
         cols = start_n + offs_n
         if TMA:
             k = K.load([start_n, 0])
@@ -320,7 +341,8 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
                     SPARSE: tl.constexpr, TMA: tl.constexpr = False, DOT_ACC: tl.constexpr = False,
                     WARP_SPECIALIZE: tl.constexpr = False, INT8: tl.constexpr = False,
                     INT8_KEY_BLOCK: tl.constexpr = 128, PV_FP8: tl.constexpr = False,
-                    OUT_FP8: tl.constexpr = False, ALIGNED_LENGTHS: tl.constexpr = False):
+                    OUT_FP8: tl.constexpr = False, ALIGNED_LENGTHS: tl.constexpr = False,
+                    LIST_BY_ASM: tl.constexpr = False):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
     that BLOCKS/COUNTS list for this query block. TMA, DOT_ACC,
@@ -335,7 +357,9 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     +-448 (``ROW_SCALE [B]`` fp32, a bound on |out|: the FP8 rows of
     ``reference.attention.attention_int8_fp8_rows``), and the programs of head
     0 write that scale to their rows of ``OUT_SCALE [B, Lq]``. ALIGNED_LENGTHS
-    (the three attention kernels): Lq and Lk are multiples of 16 (``_lengths``)."""
+    (the three attention kernels): Lq and Lk are multiples of 16 (``_lengths``).
+    LIST_BY_ASM (SPARSE, CUDA, lists at least one entry wide): see
+    :func:`_tile_start`."""
     Lq, Lk = _lengths(Lq, Lk, ALIGNED_LENGTHS)
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
         KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
@@ -373,11 +397,11 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     first_masked = _tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
     last = _tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
     acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, 0, first_masked,
-                           blocks, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, False, CAUSAL,
+                           blocks, count, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, False, CAUSAL,
                            DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, WARP_SPECIALIZE, INT8,
-                           INT8_KEY_BLOCK, PV_FP8)
+                           INT8_KEY_BLOCK, PV_FP8, LIST_BY_ASM)
     acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, first_masked, last,
-                           blocks, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, True, CAUSAL,
+                           blocks, count, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, True, CAUSAL,
                            DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, False, INT8, INT8_KEY_BLOCK,
                            PV_FP8)
 

@@ -217,6 +217,10 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
                          f"{tuple(v.stride())}")
     tma = _take_tma(t.tma, (seq_dim, q, k), (v_seq_dim, v))
     index, count, *list_strides = _lists(blocks)
+    # The block list past Triton's pipeliner (kernels.attention._tile_start):
+    # with the Hopper loop's TMA, by inline PTX (so not under the interpreter),
+    # and only for lists with an entry that clamped reads may land on.
+    list_by_asm = blocks is not None and tma and q.is_cuda and index.shape[-1] > 0
     row_scale, out_scale = fp8_rows if fp8_rows is not None else (None, None)
     grid = (triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])
     launcher(attn_fwd_kernel)[grid](
@@ -226,7 +230,8 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
         c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
         SPARSE=blocks is not None, TMA=tma, DOT_ACC=t.dot_acc, WARP_SPECIALIZE=t.warp_specialize, INT8=int8,
-        INT8_KEY_BLOCK=reference.attention.INT8_KEY_BLOCK, PV_FP8=pv_fp8, OUT_FP8=fp8_rows is not None, **consts,
+        INT8_KEY_BLOCK=reference.attention.INT8_KEY_BLOCK, PV_FP8=pv_fp8, OUT_FP8=fp8_rows is not None,
+        LIST_BY_ASM=list_by_asm, **consts,
     )
 
 
