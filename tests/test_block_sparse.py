@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import compile_ops
 from bad_input import bad_input_test
 from shapes import examples
+from compile_ops._library import clear_launch_plans
 from compile_ops.ops import block_sparse as bs
 from compile_ops.reference import block_sparse as ref
 from conftest import INTERPRET, KERNEL_DEVICE
@@ -112,6 +113,48 @@ def test_kernels_every_block_listed_equals_dense_attention_bit_for_bit(causal):
              *zip(torch.autograd.grad(sparse, (q, k, v), dout), torch.autograd.grad(dense, (q, k, v), dout))]
     for a, b in pairs:
         assert torch.equal(a, b)
+
+
+@pytest.mark.kernels
+def test_kernels_sparse_dkdv_by_tma_computes_what_pointer_loads_do(monkeypatch):
+    """The dk/dv pass's Hopper option on block-sparse lists (dkdv_tiles takes
+    TMA for them at D=128 on Hopper): the transposed lists' query tiles by
+    whole-tensor descriptors give the gradients of the pointer loads, forced
+    on, with GQA, a padded head dim, partial tiles, key lengths, a query
+    block with no listed block and both layouts."""
+    import dataclasses
+
+    from compile_ops.ops import attention as attention_ops
+
+    default = attention_ops.dkdv_tiles
+    torch.manual_seed(0)
+    for seq_dim in (1, 2):
+        q, k, v = _qkv(2, 4, 2, 300, 260, 48, seq_dim, torch.float16, KERNEL_DEVICE)
+        kv = torch.tensor([260, 131], dtype=torch.int32, device=KERNEL_DEVICE)
+        index, count = _random_lists(2, 4, 300, 260, 0.5, seq_dim, KERNEL_DEVICE)
+        count[0, 1, 1] = 0
+        grad = torch.randn_like(q)
+
+        def gradients():
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            compile_ops.block_sparse_attention(*inputs, index, count, None, False, seq_dim, kv).backward(grad)
+            return [t.grad for t in inputs]
+
+        with monkeypatch.context() as m:
+            m.setattr(attention_ops, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
+                default(d, dtype, sparse), tma=False))
+            clear_launch_plans()
+            want = gradients()
+            m.setattr(attention_ops, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
+                default(d, dtype, sparse), tma=True))
+            if INTERPRET:
+                m.setattr(attention_ops, "_tma_ready", lambda *tensors: True)
+                m.setattr(attention_ops, "_scratch", lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+            clear_launch_plans()
+            got = gradients()
+        clear_launch_plans()
+        for name, g, w in zip("qkv", got, want):
+            torch.testing.assert_close(g, w, rtol=2e-3, atol=2e-3, msg=lambda m: f"d{name}: {m}")
 
 
 @pytest.mark.kernels

@@ -76,9 +76,11 @@ def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False, precision: str 
 
 def dkdv_tiles(d: int, dtype: torch.dtype, sparse: bool = False, tma: bool = False) -> Tiles:
     """dk/dv pass: ``block_n`` keys per program, ``block_m``-query steps.
-    ``tma`` (the GPU has it): at D=128, 16-bit, dense, the steps' q and dO
-    tiles come by TMA (``bench/results/sweep-attention-backward-tma-h100.json``;
-    block-sparse keeps the pointer loads its tiles were tuned with)."""
+    ``tma`` (the GPU has it): at D=128, 16-bit, the steps' q and dO tiles
+    come by TMA (dense: ``bench/results/sweep-attention-backward-tma-h100.json``;
+    block-sparse at its 2 stages: the pass 6.20 ms against 6.82 with pointer
+    loads at 1x12x32760x128 and 35.2 against 38.0 at 1x12x75600x128, 26%
+    kept, ``bench/results/block-sparse-backward-tma-h100.json``)."""
     bd = block_d(d)
     if dtype in (torch.float32, torch.float64) or bd > 128:
         return Tiles(16, 32, 4, 2)
@@ -89,12 +91,14 @@ def dkdv_tiles(d: int, dtype: torch.dtype, sparse: bool = False, tma: bool = Fal
     # steps and 4 warps took 1.75x as long. Block-sparse loops (an index load
     # feeds each step's addresses) pipeline better at 2 stages, where dense
     # ones lose 15% (bench/results/sweep-block-sparse-h100.json, bench/notes.md).
-    return Tiles(64, 128, 8, 2 if sparse else 3, tma=tma and not sparse)
+    return Tiles(64, 128, 8, 2 if sparse else 3, tma=tma)
 
 
 def dq_tiles(d: int, dtype: torch.dtype, sparse: bool = False, tma: bool = False) -> Tiles:
     """dq pass: ``block_m`` queries per program, ``block_n``-key steps; ``tma``
-    as :func:`dkdv_tiles` (the steps' k and v tiles)."""
+    as :func:`dkdv_tiles` (the steps' k and v tiles), dense only: the
+    block-sparse pass measured no faster by TMA (4.44 ms against 4.24 at
+    1x12x32760x128, 24.9 against 25.1 at 1x12x75600x128, same JSON)."""
     if dtype in (torch.float32, torch.float64) or block_d(d) > 128:
         return Tiles(32, 16, 4, 2)
     if block_d(d) <= 64:
