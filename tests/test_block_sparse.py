@@ -149,7 +149,8 @@ def test_kernels_sparse_dkdv_by_tma_computes_what_pointer_loads_do(monkeypatch):
                 default(d, dtype, sparse), tma=True))
             if INTERPRET:
                 m.setattr(attention_ops, "_tma_ready", lambda *tensors: True)
-                m.setattr(attention_ops, "_scratch", lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+                m.setattr(attention_ops, "_scratch",
+                          lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
             clear_launch_plans()
             got = gradients()
         clear_launch_plans()

@@ -211,7 +211,7 @@ def _tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARS
     Given an ordinary load there, Triton 3.6 pipelines it as an async copy
     into a one-entry buffer and spends one of the loop's stages on it, so K
     and V stream two tiles deep instead of the dense loop's three (TTGIR of
-    the TMA forward): the sparse forward ran 1-8% slower for it
+    the TMA forward): the sparse forward ran up to 8% slower for it
     (bench/notes.md). Declared pure so that the pipeliner may hoist it
     (the lists are read-only here); hoisted reads past the list are clamped
     to its entries ``[0, count)`` (entry 0 when empty: the launcher takes
@@ -234,8 +234,8 @@ def _tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARS
 
 
 @triton.jit
-def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last, BLOCKS, count, kv_len, Lk, qk_scale,
-               q_scale, K_SCALE,
+def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last, BLOCKS, count, kv_len, Lk,
+               qk_scale, q_scale, K_SCALE,
                D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                SPARSE: tl.constexpr, TMA: tl.constexpr, DOT_ACC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
