@@ -212,10 +212,12 @@ def _tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARS
     into a one-entry buffer and spends one of the loop's stages on it, so K
     and V stream two tiles deep instead of the dense loop's three (TTGIR of
     the TMA forward): the sparse forward ran up to 8% slower for it
-    (bench/notes.md). Declared pure so that the pipeliner may hoist it
-    (the lists are read-only here); hoisted reads past the list are clamped
-    to its entries ``[0, count)`` (entry 0 when empty: the launcher takes
-    this path only for lists at least one entry wide)."""
+    (bench/notes.md). Declared pure because the pipeliner refuses an impure
+    asm op in a loop it pipelines ("doesn't know how to predicate"); the
+    lists are read-only here, but pure also lets it hoist the read into its
+    prologue, unpredicated, for iterations past the list, so the entry is
+    clamped to ``[0, count)`` (entry 0 when empty: the launcher takes this
+    path only for lists at least one entry wide)."""
     if SPARSE:
         i = tl.cast(i, tl.int32)  # the interpreter's range yields Python ints
         per_block: tl.constexpr = SPARSE_BLOCK // TILE

@@ -352,9 +352,9 @@ def quantize_8bit(q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor],
     k_scale)`` of ``reference.attention.smooth_quantize_qk`` and, with v,
     ``(vt8, v_scale)`` of :func:`fp8_values_transposed`, in three launches
     (k's and v's sequence reductions, then k and v, then q) that read each
-    16-bit input at most twice; eager and traced calls alike. The same values as the reference up to the
-    order of k's mean's sum (an fp32 ulp, which can move a rare k value to
-    the next integer). q and k None: v's two alone (q and k came quantized
+    16-bit input at most twice; eager and traced calls alike. The same
+    values as the reference up to the order of k's mean's sum (an fp32 ulp,
+    which can move a rare k value to the next integer). q and k None: v's two alone (q and k came quantized
     from ``fused.qk_rope_int8``).
 
     Args:
