@@ -122,6 +122,19 @@ def multiprocessor_count(t: torch.Tensor) -> int:
     return 132
 
 
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).L2_cache_size
+
+
+def l2_cache_bytes(t: torch.Tensor) -> int:
+    """L2 cache size in bytes of ``t``'s GPU; a fixed stand-in (an H100's 50 MB)
+    when none is present, as :func:`multiprocessor_count`."""
+    if t.device.type == "cuda" and HAS_CUDA:
+        return _l2_bytes(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return 50 * 2**20
+
+
 def _first_tensor(args, kwargs) -> torch.Tensor:
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, torch.Tensor):

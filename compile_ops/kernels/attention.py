@@ -122,23 +122,58 @@ def _lengths(Lq, Lk, ALIGNED_LENGTHS: tl.constexpr):
 
 
 @triton.jit
-def _program_head(H, GROUP, sqb, sqh, skb, skh):
-    """``(batch, head, q offset, k/v offset)`` of this program's (batch, q head),
+def _program_rank(heads_per_group, HEAVY_FIRST: tl.constexpr):
+    """``(rank, batch * heads + head)`` of this program in a ``(tiles, B * H)`` grid.
+
+    Without HEAVY_FIRST: ``(program_id(0), program_id(1))``. With it, the
+    programs are taken in launch order (x fastest) and dealt out to groups of
+    ``heads_per_group`` (batch, head) rows: a group's rank-0 tiles first, one
+    per row, then its rank-1 tiles, and so on, then the next group. The
+    caller maps rank to the tile that has the most work (causal attention:
+    the last query tile, the first key tile), so programs run roughly
+    longest first, which keeps the last wave short; the group bounds how many
+    heads' keys and values are read at once (L2 reuse)."""
+    if HEAVY_FIRST:
+        n_tiles = tl.num_programs(0)
+        linear = tl.program_id(0) + tl.program_id(1) * n_tiles
+        group_programs = heads_per_group * n_tiles
+        first = (linear // group_programs) * heads_per_group
+        within = linear % group_programs
+        rows = tl.minimum(heads_per_group, tl.num_programs(1) - first)
+        return within // rows, first + within % rows
+    else:
+        return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
+def _query_tile(heads_per_group, HEAVY_FIRST: tl.constexpr):
+    """``(query tile, batch * heads + head)`` of a forward or dq program; with
+    HEAVY_FIRST (causal) rank 0 is the last query tile, which sees the most keys."""
+    rank, bh = _program_rank(heads_per_group, HEAVY_FIRST)
+    if HEAVY_FIRST:
+        return tl.num_programs(0) - 1 - rank, bh
+    else:
+        return rank, bh
+
+
+@triton.jit
+def _program_head(bh, H, GROUP, sqb, sqh, skb, skh):
+    """``(batch, head, q offset, k/v offset)`` of (batch, q head) ``bh``,
     all int64: one batch element may hold more than 2**31 elements."""
-    b = tl.cast(tl.program_id(1), tl.int64) // H
-    h = tl.program_id(1) - b * H
+    b = tl.cast(bh, tl.int64) // H
+    h = bh - b * H
     return b, h, b * sqb + h * sqh, b * skb + (h // GROUP) * skh
 
 
 @triton.jit
-def _query_program(KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M: tl.constexpr,
+def _query_program(tile, bh, KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr):
     """The setup of a program that owns ``BLOCK_M`` queries (forward, dq pass):
     ``(batch, head, q/k/v offsets, first query, kv_len, end of the unmasked
     key tiles, end of all key tiles)``."""
-    b, h, q_off, k_off = _program_head(H, GROUP, sqb, sqh, skb, skh)
+    b, h, q_off, k_off = _program_head(bh, H, GROUP, sqb, sqh, skb, skh)
     v_off = b * svb + (h // GROUP) * svh
-    q_start = tl.program_id(0) * BLOCK_M
+    q_start = tile * BLOCK_M
     kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
     end = kv_len
     if CAUSAL:
@@ -336,7 +371,7 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
 @triton.jit
 def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE, V_SCALE, ROW_SCALE, OUT_SCALE,
                     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr,
-                    H, GROUP, Lq, Lk, scale,
+                    H, GROUP, Lq, Lk, scale, heads_per_group,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
@@ -344,7 +379,7 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
                     WARP_SPECIALIZE: tl.constexpr = False, INT8: tl.constexpr = False,
                     INT8_KEY_BLOCK: tl.constexpr = 128, PV_FP8: tl.constexpr = False,
                     OUT_FP8: tl.constexpr = False, ALIGNED_LENGTHS: tl.constexpr = False,
-                    LIST_BY_ASM: tl.constexpr = False):
+                    LIST_BY_ASM: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
     that BLOCKS/COUNTS list for this query block. TMA, DOT_ACC,
@@ -361,10 +396,13 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     0 write that scale to their rows of ``OUT_SCALE [B, Lq]``. ALIGNED_LENGTHS
     (the three attention kernels): Lq and Lk are multiples of 16 (``_lengths``).
     LIST_BY_ASM (SPARSE, CUDA, lists at least one entry wide): see
-    :func:`_tile_start`."""
+    :func:`_tile_start`. HEAVY_FIRST, ``heads_per_group`` (the three
+    attention kernels): the program order of causal launches,
+    :func:`_program_rank`."""
     Lq, Lk = _lengths(Lq, Lk, ALIGNED_LENGTHS)
+    tile, bh = _query_tile(heads_per_group, HEAVY_FIRST)
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
-        KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
+        tile, bh, KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     o_off = b * sob + h * soh
     q_rows = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -423,7 +461,7 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
             tl.store(OUT_SCALE + b * Lq + q_rows, tl.zeros([BLOCK_M], tl.float32) + row_scale, mask=q_rows < Lq)
     _store_tile(OUT + o_off, q_start, tl.arange(0, BLOCK_M), Lq, sol, offs_d, out, D)
     lse = tl.where(empty, float("-inf"), m * scale + log2_l * 0.6931471805599453)  # ln 2
-    tl.store(LSE + tl.cast(tl.program_id(1), tl.int64) * Lq + q_rows, lse, mask=q_rows < Lq)
+    tl.store(LSE + tl.cast(bh, tl.int64) * Lq + q_rows, lse, mask=q_rows < Lq)
 
 
 # ---------------------------------------------------------------- 8-bit operands
@@ -594,7 +632,7 @@ def attn_bwd_row_stats_kernel(OUT, DO, LSE, DELTA, LSE_ROWS, H, Lq, sob, soh, so
     STATS_ROW_ALIGN): DELTA = rowsum(dO * O), 0 past Lq; LSE_ROWS = the
     forward's LSE ``[B * H, Lq]``, +inf past Lq and for rows with no visible
     key, so that their probabilities are 0."""
-    _, _, o_off, do_off = _program_head(H, 1, sob, soh, sdb, sdh)  # O and dO share q's heads
+    _, _, o_off, do_off = _program_head(tl.program_id(1), H, 1, sob, soh, sdb, sdh)  # O and dO share q's heads
     start = tl.program_id(0) * BLOCK_M
     offs = tl.arange(0, BLOCK_M)
     rows = start + offs
@@ -668,20 +706,22 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE_ROWS, DELTA, sql, sdl, k_cols, offs_m, 
 def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DK, DV, KV_LEN, BLOCKS, COUNTS,
                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl,
                          sdkb, sdkh, sdkl, sdvb, sdvh, sdvl, sbb, sbh, sbr, scb, sch, scr,
-                         B, HK, GROUP, Lq, Lk, scale,
+                         B, HK, GROUP, Lq, Lk, scale, heads_per_group,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                          SPARSE: tl.constexpr, TMA: tl.constexpr = False,
-                         ALIGNED_LENGTHS: tl.constexpr = False):
+                         ALIGNED_LENGTHS: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False):
     """dk, dv of BLOCK_N keys of one (batch, k/v head), summed over its GQA group.
     SPARSE: BLOCKS/COUNTS are the transposed lists (per q head and key block,
     the query blocks that list it). TMA (Hopper): the loop's q and dO tiles
     by tensor descriptors over the whole tensors (16-byte aligned bases and
-    strides, which the launcher checks)."""
+    strides, which the launcher checks). HEAVY_FIRST as the forward: rank 0
+    is the first key tile, which the most queries see."""
     Lq, Lk = _lengths(Lq, Lk, ALIGNED_LENGTHS)
-    b, hk, k_off, v_off = _program_head(HK, 1, skb, skh, svb, svh)  # a program per (batch, k/v head)
-    k_start = tl.program_id(0) * BLOCK_N
+    tile, bh = _program_rank(heads_per_group, HEAVY_FIRST)
+    b, hk, k_off, v_off = _program_head(bh, HK, 1, skb, skh, svb, svh)  # a program per (batch, k/v head)
+    k_start = tile * BLOCK_N
     k_cols = k_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -757,23 +797,24 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, skl, svl, q_rows, offs_n, offs_d, fir
 def attn_bwd_dq_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ, KV_LEN, BLOCKS, COUNTS,
                        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sdqb, sdqh, sdql,
                        sbb, sbh, sbr, scb, sch, scr,
-                       B, H, GROUP, Lq, Lk, scale,
+                       B, H, GROUP, Lq, Lk, scale, heads_per_group,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                        SPARSE: tl.constexpr, TMA: tl.constexpr = False,
-                       ALIGNED_LENGTHS: tl.constexpr = False):
-    """dq of BLOCK_M queries of one (batch, head); SPARSE as the forward. TMA
-    (Hopper): the loop's k and v tiles by tensor descriptors over the whole
-    tensors, as the dk/dv pass's q and dO."""
+                       ALIGNED_LENGTHS: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False):
+    """dq of BLOCK_M queries of one (batch, head); SPARSE, HEAVY_FIRST as the
+    forward. TMA (Hopper): the loop's k and v tiles by tensor descriptors over
+    the whole tensors, as the dk/dv pass's q and dO."""
     Lq, Lk = _lengths(Lq, Lk, ALIGNED_LENGTHS)
+    tile, bh = _query_tile(heads_per_group, HEAVY_FIRST)
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
-        KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
+        tile, bh, KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     q_rows = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
-    row_base = tl.cast(tl.program_id(1), tl.int64) * _stats_row_length(Lq)
+    row_base = tl.cast(bh, tl.int64) * _stats_row_length(Lq)
     offs_m = tl.arange(0, BLOCK_M)
     q = _load_tile(Q + q_off, q_start, offs_m, Lq, sql, offs_d, D, BLOCK_D, True)
     do = _load_tile(DO + b * sdb + h * sdh, q_start, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True)

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from compile_ops import _dtensor, meta, reference
-from compile_ops._library import fused_op, has_tma, launcher, register_no_gradient, require_fp8_mma
+from compile_ops._library import fused_op, has_tma, l2_cache_bytes, launcher, register_no_gradient, require_fp8_mma
 from compile_ops.kernels.attention import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                            attn_bwd_row_stats_kernel, attn_fwd_kernel, fp8_rows_scale_kernel,
                                            qk8_quantize_kernel, qk8_stats_kernel)
@@ -180,6 +180,33 @@ def _take_tma(wanted: bool, *layouts: tuple) -> bool:
     return tma
 
 
+#: The share of L2 that the (batch, head) rows run at once by a causal launch
+#: may fill with the tensors they all read (k and v; q and dO for dk/dv).
+CAUSAL_GROUP_L2_SHARE = 4
+
+
+def causal_order(shared: Tensor, length: int, rows: int) -> tuple[dict, int]:
+    """``(constexprs, heads_per_group)`` of a causal launch over ``rows``
+    (batch, head) rows of which each reads ``length`` positions of two
+    ``shared``-like tensors (``[..., D]``: k and v, or q and dO for dk/dv).
+
+    Causal programs differ in work by up to the sequence's tile count, so
+    they run longest first (``kernels.attention._program_rank``), dealt out
+    across groups of rows whose shared bytes fill about a quarter of L2.
+    The rule fits the measured best groups of the sweep in bench/notes.md
+    ("Causal programs, longest first"): one row at 16384 and 32760 tokens
+    (8.4 and 16.8 MB of k and v per row), 3-6 at 4608 (2.4 MB), 12-48 at
+    4096 tokens with D = 64 (1 MB)."""
+    # sym_max/sym_min: under dynamic shapes the group stays symbolic (a kernel argument), not a guard.
+    row_bytes = torch.sym_max(2 * length * shared.shape[-1] * shared.element_size(), 1)
+    group = torch.sym_max(l2_cache_bytes(shared) // CAUSAL_GROUP_L2_SHARE // row_bytes, 1)
+    return dict(HEAVY_FIRST=True), torch.sym_min(group, torch.sym_max(rows, 1))
+
+
+#: The order of every other launch: as launched (non-causal tiles all do the same work).
+_LAUNCH_ORDER = (dict(HEAVY_FIRST=False), 1)
+
+
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                    seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple] = None,
                    int8_scales: Optional[tuple] = None, v_scale: Optional[Tensor] = None,
@@ -227,15 +254,16 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     list_by_asm = blocks is not None and tma and q.is_cuda and index.shape[-1] > 0
     row_scale, out_scale = fp8_rows if fp8_rows is not None else (None, None)
     grid = (triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])
+    order, group = causal_order(k, c["lk"], grid[1]) if causal and blocks is None else _LAUNCH_ORDER
     launcher(attn_fwd_kernel)[grid](
         q, k, v, out, lse, kv_lengths, index, count, q_scale, k_scale, v_scale, row_scale, out_scale,
         *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, v_seq_dim),
         *_bhl_strides(out, 1 if fp8_rows is not None else seq_dim), *list_strides,
-        c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
+        c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale), group,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
         SPARSE=blocks is not None, TMA=tma, DOT_ACC=t.dot_acc, WARP_SPECIALIZE=t.warp_specialize, INT8=int8,
         INT8_KEY_BLOCK=reference.attention.INT8_KEY_BLOCK, PV_FP8=pv_fp8, OUT_FP8=fp8_rows is not None,
-        LIST_BY_ASM=list_by_asm, **consts,
+        LIST_BY_ASM=list_by_asm, **order, **consts,
     )
 
 
@@ -267,22 +295,24 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     assert STATS_ROW_ALIGN.value % t.block_m == 0, t  # the statistics rows hold whole query tiles
     tma = _take_tma(t.tma, (seq_dim, q, grad_out))
     index, count, *list_strides = _lists(key_blocks)
+    order, group = causal_order(q, c["lq"], c["b"] * c["hk"]) if causal and not sparse else _LAUNCH_ORDER
     launcher(attn_bwd_dkdv_kernel)[(triton.cdiv(c["lk"], t.block_n), c["b"] * c["hk"])](
         q, k, v, grad_out, lse_rows, delta, dk, dv, kv_lengths, index, count, *strides,
         *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim), *list_strides,
-        c["b"], c["hk"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
+        c["b"], c["hk"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale), group,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
-        TMA=tma, **consts,
+        TMA=tma, **order, **consts,
     )
     t = dq_tiles(d, q.dtype, sparse, has_tma(q))
     assert STATS_ROW_ALIGN.value % t.block_m == 0, t
     tma = _take_tma(t.tma, (seq_dim, k, v))
     index, count, *list_strides = _lists(blocks)
+    order, group = causal_order(k, c["lk"], c["b"] * c["h"]) if causal and not sparse else _LAUNCH_ORDER
     launcher(attn_bwd_dq_kernel)[(triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])](
         q, k, v, grad_out, lse_rows, delta, dq, kv_lengths, index, count, *strides, *_bhl_strides(dq, seq_dim),
-        *list_strides, c["b"], c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale),
+        *list_strides, c["b"], c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale), group,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
-        TMA=tma, **consts,
+        TMA=tma, **order, **consts,
     )
 
 
