@@ -667,8 +667,8 @@ def _needs_gradient(*tensors) -> bool:
 
 def _sdpa_is_faster(query, key, value) -> bool:
     """Inference in fp16/bf16 on a GPU: SDPA's cuDNN backend runs the forward
-    1.2-1.35x faster than fused.attention on an H100/H200 (README attention
-    tables). Training keeps fused.attention: its backward is ahead of SDPA's
+    1.07-1.15x faster than fused.attention on an H100 (1.02-1.13x causal;
+    README attention tables). Training keeps fused.attention: its backward is ahead of SDPA's
     flash backend, and torch 2.11's cuDNN backward fails at Flux's training
     shape (bench/diffusers_e2e.py)."""
     return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not _needs_gradient(query, key, value)

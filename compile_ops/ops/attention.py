@@ -295,7 +295,9 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     assert STATS_ROW_ALIGN.value % t.block_m == 0, t  # the statistics rows hold whole query tiles
     tma = _take_tma(t.tma, (seq_dim, q, grad_out))
     index, count, *list_strides = _lists(key_blocks)
-    order, group = causal_order(q, c["lq"], c["b"] * c["hk"]) if causal and not sparse else _LAUNCH_ORDER
+    # A dk/dv row reads q and dO of its whole GQA group of heads.
+    order, group = (causal_order(q, c["lq"] * (c["h"] // c["hk"]), c["b"] * c["hk"]) if causal and not sparse
+                    else _LAUNCH_ORDER)
     launcher(attn_bwd_dkdv_kernel)[(triton.cdiv(c["lk"], t.block_n), c["b"] * c["hk"])](
         q, k, v, grad_out, lse_rows, delta, dk, dv, kv_lengths, index, count, *strides,
         *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim), *list_strides,
