@@ -20,6 +20,12 @@ the tail and diagonal tiles pay for masking. Causal is SDPA's: query i sees
 keys ``j <= i``. Keys past ``kv_len`` (the batch element's valid length, or
 Lk) never contribute; a query with no visible key gets 0 and an lse of -inf.
 
+Program order: as launched (query or key tile fastest, then batch x head),
+except for causal launches (``HEAVY_FIRST``), where a tile's work grows with
+its distance from the diagonal: ``_program_rank`` runs the tiles with the
+most keys (forward, dq) or queries (dk/dv) first, interleaving a group of
+heads sized by the launcher (``ops.attention.causal_order``).
+
 Block-sparse attention (the ``block_sparse`` family) runs the same kernels
 with ``SPARSE``: instead of a range of key tiles, a program walks the
 ``SPARSE_BLOCK``-sized blocks listed for its query block (forward, dq) or, in
