@@ -14,6 +14,8 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -21,6 +23,7 @@ import compile_ops
 from bad_input import bad_input_test
 from shapes import size
 from compile_ops._library import clear_launch_plans
+from compile_ops.kernels.attention import _program_rank
 from compile_ops.reference import attention as ref
 from conftest import INTERPRET, KERNEL_DEVICE, tf32_dots
 from numerics import assert_within_torch_error
@@ -762,7 +765,8 @@ def test_kernels_hopper_options_compute_what_the_default_forward_does(precision,
                           *dataclasses.astuple(default(d, dtype, False, precision))[:4], **options))
             if INTERPRET:  # the interpreter's tensors are on the CPU: so are the descriptors' scratch and checks
                 m.setattr(attention_ops, "_tma_ready", lambda *tensors: True)
-                m.setattr(attention_ops, "_scratch", lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+                m.setattr(attention_ops, "_scratch",
+                          lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
             clear_launch_plans()  # the eager call above left a plan for the default tiles
             with torch.no_grad():
                 got = compile_ops.attention(q, k, v, seq_dim=seq_dim, kv_lengths=kv_lengths, precision=precision)
@@ -803,7 +807,8 @@ def test_kernels_backward_tma_computes_what_pointer_loads_do(causal, monkeypatch
                 defaults[1](d, dtype, sparse), tma=True))
             if INTERPRET:
                 m.setattr(attention_ops, "_tma_ready", lambda *tensors: True)
-                m.setattr(attention_ops, "_scratch", lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+                m.setattr(attention_ops, "_scratch",
+                          lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
             clear_launch_plans()
             got = gradients()
         clear_launch_plans()
@@ -851,6 +856,67 @@ def test_kernels_causal_program_order_computes_what_launch_order_does(group, mon
     assert groups == [(8, min(group, 8)), (4, min(group, 4)), (8, min(group, 8))], groups
     for name, g, w in zip(["out", "lse", "dq", "dk", "dv"], got, want):
         assert torch.equal(g, w), name
+
+
+@triton.jit
+def _ranks_kernel(OUT, heads_per_group):
+    """Each program's ``_program_rank`` (rank, row) at its launch-order index of ``OUT [tiles * rows, 2]``."""
+    rank, bh = _program_rank(heads_per_group, True)
+    linear = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+    tl.store(OUT + 2 * linear, rank)
+    tl.store(OUT + 2 * linear + 1, bh)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("tiles, rows, group", [(5, 7, 3), (4, 6, 6), (3, 4, 1)],
+                         ids=["uneven-groups", "one-group", "one-row-groups"])
+def test_kernels_program_rank_deals_the_heaviest_tiles_first(tiles, rows, group):
+    """``_program_rank`` itself, on a ``(tiles, rows)`` grid: in launch order
+    (x fastest) the programs take each (rank, row) once, groups of ``group``
+    consecutive rows one after another, and within a group every row's rank r
+    before any row's rank r + 1. The launch order itself (identity) fails the
+    second and third properties whenever rows > 1."""
+    out = torch.full((tiles * rows, 2), -1, dtype=torch.int32, device=KERNEL_DEVICE)
+    _ranks_kernel[(tiles, rows)](out, group)
+    taken = [tuple(p) for p in out.cpu().tolist()]  # (rank, row) of each program, in launch order
+    assert sorted(taken) == [(r, b) for r in range(tiles) for b in range(rows)], taken
+    for start in range(0, rows, group):
+        size = min(group, rows - start)
+        span = taken[start * tiles:(start + size) * tiles]
+        assert sorted({b for _, b in span}) == list(range(start, start + size)), (start, span)
+        assert [r for r, _ in span] == sorted(r for r, _ in span), (start, span)
+
+
+def test_causal_launches_carry_the_program_order():
+    """The launchers pass the order to all three kernels of a causal call (the
+    group of ``causal_order``) and the launch order to a non-causal one, traced
+    on fake CUDA tensors: a launcher that dropped it would fail here, where
+    the kernels' bit-identity tests cannot see it."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from compile_ops._library import OP_BODIES
+
+    def launches(causal):
+        with FakeTensorMode():
+            q = torch.empty(1, 24, 4608, 128, dtype=torch.bfloat16, device="cuda")
+            k, v, grad = (torch.empty_like(q) for _ in range(3))
+            lse = torch.empty(1, 24, 4608, dtype=torch.float32, device="cuda")
+
+            def both(q, k, v, grad, lse):
+                OP_BODIES["fused::attention"](q, k, v, 0.125, causal, 2, None)
+                return OP_BODIES["fused::attention_backward"](grad, q, k, v, grad, lse, 0.125, causal, 2, None)
+
+            gm = make_fx(both)(q, k, v, grad, lse)
+        return {kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__:
+                (n.kwargs["kwargs"]["HEAVY_FIRST"], n.kwargs["kwargs"]["heads_per_group"])
+                for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation
+                and "HEAVY_FIRST" in n.kwargs["kwargs"]}
+
+    names = ["attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
+    assert launches(True) == dict.fromkeys(names, (True, 5))  # 2.4 MB of bf16 k and v per head: 5 heads
+    assert launches(False) == dict.fromkeys(names, (False, 1))
 
 
 def test_causal_order_groups_the_rows_whose_keys_fill_a_quarter_of_l2():

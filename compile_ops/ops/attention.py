@@ -386,8 +386,8 @@ def quantize_8bit(q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor],
     (k's and v's sequence reductions, then k and v, then q) that read each
     16-bit input at most twice; eager and traced calls alike. The same
     values as the reference up to the order of k's mean's sum (an fp32 ulp,
-    which can move a rare k value to the next integer). q and k None: v's two alone (q and k came quantized
-    from ``fused.qk_rope_int8``).
+    which can move a rare k value to the next integer). q and k None: v's
+    two alone (q and k came quantized from ``fused.qk_rope_int8``).
 
     Args:
         q: ``[B, Hq, Lq, D]`` (seq_dim 2) or ``[B, Lq, Hq, D]`` (1), fp16/bf16,
