@@ -263,7 +263,8 @@ def moe_table(data: dict) -> str:
         ratios = []
         for peer in ("composite_eager", "composite_compiled"):
             p = by.get((op, peer))
-            ratios.append("-" if p is None else f"{p['fwd_graph_us'] / r['fwd_graph_us']:.1f}x")
+            ratios.append("-" if p is None or provider.startswith("composite") else
+                          f"{p['fwd_graph_us'] / r['fwd_graph_us']:.1f}x")
         out.append(f"| {case} | {provider} | {r['fwd_us']:.1f} | {r['fwd_graph_us']:.1f} | {r['fwdbwd_us']:.1f} "
                    f"| {r['fwdbwd_graph_us']:.1f} | " + " | ".join(ratios) + " |")
     return "\n".join(out) + "\n"
