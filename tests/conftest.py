@@ -25,6 +25,18 @@ def tf32_dots(device) -> bool:
     return torch.device(device).type == "cuda" and torch.get_float32_matmul_precision() != "highest"
 
 
+def allow_tma_under_interpreter(patch) -> None:
+    """Let a test that forces the attention kernels' TMA option run it under
+    the interpreter too (``patch``: a monkeypatch context): there the tensors
+    are on the CPU, so the launcher's alignment check and the descriptors'
+    scratch allocator are replaced. On a GPU it changes nothing."""
+    if INTERPRET:
+        from compile_ops.ops import attention as attention_ops
+
+        patch.setattr(attention_ops, "_tma_ready", lambda *tensors: True)
+        patch.setattr(attention_ops, "_scratch", lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+
+
 #: For properties of programs running at once (no atomics, a fixed reduction
 #: order): the interpreter runs a grid's programs one after another, so there
 #: every run agrees by construction and the test would prove nothing.

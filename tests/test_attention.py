@@ -25,7 +25,7 @@ from shapes import size
 from compile_ops._library import clear_launch_plans
 from compile_ops.kernels.attention import _program_rank
 from compile_ops.reference import attention as ref
-from conftest import INTERPRET, KERNEL_DEVICE, tf32_dots
+from conftest import INTERPRET, KERNEL_DEVICE, allow_tma_under_interpreter, tf32_dots
 from numerics import assert_within_torch_error
 
 LSE_ROUNDINGS = 2
@@ -763,10 +763,7 @@ def test_kernels_hopper_options_compute_what_the_default_forward_does(precision,
             m.setattr(attention_ops, "forward_tiles",
                       lambda d, dtype, tma=False, precision="exact": attention_ops.Tiles(
                           *dataclasses.astuple(default(d, dtype, False, precision))[:4], **options))
-            if INTERPRET:  # the interpreter's tensors are on the CPU: so are the descriptors' scratch and checks
-                m.setattr(attention_ops, "_tma_ready", lambda *tensors: True)
-                m.setattr(attention_ops, "_scratch",
-                          lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+            allow_tma_under_interpreter(m)
             clear_launch_plans()  # the eager call above left a plan for the default tiles
             with torch.no_grad():
                 got = compile_ops.attention(q, k, v, seq_dim=seq_dim, kv_lengths=kv_lengths, precision=precision)
@@ -805,10 +802,7 @@ def test_kernels_backward_tma_computes_what_pointer_loads_do(causal, monkeypatch
                 defaults[0](d, dtype, sparse), tma=True))
             m.setattr(attention_ops, "dq_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
                 defaults[1](d, dtype, sparse), tma=True))
-            if INTERPRET:
-                m.setattr(attention_ops, "_tma_ready", lambda *tensors: True)
-                m.setattr(attention_ops, "_scratch",
-                          lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+            allow_tma_under_interpreter(m)
             clear_launch_plans()
             got = gradients()
         clear_launch_plans()

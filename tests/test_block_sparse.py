@@ -21,7 +21,7 @@ from shapes import examples
 from compile_ops._library import clear_launch_plans
 from compile_ops.ops import block_sparse as bs
 from compile_ops.reference import block_sparse as ref
-from conftest import INTERPRET, KERNEL_DEVICE
+from conftest import INTERPRET, KERNEL_DEVICE, allow_tma_under_interpreter
 from numerics import assert_within_torch_error
 from test_attention import LSE_ROUNDINGS, _qkv, torch_at_dtype
 
@@ -150,10 +150,7 @@ def test_kernels_sparse_dkdv_by_tma_computes_what_pointer_loads_do(monkeypatch):
             want = gradients()
             m.setattr(attention_ops, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
                 default(d, dtype, sparse), tma=True))
-            if INTERPRET:
-                m.setattr(attention_ops, "_tma_ready", lambda *tensors: True)
-                m.setattr(attention_ops, "_scratch",
-                          lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+            allow_tma_under_interpreter(m)
             clear_launch_plans()
             got = gradients()
         clear_launch_plans()
