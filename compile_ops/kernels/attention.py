@@ -37,10 +37,11 @@ ops sort them), so the listed tiles that need a mask are a contiguous run,
 the same run as the dense loop's: with every block listed, sparse and dense
 attention run the same code on the same tiles in the same order.
 
-8-bit attention (the forward's ``INT8`` and ``PV_FP8`` options) reads
-operands that ``qk8_stats_kernel`` and ``qk8_quantize_kernel`` write when the
-ops run eagerly: k's column sums and v's channel amax in fixed partials, then
-q per token, k per 128-key block in INT8 and v in e4m3, transposed.
+8-bit attention (the forward's ``INT8`` and ``PV_FP8`` options) reads k
+and v as ``kv8_stats_kernel`` and ``kv8_quantize_kernel`` write them: k's
+column sums and v's channel amax in fixed partials, then k per 128-key
+block in INT8 and v in e4m3, transposed. q it rounds itself, per token, as
+each program loads its rows (``QUANTIZE_Q``).
 
 On Hopper the tiles a loop streams come by TMA (``TMA``): the forward's K
 and V through per-head descriptors, the backward's q and dO (dk/dv pass) and
@@ -273,6 +274,39 @@ def _tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARS
         return i * TILE
 
 
+# ---------------------------------------------------------------- 8-bit rounding (forward and quantizing passes)
+
+_INT8_MAX = tl.constexpr(127.0)
+_FP32_TINY = tl.constexpr(1.1754943508222875e-38)
+
+
+@triton.jit
+def _scale_of(amax, TOP: tl.constexpr):
+    """A quantization scale and its reciprocal: ``max(amax / TOP, tiny)``
+    (fp32's smallest normal: an all-zero block or channel stays 0 and the
+    reciprocal stays finite) and ``1 / scale``, both correctly rounded, as
+    ``reference.attention.quantization_scale``. The values are then
+    multiplied by the reciprocal: one FMUL each, where a correctly rounded
+    division per value (``div.rn.f32``, a dozen instructions and a slow-path
+    branch) made the quantizing passes arithmetic-bound."""
+    scale = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, TOP, tl.float32)), _FP32_TINY)
+    return scale, tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def _int8_of(x, inverse):
+    """``round_half_even(x * inverse)`` clamped to [-127, 127], as int8 (the
+    product rounded to fp32, as torch's). Adding and subtracting
+    ``_INT8_BIAS`` (1.5 * 2**23) rounds an fp32 |x| < 2**22 to an integer, half
+    to even, as fp32 addition rounds: torch.round's rounding. The clamp comes
+    first (the same result: its bounds are integers) so that the compiler
+    cannot contract the product and the bias into one fma, which would round
+    once where torch rounds twice (seen in sm_90 PTX: a product just below a
+    half rounded up)."""
+    clamped = tl.minimum(tl.maximum(x * inverse, -_INT8_MAX), _INT8_MAX)
+    return ((clamped + _INT8_BIAS) - _INT8_BIAS).to(tl.int8)
+
+
 # ---------------------------------------------------------------- forward
 
 
@@ -318,7 +352,10 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
     is rounded to e4m3 for an FP8 dot at twice the 16-bit rate. The tile's
     products are summed by a fresh dot and added to the fp32 accumulator
     (two-level accumulation: Hopper's FP8 MMA keeps fewer accumulator bits
-    than fp32, which over one tile of keys is far below e4m3's rounding)."""
+    than fp32, which over one tile of keys is far below e4m3's rounding).
+    With DOT_ACC the accumulator is the FP8 dot's own operand instead: 50
+    registers fewer and 2-3% faster on an H100, but 1.3-2x the distance to
+    the specification (bench/notes.md), so ``forward_tiles`` leaves it off."""
     for i in tl.range(first, last, warp_specialize=WARP_SPECIALIZE):  # key tiles
         start_n = _tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE, LIST_BY_ASM, count)
         cols = start_n + offs_n
@@ -364,8 +401,10 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
             p = tl.exp2((s - m_shift[:, None]) * qk_scale)
             alpha = tl.exp2((m - m_shift) * qk_scale)
         l = l * alpha + tl.sum(p, 1)
-        if PV_FP8:
+        if PV_FP8 and not DOT_ACC:
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), v)
+        elif PV_FP8:
+            acc = tl.dot(p.to(tl.float8e4nv), v, acc * alpha[:, None])
         elif DOT_ACC:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         else:
@@ -385,7 +424,8 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
                     WARP_SPECIALIZE: tl.constexpr = False, INT8: tl.constexpr = False,
                     INT8_KEY_BLOCK: tl.constexpr = 128, PV_FP8: tl.constexpr = False,
                     OUT_FP8: tl.constexpr = False, ALIGNED_LENGTHS: tl.constexpr = False,
-                    LIST_BY_ASM: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False):
+                    LIST_BY_ASM: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False,
+                    QUANTIZE_Q: tl.constexpr = False):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
     that BLOCKS/COUNTS list for this query block. TMA, DOT_ACC,
@@ -393,7 +433,10 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     row strides, which the launcher checks). INT8: Q and K int8, Q_SCALE
     their per-token scales ``[B, H, Lq]``, K_SCALE one per INT8_KEY_BLOCK keys
     ``[B, Hk, ceil(Lk / INT8_KEY_BLOCK)]`` (fp32 contiguous; BLOCK_N divides
-    INT8_KEY_BLOCK). PV_FP8 (with INT8): V is e4m3 ``[B, Hk, D, Lk]`` with a
+    INT8_KEY_BLOCK). QUANTIZE_Q (with INT8): Q is 16-bit and each program
+    rounds its own rows to int8 per token, as ``quantize_8bit``'s q pass
+    would (Q_SCALE unused): q is read once, by the program that needs it,
+    instead of read, written and read again. PV_FP8 (with INT8): V is e4m3 ``[B, Hk, D, Lk]`` with a
     unit key stride (``svl`` is then the stride between channels) and V_SCALE
     its per-channel scales ``[B, Hk, D]`` (fp32 contiguous). OUT_FP8: OUT is
     e4m3, ``out / ROW_SCALE[b]`` rounded to nearest even and clamped to
@@ -435,7 +478,12 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     q_scale, k_scales = 0.0, K_SCALE
     if INT8:
         # Rows past Lq get a factor of 1 (never 0: a masked score times 0 would be NaN); they are not stored.
-        q_scale = tl.load(Q_SCALE + (b * H + h) * Lq + q_rows, mask=q_rows < Lq, other=1.0)
+        if QUANTIZE_Q:
+            q_scale, q_inverse = _scale_of(tl.max(tl.abs(q.to(tl.float32)), 1), _INT8_MAX)
+            q = _int8_of(q.to(tl.float32), q_inverse[:, None])
+            q_scale = tl.where(q_rows < Lq, q_scale, 1.0)
+        else:
+            q_scale = tl.load(Q_SCALE + (b * H + h) * Lq + q_rows, mask=q_rows < Lq, other=1.0)
         k_scales = K_SCALE + (b * (H // GROUP) + h // GROUP) * tl.cdiv(Lk, INT8_KEY_BLOCK)
     blocks, count = BLOCKS, 0
     if SPARSE:
@@ -472,46 +520,16 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
 
 # ---------------------------------------------------------------- 8-bit operands
 
-_INT8_MAX = tl.constexpr(127.0)
-_FP32_TINY = tl.constexpr(1.1754943508222875e-38)
-
 
 @triton.jit
-def _scale_of(amax, TOP: tl.constexpr):
-    """A quantization scale and its reciprocal: ``max(amax / TOP, tiny)``
-    (fp32's smallest normal: an all-zero block or channel stays 0 and the
-    reciprocal stays finite) and ``1 / scale``, both correctly rounded, as
-    ``reference.attention.quantization_scale``. The values are then
-    multiplied by the reciprocal: one FMUL each, where a correctly rounded
-    division per value (``div.rn.f32``, a dozen instructions and a slow-path
-    branch) made the quantizing passes arithmetic-bound."""
-    scale = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, TOP, tl.float32)), _FP32_TINY)
-    return scale, tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
-
-
-@triton.jit
-def _int8_of(x, inverse):
-    """``round_half_even(x * inverse)`` clamped to [-127, 127], as int8 (the
-    product rounded to fp32, as torch's). Adding and subtracting
-    ``_INT8_BIAS`` (1.5 * 2**23) rounds an fp32 |x| < 2**22 to an integer, half
-    to even, as fp32 addition rounds: torch.round's rounding. The clamp comes
-    first (the same result: its bounds are integers) so that the compiler
-    cannot contract the product and the bias into one fma, which would round
-    once where torch rounds twice (seen in sm_90 PTX: a product just below a
-    half rounded up)."""
-    clamped = tl.minimum(tl.maximum(x * inverse, -_INT8_MAX), _INT8_MAX)
-    return ((clamped + _INT8_BIAS) - _INT8_BIAS).to(tl.int8)
-
-
-@triton.jit
-def qk8_stats_kernel(K, V, K_SUM, V_AMAX, Hk, Lk, skb, skh, skl, svb, svh, svl, rows_per_chunk,
+def kv8_stats_kernel(K, V, K_SUM, V_AMAX, Hk, Lk, skb, skh, skl, svb, svh, svl, rows_per_chunk,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, CHUNKS: tl.constexpr,
                      WITH_V: tl.constexpr, WITH_K: tl.constexpr):
     """Per (batch, k head) and chunk ``program_id(0)`` of ``rows_per_chunk``
     keys: WITH_K, k's column sums (K_SUM) and, WITH_V, v's column amax
     (V_AMAX), both fp32 ``[B * Hk, CHUNKS, D]``: the partials of k's mean and
     of v's FP8 channel scales, reduced in a fixed order by
-    ``qk8_quantize_kernel`` (no atomics: the same bits on every run)."""
+    ``kv8_quantize_kernel`` (no atomics: the same bits on every run)."""
     bh = tl.program_id(1)
     b = tl.cast(bh, tl.int64) // Hk
     h = bh - b * Hk
@@ -558,57 +576,48 @@ def fp8_rows_scale_kernel(V_SCALE, ROW_SCALE, per_batch, FLOOR: tl.constexpr, HE
 
 
 @triton.jit
-def qk8_quantize_kernel(X, X8, X_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sxb, sxh, sxl, s8b, s8h, s8l,
+def kv8_quantize_kernel(K, K8, K_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, skb, skh, skl, s8b, s8h, s8l,
                         svb, svh, svl, svtd,
                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, CHUNKS: tl.constexpr,
-                        PER_TOKEN: tl.constexpr, WITH_V: tl.constexpr, WITH_K: tl.constexpr):
-    """8-bit attention's operands for ``BLOCK_L`` positions of one (batch,
-    head), as ``reference.attention.smooth_quantize_qk`` and
-    ``quantize_v_fp8`` specify them. PER_TOKEN (q): X8 int8 with one scale
-    per row (X_SCALE ``[B * H, L]``). Otherwise (k, BLOCK_L = INT8_KEY_BLOCK):
-    X less its mean over the sequence (K_SUM's partials / L), one scale per
-    block (X_SCALE ``[B * H, cdiv(L, BLOCK_L)]``); WITH_V: also v's tile in
-    e4m3 with the channel scales from V_AMAX's partials (V_SCALE ``[B * H,
-    D]``, written by the first block), stored transposed into VT8 (channel
-    stride ``svtd``, unit position stride). Without WITH_K, v's part alone
-    (k quantized elsewhere: ``fused.qk_rope_int8``)."""
+                        WITH_V: tl.constexpr, WITH_K: tl.constexpr):
+    """8-bit attention's k and v for the ``BLOCK_L`` (= INT8_KEY_BLOCK)
+    positions of block ``program_id(0)`` of one (batch, head), as
+    ``reference.attention.smooth_quantize_qk`` and ``quantize_v_fp8``
+    specify them. WITH_K: K less its mean over the sequence (K_SUM's
+    partials / L) in K8, int8 with one scale per block (K_SCALE ``[B * H,
+    cdiv(L, BLOCK_L)]``). WITH_V: v's tile in e4m3 with the channel scales
+    from V_AMAX's partials (V_SCALE ``[B * H, D]``, written by the first
+    block), stored transposed into VT8 (channel stride ``svtd``, unit
+    position stride). Without WITH_K, v's part alone (k quantized elsewhere:
+    ``fused.qk_rope_int8``)."""
     bh = tl.program_id(1)
     b = tl.cast(bh, tl.int64) // H
     h = bh - b * H
     blk = tl.program_id(0)
     rows = blk * BLOCK_L + tl.arange(0, BLOCK_L)
     cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < L
-    mask = row_ok[:, None] & (cols < D)[None, :]
+    mask = (rows < L)[:, None] & (cols < D)[None, :]
+    partials = tl.cast(bh, tl.int64) * CHUNKS * D + tl.arange(0, CHUNKS)[:, None] * D + cols[None, :]
+    chunk_mask = (cols < D)[None, :]
     if WITH_K:
-        x = tl.load(X + b * sxb + h * sxh + rows[:, None].to(tl.int64) * sxl + cols[None, :], mask=mask,
+        k = tl.load(K + b * skb + h * skh + rows[:, None].to(tl.int64) * skl + cols[None, :], mask=mask,
                     other=0.0).to(tl.float32)
-    if PER_TOKEN:
-        scale, inverse = _scale_of(tl.max(tl.abs(x), 1), _INT8_MAX)
-        x8 = _int8_of(x, inverse[:, None])
-        tl.store(X_SCALE + tl.cast(bh, tl.int64) * L + rows, scale, mask=row_ok)
-    else:
-        partials = tl.cast(bh, tl.int64) * CHUNKS * D + tl.arange(0, CHUNKS)[:, None] * D + cols[None, :]
-        chunk_mask = (cols < D)[None, :]
-        if WITH_K:
-            # (tl.cast, not L.to: Inductor may pass L as a Python int constant)
-            mean = tl.div_rn(tl.sum(tl.load(K_SUM + partials, mask=chunk_mask, other=0.0), 0),
-                             tl.cast(L, tl.float32))
-            x = tl.where(mask, x - mean[None, :], 0.0)
-            scale, inverse = _scale_of(tl.max(tl.max(tl.abs(x), 1), 0), _INT8_MAX)
-            x8 = _int8_of(x, inverse)
-            tl.store(X_SCALE + tl.cast(bh, tl.int64) * tl.cdiv(L, BLOCK_L) + blk, scale)
-        if WITH_V:
-            v_scale, v_inverse = _scale_of(tl.max(tl.load(V_AMAX + partials, mask=chunk_mask, other=0.0), 0),
-                                           E4M3_MAX)
-            if blk == 0:
-                tl.store(V_SCALE + tl.cast(bh, tl.int64) * D + cols, v_scale, mask=cols < D)
-            v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
-            v8 = (v * v_inverse[None, :]).to(tl.float8e4nv)
-            tl.store(VT8 + tl.cast(bh, tl.int64) * D * svtd + cols[None, :] * svtd + rows[:, None], v8, mask=mask)
-    if WITH_K:
-        tl.store(X8 + b * s8b + h * s8h + rows[:, None].to(tl.int64) * s8l + cols[None, :], x8, mask=mask)
+        # (tl.cast, not L.to: Inductor may pass L as a Python int constant)
+        mean = tl.div_rn(tl.sum(tl.load(K_SUM + partials, mask=chunk_mask, other=0.0), 0), tl.cast(L, tl.float32))
+        k = tl.where(mask, k - mean[None, :], 0.0)
+        scale, inverse = _scale_of(tl.max(tl.max(tl.abs(k), 1), 0), _INT8_MAX)
+        tl.store(K_SCALE + tl.cast(bh, tl.int64) * tl.cdiv(L, BLOCK_L) + blk, scale)
+        tl.store(K8 + b * s8b + h * s8h + rows[:, None].to(tl.int64) * s8l + cols[None, :], _int8_of(k, inverse),
+                 mask=mask)
+    if WITH_V:
+        v_scale, v_inverse = _scale_of(tl.max(tl.load(V_AMAX + partials, mask=chunk_mask, other=0.0), 0),
+                                       E4M3_MAX)
+        if blk == 0:
+            tl.store(V_SCALE + tl.cast(bh, tl.int64) * D + cols, v_scale, mask=cols < D)
+        v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        v8 = (v * v_inverse[None, :]).to(tl.float8e4nv)
+        tl.store(VT8 + tl.cast(bh, tl.int64) * D * svtd + cols[None, :] * svtd + rows[:, None], v8, mask=mask)
 
 
 # ---------------------------------------------------------------- backward

@@ -18,7 +18,7 @@ from compile_ops import _dtensor, meta, reference
 from compile_ops._library import fused_op, has_tma, l2_cache_bytes, launcher, register_no_gradient, require_fp8_mma
 from compile_ops.kernels.attention import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                            attn_bwd_row_stats_kernel, attn_fwd_kernel, fp8_rows_scale_kernel,
-                                           qk8_quantize_kernel, qk8_stats_kernel)
+                                           kv8_quantize_kernel, kv8_stats_kernel)
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
 from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 
@@ -215,7 +215,8 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     attention's ``(index [B, H, Lq blocks, width], count [B, H, Lq blocks])``.
     ``int8_scales``: 8-bit attention's ``(q_scale [B, H, Lq], k_scale [B, Hk,
     ceil(Lk / INT8_KEY_BLOCK)])``, q and k being int8 (the rest follows v's
-    dtype unless ``v_scale``). ``v_scale`` (with ``int8_scales``): FP8 P V,
+    dtype unless ``v_scale``); q_scale None: q is 16-bit, and the kernel
+    rounds it per token as it loads it (``QUANTIZE_Q``). ``v_scale`` (with ``int8_scales``): FP8 P V,
     v being e4m3 ``[B, Hk, D, Lk]`` with a unit key stride
     (:func:`fp8_values_transposed`) and ``v_scale [B, Hk, D]`` its channel
     scales; out's dtype is then q's original one (``out``'s). ``fp8_rows``
@@ -263,7 +264,7 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
         SPARSE=blocks is not None, TMA=tma, DOT_ACC=t.dot_acc, WARP_SPECIALIZE=t.warp_specialize, INT8=int8,
         INT8_KEY_BLOCK=reference.attention.INT8_KEY_BLOCK, PV_FP8=pv_fp8, OUT_FP8=fp8_rows is not None,
-        LIST_BY_ASM=list_by_asm, **order, **consts,
+        LIST_BY_ASM=list_by_asm, QUANTIZE_Q=int8 and q_scale is None, **order, **consts,
     )
 
 
@@ -379,21 +380,20 @@ register_no_gradient(_attention_int8_op, "fused.attention_int8 is inference only
 STAT_CHUNKS = 16
 
 
-def quantize_8bit(q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tuple:
-    """8-bit attention's operands by Triton kernels: ``(q8, q_scale, k8,
-    k_scale)`` of ``reference.attention.smooth_quantize_qk`` and, with v,
-    ``(vt8, v_scale)`` of :func:`fp8_values_transposed`, in three launches
-    (k's and v's sequence reductions, then k and v, then q) that read each
-    16-bit input at most twice; eager and traced calls alike. The same
-    values as the reference up to the order of k's mean's sum (an fp32 ulp,
-    which can move a rare k value to the next integer). q and k None: v's
-    two alone (q and k came quantized from ``fused.qk_rope_int8``).
+def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tuple:
+    """8-bit attention's k and v operands by Triton kernels: ``(k8, k_scale)``
+    of ``reference.attention.smooth_quantize_qk`` and, with v, ``(vt8,
+    v_scale)`` of :func:`fp8_values_transposed`, in two launches (k's and v's
+    sequence reductions, then both quantized) that read each 16-bit input
+    twice; eager and traced calls alike. The same values as the reference
+    up to the order of k's mean's sum (an fp32 ulp, which can move a rare k
+    value to the next integer). q has no pass: the attention kernel rounds
+    each program's rows per token as it loads them (``QUANTIZE_Q``). k None:
+    v's two alone (q and k came quantized from ``fused.qk_rope_int8``).
 
     Args:
-        q: ``[B, Hq, Lq, D]`` (seq_dim 2) or ``[B, Lq, Hq, D]`` (1), fp16/bf16,
-            unit-stride D.
-        k, v: ``[B, Hk, Lk, D]`` / ``[B, Lk, Hk, D]``, unit-stride D; v None for
-            16-bit P V.
+        k, v: ``[B, Hk, Lk, D]`` (seq_dim 2) or ``[B, Lk, Hk, D]`` (1),
+            fp16/bf16, unit-stride D; v None for 16-bit P V.
     """
     with_k, with_v = k is not None, v is not None
     kv = k if with_k else v
@@ -402,7 +402,6 @@ def quantize_8bit(q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor],
     # Per (batch, k head) and chunk: k's column sums, v's column amax (each only when quantized).
     k_sum, v_amax = (torch.empty((b * hk, STAT_CHUNKS, d), dtype=torch.float32, device=kv.device) if wanted
                      else None for wanted in (with_k, with_v))
-    quantized = ()
     k8 = k_scale = vt8 = v_scale = None
     if with_k:
         k8 = torch.empty_like(k, dtype=torch.int8)
@@ -417,25 +416,15 @@ def quantize_8bit(q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor],
     k_strides = _bhl_strides(k, seq_dim) if with_k else (0, 0, 0)
     v_strides = _bhl_strides(v, seq_dim) if with_v else (0, 0, 0)
     if lk > 0 and b * hk > 0:
-        launcher(qk8_stats_kernel)[(STAT_CHUNKS, b * hk)](
+        launcher(kv8_stats_kernel)[(STAT_CHUNKS, b * hk)](
             k, v, k_sum, v_amax, hk, lk, *k_strides, *v_strides,
             triton.cdiv(lk, STAT_CHUNKS), BLOCK_L=64, WITH_V=with_v, WITH_K=with_k, num_warps=4, **consts)
-        launcher(qk8_quantize_kernel)[(triton.cdiv(lk, reference.attention.INT8_KEY_BLOCK), b * hk)](
+        launcher(kv8_quantize_kernel)[(triton.cdiv(lk, reference.attention.INT8_KEY_BLOCK), b * hk)](
             k, k8, k_scale, k_sum, v, vt8, v_amax, v_scale, hk, lk, *k_strides,
             *(_bhl_strides(k8, seq_dim) if with_k else (0, 0, 0)), *v_strides, vt8.stride(2) if with_v else 0,
-            BLOCK_L=reference.attention.INT8_KEY_BLOCK, PER_TOKEN=False, WITH_V=with_v, WITH_K=with_k,
+            BLOCK_L=reference.attention.INT8_KEY_BLOCK, WITH_V=with_v, WITH_K=with_k,
             num_warps=4, **consts)  # 8 warps: 1.2x the time (H200, bench/notes.md)
-    if q is not None:
-        h, lq = meta.attention.dims(q, seq_dim)[1:3]
-        q8 = torch.empty_like(q, dtype=torch.int8)
-        q_scale = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
-        if lq > 0 and b * h > 0:
-            launcher(qk8_quantize_kernel)[(triton.cdiv(lq, 64), b * h)](
-                q, q8, q_scale, None, None, None, None, None, h, lq, *_bhl_strides(q, seq_dim),
-                *_bhl_strides(q8, seq_dim), 0, 0, 0, 0, BLOCK_L=64, PER_TOKEN=True, WITH_V=False, WITH_K=True,
-                num_warps=4, **consts)
-        quantized = (q8, q_scale, k8, k_scale)
-    return quantized + ((vt8.narrow(3, 0, lk), v_scale) if with_v else ())
+    return ((k8, k_scale) if with_k else ()) + ((vt8.narrow(3, 0, lk), v_scale) if with_v else ())
 
 
 def fp8_values_transposed(v: Tensor, seq_dim: int) -> tuple[Tensor, Tensor]:
@@ -505,7 +494,9 @@ def _quantized(q: Optional[Tensor], k: Optional[Tensor], v: Tensor, seq_dim: int
     if q is None and not pv_fp8:
         return ()
     q, k, v = (None if t is None else unit_last_stride(t) for t in (q, k, v))
-    return quantize_8bit(q, k, v if pv_fp8 else None, seq_dim)
+    operands = quantize_8bit(k, v if pv_fp8 else None, seq_dim)
+    # q stays 16-bit, without a scale: the attention kernel rounds each program's rows itself (QUANTIZE_Q).
+    return operands if q is None else (q, None) + operands
 
 
 @fused_op("attention_int8_fp8", fake=meta.attention.attention_int8_fp8,
