@@ -61,11 +61,12 @@ def quantize_fp8_rows(x: torch.Tensor, activation: str = "none", head: Optional[
     amax = torch.where(torch.isfinite(xf), xf.abs(), 0.0).amax(-1, keepdim=True) if x.shape[-1] else \
         xf.new_zeros((*x.shape[:-1], 1))
     amax = amax.clamp(min=AMAX_FLOOR)
-    # A tensor numerator: torch computes ``python_float / tensor`` as a multiply by
-    # the reciprocal, 1 ulp off in a quarter of cases, and the kernel divides exactly.
+    # Tensors on both sides of each division: torch computes ``python_float / tensor``
+    # as a multiply by the reciprocal (1 ulp off in a quarter of cases), and on CUDA
+    # ``tensor / python_float`` too; the kernel divides exactly.
     inverse = amax.new_full((), E4M3_MAX) / amax
     q = (xf * inverse).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, (amax / E4M3_MAX).squeeze(-1)
+    return q, (amax / amax.new_full((), E4M3_MAX)).squeeze(-1)
 
 
 def fp8_linear(q_x: torch.Tensor, scale_x: torch.Tensor, q_w: torch.Tensor, scale_w: torch.Tensor,
