@@ -178,6 +178,29 @@ def test_block_sparse_forward_streams_keys_three_deep_on_sm90(monkeypatch):
         assert "ld.global.b32" in compiled.asm["ptx"]
 
 
+def test_fp8_pv_accumulated_in_the_mma_compiles_for_sm90(monkeypatch):
+    """int8_fp8 with DOT_ACC (the FP8 dot accumulating into the running
+    accumulator, measured and left off by ``forward_tiles``): traced with it
+    forced, the attention kernel that rounds q itself compiles for sm_90."""
+    from compile_ops.ops import attention as attention_ops
+
+    default = attention_ops.forward_tiles
+
+    def tiles(d, dtype, tma=False, precision="exact"):
+        t = default(d, dtype, True, precision)
+        return attention_ops.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, tma=t.tma, dot_acc=True)
+
+    monkeypatch.setattr(attention_ops, "forward_tiles", tiles)
+    spec = next(s for s in registry.OPS if s.name == "attention_int8_fp8")
+    forward = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants)
+               in _launches(spec, torch.bfloat16).items() if name == "attn_fwd_kernel"]
+    assert forward and all(c["DOT_ACC"] and c["PV_FP8"] and c["QUANTIZE_Q"] for _, _, c in forward)
+    for kernel, signature, constants in forward:
+        ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
+        src = ASTSource(fn=kernel, signature=ordered, constexprs=constants)
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm.get("cubin")
+
+
 @pytest.mark.parametrize("spec", [s for s in registry.OPS if s.name in ("attention_int8", "attention_int8_fp8")],
                          ids=lambda s: s.name)
 def test_8bit_quantization_kernels_compile_for_sm90(spec):

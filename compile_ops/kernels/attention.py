@@ -434,9 +434,10 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     their per-token scales ``[B, H, Lq]``, K_SCALE one per INT8_KEY_BLOCK keys
     ``[B, Hk, ceil(Lk / INT8_KEY_BLOCK)]`` (fp32 contiguous; BLOCK_N divides
     INT8_KEY_BLOCK). QUANTIZE_Q (with INT8): Q is 16-bit and each program
-    rounds its own rows to int8 per token, as ``quantize_8bit``'s q pass
-    would (Q_SCALE unused): q is read once, by the program that needs it,
-    instead of read, written and read again. PV_FP8 (with INT8): V is e4m3 ``[B, Hk, D, Lk]`` with a
+    rounds its own rows to int8 per token (``_scale_of``, ``_int8_of``: the
+    specification's rounding; Q_SCALE unused), so q is read once, by the
+    program that needs it, not read, written and read again by a pass of
+    its own. PV_FP8 (with INT8): V is e4m3 ``[B, Hk, D, Lk]`` with a
     unit key stride (``svl`` is then the stride between channels) and V_SCALE
     its per-channel scales ``[B, Hk, D]`` (fp32 contiguous). OUT_FP8: OUT is
     e4m3, ``out / ROW_SCALE[b]`` rounded to nearest even and clamped to

@@ -485,8 +485,10 @@ def _launch_eight_bit(operands: tuple, v: Tensor, out: Tensor, scale: float, cau
 
 
 def _quantized(q: Optional[Tensor], k: Optional[Tensor], v: Tensor, seq_dim: int, pv_fp8: bool) -> tuple:
-    """:func:`quantize_8bit` of q and k (None: they come quantized) and, for
-    FP8 P V, v, in one pass where they share it. Traced too (torch.compile,
+    """The 8-bit kernel's operands: q as given (16-bit, no scale: the kernel
+    rounds it, ``QUANTIZE_Q``), :func:`quantize_8bit` of k and, for FP8 P V,
+    v, in one pass where they share it (q and k None: they came quantized,
+    and only v's operands are made). Traced too (torch.compile,
     torch.export): the Triton passes beat Inductor's fusion of the
     specification's torch ops at every measured shape for ``int8_fp8`` (H100,
     1x24x4608x128: 568 TFLOP/s eager against 541 compiled with the torch
