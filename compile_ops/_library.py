@@ -107,32 +107,28 @@ def has_tma(t: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _device_properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _gpu_property(t: torch.Tensor, name: str, stand_in: int) -> int:
+    """``name`` of ``t``'s GPU's properties; ``stand_in`` (an H100's value)
+    when none is present, so that fake-CUDA tracing and the interpreter size
+    grids and groups exactly as the GPU would."""
+    if t.device.type == "cuda" and HAS_CUDA:
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        return getattr(_device_properties(index), name)
+    return stand_in
 
 
 def multiprocessor_count(t: torch.Tensor) -> int:
-    """Streaming multiprocessors of ``t``'s GPU; a fixed stand-in when none is present.
-
-    The stand-in (an H100's 132) lets fake-CUDA tracing and the interpreter size
-    persistent grids exactly as the GPU would.
-    """
-    if t.device.type == "cuda" and HAS_CUDA:
-        return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    return 132
-
-
-@functools.lru_cache(maxsize=None)
-def _l2_bytes(index: int) -> int:
-    return torch.cuda.get_device_properties(index).L2_cache_size
+    """Streaming multiprocessors of ``t``'s GPU (132 without one)."""
+    return _gpu_property(t, "multi_processor_count", 132)
 
 
 def l2_cache_bytes(t: torch.Tensor) -> int:
-    """L2 cache size in bytes of ``t``'s GPU; a fixed stand-in (an H100's 50 MB)
-    when none is present, as :func:`multiprocessor_count`."""
-    if t.device.type == "cuda" and HAS_CUDA:
-        return _l2_bytes(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    return 50 * 2**20
+    """L2 cache size in bytes of ``t``'s GPU (50 MB without one)."""
+    return _gpu_property(t, "L2_cache_size", 50 * 2**20)
 
 
 def _first_tensor(args, kwargs) -> torch.Tensor:
