@@ -674,27 +674,60 @@ def test_fp8_rows_compile_with_fullgraph_and_refuse_a_gradient():
 
 
 @pytest.mark.kernels
+@pytest.mark.parametrize("stat_step, stat_chunk_rows", [(128, 1024), (64, 64), (16, 16)])
 @pytest.mark.parametrize("seq_dim, b, hq, hk, lq, lk, d", [
     (1, 2, 4, 2, 50, 300, 40),   # GQA, D padded, a partial last key block, v's rows padded to 16
     (2, 1, 2, 2, 130, 256, 64),  # two q tiles, whole key blocks, no row padding
+    (2, 2, 2, 1, 20, 100, 64),   # one key block
 ])
-def test_kernels_8bit_quantization_writes_the_specified_operands(seq_dim, b, hq, hk, lq, lk, d):
+def test_kernels_8bit_quantization_writes_the_specified_operands(seq_dim, b, hq, hk, lq, lk, d, stat_step,
+                                                                 stat_chunk_rows, monkeypatch):
     """quantize_8bit (the Triton passes the 8-bit ops run) against the torch
     specification: v's channel scales and e4m3 bytes identical; k's int8
     values within 1 of it (its mean is summed in another order) and its
     block scales within an fp32 rounding. (q is rounded by the attention
-    kernel: ``test_kernels_attention_on_quantized_qk_is_the_8bit_ops``.)"""
+    kernel: ``test_kernels_attention_on_quantized_qk_is_the_8bit_ops``.)
+    The statistics pass as launched (one chunk a head at these lengths),
+    in 64-key chunks (2 to 5 a head) and in 16-key ones: up to 19 chunks a
+    head, so that the last chunk's sum of the head's partials takes two of
+    its 16-row steps (a wrong step, or a total summed before every chunk
+    arrived, shows)."""
     from compile_ops.ops import attention as attention_ops
 
+    monkeypatch.setattr(attention_ops, "STAT_STEP", stat_step)
+    monkeypatch.setattr(attention_ops, "STAT_CHUNK_ROWS", stat_chunk_rows)
+    launched, launcher = [], attention_ops.launcher
+    monkeypatch.setattr(attention_ops, "launcher",
+                        lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
     torch.manual_seed(0)
     q, k, v = _int8_case(seq_dim, b, hq, hk, lq, lk, d, torch.float16, KERNEL_DEVICE, key_offset=3.0)
     k8, k_scale, vt8, v_scale = (t.cpu() for t in attention_ops.quantize_8bit(k, v, seq_dim))
+    assert launched == ["kv8_counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel"], launched
     want_k8, want_k_scale = ref.smooth_quantize_qk(q.cpu(), k.cpu(), seq_dim)[2:]
     want_vt8, want_v_scale = attention_ops.fp8_values_transposed(v.cpu(), seq_dim)
     assert torch.equal(v_scale, want_v_scale)
     assert vt8.stride(3) == 1 and torch.equal(vt8.view(torch.uint8), want_vt8.view(torch.uint8))
     assert (k8.int() - want_k8.int()).abs().max() <= 1 and (k8 != want_k8).float().mean() < 1e-3
     torch.testing.assert_close(k_scale, want_k_scale, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("lk", [1, 127, 1024, 1025, 4608, 32760, 131072, 131073, 10**6])
+def test_8bit_statistics_chunks_cover_the_keys_within_their_bounds(lk):
+    """The statistics pass's chunks (``stat_rows_per_chunk``): whole steps
+    of STAT_STEP keys that cover the keys with no chunk empty, STAT_CHUNK_ROWS
+    keys each up to MAX_STAT_CHUNKS a head, longer past it (where no fewer
+    steps a chunk keep within MAX_STAT_CHUNKS)."""
+    from compile_ops.ops import attention as attention_ops
+
+    step, most = attention_ops.STAT_STEP, attention_ops.MAX_STAT_CHUNKS
+    rows = attention_ops.stat_rows_per_chunk(lk)
+    chunks = -(-lk // rows)
+    assert rows % step == 0 and (chunks - 1) * rows < lk <= chunks * rows
+    assert 1 <= chunks <= most
+    if lk <= most * attention_ops.STAT_CHUNK_ROWS:
+        assert rows == attention_ops.STAT_CHUNK_ROWS
+    else:
+        assert -(-lk // (rows - step)) > most, (rows, chunks)
 
 
 @pytest.mark.parametrize("precision", list(EIGHT_BIT))
@@ -717,7 +750,8 @@ def test_8bit_ops_quantize_by_the_triton_passes_when_traced_too(precision):
         gm = make_fx(lambda *a: OP_BODIES[op](*a))(q, k, v, 0.125, False, 1, None)
     launched = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in gm.graph.nodes
                 if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation]
-    assert launched == ["kv8_stats_kernel", "kv8_quantize_kernel", "attn_fwd_kernel"], launched
+    assert launched == ["kv8_counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel",
+                        "attn_fwd_kernel"], launched
     attention = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation][-1]
     arguments = dict(attention.kwargs["kwargs"], **kernel_side_table.get_constant_args(
         attention.kwargs["constant_args_idx"]))

@@ -201,6 +201,11 @@ def test_fp8_pv_accumulated_in_the_mma_compiles_for_sm90(monkeypatch):
         assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm.get("cubin")
 
 
+#: quantize_8bit's launches: the statistics pass's arrival counts zeroed,
+#: the statistics (each head's totals summed by its last chunk), the values.
+_QUANTIZE_KERNELS = ("kv8_counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel")
+
+
 @pytest.mark.parametrize("spec", [s for s in registry.OPS if s.name in ("attention_int8", "attention_int8_fp8")],
                          ids=lambda s: s.name)
 def test_8bit_quantization_kernels_compile_for_sm90(spec):
@@ -214,7 +219,7 @@ def test_8bit_quantization_kernels_compile_for_sm90(spec):
         return attention_ops.quantize_8bit(k, v if spec.name == "attention_int8_fp8" else None, seq_dim)
 
     launches = list(_launches(spec, torch.bfloat16, quantize).values())
-    assert {kernel.fn.__name__ for kernel, _, _ in launches} == {"kv8_stats_kernel", "kv8_quantize_kernel"}
+    assert {kernel.fn.__name__ for kernel, _, _ in launches} == set(_QUANTIZE_KERNELS)
     _compile_with_constant_ints(launches)
 
 
@@ -229,9 +234,40 @@ def test_fp8_values_alone_kernels_compile_for_sm90():
         return attention_ops.quantize_8bit(None, v, seq_dim)
 
     launches = list(_launches(spec, torch.bfloat16, quantize).values())
-    assert {kernel.fn.__name__ for kernel, _, _ in launches} == {"kv8_stats_kernel", "kv8_quantize_kernel"}
-    assert all(constants["WITH_K"] is False for _, _, constants in launches)
+    assert {kernel.fn.__name__ for kernel, _, _ in launches} == set(_QUANTIZE_KERNELS)
+    assert all(constants["WITH_K"] is False for _, _, constants in launches if "WITH_K" in constants)
     _compile_with_constant_ints(launches)
+
+
+def test_fp8_values_are_stored_in_16_byte_vectors_at_any_length():
+    """kv8_quantize_kernel writes v's e4m3 tile transposed, so its store runs
+    along the keys; masked at L, its vectors split to L's divisibility, and
+    at a length not a multiple of 16 (Wan 480p's 32760 keys) into single
+    bytes (2.8x the pass's bytes' time on an H100). In the sm_90 PTX, with
+    16-byte-aligned pointers and strides as launches have them and L with no
+    divisibility known, every 8-bit store is a 16-byte vector (fails with a
+    key mask at L: 128 ``st.global.b8`` per thread)."""
+    import re
+
+    from compile_ops.ops import attention as attention_ops
+
+    spec = next(s for s in registry.OPS if s.name == "attention_int8_fp8")
+
+    def quantize(q, k, v, scale, causal, seq_dim, kv_lengths):
+        return attention_ops.quantize_8bit(k, v, seq_dim)
+
+    launches = [(kernel, signature, constants) for kernel, signature, constants
+                in _launches(spec, torch.bfloat16, quantize).values()
+                if kernel.fn.__name__ == "kv8_quantize_kernel" and constants["BLOCK_D"] == constants["D"] == 128]
+    assert launches
+    for kernel, signature, constants in launches:
+        ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.arg_names)
+                   if p in signature and p not in ("L", "H", "chunks")}
+        ptx = triton.compile(ASTSource(fn=kernel, signature=ordered, constexprs=constants, attrs=aligned),
+                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        stores = re.findall(r"st\.global(?:\.v\d)?\.b\d+", ptx)
+        assert "st.global.b8" not in stores and stores.count("st.global.v4.b32") == 16, stores
 
 
 def test_fp8_rows_scale_kernel_compiles_for_sm90():

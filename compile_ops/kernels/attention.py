@@ -38,10 +38,12 @@ the same run as the dense loop's: with every block listed, sparse and dense
 attention run the same code on the same tiles in the same order.
 
 8-bit attention (the forward's ``INT8`` and ``PV_FP8`` options) reads k
-and v as ``kv8_stats_kernel`` and ``kv8_quantize_kernel`` write them: k's
-column sums and v's channel amax in fixed partials, then k per 128-key
-block in INT8 and v in e4m3, transposed. q it rounds itself, per token, as
-each program loads its rows (``QUANTIZE_Q``).
+and v as ``kv8_quantize_kernel`` writes them: k per 128-key block in INT8
+less its mean over the sequence, and v in e4m3 with channel scales,
+transposed, from the sequence statistics ``kv8_stats_kernel`` writes
+before (k's column sums, v's channel amax, per chunk and reduced per head
+in a fixed order). q it rounds itself, per token, as each program loads its rows
+(``QUANTIZE_Q``).
 
 On Hopper the tiles a loop streams come by TMA (``TMA``): the forward's K
 and V through per-head descriptors, the backward's q and dO (dk/dv pass) and
@@ -523,14 +525,53 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
 
 
 @triton.jit
-def kv8_stats_kernel(K, V, K_SUM, V_AMAX, Hk, Lk, skb, skh, skl, svb, svh, svl, rows_per_chunk,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, CHUNKS: tl.constexpr,
-                     WITH_V: tl.constexpr, WITH_K: tl.constexpr):
-    """Per (batch, k head) and chunk ``program_id(0)`` of ``rows_per_chunk``
-    keys: WITH_K, k's column sums (K_SUM) and, WITH_V, v's column amax
-    (V_AMAX), both fp32 ``[B * Hk, CHUNKS, D]``: the partials of k's mean and
-    of v's FP8 channel scales, reduced in a fixed order by
-    ``kv8_quantize_kernel`` (no atomics: the same bits on every run)."""
+def _kv8_head_totals(K_SUM, V_AMAX, head, chunks, cols, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                     WITH_K: tl.constexpr, WITH_V: tl.constexpr):
+    """The ``chunks`` partial rows of one head (from ``head`` on: k's column
+    sums, v's column amax) reduced in index order into row ``chunks``.
+    ``.cg`` loads (from L2, not this SM's L1): other programs wrote them."""
+    k_total = tl.zeros([BLOCK_D], tl.float32)
+    v_total = tl.zeros([BLOCK_D], tl.float32)  # an amax of absolute values: 0 is the identity
+    for start in range(0, chunks, 16):
+        rows = start + tl.arange(0, 16)
+        at = head + rows[:, None] * D + cols[None, :]
+        mask = (rows < chunks)[:, None] & (cols < D)[None, :]
+        if WITH_K:
+            k_total += tl.sum(tl.load(K_SUM + at, mask=mask, other=0.0, cache_modifier=".cg"), 0)
+        if WITH_V:
+            v_total = tl.maximum(v_total, tl.max(tl.load(V_AMAX + at, mask=mask, other=0.0, cache_modifier=".cg"),
+                                                 0))
+    total = head + tl.cast(chunks, tl.int64) * D + cols
+    if WITH_K:
+        tl.store(K_SUM + total, k_total, mask=cols < D)
+    if WITH_V:
+        tl.store(V_AMAX + total, v_total, mask=cols < D)
+
+
+@triton.jit
+def kv8_counters_clear_kernel(COUNTS, n, BLOCK: tl.constexpr):
+    """Zero ``kv8_stats_kernel``'s ``n`` int32 arrival counts. A kernel, not
+    ``torch.zeros``, so that the zeroing is one of the op's own launches,
+    which an eager launch plan (``_replay``) replays."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(COUNTS + offs, tl.zeros([BLOCK], tl.int32), mask=offs < n)
+
+
+@triton.jit
+def kv8_stats_kernel(K, V, K_SUM, V_AMAX, ARRIVALS, Hk, Lk, skb, skh, skl, svb, svh, svl, rows_per_chunk,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, WITH_V: tl.constexpr,
+                     WITH_K: tl.constexpr):
+    """Per (batch, k head) ``program_id(1)`` and chunk ``program_id(0)`` of
+    ``rows_per_chunk`` keys: WITH_K, k's column sums (K_SUM) and, WITH_V, v's
+    column amax (V_AMAX), both fp32 ``[B * Hk, chunks + 1, D]`` with
+    ``chunks = cdiv(Lk, rows_per_chunk)``: row ``program_id(0)`` the chunk's,
+    and row ``chunks`` the head's, reduced in index order by whichever of its
+    programs arrives last (ARRIVALS, ``[B * Hk]`` int32 zeroed by
+    ``kv8_counters_clear_kernel``, counts them in): the same bits on every
+    run whatever the order the programs ran in, and ``kv8_quantize_kernel``
+    reads one row. (The quantizing programs once reduced 16 partials each
+    themselves; with the head's total written here, a head can have as many
+    chunks as its length needs to read in one or two steps.)"""
     bh = tl.program_id(1)
     b = tl.cast(bh, tl.int64) // Hk
     h = bh - b * Hk
@@ -553,11 +594,17 @@ def kv8_stats_kernel(K, V, K_SUM, V_AMAX, Hk, Lk, skb, skh, skl, svb, svh, svl, 
             v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask,
                         other=0.0)
             v_amax = tl.maximum(v_amax, tl.abs(v.to(tl.float32)))
-    out = (tl.cast(bh, tl.int64) * CHUNKS + tl.program_id(0)) * D + cols
+    chunks = tl.num_programs(0)
+    head = tl.cast(bh, tl.int64) * (chunks + 1) * D
+    out = head + tl.program_id(0) * D + cols
     if WITH_K:
         tl.store(K_SUM + out, tl.sum(k_sum, 0), mask=cols < D)
     if WITH_V:
         tl.store(V_AMAX + out, tl.max(v_amax, 0), mask=cols < D)
+    # acq_rel: publishes this chunk's row (release) and, to the last program
+    # to arrive, makes every other chunk's row visible (acquire).
+    if tl.atomic_add(ARRIVALS + bh, 1, sem="acq_rel") == chunks - 1:
+        _kv8_head_totals(K_SUM, V_AMAX, head, chunks, cols, D, BLOCK_D, WITH_K, WITH_V)
 
 
 @triton.jit
@@ -577,20 +624,20 @@ def fp8_rows_scale_kernel(V_SCALE, ROW_SCALE, per_batch, FLOOR: tl.constexpr, HE
 
 
 @triton.jit
-def kv8_quantize_kernel(K, K8, K_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, skb, skh, skl, s8b, s8h, s8l,
+def kv8_quantize_kernel(K, K8, K_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, chunks, skb, skh, skl, s8b, s8h, s8l,
                         svb, svh, svl, svtd,
-                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, CHUNKS: tl.constexpr,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                         WITH_V: tl.constexpr, WITH_K: tl.constexpr):
     """8-bit attention's k and v for the ``BLOCK_L`` (= INT8_KEY_BLOCK)
     positions of block ``program_id(0)`` of one (batch, head), as
     ``reference.attention.smooth_quantize_qk`` and ``quantize_v_fp8``
-    specify them. WITH_K: K less its mean over the sequence (K_SUM's
-    partials / L) in K8, int8 with one scale per block (K_SCALE ``[B * H,
+    specify them, from the head's sequence statistics: row ``chunks`` of
+    ``kv8_stats_kernel``'s K_SUM and V_AMAX. WITH_K: K less its mean over the
+    sequence in K8, int8 with one scale per block (K_SCALE ``[B * H,
     cdiv(L, BLOCK_L)]``). WITH_V: v's tile in e4m3 with the channel scales
-    from V_AMAX's partials (V_SCALE ``[B * H, D]``, written by the first
-    block), stored transposed into VT8 (channel stride ``svtd``, unit
-    position stride). Without WITH_K, v's part alone (k quantized elsewhere:
-    ``fused.qk_rope_int8``)."""
+    (V_SCALE ``[B * H, D]``, written by the first block), stored transposed
+    into VT8 (channel stride ``svtd``, unit position stride). Without
+    WITH_K, v's part alone (k quantized elsewhere: ``fused.qk_rope_int8``)."""
     bh = tl.program_id(1)
     b = tl.cast(bh, tl.int64) // H
     h = bh - b * H
@@ -598,27 +645,31 @@ def kv8_quantize_kernel(K, K8, K_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, sk
     rows = blk * BLOCK_L + tl.arange(0, BLOCK_L)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < L)[:, None] & (cols < D)[None, :]
-    partials = tl.cast(bh, tl.int64) * CHUNKS * D + tl.arange(0, CHUNKS)[:, None] * D + cols[None, :]
-    chunk_mask = (cols < D)[None, :]
+    totals = (tl.cast(bh, tl.int64) * (chunks + 1) + chunks) * D + cols
     if WITH_K:
         k = tl.load(K + b * skb + h * skh + rows[:, None].to(tl.int64) * skl + cols[None, :], mask=mask,
                     other=0.0).to(tl.float32)
         # (tl.cast, not L.to: Inductor may pass L as a Python int constant)
-        mean = tl.div_rn(tl.sum(tl.load(K_SUM + partials, mask=chunk_mask, other=0.0), 0), tl.cast(L, tl.float32))
+        mean = tl.div_rn(tl.load(K_SUM + totals, mask=cols < D, other=0.0), tl.cast(L, tl.float32))
         k = tl.where(mask, k - mean[None, :], 0.0)
         scale, inverse = _scale_of(tl.max(tl.max(tl.abs(k), 1), 0), _INT8_MAX)
         tl.store(K_SCALE + tl.cast(bh, tl.int64) * tl.cdiv(L, BLOCK_L) + blk, scale)
         tl.store(K8 + b * s8b + h * s8h + rows[:, None].to(tl.int64) * s8l + cols[None, :], _int8_of(k, inverse),
                  mask=mask)
     if WITH_V:
-        v_scale, v_inverse = _scale_of(tl.max(tl.load(V_AMAX + partials, mask=chunk_mask, other=0.0), 0),
-                                       E4M3_MAX)
+        v_scale, v_inverse = _scale_of(tl.load(V_AMAX + totals, mask=cols < D, other=0.0), E4M3_MAX)
         if blk == 0:
             tl.store(V_SCALE + tl.cast(bh, tl.int64) * D + cols, v_scale, mask=cols < D)
         v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask,
                     other=0.0).to(tl.float32)
         v8 = (v * v_inverse[None, :]).to(tl.float8e4nv)
-        tl.store(VT8 + tl.cast(bh, tl.int64) * D * svtd + cols[None, :] * svtd + rows[:, None], v8, mask=mask)
+        vt8 = VT8 + tl.cast(bh, tl.int64) * D * svtd + cols[None, :] * svtd + rows[:, None]
+        # The transposed store runs along the keys, and a mask at L would split
+        # its 16-byte vectors into L's divisibility (single bytes at Wan's 32760
+        # keys). VT8's rows are padded to 16 keys, so the store covers the
+        # padding, with zeros (v's masked load gives 0 past L).
+        padded = (rows < tl.cdiv(L, 16) * 16)[:, None] & (cols < D)[None, :]
+        tl.store(vt8, v8, mask=padded)
 
 
 # ---------------------------------------------------------------- backward

@@ -18,7 +18,8 @@ from compile_ops import _dtensor, meta, reference
 from compile_ops._library import fused_op, has_tma, l2_cache_bytes, launcher, register_no_gradient, require_fp8_mma
 from compile_ops.kernels.attention import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                            attn_bwd_row_stats_kernel, attn_fwd_kernel, fp8_rows_scale_kernel,
-                                           kv8_quantize_kernel, kv8_stats_kernel)
+                                           kv8_counters_clear_kernel, kv8_quantize_kernel,
+                                           kv8_stats_kernel)
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
 from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 
@@ -373,23 +374,44 @@ register_no_gradient(_attention_int8_op, "fused.attention_int8 is inference only
                      "torch.no_grad()")
 
 
-#: Partials per (batch, k head) of the 8-bit quantization's sequence
-#: reductions (k's mean, v's channel amax): 16 programs per head (192 for
-#: Wan's 12 heads, 384 for Flux's 24) read the sequence, and every quantizing
-#: program reads all 16 (16 KB at D = 128, from L2).
-STAT_CHUNKS = 16
+#: The 8-bit quantization's statistics pass: each program reduces a chunk
+#: of STAT_CHUNK_ROWS of a head's keys in steps of STAT_STEP rows, and the
+#: head's last chunk to finish sums the head's partials; past
+#: MAX_STAT_CHUNKS chunks a head the chunks grow instead. Swept on an H100
+#: (bench/results/quantize-8bit-stats-sweep-h100.json: chunks of 128 to 2048
+#: keys, steps of 32 to 128, 4 or 8 warps, seven shapes): 1024-key chunks
+#: in 128-key steps at 8 warps are within 3.5% of each shape's best, and
+#: both passes together 19-21% faster than 16 chunks a head in 64-key steps
+#: at 4 warps, the configuration before (bench/notes.md).
+STAT_STEP = 128
+STAT_CHUNK_ROWS = 1024
+MAX_STAT_CHUNKS = 128
+#: Launches of the two passes (tests and experiments patch them).
+STATS_LAUNCH = dict(num_warps=8)
+QUANTIZE_LAUNCH = dict(num_warps=4)  # 8 warps: 1.2x the time (H200, bench/notes.md)
+
+
+def stat_rows_per_chunk(lk: int) -> int:
+    """Keys per program of the statistics pass over ``lk`` keys: a multiple
+    of STAT_STEP, at least STAT_CHUNK_ROWS and enough for at most
+    MAX_STAT_CHUNKS programs a head."""
+    steps_per_chunk = torch.sym_max(triton.cdiv(STAT_CHUNK_ROWS, STAT_STEP),
+                                    triton.cdiv(triton.cdiv(lk, STAT_STEP), MAX_STAT_CHUNKS))
+    return STAT_STEP * steps_per_chunk
 
 
 def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tuple:
     """8-bit attention's k and v operands by Triton kernels: ``(k8, k_scale)``
     of ``reference.attention.smooth_quantize_qk`` and, with v, ``(vt8,
-    v_scale)`` of :func:`fp8_values_transposed`, in two launches (k's and v's
-    sequence reductions, then both quantized) that read each 16-bit input
-    twice; eager and traced calls alike. The same values as the reference
-    up to the order of k's mean's sum (an fp32 ulp, which can move a rare k
-    value to the next integer). q has no pass: the attention kernel rounds
-    each program's rows per token as it loads them (``QUANTIZE_Q``). k None:
-    v's two alone (q and k came quantized from ``fused.qk_rope_int8``).
+    v_scale)`` of :func:`fp8_values_transposed`, in three launches: the
+    arrival counters zeroed, k's and v's sequence statistics (partials per
+    chunk of keys, summed per head by the chunk that finishes last), then
+    both quantized; each 16-bit input is read twice. Eager and traced calls
+    alike. The same values as the reference up to the order of k's mean's
+    sum (an fp32 ulp, which can move a rare k value to the next integer). q
+    has no pass: the attention kernel rounds each program's rows per token
+    as it loads them (``QUANTIZE_Q``). k None: v's alone (q and k came
+    quantized from ``fused.qk_rope_int8``).
 
     Args:
         k, v: ``[B, Hk, Lk, D]`` (seq_dim 2) or ``[B, Lk, Hk, D]`` (1),
@@ -398,15 +420,18 @@ def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tup
     with_k, with_v = k is not None, v is not None
     kv = k if with_k else v
     b, hk, lk, d = meta.attention.dims(kv, seq_dim)
-    consts = dict(D=d, BLOCK_D=block_d(d), CHUNKS=STAT_CHUNKS)
-    # Per (batch, k head) and chunk: k's column sums, v's column amax (each only when quantized).
-    k_sum, v_amax = (torch.empty((b * hk, STAT_CHUNKS, d), dtype=torch.float32, device=kv.device) if wanted
+    blocks = triton.cdiv(lk, reference.attention.INT8_KEY_BLOCK)
+    rows_per_chunk = stat_rows_per_chunk(lk)
+    chunks = triton.cdiv(lk, rows_per_chunk)
+    # Per (batch, k head): a row per chunk and the head's total; k's column
+    # sums and v's column amax, each only when quantized.
+    k_sum, v_amax = (torch.empty((b * hk, chunks + 1, d), dtype=torch.float32, device=kv.device) if wanted
                      else None for wanted in (with_k, with_v))
+    arrivals = torch.empty((b * hk,), dtype=torch.int32, device=kv.device)
     k8 = k_scale = vt8 = v_scale = None
     if with_k:
         k8 = torch.empty_like(k, dtype=torch.int8)
-        k_scale = torch.empty((b, hk, triton.cdiv(lk, reference.attention.INT8_KEY_BLOCK)), dtype=torch.float32,
-                              device=k.device)
+        k_scale = torch.empty((b, hk, blocks), dtype=torch.float32, device=k.device)
     if with_v:
         # The kernel is handed the whole padded buffer, not the narrowed view the attention kernel
         # reads: a traced kernel mutating a view made Inductor emit an e4m3 slice copy that failed
@@ -416,14 +441,15 @@ def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tup
     k_strides = _bhl_strides(k, seq_dim) if with_k else (0, 0, 0)
     v_strides = _bhl_strides(v, seq_dim) if with_v else (0, 0, 0)
     if lk > 0 and b * hk > 0:
-        launcher(kv8_stats_kernel)[(STAT_CHUNKS, b * hk)](
-            k, v, k_sum, v_amax, hk, lk, *k_strides, *v_strides,
-            triton.cdiv(lk, STAT_CHUNKS), BLOCK_L=64, WITH_V=with_v, WITH_K=with_k, num_warps=4, **consts)
-        launcher(kv8_quantize_kernel)[(triton.cdiv(lk, reference.attention.INT8_KEY_BLOCK), b * hk)](
-            k, k8, k_scale, k_sum, v, vt8, v_amax, v_scale, hk, lk, *k_strides,
+        consts = dict(D=d, BLOCK_D=block_d(d), WITH_V=with_v, WITH_K=with_k)
+        launcher(kv8_counters_clear_kernel)[(triton.cdiv(b * hk, 1024),)](arrivals, b * hk, BLOCK=1024)
+        launcher(kv8_stats_kernel)[(chunks, b * hk)](
+            k, v, k_sum, v_amax, arrivals, hk, lk, *k_strides, *v_strides, rows_per_chunk, BLOCK_L=STAT_STEP,
+            **STATS_LAUNCH, **consts)
+        launcher(kv8_quantize_kernel)[(blocks, b * hk)](
+            k, k8, k_scale, k_sum, v, vt8, v_amax, v_scale, hk, lk, chunks, *k_strides,
             *(_bhl_strides(k8, seq_dim) if with_k else (0, 0, 0)), *v_strides, vt8.stride(2) if with_v else 0,
-            BLOCK_L=reference.attention.INT8_KEY_BLOCK, WITH_V=with_v, WITH_K=with_k,
-            num_warps=4, **consts)  # 8 warps: 1.2x the time (H200, bench/notes.md)
+            BLOCK_L=reference.attention.INT8_KEY_BLOCK, **QUANTIZE_LAUNCH, **consts)
     return ((k8, k_scale) if with_k else ()) + ((vt8.narrow(3, 0, lk), v_scale) if with_v else ())
 
 
