@@ -1,8 +1,8 @@
 """Sweep the attention kernels' tile configs on a GPU, to pick forward_tiles,
 dkdv_tiles and dq_tiles in compile_ops/ops/attention.py.
 
-    PYTHONPATH=. python bench/sweep_attention.py [OUT.json] [--block-sparse | --tma | --hopper | --eight-bit |
-                                                             --backward-tma]
+    PYTHONPATH=. python bench/sweep_attention.py [OUT.json] [--block-sparse | --tma | --hopper |
+                                                             --eight-bit [--modes=M,...] | --backward-tma]
 
 bf16, non-causal, CUDA-graph replays: forward configs timed on the forward,
 backward configs (dk/dv pass, then dq pass) on the whole forward+backward step
@@ -10,7 +10,8 @@ with the other passes at their defaults. ``--block-sparse`` times
 fused.block_sparse_attention at [1, 24, 32760, 128] with a random mask that
 keeps a quarter of the 128 x 128 blocks (bench/block_sparse.py's), with the
 configs whose tiles fit in a block. ``--eight-bit``: the forward tiles of
-8-bit attention (INT8 q k with 16-bit or FP8 P V), kernel only.
+8-bit attention (INT8 q k with 16-bit or FP8 P V; q given in INT8 or rounded
+by the kernel), kernel only.
 """
 import functools
 import os
@@ -132,20 +133,28 @@ def hopper_sweep(out_path):
 
 #: ``--eight-bit``: tiles of the 8-bit forward modes (and the 16-bit one beside
 #: them) at HOPPER_SHAPES, TMA on: (block_m, block_n, warps, stages, warp_specialize).
+#: ``int8`` / ``int8_fp8``: q given in INT8 with its scales (``attention_qk8``,
+#: q and k from ``fused.qk_rope_int8``, as the patched Wan runs it); their
+#: ``_round_q`` forms: q given in 16 bits and rounded by the kernel as it
+#: loads it (``QUANTIZE_Q``: what ``fused.attention_int8`` / ``_fp8`` launch).
+_INT8_CANDIDATES = [(128, 128, 8, 3, False), (64, 128, 4, 3, False), (64, 128, 4, 2, False), (64, 64, 4, 3, False),
+                    (64, 128, 4, 4, False)]
+# FP8 P V's key tiles are the specification's 128 (reference.attention.FP8_PV_TILE).
+_INT8_FP8_CANDIDATES = [(128, 128, 8, 3, False), (64, 128, 4, 3, False), (64, 128, 4, 2, False),
+                        (64, 128, 4, 4, False), (128, 128, 4, 3, False), (64, 128, 4, 3, True)]
 EIGHT_BIT_CANDIDATES = {
     "exact": [(128, 128, 8, 3, False), (64, 128, 4, 3, False), (64, 128, 4, 2, False), (64, 64, 4, 3, False)],
-    "int8": [(128, 128, 8, 3, False), (64, 128, 4, 3, False), (64, 128, 4, 2, False), (64, 64, 4, 3, False),
-             (64, 128, 4, 4, False)],
-    # FP8 P V's key tiles are the specification's 128 (reference.attention.FP8_PV_TILE).
-    "int8_fp8": [(128, 128, 8, 3, False), (64, 128, 4, 3, False), (64, 128, 4, 2, False), (64, 128, 4, 4, False),
-                 (128, 128, 4, 3, False), (64, 128, 4, 3, True)],
+    "int8": _INT8_CANDIDATES,
+    "int8_round_q": _INT8_CANDIDATES,
+    "int8_fp8": _INT8_FP8_CANDIDATES,
+    "int8_fp8_round_q": _INT8_FP8_CANDIDATES,
 }
 
 
-def eight_bit_sweep(out_path):
-    """Kernel-only forward TFLOP/s of each EIGHT_BIT_CANDIDATES entry (the
-    quantized operands prepared outside the timed launch, as
-    ``fused.attention_int8`` / ``_fp8`` prepare them) and of cuDNN, per shape."""
+def eight_bit_sweep(out_path, modes=tuple(EIGHT_BIT_CANDIDATES)):
+    """Kernel-only forward TFLOP/s of each EIGHT_BIT_CANDIDATES entry of
+    ``modes`` (the quantized operands prepared outside the timed launch, as
+    the 8-bit ops prepare them) and of cuDNN, per shape."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from compile_ops import reference
@@ -166,13 +175,18 @@ def eight_bit_sweep(out_path):
                                                          int8_scales=(q_scale, k_scale)),
             "int8_fp8": lambda: attention_ops.launch_forward(q8, k8, vt8, out, lse, d ** -0.5, False, 2, None,
                                                              int8_scales=(q_scale, k_scale), v_scale=v_scale),
+            "int8_round_q": lambda: attention_ops.launch_forward(q, k8, v, out, lse, d ** -0.5, False, 2, None,
+                                                                 int8_scales=(None, k_scale)),
+            "int8_fp8_round_q": lambda: attention_ops.launch_forward(q, k8, vt8, out, lse, d ** -0.5, False, 2,
+                                                                     None, int8_scales=(None, k_scale),
+                                                                     v_scale=v_scale),
         }
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             ms = graph_replay_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), timer)
         rows.append({"shape": [b, h, length, d], "provider": "cudnn", "ms": ms, "TFLOPs": flops / ms / 1e9})
         print(f"{b}x{h}x{length}x{d} cudnn: {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
-        for mode, configs in EIGHT_BIT_CANDIDATES.items():
-            for config in configs:
+        for mode in modes:
+            for config in EIGHT_BIT_CANDIDATES[mode]:
                 attention_ops.forward_tiles = functools.partial(
                     lambda *a, c: attention_ops.Tiles(*c[:4], tma=True, warp_specialize=c[4]), c=config)
                 try:
@@ -257,7 +271,9 @@ def main(*argv):
     if "--hopper" in argv:
         return hopper_sweep(out_path)
     if "--eight-bit" in argv:
-        return eight_bit_sweep(out_path)
+        # --modes int8_fp8,int8_fp8_round_q: those of EIGHT_BIT_CANDIDATES alone
+        modes = next((a.split("=", 1)[1].split(",") for a in argv if a.startswith("--modes=")), EIGHT_BIT_CANDIDATES)
+        return eight_bit_sweep(out_path, tuple(modes))
     if "--backward-tma" in argv:
         return backward_tma_sweep(out_path)
     sparse = "--block-sparse" in argv
