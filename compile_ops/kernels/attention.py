@@ -570,8 +570,10 @@ def kv8_stats_kernel(K, V, K_SUM, V_AMAX, ARRIVALS, Hk, Lk, skb, skh, skl, svb, 
     ``kv8_counters_clear_kernel``, counts them in): the same bits on every
     run whatever the order the programs ran in, and ``kv8_quantize_kernel``
     reads one row. (The quantizing programs once reduced 16 partials each
-    themselves; with the head's total written here, a head can have as many
-    chunks as its length needs to read in one or two steps.)"""
+    themselves; with the head's total summed once here, the chunk count is
+    free to follow the length.) Triton issues the scalar atomic from one
+    thread after a CTA barrier, so the release covers every thread's store
+    of the chunk's row."""
     bh = tl.program_id(1)
     b = tl.cast(bh, tl.int64) // Hk
     h = bh - b * Hk

@@ -380,9 +380,10 @@ register_no_gradient(_attention_int8_op, "fused.attention_int8 is inference only
 #: MAX_STAT_CHUNKS chunks a head the chunks grow instead. Swept on an H100
 #: (bench/results/quantize-8bit-stats-sweep-h100.json: chunks of 128 to 2048
 #: keys, steps of 32 to 128, 4 or 8 warps, seven shapes): 1024-key chunks
-#: in 128-key steps at 8 warps are within 3.5% of each shape's best, and
-#: both passes together 19-21% faster than 16 chunks a head in 64-key steps
-#: at 4 warps, the configuration before (bench/notes.md).
+#: in 128-key steps at 8 warps are within 3.5% of each shape's best. With
+#: kv8_quantize_kernel's padded store, both passes are 19-20% faster than 16
+#: chunks a head in 64-key steps at 4 warps (the configuration before) at
+#: aligned lengths and 55% at 32760 (bench/notes.md).
 STAT_STEP = 128
 STAT_CHUNK_ROWS = 1024
 MAX_STAT_CHUNKS = 128
