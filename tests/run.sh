@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite, on any machine; the README's test command and CI's.
 #
-# Without a GPU: two pytest processes. The reference path and fake-CUDA tracing
-# run in the first; the real Triton kernels under triton's interpreter in the
-# second (TRITON_INTERPRET must be set before triton is imported). Hypothesis
-# uses the "ci" profile (bounded, derandomized: the same examples every run).
+# Without a GPU: two pytest processes, side by side on the two cores. The
+# reference path and fake-CUDA tracing run in the first; the real Triton
+# kernels under triton's interpreter in the second (TRITON_INTERPRET must be
+# set before triton is imported). Hypothesis uses the "ci" profile (bounded,
+# derandomized: the same examples every run).
 #
 # With a GPU: every layer on CUDA in one pytest process, Hypothesis on the
 # "gpu" profile (bounded examples, a random seed printed at the start so a
@@ -24,16 +25,18 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}  # the GPU machines have python3 only
 
 failed=()
-run_layer() {  # run_layer NAME COMMAND...: run one layer, remember a failure
+record() {  # record NAME RC SECONDS: a layer's end, and a failure remembered
+  echo "=== layer: $1: exit $2 after $3 s"
+  # 5: pytest collected nothing, which a -k/-m filter does to a layer on purpose.
+  [ "$2" -eq 0 ] || [ "$2" -eq 5 ] || failed+=("$1 (exit $2)")
+}
+run_layer() {  # run_layer NAME COMMAND...: run one layer
   local name=$1
   shift
   echo "=== layer: $name"
   local start=$SECONDS
   "$@"
-  local rc=$?
-  echo "=== layer: $name: exit $rc after $((SECONDS - start)) s"
-  # 5: pytest collected nothing, which a -k/-m filter does to a layer on purpose.
-  [ $rc -eq 0 ] || [ $rc -eq 5 ] || failed+=("$name (exit $rc)")
+  record "$name" $? $((SECONDS - start))
 }
 
 if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -54,9 +57,35 @@ if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
   run_layer "cuda: every layer" logged_pytest tests "${workers[@]}" --hypothesis-seed="$HYPOTHESIS_SEED" --durations=30 "$@"
 else
   export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
-  echo "CPU run: Hypothesis profile $HYPOTHESIS_PROFILE"
-  run_layer "cpu: reference path + fake-CUDA tracing" "$PY" -m pytest tests -m "not kernels" --durations=15 "$@"
-  run_layer "cpu: Triton interpreter" env TRITON_INTERPRET=1 "$PY" -m pytest tests -m kernels --durations=15 "$@"
+  # The two layers run side by side, one pytest process per core (each is
+  # single-threaded but for torch's own ops, and they share nothing but the
+  # compile caches, which are safe for concurrent writers): the run takes
+  # the longer layer's time, not the sum. Their logs follow when both end.
+  echo "CPU run: Hypothesis profile $HYPOTHESIS_PROFILE, the two layers side by side"
+  logs=$(mktemp -d)
+  in_background() {  # in_background LOG COMMAND...: a layer, its exit status and seconds in LOG.rc
+    local log=$1
+    shift
+    (
+      start=$SECONDS
+      "$@" > "$log" 2>&1
+      echo "$? $((SECONDS - start))" > "$log.rc"
+    ) &
+  }
+  in_background "$logs/reference" "$PY" -m pytest tests -m "not kernels" --durations=15 "$@"
+  # One thread: the interpreter's numpy work gains nothing from a second,
+  # which the other layer's torch ops use.
+  in_background "$logs/interpreter" env TRITON_INTERPRET=1 OMP_NUM_THREADS=1 "$PY" -m pytest tests -m kernels \
+    --durations=15 "$@"
+  wait
+  for layer in "reference:cpu: reference path + fake-CUDA tracing" "interpreter:cpu: Triton interpreter"; do
+    log=$logs/${layer%%:*}
+    echo "=== layer: ${layer#*:}"
+    cat "$log"
+    read -r rc seconds < "$log.rc"
+    record "${layer#*:}" "$rc" "$seconds"
+  done
+  rm -r "$logs"
 fi
 
 if [ ${#failed[@]} -ne 0 ]; then
