@@ -691,7 +691,8 @@ def test_kernels_8bit_quantization_writes_the_specified_operands(seq_dim, b, hq,
     in 64-key chunks (2 to 5 a head) and in 16-key ones: up to 19 chunks a
     head, so that the last chunk's sum of the head's partials takes two of
     its 16-row steps (a wrong step, or a total summed before every chunk
-    arrived, shows)."""
+    arrived, shows). v's row padding (4 and 12 keys in the first and third
+    cases) holds zeros."""
     from compile_ops.ops import attention as attention_ops
 
     monkeypatch.setattr(attention_ops, "STAT_STEP", stat_step)
@@ -701,8 +702,12 @@ def test_kernels_8bit_quantization_writes_the_specified_operands(seq_dim, b, hq,
                         lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
     torch.manual_seed(0)
     q, k, v = _int8_case(seq_dim, b, hq, hk, lq, lk, d, torch.float16, KERNEL_DEVICE, key_offset=3.0)
-    k8, k_scale, vt8, v_scale = (t.cpu() for t in attention_ops.quantize_8bit(k, v, seq_dim))
+    operands = attention_ops.quantize_8bit(k, v, seq_dim)
     assert launched == ["kv8_counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel"], launched
+    # v's rows are padded to 16 keys, and the transposed store covers the padding with zeros.
+    padding = operands[2]._base[..., lk:]
+    assert padding.shape[-1] == -lk % 16 and not padding.view(torch.uint8).any()
+    k8, k_scale, vt8, v_scale = (t.cpu() for t in operands)
     want_k8, want_k_scale = ref.smooth_quantize_qk(q.cpu(), k.cpu(), seq_dim)[2:]
     want_vt8, want_v_scale = attention_ops.fp8_values_transposed(v.cpu(), seq_dim)
     assert torch.equal(v_scale, want_v_scale)
