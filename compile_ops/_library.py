@@ -97,6 +97,15 @@ def require_fp8_mma(t: torch.Tensor, what: str) -> bool:
     return True
 
 
+def has_wgmma(t: torch.Tensor) -> bool:
+    """True when ``t`` is on a Hopper GPU (sm_90): the one architecture with
+    warpgroup MMA, which the Gluon kernels (``kernels/attention_sm90.py``)
+    are written for; False elsewhere (Blackwell has TMA but not wgmma)."""
+    if t.device.type != "cuda" or not HAS_CUDA:
+        return False
+    return cuda_capability(t.device.index)[0] == HOPPER[0]
+
+
 def has_tma(t: torch.Tensor) -> bool:
     """True when ``t`` is on a GPU with TMA (Hopper, sm_90, or newer): kernels
     take their Hopper path there and the portable one elsewhere (older GPUs,
@@ -155,6 +164,14 @@ def launcher(kernel):
     the launch through its tracing machinery, ~9x slower), or recorded for a
     launch plan (``_replay``)."""
     return _replay.recording_kernel(kernel) if getattr(_launch_state, "eager", False) else wrap_triton(kernel)
+
+
+def on_eager_fast_path() -> bool:
+    """True while an op body runs on the eager fast path (real CUDA tensors,
+    nothing tracing): a launcher may then launch a kernel that Inductor
+    cannot trace (a Gluon kernel) through :func:`launcher`, recorded for
+    launch plans; elsewhere it calls the opaque op that launches it."""
+    return getattr(_launch_state, "eager", False)
 
 
 def _launch_eagerly(body, args, kwargs, plans: Optional[dict] = None):

@@ -47,8 +47,12 @@ from typing import Callable, Optional
 import torch
 from triton import knobs
 from triton.runtime import _allocation
+from triton.experimental.gluon._runtime import GluonJITFunction
 from triton.runtime.jit import JITFunction
 
+#: Kernels whose launches a plan can replay: compiled once, called through
+#: their compiled launcher (an autotuner or heuristics wrapper chooses per call).
+_PLAIN_KERNELS = (JITFunction, GluonJITFunction)
 #: Entries per op before its plans are dropped (a model has a handful of signatures per op).
 MAX_PLANS = 256
 #: A signature that was recorded and cannot be replayed.
@@ -150,8 +154,8 @@ class Plan:
         self.scratch = []
         self.launches = []
         for kernel, compiled, grid, args, kwargs in launches:
-            if type(kernel) is not JITFunction or compiled is None or callable(grid):
-                raise _Unplannable("not a plain @triton.jit launch with a fixed grid")
+            if type(kernel) not in _PLAIN_KERNELS or compiled is None or callable(grid):
+                raise _Unplannable("not a plain @triton.jit or @gluon.jit launch with a fixed grid")
             if getattr(compiled.metadata, "global_scratch_size", 0):
                 self.allocator = _allocation._allocator.get()  # device-built TMA descriptors need it
             bound = kernel.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in kernel.arg_names})

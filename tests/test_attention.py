@@ -833,7 +833,7 @@ def test_kernels_hopper_options_compute_what_the_default_forward_does(precision,
             want = compile_ops.attention(q, k, v, seq_dim=seq_dim, kv_lengths=kv_lengths, precision=precision)
         with monkeypatch.context() as m:
             m.setattr(attention_ops, "forward_tiles",
-                      lambda d, dtype, tma=False, precision="exact": attention_ops.Tiles(
+                      lambda d, dtype, tma=False, precision="exact", wgmma=False: attention_ops.Tiles(
                           *dataclasses.astuple(default(d, dtype, False, precision))[:4], **options))
             allow_tma_under_interpreter(m)
             clear_launch_plans()  # the eager call above left a plan for the default tiles
@@ -953,16 +953,21 @@ def test_kernels_program_rank_deals_the_heaviest_tiles_first(tiles, rows, group)
         assert [r for r, _ in span] == sorted(r for r, _ in span), (start, span)
 
 
-def test_causal_launches_carry_the_program_order():
+def test_causal_launches_carry_the_program_order(monkeypatch):
     """The launchers pass the order to all three kernels of a causal call (the
     group of ``causal_order``) and the launch order to a non-causal one, traced
     on fake CUDA tensors: a launcher that dropped it would fail here, where
-    the kernels' bit-identity tests cannot see it."""
+    the kernels' bit-identity tests cannot see it. (On an sm_90 GPU the
+    non-causal forward would take the Gluon core, which has no such order:
+    kept off here.)"""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from compile_ops._library import OP_BODIES
+    from compile_ops.ops import attention as attention_ops
+
+    monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: False)
 
     def launches(causal):
         with FakeTensorMode():
@@ -1044,3 +1049,97 @@ def test_symbolic_lengths_keep_their_divisibility_hint_and_guard_it(length):
                                     length % 16 == 0)
     guard = f"{'Eq' if length % 16 == 0 else 'Ne'}(Mod({sym}, 16), 0)"
     assert guard in [str(g.expr) for g in env.guards]
+
+
+def _traced_forward(q, k, v, causal=False, kv_lengths=None, seq_dim=2):
+    """The launches of ``fused.attention``'s body traced on fake CUDA tensors:
+    the Triton kernels' names and the opaque ops it calls."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from compile_ops._library import OP_BODIES
+
+    gm = make_fx(lambda *a: OP_BODIES["fused::attention"](*a))(q, k, v, 0.125, causal, seq_dim, kv_lengths)
+    return [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
+            if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation else str(n.target)
+            for n in gm.graph.nodes if n.op == "call_function" and (
+                n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation
+                or "fused_gluon" in str(n.target))]
+
+
+def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypatch):
+    """On an sm_90 GPU (``has_wgmma`` faked for fake CUDA tensors) a dense,
+    non-causal 16-bit forward at D = 128 with TMA-aligned tensors is the Gluon
+    core's opaque op (what a compiled graph calls: Inductor cannot inline a
+    Gluon kernel), in both layouts; every call the core does not compute
+    stays on ``attn_fwd_kernel``, and no GPU without wgmma takes the core."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compile_ops.ops import attention as attention_ops
+
+    core, portable = ["fused_gluon.attention_forward_sm90_.default"], ["attn_fwd_kernel"]
+    with FakeTensorMode():
+        def qkv(b=1, h=2, lq=300, lk=300, d=128, dtype=torch.bfloat16, seq_dim=2):
+            shape = (lambda l: (b, h, l, d)) if seq_dim == 2 else (lambda l: (b, l, h, d))
+            return tuple(torch.empty(shape(l), dtype=dtype, device="cuda") for l in (lq, lk, lk))
+
+        for wgmma in (False, True):
+            monkeypatch.setattr(attention_ops, "has_wgmma", lambda t, on=wgmma: on and t.device.type == "cuda")
+            assert _traced_forward(*qkv()) == (core if wgmma else portable)
+            assert _traced_forward(*qkv(seq_dim=1), seq_dim=1) == (core if wgmma else portable)
+            assert _traced_forward(*qkv(dtype=torch.float16)) == (core if wgmma else portable)
+            assert _traced_forward(*qkv(lq=5, lk=1)) == (core if wgmma else portable)
+            q, k, v = qkv()
+            assert _traced_forward(q, k, v, causal=True) == portable
+            assert _traced_forward(q, k, v, kv_lengths=torch.full((1,), 200, device="cuda")) == portable
+            assert _traced_forward(*qkv(d=64)) == portable
+            assert _traced_forward(*qkv(dtype=torch.float32)) == portable
+            assert _traced_forward(*qkv(lk=0)) == portable
+            # Rows 514 bytes apart: off TMA's 16-byte alignment.
+            padded = torch.empty_strided((1, 2, 300, 128), (2 * 300 * 257, 300 * 257, 257, 1),
+                                         dtype=torch.bfloat16, device="cuda")
+            assert _traced_forward(padded, k, v) == portable
+
+
+_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not _SM90, reason="the Gluon core runs on sm_90 GPUs only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sm90_core_computes_what_the_portable_forward_does(dtype, monkeypatch):
+    """On an H100/H200 the core's output and lse are ``attn_fwd_kernel``'s
+    (same 128 x 128 tiles, products and formulas: equal up to one rounding of
+    the output) over ragged lengths, GQA, fewer keys than a tile, Lq != Lk
+    and both layouts. Five launches into NaN-filled outputs each write every
+    row (a race between its partitions would leave some unwritten or wrong),
+    and the eager fast path's replayed second call and a compiled call
+    (through the opaque op) give the first call's result."""
+    from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
+    from compile_ops.ops import attention as attention_ops
+
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    for b, h, hk, lq, lk, seq_dim in [(1, 4, 4, 1000, 1000, 2), (2, 8, 2, 333, 4096, 1), (1, 2, 2, 64, 77, 2),
+                                      (1, 2, 1, 513, 129, 1), (1, 3, 3, 130, 1, 2), (1, 12, 12, 4680, 4680, 2)]:
+        torch.manual_seed(lq + lk)
+        shape = (lambda hh, l: (b, hh, l, 128)) if seq_dim == 2 else (lambda hh, l: (b, l, hh, 128))
+        q = torch.randn(shape(h, lq), device="cuda", dtype=dtype)
+        k, v = (torch.randn(shape(hk, lk), device="cuda", dtype=dtype) for _ in range(2))
+        with torch.no_grad():
+            clear_launch_plans()
+            got = [compile_ops.attention(q, k, v, seq_dim=seq_dim, return_lse=True) for _ in range(2)]
+            compiled = torch.compile(lambda q, k, v: compile_ops.attention(q, k, v, seq_dim=seq_dim, return_lse=True),
+                                     fullgraph=True)(q, k, v)
+            with monkeypatch.context() as m:
+                m.setattr(attention_ops, "has_wgmma", lambda t: False)
+                clear_launch_plans()
+                want = compile_ops.attention(q, k, v, seq_dim=seq_dim, return_lse=True)
+        case = (b, h, hk, lq, lk, seq_dim)
+        torch.testing.assert_close(got[0][0], want[0], rtol=ulp, atol=1e-5, msg=lambda m: f"{case}: {m}")
+        torch.testing.assert_close(got[0][1], want[1], rtol=1e-6, atol=1e-5, msg=lambda m: f"{case}: {m}")
+        for again in (got[1], compiled):
+            assert torch.equal(again[0], got[0][0]) and torch.equal(again[1], got[0][1]), case
+        for _ in range(5):
+            out, lse = torch.full_like(q, float("nan")), torch.full((b, h, lq), float("nan"), device="cuda")
+            attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, 128 ** -0.5, seq_dim)
+            assert torch.equal(out, got[0][0]) and torch.equal(lse, got[0][1]), case
+    clear_launch_plans()

@@ -259,6 +259,34 @@ def test_attention_kernel_choice_keeps_the_outputs_and_rejects_unknown_names():
         compile_ops.patch(copy.deepcopy(model), attention_kernel="flash")
 
 
+def test_auto_attention_kernel_takes_fused_where_the_sm90_core_is_ahead(monkeypatch):
+    """``attention_kernel="auto"``'s rule, on fake CUDA tensors ([B, L, H, D]):
+    SDPA (cuDNN) for 16-bit inference, except on an sm_90 GPU at D = 128 from
+    FUSED_AHEAD_FROM_KEYS keys without key lengths, where the Gluon core is
+    ahead; fused.attention for fp32 and for calls that need a gradient."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compile_ops.integrations import diffusers as integration
+
+    ahead = integration.FUSED_AHEAD_FROM_KEYS
+    with FakeTensorMode():
+        def qkv(lk, d=128, dtype=torch.bfloat16):
+            return (torch.empty(1, 300, 2, d, dtype=dtype, device="cuda"),
+                    *(torch.empty(1, lk, 2, d, dtype=dtype, device="cuda") for _ in range(2)))
+
+        lengths = torch.full((1,), 100, device="cuda")
+        for wgmma in (True, False):
+            monkeypatch.setattr(integration, "has_wgmma", lambda t, on=wgmma: on)
+            assert integration._sdpa_is_faster(*qkv(ahead)) is not wgmma
+            assert integration._sdpa_is_faster(*qkv(ahead - 1))
+            assert integration._sdpa_is_faster(*qkv(4608))
+            assert integration._sdpa_is_faster(*qkv(ahead, d=64))
+            assert integration._sdpa_is_faster(*qkv(ahead), lengths)
+            assert not integration._sdpa_is_faster(*qkv(ahead, dtype=torch.float32))
+            q, k, v = qkv(4608)
+            assert not integration._sdpa_is_faster(q.requires_grad_(), k, v)
+
+
 # ---------------------------------------------------------------- precision="fp8"
 
 

@@ -107,7 +107,7 @@ def test_attention_forward_hopper_options_compile_for_sm90(options, monkeypatch)
 
     default = attention_ops.forward_tiles
 
-    def tiles(d, dtype, tma=False, precision="exact"):
+    def tiles(d, dtype, tma=False, precision="exact", wgmma=False):  # the portable kernel's variants
         t = default(d, dtype, False, precision)
         return attention_ops.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, **options)
 
@@ -186,7 +186,7 @@ def test_fp8_pv_accumulated_in_the_mma_compiles_for_sm90(monkeypatch):
 
     default = attention_ops.forward_tiles
 
-    def tiles(d, dtype, tma=False, precision="exact"):
+    def tiles(d, dtype, tma=False, precision="exact", wgmma=False):  # the portable kernel's variants
         t = default(d, dtype, True, precision)
         return attention_ops.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, tma=t.tma, dot_acc=True)
 
@@ -344,3 +344,41 @@ def test_gluon_attention_experiment_compiles_for_sm90(mode):
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert compiled.asm.get("cubin")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(dtype, tmp_path):
+    """The Gluon core (kernels/attention_sm90.py) at every head dim and the
+    stages ``forward_tiles`` give it: it compiles for sm_90, with its three
+    partitions' register budgets set (``setmaxnreg``: 24 for the loader,
+    SM90_CORE_CONSUMER_REGS for the consumers) and nothing spilled (ptxas),
+    under the launch's register bound."""
+    import re
+    import subprocess
+
+    from triton import knobs
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel as kernel
+    from compile_ops.ops import attention as attention_ops
+
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    for d in attention_ops.SM90_CORE_HEAD_DIMS:
+        t = attention_ops.forward_tiles(d, torch_dtype, True, "exact", True)
+        assert t.sm90_core
+        constants = dict(D=d, BLOCK_N=t.block_n, STAGES=t.num_stages,
+                         CONSUMER_REGS=attention_ops.SM90_CORE_CONSUMER_REGS, num_warps=4)
+        pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", OUT=f"*{dtype}", LSE="*fp32")
+        signature = {p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
+                     for p in kernel.arg_names}
+        launch = attention_ops.SM90_CORE_LAUNCH
+        compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=launch["num_warps"], maxnreg=launch["maxnreg"]))
+        ptx = compiled.asm["ptx"]
+        budgets = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
+        assert {24, attention_ops.SM90_CORE_CONSUMER_REGS} <= budgets, (d, sorted(budgets))
+        (tmp_path / "core.ptx").write_text(ptx)
+        report = subprocess.run([knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "core.ptx"), "-o",
+                                 str(tmp_path / "core.cubin")], capture_output=True, text=True, check=True).stderr
+        assert "0 bytes spill stores" in report and "Used " in report, (d, report)

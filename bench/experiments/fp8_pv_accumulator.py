@@ -29,7 +29,7 @@ _DEFAULT_TILES = ops_attention.forward_tiles
 
 
 def _tiles(dot_acc: bool):
-    def tiles(d, dtype, tma=False, precision="exact"):
+    def tiles(d, dtype, tma=False, precision="exact", wgmma=False):
         t = _DEFAULT_TILES(d, dtype, tma, precision)
         return ops_attention.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, tma=t.tma, dot_acc=dot_acc)
     return tiles

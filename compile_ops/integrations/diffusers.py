@@ -34,12 +34,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from compile_ops._library import has_wgmma
 from compile_ops.modules.fp8 import FP8Linear, FP8ProjectionActivation
 from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.hooks import must_call
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
-from compile_ops.ops.attention import Int8QK, attention, attention_fp8_rows
+from compile_ops.ops.attention import SM90_CORE_HEAD_DIMS, Int8QK, attention, attention_fp8_rows
 from compile_ops.ops.fp8 import FP8Rows, quantize_fp8_rows
 from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
                                       gated_residual_norm_modulate_fp8, norm_modulate, norm_modulate_fp8)
@@ -561,7 +562,7 @@ class _FusedProcessor:
                 return attention_fp8_rows(query, key, value, seq_dim=1, kv_lengths=kv_lengths)
             return attention(query, key, value, seq_dim=1, kv_lengths=kv_lengths,
                              precision=self.attention_precision)
-        if self.kernel == "sdpa" or (self.kernel == "auto" and _sdpa_is_faster(query, key, value)):
+        if self.kernel == "sdpa" or (self.kernel == "auto" and _sdpa_is_faster(query, key, value, kv_lengths)):
             mask = None
             if kv_lengths is not None:
                 keys = torch.arange(key.shape[1], device=key.device)
@@ -665,13 +666,27 @@ def _needs_gradient(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _sdpa_is_faster(query, key, value) -> bool:
+#: Keys from which ``fused.attention``'s sm_90 core runs a 16-bit forward
+#: faster than SDPA's cuDNN backend on an H100: 1.10x at 32760 and 75600
+#: keys, level at 16384 (1.00x), behind at 4096-4608 (0.93-0.94x)
+#: (bench/results/attention-sm90-core-sweep-h100.json, the README's table).
+FUSED_AHEAD_FROM_KEYS = 16385
+
+
+def _sdpa_is_faster(query, key, value, kv_lengths=None) -> bool:
     """Inference in fp16/bf16 on a GPU: SDPA's cuDNN backend runs the forward
-    1.07-1.15x faster than fused.attention on an H100 (1.02-1.13x causal;
-    README attention tables). Training keeps fused.attention: its backward is ahead of SDPA's
-    flash backend, and torch 2.11's cuDNN backward fails at Flux's training
-    shape (bench/diffusers_e2e.py)."""
-    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not _needs_gradient(query, key, value)
+    faster than fused.attention on an H100 (1.07-1.15x the portable kernel,
+    1.02-1.13x causal; README attention tables), except where the sm_90 core
+    runs the call (dense, D = 128: ``ops.attention.SM90_CORE_HEAD_DIMS``) at
+    :data:`FUSED_AHEAD_FROM_KEYS` keys or more. Training keeps
+    fused.attention: its backward is ahead of SDPA's flash backend, and torch
+    2.11's cuDNN backward fails at Flux's training shape
+    (bench/diffusers_e2e.py). q, k, v ``[B, L, H, D]``."""
+    if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)) or _needs_gradient(query, key, value):
+        return False
+    core_ahead = (has_wgmma(query) and query.shape[-1] in SM90_CORE_HEAD_DIMS and kv_lengths is None
+                  and key.shape[1] >= FUSED_AHEAD_FROM_KEYS)
+    return not core_ahead
 
 
 class FluxAttnProcessor(_FusedProcessor):
@@ -1071,8 +1086,10 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
             (rotary embeddings fused; calls they do not cover go to diffusers').
         attention_kernel: ``"fused"`` (``fused.attention``), ``"sdpa"``
             (torch's SDPA) or ``"auto"``: SDPA for 16-bit inference on a GPU,
-            where its cuDNN backend is faster, ``fused.attention`` otherwise
-            (training, CPU, fp32).
+            where its cuDNN backend is faster, except on Hopper (sm_90) at
+            D = 128 from :data:`FUSED_AHEAD_FROM_KEYS` keys, where
+            ``fused.attention``'s warp-specialized core is; ``fused.attention``
+            otherwise (training, CPU, fp32).
         precision: ``"bf16"`` keeps the Linears as they are; ``"fp8"``
             replaces the transformer blocks' Linears (attention projections,
             MLPs, the single-stream projections) with :class:`FP8Linear`:

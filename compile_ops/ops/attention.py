@@ -15,11 +15,13 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from compile_ops import _dtensor, meta, reference
-from compile_ops._library import fused_op, has_tma, l2_cache_bytes, launcher, register_no_gradient, require_fp8_mma
+from compile_ops._library import (fused_op, has_tma, has_wgmma, l2_cache_bytes, launcher, on_eager_fast_path,
+                                  register_no_gradient, require_fp8_mma)
 from compile_ops.kernels.attention import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                            attn_bwd_row_stats_kernel, attn_fwd_kernel, fp8_rows_scale_kernel,
                                            kv8_counters_clear_kernel, kv8_quantize_kernel,
                                            kv8_stats_kernel)
+from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
 from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 
@@ -38,6 +40,10 @@ class Tiles:
     tma: bool = False
     dot_acc: bool = False
     warp_specialize: bool = False
+    #: Forward only, sm_90: the call runs on the warp-specialized Gluon core
+    #: (kernels/attention_sm90.py) where it allows (:func:`_takes_sm90_core`);
+    #: block_m, block_n and num_stages are then the core's.
+    sm90_core: bool = False
 
 
 def block_d(d: int) -> int:
@@ -45,7 +51,17 @@ def block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False, precision: str = "exact") -> Tiles:
+#: Head dims the sm_90 core takes (it needs D a power of two for its tiles).
+SM90_CORE_HEAD_DIMS = (128,)
+#: The sm_90 core's launch: the default partition is one consumer warp group
+#: (4 warps; the kernel adds 4 + 1), ``maxnreg`` 168 bounds 3 warp groups at
+#: 64K registers, which the partitions split 240 / 240 / 24.
+SM90_CORE_LAUNCH = dict(num_warps=4, maxnreg=168)
+SM90_CORE_CONSUMER_REGS = 240
+
+
+def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False, precision: str = "exact",
+                  wgmma: bool = False) -> Tiles:
     """Forward tiles by padded head dim: ``bench/sweep_attention.py`` on an H100,
     bf16 (bench/results/sweep-attention-h100-*.json). ``tma``: the GPU has TMA
     (``_library.has_tma``): D=128 then loads K and V by tensor descriptors,
@@ -60,8 +76,18 @@ def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False, precision: str 
     ``"int8_fp8"`` 682-805 TFLOP/s at the four shapes against 583-663 with
     128 queries in two groups, ``"int8"`` 580-635 at 2 stages against
     542-611. FP8 P V's key tiles are the specification's 128
-    (reference.attention.FP8_PV_TILE) at every D."""
+    (reference.attention.FP8_PV_TILE) at every D.
+
+    ``wgmma`` (the GPU is sm_90, ``_library.has_wgmma``): 16-bit calls at
+    the head dims of :data:`SM90_CORE_HEAD_DIMS` take the warp-specialized
+    core, 128 queries x 128 keys, 2 K/V stages: 0.93-1.10x cuDNN at the
+    five shapes of issue 28, where the ``triton.language`` kernel was
+    0.88-1.01x (bench/results/attention-sm90-core-sweep-h100.json; 3 stages
+    within 1%, 64-key tiles 9-10% slower in ``-first-h100.json``). At D = 64
+    the core ran 0.95-0.97x the portable kernel, which keeps D = 64."""
     bd = block_d(d)
+    if wgmma and precision == "exact" and d in SM90_CORE_HEAD_DIMS and dtype in (torch.float16, torch.bfloat16):
+        return Tiles(128, 128, 4, 2, tma=True, sm90_core=True)
     if precision == "int8_fp8":
         return Tiles(64, 128, 4, 3, tma=tma) if bd <= 128 else Tiles(64, 128, 8, 2, tma=tma)
     if precision == "int8" and 64 < bd <= 128:
@@ -208,6 +234,45 @@ def causal_order(shared: Tensor, length: int, rows: int) -> tuple[dict, int]:
 _LAUNCH_ORDER = (dict(HEAVY_FIRST=False), 1)
 
 
+def _takes_sm90_core(t: Tiles, c: dict, q: Tensor, k: Tensor, v: Tensor, causal: bool, seq_dim: int,
+                     kv_lengths: Optional[Tensor], blocks: Optional[tuple], int8: bool) -> bool:
+    """Whether a forward runs on the sm_90 core: its tiles chose it, and the
+    call is one the core computes (dense, non-causal, no key lengths, 16-bit,
+    at least one key, TMA-aligned q, k and v); the rest stays on
+    ``attn_fwd_kernel``."""
+    return (t.sm90_core and not causal and kv_lengths is None and blocks is None and not int8
+            and c["lk"] > 0 and _tma_ready(seq_dim, q, k, v))
+
+
+def _launch_sm90_core(kernel, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                      seq_dim: int) -> None:
+    """Launch the sm_90 core (``kernel``: it, or the launch-plan recorder's
+    proxy of it) on arguments :func:`_takes_sm90_core` accepted."""
+    b, h, lq, d = meta.attention.dims(q, seq_dim)
+    hk, lk = meta.attention.dims(k, seq_dim)[1:3]
+    t = forward_tiles(d, q.dtype, True, "exact", True)
+    triton.set_allocator(_scratch)  # the core builds its TMA descriptors on the device
+    kernel[(triton.cdiv(lq, t.block_m), b * h)](
+        q, k, v, out, lse, *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
+        *_bhl_strides(out, seq_dim), h, h // hk, lq, lk, float(scale), D=d, BLOCK_N=t.block_n,
+        STAGES=t.num_stages, CONSUMER_REGS=SM90_CORE_CONSUMER_REGS, **SM90_CORE_LAUNCH)
+
+
+@torch.library.custom_op("fused_gluon::attention_forward_sm90_", mutates_args=("out", "lse"))
+def _attention_forward_sm90(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                            seq_dim: int) -> None:
+    """The sm_90 core as an op of its own, for traced calls (torch.compile,
+    export, the dispatcher's eager path): Inductor cannot trace a Gluon
+    kernel the way it inlines ``wrap_triton`` launches, so a compiled graph
+    calls this op, which fills ``out`` and ``lse`` in place."""
+    _launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, scale, seq_dim)
+
+
+@_attention_forward_sm90.register_fake
+def _(q, k, v, out, lse, scale, seq_dim):
+    return None
+
+
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                    seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple] = None,
                    int8_scales: Optional[tuple] = None, v_scale: Optional[Tensor] = None,
@@ -239,7 +304,14 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
         consts = dict(consts, ACC=acc_dtype(out), DOT_PRECISION=dot_precision(out.dtype), FMA_EXPONENT=True,
                       BLOCK_D=max(32, consts["BLOCK_D"]))
     q_scale, k_scale = int8_scales if int8 else (None, None)
-    t = forward_tiles(int(c["d"]), out.dtype, has_tma(q), "int8_fp8" if pv_fp8 else "int8" if int8 else "exact")
+    t = forward_tiles(int(c["d"]), out.dtype, has_tma(q), "int8_fp8" if pv_fp8 else "int8" if int8 else "exact",
+                      has_wgmma(q))
+    if _takes_sm90_core(t, c, q, k, v, causal, seq_dim, kv_lengths, blocks, int8):
+        if on_eager_fast_path():  # launched as is, recorded for launch plans
+            _launch_sm90_core(launcher(attn_fwd_sm90_kernel), q, k, v, out, lse, scale, seq_dim)
+        else:
+            torch.ops.fused_gluon.attention_forward_sm90_(q, k, v, out, lse, float(scale), seq_dim)
+        return
     # One k scale per tile: its key tiles divide the scale blocks (all tiles are powers of two up to 128).
     assert not int8 or reference.attention.INT8_KEY_BLOCK % t.block_n == 0, t
     # The rounded probabilities are relative to the running max of the specification's tiles.

@@ -1,0 +1,218 @@
+"""The Hopper (sm_90) attention forward core, in Gluon: warp-specialized, FlashAttention-3's structure.
+
+Why a second forward next to ``attention.py``'s ``attn_fwd_kernel``: that
+kernel is written in ``triton.language``, whose compiler issues the TMA
+loads from the warps that run the softmax (four CTA barriers a key step)
+and waits for every wgmma right after issuing it. Triton 3.6's own warp
+specialization of that loop gave wrong results at random and no speed
+(bench/notes.md). Gluon lets the kernel say what FlashAttention-3 does:
+
+- one program per 128 queries of one (batch, head), in three partitions:
+  - a 1-warp loader (24 registers): q once, then every key tile's K and V
+    into a ring of ``STAGES`` shared-memory buffers, each guarded by a
+    "ready" mbarrier (its TMA bytes arrived) and an "empty" one (both
+    consumers are done with it);
+  - two consumer warp groups of 64 query rows each (``CONSUMER_REGS``
+    registers), sharing every K/V tile; neither waits for the other, so the
+    warp schedulers run one's softmax under the other's products;
+- inside a consumer, step j issues S_j = Q K_j^T and then O += P_j-1 V_j-1,
+  waits for S_j alone and runs its softmax while the product is still on
+  the tensor cores, then waits for the product and rescales O.
+
+Measured on an H100 (bench/notes.md, "The sm_90 core"): 0.93-1.10x cuDNN's
+forward where the ``triton.language`` kernel was 0.88-1.01x. Its results are
+the portable kernel's bit for bit at 128-key tiles (same products, same
+order of additions, same formulas).
+
+What it takes (``ops/attention.py`` routes everything else to the portable
+kernel): dense, non-causal, no key lengths, 16-bit q/k/v of head dim
+``D`` in {64, 128} with a unit stride along D and 16-byte aligned bases and
+row strides (TMA), ``Lk >= 1``. Gluon does not run under the interpreter:
+the CPU tests compile it for sm_90 (tests/test_sm90_compile.py) and the GPU
+tests compare it with the portable kernel.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+_LOG2E = gl.constexpr(1.4426950408889634)
+_LN2 = gl.constexpr(0.6931471805599453)
+#: Query rows per consumer warp group: one wgmma's M.
+_ROWS = gl.constexpr(64)
+
+
+@gluon.jit
+def _loader(args):
+    """The producer warp: this program's q rows, then every key tile's K and V."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+     q_start, n_tiles, n_full, lk, out_rows, lse_rows, sol, lq, scale) = args
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_start, 0], q_bar, q_smem)
+    for j in range(n_tiles):
+        stage = j % STAGES
+        phase = (j // STAGES) & 1
+        # A fresh mbarrier counts as having completed the phase before its first,
+        # so the first STAGES waits on "empty" pass at once.
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _softmax(s, m, l, qk_scale, key_limit, MASKED: gl.constexpr, s_layout: gl.constexpr):
+    """One key tile's online-softmax step in base 2 (``attn_fwd_kernel``'s
+    formulas): ``(p, m_new, l_new, alpha)``. ``MASKED``: keys from
+    ``key_limit`` on (the ragged last tile's rows past Lk, which TMA filled
+    with zeros) get no weight."""
+    if MASKED:
+        cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
+        s = gl.where((cols < key_limit)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, 1))
+    m_scaled = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
+    p = gl.exp2(s * qk_scale - m_scaled[:, None])
+    alpha = gl.exp2(m * qk_scale - m_scaled)
+    l = l * alpha + gl.sum(p, 1)
+    return p, m_new, l, alpha
+
+
+@gluon.jit
+def _key_step(j, p_prev, o, m, l, q_rows, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, qk_scale,
+              key_limit, MASKED: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
+              o_rows: gl.constexpr):
+    """Key tile j >= 1 of one consumer: S_j and P_j-1 V_j-1 issued back to
+    back, S_j's softmax under the product, then the product folded in and O
+    rescaled to S_j's running max. Returns ``(p_j, o, m, l)``."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    stage = j % STAGES
+    prev = (j - 1) % STAGES
+    mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+    s_token = warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    o_token = warpgroup_mma(p_prev, v_smem.index(prev), o, is_async=True)
+    s = warpgroup_mma_wait(1, deps=[s_token])  # wgmma groups complete in order: S_j is done
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    p, m, l, alpha = _softmax(s, m, l, qk_scale, key_limit, MASKED, s_layout)
+    # p_prev is named so that its registers (the product's A operand) live until the product is done.
+    o, p_prev = warpgroup_mma_wait(0, deps=[o_token, p_prev])
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    o = o * gl.convert_layout(alpha, o_rows)[:, None]
+    return gl.convert_layout(p.to(v_smem.dtype), p_layout), o, m, l
+
+
+@gluon.jit
+def _consumer(args, HALF: gl.constexpr):
+    """One consumer warp group: query rows ``q_start + 64 * HALF`` to 64 past
+    it, through every key tile, then their output rows and log-sum-exp."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+     q_start, n_tiles, n_full, lk, out_rows, lse_rows, sol, lq, scale) = args
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    D: gl.constexpr = k_smem.shape[2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    qk_scale = scale * _LOG2E
+    q_rows = q_smem.slice(_ROWS * HALF, _ROWS)
+    s_zero = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
+    m = gl.full([_ROWS], float("-inf"), gl.float32, s_rows)
+    l = gl.zeros([_ROWS], gl.float32, s_rows)
+    o = gl.zeros([_ROWS, D], gl.float32, o_layout)
+    mbarrier.wait(q_bar, 0)
+
+    # Key tile 0: no product in flight yet to overlap with.
+    mbarrier.wait(k_ready.index(0), 0)
+    s_token = warpgroup_mma(q_rows, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s_token])
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if n_full == 0:  # Lk < BLOCK_N: the only tile is ragged
+        p, m, l, alpha = _softmax(s, m, l, qk_scale, lk, True, s_layout)
+    else:
+        p, m, l, alpha = _softmax(s, m, l, qk_scale, lk, False, s_layout)
+    p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    for j in range(1, n_full):
+        p, o, m, l = _key_step(j, p, o, m, l, q_rows, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero,
+                               qk_scale, lk, False, s_layout, p_layout, o_rows)
+    if n_tiles > n_full and n_full > 0:  # the ragged last tile after full ones
+        p, o, m, l = _key_step(n_full, p, o, m, l, q_rows, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                               s_zero, qk_scale, lk - n_full * BLOCK_N, True, s_layout, p_layout, o_rows)
+    last = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    o_token = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
+    o, p = warpgroup_mma_wait(0, deps=[o_token, p])
+    mbarrier.arrive(v_empty.index(last), count=1)
+
+    # Every row saw at least one key (Lk >= 1, no masks but the ragged tile's), so l > 0.
+    out = o / gl.convert_layout(l, o_rows)[:, None]
+    rows = q_start + _ROWS * HALF + gl.arange(0, _ROWS, layout=o_rows)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_rows + rows.to(gl.int64)[:, None] * sol + cols[None, :], out.to(out_rows.dtype.element_ty),
+             mask=(rows < lq)[:, None])
+    lse_row = q_start + _ROWS * HALF + gl.arange(0, _ROWS, layout=s_rows)
+    gl.store(lse_rows + lse_row, m * scale + gl.log2(l) * _LN2, mask=lse_row < lq)  # attn_fwd_kernel's formula
+
+
+@gluon.jit
+def _consumer_low(args):
+    _consumer(args, 0)
+
+
+@gluon.jit
+def _consumer_high(args):
+    _consumer(args, 1)
+
+
+@gluon.jit
+def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol,
+                         H, GROUP, Lq, Lk, scale, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """OUT = softmax(scale Q K^T) V and LSE (natural log) for 128 queries (grid
+    axis 0) of one (batch, head) (axis 1), as ``attn_fwd_kernel`` dense and
+    non-causal.
+
+    Q ``[B, H, Lq, D]``, K and V ``[B, H / GROUP, Lk, D]``, OUT like Q: any
+    layout through the (batch, head, position) strides ``s*b, s*h, s*l``, a
+    unit stride along D, 16-byte aligned bases and position strides (TMA
+    descriptors, built here over each (batch, head)'s rows, so tiles past
+    Lq / Lk read zeros). LSE ``[B * H, Lq]`` fp32. ``Lk >= 1``. Launch with
+    ``num_warps=4`` (the default partition, consumer 0); the consumer and
+    loader partitions add 5 warps, and ``maxnreg`` bounds the kernel's
+    registers so that 24 + 2 * ``CONSUMER_REGS`` per thread fit 3 warp groups."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128 if D >= 64 else 64,
+                                                     element_bitwidth=16, rank=2)
+    bh = gl.program_id(1)
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    kv_h = h // GROUP
+    q_start = gl.program_id(0) * (2 * _ROWS)
+    q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [Lq, D], [sql, 1], [2 * _ROWS, D], smem_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * skb + kv_h * skh, [Lk, D], [skl, 1], [BLOCK_N, D], smem_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * svb + kv_h * svh, [Lk, D], [svl, 1], [BLOCK_N, D], smem_layout)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * _ROWS, D], smem_layout)
+    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, D], smem_layout)
+    v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_N, D], smem_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # released by both consumers
+        mbarrier.init(v_empty.index(i), count=2)
+    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+            q_start, gl.cdiv(Lk, BLOCK_N), Lk // BLOCK_N, Lk, OUT + b * sob + h * soh, LSE + bh.to(gl.int64) * Lq,
+            sol, Lq, scale)
+    gl.warp_specialize([(_consumer_low, (args, )), (_consumer_high, (args, )), (_loader, (args, ))], [4, 1],
+                       [CONSUMER_REGS, 24])
