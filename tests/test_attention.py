@@ -968,6 +968,8 @@ def test_causal_launches_carry_the_program_order(monkeypatch):
     from compile_ops.ops import attention as attention_ops
 
     monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: False)
+    # The groups below are an H100's (50 MiB of L2); an H200's 60 MiB would make them 6 heads.
+    monkeypatch.setattr(attention_ops, "l2_cache_bytes", lambda t: 50 * 2**20)
 
     def launches(causal):
         with FakeTensorMode():
