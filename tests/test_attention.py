@@ -1056,12 +1056,18 @@ def test_symbolic_lengths_keep_their_divisibility_hint_and_guard_it(length):
 def _traced_forward(q, k, v, causal=False, kv_lengths=None, seq_dim=2):
     """The launches of ``fused.attention``'s body traced on fake CUDA tensors:
     the Triton kernels' names and the opaque ops it calls."""
+    return _traced_launches("fused::attention", q, k, v, 0.125, causal, seq_dim, kv_lengths)
+
+
+def _traced_launches(op, *args):
+    """The launches of ``op``'s body traced on fake CUDA tensors: the Triton
+    kernels' names and the opaque ops it calls."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from compile_ops._library import OP_BODIES
 
-    gm = make_fx(lambda *a: OP_BODIES["fused::attention"](*a))(q, k, v, 0.125, causal, seq_dim, kv_lengths)
+    gm = make_fx(lambda *a: OP_BODIES[op](*a))(*args)
     return [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
             if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation else str(n.target)
             for n in gm.graph.nodes if n.op == "call_function" and (
@@ -1101,6 +1107,39 @@ def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypa
             padded = torch.empty_strided((1, 2, 300, 128), (2 * 300 * 257, 300 * 257, 257, 1),
                                          dtype=torch.bfloat16, device="cuda")
             assert _traced_forward(padded, k, v) == portable
+
+
+def test_8bit_forward_takes_the_sm90_core_only_with_q_given_in_int8(monkeypatch):
+    """With ``"int8_fp8"`` among the core's precisions (it is built and tested,
+    and joins by default once measured ahead), traced on fake CUDA tensors
+    on a faked sm_90 GPU: 8-bit attention on q and k given in int8 with a
+    16-bit output is the core's op; q rounded by the kernel, FP8 output rows
+    and 16-bit P V stay on ``attn_fwd_kernel``; with the default precisions
+    it all stays there."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compile_ops.ops import attention as attention_ops
+
+    core = ["fused_gluon.attention_forward_sm90_.default"]
+    monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: t.device.type == "cuda")
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, 300, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        q8, k8 = (torch.empty(1, 300, 2, 128, dtype=torch.int8, device="cuda") for _ in range(2))
+        q_scale, k_scale = torch.empty(1, 2, 300, device="cuda"), torch.empty(1, 2, 3, device="cuda")
+
+        def qk8(pv_fp8, fp8_rows):
+            return [name for name in _traced_launches("fused::attention_qk8", q8, q_scale, k8, k_scale, v, 0.125,
+                                                      False, 1, None, pv_fp8, fp8_rows)
+                    if name in ("attn_fwd_kernel", core[0])]
+
+        for with_int8 in (False, True):
+            precisions = ("exact", "int8_fp8") if with_int8 else ("exact",)
+            monkeypatch.setattr(attention_ops, "SM90_CORE_PRECISIONS", precisions)
+            assert qk8(True, False) == (core if with_int8 else ["attn_fwd_kernel"])
+            assert qk8(True, True) == ["attn_fwd_kernel"]
+            assert qk8(False, False) == ["attn_fwd_kernel"]
+            rounded = _traced_launches("fused::attention_int8_fp8", q, k, v, 0.125, False, 1, None)
+            assert rounded[-1] == "attn_fwd_kernel" and core[0] not in rounded
 
 
 _SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -1144,4 +1183,47 @@ def test_sm90_core_computes_what_the_portable_forward_does(dtype, monkeypatch):
             out, lse = torch.full_like(q, float("nan")), torch.full((b, h, lq), float("nan"), device="cuda")
             attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, 128 ** -0.5, seq_dim)
             assert torch.equal(out, got[0][0]) and torch.equal(lse, got[0][1]), case
+    clear_launch_plans()
+
+
+@pytest.mark.skipif(not _SM90, reason="the Gluon core runs on sm_90 GPUs only")
+def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
+    """The core's INT8_FP8 mode, forced on (``"int8_fp8"`` among its
+    precisions): ``attention_qk8`` with FP8 P V on q and k given in int8 is
+    ``attn_fwd_kernel``'s result (the same formulas: equal up to one rounding
+    of the output) over ragged, GQA, short and Lq != Lk shapes, with offset
+    keys, in both layouts; five launches into NaN-filled outputs each write
+    every row, and the replayed second call and a compiled call give the
+    first call's result."""
+    from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
+    from compile_ops.ops import attention as attention_ops
+
+    for b, h, hk, lq, lk, seq_dim in [(1, 4, 4, 1000, 1000, 2), (2, 8, 2, 333, 4096, 1), (1, 2, 2, 64, 77, 2),
+                                      (1, 2, 1, 513, 129, 1), (1, 3, 3, 130, 1, 2), (1, 12, 12, 4680, 4680, 2)]:
+        torch.manual_seed(lq + lk)
+        shape = (lambda hh, l: (b, hh, l, 128)) if seq_dim == 2 else (lambda hh, l: (b, l, hh, 128))
+        q = torch.randn(shape(h, lq), device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(shape(hk, lk), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        k = k + 4 * torch.randn(128, device="cuda", dtype=torch.bfloat16)  # a per-channel offset
+        q8, q_scale, k8, k_scale = ref.smooth_quantize_qk(q, k, seq_dim)
+        args = (q8, q_scale, k8, k_scale, v, 128 ** -0.5, False, seq_dim, None, True, False)
+        case = (b, h, hk, lq, lk, seq_dim)
+        with torch.no_grad():
+            with monkeypatch.context() as m:
+                m.setattr(attention_ops, "SM90_CORE_PRECISIONS", ("exact", "int8_fp8"))
+                clear_launch_plans()
+                got = [torch.ops.fused.attention_qk8(*args)[0] for _ in range(2)]
+                compiled = torch.compile(lambda *a: torch.ops.fused.attention_qk8(*a)[0], fullgraph=True)(*args)
+                vt8, v_scale = attention_ops._quantized(None, None, v, seq_dim, True)
+                for _ in range(5):
+                    out = torch.full_like(q, float("nan"))
+                    lse = torch.empty(b, h, lq, device="cuda")
+                    attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q8, k8, vt8, out, lse, 128 ** -0.5,
+                                                    seq_dim, q_scale, k_scale, v_scale)
+                    assert torch.equal(out, got[0]), case
+            clear_launch_plans()
+            want = torch.ops.fused.attention_qk8(*args)[0]
+        torch.testing.assert_close(got[0], want, rtol=2.0 ** -7, atol=1e-5, msg=lambda m: f"{case}: {m}")
+        for again in (got[1], compiled):
+            assert torch.equal(again, got[0]), case
     clear_launch_plans()

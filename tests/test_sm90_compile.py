@@ -346,13 +346,34 @@ def test_gluon_attention_experiment_compiles_for_sm90(mode):
     assert compiled.asm.get("cubin")
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(dtype, tmp_path):
-    """The Gluon core (kernels/attention_sm90.py) at every head dim and the
-    stages ``forward_tiles`` give it: it compiles for sm_90, with its three
-    partitions' register budgets set (``setmaxnreg``: 24 for the loader,
-    SM90_CORE_CONSUMER_REGS for the consumers) and nothing spilled (ptxas),
-    under the launch's register bound."""
+def _sm90_core_variants():
+    """``(name, pointer types, constexprs)`` of every variant of the Gluon core:
+    the 16-bit ones ``forward_tiles`` gives it (each dtype and head dim), and
+    INT8_FP8 (measured in bench/experiments/sm90_core_sweep.py, not routed
+    yet) at 2 and 3 stages."""
+    from compile_ops.ops import attention as attention_ops
+
+    regs = attention_ops.SM90_CORE_CONSUMER_REGS
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        for d in attention_ops.SM90_CORE_HEAD_DIMS:
+            t = attention_ops.forward_tiles(d, torch_dtype, True, "exact", True)
+            assert t.sm90_core
+            yield (f"{dtype}-d{d}", dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", OUT=f"*{dtype}", LSE="*fp32"),
+                   dict(D=d, BLOCK_N=t.block_n, STAGES=t.num_stages, CONSUMER_REGS=regs, INT8_FP8=False,
+                        Q_SCALE=None, K_SCALE=None, V_SCALE=None, num_warps=4))
+    for stages in (2, 3):
+        yield (f"int8_fp8-{stages}-stages",
+               dict(Q="*i8", K="*i8", V="*fp8e4nv", OUT="*bf16", LSE="*fp32", Q_SCALE="*fp32", K_SCALE="*fp32",
+                    V_SCALE="*fp32"),
+               dict(D=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=regs, INT8_FP8=True, num_warps=4))
+
+
+@pytest.mark.parametrize("variant", list(_sm90_core_variants()), ids=lambda v: v[0])
+def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(variant, tmp_path):
+    """The Gluon core (kernels/attention_sm90.py), every variant: it compiles
+    for sm_90 with its three partitions' register budgets set
+    (``setmaxnreg``: 24 for the loader, SM90_CORE_CONSUMER_REGS for the
+    consumers) and nothing spilled (ptxas), under the launch's register bound."""
     import re
     import subprocess
 
@@ -362,23 +383,17 @@ def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(dtype, 
     from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel as kernel
     from compile_ops.ops import attention as attention_ops
 
-    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
-    for d in attention_ops.SM90_CORE_HEAD_DIMS:
-        t = attention_ops.forward_tiles(d, torch_dtype, True, "exact", True)
-        assert t.sm90_core
-        constants = dict(D=d, BLOCK_N=t.block_n, STAGES=t.num_stages,
-                         CONSUMER_REGS=attention_ops.SM90_CORE_CONSUMER_REGS, num_warps=4)
-        pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", OUT=f"*{dtype}", LSE="*fp32")
-        signature = {p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
-                     for p in kernel.arg_names}
-        launch = attention_ops.SM90_CORE_LAUNCH
-        compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=launch["num_warps"], maxnreg=launch["maxnreg"]))
-        ptx = compiled.asm["ptx"]
-        budgets = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
-        assert {24, attention_ops.SM90_CORE_CONSUMER_REGS} <= budgets, (d, sorted(budgets))
-        (tmp_path / "core.ptx").write_text(ptx)
-        report = subprocess.run([knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "core.ptx"), "-o",
-                                 str(tmp_path / "core.cubin")], capture_output=True, text=True, check=True).stderr
-        assert "0 bytes spill stores" in report and "Used " in report, (d, report)
+    name, pointers, constants = variant
+    signature = {p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
+                 for p in kernel.arg_names}
+    launch = attention_ops.SM90_CORE_LAUNCH
+    compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=launch["num_warps"], maxnreg=launch["maxnreg"]))
+    ptx = compiled.asm["ptx"]
+    budgets = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
+    assert {24, attention_ops.SM90_CORE_CONSUMER_REGS} <= budgets, (name, sorted(budgets))
+    (tmp_path / "core.ptx").write_text(ptx)
+    report = subprocess.run([knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "core.ptx"), "-o",
+                             str(tmp_path / "core.cubin")], capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores" in report and "Used " in report, (name, report)

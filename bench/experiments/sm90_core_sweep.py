@@ -9,7 +9,13 @@ the core kept off) and fp32 SDPA, over ragged, GQA and short shapes; every
 configuration run five times into NaN-filled outputs (a race shows as rows
 off the portable kernel or left non-finite in some runs). Timing: CUDA-graph
 replays, two alternated rounds, cuDNN in the same run, bf16 at D = 128 and
-64 (the core's D = 64 is measured here before the package routes it)."""
+64 (the core's D = 64 is measured here before the package routes it).
+
+``--int8-fp8``: the core's INT8_FP8 mode (q given in int8, k and v
+quantized beforehand, as the portable kernel's timing in
+``sweep_attention.py --eight-bit`` has them) against ``attn_fwd_kernel``'s
+INT8 + PV_FP8 launch on the same operands, checked against it and timed at
+2-4 stages, cuDNN bf16 in the same run."""
 import json
 import sys
 
@@ -18,6 +24,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from compile_ops import reference
 from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
 from compile_ops.ops import attention as attention_ops
 
@@ -34,10 +41,94 @@ def ws_fwd(q, k, v, block_n=128, stages=2, regs=240, fill=None):
     # The kernel builds its TMA descriptors on the device, in memory from this allocator.
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     attn_fwd_sm90_kernel[(triton.cdiv(lq, 128), b * h)](
-        q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        q, k, v, out, lse, None, None, None, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), h, h // hk, lq, lk,
-        float(d ** -0.5), D=d, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=regs, num_warps=4, maxnreg=168)
+        float(d ** -0.5), D=d, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=regs, INT8_FP8=False, num_warps=4,
+        maxnreg=168)
     return out, lse
+
+
+def eight_bit_operands(q, k, v):
+    """``(q8, q_scale, k8, k_scale, vt8, v_scale)``: the specification's quantization."""
+    return (*reference.attention.smooth_quantize_qk(q, k, 2), *attention_ops.fp8_values_transposed(v, 2))
+
+
+def core_int8_fp8(ops, out, lse, stages=2, fill=None):
+    """The core's INT8_FP8 mode on ``eight_bit_operands``; out ``[B, H, Lq, D]`` bf16."""
+    q8, q_scale, k8, k_scale, vt8, v_scale = ops
+    b, h, lq, d = q8.shape
+    if fill is not None:
+        out.fill_(fill)
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    attn_fwd_sm90_kernel[(triton.cdiv(lq, 128), b * h)](
+        q8, k8, vt8, out, lse, q_scale, k_scale, v_scale, q8.stride(0), q8.stride(1), q8.stride(2),
+        k8.stride(0), k8.stride(1), k8.stride(2), vt8.stride(0), vt8.stride(1), vt8.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), h, h // k8.shape[1], lq, k8.shape[2], float(d ** -0.5),
+        D=d, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=240, INT8_FP8=True, num_warps=4, maxnreg=168)
+    return out
+
+
+def portable_int8_fp8(ops, out, lse):
+    q8, q_scale, k8, k_scale, vt8, v_scale = ops
+    attention_ops.launch_forward(q8, k8, vt8, out, lse, q8.shape[-1] ** -0.5, False, 2, None,
+                                 int8_scales=(q_scale, k_scale), v_scale=v_scale)
+    return out
+
+
+def eight_bit():
+    """Checks and timing of the INT8_FP8 mode (``--int8-fp8``)."""
+    for b, h, hk, lq, lk in [(1, 4, 4, 1000, 1000), (2, 8, 2, 333, 4096), (1, 2, 2, 64, 77), (1, 3, 3, 130, 1),
+                             (1, 12, 12, 4680, 4680), (1, 2, 1, 513, 129)]:
+        torch.manual_seed(lq + lk)
+        q = torch.randn(b, h, lq, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hk, lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        k = k + 4 * torch.randn(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16)  # offset keys
+        ops = eight_bit_operands(q, k, v)
+        want = portable_int8_fp8(ops, torch.empty_like(q), torch.empty(b, h, lq, device="cuda"))
+        exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=h != hk)
+        for stages in (2, 3):
+            row = dict(mode="int8_fp8", shape=[b, h, hk, lq, lk], stages=stages)
+            try:
+                worst, bad = 0.0, 0
+                for _ in range(5):
+                    out = core_int8_fp8(ops, torch.empty_like(q), torch.empty(b, h, lq, device="cuda"), stages,
+                                        fill=float("nan"))
+                    diff = (out.float() - want.float()).abs().nan_to_num(1e9)
+                    worst, bad = max(worst, diff.max().item()), max(bad, int((diff.amax(-1) > 0.05).sum()))
+                row.update(max_diff_vs_portable=worst, rows_off=bad, rel_vs_exact=rel(out, exact),
+                           portable_rel_vs_exact=rel(want, exact))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[-400:]}"
+            R["checks"].append(row)
+            print(row, flush=True)
+
+    timer = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=200)
+    for b, h, L in [(1, 24, 4608), (1, 12, 32760), (1, 40, 16384), (1, 12, 75600)]:
+        d = 128
+        flops = 4 * b * h * L * L * d
+        q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        ops = eight_bit_operands(q, k, v)
+        out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
+        cands = {"cudnn": lambda: F.scaled_dot_product_attention(q, k, v),
+                 "portable int8_fp8": lambda: portable_int8_fp8(ops, out, lse)}
+        for stages in (2, 3, 4):
+            cands[f"core int8_fp8 {stages} stages"] = (lambda st=stages: core_int8_fp8(ops, out, lse, st))
+        for rnd in range(2):
+            for name, fn in cands.items():
+                try:
+                    if name == "cudnn":
+                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                            fn(); ms = timer(fn)
+                    else:
+                        fn(); ms = timer(fn)
+                    tf = flops / ms / 1e9
+                except Exception as e:  # noqa: BLE001
+                    print(name, "failed", type(e).__name__, str(e)[-300:], flush=True)
+                    ms = tf = float("nan")
+                R["timing"].append(dict(shape=[b, h, L, d], provider=name, round=rnd, ms=ms, TFLOPs=tf))
+                print(f"{b}x{h}x{L}x{d} round {rnd} {name:24s} {tf:6.0f} TFLOP/s", flush=True)
+        del q, k, v, ops
+        torch.cuda.empty_cache()
 
 
 def portable(q, k, v):
@@ -84,6 +175,11 @@ def check(b, h, hk, lq, lk, cfg, d=128, dtype=torch.bfloat16):
 
 def main():
     attention_ops.has_wgmma = lambda t: False
+    if "--int8-fp8" in sys.argv:
+        eight_bit()
+        R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+        json.dump(R, open(sys.argv[1], "w"), indent=1)
+        return
     for cfg in CONFIGS:
         for shape in [(1, 4, 4, 1000, 1000), (2, 8, 2, 333, 4096), (1, 2, 2, 64, 77), (1, 2, 2, 130, 1),
                       (1, 3, 3, 200, 256), (1, 12, 12, 4680, 4680), (1, 2, 1, 513, 129), (1, 12, 12, 4096, 32760)]:

@@ -20,20 +20,32 @@ specialization of that loop gave wrong results at random and no speed
   the tensor cores, then waits for the product and rescales O.
 
 Measured on an H100 (bench/notes.md, "The sm_90 core"): 0.93-1.10x cuDNN's
-forward where the ``triton.language`` kernel was 0.88-1.01x. Its results are
-the portable kernel's bit for bit at 128-key tiles (same products, same
-order of additions, same formulas).
+forward where the ``triton.language`` kernel was 0.88-1.01x. Its output is
+the portable kernel's bit for bit (same 128 x 128 tiles, products, order of
+additions and formulas).
 
 What it takes (``ops/attention.py`` routes everything else to the portable
-kernel): dense, non-causal, no key lengths, 16-bit q/k/v of head dim
-``D`` in {64, 128} with a unit stride along D and 16-byte aligned bases and
-row strides (TMA), ``Lk >= 1``. Gluon does not run under the interpreter:
-the CPU tests compile it for sm_90 (tests/test_sm90_compile.py) and the GPU
-tests compare it with the portable kernel.
+kernel): dense, non-causal, no key lengths, 16-bit q/k/v with a unit
+stride along D (a power of two; the package sends D = 128, where it is
+ahead) and 16-byte aligned bases and row strides (TMA), ``Lk >= 1``.
+
+``INT8_FP8``: the 8-bit operands of ``attn_fwd_kernel``'s ``INT8`` +
+``PV_FP8`` mode with q given in int8, the same formulas (biased int32
+scores, one row factor per tile, ``2**8 p`` rounded to e4m3, a fresh FP8
+product per tile added to the fp32 accumulator), and the same results bit
+for bit. Measured, not routed: its P goes through shared memory, and it is
+not ahead of ``attn_fwd_kernel`` (``ops.attention.SM90_CORE_PRECISIONS``).
+
+Gluon does not run under the interpreter: the CPU tests compile every
+variant for sm_90 (tests/test_sm90_compile.py), the GPU tests compare them
+with the portable kernel.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from compile_ops.kernels.attention import _INT8_BIAS, _INT8_BIAS_BITS, _P_FP8_SHIFT
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
@@ -44,8 +56,8 @@ _ROWS = gl.constexpr(64)
 @gluon.jit
 def _loader(args):
     """The producer warp: this program's q rows, then every key tile's K and V."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-     q_start, n_tiles, n_full, lk, out_rows, lse_rows, sol, lq, scale) = args
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, k_ready, k_empty, v_ready, v_empty,
+     q_start, n_tiles, n_full, lk, out_rows, lse_rows, sol, lq, scale, q_scales, k_scales, v_scales) = args
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
@@ -60,104 +72,189 @@ def _loader(args):
         tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), phase ^ 1)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+        if v_smem.dtype == gl.float8e4nv:  # FP8 P V's transposed V: [D, BLOCK_N] tiles along the keys
+            tma.async_copy_global_to_shared(v_desc, [0, j * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
-def _softmax(s, m, l, qk_scale, key_limit, MASKED: gl.constexpr, s_layout: gl.constexpr):
+def _softmax(s, m, l, row, qk_scale, key_limit, MASKED: gl.constexpr, INT8_FP8: gl.constexpr,
+             s_layout: gl.constexpr):
     """One key tile's online-softmax step in base 2 (``attn_fwd_kernel``'s
     formulas): ``(p, m_new, l_new, alpha)``. ``MASKED``: keys from
     ``key_limit`` on (the ragged last tile's rows past Lk, which TMA filled
-    with zeros) get no weight."""
+    with zeros) get no weight. ``INT8_FP8``: ``s`` holds the biased int32
+    scores' bits, ``row`` the tile's factor per row (q's scale times the
+    tile's k scale), and p is ``2**8`` times the probability."""
+    if INT8_FP8:
+        s = s.to(gl.float32, bitcast=True)
     if MASKED:
         cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
         s = gl.where((cols < key_limit)[None, :], s, float("-inf"))
-    m_new = gl.maximum(m, gl.max(s, 1))
-    m_scaled = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
-    p = gl.exp2(s * qk_scale - m_scaled[:, None])
-    alpha = gl.exp2(m * qk_scale - m_scaled)
+    if INT8_FP8:  # row > 0: the largest biased score is the largest score
+        m_new = gl.maximum(m, (gl.max(s, 1) - _INT8_BIAS) * row)
+    else:
+        m_new = gl.maximum(m, gl.max(s, 1))
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    if INT8_FP8:  # exp2((s - BIAS) * row * c - m * c + 8) as one fma per score
+        factor = row * qk_scale
+        shift = factor * _INT8_BIAS + m_shift * qk_scale - _P_FP8_SHIFT
+        p = gl.exp2(s * factor[:, None] - shift[:, None])
+        alpha = gl.exp2((m - m_shift) * qk_scale)
+    else:
+        m_scaled = m_shift * qk_scale
+        p = gl.exp2(s * qk_scale - m_scaled[:, None])
+        alpha = gl.exp2(m * qk_scale - m_scaled)
     l = l * alpha + gl.sum(p, 1)
     return p, m_new, l, alpha
 
 
 @gluon.jit
-def _key_step(j, p_prev, o, m, l, q_rows, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, qk_scale,
-              key_limit, MASKED: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
-              o_rows: gl.constexpr):
-    """Key tile j >= 1 of one consumer: S_j and P_j-1 V_j-1 issued back to
-    back, S_j's softmax under the product, then the product folded in and O
-    rescaled to S_j's running max. Returns ``(p_j, o, m, l)``."""
+def _scores(j, q_rows, k_smem, k_ready, s_init):
+    """Issue key tile j's Q K^T once its keys have arrived (asynchronous)."""
     STAGES: gl.constexpr = k_smem.shape[0]
     stage = j % STAGES
-    prev = (j - 1) % STAGES
     mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-    s_token = warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), s_init, use_acc=k_smem.dtype == gl.int8,
+                         is_async=True)
+
+
+@gluon.jit
+def _key_step(j, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
+              v_empty, s_init, o_zero, qk_scale, key_limit, MASKED: gl.constexpr, s_layout: gl.constexpr,
+              p_layout: gl.constexpr, o_rows: gl.constexpr):
+    """Key tile j >= 1 of one consumer: S_j and P_j-1 V_j-1 issued back to
+    back, S_j's softmax under the product, then the product folded in.
+    Returns ``(carry, o, m, l)`` for tile j + 1.
+
+    16-bit: ``carry`` is P_j-1 in registers, the product's A operand, and the
+    rescaled O its accumulator; O comes back at S_j's running max, and the
+    carry is P_j. INT8_FP8: P_j-1 is in ``p_smem`` (Gluon cannot keep an
+    8-bit register operand alive across the product's wait: its wait takes
+    no 8-bit dependency), ``carry`` is alpha_j-1; the fresh product is added
+    to O rescaled by it (``attn_fwd_kernel``'s two-level accumulation), P_j
+    replaces P_j-1 once the product is done, and the carry is alpha_j."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
+    stage = j % STAGES
+    prev = (j - 1) % STAGES
+    s_token = _scores(j, q_rows, k_smem, k_ready, s_init)
     mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-    o_token = warpgroup_mma(p_prev, v_smem.index(prev), o, is_async=True)
+    if INT8_FP8:
+        o_token = warpgroup_mma(p_smem, v_smem.index(prev).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+    else:
+        o_token = warpgroup_mma(carry, v_smem.index(prev), o, is_async=True)
     s = warpgroup_mma_wait(1, deps=[s_token])  # wgmma groups complete in order: S_j is done
     mbarrier.arrive(k_empty.index(stage), count=1)
-    p, m, l, alpha = _softmax(s, m, l, qk_scale, key_limit, MASKED, s_layout)
-    # p_prev is named so that its registers (the product's A operand) live until the product is done.
-    o, p_prev = warpgroup_mma_wait(0, deps=[o_token, p_prev])
-    mbarrier.arrive(v_empty.index(prev), count=1)
-    o = o * gl.convert_layout(alpha, o_rows)[:, None]
-    return gl.convert_layout(p.to(v_smem.dtype), p_layout), o, m, l
+    row = row_q
+    if INT8_FP8:
+        row = row_q * gl.load(k_scales + j)
+    p, m, l, alpha = _softmax(s, m, l, row, qk_scale, key_limit, MASKED, INT8_FP8, s_layout)
+    if INT8_FP8:
+        part = warpgroup_mma_wait(0, deps=[o_token])
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        o = o * gl.convert_layout(carry, o_rows)[:, None] + part
+        _stage_p(p, p_smem)
+        return alpha, o, m, l
+    else:
+        # P_j-1 is named so that its registers live until the product is done.
+        o, carry = warpgroup_mma_wait(0, deps=[o_token, carry])
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        o = o * gl.convert_layout(alpha, o_rows)[:, None]
+        return gl.convert_layout(p.to(v_smem.dtype), p_layout), o, m, l
+
+
+@gluon.jit
+def _stage_p(p, p_smem):
+    """FP8 P V's A operand: ``2**8 p`` rounded to e4m3 into this consumer's
+    shared buffer, ordered before the next product's reads (async proxy)."""
+    p_smem.store(p.to(gl.float8e4nv))
+    fence_async_shared()
 
 
 @gluon.jit
 def _consumer(args, HALF: gl.constexpr):
     """One consumer warp group: query rows ``q_start + 64 * HALF`` to 64 past
     it, through every key tile, then their output rows and log-sum-exp."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-     q_start, n_tiles, n_full, lk, out_rows, lse_rows, sol, lq, scale) = args
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, k_ready, k_empty, v_ready, v_empty,
+     q_start, n_tiles, n_full, lk, out_rows, lse_rows, sol, lq, scale, q_scales, k_scales, v_scales) = args
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = k_smem.shape[2]
+    INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
+    K_STEP: gl.constexpr = 32 if INT8_FP8 else 16  # a wgmma's K: 32 bytes of 8-bit operands, 16 of 16-bit
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, K_STEP])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
+                                                       instr_shape=[16, D, K_STEP])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     qk_scale = scale * _LOG2E
     q_rows = q_smem.slice(_ROWS * HALF, _ROWS)
-    s_zero = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
+    p_smem = p_smems.slice(_ROWS * HALF, _ROWS)
+    first_row = q_start + _ROWS * HALF
+    if INT8_FP8:  # the biased int32 scores (see attn_fwd_kernel's INT8)
+        s_init = gl.full([_ROWS, BLOCK_N], _INT8_BIAS_BITS, gl.int32, s_layout)
+        rows = first_row + gl.arange(0, _ROWS, layout=s_rows)
+        # Rows past Lq get a factor of 1 (never 0: a masked score times 0 would be NaN); they are not stored.
+        row_q = gl.load(q_scales + rows, mask=rows < lq, other=1.0)
+    else:
+        s_init = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
+        row_q = gl.full([_ROWS], 1.0, gl.float32, s_rows)
+    o_zero = gl.zeros([_ROWS, D], gl.float32, o_layout)
     m = gl.full([_ROWS], float("-inf"), gl.float32, s_rows)
     l = gl.zeros([_ROWS], gl.float32, s_rows)
-    o = gl.zeros([_ROWS, D], gl.float32, o_layout)
+    o = o_zero
     mbarrier.wait(q_bar, 0)
 
     # Key tile 0: no product in flight yet to overlap with.
-    mbarrier.wait(k_ready.index(0), 0)
-    s_token = warpgroup_mma(q_rows, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=[s_token])
+    s = warpgroup_mma_wait(0, deps=[_scores(0, q_rows, k_smem, k_ready, s_init)])
     mbarrier.arrive(k_empty.index(0), count=1)
+    row = row_q
+    if INT8_FP8:
+        row = row_q * gl.load(k_scales)
     if n_full == 0:  # Lk < BLOCK_N: the only tile is ragged
-        p, m, l, alpha = _softmax(s, m, l, qk_scale, lk, True, s_layout)
+        p, m, l, alpha = _softmax(s, m, l, row, qk_scale, lk, True, INT8_FP8, s_layout)
     else:
-        p, m, l, alpha = _softmax(s, m, l, qk_scale, lk, False, s_layout)
-    p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+        p, m, l, alpha = _softmax(s, m, l, row, qk_scale, lk, False, INT8_FP8, s_layout)
+    if INT8_FP8:
+        _stage_p(p, p_smem)
+        carry = alpha
+    else:
+        carry = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     for j in range(1, n_full):
-        p, o, m, l = _key_step(j, p, o, m, l, q_rows, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero,
-                               qk_scale, lk, False, s_layout, p_layout, o_rows)
+        carry, o, m, l = _key_step(j, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready,
+                                   k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, lk, False, s_layout,
+                                   p_layout, o_rows)
     if n_tiles > n_full and n_full > 0:  # the ragged last tile after full ones
-        p, o, m, l = _key_step(n_full, p, o, m, l, q_rows, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                               s_zero, qk_scale, lk - n_full * BLOCK_N, True, s_layout, p_layout, o_rows)
+        carry, o, m, l = _key_step(n_full, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem,
+                                   k_ready, k_empty, v_ready, v_empty, s_init, o_zero, qk_scale,
+                                   lk - n_full * BLOCK_N, True, s_layout, p_layout, o_rows)
     last = (n_tiles - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-    o_token = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
-    o, p = warpgroup_mma_wait(0, deps=[o_token, p])
+    if INT8_FP8:
+        o_token = warpgroup_mma(p_smem, v_smem.index(last).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+        part = warpgroup_mma_wait(0, deps=[o_token])
+        o = o * gl.convert_layout(carry, o_rows)[:, None] + part
+    else:
+        o_token = warpgroup_mma(carry, v_smem.index(last), o, is_async=True)
+        o, carry = warpgroup_mma_wait(0, deps=[o_token, carry])
     mbarrier.arrive(v_empty.index(last), count=1)
 
     # Every row saw at least one key (Lk >= 1, no masks but the ragged tile's), so l > 0.
     out = o / gl.convert_layout(l, o_rows)[:, None]
-    rows = q_start + _ROWS * HALF + gl.arange(0, _ROWS, layout=o_rows)
+    log2_l = gl.log2(l)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    if INT8_FP8:  # V's channel scales; l sums 2**8 p
+        out = out * gl.load(v_scales + cols)[None, :]
+        log2_l = log2_l - _P_FP8_SHIFT
+    rows = first_row + gl.arange(0, _ROWS, layout=o_rows)
     gl.store(out_rows + rows.to(gl.int64)[:, None] * sol + cols[None, :], out.to(out_rows.dtype.element_ty),
              mask=(rows < lq)[:, None])
-    lse_row = q_start + _ROWS * HALF + gl.arange(0, _ROWS, layout=s_rows)
-    gl.store(lse_rows + lse_row, m * scale + gl.log2(l) * _LN2, mask=lse_row < lq)  # attn_fwd_kernel's formula
+    lse_row = first_row + gl.arange(0, _ROWS, layout=s_rows)
+    gl.store(lse_rows + lse_row, m * scale + log2_l * _LN2, mask=lse_row < lq)  # attn_fwd_kernel's formula
 
 
 @gluon.jit
@@ -171,9 +268,10 @@ def _consumer_high(args):
 
 
 @gluon.jit
-def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol,
-                         H, GROUP, Lq, Lk, scale, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, Q_SCALE, K_SCALE, V_SCALE, sqb, sqh, sql, skb, skh, skl, svb, svh, svl,
+                         sob, soh, sol, H, GROUP, Lq, Lk, scale, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, INT8_FP8: gl.constexpr,
+                         num_warps: gl.constexpr):
     """OUT = softmax(scale Q K^T) V and LSE (natural log) for 128 queries (grid
     axis 0) of one (batch, head) (axis 1), as ``attn_fwd_kernel`` dense and
     non-causal.
@@ -185,21 +283,44 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, sqb, sqh, sql, skb, skh, skl, svb, s
     Lq / Lk read zeros). LSE ``[B * H, Lq]`` fp32. ``Lk >= 1``. Launch with
     ``num_warps=4`` (the default partition, consumer 0); the consumer and
     loader partitions add 5 warps, and ``maxnreg`` bounds the kernel's
-    registers so that 24 + 2 * ``CONSUMER_REGS`` per thread fit 3 warp groups."""
+    registers so that 24 + 2 * ``CONSUMER_REGS`` per thread fit 3 warp groups.
+
+    ``INT8_FP8``: Q and K int8, ``Q_SCALE [B, H, Lq]`` q's per-token scales,
+    ``K_SCALE [B, H / GROUP, ceil(Lk / BLOCK_N)]`` one per key tile; V e4m3
+    ``[B, H / GROUP, D, Lk]`` with a unit key stride (``svl`` the stride
+    between channels) and ``V_SCALE [B, H / GROUP, D]`` its channel scales
+    (fp32 contiguous); OUT in q's original dtype (``attn_fwd_kernel``'s
+    INT8 + PV_FP8 with q given). Otherwise the three scale pointers are
+    unused (pass None)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128 if D >= 64 else 64,
-                                                     element_bitwidth=16, rank=2)
+    qk_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 if INT8_FP8 else 16,
+                                                   rank=2)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 if INT8_FP8 else 16,
+                                                  rank=2)
     bh = gl.program_id(1)
     b = (bh // H).to(gl.int64)
     h = (bh % H).to(gl.int64)
     kv_h = h // GROUP
+    kv_row = b * (H // GROUP) + kv_h
     q_start = gl.program_id(0) * (2 * _ROWS)
-    q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [Lq, D], [sql, 1], [2 * _ROWS, D], smem_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * skb + kv_h * skh, [Lk, D], [skl, 1], [BLOCK_N, D], smem_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * svb + kv_h * svh, [Lk, D], [svl, 1], [BLOCK_N, D], smem_layout)
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * _ROWS, D], smem_layout)
-    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, D], smem_layout)
-    v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_N, D], smem_layout)
+    q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [Lq, D], [sql, 1], [2 * _ROWS, D], qk_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * skb + kv_h * skh, [Lk, D], [skl, 1], [BLOCK_N, D], qk_layout)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * _ROWS, D], qk_layout)
+    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, D], qk_layout)
+    if INT8_FP8:
+        v_desc = tma.make_tensor_descriptor(V + b * svb + kv_h * svh, [D, Lk], [svl, 1], [D, BLOCK_N], v_layout)
+        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, D, BLOCK_N], v_layout)
+        q_scales = Q_SCALE + bh.to(gl.int64) * Lq
+        k_scales = K_SCALE + kv_row * gl.cdiv(Lk, BLOCK_N)
+        v_scales = V_SCALE + kv_row * D
+        p_smems = gl.allocate_shared_memory(gl.float8e4nv, [2 * _ROWS, BLOCK_N], v_layout)
+    else:
+        v_desc = tma.make_tensor_descriptor(V + b * svb + kv_h * svh, [Lk, D], [svl, 1], [BLOCK_N, D], v_layout)
+        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_N, D], v_layout)
+        q_scales = LSE  # stand-ins, never read
+        k_scales = LSE
+        v_scales = LSE
+        p_smems = q_smem  # a stand-in: 16-bit P stays in registers
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -211,8 +332,8 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, sqb, sqh, sql, skb, skh, skl, svb, s
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # released by both consumers
         mbarrier.init(v_empty.index(i), count=2)
-    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, k_ready, k_empty, v_ready, v_empty,
             q_start, gl.cdiv(Lk, BLOCK_N), Lk // BLOCK_N, Lk, OUT + b * sob + h * soh, LSE + bh.to(gl.int64) * Lq,
-            sol, Lq, scale)
+            sol, Lq, scale, q_scales, k_scales, v_scales)
     gl.warp_specialize([(_consumer_low, (args, )), (_consumer_high, (args, )), (_loader, (args, ))], [4, 1],
                        [CONSUMER_REGS, 24])

@@ -53,6 +53,14 @@ def block_d(d: int) -> int:
 
 #: Head dims the sm_90 core takes (it needs D a power of two for its tiles).
 SM90_CORE_HEAD_DIMS = (128,)
+#: The precisions the sm_90 core runs, and its K/V stages for each:
+#: ``"exact"`` (16-bit). ``"int8_fp8"`` with q given in int8 (its INT8_FP8
+#: mode) is built and tested (bit-identical to ``attn_fwd_kernel``) but not
+#: ahead of it: 0.91x at 4608 keys, 0.97-1.04x from 16384 (H200,
+#: bench/results/attention-sm90-core-int8-fp8-h200.json; its P goes through
+#: shared memory, bench/notes.md), so the 8-bit modes stay portable.
+SM90_CORE_PRECISIONS = ("exact",)
+SM90_CORE_STAGES = {"exact": 2, "int8_fp8": 2}
 #: The sm_90 core's launch: the default partition is one consumer warp group
 #: (4 warps; the kernel adds 4 + 1), ``maxnreg`` 168 bounds 3 warp groups at
 #: 64K registers, which the partitions split 240 / 240 / 24.
@@ -86,8 +94,9 @@ def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False, precision: str 
     within 1%, 64-key tiles 9-10% slower in ``-first-h100.json``). At D = 64
     the core ran 0.95-0.97x the portable kernel, which keeps D = 64."""
     bd = block_d(d)
-    if wgmma and precision == "exact" and d in SM90_CORE_HEAD_DIMS and dtype in (torch.float16, torch.bfloat16):
-        return Tiles(128, 128, 4, 2, tma=True, sm90_core=True)
+    if wgmma and precision in SM90_CORE_PRECISIONS and d in SM90_CORE_HEAD_DIMS \
+            and dtype in (torch.float16, torch.bfloat16):
+        return Tiles(128, 128, 4, SM90_CORE_STAGES[precision], tma=True, sm90_core=True)
     if precision == "int8_fp8":
         return Tiles(64, 128, 4, 3, tma=tma) if bd <= 128 else Tiles(64, 128, 8, 2, tma=tma)
     if precision == "int8" and 64 < bd <= 128:
@@ -235,41 +244,52 @@ _LAUNCH_ORDER = (dict(HEAVY_FIRST=False), 1)
 
 
 def _takes_sm90_core(t: Tiles, c: dict, q: Tensor, k: Tensor, v: Tensor, causal: bool, seq_dim: int,
-                     kv_lengths: Optional[Tensor], blocks: Optional[tuple], int8: bool) -> bool:
+                     v_seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple], rounds_q: bool,
+                     fp8_rows: Optional[tuple]) -> bool:
     """Whether a forward runs on the sm_90 core: its tiles chose it, and the
-    call is one the core computes (dense, non-causal, no key lengths, 16-bit,
-    at least one key, TMA-aligned q, k and v); the rest stays on
+    call is one the core computes (dense, non-causal, no key lengths, at
+    least one key, TMA-aligned q, k and v; 8-bit only with q given in int8,
+    not ``rounds_q``, and a 16-bit output); the rest stays on
     ``attn_fwd_kernel``."""
-    return (t.sm90_core and not causal and kv_lengths is None and blocks is None and not int8
-            and c["lk"] > 0 and _tma_ready(seq_dim, q, k, v))
+    return (t.sm90_core and not causal and kv_lengths is None and blocks is None and not rounds_q
+            and fp8_rows is None and c["lk"] > 0 and _tma_ready(seq_dim, q, k) and _tma_ready(v_seq_dim, v))
 
 
 def _launch_sm90_core(kernel, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                      seq_dim: int) -> None:
+                      seq_dim: int, q_scale: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
+                      v_scale: Optional[Tensor] = None) -> None:
     """Launch the sm_90 core (``kernel``: it, or the launch-plan recorder's
-    proxy of it) on arguments :func:`_takes_sm90_core` accepted."""
+    proxy of it) on arguments :func:`_takes_sm90_core` accepted; the scales
+    (all three, or none): its INT8_FP8 mode, on ``launch_forward``'s 8-bit
+    operands."""
     b, h, lq, d = meta.attention.dims(q, seq_dim)
     hk, lk = meta.attention.dims(k, seq_dim)[1:3]
-    t = forward_tiles(d, q.dtype, True, "exact", True)
+    int8_fp8 = v_scale is not None
+    t = forward_tiles(d, out.dtype, True, "int8_fp8" if int8_fp8 else "exact", True)
+    assert not int8_fp8 or t.block_n == reference.attention.INT8_KEY_BLOCK, t  # one k scale per key tile
     triton.set_allocator(_scratch)  # the core builds its TMA descriptors on the device
     kernel[(triton.cdiv(lq, t.block_m), b * h)](
-        q, k, v, out, lse, *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
-        *_bhl_strides(out, seq_dim), h, h // hk, lq, lk, float(scale), D=d, BLOCK_N=t.block_n,
-        STAGES=t.num_stages, CONSUMER_REGS=SM90_CORE_CONSUMER_REGS, **SM90_CORE_LAUNCH)
+        q, k, v, out, lse, q_scale, k_scale, v_scale, *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim),
+        *_bhl_strides(v, 2 if int8_fp8 else seq_dim), *_bhl_strides(out, seq_dim), h, h // hk, lq, lk,
+        float(scale), D=d, BLOCK_N=t.block_n, STAGES=t.num_stages, CONSUMER_REGS=SM90_CORE_CONSUMER_REGS,
+        INT8_FP8=int8_fp8, **SM90_CORE_LAUNCH)
 
 
 @torch.library.custom_op("fused_gluon::attention_forward_sm90_", mutates_args=("out", "lse"))
 def _attention_forward_sm90(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                            seq_dim: int) -> None:
+                            seq_dim: int, q_scale: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
+                            v_scale: Optional[Tensor] = None) -> None:
     """The sm_90 core as an op of its own, for traced calls (torch.compile,
     export, the dispatcher's eager path): Inductor cannot trace a Gluon
     kernel the way it inlines ``wrap_triton`` launches, so a compiled graph
-    calls this op, which fills ``out`` and ``lse`` in place."""
-    _launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, scale, seq_dim)
+    calls this op, which fills ``out`` and ``lse`` in place. In a namespace
+    of its own: not a public op (no sharding rule, no registry row); the
+    ``fused`` ops that call it have those."""
+    _launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, scale, seq_dim, q_scale, k_scale, v_scale)
 
 
 @_attention_forward_sm90.register_fake
-def _(q, k, v, out, lse, scale, seq_dim):
+def _(q, k, v, out, lse, scale, seq_dim, q_scale=None, k_scale=None, v_scale=None):
     return None
 
 
@@ -306,12 +326,6 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     q_scale, k_scale = int8_scales if int8 else (None, None)
     t = forward_tiles(int(c["d"]), out.dtype, has_tma(q), "int8_fp8" if pv_fp8 else "int8" if int8 else "exact",
                       has_wgmma(q))
-    if _takes_sm90_core(t, c, q, k, v, causal, seq_dim, kv_lengths, blocks, int8):
-        if on_eager_fast_path():  # launched as is, recorded for launch plans
-            _launch_sm90_core(launcher(attn_fwd_sm90_kernel), q, k, v, out, lse, scale, seq_dim)
-        else:
-            torch.ops.fused_gluon.attention_forward_sm90_(q, k, v, out, lse, float(scale), seq_dim)
-        return
     # One k scale per tile: its key tiles divide the scale blocks (all tiles are powers of two up to 128).
     assert not int8 or reference.attention.INT8_KEY_BLOCK % t.block_n == 0, t
     # The rounded probabilities are relative to the running max of the specification's tiles.
@@ -320,6 +334,14 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     if pv_fp8 and v.stride(3) != 1:
         raise ValueError(f"launch_forward: FP8 P V takes v as [B, Hk, D, Lk] with unit key stride, got strides "
                          f"{tuple(v.stride())}")
+    if _takes_sm90_core(t, c, q, k, v, causal, seq_dim, v_seq_dim, kv_lengths, blocks, int8 and q_scale is None,
+                        fp8_rows):
+        scales = (q_scale, k_scale, v_scale) if pv_fp8 else (None, None, None)
+        if on_eager_fast_path():  # launched as is, recorded for launch plans
+            _launch_sm90_core(launcher(attn_fwd_sm90_kernel), q, k, v, out, lse, scale, seq_dim, *scales)
+        else:
+            torch.ops.fused_gluon.attention_forward_sm90_(q, k, v, out, lse, float(scale), seq_dim, *scales)
+        return
     tma = _take_tma(t.tma, (seq_dim, q, k), (v_seq_dim, v))
     index, count, *list_strides = _lists(blocks)
     # The block list past Triton's pipeliner (kernels.attention._tile_start):
