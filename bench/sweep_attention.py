@@ -11,7 +11,9 @@ fused.block_sparse_attention at [1, 24, 32760, 128] with a random mask that
 keeps a quarter of the 128 x 128 blocks (bench/block_sparse.py's), with the
 configs whose tiles fit in a block. ``--eight-bit``: the forward tiles of
 8-bit attention (INT8 q k with 16-bit or FP8 P V; q given in INT8 or rounded
-by the kernel), kernel only.
+by the kernel), kernel only. The forward configs are ``attn_fwd_kernel``'s
+(a swept ``Tiles`` never asks for the sm_90 core); the core's own are
+swept by bench/experiments/sm90_core_sweep.py.
 """
 import functools
 import os

@@ -75,6 +75,27 @@ def portable_int8_fp8(ops, out, lse):
     return out
 
 
+def time_rounds(cands, shape, rep, rounds=2):
+    """Time every ``{name: call}`` (CUDA-graph replays, ``cudnn`` under SDPA's
+    cuDNN backend) in alternated rounds at ``shape`` [B, H, L, D], into R."""
+    b, h, L, d = shape
+    flops = 4 * b * h * L * L * d
+    for rnd in range(rounds):
+        for name, fn in cands.items():
+            try:
+                if name == "cudnn":
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        fn(); ms = triton.testing.do_bench_cudagraph(fn, rep=rep)
+                else:
+                    fn(); ms = triton.testing.do_bench_cudagraph(fn, rep=rep)
+                tf = flops / ms / 1e9
+            except Exception as e:  # noqa: BLE001
+                print(name, "failed", type(e).__name__, str(e)[-300:], flush=True)
+                ms = tf = float("nan")
+            R["timing"].append(dict(shape=list(shape), provider=name, round=rnd, ms=ms, TFLOPs=tf))
+            print(f"{b}x{h}x{L}x{d} round {rnd} {name:24s} {tf:6.0f} TFLOP/s", flush=True)
+
+
 def eight_bit():
     """Checks and timing of the INT8_FP8 mode (``--int8-fp8``)."""
     for b, h, hk, lq, lk in [(1, 4, 4, 1000, 1000), (2, 8, 2, 333, 4096), (1, 2, 2, 64, 77), (1, 3, 3, 130, 1),
@@ -102,10 +123,8 @@ def eight_bit():
             R["checks"].append(row)
             print(row, flush=True)
 
-    timer = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=200)
     for b, h, L in [(1, 24, 4608), (1, 12, 32760), (1, 40, 16384), (1, 12, 75600)]:
         d = 128
-        flops = 4 * b * h * L * L * d
         q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         ops = eight_bit_operands(q, k, v)
         out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
@@ -113,20 +132,7 @@ def eight_bit():
                  "portable int8_fp8": lambda: portable_int8_fp8(ops, out, lse)}
         for stages in (2, 3, 4):
             cands[f"core int8_fp8 {stages} stages"] = (lambda st=stages: core_int8_fp8(ops, out, lse, st))
-        for rnd in range(2):
-            for name, fn in cands.items():
-                try:
-                    if name == "cudnn":
-                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                            fn(); ms = timer(fn)
-                    else:
-                        fn(); ms = timer(fn)
-                    tf = flops / ms / 1e9
-                except Exception as e:  # noqa: BLE001
-                    print(name, "failed", type(e).__name__, str(e)[-300:], flush=True)
-                    ms = tf = float("nan")
-                R["timing"].append(dict(shape=[b, h, L, d], provider=name, round=rnd, ms=ms, TFLOPs=tf))
-                print(f"{b}x{h}x{L}x{d} round {rnd} {name:24s} {tf:6.0f} TFLOP/s", flush=True)
+        time_rounds(cands, [b, h, L, d], rep=200)
         del q, k, v, ops
         torch.cuda.empty_cache()
 
@@ -189,29 +195,14 @@ def main():
         if fits(cfg, 128):
             check(2, 8, 2, 333, 4096, cfg, dtype=torch.float16)
 
-    timer = lambda fn: triton.testing.do_bench_cudagraph(fn, rep=300)
     for b, h, L, d in [(1, 24, 4608, 128), (1, 12, 32760, 128), (1, 40, 16384, 128), (1, 12, 75600, 128),
                        (2, 24, 4096, 128), (2, 24, 4096, 64), (1, 24, 4608, 64)]:
-        flops = 4 * b * h * L * L * d
         q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         cands = {"cudnn": lambda: F.scaled_dot_product_attention(q, k, v), "portable bf16": lambda: portable(q, k, v)}
         for cfg in CONFIGS:
             if fits(cfg, d):
                 cands["core %dx%d r%d" % cfg] = (lambda cfg=cfg: ws_fwd(q, k, v, *cfg))
-        for rnd in range(2):
-            for name, fn in cands.items():
-                try:
-                    if name == "cudnn":
-                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                            fn(); ms = timer(fn)
-                    else:
-                        fn(); ms = timer(fn)
-                    tf = flops / ms / 1e9
-                except Exception as e:  # noqa: BLE001
-                    print(name, "failed", type(e).__name__, str(e)[-300:], flush=True)
-                    ms = tf = float("nan")
-                R["timing"].append(dict(shape=[b, h, L, d], provider=name, round=rnd, ms=ms, TFLOPs=tf))
-                print(f"{b}x{h}x{L}x{d} round {rnd} {name:18s} {tf:6.0f} TFLOP/s", flush=True)
+        time_rounds(cands, [b, h, L, d], rep=300)
         del q, k, v
         torch.cuda.empty_cache()
     R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
