@@ -174,6 +174,16 @@ def on_eager_fast_path() -> bool:
     return getattr(_launch_state, "eager", False)
 
 
+def building_aot_package() -> bool:
+    """True while AOTInductor compiles a graph into a package
+    (``torch._inductor.aoti_compile_and_package``): a package runs from C++
+    with no Python in the process, so a launcher must not put an op defined
+    in Python (the Gluon core's opaque op) into its graph."""
+    from torch._inductor.virtualized import V  # imported on traced calls only
+
+    return V.aot_compilation
+
+
 def _launch_eagerly(body, args, kwargs, plans: Optional[dict] = None):
     """``body`` on the eager fast path; with ``plans`` (CUDA tensors) through
     launch plans: replayed from an earlier call of the same signature."""

@@ -1080,7 +1080,8 @@ def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypa
     non-causal 16-bit forward at D = 128 with TMA-aligned tensors is the Gluon
     core's opaque op (what a compiled graph calls: Inductor cannot inline a
     Gluon kernel), in both layouts; every call the core does not compute
-    stays on ``attn_fwd_kernel``, and no GPU without wgmma takes the core."""
+    stays on ``attn_fwd_kernel``, as does every call while AOTInductor builds
+    a package, and no GPU without wgmma takes the core."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compile_ops.ops import attention as attention_ops
@@ -1103,6 +1104,10 @@ def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypa
             assert _traced_forward(*qkv(d=64)) == portable
             assert _traced_forward(*qkv(dtype=torch.float32)) == portable
             assert _traced_forward(*qkv(lk=0)) == portable
+            # While AOTInductor builds a package (run from C++, no Python): the Triton kernel, not the opaque op.
+            from torch._inductor.virtualized import V
+            with V.set_aot_compilation(True):
+                assert _traced_forward(*qkv()) == portable
             # Rows 514 bytes apart: off TMA's 16-byte alignment.
             padded = torch.empty_strided((1, 2, 300, 128), (2 * 300 * 257, 300 * 257, 257, 1),
                                          dtype=torch.bfloat16, device="cuda")

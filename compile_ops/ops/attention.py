@@ -15,8 +15,8 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from compile_ops import _dtensor, meta, reference
-from compile_ops._library import (fused_op, has_tma, has_wgmma, l2_cache_bytes, launcher, on_eager_fast_path,
-                                  register_no_gradient, require_fp8_mma)
+from compile_ops._library import (building_aot_package, fused_op, has_tma, has_wgmma, l2_cache_bytes, launcher,
+                                  on_eager_fast_path, register_no_gradient, require_fp8_mma)
 from compile_ops.kernels.attention import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                            attn_bwd_row_stats_kernel, attn_fwd_kernel, fp8_rows_scale_kernel,
                                            kv8_counters_clear_kernel, kv8_quantize_kernel,
@@ -324,8 +324,11 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
         consts = dict(consts, ACC=acc_dtype(out), DOT_PRECISION=dot_precision(out.dtype), FMA_EXPONENT=True,
                       BLOCK_D=max(32, consts["BLOCK_D"]))
     q_scale, k_scale = int8_scales if int8 else (None, None)
+    # The sm_90 core, where a traced call can hold its opaque op: an AOTInductor package runs from C++
+    # without Python, so it gets the Triton kernel, which it compiles in.
+    wgmma = has_wgmma(q) and (on_eager_fast_path() or not building_aot_package())
     t = forward_tiles(int(c["d"]), out.dtype, has_tma(q), "int8_fp8" if pv_fp8 else "int8" if int8 else "exact",
-                      has_wgmma(q))
+                      wgmma)
     # One k scale per tile: its key tiles divide the scale blocks (all tiles are powers of two up to 128).
     assert not int8 or reference.attention.INT8_KEY_BLOCK % t.block_n == 0, t
     # The rounded probabilities are relative to the running max of the specification's tiles.
