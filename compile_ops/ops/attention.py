@@ -4,6 +4,13 @@
 q, k, v, the output and the lse (O(L) extra memory) and calls
 ``fused.attention_backward``, which runs the three Triton passes of
 ``kernels/attention.py``: deterministic, bit-identical across runs.
+
+The forward runs ``kernels/attention.py``'s ``attn_fwd_kernel`` everywhere,
+except on Hopper (sm_90, the one place that tells: ``forward_tiles`` with
+``_library.has_wgmma``) for the calls ``_takes_sm90_core`` accepts, which run
+the warp-specialized Gluon core of ``kernels/attention_sm90.py`` (same
+results, bit for bit); traced calls reach it through the opaque op
+``fused_gluon.attention_forward_sm90_``.
 """
 import math
 from dataclasses import dataclass
