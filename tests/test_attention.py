@@ -1075,6 +1075,28 @@ def _traced_launches(op, *args):
                 or "fused_gluon" in str(n.target))]
 
 
+def _traced_tiles(q, k, v, causal=False, wgmma=None):
+    """``attn_fwd_kernel``'s (BLOCK_M, BLOCK_N, TMA, num_warps, num_stages) in
+    ``fused.attention``'s body traced on fake CUDA tensors; ``wgmma`` False:
+    with the GPU taken for one without wgmma."""
+    import contextlib
+
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from compile_ops._library import OP_BODIES
+    from compile_ops.ops import attention as attention_ops
+
+    with pytest.MonkeyPatch.context() if wgmma is False else contextlib.nullcontext() as m:
+        if m is not None:
+            m.setattr(attention_ops, "has_wgmma", lambda t: False)
+        gm = make_fx(lambda *a: OP_BODIES["fused::attention"](*a))(q, k, v, 0.125, causal, 2, None)
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation)
+    config = kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).configs[0]  # torch's one-config wrapper
+    args = node.kwargs["kwargs"]
+    return args["BLOCK_M"], args["BLOCK_N"], args["TMA"], config.num_warps, config.num_stages
+
+
 def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypatch):
     """On an sm_90 GPU (``has_wgmma`` faked for fake CUDA tensors) a dense,
     non-causal 16-bit forward at D = 128 with TMA-aligned tensors is the Gluon
@@ -1100,6 +1122,8 @@ def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypa
             assert _traced_forward(*qkv(lq=5, lk=1)) == (core if wgmma else portable)
             q, k, v = qkv()
             assert _traced_forward(q, k, v, causal=True) == portable
+            # A call the core declines keeps attn_fwd_kernel's own tiles, not the core's.
+            assert _traced_tiles(q, k, v, causal=True) == _traced_tiles(q, k, v, causal=True, wgmma=False)
             assert _traced_forward(q, k, v, kv_lengths=torch.full((1,), 200, device="cuda")) == portable
             assert _traced_forward(*qkv(d=64)) == portable
             assert _traced_forward(*qkv(dtype=torch.float32)) == portable

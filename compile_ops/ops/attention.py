@@ -331,20 +331,16 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
         consts = dict(consts, ACC=acc_dtype(out), DOT_PRECISION=dot_precision(out.dtype), FMA_EXPONENT=True,
                       BLOCK_D=max(32, consts["BLOCK_D"]))
     q_scale, k_scale = int8_scales if int8 else (None, None)
-    # The sm_90 core, where a traced call can hold its opaque op: an AOTInductor package runs from C++
-    # without Python, so it gets the Triton kernel, which it compiles in.
-    wgmma = has_wgmma(q) and (on_eager_fast_path() or not building_aot_package())
-    t = forward_tiles(int(c["d"]), out.dtype, has_tma(q), "int8_fp8" if pv_fp8 else "int8" if int8 else "exact",
-                      wgmma)
-    # One k scale per tile: its key tiles divide the scale blocks (all tiles are powers of two up to 128).
-    assert not int8 or reference.attention.INT8_KEY_BLOCK % t.block_n == 0, t
-    # The rounded probabilities are relative to the running max of the specification's tiles.
-    assert not pv_fp8 or t.block_n == reference.attention.FP8_PV_TILE, t
+    precision = "int8_fp8" if pv_fp8 else "int8" if int8 else "exact"
     v_seq_dim = 2 if pv_fp8 else seq_dim  # the transposed v: its channels take the position stride
     if pv_fp8 and v.stride(3) != 1:
         raise ValueError(f"launch_forward: FP8 P V takes v as [B, Hk, D, Lk] with unit key stride, got strides "
                          f"{tuple(v.stride())}")
-    if _takes_sm90_core(t, c, q, k, v, causal, seq_dim, v_seq_dim, kv_lengths, blocks, int8 and q_scale is None,
+    # The sm_90 core, where a traced call can hold its opaque op: an AOTInductor package runs from C++
+    # without Python, so it gets the Triton kernel, which it compiles in.
+    wgmma = has_wgmma(q) and (on_eager_fast_path() or not building_aot_package())
+    core = forward_tiles(int(c["d"]), out.dtype, True, precision, wgmma)
+    if _takes_sm90_core(core, c, q, k, v, causal, seq_dim, v_seq_dim, kv_lengths, blocks, int8 and q_scale is None,
                         fp8_rows):
         scales = (q_scale, k_scale, v_scale) if pv_fp8 else (None, None, None)
         if on_eager_fast_path():  # launched as is, recorded for launch plans
@@ -352,6 +348,11 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
         else:
             torch.ops.fused_gluon.attention_forward_sm90_(q, k, v, out, lse, float(scale), seq_dim, *scales)
         return
+    t = forward_tiles(int(c["d"]), out.dtype, has_tma(q), precision)  # attn_fwd_kernel's own tiles
+    # One k scale per tile: its key tiles divide the scale blocks (all tiles are powers of two up to 128).
+    assert not int8 or reference.attention.INT8_KEY_BLOCK % t.block_n == 0, t
+    # The rounded probabilities are relative to the running max of the specification's tiles.
+    assert not pv_fp8 or t.block_n == reference.attention.FP8_PV_TILE, t
     tma = _take_tma(t.tma, (seq_dim, q, k), (v_seq_dim, v))
     index, count, *list_strides = _lists(blocks)
     # The block list past Triton's pipeliner (kernels.attention._tile_start):
