@@ -293,30 +293,29 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, Q_SCALE, K_SCALE, V_SCALE, sqb, sqh,
     INT8 + PV_FP8 with q given). Otherwise the three scale pointers are
     unused (pass None)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
-    qk_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 if INT8_FP8 else 16,
-                                                   rank=2)
-    v_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 if INT8_FP8 else 16,
-                                                  rank=2)
+    # Every operand's rows are 128 bytes or more (D = 128 16-bit or 8-bit, BLOCK_N = 128 e4m3): 128-byte swizzle.
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                     element_bitwidth=8 if INT8_FP8 else 16, rank=2)
     bh = gl.program_id(1)
     b = (bh // H).to(gl.int64)
     h = (bh % H).to(gl.int64)
     kv_h = h // GROUP
     kv_row = b * (H // GROUP) + kv_h
     q_start = gl.program_id(0) * (2 * _ROWS)
-    q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [Lq, D], [sql, 1], [2 * _ROWS, D], qk_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * skb + kv_h * skh, [Lk, D], [skl, 1], [BLOCK_N, D], qk_layout)
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * _ROWS, D], qk_layout)
-    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, D], qk_layout)
+    q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [Lq, D], [sql, 1], [2 * _ROWS, D], smem_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * skb + kv_h * skh, [Lk, D], [skl, 1], [BLOCK_N, D], smem_layout)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * _ROWS, D], smem_layout)
+    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, D], smem_layout)
     if INT8_FP8:
-        v_desc = tma.make_tensor_descriptor(V + b * svb + kv_h * svh, [D, Lk], [svl, 1], [D, BLOCK_N], v_layout)
-        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, D, BLOCK_N], v_layout)
+        v_desc = tma.make_tensor_descriptor(V + b * svb + kv_h * svh, [D, Lk], [svl, 1], [D, BLOCK_N], smem_layout)
+        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, D, BLOCK_N], smem_layout)
         q_scales = Q_SCALE + bh.to(gl.int64) * Lq
         k_scales = K_SCALE + kv_row * gl.cdiv(Lk, BLOCK_N)
         v_scales = V_SCALE + kv_row * D
-        p_smems = gl.allocate_shared_memory(gl.float8e4nv, [2 * _ROWS, BLOCK_N], v_layout)
+        p_smems = gl.allocate_shared_memory(gl.float8e4nv, [2 * _ROWS, BLOCK_N], smem_layout)
     else:
-        v_desc = tma.make_tensor_descriptor(V + b * svb + kv_h * svh, [Lk, D], [svl, 1], [BLOCK_N, D], v_layout)
-        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_N, D], v_layout)
+        v_desc = tma.make_tensor_descriptor(V + b * svb + kv_h * svh, [Lk, D], [svl, 1], [BLOCK_N, D], smem_layout)
+        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_N, D], smem_layout)
         q_scales = LSE  # stand-ins, never read
         k_scales = LSE
         v_scales = LSE
