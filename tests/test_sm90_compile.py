@@ -325,27 +325,6 @@ def test_8bit_rounding_keeps_the_product_out_of_an_fma():
     assert checked >= 2, "no kernel rounded by the bias: the check looked at nothing"
 
 
-@pytest.mark.parametrize("mode", ["bf16", "int8", "int8_fp8"])
-def test_gluon_attention_experiment_compiles_for_sm90(mode):
-    """bench/experiments/attention_gluon.py (the Gluon forward that lost to the
-    triton.language kernel, bench/notes.md) keeps compiling for sm_90, so its
-    recorded result can be reproduced."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from bench.experiments.attention_gluon import attn_fwd_hopper_kernel as kernel
-
-    qk = "*bf16" if mode == "bf16" else "*i8"
-    pointers = dict(Q=qk, K=qk, V="*fp8e4nv" if mode == "int8_fp8" else "*bf16", OUT="*bf16", LSE="*fp32",
-                    Q_SCALE="*fp32", K_SCALE="*fp32", V_SCALE="*fp32")
-    constants = dict(D=128, BLOCK_M=64, BLOCK_N=128 if mode == "int8_fp8" else 64, STAGES=2, INT8=mode != "bf16",
-                     KEY_BLOCK=128, PV_FP8=mode == "int8_fp8", num_warps=4)
-    signature = {p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
-                 for p in kernel.arg_names}
-    compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert compiled.asm.get("cubin")
-
-
 def _sm90_core_variants():
     """``(name, pointer types, constexprs)`` of every variant of the Gluon core:
     the 16-bit ones ``forward_tiles`` gives it (each dtype and head dim), and

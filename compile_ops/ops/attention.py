@@ -60,14 +60,14 @@ def block_d(d: int) -> int:
 
 #: Head dims the sm_90 core takes (it needs D a power of two for its tiles).
 SM90_CORE_HEAD_DIMS = (128,)
-#: The precisions the sm_90 core runs, and its K/V stages for each:
-#: ``"exact"`` (16-bit). ``"int8_fp8"`` with q given in int8 (its INT8_FP8
+#: The precisions the sm_90 core runs: ``"exact"`` (16-bit). ``"int8_fp8"`` with q given in int8 (its INT8_FP8
 #: mode) is built and tested (bit-identical to ``attn_fwd_kernel``) but not
 #: ahead of it: 0.91x at 4608 keys, 0.97-1.04x from 16384 (H200,
 #: bench/results/attention-sm90-core-int8-fp8-h200.json; its P goes through
 #: shared memory, bench/notes.md), so the 8-bit modes stay portable.
 SM90_CORE_PRECISIONS = ("exact",)
-SM90_CORE_STAGES = {"exact": 2, "int8_fp8": 2}
+#: The core's K/V ring: 3 and 4 stages measured within 1% (16-bit; 8-bit: 4 stages +5% at 32760 keys only).
+SM90_CORE_STAGES = 2
 #: The sm_90 core's launch: the default partition is one consumer warp group
 #: (4 warps; the kernel adds 4 + 1), ``maxnreg`` 168 bounds 3 warp groups at
 #: 64K registers, which the partitions split 240 / 240 / 24.
@@ -103,7 +103,7 @@ def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False, precision: str 
     bd = block_d(d)
     if wgmma and precision in SM90_CORE_PRECISIONS and d in SM90_CORE_HEAD_DIMS \
             and dtype in (torch.float16, torch.bfloat16):
-        return Tiles(128, 128, 4, SM90_CORE_STAGES[precision], tma=True, sm90_core=True)
+        return Tiles(128, 128, 4, SM90_CORE_STAGES, tma=True, sm90_core=True)
     if precision == "int8_fp8":
         return Tiles(64, 128, 4, 3, tma=tma) if bd <= 128 else Tiles(64, 128, 8, 2, tma=tma)
     if precision == "int8" and 64 < bd <= 128:
