@@ -1075,7 +1075,7 @@ def _traced_launches(op, *args):
                 or "fused_gluon" in str(n.target))]
 
 
-def _traced_tiles(q, k, v, causal=False, wgmma=None):
+def _traced_tiles(q, k, v, wgmma=None):
     """``attn_fwd_kernel``'s (BLOCK_M, BLOCK_N, TMA, num_warps, num_stages) in
     ``fused.attention``'s body traced on fake CUDA tensors; ``wgmma`` False:
     with the GPU taken for one without wgmma."""
@@ -1090,7 +1090,7 @@ def _traced_tiles(q, k, v, causal=False, wgmma=None):
     with pytest.MonkeyPatch.context() if wgmma is False else contextlib.nullcontext() as m:
         if m is not None:
             m.setattr(attention_ops, "has_wgmma", lambda t: False)
-        gm = make_fx(lambda *a: OP_BODIES["fused::attention"](*a))(q, k, v, 0.125, causal, 2, None)
+        gm = make_fx(lambda *a: OP_BODIES["fused::attention"](*a))(q, k, v, 0.125, False, 2, None)
     node = next(n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation)
     config = kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).configs[0]  # torch's one-config wrapper
     args = node.kwargs["kwargs"]
@@ -1098,12 +1098,13 @@ def _traced_tiles(q, k, v, causal=False, wgmma=None):
 
 
 def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypatch):
-    """On an sm_90 GPU (``has_wgmma`` faked for fake CUDA tensors) a dense,
-    non-causal 16-bit forward at D = 128 with TMA-aligned tensors is the Gluon
-    core's opaque op (what a compiled graph calls: Inductor cannot inline a
-    Gluon kernel), in both layouts; every call the core does not compute
-    stays on ``attn_fwd_kernel``, as does every call while AOTInductor builds
-    a package, and no GPU without wgmma takes the core."""
+    """On an sm_90 GPU (``has_wgmma`` faked for fake CUDA tensors) a 16-bit
+    forward at D = 128 with TMA-aligned tensors is the Gluon core's opaque
+    op (what a compiled graph calls: Inductor cannot inline a Gluon kernel),
+    in both layouts, dense or block-sparse, causal or not, with key lengths
+    or not; every call the core does not compute stays on
+    ``attn_fwd_kernel``, as does every call while AOTInductor builds a
+    package, and no GPU without wgmma takes the core."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compile_ops.ops import attention as attention_ops
@@ -1114,20 +1115,32 @@ def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypa
             shape = (lambda l: (b, h, l, d)) if seq_dim == 2 else (lambda l: (b, l, h, d))
             return tuple(torch.empty(shape(l), dtype=dtype, device="cuda") for l in (lq, lk, lk))
 
+        def sparse(q, k, v, causal=False, kv_lengths=None):
+            index = torch.zeros(1, 1, 3, 3, dtype=torch.int32, device="cuda")
+            count = torch.ones(1, 1, 3, dtype=torch.int32, device="cuda")
+            launches = _traced_launches("fused::block_sparse_attention", q, k, v, index, count, 0.125, causal, 2,
+                                        kv_lengths)
+            return [name for name in launches if name in portable + core]
+
         for wgmma in (False, True):
             monkeypatch.setattr(attention_ops, "has_wgmma", lambda t, on=wgmma: on and t.device.type == "cuda")
-            assert _traced_forward(*qkv()) == (core if wgmma else portable)
-            assert _traced_forward(*qkv(seq_dim=1), seq_dim=1) == (core if wgmma else portable)
-            assert _traced_forward(*qkv(dtype=torch.float16)) == (core if wgmma else portable)
-            assert _traced_forward(*qkv(lq=5, lk=1)) == (core if wgmma else portable)
+            takes = core if wgmma else portable
+            assert _traced_forward(*qkv()) == takes
+            assert _traced_forward(*qkv(seq_dim=1), seq_dim=1) == takes
+            assert _traced_forward(*qkv(dtype=torch.float16)) == takes
+            assert _traced_forward(*qkv(lq=5, lk=1)) == takes
             q, k, v = qkv()
-            assert _traced_forward(q, k, v, causal=True) == portable
-            # A call the core declines keeps attn_fwd_kernel's own tiles, not the core's.
-            assert _traced_tiles(q, k, v, causal=True) == _traced_tiles(q, k, v, causal=True, wgmma=False)
-            assert _traced_forward(q, k, v, kv_lengths=torch.full((1,), 200, device="cuda")) == portable
+            lengths = torch.full((1,), 200, device="cuda")
+            assert _traced_forward(q, k, v, causal=True) == takes
+            assert _traced_forward(q, k, v, kv_lengths=lengths) == takes
+            assert _traced_forward(q, k, v, causal=True, kv_lengths=lengths) == takes
+            assert sparse(q, k, v) == takes
+            assert sparse(q, k, v, causal=True, kv_lengths=lengths) == takes
             assert _traced_forward(*qkv(d=64)) == portable
             assert _traced_forward(*qkv(dtype=torch.float32)) == portable
             assert _traced_forward(*qkv(lk=0)) == portable
+            # A call the core declines keeps attn_fwd_kernel's own tiles, not the core's.
+            assert _traced_tiles(*qkv(lk=0)) == _traced_tiles(*qkv(lk=0), wgmma=False)
             # While AOTInductor builds a package (run from C++, no Python): the Triton kernel, not the opaque op.
             from torch._inductor.virtualized import V
             with V.set_aot_compilation(True):
@@ -1174,43 +1187,80 @@ def test_8bit_forward_takes_the_sm90_core_only_with_q_given_in_int8(monkeypatch)
 _SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+def _sorted_block_lists(b, h, lq, lk, seed):
+    """Random ascending block lists ``(index [b, h, nq, nk], count [b, h, nq])``
+    int32 on the GPU: each key block kept with probability 1/2, one query
+    block of each head with an empty list, and the last (ragged) key block
+    always kept by query block 0."""
+    nq, nk = triton.cdiv(lq, 128), triton.cdiv(lk, 128)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    keep = torch.rand(b, h, nq, nk, device="cuda", generator=g) < 0.5
+    keep[:, :, 0, -1] = True
+    keep[:, :, -1] = nq == 1  # empty, unless it is the only query block
+    count = keep.sum(-1).to(torch.int32)
+    # Kept blocks first, ascending: sort by (not kept, index).
+    order = torch.arange(nk, device="cuda") + nk * (~keep).to(torch.int64)
+    index = order.sort(-1).values.remainder(nk).to(torch.int32)
+    return index.contiguous(), count.contiguous()
+
+
+_SM90_CORE_MODES = ("dense", "causal", "kv_lengths", "sparse", "sparse_causal_kv_lengths")
+
+
 @pytest.mark.skipif(not _SM90, reason="the Gluon core runs on sm_90 GPUs only")
+@pytest.mark.parametrize("mode", _SM90_CORE_MODES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_sm90_core_computes_what_the_portable_forward_does(dtype, monkeypatch):
+def test_sm90_core_computes_what_the_portable_forward_does(dtype, mode, monkeypatch):
     """On an H100/H200 the core's output and lse are ``attn_fwd_kernel``'s
     (same 128 x 128 tiles, products and formulas: equal up to one rounding of
     the output) over ragged lengths, GQA, fewer keys than a tile, Lq != Lk
-    and both layouts. Five launches into NaN-filled outputs each write every
-    row (a race between its partitions would leave some unwritten or wrong),
-    and the eager fast path's replayed second call and a compiled call
-    (through the opaque op) give the first call's result."""
+    and both layouts; dense or block-sparse (lists with empty rows and the
+    ragged last block), causal, key lengths (0 among them: rows with no key
+    give 0 and lse -inf). Five launches into NaN-filled outputs each write
+    every row (a race between its partitions would leave some unwritten or
+    wrong), and the eager fast path's replayed second call and a compiled
+    call (through the opaque op) give the first call's result."""
     from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
     from compile_ops.ops import attention as attention_ops
 
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    causal = "causal" in mode
     for b, h, hk, lq, lk, seq_dim in [(1, 4, 4, 1000, 1000, 2), (2, 8, 2, 333, 4096, 1), (1, 2, 2, 64, 77, 2),
-                                      (1, 2, 1, 513, 129, 1), (1, 3, 3, 130, 1, 2), (1, 12, 12, 4680, 4680, 2)]:
+                                      (2, 2, 1, 513, 129, 1), (1, 3, 3, 130, 1, 2), (1, 12, 12, 4680, 4680, 2)]:
         torch.manual_seed(lq + lk)
         shape = (lambda hh, l: (b, hh, l, 128)) if seq_dim == 2 else (lambda hh, l: (b, l, hh, 128))
         q = torch.randn(shape(h, lq), device="cuda", dtype=dtype)
         k, v = (torch.randn(shape(hk, lk), device="cuda", dtype=dtype) for _ in range(2))
+        lengths = None
+        if "kv_lengths" in mode:  # a ragged length, and 0 for a second batch element
+            lengths = torch.tensor([max(lk - 37, 1), 0][:b], device="cuda", dtype=torch.int32)
+        lists = _sorted_block_lists(b, h, lq, lk, lq + lk) if "sparse" in mode else (None, None)
+
+        def attend(q, k, v):
+            if lists[0] is None:
+                return compile_ops.attention(q, k, v, causal=causal, seq_dim=seq_dim, kv_lengths=lengths,
+                                             return_lse=True)
+            return compile_ops.block_sparse_attention(q, k, v, *lists, causal=causal, seq_dim=seq_dim,
+                                                      kv_lengths=lengths, return_lse=True)
+
         with torch.no_grad():
             clear_launch_plans()
-            got = [compile_ops.attention(q, k, v, seq_dim=seq_dim, return_lse=True) for _ in range(2)]
-            compiled = torch.compile(lambda q, k, v: compile_ops.attention(q, k, v, seq_dim=seq_dim, return_lse=True),
-                                     fullgraph=True)(q, k, v)
+            got = [attend(q, k, v) for _ in range(2)]
+            torch._dynamo.reset()  # a fresh graph for each case: not a recompilation, which fullgraph bounds
+            compiled = torch.compile(attend, fullgraph=True)(q, k, v)
             with monkeypatch.context() as m:
                 m.setattr(attention_ops, "has_wgmma", lambda t: False)
                 clear_launch_plans()
-                want = compile_ops.attention(q, k, v, seq_dim=seq_dim, return_lse=True)
-        case = (b, h, hk, lq, lk, seq_dim)
+                want = attend(q, k, v)
+        case = (mode, b, h, hk, lq, lk, seq_dim)
         torch.testing.assert_close(got[0][0], want[0], rtol=ulp, atol=1e-5, msg=lambda m: f"{case}: {m}")
         torch.testing.assert_close(got[0][1], want[1], rtol=1e-6, atol=1e-5, msg=lambda m: f"{case}: {m}")
         for again in (got[1], compiled):
             assert torch.equal(again[0], got[0][0]) and torch.equal(again[1], got[0][1]), case
         for _ in range(5):
             out, lse = torch.full_like(q, float("nan")), torch.full((b, h, lq), float("nan"), device="cuda")
-            attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, 128 ** -0.5, seq_dim)
+            attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, 128 ** -0.5, causal, seq_dim,
+                                            lengths, *lists)
             assert torch.equal(out, got[0][0]) and torch.equal(lse, got[0][1]), case
     clear_launch_plans()
 
@@ -1248,7 +1298,7 @@ def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
                     out = torch.full_like(q, float("nan"))
                     lse = torch.empty(b, h, lq, device="cuda")
                     attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q8, k8, vt8, out, lse, 128 ** -0.5,
-                                                    seq_dim, q_scale, k_scale, v_scale)
+                                                    False, seq_dim, None, None, None, q_scale, k_scale, v_scale)
                     assert torch.equal(out, got[0]), case
             clear_launch_plans()
             want = torch.ops.fused.attention_qk8(*args)[0]

@@ -327,9 +327,12 @@ def test_8bit_rounding_keeps_the_product_out_of_an_fma():
 
 def _sm90_core_variants():
     """``(name, pointer types, constexprs)`` of every variant of the Gluon core:
-    the 16-bit ones ``forward_tiles`` gives it (each dtype and head dim), and
-    INT8_FP8 (measured in bench/experiments/sm90_core_sweep.py, not routed
-    yet) at 2 and 3 stages."""
+    the 16-bit ones ``forward_tiles`` gives it (each dtype and head dim),
+    dense and block-sparse (int32 and int64 lists), causal or not, with key
+    lengths or not, and INT8_FP8 (measured in
+    bench/experiments/sm90_core_sweep.py, not routed yet) at 2 and 3 stages."""
+    import itertools
+
     from compile_ops.ops import attention as attention_ops
 
     regs = attention_ops.SM90_CORE_CONSUMER_REGS
@@ -337,14 +340,30 @@ def _sm90_core_variants():
         for d in attention_ops.SM90_CORE_HEAD_DIMS:
             t = attention_ops.forward_tiles(d, torch_dtype, True, "exact", True)
             assert t.sm90_core
-            yield (f"{dtype}-d{d}", dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", OUT=f"*{dtype}", LSE="*fp32"),
-                   dict(D=d, BLOCK_N=t.block_n, STAGES=t.num_stages, CONSUMER_REGS=regs, INT8_FP8=False,
-                        Q_SCALE=None, K_SCALE=None, V_SCALE=None, num_warps=4))
+            pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", OUT=f"*{dtype}", LSE="*fp32")
+            constants = dict(D=d, BLOCK_N=t.block_n, STAGES=t.num_stages, CONSUMER_REGS=regs, INT8_FP8=False,
+                             Q_SCALE=None, K_SCALE=None, V_SCALE=None, num_warps=4)
+            for lists, causal, kv_len in itertools.product((None, "i32", "i64"), (False, True), (False, True)):
+                if dtype == "fp16" and (lists == "i64" or causal != kv_len):
+                    continue  # the dtype changes nothing in these: the corners suffice
+                variant_pointers = dict(pointers)
+                flags = dict(SPARSE=bool(lists), CAUSAL=causal, HAS_KV_LEN=kv_len, HEAVY_FIRST=causal and not lists)
+                if lists:
+                    variant_pointers.update(BLOCKS=f"*{lists}", COUNTS=f"*{lists}")
+                else:
+                    flags.update(BLOCKS=None, COUNTS=None)
+                if kv_len:
+                    variant_pointers.update(KV_LEN="*i32")
+                else:
+                    flags.update(KV_LEN=None)
+                name = f"{dtype}-d{d}-{lists or 'dense'}{'-causal' if causal else ''}{'-kv_len' if kv_len else ''}"
+                yield name, variant_pointers, dict(constants, **flags)
     for stages in (2, 3):
         yield (f"int8_fp8-{stages}-stages",
                dict(Q="*i8", K="*i8", V="*fp8e4nv", OUT="*bf16", LSE="*fp32", Q_SCALE="*fp32", K_SCALE="*fp32",
                     V_SCALE="*fp32"),
-               dict(D=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=regs, INT8_FP8=True, num_warps=4))
+               dict(D=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=regs, INT8_FP8=True, num_warps=4, BLOCKS=None,
+                    COUNTS=None, KV_LEN=None, SPARSE=False, CAUSAL=False, HAS_KV_LEN=False, HEAVY_FIRST=False))
 
 
 @pytest.mark.parametrize("variant", list(_sm90_core_variants()), ids=lambda v: v[0])

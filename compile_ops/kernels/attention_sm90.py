@@ -15,26 +15,36 @@ specialization of that loop gave wrong results at random and no speed
   - two consumer warp groups of 64 query rows each (``CONSUMER_REGS``
     registers), sharing every K/V tile; neither waits for the other, so the
     warp schedulers run one's softmax under the other's products;
-- inside a consumer, step j issues S_j = Q K_j^T and then O += P_j-1 V_j-1,
-  waits for S_j alone and runs its softmax while the product is still on
-  the tensor cores, then waits for the product and rescales O.
+- inside a consumer, step j issues S_j = Q K_j^T and then O += P_j-1 V_j-1
+  and waits for S_j alone, so S_j's softmax can start while the product
+  runs. In the SASS ptxas hoists the product's wait above the softmax's
+  exponentials all the same; a wait pinned below them (predicated on the
+  row sums) changed nothing at 16 bits and cost 5-7% in INT8_FP8 (H200,
+  bench/notes.md): the other consumer's products fill the tensor cores
+  while this one's softmax runs.
 
-Measured on an H100 (bench/notes.md, "The sm_90 core"): 0.93-1.10x cuDNN's
-forward where the ``triton.language`` kernel was 0.88-1.01x. Its output is
-the portable kernel's bit for bit (same 128 x 128 tiles, products, order of
-additions and formulas).
+Measured (bench/notes.md, "The sm_90 core"): 0.93-1.10x cuDNN's forward
+where the ``triton.language`` kernel was 0.88-1.01x; block-sparse, causal
+and key lengths 1.05-1.17x that kernel. Its output is the portable
+kernel's bit for bit (same 128 x 128 tiles, products, order of additions
+and formulas).
 
-What it takes (``ops/attention.py`` routes everything else to the portable
-kernel): dense, non-causal, no key lengths, 16-bit q/k/v with a unit
-stride along D (a power of two; the package sends D = 128, where it is
-ahead) and 16-byte aligned bases and row strides (TMA), ``Lk >= 1``.
+What it takes (``ops/attention.py`` routes everything else to the
+portable kernel): 16-bit q/k/v with a unit stride along D (a power of
+two; the package sends D = 128, where it is ahead), 16-byte aligned bases
+and row strides (TMA), ``Lk >= 1``; dense or block-sparse, causal or not,
+with key lengths or not, in ``attn_fwd_kernel``'s grid and program order
+(``_query_tile``). Its tiles are 128 x 128, the block-sparse lists'
+blocks, so at most one tile of a program needs a mask: the one at the
+unmasked keys' end (kv_len's ragged tile, the causal diagonal, or both).
 
 ``INT8_FP8``: the 8-bit operands of ``attn_fwd_kernel``'s ``INT8`` +
 ``PV_FP8`` mode with q given in int8, the same formulas (biased int32
 scores, one row factor per tile, ``2**8 p`` rounded to e4m3, a fresh FP8
 product per tile added to the fp32 accumulator), and the same results bit
-for bit. Measured, not routed: its P goes through shared memory, and it is
-not ahead of ``attn_fwd_kernel`` (``ops.attention.SM90_CORE_PRECISIONS``).
+for bit, dense only. Measured, not routed: its P goes through shared
+memory (:func:`_next_carry`), and it is not ahead of ``attn_fwd_kernel``
+(``ops.attention.SM90_CORE_PRECISIONS``).
 
 Gluon does not run under the interpreter: the CPU tests compile every
 variant for sm_90 (tests/test_sm90_compile.py), the GPU tests compare them
@@ -45,7 +55,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from compile_ops.kernels.attention import _INT8_BIAS, _INT8_BIAS_BITS, _P_FP8_SHIFT
+from compile_ops.kernels.attention import (_INT8_BIAS, _INT8_BIAS_BITS, _P_FP8_SHIFT, _block_list, _query_program,
+                                           _query_tile, _tile_start)
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
@@ -55,9 +66,11 @@ _ROWS = gl.constexpr(64)
 
 @gluon.jit
 def _loader(args):
-    """The producer warp: this program's q rows, then every key tile's K and V."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, k_ready, k_empty, v_ready, v_empty,
-     q_start, n_tiles, n_full, lk, out_rows, lse_rows, sol, lq, scale, q_scales, k_scales, v_scales) = args
+    """The producer warp: this program's q rows, then every key tile's K and V
+    (the listed blocks' tiles, block-sparse)."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, k_ready, k_empty, v_ready, v_empty, q_start,
+     blocks, n_tiles, n_full, kv_len, masked_start, out_rows, lse_rows, sol, lq, scale, q_scales, k_scales,
+     v_scales, SPARSE, CAUSAL) = args
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
@@ -65,37 +78,44 @@ def _loader(args):
     for j in range(n_tiles):
         stage = j % STAGES
         phase = (j // STAGES) & 1
+        # Read before the wait for a free buffer, which hides the list read's latency.
+        row = _tile_start(j, blocks, BLOCK_N, BLOCK_N, SPARSE)
         # A fresh mbarrier counts as having completed the phase before its first,
         # so the first STAGES waits on "empty" pass at once.
         mbarrier.wait(k_empty.index(stage), phase ^ 1)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+        tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(stage), k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), phase ^ 1)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         if v_smem.dtype == gl.float8e4nv:  # FP8 P V's transposed V: [D, BLOCK_N] tiles along the keys
-            tma.async_copy_global_to_shared(v_desc, [0, j * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
+            tma.async_copy_global_to_shared(v_desc, [0, row], v_ready.index(stage), v_smem.index(stage))
         else:
-            tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+            tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
-def _softmax(s, m, l, row, qk_scale, key_limit, MASKED: gl.constexpr, INT8_FP8: gl.constexpr,
+def _softmax(s, m, l, row, qk_scale, key_limit, diagonal, MASKED: gl.constexpr, INT8_FP8: gl.constexpr,
              s_layout: gl.constexpr):
     """One key tile's online-softmax step in base 2 (``attn_fwd_kernel``'s
-    formulas): ``(p, m_new, l_new, alpha)``. ``MASKED``: keys from
-    ``key_limit`` on (the ragged last tile's rows past Lk, which TMA filled
-    with zeros) get no weight. ``INT8_FP8``: ``s`` holds the biased int32
+    formulas): ``(p, m_new, l_new, alpha)``. ``MASKED`` (the one tile past the
+    unmasked ones): its key c is visible to query row r of this consumer
+    iff ``c < key_limit`` (the keys up to kv_len) and ``c <= r + diagonal``
+    (causal: the query's position less the tile's first key; a tile's width
+    where nothing is causal). ``INT8_FP8``: ``s`` holds the biased int32
     scores' bits, ``row`` the tile's factor per row (q's scale times the
     tile's k scale), and p is ``2**8`` times the probability."""
     if INT8_FP8:
         s = s.to(gl.float32, bitcast=True)
     if MASKED:
         cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
-        s = gl.where((cols < key_limit)[None, :], s, float("-inf"))
+        rows = gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s_layout))
+        visible = (cols < key_limit)[None, :] & (cols[None, :] <= (rows + diagonal)[:, None])
+        s = gl.where(visible, s, float("-inf"))
     if INT8_FP8:  # row > 0: the largest biased score is the largest score
         m_new = gl.maximum(m, (gl.max(s, 1) - _INT8_BIAS) * row)
     else:
         m_new = gl.maximum(m, gl.max(s, 1))
+    # A row that has seen no visible key yet keeps m = -inf: shift by 0, so that exp2 gives 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
     if INT8_FP8:  # exp2((s - BIAS) * row * c - m * c + 8) as one fma per score
         factor = row * qk_scale
@@ -121,65 +141,120 @@ def _scores(j, q_rows, k_smem, k_ready, s_init):
 
 
 @gluon.jit
-def _key_step(j, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
-              v_empty, s_init, o_zero, qk_scale, key_limit, MASKED: gl.constexpr, s_layout: gl.constexpr,
-              p_layout: gl.constexpr, o_rows: gl.constexpr):
-    """Key tile j >= 1 of one consumer: S_j and P_j-1 V_j-1 issued back to
-    back, S_j's softmax under the product, then the product folded in.
-    Returns ``(carry, o, m, l)`` for tile j + 1.
+def _next_carry(p, alpha, v_smem, p_smem, p_layout: gl.constexpr):
+    """What a key step hands the next one, once its product is done. 16-bit:
+    P in registers, the next product's A operand. INT8_FP8: the tile's alpha,
+    with ``2**8 p`` rounded to e4m3 stored to this consumer's shared buffer
+    (the next product's A operand) and ordered before its reads (async
+    proxy). In registers, an 8-bit P takes Triton's conversion from the
+    scores' layout, byte permutes and warp shuffles (161 ``shfl`` in the
+    kernel's PTX), and the core ran 0.80-0.87x ``attn_fwd_kernel`` so,
+    against 0.91-1.04x through shared memory (bench/notes.md, "The sm_90
+    core")."""
+    if v_smem.dtype == gl.float8e4nv:
+        p_smem.store(p.to(gl.float8e4nv))
+        fence_async_shared()
+        return alpha
+    else:
+        return gl.convert_layout(p.to(v_smem.dtype), p_layout)
 
-    16-bit: ``carry`` is P_j-1 in registers, the product's A operand, and the
-    rescaled O its accumulator; O comes back at S_j's running max, and the
-    carry is P_j. INT8_FP8: P_j-1 is in ``p_smem`` (Gluon cannot keep an
-    8-bit register operand alive across the product's wait: its wait takes
-    no 8-bit dependency), ``carry`` is alpha_j-1; the fresh product is added
-    to O rescaled by it (``attn_fwd_kernel``'s two-level accumulation), P_j
-    replaces P_j-1 once the product is done, and the carry is alpha_j."""
+
+@gluon.jit
+def _pv_issue(carry, o, o_zero, v_smem, p_smem, stage):
+    """Issue P V for the tile in ``stage`` (asynchronous): 16-bit, P the
+    carry and the rescaled O the accumulator; INT8_FP8, P from ``p_smem``
+    into a fresh product (``attn_fwd_kernel``'s two-level accumulation: FP8
+    MMAs keep fewer accumulator bits than fp32)."""
+    if v_smem.dtype == gl.float8e4nv:
+        return warpgroup_mma(p_smem, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+    else:
+        return warpgroup_mma(carry, v_smem.index(stage), o, is_async=True)
+
+
+@gluon.jit
+def _pv_fold(token, carry, o, v_smem, o_rows: gl.constexpr):
+    """Wait for the product ``_pv_issue`` started and fold it into O: the
+    16-bit product is O itself; INT8_FP8's is added to O rescaled by the
+    product's tile's alpha (the carry)."""
+    if v_smem.dtype == gl.float8e4nv:
+        return o * gl.convert_layout(carry, o_rows)[:, None] + warpgroup_mma_wait(0, deps=[token])
+    else:
+        # P (the carry) is named so that its registers live until the product is done.
+        o, carry = warpgroup_mma_wait(0, deps=[token, carry])
+        return o
+
+
+@gluon.jit
+def _key_step(j, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
+              v_empty, s_init, o_zero, qk_scale, key_limit, diagonal, MASKED: gl.constexpr,
+              s_layout: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr):
+    """Key tile j >= 1 of one consumer: S_j and P_j-1 V_j-1 issued back to
+    back, S_j's softmax while the product runs, then the product folded in.
+    Returns ``(carry, o, m, l)`` for tile j + 1 (:func:`_next_carry`): 16-bit,
+    O comes back at S_j's running max; INT8_FP8, at S_j-1's (the next step
+    rescales it by alpha_j, the carry, before adding P_j V_j)."""
     STAGES: gl.constexpr = k_smem.shape[0]
     INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
     stage = j % STAGES
     prev = (j - 1) % STAGES
     s_token = _scores(j, q_rows, k_smem, k_ready, s_init)
     mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-    if INT8_FP8:
-        o_token = warpgroup_mma(p_smem, v_smem.index(prev).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-    else:
-        o_token = warpgroup_mma(carry, v_smem.index(prev), o, is_async=True)
+    o_token = _pv_issue(carry, o, o_zero, v_smem, p_smem, prev)
     s = warpgroup_mma_wait(1, deps=[s_token])  # wgmma groups complete in order: S_j is done
     mbarrier.arrive(k_empty.index(stage), count=1)
     row = row_q
     if INT8_FP8:
         row = row_q * gl.load(k_scales + j)
-    p, m, l, alpha = _softmax(s, m, l, row, qk_scale, key_limit, MASKED, INT8_FP8, s_layout)
-    if INT8_FP8:
-        part = warpgroup_mma_wait(0, deps=[o_token])
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        o = o * gl.convert_layout(carry, o_rows)[:, None] + part
-        _stage_p(p, p_smem)
-        return alpha, o, m, l
-    else:
-        # P_j-1 is named so that its registers live until the product is done.
-        o, carry = warpgroup_mma_wait(0, deps=[o_token, carry])
-        mbarrier.arrive(v_empty.index(prev), count=1)
+    p, m, l, alpha = _softmax(s, m, l, row, qk_scale, key_limit, diagonal, MASKED, INT8_FP8, s_layout)
+    o = _pv_fold(o_token, carry, o, v_smem, o_rows)
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    if not INT8_FP8:
         o = o * gl.convert_layout(alpha, o_rows)[:, None]
-        return gl.convert_layout(p.to(v_smem.dtype), p_layout), o, m, l
+    return _next_carry(p, alpha, v_smem, p_smem, p_layout), o, m, l
 
 
 @gluon.jit
-def _stage_p(p, p_smem):
-    """FP8 P V's A operand: ``2**8 p`` rounded to e4m3 into this consumer's
-    shared buffer, ordered before the next product's reads (async proxy)."""
-    p_smem.store(p.to(gl.float8e4nv))
-    fence_async_shared()
+def _key_tiles(o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty,
+               s_init, o_zero, qk_scale, n_tiles, n_full, key_limit, diagonal, s_layout: gl.constexpr,
+               p_layout: gl.constexpr, o_rows: gl.constexpr):
+    """One consumer's pass over its ``n_tiles >= 1`` key tiles, the last
+    ``n_tiles - n_full`` (0 or 1) masked: ``(o, m, l)``."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
+    # Key tile 0: no product in flight yet to overlap with.
+    s = warpgroup_mma_wait(0, deps=[_scores(0, q_rows, k_smem, k_ready, s_init)])
+    mbarrier.arrive(k_empty.index(0), count=1)
+    row = row_q
+    if INT8_FP8:
+        row = row_q * gl.load(k_scales)
+    if n_full == 0:  # the only tile is the masked one
+        p, m, l, alpha = _softmax(s, m, l, row, qk_scale, key_limit, diagonal, True, INT8_FP8, s_layout)
+    else:
+        p, m, l, alpha = _softmax(s, m, l, row, qk_scale, key_limit, diagonal, False, INT8_FP8, s_layout)
+    carry = _next_carry(p, alpha, v_smem, p_smem, p_layout)
+    for j in range(1, n_full):
+        carry, o, m, l = _key_step(j, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready,
+                                   k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, key_limit, diagonal, False,
+                                   s_layout, p_layout, o_rows)
+    if n_tiles > n_full and n_full > 0:  # the masked tile after unmasked ones
+        carry, o, m, l = _key_step(n_full, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem,
+                                   k_ready, k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, key_limit, diagonal,
+                                   True, s_layout, p_layout, o_rows)
+    last = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    o = _pv_fold(_pv_issue(carry, o, o_zero, v_smem, p_smem, last), carry, o, v_smem, o_rows)
+    mbarrier.arrive(v_empty.index(last), count=1)
+    return o, m, l
 
 
 @gluon.jit
 def _consumer(args, HALF: gl.constexpr):
     """One consumer warp group: query rows ``q_start + 64 * HALF`` to 64 past
-    it, through every key tile, then their output rows and log-sum-exp."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, k_ready, k_empty, v_ready, v_empty,
-     q_start, n_tiles, n_full, lk, out_rows, lse_rows, sol, lq, scale, q_scales, k_scales, v_scales) = args
-    STAGES: gl.constexpr = k_smem.shape[0]
+    it, through this program's key tiles, then their output rows and
+    log-sum-exp."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, k_ready, k_empty, v_ready, v_empty, q_start,
+     blocks, n_tiles, n_full, kv_len, masked_start, out_rows, lse_rows, sol, lq, scale, q_scales, k_scales,
+     v_scales, SPARSE, CAUSAL) = args
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = k_smem.shape[2]
     INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
@@ -203,47 +278,22 @@ def _consumer(args, HALF: gl.constexpr):
     else:
         s_init = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
         row_q = gl.full([_ROWS], 1.0, gl.float32, s_rows)
-    o_zero = gl.zeros([_ROWS, D], gl.float32, o_layout)
+    o = gl.zeros([_ROWS, D], gl.float32, o_layout)
     m = gl.full([_ROWS], float("-inf"), gl.float32, s_rows)
     l = gl.zeros([_ROWS], gl.float32, s_rows)
-    o = o_zero
     mbarrier.wait(q_bar, 0)
+    # The masked tile's bounds: keys from kv_len on, and (causal) keys past each row's position.
+    diagonal = BLOCK_N
+    if CAUSAL:
+        diagonal = first_row - masked_start
+    if n_tiles > 0:
+        o, m, l = _key_tiles(o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
+                             v_empty, s_init, gl.zeros([_ROWS, D], gl.float32, o_layout), qk_scale, n_tiles, n_full,
+                             kv_len - masked_start, diagonal, s_layout, p_layout, o_rows)
 
-    # Key tile 0: no product in flight yet to overlap with.
-    s = warpgroup_mma_wait(0, deps=[_scores(0, q_rows, k_smem, k_ready, s_init)])
-    mbarrier.arrive(k_empty.index(0), count=1)
-    row = row_q
-    if INT8_FP8:
-        row = row_q * gl.load(k_scales)
-    if n_full == 0:  # Lk < BLOCK_N: the only tile is ragged
-        p, m, l, alpha = _softmax(s, m, l, row, qk_scale, lk, True, INT8_FP8, s_layout)
-    else:
-        p, m, l, alpha = _softmax(s, m, l, row, qk_scale, lk, False, INT8_FP8, s_layout)
-    if INT8_FP8:
-        _stage_p(p, p_smem)
-        carry = alpha
-    else:
-        carry = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    for j in range(1, n_full):
-        carry, o, m, l = _key_step(j, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready,
-                                   k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, lk, False, s_layout,
-                                   p_layout, o_rows)
-    if n_tiles > n_full and n_full > 0:  # the ragged last tile after full ones
-        carry, o, m, l = _key_step(n_full, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem,
-                                   k_ready, k_empty, v_ready, v_empty, s_init, o_zero, qk_scale,
-                                   lk - n_full * BLOCK_N, True, s_layout, p_layout, o_rows)
-    last = (n_tiles - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-    if INT8_FP8:
-        o_token = warpgroup_mma(p_smem, v_smem.index(last).permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        part = warpgroup_mma_wait(0, deps=[o_token])
-        o = o * gl.convert_layout(carry, o_rows)[:, None] + part
-    else:
-        o_token = warpgroup_mma(carry, v_smem.index(last), o, is_async=True)
-        o, carry = warpgroup_mma_wait(0, deps=[o_token, carry])
-    mbarrier.arrive(v_empty.index(last), count=1)
-
-    # Every row saw at least one key (Lk >= 1, no masks but the ragged tile's), so l > 0.
+    # A row that saw no key (an empty block list, kv_len 0) gets 0 and an lse of -inf.
+    empty = l == 0.0
+    l = gl.where(empty, 1.0, l)
     out = o / gl.convert_layout(l, o_rows)[:, None]
     log2_l = gl.log2(l)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
@@ -254,7 +304,8 @@ def _consumer(args, HALF: gl.constexpr):
     gl.store(out_rows + rows.to(gl.int64)[:, None] * sol + cols[None, :], out.to(out_rows.dtype.element_ty),
              mask=(rows < lq)[:, None])
     lse_row = first_row + gl.arange(0, _ROWS, layout=s_rows)
-    gl.store(lse_rows + lse_row, m * scale + log2_l * _LN2, mask=lse_row < lq)  # attn_fwd_kernel's formula
+    lse = gl.where(empty, float("-inf"), m * scale + log2_l * _LN2)  # attn_fwd_kernel's formula
+    gl.store(lse_rows + lse_row, lse, mask=lse_row < lq)
 
 
 @gluon.jit
@@ -268,13 +319,31 @@ def _consumer_high(args):
 
 
 @gluon.jit
-def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, Q_SCALE, K_SCALE, V_SCALE, sqb, sqh, sql, skb, skh, skl, svb, svh, svl,
-                         sob, soh, sol, H, GROUP, Lq, Lk, scale, D: gl.constexpr, BLOCK_N: gl.constexpr,
+def _listed_below(blocks, count, bound):
+    """How many of the ``count`` ascending block indices at ``blocks`` are
+    below ``bound``: a binary search (a dozen list reads at most)."""
+    lo = 0
+    hi = count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        below = gl.load(blocks + mid) < bound
+        lo = gl.where(below, mid + 1, lo)
+        hi = gl.where(below, hi, mid)
+    return lo
+
+
+@gluon.jit
+def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE, V_SCALE,
+                         sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr,
+                         H, GROUP, Lq, Lk, scale, heads_per_group, D: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, INT8_FP8: gl.constexpr,
-                         num_warps: gl.constexpr):
-    """OUT = softmax(scale Q K^T) V and LSE (natural log) for 128 queries (grid
-    axis 0) of one (batch, head) (axis 1), as ``attn_fwd_kernel`` dense and
-    non-causal.
+                         CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, SPARSE: gl.constexpr,
+                         HEAVY_FIRST: gl.constexpr, num_warps: gl.constexpr):
+    """OUT = softmax(scale Q K^T) V and LSE (natural log) for 128 queries of
+    one (batch, head), as ``attn_fwd_kernel`` with the same arguments
+    (``_query_tile``'s grid and program order, ``CAUSAL``, ``KV_LEN`` [B]
+    with ``HAS_KV_LEN``, and with ``SPARSE`` the 128-key blocks that
+    BLOCKS/COUNTS list for this query block, ascending).
 
     Q ``[B, H, Lq, D]``, K and V ``[B, H / GROUP, Lk, D]``, OUT like Q: any
     layout through the (batch, head, position) strides ``s*b, s*h, s*l``, a
@@ -285,36 +354,55 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, Q_SCALE, K_SCALE, V_SCALE, sqb, sqh,
     loader partitions add 5 warps, and ``maxnreg`` bounds the kernel's
     registers so that 24 + 2 * ``CONSUMER_REGS`` per thread fit 3 warp groups.
 
-    ``INT8_FP8``: Q and K int8, ``Q_SCALE [B, H, Lq]`` q's per-token scales,
-    ``K_SCALE [B, H / GROUP, ceil(Lk / BLOCK_N)]`` one per key tile; V e4m3
-    ``[B, H / GROUP, D, Lk]`` with a unit key stride (``svl`` the stride
-    between channels) and ``V_SCALE [B, H / GROUP, D]`` its channel scales
-    (fp32 contiguous); OUT in q's original dtype (``attn_fwd_kernel``'s
+    ``INT8_FP8`` (dense): Q and K int8, ``Q_SCALE [B, H, Lq]`` q's per-token
+    scales, ``K_SCALE [B, H / GROUP, ceil(Lk / BLOCK_N)]`` one per key tile;
+    V e4m3 ``[B, H / GROUP, D, Lk]`` with a unit key stride (``svl`` the
+    stride between channels) and ``V_SCALE [B, H / GROUP, D]`` its channel
+    scales (fp32 contiguous); OUT in q's original dtype (``attn_fwd_kernel``'s
     INT8 + PV_FP8 with q given). Otherwise the three scale pointers are
     unused (pass None)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
+    gl.static_assert(not (SPARSE and INT8_FP8), "8-bit operands are dense")
     # Every operand's rows are 128 bytes or more (D = 128 16-bit or 8-bit, BLOCK_N = 128 e4m3): 128-byte swizzle.
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
                                                      element_bitwidth=8 if INT8_FP8 else 16, rank=2)
-    bh = gl.program_id(1)
-    b = (bh // H).to(gl.int64)
-    h = (bh % H).to(gl.int64)
-    kv_h = h // GROUP
-    kv_row = b * (H // GROUP) + kv_h
-    q_start = gl.program_id(0) * (2 * _ROWS)
-    q_desc = tma.make_tensor_descriptor(Q + b * sqb + h * sqh, [Lq, D], [sql, 1], [2 * _ROWS, D], smem_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * skb + kv_h * skh, [Lk, D], [skl, 1], [BLOCK_N, D], smem_layout)
+    tile, bh = _query_tile(heads_per_group, HEAVY_FIRST)
+    b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
+        tile, bh, KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, 2 * _ROWS, BLOCK_N, CAUSAL, HAS_KV_LEN)
+    # Tiles of BLOCK_N = 2 * _ROWS = the list's blocks: at most one tile needs a mask, the one at the
+    # unmasked keys' end (the ragged tile of kv_len, or the causal diagonal, or both).
+    if SPARSE:
+        blocks, count = _block_list(BLOCKS, COUNTS, b, h, q_start // BLOCK_N, sbb, sbh, sbr, scb, sch, scr)
+        count = count.to(gl.int32)  # int32 or int64 lists
+        if CAUSAL or HAS_KV_LEN:
+            n_full = _listed_below(blocks, count, unmasked_end // BLOCK_N)
+            n_tiles = _listed_below(blocks, count, gl.cdiv(end, BLOCK_N))
+        else:  # every listed block is below cdiv(Lk, BLOCK_N): only the ragged last one may need a mask
+            n_tiles = count
+            n_full = count
+            if Lk % BLOCK_N != 0 and count > 0:
+                n_full = count - (gl.load(blocks + count - 1) == Lk // BLOCK_N).to(gl.int32)
+    else:
+        blocks = LSE  # a stand-in, never read
+        n_full = unmasked_end // BLOCK_N
+        n_tiles = gl.cdiv(end, BLOCK_N)
+    masked_start = unmasked_end
+    if SPARSE and n_tiles > n_full:
+        masked_start = _tile_start(n_full, blocks, BLOCK_N, BLOCK_N, SPARSE)
+    q_desc = tma.make_tensor_descriptor(Q + q_off, [Lq, D], [sql, 1], [2 * _ROWS, D], smem_layout)
+    k_desc = tma.make_tensor_descriptor(K + k_off, [Lk, D], [skl, 1], [BLOCK_N, D], smem_layout)
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * _ROWS, D], smem_layout)
     k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, D], smem_layout)
+    kv_row = b * (H // GROUP) + h // GROUP
     if INT8_FP8:
-        v_desc = tma.make_tensor_descriptor(V + b * svb + kv_h * svh, [D, Lk], [svl, 1], [D, BLOCK_N], smem_layout)
+        v_desc = tma.make_tensor_descriptor(V + v_off, [D, Lk], [svl, 1], [D, BLOCK_N], smem_layout)
         v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, D, BLOCK_N], smem_layout)
         q_scales = Q_SCALE + bh.to(gl.int64) * Lq
         k_scales = K_SCALE + kv_row * gl.cdiv(Lk, BLOCK_N)
         v_scales = V_SCALE + kv_row * D
         p_smems = gl.allocate_shared_memory(gl.float8e4nv, [2 * _ROWS, BLOCK_N], smem_layout)
     else:
-        v_desc = tma.make_tensor_descriptor(V + b * svb + kv_h * svh, [Lk, D], [svl, 1], [BLOCK_N, D], smem_layout)
+        v_desc = tma.make_tensor_descriptor(V + v_off, [Lk, D], [svl, 1], [BLOCK_N, D], smem_layout)
         v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_N, D], smem_layout)
         q_scales = LSE  # stand-ins, never read
         k_scales = LSE
@@ -332,7 +420,7 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, Q_SCALE, K_SCALE, V_SCALE, sqb, sqh,
         mbarrier.init(k_empty.index(i), count=2)  # released by both consumers
         mbarrier.init(v_empty.index(i), count=2)
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, k_ready, k_empty, v_ready, v_empty,
-            q_start, gl.cdiv(Lk, BLOCK_N), Lk // BLOCK_N, Lk, OUT + b * sob + h * soh, LSE + bh.to(gl.int64) * Lq,
-            sol, Lq, scale, q_scales, k_scales, v_scales)
+            q_start, blocks, n_tiles, n_full, kv_len, masked_start, OUT + b * sob + h * soh,
+            LSE + bh.to(gl.int64) * Lq, sol, Lq, scale, q_scales, k_scales, v_scales, SPARSE, CAUSAL)
     gl.warp_specialize([(_consumer_low, (args, )), (_consumer_high, (args, )), (_loader, (args, ))], [4, 1],
                        [CONSUMER_REGS, 24])

@@ -250,53 +250,66 @@ def causal_order(shared: Tensor, length: int, rows: int) -> tuple[dict, int]:
 _LAUNCH_ORDER = (dict(HEAVY_FIRST=False), 1)
 
 
-def _takes_sm90_core(t: Tiles, c: dict, q: Tensor, k: Tensor, v: Tensor, causal: bool, seq_dim: int,
-                     v_seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple], rounds_q: bool,
-                     fp8_rows: Optional[tuple]) -> bool:
+def _takes_sm90_core(t: Tiles, c: dict, q: Tensor, k: Tensor, v: Tensor, seq_dim: int, v_seq_dim: int,
+                     blocks: Optional[tuple], rounds_q: bool, fp8_rows: Optional[tuple]) -> bool:
     """Whether a forward runs on the sm_90 core: its tiles chose it, and the
-    call is one the core computes (dense, non-causal, no key lengths, at
-    least one key, TMA-aligned q, k and v; 8-bit only with q given in int8,
-    not ``rounds_q``, and a 16-bit output); the rest stays on
-    ``attn_fwd_kernel``."""
-    return (t.sm90_core and not causal and kv_lengths is None and blocks is None and not rounds_q
-            and fp8_rows is None and c["lk"] > 0 and _tma_ready(seq_dim, q, k) and _tma_ready(v_seq_dim, v))
+    call is one the core computes (at least one key, TMA-aligned q, k and
+    v; dense or block-sparse, causal or not, with key lengths or not; 8-bit
+    only dense, with q given in int8, not ``rounds_q``, and a 16-bit
+    output); the rest stays on ``attn_fwd_kernel``."""
+    eight_bit_ok = not rounds_q and fp8_rows is None and (blocks is None or q.dtype != torch.int8)
+    return (t.sm90_core and eight_bit_ok and c["lk"] > 0 and _tma_ready(seq_dim, q, k)
+            and _tma_ready(v_seq_dim, v))
 
 
 def _launch_sm90_core(kernel, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                      seq_dim: int, q_scale: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
+                      causal: bool, seq_dim: int, kv_lengths: Optional[Tensor] = None,
+                      block_index: Optional[Tensor] = None, block_count: Optional[Tensor] = None,
+                      q_scale: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
                       v_scale: Optional[Tensor] = None) -> None:
     """Launch the sm_90 core (``kernel``: it, or the launch-plan recorder's
-    proxy of it) on arguments :func:`_takes_sm90_core` accepted; the scales
-    (all three, or none): its INT8_FP8 mode, on ``launch_forward``'s 8-bit
-    operands."""
+    proxy of it) on arguments :func:`_takes_sm90_core` accepted, with
+    ``attn_fwd_kernel``'s grid and program order; ``block_index`` and
+    ``block_count``: block-sparse attention's lists (``launch_forward``'s
+    ``blocks``); the scales (all three, or none): its INT8_FP8 mode, on
+    ``launch_forward``'s 8-bit operands."""
     b, h, lq, d = meta.attention.dims(q, seq_dim)
     hk, lk = meta.attention.dims(k, seq_dim)[1:3]
     int8_fp8 = v_scale is not None
     t = forward_tiles(d, out.dtype, True, "int8_fp8" if int8_fp8 else "exact", True)
     assert not int8_fp8 or t.block_n == reference.attention.INT8_KEY_BLOCK, t  # one k scale per key tile
+    sparse = block_index is not None
+    assert not sparse or t.block_n == t.block_m == meta.attention.SPARSE_BLOCK, t  # a tile is a listed block
+    grid = (triton.cdiv(lq, t.block_m), b * h)
+    order, group = causal_order(k, lk, grid[1]) if causal and not sparse else _LAUNCH_ORDER
     triton.set_allocator(_scratch)  # the core builds its TMA descriptors on the device
-    kernel[(triton.cdiv(lq, t.block_m), b * h)](
-        q, k, v, out, lse, q_scale, k_scale, v_scale, *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim),
-        *_bhl_strides(v, 2 if int8_fp8 else seq_dim), *_bhl_strides(out, seq_dim), h, h // hk, lq, lk,
-        float(scale), D=d, BLOCK_N=t.block_n, STAGES=t.num_stages, CONSUMER_REGS=SM90_CORE_CONSUMER_REGS,
-        INT8_FP8=int8_fp8, **SM90_CORE_LAUNCH)
+    kernel[grid](
+        q, k, v, out, lse, kv_lengths, block_index, block_count, q_scale, k_scale, v_scale,
+        *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, 2 if int8_fp8 else seq_dim),
+        *_bhl_strides(out, seq_dim), *_lists((block_index, block_count) if sparse else None)[2:],
+        h, h // hk, lq, lk, float(scale), group, D=d, BLOCK_N=t.block_n, STAGES=t.num_stages,
+        CONSUMER_REGS=SM90_CORE_CONSUMER_REGS, INT8_FP8=int8_fp8, CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None,
+        SPARSE=sparse, **order, **SM90_CORE_LAUNCH)
 
 
 @torch.library.custom_op("fused_gluon::attention_forward_sm90_", mutates_args=("out", "lse"))
-def _attention_forward_sm90(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                            seq_dim: int, q_scale: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
-                            v_scale: Optional[Tensor] = None) -> None:
+def _attention_forward_sm90(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
+                            seq_dim: int, kv_lengths: Optional[Tensor] = None, block_index: Optional[Tensor] = None,
+                            block_count: Optional[Tensor] = None, q_scale: Optional[Tensor] = None,
+                            k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None) -> None:
     """The sm_90 core as an op of its own, for traced calls (torch.compile,
     export, the dispatcher's eager path): Inductor cannot trace a Gluon
     kernel the way it inlines ``wrap_triton`` launches, so a compiled graph
     calls this op, which fills ``out`` and ``lse`` in place. In a namespace
     of its own: not a public op (no sharding rule, no registry row); the
     ``fused`` ops that call it have those."""
-    _launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, scale, seq_dim, q_scale, k_scale, v_scale)
+    _launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths, block_index,
+                      block_count, q_scale, k_scale, v_scale)
 
 
 @_attention_forward_sm90.register_fake
-def _(q, k, v, out, lse, scale, seq_dim, q_scale=None, k_scale=None, v_scale=None):
+def _(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths=None, block_index=None, block_count=None, q_scale=None,
+      k_scale=None, v_scale=None):
     return None
 
 
@@ -340,13 +353,15 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     # without Python, so it gets the Triton kernel, which it compiles in.
     wgmma = has_wgmma(q) and (on_eager_fast_path() or not building_aot_package())
     core = forward_tiles(int(c["d"]), out.dtype, True, precision, wgmma)
-    if _takes_sm90_core(core, c, q, k, v, causal, seq_dim, v_seq_dim, kv_lengths, blocks, int8 and q_scale is None,
-                        fp8_rows):
+    if _takes_sm90_core(core, c, q, k, v, seq_dim, v_seq_dim, blocks, int8 and q_scale is None, fp8_rows):
+        lists = blocks if blocks is not None else (None, None)
         scales = (q_scale, k_scale, v_scale) if pv_fp8 else (None, None, None)
         if on_eager_fast_path():  # launched as is, recorded for launch plans
-            _launch_sm90_core(launcher(attn_fwd_sm90_kernel), q, k, v, out, lse, scale, seq_dim, *scales)
+            _launch_sm90_core(launcher(attn_fwd_sm90_kernel), q, k, v, out, lse, scale, causal, seq_dim, kv_lengths,
+                              *lists, *scales)
         else:
-            torch.ops.fused_gluon.attention_forward_sm90_(q, k, v, out, lse, float(scale), seq_dim, *scales)
+            torch.ops.fused_gluon.attention_forward_sm90_(q, k, v, out, lse, float(scale), causal, seq_dim,
+                                                          kv_lengths, *lists, *scales)
         return
     t = forward_tiles(int(c["d"]), out.dtype, has_tma(q), precision)  # attn_fwd_kernel's own tiles
     # One k scale per tile: its key tiles divide the scale blocks (all tiles are powers of two up to 128).
