@@ -142,8 +142,11 @@ def test_kernels_match_the_reference_and_choose_its_experts(case):
     exact = torch.autograd.grad((exact_probs, exact_weights), (xd, wd), (gp.double(), gw.double()))
     plain = torch.autograd.grad((plain_probs, plain_weights), (x_plain, w_plain), (gp, gw))
     assert dx.dtype == dw.dtype == dtype
-    assert_within_torch_error(dx, exact[0], plain[0], 3.0, "dx", terms=e)
-    assert_within_torch_error(dw, exact[1], plain[1], 3.0, "d router_weight", terms=max(t, 1))
+    # Each gradient sums e (dx) or t (dw) products of the logits' gradient, which carries
+    # the logits' own rounding: fp32, the H terms of the probabilities' floor above (an H200
+    # found dw 5.4 ulps off at t = 1, H = 256, E = 4 against torch's 0.9 by luck, seed 312968540).
+    assert_within_torch_error(dx, exact[0], plain[0], 3.0, "dx", terms=e * summed)
+    assert_within_torch_error(dw, exact[1], plain[1], 3.0, "d router_weight", terms=max(t, 1) * summed)
 
 
 @pytest.mark.kernels

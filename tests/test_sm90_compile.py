@@ -158,10 +158,14 @@ def test_block_sparse_forward_streams_keys_three_deep_on_sm90(monkeypatch):
     variant compiles for sm_90 with K and V buffered three tiles deep in both
     key loops, as the dense forward's, and no async copy of the list into a
     one-entry buffer (what an ordinary load of the list gets, with K and V two
-    deep: the slower sparse forward this option replaced)."""
+    deep: the slower sparse forward this option replaced). The portable
+    kernel's variant, which TMA GPUs other than sm_90 (and AOTInductor
+    packages) run: on an sm_90 GPU the sm_90 core takes these calls, so the
+    GPU is taken for one without wgmma."""
     from compile_ops.ops import attention as attention_ops
 
     monkeypatch.setattr(attention_ops, "has_tma", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: False)
     spec = next(s for s in registry.OPS if s.name == "block_sparse_attention")
     launches = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants)
                 in _launches(spec, torch.bfloat16).items()
