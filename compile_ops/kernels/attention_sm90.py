@@ -148,9 +148,9 @@ def _next_carry(p, alpha, v_smem, p_smem, p_layout: gl.constexpr):
     (the next product's A operand) and ordered before its reads (async
     proxy). In registers, an 8-bit P takes Triton's conversion from the
     scores' layout, byte permutes and warp shuffles (161 ``shfl`` in the
-    kernel's PTX), and the core ran 0.80-0.87x ``attn_fwd_kernel`` so,
-    against 0.91-1.04x through shared memory (bench/notes.md, "The sm_90
-    core")."""
+    kernel's PTX), and the core ran 0.76-0.85x ``attn_fwd_kernel`` so,
+    against 0.93-1.00x through shared memory (H200, bench/notes.md, "The
+    sm_90 core's front ends")."""
     if v_smem.dtype == gl.float8e4nv:
         p_smem.store(p.to(gl.float8e4nv))
         fence_async_shared()
@@ -393,8 +393,8 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_S
     k_desc = tma.make_tensor_descriptor(K + k_off, [Lk, D], [skl, 1], [BLOCK_N, D], smem_layout)
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * _ROWS, D], smem_layout)
     k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, D], smem_layout)
-    kv_row = b * (H // GROUP) + h // GROUP
     if INT8_FP8:
+        kv_row = b * (H // GROUP) + h // GROUP  # the scales' (batch, k head) row
         v_desc = tma.make_tensor_descriptor(V + v_off, [D, Lk], [svl, 1], [D, BLOCK_N], smem_layout)
         v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, D, BLOCK_N], smem_layout)
         q_scales = Q_SCALE + bh.to(gl.int64) * Lq

@@ -62,9 +62,9 @@ def block_d(d: int) -> int:
 SM90_CORE_HEAD_DIMS = (128,)
 #: The precisions the sm_90 core runs: ``"exact"`` (16-bit). ``"int8_fp8"`` with q given in int8 (its INT8_FP8
 #: mode) is built and tested (bit-identical to ``attn_fwd_kernel``) but not
-#: ahead of it: 0.91x at 4608 keys, 0.97-1.04x from 16384 (H200,
-#: bench/results/attention-sm90-core-int8-fp8-h200.json; its P goes through
-#: shared memory, bench/notes.md), so the 8-bit modes stay portable.
+#: ahead of it: 0.93x at 4608 keys, 0.98-1.00x from 16384 (H200,
+#: bench/results/attention-sm90-core-int8-fp8-smem-h200.json; its P goes
+#: through shared memory, bench/notes.md), so the 8-bit modes stay portable.
 SM90_CORE_PRECISIONS = ("exact",)
 #: The core's K/V ring: 3 and 4 stages measured within 1% (16-bit; 8-bit: 4 stages +5% at 32760 keys only).
 SM90_CORE_STAGES = 2
@@ -99,7 +99,8 @@ def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False, precision: str 
     five shapes of issue 28, where the ``triton.language`` kernel was
     0.88-1.01x (bench/results/attention-sm90-core-sweep-h100.json; 3 stages
     within 1%, 64-key tiles 9-10% slower in ``-first-h100.json``). At D = 64
-    the core ran 0.95-0.97x the portable kernel, which keeps D = 64."""
+    the core ran 0.95-0.97x the portable kernel on an H100 and 0.82x on an
+    H200 (``attention-sm90-core-front-ends-h200.json``), which keeps D = 64."""
     bd = block_d(d)
     if wgmma and precision in SM90_CORE_PRECISIONS and d in SM90_CORE_HEAD_DIMS \
             and dtype in (torch.float16, torch.bfloat16):
