@@ -262,8 +262,9 @@ def test_attention_kernel_choice_keeps_the_outputs_and_rejects_unknown_names():
 def test_auto_attention_kernel_takes_fused_where_the_sm90_core_is_ahead(monkeypatch):
     """``attention_kernel="auto"``'s rule, on fake CUDA tensors ([B, L, H, D]):
     SDPA (cuDNN) for 16-bit inference, except on an sm_90 GPU at D = 128 from
-    FUSED_AHEAD_FROM_KEYS keys without key lengths, where the Gluon core is
-    ahead; fused.attention for fp32 and for calls that need a gradient."""
+    FUSED_AHEAD_FROM_KEYS keys, or with key lengths at any length (SDPA runs
+    them as a boolean mask), where the Gluon core is ahead; fused.attention
+    for fp32 and for calls that need a gradient."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compile_ops.integrations import diffusers as integration
@@ -281,7 +282,9 @@ def test_auto_attention_kernel_takes_fused_where_the_sm90_core_is_ahead(monkeypa
             assert integration._sdpa_is_faster(*qkv(ahead - 1))
             assert integration._sdpa_is_faster(*qkv(4608))
             assert integration._sdpa_is_faster(*qkv(ahead, d=64))
-            assert integration._sdpa_is_faster(*qkv(ahead), lengths)
+            assert integration._sdpa_is_faster(*qkv(ahead), lengths) is not wgmma
+            assert integration._sdpa_is_faster(*qkv(4608), lengths) is not wgmma
+            assert integration._sdpa_is_faster(*qkv(4608, d=64), lengths)
             assert not integration._sdpa_is_faster(*qkv(ahead, dtype=torch.float32))
             q, k, v = qkv(4608)
             assert not integration._sdpa_is_faster(q.requires_grad_(), k, v)

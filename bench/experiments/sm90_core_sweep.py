@@ -126,6 +126,19 @@ def eight_bit():
         torch.cuda.empty_cache()
 
 
+def waves():
+    """Wave quantization: 1xHx4608 with H = 22 is 792 programs, six full waves
+    on 132 SMs; H = 24 (Flux) 6.55 waves; 2xHx4096 likewise."""
+    for b, h, L in [(1, 22, 4608), (1, 24, 4608), (1, 26, 4608), (2, 22, 4096), (2, 24, 4096)]:
+        d = 128
+        q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
+        time_rounds({"cudnn": lambda: F.scaled_dot_product_attention(q, k, v),
+                     "core": lambda: core(q, k, v, out, lse)}, (b, h, L, d), 4 * b * h * L * L * d, "waves",
+                    rounds=3)
+        del q, k, v, out, lse
+
+
 def main():
     attention_ops.has_wgmma = lambda t: False  # fused.* calls: the portable kernel
     parts = sys.argv[2:] or ["dense", "sparse", "int8"]
@@ -135,6 +148,8 @@ def main():
         sparse()
     if "int8" in parts:
         eight_bit()
+    if "waves" in parts:
+        waves()
     R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     json.dump(R, open(sys.argv[1], "w"), indent=1)
 

@@ -677,16 +677,20 @@ def _sdpa_is_faster(query, key, value, kv_lengths=None) -> bool:
     """Inference in fp16/bf16 on a GPU: SDPA's cuDNN backend runs the forward
     faster than fused.attention on an H100 (1.07-1.15x the portable kernel,
     1.02-1.13x causal; README attention tables), except where the sm_90 core
-    runs the call (dense, D = 128: ``ops.attention.SM90_CORE_HEAD_DIMS``) at
-    :data:`FUSED_AHEAD_FROM_KEYS` keys or more. Training keeps
-    fused.attention: its backward is ahead of SDPA's flash backend, and torch
-    2.11's cuDNN backward fails at Flux's training shape
-    (bench/diffusers_e2e.py). q, k, v ``[B, L, H, D]``."""
+    runs the call (D = 128: ``ops.attention.SM90_CORE_HEAD_DIMS``): dense at
+    :data:`FUSED_AHEAD_FROM_KEYS` keys or more, and with key lengths at any
+    length, since SDPA takes them as a boolean mask, which cuDNN runs at
+    0.66-0.67x its unmasked speed while the core's masked tile costs nothing
+    (1x24x4608 and 1-2x24x16640 with 4429 / 16461 keys valid: the core
+    1.44-1.49x masked SDPA, level with cuDNN unmasked over all the keys; H100,
+    bench/results/masked-sdpa-h100.json). Training keeps fused.attention: its
+    backward is ahead of SDPA's flash backend, and torch 2.11's cuDNN backward
+    fails at Flux's training shape (bench/diffusers_e2e.py). q, k, v
+    ``[B, L, H, D]``; ``kv_lengths`` ``[B]`` or None."""
     if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)) or _needs_gradient(query, key, value):
         return False
-    core_ahead = (has_wgmma(query) and query.shape[-1] in SM90_CORE_HEAD_DIMS and kv_lengths is None
-                  and key.shape[1] >= FUSED_AHEAD_FROM_KEYS)
-    return not core_ahead
+    on_core = has_wgmma(query) and query.shape[-1] in SM90_CORE_HEAD_DIMS
+    return not (on_core and (kv_lengths is not None or key.shape[1] >= FUSED_AHEAD_FROM_KEYS))
 
 
 class FluxAttnProcessor(_FusedProcessor):
@@ -1087,9 +1091,10 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
         attention_kernel: ``"fused"`` (``fused.attention``), ``"sdpa"``
             (torch's SDPA) or ``"auto"``: SDPA for 16-bit inference on a GPU,
             where its cuDNN backend is faster, except on Hopper (sm_90) at
-            D = 128 from :data:`FUSED_AHEAD_FROM_KEYS` keys, where
-            ``fused.attention``'s warp-specialized core is; ``fused.attention``
-            otherwise (training, CPU, fp32).
+            D = 128 from :data:`FUSED_AHEAD_FROM_KEYS` keys or with key
+            lengths (a text padding mask, which SDPA runs masked at 0.67x),
+            where ``fused.attention``'s warp-specialized core is;
+            ``fused.attention`` otherwise (training, CPU, fp32).
         precision: ``"bf16"`` keeps the Linears as they are; ``"fp8"``
             replaces the transformer blocks' Linears (attention projections,
             MLPs, the single-stream projections) with :class:`FP8Linear`:
