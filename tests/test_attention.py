@@ -1149,6 +1149,10 @@ def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypa
             padded = torch.empty_strided((1, 2, 300, 128), (2 * 300 * 257, 300 * 257, 257, 1),
                                          dtype=torch.bfloat16, device="cuda")
             assert _traced_forward(padded, k, v) == portable
+            # Keys and values shared by a batch of 2 (expanded, stride 0): the core's 4-D descriptors decline.
+            q2 = torch.empty(2, 2, 300, 128, dtype=torch.bfloat16, device="cuda")
+            assert _traced_forward(q2, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1)) == portable
+            assert _traced_forward(q2, *qkv(b=2)[1:]) == takes
 
 
 def test_8bit_forward_takes_the_sm90_core_only_with_q_given_in_int8(monkeypatch):
@@ -1218,8 +1222,11 @@ def test_sm90_core_computes_what_the_portable_forward_does(dtype, mode, monkeypa
     ragged last block), causal, key lengths (0 among them: rows with no key
     give 0 and lse -inf). Five launches into NaN-filled outputs each write
     every row (a race between its partitions would leave some unwritten or
-    wrong), and the eager fast path's replayed second call and a compiled
-    call (through the opaque op) give the first call's result."""
+    wrong), on grids of 1, 3 and 7 programs too, each going through many
+    work items (the ring and q buffer carried across items, in every mode,
+    persistent or not in the package), and the eager fast path's replayed
+    second call and a compiled call (through the opaque op) give the first
+    call's result."""
     from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
     from compile_ops.ops import attention as attention_ops
 
@@ -1257,11 +1264,14 @@ def test_sm90_core_computes_what_the_portable_forward_does(dtype, mode, monkeypa
         torch.testing.assert_close(got[0][1], want[1], rtol=1e-6, atol=1e-5, msg=lambda m: f"{case}: {m}")
         for again in (got[1], compiled):
             assert torch.equal(again[0], got[0][0]) and torch.equal(again[1], got[0][1]), case
-        for _ in range(5):
+        for programs in (None, None, 1, 3, 7):
             out, lse = torch.full_like(q, float("nan")), torch.full((b, h, lq), float("nan"), device="cuda")
-            attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, 128 ** -0.5, causal, seq_dim,
-                                            lengths, *lists)
-            assert torch.equal(out, got[0][0]) and torch.equal(lse, got[0][1]), case
+            with monkeypatch.context() as m:
+                if programs:
+                    m.setattr(attention_ops, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
+                attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, 128 ** -0.5, causal,
+                                                seq_dim, lengths, *lists)
+            assert torch.equal(out, got[0][0]) and torch.equal(lse, got[0][1]), (case, programs)
     clear_launch_plans()
 
 
@@ -1271,7 +1281,8 @@ def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
     precisions): ``attention_qk8`` with FP8 P V on q and k given in int8 is
     ``attn_fwd_kernel``'s result (the same formulas: equal up to one rounding
     of the output) over ragged, GQA, short and Lq != Lk shapes, with offset
-    keys, in both layouts; five launches into NaN-filled outputs each write
+    keys, in both layouts; five launches into NaN-filled outputs (three on
+    grids of 1, 3 and 7 programs, each through many work items) each write
     every row, and the replayed second call and a compiled call give the
     first call's result."""
     from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
@@ -1294,12 +1305,14 @@ def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
                 got = [torch.ops.fused.attention_qk8(*args)[0] for _ in range(2)]
                 compiled = torch.compile(lambda *a: torch.ops.fused.attention_qk8(*a)[0], fullgraph=True)(*args)
                 vt8, v_scale = attention_ops._quantized(None, None, v, seq_dim, True)
-                for _ in range(5):
+                for programs in (None, None, 1, 3, 7):
                     out = torch.full_like(q, float("nan"))
                     lse = torch.empty(b, h, lq, device="cuda")
+                    if programs:
+                        m.setattr(attention_ops, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
                     attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q8, k8, vt8, out, lse, 128 ** -0.5,
                                                     False, seq_dim, None, None, None, q_scale, k_scale, v_scale)
-                    assert torch.equal(out, got[0]), case
+                    assert torch.equal(out, got[0]), (case, programs)
             clear_launch_plans()
             want = torch.ops.fused.attention_qk8(*args)[0]
         torch.testing.assert_close(got[0], want, rtol=2.0 ** -7, atol=1e-5, msg=lambda m: f"{case}: {m}")

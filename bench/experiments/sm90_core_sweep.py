@@ -139,6 +139,55 @@ def waves():
         del q, k, v, out, lse
 
 
+def persistent():
+    """The core with one program per work item (the GPU deals them out as SMs
+    free up) against one program per SM looping over its items, in every
+    mode, cuDNN beside them."""
+    from bench.block_sparse import random_block_mask
+
+    def on_grid(fn, per_sm):
+        def call():
+            saved = attention_ops._core_programs
+            attention_ops._core_programs = (
+                lambda q, items, causal, sparse: min(items, 132) if per_sm else items)
+            try:
+                fn()
+            finally:
+                attention_ops._core_programs = saved
+        return call
+
+    for b, h, L in [(1, 24, 4608), (1, 12, 32760), (1, 40, 16384), (1, 12, 75600), (2, 24, 4096)]:
+        d = 128
+        q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
+        flops = 4 * b * h * L * L * d
+        cands = {"cudnn": lambda: F.scaled_dot_product_attention(q, k, v)}
+        for per_sm in (False, True):
+            cands[f"core {'per SM' if per_sm else 'per item'}"] = on_grid(lambda: core(q, k, v, out, lse), per_sm)
+        time_rounds(cands, (b, h, L, d), flops, "dense", rounds=3)
+        if L <= 16384:
+            cands = {"cudnn causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+            for per_sm in (False, True):
+                cands[f"core causal {'per SM' if per_sm else 'per item'}"] = on_grid(
+                    lambda: core(q, k, v, out, lse, causal=True), per_sm)
+            time_rounds(cands, (b, h, L, d), flops / 2, "causal", rounds=2)
+        if L == 4608:
+            lengths = torch.full((b,), 4096 + 77, device="cuda", dtype=torch.int32)
+            cands = {f"core kv_lengths {'per SM' if per_sm else 'per item'}": on_grid(
+                lambda: core(q, k, v, out, lse, kv_lengths=lengths), per_sm) for per_sm in (False, True)}
+            time_rounds(cands, (b, h, L, d), 4 * b * h * L * (4096 + 77) * d, "kv_lengths", rounds=2)
+        if L in (32760, 75600):
+            n = triton.cdiv(L, 128)
+            mask = random_block_mask(n, 0.25, torch.Generator(device="cuda").manual_seed(0))
+            index, count = block_sparse_ops.block_index_from_mask(mask[None, None])
+            lists = block_sparse_ops._per_head(block_sparse_ops.ascending(index, count), count, b, h)
+            cands = {f"core sparse {'per SM' if per_sm else 'per item'}": on_grid(
+                lambda: core(q, k, v, out, lse, lists=lists), per_sm) for per_sm in (False, True)}
+            time_rounds(cands, (b, h, L, d), flops, f"sparse {mask.float().mean().item():.3f}", rounds=2)
+        del q, k, v, out, lse
+        torch.cuda.empty_cache()
+
+
 def main():
     attention_ops.has_wgmma = lambda t: False  # fused.* calls: the portable kernel
     parts = sys.argv[2:] or ["dense", "sparse", "int8"]
@@ -150,6 +199,8 @@ def main():
         eight_bit()
     if "waves" in parts:
         waves()
+    if "persistent" in parts:
+        persistent()
     R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     json.dump(R, open(sys.argv[1], "w"), indent=1)
 

@@ -136,22 +136,29 @@ def _program_rank(heads_per_group, HEAVY_FIRST: tl.constexpr):
 
     Without HEAVY_FIRST: ``(program_id(0), program_id(1))``. With it, the
     programs are taken in launch order (x fastest) and dealt out to groups of
-    ``heads_per_group`` (batch, head) rows: a group's rank-0 tiles first, one
-    per row, then its rank-1 tiles, and so on, then the next group. The
-    caller maps rank to the tile that has the most work (causal attention:
-    the last query tile, the first key tile), so programs run roughly
-    longest first, which keeps the last wave short; the group bounds how many
-    heads' keys and values are read at once (L2 reuse)."""
+    ``heads_per_group`` (batch, head) rows (:func:`_dealt_rank`)."""
     if HEAVY_FIRST:
         n_tiles = tl.num_programs(0)
         linear = tl.program_id(0) + tl.program_id(1) * n_tiles
-        group_programs = heads_per_group * n_tiles
-        first = (linear // group_programs) * heads_per_group
-        within = linear % group_programs
-        rows = tl.minimum(heads_per_group, tl.num_programs(1) - first)
-        return within // rows, first + within % rows
+        return _dealt_rank(linear, n_tiles, tl.num_programs(1), heads_per_group)
     else:
         return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
+def _dealt_rank(linear, n_tiles, n_rows, heads_per_group):
+    """``(rank, row)`` of the ``linear``-th of ``n_tiles * n_rows`` programs
+    dealt out to groups of ``heads_per_group`` (batch, head) rows: a group's
+    rank-0 tiles first, one per row, then its rank-1 tiles, and so on, then
+    the next group. The caller maps rank to the tile that has the most work
+    (causal attention: the last query tile, the first key tile), so programs
+    run roughly longest first, which keeps the last wave short; the group
+    bounds how many heads' keys and values are read at once (L2 reuse)."""
+    group_programs = heads_per_group * n_tiles
+    first = (linear // group_programs) * heads_per_group
+    within = linear % group_programs
+    rows = tl.minimum(heads_per_group, n_rows - first)
+    return within // rows, first + within % rows
 
 
 @triton.jit

@@ -7,11 +7,19 @@ and waits for every wgmma right after issuing it. Triton 3.6's own warp
 specialization of that loop gave wrong results at random and no speed
 (bench/notes.md). Gluon lets the kernel say what FlashAttention-3 does:
 
-- one program per 128 queries of one (batch, head), in three partitions:
-  - a 1-warp loader (24 registers): q once, then every key tile's K and V
-    into a ring of ``STAGES`` shared-memory buffers, each guarded by a
-    "ready" mbarrier (its TMA bytes arrived) and an "empty" one (both
-    consumers are done with it);
+- work items of 128 queries of one (batch, head), dealt out round robin to
+  the programs (one per SM for dense attention: persistent), each program
+  in three partitions:
+  - a 1-warp loader (24 registers): each item's q, once both consumers are
+    done with the last item's (a "q empty" mbarrier), then every key tile's
+    K and V into a ring of ``STAGES`` shared-memory buffers that runs on
+    across items, each buffer guarded by a "ready" mbarrier (its TMA bytes
+    arrived) and an "empty" one (both consumers are done with it). So the
+    next item's loads run under this item's last product and epilogue, and
+    the three TMA descriptors (4-D, over whole tensors) are written once
+    per program, not per item: 1.01-1.06x a program per item, most at the
+    short lengths (1x24x4608: 0.91x cuDNN per item, 0.96x persistent; H100,
+    bench/notes.md, "A persistent sm_90 core");
   - two consumer warp groups of 64 query rows each (``CONSUMER_REGS``
     registers), sharing every K/V tile; neither waits for the other, so the
     warp schedulers run one's softmax under the other's products;
@@ -23,20 +31,21 @@ specialization of that loop gave wrong results at random and no speed
   bench/notes.md): the other consumer's products fill the tensor cores
   while this one's softmax runs.
 
-Measured (bench/notes.md, "The sm_90 core"): 0.93-1.10x cuDNN's forward
-where the ``triton.language`` kernel was 0.88-1.01x; block-sparse, causal
-and key lengths 1.05-1.17x that kernel. Its output is the portable
+Measured (bench/notes.md, "The sm_90 core" and after): 0.95-1.11x cuDNN's
+forward where the ``triton.language`` kernel was 0.88-1.01x; block-sparse,
+causal and key lengths 1.05-1.17x that kernel. Its output is the portable
 kernel's bit for bit (same 128 x 128 tiles, products, order of additions
 and formulas).
 
 What it takes (``ops/attention.py`` routes everything else to the
 portable kernel): 16-bit q/k/v with a unit stride along D (a power of
 two; the package sends D = 128, where it is ahead), 16-byte aligned bases
-and row strides (TMA), ``Lk >= 1``; dense or block-sparse, causal or not,
-with key lengths or not, in ``attn_fwd_kernel``'s grid and program order
-(``_query_tile``). Its tiles are 128 x 128, the block-sparse lists'
-blocks, so at most one tile of a program needs a mask: the one at the
-unmasked keys' end (kv_len's ragged tile, the causal diagonal, or both).
+and batch, head and row strides (TMA), ``Lk >= 1``; dense or block-sparse,
+causal or not, with key lengths or not, its items in ``attn_fwd_kernel``'s
+program order (``_query_tile``: causal items longest first). Its tiles
+are 128 x 128, the block-sparse lists' blocks, so at most one tile of an
+item needs a mask: the one at the unmasked keys' end (kv_len's ragged
+tile, the causal diagonal, or both).
 
 ``INT8_FP8``: the 8-bit operands of ``attn_fwd_kernel``'s ``INT8`` +
 ``PV_FP8`` mode with q given in int8, the same formulas (biased int32
@@ -55,8 +64,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from compile_ops.kernels.attention import (_INT8_BIAS, _INT8_BIAS_BITS, _P_FP8_SHIFT, _block_list, _query_program,
-                                           _query_tile, _tile_start)
+from compile_ops.kernels.attention import (_INT8_BIAS, _INT8_BIAS_BITS, _P_FP8_SHIFT, _block_list, _dealt_rank,
+                                           _query_program, _tile_start)
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
@@ -65,32 +74,53 @@ _ROWS = gl.constexpr(64)
 
 
 @gluon.jit
-def _loader(args):
-    """The producer warp: this program's q rows, then every key tile's K and V
-    (the listed blocks' tiles, block-sparse)."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, k_ready, k_empty, v_ready, v_empty, q_start,
-     blocks, n_tiles, n_full, kv_len, masked_start, out_rows, lse_rows, sol, lq, scale, q_scales, k_scales,
-     v_scales, SPARSE, CAUSAL) = args
+def _loader(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
+            HEAVY_FIRST: gl.constexpr):
+    """The producer warp, over this program's work items: each item's q rows
+    (once both consumers have issued their last product that reads the
+    previous item's), then every key tile's K and V (the listed blocks' tiles,
+    block-sparse) into the ring, which runs on across items."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+     work, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE) = args
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_start, 0], q_bar, q_smem)
-    for j in range(n_tiles):
-        stage = j % STAGES
-        phase = (j // STAGES) & 1
-        # Read before the wait for a free buffer, which hides the list read's latency.
-        row = _tile_start(j, blocks, BLOCK_N, BLOCK_N, SPARSE)
-        # A fresh mbarrier counts as having completed the phase before its first,
-        # so the first STAGES waits on "empty" pass at once.
-        mbarrier.wait(k_empty.index(stage), phase ^ 1)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(stage), k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), phase ^ 1)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        if v_smem.dtype == gl.float8e4nv:  # FP8 P V's transposed V: [D, BLOCK_N] tiles along the keys
-            tma.async_copy_global_to_shared(v_desc, [0, row], v_ready.index(stage), v_smem.index(stage))
-        else:
-            tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(stage), v_smem.index(stage))
+    GROUP = work[7]
+    it = 0  # key tiles loaded so far: the ring's position
+    item = 0
+    for w in range(gl.program_id(0), _work_items(work), gl.num_programs(0)):
+        b, h, bh, q_start, kv_len, blocks, n_tiles, n_full, masked_start, out_off = _work_item(w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
+        b = b.to(gl.int32)
+        hk = (h // GROUP).to(gl.int32)
+        mbarrier.wait(q_empty, (item & 1) ^ 1)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h.to(gl.int32), q_start, 0], q_bar, _box(q_smem))
+        for j in range(n_tiles):
+            stage = (it + j) % STAGES
+            phase = ((it + j) // STAGES) & 1
+            # Read before the wait for a free buffer, which hides the list read's latency.
+            row = _tile_start(j, blocks, BLOCK_N, BLOCK_N, SPARSE)
+            # A fresh mbarrier counts as having completed the phase before its first,
+            # so the first STAGES waits on "empty" pass at once.
+            mbarrier.wait(k_empty.index(stage), phase ^ 1)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, hk, row, 0], k_ready.index(stage),
+                                            _box(k_smem.index(stage)))
+            mbarrier.wait(v_empty.index(stage), phase ^ 1)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            if v_smem.dtype == gl.float8e4nv:  # FP8 P V's transposed V: [D, BLOCK_N] tiles along the keys
+                tma.async_copy_global_to_shared(v_desc, [b, hk, 0, row], v_ready.index(stage),
+                                                _box(v_smem.index(stage)))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [b, hk, row, 0], v_ready.index(stage),
+                                                _box(v_smem.index(stage)))
+        it += n_tiles
+        item += 1
+
+
+@gluon.jit
+def _box(buffer):
+    """A ``[rows, cols]`` shared-memory matrix as the ``[1, 1, rows, cols]`` box of a 4-D TMA descriptor."""
+    return buffer.reshape([1, 1, buffer.shape[0], buffer.shape[1]])
 
 
 @gluon.jit
@@ -131,13 +161,14 @@ def _softmax(s, m, l, row, qk_scale, key_limit, diagonal, MASKED: gl.constexpr, 
 
 
 @gluon.jit
-def _scores(j, q_rows, k_smem, k_ready, s_init):
-    """Issue key tile j's Q K^T once its keys have arrived (asynchronous)."""
+def _scores(c, q_rows, k_smem, k_ready, s_init):
+    """Issue Q K^T for the c-th key tile through the ring once its keys have
+    arrived (asynchronous)."""
     STAGES: gl.constexpr = k_smem.shape[0]
-    stage = j % STAGES
-    mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-    return warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), s_init, use_acc=k_smem.dtype == gl.int8,
-                         is_async=True)
+    stage = c % STAGES
+    mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
+    return warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), s_init,
+                         use_acc=k_smem.dtype == gl.int8, is_async=True)
 
 
 @gluon.jit
@@ -166,7 +197,8 @@ def _pv_issue(carry, o, o_zero, v_smem, p_smem, stage):
     into a fresh product (``attn_fwd_kernel``'s two-level accumulation: FP8
     MMAs keep fewer accumulator bits than fp32)."""
     if v_smem.dtype == gl.float8e4nv:
-        return warpgroup_mma(p_smem, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+        return warpgroup_mma(p_smem, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False,
+                             is_async=True)
     else:
         return warpgroup_mma(carry, v_smem.index(stage), o, is_async=True)
 
@@ -185,20 +217,21 @@ def _pv_fold(token, carry, o, v_smem, o_rows: gl.constexpr):
 
 
 @gluon.jit
-def _key_step(j, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
+def _key_step(j, c, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
               v_empty, s_init, o_zero, qk_scale, key_limit, diagonal, MASKED: gl.constexpr,
               s_layout: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr):
-    """Key tile j >= 1 of one consumer: S_j and P_j-1 V_j-1 issued back to
-    back, S_j's softmax while the product runs, then the product folded in.
-    Returns ``(carry, o, m, l)`` for tile j + 1 (:func:`_next_carry`): 16-bit,
-    O comes back at S_j's running max; INT8_FP8, at S_j-1's (the next step
-    rescales it by alpha_j, the carry, before adding P_j V_j)."""
+    """Key tile j >= 1 of one consumer's work item, the c-th through the ring:
+    S_j and P_j-1 V_j-1 issued back to back, S_j's softmax while the product
+    runs, then the product folded in. Returns ``(carry, o, m, l)`` for tile
+    j + 1 (:func:`_next_carry`): 16-bit, O comes back at S_j's running max;
+    INT8_FP8, at S_j-1's (the next step rescales it by alpha_j, the carry,
+    before adding P_j V_j)."""
     STAGES: gl.constexpr = k_smem.shape[0]
     INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
-    stage = j % STAGES
-    prev = (j - 1) % STAGES
-    s_token = _scores(j, q_rows, k_smem, k_ready, s_init)
-    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    stage = c % STAGES
+    prev = (c - 1) % STAGES
+    s_token = _scores(c, q_rows, k_smem, k_ready, s_init)
+    mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
     o_token = _pv_issue(carry, o, o_zero, v_smem, p_smem, prev)
     s = warpgroup_mma_wait(1, deps=[s_token])  # wgmma groups complete in order: S_j is done
     mbarrier.arrive(k_empty.index(stage), count=1)
@@ -214,16 +247,18 @@ def _key_step(j, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem
 
 
 @gluon.jit
-def _key_tiles(o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready, v_empty,
-               s_init, o_zero, qk_scale, n_tiles, n_full, key_limit, diagonal, s_layout: gl.constexpr,
+def _key_tiles(it, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, q_empty, k_ready, k_empty, v_ready,
+               v_empty, s_init, o_zero, qk_scale, n_tiles, n_full, key_limit, diagonal, s_layout: gl.constexpr,
                p_layout: gl.constexpr, o_rows: gl.constexpr):
-    """One consumer's pass over its ``n_tiles >= 1`` key tiles, the last
-    ``n_tiles - n_full`` (0 or 1) masked: ``(o, m, l)``."""
+    """One consumer's pass over its work item's ``n_tiles >= 1`` key tiles,
+    the last ``n_tiles - n_full`` (0 or 1) masked, the ring's ``it``-th
+    onwards: ``(o, m, l)``. Once its last Q K^T is done it frees q for the
+    loader (``q_empty``), which loads the next item's q under the last P V."""
     STAGES: gl.constexpr = k_smem.shape[0]
     INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
     # Key tile 0: no product in flight yet to overlap with.
-    s = warpgroup_mma_wait(0, deps=[_scores(0, q_rows, k_smem, k_ready, s_init)])
-    mbarrier.arrive(k_empty.index(0), count=1)
+    s = warpgroup_mma_wait(0, deps=[_scores(it, q_rows, k_smem, k_ready, s_init)])
+    mbarrier.arrive(k_empty.index(it % STAGES), count=1)
     row = row_q
     if INT8_FP8:
         row = row_q * gl.load(k_scales)
@@ -233,32 +268,36 @@ def _key_tiles(o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready
         p, m, l, alpha = _softmax(s, m, l, row, qk_scale, key_limit, diagonal, False, INT8_FP8, s_layout)
     carry = _next_carry(p, alpha, v_smem, p_smem, p_layout)
     for j in range(1, n_full):
-        carry, o, m, l = _key_step(j, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready,
-                                   k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, key_limit, diagonal, False,
-                                   s_layout, p_layout, o_rows)
-    if n_tiles > n_full and n_full > 0:  # the masked tile after unmasked ones
-        carry, o, m, l = _key_step(n_full, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem,
+        carry, o, m, l = _key_step(j, it + j, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem,
                                    k_ready, k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, key_limit, diagonal,
-                                   True, s_layout, p_layout, o_rows)
-    last = (n_tiles - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-    o = _pv_fold(_pv_issue(carry, o, o_zero, v_smem, p_smem, last), carry, o, v_smem, o_rows)
-    mbarrier.arrive(v_empty.index(last), count=1)
+                                   False, s_layout, p_layout, o_rows)
+    if n_tiles > n_full and n_full > 0:  # the masked tile after unmasked ones
+        carry, o, m, l = _key_step(n_full, it + n_full, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem,
+                                   p_smem, k_ready, k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, key_limit,
+                                   diagonal, True, s_layout, p_layout, o_rows)
+    mbarrier.arrive(q_empty, count=1)  # every Q K^T of this item is done
+    last = it + n_tiles - 1
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    o = _pv_fold(_pv_issue(carry, o, o_zero, v_smem, p_smem, last % STAGES), carry, o, v_smem, o_rows)
+    mbarrier.arrive(v_empty.index(last % STAGES), count=1)
     return o, m, l
 
 
 @gluon.jit
-def _consumer(args, HALF: gl.constexpr):
-    """One consumer warp group: query rows ``q_start + 64 * HALF`` to 64 past
-    it, through this program's key tiles, then their output rows and
-    log-sum-exp."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, k_ready, k_empty, v_ready, v_empty, q_start,
-     blocks, n_tiles, n_full, kv_len, masked_start, out_rows, lse_rows, sol, lq, scale, q_scales, k_scales,
-     v_scales, SPARSE, CAUSAL) = args
+def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
+              HEAVY_FIRST: gl.constexpr):
+    """One consumer warp group, over this program's work items: query rows
+    ``q_start + 64 * HALF`` to 64 past it, through the item's key tiles, then
+    their output rows and log-sum-exp."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+     work, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE) = args
     BLOCK_N: gl.constexpr = k_smem.shape[1]
-    D: gl.constexpr = k_smem.shape[2]
+    D: gl.constexpr = q_smem.shape[1]
     INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
     K_STEP: gl.constexpr = 32 if INT8_FP8 else 16  # a wgmma's K: 32 bytes of 8-bit operands, 16 of 16-bit
+    H = work[6]
+    GROUP = work[7]
+    Lk = work[8]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, K_STEP])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -269,53 +308,70 @@ def _consumer(args, HALF: gl.constexpr):
     qk_scale = scale * _LOG2E
     q_rows = q_smem.slice(_ROWS * HALF, _ROWS)
     p_smem = p_smems.slice(_ROWS * HALF, _ROWS)
-    first_row = q_start + _ROWS * HALF
-    if INT8_FP8:  # the biased int32 scores (see attn_fwd_kernel's INT8)
-        s_init = gl.full([_ROWS, BLOCK_N], _INT8_BIAS_BITS, gl.int32, s_layout)
-        rows = first_row + gl.arange(0, _ROWS, layout=s_rows)
-        # Rows past Lq get a factor of 1 (never 0: a masked score times 0 would be NaN); they are not stored.
-        row_q = gl.load(q_scales + rows, mask=rows < lq, other=1.0)
-    else:
-        s_init = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
-        row_q = gl.full([_ROWS], 1.0, gl.float32, s_rows)
-    o = gl.zeros([_ROWS, D], gl.float32, o_layout)
-    m = gl.full([_ROWS], float("-inf"), gl.float32, s_rows)
-    l = gl.zeros([_ROWS], gl.float32, s_rows)
-    mbarrier.wait(q_bar, 0)
-    # The masked tile's bounds: keys from kv_len on, and (causal) keys past each row's position.
-    diagonal = BLOCK_N
-    if CAUSAL:
-        diagonal = first_row - masked_start
-    if n_tiles > 0:
-        o, m, l = _key_tiles(o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
-                             v_empty, s_init, gl.zeros([_ROWS, D], gl.float32, o_layout), qk_scale, n_tiles, n_full,
-                             kv_len - masked_start, diagonal, s_layout, p_layout, o_rows)
+    it = 0  # key tiles consumed so far: the ring's position
+    item = 0
+    for w in range(gl.program_id(0), _work_items(work), gl.num_programs(0)):
+        b, h, bh, q_start, kv_len, blocks, n_tiles, n_full, masked_start, out_off = _work_item(w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
+        first_row = q_start + _ROWS * HALF
+        o_zero = gl.zeros([_ROWS, D], gl.float32, o_layout)
+        if INT8_FP8:  # the biased int32 scores (see attn_fwd_kernel's INT8)
+            s_init = gl.full([_ROWS, BLOCK_N], _INT8_BIAS_BITS, gl.int32, s_layout)
+        else:
+            s_init = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
+        if INT8_FP8:
+            kv_row = b * (H // GROUP) + h // GROUP  # the scales' (batch, k head) row
+            k_scales = K_SCALE + kv_row * gl.cdiv(Lk, BLOCK_N)
+            rows = first_row + gl.arange(0, _ROWS, layout=s_rows)
+            # Rows past Lq get a factor of 1 (never 0: a masked score times 0 would be NaN); they are not stored.
+            row_q = gl.load(Q_SCALE + bh.to(gl.int64) * lq + rows, mask=rows < lq, other=1.0)
+        else:
+            k_scales = LSE  # a stand-in, never read
+            row_q = gl.full([_ROWS], 1.0, gl.float32, s_rows)
+        o = o_zero
+        m = gl.full([_ROWS], float("-inf"), gl.float32, s_rows)
+        l = gl.zeros([_ROWS], gl.float32, s_rows)
+        mbarrier.wait(q_bar, item & 1)
+        # The masked tile's bounds: keys from kv_len on, and (causal) keys past each row's position.
+        diagonal = BLOCK_N
+        if CAUSAL:
+            diagonal = first_row - masked_start
+        if n_tiles > 0:
+            o, m, l = _key_tiles(it, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, q_empty, k_ready,
+                                 k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, n_tiles, n_full,
+                                 kv_len - masked_start, diagonal, s_layout, p_layout, o_rows)
+        else:
+            mbarrier.arrive(q_empty, count=1)
+        it += n_tiles
+        item += 1
 
-    # A row that saw no key (an empty block list, kv_len 0) gets 0 and an lse of -inf.
-    empty = l == 0.0
-    l = gl.where(empty, 1.0, l)
-    out = o / gl.convert_layout(l, o_rows)[:, None]
-    log2_l = gl.log2(l)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    if INT8_FP8:  # V's channel scales; l sums 2**8 p
-        out = out * gl.load(v_scales + cols)[None, :]
-        log2_l = log2_l - _P_FP8_SHIFT
-    rows = first_row + gl.arange(0, _ROWS, layout=o_rows)
-    gl.store(out_rows + rows.to(gl.int64)[:, None] * sol + cols[None, :], out.to(out_rows.dtype.element_ty),
-             mask=(rows < lq)[:, None])
-    lse_row = first_row + gl.arange(0, _ROWS, layout=s_rows)
-    lse = gl.where(empty, float("-inf"), m * scale + log2_l * _LN2)  # attn_fwd_kernel's formula
-    gl.store(lse_rows + lse_row, lse, mask=lse_row < lq)
+        # A row that saw no key (an empty block list, kv_len 0) gets 0 and an lse of -inf.
+        empty = l == 0.0
+        l = gl.where(empty, 1.0, l)
+        out = o / gl.convert_layout(l, o_rows)[:, None]
+        log2_l = gl.log2(l)
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        if INT8_FP8:  # V's channel scales; l sums 2**8 p
+            kv_row = b * (H // GROUP) + h // GROUP
+            out = out * gl.load(V_SCALE + kv_row * D + cols)[None, :]
+            log2_l = log2_l - _P_FP8_SHIFT
+        rows = first_row + gl.arange(0, _ROWS, layout=o_rows)
+        gl.store(OUT + out_off + rows.to(gl.int64)[:, None] * sol + cols[None, :], out.to(OUT.dtype.element_ty),
+                 mask=(rows < lq)[:, None])
+        lse_row = first_row + gl.arange(0, _ROWS, layout=s_rows)
+        lse = gl.where(empty, float("-inf"), m * scale + log2_l * _LN2)  # attn_fwd_kernel's formula
+        gl.store(LSE + bh.to(gl.int64) * lq + lse_row, lse, mask=lse_row < lq)
 
 
 @gluon.jit
-def _consumer_low(args):
-    _consumer(args, 0)
+def _consumer_low(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
+                  HEAVY_FIRST: gl.constexpr):
+    _consumer(args, 0, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
 
 
 @gluon.jit
-def _consumer_high(args):
-    _consumer(args, 1)
+def _consumer_high(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
+                   HEAVY_FIRST: gl.constexpr):
+    _consumer(args, 1, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
 
 
 @gluon.jit
@@ -333,45 +389,35 @@ def _listed_below(blocks, count, bound):
 
 
 @gluon.jit
-def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE, V_SCALE,
-                         sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr,
-                         H, GROUP, Lq, Lk, scale, heads_per_group, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, INT8_FP8: gl.constexpr,
-                         CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, SPARSE: gl.constexpr,
-                         HEAVY_FIRST: gl.constexpr, num_warps: gl.constexpr):
-    """OUT = softmax(scale Q K^T) V and LSE (natural log) for 128 queries of
-    one (batch, head), as ``attn_fwd_kernel`` with the same arguments
-    (``_query_tile``'s grid and program order, ``CAUSAL``, ``KV_LEN`` [B]
-    with ``HAS_KV_LEN``, and with ``SPARSE`` the 128-key blocks that
-    BLOCKS/COUNTS list for this query block, ascending).
+def _work_items(work):
+    """How many work items (query tiles of 128 rows, of every (batch, head)) a launch has."""
+    n_q_tiles = work[0]
+    BH = work[1]
+    return n_q_tiles * BH
 
-    Q ``[B, H, Lq, D]``, K and V ``[B, H / GROUP, Lk, D]``, OUT like Q: any
-    layout through the (batch, head, position) strides ``s*b, s*h, s*l``, a
-    unit stride along D, 16-byte aligned bases and position strides (TMA
-    descriptors, built here over each (batch, head)'s rows, so tiles past
-    Lq / Lk read zeros). LSE ``[B * H, Lq]`` fp32. ``Lk >= 1``. Launch with
-    ``num_warps=4`` (the default partition, consumer 0); the consumer and
-    loader partitions add 5 warps, and ``maxnreg`` bounds the kernel's
-    registers so that 24 + 2 * ``CONSUMER_REGS`` per thread fit 3 warp groups.
 
-    ``INT8_FP8`` (dense): Q and K int8, ``Q_SCALE [B, H, Lq]`` q's per-token
-    scales, ``K_SCALE [B, H / GROUP, ceil(Lk / BLOCK_N)]`` one per key tile;
-    V e4m3 ``[B, H / GROUP, D, Lk]`` with a unit key stride (``svl`` the
-    stride between channels) and ``V_SCALE [B, H / GROUP, D]`` its channel
-    scales (fp32 contiguous); OUT in q's original dtype (``attn_fwd_kernel``'s
-    INT8 + PV_FP8 with q given). Otherwise the three scale pointers are
-    unused (pass None)."""
-    gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
-    gl.static_assert(not (SPARSE and INT8_FP8), "8-bit operands are dense")
-    # Every operand's rows are 128 bytes or more (D = 128 16-bit or 8-bit, BLOCK_N = 128 e4m3): 128-byte swizzle.
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128,
-                                                     element_bitwidth=8 if INT8_FP8 else 16, rank=2)
-    tile, bh = _query_tile(heads_per_group, HEAVY_FIRST)
-    b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
-        tile, bh, KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, 2 * _ROWS, BLOCK_N, CAUSAL, HAS_KV_LEN)
+@gluon.jit
+def _work_item(w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST):
+    """Work item w's set-up, the same in every partition: ``(batch, head,
+    batch * H + head, first query, kv_len, its list of key blocks, key tiles,
+    unmasked key tiles, first key of the masked tile, OUT's offset)``. Items
+    are numbered in ``attn_fwd_kernel``'s launch order (``_query_tile``: x
+    fastest, causal dealt out longest first), so a persistent program's
+    items and a one-item program's launch order agree."""
+    n_q_tiles, BH, heads_per_group, KV_LEN, BLOCKS, COUNTS, H, GROUP, Lk, sob, soh, list_strides, stand_in = work
+    if HEAVY_FIRST:
+        rank, bh = _dealt_rank(w, n_q_tiles, BH, heads_per_group)
+        tile = n_q_tiles - 1 - rank
+    else:
+        tile = w % n_q_tiles
+        bh = w // n_q_tiles
+    # Given OUT's strides as q's, _query_program's q offset is OUT's; q, k and v are read by descriptor coordinates.
+    b, h, out_off, _k_off, _v_off, q_start, kv_len, unmasked_end, end = _query_program(
+        tile, bh, KV_LEN, H, GROUP, Lk, sob, soh, 0, 0, 0, 0, 2 * _ROWS, BLOCK_N, CAUSAL, HAS_KV_LEN)
     # Tiles of BLOCK_N = 2 * _ROWS = the list's blocks: at most one tile needs a mask, the one at the
     # unmasked keys' end (the ragged tile of kv_len, or the causal diagonal, or both).
     if SPARSE:
+        sbb, sbh, sbr, scb, sch, scr = list_strides
         blocks, count = _block_list(BLOCKS, COUNTS, b, h, q_start // BLOCK_N, sbb, sbh, sbr, scb, sch, scr)
         count = count.to(gl.int32)  # int32 or int64 lists
         if CAUSAL or HAS_KV_LEN:
@@ -383,44 +429,87 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_S
             if Lk % BLOCK_N != 0 and count > 0:
                 n_full = count - (gl.load(blocks + count - 1) == Lk // BLOCK_N).to(gl.int32)
     else:
-        blocks = LSE  # a stand-in, never read
+        blocks = stand_in  # never read
         n_full = unmasked_end // BLOCK_N
         n_tiles = gl.cdiv(end, BLOCK_N)
     masked_start = unmasked_end
     if SPARSE and n_tiles > n_full:
         masked_start = _tile_start(n_full, blocks, BLOCK_N, BLOCK_N, SPARSE)
-    q_desc = tma.make_tensor_descriptor(Q + q_off, [Lq, D], [sql, 1], [2 * _ROWS, D], smem_layout)
-    k_desc = tma.make_tensor_descriptor(K + k_off, [Lk, D], [skl, 1], [BLOCK_N, D], smem_layout)
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * _ROWS, D], smem_layout)
-    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, D], smem_layout)
+    return b, h, bh, q_start, kv_len, blocks, n_tiles, n_full, masked_start, out_off
+
+
+@gluon.jit
+def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE, V_SCALE,
+                         sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr,
+                         BH, H, GROUP, Lq, Lk, scale, heads_per_group, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, INT8_FP8: gl.constexpr,
+                         CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, SPARSE: gl.constexpr,
+                         HEAVY_FIRST: gl.constexpr, num_warps: gl.constexpr):
+    """OUT = softmax(scale Q K^T) V and LSE (natural log), by work items of
+    128 queries of one (batch, head): ``cdiv(Lq, 128) * BH`` of them, dealt
+    out to the programs of a 1-D grid round robin (a grid of one program per
+    SM makes the core persistent; one per item gives each program one). Each
+    item is what ``attn_fwd_kernel`` computes with the same arguments
+    (``_query_tile``'s order, ``CAUSAL``, ``KV_LEN`` [B] with ``HAS_KV_LEN``,
+    and with ``SPARSE`` the 128-key blocks that BLOCKS/COUNTS list for its
+    query block, ascending).
+
+    Q ``[B, H, Lq, D]``, K and V ``[B, H / GROUP, Lk, D]``, OUT like Q, with
+    ``BH = B * H``: any layout through the (batch, head, position) strides
+    ``s*b, s*h, s*l``, a unit stride along D, 16-byte aligned bases and
+    strides (TMA descriptors, one per tensor for the launch, built here over
+    the 4-D tensors, so tiles past Lq / Lk read zeros). LSE ``[B * H, Lq]``
+    fp32. ``Lk >= 1``. Launch with ``num_warps=4`` (the default partition,
+    consumer 0); the consumer and loader partitions add 5 warps, and
+    ``maxnreg`` bounds the kernel's registers so that 24 + 2 *
+    ``CONSUMER_REGS`` per thread fit 3 warp groups.
+
+    ``INT8_FP8`` (dense): Q and K int8, ``Q_SCALE [B, H, Lq]`` q's per-token
+    scales, ``K_SCALE [B, H / GROUP, ceil(Lk / BLOCK_N)]`` one per key tile;
+    V e4m3 ``[B, H / GROUP, D, Lk]`` with a unit key stride (``svl`` the
+    stride between channels) and ``V_SCALE [B, H / GROUP, D]`` its channel
+    scales (fp32 contiguous); OUT in q's original dtype (``attn_fwd_kernel``'s
+    INT8 + PV_FP8 with q given). Otherwise the three scale pointers are
+    unused (pass None)."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
+    gl.static_assert(not (SPARSE and INT8_FP8), "8-bit operands are dense")
+    gl.static_assert(BLOCK_N == 2 * _ROWS, "a key tile is a listed block, and as tall as the query tile")
+    # Every operand's rows are 128 bytes or more (D = 128 16-bit or 8-bit, BLOCK_N = 128 e4m3): 128-byte swizzle.
+    bits: gl.constexpr = 8 if INT8_FP8 else 16
+    box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=4)
+    matrix: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=2)
+    B = BH // H
+    q_desc = tma.make_tensor_descriptor(Q, [B, H, Lq, D], [sqb, sqh, sql, 1], [1, 1, 2 * _ROWS, D], box)
+    k_desc = tma.make_tensor_descriptor(K, [B, H // GROUP, Lk, D], [skb, skh, skl, 1], [1, 1, BLOCK_N, D], box)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * _ROWS, D], matrix)
+    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, D], matrix)
     if INT8_FP8:
-        kv_row = b * (H // GROUP) + h // GROUP  # the scales' (batch, k head) row
-        v_desc = tma.make_tensor_descriptor(V + v_off, [D, Lk], [svl, 1], [D, BLOCK_N], smem_layout)
-        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, D, BLOCK_N], smem_layout)
-        q_scales = Q_SCALE + bh.to(gl.int64) * Lq
-        k_scales = K_SCALE + kv_row * gl.cdiv(Lk, BLOCK_N)
-        v_scales = V_SCALE + kv_row * D
-        p_smems = gl.allocate_shared_memory(gl.float8e4nv, [2 * _ROWS, BLOCK_N], smem_layout)
+        v_desc = tma.make_tensor_descriptor(V, [B, H // GROUP, D, Lk], [svb, svh, svl, 1], [1, 1, D, BLOCK_N], box)
+        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, D, BLOCK_N], matrix)
+        p_smems = gl.allocate_shared_memory(gl.float8e4nv, [2 * _ROWS, BLOCK_N], matrix)
     else:
-        v_desc = tma.make_tensor_descriptor(V + v_off, [Lk, D], [svl, 1], [BLOCK_N, D], smem_layout)
-        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_N, D], smem_layout)
-        q_scales = LSE  # stand-ins, never read
-        k_scales = LSE
-        v_scales = LSE
+        v_desc = tma.make_tensor_descriptor(V, [B, H // GROUP, Lk, D], [svb, svh, svl, 1], [1, 1, BLOCK_N, D], box)
+        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_N, D], matrix)
         p_smems = q_smem  # a stand-in: 16-bit P stays in registers
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=2)  # released by both consumers
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # released by both consumers
+        mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
-    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, k_ready, k_empty, v_ready, v_empty,
-            q_start, blocks, n_tiles, n_full, kv_len, masked_start, OUT + b * sob + h * soh,
-            LSE + bh.to(gl.int64) * Lq, sol, Lq, scale, q_scales, k_scales, v_scales, SPARSE, CAUSAL)
-    gl.warp_specialize([(_consumer_low, (args, )), (_consumer_high, (args, )), (_loader, (args, ))], [4, 1],
-                       [CONSUMER_REGS, 24])
+    # Tuples hold run-time values only: an assignment turns a constexpr into a tensor, so the
+    # partitions take the flags as constexpr arguments of their own.
+    work = (gl.cdiv(Lq, 2 * _ROWS), BH, heads_per_group, KV_LEN, BLOCKS, COUNTS, H, GROUP, Lk, sob, soh,
+            (sbb, sbh, sbr, scb, sch, scr), LSE)
+    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready,
+            v_empty, work, OUT, LSE, sol, Lq, scale, Q_SCALE, K_SCALE, V_SCALE)
+    gl.warp_specialize([(_consumer_low, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
+                        (_consumer_high, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
+                        (_loader, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST))], [4, 1], [CONSUMER_REGS, 24])

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from compile_ops import _dtensor, meta, reference
 from compile_ops._library import (building_aot_package, fused_op, has_tma, has_wgmma, l2_cache_bytes, launcher,
-                                  on_eager_fast_path, register_no_gradient, require_fp8_mma)
+                                  multiprocessor_count, on_eager_fast_path, register_no_gradient, require_fp8_mma)
 from compile_ops.kernels.attention import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
                                            attn_bwd_row_stats_kernel, attn_fwd_kernel, fp8_rows_scale_kernel,
                                            kv8_counters_clear_kernel, kv8_quantize_kernel,
@@ -260,7 +260,32 @@ def _takes_sm90_core(t: Tiles, c: dict, q: Tensor, k: Tensor, v: Tensor, seq_dim
     output); the rest stays on ``attn_fwd_kernel``."""
     eight_bit_ok = not rounds_q and fp8_rows is None and (blocks is None or q.dtype != torch.int8)
     return (t.sm90_core and eight_bit_ok and c["lk"] > 0 and _tma_ready(seq_dim, q, k)
-            and _tma_ready(v_seq_dim, v))
+            and _tma_ready(v_seq_dim, v) and not _broadcast(seq_dim, q, k) and not _broadcast(v_seq_dim, v))
+
+
+def _broadcast(seq_dim: int, *tensors: Tensor) -> bool:
+    """Whether a batch, head or position of more than one element has stride
+    0 (an expanded tensor): the core's TMA descriptors span whole 4-D
+    tensors, and a zero stride is not one a descriptor is specified for."""
+    for t in tensors:
+        sizes = (t.shape[0], t.shape[1 if seq_dim == 2 else 2], t.shape[seq_dim])
+        if any(stride == 0 and size > 1 for stride, size in zip(_bhl_strides(t, seq_dim), sizes)):
+            return True
+    return False
+
+
+def _core_programs(q: Tensor, items, causal: bool, sparse: bool):
+    """The sm_90 core's grid. Dense (with key lengths or not): one program
+    per SM, each looping over its share of the work items with its loader
+    running ahead into the next item's q and keys, 1.01-1.06x one program per
+    item (0.96x cuDNN at 1x24x4608 where one per item was 0.91x, 0.96x at
+    2x24x4096; H100, ``bench/results/attention-sm90-core-persistent-h100.json``).
+    Causal and block-sparse items differ in work: one program per item,
+    which the GPU deals out as SMs free up (a static round robin of causal
+    items ran 0.84x at 1x40x16384, of block-sparse ones 0.98-1.01x)."""
+    if causal or sparse:
+        return items
+    return torch.sym_min(items, multiprocessor_count(q))
 
 
 def _launch_sm90_core(kernel, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
@@ -281,14 +306,14 @@ def _launch_sm90_core(kernel, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     assert not int8_fp8 or t.block_n == reference.attention.INT8_KEY_BLOCK, t  # one k scale per key tile
     sparse = block_index is not None
     assert not sparse or t.block_n == t.block_m == meta.attention.SPARSE_BLOCK, t  # a tile is a listed block
-    grid = (triton.cdiv(lq, t.block_m), b * h)
-    order, group = causal_order(k, lk, grid[1]) if causal and not sparse else _LAUNCH_ORDER
+    items = triton.cdiv(lq, t.block_m) * b * h
+    order, group = causal_order(k, lk, b * h) if causal and not sparse else _LAUNCH_ORDER
     triton.set_allocator(_scratch)  # the core builds its TMA descriptors on the device
-    kernel[grid](
+    kernel[(_core_programs(q, items, causal, sparse), )](
         q, k, v, out, lse, kv_lengths, block_index, block_count, q_scale, k_scale, v_scale,
         *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, 2 if int8_fp8 else seq_dim),
         *_bhl_strides(out, seq_dim), *_lists((block_index, block_count) if sparse else None)[2:],
-        h, h // hk, lq, lk, float(scale), group, D=d, BLOCK_N=t.block_n, STAGES=t.num_stages,
+        b * h, h, h // hk, lq, lk, float(scale), group, D=d, BLOCK_N=t.block_n, STAGES=t.num_stages,
         CONSUMER_REGS=SM90_CORE_CONSUMER_REGS, INT8_FP8=int8_fp8, CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None,
         SPARSE=sparse, **order, **SM90_CORE_LAUNCH)
 
