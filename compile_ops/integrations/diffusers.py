@@ -667,9 +667,9 @@ def _needs_gradient(*tensors) -> bool:
 
 
 #: Keys from which ``fused.attention``'s sm_90 core runs a 16-bit forward
-#: faster than SDPA's cuDNN backend on an H100: 1.10x at 32760 and 75600
-#: keys, level at 16384 (1.00x), behind at 4096-4608 (0.93-0.94x)
-#: (bench/results/attention-sm90-core-sweep-h100.json, the README's table).
+#: faster than SDPA's cuDNN backend on an H100: 1.10-1.11x at 32760 and 75600
+#: keys, level at 16384 (1.00x), behind at 4096-4608 (0.95-0.96x, persistent)
+#: (bench/results/attention-sm90-core-persistent-h100.json, the README's table).
 FUSED_AHEAD_FROM_KEYS = 16385
 
 

@@ -294,8 +294,9 @@ def _launch_sm90_core(kernel, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
                       q_scale: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
                       v_scale: Optional[Tensor] = None) -> None:
     """Launch the sm_90 core (``kernel``: it, or the launch-plan recorder's
-    proxy of it) on arguments :func:`_takes_sm90_core` accepted, with
-    ``attn_fwd_kernel``'s grid and program order; ``block_index`` and
+    proxy of it) on arguments :func:`_takes_sm90_core` accepted: its work
+    items in ``attn_fwd_kernel``'s program order, on the grid
+    :func:`_core_programs` picks; ``block_index`` and
     ``block_count``: block-sparse attention's lists (``launch_forward``'s
     ``blocks``); the scales (all three, or none): its INT8_FP8 mode, on
     ``launch_forward``'s 8-bit operands."""
