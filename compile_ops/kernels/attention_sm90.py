@@ -77,9 +77,9 @@ _ROWS = gl.constexpr(64)
 def _loader(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
             HEAVY_FIRST: gl.constexpr):
     """The producer warp, over this program's work items: each item's q rows
-    (once both consumers have issued their last product that reads the
-    previous item's), then every key tile's K and V (the listed blocks' tiles,
-    block-sparse) into the ring, which runs on across items."""
+    (once both consumers' last Q K^T of the previous item is done), then
+    every key tile's K and V (the listed blocks' tiles, block-sparse) into
+    the ring, which runs on across items."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
      work, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE) = args
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -88,7 +88,8 @@ def _loader(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.con
     it = 0  # key tiles loaded so far: the ring's position
     item = 0
     for w in range(gl.program_id(0), _work_items(work), gl.num_programs(0)):
-        b, h, bh, q_start, kv_len, blocks, n_tiles, n_full, masked_start, out_off = _work_item(w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
+        b, h, _, q_start, _, blocks, n_tiles, _, _, _ = _work_item(w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN,
+                                                                   HEAVY_FIRST)
         b = b.to(gl.int32)
         hk = (h // GROUP).to(gl.int32)
         mbarrier.wait(q_empty, (item & 1) ^ 1)
@@ -311,7 +312,8 @@ def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constex
     it = 0  # key tiles consumed so far: the ring's position
     item = 0
     for w in range(gl.program_id(0), _work_items(work), gl.num_programs(0)):
-        b, h, bh, q_start, kv_len, blocks, n_tiles, n_full, masked_start, out_off = _work_item(w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
+        b, h, bh, q_start, kv_len, _, n_tiles, n_full, masked_start, out_off = _work_item(
+            w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
         first_row = q_start + _ROWS * HALF
         o_zero = gl.zeros([_ROWS, D], gl.float32, o_layout)
         if INT8_FP8:  # the biased int32 scores (see attn_fwd_kernel's INT8)
@@ -351,7 +353,7 @@ def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constex
         log2_l = gl.log2(l)
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         if INT8_FP8:  # V's channel scales; l sums 2**8 p
-            kv_row = b * (H // GROUP) + h // GROUP
+            kv_row = b * (H // GROUP) + h // GROUP  # again: one register fewer across the key tiles
             out = out * gl.load(V_SCALE + kv_row * D + cols)[None, :]
             log2_l = log2_l - _P_FP8_SHIFT
         rows = first_row + gl.arange(0, _ROWS, layout=o_rows)
