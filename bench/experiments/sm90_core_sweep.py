@@ -1,13 +1,16 @@
 """The sm_90 core (compile_ops/kernels/attention_sm90.py) timed against the
 portable kernel and cuDNN in one run, on an H100:
 
-    PYTHONPATH=. python bench/experiments/sm90_core_sweep.py OUT.json
+    PYTHONPATH=. python bench/experiments/sm90_core_sweep.py OUT.json [dense sparse int8 waves persistent]
 
 Every front end of the core at the shapes of issue 28: dense forward at 2
 and 3 K/V stages (and D = 64, which the package keeps on the portable
 kernel), causal, key lengths, block-sparse at about 26% of the blocks (the
 lists of ``bench/block_sparse.py``), and the INT8_FP8 mode against
-``attn_fwd_kernel``'s INT8 + PV_FP8 on the same operands (q given in int8).
+``attn_fwd_kernel``'s INT8 + PV_FP8 on the same operands (q given in int8);
+``waves``: the core and cuDNN at 22, 24 and 26 heads (whole and partial last
+waves); ``persistent``: the core on one program per work item against one
+per SM, in every mode. Without parts: dense, sparse and int8.
 The package is kept off the core in this process (``has_wgmma`` False), so
 ``fused.*`` calls are the portable kernel and the core is launched directly
 (``ops.attention._launch_sm90_core``). Correctness is the GPU tests'
@@ -149,7 +152,8 @@ def persistent():
         def call():
             saved = attention_ops._core_programs
             attention_ops._core_programs = (
-                lambda q, items, causal, sparse: min(items, 132) if per_sm else items)
+                lambda q, items, causal, sparse: min(items, attention_ops.multiprocessor_count(q)) if per_sm
+                else items)
             try:
                 fn()
             finally:
