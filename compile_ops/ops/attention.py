@@ -285,7 +285,7 @@ def _core_programs(q: Tensor, items, causal: bool, sparse: bool):
     items ran 0.84x at 1x40x16384, of block-sparse ones 0.98-1.01x)."""
     if causal or sparse:
         return items
-    return torch.sym_min(items, multiprocessor_count(q))
+    return min(items, multiprocessor_count(q))  # real tensors only: the opaque op or the eager path
 
 
 def _launch_sm90_core(kernel, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
