@@ -379,7 +379,7 @@ def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(variant
     a loop (the key loops): the 16-bit dense variants spill nothing at all;
     with block lists or 8-bit operands the 24-register loader or a consumer
     may keep a few of the item loop's invariants in local memory, reloaded
-    once per work item (ptxas, the SASS by cuobjdump)."""
+    outside the loops that hold them (ptxas, the SASS by cuobjdump)."""
     import os
     import re
     import subprocess
