@@ -268,7 +268,7 @@ def _broadcast(seq_dim: int, *tensors: Tensor) -> bool:
     0 (an expanded tensor): the core's TMA descriptors span whole 4-D
     tensors, and a zero stride is not one a descriptor is specified for."""
     for t in tensors:
-        sizes = (t.shape[0], t.shape[1 if seq_dim == 2 else 2], t.shape[seq_dim])
+        sizes = meta.attention.dims(t, seq_dim)[:3]
         if any(stride == 0 and size > 1 for stride, size in zip(_bhl_strides(t, seq_dim), sizes)):
             return True
     return False
