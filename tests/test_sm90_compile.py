@@ -404,7 +404,7 @@ def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(variant
     report = subprocess.run([knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "core.ptx"), "-o",
                              str(tmp_path / "core.cubin")], capture_output=True, text=True, check=True).stderr
     assert "Used " in report, (name, report)
-    if "-dense" in name and not name.startswith("int8"):
+    if "-dense" in name:  # the 16-bit list-free variants (int8_fp8 ones are named by their stages)
         assert "0 bytes spill stores" in report, (name, report)
     sass = subprocess.run([os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump"), "-sass",
                            str(tmp_path / "core.cubin")], capture_output=True, text=True, check=True).stdout
