@@ -1136,7 +1136,15 @@ def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypa
             assert _traced_forward(q, k, v, causal=True, kv_lengths=lengths) == takes
             assert sparse(q, k, v) == takes
             assert sparse(q, k, v, causal=True, kv_lengths=lengths) == takes
-            assert _traced_forward(*qkv(d=64)) == portable
+            # D = 64: the core's 256-key tiles take dense non-causal calls over whole tiles without key lengths.
+            assert _traced_forward(*qkv(d=64, lq=300, lk=512)) == takes
+            assert _traced_forward(*qkv(d=64, lq=300, lk=512, seq_dim=1), seq_dim=1) == takes
+            assert _traced_forward(*qkv(d=64)) == portable  # 300 keys: a ragged wide tile
+            q64, k64, v64 = qkv(d=64, lq=512, lk=512)
+            assert _traced_forward(q64, k64, v64, causal=True) == portable
+            assert _traced_forward(q64, k64, v64, kv_lengths=lengths) == portable
+            assert sparse(*qkv(d=64)) == portable
+            assert _traced_forward(*qkv(d=32, lq=512, lk=512)) == portable
             assert _traced_forward(*qkv(dtype=torch.float32)) == portable
             assert _traced_forward(*qkv(lk=0)) == portable
             # A call the core declines keeps attn_fwd_kernel's own tiles, not the core's.
@@ -1272,6 +1280,57 @@ def test_sm90_core_computes_what_the_portable_forward_does(dtype, mode, monkeypa
                 attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, 128 ** -0.5, causal,
                                                 seq_dim, lengths, *lists)
             assert torch.equal(out, got[0][0]) and torch.equal(lse, got[0][1]), (case, programs)
+    clear_launch_plans()
+
+
+@pytest.mark.skipif(not _SM90, reason="the Gluon core runs on sm_90 GPUs only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sm90_core_wide_tiles_at_head_dim_64_match_the_reference(dtype, monkeypatch):
+    """D = 64 dense calls over whole 256-key tiles take the core's wide form
+    (256-key tiles, each P V folded in before the next Q K^T): not the
+    portable kernel's tiles, so not its bits, but within the two-reference
+    rule (twice PyTorch's own error at the dtype) of the fp64 attention, out
+    and lse, over GQA, Lq != Lk, both layouts and a single tile. Launches
+    into NaN-filled outputs on grids of 1, 3 and 7 programs (each walking
+    many items through the ring) and a compiled call give the first call's
+    bits, and the portable kernel's output stays within a few roundings."""
+    from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
+    from compile_ops.ops import attention as attention_ops
+
+    for b, h, hk, lq, lk, seq_dim in [(1, 4, 4, 1000, 1024, 2), (2, 8, 2, 333, 4096, 1), (1, 2, 2, 64, 256, 2),
+                                      (2, 3, 3, 513, 512, 1)]:
+        torch.manual_seed(lq + lk)
+        q, k, v = _qkv(b, h, hk, lq, lk, 64, seq_dim, dtype, "cuda")
+        case = (b, h, hk, lq, lk, seq_dim)
+        assert attention_ops._takes_sm90_core(
+            attention_ops.forward_tiles(64, dtype, True, "exact", True), attention_ops._common(q, k, False, seq_dim, None),
+            q, k, v, seq_dim, seq_dim, None, False, None), case
+        with torch.no_grad():
+            clear_launch_plans()
+            out, lse = compile_ops.attention(q, k, v, seq_dim=seq_dim, return_lse=True)
+            torch._dynamo.reset()
+            compiled = torch.compile(lambda q, k, v: compile_ops.attention(q, k, v, seq_dim=seq_dim, return_lse=True),
+                                     fullgraph=True)(q, k, v)
+            with monkeypatch.context() as m:
+                m.setattr(attention_ops, "has_wgmma", lambda t: False)
+                clear_launch_plans()
+                portable = compile_ops.attention(q, k, v, seq_dim=seq_dim)
+        exact, exact_lse = ref.attention(*(t.detach().double() for t in (q, k, v)), 64 ** -0.5, False, seq_dim, None)
+        plain, _, plain_lse = torch_at_dtype(q, k, v, torch.zeros_like(q), 64 ** -0.5, False, seq_dim, None)
+        assert_within_torch_error(out, exact, plain, 2.0, f"output {case}")
+        assert_within_torch_error(lse, exact_lse, plain_lse, 2.0, f"lse {case}", fp32_roundings=LSE_ROUNDINGS)
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+        torch.testing.assert_close(out, portable, rtol=2 * ulp, atol=4 * ulp * out.abs().max().item(),
+                                   msg=lambda msg: f"{case}: {msg}")
+        assert torch.equal(compiled[0], out) and torch.equal(compiled[1], lse), case
+        for programs in (None, 1, 3, 7):
+            again, again_lse = torch.full_like(q, float("nan")), torch.full((b, h, lq), float("nan"), device="cuda")
+            with monkeypatch.context() as m:
+                if programs:
+                    m.setattr(attention_ops, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
+                attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, again, again_lse, 64 ** -0.5, False,
+                                                seq_dim)
+            assert torch.equal(again, out) and torch.equal(again_lse, lse), (case, programs)
     clear_launch_plans()
 
 

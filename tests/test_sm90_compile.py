@@ -333,7 +333,7 @@ def _sm90_core_variants():
     """``(name, pointer types, constexprs)`` of every variant of the Gluon core:
     the 16-bit ones ``forward_tiles`` gives it (each dtype and head dim),
     dense and block-sparse (int32 and int64 lists), causal or not, with key
-    lengths or not, and INT8_FP8 (measured in
+    lengths or not (D = 64's 256-key tiles: dense non-causal alone), and INT8_FP8 (measured in
     bench/experiments/sm90_core_sweep.py, not routed yet) at 2 and 3 stages."""
     import itertools
 
@@ -350,6 +350,8 @@ def _sm90_core_variants():
             for lists, causal, kv_len in itertools.product((None, "i32", "i64"), (False, True), (False, True)):
                 if dtype == "fp16" and (lists == "i64" or causal != kv_len):
                     continue  # the dtype changes nothing in these: the corners suffice
+                if t.block_n != 128 and (lists or causal or kv_len):
+                    continue  # wide key tiles (D = 64) take dense non-causal calls alone (_takes_sm90_core)
                 variant_pointers = dict(pointers)
                 flags = dict(SPARSE=bool(lists), CAUSAL=causal, HAS_KV_LEN=kv_len, HEAVY_FIRST=causal and not lists)
                 if lists:

@@ -10,7 +10,7 @@ lists of ``bench/block_sparse.py``), and the INT8_FP8 mode against
 ``attn_fwd_kernel``'s INT8 + PV_FP8 on the same operands (q given in int8);
 ``waves``: the core and cuDNN at 22, 24 and 26 heads (whole and partial last
 waves); ``persistent``: the core on one program per work item against one
-per SM, in every mode. Without parts: dense, sparse and int8.
+per SM, in every mode; ``d64``: D = 64 with 256- and 128-key tiles. Without parts: dense, sparse and int8.
 The package is kept off the core in this process (``has_wgmma`` False), so
 ``fused.*`` calls are the portable kernel and the core is launched directly
 (``ops.attention._launch_sm90_core``). Correctness is the GPU tests'
@@ -192,6 +192,56 @@ def persistent():
         torch.cuda.empty_cache()
 
 
+def head_dim_64():
+    """D = 64: the core with 256-key tiles (its wide-tile form: each consumer
+    folds P V in before the softmax) and with 128-key tiles, persistent and
+    per item, against the portable kernel and cuDNN; causal and key lengths
+    too. Each core output is checked against the portable kernel's first."""
+    from compile_ops.ops.attention import Tiles
+
+    def wide(block_n, stages, per_sm, fn):
+        def call():
+            saved = attention_ops.forward_tiles, attention_ops._core_programs
+            attention_ops.forward_tiles = lambda *a, **kw: Tiles(128, block_n, 4, stages, tma=True, sm90_core=True)
+            attention_ops._core_programs = (
+                lambda q, items, causal, sparse: min(items, attention_ops.multiprocessor_count(q)) if per_sm
+                else items)
+            try:
+                fn()
+            finally:
+                attention_ops.forward_tiles, attention_ops._core_programs = saved
+        return call
+
+    for b, h, L in [(2, 24, 4096), (1, 24, 4429), (1, 24, 16384)]:
+        d = 64
+        q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
+        flops = 4 * b * h * L * L * d
+        for causal, lengths, label in [(False, None, "dense"), (True, None, "causal"),
+                                       (False, torch.full((b,), L - 333, device="cuda", dtype=torch.int32),
+                                        "kv_lengths")]:
+            want = torch.ops.fused.attention(q, k, v, d ** -0.5, causal, 2, lengths)[0]
+            cands = {"cudnn": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)} if lengths is None \
+                else {}
+            cands["portable"] = lambda: torch.ops.fused.attention(q, k, v, d ** -0.5, causal, 2, lengths)
+            for block_n, stages, per_sm in [(128, 2, True), (128, 2, False), (256, 2, True), (256, 3, True),
+                                            (256, 2, False)]:
+                if causal and per_sm:
+                    continue
+                name = f"core {block_n} keys {stages} stages {'per SM' if per_sm else 'per item'}"
+                cands[name] = wide(block_n, stages, per_sm,
+                                   lambda: core(q, k, v, out, lse, causal=causal, kv_lengths=lengths))
+                out.fill_(float("nan"))
+                cands[name]()
+                err = (out.float() - want.float()).abs().max().item()
+                print(label, b, h, L, name, "max |core - portable|", err, flush=True)
+                R.setdefault("checks", []).append(dict(case=label, shape=[b, h, L, d], provider=name, max_abs=err))
+            time_rounds(cands, (b, h, L, d), flops / 2 if causal else flops * (1 if lengths is None else (L - 333) / L),
+                        label)
+        del q, k, v, out, lse
+        torch.cuda.empty_cache()
+
+
 def main():
     attention_ops.has_wgmma = lambda t: False  # fused.* calls: the portable kernel
     parts = sys.argv[2:] or ["dense", "sparse", "int8"]
@@ -205,6 +255,8 @@ def main():
         waves()
     if "persistent" in parts:
         persistent()
+    if "d64" in parts:
+        head_dim_64()
     R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     json.dump(R, open(sys.argv[1], "w"), indent=1)
 

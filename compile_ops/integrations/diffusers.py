@@ -40,7 +40,7 @@ from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.hooks import must_call
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
-from compile_ops.ops.attention import SM90_CORE_HEAD_DIMS, Int8QK, attention, attention_fp8_rows
+from compile_ops.ops.attention import Int8QK, attention, attention_fp8_rows
 from compile_ops.ops.fp8 import FP8Rows, quantize_fp8_rows
 from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
                                       gated_residual_norm_modulate_fp8, norm_modulate, norm_modulate_fp8)
@@ -671,13 +671,17 @@ def _needs_gradient(*tensors) -> bool:
 #: keys, level at 16384 (1.00x), behind at 4096-4608 (0.95-0.96x, persistent)
 #: (bench/results/attention-sm90-core-persistent-h100.json, the README's table).
 FUSED_AHEAD_FROM_KEYS = 16385
+#: The head dim at which that holds. At D = 64 the core (256-key tiles) is
+#: 0.96-0.99x cuDNN dense and the portable kernel 0.89-1.01x
+#: (bench/results/attention-sm90-core-d64-h100.json): SDPA stays ahead there.
+FUSED_AHEAD_HEAD_DIM = 128
 
 
 def _sdpa_is_faster(query, key, value, kv_lengths=None) -> bool:
     """Inference in fp16/bf16 on a GPU: SDPA's cuDNN backend runs the forward
     faster than fused.attention on an H100 (1.07-1.15x the portable kernel,
     1.02-1.13x causal; README attention tables), except where the sm_90 core
-    runs the call (D = 128: ``ops.attention.SM90_CORE_HEAD_DIMS``): dense at
+    runs the call at D = 128 (:data:`FUSED_AHEAD_HEAD_DIM`): dense at
     :data:`FUSED_AHEAD_FROM_KEYS` keys or more, and with key lengths at any
     length, since SDPA takes them as a boolean mask, which cuDNN runs at
     0.66-0.67x its unmasked speed while the core's masked tile costs nothing
@@ -689,7 +693,7 @@ def _sdpa_is_faster(query, key, value, kv_lengths=None) -> bool:
     ``[B, L, H, D]``; ``kv_lengths`` ``[B]`` or None."""
     if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)) or _needs_gradient(query, key, value):
         return False
-    on_core = has_wgmma(query) and query.shape[-1] in SM90_CORE_HEAD_DIMS
+    on_core = has_wgmma(query) and query.shape[-1] == FUSED_AHEAD_HEAD_DIM
     return not (on_core and (kv_lengths is not None or key.shape[1] >= FUSED_AHEAD_FROM_KEYS))
 
 

@@ -39,13 +39,19 @@ and formulas).
 
 What it takes (``ops/attention.py`` routes everything else to the
 portable kernel): 16-bit q/k/v with a unit stride along D (a power of
-two; the package sends D = 128, where it is ahead), 16-byte aligned bases
-and batch, head and row strides (TMA), ``Lk >= 1``; dense or block-sparse,
-causal or not, with key lengths or not, its items in ``attn_fwd_kernel``'s
-program order (``_query_tile``: causal items longest first). Its tiles
-are 128 x 128, the block-sparse lists' blocks, so at most one tile of an
-item needs a mask: the one at the unmasked keys' end (kv_len's ragged
-tile, the causal diagonal, or both).
+two; the package sends D = 128, and D = 64 where it is ahead), 16-byte
+aligned bases and batch, head and row strides (TMA), ``Lk >= 1``; dense or
+block-sparse, causal or not, with key lengths or not, its items in
+``attn_fwd_kernel``'s program order (``_query_tile``: causal items longest
+first). Its tiles are 128 queries by ``BLOCK_N`` keys: 128, the
+block-sparse lists' blocks, or (dense, D = 64) 256, a multiple of the
+query tile, so at most one key tile of an item needs a mask: the one at
+the unmasked keys' end (kv_len's ragged tile, the causal diagonal, or
+both). With 256-key tiles a tile's scores and the previous tile's P do not
+fit in a consumer's registers side by side (ptxas spilled 660 bytes), so
+each key step folds the previous P V in before it issues the next Q K^T
+(``_key_step``): only the other consumer overlaps this one's softmax.
+That form at D = 64 ran 1.08x the portable kernel (bench/notes.md).
 
 ``INT8_FP8``: the 8-bit operands of ``attn_fwd_kernel``'s ``INT8`` +
 ``PV_FP8`` mode with q given in int8, the same formulas (biased int32
@@ -223,7 +229,8 @@ def _key_step(j, c, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_s
               s_layout: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr):
     """Key tile j >= 1 of one consumer's work item, the c-th through the ring:
     S_j and P_j-1 V_j-1 issued back to back, S_j's softmax while the product
-    runs, then the product folded in. Returns ``(carry, o, m, l)`` for tile
+    runs, then the product folded in (with 256-key tiles, P_j-1 V_j-1 first
+    and folded in, then S_j: the module's docstring says why). Returns ``(carry, o, m, l)`` for tile
     j + 1 (:func:`_next_carry`): 16-bit, O comes back at S_j's running max;
     INT8_FP8, at S_j-1's (the next step rescales it by alpha_j, the carry,
     before adding P_j V_j)."""
@@ -231,17 +238,28 @@ def _key_step(j, c, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_s
     INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
     stage = c % STAGES
     prev = (c - 1) % STAGES
-    s_token = _scores(c, q_rows, k_smem, k_ready, s_init)
-    mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
-    o_token = _pv_issue(carry, o, o_zero, v_smem, p_smem, prev)
-    s = warpgroup_mma_wait(1, deps=[s_token])  # wgmma groups complete in order: S_j is done
+    # Wide key tiles (BLOCK_N 256): S_j's scores and P_j-1 do not fit in the registers side by side (the
+    # accumulator of an issued product and its register operand stay allocated until it is waited for), so
+    # P_j-1 V_j-1 is done before S_j is issued; the other consumer's products fill the tensor cores meanwhile.
+    SERIAL: gl.constexpr = k_smem.shape[1] > 2 * _ROWS
+    if SERIAL:
+        mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
+        o = _pv_fold(_pv_issue(carry, o, o_zero, v_smem, p_smem, prev), carry, o, v_smem, o_rows)
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        s = warpgroup_mma_wait(0, deps=[_scores(c, q_rows, k_smem, k_ready, s_init)])
+    else:
+        s_token = _scores(c, q_rows, k_smem, k_ready, s_init)
+        mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
+        o_token = _pv_issue(carry, o, o_zero, v_smem, p_smem, prev)
+        s = warpgroup_mma_wait(1, deps=[s_token])  # wgmma groups complete in order: S_j is done
     mbarrier.arrive(k_empty.index(stage), count=1)
     row = row_q
     if INT8_FP8:
         row = row_q * gl.load(k_scales + j)
     p, m, l, alpha = _softmax(s, m, l, row, qk_scale, key_limit, diagonal, MASKED, INT8_FP8, s_layout)
-    o = _pv_fold(o_token, carry, o, v_smem, o_rows)
-    mbarrier.arrive(v_empty.index(prev), count=1)
+    if not SERIAL:
+        o = _pv_fold(o_token, carry, o, v_smem, o_rows)
+        mbarrier.arrive(v_empty.index(prev), count=1)
     if not INT8_FP8:
         o = o * gl.convert_layout(alpha, o_rows)[:, None]
     return _next_carry(p, alpha, v_smem, p_smem, p_layout), o, m, l
@@ -475,8 +493,11 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_S
     unused (pass None)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert(not (SPARSE and INT8_FP8), "8-bit operands are dense")
-    gl.static_assert(BLOCK_N == 2 * _ROWS, "a key tile is a listed block, and as tall as the query tile")
-    # Every operand's rows are 128 bytes or more (D = 128 16-bit or 8-bit, BLOCK_N = 128 e4m3): 128-byte swizzle.
+    gl.static_assert(BLOCK_N == 2 * _ROWS or not (SPARSE or INT8_FP8),
+                     "a key tile is a listed block, and INT8_FP8's key tile is its k scale's block")
+    # A key tile a multiple of the query tile: the causal diagonal of an item falls in one key tile.
+    gl.static_assert(BLOCK_N % (2 * _ROWS) == 0, "a key tile spans whole query tiles")
+    # Every operand's rows are 128 bytes or more (D >= 64 16-bit, D = 128 8-bit, BLOCK_N = 128 e4m3): 128-byte swizzle.
     bits: gl.constexpr = 8 if INT8_FP8 else 16
     box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=4)
     matrix: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=2)

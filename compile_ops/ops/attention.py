@@ -58,8 +58,9 @@ def block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-#: Head dims the sm_90 core takes (it needs D a power of two for its tiles).
-SM90_CORE_HEAD_DIMS = (128,)
+#: Head dims the sm_90 core takes (it needs D a power of two for its tiles), and its key tiles at each
+#: (:func:`forward_tiles`): 128 keys at D = 128, 256 at D = 64.
+SM90_CORE_HEAD_DIMS = (64, 128)
 #: The precisions the sm_90 core runs: ``"exact"`` (16-bit). ``"int8_fp8"`` with q given in int8 (its INT8_FP8
 #: mode) is built and tested (bit-identical to ``attn_fwd_kernel``) but not
 #: ahead of it: 0.93x at 4608 keys, 0.98-1.00x from 16384 (H200,
@@ -99,12 +100,16 @@ def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False, precision: str 
     five shapes of issue 28, where the ``triton.language`` kernel was
     0.88-1.01x (bench/results/attention-sm90-core-sweep-h100.json; 3 stages
     within 1%, 64-key tiles 9-10% slower in ``-first-h100.json``). At D = 64
-    the core ran 0.95-0.97x the portable kernel on an H100 and 0.82x on an
-    H200 (``attention-sm90-core-front-ends-h200.json``), which keeps D = 64."""
+    each tile's products halve while its softmax stays: 256-key tiles (the
+    core's wide form, P V folded in before each softmax for registers),
+    persistent, ran 0.96-0.99x cuDNN at 2x24x4096 and 1x24x16384, where the
+    portable kernel ran 0.89-0.91x and the core's 128-key tiles the portable
+    kernel's speed (H100, ``attention-sm90-core-d64-h100.json``); which calls
+    take it is :func:`_takes_sm90_core`'s rule."""
     bd = block_d(d)
     if wgmma and precision in SM90_CORE_PRECISIONS and d in SM90_CORE_HEAD_DIMS \
             and dtype in (torch.float16, torch.bfloat16):
-        return Tiles(128, 128, 4, SM90_CORE_STAGES, tma=True, sm90_core=True)
+        return Tiles(128, 256 if d == 64 else 128, 4, SM90_CORE_STAGES, tma=True, sm90_core=True)
     if precision == "int8_fp8":
         return Tiles(64, 128, 4, 3, tma=tma) if bd <= 128 else Tiles(64, 128, 8, 2, tma=tma)
     if precision == "int8" and 64 < bd <= 128:
@@ -257,9 +262,17 @@ def _takes_sm90_core(t: Tiles, c: dict, q: Tensor, k: Tensor, v: Tensor, seq_dim
     call is one the core computes (at least one key, TMA-aligned q, k and
     v; dense or block-sparse, causal or not, with key lengths or not; 8-bit
     only dense, with q given in int8, not ``rounds_q``, and a 16-bit
-    output); the rest stays on ``attn_fwd_kernel``."""
+    output); the rest stays on ``attn_fwd_kernel``. Its 256-key tiles
+    (D = 64) are not a listed block, and only dense non-causal calls over
+    whole tiles without key lengths measured ahead with them: 427 against
+    the portable kernel's 396 TFLOP/s at 2x24x4096x64, 448 against 412 at
+    1x24x16384x64, but 360 against 377 at SD3's ragged 4429 tokens, 391
+    against 410 with key lengths and 281 against 373 causal at 2x24x4096
+    (H100, ``bench/results/attention-sm90-core-d64-h100.json``)."""
     eight_bit_ok = not rounds_q and fp8_rows is None and (blocks is None or q.dtype != torch.int8)
-    return (t.sm90_core and eight_bit_ok and c["lk"] > 0 and _tma_ready(seq_dim, q, k)
+    wide_ok = t.block_n == meta.attention.SPARSE_BLOCK or (
+        blocks is None and not c["consts"]["CAUSAL"] and not c["consts"]["HAS_KV_LEN"] and c["lk"] % t.block_n == 0)
+    return (t.sm90_core and eight_bit_ok and wide_ok and c["lk"] > 0 and _tma_ready(seq_dim, q, k)
             and _tma_ready(v_seq_dim, v) and not _broadcast(seq_dim, q, k) and not _broadcast(v_seq_dim, v))
 
 
