@@ -5,6 +5,7 @@
     python bench/report.py bench/results/h100.json --plot h100.png      # also draw the plot
 
     python bench/report.py bench/results/attention-h100.json --readme README.md  # bench/attention.py's
+    python bench/report.py RERUN.json --merge-into bench/results/attention-h100.json --readme README.md
 
 The README block is everything between the lines ``<!-- perf-table:start -->``
 and ``<!-- perf-table:end -->`` (``attention-table`` / ``attention-causal-table``
@@ -171,10 +172,36 @@ def markdown_table(data: dict) -> str:
 
 def run_line(env: dict, *versions: str, gpus: int = 1) -> str:
     """The head of a runner's table: GPU (and count), torch, triton, any other
-    ``versions``, and the time of the run (UTC, to the minute)."""
+    ``versions``, and the time of the run (UTC, to the minute), or of each run
+    where :func:`merge_runs` put rows of several together."""
     gpu = env["gpu"] if gpus == 1 else f"{env['gpu']} x {gpus}"
-    return " | ".join([gpu, f"torch {env['torch']}", f"triton {env['triton']}", *versions,
-                       env["date"][:16].replace("T", " ")])
+    when = env["date"][:16].replace("T", " ")
+    if len(env.get("runs", ())) > 1:
+        dates = ", ".join(r[:16].replace("T", " ") for r in env["runs"])
+        when = f"runs of {dates} UTC (each row's date in the JSON)"
+    return " | ".join([gpu, f"torch {env['torch']}", f"triton {env['triton']}", *versions, when])
+
+
+def merge_runs(base: dict, newer: dict, key=("shape", "causal", "provider")) -> dict:
+    """``base``'s rows with those of ``newer`` (a rerun of some of its cases,
+    same runner) in their place, matched by ``key``; every row keeps its run's
+    date, and the env lists both runs. The GPU and versions must agree: rows
+    of different machines or versions are not put in one table."""
+    for field in ("gpu", "torch", "triton"):
+        if base["env"].get(field) != newer["env"].get(field):
+            raise SystemExit(f"report.py --merge-into: {field} differs: {base['env'].get(field)} against "
+                             f"{newer['env'].get(field)}")
+
+    def dated(data):
+        return [dict(r, date=r.get("date", data["env"]["date"])) for r in data["rows"]]
+
+    def ident(r):
+        return tuple(json.dumps(r.get(k)) for k in key)
+
+    replaced = {ident(r): r for r in dated(newer)}
+    rows = [replaced.pop(ident(r), r) for r in dated(base)] + list(replaced.values())
+    runs = sorted({r["date"] for r in rows})
+    return dict(base, env=dict(newer["env"], runs=runs), rows=rows)
 
 
 def is_attention(data: dict) -> bool:
@@ -692,8 +719,15 @@ def main(argv=None) -> int:
     p.add_argument("json", help="results file, e.g. bench/results/h100.json")
     p.add_argument("--readme", help="a Markdown file whose perf-table block to rewrite")
     p.add_argument("--plot", help="write the plot to this PNG")
+    p.add_argument("--merge-into", metavar="BASE_JSON",
+                   help="a rerun of some of BASE_JSON's cases: its rows replace theirs in BASE_JSON (rewritten, "
+                        "each row dated), and the table is made from the result")
     args = p.parse_args(argv)
     data = load(args.json)
+    if args.merge_into:
+        data = merge_runs(load(args.merge_into), data)
+        with open(args.merge_into, "w") as f:
+            json.dump(data, f, indent=1)
     # bench/run.py's op table comes last: the other runners' JSON is recognised by its rows.
     special = ((is_aoti, aoti_table, lambda rows: "aoti-table"),
                (is_compile_modes, compile_modes_table, lambda rows: "compile-modes-table"),

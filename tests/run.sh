@@ -54,6 +54,14 @@ if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
   }
   workers=()
   if "$PY" -c "import xdist" 2>/dev/null && [ "${TEST_WORKERS:-8}" -gt 1 ]; then workers=(-n "${TEST_WORKERS:-8}"); fi
+  # Work stealing (xdist 3.2+): xdist's default hands each worker its share of the tests up front, and a cold
+  # H100 run on 2026-11-27 ended with one worker still holding seven queued max-autotune compile tests while the
+  # other fifteen sat idle, cut by its time limit at 99%. Stealing lets idle workers take queued tests.
+  if [ ${#workers[@]} -gt 0 ] && "$PY" -c "
+import sys, xdist
+sys.exit(0 if tuple(int(x) for x in xdist.__version__.split('.')[:2]) >= (3, 2) else 1)" 2>/dev/null; then
+    workers+=(--dist worksteal)
+  fi
   run_layer "cuda: every layer" logged_pytest tests "${workers[@]}" --hypothesis-seed="$HYPOTHESIS_SEED" --durations=30 "$@"
 else
   export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}

@@ -1302,9 +1302,9 @@ def test_sm90_core_wide_tiles_at_head_dim_64_match_the_reference(dtype, monkeypa
         torch.manual_seed(lq + lk)
         q, k, v = _qkv(b, h, hk, lq, lk, 64, seq_dim, dtype, "cuda")
         case = (b, h, hk, lq, lk, seq_dim)
-        assert attention_ops._takes_sm90_core(
-            attention_ops.forward_tiles(64, dtype, True, "exact", True), attention_ops._common(q, k, False, seq_dim, None),
-            q, k, v, seq_dim, seq_dim, None, False, None), case
+        tiles = attention_ops.forward_tiles(64, dtype, True, "exact", True)
+        common = attention_ops._common(q, k, False, seq_dim, None)
+        assert attention_ops._takes_sm90_core(tiles, common, q, k, v, seq_dim, seq_dim, None, False, None), case
         with torch.no_grad():
             clear_launch_plans()
             out, lse = compile_ops.attention(q, k, v, seq_dim=seq_dim, return_lse=True)

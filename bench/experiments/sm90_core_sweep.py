@@ -1,16 +1,18 @@
 """The sm_90 core (compile_ops/kernels/attention_sm90.py) timed against the
 portable kernel and cuDNN in one run, on an H100:
 
-    PYTHONPATH=. python bench/experiments/sm90_core_sweep.py OUT.json [dense sparse int8 waves persistent]
+    PYTHONPATH=. python bench/experiments/sm90_core_sweep.py OUT.json [PART ...]
 
 Every front end of the core at the shapes of issue 28: dense forward at 2
-and 3 K/V stages (and D = 64, which the package keeps on the portable
-kernel), causal, key lengths, block-sparse at about 26% of the blocks (the
-lists of ``bench/block_sparse.py``), and the INT8_FP8 mode against
+and 3 K/V stages (D = 64 with the package's 256-key tiles), causal, key
+lengths, block-sparse at about 26% of the blocks (the lists of
+``bench/block_sparse.py``), and the INT8_FP8 mode against
 ``attn_fwd_kernel``'s INT8 + PV_FP8 on the same operands (q given in int8);
 ``waves``: the core and cuDNN at 22, 24 and 26 heads (whole and partial last
 waves); ``persistent``: the core on one program per work item against one
-per SM, in every mode; ``d64``: D = 64 with 256- and 128-key tiles. Without parts: dense, sparse and int8.
+per SM, in every mode; ``d64``: D = 64 with 256- and 128-key tiles;
+``d64-lengths``: D = 64 around SD3's length. Without parts: dense, sparse
+and int8.
 The package is kept off the core in this process (``has_wgmma`` False), so
 ``fused.*`` calls are the portable kernel and the core is launched directly
 (``ops.attention._launch_sm90_core``). Correctness is the GPU tests'
@@ -192,26 +194,45 @@ def persistent():
         torch.cuda.empty_cache()
 
 
+def wide(block_n, stages, per_sm, fn):
+    """``fn`` (a direct core launch) with the core's key tiles and stages
+    forced, on one program per SM or per work item."""
+    from compile_ops.ops.attention import Tiles
+
+    def call():
+        saved = attention_ops.forward_tiles, attention_ops._core_programs
+        attention_ops.forward_tiles = lambda *a, **kw: Tiles(128, block_n, 4, stages, tma=True, sm90_core=True)
+        attention_ops._core_programs = (
+            lambda q, items, causal, sparse: min(items, attention_ops.multiprocessor_count(q)) if per_sm
+            else items)
+        try:
+            fn()
+        finally:
+            attention_ops.forward_tiles, attention_ops._core_programs = saved
+    return call
+
+
+def head_dim_64_lengths():
+    """D = 64 dense, the lengths around SD3's 4429 tokens (24 heads): whole
+    256-key tiles or not, several partial last waves, the core's wide tiles
+    against the portable kernel and cuDNN (which ``_takes_sm90_core``'s rule
+    for D = 64 is chosen by)."""
+    for b, h, L in [(1, 24, 4096), (1, 24, 4352), (1, 24, 4429), (1, 24, 4608), (2, 24, 4429), (1, 38, 4429)]:
+        d = 64
+        q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
+        time_rounds({"cudnn": lambda: F.scaled_dot_product_attention(q, k, v),
+                     "portable": lambda: torch.ops.fused.attention(q, k, v, d ** -0.5, False, 2),
+                     "core 256 keys per SM": wide(256, 2, True, lambda: core(q, k, v, out, lse))},
+                    (b, h, L, d), 4 * b * h * L * L * d, "dense")
+        del q, k, v, out, lse
+
+
 def head_dim_64():
     """D = 64: the core with 256-key tiles (its wide-tile form: each consumer
     folds P V in before the softmax) and with 128-key tiles, persistent and
     per item, against the portable kernel and cuDNN; causal and key lengths
     too. Each core output is checked against the portable kernel's first."""
-    from compile_ops.ops.attention import Tiles
-
-    def wide(block_n, stages, per_sm, fn):
-        def call():
-            saved = attention_ops.forward_tiles, attention_ops._core_programs
-            attention_ops.forward_tiles = lambda *a, **kw: Tiles(128, block_n, 4, stages, tma=True, sm90_core=True)
-            attention_ops._core_programs = (
-                lambda q, items, causal, sparse: min(items, attention_ops.multiprocessor_count(q)) if per_sm
-                else items)
-            try:
-                fn()
-            finally:
-                attention_ops.forward_tiles, attention_ops._core_programs = saved
-        return call
-
     for b, h, L in [(2, 24, 4096), (1, 24, 4429), (1, 24, 16384)]:
         d = 64
         q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -257,6 +278,8 @@ def main():
         persistent()
     if "d64" in parts:
         head_dim_64()
+    if "d64-lengths" in parts:
+        head_dim_64_lengths()
     R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     json.dump(R, open(sys.argv[1], "w"), indent=1)
 

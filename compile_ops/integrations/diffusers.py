@@ -671,9 +671,10 @@ def _needs_gradient(*tensors) -> bool:
 #: keys, level at 16384 (1.00x), behind at 4096-4608 (0.95-0.96x, persistent)
 #: (bench/results/attention-sm90-core-persistent-h100.json, the README's table).
 FUSED_AHEAD_FROM_KEYS = 16385
-#: The head dim at which that holds. At D = 64 the core (256-key tiles) is
-#: 0.96-0.99x cuDNN dense and the portable kernel 0.89-1.01x
-#: (bench/results/attention-sm90-core-d64-h100.json): SDPA stays ahead there.
+#: The head dim at which that holds. At D = 64 the core (256-key tiles) ran
+#: 0.96-0.99x cuDNN over whole tiles, and the portable kernel 1.01-1.03x at
+#: SD3's ragged 4429 tokens (bench/results/attention-sm90-core-d64-h100.json,
+#: ``-d64-lengths-``): too little to leave SDPA for.
 FUSED_AHEAD_HEAD_DIM = 128
 
 
