@@ -44,6 +44,23 @@ def core(q, k, v, out, lse, stages=2, causal=False, kv_lengths=None, lists=(None
     attention_ops.SM90_CORE_STAGES = 2
 
 
+def forced(fn, per_sm, tiles=None):
+    """``fn`` (a direct core launch) on one program per SM or one per work
+    item, and with the core's ``tiles`` (``ops.attention.Tiles``) where given."""
+    def call():
+        saved = attention_ops.forward_tiles, attention_ops._core_programs
+        if tiles is not None:
+            attention_ops.forward_tiles = lambda *args, **kwargs: tiles
+        attention_ops._core_programs = (
+            lambda q, items, causal, sparse: min(items, attention_ops.multiprocessor_count(q)) if per_sm
+            else items)
+        try:
+            fn()
+        finally:
+            attention_ops.forward_tiles, attention_ops._core_programs = saved
+    return call
+
+
 def time_rounds(cands, shape, flops, label, rep=200, rounds=2):
     """Time every ``{name: call}`` (CUDA-graph replays; a name starting with
     ``cudnn`` under SDPA's cuDNN backend) in alternated rounds, into R."""
@@ -150,18 +167,6 @@ def persistent():
     mode, cuDNN beside them."""
     from bench.block_sparse import random_block_mask
 
-    def on_grid(fn, per_sm):
-        def call():
-            saved = attention_ops._core_programs
-            attention_ops._core_programs = (
-                lambda q, items, causal, sparse: min(items, attention_ops.multiprocessor_count(q)) if per_sm
-                else items)
-            try:
-                fn()
-            finally:
-                attention_ops._core_programs = saved
-        return call
-
     for b, h, L in [(1, 24, 4608), (1, 12, 32760), (1, 40, 16384), (1, 12, 75600), (2, 24, 4096)]:
         d = 128
         q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -169,17 +174,17 @@ def persistent():
         flops = 4 * b * h * L * L * d
         cands = {"cudnn": lambda: F.scaled_dot_product_attention(q, k, v)}
         for per_sm in (False, True):
-            cands[f"core {'per SM' if per_sm else 'per item'}"] = on_grid(lambda: core(q, k, v, out, lse), per_sm)
+            cands[f"core {'per SM' if per_sm else 'per item'}"] = forced(lambda: core(q, k, v, out, lse), per_sm)
         time_rounds(cands, (b, h, L, d), flops, "dense", rounds=3)
         if L <= 16384:
             cands = {"cudnn causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
             for per_sm in (False, True):
-                cands[f"core causal {'per SM' if per_sm else 'per item'}"] = on_grid(
+                cands[f"core causal {'per SM' if per_sm else 'per item'}"] = forced(
                     lambda: core(q, k, v, out, lse, causal=True), per_sm)
             time_rounds(cands, (b, h, L, d), flops / 2, "causal", rounds=2)
         if L == 4608:
             lengths = torch.full((b,), 4096 + 77, device="cuda", dtype=torch.int32)
-            cands = {f"core kv_lengths {'per SM' if per_sm else 'per item'}": on_grid(
+            cands = {f"core kv_lengths {'per SM' if per_sm else 'per item'}": forced(
                 lambda: core(q, k, v, out, lse, kv_lengths=lengths), per_sm) for per_sm in (False, True)}
             time_rounds(cands, (b, h, L, d), 4 * b * h * L * (4096 + 77) * d, "kv_lengths", rounds=2)
         if L in (32760, 75600):
@@ -187,7 +192,7 @@ def persistent():
             mask = random_block_mask(n, 0.25, torch.Generator(device="cuda").manual_seed(0))
             index, count = block_sparse_ops.block_index_from_mask(mask[None, None])
             lists = block_sparse_ops._per_head(block_sparse_ops.ascending(index, count), count, b, h)
-            cands = {f"core sparse {'per SM' if per_sm else 'per item'}": on_grid(
+            cands = {f"core sparse {'per SM' if per_sm else 'per item'}": forced(
                 lambda: core(q, k, v, out, lse, lists=lists), per_sm) for per_sm in (False, True)}
             time_rounds(cands, (b, h, L, d), flops, f"sparse {mask.float().mean().item():.3f}", rounds=2)
         del q, k, v, out, lse
@@ -199,17 +204,7 @@ def wide(block_n, stages, per_sm, fn):
     forced, on one program per SM or per work item."""
     from compile_ops.ops.attention import Tiles
 
-    def call():
-        saved = attention_ops.forward_tiles, attention_ops._core_programs
-        attention_ops.forward_tiles = lambda *a, **kw: Tiles(128, block_n, 4, stages, tma=True, sm90_core=True)
-        attention_ops._core_programs = (
-            lambda q, items, causal, sparse: min(items, attention_ops.multiprocessor_count(q)) if per_sm
-            else items)
-        try:
-            fn()
-        finally:
-            attention_ops.forward_tiles, attention_ops._core_programs = saved
-    return call
+    return forced(fn, per_sm, Tiles(128, block_n, 4, stages, tma=True, sm90_core=True))
 
 
 def head_dim_64_lengths():
