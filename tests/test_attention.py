@@ -1163,6 +1163,29 @@ def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypa
             assert _traced_forward(q2, *qkv(b=2)[1:]) == takes
 
 
+@pytest.mark.parametrize("length", [4096, 4429])
+def test_head_dim_64_core_rule_guards_a_symbolic_key_length(length, monkeypatch):
+    """Under dynamic shapes the D = 64 rule (the core's 256-key tiles for whole
+    tiles only) reads a symbolic key length: the traced graph takes the core
+    at 4096 keys and the portable kernel at 4429, and guards on Lk % 256 so
+    that neither graph is reused at the other kind of length."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from compile_ops.ops import attention as attention_ops
+
+    monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: t.device.type == "cuda")
+    env = ShapeEnv()
+    sym = env.create_unspecified_symint_and_symbol(length, ConstantSource("L"), DimDynamic.DYNAMIC)
+    with FakeTensorMode(shape_env=env):
+        q, k, v = (torch.empty(1, 2, sym, 64, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        launches = _traced_forward(q, k, v)
+    assert launches == (["fused_gluon.attention_forward_sm90_.default"] if length % 256 == 0 else ["attn_fwd_kernel"])
+    guard = f"{'Eq' if length % 256 == 0 else 'Ne'}(Mod({sym}, 256), 0)"
+    assert guard in [str(g.expr) for g in env.guards]
+
+
 def test_8bit_forward_takes_the_sm90_core_only_with_q_given_in_int8(monkeypatch):
     """With ``"int8_fp8"`` among the core's precisions (it is built and tested,
     and joins by default once measured ahead), traced on fake CUDA tensors
