@@ -51,7 +51,7 @@ both). With 256-key tiles a tile's scores and the previous tile's P do not
 fit in a consumer's registers side by side (ptxas spilled 660 bytes), so
 each key step folds the previous P V in before it issues the next Q K^T
 (``_key_step``): only the other consumer overlaps this one's softmax.
-That form at D = 64 ran 1.08x the portable kernel (bench/notes.md).
+That form at D = 64 ran 1.07-1.09x the portable kernel (bench/notes.md).
 
 ``INT8_FP8``: the 8-bit operands of ``attn_fwd_kernel``'s ``INT8`` +
 ``PV_FP8`` mode with q given in int8, the same formulas (biased int32
@@ -230,10 +230,10 @@ def _key_step(j, c, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_s
     """Key tile j >= 1 of one consumer's work item, the c-th through the ring:
     S_j and P_j-1 V_j-1 issued back to back, S_j's softmax while the product
     runs, then the product folded in (with 256-key tiles, P_j-1 V_j-1 first
-    and folded in, then S_j: the module's docstring says why). Returns ``(carry, o, m, l)`` for tile
-    j + 1 (:func:`_next_carry`): 16-bit, O comes back at S_j's running max;
-    INT8_FP8, at S_j-1's (the next step rescales it by alpha_j, the carry,
-    before adding P_j V_j)."""
+    and folded in, then S_j: the module's docstring says why). Returns
+    ``(carry, o, m, l)`` for tile j + 1 (:func:`_next_carry`): 16-bit, O
+    comes back at S_j's running max; INT8_FP8, at S_j-1's (the next step
+    rescales it by alpha_j, the carry, before adding P_j V_j)."""
     STAGES: gl.constexpr = k_smem.shape[0]
     INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
     stage = c % STAGES
