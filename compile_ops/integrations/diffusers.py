@@ -672,7 +672,7 @@ def _needs_gradient(*tensors) -> bool:
 #: (bench/results/attention-sm90-core-persistent-h100.json, the README's table).
 FUSED_AHEAD_FROM_KEYS = 16385
 #: The head dim at which that holds. At D = 64 the core (256-key tiles) ran
-#: 0.96-0.99x cuDNN over whole tiles, and the portable kernel 1.01-1.03x at
+#: 0.95-0.99x cuDNN over whole tiles, and the portable kernel 1.01-1.03x at
 #: SD3's ragged 4429 tokens (bench/results/attention-sm90-core-d64-h100.json,
 #: ``-d64-lengths-``): too little to leave SDPA for.
 FUSED_AHEAD_HEAD_DIM = 128
