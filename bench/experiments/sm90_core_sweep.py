@@ -258,23 +258,20 @@ def head_dim_64():
         torch.cuda.empty_cache()
 
 
+#: The parts a run can name (the module's docstring says what each times).
+PARTS = {"dense": dense_and_causal, "sparse": sparse, "int8": eight_bit, "waves": waves, "persistent": persistent,
+         "d64": head_dim_64, "d64-lengths": head_dim_64_lengths}
+
+
 def main():
     attention_ops.has_wgmma = lambda t: False  # fused.* calls: the portable kernel
     parts = sys.argv[2:] or ["dense", "sparse", "int8"]
-    if "dense" in parts:
-        dense_and_causal()
-    if "sparse" in parts:
-        sparse()
-    if "int8" in parts:
-        eight_bit()
-    if "waves" in parts:
-        waves()
-    if "persistent" in parts:
-        persistent()
-    if "d64" in parts:
-        head_dim_64()
-    if "d64-lengths" in parts:
-        head_dim_64_lengths()
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise SystemExit(f"sm90_core_sweep.py: unknown parts {sorted(unknown)}; the parts are {list(PARTS)}")
+    for part, run in PARTS.items():  # in this order, whatever the command line's
+        if part in parts:
+            run()
     R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     json.dump(R, open(sys.argv[1], "w"), indent=1)
 
