@@ -674,15 +674,14 @@ def test_fp8_rows_compile_with_fullgraph_and_refuse_a_gradient():
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("stat_step, stat_chunk_rows, core_key_order",
-                         [(128, 1024, False), (128, 1024, True), (64, 64, False), (16, 16, False)])
+@pytest.mark.parametrize("stat_step, stat_chunk_rows", [(128, 1024), (64, 64), (16, 16)])
 @pytest.mark.parametrize("seq_dim, b, hq, hk, lq, lk, d", [
     (1, 2, 4, 2, 50, 300, 40),   # GQA, D padded, a partial last key block, v's rows padded to 16
     (2, 1, 2, 2, 130, 256, 64),  # two q tiles, whole key blocks, no row padding
     (2, 2, 2, 1, 20, 100, 64),   # one key block
 ])
 def test_kernels_8bit_quantization_writes_the_specified_operands(seq_dim, b, hq, hk, lq, lk, d, stat_step,
-                                                                 stat_chunk_rows, core_key_order, monkeypatch):
+                                                                 stat_chunk_rows, monkeypatch):
     """quantize_8bit (the Triton passes the 8-bit ops run) against the torch
     specification: v's channel scales and e4m3 bytes identical; k's int8
     values within 1 of it (its mean is summed in another order) and its
@@ -693,9 +692,7 @@ def test_kernels_8bit_quantization_writes_the_specified_operands(seq_dim, b, hq,
     head, so that the last chunk's sum of the head's partials takes two of
     its 16-row steps (a wrong step, or a total summed before every chunk
     arrived, shows). v's row padding (4 and 12 keys in the first and third
-    cases) holds zeros; in the sm_90 core's key order (``core_key_order``)
-    the padded rows are the specification's, zeros and the last keys that
-    the order puts past Lk alike."""
+    cases) holds zeros."""
     from compile_ops.ops import attention as attention_ops
 
     monkeypatch.setattr(attention_ops, "STAT_STEP", stat_step)
@@ -705,17 +702,14 @@ def test_kernels_8bit_quantization_writes_the_specified_operands(seq_dim, b, hq,
                         lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
     torch.manual_seed(0)
     q, k, v = _int8_case(seq_dim, b, hq, hk, lq, lk, d, torch.float16, KERNEL_DEVICE, key_offset=3.0)
-    operands = attention_ops.quantize_8bit(k, v, seq_dim, core_key_order)
+    operands = attention_ops.quantize_8bit(k, v, seq_dim)
     assert launched == ["kv8_counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel"], launched
-    want_vt8, want_v_scale = attention_ops.fp8_values_transposed(v.cpu(), seq_dim, core_key_order)
-    padded = operands[2]._base
-    assert padded.shape[-1] == lk + -lk % 16
-    if core_key_order:  # the whole padded rows are the operand
-        assert torch.equal(padded.cpu().view(torch.uint8), want_vt8._base.view(torch.uint8))
-    else:  # the transposed store covers the padding with zeros
-        assert not padded[..., lk:].view(torch.uint8).any()
+    # v's rows are padded to 16 keys, and the transposed store covers the padding with zeros.
+    padding = operands[2]._base[..., lk:]
+    assert padding.shape[-1] == -lk % 16 and not padding.view(torch.uint8).any()
     k8, k_scale, vt8, v_scale = (t.cpu() for t in operands)
     want_k8, want_k_scale = ref.smooth_quantize_qk(q.cpu(), k.cpu(), seq_dim)[2:]
+    want_vt8, want_v_scale = attention_ops.fp8_values_transposed(v.cpu(), seq_dim)
     assert torch.equal(v_scale, want_v_scale)
     assert vt8.stride(3) == 1 and torch.equal(vt8.view(torch.uint8), want_vt8.view(torch.uint8))
     assert (k8.int() - want_k8.int()).abs().max() <= 1 and (k8 != want_k8).float().mean() < 1e-3
@@ -1367,10 +1361,8 @@ def test_sm90_core_wide_tiles_at_head_dim_64_match_the_reference(dtype, monkeypa
 def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
     """The core's INT8_FP8 mode, forced on (``"int8_fp8"`` among its
     precisions): ``attention_qk8`` with FP8 P V on q and k given in int8 is
-    ``attn_fwd_kernel``'s result (the same formulas, each FP8 product's keys
-    in the core's order: equal up to one rounding of the output) over
-    ragged (key lengths past a multiple of 32 by 13 and by 1, which the key
-    order puts in v's padding), GQA, short and Lq != Lk shapes, with offset
+    ``attn_fwd_kernel``'s result (the same formulas: equal up to one rounding
+    of the output) over ragged, GQA, short and Lq != Lk shapes, with offset
     keys, in both layouts; five launches into NaN-filled outputs (three on
     grids of 1, 3 and 7 programs, each through many work items) each write
     every row, and the replayed second call and a compiled call give the
@@ -1394,7 +1386,7 @@ def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
                 clear_launch_plans()
                 got = [torch.ops.fused.attention_qk8(*args)[0] for _ in range(2)]
                 compiled = torch.compile(lambda *a: torch.ops.fused.attention_qk8(*a)[0], fullgraph=True)(*args)
-                vt8, v_scale = attention_ops._quantized(None, None, v, seq_dim, True, core_key_order=True)
+                vt8, v_scale = attention_ops._quantized(None, None, v, seq_dim, True)
                 for programs in (None, None, 1, 3, 7):
                     out = torch.full_like(q, float("nan"))
                     lse = torch.empty(b, h, lq, device="cuda")

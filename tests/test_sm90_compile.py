@@ -333,7 +333,8 @@ def _sm90_core_variants():
     """``(name, pointer types, constexprs)`` of every variant of the Gluon core:
     the 16-bit ones ``forward_tiles`` gives it (each dtype and head dim),
     dense and block-sparse (int32 and int64 lists), causal or not, with key
-    lengths or not (D = 64's 256-key tiles: dense non-causal alone), and INT8_FP8 at 2 and 3 stages."""
+    lengths or not (D = 64's 256-key tiles: dense non-causal alone), and INT8_FP8 (measured in
+    bench/experiments/sm90_core_sweep.py, not routed yet) at 2 and 3 stages."""
     import itertools
 
     from compile_ops.ops import attention as attention_ops
@@ -410,64 +411,6 @@ def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(variant
     sass = subprocess.run([os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump"), "-sass",
                            str(tmp_path / "core.cubin")], capture_output=True, text=True, check=True).stdout
     assert not _spills_in_innermost_loops(sass), (name, _spills_in_innermost_loops(sass))
-
-
-def test_sm90_core_fp8_key_order_makes_the_scores_accumulator_the_fp8_operand():
-    """Why V's keys are reordered for the core (``ops.attention.fp8_core_keys``):
-    the Q K^T accumulator's layout (a consumer's 64 x 128 tile), its columns
-    moved to their positions in that order, is the e4m3 A operand's layout
-    up to the order of a thread's own registers (Gluon's linear layouts: the
-    lanes and warps hold the same elements, so P reaches the FP8 product
-    without a shuffle). Fails for the key order itself (the identity)."""
-    import torch
-    from triton._C.libtriton import gluon_ir, ir
-    from triton.experimental.gluon import language as gl
-
-    from compile_ops.ops import attention as attention_ops
-
-    context = ir.context()  # held: the builder does not keep it alive
-    ir.load_dialects(context)
-    builder = gluon_ir.GluonOpBuilder(context)
-    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
-    operand = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=4)
-    acc_bases, operand_bases = (builder.to_linear_layout(layout._to_ir(builder), [64, 128])
-                                for layout in (acc, operand))
-    position_of = torch.argsort(attention_ops.fp8_core_keys(128))  # key -> position
-
-    def moved(bases, order):
-        return [[row, int(order[col])] for row, col in bases]
-
-    for order, same in ((position_of, True), (torch.arange(128), False)):
-        lanes = moved(acc_bases.lane_bases, order) == operand_bases.lane_bases
-        warps = moved(acc_bases.warp_bases, order) == operand_bases.warp_bases
-        registers = sorted(moved(acc_bases.reg_bases, order)) == sorted(operand_bases.reg_bases)
-        assert (lanes and warps and registers) == same, (order[:32].tolist(), acc_bases, operand_bases)
-
-
-def test_sm90_core_int8_fp8_hands_p_to_its_product_in_registers():
-    """The INT8_FP8 core (dense, 2 stages) in the sm_90 PTX: as many warp
-    shuffles and shared-memory stores as the 16-bit core (its softmax's row
-    reductions and epilogue), i.e. P goes from the scores' registers into
-    the FP8 product with neither Triton's layout conversion (161 shuffles
-    and 768 byte permutes when it ran so) nor a trip through shared memory
-    (a 64 x 128 e4m3 store a tile, as the core had before)."""
-    import re
-
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel as kernel
-    from compile_ops.ops import attention as attention_ops
-
-    variants = {name: (pointers, constants) for name, pointers, constants in _sm90_core_variants()
-                if name in ("bf16-d128-dense", "int8_fp8-2-stages")}
-    counts = {}
-    for name, (pointers, constants) in variants.items():
-        signature = {p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
-                     for p in kernel.arg_names}
-        ptx = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
-                             target=GPUTarget("cuda", 90, 32), options=attention_ops.SM90_CORE_LAUNCH).asm["ptx"]
-        counts[name] = (len(re.findall(r"\bshfl\.sync", ptx)), len(re.findall(r"\bst\.shared", ptx)))
-    assert len(counts) == 2 and counts["int8_fp8-2-stages"] == counts["bf16-d128-dense"], counts
 
 
 def _spills_in_innermost_loops(sass: str) -> list:

@@ -633,22 +633,10 @@ def fp8_rows_scale_kernel(V_SCALE, ROW_SCALE, per_batch, FLOOR: tl.constexpr, HE
 
 
 @triton.jit
-def fp8_core_key(position):
-    """The key that V's transposed e4m3 rows hold at ``position`` in the sm_90
-    core's order (``attention_sm90._fp8_operand``): within every 32 keys,
-    the position's bits (3, 2, 1) hold the key's bits (1, 3, 2), the rest
-    stay. P then goes from the Q K^T accumulator's registers into the FP8
-    P V product as they are. ``ops.attention.fp8_core_keys`` is the same
-    map in torch."""
-    return (position & ~14) | (((position >> 2) & 1) << 1) | (((position >> 3) & 1) << 2) \
-        | (((position >> 1) & 1) << 3)
-
-
-@triton.jit
 def kv8_quantize_kernel(K, K8, K_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, chunks, skb, skh, skl, s8b, s8h, s8l,
                         svb, svh, svl, svtd,
                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                        WITH_V: tl.constexpr, WITH_K: tl.constexpr, CORE_KEY_ORDER: tl.constexpr = False):
+                        WITH_V: tl.constexpr, WITH_K: tl.constexpr):
     """8-bit attention's k and v for the ``BLOCK_L`` (= INT8_KEY_BLOCK)
     positions of block ``program_id(0)`` of one (batch, head), as
     ``reference.attention.smooth_quantize_qk`` and ``quantize_v_fp8``
@@ -658,9 +646,7 @@ def kv8_quantize_kernel(K, K8, K_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, ch
     cdiv(L, BLOCK_L)]``). WITH_V: v's tile in e4m3 with the channel scales
     (V_SCALE ``[B * H, D]``, written by the first block), stored transposed
     into VT8 (channel stride ``svtd``, unit position stride). Without
-    WITH_K, v's part alone (k quantized elsewhere: ``fused.qk_rope_int8``).
-    CORE_KEY_ORDER: VT8's positions hold the keys in the sm_90 core's order
-    (:func:`fp8_core_key`), for which BLOCK_L is a multiple of 32."""
+    WITH_K, v's part alone (k quantized elsewhere: ``fused.qk_rope_int8``)."""
     bh = tl.program_id(1)
     b = tl.cast(bh, tl.int64) // H
     h = bh - b * H
@@ -683,19 +669,14 @@ def kv8_quantize_kernel(K, K8, K_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, ch
         v_scale, v_inverse = _scale_of(tl.load(V_AMAX + totals, mask=cols < D, other=0.0), E4M3_MAX)
         if blk == 0:
             tl.store(V_SCALE + tl.cast(bh, tl.int64) * D + cols, v_scale, mask=cols < D)
-        keys = rows
-        if CORE_KEY_ORDER:  # gathered by row, so that the store along the positions stays in 16-byte vectors
-            keys = fp8_core_key(rows)
-        v = tl.load(V + b * svb + h * svh + keys[:, None].to(tl.int64) * svl + cols[None, :],
-                    mask=(keys < L)[:, None] & (cols < D)[None, :], other=0.0).to(tl.float32)
+        v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
         v8 = (v * v_inverse[None, :]).to(tl.float8e4nv)
         vt8 = VT8 + tl.cast(bh, tl.int64) * D * svtd + cols[None, :] * svtd + rows[:, None]
         # The transposed store runs along the keys, and a mask at L would split
         # its 16-byte vectors into L's divisibility (single bytes at Wan's 32760
         # keys). VT8's rows are padded to 16 keys, so the store covers the
-        # padding, with zeros (v's masked load gives 0 past L). In the core's
-        # order the keys below L still land below L rounded up to 16
-        # (fp8_core_key keeps a key's bit 4).
+        # padding, with zeros (v's masked load gives 0 past L).
         padded = (rows < tl.cdiv(L, 16) * 16)[:, None] & (cols < D)[None, :]
         tl.store(vt8, v8, mask=padded)
 

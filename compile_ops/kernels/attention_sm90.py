@@ -86,7 +86,7 @@ def _loader(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.con
     (once both consumers' last Q K^T of the previous item is done), then
     every key tile's K and V (the listed blocks' tiles, block-sparse) into
     the ring, which runs on across items."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
      work, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE) = args
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -179,45 +179,32 @@ def _scores(c, q_rows, k_smem, k_ready, s_init):
 
 
 @gluon.jit
-def _fp8_operand(p, a_layout: gl.constexpr):
-    """``2**8 p`` (fp32, a wgmma accumulator's layout) as the e4m3 A operand
-    of the next FP8 product, without moving a byte between threads: its
-    columns reordered within every 32 keys so that each thread's values are
-    already the operand's (V's keys are stored in that order,
-    :func:`fp8_key_position`). The accumulator puts columns 2t, 2t+1 (+8j)
-    in lane t of a quad, the 8-bit operand 4t..4t+3 (+16h): swapping key
-    bits (1, 2, 3) for (2, 3, 1) maps one onto the other, and what is left
-    is a reordering of a thread's own registers, which costs nothing."""
-    M: gl.constexpr = p.shape[0]
-    N: gl.constexpr = p.shape[1]
-    bits = p.to(gl.float8e4nv).reshape([M, N // 32, 2, 2, 2, 2, 2])  # key bits 4, 3, 2, 1, 0
-    bits = bits.permute((0, 1, 2, 4, 5, 3, 6))  # -> 4, 2, 1, 3, 0
-    return gl.convert_layout(bits.reshape([M, N]), a_layout)
-
-
-@gluon.jit
-def _next_carry(p, alpha, v_smem, p_layout: gl.constexpr):
-    """What a key step hands the next one, once its product is done: P in
-    registers, the next product's A operand, and with INT8_FP8 the tile's
-    alpha too (``(2**8 p in e4m3, keys reordered, alpha)``, :func:`_fp8_operand`).
-    Through Triton's own conversion an 8-bit P took byte permutes and warp
-    shuffles (161 ``shfl`` in the kernel's PTX), and the core ran 0.76-0.85x
-    ``attn_fwd_kernel`` so, against 0.93-1.00x with P through shared memory
-    (H200, bench/notes.md, "The sm_90 core's front ends")."""
+def _next_carry(p, alpha, v_smem, p_smem, p_layout: gl.constexpr):
+    """What a key step hands the next one, once its product is done. 16-bit:
+    P in registers, the next product's A operand. INT8_FP8: the tile's alpha,
+    with ``2**8 p`` rounded to e4m3 stored to this consumer's shared buffer
+    (the next product's A operand) and ordered before its reads (async
+    proxy). In registers, an 8-bit P takes Triton's conversion from the
+    scores' layout, byte permutes and warp shuffles (161 ``shfl`` in the
+    kernel's PTX), and the core ran 0.76-0.85x ``attn_fwd_kernel`` so,
+    against 0.93-1.00x through shared memory (H200, bench/notes.md, "The
+    sm_90 core's front ends")."""
     if v_smem.dtype == gl.float8e4nv:
-        return _fp8_operand(p, p_layout), alpha
+        p_smem.store(p.to(gl.float8e4nv))
+        fence_async_shared()
+        return alpha
     else:
         return gl.convert_layout(p.to(v_smem.dtype), p_layout)
 
 
 @gluon.jit
-def _pv_issue(carry, o, o_zero, v_smem, stage):
+def _pv_issue(carry, o, o_zero, v_smem, p_smem, stage):
     """Issue P V for the tile in ``stage`` (asynchronous): 16-bit, P the
-    carry and the rescaled O the accumulator; INT8_FP8, the carry's e4m3 P
+    carry and the rescaled O the accumulator; INT8_FP8, P from ``p_smem``
     into a fresh product (``attn_fwd_kernel``'s two-level accumulation: FP8
     MMAs keep fewer accumulator bits than fp32)."""
     if v_smem.dtype == gl.float8e4nv:
-        return warpgroup_mma(carry[0], v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False,
+        return warpgroup_mma(p_smem, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False,
                              is_async=True)
     else:
         return warpgroup_mma(carry, v_smem.index(stage), o, is_async=True)
@@ -227,11 +214,9 @@ def _pv_issue(carry, o, o_zero, v_smem, stage):
 def _pv_fold(token, carry, o, v_smem, o_rows: gl.constexpr):
     """Wait for the product ``_pv_issue`` started and fold it into O: the
     16-bit product is O itself; INT8_FP8's is added to O rescaled by the
-    product's tile's alpha (the carry's second part)."""
+    product's tile's alpha (the carry)."""
     if v_smem.dtype == gl.float8e4nv:
-        # Gluon's wait takes no 8-bit dependency, so P is not named; ptxas keeps an in-flight wgmma's
-        # register operand intact until its wait all the same (the GPU test's NaN-filled launches).
-        return o * gl.convert_layout(carry[1], o_rows)[:, None] + warpgroup_mma_wait(0, deps=[token])
+        return o * gl.convert_layout(carry, o_rows)[:, None] + warpgroup_mma_wait(0, deps=[token])
     else:
         # P (the carry) is named so that its registers live until the product is done.
         o, carry = warpgroup_mma_wait(0, deps=[token, carry])
@@ -239,7 +224,7 @@ def _pv_fold(token, carry, o, v_smem, o_rows: gl.constexpr):
 
 
 @gluon.jit
-def _key_step(j, c, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, k_ready, k_empty, v_ready,
+def _key_step(j, c, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
               v_empty, s_init, o_zero, qk_scale, key_limit, diagonal, MASKED: gl.constexpr,
               s_layout: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr):
     """Key tile j >= 1 of one consumer's work item, the c-th through the ring:
@@ -259,13 +244,13 @@ def _key_step(j, c, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, k_r
     SERIAL: gl.constexpr = k_smem.shape[1] > 2 * _ROWS
     if SERIAL:
         mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
-        o = _pv_fold(_pv_issue(carry, o, o_zero, v_smem, prev), carry, o, v_smem, o_rows)
+        o = _pv_fold(_pv_issue(carry, o, o_zero, v_smem, p_smem, prev), carry, o, v_smem, o_rows)
         mbarrier.arrive(v_empty.index(prev), count=1)
         s = warpgroup_mma_wait(0, deps=[_scores(c, q_rows, k_smem, k_ready, s_init)])
     else:
         s_token = _scores(c, q_rows, k_smem, k_ready, s_init)
         mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
-        o_token = _pv_issue(carry, o, o_zero, v_smem, prev)
+        o_token = _pv_issue(carry, o, o_zero, v_smem, p_smem, prev)
         s = warpgroup_mma_wait(1, deps=[s_token])  # wgmma groups complete in order: S_j is done
     mbarrier.arrive(k_empty.index(stage), count=1)
     row = row_q
@@ -277,11 +262,11 @@ def _key_step(j, c, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, k_r
         mbarrier.arrive(v_empty.index(prev), count=1)
     if not INT8_FP8:
         o = o * gl.convert_layout(alpha, o_rows)[:, None]
-    return _next_carry(p, alpha, v_smem, p_layout), o, m, l
+    return _next_carry(p, alpha, v_smem, p_smem, p_layout), o, m, l
 
 
 @gluon.jit
-def _key_tiles(it, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, q_empty, k_ready, k_empty, v_ready,
+def _key_tiles(it, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, q_empty, k_ready, k_empty, v_ready,
                v_empty, s_init, o_zero, qk_scale, n_tiles, n_full, key_limit, diagonal, s_layout: gl.constexpr,
                p_layout: gl.constexpr, o_rows: gl.constexpr):
     """One consumer's pass over its work item's ``n_tiles >= 1`` key tiles,
@@ -300,19 +285,19 @@ def _key_tiles(it, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, q_empty, k_
         p, m, l, alpha = _softmax(s, m, l, row, qk_scale, key_limit, diagonal, True, INT8_FP8, s_layout)
     else:
         p, m, l, alpha = _softmax(s, m, l, row, qk_scale, key_limit, diagonal, False, INT8_FP8, s_layout)
-    carry = _next_carry(p, alpha, v_smem, p_layout)
+    carry = _next_carry(p, alpha, v_smem, p_smem, p_layout)
     for j in range(1, n_full):
-        carry, o, m, l = _key_step(j, it + j, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem,
+        carry, o, m, l = _key_step(j, it + j, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem,
                                    k_ready, k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, key_limit, diagonal,
                                    False, s_layout, p_layout, o_rows)
     if n_tiles > n_full and n_full > 0:  # the masked tile after unmasked ones
         carry, o, m, l = _key_step(n_full, it + n_full, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem,
-                                   k_ready, k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, key_limit,
+                                   p_smem, k_ready, k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, key_limit,
                                    diagonal, True, s_layout, p_layout, o_rows)
     mbarrier.arrive(q_empty, count=1)  # every Q K^T of this item is done
     last = it + n_tiles - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-    o = _pv_fold(_pv_issue(carry, o, o_zero, v_smem, last % STAGES), carry, o, v_smem, o_rows)
+    o = _pv_fold(_pv_issue(carry, o, o_zero, v_smem, p_smem, last % STAGES), carry, o, v_smem, o_rows)
     mbarrier.arrive(v_empty.index(last % STAGES), count=1)
     return o, m, l
 
@@ -323,7 +308,7 @@ def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constex
     """One consumer warp group, over this program's work items: query rows
     ``q_start + 64 * HALF`` to 64 past it, through the item's key tiles, then
     their output rows and log-sum-exp."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
      work, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE) = args
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = q_smem.shape[1]
@@ -336,11 +321,12 @@ def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constex
                                                        instr_shape=[16, BLOCK_N, K_STEP])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, K_STEP])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if INT8_FP8 else 2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     qk_scale = scale * _LOG2E
     q_rows = q_smem.slice(_ROWS * HALF, _ROWS)
+    p_smem = p_smems.slice(_ROWS * HALF, _ROWS)
     it = 0  # key tiles consumed so far: the ring's position
     item = 0
     for w in range(gl.program_id(0), _work_items(work), gl.num_programs(0)):
@@ -370,7 +356,7 @@ def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constex
         if CAUSAL:
             diagonal = first_row - masked_start
         if n_tiles > 0:
-            o, m, l = _key_tiles(it, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, q_empty, k_ready,
+            o, m, l = _key_tiles(it, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, q_empty, k_ready,
                                  k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, n_tiles, n_full,
                                  kv_len - masked_start, diagonal, s_layout, p_layout, o_rows)
         else:
@@ -521,13 +507,13 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_S
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * _ROWS, D], matrix)
     k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, D], matrix)
     if INT8_FP8:
-        # The keys' core order puts some of the last ones past Lk, never past Lk rounded up to 16.
-        v_desc = tma.make_tensor_descriptor(V, [B, H // GROUP, D, gl.cdiv(Lk, 16) * 16], [svb, svh, svl, 1],
-                                            [1, 1, D, BLOCK_N], box)
+        v_desc = tma.make_tensor_descriptor(V, [B, H // GROUP, D, Lk], [svb, svh, svl, 1], [1, 1, D, BLOCK_N], box)
         v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, D, BLOCK_N], matrix)
+        p_smems = gl.allocate_shared_memory(gl.float8e4nv, [2 * _ROWS, BLOCK_N], matrix)
     else:
         v_desc = tma.make_tensor_descriptor(V, [B, H // GROUP, Lk, D], [svb, svh, svl, 1], [1, 1, BLOCK_N, D], box)
         v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_N, D], matrix)
+        p_smems = q_smem  # a stand-in: 16-bit P stays in registers
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -545,7 +531,7 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_S
     # partitions take the flags as constexpr arguments of their own.
     work = (gl.cdiv(Lq, 2 * _ROWS), BH, heads_per_group, KV_LEN, BLOCKS, COUNTS, H, GROUP, Lk, sob, soh,
             (sbb, sbh, sbr, scb, sch, scr), LSE)
-    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready,
             v_empty, work, OUT, LSE, sol, Lq, scale, Q_SCALE, K_SCALE, V_SCALE)
     gl.warp_specialize([(_consumer_low, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
                         (_consumer_high, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),

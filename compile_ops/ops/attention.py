@@ -256,7 +256,7 @@ def causal_order(shared: Tensor, length: int, rows: int) -> tuple[dict, int]:
 _LAUNCH_ORDER = (dict(HEAVY_FIRST=False), 1)
 
 
-def _takes_sm90_core(t: Tiles, c: dict, q: Tensor, k: Tensor, v: Optional[Tensor], seq_dim: int, v_seq_dim: int,
+def _takes_sm90_core(t: Tiles, c: dict, q: Tensor, k: Tensor, v: Tensor, seq_dim: int, v_seq_dim: int,
                      blocks: Optional[tuple], rounds_q: bool, fp8_rows: Optional[tuple]) -> bool:
     """Whether a forward runs on the sm_90 core: its tiles chose it, and the
     call is one the core computes (at least one key, TMA-aligned q, k and
@@ -268,14 +268,12 @@ def _takes_sm90_core(t: Tiles, c: dict, q: Tensor, k: Tensor, v: Optional[Tensor
     the portable kernel's 396 TFLOP/s at 2x24x4096x64, 448 against 412 at
     1x24x16384x64, but 360 against 377 at SD3's ragged 4429 tokens, 391
     against 410 with key lengths and 281 against 373 causal at 2x24x4096
-    (H100, ``bench/results/attention-sm90-core-d64-h100.json``). v None: v
-    is yet to be made by :func:`quantize_8bit`, whose e4m3 rows it takes."""
+    (H100, ``bench/results/attention-sm90-core-d64-h100.json``)."""
     eight_bit_ok = not rounds_q and fp8_rows is None and (blocks is None or q.dtype != torch.int8)
     wide_ok = t.block_n == meta.attention.SPARSE_BLOCK or (
         blocks is None and not c["consts"]["CAUSAL"] and not c["consts"]["HAS_KV_LEN"] and c["lk"] % t.block_n == 0)
-    v_ok = v is None or (_tma_ready(v_seq_dim, v) and not _broadcast(v_seq_dim, v))
-    return (t.sm90_core and eight_bit_ok and wide_ok and v_ok and c["lk"] > 0 and _tma_ready(seq_dim, q, k)
-            and not _broadcast(seq_dim, q, k))
+    return (t.sm90_core and eight_bit_ok and wide_ok and c["lk"] > 0 and _tma_ready(seq_dim, q, k)
+            and _tma_ready(v_seq_dim, v) and not _broadcast(seq_dim, q, k) and not _broadcast(v_seq_dim, v))
 
 
 def _broadcast(seq_dim: int, *tensors: Tensor) -> bool:
@@ -355,33 +353,10 @@ def _(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths=None, block_index=No
     return None
 
 
-def _core_gpu(q: Tensor) -> bool:
-    """Whether a forward on ``q`` may run on the sm_90 core: an sm_90 GPU, in
-    an eager call or a trace whose opaque op Python runs (an AOTInductor
-    package runs from C++ without Python, so it gets the Triton kernel,
-    which it compiles in)."""
-    return has_wgmma(q) and (on_eager_fast_path() or not building_aot_package())
-
-
-def eight_bit_on_core(q: Tensor, k: Tensor, v: Tensor, causal: bool, seq_dim: int,
-                      kv_lengths: Optional[Tensor], fp8_rows: bool) -> bool:
-    """Whether :func:`launch_forward` runs 8-bit attention with FP8 P V on
-    the sm_90 core, asked before v is quantized, since the core reads v's
-    keys in its own order (:func:`quantize_8bit`'s ``core_key_order``).
-    q and k int8 (q given quantized: the kernel that rounds q is the
-    portable one), v ``[B, Hk, Lk, D]`` or ``[B, Lk, Hk, D]`` 16-bit, as the
-    op has them; ``fp8_rows``: e4m3 output rows (portable). The e4m3 v that
-    :func:`quantize_8bit` makes is one the core's descriptors take."""
-    c = _common(q, k, causal, seq_dim, kv_lengths)
-    core = forward_tiles(int(c["d"]), v.dtype, True, "int8_fp8", _core_gpu(q))
-    return _takes_sm90_core(core, c, unit_last_stride(q), unit_last_stride(k), None, seq_dim, 2, None, False,
-                            (None, None) if fp8_rows else None)
-
-
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                    seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple] = None,
                    int8_scales: Optional[tuple] = None, v_scale: Optional[Tensor] = None,
-                   fp8_rows: Optional[tuple] = None, v_core_order: bool = False) -> None:
+                   fp8_rows: Optional[tuple] = None) -> None:
     """Fill ``out`` and ``lse`` (from the fake). ``blocks``: block-sparse
     attention's ``(index [B, H, Lq blocks, width], count [B, H, Lq blocks])``.
     ``int8_scales``: 8-bit attention's ``(q_scale [B, H, Lq], k_scale [B, Hk,
@@ -393,10 +368,7 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     scales; out's dtype is then q's original one (``out``'s). ``fp8_rows``
     (with ``v_scale``): ``(row_scale [B], out_scale [B, Lq])`` fp32, out being
     e4m3 ``[B, Lq, Hq, D]`` whatever seq_dim: the output written as the FP8
-    rows of ``reference.attention.attention_int8_fp8_rows``. ``v_core_order``
-    (with ``v_scale``): v's keys are in the sm_90 core's order
-    (:func:`quantize_8bit`), which the call must then run on, as
-    :func:`eight_bit_on_core` said before v was quantized."""
+    rows of ``reference.attention.attention_int8_fp8_rows``."""
     c = _common(q, k, causal, seq_dim, kv_lengths)
     if out.numel() == 0:
         return
@@ -417,11 +389,11 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     if pv_fp8 and v.stride(3) != 1:
         raise ValueError(f"launch_forward: FP8 P V takes v as [B, Hk, D, Lk] with unit key stride, got strides "
                          f"{tuple(v.stride())}")
-    core = forward_tiles(int(c["d"]), out.dtype, True, precision, _core_gpu(q))
-    on_core = _takes_sm90_core(core, c, q, k, v, seq_dim, v_seq_dim, blocks, int8 and q_scale is None, fp8_rows)
-    # An internal contract, not user input: the 8-bit ops quantize v in the order of the kernel that reads it.
-    assert not pv_fp8 or on_core == v_core_order, "v's keys are not in the order of the kernel that reads them"
-    if on_core:
+    # The sm_90 core, where a traced call can hold its opaque op: an AOTInductor package runs from C++
+    # without Python, so it gets the Triton kernel, which it compiles in.
+    wgmma = has_wgmma(q) and (on_eager_fast_path() or not building_aot_package())
+    core = forward_tiles(int(c["d"]), out.dtype, True, precision, wgmma)
+    if _takes_sm90_core(core, c, q, k, v, seq_dim, v_seq_dim, blocks, int8 and q_scale is None, fp8_rows):
         lists = blocks if blocks is not None else (None, None)
         scales = (q_scale, k_scale, v_scale) if pv_fp8 else (None, None, None)
         if on_eager_fast_path():  # launched as is, recorded for launch plans
@@ -589,7 +561,7 @@ def stat_rows_per_chunk(lk: int) -> int:
     return STAT_STEP * steps_per_chunk
 
 
-def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int, core_key_order: bool = False) -> tuple:
+def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tuple:
     """8-bit attention's k and v operands by Triton kernels: ``(k8, k_scale)``
     of ``reference.attention.smooth_quantize_qk`` and, with v, ``(vt8,
     v_scale)`` of :func:`fp8_values_transposed`, in three launches: the
@@ -600,9 +572,7 @@ def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int, core_k
     sum (an fp32 ulp, which can move a rare k value to the next integer). q
     has no pass: the attention kernel rounds each program's rows per token
     as it loads them (``QUANTIZE_Q``). k None: v's alone (q and k came
-    quantized from ``fused.qk_rope_int8``). ``core_key_order``: vt8's
-    positions hold the keys in the sm_90 core's order
-    (:func:`fp8_core_keys`), the whole padded rows being its operand.
+    quantized from ``fused.qk_rope_int8``).
 
     Args:
         k, v: ``[B, Hk, Lk, D]`` (seq_dim 2) or ``[B, Lk, Hk, D]`` (1),
@@ -640,41 +610,25 @@ def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int, core_k
         launcher(kv8_quantize_kernel)[(blocks, b * hk)](
             k, k8, k_scale, k_sum, v, vt8, v_amax, v_scale, hk, lk, chunks, *k_strides,
             *(_bhl_strides(k8, seq_dim) if with_k else (0, 0, 0)), *v_strides, vt8.stride(2) if with_v else 0,
-            BLOCK_L=reference.attention.INT8_KEY_BLOCK, CORE_KEY_ORDER=core_key_order, **QUANTIZE_LAUNCH, **consts)
+            BLOCK_L=reference.attention.INT8_KEY_BLOCK, **QUANTIZE_LAUNCH, **consts)
     return ((k8, k_scale) if with_k else ()) + ((vt8.narrow(3, 0, lk), v_scale) if with_v else ())
 
 
-def fp8_core_keys(positions: int) -> Tensor:
-    """The key at each of the first ``positions`` (a multiple of 16) of V's
-    transposed e4m3 rows in the sm_90 core's order: within every 32, the
-    position's bits (3, 2, 1) hold the key's bits (1, 3, 2)
-    (``kernels.attention.fp8_core_key``; why: ``attention_sm90._fp8_operand``).
-    A key of a row of Lk keys lands below Lk rounded up to 16 (bit 4 stays)."""
-    p = torch.arange(positions)
-    return (p & ~14) | (((p >> 2) & 1) << 1) | (((p >> 3) & 1) << 2) | (((p >> 1) & 1) << 3)
-
-
-def fp8_values_transposed(v: Tensor, seq_dim: int, core_key_order: bool = False) -> tuple[Tensor, Tensor]:
+def fp8_values_transposed(v: Tensor, seq_dim: int) -> tuple[Tensor, Tensor]:
     """``reference.attention.quantize_v_fp8`` of v (``[B, Hk, Lk, D]`` or
     ``[B, Lk, Hk, D]``) laid out as the FP8 P V kernel reads it: e4m3
     ``[B, Hk, D, Lk]`` with a unit key stride and rows padded to 16 bytes
     (TMA's row alignment), and the channel scales ``[B, Hk, D]``. In torch
     ops: the layout's specification, which :func:`quantize_8bit`'s kernel
-    writes (padding columns excepted), for the tests and benchmarks.
-    ``core_key_order``: the positions hold the keys of :func:`fp8_core_keys`
-    (zeros for keys past Lk), and the padding is part of the operand."""
+    writes (padding columns excepted), for the tests and benchmarks."""
     vf = v.float() if seq_dim == 2 else v.float().transpose(1, 2)
     v_scale, v_inverse = reference.attention.fp8_channel_scales(vf)
     lk = vf.shape[2]
     scaled = (vf * v_inverse.unsqueeze(2)).transpose(2, 3)
-    padded = lk + -lk % 16
-    if core_key_order:
-        keys = fp8_core_keys(padded).to(v.device)
-        scaled = torch.nn.functional.pad(scaled, (0, -lk % 32)).index_select(3, keys)
     # Contiguous whatever the padding: with none, pad returns the transposed view, and a cast
     # that preserved its strides would leave the keys D apart (the kernel reads them as adjacent).
-    vt = torch.nn.functional.pad(scaled, (0, padded - scaled.shape[3])).to(torch.float8_e4m3fn,
-                                                                           memory_format=torch.contiguous_format)
+    vt = torch.nn.functional.pad(scaled, (0, -lk % 16)).to(torch.float8_e4m3fn,
+                                                            memory_format=torch.contiguous_format)
     return vt.narrow(3, 0, lk), v_scale
 
 
@@ -697,14 +651,13 @@ def fp8_rows_scale(v_scale: Tensor) -> Tensor:
 
 
 def _launch_eight_bit(operands: tuple, v: Tensor, out: Tensor, scale: float, causal: bool, seq_dim: int,
-                      kv_lengths: Optional[Tensor], out_scale: Optional[Tensor] = None,
-                      v_core_order: bool = False) -> None:
+                      kv_lengths: Optional[Tensor], out_scale: Optional[Tensor] = None) -> None:
     """The body the 8-bit ops share: fill ``out`` from the forward kernel.
     ``operands``: ``(q8, q_scale, k8, k_scale)`` and, for FP8 P V, ``(vt8,
     v_scale)`` (:func:`quantize_8bit`'s tuple); without the latter P V is
     16-bit, on ``v``. ``out_scale`` ``[B, Lq]`` (FP8 P V only): out is the
     e4m3 rows of ``reference.attention.attention_int8_fp8_rows``, these their
-    scales. ``v_core_order``: vt8's keys are in the sm_90 core's order."""
+    scales."""
     q8, q_scale, k8, k_scale, *v_operands = operands
     b, h, lq, _ = meta.attention.dims(q8, seq_dim)
     lse = v.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
@@ -715,11 +668,10 @@ def _launch_eight_bit(operands: tuple, v: Tensor, out: Tensor, scale: float, cau
     vt8, v_scale = v_operands
     fp8_rows = None if out_scale is None else (fp8_rows_scale(v_scale), out_scale)
     launch_forward(q8, k8, vt8, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale),
-                   v_scale=v_scale, fp8_rows=fp8_rows, v_core_order=v_core_order)
+                   v_scale=v_scale, fp8_rows=fp8_rows)
 
 
-def _quantized(q: Optional[Tensor], k: Optional[Tensor], v: Tensor, seq_dim: int, pv_fp8: bool,
-               core_key_order: bool = False) -> tuple:
+def _quantized(q: Optional[Tensor], k: Optional[Tensor], v: Tensor, seq_dim: int, pv_fp8: bool) -> tuple:
     """The 8-bit kernel's operands: q as given (16-bit, no scale: the kernel
     rounds it, ``QUANTIZE_Q``), :func:`quantize_8bit` of k and, for FP8 P V,
     v, in one pass where they share it (q and k None: they came quantized,
@@ -727,12 +679,11 @@ def _quantized(q: Optional[Tensor], k: Optional[Tensor], v: Tensor, seq_dim: int
     torch.export): the Triton passes beat Inductor's fusion of the
     specification's torch ops at every measured shape for ``int8_fp8`` (H100,
     1x24x4608x128: 568 TFLOP/s eager against 541 compiled with the torch
-    ops; bench/notes.md), and one path is what both modes then run.
-    ``core_key_order``: v's keys in the sm_90 core's order (:func:`quantize_8bit`)."""
+    ops; bench/notes.md), and one path is what both modes then run."""
     if q is None and not pv_fp8:
         return ()
     q, k, v = (None if t is None else unit_last_stride(t) for t in (q, k, v))
-    operands = quantize_8bit(k, v if pv_fp8 else None, seq_dim, core_key_order)
+    operands = quantize_8bit(k, v if pv_fp8 else None, seq_dim)
     # q stays 16-bit, without a scale: the attention kernel rounds each program's rows itself (QUANTIZE_Q).
     return operands if q is None else (q, None) + operands
 
@@ -775,10 +726,8 @@ def _attention_qk8_op(q: Tensor, q_scale: Tensor, k: Tensor, k_scale: Tensor, v:
                                                   pv_fp8, fp8_rows)
     if pv_fp8:
         require_fp8_mma(q, "8-bit attention with P V in FP8")
-    on_core = pv_fp8 and eight_bit_on_core(q, k, v, causal, seq_dim, kv_lengths, fp8_rows)
-    operands = (q, q_scale, k, k_scale) + _quantized(None, None, v, seq_dim, pv_fp8, on_core)
-    _launch_eight_bit(operands, v, out, scale, causal, seq_dim, kv_lengths, out_scale if fp8_rows else None,
-                      on_core)
+    operands = (q, q_scale, k, k_scale) + _quantized(None, None, v, seq_dim, pv_fp8)
+    _launch_eight_bit(operands, v, out, scale, causal, seq_dim, kv_lengths, out_scale if fp8_rows else None)
     return out, out_scale
 
 
