@@ -4,7 +4,9 @@
 
 bf16, [B, H, L, D] (SDPA's layout), self-attention at the DiT shapes of
 shared/DESIGN.md. Providers: ``fused_eager`` (``compile_ops.attention``),
-``fused_compiled`` (it under ``torch.compile(fullgraph=True)``), ``sdpa_flash``,
+``fused_compiled`` (it under ``torch.compile(fullgraph=True)``), ``fused_atomic_dq``
+(``fused_eager`` with ``compile_ops.set_attention_backward(deterministic=False)``:
+the five-product sm_90 backward where it applies), ``sdpa_flash``,
 ``sdpa_cudnn``, ``sdpa_efficient`` (``F.scaled_dot_product_attention`` pinned to
 one backend) and ``flex_compiled`` (``torch.compile(flex_attention)``, no mask).
 TFLOP/s as the anchors count them: forward ``4 B H Lq Lk D`` (halved when
@@ -51,7 +53,7 @@ def providers(causal: bool) -> dict:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return call
 
-    out = {"fused_eager": fused, "fused_compiled": torch.compile(fused, fullgraph=True),
+    out = {"fused_eager": fused, "fused_compiled": torch.compile(fused, fullgraph=True), "fused_atomic_dq": fused,
            "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
            "sdpa_efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION)}
     try:
@@ -308,6 +310,8 @@ def main(argv=None) -> int:
         rows = int8_comparison(shapes, timer)
         print(f"wrote {write_results(args.out, 'attention-int8', env, rows)}", flush=True)
         return 1 if any("error" in r and r["provider"].startswith("fused") for r in rows) else 0
+    import compile_ops
+
     rows, failed = [], False
     for b, h, length, d in shapes:
         torch._dynamo.reset()
@@ -317,6 +321,7 @@ def main(argv=None) -> int:
         for name, fn in providers(args.causal).items():
             row = {"shape": [b, h, length, d], "causal": args.causal, "provider": name}
             try:
+                compile_ops.set_attention_backward(deterministic=name != "fused_atomic_dq")
                 row.update(measure(fn, q, k, v, timer))
                 row["fwd_TFLOPs"] = flops / row["fwd_ms"] / 1e9
                 row["fwdbwd_TFLOPs"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
@@ -326,6 +331,8 @@ def main(argv=None) -> int:
                 row["error"] = f"{type(e).__name__}: {e}"[:400]
                 failed |= name.startswith("fused")
                 print(f"{b}x{h}x{length}x{d} {name:<15} FAILED {row['error'][:200]}", flush=True)
+            finally:
+                compile_ops.set_attention_backward(deterministic=True)
             rows.append(row)
         del q, k, v
         torch.cuda.empty_cache()

@@ -8,7 +8,8 @@ from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.moe import MoEFeedForward
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
-from compile_ops.ops.attention import Int8QK, attention, attention_fp8_rows, scaled_dot_product_attention
+from compile_ops.ops.attention import (Int8QK, attention, attention_fp8_rows, scaled_dot_product_attention,
+                                      set_attention_backward)
 from compile_ops.ops.block_sparse import (BlockSparseMask, block_index_from_mask, block_sparse_attention, radial_mask,
                                           sliding_tile_block_mask, sliding_tile_mask, tile_permutation,
                                           topk_block_index)
@@ -67,7 +68,7 @@ __all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm",
            "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous",
            "rope", "rope_qk", "rope_grid", "qk_norm_rope", "grid_rope", "GridRope",
            "geglu", "swiglu", "GEGLU", "SwiGLU", "attention", "attention_fp8_rows", "Int8QK",
-           "scaled_dot_product_attention",
+           "scaled_dot_product_attention", "set_attention_backward",
            "moe_route", "MoEFeedForward",
            "block_sparse_attention", "BlockSparseMask", "block_index_from_mask", "sliding_tile_mask", "tile_permutation",
            "radial_mask", "topk_block_index", "sliding_tile_block_mask",

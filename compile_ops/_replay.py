@@ -77,7 +77,8 @@ def launch_hooks_set() -> bool:
 def signature(args, kwargs) -> Optional[tuple]:
     """The key of a call (see the module docstring), or None when an argument
     is of a kind plans do not handle (the call then runs the body)."""
-    key = [torch.get_float32_matmul_precision()]
+    # Globals that choose kernels: fp32 dots' precision, and (the attention backward's) deterministic algorithms.
+    key = [torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled()]
     for a in (*args, *kwargs.values()):
         if type(a) in PLAIN_TENSORS:
             key.append((a.dtype, a.get_device(), a.shape, a.stride(), a.data_ptr() % 16))

@@ -1186,6 +1186,91 @@ def test_head_dim_64_core_rule_guards_a_symbolic_key_length(length, monkeypatch)
     assert guard in [str(g.expr) for g in env.guards]
 
 
+def _deterministic_algorithms():
+    """``torch.use_deterministic_algorithms(True)`` for a block, restored after."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def guard():
+        before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(before)
+    return guard()
+
+
+def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeypatch):
+    """Traced on fake CUDA tensors of a faked sm_90 GPU: ``fused.attention_backward``
+    runs the three deterministic passes by default; with
+    ``set_attention_backward(deterministic=False)`` a dense non-causal
+    16-bit call at D = 128 with Lk a multiple of 128 runs the five-product
+    kernel's opaque op and dq's cast, and every other call (causal, key
+    lengths, Lk = 300, D = 64, fp32, or torch's deterministic algorithms
+    on) keeps the three passes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compile_ops.ops import attention as attention_ops
+
+    five = ["attn_bwd_row_stats_kernel", "fused_gluon.attention_backward_sm90_.default",
+            "attn_bwd_dq_from_acc_kernel"]
+    three = ["attn_bwd_row_stats_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
+    monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: t.device.type == "cuda")
+
+    def launches(lk=256, d=128, dtype=torch.bfloat16, causal=False, with_lengths=False):
+        with FakeTensorMode():
+            q, grad, out = (torch.empty(2, 3, 200, d, dtype=dtype, device="cuda") for _ in range(3))
+            k, v = (torch.empty(2, 3, lk, d, dtype=dtype, device="cuda") for _ in range(2))
+            lse = torch.empty(2, 3, 200, device="cuda")
+            lengths = torch.empty(2, dtype=torch.int32, device="cuda") if with_lengths else None
+            return _traced_launches("fused::attention_backward", grad, q, k, v, out, lse, 0.125, causal, 2, lengths)
+
+    assert launches() == three
+    compile_ops.set_attention_backward(deterministic=False)
+    try:
+        assert launches() == five
+        for other in (dict(causal=True), dict(with_lengths=True), dict(lk=300), dict(d=64),
+                      dict(dtype=torch.float32)):
+            assert launches(**other) == three, other
+        with _deterministic_algorithms():
+            assert launches() == three
+    finally:
+        compile_ops.set_attention_backward(deterministic=True)
+    assert launches() == three
+
+
+@pytest.mark.kernels
+def test_kernels_five_product_backward_statistics_zero_and_cast_dq():
+    """The Triton halves of the five-product backward (its Gluon kernel runs
+    on sm_90 GPUs only): the statistics pass zeroes every padded row of the
+    dq accumulator it is given (NaN-filled before), and the cast writes
+    ``scale * accumulator`` into dq's strided rows, the padded rows left
+    out, in dq's dtype."""
+    from compile_ops.kernels.attention import attn_bwd_dq_from_acc_kernel, attn_bwd_row_stats_kernel
+    from compile_ops.ops import attention as attention_ops
+
+    dev = KERNEL_DEVICE
+    b, h, lq, d = 2, 3, 100, 32
+    out, grad = (torch.randn(b, lq, h, d, device=dev, dtype=torch.float16) for _ in range(2))
+    lse = torch.randn(b, h, lq, device=dev)
+    rows = 128  # _stats_row_length(100)
+    delta, lse_rows = (torch.empty(b * h, rows, device=dev) for _ in range(2))
+    acc = torch.full((b * h, rows, d), float("nan"), device=dev)
+    attention_ops.launcher(attn_bwd_row_stats_kernel)[(rows // 64, b * h)](
+        out, grad, lse, delta, lse_rows, h, lq, *out.stride()[:1], out.stride(2), out.stride(1),
+        *grad.stride()[:1], grad.stride(2), grad.stride(1), D=d, BLOCK_D=d, BLOCK_M=64, ACC=tl.float32,
+        DQ_ACC=acc, num_warps=4)
+    assert torch.equal(acc, torch.zeros_like(acc))
+    torch.testing.assert_close(delta[:, :lq], (out.float() * grad.float()).sum(-1).transpose(1, 2).reshape(b * h, lq))
+    acc = torch.randn(b * h, rows, d, device=dev)
+    dq = torch.full((b, lq, h, d), float("nan"), device=dev, dtype=torch.bfloat16)
+    attention_ops.launcher(attn_bwd_dq_from_acc_kernel)[(triton.cdiv(lq, 64), b * h)](
+        acc, dq, h, lq, dq.stride(0), dq.stride(2), dq.stride(1), 0.125, D=d, BLOCK_D=d, BLOCK_M=64, num_warps=4)
+    want = (acc.view(b, h, rows, d)[:, :, :lq] * 0.125).to(torch.bfloat16).transpose(1, 2)
+    assert torch.equal(dq, want)
+
+
 def test_8bit_forward_takes_the_sm90_core_only_with_q_given_in_int8(monkeypatch):
     """With ``"int8_fp8"`` among the core's precisions (it is built and tested,
     and joins by default once measured ahead), traced on fake CUDA tensors
@@ -1355,6 +1440,57 @@ def test_sm90_core_wide_tiles_at_head_dim_64_match_the_reference(dtype, monkeypa
                                                 seq_dim)
             assert torch.equal(again, out) and torch.equal(again_lse, lse), (case, programs)
     clear_launch_plans()
+
+
+@pytest.mark.skipif(not _SM90, reason="the Gluon core runs on sm_90 GPUs only")
+def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
+    """``compile_ops.set_attention_backward(deterministic=False)`` on sm_90:
+    the five-product Gluon backward runs (it is launched, the three passes
+    are not) over a ragged Lq, GQA, both layouts, fp16 and bf16, and gives
+    dk and dv bit for bit the deterministic passes' (the same products in
+    the same order), the same on reruns; dq within the two-reference rule
+    of the fp64 gradient, and within 1e-3 (relative L2) of the deterministic
+    dq, which it differs from only in the order of its fp32 sums. With
+    ``torch.use_deterministic_algorithms(True)`` the three passes run."""
+    from compile_ops.ops import attention as attention_ops
+
+    launched, launcher = [], attention_ops.launcher
+    monkeypatch.setattr(attention_ops, "launcher",
+                        lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
+    for b, h, hk, lq, lk, seq_dim, dtype in [(1, 4, 4, 1000, 1024, 2, torch.bfloat16),
+                                             (2, 8, 2, 333, 256, 1, torch.float16),
+                                             (1, 2, 2, 64, 128, 2, torch.bfloat16),
+                                             (1, 3, 3, 4680, 4608, 1, torch.bfloat16)]:
+        torch.manual_seed(lq + lk)
+        q, k, v = _qkv(b, h, hk, lq, lk, 128, seq_dim, dtype, "cuda")
+        out = compile_ops.attention(q, k, v, None, False, seq_dim)
+        dout = torch.randn_like(out)
+        case = (b, h, hk, lq, lk, seq_dim, dtype)
+        clear_launch_plans()
+        want = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        compile_ops.set_attention_backward(deterministic=False)
+        try:
+            launched.clear()
+            got = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(3)]
+            assert "attn_bwd_sm90_kernel" in launched and "attn_bwd_dq_kernel" not in launched, (case, launched)
+            with _deterministic_algorithms():
+                launched.clear()
+                pinned = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+                assert "attn_bwd_sm90_kernel" not in launched and "attn_bwd_dq_kernel" in launched, case
+        finally:
+            compile_ops.set_attention_backward(deterministic=True)
+            clear_launch_plans()
+        assert all(torch.equal(p, w) for p, w in zip(pinned, want)), case
+        dq, dk, dv = got[0]
+        assert torch.equal(dk, want[1]) and torch.equal(dv, want[2]), case
+        assert all(torch.equal(again[1], dk) and torch.equal(again[2], dv) for again in got[1:]), case
+        assert ((dq.float() - want[0].float()).norm() / want[0].float().norm()).item() < 1e-3, case
+        qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+        exact, _ = ref.attention(qd, kd, vd, 128 ** -0.5, False, seq_dim, None)
+        exact_dq = torch.autograd.grad(exact, qd, dout.double())[0]
+        theirs = torch_at_dtype(q, k, v, dout, 128 ** -0.5, False, seq_dim, None)[1]
+        for again in got:
+            assert_within_torch_error(again[0], exact_dq, theirs[0], 3.0, f"dq {case}", fp32_roundings=128)
 
 
 @pytest.mark.skipif(not _SM90, reason="the Gluon core runs on sm_90 GPUs only")

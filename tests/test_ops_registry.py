@@ -358,7 +358,7 @@ def test_launchers_never_synchronize_with_the_device(spec):
 def test_launch_plan_signature_tells_apart_what_launchers_depend_on():
     """Calls that may launch differently have different keys: dtype, shape,
     strides, pointer alignment, scalar values and their types, argument names,
-    torch's fp32 matmul precision; a kind of argument plans do not cover
+    torch's fp32 matmul precision and deterministic algorithms; a kind of argument plans do not cover
     (a list) gives no key, so that call runs its body."""
     from compile_ops._replay import signature
 
@@ -375,6 +375,12 @@ def test_launch_plan_signature_tells_apart_what_launchers_depend_on():
         assert signature((x, 1e-6), {}) != key
     finally:
         torch.set_float32_matmul_precision(previous)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(not deterministic)  # it picks the attention backward's kernels
+    try:
+        assert signature((x, 1e-6), {}) != key
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     assert signature((x, [1, 2]), {}) is None
     # A module's weight is a Parameter: a plain tensor to plans (the key of its data).
     assert signature((torch.nn.Parameter(x), 1e-6), {}) == key

@@ -413,6 +413,59 @@ def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(variant
     assert not _spills_in_innermost_loops(sass), (name, _spills_in_innermost_loops(sass))
 
 
+def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
+    """``set_attention_backward(deterministic=False)``'s kernels: traced on a
+    faked sm_90 GPU, ``fused.attention_backward`` launches the statistics
+    pass with its dq zeroing and dq's cast, which compile for sm_90; the
+    Gluon kernel (bf16 and fp16) compiles with its partitions' register
+    budgets and spills nothing (ptxas)."""
+    import re
+    import subprocess
+
+    from triton import knobs
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from compile_ops.kernels.attention_sm90 import attn_bwd_sm90_kernel as kernel
+    from compile_ops.ops import attention as attention_ops
+
+    monkeypatch.setattr(attention_ops, "has_tma", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(attention_ops, "ATOMIC_DQ", True)
+    spec = next(s for s in registry.OPS if s.name == "attention_backward")
+
+    def backward(grad, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths):  # D = 128, Lk 256: the kernel's calls
+        b, h, lq = grad.shape[:3] if seq_dim == 2 else (grad.shape[0], grad.shape[2], grad.shape[1])
+        q, grad, out = (torch.empty(b, h, lq, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        k, v = (torch.empty(b, h, 256, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        return OP_BODIES[spec.qualname](grad, q, k, v, out, lse, scale, False, 2, None)
+
+    launches = _launches(spec, torch.bfloat16, backward)
+    names = {kernel.fn.__name__ for kernel, _, _ in launches.values()}
+    assert names == {"attn_bwd_row_stats_kernel", "attn_bwd_dq_from_acc_kernel"}, names
+    assert all(signature.get("DQ_ACC") == "*fp32"  # the statistics pass zeroes the accumulator
+               for kernel, signature, _ in launches.values() if kernel.fn.__name__ == "attn_bwd_row_stats_kernel")
+    _compile_with_constant_ints(list(launches.values()))
+    launch = attention_ops.SM90_CORE_LAUNCH
+    for dtype in ("bf16", "fp16"):
+        pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", DO=f"*{dtype}", LSE_ROWS="*fp32", DELTA="*fp32",
+                        DQ_ACC="*fp32", DK=f"*{dtype}", DV=f"*{dtype}")
+        constants = dict(D=128, STAGES=attention_ops.SM90_BACKWARD_STAGES,
+                         CONSUMER_REGS=attention_ops.SM90_CORE_CONSUMER_REGS, num_warps=4)
+        signature = {p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
+                     for p in kernel.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.arg_names) if p in pointers}
+        ptx = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
+                             target=GPUTarget("cuda", 90, 32),
+                             options=dict(num_warps=launch["num_warps"], maxnreg=launch["maxnreg"])).asm["ptx"]
+        budgets = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
+        assert {24, attention_ops.SM90_CORE_CONSUMER_REGS} <= budgets, (dtype, sorted(budgets))
+        assert "cp.reduce.async.bulk.tensor" in ptx, dtype  # dq added by TMA reductions
+        (tmp_path / "bwd.ptx").write_text(ptx)
+        report = subprocess.run([knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "bwd.ptx"), "-o",
+                                 str(tmp_path / "bwd.cubin")], capture_output=True, text=True, check=True).stderr
+        assert "0 bytes spill stores" in report, (dtype, report)
+
+
 def _spills_in_innermost_loops(sass: str) -> list:
     """The local-memory loads and stores (spills) of a SASS listing that sit
     in an innermost loop: the span of a backward branch that holds no other

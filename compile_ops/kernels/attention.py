@@ -702,12 +702,15 @@ def _stats_row_length(Lq):
 
 @triton.jit
 def attn_bwd_row_stats_kernel(OUT, DO, LSE, DELTA, LSE_ROWS, H, Lq, sob, soh, sol, sdb, sdh, sdl,
-                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ACC: tl.constexpr):
+                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ACC: tl.constexpr,
+                              DQ_ACC=None):
     """The backward's per-query statistics, ``[B * H, _stats_row_length(Lq)]``
     fp32 each (the grid covers the padded rows; BLOCK_M divides
     STATS_ROW_ALIGN): DELTA = rowsum(dO * O), 0 past Lq; LSE_ROWS = the
     forward's LSE ``[B * H, Lq]``, +inf past Lq and for rows with no visible
-    key, so that their probabilities are 0."""
+    key, so that their probabilities are 0. DQ_ACC (the five-product
+    backward's dq accumulator, ``[B * H, _stats_row_length(Lq), D]`` fp32):
+    its rows zeroed in the same pass, not by a launch of their own."""
     _, _, o_off, do_off = _program_head(tl.program_id(1), H, 1, sob, soh, sdb, sdh)  # O and dO share q's heads
     start = tl.program_id(0) * BLOCK_M
     offs = tl.arange(0, BLOCK_M)
@@ -720,6 +723,27 @@ def attn_bwd_row_stats_kernel(OUT, DO, LSE, DELTA, LSE_ROWS, H, Lq, sob, soh, so
     padded = head * _stats_row_length(Lq) + rows
     tl.store(DELTA + padded, tl.sum(o * do, 1))  # rows past Lq loaded as zeros: 0
     tl.store(LSE_ROWS + padded, tl.where(lse == float("-inf"), float("inf"), lse))
+    if DQ_ACC is not None:
+        tl.store(DQ_ACC + padded[:, None] * D + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                 mask=(offs_d < D)[None, :])
+
+
+@triton.jit
+def attn_bwd_dq_from_acc_kernel(DQ_ACC, DQ, H, Lq, sqb, sqh, sql, scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                                BLOCK_M: tl.constexpr):
+    """dq = scale * DQ_ACC (the five-product backward's fp32 sums of dS K,
+    ``[B * H, _stats_row_length(Lq), D]``) in dq's dtype and layout (strides
+    ``sq*`` over ``[B, H, Lq, D]``, unit along D)."""
+    head = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < Lq)[:, None] & (cols < D)[None, :]
+    acc = tl.load(DQ_ACC + (head.to(tl.int64) * _stats_row_length(Lq) + rows)[:, None] * D + cols[None, :],
+                  mask=mask, other=0.0)
+    b = head // H
+    h = head - b * H
+    tl.store(DQ + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows.to(tl.int64)[:, None] * sql + cols[None, :],
+             (acc * scale).to(DQ.dtype.element_ty), mask=mask)
 
 
 @triton.jit

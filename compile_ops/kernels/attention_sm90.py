@@ -65,8 +65,10 @@ Gluon does not run under the interpreter: the CPU tests compile every
 variant for sm_90 (tests/test_sm90_compile.py), the GPU tests compare them
 with the portable kernel.
 """
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
@@ -536,3 +538,203 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_S
     gl.warp_specialize([(_consumer_low, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
                         (_consumer_high, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
                         (_loader, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST))], [4, 1], [CONSUMER_REGS, 24])
+
+
+# ---------------------------------------------------------------- backward (five products, dq added)
+
+
+@builtin
+def _tma_add(tensor_desc, coord, src, _semantic=None):
+    """Add the shared-memory tile ``src`` into the global tile of ``tensor_desc``
+    at ``coord`` (a TMA bulk reduction, ``cp.reduce.async.bulk.tensor ...
+    add``, asynchronous, committed as a bulk group like a TMA store): Gluon
+    3.6 builds the operation but exports no function for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _bwd_loader(args):
+    """The producer warp of the backward: this program's K and V tiles once,
+    then each step's q and dO tiles and the step's rows of the statistics
+    (lse, delta), every query head of the GQA group in turn, into a ring."""
+    (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, H, GROUP, Lq, scale, sdkb, sdkh, sdkl,
+     sdvb, sdvh, sdvl) = args
+    STAGES: gl.constexpr = q_smem.shape[0]
+    b = gl.program_id(1) // (H // GROUP)
+    hk = gl.program_id(1) % (H // GROUP)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, gl.program_id(0) * 2 * _ROWS, 0], kv_bar, _box(k_smem))
+    tma.async_copy_global_to_shared(v_desc, [b, hk, gl.program_id(0) * 2 * _ROWS, 0], kv_bar, _box(v_smem))
+    n_steps = gl.cdiv(Lq, _ROWS)
+    for i in range(GROUP * n_steps):
+        h = hk * GROUP + i // n_steps
+        m0 = (i % n_steps) * _ROWS
+        stage = i % STAGES
+        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                        + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], ready.index(stage), _box(q_smem.index(stage)))
+        tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], ready.index(stage), _box(do_smem.index(stage)))
+        tma.async_copy_global_to_shared(lse_desc, [b * H + h, m0], ready.index(stage), lse_smem.index(stage))
+        tma.async_copy_global_to_shared(delta_desc, [b * H + h, m0], ready.index(stage), delta_smem.index(stage))
+
+
+@gluon.jit
+def _bwd_consumer(args, W: gl.constexpr):
+    """Consumer warp group W of the backward: keys ``64 W`` to ``64 W + 63`` of
+    the program's tile, through every step of 64 queries. S^T and dP^T (64
+    keys x 64 queries) issued together; P^T and dS^T from them, in registers,
+    the A operands of dV += P^T dO and dK += dS^T Q; dS^T into this group's
+    half of a shared [128 keys, 64 queries] tile, and once both halves are
+    there (``ds_full``) dQ's channels ``64 W`` to ``64 W + 63`` = dS K over all
+    128 keys, added into DQ_ACC by two TMA reductions of 64 x 32 (the next
+    step rewrites their buffers once the reductions have read them; a second
+    pair of buffers measured no faster, bench/notes.md)."""
+    (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, H, GROUP, Lq, scale, sdkb, sdkh, sdkl,
+     sdvb, sdvh, sdvl) = args
+    STAGES: gl.constexpr = q_smem.shape[0]
+    D: gl.constexpr = q_smem.shape[2]
+    QUARTER: gl.constexpr = D // 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, _ROWS, 16])
+    d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    quarter_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, QUARTER, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
+    b = gl.program_id(1) // (H // GROUP)
+    hk = gl.program_id(1) % (H // GROUP)
+    k_rows = k_smem.slice(_ROWS * W, _ROWS)
+    v_rows = v_smem.slice(_ROWS * W, _ROWS)
+    qk_scale = scale * _LOG2E
+    dk = gl.zeros([_ROWS, D], gl.float32, d_layout)
+    dv = gl.zeros([_ROWS, D], gl.float32, d_layout)
+    s_zero = gl.zeros([_ROWS, _ROWS], gl.float32, s_layout)
+    dq_zero = gl.zeros([_ROWS, QUARTER], gl.float32, quarter_layout)
+    n_steps = gl.cdiv(Lq, _ROWS)
+    mbarrier.wait(kv_bar, 0)
+    for i in range(GROUP * n_steps):
+        h = hk * GROUP + i // n_steps
+        m0 = (i % n_steps) * _ROWS
+        stage = i % STAGES
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        qs = q_smem.index(stage)
+        dos = do_smem.index(stage)
+        s_token = warpgroup_mma(k_rows, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_token = warpgroup_mma(v_rows, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=[s_token])
+        # The step's statistics as [1, 64] rows in the scores' layout, read as late as they are needed
+        # (registers): lse is +inf past Lq and for rows that saw no key, so that their P is 0.
+        p = gl.exp2(st * qk_scale - lse_smem.index(stage).load(s_layout) * _LOG2E)
+        p_op = gl.convert_layout(p.to(q_smem.dtype), op_layout)
+        dv_token = warpgroup_mma(p_op, dos, dv, is_async=True)
+        dp = warpgroup_mma_wait(1, deps=[dp_token])
+        ds = (p * (dp - delta_smem.index(stage).load(s_layout))).to(q_smem.dtype)
+        ds_op = gl.convert_layout(ds, op_layout)
+        dk_token = warpgroup_mma(ds_op, qs, dk, is_async=True)
+        buf = i % 2  # ds_smem's buffer: the other one may still be read by the other group's dQ product
+        ds_smem.index(buf).slice(_ROWS * W, _ROWS).store(ds)
+        fence_async_shared()
+        mbarrier.arrive(ds_full.index(buf), count=1)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
+        mbarrier.arrive(empty.index(stage), count=1)  # this step's q, dO and statistics are done with
+        mbarrier.wait(ds_full.index(buf), (i // 2) & 1)
+        ds_t = ds_smem.index(buf).permute((1, 0))  # dS: [64 queries, 128 keys]
+        first = warpgroup_mma(ds_t, k_smem.slice(2 * QUARTER * W, QUARTER, dim=1), dq_zero, use_acc=False,
+                              is_async=True)
+        second = warpgroup_mma(ds_t, k_smem.slice(2 * QUARTER * W + QUARTER, QUARTER, dim=1), dq_zero,
+                               use_acc=False, is_async=True)
+        first, second = warpgroup_mma_wait(0, deps=[first, second])
+        tma.store_wait(0)  # the step before's reductions have read dq_smem
+        gl.thread_barrier()
+        dq_smem.index(2 * W).store(first)
+        dq_smem.index(2 * W + 1).store(second)
+        fence_async_shared()
+        gl.thread_barrier()
+        _tma_add(dqa_desc, [b * H + h, m0, 2 * QUARTER * W], dq_smem.index(2 * W).reshape([1, _ROWS, QUARTER]))
+        _tma_add(dqa_desc, [b * H + h, m0, 2 * QUARTER * W + QUARTER],
+                 dq_smem.index(2 * W + 1).reshape([1, _ROWS, QUARTER]))
+    tma.store_wait(0)  # shared memory must outlive the reductions that read it
+    # dK = scale dS^T Q; dV = P^T dO.
+    keys = gl.program_id(0) * 2 * _ROWS + _ROWS * W + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, d_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
+    keys = keys.to(gl.int64)[:, None]
+    gl.store(DK + b.to(gl.int64) * sdkb + hk.to(gl.int64) * sdkh + keys * sdkl + cols[None, :],
+             (dk * scale).to(DK.dtype.element_ty))
+    gl.store(DV + b.to(gl.int64) * sdvb + hk.to(gl.int64) * sdvh + keys * sdvl + cols[None, :],
+             dv.to(DV.dtype.element_ty))
+
+
+@gluon.jit
+def _bwd_consumer_low(args):
+    _bwd_consumer(args, 0)
+
+
+@gluon.jit
+def _bwd_consumer_high(args):
+    _bwd_consumer(args, 1)
+
+
+@gluon.jit
+def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, sqb, sqh, sql, skb, skh, skl, svb, svh, svl,
+                         sdb, sdh, sdl, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl, stats_row, B, H, GROUP, Lq, Lk, scale,
+                         D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         num_warps: gl.constexpr):
+    """The attention backward in five products a (key tile, query step): dK
+    and dV of 128 keys of one (batch, k head) per program, and dQ added into
+    DQ_ACC by TMA reductions in whatever order the programs run (not bit
+    for bit the same from run to run; ``ops.attention`` takes it only when
+    asked: ``ATOMIC_DQ``). Dense, non-causal, without key lengths, Lk a
+    multiple of 128 (no key mask); any Lq (LSE_ROWS is +inf past it).
+
+    Q, DO ``[B, H, Lq, D]`` and K, V, DK, DV ``[B, H / GROUP, Lk, D]`` 16-bit,
+    any layout through the (batch, head, position) strides, a unit stride
+    along D, TMA-aligned (Q, K, V, DO); LSE_ROWS and DELTA ``[B * H,
+    stats_row]`` fp32 (``attn_bwd_row_stats_kernel``'s padded rows); DQ_ACC
+    ``[B * H, stats_row, D]`` fp32, zeroed, receives dS K (dq less its
+    scale). Launch ``(Lk / 128, B * H / GROUP)`` programs with
+    ``num_warps=4`` and ``maxnreg=168`` (the forward core's budgets:
+    CONSUMER_REGS for both consumer groups, 24 for the loader)."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
+    gl.static_assert(D % 64 == 0, "dQ's quarters are 128-byte rows of fp32")
+    box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    matrix: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    stats: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    quarter: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    quarters: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
+    Hk = H // GROUP
+    q_desc = tma.make_tensor_descriptor(Q, [B, H, Lq, D], [sqb, sqh, sql, 1], [1, 1, _ROWS, D], box)
+    do_desc = tma.make_tensor_descriptor(DO, [B, H, Lq, D], [sdb, sdh, sdl, 1], [1, 1, _ROWS, D], box)
+    k_desc = tma.make_tensor_descriptor(K, [B, Hk, Lk, D], [skb, skh, skl, 1], [1, 1, 2 * _ROWS, D], box)
+    v_desc = tma.make_tensor_descriptor(V, [B, Hk, Lk, D], [svb, svh, svl, 1], [1, 1, 2 * _ROWS, D], box)
+    lse_desc = tma.make_tensor_descriptor(LSE_ROWS, [B * H, stats_row], [stats_row, 1], [1, _ROWS], stats)
+    delta_desc = tma.make_tensor_descriptor(DELTA, [B * H, stats_row], [stats_row, 1], [1, _ROWS], stats)
+    dqa_desc = tma.make_tensor_descriptor(DQ_ACC, [B * H, stats_row, D], [stats_row * D, D, 1],
+                                          [1, _ROWS, D // 4], quarters)
+    # Shared memory, 198 KB at D = 128: K and V 64 KB, q and dO 32 KB a stage, dS^T twice 16 KB, dQ 32 KB.
+    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [2 * _ROWS, D], matrix)
+    v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [2 * _ROWS, D], matrix)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, _ROWS, D], matrix)
+    do_smem = gl.allocate_shared_memory(DO.dtype.element_ty, [STAGES, _ROWS, D], matrix)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, _ROWS], stats)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, _ROWS], stats)
+    ds_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 2 * _ROWS, _ROWS], matrix)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [4, _ROWS, D // 4], quarter)  # two quarters a consumer
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # released by both consumers
+    for s in gl.static_range(2):
+        mbarrier.init(ds_full.index(s), count=2)  # both halves of dS^T written
+    args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem,
+            lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, H, GROUP, Lq, scale,
+            sdkb, sdkh, sdkl, sdvb, sdvh, sdvl)
+    gl.warp_specialize([(_bwd_consumer_low, (args, )), (_bwd_consumer_high, (args, )), (_bwd_loader, (args, ))],
+                       [4, 1], [CONSUMER_REGS, 24])

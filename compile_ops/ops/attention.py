@@ -3,7 +3,11 @@
 ``fused.attention`` returns the output and the log-sum-exp; autograd saves
 q, k, v, the output and the lse (O(L) extra memory) and calls
 ``fused.attention_backward``, which runs the three Triton passes of
-``kernels/attention.py``: deterministic, bit-identical across runs.
+``kernels/attention.py``: deterministic, bit-identical across runs. With
+:data:`ATOMIC_DQ` set (``compile_ops.set_attention_backward``), the calls
+:func:`_takes_sm90_backward` accepts run the five-product Gluon backward of
+``kernels/attention_sm90.py`` instead, whose dq is summed by TMA reductions
+in the order the GPU runs its programs.
 
 The forward runs ``kernels/attention.py``'s ``attn_fwd_kernel`` everywhere,
 except on Hopper (sm_90, the one place that tells: ``forward_tiles`` with
@@ -22,13 +26,15 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from compile_ops import _dtensor, meta, reference
-from compile_ops._library import (building_aot_package, fused_op, has_tma, has_wgmma, l2_cache_bytes, launcher,
-                                  multiprocessor_count, on_eager_fast_path, register_no_gradient, require_fp8_mma)
-from compile_ops.kernels.attention import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel,
-                                           attn_bwd_row_stats_kernel, attn_fwd_kernel, fp8_rows_scale_kernel,
+from compile_ops._library import (building_aot_package, clear_launch_plans, fused_op, has_tma, has_wgmma,
+                                  l2_cache_bytes, launcher, multiprocessor_count, on_eager_fast_path,
+                                  register_no_gradient, require_fp8_mma)
+from compile_ops.kernels.attention import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel, attn_bwd_dq_from_acc_kernel,
+                                           attn_bwd_dq_kernel, attn_bwd_row_stats_kernel, attn_fwd_kernel,
+                                           fp8_rows_scale_kernel,
                                            kv8_counters_clear_kernel, kv8_quantize_kernel,
                                            kv8_stats_kernel)
-from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
+from compile_ops.kernels.attention_sm90 import attn_bwd_sm90_kernel, attn_fwd_sm90_kernel
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
 from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 
@@ -353,6 +359,14 @@ def _(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths=None, block_index=No
     return None
 
 
+def _core_gpu(q: Tensor) -> bool:
+    """Whether a call on ``q`` may run a Gluon kernel (the sm_90 core, the
+    five-product backward): an sm_90 GPU, in an eager call or a trace whose
+    opaque op Python runs (an AOTInductor package runs from C++ without
+    Python, so it gets the Triton kernels, which it compiles in)."""
+    return has_wgmma(q) and (on_eager_fast_path() or not building_aot_package())
+
+
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                    seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple] = None,
                    int8_scales: Optional[tuple] = None, v_scale: Optional[Tensor] = None,
@@ -389,10 +403,7 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     if pv_fp8 and v.stride(3) != 1:
         raise ValueError(f"launch_forward: FP8 P V takes v as [B, Hk, D, Lk] with unit key stride, got strides "
                          f"{tuple(v.stride())}")
-    # The sm_90 core, where a traced call can hold its opaque op: an AOTInductor package runs from C++
-    # without Python, so it gets the Triton kernel, which it compiles in.
-    wgmma = has_wgmma(q) and (on_eager_fast_path() or not building_aot_package())
-    core = forward_tiles(int(c["d"]), out.dtype, True, precision, wgmma)
+    core = forward_tiles(int(c["d"]), out.dtype, True, precision, _core_gpu(q))
     if _takes_sm90_core(core, c, q, k, v, seq_dim, v_seq_dim, blocks, int8 and q_scale is None, fp8_rows):
         lists = blocks if blocks is not None else (None, None)
         scales = (q_scale, k_scale, v_scale) if pv_fp8 else (None, None, None)
@@ -429,6 +440,63 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     )
 
 
+#: The backward's dq by atomic-order sums (``compile_ops.set_attention_backward(deterministic=False)``):
+#: the five-product sm_90 backward (``attn_bwd_sm90_kernel``) for the calls
+#: :func:`_takes_sm90_backward` accepts. Off by default: dq then differs from
+#: run to run in its last bits (dk and dv do not), and the default backward is
+#: bit-identical across runs. Measured 1.06x the deterministic backward at
+#: 1x24x4608x128 and 1.09x at 1x40x16384x128 (H200, bench/notes.md, "A
+#: five-product backward"); ``torch.use_deterministic_algorithms(True)`` turns
+#: it off again. Read when a call is made, or traced: set it before compiling.
+ATOMIC_DQ = False
+#: The five-product backward's q/dO ring (198 KB of shared memory at 2 stages; a third does not fit).
+SM90_BACKWARD_STAGES = 2
+
+
+def _takes_sm90_backward(c: dict, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, seq_dim: int, causal: bool,
+                         kv_lengths: Optional[Tensor], blocks: Optional[tuple]) -> bool:
+    """Whether a backward runs on the five-product sm_90 kernel: asked for
+    (:data:`ATOMIC_DQ`, and torch's deterministic algorithms not asked
+    for), on an sm_90 GPU where a traced call can hold its opaque op
+    (:func:`_core_gpu`), and a call it computes: dense, non-causal, no key
+    lengths, 16-bit (q, k, v and dO alike), D = 128, Lk a multiple of 128 (it
+    has no key mask), TMA-aligned q, k, v and dO with no broadcast strides."""
+    tensors = (q, k, v, grad_out)
+    return (ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled() and _core_gpu(q)
+            and blocks is None and not causal and kv_lengths is None and q.dtype in (torch.float16, torch.bfloat16)
+            and all(t.dtype == q.dtype for t in tensors) and c["d"] == 128 and c["lk"] > 0 and c["lk"] % 128 == 0
+            and _tma_ready(seq_dim, *tensors) and not _broadcast(seq_dim, *tensors))
+
+
+def _launch_sm90_backward(kernel, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor,
+                          delta: Tensor, dq_acc: Tensor, dk: Tensor, dv: Tensor, scale: float, seq_dim: int) -> None:
+    """Launch the five-product backward (``kernel``: it, or the launch-plan
+    recorder's proxy) on arguments :func:`_takes_sm90_backward` accepted:
+    dk and dv, and dS K added into ``dq_acc`` (zeroed)."""
+    b, h, lq, d = meta.attention.dims(q, seq_dim)
+    hk, lk = meta.attention.dims(k, seq_dim)[1:3]
+    triton.set_allocator(_scratch)  # the kernel builds its TMA descriptors on the device
+    kernel[(lk // 128, b * hk)](
+        q, k, v, grad_out, lse_rows, delta, dq_acc, dk, dv, *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim),
+        *_bhl_strides(v, seq_dim), *_bhl_strides(grad_out, seq_dim), *_bhl_strides(dk, seq_dim),
+        *_bhl_strides(dv, seq_dim), lse_rows.shape[1], b, h, h // hk, lq, lk, float(scale), D=d,
+        STAGES=SM90_BACKWARD_STAGES, CONSUMER_REGS=SM90_CORE_CONSUMER_REGS, **SM90_CORE_LAUNCH)
+
+
+@torch.library.custom_op("fused_gluon::attention_backward_sm90_", mutates_args=("dq_acc", "dk", "dv"))
+def _attention_backward_sm90(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor, delta: Tensor,
+                             dq_acc: Tensor, dk: Tensor, dv: Tensor, scale: float, seq_dim: int) -> None:
+    """The five-product backward as an op of its own, for traced calls (as
+    ``fused_gluon.attention_forward_sm90_``: Inductor cannot trace a Gluon
+    kernel); not a public op."""
+    _launch_sm90_backward(attn_bwd_sm90_kernel, grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale, seq_dim)
+
+
+@_attention_backward_sm90.register_fake
+def _(grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale, seq_dim):
+    return None
+
+
 def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dq: Tensor,
                     dk: Tensor, dv: Tensor, scale: float, causal: bool, seq_dim: int, kv_lengths: Optional[Tensor],
                     blocks: Optional[tuple] = None, key_blocks: Optional[tuple] = None) -> None:
@@ -446,11 +514,25 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     # Per-query statistics in padded rows (kernels.attention.STATS_ROW_ALIGN): delta and the lse.
     stats_row = triton.cdiv(c["lq"], STATS_ROW_ALIGN.value) * STATS_ROW_ALIGN.value
     delta, lse_rows = (lse.new_empty((c["b"] * c["h"], stats_row)) for _ in range(2))
+    five_products = _takes_sm90_backward(c, q, k, v, grad_out, seq_dim, causal, kv_lengths, blocks)
+    # The five-product backward's dq sums, zeroed by the statistics pass.
+    dq_acc = lse.new_empty((c["b"] * c["h"], stats_row, d)) if five_products else None
     rows = 64
     launcher(attn_bwd_row_stats_kernel)[(stats_row // rows, c["b"] * c["h"])](
         out, grad_out, lse, delta, lse_rows, c["h"], c["lq"], *_bhl_strides(out, seq_dim),
         *_bhl_strides(grad_out, seq_dim), D=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=rows, ACC=consts["ACC"],
-        num_warps=4)
+        DQ_ACC=dq_acc, num_warps=4)
+    if five_products:
+        if on_eager_fast_path():  # launched as is, recorded for launch plans
+            _launch_sm90_backward(launcher(attn_bwd_sm90_kernel), grad_out, q, k, v, lse_rows, delta, dq_acc, dk,
+                                  dv, scale, seq_dim)
+        else:
+            torch.ops.fused_gluon.attention_backward_sm90_(grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv,
+                                                           float(scale), seq_dim)
+        launcher(attn_bwd_dq_from_acc_kernel)[(triton.cdiv(c["lq"], rows), c["b"] * c["h"])](
+            dq_acc, dq, c["h"], c["lq"], *_bhl_strides(dq, seq_dim), float(scale), D=d, BLOCK_D=consts["BLOCK_D"],
+            BLOCK_M=rows, num_warps=4)
+        return
     strides = (*_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
                *_bhl_strides(grad_out, seq_dim))
     t = dkdv_tiles(d, q.dtype, sparse, has_tma(q))
@@ -770,6 +852,26 @@ def _given_quantized(name: str, q, k) -> bool:
 #: too (``fused.attention_int8_fp8``, sm_89 or newer).
 PRECISIONS = ("exact", "int8", "int8_fp8")
 _EIGHT_BIT_OPS = {"int8": _attention_int8_op, "int8_fp8": _attention_int8_fp8_op}
+
+
+def set_attention_backward(deterministic: bool = True) -> None:
+    """Choose how ``fused.attention``'s backward sums dq from now on.
+
+    ``deterministic=True`` (the default): three passes, the gradients bit for
+    bit the same on every run. ``False``: on sm_90 GPUs, dense non-causal
+    16-bit calls at D = 128 with Lk a multiple of 128 take a five-product
+    backward whose dq is added up by TMA reductions in the order the
+    GPU's programs run, so dq's last bits vary from run to run (dk and dv
+    do not); 1.06-1.09x faster on an H200 (bench/notes.md). Other calls, and
+    every call while ``torch.use_deterministic_algorithms(True)`` is on,
+    keep the deterministic passes. Compiled graphs take the setting that
+    held when they were traced.
+    """
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"set_attention_backward: deterministic must be a bool, got {type(deterministic).__name__}")
+    global ATOMIC_DQ
+    ATOMIC_DQ = not deterministic
+    clear_launch_plans()  # plans recorded under the other setting launch the other kernels
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, causal: bool = False,
