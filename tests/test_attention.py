@@ -1205,9 +1205,9 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
     """Traced on fake CUDA tensors of a faked sm_90 GPU: ``fused.attention_backward``
     runs the three deterministic passes by default; with
     ``set_attention_backward(deterministic=False)`` a dense non-causal
-    16-bit call at D = 128 with Lk a multiple of 128 runs the five-product
-    kernel's opaque op and dq's cast, and every other call (causal, key
-    lengths, Lk = 300, D = 64, fp32, or torch's deterministic algorithms
+    16-bit call at D = 128 (Lk a multiple of 128 or not) runs the
+    five-product kernel's opaque op and dq's cast, and every other call
+    (causal, key lengths, D = 64, fp32, or torch's deterministic algorithms
     on) keeps the three passes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -1229,9 +1229,8 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
     assert launches() == three
     compile_ops.set_attention_backward(deterministic=False)
     try:
-        assert launches() == five
-        for other in (dict(causal=True), dict(with_lengths=True), dict(lk=300), dict(d=64),
-                      dict(dtype=torch.float32)):
+        assert launches() == five and launches(lk=300) == five
+        for other in (dict(causal=True), dict(with_lengths=True), dict(d=64), dict(dtype=torch.float32)):
             assert launches(**other) == three, other
         with _deterministic_algorithms():
             assert launches() == three
@@ -1446,7 +1445,8 @@ def test_sm90_core_wide_tiles_at_head_dim_64_match_the_reference(dtype, monkeypa
 def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
     """``compile_ops.set_attention_backward(deterministic=False)`` on sm_90:
     the five-product Gluon backward runs (it is launched, the three passes
-    are not) over a ragged Lq, GQA, both layouts, fp16 and bf16, and gives
+    are not) over ragged Lq and Lk (key tiles masked past Lk), GQA, both
+    layouts, fp16 and bf16, and gives
     dk and dv bit for bit the deterministic passes' (the same products in
     the same order), the same on reruns; dq within the two-reference rule
     of the fp64 gradient, and within 1e-3 (relative L2) of the deterministic
@@ -1458,9 +1458,9 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
     monkeypatch.setattr(attention_ops, "launcher",
                         lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
     for b, h, hk, lq, lk, seq_dim, dtype in [(1, 4, 4, 1000, 1024, 2, torch.bfloat16),
-                                             (2, 8, 2, 333, 256, 1, torch.float16),
-                                             (1, 2, 2, 64, 128, 2, torch.bfloat16),
-                                             (1, 3, 3, 4680, 4608, 1, torch.bfloat16)]:
+                                             (2, 8, 2, 333, 300, 1, torch.float16),
+                                             (1, 2, 2, 64, 77, 2, torch.bfloat16),
+                                             (1, 3, 3, 4680, 4680, 1, torch.bfloat16)]:
         torch.manual_seed(lq + lk)
         q, k, v = _qkv(b, h, hk, lq, lk, 128, seq_dim, dtype, "cuda")
         out = compile_ops.attention(q, k, v, None, False, seq_dim)

@@ -417,7 +417,7 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
     """``set_attention_backward(deterministic=False)``'s kernels: traced on a
     faked sm_90 GPU, ``fused.attention_backward`` launches the statistics
     pass with its dq zeroing and dq's cast, which compile for sm_90; the
-    Gluon kernel (bf16 and fp16) compiles with its partitions' register
+    Gluon kernel (bf16 and fp16, Lk a multiple of 128 or not) compiles with its partitions' register
     budgets and spills nothing (ptxas)."""
     import re
     import subprocess
@@ -446,11 +446,11 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
                for kernel, signature, _ in launches.values() if kernel.fn.__name__ == "attn_bwd_row_stats_kernel")
     _compile_with_constant_ints(list(launches.values()))
     launch = attention_ops.SM90_CORE_LAUNCH
-    for dtype in ("bf16", "fp16"):
+    for dtype, ragged in (("bf16", False), ("bf16", True), ("fp16", False)):
         pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", DO=f"*{dtype}", LSE_ROWS="*fp32", DELTA="*fp32",
                         DQ_ACC="*fp32", DK=f"*{dtype}", DV=f"*{dtype}")
         constants = dict(D=128, STAGES=attention_ops.SM90_BACKWARD_STAGES,
-                         CONSUMER_REGS=attention_ops.SM90_CORE_CONSUMER_REGS, num_warps=4)
+                         CONSUMER_REGS=attention_ops.SM90_CORE_CONSUMER_REGS, RAGGED_KEYS=ragged, num_warps=4)
         signature = {p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
                      for p in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.arg_names) if p in pointers}

@@ -559,8 +559,8 @@ def _bwd_loader(args):
     then each step's q and dO tiles and the step's rows of the statistics
     (lse, delta), every query head of the GQA group in turn, into a ring."""
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, H, GROUP, Lq, scale, sdkb, sdkh, sdkl,
-     sdvb, sdvh, sdvl) = args
+     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, H, GROUP, Lq, Lk, scale, sdkb, sdkh,
+     sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
     b = gl.program_id(1) // (H // GROUP)
     hk = gl.program_id(1) % (H // GROUP)
@@ -582,7 +582,7 @@ def _bwd_loader(args):
 
 
 @gluon.jit
-def _bwd_consumer(args, W: gl.constexpr):
+def _bwd_consumer(args, W: gl.constexpr, RAGGED_KEYS: gl.constexpr):
     """Consumer warp group W of the backward: keys ``64 W`` to ``64 W + 63`` of
     the program's tile, through every step of 64 queries. S^T and dP^T (64
     keys x 64 queries) issued together; P^T and dS^T from them, in registers,
@@ -593,8 +593,8 @@ def _bwd_consumer(args, W: gl.constexpr):
     step rewrites their buffers once the reductions have read them; a second
     pair of buffers measured no faster, bench/notes.md)."""
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, H, GROUP, Lq, scale, sdkb, sdkh, sdkl,
-     sdvb, sdvh, sdvl) = args
+     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, H, GROUP, Lq, Lk, scale, sdkb, sdkh,
+     sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
     D: gl.constexpr = q_smem.shape[2]
     QUARTER: gl.constexpr = D // 4
@@ -614,6 +614,10 @@ def _bwd_consumer(args, W: gl.constexpr):
     dv = gl.zeros([_ROWS, D], gl.float32, d_layout)
     s_zero = gl.zeros([_ROWS, _ROWS], gl.float32, s_layout)
     dq_zero = gl.zeros([_ROWS, QUARTER], gl.float32, quarter_layout)
+    # RAGGED_KEYS (Lk not a multiple of 128): the last tile's keys past Lk read as zeros, which give
+    # scores of 0, not probabilities of 0, so their P rows are masked.
+    first_key = gl.program_id(0) * 2 * _ROWS + _ROWS * W
+    real_key = (first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout)) < Lk)[:, None]
     n_steps = gl.cdiv(Lq, _ROWS)
     mbarrier.wait(kv_bar, 0)
     for i in range(GROUP * n_steps):
@@ -629,6 +633,8 @@ def _bwd_consumer(args, W: gl.constexpr):
         # The step's statistics as [1, 64] rows in the scores' layout, read as late as they are needed
         # (registers): lse is +inf past Lq and for rows that saw no key, so that their P is 0.
         p = gl.exp2(st * qk_scale - lse_smem.index(stage).load(s_layout) * _LOG2E)
+        if RAGGED_KEYS:
+            p = gl.where(real_key, p, 0.0)
         p_op = gl.convert_layout(p.to(q_smem.dtype), op_layout)
         dv_token = warpgroup_mma(p_op, dos, dv, is_async=True)
         dp = warpgroup_mma_wait(1, deps=[dp_token])
@@ -659,36 +665,38 @@ def _bwd_consumer(args, W: gl.constexpr):
                  dq_smem.index(2 * W + 1).reshape([1, _ROWS, QUARTER]))
     tma.store_wait(0)  # shared memory must outlive the reductions that read it
     # dK = scale dS^T Q; dV = P^T dO.
-    keys = gl.program_id(0) * 2 * _ROWS + _ROWS * W + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, d_layout))
+    keys = first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, d_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
+    stored = (keys < Lk)[:, None]
     keys = keys.to(gl.int64)[:, None]
     gl.store(DK + b.to(gl.int64) * sdkb + hk.to(gl.int64) * sdkh + keys * sdkl + cols[None, :],
-             (dk * scale).to(DK.dtype.element_ty))
+             (dk * scale).to(DK.dtype.element_ty), mask=stored)
     gl.store(DV + b.to(gl.int64) * sdvb + hk.to(gl.int64) * sdvh + keys * sdvl + cols[None, :],
-             dv.to(DV.dtype.element_ty))
+             dv.to(DV.dtype.element_ty), mask=stored)
 
 
 @gluon.jit
-def _bwd_consumer_low(args):
-    _bwd_consumer(args, 0)
+def _bwd_consumer_low(args, RAGGED_KEYS: gl.constexpr):
+    _bwd_consumer(args, 0, RAGGED_KEYS)
 
 
 @gluon.jit
-def _bwd_consumer_high(args):
-    _bwd_consumer(args, 1)
+def _bwd_consumer_high(args, RAGGED_KEYS: gl.constexpr):
+    _bwd_consumer(args, 1, RAGGED_KEYS)
 
 
 @gluon.jit
 def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, sqb, sqh, sql, skb, skh, skl, svb, svh, svl,
                          sdb, sdh, sdl, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl, stats_row, B, H, GROUP, Lq, Lk, scale,
                          D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         RAGGED_KEYS: gl.constexpr, num_warps: gl.constexpr):
     """The attention backward in five products a (key tile, query step): dK
     and dV of 128 keys of one (batch, k head) per program, and dQ added into
     DQ_ACC by TMA reductions in whatever order the programs run (not bit
     for bit the same from run to run; ``ops.attention`` takes it only when
-    asked: ``ATOMIC_DQ``). Dense, non-causal, without key lengths, Lk a
-    multiple of 128 (no key mask); any Lq (LSE_ROWS is +inf past it).
+    asked: ``ATOMIC_DQ``). Dense, non-causal, without key lengths; any Lq
+    (LSE_ROWS is +inf past it) and Lk (``RAGGED_KEYS``: Lk is not a
+    multiple of 128, and the last tile's keys past it are masked).
 
     Q, DO ``[B, H, Lq, D]`` and K, V, DK, DV ``[B, H / GROUP, Lk, D]`` 16-bit,
     any layout through the (batch, head, position) strides, a unit stride
@@ -734,7 +742,7 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, sqb, sqh,
     for s in gl.static_range(2):
         mbarrier.init(ds_full.index(s), count=2)  # both halves of dS^T written
     args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem,
-            lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, H, GROUP, Lq, scale,
+            lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, H, GROUP, Lq, Lk, scale,
             sdkb, sdkh, sdkl, sdvb, sdvh, sdvl)
-    gl.warp_specialize([(_bwd_consumer_low, (args, )), (_bwd_consumer_high, (args, )), (_bwd_loader, (args, ))],
-                       [4, 1], [CONSUMER_REGS, 24])
+    gl.warp_specialize([(_bwd_consumer_low, (args, RAGGED_KEYS)), (_bwd_consumer_high, (args, RAGGED_KEYS)),
+                        (_bwd_loader, (args, ))], [4, 1], [CONSUMER_REGS, 24])

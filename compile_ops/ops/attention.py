@@ -459,12 +459,12 @@ def _takes_sm90_backward(c: dict, q: Tensor, k: Tensor, v: Tensor, grad_out: Ten
     (:data:`ATOMIC_DQ`, and torch's deterministic algorithms not asked
     for), on an sm_90 GPU where a traced call can hold its opaque op
     (:func:`_core_gpu`), and a call it computes: dense, non-causal, no key
-    lengths, 16-bit (q, k, v and dO alike), D = 128, Lk a multiple of 128 (it
-    has no key mask), TMA-aligned q, k, v and dO with no broadcast strides."""
+    lengths, 16-bit (q, k, v and dO alike), D = 128, at least one key,
+    TMA-aligned q, k, v and dO with no broadcast strides."""
     tensors = (q, k, v, grad_out)
     return (ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled() and _core_gpu(q)
             and blocks is None and not causal and kv_lengths is None and q.dtype in (torch.float16, torch.bfloat16)
-            and all(t.dtype == q.dtype for t in tensors) and c["d"] == 128 and c["lk"] > 0 and c["lk"] % 128 == 0
+            and all(t.dtype == q.dtype for t in tensors) and c["d"] == 128 and c["lk"] > 0
             and _tma_ready(seq_dim, *tensors) and not _broadcast(seq_dim, *tensors))
 
 
@@ -476,11 +476,12 @@ def _launch_sm90_backward(kernel, grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
     b, h, lq, d = meta.attention.dims(q, seq_dim)
     hk, lk = meta.attention.dims(k, seq_dim)[1:3]
     triton.set_allocator(_scratch)  # the kernel builds its TMA descriptors on the device
-    kernel[(lk // 128, b * hk)](
+    kernel[(triton.cdiv(lk, 128), b * hk)](
         q, k, v, grad_out, lse_rows, delta, dq_acc, dk, dv, *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim),
         *_bhl_strides(v, seq_dim), *_bhl_strides(grad_out, seq_dim), *_bhl_strides(dk, seq_dim),
         *_bhl_strides(dv, seq_dim), lse_rows.shape[1], b, h, h // hk, lq, lk, float(scale), D=d,
-        STAGES=SM90_BACKWARD_STAGES, CONSUMER_REGS=SM90_CORE_CONSUMER_REGS, **SM90_CORE_LAUNCH)
+        STAGES=SM90_BACKWARD_STAGES, CONSUMER_REGS=SM90_CORE_CONSUMER_REGS, RAGGED_KEYS=lk % 128 != 0,
+        **SM90_CORE_LAUNCH)
 
 
 @torch.library.custom_op("fused_gluon::attention_backward_sm90_", mutates_args=("dq_acc", "dk", "dv"))
@@ -859,7 +860,7 @@ def set_attention_backward(deterministic: bool = True) -> None:
 
     ``deterministic=True`` (the default): three passes, the gradients bit for
     bit the same on every run. ``False``: on sm_90 GPUs, dense non-causal
-    16-bit calls at D = 128 with Lk a multiple of 128 take a five-product
+    16-bit calls at D = 128 take a five-product
     backward whose dq is added up by TMA reductions in the order the
     GPU's programs run, so dq's last bits vary from run to run (dk and dv
     do not); 1.06-1.09x faster on an H200 (bench/notes.md). Other calls, and
