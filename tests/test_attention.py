@@ -1018,13 +1018,16 @@ def test_causal_order_groups_the_rows_whose_keys_fill_a_quarter_of_l2():
 
 
 @pytest.mark.parametrize("length", [4608, 4600])
-def test_symbolic_lengths_keep_their_divisibility_hint_and_guard_it(length):
+def test_symbolic_lengths_keep_their_divisibility_hint_and_guard_it(length, monkeypatch):
     """Under dynamic shapes (a compiled model's second resolution) Inductor
     cannot tell the kernels that a symbolic Lq/Lk is a multiple of 16, as
     Triton's JIT does from the value (H100: the dk/dv pass 25% slower, bench
     notes). The launchers pass it as ``ALIGNED_LENGTHS`` to all three kernels,
     and computing it guards on the divisibility, so a graph traced at an
-    aligned length is not reused at an unaligned one."""
+    aligned length is not reused at an unaligned one. (The portable kernels
+    are the subject: on an sm_90 GPU the D = 64 forward at 4608 keys would
+    take the Gluon core, which has no such hint, so the GPU is taken for one
+    without wgmma.)"""
     from torch._dynamo.source import ConstantSource
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -1032,6 +1035,9 @@ def test_symbolic_lengths_keep_their_divisibility_hint_and_guard_it(length):
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
     from compile_ops._library import OP_BODIES
+    from compile_ops.ops import attention as attention_ops
+
+    monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: False)
 
     env = ShapeEnv()
     sym = env.create_unspecified_symint_and_symbol(length, ConstantSource("L"), DimDynamic.DYNAMIC)

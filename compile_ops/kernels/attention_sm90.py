@@ -61,9 +61,17 @@ for bit, dense only. Measured, not routed: its P goes through shared
 memory (:func:`_next_carry`), and it is not ahead of ``attn_fwd_kernel``
 (``ops.attention.SM90_CORE_PRECISIONS``).
 
+``attn_bwd_sm90_kernel`` (end of the module): the backward in five
+products a tile pair, FlashAttention-3's structure too (a loader warp, two
+consumer warp groups of 64 keys sharing 64-query steps), with dq added by
+TMA reductions in the order the programs run: the
+``set_attention_backward(deterministic=False)`` option, 1.04-1.05x the
+deterministic passes forward+backward (H100, bench/notes.md, "A
+five-product backward in Gluon").
+
 Gluon does not run under the interpreter: the CPU tests compile every
 variant for sm_90 (tests/test_sm90_compile.py), the GPU tests compare them
-with the portable kernel.
+with the portable kernel (the backward: with the deterministic passes).
 """
 from triton._C.libtriton import ir
 from triton.experimental import gluon
