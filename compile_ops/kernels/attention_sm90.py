@@ -65,7 +65,7 @@ memory (:func:`_next_carry`), and it is not ahead of ``attn_fwd_kernel``
 products a tile pair, FlashAttention-3's structure too (a loader warp, two
 consumer warp groups of 64 keys sharing 64-query steps), with dq added by
 TMA reductions in the order the programs run: the
-``set_attention_backward(deterministic=False)`` option, 1.04-1.05x the
+``set_attention_backward(deterministic=False)`` option, 1.08-1.12x the
 deterministic passes forward+backward (H100, bench/notes.md, "A
 five-product backward in Gluon").
 

@@ -444,10 +444,10 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
 #: the five-product sm_90 backward (``attn_bwd_sm90_kernel``) for the calls
 #: :func:`_takes_sm90_backward` accepts. Off by default: dq then differs from
 #: run to run in its last bits (dk and dv do not), and the default backward is
-#: bit-identical across runs. The backward alone 1.06x the deterministic one
-#: at 1x24x4608x128 and 1.09x at 1x40x16384x128 (H200); forward+backward
-#: 1.04-1.05x, 0.88-0.96x cuDNN (H100, ``bench/results/attention-h100.json``'s
-#: ``fused_atomic_dq``; bench/notes.md, "A five-product backward");
+#: bit-identical across runs. Forward+backward 1.08-1.12x the deterministic
+#: backward and 0.91-1.00x cuDNN at issue 28's D = 128 shapes (H100,
+#: ``bench/results/attention-h100.json``'s ``fused_atomic_dq``; bench/notes.md,
+#: "A five-product backward in Gluon");
 #: ``torch.use_deterministic_algorithms(True)`` turns it off again. Read when a
 #: call is made, or traced: set it before compiling.
 ATOMIC_DQ = False
@@ -865,7 +865,7 @@ def set_attention_backward(deterministic: bool = True) -> None:
     16-bit calls at D = 128 take a five-product
     backward whose dq is added up by TMA reductions in the order the
     GPU's programs run, so dq's last bits vary from run to run (dk and dv
-    do not); forward+backward 1.04-1.05x faster on an H100 (README). Other calls, and
+    do not); forward+backward 1.08-1.12x faster on an H100 (README). Other calls, and
     every call while ``torch.use_deterministic_algorithms(True)`` is on,
     keep the deterministic passes. Compiled graphs take the setting that
     held when they were traced.
