@@ -566,9 +566,9 @@ def _bwd_step(i, hk, GROUP, n_steps):
     """The (q head, first query) of a program's i-th step: every q head of
     its GQA group in turn, 64 queries a step, each program starting at its
     own point of that cycle (spread evenly over the programs of a k head),
-    so that they do not add into the same dq rows at the same time: 1.03x
-    /1.06x / 1.03x forward+backward at 4608 / 16384 / 32760 tokens against
-    every program starting at 0 (H100, bench/notes.md)."""
+    so that they do not add into the same dq rows at the same time: 1.03x,
+    1.06x and 1.03x forward+backward at 4608, 16384 and 32760 tokens
+    against every program starting at 0 (H100, bench/notes.md)."""
     total = GROUP * n_steps
     j = (i + gl.program_id(0) * total // gl.num_programs(0)) % total
     return hk * GROUP + j // n_steps, (j % n_steps) * _ROWS
