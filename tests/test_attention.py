@@ -7,6 +7,7 @@ by the two-reference rule: the kernel's error at most 2x (forward) / 3x
 fp16/bf16; for fp32 the same math, with TF32 matmuls where the session's fp32
 matmul precision lets the kernels use TF32 dots on a GPU).
 """
+import contextlib
 import dataclasses
 import math
 import types
@@ -1192,19 +1193,15 @@ def test_head_dim_64_core_rule_guards_a_symbolic_key_length(length, monkeypatch)
     assert guard in [str(g.expr) for g in env.guards]
 
 
+@contextlib.contextmanager
 def _deterministic_algorithms():
     """``torch.use_deterministic_algorithms(True)`` for a block, restored after."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def guard():
-        before = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True)
-        try:
-            yield
-        finally:
-            torch.use_deterministic_algorithms(before)
-    return guard()
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeypatch):
