@@ -7,6 +7,7 @@
 - Every other test runs the reference path and fake-CUDA tracing, which the
   interpreter breaks, so they skip under TRITON_INTERPRET=1.
 """
+import contextlib
 import os
 
 import pytest
@@ -35,6 +36,18 @@ def allow_tma_under_interpreter(patch) -> None:
 
         patch.setattr(attention_ops, "_tma_ready", lambda *tensors: True)
         patch.setattr(attention_ops, "_scratch", lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool = True):
+    """``torch.use_deterministic_algorithms(enabled)`` for a block, restored after
+    (it chooses the attention backward's kernels)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(enabled)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 #: For properties of programs running at once (no atomics, a fixed reduction

@@ -7,7 +7,6 @@ by the two-reference rule: the kernel's error at most 2x (forward) / 3x
 fp16/bf16; for fp32 the same math, with TF32 matmuls where the session's fp32
 matmul precision lets the kernels use TF32 dots on a GPU).
 """
-import contextlib
 import dataclasses
 import math
 import types
@@ -26,7 +25,7 @@ from shapes import size
 from compile_ops._library import clear_launch_plans
 from compile_ops.kernels.attention import _program_rank
 from compile_ops.reference import attention as ref
-from conftest import INTERPRET, KERNEL_DEVICE, allow_tma_under_interpreter, tf32_dots
+from conftest import INTERPRET, KERNEL_DEVICE, allow_tma_under_interpreter, deterministic_algorithms, tf32_dots
 from numerics import assert_within_torch_error
 
 LSE_ROUNDINGS = 2
@@ -1193,17 +1192,6 @@ def test_head_dim_64_core_rule_guards_a_symbolic_key_length(length, monkeypatch)
     assert guard in [str(g.expr) for g in env.guards]
 
 
-@contextlib.contextmanager
-def _deterministic_algorithms():
-    """``torch.use_deterministic_algorithms(True)`` for a block, restored after."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
-
-
 def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeypatch):
     """Traced on fake CUDA tensors of a faked sm_90 GPU: ``fused.attention_backward``
     runs the three deterministic passes by default; with
@@ -1235,7 +1223,7 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
         assert launches() == five and launches(lk=300) == five
         for other in (dict(causal=True), dict(with_lengths=True), dict(d=64), dict(dtype=torch.float32)):
             assert launches(**other) == three, other
-        with _deterministic_algorithms():
+        with deterministic_algorithms():
             assert launches() == three
     finally:
         compile_ops.set_attention_backward(deterministic=True)
@@ -1477,7 +1465,7 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
             launched.clear()
             got = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(3)]
             assert "attn_bwd_sm90_kernel" in launched and "attn_bwd_dq_kernel" not in launched, (case, launched)
-            with _deterministic_algorithms():
+            with deterministic_algorithms():
                 launched.clear()
                 pinned = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
                 assert "attn_bwd_sm90_kernel" not in launched and "attn_bwd_dq_kernel" in launched, case

@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import compile_ops
 from compile_ops import registry
 from compile_ops._library import OP_BODIES
-from conftest import HAS_CUDA, KERNEL_DEVICE, tf32_dots
+from conftest import HAS_CUDA, KERNEL_DEVICE, deterministic_algorithms, tf32_dots
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 DIFFERENTIABLE = [s for s in registry.OPS if s.differentiable]
@@ -375,12 +375,8 @@ def test_launch_plan_signature_tells_apart_what_launchers_depend_on():
         assert signature((x, 1e-6), {}) != key
     finally:
         torch.set_float32_matmul_precision(previous)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(not deterministic)  # it picks the attention backward's kernels
-    try:
+    with deterministic_algorithms(not torch.are_deterministic_algorithms_enabled()):
         assert signature((x, 1e-6), {}) != key
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
     assert signature((x, [1, 2]), {}) is None
     # A module's weight is a Parameter: a plain tensor to plans (the key of its data).
     assert signature((torch.nn.Parameter(x), 1e-6), {}) == key

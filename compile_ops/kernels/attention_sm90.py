@@ -726,7 +726,8 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, sqb, sqh,
     ``num_warps=4`` and ``maxnreg=168`` (the forward core's budgets:
     CONSUMER_REGS for both consumer groups, 24 for the loader)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
-    gl.static_assert(D % 64 == 0, "dQ's quarters are 128-byte rows of fp32")
+    # dQ goes out in quarters of D: 32 fp32 columns, the 128-byte rows of the reductions' 128-byte swizzle.
+    gl.static_assert(D == 128, "D = 128 alone (dQ's quarters; ops.attention._takes_sm90_backward)")
     box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     matrix: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     stats: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
