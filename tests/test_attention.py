@@ -1196,10 +1196,10 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
     """Traced on fake CUDA tensors of a faked sm_90 GPU: ``fused.attention_backward``
     runs the three deterministic passes by default; with
     ``set_attention_backward(deterministic=False)`` a dense non-causal
-    16-bit call at D = 128 (Lk a multiple of 128 or not) runs the
-    five-product kernel's opaque op and dq's cast, and every other call
-    (causal, key lengths, D = 64, fp32, or torch's deterministic algorithms
-    on) keeps the three passes."""
+    16-bit call at D = 128 (Lk a multiple of 128 or not, causal or not,
+    with key lengths or not) runs the five-product kernel's opaque op and
+    dq's cast, and every other call (D = 64, fp32, or torch's
+    deterministic algorithms on) keeps the three passes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compile_ops.ops import attention as attention_ops
@@ -1220,8 +1220,10 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
     assert launches() == three
     compile_ops.set_attention_backward(deterministic=False)
     try:
-        assert launches() == five and launches(lk=300) == five
-        for other in (dict(causal=True), dict(with_lengths=True), dict(d=64), dict(dtype=torch.float32)):
+        for taken in (dict(), dict(lk=300), dict(causal=True), dict(with_lengths=True),
+                      dict(causal=True, with_lengths=True, lk=300)):
+            assert launches(**taken) == five, taken
+        for other in (dict(d=64), dict(dtype=torch.float32), dict(d=64, causal=True)):
             assert launches(**other) == three, other
         with deterministic_algorithms():
             assert launches() == three
@@ -1437,7 +1439,8 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
     """``compile_ops.set_attention_backward(deterministic=False)`` on sm_90:
     the five-product Gluon backward runs (it is launched, the three passes
     are not) over ragged Lq and Lk (key tiles masked past Lk), GQA, both
-    layouts, fp16 and bf16. dk and dv are the same on reruns (each program
+    layouts, fp16 and bf16, causal with Lq above, equal to and below Lk,
+    and key lengths (one batch row with none). dk and dv are the same on reruns (each program
     sums its steps in a fixed order, though not the deterministic passes'
     order: it starts at its own step); dq, dk and dv are within the
     two-reference rule of the fp64 gradients, and within 1e-3 (relative L2)
@@ -1449,15 +1452,22 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
     launched, launcher = [], attention_ops.launcher
     monkeypatch.setattr(attention_ops, "launcher",
                         lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
-    for b, h, hk, lq, lk, seq_dim, dtype in [(1, 4, 4, 1000, 1024, 2, torch.bfloat16),
-                                             (2, 8, 2, 333, 300, 1, torch.float16),
-                                             (1, 2, 2, 64, 77, 2, torch.bfloat16),
-                                             (1, 3, 3, 4680, 4680, 1, torch.bfloat16)]:
+    for b, h, hk, lq, lk, seq_dim, dtype, causal, lengths in [
+            (1, 4, 4, 1000, 1024, 2, torch.bfloat16, False, None),
+            (2, 8, 2, 333, 300, 1, torch.float16, False, None),
+            (1, 2, 2, 64, 77, 2, torch.bfloat16, False, None),
+            (1, 3, 3, 4680, 4680, 1, torch.bfloat16, False, None),
+            (1, 4, 2, 1000, 1000, 2, torch.bfloat16, True, None),
+            (2, 3, 3, 300, 700, 1, torch.float16, True, None),
+            (1, 2, 2, 700, 300, 2, torch.bfloat16, True, None),
+            (3, 4, 2, 500, 640, 2, torch.bfloat16, False, [640, 77, 0]),
+            (2, 2, 2, 600, 600, 1, torch.float16, True, [600, 250])]:
         torch.manual_seed(lq + lk)
         q, k, v = _qkv(b, h, hk, lq, lk, 128, seq_dim, dtype, "cuda")
-        out = compile_ops.attention(q, k, v, None, False, seq_dim)
+        kv_lengths = None if lengths is None else torch.tensor(lengths, device="cuda", dtype=torch.int32)
+        out = compile_ops.attention(q, k, v, None, causal, seq_dim, kv_lengths)
         dout = torch.randn_like(out)
-        case = (b, h, hk, lq, lk, seq_dim, dtype)
+        case = (b, h, hk, lq, lk, seq_dim, dtype, causal, lengths)
         clear_launch_plans()
         want = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         compile_ops.set_attention_backward(deterministic=False)
@@ -1478,9 +1488,9 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
         for g, w in zip(got[0], want):
             assert ((g.float() - w.float()).norm() / w.float().norm()).item() < 1e-3, case
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-        exact, _ = ref.attention(qd, kd, vd, 128 ** -0.5, False, seq_dim, None)
+        exact, _ = ref.attention(qd, kd, vd, 128 ** -0.5, causal, seq_dim, kv_lengths)
         exact_grads = torch.autograd.grad(exact, (qd, kd, vd), dout.double())
-        theirs = torch_at_dtype(q, k, v, dout, 128 ** -0.5, False, seq_dim, None)[1]
+        theirs = torch_at_dtype(q, k, v, dout, 128 ** -0.5, causal, seq_dim, kv_lengths)[1]
         for again in got:
             for name, g, e, p in zip("qkv", again, exact_grads, theirs):
                 assert_within_torch_error(g, e, p, 3.0, f"d{name} {case}", fp32_roundings=128)

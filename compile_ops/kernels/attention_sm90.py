@@ -81,7 +81,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from compile_ops.kernels.attention import (_INT8_BIAS, _INT8_BIAS_BITS, _P_FP8_SHIFT, _block_list, _dealt_rank,
-                                           _query_program, _tile_start)
+                                           _kv_len, _query_program, _tile_start)
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
@@ -562,35 +562,67 @@ def _tma_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _bwd_step(i, hk, GROUP, n_steps):
-    """The (q head, first query) of a program's i-th step: every q head of
-    its GQA group in turn, 64 queries a step, each program starting at its
-    own point of that cycle (spread evenly over the programs of a k head),
-    so that they do not add into the same dq rows at the same time: 1.03x,
-    1.06x and 1.03x forward+backward at 4608, 16384 and 32760 tokens
-    against every program starting at 0 (H100, bench/notes.md)."""
-    total = GROUP * n_steps
-    j = (i + gl.program_id(0) * total // gl.num_programs(0)) % total
-    return hk * GROUP + j // n_steps, (j % n_steps) * _ROWS
+def _bwd_program(KV_LEN, Hk, heads_per_group, Lq, Lk, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr,
+                 HEAVY_FIRST: gl.constexpr):
+    """This program's ``(batch, k head, key tile, kv_len, first query step,
+    query steps)``, the same in every partition. Its 128 keys are seen by
+    the queries of steps (of 64 rows) from the first: every one, or (causal)
+    those from the tile's first key on; none when the tile starts at or
+    past kv_len (its dk and dv are 0). HEAVY_FIRST (causal): programs taken
+    longest first, the first key tiles of a group of heads before their
+    second (``kernels.attention._dealt_rank``, as the deterministic dk/dv
+    pass)."""
+    if HEAVY_FIRST:
+        n_tiles = gl.num_programs(0)
+        tile, bhk = _dealt_rank(gl.program_id(0) + gl.program_id(1) * n_tiles, n_tiles, gl.num_programs(1),
+                                heads_per_group)
+    else:
+        tile = gl.program_id(0)
+        bhk = gl.program_id(1)
+    b = bhk // Hk
+    hk = bhk % Hk
+    kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
+    n_steps = gl.cdiv(Lq, _ROWS)
+    first_step = 0
+    if CAUSAL:
+        first_step = gl.minimum(tile * 2, n_steps)  # query i sees keys j <= i: rows from the tile's first key
+    first_step = gl.where(tile * 2 * _ROWS < kv_len, first_step, n_steps)
+    return b, hk, tile, kv_len, first_step, n_steps - first_step
 
 
 @gluon.jit
-def _bwd_loader(args):
+def _bwd_step(i, hk, GROUP, tile, first_step, n_steps, STAGGER: gl.constexpr):
+    """The (q head, first query) of a program's i-th step: every q head of
+    its GQA group in turn, 64 queries a step from ``first_step``. STAGGER
+    (non-causal): each program starts at its own point of that cycle
+    (spread evenly over the programs of a k head), so that they do not add
+    into the same dq rows at the same time: 1.03x, 1.06x and 1.03x
+    forward+backward at 4608, 16384 and 32760 tokens against every program
+    starting at 0 (H100, bench/notes.md). Causal programs start at their
+    own diagonals, two steps apart, so they need no stagger."""
+    total = GROUP * n_steps
+    j = i
+    if STAGGER:
+        j = (i + tile * total // gl.num_programs(0)) % total
+    return hk * GROUP + j // n_steps, (first_step + j % n_steps) * _ROWS
+
+
+@gluon.jit
+def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr):
     """The producer warp of the backward: this program's K and V tiles once,
     then each step's q and dO tiles and the step's rows of the statistics
     (lse, delta), every query head of the GQA group in turn, into a ring."""
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, H, GROUP, Lq, Lk, scale, sdkb, sdkh,
-     sdkl, sdvb, sdvh, sdvl) = args
+     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, H, GROUP, Lq, Lk, scale,
+     heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
-    b = gl.program_id(1) // (H // GROUP)
-    hk = gl.program_id(1) % (H // GROUP)
+    b, hk, tile, _, first_step, n_steps = _bwd_program(KV_LEN, H // GROUP, heads_per_group, Lq, Lk, CAUSAL,
+                                                       HAS_KV_LEN, HEAVY_FIRST)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, gl.program_id(0) * 2 * _ROWS, 0], kv_bar, _box(k_smem))
-    tma.async_copy_global_to_shared(v_desc, [b, hk, gl.program_id(0) * 2 * _ROWS, 0], kv_bar, _box(v_smem))
-    n_steps = gl.cdiv(Lq, _ROWS)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, tile * 2 * _ROWS, 0], kv_bar, _box(k_smem))
+    tma.async_copy_global_to_shared(v_desc, [b, hk, tile * 2 * _ROWS, 0], kv_bar, _box(v_smem))
     for i in range(GROUP * n_steps):
-        h, m0 = _bwd_step(i, hk, GROUP, n_steps)
+        h, m0 = _bwd_step(i, hk, GROUP, tile, first_step, n_steps, not CAUSAL)
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes
@@ -602,7 +634,8 @@ def _bwd_loader(args):
 
 
 @gluon.jit
-def _bwd_consumer(args, W: gl.constexpr, RAGGED_KEYS: gl.constexpr):
+def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                  MASKED_KEYS: gl.constexpr):
     """Consumer warp group W of the backward: keys ``64 W`` to ``64 W + 63`` of
     the program's tile, through every step of 64 queries. S^T and dP^T (64
     keys x 64 queries) issued together; P^T and dS^T from them, in registers,
@@ -611,10 +644,12 @@ def _bwd_consumer(args, W: gl.constexpr, RAGGED_KEYS: gl.constexpr):
     there (``ds_full``) dQ's channels ``64 W`` to ``64 W + 63`` = dS K over all
     128 keys, added into DQ_ACC by two TMA reductions of 64 x 32 (the next
     step rewrites their buffers once the reductions have read them; a second
-    pair of buffers measured no faster, bench/notes.md)."""
+    pair of buffers measured no faster, bench/notes.md). Masks: keys past
+    kv_len (MASKED_KEYS: the tile may hold some) and, causal, keys past the
+    query on the two steps that cross the diagonal."""
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, H, GROUP, Lq, Lk, scale, sdkb, sdkh,
-     sdkl, sdvb, sdvh, sdvl) = args
+     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, H, GROUP, Lq, Lk, scale,
+     heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
     D: gl.constexpr = q_smem.shape[2]
     QUARTER: gl.constexpr = D // 4
@@ -625,8 +660,8 @@ def _bwd_consumer(args, W: gl.constexpr, RAGGED_KEYS: gl.constexpr):
     quarter_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, QUARTER, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
-    b = gl.program_id(1) // (H // GROUP)
-    hk = gl.program_id(1) % (H // GROUP)
+    b, hk, tile, kv_len, first_step, n_steps = _bwd_program(KV_LEN, H // GROUP, heads_per_group, Lq, Lk, CAUSAL,
+                                                            HAS_KV_LEN, HEAVY_FIRST)
     k_rows = k_smem.slice(_ROWS * W, _ROWS)
     v_rows = v_smem.slice(_ROWS * W, _ROWS)
     qk_scale = scale * _LOG2E
@@ -634,14 +669,12 @@ def _bwd_consumer(args, W: gl.constexpr, RAGGED_KEYS: gl.constexpr):
     dv = gl.zeros([_ROWS, D], gl.float32, d_layout)
     s_zero = gl.zeros([_ROWS, _ROWS], gl.float32, s_layout)
     dq_zero = gl.zeros([_ROWS, QUARTER], gl.float32, quarter_layout)
-    # RAGGED_KEYS (Lk not a multiple of 128): the last tile's keys past Lk read as zeros, which give
-    # scores of 0, not probabilities of 0, so their P rows are masked.
-    first_key = gl.program_id(0) * 2 * _ROWS + _ROWS * W
-    real_key = (first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout)) < Lk)[:, None]
-    n_steps = gl.cdiv(Lq, _ROWS)
+    first_key = tile * 2 * _ROWS + _ROWS * W
+    key = first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
+    step_query = gl.arange(0, _ROWS, layout=gl.SliceLayout(0, s_layout))
     mbarrier.wait(kv_bar, 0)
     for i in range(GROUP * n_steps):
-        h, m0 = _bwd_step(i, hk, GROUP, n_steps)
+        h, m0 = _bwd_step(i, hk, GROUP, tile, first_step, n_steps, not CAUSAL)
         stage = i % STAGES
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         qs = q_smem.index(stage)
@@ -652,8 +685,14 @@ def _bwd_consumer(args, W: gl.constexpr, RAGGED_KEYS: gl.constexpr):
         # The step's statistics as [1, 64] rows in the scores' layout, read as late as they are needed
         # (registers): lse is +inf past Lq and for rows that saw no key, so that their P is 0.
         p = gl.exp2(st * qk_scale - lse_smem.index(stage).load(s_layout) * _LOG2E)
-        if RAGGED_KEYS:
-            p = gl.where(real_key, p, 0.0)
+        # Masked keys (past kv_len, where they read as zeros past Lk) give scores, not probabilities of 0,
+        # so their P rows are set to 0, on the steps and in the groups that hold some: one where a step.
+        if MASKED_KEYS:
+            if first_key + _ROWS > kv_len:
+                p = gl.where(key[:, None] < kv_len, p, 0.0)
+        if CAUSAL:  # and keys past the query, on the steps that cross this group's diagonal (or lie above it)
+            if m0 < first_key + _ROWS:
+                p = gl.where(key[:, None] <= (m0 + step_query)[None, :], p, 0.0)
         p_op = gl.convert_layout(p.to(q_smem.dtype), op_layout)
         dv_token = warpgroup_mma(p_op, dos, dv, is_async=True)
         dp = warpgroup_mma_wait(1, deps=[dp_token])
@@ -695,34 +734,41 @@ def _bwd_consumer(args, W: gl.constexpr, RAGGED_KEYS: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_consumer_low(args, RAGGED_KEYS: gl.constexpr):
-    _bwd_consumer(args, 0, RAGGED_KEYS)
+def _bwd_consumer_low(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                      MASKED_KEYS: gl.constexpr):
+    _bwd_consumer(args, 0, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, MASKED_KEYS)
 
 
 @gluon.jit
-def _bwd_consumer_high(args, RAGGED_KEYS: gl.constexpr):
-    _bwd_consumer(args, 1, RAGGED_KEYS)
+def _bwd_consumer_high(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                       MASKED_KEYS: gl.constexpr):
+    _bwd_consumer(args, 1, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, MASKED_KEYS)
 
 
 @gluon.jit
-def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, sqb, sqh, sql, skb, skh, skl, svb, svh, svl,
-                         sdb, sdh, sdl, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl, stats_row, B, H, GROUP, Lq, Lk, scale,
-                         D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         RAGGED_KEYS: gl.constexpr, num_warps: gl.constexpr):
+def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, KV_LEN, sqb, sqh, sql, skb, skh, skl, svb,
+                         svh, svl, sdb, sdh, sdl, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl, stats_row, B, H, GROUP, Lq, Lk,
+                         scale, heads_per_group, D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                         MASKED_KEYS: gl.constexpr, num_warps: gl.constexpr):
     """The attention backward in five products a (key tile, query step): dK
     and dV of 128 keys of one (batch, k head) per program, and dQ added into
     DQ_ACC by TMA reductions in whatever order the programs run (not bit
     for bit the same from run to run; ``ops.attention`` takes it only when
-    asked: ``ATOMIC_DQ``). Dense, non-causal, without key lengths; any Lq
-    (LSE_ROWS is +inf past it) and Lk (``RAGGED_KEYS``: Lk is not a
-    multiple of 128, and the last tile's keys past it are masked).
+    asked: ``ATOMIC_DQ``). Dense, causal or not (CAUSAL: query i sees keys
+    j <= i), with key lengths or not (HAS_KV_LEN: KV_LEN ``[B]``, keys past
+    ``KV_LEN[b]`` ignored); any Lq (LSE_ROWS is +inf past it and for rows
+    that see no key) and Lk. MASKED_KEYS: a tile may hold keys past
+    kv_len (Lk is not a multiple of 128, or key lengths are given), which
+    are masked. HEAVY_FIRST with ``heads_per_group``: causal programs
+    longest first (``ops.attention.causal_order``).
 
     Q, DO ``[B, H, Lq, D]`` and K, V, DK, DV ``[B, H / GROUP, Lk, D]`` 16-bit,
     any layout through the (batch, head, position) strides, a unit stride
     along D, TMA-aligned (Q, K, V, DO); LSE_ROWS and DELTA ``[B * H,
     stats_row]`` fp32 (``attn_bwd_row_stats_kernel``'s padded rows); DQ_ACC
     ``[B * H, stats_row, D]`` fp32, zeroed, receives dS K (dq less its
-    scale). Launch ``(Lk / 128, B * H / GROUP)`` programs with
+    scale). Launch ``(cdiv(Lk, 128), B * H / GROUP)`` programs with
     ``num_warps=4`` and ``maxnreg=168`` (the forward core's budgets:
     CONSUMER_REGS for both consumer groups, 24 for the loader)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
@@ -762,7 +808,8 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, sqb, sqh,
     for s in gl.static_range(2):
         mbarrier.init(ds_full.index(s), count=2)  # both halves of dS^T written
     args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem,
-            lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, H, GROUP, Lq, Lk, scale,
-            sdkb, sdkh, sdkl, sdvb, sdvh, sdvl)
-    gl.warp_specialize([(_bwd_consumer_low, (args, RAGGED_KEYS)), (_bwd_consumer_high, (args, RAGGED_KEYS)),
-                        (_bwd_loader, (args, ))], [4, 1], [CONSUMER_REGS, 24])
+            lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, H, GROUP, Lq, Lk,
+            scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl)
+    gl.warp_specialize([(_bwd_consumer_low, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, MASKED_KEYS)),
+                        (_bwd_consumer_high, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, MASKED_KEYS)),
+                        (_bwd_loader, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST))], [4, 1], [CONSUMER_REGS, 24])
