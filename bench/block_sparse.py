@@ -1,6 +1,7 @@
 """Block-sparse attention benchmark: fused.block_sparse_attention against
 FlexAttention with the same block mask, and against dense attention (ours
-and SDPA's cuDNN backend).
+and SDPA's cuDNN backend); ``fused_sparse_atomic_dq``: ours after
+``compile_ops.set_attention_backward(deterministic=False)``.
 
     PYTHONPATH=. python bench/block_sparse.py [--out bench/results] [--shape 1x12x75600x128]
 
@@ -98,11 +99,17 @@ def main(argv=None) -> int:
         index, count = compile_ops.block_index_from_mask(mask[None, None])
         flops = flops_dense * kept
         ours = measure("fused_sparse", kept, lambda: compile_ops.block_sparse_attention(q, k, v, index, count), flops)
+        compile_ops.set_attention_backward(deterministic=False)  # the five-product backward over the lists
+        try:
+            atomic = measure("fused_sparse_atomic_dq", kept,
+                             lambda: compile_ops.block_sparse_attention(q, k, v, index, count), flops)
+        finally:
+            compile_ops.set_attention_backward(deterministic=True)
         kv_num = count[0, 0].view(1, 1, n)
         kv_idx = index[0, 0].view(1, 1, n, n)
         block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=128, seq_lengths=(length, length))
         flex_row = measure("flex_block_mask", kept, lambda: flex(q, k, v, block_mask=block_mask), flops)
-        for row in (ours, flex_row):
+        for row in (ours, atomic, flex_row):
             for ref_name, ref in (("fused_dense", dense), ("sdpa_cudnn_dense", cudnn)):
                 row[f"speedup_vs_{ref_name}"] = {
                     "fwd": ref["fwd_ms"] / row["fwd_ms"],
@@ -111,8 +118,9 @@ def main(argv=None) -> int:
               f"{ours['speedup_vs_fused_dense']['fwdbwd']:.2f}x our dense, "
               f"{ours['speedup_vs_sdpa_cudnn_dense']['fwd']:.2f}x / "
               f"{ours['speedup_vs_sdpa_cudnn_dense']['fwdbwd'] or float('nan'):.2f}x cuDNN dense; flex "
-              f"{flex_row['fwd_ms'] / ours['fwd_ms']:.2f}x / {flex_row['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}x our time",
-              flush=True)
+              f"{flex_row['fwd_ms'] / ours['fwd_ms']:.2f}x / {flex_row['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}x our time; "
+              f"deterministic=False fwd+bwd {atomic['speedup_vs_sdpa_cudnn_dense']['fwdbwd'] or float('nan'):.2f}x "
+              f"cuDNN dense", flush=True)
 
     # Mask building: the dynamic top-k estimate (pooled q and k, per head) and
     # a static mask's conversion, compiled as a model would run them.

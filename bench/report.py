@@ -391,18 +391,26 @@ def block_sparse_table(data: dict) -> str:
     if cudnn:
         failed = f"; its backward: {cudnn['fwdbwd_error'][:80]}" if "fwdbwd_error" in cudnn else ""
         cudnn_text = f", SDPA's cuDNN dense attention's ({times(cudnn)} ms{failed})"
+    atomic = any(p == "fused_sparse_atomic_dq" for p, _ in by)
     out = [run_line(env) + f" | bf16, {shape}, random 128x128 block masks (diagonal and block 0 kept), one for "
            "every head.", "",
            "ms forward / forward+backward (CUDA-graph replay); the speed-ups divide our dense attention's time "
-           f"({times(dense)} ms){cudnn_text} and FlexAttention's (compiled, same `BlockMask`) by ours.", "",
+           f"({times(dense)} ms){cudnn_text} and FlexAttention's (compiled, same `BlockMask`) by ours"
+           + ("; `fused_sparse_atomic_dq`: ours after `set_attention_backward(deterministic=False)`, its speed-ups "
+              "in the last two columns" if atomic else "") + ".", "",
            "| blocks kept | fused_sparse | flex_block_mask | vs fused dense | " + ("vs cuDNN dense | " if cudnn else "")
-           + "vs flex |",
-           "|---:|---:|---:|---:|" + ("---:|" if cudnn else "") + "---:|"]
+           + "vs flex |" + (" fused_sparse_atomic_dq | its vs cuDNN dense | its vs flex |" if atomic else ""),
+           "|---:|---:|---:|---:|" + ("---:|" if cudnn else "") + "---:|" + ("---:|---:|---:|" if atomic else "")]
     for density in sorted({d for p, d in by if p == "fused_sparse"}):
         ours, flex = by[("fused_sparse", density)], by.get(("flex_block_mask", density), {})
-        out.append(f"| {density:.0%} | {times(ours)} | " + (f"{times(flex)} | " if flex else "- | ")
-                   + f"{ratio(dense, ours)} | " + (f"{ratio(cudnn, ours)} | " if cudnn else "")
-                   + (f"{ratio(flex, ours)} |" if flex else "- |"))
+        line = (f"| {density:.0%} | {times(ours)} | " + (f"{times(flex)} | " if flex else "- | ")
+                + f"{ratio(dense, ours)} | " + (f"{ratio(cudnn, ours)} | " if cudnn else "")
+                + (f"{ratio(flex, ours)} |" if flex else "- |"))
+        if atomic:
+            fast = by.get(("fused_sparse_atomic_dq", density))
+            line += (f" {times(fast)} | " + (f"{ratio(cudnn, fast)} | " if cudnn else "- | ")
+                     + (f"{ratio(flex, fast)} |" if flex else "- |")) if fast else " - | - | - |"
+        out.append(line)
     builders = [r for r in rows if "ms" in r]
     if builders:
         out += ["", "Mask building, compiled: " + "; ".join(

@@ -1195,11 +1195,12 @@ def test_head_dim_64_core_rule_guards_a_symbolic_key_length(length, monkeypatch)
 def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeypatch):
     """Traced on fake CUDA tensors of a faked sm_90 GPU: ``fused.attention_backward``
     runs the three deterministic passes by default; with
-    ``set_attention_backward(deterministic=False)`` a dense non-causal
-    16-bit call at D = 128 (Lk a multiple of 128 or not, causal or not,
-    with key lengths or not) runs the five-product kernel's opaque op and
-    dq's cast, and every other call (D = 64, fp32, or torch's
-    deterministic algorithms on) keeps the three passes."""
+    ``set_attention_backward(deterministic=False)`` a 16-bit call at
+    D = 128 (Lk a multiple of 128 or not, causal or not, with key lengths or
+    not, dense or ``fused.block_sparse_attention_backward``'s) runs the
+    five-product kernel's opaque op and dq's cast, and every other call
+    (D = 64, fp32, or torch's deterministic algorithms on) keeps the three
+    passes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compile_ops.ops import attention as attention_ops
@@ -1209,21 +1210,29 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
     three = ["attn_bwd_row_stats_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
     monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: t.device.type == "cuda")
 
-    def launches(lk=256, d=128, dtype=torch.bfloat16, causal=False, with_lengths=False):
+    def launches(lk=256, d=128, dtype=torch.bfloat16, causal=False, with_lengths=False, sparse=False):
         with FakeTensorMode():
             q, grad, out = (torch.empty(2, 3, 200, d, dtype=dtype, device="cuda") for _ in range(3))
             k, v = (torch.empty(2, 3, lk, d, dtype=dtype, device="cuda") for _ in range(2))
             lse = torch.empty(2, 3, 200, device="cuda")
             lengths = torch.empty(2, dtype=torch.int32, device="cuda") if with_lengths else None
-            return _traced_launches("fused::attention_backward", grad, q, k, v, out, lse, 0.125, causal, 2, lengths)
+            if not sparse:
+                return _traced_launches("fused::attention_backward", grad, q, k, v, out, lse, 0.125, causal, 2,
+                                        lengths)
+            index = torch.zeros(1, 1, 2, 2, dtype=torch.int32, device="cuda")
+            count = torch.ones(1, 1, 2, dtype=torch.int32, device="cuda")
+            every = _traced_launches("fused::block_sparse_attention_backward", grad, q, k, v, out, lse, index, count,
+                                     0.125, causal, 2, lengths)
+            return [name for name in every if name in five + three]  # less the lists' sorting
 
-    assert launches() == three
+    assert launches() == three and launches(sparse=True) == three
     compile_ops.set_attention_backward(deterministic=False)
     try:
         for taken in (dict(), dict(lk=300), dict(causal=True), dict(with_lengths=True),
-                      dict(causal=True, with_lengths=True, lk=300)):
+                      dict(causal=True, with_lengths=True, lk=300), dict(sparse=True),
+                      dict(sparse=True, causal=True, lk=300)):
             assert launches(**taken) == five, taken
-        for other in (dict(d=64), dict(dtype=torch.float32), dict(d=64, causal=True)):
+        for other in (dict(d=64), dict(dtype=torch.float32), dict(d=64, causal=True), dict(d=64, sparse=True)):
             assert launches(**other) == three, other
         with deterministic_algorithms():
             assert launches() == three

@@ -23,7 +23,7 @@ from compile_ops.ops import block_sparse as bs
 from compile_ops.reference import block_sparse as ref
 from conftest import INTERPRET, KERNEL_DEVICE, allow_tma_under_interpreter
 from numerics import assert_within_torch_error
-from test_attention import LSE_ROUNDINGS, _qkv, torch_at_dtype
+from test_attention import _SM90, LSE_ROUNDINGS, _qkv, torch_at_dtype
 
 DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
 BLOCK = 128
@@ -98,6 +98,59 @@ def test_kernels_match_fp64_reference_forward_and_backward(case):
     for name, g, e, p in zip("qkv", got, want, theirs):
         summed = (lk if name == "q" else lq) if dtype == torch.float32 else 1
         assert_within_torch_error(g, e, p, 3.0, f"d{name}", terms=summed, fp32_roundings=d)
+
+
+@pytest.mark.skipif(not _SM90, reason="the Gluon backward runs on sm_90 GPUs only")
+def test_sm90_five_product_backward_over_block_lists(monkeypatch):
+    """``set_attention_backward(deterministic=False)`` on sm_90 with block
+    lists: the five-product kernel runs (launched; the deterministic dk/dv
+    pass is not) over shuffled lists with every density from near-empty to
+    full, per-head and broadcast lists, GQA (the kernel walks each q head's
+    lists of its group), ragged Lq and Lk, causal, key lengths and both
+    layouts. dk and dv are equal across reruns; all three gradients are
+    within 1e-3 (relative L2) of the deterministic passes' and within the
+    two-reference rule of the fp64 gradients."""
+    from compile_ops.ops import attention as attention_ops
+
+    launched, launcher = [], attention_ops.launcher
+    monkeypatch.setattr(attention_ops, "launcher",
+                        lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
+    for b, hq, hk, lq, lk, seq_dim, dtype, causal, lengths, per_head, density in [
+            (1, 4, 4, 1024, 1024, 2, torch.bfloat16, False, None, True, 0.3),
+            (2, 6, 2, 700, 1000, 1, torch.float16, False, None, True, 0.5),
+            (1, 2, 2, 900, 900, 2, torch.bfloat16, True, None, False, 0.4),
+            (2, 4, 1, 640, 500, 1, torch.bfloat16, False, [500, 130], True, 0.05),
+            (1, 3, 3, 333, 4000, 2, torch.float16, True, [2900], True, 1.0)]:
+        case = (b, hq, hk, lq, lk, seq_dim, dtype, causal, lengths, per_head, density)
+        seed = lq + lk
+        torch.manual_seed(seed)
+        q, k, v = _qkv(b, hq, hk, lq, lk, 128, seq_dim, dtype, "cuda")
+        kv = None if lengths is None else torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        index, count = _random_lists(b if per_head else 1, hq if per_head else 1, lq, lk, density, seed, "cuda")
+        out = compile_ops.block_sparse_attention(q, k, v, index, count, None, causal, seq_dim, kv)
+        dout = torch.randn_like(out)
+        clear_launch_plans()
+        want = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        compile_ops.set_attention_backward(deterministic=False)
+        try:
+            launched.clear()
+            got = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(3)]
+            assert "attn_bwd_sm90_kernel" in launched and "attn_bwd_dkdv_kernel" not in launched, (case, launched)
+        finally:
+            compile_ops.set_attention_backward(deterministic=True)
+            clear_launch_plans()
+        assert all(torch.equal(again[1], got[0][1]) and torch.equal(again[2], got[0][2]) for again in got[1:]), case
+        for g, w in zip(got[0], want):
+            assert ((g.float() - w.float()).norm() / w.float().norm()).item() < 1e-3, case
+        scale = 128 ** -0.5
+        qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+        exact, _ = ref.block_sparse_attention(qd, kd, vd, index, count, scale, causal, seq_dim, kv)
+        exact_grads = torch.autograd.grad(exact, (qd, kd, vd), dout.double())
+        theirs = torch_at_dtype(q.detach(), k.detach(), v.detach(), dout, scale, causal, seq_dim, kv,
+                                ref.token_mask(index, count, lq, lk))[1]
+        for again in got:
+            for name, g, e, p in zip("qkv", again, exact_grads, theirs):
+                assert_within_torch_error(g, e, p, 3.0, f"d{name} {case}", fp32_roundings=128)
 
 
 @pytest.mark.kernels

@@ -562,16 +562,22 @@ def _tma_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _bwd_program(KV_LEN, Hk, heads_per_group, Lq, Lk, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-                 HEAVY_FIRST: gl.constexpr):
+def _bwd_program(KV_LEN, lists, Hk, GROUP, heads_per_group, Lq, Lk, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr,
+                 HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr):
     """This program's ``(batch, k head, key tile, kv_len, first query step,
-    query steps)``, the same in every partition. Its 128 keys are seen by
-    the queries of steps (of 64 rows) from the first: every one, or (causal)
-    those from the tile's first key on; none when the tile starts at or
-    past kv_len (its dk and dv are 0). HEAVY_FIRST (causal): programs taken
-    longest first, the first key tiles of a group of heads before their
-    second (``kernels.attention._dealt_rank``, as the deterministic dk/dv
-    pass)."""
+    query steps per q head, query steps, its lists)``, the same in every
+    partition.
+    Its 128 keys are seen by the queries of steps (of 64 rows) from the
+    first: every one, or (causal) those from the tile's first key on; or
+    (SPARSE) the two steps of each query block whose list holds the tile,
+    for each q head of the GQA group (``lists``: the transposed lists,
+    ``(index, count, 3 index strides, 3 count strides)``; its lists: those
+    of the group's first q head, as pointers to its list and its count and
+    the head strides to the next head's); none when the
+    tile starts at or past kv_len (its dk and dv are 0). HEAVY_FIRST
+    (causal, dense): programs taken longest first, the first key tiles of a
+    group of heads before their second (``kernels.attention._dealt_rank``,
+    as the deterministic dk/dv pass)."""
     if HEAVY_FIRST:
         n_tiles = gl.num_programs(0)
         tile, bhk = _dealt_rank(gl.program_id(0) + gl.program_id(1) * n_tiles, n_tiles, gl.num_programs(1),
@@ -584,45 +590,74 @@ def _bwd_program(KV_LEN, Hk, heads_per_group, Lq, Lk, CAUSAL: gl.constexpr, HAS_
     kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
     n_steps = gl.cdiv(Lq, _ROWS)
     first_step = 0
-    if CAUSAL:
+    if CAUSAL and not SPARSE:
         first_step = gl.minimum(tile * 2, n_steps)  # query i sees keys j <= i: rows from the tile's first key
     first_step = gl.where(tile * 2 * _ROWS < kv_len, first_step, n_steps)
-    return b, hk, tile, kv_len, first_step, n_steps - first_step
+    n_steps -= first_step
+    total = GROUP * n_steps
+    row_lists = (0, 0, 0, 0)  # dense: none
+    if SPARSE:  # (causal: the listed blocks above the diagonal are masked, not skipped)
+        # Only the group's first q head's list and count pointers, and the steps to the next head's, stay
+        # live through the loop (ptxas spilled set-up values inside it while all eight list arguments did).
+        BLOCKS, COUNTS, sbb, sbh, sbr, scb, sch, scr = lists
+        first_list, first_count = _block_list(BLOCKS, COUNTS, b, hk * GROUP, tile, sbb, sbh, sbr, scb, sch, scr)
+        total = 0
+        for g in range(GROUP):
+            total += 2 * gl.load(COUNTS + b * scb + (hk * GROUP + g) * sch + tile * scr).to(gl.int32)
+        total = gl.where(n_steps > 0, total, 0)
+        row_lists = (first_list, sbh, COUNTS + b * scb + hk * GROUP * sch + tile * scr, sch)
+    return b, hk, tile, kv_len, first_step, n_steps, total, row_lists
 
 
 @gluon.jit
-def _bwd_step(i, hk, GROUP, tile, first_step, n_steps, STAGGER: gl.constexpr):
+def _bwd_step(i, program, GROUP, STAGGER: gl.constexpr, SPARSE: gl.constexpr):
     """The (q head, first query) of a program's i-th step: every q head of
-    its GQA group in turn, 64 queries a step from ``first_step``. STAGGER
+    its GQA group in turn, 64 queries a step from ``first_step`` (SPARSE:
+    the two halves of each listed query block in turn). STAGGER
     (non-causal): each program starts at its own point of that cycle
     (spread evenly over the programs of a k head), so that they do not add
     into the same dq rows at the same time: 1.03x, 1.06x and 1.03x
     forward+backward at 4608, 16384 and 32760 tokens against every program
     starting at 0 (H100, bench/notes.md). Causal programs start at their
     own diagonals, two steps apart, so they need no stagger."""
-    total = GROUP * n_steps
+    b, hk, tile, _, first_step, n_steps, total, row_lists = program
     j = i
     if STAGGER:
         j = (i + tile * total // gl.num_programs(0)) % total
-    return hk * GROUP + j // n_steps, (first_step + j % n_steps) * _ROWS
+    if SPARSE:
+        # The q head whose steps hold j: past each head whose 2 * count steps j is at or past
+        # (heads with an empty list pass at once; once j falls short it stays short).
+        first_list, list_step, first_count, count_step = row_lists
+        g = 0
+        for _ in range(GROUP - 1):
+            steps = 2 * gl.load(first_count + g * count_step).to(gl.int32)
+            past = j >= steps
+            j = gl.where(past, j - steps, j)
+            g = gl.where(past, g + 1, g)
+        block = gl.load(first_list + g * list_step + j // 2).to(gl.int32)
+        return hk * GROUP + g, block * 2 * _ROWS + (j % 2) * _ROWS
+    else:
+        return hk * GROUP + j // n_steps, (first_step + j % n_steps) * _ROWS
 
 
 @gluon.jit
-def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr):
+def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                SPARSE: gl.constexpr):
     """The producer warp of the backward: this program's K and V tiles once,
     then each step's q and dO tiles and the step's rows of the statistics
     (lse, delta), every query head of the GQA group in turn, into a ring."""
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, H, GROUP, Lq, Lk, scale,
+     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, lists, H, GROUP, Lq, Lk, scale,
      heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
-    b, hk, tile, _, first_step, n_steps = _bwd_program(KV_LEN, H // GROUP, heads_per_group, Lq, Lk, CAUSAL,
-                                                       HAS_KV_LEN, HEAVY_FIRST)
+    program = _bwd_program(KV_LEN, lists, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
+                           HEAVY_FIRST, SPARSE)
+    b, hk, tile = program[0], program[1], program[2]
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, tile * 2 * _ROWS, 0], kv_bar, _box(k_smem))
     tma.async_copy_global_to_shared(v_desc, [b, hk, tile * 2 * _ROWS, 0], kv_bar, _box(v_smem))
-    for i in range(GROUP * n_steps):
-        h, m0 = _bwd_step(i, hk, GROUP, tile, first_step, n_steps, not CAUSAL)
+    for i in range(program[6]):
+        h, m0 = _bwd_step(i, program, GROUP, not CAUSAL, SPARSE)
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes
@@ -635,7 +670,7 @@ def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRS
 
 @gluon.jit
 def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                  MASKED_KEYS: gl.constexpr):
+                  SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr):
     """Consumer warp group W of the backward: keys ``64 W`` to ``64 W + 63`` of
     the program's tile, through every step of 64 queries. S^T and dP^T (64
     keys x 64 queries) issued together; P^T and dS^T from them, in registers,
@@ -648,7 +683,7 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     kv_len (MASKED_KEYS: the tile may hold some) and, causal, keys past the
     query on the two steps that cross the diagonal."""
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, H, GROUP, Lq, Lk, scale,
+     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, lists, H, GROUP, Lq, Lk, scale,
      heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
     D: gl.constexpr = q_smem.shape[2]
@@ -660,8 +695,9 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     quarter_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, QUARTER, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
-    b, hk, tile, kv_len, first_step, n_steps = _bwd_program(KV_LEN, H // GROUP, heads_per_group, Lq, Lk, CAUSAL,
-                                                            HAS_KV_LEN, HEAVY_FIRST)
+    program = _bwd_program(KV_LEN, lists, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
+                           HEAVY_FIRST, SPARSE)
+    b, hk, tile, kv_len = program[0], program[1], program[2], program[3]
     k_rows = k_smem.slice(_ROWS * W, _ROWS)
     v_rows = v_smem.slice(_ROWS * W, _ROWS)
     qk_scale = scale * _LOG2E
@@ -673,8 +709,8 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     key = first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
     step_query = gl.arange(0, _ROWS, layout=gl.SliceLayout(0, s_layout))
     mbarrier.wait(kv_bar, 0)
-    for i in range(GROUP * n_steps):
-        h, m0 = _bwd_step(i, hk, GROUP, tile, first_step, n_steps, not CAUSAL)
+    for i in range(program[6]):
+        h, m0 = _bwd_step(i, program, GROUP, not CAUSAL, SPARSE)
         stage = i % STAGES
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         qs = q_smem.index(stage)
@@ -735,27 +771,32 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
 
 @gluon.jit
 def _bwd_consumer_low(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                      MASKED_KEYS: gl.constexpr):
-    _bwd_consumer(args, 0, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, MASKED_KEYS)
+                      SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr):
+    _bwd_consumer(args, 0, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS)
 
 
 @gluon.jit
 def _bwd_consumer_high(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                       MASKED_KEYS: gl.constexpr):
-    _bwd_consumer(args, 1, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, MASKED_KEYS)
+                       SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr):
+    _bwd_consumer(args, 1, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS)
 
 
 @gluon.jit
-def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, KV_LEN, sqb, sqh, sql, skb, skh, skl, svb,
-                         svh, svl, sdb, sdh, sdl, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl, stats_row, B, H, GROUP, Lq, Lk,
-                         scale, heads_per_group, D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, KV_LEN, BLOCKS, COUNTS, sqb, sqh, sql, skb,
+                         skh, skl, svb, svh, svl, sdb, sdh, sdl, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl, sbb, sbh, sbr,
+                         scb, sch, scr, stats_row, B, H, GROUP, Lq, Lk, scale, heads_per_group, D: gl.constexpr,
+                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
+                         HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr,
                          MASKED_KEYS: gl.constexpr, num_warps: gl.constexpr):
     """The attention backward in five products a (key tile, query step): dK
     and dV of 128 keys of one (batch, k head) per program, and dQ added into
     DQ_ACC by TMA reductions in whatever order the programs run (not bit
     for bit the same from run to run; ``ops.attention`` takes it only when
-    asked: ``ATOMIC_DQ``). Dense, causal or not (CAUSAL: query i sees keys
+    asked: ``ATOMIC_DQ``). Dense or (SPARSE) block-sparse: BLOCKS ``[B, H,
+    cdiv(Lk, 128), W]`` / COUNTS ``[B, H, cdiv(Lk, 128)]`` int32 or int64 are
+    the transposed lists (per q head and key block, the ascending query
+    blocks that list it; strides ``sbb, sbh, sbr`` / ``scb, sch, scr``);
+    causal or not (CAUSAL: query i sees keys
     j <= i), with key lengths or not (HAS_KV_LEN: KV_LEN ``[B]``, keys past
     ``KV_LEN[b]`` ignored); any Lq (LSE_ROWS is +inf past it and for rows
     that see no key) and Lk. MASKED_KEYS: a tile may hold keys past
@@ -808,8 +849,9 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, KV_LEN, s
     for s in gl.static_range(2):
         mbarrier.init(ds_full.index(s), count=2)  # both halves of dS^T written
     args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem,
-            lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, H, GROUP, Lq, Lk,
-            scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl)
-    gl.warp_specialize([(_bwd_consumer_low, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, MASKED_KEYS)),
-                        (_bwd_consumer_high, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, MASKED_KEYS)),
-                        (_bwd_loader, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST))], [4, 1], [CONSUMER_REGS, 24])
+            lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN,
+            (BLOCKS, COUNTS, sbb, sbh, sbr, scb, sch, scr), H, GROUP, Lq, Lk, scale, heads_per_group, sdkb, sdkh, sdkl,
+            sdvb, sdvh, sdvl)
+    gl.warp_specialize([(_bwd_consumer_low, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS)),
+                        (_bwd_consumer_high, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS)),
+                        (_bwd_loader, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE))], [4, 1], [CONSUMER_REGS, 24])

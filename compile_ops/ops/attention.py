@@ -456,54 +456,62 @@ ATOMIC_DQ = False
 SM90_BACKWARD_STAGES = 2
 
 
-def _takes_sm90_backward(c: dict, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, seq_dim: int,
-                         blocks: Optional[tuple]) -> bool:
+def _takes_sm90_backward(c: dict, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, seq_dim: int) -> bool:
     """Whether a backward runs on the five-product sm_90 kernel: asked for
     (:data:`ATOMIC_DQ`, and torch's deterministic algorithms not asked
     for), on an sm_90 GPU where a traced call can hold its opaque op
-    (:func:`_core_gpu`), and a call it computes: dense (causal or not, key
-    lengths or not), 16-bit (q, k, v and dO alike), D = 128, at least one
-    key, TMA-aligned q, k, v and dO with no broadcast strides."""
+    (:func:`_core_gpu`), and a call it computes: dense or block-sparse,
+    causal or not, key lengths or not, 16-bit (q, k, v and dO alike),
+    D = 128, at least one key, TMA-aligned q, k, v and dO with no broadcast
+    strides."""
     tensors = (q, k, v, grad_out)
     return (ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled() and _core_gpu(q)
-            and blocks is None and q.dtype in (torch.float16, torch.bfloat16)
+            and q.dtype in (torch.float16, torch.bfloat16)
             and all(t.dtype == q.dtype for t in tensors) and c["d"] == 128 and c["lk"] > 0
             and _tma_ready(seq_dim, *tensors) and not _broadcast(seq_dim, *tensors))
 
 
 def _launch_sm90_backward(kernel, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor,
                           delta: Tensor, dq_acc: Tensor, dk: Tensor, dv: Tensor, scale: float, causal: bool,
-                          seq_dim: int, kv_lengths: Optional[Tensor]) -> None:
+                          seq_dim: int, kv_lengths: Optional[Tensor], key_index: Optional[Tensor] = None,
+                          key_count: Optional[Tensor] = None) -> None:
     """Launch the five-product backward (``kernel``: it, or the launch-plan
     recorder's proxy) on arguments :func:`_takes_sm90_backward` accepted:
-    dk and dv, and dS K added into ``dq_acc`` (zeroed). Causal programs
-    run longest first, in the deterministic dk/dv pass's groups of heads."""
+    dk and dv, and dS K added into ``dq_acc`` (zeroed). Block-sparse:
+    ``key_index`` / ``key_count``, ``launch_backward``'s ``key_blocks``.
+    Dense causal programs run longest first, in the deterministic dk/dv
+    pass's groups of heads."""
     b, h, lq, d = meta.attention.dims(q, seq_dim)
     hk, lk = meta.attention.dims(k, seq_dim)[1:3]
-    order, group = causal_order(q, lq * (h // hk), b * hk) if causal else _LAUNCH_ORDER
+    sparse = key_index is not None
+    assert not sparse or meta.attention.SPARSE_BLOCK == 128  # a program's key tile is a listed block
+    order, group = causal_order(q, lq * (h // hk), b * hk) if causal and not sparse else _LAUNCH_ORDER
     triton.set_allocator(_scratch)  # the kernel builds its TMA descriptors on the device
     kernel[(triton.cdiv(lk, 128), b * hk)](
-        q, k, v, grad_out, lse_rows, delta, dq_acc, dk, dv, kv_lengths, *_bhl_strides(q, seq_dim),
-        *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim), *_bhl_strides(grad_out, seq_dim),
-        *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim), lse_rows.shape[1], b, h, h // hk, lq, lk,
+        q, k, v, grad_out, lse_rows, delta, dq_acc, dk, dv, kv_lengths, key_index, key_count,
+        *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
+        *_bhl_strides(grad_out, seq_dim), *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim),
+        *_lists((key_index, key_count) if sparse else None)[2:], lse_rows.shape[1], b, h, h // hk, lq, lk,
         float(scale), group, D=d, STAGES=SM90_BACKWARD_STAGES, CONSUMER_REGS=SM90_CORE_CONSUMER_REGS, CAUSAL=causal,
-        HAS_KV_LEN=kv_lengths is not None, MASKED_KEYS=lk % 128 != 0 or kv_lengths is not None, **order,
-        **SM90_CORE_LAUNCH)
+        HAS_KV_LEN=kv_lengths is not None, SPARSE=sparse, MASKED_KEYS=lk % 128 != 0 or kv_lengths is not None,
+        **order, **SM90_CORE_LAUNCH)
 
 
 @torch.library.custom_op("fused_gluon::attention_backward_sm90_", mutates_args=("dq_acc", "dk", "dv"))
 def _attention_backward_sm90(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor, delta: Tensor,
                              dq_acc: Tensor, dk: Tensor, dv: Tensor, scale: float, causal: bool, seq_dim: int,
-                             kv_lengths: Optional[Tensor] = None) -> None:
+                             kv_lengths: Optional[Tensor] = None, key_index: Optional[Tensor] = None,
+                             key_count: Optional[Tensor] = None) -> None:
     """The five-product backward as an op of its own, for traced calls (as
     ``fused_gluon.attention_forward_sm90_``: Inductor cannot trace a Gluon
     kernel); not a public op."""
     _launch_sm90_backward(attn_bwd_sm90_kernel, grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale, causal,
-                          seq_dim, kv_lengths)
+                          seq_dim, kv_lengths, key_index, key_count)
 
 
 @_attention_backward_sm90.register_fake
-def _(grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale, causal, seq_dim, kv_lengths=None):
+def _(grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale, causal, seq_dim, kv_lengths=None, key_index=None,
+      key_count=None):
     return None
 
 
@@ -524,7 +532,7 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     # Per-query statistics in padded rows (kernels.attention.STATS_ROW_ALIGN): delta and the lse.
     stats_row = triton.cdiv(c["lq"], STATS_ROW_ALIGN.value) * STATS_ROW_ALIGN.value
     delta, lse_rows = (lse.new_empty((c["b"] * c["h"], stats_row)) for _ in range(2))
-    five_products = _takes_sm90_backward(c, q, k, v, grad_out, seq_dim, blocks)
+    five_products = _takes_sm90_backward(c, q, k, v, grad_out, seq_dim)
     # The five-product backward's dq sums, zeroed by the statistics pass.
     dq_acc = lse.new_empty((c["b"] * c["h"], stats_row, d)) if five_products else None
     rows = 64
@@ -535,10 +543,11 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     if five_products:
         if on_eager_fast_path():  # launched as is, recorded for launch plans
             _launch_sm90_backward(launcher(attn_bwd_sm90_kernel), grad_out, q, k, v, lse_rows, delta, dq_acc, dk,
-                                  dv, scale, causal, seq_dim, kv_lengths)
+                                  dv, scale, causal, seq_dim, kv_lengths, *(key_blocks or (None, None)))
         else:
             torch.ops.fused_gluon.attention_backward_sm90_(grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv,
-                                                           float(scale), causal, seq_dim, kv_lengths)
+                                                           float(scale), causal, seq_dim, kv_lengths,
+                                                           *(key_blocks or (None, None)))
         launcher(attn_bwd_dq_from_acc_kernel)[(triton.cdiv(c["lq"], rows), c["b"] * c["h"])](
             dq_acc, dq, c["h"], c["lq"], *_bhl_strides(dq, seq_dim), float(scale), D=d, BLOCK_D=consts["BLOCK_D"],
             BLOCK_M=rows, num_warps=4)
