@@ -446,9 +446,10 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
 #: run to run in its last bits (dk and dv do not), and the default backward is
 #: bit-identical across runs. Forward+backward 1.08-1.12x the deterministic
 #: backward and 0.91-1.00x cuDNN at issue 28's D = 128 shapes, causal
-#: 1.10-1.19x and 0.93-0.98x (H100, ``bench/results/attention-h100.json`` and
-#: ``attention-causal-h100.json``'s ``fused_atomic_dq``; bench/notes.md,
-#: "A five-product backward in Gluon" and after);
+#: 1.10-1.19x and 0.93-0.98x, block-sparse 1.11-1.26x (H100,
+#: ``bench/results/attention-h100.json``, ``attention-causal-h100.json`` and
+#: ``block-sparse-h100.json``'s ``*_atomic_dq``; bench/notes.md, "A
+#: five-product backward in Gluon" and after);
 #: ``torch.use_deterministic_algorithms(True)`` turns it off again. Read when a
 #: call is made, or traced: set it before compiling.
 ATOMIC_DQ = False
@@ -877,13 +878,13 @@ def set_attention_backward(deterministic: bool = True) -> None:
     """Choose how ``fused.attention``'s backward sums dq from now on.
 
     ``deterministic=True`` (the default): three passes, the gradients bit for
-    bit the same on every run. ``False``: on sm_90 GPUs, dense 16-bit calls
-    at D = 128 (causal or not, with key lengths or not) take a five-product
-    backward whose dq is added up by TMA reductions in the order the
-    GPU's programs run, so dq's last bits vary from run to run (dk and dv
-    do not); forward+backward 1.08-1.12x faster on an H100, causal
-    1.10-1.19x (README). Other calls (block-sparse, D other than 128,
-    fp32), and
+    bit the same on every run. ``False``: on sm_90 GPUs, 16-bit calls at
+    D = 128 (dense or block-sparse, causal or not, with key lengths or not)
+    take a five-product backward whose dq is added up by TMA reductions in
+    the order the GPU's programs run, so dq's last bits vary from run to run
+    (dk and dv do not); forward+backward 1.08-1.12x faster on an H100,
+    causal 1.10-1.19x, block-sparse 1.11-1.26x (README). Other calls (D
+    other than 128, fp32), and
     every call while ``torch.use_deterministic_algorithms(True)`` is on,
     keep the deterministic passes. Compiled graphs take the setting that
     held when they were traced.
