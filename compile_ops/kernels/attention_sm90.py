@@ -66,7 +66,7 @@ products a tile pair, FlashAttention-3's structure too (a loader warp, two
 consumer warp groups of 64 keys sharing 64-query steps), with dq added by
 TMA reductions in the order the programs run: the
 ``set_attention_backward(deterministic=False)`` option, dense, causal,
-with key lengths or over block lists: 1.08-1.12x the deterministic passes
+with key lengths or over block lists: 1.05-1.12x the deterministic passes
 forward+backward, causal 1.10-1.19x, block-sparse 1.11-1.26x (H100,
 bench/notes.md, "A five-product backward in Gluon" and after).
 

@@ -444,8 +444,8 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
 #: the five-product sm_90 backward (``attn_bwd_sm90_kernel``) for the calls
 #: :func:`_takes_sm90_backward` accepts. Off by default: dq then differs from
 #: run to run in its last bits (dk and dv do not), and the default backward is
-#: bit-identical across runs. Forward+backward 1.08-1.12x the deterministic
-#: backward and 0.91-1.00x cuDNN at issue 28's D = 128 shapes, causal
+#: bit-identical across runs. Forward+backward 1.05-1.12x the deterministic
+#: backward and 0.87-1.00x cuDNN at issue 28's D = 128 shapes (two runs), causal
 #: 1.10-1.19x and 0.93-0.98x, block-sparse 1.11-1.26x (H100,
 #: ``bench/results/attention-h100.json``, ``attention-causal-h100.json`` and
 #: ``block-sparse-h100.json``'s ``*_atomic_dq``; bench/notes.md, "A
@@ -882,7 +882,7 @@ def set_attention_backward(deterministic: bool = True) -> None:
     D = 128 (dense or block-sparse, causal or not, with key lengths or not)
     take a five-product backward whose dq is added up by TMA reductions in
     the order the GPU's programs run, so dq's last bits vary from run to run
-    (dk and dv do not); forward+backward 1.08-1.12x faster on an H100,
+    (dk and dv do not); forward+backward 1.05-1.12x faster on an H100,
     causal 1.10-1.19x, block-sparse 1.11-1.26x (README). Other calls (D
     other than 128, fp32), and
     every call while ``torch.use_deterministic_algorithms(True)`` is on,
