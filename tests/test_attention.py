@@ -1443,19 +1443,49 @@ def test_sm90_core_wide_tiles_at_head_dim_64_match_the_reference(dtype, monkeypa
     clear_launch_plans()
 
 
+def five_product_gradients(out, inputs, dout, launched, passes_kernel, case, deterministic_algorithms_too=True):
+    """The gradients of ``out`` three times by the five-product backward
+    (``set_attention_backward(deterministic=False)``), checked against the
+    deterministic passes': the Gluon kernel is launched and ``passes_kernel``
+    (one of the passes) is not, as ``launched`` (kernel names the caller's
+    patched launcher appends) shows; (``deterministic_algorithms_too``)
+    under ``use_deterministic_algorithms`` the passes run, bit-equal to the
+    default; dk and dv are equal across
+    reruns (each program sums its steps in a fixed order); and all three
+    gradients are within 1e-3 (relative L2) of the passes', from which they
+    differ only in the order of fp32 sums. Returns the three runs' (dq, dk, dv)."""
+    clear_launch_plans()
+    want = torch.autograd.grad(out, inputs, dout, retain_graph=True)
+    compile_ops.set_attention_backward(deterministic=False)
+    try:
+        launched.clear()
+        got = [torch.autograd.grad(out, inputs, dout, retain_graph=True) for _ in range(3)]
+        assert "attn_bwd_sm90_kernel" in launched and passes_kernel not in launched, (case, launched)
+        pinned = want
+        if deterministic_algorithms_too:
+            with deterministic_algorithms():
+                launched.clear()
+                pinned = torch.autograd.grad(out, inputs, dout, retain_graph=True)
+                assert "attn_bwd_sm90_kernel" not in launched and passes_kernel in launched, (case, launched)
+    finally:
+        compile_ops.set_attention_backward(deterministic=True)
+        clear_launch_plans()
+    assert all(torch.equal(p, w) for p, w in zip(pinned, want)), case
+    assert all(torch.equal(again[1], got[0][1]) and torch.equal(again[2], got[0][2]) for again in got[1:]), case
+    for g, w in zip(got[0], want):
+        assert ((g.float() - w.float()).norm() / w.float().norm()).item() < 1e-3, case
+    return got
+
+
 @pytest.mark.skipif(not _SM90, reason="the Gluon core runs on sm_90 GPUs only")
 def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
-    """``compile_ops.set_attention_backward(deterministic=False)`` on sm_90:
-    the five-product Gluon backward runs (it is launched, the three passes
-    are not) over ragged Lq and Lk (key tiles masked past Lk), GQA, both
-    layouts, fp16 and bf16, causal with Lq above, equal to and below Lk,
-    and key lengths (one batch row with none). dk and dv are the same on reruns (each program
-    sums its steps in a fixed order, though not the deterministic passes'
-    order: it starts at its own step); dq, dk and dv are within the
-    two-reference rule of the fp64 gradients, and within 1e-3 (relative L2)
-    of the deterministic passes' results, which they differ from only in
-    the order of fp32 sums. With ``torch.use_deterministic_algorithms(True)``
-    the three passes run."""
+    """``compile_ops.set_attention_backward(deterministic=False)`` on sm_90,
+    dense: the five-product Gluon backward over ragged Lq and Lk (key tiles
+    masked past Lk), GQA, both layouts, fp16 and bf16, causal with Lq
+    above, equal to and below Lk, and key lengths (one batch row with
+    none), checked against the deterministic passes
+    (:func:`five_product_gradients`), and dq, dk and dv within the
+    two-reference rule of the fp64 gradients."""
     from compile_ops.ops import attention as attention_ops
 
     launched, launcher = [], attention_ops.launcher
@@ -1477,25 +1507,7 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
         out = compile_ops.attention(q, k, v, None, causal, seq_dim, kv_lengths)
         dout = torch.randn_like(out)
         case = (b, h, hk, lq, lk, seq_dim, dtype, causal, lengths)
-        clear_launch_plans()
-        want = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        compile_ops.set_attention_backward(deterministic=False)
-        try:
-            launched.clear()
-            got = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(3)]
-            assert "attn_bwd_sm90_kernel" in launched and "attn_bwd_dq_kernel" not in launched, (case, launched)
-            with deterministic_algorithms():
-                launched.clear()
-                pinned = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-                assert "attn_bwd_sm90_kernel" not in launched and "attn_bwd_dq_kernel" in launched, case
-        finally:
-            compile_ops.set_attention_backward(deterministic=True)
-            clear_launch_plans()
-        assert all(torch.equal(p, w) for p, w in zip(pinned, want)), case
-        dk, dv = got[0][1:]
-        assert all(torch.equal(again[1], dk) and torch.equal(again[2], dv) for again in got[1:]), case
-        for g, w in zip(got[0], want):
-            assert ((g.float() - w.float()).norm() / w.float().norm()).item() < 1e-3, case
+        got = five_product_gradients(out, (q, k, v), dout, launched, "attn_bwd_dq_kernel", case)
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
         exact, _ = ref.attention(qd, kd, vd, 128 ** -0.5, causal, seq_dim, kv_lengths)
         exact_grads = torch.autograd.grad(exact, (qd, kd, vd), dout.double())

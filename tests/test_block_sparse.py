@@ -23,7 +23,7 @@ from compile_ops.ops import block_sparse as bs
 from compile_ops.reference import block_sparse as ref
 from conftest import INTERPRET, KERNEL_DEVICE, allow_tma_under_interpreter
 from numerics import assert_within_torch_error
-from test_attention import _SM90, LSE_ROUNDINGS, _qkv, torch_at_dtype
+from test_attention import _SM90, LSE_ROUNDINGS, _qkv, five_product_gradients, torch_at_dtype
 
 DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
 BLOCK = 128
@@ -107,9 +107,9 @@ def test_sm90_five_product_backward_over_block_lists(monkeypatch):
     pass is not) over shuffled lists with every density from near-empty to
     full, per-head and broadcast lists, GQA (the kernel walks each q head's
     lists of its group), ragged Lq and Lk, causal, key lengths and both
-    layouts. dk and dv are equal across reruns; all three gradients are
-    within 1e-3 (relative L2) of the deterministic passes' and within the
-    two-reference rule of the fp64 gradients."""
+    layouts; checked as the dense kernel is (``five_product_gradients``),
+    and all three gradients within the two-reference rule of the fp64
+    gradients."""
     from compile_ops.ops import attention as attention_ops
 
     launched, launcher = [], attention_ops.launcher
@@ -129,19 +129,11 @@ def test_sm90_five_product_backward_over_block_lists(monkeypatch):
         index, count = _random_lists(b if per_head else 1, hq if per_head else 1, lq, lk, density, seed, "cuda")
         out = compile_ops.block_sparse_attention(q, k, v, index, count, None, causal, seq_dim, kv)
         dout = torch.randn_like(out)
-        clear_launch_plans()
-        want = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        compile_ops.set_attention_backward(deterministic=False)
-        try:
-            launched.clear()
-            got = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(3)]
-            assert "attn_bwd_sm90_kernel" in launched and "attn_bwd_dkdv_kernel" not in launched, (case, launched)
-        finally:
-            compile_ops.set_attention_backward(deterministic=True)
-            clear_launch_plans()
-        assert all(torch.equal(again[1], got[0][1]) and torch.equal(again[2], got[0][2]) for again in got[1:]), case
-        for g, w in zip(got[0], want):
-            assert ((g.float() - w.float()).norm() / w.float().norm()).item() < 1e-3, case
+        # Without the deterministic-algorithms leg, which the dense test covers (the routing is shared): this
+        # test has run on a GPU without it, and whether torch takes the lists' transposition (a scatter) under
+        # use_deterministic_algorithms on CUDA is not yet known.
+        got = five_product_gradients(out, (q, k, v), dout, launched, "attn_bwd_dkdv_kernel", case,
+                                     deterministic_algorithms_too=False)
         scale = 128 ** -0.5
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
         exact, _ = ref.block_sparse_attention(qd, kd, vd, index, count, scale, causal, seq_dim, kv)
