@@ -567,15 +567,14 @@ def _bwd_program(KV_LEN, lists, Hk, GROUP, heads_per_group, Lq, Lk, CAUSAL: gl.c
                  HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr):
     """This program's ``(batch, k head, key tile, kv_len, first query step,
     query steps per q head, query steps, its lists)``, the same in every
-    partition.
-    Its 128 keys are seen by the queries of steps (of 64 rows) from the
-    first: every one, or (causal) those from the tile's first key on; or
-    (SPARSE) the two steps of each query block whose list holds the tile,
-    for each q head of the GQA group (``lists``: the transposed lists,
-    ``(index, count, 3 index strides, 3 count strides)``; its lists: those
-    of the group's first q head, as pointers to its list and its count and
-    the head strides to the next head's); none when the
-    tile starts at or past kv_len (its dk and dv are 0). HEAVY_FIRST
+    partition. Its 128 keys are seen by the queries of steps (of 64 rows)
+    from the first: every one, or (causal) those from the tile's first key
+    on; or (SPARSE) the two steps of each query block whose list holds the
+    tile, for each q head of the GQA group (``lists``: the transposed
+    lists, ``(index, count, 3 index strides, 3 count strides)``; its
+    lists: the group's first q head's list and count, as pointers, with
+    the head strides to the next head's); none when the tile starts at or
+    past kv_len (its dk and dv are 0). HEAVY_FIRST
     (causal, dense): programs taken longest first, the first key tiles of a
     group of heads before their second (``kernels.attention._dealt_rank``,
     as the deterministic dk/dv pass)."""
@@ -601,12 +600,13 @@ def _bwd_program(KV_LEN, lists, Hk, GROUP, heads_per_group, Lq, Lk, CAUSAL: gl.c
         # Only the group's first q head's list and count pointers, and the steps to the next head's, stay
         # live through the loop (ptxas spilled set-up values inside it while all eight list arguments did).
         BLOCKS, COUNTS, sbb, sbh, sbr, scb, sch, scr = lists
-        first_list, first_count = _block_list(BLOCKS, COUNTS, b, hk * GROUP, tile, sbb, sbh, sbr, scb, sch, scr)
+        first_list = BLOCKS + b * sbb + hk * GROUP * sbh + tile * sbr
+        first_count = COUNTS + b * scb + hk * GROUP * sch + tile * scr
         total = 0
         for g in range(GROUP):
-            total += 2 * gl.load(COUNTS + b * scb + (hk * GROUP + g) * sch + tile * scr).to(gl.int32)
+            total += 2 * gl.load(first_count + g * sch).to(gl.int32)  # int32 or int64 lists
         total = gl.where(n_steps > 0, total, 0)
-        row_lists = (first_list, sbh, COUNTS + b * scb + hk * GROUP * sch + tile * scr, sch)
+        row_lists = (first_list, sbh, first_count, sch)
     return b, hk, tile, kv_len, first_step, n_steps, total, row_lists
 
 
@@ -682,7 +682,8 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     step rewrites their buffers once the reductions have read them; a second
     pair of buffers measured no faster, bench/notes.md). Masks: keys past
     kv_len (MASKED_KEYS: the tile may hold some) and, causal, keys past the
-    query on the two steps that cross the diagonal."""
+    query on the steps that cross the diagonal (two; block lists may add
+    steps above it, masked whole)."""
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
      delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, lists, H, GROUP, Lq, Lk, scale,
      heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
@@ -797,13 +798,13 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, KV_LEN, B
     cdiv(Lk, 128), W]`` / COUNTS ``[B, H, cdiv(Lk, 128)]`` int32 or int64 are
     the transposed lists (per q head and key block, the ascending query
     blocks that list it; strides ``sbb, sbh, sbr`` / ``scb, sch, scr``);
-    causal or not (CAUSAL: query i sees keys
-    j <= i), with key lengths or not (HAS_KV_LEN: KV_LEN ``[B]``, keys past
-    ``KV_LEN[b]`` ignored); any Lq (LSE_ROWS is +inf past it and for rows
-    that see no key) and Lk. MASKED_KEYS: a tile may hold keys past
-    kv_len (Lk is not a multiple of 128, or key lengths are given), which
-    are masked. HEAVY_FIRST with ``heads_per_group``: causal programs
-    longest first (``ops.attention.causal_order``).
+    causal or not (CAUSAL: query i sees keys j <= i), with key lengths or
+    not (HAS_KV_LEN: KV_LEN ``[B]``, keys past ``KV_LEN[b]`` ignored); any
+    Lq (LSE_ROWS is +inf past it and for rows that see no key) and Lk.
+    MASKED_KEYS: a tile may hold keys past kv_len (Lk is not a multiple of
+    128, or key lengths are given), which are masked. HEAVY_FIRST with
+    ``heads_per_group``: dense causal programs longest first
+    (``ops.attention.causal_order``).
 
     Q, DO ``[B, H, Lq, D]`` and K, V, DK, DV ``[B, H / GROUP, Lk, D]`` 16-bit,
     any layout through the (batch, head, position) strides, a unit stride
