@@ -130,8 +130,9 @@ def test_sm90_five_product_backward_over_block_lists(monkeypatch):
         out = compile_ops.block_sparse_attention(q, k, v, index, count, None, causal, seq_dim, kv)
         dout = torch.randn_like(out)
         # Without the deterministic-algorithms leg, which the dense test covers (the routing is shared): this
-        # test has run on a GPU without it, and whether torch takes the lists' transposition (a scatter) under
-        # use_deterministic_algorithms on CUDA is not yet known.
+        # test has run on a GPU without it. (The lists' transposition scatters a scalar, which torch 2.13's
+        # use_deterministic_algorithms documentation lists neither among the operations that raise nor among
+        # those it swaps; the leg is expected to pass, and is to be added once it has run on a GPU.)
         got = five_product_gradients(out, (q, k, v), dout, launched, "attn_bwd_dkdv_kernel", case,
                                      deterministic_algorithms_too=False)
         scale = 128 ** -0.5
