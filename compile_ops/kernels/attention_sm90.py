@@ -589,10 +589,11 @@ def _bwd_program(KV_LEN, lists, Hk, GROUP, heads_per_group, Lq, Lk, CAUSAL: gl.c
     hk = bhk % Hk
     kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
     n_steps = gl.cdiv(Lq, _ROWS)
+    seen = tile * 2 * _ROWS < kv_len  # some key of the tile is within kv_len
     first_step = 0
     if CAUSAL and not SPARSE:
         first_step = gl.minimum(tile * 2, n_steps)  # query i sees keys j <= i: rows from the tile's first key
-    first_step = gl.where(tile * 2 * _ROWS < kv_len, first_step, n_steps)
+    first_step = gl.where(seen, first_step, n_steps)
     n_steps -= first_step
     total = GROUP * n_steps
     row_lists = (0, 0, 0, 0)  # dense: none
@@ -605,7 +606,7 @@ def _bwd_program(KV_LEN, lists, Hk, GROUP, heads_per_group, Lq, Lk, CAUSAL: gl.c
         total = 0
         for g in range(GROUP):
             total += 2 * gl.load(first_count + g * sch).to(gl.int32)  # int32 or int64 lists
-        total = gl.where(n_steps > 0, total, 0)
+        total = gl.where(seen, total, 0)
         row_lists = (first_list, sbh, first_count, sch)
     return b, hk, tile, kv_len, first_step, n_steps, total, row_lists
 
