@@ -129,12 +129,9 @@ def test_sm90_five_product_backward_over_block_lists(monkeypatch):
         index, count = _random_lists(b if per_head else 1, hq if per_head else 1, lq, lk, density, seed, "cuda")
         out = compile_ops.block_sparse_attention(q, k, v, index, count, None, causal, seq_dim, kv)
         dout = torch.randn_like(out)
-        # Without the deterministic-algorithms leg, which the dense test covers (the routing is shared): this
-        # test has run on a GPU without it. (The lists' transposition scatters a scalar, which torch 2.13's
-        # use_deterministic_algorithms documentation lists neither among the operations that raise nor among
-        # those it swaps; the leg is expected to pass, and is to be added once it has run on a GPU.)
-        got = five_product_gradients(out, (q, k, v), dout, launched, "attn_bwd_dkdv_kernel", case,
-                                     deterministic_algorithms_too=False)
+        # The deterministic-algorithms leg too: the lists' transposition (a scatter of a scalar) must not
+        # raise under use_deterministic_algorithms, and the passes must run then.
+        got = five_product_gradients(out, (q, k, v), dout, launched, "attn_bwd_dkdv_kernel", case)
         scale = 128 ** -0.5
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
         exact, _ = ref.block_sparse_attention(qd, kd, vd, index, count, scale, causal, seq_dim, kv)
