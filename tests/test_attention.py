@@ -10,7 +10,6 @@ matmul precision lets the kernels use TF32 dots on a GPU).
 import dataclasses
 import math
 import types
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -704,7 +703,7 @@ def test_kernels_8bit_quantization_writes_the_specified_operands(seq_dim, b, hq,
     torch.manual_seed(0)
     q, k, v = _int8_case(seq_dim, b, hq, hk, lq, lk, d, torch.float16, KERNEL_DEVICE, key_offset=3.0)
     operands = attention_ops.quantize_8bit(k, v, seq_dim)
-    assert launched == ["counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel"], launched
+    assert launched == ["kv8_counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel"], launched
     # v's rows are padded to 16 keys, and the transposed store covers the padding with zeros.
     padding = operands[2]._base[..., lk:]
     assert padding.shape[-1] == -lk % 16 and not padding.view(torch.uint8).any()
@@ -756,7 +755,7 @@ def test_8bit_ops_quantize_by_the_triton_passes_when_traced_too(precision):
         gm = make_fx(lambda *a: OP_BODIES[op](*a))(q, k, v, 0.125, False, 1, None)
     launched = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in gm.graph.nodes
                 if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation]
-    assert launched == ["counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel",
+    assert launched == ["kv8_counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel",
                         "attn_fwd_kernel"], launched
     attention = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation][-1]
     arguments = dict(attention.kwargs["kwargs"], **kernel_side_table.get_constant_args(
@@ -1193,68 +1192,6 @@ def test_head_dim_64_core_rule_guards_a_symbolic_key_length(length, monkeypatch)
     assert guard in [str(g.expr) for g in env.guards]
 
 
-def test_split_last_round_covers_every_key_tile_once_in_at_most_two_pieces_a_program():
-    """``_split_items`` (which launches of the persistent core split their
-    last round along the keys) and the split's bookkeeping as
-    ``attn_fwd_sm90_kernel`` does it (``_split_range``, ``_segment``,
-    ``_segments_end``, and ``_merged_pieces``' search for an item's
-    programs and slots, restated here in integers since Gluon does not run
-    on a CPU): over many (items, programs, key tiles), every split key tile
-    is run exactly once, each program's segments are its whole items round
-    robin and then its range, with at most two pieces (partial items), whose
-    slots the item's merging consumer finds exactly, once per piece."""
-    from compile_ops.ops import attention as attention_ops
-
-    split_items = attention_ops._split_items
-    assert split_items(864, 132, 36) == 72 + 132  # 1x24x4608x128 on an H100: 0.45 of the 7th round idle
-    assert split_items(792, 132, 36) == 0  # whole rounds
-    assert split_items(100, 132, 36) == 0  # one partial round: every item has its own SM already
-    assert split_items(5120, 132, 128) == 0  # 1x40x16384: 38.8 rounds, 0.5% idle
-    assert split_items(3072, 132, 256) == 36 + 132  # 1x12x32760: 23.3 rounds, 3% idle
-    assert split_items(864, 132, 2**24) == 0  # the kernel's int32 tile numbers would overflow
-    checked = 0
-    for items in range(1, 400, 7):
-        for programs in (1, 2, 3, 7, 16, 132):
-            for n_key_tiles in (1, 2, 3, 8, 37):
-                split = split_items(items, programs, n_key_tiles)
-                if not split:
-                    continue
-                checked += 1
-                total, split_start = split * n_key_tiles, items - split
-                assert split_start % programs == 0 and split >= programs
-                covered, pieces = [0] * total, {}
-                whole_items = []
-                for pid in range(programs):
-                    first, end = pid * total // programs, (pid + 1) * total // programs
-                    segments_end = split_start + ((end - 1) // n_key_tiles - first // n_key_tiles + 1) * programs
-                    n_pieces = 0
-                    for v in range(pid, segments_end, programs):
-                        if v < split_start:
-                            whole_items.append(v)
-                            continue
-                        piece = (v - split_start) // programs
-                        s = first // n_key_tiles + piece
-                        lo, hi = max(first - s * n_key_tiles, 0), min(end - s * n_key_tiles, n_key_tiles)
-                        assert lo < hi
-                        for t in range(lo, hi):
-                            covered[s * n_key_tiles + t] += 1
-                        if (lo, hi) != (0, n_key_tiles):
-                            n_pieces += 1
-                            pieces.setdefault(s, []).append((pid, min(piece, 1)))
-                    assert n_pieces <= 2, (items, programs, n_key_tiles, pid)
-                assert sorted(whole_items) == list(range(split_start))
-                assert covered == [1] * total, (items, programs, n_key_tiles)
-                for s, held in pieces.items():  # what the consumer that completes item s reads
-                    first_program = ((s * n_key_tiles + 1) * programs - 1) // total
-                    last_program = ((s + 1) * n_key_tiles * programs - 1) // total
-                    found = [(p, int((p * total // programs) // n_key_tiles != s))
-                             for p in range(first_program, last_program + 1)]
-                    assert found == held and len(held) >= 2, (items, programs, n_key_tiles, s)
-                slots = [(p, slot) for held in pieces.values() for p, slot in held]
-                assert len(set(slots)) == len(slots)
-    assert checked > 100
-
-
 def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeypatch):
     """Traced on fake CUDA tensors of a faked sm_90 GPU: ``fused.attention_backward``
     runs the three deterministic passes by default; with
@@ -1400,23 +1337,18 @@ def test_sm90_core_computes_what_the_portable_forward_does(dtype, mode, monkeypa
     the output) over ragged lengths, GQA, fewer keys than a tile, Lq != Lk
     and both layouts; dense or block-sparse (lists with empty rows and the
     ragged last block), causal, key lengths (0 among them: rows with no key
-    give 0 and lse -inf). Launches into NaN-filled outputs on the package's
-    grid and on grids of 1, 3 and 7 programs, twice each, write every row
-    and the same bits twice (a race between the partitions, or between the
-    pieces of a split item, would leave rows unwritten or differ), each
-    program going through many work items (the ring and q buffer carried
-    across items, in every mode, persistent or not in the package); grids
-    whose last round is split along the keys (dense: 3 and 7 programs, and
-    132 SMs at 1x12x4680) are held to the two-reference rule of the fp64
-    attention (a piece rounds P at its own running max), the others to the
-    portable kernel's rounding and the first call's bits. The eager fast path's
-    replayed second call and a compiled call (through the opaque op) give
-    the first call's result."""
+    give 0 and lse -inf). Five launches into NaN-filled outputs each write
+    every row (a race between its partitions would leave some unwritten or
+    wrong), on grids of 1, 3 and 7 programs too, each going through many
+    work items (the ring and q buffer carried across items, in every mode,
+    persistent or not in the package), and the eager fast path's replayed
+    second call and a compiled call (through the opaque op) give the first
+    call's result."""
+    from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
     from compile_ops.ops import attention as attention_ops
 
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
     causal = "causal" in mode
-    splits = 0
     for b, h, hk, lq, lk, seq_dim in [(1, 4, 4, 1000, 1000, 2), (2, 8, 2, 333, 4096, 1), (1, 2, 2, 64, 77, 2),
                                       (2, 2, 1, 513, 129, 1), (1, 3, 3, 130, 1, 2), (1, 12, 12, 4680, 4680, 2)]:
         torch.manual_seed(lq + lk)
@@ -1445,64 +1377,19 @@ def test_sm90_core_computes_what_the_portable_forward_does(dtype, mode, monkeypa
                 clear_launch_plans()
                 want = attend(q, k, v)
         case = (mode, b, h, hk, lq, lk, seq_dim)
+        torch.testing.assert_close(got[0][0], want[0], rtol=ulp, atol=1e-5, msg=lambda m: f"{case}: {m}")
+        torch.testing.assert_close(got[0][1], want[1], rtol=1e-6, atol=1e-5, msg=lambda m: f"{case}: {m}")
         for again in (got[1], compiled):
             assert torch.equal(again[0], got[0][0]) and torch.equal(again[1], got[0][1]), case
-        # None (first): the package's grid, which the op's calls above ran.
-        grids = {programs: _core_launches(attention_ops, monkeypatch, programs, q, k, v, 128 ** -0.5, causal,
-                                          seq_dim, lengths, *lists) for programs in (None, 1, 3, 7)}
-        assert torch.equal(grids[None].runs[0][0], got[0][0]) and torch.equal(grids[None].runs[0][1], got[0][1])
-        for programs, grid in grids.items():
-            out, lse = grid.runs[0]
-            case_grid = (case, programs, grid.split)
-            if not (grid.split or grids[None].split):  # the same items, the same way
-                assert torch.equal(out, got[0][0]) and torch.equal(lse, got[0][1]), case_grid
-            if grid.split:
-                # A piece rounds its probabilities to the input dtype at its own running max, not the whole
-                # row's: another rounding of P, so the rule for an exact kernel, not the portable one's bits.
-                exact, exact_lse = ref.attention(*(t.double() for t in (q, k, v)), 128 ** -0.5, causal, seq_dim,
-                                                 lengths)
-                plain, _, plain_lse = torch_at_dtype(q, k, v, torch.zeros_like(q), 128 ** -0.5, causal, seq_dim,
-                                                     lengths)
-                assert_within_torch_error(out, exact, plain, 2.0, f"output {case_grid}")
-                assert_within_torch_error(lse, exact_lse, plain_lse, 2.0, f"lse {case_grid}",
-                                          fp32_roundings=LSE_ROUNDINGS)
-            else:
-                torch.testing.assert_close(out, want[0], rtol=ulp, atol=1e-5, msg=lambda m: f"{case_grid}: {m}")
-                torch.testing.assert_close(lse, want[1], rtol=1e-6, atol=1e-5, msg=lambda m: f"{case_grid}: {m}")
-            splits += bool(grid.split)
-    # Split last rounds ran (dense): with 3 and 7 programs, and on 132 SMs at 1x12x4680.
-    assert splits >= 3 or mode != "dense", splits
+        for programs in (None, None, 1, 3, 7):
+            out, lse = torch.full_like(q, float("nan")), torch.full((b, h, lq), float("nan"), device="cuda")
+            with monkeypatch.context() as m:
+                if programs:
+                    m.setattr(attention_ops, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
+                attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, 128 ** -0.5, causal,
+                                                seq_dim, lengths, *lists)
+            assert torch.equal(out, got[0][0]) and torch.equal(lse, got[0][1]), (case, programs)
     clear_launch_plans()
-
-
-class _CoreLaunches(NamedTuple):
-    runs: list
-    split: int
-
-
-def _core_launches(attention_ops, monkeypatch, programs, q, k, v, scale, causal, seq_dim, lengths=None,
-                   index=None, count=None):
-    """The sm_90 core launched twice on a grid of ``programs`` (None: the
-    package's) into NaN-filled outputs: ``(runs, split)``, the two runs'
-    ``(out, lse)`` checked equal bit for bit (a race between the partitions
-    or the pieces of a split item would show as a NaN row or a difference)
-    and how many items the launch split (``_split_items``)."""
-    b, h, lq = (q.shape[0], q.shape[1], q.shape[2]) if seq_dim == 2 else (q.shape[0], q.shape[2], q.shape[1])
-    splits, runs = [], []
-    for _ in range(2):
-        out, lse = torch.full_like(q, float("nan")), torch.full((b, h, lq), float("nan"), device="cuda")
-        with monkeypatch.context() as m:
-            if programs:
-                m.setattr(attention_ops, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
-            split = attention_ops._split_items
-            m.setattr(attention_ops, "_split_items", lambda *a: splits.append(split(*a)) or splits[-1])
-            attention_ops._launch_sm90_core(attention_ops._unwrapped, q, k, v, out, lse, scale, causal, seq_dim,
-                                            lengths, index, count)
-        runs.append((out, lse))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), (programs, splits)
-    assert not runs[0][0].isnan().any() and not runs[0][1].isnan().any(), (programs, splits)
-    return _CoreLaunches(runs, splits[0] if splits else 0)
-
 
 
 @pytest.mark.skipif(not _SM90, reason="the Gluon core runs on sm_90 GPUs only")
@@ -1514,10 +1401,9 @@ def test_sm90_core_wide_tiles_at_head_dim_64_match_the_reference(dtype, monkeypa
     rule (twice PyTorch's own error at the dtype) of the fp64 attention, out
     and lse, over GQA, Lq != Lk, both layouts and a single tile. Launches
     into NaN-filled outputs on grids of 1, 3 and 7 programs (each walking
-    many items through the ring, twice each) and a compiled call give the
-    first call's bits, unless the grid splits the last round along the keys
-    where the package's does not (then within the same rule), and the
-    portable kernel's output stays within a few roundings."""
+    many items through the ring) and a compiled call give the first call's
+    bits, and the portable kernel's output stays within a few roundings."""
+    from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
     from compile_ops.ops import attention as attention_ops
 
     for b, h, hk, lq, lk, seq_dim in [(1, 4, 4, 1000, 1024, 2), (2, 8, 2, 333, 4096, 1), (1, 2, 2, 64, 256, 2),
@@ -1546,27 +1432,24 @@ def test_sm90_core_wide_tiles_at_head_dim_64_match_the_reference(dtype, monkeypa
         torch.testing.assert_close(out, portable, rtol=2 * ulp, atol=4 * ulp * out.abs().max().item(),
                                    msg=lambda msg: f"{case}: {msg}")
         assert torch.equal(compiled[0], out) and torch.equal(compiled[1], lse), case
-        for programs in (None, 1, 3, 7):  # None (first): the package's grid
-            grid = _core_launches(attention_ops, monkeypatch, programs, q, k, v, 64 ** -0.5, False, seq_dim)
-            again, again_lse = grid.runs[0]
-            default_split = grid.split if programs is None else default_split
-            if programs is None or not (grid.split or default_split):
-                assert torch.equal(again, out) and torch.equal(again_lse, lse), (case, programs)
-            else:
-                assert_within_torch_error(again, exact, plain, 2.0, f"output {case} {programs}")
-                assert_within_torch_error(again_lse, exact_lse, plain_lse, 2.0, f"lse {case} {programs}",
-                                          fp32_roundings=LSE_ROUNDINGS)
+        for programs in (None, 1, 3, 7):
+            again, again_lse = torch.full_like(q, float("nan")), torch.full((b, h, lq), float("nan"), device="cuda")
+            with monkeypatch.context() as m:
+                if programs:
+                    m.setattr(attention_ops, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
+                attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, again, again_lse, 64 ** -0.5, False,
+                                                seq_dim)
+            assert torch.equal(again, out) and torch.equal(again_lse, lse), (case, programs)
     clear_launch_plans()
 
 
-def five_product_gradients(out, inputs, dout, launched, passes_kernel, case, deterministic_algorithms_too=True):
+def five_product_gradients(out, inputs, dout, launched, passes_kernel, case):
     """The gradients of ``out`` three times by the five-product backward
     (``set_attention_backward(deterministic=False)``), checked against the
     deterministic passes': the Gluon kernel is launched and ``passes_kernel``
     (one of the passes) is not, as ``launched`` (kernel names the caller's
-    patched launcher appends) shows; (``deterministic_algorithms_too``)
-    under ``use_deterministic_algorithms`` the passes run, bit-equal to the
-    default; dk and dv are equal across
+    patched launcher appends) shows; under ``use_deterministic_algorithms``
+    the passes run, bit-equal to the default; dk and dv are equal across
     reruns (each program sums its steps in a fixed order); and all three
     gradients are within 1e-3 (relative L2) of the passes', from which they
     differ only in the order of fp32 sums. Returns the three runs' (dq, dk, dv)."""
@@ -1577,12 +1460,10 @@ def five_product_gradients(out, inputs, dout, launched, passes_kernel, case, det
         launched.clear()
         got = [torch.autograd.grad(out, inputs, dout, retain_graph=True) for _ in range(3)]
         assert "attn_bwd_sm90_kernel" in launched and passes_kernel not in launched, (case, launched)
-        pinned = want
-        if deterministic_algorithms_too:
-            with deterministic_algorithms():
-                launched.clear()
-                pinned = torch.autograd.grad(out, inputs, dout, retain_graph=True)
-                assert "attn_bwd_sm90_kernel" not in launched and passes_kernel in launched, (case, launched)
+        with deterministic_algorithms():
+            launched.clear()
+            pinned = torch.autograd.grad(out, inputs, dout, retain_graph=True)
+            assert "attn_bwd_sm90_kernel" not in launched and passes_kernel in launched, (case, launched)
     finally:
         compile_ops.set_attention_backward(deterministic=True)
         clear_launch_plans()
@@ -1643,6 +1524,7 @@ def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
     grids of 1, 3 and 7 programs, each through many work items) each write
     every row, and the replayed second call and a compiled call give the
     first call's result."""
+    from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
     from compile_ops.ops import attention as attention_ops
 
     for b, h, hk, lq, lk, seq_dim in [(1, 4, 4, 1000, 1000, 2), (2, 8, 2, 333, 4096, 1), (1, 2, 2, 64, 77, 2),
@@ -1667,7 +1549,7 @@ def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
                     lse = torch.empty(b, h, lq, device="cuda")
                     if programs:
                         m.setattr(attention_ops, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
-                    attention_ops._launch_sm90_core(attention_ops._unwrapped, q8, k8, vt8, out, lse, 128 ** -0.5,
+                    attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q8, k8, vt8, out, lse, 128 ** -0.5,
                                                     False, seq_dim, None, None, None, q_scale, k_scale, v_scale)
                     assert torch.equal(out, got[0]), (case, programs)
             clear_launch_plans()

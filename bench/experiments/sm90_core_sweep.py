@@ -27,6 +27,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from compile_ops import reference
+from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
 from compile_ops.ops import attention as attention_ops
 from compile_ops.ops import block_sparse as block_sparse_ops
 
@@ -38,7 +39,7 @@ SHAPES = [(1, 24, 4608, 128), (1, 12, 32760, 128), (1, 40, 16384, 128), (1, 12, 
 def core(q, k, v, out, lse, stages=2, causal=False, kv_lengths=None, lists=(None, None), scales=(None, None, None)):
     """The core launched directly, ``stages`` K/V buffers; q ``[B, H, L, D]``."""
     attention_ops.SM90_CORE_STAGES = stages
-    attention_ops._launch_sm90_core(attention_ops._unwrapped, q, k, v, out, lse, q.shape[-1] ** -0.5, causal, 2,
+    attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, q.shape[-1] ** -0.5, causal, 2,
                                     kv_lengths, *lists, *scales)
     attention_ops.SM90_CORE_STAGES = 2
 

@@ -556,11 +556,10 @@ def _kv8_head_totals(K_SUM, V_AMAX, head, chunks, cols, D: tl.constexpr, BLOCK_D
 
 
 @triton.jit
-def counters_clear_kernel(COUNTS, n, BLOCK: tl.constexpr):
-    """Zero ``n`` int32 arrival counts (``kv8_stats_kernel``'s, the sm_90
-    core's split items'). A kernel, not ``torch.zeros``, so that the zeroing
-    is one of the op's own launches, which an eager launch plan (``_replay``)
-    replays."""
+def kv8_counters_clear_kernel(COUNTS, n, BLOCK: tl.constexpr):
+    """Zero ``kv8_stats_kernel``'s ``n`` int32 arrival counts. A kernel, not
+    ``torch.zeros``, so that the zeroing is one of the op's own launches,
+    which an eager launch plan (``_replay``) replays."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(COUNTS + offs, tl.zeros([BLOCK], tl.int32), mask=offs < n)
 
@@ -575,7 +574,7 @@ def kv8_stats_kernel(K, V, K_SUM, V_AMAX, ARRIVALS, Hk, Lk, skb, skh, skl, svb, 
     ``chunks = cdiv(Lk, rows_per_chunk)``: row ``program_id(0)`` the chunk's,
     and row ``chunks`` the head's, reduced in index order by whichever of its
     programs arrives last (ARRIVALS, ``[B * Hk]`` int32 zeroed by
-    ``counters_clear_kernel``, counts them in): the same bits on every
+    ``kv8_counters_clear_kernel``, counts them in): the same bits on every
     run whatever the order the programs ran in, and ``kv8_quantize_kernel``
     reads one row. (The quantizing programs once reduced 16 partials each
     themselves; with the head's total summed once here, the chunk count is

@@ -88,30 +88,25 @@ _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
 #: Query rows per consumer warp group: one wgmma's M.
 _ROWS = gl.constexpr(64)
-#: The loader warp's registers (``setmaxnreg``): it only issues TMA copies and waits on mbarriers.
-_LOADER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
 def _loader(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-            HEAVY_FIRST: gl.constexpr, SPLIT: gl.constexpr):
-    """The producer warp, over this program's segments (:func:`_segment`):
-    each one's q rows (once both consumers' last Q K^T of the previous
-    segment is done), then its key tiles' K and V (the listed blocks' tiles,
-    block-sparse) into the ring, which runs on across segments."""
+            HEAVY_FIRST: gl.constexpr):
+    """The producer warp, over this program's work items: each item's q rows
+    (once both consumers' last Q K^T of the previous item is done), then
+    every key tile's K and V (the listed blocks' tiles, block-sparse) into
+    the ring, which runs on across items."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-     work, split, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE) = args
+     work, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE) = args
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     GROUP = work[7]
     it = 0  # key tiles loaded so far: the ring's position
     item = 0
-    for v in range(gl.program_id(0), _segments_end(work, split, BLOCK_N, SPLIT), gl.num_programs(0)):
-        w, first_tile, end_tile, _ = _segment(v, work, split, BLOCK_N, SPLIT)
+    for w in range(gl.program_id(0), _work_items(work), gl.num_programs(0)):
         b, h, _, q_start, _, blocks, n_tiles, _, _, _ = _work_item(w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN,
                                                                    HEAVY_FIRST)
-        if SPLIT:
-            n_tiles = end_tile - first_tile
         b = b.to(gl.int32)
         hk = (h // GROUP).to(gl.int32)
         mbarrier.wait(q_empty, (item & 1) ^ 1)
@@ -121,7 +116,7 @@ def _loader(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.con
             stage = (it + j) % STAGES
             phase = ((it + j) // STAGES) & 1
             # Read before the wait for a free buffer, which hides the list read's latency.
-            row = _tile_start(first_tile + j, blocks, BLOCK_N, BLOCK_N, SPARSE)
+            row = _tile_start(j, blocks, BLOCK_N, BLOCK_N, SPARSE)
             # A fresh mbarrier counts as having completed the phase before its first,
             # so the first STAGES waits on "empty" pass at once.
             mbarrier.wait(k_empty.index(stage), phase ^ 1)
@@ -320,14 +315,12 @@ def _key_tiles(it, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, q_e
 
 @gluon.jit
 def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-              HEAVY_FIRST: gl.constexpr, SPLIT: gl.constexpr):
-    """One consumer warp group, over this program's segments: query rows
-    ``q_start + 64 * HALF`` to 64 past it, through the segment's key tiles,
-    then their output rows and log-sum-exp (a piece of a split item: once
-    every piece is in, by the consumer that brought the last one,
-    :func:`_merged_pieces`)."""
+              HEAVY_FIRST: gl.constexpr):
+    """One consumer warp group, over this program's work items: query rows
+    ``q_start + 64 * HALF`` to 64 past it, through the item's key tiles, then
+    their output rows and log-sum-exp."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-     work, split, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE) = args
+     work, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE) = args
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = q_smem.shape[1]
     INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
@@ -347,14 +340,9 @@ def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constex
     p_smem = p_smems.slice(_ROWS * HALF, _ROWS)
     it = 0  # key tiles consumed so far: the ring's position
     item = 0
-    for v in range(gl.program_id(0), _segments_end(work, split, BLOCK_N, SPLIT), gl.num_programs(0)):
-        w, first_tile, end_tile, piece = _segment(v, work, split, BLOCK_N, SPLIT)
+    for w in range(gl.program_id(0), _work_items(work), gl.num_programs(0)):
         b, h, bh, q_start, kv_len, _, n_tiles, n_full, masked_start, out_off = _work_item(
             w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
-        if SPLIT:  # tiles first_tile to end_tile of the item's n_tiles, of which the first n_full are unmasked
-            whole = (first_tile == 0) & (end_tile == n_tiles)
-            n_full = gl.minimum(gl.maximum(n_full - first_tile, 0), end_tile - first_tile)
-            n_tiles = end_tile - first_tile
         first_row = q_start + _ROWS * HALF
         o_zero = gl.zeros([_ROWS, D], gl.float32, o_layout)
         if INT8_FP8:  # the biased int32 scores (see attn_fwd_kernel's INT8)
@@ -386,180 +374,35 @@ def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constex
             mbarrier.arrive(q_empty, count=1)
         it += n_tiles
         item += 1
-        if SPLIT:
-            if not whole:  # one piece of a split item: kept aside, or (the last one in) merged with the others
-                whole, o, m, l = _merged_pieces(o, m, l, w, piece, work, split, qk_scale, HALF, BLOCK_N, o_layout,
-                                                s_rows)
-            if whole:
-                _epilogue(o, m, l, b, h, bh, first_row, out_off, OUT, LSE, V_SCALE, sol, lq, scale, H, GROUP,
-                          INT8_FP8, o_layout, s_rows)
-        else:
-            _epilogue(o, m, l, b, h, bh, first_row, out_off, OUT, LSE, V_SCALE, sol, lq, scale, H, GROUP, INT8_FP8,
-                      o_layout, s_rows)
 
-
-@gluon.jit
-def _epilogue(o, m, l, b, h, bh, first_row, out_off, OUT, LSE, V_SCALE, sol, lq, scale, H, GROUP,
-              INT8_FP8: gl.constexpr, o_layout: gl.constexpr, s_rows: gl.constexpr):
-    """A consumer's 64 output rows from its ``(o, m, l)`` (``_key_tiles``'):
-    ``o / l`` (with INT8_FP8, V's channel scales) and the rows' log-sum-exp."""
-    D: gl.constexpr = o.shape[1]
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # A row that saw no key (an empty block list, kv_len 0) gets 0 and an lse of -inf.
-    empty = l == 0.0
-    l = gl.where(empty, 1.0, l)
-    out = o / gl.convert_layout(l, o_rows)[:, None]
-    log2_l = gl.log2(l)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    if INT8_FP8:  # V's channel scales; l sums 2**8 p
-        kv_row = b * (H // GROUP) + h // GROUP  # again: one register fewer across the key tiles
-        out = out * gl.load(V_SCALE + kv_row * D + cols)[None, :]
-        log2_l = log2_l - _P_FP8_SHIFT
-    rows = first_row + gl.arange(0, _ROWS, layout=o_rows)
-    gl.store(OUT + out_off + rows.to(gl.int64)[:, None] * sol + cols[None, :], out.to(OUT.dtype.element_ty),
-             mask=(rows < lq)[:, None])
-    lse_row = first_row + gl.arange(0, _ROWS, layout=s_rows)
-    lse = gl.where(empty, float("-inf"), m * scale + log2_l * _LN2)  # attn_fwd_kernel's formula
-    gl.store(LSE + bh.to(gl.int64) * lq + lse_row, lse, mask=lse_row < lq)
-
-
-# ---------------------------------------------------------------- the last wave, split along the keys
-#
-# A persistent launch deals its items round robin, so when the items are not a multiple of the programs the
-# last round leaves SMs idle: Flux's 1x24x4608x128 is 864 items on 132 SMs, six full rounds and one of 72,
-# and its time steps with the rounds (1x23 and 1x25 heads take as long as 1x24; H100,
-# bench/experiments/forward_waves.py). With ``SPLIT`` the last ``split_items`` items (the partial round and one
-# full round before it, chosen by ops.attention._split_items) are not dealt out whole: their key tiles are
-# cut into one contiguous range per program, of equal length to within a tile (stream-K). A program runs its
-# whole items first and then its range, which starts and ends inside items ("pieces"). Each consumer keeps a
-# piece's unnormalized (o, m, l) in a per-program slot of global memory and counts it in with an atomic per
-# (item, consumer half); the consumer whose count completes the item merges every piece's state in key
-# order (the same bits whichever arrives last) and writes the rows. The counters start at zero (a launch
-# before the core's zeroes them) and each program holds at most two pieces: its range spans at least an
-# item's tiles (split_items >= programs), so at most its first and last segments are pieces.
-
-
-@gluon.jit
-def _split_range(work, split, BLOCK_N: gl.constexpr):
-    """This program's share of the split items' key tiles, numbered across
-    them: ``[first, end)``, and the items' key tiles and where they start."""
-    split_items = split[0]
-    n_key_tiles = gl.cdiv(work[8], BLOCK_N)
-    total = split_items * n_key_tiles
-    pid = gl.program_id(0)
-    first = pid * total // gl.num_programs(0)
-    end = (pid + 1) * total // gl.num_programs(0)
-    return first, end, n_key_tiles, total, _work_items(work) - split_items
-
-
-@gluon.jit
-def _segments_end(work, split, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr):
-    """The end of this program's segment indices (:func:`_segment`), which run
-    from its program id in steps of the grid's programs: the work items, or
-    (``SPLIT``) the whole items and then one index per segment of its range."""
-    if SPLIT:
-        first, end, n_key_tiles, _, split_start = _split_range(work, split, BLOCK_N)
-        return split_start + ((end - 1) // n_key_tiles - first // n_key_tiles + 1) * gl.num_programs(0)
-    else:
-        return _work_items(work)
-
-
-@gluon.jit
-def _segment(v, work, split, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr):
-    """Segment index v of this program (:func:`_segments_end`): ``(item, first
-    key tile, end key tile, piece)``. Below the split items (all of them
-    without ``SPLIT``) v is a whole item, dealt round robin (``piece`` -1, the
-    key tiles not given); from there on, the program's range of the split
-    items' key tiles, ``piece`` counting its segments from 0 (a segment that
-    covers its item from the first to the last tile is whole all the same).
-    The split items start at a multiple of the programs."""
-    if SPLIT:
-        first, end, n_key_tiles, _, split_start = _split_range(work, split, BLOCK_N)
-        piece = gl.where(v < split_start, -1, (v - split_start) // gl.num_programs(0))
-        s = first // n_key_tiles + piece
-        item = gl.where(piece < 0, v, split_start + s)
-        first_tile = gl.where(piece < 0, 0, gl.maximum(first - s * n_key_tiles, 0))
-        end_tile = gl.where(piece < 0, n_key_tiles, gl.minimum(end - s * n_key_tiles, n_key_tiles))
-        return item, first_tile, end_tile, piece
-    else:
-        return v, 0, 0, -1
-
-
-@gluon.jit
-def _piece_slot(program, last_segment, HALF: gl.constexpr):
-    """The global-memory slot of a program's piece, its first (``last_segment``
-    0) or its last (1) segment of the split range, for consumer ``HALF``."""
-    return (program * 2 + last_segment) * 2 + HALF
-
-
-@gluon.jit
-def _starts_before(program, s, n_key_tiles, total):
-    """1 if ``program``'s range of the split key tiles starts before split item
-    ``s`` (its piece of s is then its last segment), else 0."""
-    return ((program * total // gl.num_programs(0)) // n_key_tiles != s).to(gl.int32)
-
-
-@gluon.jit
-def _merged_pieces(o, m, l, w, piece, work, split, qk_scale, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-                   o_layout: gl.constexpr, s_rows: gl.constexpr):
-    """Keep this consumer's piece of split item ``w`` (its unnormalized
-    ``o [64, D]``, running max ``m`` and sum ``l``) in its slot and count it
-    in: ``(last, o, m, l)``, ``last`` True for the consumer whose count
-    completes the item, with the item's state merged from every piece's slot
-    in key order (so the bits do not depend on which piece came last)."""
-    D: gl.constexpr = o.shape[1]
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    _, PIECE_O, PIECE_ML, COUNTERS = split
-    _, _, n_key_tiles, total, split_start = _split_range(work, split, BLOCK_N)
-    programs = gl.num_programs(0)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    tile = gl.arange(0, _ROWS, layout=o_rows)[:, None] * D + cols[None, :]  # a slot's [64, D] offsets
-    ml_rows = gl.arange(0, _ROWS, layout=s_rows)
-    slot = _piece_slot(gl.program_id(0), gl.minimum(piece, 1), HALF)
-    gl.store(PIECE_O + slot * (_ROWS * D) + tile, o)
-    gl.store(PIECE_ML + slot * (2 * _ROWS) + ml_rows, m)
-    gl.store(PIECE_ML + slot * (2 * _ROWS) + _ROWS + ml_rows, l)
-    # Every thread's stores before the count (a barrier of this warp group), which releases them to the
-    # consumer that completes the item; its acquire and the barrier after the atomic order that one's loads.
-    gl.thread_barrier()
-    s = w - split_start
-    arrived = gl.atomic_add(COUNTERS + s * 2 + HALF, 1, sem="acq_rel", scope="gpu")
-    # The programs whose ranges hold the item's first and last key tiles (the last program p with
-    # p * total // programs <= t holds tile t).
-    first_program = ((s * n_key_tiles + 1) * programs - 1) // total
-    last_program = (((s + 1) * n_key_tiles) * programs - 1) // total
-    last = arrived == last_program - first_program
-    if last:
-        # Program p's piece is its first segment when its range starts inside the item, else its last.
-        slot = _piece_slot(first_program, _starts_before(first_program, s, n_key_tiles, total), HALF)
-        o = gl.load(PIECE_O + slot * (_ROWS * D) + tile, cache_modifier=".cg")
-        m = gl.load(PIECE_ML + slot * (2 * _ROWS) + ml_rows, cache_modifier=".cg")
-        l = gl.load(PIECE_ML + slot * (2 * _ROWS) + _ROWS + ml_rows, cache_modifier=".cg")
-        for p in range(first_program + 1, last_program + 1):
-            slot = _piece_slot(p, _starts_before(p, s, n_key_tiles, total), HALF)
-            o_p = gl.load(PIECE_O + slot * (_ROWS * D) + tile, cache_modifier=".cg")
-            m_p = gl.load(PIECE_ML + slot * (2 * _ROWS) + ml_rows, cache_modifier=".cg")
-            l_p = gl.load(PIECE_ML + slot * (2 * _ROWS) + _ROWS + ml_rows, cache_modifier=".cg")
-            # Every piece saw a key (split launches mask nothing but Lk's ragged tile): its max is finite.
-            m_new = gl.maximum(m, m_p)
-            alpha = gl.exp2((m - m_new) * qk_scale)
-            beta = gl.exp2((m_p - m_new) * qk_scale)
-            o = o * gl.convert_layout(alpha, o_rows)[:, None] + o_p * gl.convert_layout(beta, o_rows)[:, None]
-            l = l * alpha + l_p * beta
-            m = m_new
-    return last, o, m, l
+        # A row that saw no key (an empty block list, kv_len 0) gets 0 and an lse of -inf.
+        empty = l == 0.0
+        l = gl.where(empty, 1.0, l)
+        out = o / gl.convert_layout(l, o_rows)[:, None]
+        log2_l = gl.log2(l)
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        if INT8_FP8:  # V's channel scales; l sums 2**8 p
+            kv_row = b * (H // GROUP) + h // GROUP  # again: one register fewer across the key tiles
+            out = out * gl.load(V_SCALE + kv_row * D + cols)[None, :]
+            log2_l = log2_l - _P_FP8_SHIFT
+        rows = first_row + gl.arange(0, _ROWS, layout=o_rows)
+        gl.store(OUT + out_off + rows.to(gl.int64)[:, None] * sol + cols[None, :], out.to(OUT.dtype.element_ty),
+                 mask=(rows < lq)[:, None])
+        lse_row = first_row + gl.arange(0, _ROWS, layout=s_rows)
+        lse = gl.where(empty, float("-inf"), m * scale + log2_l * _LN2)  # attn_fwd_kernel's formula
+        gl.store(LSE + bh.to(gl.int64) * lq + lse_row, lse, mask=lse_row < lq)
 
 
 @gluon.jit
 def _consumer_low(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-                  HEAVY_FIRST: gl.constexpr, SPLIT: gl.constexpr):
-    _consumer(args, 0, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST, SPLIT)
+                  HEAVY_FIRST: gl.constexpr):
+    _consumer(args, 0, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
 
 
 @gluon.jit
 def _consumer_high(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-                   HEAVY_FIRST: gl.constexpr, SPLIT: gl.constexpr):
-    _consumer(args, 1, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST, SPLIT)
+                   HEAVY_FIRST: gl.constexpr):
+    _consumer(args, 1, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
 
 
 @gluon.jit
@@ -627,12 +470,12 @@ def _work_item(w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST):
 
 
 @gluon.jit
-def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE, V_SCALE, PIECE_O, PIECE_ML,
-                         COUNTERS, sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch,
-                         scr, BH, H, GROUP, Lq, Lk, scale, heads_per_group, split_items, D: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         INT8_FP8: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, SPARSE: gl.constexpr,
-                         HEAVY_FIRST: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
+def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE, V_SCALE,
+                         sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr,
+                         BH, H, GROUP, Lq, Lk, scale, heads_per_group, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, INT8_FP8: gl.constexpr,
+                         CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, SPARSE: gl.constexpr,
+                         HEAVY_FIRST: gl.constexpr, num_warps: gl.constexpr):
     """OUT = softmax(scale Q K^T) V and LSE (natural log), by work items of
     128 queries of one (batch, head): ``cdiv(Lq, 128) * BH`` of them, dealt
     out to the programs of a 1-D grid round robin (a grid of one program per
@@ -658,20 +501,8 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_S
     stride between channels) and ``V_SCALE [B, H / GROUP, D]`` its channel
     scales (fp32 contiguous); OUT in q's original dtype (``attn_fwd_kernel``'s
     INT8 + PV_FP8 with q given). Otherwise the three scale pointers are
-    unused (pass None).
-
-    ``SPLIT`` (16-bit dense, no causal mask or key lengths: items of equal
-    work): the last ``split_items`` items (at least the grid's programs) are
-    split along the keys, one contiguous range of their key tiles per
-    program (the block comment above :func:`_split_range`). ``PIECE_O``
-    fp32 ``[4 * programs, 64, D]`` and ``PIECE_ML`` fp32 ``[4 * programs,
-    2, 64]`` hold the pieces (contiguous, written before they are read),
-    ``COUNTERS`` int32 ``[2 * split_items]`` counts them in and must be zero
-    at the launch. Without it the three are unused (pass None) and
-    ``split_items`` is 0."""
+    unused (pass None)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
-    gl.static_assert(not SPLIT or not (INT8_FP8 or SPARSE or CAUSAL or HAS_KV_LEN or HEAVY_FIRST),
-                     "split items are dense items of equal work, 16-bit")
     gl.static_assert(not (SPARSE and INT8_FP8), "8-bit operands are dense")
     gl.static_assert(BLOCK_N == 2 * _ROWS or not (SPARSE or INT8_FP8),
                      "a key tile is a listed block, and INT8_FP8's key tile is its k scale's block")
@@ -711,13 +542,11 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_S
     # partitions take the flags as constexpr arguments of their own.
     work = (gl.cdiv(Lq, 2 * _ROWS), BH, heads_per_group, KV_LEN, BLOCKS, COUNTS, H, GROUP, Lk, sob, soh,
             (sbb, sbh, sbr, scb, sch, scr), LSE)
-    split = (split_items, PIECE_O, PIECE_ML, COUNTERS)
     args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready,
-            v_empty, work, split, OUT, LSE, sol, Lq, scale, Q_SCALE, K_SCALE, V_SCALE)
-    gl.warp_specialize([(_consumer_low, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST, SPLIT)),
-                        (_consumer_high, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST, SPLIT)),
-                        (_loader, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST, SPLIT))], [4, 1],
-                       [CONSUMER_REGS, _LOADER_REGS])
+            v_empty, work, OUT, LSE, sol, Lq, scale, Q_SCALE, K_SCALE, V_SCALE)
+    gl.warp_specialize([(_consumer_low, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
+                        (_consumer_high, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
+                        (_loader, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST))], [4, 1], [CONSUMER_REGS, 24])
 
 
 # ---------------------------------------------------------------- backward (five products, dq added)
@@ -1028,5 +857,4 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, KV_LEN, B
             sdvb, sdvh, sdvl)
     gl.warp_specialize([(_bwd_consumer_low, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS)),
                         (_bwd_consumer_high, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS)),
-                        (_bwd_loader, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE))], [4, 1],
-                       [CONSUMER_REGS, _LOADER_REGS])
+                        (_bwd_loader, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE))], [4, 1], [CONSUMER_REGS, 24])

@@ -32,7 +32,7 @@ from compile_ops._library import (building_aot_package, clear_launch_plans, fuse
 from compile_ops.kernels.attention import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel, attn_bwd_dq_from_acc_kernel,
                                            attn_bwd_dq_kernel, attn_bwd_row_stats_kernel, attn_fwd_kernel,
                                            fp8_rows_scale_kernel,
-                                           counters_clear_kernel, kv8_quantize_kernel,
+                                           kv8_counters_clear_kernel, kv8_quantize_kernel,
                                            kv8_stats_kernel)
 from compile_ops.kernels.attention_sm90 import attn_bwd_sm90_kernel, attn_fwd_sm90_kernel
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
@@ -80,8 +80,6 @@ SM90_CORE_STAGES = 2
 #: 64K registers, which the partitions split 240 / 240 / 24.
 SM90_CORE_LAUNCH = dict(num_warps=4, maxnreg=168)
 SM90_CORE_CONSUMER_REGS = 240
-#: Query rows of each of the core's two consumer warp groups (``kernels.attention_sm90._ROWS``).
-SM90_CORE_CONSUMER_ROWS = 64
 
 
 def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False, precision: str = "exact",
@@ -309,51 +307,18 @@ def _core_programs(q: Tensor, items, causal: bool, sparse: bool):
     return min(items, multiprocessor_count(q))  # real tensors only: the opaque op or the eager path
 
 
-#: The share of a persistent launch's rounds that its last, partial round must
-#: leave idle for the core to split that round's items along the keys
-#: (:func:`_split_items`): below it, the pieces' extra writes and merges are
-#: not worth it.
-SPLIT_MIN_IDLE = 0.02
-
-
-def _split_items(items: int, programs: int, key_tiles: int) -> int:
-    """How many of a persistent core launch's last items (dense, of equal
-    work) to split along the keys (``attn_fwd_sm90_kernel``'s ``SPLIT``): 0
-    when the items fill whole rounds of the programs, or leave less than
-    :data:`SPLIT_MIN_IDLE` of the rounds idle; else the last, partial round's
-    items and one full round's, so that each program's range spans at least
-    one item's key tiles (at most two pieces a program). At 1x24x4608x128 on
-    132 SMs (six full rounds and 72 items: 0.45 of the last round idle) that
-    is 204 items."""
-    rounds, tail = divmod(items, programs)
-    if tail == 0 or rounds == 0 or (programs - tail) / programs / (rounds + 1) < SPLIT_MIN_IDLE:
-        return 0
-    split = tail + programs
-    # The kernel numbers the split tiles in int32 and multiplies them by a program index.
-    return split if split * key_tiles * programs < 2**31 else 0
-
-
-def _unwrapped(kernel):
-    """A kernel launched as it is (the opaque op, tests): ``_launch_sm90_core``'s
-    ``wrap`` where nothing records launches (``launcher`` where plans do)."""
-    return kernel
-
-
-def _launch_sm90_core(wrap, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+def _launch_sm90_core(kernel, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
                       causal: bool, seq_dim: int, kv_lengths: Optional[Tensor] = None,
                       block_index: Optional[Tensor] = None, block_count: Optional[Tensor] = None,
                       q_scale: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
                       v_scale: Optional[Tensor] = None) -> None:
-    """Launch the sm_90 core on arguments :func:`_takes_sm90_core` accepted:
-    its work items in ``attn_fwd_kernel``'s program order, on the grid
-    :func:`_core_programs` picks, the last round's items split along the keys
-    where :func:`_split_items` says (their counters zeroed by a launch before
-    the core's); ``wrap`` maps each kernel to what launches it (``launcher``
-    on the eager fast path, which records launch plans, else
-    :func:`_unwrapped`); ``block_index`` and ``block_count``: block-sparse
-    attention's lists (``launch_forward``'s ``blocks``); the scales (all
-    three, or none): its INT8_FP8 mode, on ``launch_forward``'s 8-bit
-    operands."""
+    """Launch the sm_90 core (``kernel``: it, or the launch-plan recorder's
+    proxy of it) on arguments :func:`_takes_sm90_core` accepted: its work
+    items in ``attn_fwd_kernel``'s program order, on the grid
+    :func:`_core_programs` picks; ``block_index`` and
+    ``block_count``: block-sparse attention's lists (``launch_forward``'s
+    ``blocks``); the scales (all three, or none): its INT8_FP8 mode, on
+    ``launch_forward``'s 8-bit operands."""
     b, h, lq, d = meta.attention.dims(q, seq_dim)
     hk, lk = meta.attention.dims(k, seq_dim)[1:3]
     int8_fp8 = v_scale is not None
@@ -362,26 +327,15 @@ def _launch_sm90_core(wrap, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     sparse = block_index is not None
     assert not sparse or t.block_n == t.block_m == meta.attention.SPARSE_BLOCK, t  # a tile is a listed block
     items = triton.cdiv(lq, t.block_m) * b * h
-    programs = _core_programs(q, items, causal, sparse)
     order, group = causal_order(k, lk, b * h) if causal and not sparse else _LAUNCH_ORDER
-    split = 0
-    if not (causal or sparse or int8_fp8 or kv_lengths is not None):
-        split = _split_items(items, programs, triton.cdiv(lk, t.block_n))
-    pieces = (None, None, None)
-    if split:
-        rows = SM90_CORE_CONSUMER_ROWS
-        pieces = (torch.empty(4 * programs, rows, d, dtype=torch.float32, device=q.device),
-                  torch.empty(4 * programs, 2, rows, dtype=torch.float32, device=q.device),
-                  torch.empty(2 * split, dtype=torch.int32, device=q.device))
-        wrap(counters_clear_kernel)[(triton.cdiv(2 * split, 1024),)](pieces[2], 2 * split, BLOCK=1024)
     triton.set_allocator(_scratch)  # the core builds its TMA descriptors on the device
-    wrap(attn_fwd_sm90_kernel)[(programs, )](
-        q, k, v, out, lse, kv_lengths, block_index, block_count, q_scale, k_scale, v_scale, *pieces,
+    kernel[(_core_programs(q, items, causal, sparse), )](
+        q, k, v, out, lse, kv_lengths, block_index, block_count, q_scale, k_scale, v_scale,
         *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, 2 if int8_fp8 else seq_dim),
         *_bhl_strides(out, seq_dim), *_lists((block_index, block_count) if sparse else None)[2:],
-        b * h, h, h // hk, lq, lk, float(scale), group, split, D=d, BLOCK_N=t.block_n, STAGES=t.num_stages,
+        b * h, h, h // hk, lq, lk, float(scale), group, D=d, BLOCK_N=t.block_n, STAGES=t.num_stages,
         CONSUMER_REGS=SM90_CORE_CONSUMER_REGS, INT8_FP8=int8_fp8, CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None,
-        SPARSE=sparse, SPLIT=split > 0, **order, **SM90_CORE_LAUNCH)
+        SPARSE=sparse, **order, **SM90_CORE_LAUNCH)
 
 
 @torch.library.custom_op("fused_gluon::attention_forward_sm90_", mutates_args=("out", "lse"))
@@ -395,8 +349,8 @@ def _attention_forward_sm90(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     calls this op, which fills ``out`` and ``lse`` in place. In a namespace
     of its own: not a public op (no sharding rule, no registry row); the
     ``fused`` ops that call it have those."""
-    _launch_sm90_core(_unwrapped, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths, block_index, block_count,
-                      q_scale, k_scale, v_scale)
+    _launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths, block_index,
+                      block_count, q_scale, k_scale, v_scale)
 
 
 @_attention_forward_sm90.register_fake
@@ -454,7 +408,7 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
         lists = blocks if blocks is not None else (None, None)
         scales = (q_scale, k_scale, v_scale) if pv_fp8 else (None, None, None)
         if on_eager_fast_path():  # launched as is, recorded for launch plans
-            _launch_sm90_core(launcher, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths,
+            _launch_sm90_core(launcher(attn_fwd_sm90_kernel), q, k, v, out, lse, scale, causal, seq_dim, kv_lengths,
                               *lists, *scales)
         else:
             torch.ops.fused_gluon.attention_forward_sm90_(q, k, v, out, lse, float(scale), causal, seq_dim,
@@ -751,7 +705,7 @@ def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tup
     v_strides = _bhl_strides(v, seq_dim) if with_v else (0, 0, 0)
     if lk > 0 and b * hk > 0:
         consts = dict(D=d, BLOCK_D=block_d(d), WITH_V=with_v, WITH_K=with_k)
-        launcher(counters_clear_kernel)[(triton.cdiv(b * hk, 1024),)](arrivals, b * hk, BLOCK=1024)
+        launcher(kv8_counters_clear_kernel)[(triton.cdiv(b * hk, 1024),)](arrivals, b * hk, BLOCK=1024)
         launcher(kv8_stats_kernel)[(chunks, b * hk)](
             k, v, k_sum, v_amax, arrivals, hk, lk, *k_strides, *v_strides, rows_per_chunk, BLOCK_L=STAT_STEP,
             **STATS_LAUNCH, **consts)
