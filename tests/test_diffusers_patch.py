@@ -262,9 +262,11 @@ def test_attention_kernel_choice_keeps_the_outputs_and_rejects_unknown_names():
 def test_auto_attention_kernel_takes_fused_where_the_sm90_core_is_ahead(monkeypatch):
     """``attention_kernel="auto"``'s rule, on fake CUDA tensors ([B, L, H, D]):
     SDPA (cuDNN) for 16-bit inference, except on an sm_90 GPU at D = 128 from
-    FUSED_AHEAD_FROM_KEYS keys, or with key lengths at any length (SDPA runs
-    them as a boolean mask), where the Gluon core is ahead; fused.attention
-    for fp32 and for calls that need a gradient."""
+    FUSED_AHEAD_FROM_KEYS keys, at key counts off a multiple of 128 from
+    FUSED_AHEAD_RAGGED_FROM_KEYS keys (Flux at 1360x768's 4592), or with key
+    lengths at any length (SDPA runs them as a boolean mask), where the Gluon
+    core is ahead; fused.attention for fp32 and for calls that need a
+    gradient."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compile_ops.integrations import diffusers as integration
@@ -281,6 +283,11 @@ def test_auto_attention_kernel_takes_fused_where_the_sm90_core_is_ahead(monkeypa
             assert integration._sdpa_is_faster(*qkv(ahead)) is not wgmma
             assert integration._sdpa_is_faster(*qkv(ahead - 1))
             assert integration._sdpa_is_faster(*qkv(4608))
+            ragged = integration.FUSED_AHEAD_RAGGED_FROM_KEYS
+            assert integration._sdpa_is_faster(*qkv(4592)) is not wgmma
+            assert integration._sdpa_is_faster(*qkv(ragged + 1)) is not wgmma
+            assert integration._sdpa_is_faster(*qkv(ragged - 1))  # ragged, shorter than measured
+            assert integration._sdpa_is_faster(*qkv(4592, d=64))
             assert integration._sdpa_is_faster(*qkv(ahead, d=64))
             assert integration._sdpa_is_faster(*qkv(ahead), lengths) is not wgmma
             assert integration._sdpa_is_faster(*qkv(4608), lengths) is not wgmma

@@ -671,6 +671,17 @@ def _needs_gradient(*tensors) -> bool:
 #: keys, level at 16384 (1.00x), behind at 4096-4608 (0.95-0.96x, persistent)
 #: (bench/results/attention-sm90-core-persistent-h100.json, the README's table).
 FUSED_AHEAD_FROM_KEYS = 16385
+#: Below that, key counts that are not a multiple of the core's 128-key tiles
+#: (``RAGGED_KEY_TILE``), from this many keys on: there cuDNN's forward slows
+#: and the core's masked last tile does not. 1x24xLx128, H100, eager / compiled
+#: against cuDNN: 1.02-1.03x at 4112 keys (Flux at 1280x720), 1.03x at 4544,
+#: 1.04-1.05x at 4592 (Flux at 1360x768), 1.06x at 4429, 1.07-1.08x at 6989 (a
+#: Qwen-Image-sized image plus prompt), 1.03-1.05x at 12345; over whole tiles
+#: cuDNN stays ahead or level: 0.91x at 2816, 0.96x at 4608, 1.00-1.03x at
+#: 12288 (bench/results/attention-ragged-keys-h100.json). Shorter ragged
+#: lengths were not measured and keep SDPA.
+FUSED_AHEAD_RAGGED_FROM_KEYS = 4096
+RAGGED_KEY_TILE = 128
 #: The head dim at which that holds. At D = 64 the core (256-key tiles) ran
 #: 0.95-0.99x cuDNN over whole tiles, and the portable kernel 1.01-1.03x at
 #: SD3's ragged 4429 tokens (bench/results/attention-sm90-core-d64-h100.json,
@@ -683,7 +694,9 @@ def _sdpa_is_faster(query, key, value, kv_lengths=None) -> bool:
     faster than fused.attention on an H100 (1.07-1.15x the portable kernel,
     1.02-1.13x causal; README attention tables), except where the sm_90 core
     runs the call at D = 128 (:data:`FUSED_AHEAD_HEAD_DIM`): dense at
-    :data:`FUSED_AHEAD_FROM_KEYS` keys or more, and with key lengths at any
+    :data:`FUSED_AHEAD_FROM_KEYS` keys or more, or at a ragged key count
+    (not a multiple of :data:`RAGGED_KEY_TILE`) from
+    :data:`FUSED_AHEAD_RAGGED_FROM_KEYS` keys, and with key lengths at any
     length, since SDPA takes them as a boolean mask, which cuDNN runs at
     0.66-0.67x its unmasked speed while the core's masked tile costs nothing
     (1x24x4608 and 1-2x24x16640 with 4429 / 16461 keys valid: the core
@@ -695,7 +708,9 @@ def _sdpa_is_faster(query, key, value, kv_lengths=None) -> bool:
     if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)) or _needs_gradient(query, key, value):
         return False
     on_core = has_wgmma(query) and query.shape[-1] == FUSED_AHEAD_HEAD_DIM
-    return not (on_core and (kv_lengths is not None or key.shape[1] >= FUSED_AHEAD_FROM_KEYS))
+    keys = key.shape[1]
+    ragged = keys % RAGGED_KEY_TILE != 0 and keys >= FUSED_AHEAD_RAGGED_FROM_KEYS
+    return not (on_core and (kv_lengths is not None or keys >= FUSED_AHEAD_FROM_KEYS or ragged))
 
 
 class FluxAttnProcessor(_FusedProcessor):
@@ -1096,9 +1111,10 @@ def patch(model: nn.Module, attention_processors: bool = True, attention_kernel:
         attention_kernel: ``"fused"`` (``fused.attention``), ``"sdpa"``
             (torch's SDPA) or ``"auto"``: SDPA for 16-bit inference on a GPU,
             where its cuDNN backend is faster, except on Hopper (sm_90) at
-            D = 128 from :data:`FUSED_AHEAD_FROM_KEYS` keys or with key
-            lengths (a text padding mask, which SDPA runs masked at 0.67x),
-            where ``fused.attention``'s warp-specialized core is;
+            D = 128 from :data:`FUSED_AHEAD_FROM_KEYS` keys, at key counts
+            off a multiple of 128 from :data:`FUSED_AHEAD_RAGGED_FROM_KEYS`,
+            or with key lengths (a text padding mask, which SDPA runs masked
+            at 0.67x), where ``fused.attention``'s warp-specialized core is;
             ``fused.attention`` otherwise (training, CPU, fp32).
         precision: ``"bf16"`` keeps the Linears as they are; ``"fp8"``
             replaces the transformer blocks' Linears (attention projections,

@@ -1,0 +1,60 @@
+"""Forward speed at key lengths that are not a multiple of 128, against cuDNN (issue 28, ``attention_kernel="auto"``):
+
+    PYTHONPATH=. python bench/experiments/ragged_keys.py OUT.json [--shapes BxHxLxD,...] [--rounds 3]
+
+Why: ``integrations.diffusers._sdpa_is_faster`` sends 16-bit inference below
+16385 keys to SDPA's cuDNN backend, from measurements at whole multiples of
+128 keys (4096, 4608). At 4429 and 4500 keys (D = 128) the sm_90 core ran
+1.05-1.06x cuDNN in the split-last-round runs (bench/notes.md): cuDNN's
+time grows at a ragged key length and the core's masked last tile costs
+nothing. Which lengths does that hold at? Flux at non-square resolutions
+(1360x768: 4592 tokens; 1280x720: 4112) and Qwen-Image (an image's tokens
+plus a prompt's) have such lengths. Per shape, ``--rounds`` times
+alternated: ``compile_ops.attention`` eager and compiled
+(``bench.attention.providers``) and SDPA's cuDNN backend, forward, CUDA-graph
+replays.
+"""
+import argparse
+import json
+
+import torch
+
+from bench.attention import providers
+from bench.toolkit import environment, graph_replay_time, make_timer, warm_up_gpu
+
+SHAPES = ("1x24x4608x128,1x24x4544x128,1x24x4592x128,1x24x4429x128,1x24x4112x128,1x24x2816x128,1x24x6989x128,"
+          "1x24x12288x128,1x24x12345x128")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--shapes", default=SHAPES)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    timer = make_timer(False)
+    warm_up_gpu()
+    chosen = {name: fn for name, fn in providers(False).items() if name in ("fused_eager", "fused_compiled",
+                                                                             "sdpa_cudnn")}
+    rows = []
+    for shape in (tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")):
+        b, h, length, d = shape
+        q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * b * h * length ** 2 * d
+        for rnd in range(args.rounds):
+            for name, fn in chosen.items():
+                def forward(fn=fn):
+                    with torch.no_grad():
+                        fn(q, k, v)
+
+                ms = graph_replay_time(forward, timer)
+                rows.append(dict(shape=list(shape), round=rnd, provider=name, keys_mod_128=length % 128, fwd_ms=ms,
+                                 fwd_TFLOPs=flops / ms / 1e9))
+                print(json.dumps(rows[-1]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(env=environment(), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
