@@ -83,17 +83,19 @@ from bench.toolkit import (captured_graph, environment, kernel_profile, relative
 DTYPE = torch.bfloat16
 
 
-def _flux(num_layers: int, num_single_layers: int):
+def _flux(num_layers: int, num_single_layers: int, rows: int = 64, cols: int = 64):
+    """Flux and one step's inputs: ``rows x cols`` latent tokens (1024 px / 8 (VAE) / 2 (packing) = 64 a
+    side) after 512 text tokens."""
     from diffusers import FluxTransformer2DModel
 
     model = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=num_layers,
                                    num_single_layers=num_single_layers, attention_head_dim=128,
                                    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
                                    guidance_embeds=True, axes_dims_rope=(16, 56, 56))
-    side, text = 64, 512  # 1024 px / 8 (VAE) / 2 (packing) = 64 latent tokens a side
-    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
-    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
-    inputs = dict(hidden_states=torch.randn(1, side * side, 64), encoder_hidden_states=torch.randn(1, text, 4096),
+    text = 512
+    row_ids, col_ids = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(row_ids), row_ids, col_ids], -1).reshape(-1, 3).float()
+    inputs = dict(hidden_states=torch.randn(1, rows * cols, 64), encoder_hidden_states=torch.randn(1, text, 4096),
                   pooled_projections=torch.randn(1, 768), timestep=torch.tensor([0.5]),
                   guidance=torch.tensor([3.5]), img_ids=img_ids, txt_ids=torch.zeros(text, 3))
     return model, inputs
@@ -118,7 +120,11 @@ CASES = {
     "flux_train": (lambda: _flux(2, 4), True),
 }
 #: Cases other runners build with :func:`_build` (bench/sparse_e2e.py), not run here by default.
-EXTRA_CASES = {"wan_step_720p": (lambda: _wan(90, 160), False)}
+#: ``flux_blocks_1360x768``: the flux_train block stack (2 double + 4 single), one inference forward at
+#: 1360x768 (48 x 85 = 4080 image + 512 text = 4592 tokens, not a multiple of 128: ``attention_kernel="auto"``
+#: takes the sm_90 core there; bench/notes.md, "Ragged key counts").
+EXTRA_CASES = {"wan_step_720p": (lambda: _wan(90, 160), False),
+               "flux_blocks_1360x768": (lambda: _flux(2, 4, 48, 85), False)}
 
 
 def _compiled(model, mode: str, fullgraph: bool = True, inductor_mode: str = "default"):
@@ -207,6 +213,8 @@ def _host_ms(fn, calls: int = 5) -> float:
 #: step (``toolkit.captured_graph``): the GPU time without the host's launches,
 #: which regional compile and eager steps pay per kernel.
 REPLAY = False
+#: ``--attention-kernel``: what the bf16 patched providers pass to ``compile_ops.patch``.
+ATTENTION_KERNEL = "auto"
 
 
 def _repeated(fn, timer_ms: float, repeats: int) -> dict:
@@ -360,7 +368,7 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
              compile_mode: str = "full", profile: bool = False, inductor_mode: str = "default") -> list:
     import compile_ops
 
-    _, train = CASES[name]
+    _, train = {**CASES, **EXTRA_CASES}[name]
     model, inputs = _build(name)
     torch.backends.cuda.enable_cudnn_sdp(not train)
 
@@ -386,7 +394,7 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
         if provider.startswith("patched") and report is None:
             torch._dynamo.reset()
             _uncompiled(model)
-            report = compile_ops.patch(model)
+            report = compile_ops.patch(model, attention_kernel=ATTENTION_KERNEL)
             print(report, flush=True)
         if provider not in providers:
             continue
@@ -399,7 +407,8 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
         row = _repeated(lambda: step(module), timer_ms, repeats)
         _profiled(row, lambda: step(module), profile)
         row.update(case=name, provider=provider, first_call_s=setup_s, train=train, tokens=_tokens(name),
-                   attention_kernel="auto", weights_MiB=_weight_MiB(model),
+                   attention_kernel=ATTENTION_KERNEL if provider.startswith("patched") else None,
+                   weights_MiB=_weight_MiB(model),
                    compile=compile_mode if inductor_mode == "default" else f"{compile_mode}+{inductor_mode}")
         if compiled and inductor_mode != "default":
             # Inductor counts each graph it runs without CUDA graphs ("skipping cudagraphs: ...").
@@ -499,7 +508,8 @@ def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers,
 
 
 def _tokens(name: str) -> int:
-    return {"wan_step": 21 * 30 * 52, "wan_step_720p": 21 * 45 * 80}.get(name, 4096 + 512)
+    return {"wan_step": 21 * 30 * 52, "wan_step_720p": 21 * 45 * 80, "flux_blocks_1360x768": 48 * 85 + 512}.get(
+        name, 4096 + 512)
 
 
 def _version(package: str):
@@ -523,8 +533,9 @@ def diffusers_environment() -> dict:
 
 
 def _row_key(row: dict) -> tuple:
-    """A results row's identity: a provider's rows in another compile mode are other rows."""
-    return row["case"], row["provider"], row.get("compile", "full")
+    """A results row's identity: a provider's rows in another compile mode, or patched with another
+    attention kernel, are other rows."""
+    return row["case"], row["provider"], row.get("compile", "full"), row.get("attention_kernel") or "auto"
 
 
 def main(argv=None) -> int:
@@ -540,6 +551,8 @@ def main(argv=None) -> int:
     p.add_argument("--inductor-modes", default="default",
                    help="comma-separated torch.compile modes (default,reduce-overhead,max-autotune...) for the "
                         "compiled providers, each a row of its own, in diffusers-e2e-modes-<gpu>.json unless default")
+    p.add_argument("--attention-kernel", default="auto", choices=("auto", "fused", "sdpa"),
+                   help="compile_ops.patch's attention_kernel for the bf16 patched providers")
     p.add_argument("--replay", action="store_true",
                    help="also time each step as the replay of one CUDA graph holding it (GPU time, no host cost)")
     p.add_argument("--fp8", action="store_true",
@@ -552,8 +565,8 @@ def main(argv=None) -> int:
     modes = args.inductor_modes.split(",")
     if modes != ["default"] and (args.fp8 or args.int8_attention):
         p.error("--inductor-modes compares the bf16 providers: not with --fp8 or --int8-attention")
-    global REPLAY
-    REPLAY = args.replay
+    global REPLAY, ATTENTION_KERNEL
+    REPLAY, ATTENTION_KERNEL = args.replay, args.attention_kernel
     env = diffusers_environment()
     env["command"] = "python bench/diffusers_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
     stem = "diffusers-e2e"
