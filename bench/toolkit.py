@@ -267,6 +267,13 @@ def write_results(out_dir: str, stem: str, env: dict, rows: list) -> str:
     return path
 
 
+def write_rows(out_path: str, rows: list) -> None:
+    """An experiment's rows as JSON at ``out_path``, with :func:`environment`
+    (GPU, versions, date) beside them, as the runners write theirs."""
+    with open(out_path, "w") as f:
+        json.dump({"env": environment(), "rows": rows}, f, indent=1)
+
+
 def write_sweep(out_path, rows: list) -> None:
     """A sweep script's rows as JSON with the GPU and versions (no-op without a path)."""
     if out_path:

@@ -19,14 +19,13 @@ programs, longest first"; ``bench/results/attention-causal-order-sweep-h100.json
 ran this schedule from a scratch script before this file existed.
 """
 import argparse
-import json
 import sys
 
 import torch
 
 import compile_ops
 from bench.attention import measure, providers
-from bench.toolkit import environment, make_timer, warm_up_gpu
+from bench.toolkit import make_timer, warm_up_gpu, write_rows
 from compile_ops._library import clear_launch_plans
 from compile_ops.ops import attention as attention_ops
 
@@ -104,8 +103,7 @@ def main(argv=None) -> int:
     finally:
         attention_ops.causal_order, attention_ops.launch_backward = rule, backward
         clear_launch_plans()
-    with open(args.out, "w") as f:
-        json.dump({"env": environment(), "rows": rows}, f, indent=1)
+    write_rows(args.out, rows)
     return 0
 
 

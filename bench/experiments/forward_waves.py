@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import compile_ops
-from bench.toolkit import environment, graph_replay_time, make_timer, warm_up_gpu
+from bench.toolkit import graph_replay_time, make_timer, warm_up_gpu, write_rows
 
 
 def main(argv=None) -> int:
@@ -55,8 +55,7 @@ def main(argv=None) -> int:
                                  waves=items / sms, provider=name, fwd_ms=ms,
                                  fwd_TFLOPs=flops / ms / 1e9, ms_per_full_wave=ms / math.ceil(items / sms)))
                 print(json.dumps(rows[-1]), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(env=environment(), rows=rows), f, indent=1)
+    write_rows(args.out, rows)
     return 0
 
 

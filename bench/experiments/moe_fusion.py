@@ -15,12 +15,11 @@ is commit 07bc05a (``two_launches=K.py,O.py`` from ``git show 07bc05a:...``),
 row is 07bc05a, ``three_launches`` today's kernels).
 """
 import importlib.util
-import json
 import sys
 
 import torch
 
-from bench.toolkit import environment, graph_replay_time, make_timer
+from bench.toolkit import graph_replay_time, make_timer, write_rows
 from compile_ops import meta
 from compile_ops.ops import moe as moe_ops
 
@@ -68,8 +67,7 @@ def main(out_path, *versions):
             us = graph_replay_time(launch, timer) * 1000
             rows.append({"op": op, "version": label, "us": us, "same_outputs_as_committed": same})
             print(f"{op:18s} {label:15s} {us:7.1f} us  same outputs as committed: {same}", flush=True)
-    with open(out_path, "w") as f:
-        json.dump({"env": environment(), "rows": rows}, f, indent=1)
+    write_rows(out_path, rows)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import json
 import torch
 
 from bench.attention import providers
-from bench.toolkit import environment, graph_replay_time, make_timer, warm_up_gpu
+from bench.toolkit import graph_replay_time, make_timer, warm_up_gpu, write_rows
 
 SHAPES = ("1x24x4608x128,1x24x4544x128,1x24x4592x128,1x24x4429x128,1x24x4112x128,1x24x2816x128,1x24x6989x128,"
           "1x24x12288x128,1x24x12345x128")
@@ -51,8 +51,7 @@ def main(argv=None) -> int:
                 rows.append(dict(shape=list(shape), round=rnd, provider=name, keys_mod_128=length % 128, fwd_ms=ms,
                                  fwd_TFLOPs=flops / ms / 1e9))
                 print(json.dumps(rows[-1]), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(env=environment(), rows=rows), f, indent=1)
+    write_rows(args.out, rows)
     return 0
 
 
