@@ -674,13 +674,14 @@ FUSED_AHEAD_FROM_KEYS = 16385
 #: Below that, key counts that are not a multiple of the core's 128-key tiles
 #: (``RAGGED_KEY_TILE``), from this many keys on: there cuDNN's forward slows
 #: and the core's masked last tile does not. 1x24xLx128, H100, eager / compiled
-#: against cuDNN: 1.02-1.03x at 4112 keys (Flux at 1280x720), 1.03x at 4544,
-#: 1.04-1.05x at 4592 (Flux at 1360x768), 1.06x at 4429, 1.07-1.08x at 6989 (a
-#: Qwen-Image-sized image plus prompt), 1.03-1.05x at 12345; over whole tiles
-#: cuDNN stays ahead or level: 0.91x at 2816, 0.96x at 4608, 1.00-1.03x at
-#: 12288 (bench/results/attention-ragged-keys-h100.json). Shorter ragged
-#: lengths were not measured and keep SDPA.
-FUSED_AHEAD_RAGGED_FROM_KEYS = 4096
+#: against cuDNN: 1.03x at 3000 keys, 1.04x at 3333, 1.02x at 3952, 1.02-1.03x
+#: at 4112 (Flux at 1280x720), 1.03x at 4544, 1.04-1.05x at 4592 (Flux at
+#: 1360x768), 1.06x at 4429, 1.07-1.08x at 6989 (a Qwen-Image-sized image plus
+#: prompt), 1.03-1.05x at 12345; shorter ragged counts are not ahead (1.00x at
+#: 2537, 0.95x at 1537), and over whole tiles cuDNN stays ahead or level: 0.87x
+#: at 2048, 0.91x at 2816, 0.94x at 3584, 0.96x at 4608, 1.00-1.03x at 12288
+#: (bench/results/attention-ragged-keys-h100.json and ``-short-``).
+FUSED_AHEAD_RAGGED_FROM_KEYS = 3000
 RAGGED_KEY_TILE = 128
 #: The head dim at which that holds. At D = 64 the core (256-key tiles) ran
 #: 0.95-0.99x cuDNN over whole tiles, and the portable kernel 1.01-1.03x at
