@@ -297,6 +297,33 @@ def test_auto_attention_kernel_takes_fused_where_the_sm90_core_is_ahead(monkeypa
             assert not integration._sdpa_is_faster(q.requires_grad_(), k, v)
 
 
+@pytest.mark.parametrize("length", [4592, 4608, 2537])
+def test_auto_attention_kernel_guards_a_symbolic_key_length(length, monkeypatch):
+    """Under dynamic shapes (a model compiled once for many resolutions) the
+    rule reads a symbolic key count: the core at Flux 1360x768's ragged 4592
+    keys, SDPA at 4608 (whole tiles) and at 2537 (ragged, below
+    FUSED_AHEAD_RAGGED_FROM_KEYS), each decision guarded (on the count modulo
+    128, and on the bound where it decides), so that a graph traced at one
+    kind of length is not reused at the other."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from compile_ops.integrations import diffusers as integration
+
+    monkeypatch.setattr(integration, "has_wgmma", lambda t: True)
+    env = ShapeEnv()
+    sym = env.create_unspecified_symint_and_symbol(length, ConstantSource("L"), DimDynamic.DYNAMIC)
+    with FakeTensorMode(shape_env=env):
+        q, k, v = (torch.empty(1, sym, 24, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        sdpa = integration._sdpa_is_faster(q, k, v)
+    assert sdpa == (length != 4592)
+    guards = [str(g.expr) for g in env.guards]
+    assert f"{'Eq' if length % 128 == 0 else 'Ne'}(Mod({sym}, 128), 0)" in guards, guards
+    if length % 128:
+        assert any(str(integration.FUSED_AHEAD_RAGGED_FROM_KEYS) in g for g in guards), guards
+
+
 # ---------------------------------------------------------------- precision="fp8"
 
 
