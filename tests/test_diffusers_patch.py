@@ -270,6 +270,7 @@ def test_auto_attention_kernel_takes_fused_where_the_sm90_core_is_ahead(monkeypa
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compile_ops.integrations import diffusers as integration
+    from compile_ops.ops import attention as attention_ops
 
     ahead = integration.FUSED_AHEAD_FROM_KEYS
     with FakeTensorMode():
@@ -284,6 +285,8 @@ def test_auto_attention_kernel_takes_fused_where_the_sm90_core_is_ahead(monkeypa
             assert integration._sdpa_is_faster(*qkv(ahead - 1))
             assert integration._sdpa_is_faster(*qkv(4608))
             ragged = integration.FUSED_AHEAD_RAGGED_FROM_KEYS
+            tiles = attention_ops.forward_tiles(128, torch.bfloat16, True, "exact", True)
+            assert tiles.sm90_core and tiles.block_n == integration.RAGGED_KEY_TILE  # ragged means a masked tile
             assert integration._sdpa_is_faster(*qkv(4592)) is not wgmma
             assert integration._sdpa_is_faster(*qkv(ragged + 1)) is not wgmma
             assert integration._sdpa_is_faster(*qkv(ragged - 1))  # ragged, shorter than measured

@@ -682,6 +682,8 @@ FUSED_AHEAD_FROM_KEYS = 16385
 #: at 2048, 0.91x at 2816, 0.94x at 3584, 0.96x at 4608, 1.00-1.03x at 12288
 #: (bench/results/attention-ragged-keys-h100.json and ``-short-``).
 FUSED_AHEAD_RAGGED_FROM_KEYS = 3000
+#: The core's key tile at D = 128 (``ops.attention.forward_tiles``): a key
+#: count off its multiples ends in one masked tile.
 RAGGED_KEY_TILE = 128
 #: The head dim at which that holds. At D = 64 the core (256-key tiles) ran
 #: 0.95-0.99x cuDNN over whole tiles, and the portable kernel 1.01-1.03x at
