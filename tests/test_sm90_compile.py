@@ -411,6 +411,13 @@ def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(variant
     sass = subprocess.run([os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump"), "-sass",
                            str(tmp_path / "core.cubin")], capture_output=True, text=True, check=True).stdout
     assert not _spills_in_innermost_loops(sass), (name, _spills_in_innermost_loops(sass))
+    # The item loops too, which hold the masked tile's step: spills there cost 3-14% an item (a 32-register
+    # loader left 9-14 accesses in the dense core, 8% slower at 4500 keys; bench/notes.md, "The persistent
+    # core's last round"). None in the routed variants but the block lists' set-up scalar (1 store, 3 reloads);
+    # INT8_FP8 (not routed, 0.81-0.94x the portable kernel) has 24, a lead for issue 29, bounded as they are.
+    item_spills = _spills_in_loops_with_mma(sass)
+    bound = 24 if name.startswith("int8_fp8") else 4 if "-i32" in name or "-i64" in name else 0
+    assert len(item_spills) <= bound, (name, item_spills)
 
 
 def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
@@ -483,6 +490,21 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         # tile (dk, dv or a score tile: 256 bytes a thread each) would pass neither bound.
         stored, loaded = (int(re.search(rf"(\d+) bytes spill {kind}", report).group(1)) for kind in ("stores", "loads"))
         assert (stored, loaded) == (0, 0) or (flags and stored <= 64 and loaded <= 96), (dtype, flags, report)
+
+
+def _spills_in_loops_with_mma(sass: str) -> list:
+    """The local-memory loads and stores (spills) of a SASS listing inside any
+    loop that issues a warpgroup MMA (``HGMMA``, 8-bit ``IGMMA`` / ``QGMMA``):
+    the consumers' item loops and the key loops within them."""
+    import re
+
+    code = [(int(at, 16), op) for at, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(int(m.group(1), 16), at) for at, op in code
+             for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", op)] if m and int(m.group(1), 16) <= at]
+    with_mma = [(start, end) for start, end in loops if any("GMMA" in op for at, op in code if start <= at <= end)]
+    assert with_mma, "no loop issues a warpgroup MMA: the SASS format changed"
+    return [(hex(at), op) for at, op in code
+            if re.search(r"\b(STL|LDL)\b", op) and any(start <= at <= end for start, end in with_mma)]
 
 
 def _spills_in_innermost_loops(sass: str) -> list:
