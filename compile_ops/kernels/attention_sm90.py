@@ -654,11 +654,11 @@ def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRS
     STAGES: gl.constexpr = q_smem.shape[0]
     program = _bwd_program(KV_LEN, lists, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
                            HEAVY_FIRST, SPARSE)
-    b, hk, tile = program[0], program[1], program[2]
+    b, hk, tile, _, _, _, total, _ = program
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, tile * 2 * _ROWS, 0], kv_bar, _box(k_smem))
     tma.async_copy_global_to_shared(v_desc, [b, hk, tile * 2 * _ROWS, 0], kv_bar, _box(v_smem))
-    for i in range(program[6]):
+    for i in range(total):
         h, m0 = _bwd_step(i, program, GROUP, not CAUSAL, SPARSE)
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
@@ -700,7 +700,7 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
     program = _bwd_program(KV_LEN, lists, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
                            HEAVY_FIRST, SPARSE)
-    b, hk, tile, kv_len = program[0], program[1], program[2], program[3]
+    b, hk, tile, kv_len, _, _, total, _ = program
     k_rows = k_smem.slice(_ROWS * W, _ROWS)
     v_rows = v_smem.slice(_ROWS * W, _ROWS)
     qk_scale = scale * _LOG2E
@@ -712,7 +712,7 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     key = first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
     step_query = gl.arange(0, _ROWS, layout=gl.SliceLayout(0, s_layout))
     mbarrier.wait(kv_bar, 0)
-    for i in range(program[6]):
+    for i in range(total):
         h, m0 = _bwd_step(i, program, GROUP, not CAUSAL, SPARSE)
         stage = i % STAGES
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
