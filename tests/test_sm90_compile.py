@@ -492,26 +492,9 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         assert (stored, loaded) == (0, 0) or (flags and stored <= 64 and loaded <= 96), (dtype, flags, report)
 
 
-def _spills_in_loops_with_mma(sass: str) -> list:
-    """The local-memory loads and stores (spills) of a SASS listing inside any
-    loop that issues a warpgroup MMA (``HGMMA``, 8-bit ``IGMMA`` / ``QGMMA``):
-    the consumers' item loops and the key loops within them."""
-    import re
-
-    code = [(int(at, 16), op) for at, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loops = [(int(m.group(1), 16), at) for at, op in code
-             for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", op)] if m and int(m.group(1), 16) <= at]
-    with_mma = [(start, end) for start, end in loops if any("GMMA" in op for at, op in code if start <= at <= end)]
-    assert with_mma, "no loop issues a warpgroup MMA: the SASS format changed"
-    return [(hex(at), op) for at, op in code
-            if re.search(r"\b(STL|LDL)\b", op) and any(start <= at <= end for start, end in with_mma)]
-
-
-def _spills_in_innermost_loops(sass: str) -> list:
-    """The local-memory loads and stores (spills) of a SASS listing that sit
-    in an innermost loop: the span of a backward branch that holds no other
-    such span (the key loops; an mbarrier wait retries from stubs at the end
-    of the function, so it nests nothing)."""
+def _sass_loops(sass: str) -> tuple:
+    """A SASS listing's ``(code, loops)``: its instructions as ``(address,
+    text)`` and its loops as the ``(start, end)`` spans of backward branches."""
     import re
 
     code = [(int(at, 16), op) for at, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
@@ -519,6 +502,32 @@ def _spills_in_innermost_loops(sass: str) -> list:
     loops = [(int(m.group(1), 16), at) for at, op in code
              for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", op)] if m and int(m.group(1), 16) <= at]
     assert loops, "no loop found: the SASS format changed"
-    innermost = [a for a in loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in loops)]
+    return code, loops
+
+
+def _spills_in(code: list, spans: list) -> list:
+    """The local-memory loads and stores (spills) of ``code`` inside any of ``spans``."""
+    import re
+
     return [(hex(at), op) for at, op in code
-            if re.search(r"\b(STL|LDL)\b", op) and any(start <= at <= end for start, end in innermost)]
+            if re.search(r"\b(STL|LDL)\b", op) and any(start <= at <= end for start, end in spans)]
+
+
+def _spills_in_loops_with_mma(sass: str) -> list:
+    """The spills of a SASS listing inside any loop that issues a warpgroup
+    MMA (``HGMMA``, 8-bit ``IGMMA`` / ``QGMMA``): the consumers' item loops
+    and the key loops within them."""
+    code, loops = _sass_loops(sass)
+    with_mma = [(start, end) for start, end in loops if any("GMMA" in op for at, op in code if start <= at <= end)]
+    assert with_mma, "no loop issues a warpgroup MMA: the SASS format changed"
+    return _spills_in(code, with_mma)
+
+
+def _spills_in_innermost_loops(sass: str) -> list:
+    """The spills of a SASS listing that sit in an innermost loop: the span
+    of a backward branch that holds no other such span (the key loops; an
+    mbarrier wait retries from stubs at the end of the function, so it
+    nests nothing)."""
+    code, loops = _sass_loops(sass)
+    innermost = [a for a in loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in loops)]
+    return _spills_in(code, innermost)
