@@ -1196,11 +1196,11 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
     """Traced on fake CUDA tensors of a faked sm_90 GPU: ``fused.attention_backward``
     runs the three deterministic passes by default; with
     ``set_attention_backward(deterministic=False)`` a 16-bit call at
-    D = 128 (Lk a multiple of 128 or not, causal or not, with key lengths or
-    not, dense or ``fused.block_sparse_attention_backward``'s) runs the
-    five-product kernel's opaque op and dq's cast, and every other call
-    (D = 64, fp32, or torch's deterministic algorithms on) keeps the three
-    passes."""
+    D = 128 or 64 (Lk a multiple of 128 or not, causal or not, with key
+    lengths or not, dense or ``fused.block_sparse_attention_backward``'s)
+    runs the five-product kernel's opaque op and dq's cast, and every other
+    call (D = 32, 96 or 256, fp32, or torch's deterministic algorithms on)
+    keeps the three passes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compile_ops.ops import attention as attention_ops
@@ -1230,9 +1230,11 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
     try:
         for taken in (dict(), dict(lk=300), dict(causal=True), dict(with_lengths=True),
                       dict(causal=True, with_lengths=True, lk=300), dict(sparse=True),
-                      dict(sparse=True, causal=True, lk=300)):
+                      dict(sparse=True, causal=True, lk=300), dict(d=64), dict(d=64, causal=True, lk=300),
+                      dict(d=64, sparse=True)):
             assert launches(**taken) == five, taken
-        for other in (dict(d=64), dict(dtype=torch.float32), dict(d=64, causal=True), dict(d=64, sparse=True)):
+        for other in (dict(d=256), dict(d=32), dict(dtype=torch.float32), dict(d=96, causal=True),
+                      dict(d=256, sparse=True)):
             assert launches(**other) == three, other
         with deterministic_algorithms():
             assert launches() == three
@@ -1477,8 +1479,8 @@ def five_product_gradients(out, inputs, dout, launched, passes_kernel, case):
 @pytest.mark.skipif(not _SM90, reason="the Gluon core runs on sm_90 GPUs only")
 def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
     """``compile_ops.set_attention_backward(deterministic=False)`` on sm_90,
-    dense: the five-product Gluon backward over ragged Lq and Lk (key tiles
-    masked past Lk), GQA, both layouts, fp16 and bf16, causal with Lq
+    dense: the five-product Gluon backward at D = 128 and 64 over ragged Lq
+    and Lk (key tiles masked past Lk), GQA, both layouts, fp16 and bf16, causal with Lq
     above, equal to and below Lk, and key lengths (one batch row with
     none), checked against the deterministic passes
     (:func:`five_product_gradients`), and dq, dk and dv within the
@@ -1488,27 +1490,32 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
     launched, launcher = [], attention_ops.launcher
     monkeypatch.setattr(attention_ops, "launcher",
                         lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
-    for b, h, hk, lq, lk, seq_dim, dtype, causal, lengths in [
-            (1, 4, 4, 1000, 1024, 2, torch.bfloat16, False, None),
-            (2, 8, 2, 333, 300, 1, torch.float16, False, None),
-            (1, 2, 2, 64, 77, 2, torch.bfloat16, False, None),
-            (1, 3, 3, 4680, 4680, 1, torch.bfloat16, False, None),
-            (1, 4, 2, 1000, 1000, 2, torch.bfloat16, True, None),
-            (2, 3, 3, 300, 700, 1, torch.float16, True, None),
-            (1, 2, 2, 700, 300, 2, torch.bfloat16, True, None),
-            (3, 4, 2, 500, 640, 2, torch.bfloat16, False, [640, 77, 0]),
-            (2, 2, 2, 600, 600, 1, torch.float16, True, [600, 250])]:
+    for b, h, hk, lq, lk, seq_dim, dtype, causal, lengths, d in [
+            (1, 4, 4, 1000, 1024, 2, torch.bfloat16, False, None, 128),
+            (2, 8, 2, 333, 300, 1, torch.float16, False, None, 128),
+            (1, 2, 2, 64, 77, 2, torch.bfloat16, False, None, 128),
+            (1, 3, 3, 4680, 4680, 1, torch.bfloat16, False, None, 128),
+            (1, 4, 2, 1000, 1000, 2, torch.bfloat16, True, None, 128),
+            (2, 3, 3, 300, 700, 1, torch.float16, True, None, 128),
+            (1, 2, 2, 700, 300, 2, torch.bfloat16, True, None, 128),
+            (3, 4, 2, 500, 640, 2, torch.bfloat16, False, [640, 77, 0], 128),
+            (2, 2, 2, 600, 600, 1, torch.float16, True, [600, 250], 128),
+            (1, 4, 4, 1000, 1024, 2, torch.bfloat16, False, None, 64),
+            (2, 8, 2, 333, 300, 1, torch.float16, False, None, 64),
+            (1, 3, 3, 4429, 4429, 1, torch.bfloat16, False, None, 64),
+            (2, 3, 3, 300, 700, 1, torch.float16, True, None, 64),
+            (2, 2, 2, 600, 600, 1, torch.float16, True, [600, 250], 64)]:
         torch.manual_seed(lq + lk)
-        q, k, v = _qkv(b, h, hk, lq, lk, 128, seq_dim, dtype, "cuda")
+        q, k, v = _qkv(b, h, hk, lq, lk, d, seq_dim, dtype, "cuda")
         kv_lengths = None if lengths is None else torch.tensor(lengths, device="cuda", dtype=torch.int32)
         out = compile_ops.attention(q, k, v, None, causal, seq_dim, kv_lengths)
         dout = torch.randn_like(out)
-        case = (b, h, hk, lq, lk, seq_dim, dtype, causal, lengths)
+        case = (b, h, hk, lq, lk, seq_dim, dtype, causal, lengths, d)
         got = five_product_gradients(out, (q, k, v), dout, launched, "attn_bwd_dq_kernel", case)
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-        exact, _ = ref.attention(qd, kd, vd, 128 ** -0.5, causal, seq_dim, kv_lengths)
+        exact, _ = ref.attention(qd, kd, vd, d ** -0.5, causal, seq_dim, kv_lengths)
         exact_grads = torch.autograd.grad(exact, (qd, kd, vd), dout.double())
-        theirs = torch_at_dtype(q, k, v, dout, 128 ** -0.5, causal, seq_dim, kv_lengths)[1]
+        theirs = torch_at_dtype(q, k, v, dout, d ** -0.5, causal, seq_dim, kv_lengths)[1]
         for again in got:
             for name, g, e, p in zip("qkv", again, exact_grads, theirs):
                 assert_within_torch_error(g, e, p, 3.0, f"d{name} {case}", fp32_roundings=128)

@@ -106,8 +106,8 @@ def test_sm90_five_product_backward_over_block_lists(monkeypatch):
     lists: the five-product kernel runs (launched; the deterministic dk/dv
     pass is not) over shuffled lists with every density from near-empty to
     full, per-head and broadcast lists, GQA (the kernel walks each q head's
-    lists of its group), ragged Lq and Lk, causal, key lengths and both
-    layouts; checked as the dense kernel is (``five_product_gradients``),
+    lists of its group), ragged Lq and Lk, causal, key lengths, both
+    layouts and D = 128 and 64; checked as the dense kernel is (``five_product_gradients``),
     and all three gradients within the two-reference rule of the fp64
     gradients."""
     from compile_ops.ops import attention as attention_ops
@@ -115,16 +115,18 @@ def test_sm90_five_product_backward_over_block_lists(monkeypatch):
     launched, launcher = [], attention_ops.launcher
     monkeypatch.setattr(attention_ops, "launcher",
                         lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
-    for b, hq, hk, lq, lk, seq_dim, dtype, causal, lengths, per_head, density in [
-            (1, 4, 4, 1024, 1024, 2, torch.bfloat16, False, None, True, 0.3),
-            (2, 6, 2, 700, 1000, 1, torch.float16, False, None, True, 0.5),
-            (1, 2, 2, 900, 900, 2, torch.bfloat16, True, None, False, 0.4),
-            (2, 4, 1, 640, 500, 1, torch.bfloat16, False, [500, 130], True, 0.05),
-            (1, 3, 3, 333, 4000, 2, torch.float16, True, [2900], True, 1.0)]:
-        case = (b, hq, hk, lq, lk, seq_dim, dtype, causal, lengths, per_head, density)
+    for b, hq, hk, lq, lk, seq_dim, dtype, causal, lengths, per_head, density, d in [
+            (1, 4, 4, 1024, 1024, 2, torch.bfloat16, False, None, True, 0.3, 128),
+            (2, 6, 2, 700, 1000, 1, torch.float16, False, None, True, 0.5, 128),
+            (1, 2, 2, 900, 900, 2, torch.bfloat16, True, None, False, 0.4, 128),
+            (2, 4, 1, 640, 500, 1, torch.bfloat16, False, [500, 130], True, 0.05, 128),
+            (1, 3, 3, 333, 4000, 2, torch.float16, True, [2900], True, 1.0, 128),
+            (2, 6, 2, 700, 1000, 1, torch.float16, False, None, True, 0.5, 64),
+            (1, 2, 2, 900, 900, 2, torch.bfloat16, True, [700], False, 0.4, 64)]:
+        case = (b, hq, hk, lq, lk, seq_dim, dtype, causal, lengths, per_head, density, d)
         seed = lq + lk
         torch.manual_seed(seed)
-        q, k, v = _qkv(b, hq, hk, lq, lk, 128, seq_dim, dtype, "cuda")
+        q, k, v = _qkv(b, hq, hk, lq, lk, d, seq_dim, dtype, "cuda")
         kv = None if lengths is None else torch.tensor(lengths, dtype=torch.int32, device="cuda")
         index, count = _random_lists(b if per_head else 1, hq if per_head else 1, lq, lk, density, seed, "cuda")
         out = compile_ops.block_sparse_attention(q, k, v, index, count, None, causal, seq_dim, kv)
@@ -132,7 +134,7 @@ def test_sm90_five_product_backward_over_block_lists(monkeypatch):
         # The deterministic-algorithms leg too: the lists' transposition (a scatter of a scalar) must not
         # raise under use_deterministic_algorithms, and the passes must run then.
         got = five_product_gradients(out, (q, k, v), dout, launched, "attn_bwd_dkdv_kernel", case)
-        scale = 128 ** -0.5
+        scale = d ** -0.5
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
         exact, _ = ref.block_sparse_attention(qd, kd, vd, index, count, scale, causal, seq_dim, kv)
         exact_grads = torch.autograd.grad(exact, (qd, kd, vd), dout.double())

@@ -424,8 +424,8 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
     """``set_attention_backward(deterministic=False)``'s kernels: traced on a
     faked sm_90 GPU, ``fused.attention_backward`` launches the statistics
     pass with its dq zeroing and dq's cast, which compile for sm_90; the
-    Gluon kernel (bf16 and fp16; masked keys, causal, key lengths, block
-    lists) compiles with its partitions' register budgets, spilling nothing
+    Gluon kernel (bf16 and fp16, D = 128 and 64; masked keys, causal, key
+    lengths, block lists) compiles with its partitions' register budgets, spilling nothing
     when dense and a few set-up scalars at most otherwise (ptxas)."""
     import re
     import subprocess
@@ -459,7 +459,11 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
                 ("fp16", dict(HAS_KV_LEN=True, MASKED_KEYS=True)),
                 ("bf16", dict(CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True, MASKED_KEYS=True)),
                 ("bf16", dict(SPARSE=True)), ("fp16", dict(SPARSE=True, MASKED_KEYS=True)),
-                ("bf16", dict(SPARSE=True, CAUSAL=True, HAS_KV_LEN=True, MASKED_KEYS=True))]
+                ("bf16", dict(SPARSE=True, CAUSAL=True, HAS_KV_LEN=True, MASKED_KEYS=True)),
+                # D = 64: one dQ piece a consumer
+                ("bf16", dict(D=64)), ("fp16", dict(D=64, CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True,
+                                                    MASKED_KEYS=True)),
+                ("bf16", dict(D=64, SPARSE=True, MASKED_KEYS=True))]
     for dtype, flags in variants:
         pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", DO=f"*{dtype}", LSE_ROWS="*fp32", DELTA="*fp32",
                         DQ_ACC="*fp32", DK=f"*{dtype}", DV=f"*{dtype}")
@@ -467,7 +471,8 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
             pointers["KV_LEN"] = "*i32"
         if flags.get("SPARSE"):
             pointers.update(BLOCKS="*i32", COUNTS="*i64")
-        constants = dict(D=128, STAGES=attention_ops.SM90_BACKWARD_STAGES,
+        d = flags.pop("D", 128)
+        constants = dict(D=d, STAGES=attention_ops.SM90_BACKWARD_STAGES,
                          CONSUMER_REGS=attention_ops.SM90_CORE_CONSUMER_REGS, CAUSAL=False, HAS_KV_LEN=False,
                          HEAVY_FIRST=False, SPARSE=False, MASKED_KEYS=False, num_warps=4)
         constants.update(flags)
@@ -479,8 +484,8 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
                              target=GPUTarget("cuda", 90, 32),
                              options=dict(num_warps=launch["num_warps"], maxnreg=launch["maxnreg"])).asm["ptx"]
         budgets = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
-        assert {24, attention_ops.SM90_CORE_CONSUMER_REGS} <= budgets, (dtype, flags, sorted(budgets))
-        assert "cp.reduce.async.bulk.tensor" in ptx, (dtype, flags)  # dq added by TMA reductions
+        assert {24, attention_ops.SM90_CORE_CONSUMER_REGS} <= budgets, (dtype, d, flags, sorted(budgets))
+        assert "cp.reduce.async.bulk.tensor" in ptx, (dtype, d, flags)  # dq added by TMA reductions
         (tmp_path / "bwd.ptx").write_text(ptx)
         report = subprocess.run([knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "bwd.ptx"), "-o",
                                  str(tmp_path / "bwd.cubin")], capture_output=True, text=True, check=True).stderr
@@ -489,7 +494,7 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         # consumers' 168 registers: 4-52 bytes, reloaded from L1 at most twice a 64-query step. A spilled
         # tile (dk, dv or a score tile: 256 bytes a thread each) would pass neither bound.
         stored, loaded = (int(re.search(rf"(\d+) bytes spill {kind}", report).group(1)) for kind in ("stores", "loads"))
-        assert (stored, loaded) == (0, 0) or (flags and stored <= 64 and loaded <= 96), (dtype, flags, report)
+        assert (stored, loaded) == (0, 0) or (flags and stored <= 64 and loaded <= 96), (dtype, d, flags, report)
 
 
 def _sass_loops(sass: str) -> tuple:

@@ -88,6 +88,8 @@ _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
 #: Query rows per consumer warp group: one wgmma's M.
 _ROWS = gl.constexpr(64)
+#: dQ's fp32 channels per TMA reduction in the backward: 128-byte rows, the reductions' 128-byte swizzle.
+_DQ_PIECE = gl.constexpr(32)
 
 
 @gluon.jit
@@ -679,9 +681,10 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     the A operands of dV += P^T dO and dK += dS^T Q; dS^T into this group's
     half of a shared [128 keys, 64 queries] tile, and once both halves are
     there (``ds_full``) dQ's channels ``64 W`` to ``64 W + 63`` = dS K over all
-    128 keys, added into DQ_ACC by two TMA reductions of 64 x 32 (the next
-    step rewrites their buffers once the reductions have read them; a second
-    pair of buffers measured no faster, bench/notes.md). Masks: keys past
+    128 keys, added into DQ_ACC by TMA reductions of 64 x 32 (``_DQ_PIECE``
+    channels each: two at D = 128, one at D = 64; the next step rewrites
+    their buffers once the reductions have read them; a second set of
+    buffers measured no faster, bench/notes.md). Masks: keys past
     kv_len (MASKED_KEYS: the tile may hold some) and, causal, keys past the
     query on the steps that cross the diagonal (two; block lists may add
     steps above it, masked whole)."""
@@ -690,13 +693,14 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
      heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
     D: gl.constexpr = q_smem.shape[2]
-    QUARTER: gl.constexpr = D // 4
+    HALF: gl.constexpr = D // 2  # this group's dQ channels, from HALF * W
+    PIECES: gl.constexpr = HALF // _DQ_PIECE
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, _ROWS, 16])
     d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, 16])
-    quarter_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, QUARTER, 16])
+    piece_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _DQ_PIECE, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
     program = _bwd_program(KV_LEN, lists, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
                            HEAVY_FIRST, SPARSE)
@@ -707,7 +711,7 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     dk = gl.zeros([_ROWS, D], gl.float32, d_layout)
     dv = gl.zeros([_ROWS, D], gl.float32, d_layout)
     s_zero = gl.zeros([_ROWS, _ROWS], gl.float32, s_layout)
-    dq_zero = gl.zeros([_ROWS, QUARTER], gl.float32, quarter_layout)
+    dq_zero = gl.zeros([_ROWS, _DQ_PIECE], gl.float32, piece_layout)
     first_key = tile * 2 * _ROWS + _ROWS * W
     key = first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
     step_query = gl.arange(0, _ROWS, layout=gl.SliceLayout(0, s_layout))
@@ -746,20 +750,25 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
         mbarrier.arrive(empty.index(stage), count=1)  # this step's q, dO and statistics are done with
         mbarrier.wait(ds_full.index(buf), (i // 2) & 1)
         ds_t = ds_smem.index(buf).permute((1, 0))  # dS: [64 queries, 128 keys]
-        first = warpgroup_mma(ds_t, k_smem.slice(2 * QUARTER * W, QUARTER, dim=1), dq_zero, use_acc=False,
+        first = warpgroup_mma(ds_t, k_smem.slice(HALF * W, _DQ_PIECE, dim=1), dq_zero, use_acc=False,
                               is_async=True)
-        second = warpgroup_mma(ds_t, k_smem.slice(2 * QUARTER * W + QUARTER, QUARTER, dim=1), dq_zero,
-                               use_acc=False, is_async=True)
-        first, second = warpgroup_mma_wait(0, deps=[first, second])
+        if PIECES == 2:
+            second = warpgroup_mma(ds_t, k_smem.slice(HALF * W + _DQ_PIECE, _DQ_PIECE, dim=1), dq_zero,
+                                   use_acc=False, is_async=True)
+            first, second = warpgroup_mma_wait(0, deps=[first, second])
+        else:
+            first = warpgroup_mma_wait(0, deps=[first])
         tma.store_wait(0)  # the step before's reductions have read dq_smem
         gl.thread_barrier()
-        dq_smem.index(2 * W).store(first)
-        dq_smem.index(2 * W + 1).store(second)
+        dq_smem.index(PIECES * W).store(first)
+        if PIECES == 2:
+            dq_smem.index(PIECES * W + 1).store(second)
         fence_async_shared()
         gl.thread_barrier()
-        _tma_add(dqa_desc, [b * H + h, m0, 2 * QUARTER * W], dq_smem.index(2 * W).reshape([1, _ROWS, QUARTER]))
-        _tma_add(dqa_desc, [b * H + h, m0, 2 * QUARTER * W + QUARTER],
-                 dq_smem.index(2 * W + 1).reshape([1, _ROWS, QUARTER]))
+        _tma_add(dqa_desc, [b * H + h, m0, HALF * W], dq_smem.index(PIECES * W).reshape([1, _ROWS, _DQ_PIECE]))
+        if PIECES == 2:
+            _tma_add(dqa_desc, [b * H + h, m0, HALF * W + _DQ_PIECE],
+                     dq_smem.index(PIECES * W + 1).reshape([1, _ROWS, _DQ_PIECE]))
     tma.store_wait(0)  # shared memory must outlive the reductions that read it
     # dK = scale dS^T Q; dV = P^T dO.
     keys = first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, d_layout))
@@ -816,13 +825,12 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, KV_LEN, B
     ``num_warps=4`` and ``maxnreg=168`` (the forward core's budgets:
     CONSUMER_REGS for both consumer groups, 24 for the loader)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
-    # dQ goes out in quarters of D: 32 fp32 columns, the 128-byte rows of the reductions' 128-byte swizzle.
-    gl.static_assert(D == 128, "D = 128 alone (dQ's quarters; ops.attention._takes_sm90_backward)")
+    gl.static_assert((D == 64) or (D == 128), "D = 64 or 128 (ops.attention._takes_sm90_backward)")
     box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     matrix: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     stats: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    quarter: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    quarters: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
+    piece: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    pieces: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
     Hk = H // GROUP
     q_desc = tma.make_tensor_descriptor(Q, [B, H, Lq, D], [sqb, sqh, sql, 1], [1, 1, _ROWS, D], box)
     do_desc = tma.make_tensor_descriptor(DO, [B, H, Lq, D], [sdb, sdh, sdl, 1], [1, 1, _ROWS, D], box)
@@ -831,8 +839,9 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, KV_LEN, B
     lse_desc = tma.make_tensor_descriptor(LSE_ROWS, [B * H, stats_row], [stats_row, 1], [1, _ROWS], stats)
     delta_desc = tma.make_tensor_descriptor(DELTA, [B * H, stats_row], [stats_row, 1], [1, _ROWS], stats)
     dqa_desc = tma.make_tensor_descriptor(DQ_ACC, [B * H, stats_row, D], [stats_row * D, D, 1],
-                                          [1, _ROWS, D // 4], quarters)
-    # Shared memory, 198 KB at D = 128: K and V 64 KB, q and dO 32 KB a stage, dS^T twice 16 KB, dQ 32 KB.
+                                          [1, _ROWS, _DQ_PIECE], pieces)
+    # Shared memory, 198 KB at D = 128 (2 stages): K and V 64 KB, q and dO 32 KB a stage, dS^T twice 16 KB, dQ
+    # 32 KB; at D = 64, 112 KB: K and V 32 KB, q and dO 16 KB a stage, dS^T 32 KB, dQ 16 KB.
     k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [2 * _ROWS, D], matrix)
     v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [2 * _ROWS, D], matrix)
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, _ROWS, D], matrix)
@@ -840,7 +849,7 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, KV_LEN, B
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, _ROWS], stats)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, _ROWS], stats)
     ds_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 2 * _ROWS, _ROWS], matrix)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [4, _ROWS, D // 4], quarter)  # two quarters a consumer
+    dq_smem = gl.allocate_shared_memory(gl.float32, [D // _DQ_PIECE, _ROWS, _DQ_PIECE], piece)  # D / 64 a consumer
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

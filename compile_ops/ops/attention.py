@@ -453,8 +453,12 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
 #: ``torch.use_deterministic_algorithms(True)`` turns it off again. Read when a
 #: call is made, or traced: set it before compiling.
 ATOMIC_DQ = False
-#: The five-product backward's q/dO ring (198 KB of shared memory at 2 stages; a third does not fit).
+#: The five-product backward's q/dO ring: 198 KB of shared memory at 2 stages at D = 128, where a third
+#: does not fit; at D = 64 (16 KB a stage) 4 and 6 stages ran no faster than 2, within 1% or slower at
+#: four shapes (H100, ``bench/results/attention-backward-stages-d64-h100.json``).
 SM90_BACKWARD_STAGES = 2
+#: The head dimensions the five-product backward computes (one or two 32-channel dQ pieces a consumer).
+SM90_BACKWARD_HEAD_DIMS = (64, 128)
 
 
 def _takes_sm90_backward(c: dict, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, seq_dim: int) -> bool:
@@ -463,12 +467,12 @@ def _takes_sm90_backward(c: dict, q: Tensor, k: Tensor, v: Tensor, grad_out: Ten
     for), on an sm_90 GPU where a traced call can hold its opaque op
     (:func:`_core_gpu`), and a call it computes: dense or block-sparse,
     causal or not, key lengths or not, 16-bit (q, k, v and dO alike),
-    D = 128, at least one key, TMA-aligned q, k, v and dO with no broadcast
+    D = 64 or 128, at least one key, TMA-aligned q, k, v and dO with no broadcast
     strides."""
     tensors = (q, k, v, grad_out)
     return (ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled() and _core_gpu(q)
             and q.dtype in (torch.float16, torch.bfloat16)
-            and all(t.dtype == q.dtype for t in tensors) and c["d"] == 128 and c["lk"] > 0
+            and all(t.dtype == q.dtype for t in tensors) and c["d"] in SM90_BACKWARD_HEAD_DIMS and c["lk"] > 0
             and _tma_ready(seq_dim, *tensors) and not _broadcast(seq_dim, *tensors))
 
 
