@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import compile_ops
 from bad_input import bad_input_test
 from shapes import size
-from compile_ops._library import clear_launch_plans
+from compile_ops._library import clear_launch_plans, multiprocessor_count
 from compile_ops.kernels.attention import _program_rank
 from compile_ops.reference import attention as ref
 from conftest import INTERPRET, KERNEL_DEVICE, allow_tma_under_interpreter, deterministic_algorithms, tf32_dots
@@ -1192,6 +1192,46 @@ def test_head_dim_64_core_rule_guards_a_symbolic_key_length(length, monkeypatch)
     assert guard in [str(g.expr) for g in env.guards]
 
 
+def test_backward_tail_split_at_known_shapes():
+    """The five-product backward's split of its last round, at the shapes
+    its numbers were measured at (132 SMs): Flux's 864 items leave 72 alone
+    in a seventh round and are split (their 72 items in 5 parts); whole
+    rounds, and leftovers whose split gains less than 4% by the model, are
+    not; one query step cannot be parted."""
+    from compile_ops.ops.attention import backward_tail_split
+
+    assert backward_tail_split(864, 132, 72) == (792, 5)  # 1x24x4608, D = 128
+    assert backward_tail_split(840, 132, 70) == (792, 5)  # 1x24x4429 (SD3), D = 64
+    assert backward_tail_split(1728, 132, 72) == (1716, 8)  # 2x24x4608: 12 items alone in a 14th round
+    assert backward_tail_split(1536, 132, 64) == (1536, 1)  # 2x24x4096 (D = 64): 2.3% modelled, 0.98x measured
+    assert backward_tail_split(3072, 132, 512) == (3072, 1)  # 1x12x32760: 2.7% modelled, 0.98x measured
+    assert backward_tail_split(264, 132, 72) == (264, 1)  # whole rounds
+    assert backward_tail_split(100, 132, 1) == (100, 1)
+
+
+@given(st.integers(1, 3000), st.sampled_from([78, 114, 132]), st.integers(1, 80))
+def test_backward_tail_split_ends_sooner_by_its_model(items, sms, steps):
+    """For any launch, ``backward_tail_split`` gives ``(whole, parts)`` with
+    the parted items the last leftover of a round (or it and one round
+    more), 2-8 parts of at most ``steps`` query steps each, and a makespan,
+    as its docstring models it (programs in launch order on the SMs as they
+    free up, a part costing its share plus ``PART_OVERHEAD``), at least
+    ``TAIL_SPLIT_GAIN`` shorter than without the split; or no split."""
+    import heapq
+
+    from compile_ops.ops import attention as attention_ops
+
+    whole, parts = attention_ops.backward_tail_split(items, sms, steps)
+    if parts == 1:
+        assert whole == items
+        return
+    assert 2 <= parts <= min(8, steps) and items - whole in (items % sms, items % sms + sms)
+    free = [0.0] * sms
+    for duration in [1.0] * whole + [1 / parts + attention_ops.PART_OVERHEAD] * ((items - whole) * parts):
+        heapq.heappush(free, heapq.heappop(free) + duration)
+    assert max(free) < -(-items // sms) * (1 - attention_ops.TAIL_SPLIT_GAIN)
+
+
 def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeypatch):
     """Traced on fake CUDA tensors of a faked sm_90 GPU: ``fused.attention_backward``
     runs the three deterministic passes by default; with
@@ -1272,6 +1312,33 @@ def test_kernels_five_product_backward_statistics_zero_and_cast_dq():
         acc, dq, h, lq, dq.stride(0), dq.stride(2), dq.stride(1), 0.125, D=d, BLOCK_D=d, BLOCK_M=64, num_warps=4)
     want = (acc.view(b, h, rows, d)[:, :, :lq] * 0.125).to(torch.bfloat16).transpose(1, 2)
     assert torch.equal(dq, want)
+
+
+@pytest.mark.kernels
+def test_kernels_five_product_backward_parts_add_up_in_order():
+    """``attn_bwd_parts_kernel``: each parted item's fp32 dk and dv parts
+    (``[items - whole, parts, 2, 128, D]``) summed in part order, cast to
+    dk's / dv's dtype and written at the item's key tile of the item's
+    (batch, k head) through strides (here ``[B, Lk, Hk, D]``), keys past Lk
+    left alone; whole items' rows are not touched."""
+    from compile_ops.kernels.attention import attn_bwd_parts_kernel
+    from compile_ops.ops import attention as attention_ops
+
+    dev = KERNEL_DEVICE
+    b, hk, lk, d, parts, whole = 2, 3, 300, 32, 3, 2  # 3 key tiles x 6 (batch, head) rows: items 2..17 parted
+    n_tiles = triton.cdiv(lk, 128)
+    items = n_tiles * b * hk
+    partials = torch.randn(items - whole, parts, 2, 128, d, device=dev)
+    dk, dv = (torch.full((b, lk, hk, d), float("nan"), device=dev, dtype=torch.bfloat16) for _ in range(2))
+    attention_ops.launcher(attn_bwd_parts_kernel)[(items - whole, 128 // 32)](
+        partials, dk, dv, whole, parts, n_tiles, hk, lk, dk.stride(0), dk.stride(2), dk.stride(1), dv.stride(0),
+        dv.stride(2), dv.stride(1), D=d, BLOCK_M=32, num_warps=4)
+    summed = partials[:, 0] + partials[:, 1] + partials[:, 2]  # in part order, as fp32
+    for grad, which in ((dk, 0), (dv, 1)):
+        want = torch.full((b, hk, n_tiles * 128, d), float("nan"), device=dev)
+        want.view(b * hk * n_tiles, 128, d)[whole:] = summed[:, which]
+        want = want[:, :, :lk].to(torch.bfloat16).transpose(1, 2)
+        assert torch.equal(grad.isnan(), want.isnan()) and torch.equal(grad.nan_to_num(), want.nan_to_num())
 
 
 def test_8bit_forward_takes_the_sm90_core_only_with_q_given_in_int8(monkeypatch):
@@ -1445,7 +1512,7 @@ def test_sm90_core_wide_tiles_at_head_dim_64_match_the_reference(dtype, monkeypa
     clear_launch_plans()
 
 
-def five_product_gradients(out, inputs, dout, launched, passes_kernel, case):
+def five_product_gradients(out, inputs, dout, launched, passes_kernel, case, parts=False):
     """The gradients of ``out`` three times by the five-product backward
     (``set_attention_backward(deterministic=False)``), checked against the
     deterministic passes': the Gluon kernel is launched and ``passes_kernel``
@@ -1454,7 +1521,9 @@ def five_product_gradients(out, inputs, dout, launched, passes_kernel, case):
     the passes run, bit-equal to the default; dk and dv are equal across
     reruns (each program sums its steps in a fixed order); and all three
     gradients are within 1e-3 (relative L2) of the passes', from which they
-    differ only in the order of fp32 sums. Returns the three runs' (dq, dk, dv)."""
+    differ only in the order of fp32 sums. ``parts``: whether the launch
+    splits its last items (``attn_bwd_parts_kernel`` launched or not).
+    Returns the three runs' (dq, dk, dv)."""
     clear_launch_plans()
     want = torch.autograd.grad(out, inputs, dout, retain_graph=True)
     compile_ops.set_attention_backward(deterministic=False)
@@ -1462,6 +1531,7 @@ def five_product_gradients(out, inputs, dout, launched, passes_kernel, case):
         launched.clear()
         got = [torch.autograd.grad(out, inputs, dout, retain_graph=True) for _ in range(3)]
         assert "attn_bwd_sm90_kernel" in launched and passes_kernel not in launched, (case, launched)
+        assert ("attn_bwd_parts_kernel" in launched) == parts, (case, launched)
         with deterministic_algorithms():
             launched.clear()
             pinned = torch.autograd.grad(out, inputs, dout, retain_graph=True)
@@ -1504,14 +1574,20 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
             (2, 8, 2, 333, 300, 1, torch.float16, False, None, 64),
             (1, 3, 3, 4429, 4429, 1, torch.bfloat16, False, None, 64),
             (2, 3, 3, 300, 700, 1, torch.float16, True, None, 64),
-            (2, 2, 2, 600, 600, 1, torch.float16, True, [600, 250], 64)]:
+            (2, 2, 2, 600, 600, 1, torch.float16, True, [600, 250], 64),
+            # more items than an H100's 132 SMs, and a leftover: whole items and parts in one launch
+            (1, 5, 5, 700, 4096, 2, torch.bfloat16, False, None, 128),
+            (2, 4, 2, 500, 4300, 1, torch.float16, False, None, 64)]:
         torch.manual_seed(lq + lk)
         q, k, v = _qkv(b, h, hk, lq, lk, d, seq_dim, dtype, "cuda")
         kv_lengths = None if lengths is None else torch.tensor(lengths, device="cuda", dtype=torch.int32)
         out = compile_ops.attention(q, k, v, None, causal, seq_dim, kv_lengths)
         dout = torch.randn_like(out)
         case = (b, h, hk, lq, lk, seq_dim, dtype, causal, lengths, d)
-        got = five_product_gradients(out, (q, k, v), dout, launched, "attn_bwd_dq_kernel", case)
+        items = triton.cdiv(lk, 128) * b * hk
+        whole, _ = attention_ops.backward_tail_split(items, multiprocessor_count(q), h // hk * triton.cdiv(lq, 64))
+        parts = not causal and lengths is None and whole < items
+        got = five_product_gradients(out, (q, k, v), dout, launched, "attn_bwd_dq_kernel", case, parts)
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
         exact, _ = ref.attention(qd, kd, vd, d ** -0.5, causal, seq_dim, kv_lengths)
         exact_grads = torch.autograd.grad(exact, (qd, kd, vd), dout.double())

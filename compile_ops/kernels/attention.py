@@ -747,6 +747,39 @@ def attn_bwd_dq_from_acc_kernel(DQ_ACC, DQ, H, Lq, sqb, sqh, sql, scale, D: tl.c
 
 
 @triton.jit
+def attn_bwd_parts_kernel(PARTIALS, DK, DV, whole, parts, n_tiles, Hk, Lk, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl,
+                          D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dk and dv of the five-product backward's items done in parts
+    (``attn_bwd_sm90_kernel``'s PARTIALS ``[items - whole, parts, 2, 128,
+    D]`` fp32, dk already scaled): each item's parts added in part order (so
+    reruns give the same bits), cast to DK's / DV's dtype and stored at the
+    item's 128 keys (those below Lk) through the strides ``sd*`` over ``[B,
+    Hk, Lk, D]``. Program (item - whole, 128 / BLOCK_M rows)."""
+    slot = tl.program_id(0)
+    item = whole + slot
+    tile = item % n_tiles
+    bhk = item // n_tiles
+    b = bhk // Hk
+    hk = bhk - b * Hk
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, D)
+    at = rows[:, None] * D + cols[None, :]
+    dk = tl.zeros([BLOCK_M, D], tl.float32)
+    dv = tl.zeros([BLOCK_M, D], tl.float32)
+    for k in range(parts):
+        own = PARTIALS + (slot.to(tl.int64) * parts + k) * (2 * 128 * D)
+        dk += tl.load(own + at)
+        dv += tl.load(own + 128 * D + at)
+    keys = tile * 128 + rows
+    stored = (keys < Lk)[:, None]
+    keys = keys.to(tl.int64)[:, None]
+    tl.store(DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh + keys * sdkl + cols[None, :],
+             dk.to(DK.dtype.element_ty), mask=stored)
+    tl.store(DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh + keys * sdvl + cols[None, :],
+             dv.to(DV.dtype.element_ty), mask=stored)
+
+
+@triton.jit
 def _streamed_rows(src, b, h, start, offs, n_rows, stride_row, cols, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    ROW_MASK: tl.constexpr, TMA: tl.constexpr):
     """A backward loop step's ``[len(offs), BLOCK_D]`` tile, rows ``start +

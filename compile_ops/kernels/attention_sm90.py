@@ -565,28 +565,34 @@ def _tma_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _bwd_program(KV_LEN, lists, Hk, GROUP, heads_per_group, Lq, Lk, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-                 HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr):
+def _bwd_program(KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CAUSAL: gl.constexpr,
+                 HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr):
     """This program's ``(batch, k head, key tile, kv_len, first query step,
-    query steps per q head, query steps, its lists)``, the same in every
-    partition. Its 128 keys are seen by the queries of steps (of 64 rows)
-    from the first: every one, or (causal) those from the tile's first key
-    on; or (SPARSE) the two steps of each query block whose list holds the
-    tile, for each q head of the GQA group (``lists``: the transposed
-    lists, ``(index, count, 3 index strides, 3 count strides)``; its
-    lists: the group's first q head's list and count, as pointers, with
-    the head strides to the next head's); none when the tile starts at or
-    past kv_len (its dk and dv are 0). HEAVY_FIRST
-    (causal, dense): programs taken longest first, the first key tiles of a
-    group of heads before their second (``kernels.attention._dealt_rank``,
-    as the deterministic dk/dv pass)."""
-    if HEAVY_FIRST:
-        n_tiles = gl.num_programs(0)
-        tile, bhk = _dealt_rank(gl.program_id(0) + gl.program_id(1) * n_tiles, n_tiles, gl.num_programs(1),
-                                heads_per_group)
-    else:
-        tile = gl.program_id(0)
-        bhk = gl.program_id(1)
+    query steps per q head, query steps, its lists, first step, steps)``,
+    the same in every partition. Its item's 128 keys are seen by
+    the queries of steps (of 64 rows) from the first: every one, or
+    (causal) those from the tile's first key on; or (SPARSE) the two steps
+    of each query block whose list holds the tile, for each q head of the
+    GQA group (``lists``: the transposed lists, ``(index, count, 3 index
+    strides, 3 count strides)``; its lists: the group's first q head's list
+    and count, as pointers, with the head strides to the next head's); none
+    when the tile starts at or past kv_len (its dk and dv are 0).
+
+    Items are (key tile, batch and k head), key tiles fastest. ``split``
+    (``(key tiles, whole, parts, B)``), where items are of equal work
+    (dense, not causal, no key lengths): programs from ``whole`` on take
+    the items from ``whole`` on in ``parts`` parts each, part k the
+    item's steps ``k * steps // parts`` up to the next part's, and write
+    their dk and dv to the part slot ``(item - whole) * parts + k`` for
+    ``attn_bwd_parts_kernel`` to add up: the launch's
+    last round split so that it ends with the others
+    (``ops.attention.backward_tail_split``). HEAVY_FIRST (causal, dense):
+    items taken longest first, the first key tiles of a group of heads
+    before their second (``kernels.attention._dealt_rank``, as the
+    deterministic dk/dv pass)."""
+    # Items of equal work (dense, not causal, no key lengths): the launch may split its last ones.
+    SPLIT: gl.constexpr = not (CAUSAL or HAS_KV_LEN or SPARSE)
+    tile, bhk = _bwd_item(split, Hk, heads_per_group, HEAVY_FIRST, SPLIT)
     b = bhk // Hk
     hk = bhk % Hk
     kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
@@ -610,11 +616,35 @@ def _bwd_program(KV_LEN, lists, Hk, GROUP, heads_per_group, Lq, Lk, CAUSAL: gl.c
             total += 2 * gl.load(first_count + g * sch).to(gl.int32)  # int32 or int64 lists
         total = gl.where(seen, total, 0)
         row_lists = (first_list, sbh, first_count, sch)
-    return b, hk, tile, kv_len, first_step, n_steps, total, row_lists
+    first = total * 0  # (a tensor, as the split's: a constexpr here breaks Triton 3.6's lowering)
+    count = total
+    if SPLIT:
+        _, whole, parts, _, _ = split
+        pid = gl.program_id(0)
+        part = (pid - whole) % parts
+        first = gl.where(pid >= whole, part * total // parts, 0)
+        count = gl.where(pid >= whole, (part + 1) * total // parts, total) - first
+    return b, hk, tile, kv_len, first_step, n_steps, total, row_lists, first, count
 
 
 @gluon.jit
-def _bwd_step(i, program, GROUP, STAGGER: gl.constexpr, SPARSE: gl.constexpr):
+def _bwd_item(split, Hk, heads_per_group, HEAVY_FIRST: gl.constexpr, SPLIT: gl.constexpr):
+    """This program's item as ``(key tile, batch * Hk + k head)``
+    (``_bwd_program``)."""
+    n_tiles = split[0]
+    B = split[-1]
+    item = gl.program_id(0)
+    if SPLIT:
+        _, whole, parts, _, _ = split
+        item = gl.where(item >= whole, whole + (item - whole) // parts, item)
+    if HEAVY_FIRST:
+        return _dealt_rank(item, n_tiles, B * Hk, heads_per_group)
+    else:
+        return item % n_tiles, item // n_tiles
+
+
+@gluon.jit
+def _bwd_step(i, program, GROUP, n_tiles, STAGGER: gl.constexpr, SPARSE: gl.constexpr):
     """The (q head, first query) of a program's i-th step: every q head of
     its GQA group in turn, 64 queries a step from ``first_step`` (SPARSE:
     the two halves of each listed query block in turn). STAGGER
@@ -624,10 +654,10 @@ def _bwd_step(i, program, GROUP, STAGGER: gl.constexpr, SPARSE: gl.constexpr):
     forward+backward at 4608, 16384 and 32760 tokens against every program
     starting at 0 (H100, bench/notes.md). Causal programs start at their
     own diagonals, two steps apart, so they need no stagger."""
-    b, hk, tile, _, first_step, n_steps, total, row_lists = program
+    b, hk, tile, _, first_step, n_steps, total, row_lists, _, _ = program
     j = i
     if STAGGER:
-        j = (i + tile * total // gl.num_programs(0)) % total
+        j = (i + tile * total // n_tiles) % total
     if SPARSE:
         # The q head whose steps hold j: past each head whose 2 * count steps j is at or past
         # (heads with an empty list pass at once; once j falls short it stays short).
@@ -651,17 +681,17 @@ def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRS
     then each step's q and dO tiles and the step's rows of the statistics
     (lse, delta), every query head of the GQA group in turn, into a ring."""
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, lists, H, GROUP, Lq, Lk, scale,
-     heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
+     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
+     Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
-    program = _bwd_program(KV_LEN, lists, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
+    program = _bwd_program(KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
                            HEAVY_FIRST, SPARSE)
-    b, hk, tile, _, _, _, total, _ = program
+    b, hk, tile, _, _, _, _, _, from_step, count = program
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, tile * 2 * _ROWS, 0], kv_bar, _box(k_smem))
     tma.async_copy_global_to_shared(v_desc, [b, hk, tile * 2 * _ROWS, 0], kv_bar, _box(v_smem))
-    for i in range(total):
-        h, m0 = _bwd_step(i, program, GROUP, not CAUSAL, SPARSE)
+    for i in range(count):  # the ring's i-th step, the item's (from_step + i)-th
+        h, m0 = _bwd_step(from_step + i, program, GROUP, split[0], not CAUSAL, SPARSE)
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes
@@ -689,8 +719,8 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     query on the steps that cross the diagonal (two; block lists may add
     steps above it, masked whole)."""
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, lists, H, GROUP, Lq, Lk, scale,
-     heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
+     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
+     Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
     D: gl.constexpr = q_smem.shape[2]
     HALF: gl.constexpr = D // 2  # this group's dQ channels, from HALF * W
@@ -702,9 +732,9 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     piece_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _DQ_PIECE, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
-    program = _bwd_program(KV_LEN, lists, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
+    program = _bwd_program(KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
                            HEAVY_FIRST, SPARSE)
-    b, hk, tile, kv_len, _, _, total, _ = program
+    b, hk, tile, kv_len, _, _, _, _, from_step, count = program
     k_rows = k_smem.slice(_ROWS * W, _ROWS)
     v_rows = v_smem.slice(_ROWS * W, _ROWS)
     qk_scale = scale * _LOG2E
@@ -716,8 +746,8 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     key = first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
     step_query = gl.arange(0, _ROWS, layout=gl.SliceLayout(0, s_layout))
     mbarrier.wait(kv_bar, 0)
-    for i in range(total):
-        h, m0 = _bwd_step(i, program, GROUP, not CAUSAL, SPARSE)
+    for i in range(count):
+        h, m0 = _bwd_step(from_step + i, program, GROUP, split[0], not CAUSAL, SPARSE)
         stage = i % STAGES
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         qs = q_smem.index(stage)
@@ -774,6 +804,15 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     keys = first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, d_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
     stored = (keys < Lk)[:, None]
+    if not (CAUSAL or HAS_KV_LEN or SPARSE):  # (_bwd_program's SPLIT) a part of an item, or a whole one
+        _, whole, _, PARTIALS, _ = split
+        slot = gl.program_id(0) - whole
+        # A part's fp32 sums go to its slot of PARTIALS, [dk | dv] x [128 keys, D]; a whole item's to DK, DV.
+        at = (_ROWS * W + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, d_layout)))[:, None] * D + cols[None, :]
+        own = PARTIALS + gl.maximum(slot, 0).to(gl.int64) * (2 * 2 * _ROWS * D) + at
+        gl.store(own, dk * scale, mask=slot >= 0)
+        gl.store(own + 2 * _ROWS * D, dv, mask=slot >= 0)
+        stored = stored & (slot < 0)
     keys = keys.to(gl.int64)[:, None]
     gl.store(DK + b.to(gl.int64) * sdkb + hk.to(gl.int64) * sdkh + keys * sdkl + cols[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=stored)
@@ -794,9 +833,10 @@ def _bwd_consumer_high(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEA
 
 
 @gluon.jit
-def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, KV_LEN, BLOCKS, COUNTS, sqb, sqh, sql, skb,
-                         skh, skl, svb, svh, svl, sdb, sdh, sdl, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl, sbb, sbh, sbr,
-                         scb, sch, scr, stats_row, B, H, GROUP, Lq, Lk, scale, heads_per_group, D: gl.constexpr,
+def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS, KV_LEN, BLOCKS, COUNTS, sqb, sqh,
+                         sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl, sbb, sbh,
+                         sbr, scb, sch, scr, stats_row, B, H, GROUP, Lq, Lk, scale, heads_per_group, whole, parts,
+                         D: gl.constexpr,
                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
                          HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr,
                          MASKED_KEYS: gl.constexpr, num_warps: gl.constexpr):
@@ -821,9 +861,15 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, KV_LEN, B
     along D, TMA-aligned (Q, K, V, DO); LSE_ROWS and DELTA ``[B * H,
     stats_row]`` fp32 (``attn_bwd_row_stats_kernel``'s padded rows); DQ_ACC
     ``[B * H, stats_row, D]`` fp32, zeroed, receives dS K (dq less its
-    scale). Launch ``(cdiv(Lk, 128), B * H / GROUP)`` programs with
-    ``num_warps=4`` and ``maxnreg=168`` (the forward core's budgets:
-    CONSUMER_REGS for both consumer groups, 24 for the loader)."""
+    scale). Items are (key tile, batch and k head), ``cdiv(Lk, 128) * B * H /
+    GROUP`` of them: the first ``whole`` one program each, the others
+    ``parts`` programs each (``_bwd_program``), whose dk and dv go to
+    PARTIALS ``[items - whole, parts, 2, 128, D]`` fp32 (when every item is
+    whole, ``parts`` 1 and any fp32 pointer) for
+    ``kernels.attention.attn_bwd_parts_kernel``.
+    Launch ``whole + (items - whole) * parts`` programs with ``num_warps=4``
+    and ``maxnreg=168`` (the forward core's budgets: CONSUMER_REGS for both
+    consumer groups, 24 for the loader)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((D == 64) or (D == 128), "D = 64 or 128 (ops.attention._takes_sm90_backward)")
     box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
@@ -860,10 +906,16 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, KV_LEN, B
         mbarrier.init(empty.index(s), count=2)  # released by both consumers
     for s in gl.static_range(2):
         mbarrier.init(ds_full.index(s), count=2)  # both halves of dS^T written
+    # (key tiles, [whole, parts,] B): the split's arguments only where the partitions read them (Triton 3.6's
+    # lowering fails on a partition argument that no partition reads).
+    if CAUSAL or HAS_KV_LEN or SPARSE:
+        split = (gl.cdiv(Lk, 2 * _ROWS), B)
+    else:
+        split = (gl.cdiv(Lk, 2 * _ROWS), whole, parts, PARTIALS, B)
     args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem,
             lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN,
-            (BLOCKS, COUNTS, sbb, sbh, sbr, scb, sch, scr), H, GROUP, Lq, Lk, scale, heads_per_group, sdkb, sdkh, sdkl,
-            sdvb, sdvh, sdvl)
+            (BLOCKS, COUNTS, sbb, sbh, sbr, scb, sch, scr), split, H, GROUP, Lq, Lk, scale, heads_per_group, sdkb, sdkh,
+            sdkl, sdvb, sdvh, sdvl)
     gl.warp_specialize([(_bwd_consumer_low, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS)),
                         (_bwd_consumer_high, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS)),
                         (_bwd_loader, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE))], [4, 1], [CONSUMER_REGS, 24])

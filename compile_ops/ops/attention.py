@@ -16,6 +16,8 @@ the warp-specialized Gluon core of ``kernels/attention_sm90.py`` (same
 results, bit for bit); traced calls reach it through the opaque op
 ``fused_gluon.attention_forward_sm90_``.
 """
+import functools
+import heapq
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -30,7 +32,8 @@ from compile_ops._library import (building_aot_package, clear_launch_plans, fuse
                                   l2_cache_bytes, launcher, multiprocessor_count, on_eager_fast_path,
                                   register_no_gradient, require_fp8_mma)
 from compile_ops.kernels.attention import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel, attn_bwd_dq_from_acc_kernel,
-                                           attn_bwd_dq_kernel, attn_bwd_row_stats_kernel, attn_fwd_kernel,
+                                           attn_bwd_dq_kernel, attn_bwd_parts_kernel, attn_bwd_row_stats_kernel,
+                                           attn_fwd_kernel,
                                            fp8_rows_scale_kernel,
                                            kv8_counters_clear_kernel, kv8_quantize_kernel,
                                            kv8_stats_kernel)
@@ -445,8 +448,8 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
 #: :func:`_takes_sm90_backward` accepts. Off by default: dq then differs from
 #: run to run in its last bits (dk and dv do not), and the default backward is
 #: bit-identical across runs. Forward+backward 1.05-1.12x the deterministic
-#: backward and 0.87-1.00x cuDNN at issue 28's D = 128 shapes (two runs), causal
-#: 1.10-1.19x and 0.93-0.98x, block-sparse 1.11-1.26x (H100,
+#: backward and 0.87-1.00x cuDNN at issue 28's D = 128 shapes (three runs), 0.89-0.93x at
+#: 2x24x4096x64, causal 1.10-1.19x and 0.92-0.98x, block-sparse 1.11-1.26x (H100,
 #: ``bench/results/attention-h100.json``, ``attention-causal-h100.json`` and
 #: ``block-sparse-h100.json``'s ``*_atomic_dq``; bench/notes.md, "A
 #: five-product backward in Gluon" and after);
@@ -476,30 +479,86 @@ def _takes_sm90_backward(c: dict, q: Tensor, k: Tensor, v: Tensor, grad_out: Ten
             and _tma_ready(seq_dim, *tensors) and not _broadcast(seq_dim, *tensors))
 
 
-def _launch_sm90_backward(kernel, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor,
+#: What a part of an item costs the five-product backward beyond its share of the item's steps, as a
+#: fraction of a whole item: its K and V loads, its pipeline's fill and its fp32 dk/dv (the model
+#: :func:`backward_tail_split` plans with).
+PART_OVERHEAD = 0.03
+#: The least modelled gain, as a fraction of the launch's rounds, for which the backward splits its last
+#: items. Measured on an H100 (forward+backward, split against not, 3 rounds alternated,
+#: ``bench/results/attention-five-product-split-h100.json``): modelled 4.4% -> 1.04x at 1x24x4608x128 but
+#: 1.00x at 1x24x4592x128; 7.7% -> 1.04x at 1x24x4429x64; 2.3% -> 0.98x at 2x24x4096x64 and 2.7% -> 0.98x
+#: at 1x12x32760x128, where the model's parts cost more than it says.
+TAIL_SPLIT_GAIN = 0.04
+
+
+@functools.lru_cache(maxsize=256)
+def backward_tail_split(items: int, sms: int, steps: int) -> tuple[int, int]:
+    """``(whole, parts)`` for the five-product backward's ``items`` (key
+    tiles of equal work, ``steps`` query steps each) on ``sms`` SMs: the
+    first ``whole`` items one program each, the rest ``parts`` programs
+    each, so that the launch's last round does not leave SMs idle: 864
+    items (1x24x4608 at D = 128) fill 6 rounds of 132 and leave 72 alone in
+    a seventh. Programs run in launch order as SMs free up; modelled so (a
+    whole item takes 1, a part ``1 / parts +`` :data:`PART_OVERHEAD`), the
+    split items are the last leftover (``items % sms``) or the leftover and
+    one round more, in 2-8 parts, whichever ends soonest, if that is
+    :data:`TAIL_SPLIT_GAIN` sooner than no split; else ``(items, 1)``."""
+    def makespan(split: int, parts: int) -> float:
+        free = [0.0] * sms
+        for duration, count in ((1.0, items - split), (1.0 / parts + PART_OVERHEAD, split * parts)):
+            for _ in range(count):
+                heapq.heappush(free, heapq.heappop(free) + duration)
+        return max(free)
+
+    best, choice = math.ceil(items / sms) * (1 - TAIL_SPLIT_GAIN), (items, 1)
+    leftover = items % sms
+    for split in sorted({leftover, leftover + sms} - {0}):
+        for parts in range(2, min(8, steps) + 1):
+            if split <= items and makespan(split, parts) < best:
+                best, choice = makespan(split, parts), (items - split, parts)
+    return choice
+
+
+def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor,
                           delta: Tensor, dq_acc: Tensor, dk: Tensor, dv: Tensor, scale: float, causal: bool,
                           seq_dim: int, kv_lengths: Optional[Tensor], key_index: Optional[Tensor] = None,
                           key_count: Optional[Tensor] = None) -> None:
-    """Launch the five-product backward (``kernel``: it, or the launch-plan
-    recorder's proxy) on arguments :func:`_takes_sm90_backward` accepted:
-    dk and dv, and dS K added into ``dq_acc`` (zeroed). Block-sparse:
-    ``key_index`` / ``key_count``, ``launch_backward``'s ``key_blocks``.
-    Dense causal programs run longest first, in the deterministic dk/dv
-    pass's groups of heads."""
+    """Launch the five-product backward on arguments
+    :func:`_takes_sm90_backward` accepted (``launch(kernel)``: the kernel, or
+    the launch-plan recorder's proxy of it): dk and dv, and dS K added into
+    ``dq_acc`` (zeroed). Block-sparse: ``key_index`` / ``key_count``,
+    ``launch_backward``'s ``key_blocks``. Dense causal programs run longest
+    first, in the deterministic dk/dv pass's groups of heads; dense
+    non-causal calls without key lengths (items of equal work) split their
+    last items (:func:`backward_tail_split`), whose parts
+    ``attn_bwd_parts_kernel`` adds up."""
     b, h, lq, d = meta.attention.dims(q, seq_dim)
     hk, lk = meta.attention.dims(k, seq_dim)[1:3]
     sparse = key_index is not None
     assert not sparse or meta.attention.SPARSE_BLOCK == 128  # a program's key tile is a listed block
     order, group = causal_order(q, lq * (h // hk), b * hk) if causal and not sparse else _LAUNCH_ORDER
+    n_tiles = triton.cdiv(lk, 128)
+    items = n_tiles * b * hk
+    whole, parts = items, 1
+    if not (causal or sparse or kv_lengths is not None):
+        whole, parts = backward_tail_split(items, multiprocessor_count(q), (h // hk) * triton.cdiv(lq, 64))
+    partials = q.new_empty((items - whole, parts, 2, 128, d), dtype=torch.float32) if whole < items else None
     triton.set_allocator(_scratch)  # the kernel builds its TMA descriptors on the device
-    kernel[(triton.cdiv(lk, 128), b * hk)](
-        q, k, v, grad_out, lse_rows, delta, dq_acc, dk, dv, kv_lengths, key_index, key_count,
+    launch(attn_bwd_sm90_kernel)[(whole + (items - whole) * parts, )](
+        # (with no parts, dq_acc stands in for PARTIALS: an fp32 pointer the kernel never writes through)
+        q, k, v, grad_out, lse_rows, delta, dq_acc, dk, dv, dq_acc if partials is None else partials, kv_lengths,
+        key_index, key_count,
         *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
         *_bhl_strides(grad_out, seq_dim), *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim),
         *_lists((key_index, key_count) if sparse else None)[2:], lse_rows.shape[1], b, h, h // hk, lq, lk,
-        float(scale), group, D=d, STAGES=SM90_BACKWARD_STAGES, CONSUMER_REGS=SM90_CORE_CONSUMER_REGS, CAUSAL=causal,
-        HAS_KV_LEN=kv_lengths is not None, SPARSE=sparse, MASKED_KEYS=lk % 128 != 0 or kv_lengths is not None,
-        **order, **SM90_CORE_LAUNCH)
+        float(scale), group, whole, parts, D=d, STAGES=SM90_BACKWARD_STAGES, CONSUMER_REGS=SM90_CORE_CONSUMER_REGS,
+        CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None, SPARSE=sparse,
+        MASKED_KEYS=lk % 128 != 0 or kv_lengths is not None, **order, **SM90_CORE_LAUNCH)
+    if partials is not None:
+        rows = 32
+        launch(attn_bwd_parts_kernel)[(items - whole, 128 // rows)](
+            partials, dk, dv, whole, parts, n_tiles, hk, lk, *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim),
+            D=d, BLOCK_M=rows, num_warps=4)
 
 
 @torch.library.custom_op("fused_gluon::attention_backward_sm90_", mutates_args=("dq_acc", "dk", "dv"))
@@ -510,8 +569,8 @@ def _attention_backward_sm90(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
     """The five-product backward as an op of its own, for traced calls (as
     ``fused_gluon.attention_forward_sm90_``: Inductor cannot trace a Gluon
     kernel); not a public op."""
-    _launch_sm90_backward(attn_bwd_sm90_kernel, grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale, causal,
-                          seq_dim, kv_lengths, key_index, key_count)
+    _launch_sm90_backward(lambda kernel: kernel, grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale,
+                          causal, seq_dim, kv_lengths, key_index, key_count)
 
 
 @_attention_backward_sm90.register_fake
@@ -547,8 +606,8 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
         DQ_ACC=dq_acc, num_warps=4)
     if five_products:
         if on_eager_fast_path():  # launched as is, recorded for launch plans
-            _launch_sm90_backward(launcher(attn_bwd_sm90_kernel), grad_out, q, k, v, lse_rows, delta, dq_acc, dk,
-                                  dv, scale, causal, seq_dim, kv_lengths, *(key_blocks or (None, None)))
+            _launch_sm90_backward(launcher, grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale, causal,
+                                  seq_dim, kv_lengths, *(key_blocks or (None, None)))
         else:
             torch.ops.fused_gluon.attention_backward_sm90_(grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv,
                                                            float(scale), causal, seq_dim, kv_lengths,
@@ -883,12 +942,12 @@ def set_attention_backward(deterministic: bool = True) -> None:
 
     ``deterministic=True`` (the default): three passes, the gradients bit for
     bit the same on every run. ``False``: on sm_90 GPUs, 16-bit calls at
-    D = 128 (dense or block-sparse, causal or not, with key lengths or not)
+    D = 64 or 128 (dense or block-sparse, causal or not, with key lengths or not)
     take a five-product backward whose dq is added up by TMA reductions in
     the order the GPU's programs run, so dq's last bits vary from run to run
-    (dk and dv do not); forward+backward 1.05-1.12x faster on an H100,
+    (dk and dv do not); forward+backward 1.05-1.17x faster on an H100,
     causal 1.10-1.19x, block-sparse 1.11-1.26x (README). Other calls (D
-    other than 128, fp32), and
+    other than 64 and 128, fp32), and
     every call while ``torch.use_deterministic_algorithms(True)`` is on,
     keep the deterministic passes. Compiled graphs take the setting that
     held when they were traced.

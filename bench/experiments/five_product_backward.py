@@ -1,0 +1,90 @@
+"""The five-product backward's launch options beside cuDNN, flash and the deterministic passes (issue 28):
+
+    PYTHONPATH=. python bench/experiments/five_product_backward.py OUT.json [--shapes BxHxLxD[c],...]
+        [--variants default,unsplit,stages=4] [--rounds 3]
+
+Forward+backward steps of ``compile_ops.attention`` with the five-product
+backward (``set_attention_backward(deterministic=False)``) in each of
+``--variants``: ``default`` (as it launches), ``unsplit`` (no split of the
+last round, ``ops.attention.backward_tail_split``) and ``stages=N`` (an
+N-deep q/dO ring, ``SM90_BACKWARD_STAGES``); with the deterministic passes,
+and SDPA's cuDNN and flash backends. Per shape (a trailing ``c``: causal),
+``--rounds`` times alternated, CUDA-graph replays after a second of calls.
+
+Why: at D = 64 a q/dO stage takes 16 KB of shared memory where D = 128
+takes 32, so a deeper ring fits; and a launch whose items leave a last
+round part-empty (1x24x4608: 864 items, 6 rounds of 132 and 72) can split
+those items along the queries.
+"""
+import argparse
+import json
+
+import torch
+
+import compile_ops
+from bench.attention import keep_busy, providers
+from bench.toolkit import graph_replay_time, make_timer, warm_up_gpu, write_rows
+from compile_ops.ops import attention as attention_ops
+
+SHAPES = "1x24x4608x128,1x24x4592x128,2x24x4096x64,1x24x4429x64,1x12x32760x128,1x40x16384x128"
+
+
+#: The launch options as ``compile_ops`` sets them, which ``default`` restores.
+DEFAULTS = attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN
+
+
+def configure(variant: str) -> None:
+    """Set the five-product backward's launch options for ``variant`` (see the module docstring)."""
+    stages, gain = DEFAULTS
+    attention_ops.SM90_BACKWARD_STAGES = int(variant.split("=")[1]) if variant.startswith("stages=") else stages
+    attention_ops.TAIL_SPLIT_GAIN = 1.0 if variant == "unsplit" else gain  # a gain of 100%: never split
+    attention_ops.backward_tail_split.cache_clear()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--shapes", default=SHAPES)
+    p.add_argument("--variants", default="default,unsplit")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    timer = make_timer(False)
+    warm_up_gpu()
+    rows = []
+    for text in args.shapes.split(","):
+        causal = text.endswith("c")
+        b, h, length, d = (int(x) for x in text.rstrip("c").split("x"))
+        chosen = providers(causal)
+        q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn_like(q)
+        flops = 3.5 * 4 * b * h * length ** 2 * d * (0.5 if causal else 1.0)
+        runs = [("deterministic", chosen["fused_eager"], None), ("sdpa_cudnn", chosen["sdpa_cudnn"], None),
+                ("sdpa_flash", chosen["sdpa_flash"], None)]
+        runs += [(f"five_product_{variant}", chosen["fused_eager"], variant) for variant in args.variants.split(",")]
+        for rnd in range(args.rounds):
+            for name, fn, variant in runs:
+                def step(fn=fn):
+                    fn(q, k, v).backward(grad)
+                    q.grad = k.grad = v.grad = None
+
+                compile_ops.set_attention_backward(deterministic=variant is None)  # clears the launch plans
+                configure(variant or "default")
+                try:
+                    keep_busy(step, 1.0)
+                    ms = graph_replay_time(step, timer)
+                finally:
+                    compile_ops.set_attention_backward(deterministic=True)
+                    configure("default")
+                rows.append(dict(shape=[b, h, length, d], causal=causal, round=rnd, provider=name, fwdbwd_ms=ms,
+                                 fwdbwd_TFLOPs=flops / ms / 1e9))
+                print(json.dumps(rows[-1]), flush=True)
+        del q, k, v, grad
+        torch.cuda.empty_cache()
+        write_rows(args.out, rows)  # after every shape: a run stopped midway keeps what it measured
+    assert (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN) == DEFAULTS, "configure drifted"
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
