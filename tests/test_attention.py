@@ -1598,6 +1598,40 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
 
 
 @pytest.mark.skipif(not _SM90, reason="the Gluon core runs on sm_90 GPUs only")
+def test_sm90_five_product_backward_compiled_equals_eager():
+    """Under ``torch.compile`` (Inductor, fullgraph) the five-product
+    backward runs as the opaque ``fused_gluon.attention_backward_sm90_``,
+    which launches the kernel and, where the launch splits its last round,
+    the parts' sum inside it: dk and dv equal the eager backward's bit for
+    bit, dq within 1e-4 (its sums' order varies), at D = 128 and 64, with
+    and without a split."""
+    from compile_ops.ops import attention as attention_ops
+
+    def attend(q, k, v):
+        return compile_ops.attention(q, k, v, None, False, 2)
+
+    compile_ops.set_attention_backward(deterministic=False)
+    try:
+        splits, sms = set(), multiprocessor_count(torch.empty(0, device="cuda"))
+        for b, h, lq, lk, d in [(1, 5, 700, 4096, 128), (2, 4, 500, 4300, 64), (1, 4, 300, 4224, 128)]:
+            items = triton.cdiv(lk, 128) * b * h
+            split = attention_ops.backward_tail_split(items, sms, triton.cdiv(lq, 64))[0] < items
+            splits.add(split)
+            torch.manual_seed(lk)
+            q, k, v = _qkv(b, h, h, lq, lk, d, 2, torch.bfloat16, "cuda")
+            dout = torch.randn(b, h, lq, d, device="cuda", dtype=torch.bfloat16)
+            eager = torch.autograd.grad(attend(q, k, v), (q, k, v), dout)
+            torch._dynamo.reset()
+            compiled = torch.autograd.grad(torch.compile(attend, fullgraph=True)(q, k, v), (q, k, v), dout)
+            case = (b, h, lq, lk, d, split)
+            assert torch.equal(compiled[1], eager[1]) and torch.equal(compiled[2], eager[2]), case
+            assert ((compiled[0].float() - eager[0].float()).norm() / eager[0].float().norm()).item() < 1e-4, case
+        assert splits == {True, False}, splits  # (on a 132-SM GPU: an H100 or H200)
+    finally:
+        compile_ops.set_attention_backward(deterministic=True)
+
+
+@pytest.mark.skipif(not _SM90, reason="the Gluon core runs on sm_90 GPUs only")
 def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
     """The core's INT8_FP8 mode, forced on (``"int8_fp8"`` among its
     precisions): ``attention_qk8`` with FP8 P V on q and k given in int8 is
