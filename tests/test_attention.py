@@ -1234,7 +1234,8 @@ def test_backward_tail_split_ends_sooner_by_its_model(items, sms, steps):
 
 def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeypatch):
     """Traced on fake CUDA tensors of a faked sm_90 GPU: ``fused.attention_backward``
-    runs the three deterministic passes by default; with
+    runs the three deterministic passes by default, the dk/dv pass as the
+    sm_90 kernel without dQ for dense calls it computes (``SM90_DKDV``); with
     ``set_attention_backward(deterministic=False)`` a 16-bit call at
     D = 128 or 64 (Lk a multiple of 128 or not, causal or not, with key
     lengths or not, dense or ``fused.block_sparse_attention_backward``'s)
@@ -1248,6 +1249,8 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
     five = ["attn_bwd_row_stats_kernel", "fused_gluon.attention_backward_sm90_.default",
             "attn_bwd_dq_from_acc_kernel"]
     three = ["attn_bwd_row_stats_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
+    # the deterministic backward of a dense call the sm_90 kernel computes: its dk/dv pass is that kernel
+    three_sm90 = ["attn_bwd_row_stats_kernel", "fused_gluon.attention_backward_sm90_.default", "attn_bwd_dq_kernel"]
     monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: t.device.type == "cuda")
 
     def launches(lk=256, d=128, dtype=torch.bfloat16, causal=False, with_lengths=False, sparse=False):
@@ -1265,7 +1268,11 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
                                      0.125, causal, 2, lengths)
             return [name for name in every if name in five + three]  # less the lists' sorting
 
-    assert launches() == three and launches(sparse=True) == three
+    assert launches() == three_sm90 and launches(sparse=True) == three
+    assert launches(d=64, causal=True, with_lengths=True, lk=300) == three_sm90
+    monkeypatch.setattr(attention_ops, "SM90_DKDV", False)
+    assert launches() == three
+    monkeypatch.setattr(attention_ops, "SM90_DKDV", True)
     compile_ops.set_attention_backward(deterministic=False)
     try:
         for taken in (dict(), dict(lk=300), dict(causal=True), dict(with_lengths=True),
@@ -1277,10 +1284,10 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
                       dict(d=256, sparse=True)):
             assert launches(**other) == three, other
         with deterministic_algorithms():
-            assert launches() == three
+            assert launches() == three_sm90 and launches(sparse=True) == three
     finally:
         compile_ops.set_attention_backward(deterministic=True)
-    assert launches() == three
+    assert launches() == three_sm90
 
 
 @pytest.mark.kernels
@@ -1595,6 +1602,54 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
         for again in got:
             for name, g, e, p in zip("qkv", again, exact_grads, theirs):
                 assert_within_torch_error(g, e, p, 3.0, f"d{name} {case}", fp32_roundings=128)
+
+
+@pytest.mark.skipif(not _SM90, reason="the Gluon core runs on sm_90 GPUs only")
+def test_sm90_deterministic_backward_by_the_kernel_without_dq(monkeypatch):
+    """The default (deterministic) backward on sm_90, whose dk/dv pass is
+    ``attn_bwd_sm90_kernel`` without dQ (``SM90_DKDV``): launched for dense
+    calls; bit-identical across reruns (a split last round included); dq
+    bit-equal to the ``triton.language`` passes' (the same dq pass) and dk,
+    dv within 1e-3 of theirs; all three within the two-reference rule of
+    the fp64 gradients; D = 128 and 64, GQA, both layouts, causal, key
+    lengths, ragged Lq and Lk."""
+    from compile_ops.ops import attention as attention_ops
+
+    launched, launcher = [], attention_ops.launcher
+    monkeypatch.setattr(attention_ops, "launcher",
+                        lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
+    for b, h, hk, lq, lk, seq_dim, dtype, causal, lengths, d in [
+            (1, 5, 5, 700, 4096, 2, torch.bfloat16, False, None, 128),  # a split last round
+            (2, 8, 2, 333, 300, 1, torch.float16, False, None, 128),
+            (1, 4, 2, 1000, 1000, 2, torch.bfloat16, True, None, 128),
+            (3, 4, 2, 500, 640, 2, torch.bfloat16, False, [640, 77, 0], 128),
+            (2, 4, 2, 500, 4300, 1, torch.float16, False, None, 64),  # a split last round
+            (2, 3, 3, 300, 700, 1, torch.float16, True, [700, 250], 64)]:
+        case = (b, h, hk, lq, lk, seq_dim, dtype, causal, lengths, d)
+        torch.manual_seed(lq + lk)
+        q, k, v = _qkv(b, h, hk, lq, lk, d, seq_dim, dtype, "cuda")
+        kv_lengths = None if lengths is None else torch.tensor(lengths, device="cuda", dtype=torch.int32)
+        out = compile_ops.attention(q, k, v, None, causal, seq_dim, kv_lengths)
+        dout = torch.randn_like(out)
+        clear_launch_plans()
+        launched.clear()
+        got = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(3)]
+        assert "attn_bwd_sm90_kernel" in launched and "attn_bwd_dkdv_kernel" not in launched, (case, launched)
+        assert all(torch.equal(a, g) for again in got[1:] for a, g in zip(again, got[0])), case
+        monkeypatch.setattr(attention_ops, "SM90_DKDV", False)
+        clear_launch_plans()
+        passes = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        monkeypatch.setattr(attention_ops, "SM90_DKDV", True)
+        clear_launch_plans()
+        assert torch.equal(got[0][0], passes[0]), case
+        for g, w in zip(got[0][1:], passes[1:]):
+            assert ((g.float() - w.float()).norm() / w.float().norm()).item() < 1e-3, case
+        qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+        exact, _ = ref.attention(qd, kd, vd, d ** -0.5, causal, seq_dim, kv_lengths)
+        exact_grads = torch.autograd.grad(exact, (qd, kd, vd), dout.double())
+        theirs = torch_at_dtype(q, k, v, dout, d ** -0.5, causal, seq_dim, kv_lengths)[1]
+        for name, g, e, p in zip("qkv", got[0], exact_grads, theirs):
+            assert_within_torch_error(g, e, p, 3.0, f"d{name} {case}", fp32_roundings=128)
 
 
 @pytest.mark.skipif(not _SM90, reason="the Gluon core runs on sm_90 GPUs only")

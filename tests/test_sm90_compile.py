@@ -473,7 +473,10 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
                 # D = 64: one dQ piece a consumer
                 ("bf16", dict(D=64)), ("fp16", dict(D=64, CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True,
                                                     MASKED_KEYS=True)),
-                ("bf16", dict(D=64, SPARSE=True, MASKED_KEYS=True))]
+                ("bf16", dict(D=64, SPARSE=True, MASKED_KEYS=True)),
+                # without dQ: the deterministic backward's dk/dv pass (DQ_ACC unused)
+                ("bf16", dict(DQ=False)), ("fp16", dict(DQ=False, D=64, MASKED_KEYS=True)),
+                ("bf16", dict(DQ=False, CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True, MASKED_KEYS=True))]
     for dtype, flags in variants:
         pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", DO=f"*{dtype}", LSE_ROWS="*fp32", DELTA="*fp32",
                         DQ_ACC="*fp32", DK=f"*{dtype}", DV=f"*{dtype}", PARTIALS="*fp32")
@@ -484,9 +487,11 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         d = flags.pop("D", 128)
         constants = dict(D=d, STAGES=attention_ops.SM90_BACKWARD_STAGES,
                          CONSUMER_REGS=attention_ops.SM90_CORE_CONSUMER_REGS, CAUSAL=False, HAS_KV_LEN=False,
-                         HEAVY_FIRST=False, SPARSE=False, MASKED_KEYS=False, num_warps=4)
+                         HEAVY_FIRST=False, SPARSE=False, MASKED_KEYS=False, DQ=True, num_warps=4)
         constants.update(flags)
-        constants.update({name: None for name in ("KV_LEN", "BLOCKS", "COUNTS") if name not in pointers})
+        if not constants["DQ"]:
+            del pointers["DQ_ACC"]
+        constants.update({name: None for name in ("KV_LEN", "BLOCKS", "COUNTS", "DQ_ACC") if name not in pointers})
         signature = {p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
                      for p in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.arg_names) if p in pointers}
@@ -495,7 +500,8 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
                              options=dict(num_warps=launch["num_warps"], maxnreg=launch["maxnreg"])).asm["ptx"]
         budgets = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
         assert {24, attention_ops.SM90_CORE_CONSUMER_REGS} <= budgets, (dtype, d, flags, sorted(budgets))
-        assert "cp.reduce.async.bulk.tensor" in ptx, (dtype, d, flags)  # dq added by TMA reductions
+        # dq added by TMA reductions, or (without DQ) not at all
+        assert ("cp.reduce.async.bulk.tensor" in ptx) == constants["DQ"], (dtype, d, flags)
         (tmp_path / "bwd.ptx").write_text(ptx)
         report = subprocess.run([knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "bwd.ptx"), "-o",
                                  str(tmp_path / "bwd.cubin")], capture_output=True, text=True, check=True).stderr
@@ -506,7 +512,7 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         # or a score tile: 256 bytes a thread each) would pass neither bound.
         stored, loaded = (int(re.search(rf"(\d+) bytes spill {kind}", report).group(1)) for kind in ("stores", "loads"))
         assert stored <= 64 and loaded <= 96, (dtype, d, flags, report)
-        if not flags:
+        if flags in (dict(), dict(DQ=False)):  # dense
             sass = subprocess.run([os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump"), "-sass",
                                    str(tmp_path / "bwd.cubin")], capture_output=True, text=True, check=True).stdout
             assert not _spills_in_loops_with_mma(sass), (dtype, d, _spills_in_loops_with_mma(sass))

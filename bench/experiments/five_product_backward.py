@@ -1,14 +1,16 @@
 """The five-product backward's launch options beside cuDNN, flash and the deterministic passes (issue 28):
 
     PYTHONPATH=. python bench/experiments/five_product_backward.py OUT.json [--shapes BxHxLxD[c],...]
-        [--variants default,unsplit,stages=4] [--rounds 3]
+        [--variants default,unsplit,stages=4] [--deterministic-variants default,triton_dkdv] [--rounds 3]
 
 Forward+backward steps of ``compile_ops.attention`` with the five-product
 backward (``set_attention_backward(deterministic=False)``) in each of
 ``--variants``: ``default`` (as it launches), ``unsplit`` (no split of the
 last round, ``ops.attention.backward_tail_split``) and ``stages=N`` (an
-N-deep q/dO ring, ``SM90_BACKWARD_STAGES``); with the deterministic passes,
-and SDPA's cuDNN and flash backends. Per shape (a trailing ``c``: causal),
+N-deep q/dO ring, ``SM90_BACKWARD_STAGES``); the deterministic backward in
+each of ``--deterministic-variants`` (``default``; ``triton_dkdv``: its
+dk/dv pass in ``triton.language``, not the sm_90 kernel without dQ,
+``SM90_DKDV``); and SDPA's cuDNN and flash backends. Per shape (a trailing ``c``: causal),
 ``--rounds`` times alternated, CUDA-graph replays after a second of calls.
 
 Why: at D = 64 a q/dO stage takes 16 KB of shared memory where D = 128
@@ -30,14 +32,15 @@ SHAPES = "1x24x4608x128,1x24x4592x128,2x24x4096x64,1x24x4429x64,1x12x32760x128,1
 
 
 #: The launch options as ``compile_ops`` sets them, which ``default`` restores.
-DEFAULTS = attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN
+DEFAULTS = attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN, attention_ops.SM90_DKDV
 
 
 def configure(variant: str) -> None:
     """Set the five-product backward's launch options for ``variant`` (see the module docstring)."""
-    stages, gain = DEFAULTS
+    stages, gain, dkdv = DEFAULTS
     attention_ops.SM90_BACKWARD_STAGES = int(variant.split("=")[1]) if variant.startswith("stages=") else stages
     attention_ops.TAIL_SPLIT_GAIN = 1.0 if variant == "unsplit" else gain  # a gain of 100%: never split
+    attention_ops.SM90_DKDV = dkdv and variant != "triton_dkdv"
     attention_ops.backward_tail_split.cache_clear()
 
 
@@ -46,6 +49,8 @@ def main(argv=None) -> int:
     p.add_argument("out")
     p.add_argument("--shapes", default=SHAPES)
     p.add_argument("--variants", default="default,unsplit")
+    p.add_argument("--deterministic-variants", default="default",
+                   help="the deterministic backward's: default, triton_dkdv (its dk/dv pass in triton.language)")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     timer = make_timer(False)
@@ -59,16 +64,18 @@ def main(argv=None) -> int:
                    for _ in range(3))
         grad = torch.randn_like(q)
         flops = 3.5 * 4 * b * h * length ** 2 * d * (0.5 if causal else 1.0)
-        runs = [("deterministic", chosen["fused_eager"], None), ("sdpa_cudnn", chosen["sdpa_cudnn"], None),
-                ("sdpa_flash", chosen["sdpa_flash"], None)]
-        runs += [(f"five_product_{variant}", chosen["fused_eager"], variant) for variant in args.variants.split(",")]
+        runs = [("sdpa_cudnn", chosen["sdpa_cudnn"], None, True), ("sdpa_flash", chosen["sdpa_flash"], None, True)]
+        runs += [(f"deterministic_{variant}", chosen["fused_eager"], variant, True)
+                 for variant in args.deterministic_variants.split(",") if variant]
+        runs += [(f"five_product_{variant}", chosen["fused_eager"], variant, False)
+                 for variant in args.variants.split(",") if variant]
         for rnd in range(args.rounds):
-            for name, fn, variant in runs:
+            for name, fn, variant, deterministic in runs:
                 def step(fn=fn):
                     fn(q, k, v).backward(grad)
                     q.grad = k.grad = v.grad = None
 
-                compile_ops.set_attention_backward(deterministic=variant is None)  # clears the launch plans
+                compile_ops.set_attention_backward(deterministic=deterministic)  # clears the launch plans
                 configure(variant or "default")
                 try:
                     keep_busy(step, 1.0)
@@ -82,7 +89,8 @@ def main(argv=None) -> int:
         del q, k, v, grad
         torch.cuda.empty_cache()
         write_rows(args.out, rows)  # after every shape: a run stopped midway keeps what it measured
-    assert (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN) == DEFAULTS, "configure drifted"
+    assert (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN,
+            attention_ops.SM90_DKDV) == DEFAULTS, "configure drifted"
     return 0
 
 

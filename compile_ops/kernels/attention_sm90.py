@@ -680,8 +680,8 @@ def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRS
     """The producer warp of the backward: this program's K and V tiles once,
     then each step's q and dO tiles and the step's rows of the statistics
     (lse, delta), every query head of the GQA group in turn, into a ring."""
-    (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
+    (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+     delta_smem, dq_args, kv_bar, ready, empty, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
      Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
     program = _bwd_program(KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
@@ -703,28 +703,58 @@ def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRS
 
 
 @gluon.jit
+def _bwd_dq_step(dq_args, k_smem, dq_zero, head_row, m0, buf, i, W: gl.constexpr):
+    """Consumer group W's share of one step's dQ (the five-product kernel's
+    DQ): once both groups' halves of dS^T are in ``ds_smem`` (``ds_full``),
+    dQ's channels ``D / 2 * W`` on = dS K over the tile's 128 keys, added
+    into DQ_ACC's rows ``m0`` on of (batch, q head) row ``head_row`` by TMA
+    reductions of 64 x 32 (``_DQ_PIECE`` channels each: two at D = 128, one
+    at D = 64; the next step rewrites their buffers once the reductions
+    have read them; a second set of buffers measured no faster,
+    bench/notes.md)."""
+    dqa_desc, ds_smem, dq_smem, ds_full = dq_args
+    D: gl.constexpr = k_smem.shape[1]
+    HALF: gl.constexpr = D // 2  # this group's dQ channels, from HALF * W
+    PIECES: gl.constexpr = HALF // _DQ_PIECE
+    mbarrier.wait(ds_full.index(buf), (i // 2) & 1)
+    ds_t = ds_smem.index(buf).permute((1, 0))  # dS: [64 queries, 128 keys]
+    first = warpgroup_mma(ds_t, k_smem.slice(HALF * W, _DQ_PIECE, dim=1), dq_zero, use_acc=False, is_async=True)
+    if PIECES == 2:
+        second = warpgroup_mma(ds_t, k_smem.slice(HALF * W + _DQ_PIECE, _DQ_PIECE, dim=1), dq_zero,
+                               use_acc=False, is_async=True)
+        first, second = warpgroup_mma_wait(0, deps=[first, second])
+    else:
+        first = warpgroup_mma_wait(0, deps=[first])
+    tma.store_wait(0)  # the step before's reductions have read dq_smem
+    gl.thread_barrier()
+    dq_smem.index(PIECES * W).store(first)
+    if PIECES == 2:
+        dq_smem.index(PIECES * W + 1).store(second)
+    fence_async_shared()
+    gl.thread_barrier()
+    _tma_add(dqa_desc, [head_row, m0, HALF * W], dq_smem.index(PIECES * W).reshape([1, _ROWS, _DQ_PIECE]))
+    if PIECES == 2:
+        _tma_add(dqa_desc, [head_row, m0, HALF * W + _DQ_PIECE],
+                 dq_smem.index(PIECES * W + 1).reshape([1, _ROWS, _DQ_PIECE]))
+
+
+@gluon.jit
 def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                  SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr):
+                  SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr):
     """Consumer warp group W of the backward: keys ``64 W`` to ``64 W + 63`` of
     the program's tile, through every step of 64 queries. S^T and dP^T (64
     keys x 64 queries) issued together; P^T and dS^T from them, in registers,
-    the A operands of dV += P^T dO and dK += dS^T Q; dS^T into this group's
-    half of a shared [128 keys, 64 queries] tile, and once both halves are
-    there (``ds_full``) dQ's channels ``64 W`` to ``64 W + 63`` = dS K over all
-    128 keys, added into DQ_ACC by TMA reductions of 64 x 32 (``_DQ_PIECE``
-    channels each: two at D = 128, one at D = 64; the next step rewrites
-    their buffers once the reductions have read them; a second set of
-    buffers measured no faster, bench/notes.md). Masks: keys past
+    the A operands of dV += P^T dO and dK += dS^T Q; with DQ, dS^T into this
+    group's half of a shared [128 keys, 64 queries] tile and its share of
+    dQ (``_bwd_dq_step``). Masks: keys past
     kv_len (MASKED_KEYS: the tile may hold some) and, causal, keys past the
     query on the steps that cross the diagonal (two; block lists may add
     steps above it, masked whole)."""
-    (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
+    (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+     delta_smem, dq_args, kv_bar, ready, empty, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
      Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
     D: gl.constexpr = q_smem.shape[2]
-    HALF: gl.constexpr = D // 2  # this group's dQ channels, from HALF * W
-    PIECES: gl.constexpr = HALF // _DQ_PIECE
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, _ROWS, 16])
     d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -773,33 +803,16 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
         ds_op = gl.convert_layout(ds, op_layout)
         dk_token = warpgroup_mma(ds_op, qs, dk, is_async=True)
         buf = i % 2  # ds_smem's buffer: the other one may still be read by the other group's dQ product
-        ds_smem.index(buf).slice(_ROWS * W, _ROWS).store(ds)
-        fence_async_shared()
-        mbarrier.arrive(ds_full.index(buf), count=1)
+        if DQ:
+            dq_args[1].index(buf).slice(_ROWS * W, _ROWS).store(ds)  # (dqa_desc, ds_smem, dq_smem, ds_full)
+            fence_async_shared()
+            mbarrier.arrive(dq_args[3].index(buf), count=1)
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
         mbarrier.arrive(empty.index(stage), count=1)  # this step's q, dO and statistics are done with
-        mbarrier.wait(ds_full.index(buf), (i // 2) & 1)
-        ds_t = ds_smem.index(buf).permute((1, 0))  # dS: [64 queries, 128 keys]
-        first = warpgroup_mma(ds_t, k_smem.slice(HALF * W, _DQ_PIECE, dim=1), dq_zero, use_acc=False,
-                              is_async=True)
-        if PIECES == 2:
-            second = warpgroup_mma(ds_t, k_smem.slice(HALF * W + _DQ_PIECE, _DQ_PIECE, dim=1), dq_zero,
-                                   use_acc=False, is_async=True)
-            first, second = warpgroup_mma_wait(0, deps=[first, second])
-        else:
-            first = warpgroup_mma_wait(0, deps=[first])
-        tma.store_wait(0)  # the step before's reductions have read dq_smem
-        gl.thread_barrier()
-        dq_smem.index(PIECES * W).store(first)
-        if PIECES == 2:
-            dq_smem.index(PIECES * W + 1).store(second)
-        fence_async_shared()
-        gl.thread_barrier()
-        _tma_add(dqa_desc, [b * H + h, m0, HALF * W], dq_smem.index(PIECES * W).reshape([1, _ROWS, _DQ_PIECE]))
-        if PIECES == 2:
-            _tma_add(dqa_desc, [b * H + h, m0, HALF * W + _DQ_PIECE],
-                     dq_smem.index(PIECES * W + 1).reshape([1, _ROWS, _DQ_PIECE]))
-    tma.store_wait(0)  # shared memory must outlive the reductions that read it
+        if DQ:
+            _bwd_dq_step(dq_args, k_smem, dq_zero, b * H + h, m0, buf, i, W)
+    if DQ:
+        tma.store_wait(0)  # shared memory must outlive the reductions that read it
     # dK = scale dS^T Q; dV = P^T dO.
     keys = first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, d_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
@@ -822,14 +835,14 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
 
 @gluon.jit
 def _bwd_consumer_low(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                      SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr):
-    _bwd_consumer(args, 0, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS)
+                      SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr):
+    _bwd_consumer(args, 0, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ)
 
 
 @gluon.jit
 def _bwd_consumer_high(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                       SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr):
-    _bwd_consumer(args, 1, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS)
+                       SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr):
+    _bwd_consumer(args, 1, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ)
 
 
 @gluon.jit
@@ -839,12 +852,14 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
                          D: gl.constexpr,
                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
                          HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr,
-                         MASKED_KEYS: gl.constexpr, num_warps: gl.constexpr):
+                         MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, num_warps: gl.constexpr):
     """The attention backward in five products a (key tile, query step): dK
-    and dV of 128 keys of one (batch, k head) per program, and dQ added into
-    DQ_ACC by TMA reductions in whatever order the programs run (not bit
-    for bit the same from run to run; ``ops.attention`` takes it only when
-    asked: ``ATOMIC_DQ``). Dense or (SPARSE) block-sparse: BLOCKS ``[B, H,
+    and dV of 128 keys of one (batch, k head) per program, and (DQ) dQ added
+    into DQ_ACC by TMA reductions in whatever order the programs run (not
+    bit for bit the same from run to run; ``ops.attention`` takes it only
+    when asked: ``ATOMIC_DQ``). Without DQ, four products: dK and dV alone,
+    in the same order on every run (the deterministic backward's dk/dv pass
+    on sm_90; DQ_ACC unused). Dense or (SPARSE) block-sparse: BLOCKS ``[B, H,
     cdiv(Lk, 128), W]`` / COUNTS ``[B, H, cdiv(Lk, 128)]`` int32 or int64 are
     the transposed lists (per q head and key block, the ascending query
     blocks that list it; strides ``sbb, sbh, sbr`` / ``scb, sch, scr``);
@@ -861,7 +876,7 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     along D, TMA-aligned (Q, K, V, DO); LSE_ROWS and DELTA ``[B * H,
     stats_row]`` fp32 (``attn_bwd_row_stats_kernel``'s padded rows); DQ_ACC
     ``[B * H, stats_row, D]`` fp32, zeroed, receives dS K (dq less its
-    scale). Items are (key tile, batch and k head), ``cdiv(Lk, 128) * B * H /
+    scale) with DQ. Items are (key tile, batch and k head), ``cdiv(Lk, 128) * B * H /
     GROUP`` of them: the first ``whole`` one program each, the others
     ``parts`` programs each (``_bwd_program``), whose dk and dv go to
     PARTIALS ``[items - whole, parts, 2, 128, D]`` fp32 (when every item is
@@ -884,38 +899,45 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     v_desc = tma.make_tensor_descriptor(V, [B, Hk, Lk, D], [svb, svh, svl, 1], [1, 1, 2 * _ROWS, D], box)
     lse_desc = tma.make_tensor_descriptor(LSE_ROWS, [B * H, stats_row], [stats_row, 1], [1, _ROWS], stats)
     delta_desc = tma.make_tensor_descriptor(DELTA, [B * H, stats_row], [stats_row, 1], [1, _ROWS], stats)
-    dqa_desc = tma.make_tensor_descriptor(DQ_ACC, [B * H, stats_row, D], [stats_row * D, D, 1],
-                                          [1, _ROWS, _DQ_PIECE], pieces)
     # Shared memory, 198 KB at D = 128 (2 stages): K and V 64 KB, q and dO 32 KB a stage, dS^T twice 16 KB, dQ
-    # 32 KB; at D = 64, 112 KB: K and V 32 KB, q and dO 16 KB a stage, dS^T 32 KB, dQ 16 KB.
+    # 32 KB; at D = 64, 112 KB: K and V 32 KB, q and dO 16 KB a stage, dS^T 32 KB, dQ 16 KB. Without DQ, no dS^T
+    # and dQ buffers: 134 KB at D = 128.
     k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [2 * _ROWS, D], matrix)
     v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [2 * _ROWS, D], matrix)
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, _ROWS, D], matrix)
     do_smem = gl.allocate_shared_memory(DO.dtype.element_ty, [STAGES, _ROWS, D], matrix)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, _ROWS], stats)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, _ROWS], stats)
-    ds_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 2 * _ROWS, _ROWS], matrix)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [D // _DQ_PIECE, _ROWS, _DQ_PIECE], piece)  # D / 64 a consumer
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # released by both consumers
-    for s in gl.static_range(2):
-        mbarrier.init(ds_full.index(s), count=2)  # both halves of dS^T written
+    # dQ's descriptor and buffers only where the partitions read them (Triton 3.6's lowering fails on a
+    # partition argument that no partition reads).
+    if DQ:
+        dqa_desc = tma.make_tensor_descriptor(DQ_ACC, [B * H, stats_row, D], [stats_row * D, D, 1],
+                                              [1, _ROWS, _DQ_PIECE], pieces)
+        ds_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 2 * _ROWS, _ROWS], matrix)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [D // _DQ_PIECE, _ROWS, _DQ_PIECE], piece)  # D / 64 a group
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(ds_full.index(s), count=2)  # both halves of dS^T written
+        dq_args = (dqa_desc, ds_smem, dq_smem, ds_full)
+    else:
+        dq_args = ()
     # (key tiles, [whole, parts,] B): the split's arguments only where the partitions read them (Triton 3.6's
     # lowering fails on a partition argument that no partition reads).
     if CAUSAL or HAS_KV_LEN or SPARSE:
         split = (gl.cdiv(Lk, 2 * _ROWS), B)
     else:
         split = (gl.cdiv(Lk, 2 * _ROWS), whole, parts, PARTIALS, B)
-    args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dqa_desc, k_smem, v_smem, q_smem, do_smem,
-            lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_full, DK, DV, KV_LEN,
+    args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+            delta_smem, dq_args, kv_bar, ready, empty, DK, DV, KV_LEN,
             (BLOCKS, COUNTS, sbb, sbh, sbr, scb, sch, scr), split, H, GROUP, Lq, Lk, scale, heads_per_group, sdkb, sdkh,
             sdkl, sdvb, sdvh, sdvl)
-    gl.warp_specialize([(_bwd_consumer_low, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS)),
-                        (_bwd_consumer_high, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS)),
+    gl.warp_specialize([(_bwd_consumer_low, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ)),
+                        (_bwd_consumer_high, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ)),
                         (_bwd_loader, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE))], [4, 1], [CONSUMER_REGS, 24])

@@ -464,19 +464,33 @@ SM90_BACKWARD_STAGES = 2
 SM90_BACKWARD_HEAD_DIMS = (64, 128)
 
 
+def _sm90_backward_computes(c: dict, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, seq_dim: int) -> bool:
+    """Whether ``attn_bwd_sm90_kernel`` computes a backward: on an sm_90 GPU
+    where a traced call can hold its opaque op (:func:`_core_gpu`), dense or
+    block-sparse, causal or not, key lengths or not, 16-bit (q, k, v and dO
+    alike), D = 64 or 128, at least one key, TMA-aligned q, k, v and dO with
+    no broadcast strides."""
+    tensors = (q, k, v, grad_out)
+    return (_core_gpu(q) and q.dtype in (torch.float16, torch.bfloat16)
+            and all(t.dtype == q.dtype for t in tensors) and c["d"] in SM90_BACKWARD_HEAD_DIMS and c["lk"] > 0
+            and _tma_ready(seq_dim, *tensors) and not _broadcast(seq_dim, *tensors))
+
+
 def _takes_sm90_backward(c: dict, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, seq_dim: int) -> bool:
     """Whether a backward runs on the five-product sm_90 kernel: asked for
     (:data:`ATOMIC_DQ`, and torch's deterministic algorithms not asked
-    for), on an sm_90 GPU where a traced call can hold its opaque op
-    (:func:`_core_gpu`), and a call it computes: dense or block-sparse,
-    causal or not, key lengths or not, 16-bit (q, k, v and dO alike),
-    D = 64 or 128, at least one key, TMA-aligned q, k, v and dO with no broadcast
-    strides."""
-    tensors = (q, k, v, grad_out)
-    return (ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled() and _core_gpu(q)
-            and q.dtype in (torch.float16, torch.bfloat16)
-            and all(t.dtype == q.dtype for t in tensors) and c["d"] in SM90_BACKWARD_HEAD_DIMS and c["lk"] > 0
-            and _tma_ready(seq_dim, *tensors) and not _broadcast(seq_dim, *tensors))
+    for), on a call it computes (:func:`_sm90_backward_computes`)."""
+    return (ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled()
+            and _sm90_backward_computes(c, q, k, v, grad_out, seq_dim))
+
+
+#: The deterministic backward's dk/dv pass on sm_90: ``attn_bwd_sm90_kernel`` without dQ (four products,
+#: warp-specialized; bit for bit the same on every run) for the dense calls it computes, in place of
+#: ``attn_bwd_dkdv_kernel``. Forward+backward against the ``triton.language`` pass, H100, 3 rounds
+#: alternated (``bench/results/attention-deterministic-dkdv-sm90-h100.json``): 1.02-1.03x at 1x24x4608x128,
+#: 1.00-1.01x at 2x24x4096x64, 1.03-1.07x causal at 1x24x4608x128, 1.09-1.16x at 1x24x4429x64. Block-sparse
+#: calls keep the ``triton.language`` pass (not measured on this kernel without dQ).
+SM90_DKDV = True
 
 
 #: What a part of an item costs the five-product backward beyond its share of the item's steps, as a
@@ -520,13 +534,14 @@ def backward_tail_split(items: int, sms: int, steps: int) -> tuple[int, int]:
 
 
 def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor,
-                          delta: Tensor, dq_acc: Tensor, dk: Tensor, dv: Tensor, scale: float, causal: bool,
+                          delta: Tensor, dq_acc: Optional[Tensor], dk: Tensor, dv: Tensor, scale: float, causal: bool,
                           seq_dim: int, kv_lengths: Optional[Tensor], key_index: Optional[Tensor] = None,
                           key_count: Optional[Tensor] = None) -> None:
-    """Launch the five-product backward on arguments
-    :func:`_takes_sm90_backward` accepted (``launch(kernel)``: the kernel, or
-    the launch-plan recorder's proxy of it): dk and dv, and dS K added into
-    ``dq_acc`` (zeroed). Block-sparse: ``key_index`` / ``key_count``,
+    """Launch ``attn_bwd_sm90_kernel`` on arguments
+    :func:`_sm90_backward_computes` accepted (``launch(kernel)``: the
+    kernel, or the launch-plan recorder's proxy of it): dk and dv, and dS K
+    added into ``dq_acc`` (zeroed; None: dk and dv alone, the deterministic
+    backward's dk/dv pass). Block-sparse: ``key_index`` / ``key_count``,
     ``launch_backward``'s ``key_blocks``. Dense causal programs run longest
     first, in the deterministic dk/dv pass's groups of heads; dense
     non-causal calls without key lengths (items of equal work) split their
@@ -545,15 +560,15 @@ def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
     partials = q.new_empty((items - whole, parts, 2, 128, d), dtype=torch.float32) if whole < items else None
     triton.set_allocator(_scratch)  # the kernel builds its TMA descriptors on the device
     launch(attn_bwd_sm90_kernel)[(whole + (items - whole) * parts, )](
-        # (with no parts, dq_acc stands in for PARTIALS: an fp32 pointer the kernel never writes through)
-        q, k, v, grad_out, lse_rows, delta, dq_acc, dk, dv, dq_acc if partials is None else partials, kv_lengths,
+        # (with no parts, lse_rows stands in for PARTIALS: an fp32 pointer the kernel never writes through)
+        q, k, v, grad_out, lse_rows, delta, dq_acc, dk, dv, lse_rows if partials is None else partials, kv_lengths,
         key_index, key_count,
         *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
         *_bhl_strides(grad_out, seq_dim), *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim),
         *_lists((key_index, key_count) if sparse else None)[2:], lse_rows.shape[1], b, h, h // hk, lq, lk,
         float(scale), group, whole, parts, D=d, STAGES=SM90_BACKWARD_STAGES, CONSUMER_REGS=SM90_CORE_CONSUMER_REGS,
         CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None, SPARSE=sparse,
-        MASKED_KEYS=lk % 128 != 0 or kv_lengths is not None, **order, **SM90_CORE_LAUNCH)
+        MASKED_KEYS=lk % 128 != 0 or kv_lengths is not None, DQ=dq_acc is not None, **order, **SM90_CORE_LAUNCH)
     if partials is not None:
         rows = 32
         launch(attn_bwd_parts_kernel)[(items - whole, 128 // rows)](
@@ -563,12 +578,12 @@ def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
 
 @torch.library.custom_op("fused_gluon::attention_backward_sm90_", mutates_args=("dq_acc", "dk", "dv"))
 def _attention_backward_sm90(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor, delta: Tensor,
-                             dq_acc: Tensor, dk: Tensor, dv: Tensor, scale: float, causal: bool, seq_dim: int,
+                             dq_acc: Optional[Tensor], dk: Tensor, dv: Tensor, scale: float, causal: bool, seq_dim: int,
                              kv_lengths: Optional[Tensor] = None, key_index: Optional[Tensor] = None,
                              key_count: Optional[Tensor] = None) -> None:
-    """The five-product backward as an op of its own, for traced calls (as
-    ``fused_gluon.attention_forward_sm90_``: Inductor cannot trace a Gluon
-    kernel); not a public op."""
+    """``attn_bwd_sm90_kernel`` (:func:`_launch_sm90_backward`) as an op of
+    its own, for traced calls (as ``fused_gluon.attention_forward_sm90_``:
+    Inductor cannot trace a Gluon kernel); not a public op."""
     _launch_sm90_backward(lambda kernel: kernel, grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale,
                           causal, seq_dim, kv_lengths, key_index, key_count)
 
@@ -597,6 +612,9 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     stats_row = triton.cdiv(c["lq"], STATS_ROW_ALIGN.value) * STATS_ROW_ALIGN.value
     delta, lse_rows = (lse.new_empty((c["b"] * c["h"], stats_row)) for _ in range(2))
     five_products = _takes_sm90_backward(c, q, k, v, grad_out, seq_dim)
+    # The deterministic backward's dk/dv by the same kernel without dQ (dense calls).
+    sm90_dkdv = (SM90_DKDV and not five_products and not sparse
+                 and _sm90_backward_computes(c, q, k, v, grad_out, seq_dim))
     # The five-product backward's dq sums, zeroed by the statistics pass.
     dq_acc = lse.new_empty((c["b"] * c["h"], stats_row, d)) if five_products else None
     rows = 64
@@ -604,7 +622,7 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
         out, grad_out, lse, delta, lse_rows, c["h"], c["lq"], *_bhl_strides(out, seq_dim),
         *_bhl_strides(grad_out, seq_dim), D=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=rows, ACC=consts["ACC"],
         DQ_ACC=dq_acc, num_warps=4)
-    if five_products:
+    if five_products or sm90_dkdv:
         if on_eager_fast_path():  # launched as is, recorded for launch plans
             _launch_sm90_backward(launcher, grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale, causal,
                                   seq_dim, kv_lengths, *(key_blocks or (None, None)))
@@ -612,26 +630,28 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
             torch.ops.fused_gluon.attention_backward_sm90_(grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv,
                                                            float(scale), causal, seq_dim, kv_lengths,
                                                            *(key_blocks or (None, None)))
+    if five_products:
         launcher(attn_bwd_dq_from_acc_kernel)[(triton.cdiv(c["lq"], rows), c["b"] * c["h"])](
             dq_acc, dq, c["h"], c["lq"], *_bhl_strides(dq, seq_dim), float(scale), D=d, BLOCK_D=consts["BLOCK_D"],
             BLOCK_M=rows, num_warps=4)
         return
     strides = (*_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
                *_bhl_strides(grad_out, seq_dim))
-    t = dkdv_tiles(d, q.dtype, sparse, has_tma(q))
-    assert STATS_ROW_ALIGN.value % t.block_m == 0, t  # the statistics rows hold whole query tiles
-    tma = _take_tma(t.tma, (seq_dim, q, grad_out))
-    index, count, *list_strides = _lists(key_blocks)
-    # A dk/dv row reads q and dO of its whole GQA group of heads.
-    order, group = (causal_order(q, c["lq"] * (c["h"] // c["hk"]), c["b"] * c["hk"]) if causal and not sparse
-                    else _LAUNCH_ORDER)
-    launcher(attn_bwd_dkdv_kernel)[(triton.cdiv(c["lk"], t.block_n), c["b"] * c["hk"])](
-        q, k, v, grad_out, lse_rows, delta, dk, dv, kv_lengths, index, count, *strides,
-        *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim), *list_strides,
-        c["b"], c["hk"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale), group,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
-        TMA=tma, **order, **consts,
-    )
+    if not sm90_dkdv:
+        t = dkdv_tiles(d, q.dtype, sparse, has_tma(q))
+        assert STATS_ROW_ALIGN.value % t.block_m == 0, t  # the statistics rows hold whole query tiles
+        tma = _take_tma(t.tma, (seq_dim, q, grad_out))
+        index, count, *list_strides = _lists(key_blocks)
+        # A dk/dv row reads q and dO of its whole GQA group of heads.
+        order, group = (causal_order(q, c["lq"] * (c["h"] // c["hk"]), c["b"] * c["hk"]) if causal and not sparse
+                        else _LAUNCH_ORDER)
+        launcher(attn_bwd_dkdv_kernel)[(triton.cdiv(c["lk"], t.block_n), c["b"] * c["hk"])](
+            q, k, v, grad_out, lse_rows, delta, dk, dv, kv_lengths, index, count, *strides,
+            *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim), *list_strides,
+            c["b"], c["hk"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale), group,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
+            TMA=tma, **order, **consts,
+        )
     t = dq_tiles(d, q.dtype, sparse, has_tma(q))
     assert STATS_ROW_ALIGN.value % t.block_m == 0, t
     tma = _take_tma(t.tma, (seq_dim, k, v))
@@ -940,8 +960,10 @@ _EIGHT_BIT_OPS = {"int8": _attention_int8_op, "int8_fp8": _attention_int8_fp8_op
 def set_attention_backward(deterministic: bool = True) -> None:
     """Choose how ``fused.attention``'s backward sums dq from now on.
 
-    ``deterministic=True`` (the default): three passes, the gradients bit for
-    bit the same on every run. ``False``: on sm_90 GPUs, 16-bit calls at
+    ``deterministic=True`` (the default): three passes (statistics, dk/dv,
+    dq; on sm_90 the dk/dv pass of dense calls is the five-product kernel
+    without its dQ, ``SM90_DKDV``), the gradients bit for bit the same on
+    every run. ``False``: on sm_90 GPUs, 16-bit calls at
     D = 64 or 128 (dense or block-sparse, causal or not, with key lengths or not)
     take a five-product backward whose dq is added up by TMA reductions in
     the order the GPU's programs run, so dq's last bits vary from run to run
