@@ -1608,7 +1608,8 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
 def test_sm90_deterministic_backward_by_the_kernel_without_dq(monkeypatch):
     """The default (deterministic) backward on sm_90, whose dk/dv pass is
     ``attn_bwd_sm90_kernel`` without dQ (``SM90_DKDV``): launched for dense
-    calls; bit-identical across reruns (a split last round included); dq
+    calls, its last round never split (no fp32 parts: the default backward's
+    peak memory); bit-identical across reruns; dq
     bit-equal to the ``triton.language`` passes' (the same dq pass) and dk,
     dv within 1e-3 of theirs; all three within the two-reference rule of
     the fp64 gradients; D = 128 and 64, GQA, both layouts, causal, key
@@ -1619,11 +1620,11 @@ def test_sm90_deterministic_backward_by_the_kernel_without_dq(monkeypatch):
     monkeypatch.setattr(attention_ops, "launcher",
                         lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
     for b, h, hk, lq, lk, seq_dim, dtype, causal, lengths, d in [
-            (1, 5, 5, 700, 4096, 2, torch.bfloat16, False, None, 128),  # a split last round
+            (1, 5, 5, 700, 4096, 2, torch.bfloat16, False, None, 128),  # split, with dq by reductions
             (2, 8, 2, 333, 300, 1, torch.float16, False, None, 128),
             (1, 4, 2, 1000, 1000, 2, torch.bfloat16, True, None, 128),
             (3, 4, 2, 500, 640, 2, torch.bfloat16, False, [640, 77, 0], 128),
-            (2, 4, 2, 500, 4300, 1, torch.float16, False, None, 64),  # a split last round
+            (2, 4, 2, 500, 4300, 1, torch.float16, False, None, 64),  # split, with dq by reductions
             (2, 3, 3, 300, 700, 1, torch.float16, True, [700, 250], 64)]:
         case = (b, h, hk, lq, lk, seq_dim, dtype, causal, lengths, d)
         torch.manual_seed(lq + lk)
@@ -1635,6 +1636,7 @@ def test_sm90_deterministic_backward_by_the_kernel_without_dq(monkeypatch):
         launched.clear()
         got = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(3)]
         assert "attn_bwd_sm90_kernel" in launched and "attn_bwd_dkdv_kernel" not in launched, (case, launched)
+        assert "attn_bwd_parts_kernel" not in launched, (case, launched)
         assert all(torch.equal(a, g) for again in got[1:] for a, g in zip(again, got[0])), case
         monkeypatch.setattr(attention_ops, "SM90_DKDV", False)
         clear_launch_plans()

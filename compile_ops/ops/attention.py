@@ -487,9 +487,11 @@ def _takes_sm90_backward(c: dict, q: Tensor, k: Tensor, v: Tensor, grad_out: Ten
 #: The deterministic backward's dk/dv pass on sm_90: ``attn_bwd_sm90_kernel`` without dQ (four products,
 #: warp-specialized; bit for bit the same on every run) for the dense calls it computes, in place of
 #: ``attn_bwd_dkdv_kernel``. Forward+backward against the ``triton.language`` pass, H100, 3 rounds
-#: alternated (``bench/results/attention-deterministic-dkdv-sm90-h100.json``): 1.02-1.03x at 1x24x4608x128,
-#: 1.00-1.01x at 2x24x4096x64, 1.03-1.07x causal at 1x24x4608x128, 1.09-1.16x at 1x24x4429x64. Block-sparse
-#: calls keep the ``triton.language`` pass (not measured on this kernel without dQ).
+#: alternated (``bench/results/attention-deterministic-dkdv-sm90-h100.json``): 1.02-1.03x at 1x24x4608x128
+#: and 1.09-1.16x at 1x24x4429x64, both with their last round split, which the pass no longer does (its
+#: memory, :func:`_launch_sm90_backward`), so unmeasured as it runs now; 1.00-1.01x at 2x24x4096x64 and
+#: 1.03-1.07x causal at 1x24x4608x128 (no split, as now). Block-sparse calls keep the ``triton.language``
+#: pass (not measured on this kernel without dQ).
 SM90_DKDV = True
 
 
@@ -543,9 +545,9 @@ def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
     added into ``dq_acc`` (zeroed; None: dk and dv alone, the deterministic
     backward's dk/dv pass). Block-sparse: ``key_index`` / ``key_count``,
     ``launch_backward``'s ``key_blocks``. Dense causal programs run longest
-    first, in the deterministic dk/dv pass's groups of heads; dense
-    non-causal calls without key lengths (items of equal work) split their
-    last items (:func:`backward_tail_split`), whose parts
+    first, in the deterministic dk/dv pass's groups of heads; with dq,
+    dense non-causal calls without key lengths (items of equal work) split
+    their last items (:func:`backward_tail_split`), whose parts
     ``attn_bwd_parts_kernel`` adds up."""
     b, h, lq, d = meta.attention.dims(q, seq_dim)
     hk, lk = meta.attention.dims(k, seq_dim)[1:3]
@@ -555,7 +557,9 @@ def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
     n_tiles = triton.cdiv(lk, 128)
     items = n_tiles * b * hk
     whole, parts = items, 1
-    if not (causal or sparse or kv_lengths is not None):
+    # Not for the deterministic dk/dv pass (no dq_acc): its fp32 parts (47 MB at 1x24x4608x128) would raise the
+    # default backward's peak memory, which the five-product option's dq buffer already does.
+    if dq_acc is not None and not (causal or sparse or kv_lengths is not None):
         whole, parts = backward_tail_split(items, multiprocessor_count(q), (h // hk) * triton.cdiv(lq, 64))
     partials = q.new_empty((items - whole, parts, 2, 128, d), dtype=torch.float32) if whole < items else None
     triton.set_allocator(_scratch)  # the kernel builds its TMA descriptors on the device
