@@ -971,8 +971,9 @@ def set_attention_backward(deterministic: bool = True) -> None:
     D = 64 or 128 (dense or block-sparse, causal or not, with key lengths or not)
     take a five-product backward whose dq is added up by TMA reductions in
     the order the GPU's programs run, so dq's last bits vary from run to run
-    (dk and dv do not); forward+backward 1.05-1.17x faster on an H100,
-    causal 1.10-1.19x, block-sparse 1.11-1.26x (README). Other calls (D
+    (dk and dv do not); forward+backward on an H100 1.05-1.17x the
+    ``triton.language`` passes, causal 1.10-1.19x, block-sparse 1.11-1.26x,
+    and 1.02-1.09x the default with its sm_90 dk/dv pass (README). Other calls (D
     other than 64 and 128, fp32), and
     every call while ``torch.use_deterministic_algorithms(True)`` is on,
     keep the deterministic passes. Compiled graphs take the setting that
