@@ -425,7 +425,8 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
     faked sm_90 GPU, ``fused.attention_backward`` launches the statistics
     pass with its dq zeroing and dq's cast, which compile for sm_90; the
     Gluon kernel (bf16 and fp16, D = 128 and 64; masked keys, causal, key
-    lengths, block lists) and the kernel adding up a split item's parts
+    lengths, block lists, a split last round, without dQ) and the kernel
+    adding up a split item's parts
     compile, the Gluon kernel with its partitions' register budgets,
     spilling a few set-up scalars at most, none in a loop when dense
     (ptxas, cuobjdump)."""
@@ -465,6 +466,8 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
     _compile_with_constant_ints(launches)
     launch = attention_ops.SM90_CORE_LAUNCH
     variants = [("bf16", dict()), ("bf16", dict(MASKED_KEYS=True)), ("fp16", dict()),
+                # the last round split into parts (dense, not causal, no key lengths)
+                ("bf16", dict(SPLIT=True)), ("fp16", dict(SPLIT=True, MASKED_KEYS=True)),
                 ("bf16", dict(CAUSAL=True, HEAVY_FIRST=True, MASKED_KEYS=True)),
                 ("fp16", dict(HAS_KV_LEN=True, MASKED_KEYS=True)),
                 ("bf16", dict(CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True, MASKED_KEYS=True)),
@@ -473,6 +476,7 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
                 # D = 64: one dQ piece a consumer
                 ("bf16", dict(D=64)), ("fp16", dict(D=64, CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True,
                                                     MASKED_KEYS=True)),
+                ("bf16", dict(D=64, SPLIT=True, MASKED_KEYS=True)),
                 ("bf16", dict(D=64, SPARSE=True, MASKED_KEYS=True)),
                 # without dQ: the deterministic backward's dk/dv pass (DQ_ACC unused)
                 ("bf16", dict(DQ=False)), ("fp16", dict(DQ=False, D=64, MASKED_KEYS=True)),
@@ -487,11 +491,14 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         d = flags.pop("D", 128)
         constants = dict(D=d, STAGES=attention_ops.SM90_BACKWARD_STAGES,
                          CONSUMER_REGS=attention_ops.SM90_CORE_CONSUMER_REGS, CAUSAL=False, HAS_KV_LEN=False,
-                         HEAVY_FIRST=False, SPARSE=False, MASKED_KEYS=False, DQ=True, num_warps=4)
+                         HEAVY_FIRST=False, SPARSE=False, MASKED_KEYS=False, DQ=True, SPLIT=False, num_warps=4)
         constants.update(flags)
         if not constants["DQ"]:
             del pointers["DQ_ACC"]
-        constants.update({name: None for name in ("KV_LEN", "BLOCKS", "COUNTS", "DQ_ACC") if name not in pointers})
+        if not constants["SPLIT"]:
+            del pointers["PARTIALS"]
+        constants.update({name: None for name in ("KV_LEN", "BLOCKS", "COUNTS", "DQ_ACC", "PARTIALS")
+                          if name not in pointers})
         signature = {p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
                      for p in kernel.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.arg_names) if p in pointers}
@@ -512,7 +519,7 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         # or a score tile: 256 bytes a thread each) would pass neither bound.
         stored, loaded = (int(re.search(rf"(\d+) bytes spill {kind}", report).group(1)) for kind in ("stores", "loads"))
         assert stored <= 64 and loaded <= 96, (dtype, d, flags, report)
-        if flags in (dict(), dict(DQ=False)):  # dense
+        if flags in (dict(), dict(DQ=False), dict(SPLIT=True)):  # dense
             sass = subprocess.run([os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump"), "-sass",
                                    str(tmp_path / "bwd.cubin")], capture_output=True, text=True, check=True).stdout
             assert not _spills_in_loops_with_mma(sass), (dtype, d, _spills_in_loops_with_mma(sass))

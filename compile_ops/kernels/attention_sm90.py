@@ -566,7 +566,7 @@ def _tma_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _bwd_program(KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CAUSAL: gl.constexpr,
-                 HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr):
+                 HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr):
     """This program's ``(batch, k head, key tile, kv_len, first query step,
     query steps per q head, query steps, its lists, first step, steps)``,
     the same in every partition. Its item's 128 keys are seen by
@@ -578,9 +578,10 @@ def _bwd_program(KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CAUSA
     and count, as pointers, with the head strides to the next head's); none
     when the tile starts at or past kv_len (its dk and dv are 0).
 
-    Items are (key tile, batch and k head), key tiles fastest. ``split``
-    (``(key tiles, whole, parts, B)``), where items are of equal work
-    (dense, not causal, no key lengths): programs from ``whole`` on take
+    Items are (key tile, batch and k head), key tiles fastest. ``split``:
+    ``(key tiles, B)``, or with SPLIT (the launch splits its last items,
+    which are of equal work: dense, not causal, no key lengths) ``(key
+    tiles, whole, parts, PARTIALS, B)``: programs from ``whole`` on take
     the items from ``whole`` on in ``parts`` parts each, part k the
     item's steps ``k * steps // parts`` up to the next part's, and write
     their dk and dv to the part slot ``(item - whole) * parts + k`` for
@@ -590,8 +591,6 @@ def _bwd_program(KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CAUSA
     items taken longest first, the first key tiles of a group of heads
     before their second (``kernels.attention._dealt_rank``, as the
     deterministic dk/dv pass)."""
-    # Items of equal work (dense, not causal, no key lengths): the launch may split its last ones.
-    SPLIT: gl.constexpr = not (CAUSAL or HAS_KV_LEN or SPARSE)
     tile, bhk = _bwd_item(split, Hk, heads_per_group, HEAVY_FIRST, SPLIT)
     b = bhk // Hk
     hk = bhk % Hk
@@ -616,7 +615,7 @@ def _bwd_program(KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CAUSA
             total += 2 * gl.load(first_count + g * sch).to(gl.int32)  # int32 or int64 lists
         total = gl.where(seen, total, 0)
         row_lists = (first_list, sbh, first_count, sch)
-    first = total * 0  # (a tensor, as the split's: a constexpr here breaks Triton 3.6's lowering)
+    first = 0
     count = total
     if SPLIT:
         _, whole, parts, _, _ = split
@@ -676,7 +675,7 @@ def _bwd_step(i, program, GROUP, n_tiles, STAGGER: gl.constexpr, SPARSE: gl.cons
 
 @gluon.jit
 def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                SPARSE: gl.constexpr):
+                SPARSE: gl.constexpr, SPLIT: gl.constexpr):
     """The producer warp of the backward: this program's K and V tiles once,
     then each step's q and dO tiles and the step's rows of the statistics
     (lse, delta), every query head of the GQA group in turn, into a ring."""
@@ -685,7 +684,7 @@ def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRS
      Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
     program = _bwd_program(KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
-                           HEAVY_FIRST, SPARSE)
+                           HEAVY_FIRST, SPARSE, SPLIT)
     b, hk, tile, _, _, _, _, _, from_step, count = program
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, tile * 2 * _ROWS, 0], kv_bar, _box(k_smem))
@@ -740,7 +739,7 @@ def _bwd_dq_step(dq_args, k_smem, dq_zero, head_row, m0, buf, i, W: gl.constexpr
 
 @gluon.jit
 def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                  SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr):
+                  SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr):
     """Consumer warp group W of the backward: keys ``64 W`` to ``64 W + 63`` of
     the program's tile, through every step of 64 queries. S^T and dP^T (64
     keys x 64 queries) issued together; P^T and dS^T from them, in registers,
@@ -763,7 +762,7 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
                                                            instr_shape=[16, _DQ_PIECE, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
     program = _bwd_program(KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
-                           HEAVY_FIRST, SPARSE)
+                           HEAVY_FIRST, SPARSE, SPLIT)
     b, hk, tile, kv_len, _, _, _, _, from_step, count = program
     k_rows = k_smem.slice(_ROWS * W, _ROWS)
     v_rows = v_smem.slice(_ROWS * W, _ROWS)
@@ -817,7 +816,7 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     keys = first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, d_layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
     stored = (keys < Lk)[:, None]
-    if not (CAUSAL or HAS_KV_LEN or SPARSE):  # (_bwd_program's SPLIT) a part of an item, or a whole one
+    if SPLIT:  # a part of an item, or a whole one
         _, whole, _, PARTIALS, _ = split
         slot = gl.program_id(0) - whole
         # A part's fp32 sums go to its slot of PARTIALS, [dk | dv] x [128 keys, D]; a whole item's to DK, DV.
@@ -835,14 +834,14 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
 
 @gluon.jit
 def _bwd_consumer_low(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                      SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr):
-    _bwd_consumer(args, 0, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ)
+                      SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr):
+    _bwd_consumer(args, 0, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT)
 
 
 @gluon.jit
 def _bwd_consumer_high(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                       SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr):
-    _bwd_consumer(args, 1, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ)
+                       SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr):
+    _bwd_consumer(args, 1, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT)
 
 
 @gluon.jit
@@ -852,7 +851,8 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
                          D: gl.constexpr,
                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
                          HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr,
-                         MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, num_warps: gl.constexpr):
+                         MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr,
+                         num_warps: gl.constexpr):
     """The attention backward in five products a (key tile, query step): dK
     and dV of 128 keys of one (batch, k head) per program, and (DQ) dQ added
     into DQ_ACC by TMA reductions in whatever order the programs run (not
@@ -879,14 +879,16 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     scale) with DQ. Items are (key tile, batch and k head), ``cdiv(Lk, 128) * B * H /
     GROUP`` of them: the first ``whole`` one program each, the others
     ``parts`` programs each (``_bwd_program``), whose dk and dv go to
-    PARTIALS ``[items - whole, parts, 2, 128, D]`` fp32 (when every item is
-    whole, ``parts`` 1 and any fp32 pointer) for
-    ``kernels.attention.attn_bwd_parts_kernel``.
+    PARTIALS ``[items - whole, parts, 2, 128, D]`` fp32 for
+    ``kernels.attention.attn_bwd_parts_kernel`` (SPLIT: dense, not causal,
+    no key lengths; else every item is whole, and ``whole``, ``parts`` and
+    PARTIALS are unused).
     Launch ``whole + (items - whole) * parts`` programs with ``num_warps=4``
     and ``maxnreg=168`` (the forward core's budgets: CONSUMER_REGS for both
     consumer groups, 24 for the loader)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((D == 64) or (D == 128), "D = 64 or 128 (ops.attention._takes_sm90_backward)")
+    gl.static_assert(not (SPLIT and (CAUSAL or HAS_KV_LEN or SPARSE)), "only items of equal work are split")
     box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     matrix: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     stats: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -928,16 +930,17 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
         dq_args = (dqa_desc, ds_smem, dq_smem, ds_full)
     else:
         dq_args = ()
-    # (key tiles, [whole, parts,] B): the split's arguments only where the partitions read them (Triton 3.6's
-    # lowering fails on a partition argument that no partition reads).
-    if CAUSAL or HAS_KV_LEN or SPARSE:
-        split = (gl.cdiv(Lk, 2 * _ROWS), B)
-    else:
+    # (key tiles, [whole, parts, PARTIALS,] B): the split's arguments only where the partitions read them
+    # (Triton 3.6's lowering fails on a partition argument that no partition reads).
+    if SPLIT:
         split = (gl.cdiv(Lk, 2 * _ROWS), whole, parts, PARTIALS, B)
+    else:
+        split = (gl.cdiv(Lk, 2 * _ROWS), B)
     args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
             delta_smem, dq_args, kv_bar, ready, empty, DK, DV, KV_LEN,
             (BLOCKS, COUNTS, sbb, sbh, sbr, scb, sch, scr), split, H, GROUP, Lq, Lk, scale, heads_per_group, sdkb, sdkh,
             sdkl, sdvb, sdvh, sdvl)
-    gl.warp_specialize([(_bwd_consumer_low, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ)),
-                        (_bwd_consumer_high, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ)),
-                        (_bwd_loader, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE))], [4, 1], [CONSUMER_REGS, 24])
+    gl.warp_specialize(
+        [(_bwd_consumer_low, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT)),
+         (_bwd_consumer_high, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT)),
+         (_bwd_loader, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, SPLIT))], [4, 1], [CONSUMER_REGS, 24])

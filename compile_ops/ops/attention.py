@@ -564,15 +564,14 @@ def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
     partials = q.new_empty((items - whole, parts, 2, 128, d), dtype=torch.float32) if whole < items else None
     triton.set_allocator(_scratch)  # the kernel builds its TMA descriptors on the device
     launch(attn_bwd_sm90_kernel)[(whole + (items - whole) * parts, )](
-        # (with no parts, lse_rows stands in for PARTIALS: an fp32 pointer the kernel never writes through)
-        q, k, v, grad_out, lse_rows, delta, dq_acc, dk, dv, lse_rows if partials is None else partials, kv_lengths,
-        key_index, key_count,
+        q, k, v, grad_out, lse_rows, delta, dq_acc, dk, dv, partials, kv_lengths, key_index, key_count,
         *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
         *_bhl_strides(grad_out, seq_dim), *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim),
         *_lists((key_index, key_count) if sparse else None)[2:], lse_rows.shape[1], b, h, h // hk, lq, lk,
         float(scale), group, whole, parts, D=d, STAGES=SM90_BACKWARD_STAGES, CONSUMER_REGS=SM90_CORE_CONSUMER_REGS,
         CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None, SPARSE=sparse,
-        MASKED_KEYS=lk % 128 != 0 or kv_lengths is not None, DQ=dq_acc is not None, **order, **SM90_CORE_LAUNCH)
+        MASKED_KEYS=lk % 128 != 0 or kv_lengths is not None, DQ=dq_acc is not None, SPLIT=partials is not None,
+        **order, **SM90_CORE_LAUNCH)
     if partials is not None:
         rows = 32
         launch(attn_bwd_parts_kernel)[(items - whole, 128 // rows)](
