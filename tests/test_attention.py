@@ -1327,7 +1327,9 @@ def test_kernels_five_product_backward_parts_add_up_in_order():
     (``[items - whole, parts, 2, 128, D]``) summed in part order, cast to
     dk's / dv's dtype and written at the item's key tile of the item's
     (batch, k head) through strides (here ``[B, Lk, Hk, D]``), keys past Lk
-    left alone; whole items' rows are not touched."""
+    left alone; whole items' rows are not touched. fp32 outputs and parts of
+    mixed magnitudes, so that another order of the sums gives other bits
+    (checked on the data), and bf16 outputs for the cast."""
     from compile_ops.kernels.attention import attn_bwd_parts_kernel
     from compile_ops.ops import attention as attention_ops
 
@@ -1335,17 +1337,22 @@ def test_kernels_five_product_backward_parts_add_up_in_order():
     b, hk, lk, d, parts, whole = 2, 3, 300, 32, 3, 2  # 3 key tiles x 6 (batch, head) rows: items 2..17 parted
     n_tiles = triton.cdiv(lk, 128)
     items = n_tiles * b * hk
-    partials = torch.randn(items - whole, parts, 2, 128, d, device=dev)
-    dk, dv = (torch.full((b, lk, hk, d), float("nan"), device=dev, dtype=torch.bfloat16) for _ in range(2))
-    attention_ops.launcher(attn_bwd_parts_kernel)[(items - whole, 128 // 32)](
-        partials, dk, dv, whole, parts, n_tiles, hk, lk, dk.stride(0), dk.stride(2), dk.stride(1), dv.stride(0),
-        dv.stride(2), dv.stride(1), D=d, BLOCK_M=32, num_warps=4)
+    gen = torch.Generator().manual_seed(0)
+    partials = (torch.randn(items - whole, parts, 2, 128, d, generator=gen)
+                * 2.0 ** torch.randint(-12, 12, (items - whole, parts, 2, 128, d), generator=gen)).to(dev)
     summed = partials[:, 0] + partials[:, 1] + partials[:, 2]  # in part order, as fp32
-    for grad, which in ((dk, 0), (dv, 1)):
-        want = torch.full((b, hk, n_tiles * 128, d), float("nan"), device=dev)
-        want.view(b * hk * n_tiles, 128, d)[whole:] = summed[:, which]
-        want = want[:, :, :lk].to(torch.bfloat16).transpose(1, 2)
-        assert torch.equal(grad.isnan(), want.isnan()) and torch.equal(grad.nan_to_num(), want.nan_to_num())
+    assert not torch.equal(summed, partials[:, 2] + partials[:, 1] + partials[:, 0])  # the order shows
+    for dtype in (torch.float32, torch.bfloat16):
+        dk, dv = (torch.full((b, lk, hk, d), float("nan"), device=dev, dtype=dtype) for _ in range(2))
+        attention_ops.launcher(attn_bwd_parts_kernel)[(items - whole, 128 // 32)](
+            partials, dk, dv, whole, parts, n_tiles, hk, lk, dk.stride(0), dk.stride(2), dk.stride(1), dv.stride(0),
+            dv.stride(2), dv.stride(1), D=d, BLOCK_M=32, num_warps=4)
+        for grad, which in ((dk, 0), (dv, 1)):
+            want = torch.full((b, hk, n_tiles * 128, d), float("nan"), device=dev)
+            want.view(b * hk * n_tiles, 128, d)[whole:] = summed[:, which]
+            want = want[:, :, :lk].to(dtype).transpose(1, 2)
+            assert torch.equal(grad.isnan(), want.isnan()), dtype
+            assert torch.equal(grad.nan_to_num(), want.nan_to_num()), dtype
 
 
 def test_8bit_forward_takes_the_sm90_core_only_with_q_given_in_int8(monkeypatch):

@@ -758,8 +758,6 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
                                                        instr_shape=[16, _ROWS, 16])
     d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, 16])
-    piece_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _DQ_PIECE, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
     program = _bwd_program(KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
                            HEAVY_FIRST, SPARSE, SPLIT)
@@ -770,7 +768,10 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     dk = gl.zeros([_ROWS, D], gl.float32, d_layout)
     dv = gl.zeros([_ROWS, D], gl.float32, d_layout)
     s_zero = gl.zeros([_ROWS, _ROWS], gl.float32, s_layout)
-    dq_zero = gl.zeros([_ROWS, _DQ_PIECE], gl.float32, piece_layout)
+    if DQ:  # the dQ products' (unused) accumulator: _bwd_dq_step's products start from zero
+        piece_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, _DQ_PIECE, 16])
+        dq_zero = gl.zeros([_ROWS, _DQ_PIECE], gl.float32, piece_layout)
     first_key = tile * 2 * _ROWS + _ROWS * W
     key = first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
     step_query = gl.arange(0, _ROWS, layout=gl.SliceLayout(0, s_layout))
