@@ -23,8 +23,7 @@ from compile_ops.ops import block_sparse as bs
 from compile_ops.reference import block_sparse as ref
 from conftest import INTERPRET, KERNEL_DEVICE, allow_tma_under_interpreter
 from numerics import assert_within_torch_error
-from test_attention import (_SM90, LSE_ROUNDINGS, _qkv, five_product_gradients, sm90_deterministic_gradients,
-                            torch_at_dtype)
+from test_attention import _SM90, LSE_ROUNDINGS, _qkv, five_product_gradients, torch_at_dtype
 
 DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
 BLOCK = 128
@@ -144,48 +143,6 @@ def test_sm90_five_product_backward_over_block_lists(monkeypatch):
         for again in got:
             for name, g, e, p in zip("qkv", again, exact_grads, theirs):
                 assert_within_torch_error(g, e, p, 3.0, f"d{name} {case}", fp32_roundings=128)
-
-
-@pytest.mark.skipif(not _SM90, reason="the Gluon dq pass runs on sm_90 GPUs only")
-def test_sm90_dq_pass_over_block_lists(monkeypatch):
-    """The deterministic backward's Gluon dq pass over the forward's block
-    lists (``SM90_DQ_SPARSE`` on; the dk/dv pass stays
-    ``attn_bwd_dkdv_kernel``): checked as the dense pass is
-    (:func:`sm90_deterministic_gradients`), over shuffled lists from
-    near-empty to full, per-head and broadcast, GQA, ragged Lq and Lk,
-    causal, key lengths, both layouts, D = 128 and 64, and all three
-    gradients within the two-reference rule of the fp64 gradients."""
-    from compile_ops.ops import attention as attention_ops
-
-    launched, launcher = [], attention_ops.launcher
-    monkeypatch.setattr(attention_ops, "launcher",
-                        lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
-    monkeypatch.setattr(attention_ops, "SM90_DQ_SPARSE", True)
-    for b, hq, hk, lq, lk, seq_dim, dtype, causal, lengths, per_head, density, d in [
-            (1, 4, 4, 1024, 1024, 2, torch.bfloat16, False, None, True, 0.3, 128),
-            (2, 6, 2, 700, 1000, 1, torch.float16, False, None, True, 0.5, 128),
-            (1, 2, 2, 900, 900, 2, torch.bfloat16, True, None, False, 0.4, 128),
-            (2, 4, 1, 640, 500, 1, torch.bfloat16, False, [500, 130], True, 0.05, 128),
-            (1, 3, 3, 333, 4000, 2, torch.float16, True, [2900], True, 1.0, 128),
-            (1, 2, 2, 900, 900, 2, torch.bfloat16, True, [700], False, 0.4, 64)]:
-        case = (b, hq, hk, lq, lk, seq_dim, dtype, causal, lengths, per_head, density, d)
-        seed = lq + lk
-        torch.manual_seed(seed)
-        q, k, v = _qkv(b, hq, hk, lq, lk, d, seq_dim, dtype, "cuda")
-        kv = None if lengths is None else torch.tensor(lengths, dtype=torch.int32, device="cuda")
-        index, count = _random_lists(b if per_head else 1, hq if per_head else 1, lq, lk, density, seed, "cuda")
-        out = compile_ops.block_sparse_attention(q, k, v, index, count, None, causal, seq_dim, kv)
-        dout = torch.randn_like(out)
-        got = sm90_deterministic_gradients(out, (q, k, v), dout, launched, case, monkeypatch,
-                                           dkdv="attn_bwd_dkdv_kernel")
-        scale = d ** -0.5
-        qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-        exact, _ = ref.block_sparse_attention(qd, kd, vd, index, count, scale, causal, seq_dim, kv)
-        exact_grads = torch.autograd.grad(exact, (qd, kd, vd), dout.double())
-        theirs = torch_at_dtype(q.detach(), k.detach(), v.detach(), dout, scale, causal, seq_dim, kv,
-                                ref.token_mask(index, count, lq, lk))[1]
-        for name, g, e, p in zip("qkv", got, exact_grads, theirs):
-            assert_within_torch_error(g, e, p, 3.0, f"d{name} {case}", fp32_roundings=128)
 
 
 @pytest.mark.kernels

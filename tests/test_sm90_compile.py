@@ -525,61 +525,6 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
             assert not _spills_in_loops_with_mma(sass), (dtype, d, _spills_in_loops_with_mma(sass))
 
 
-@pytest.mark.parametrize("variant", [
-    ("bf16", dict()), ("fp16", dict(D=64)), ("bf16", dict(CAUSAL=True, HEAVY_FIRST=True)),
-    ("fp16", dict(HAS_KV_LEN=True)), ("bf16", dict(D=64, CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True)),
-    ("bf16", dict(SPARSE="i32")), ("fp16", dict(SPARSE="i64", CAUSAL=True, HAS_KV_LEN=True))],
-    ids=lambda v: "-".join([v[0]] + [f"{k}={x}" for k, x in v[1].items()]))
-def test_deterministic_dq_pass_compiles_for_sm90(variant, tmp_path):
-    """``attn_bwd_dq_sm90_kernel`` (the deterministic backward's dq pass on the
-    forward core), its variants (bf16 and fp16, D = 128 and 64, dense or over
-    int32 / int64 lists, causal, key lengths): it compiles for sm_90 with
-    its partitions' register budgets, and nothing spills in its key loops.
-    Its item loops reload a few set-up scalars (batch, head, list pointers)
-    from local memory once an item, 9-21 loads at D = 128 (ptxas at the
-    consumers' 240 registers, which hold dQ, S and dP, 192 of them): bounded
-    at 24, where a spilled tile would be 64 a thread."""
-    import os
-    import re
-    import subprocess
-
-    from triton import knobs
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from compile_ops.kernels.attention_sm90 import attn_bwd_dq_sm90_kernel as kernel
-    from compile_ops.ops import attention as attention_ops
-
-    dtype, flags = variant
-    flags = dict(flags)
-    pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", DO=f"*{dtype}", LSE_ROWS="*fp32", DELTA="*fp32",
-                    DQ=f"*{dtype}")
-    if flags.get("HAS_KV_LEN"):
-        pointers["KV_LEN"] = "*i32"
-    if flags.get("SPARSE"):
-        pointers.update(BLOCKS=f"*{flags['SPARSE']}", COUNTS=f"*{flags['SPARSE']}")
-        flags["SPARSE"] = True
-    constants = dict(D=128, STAGES=attention_ops.SM90_DQ_STAGES, CONSUMER_REGS=attention_ops.SM90_CORE_CONSUMER_REGS,
-                     CAUSAL=False, HAS_KV_LEN=False, HEAVY_FIRST=False, SPARSE=False, num_warps=4)
-    constants.update(flags)
-    constants.update({name: None for name in ("KV_LEN", "BLOCKS", "COUNTS") if name not in pointers})
-    signature = {p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
-                 for p in kernel.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.arg_names) if p in pointers}
-    launch = attention_ops.SM90_CORE_LAUNCH
-    ptx = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
-                         target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=launch["num_warps"], maxnreg=launch["maxnreg"])).asm["ptx"]
-    budgets = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
-    assert {24, attention_ops.SM90_CORE_CONSUMER_REGS} <= budgets, (variant, sorted(budgets))
-    (tmp_path / "dq.ptx").write_text(ptx)
-    subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", str(tmp_path / "dq.ptx"), "-o",
-                    str(tmp_path / "dq.cubin")], capture_output=True, text=True, check=True)
-    sass = subprocess.run([os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump"), "-sass",
-                           str(tmp_path / "dq.cubin")], capture_output=True, text=True, check=True).stdout
-    assert not _spills_in_innermost_loops(sass), (variant, _spills_in_innermost_loops(sass))
-    assert len(_spills_in_loops_with_mma(sass)) <= 24, (variant, _spills_in_loops_with_mma(sass))
-
-
 def _sass_loops(sass: str) -> tuple:
     """A SASS listing's ``(code, loops)``: its instructions as ``(address,
     text)`` and its loops as the ``(start, end)`` spans of backward branches

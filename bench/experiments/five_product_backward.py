@@ -1,8 +1,7 @@
 """The five-product backward's launch options beside cuDNN, flash and the deterministic passes (issue 28):
 
     PYTHONPATH=. python bench/experiments/five_product_backward.py OUT.json [--shapes BxHxLxD[c],...]
-        [--variants default,unsplit,stages=4] [--deterministic-variants default,triton_dkdv,triton_dq,
-        triton_passes,dq_stages=3] [--rounds 3]
+        [--variants default,unsplit,stages=4] [--deterministic-variants default,triton_dkdv] [--rounds 3]
 
 Forward+backward steps of ``compile_ops.attention`` with the five-product
 backward (``set_attention_backward(deterministic=False)``) in each of
@@ -11,10 +10,7 @@ last round, ``ops.attention.backward_tail_split``) and ``stages=N`` (an
 N-deep q/dO ring, ``SM90_BACKWARD_STAGES``); the deterministic backward in
 each of ``--deterministic-variants`` (``default``; ``triton_dkdv``: its
 dk/dv pass in ``triton.language``, not the sm_90 kernel without dQ,
-``SM90_DKDV``; ``triton_dq``: its dq pass in ``triton.language``, not
-``attn_bwd_dq_sm90_kernel``, ``SM90_DQ``; ``triton_passes``: both;
-``dq_stages=N``: the dq pass's K/V ring N deep, ``SM90_DQ_STAGES``); and
-SDPA's cuDNN and flash backends. Per shape (a trailing ``c``: causal),
+``SM90_DKDV``); and SDPA's cuDNN and flash backends. Per shape (a trailing ``c``: causal),
 ``--rounds`` times alternated, CUDA-graph replays after a second of calls.
 
 Why: at D = 64 a q/dO stage takes 16 KB of shared memory where D = 128
@@ -36,18 +32,15 @@ SHAPES = "1x24x4608x128,1x24x4592x128,2x24x4096x64,1x24x4429x64,1x12x32760x128,1
 
 
 #: The launch options as ``compile_ops`` sets them, which ``default`` restores.
-DEFAULTS = (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN, attention_ops.SM90_DKDV,
-            attention_ops.SM90_DQ, attention_ops.SM90_DQ_STAGES)
+DEFAULTS = attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN, attention_ops.SM90_DKDV
 
 
 def configure(variant: str) -> None:
     """Set the five-product backward's launch options for ``variant`` (see the module docstring)."""
-    stages, gain, dkdv, dq, dq_stages = DEFAULTS
+    stages, gain, dkdv = DEFAULTS
     attention_ops.SM90_BACKWARD_STAGES = int(variant.split("=")[1]) if variant.startswith("stages=") else stages
     attention_ops.TAIL_SPLIT_GAIN = 1.0 if variant == "unsplit" else gain  # a gain of 100%: never split
-    attention_ops.SM90_DKDV = dkdv and variant not in ("triton_dkdv", "triton_passes")
-    attention_ops.SM90_DQ = dq and variant not in ("triton_dq", "triton_passes")
-    attention_ops.SM90_DQ_STAGES = int(variant.split("=")[1]) if variant.startswith("dq_stages=") else dq_stages
+    attention_ops.SM90_DKDV = dkdv and variant != "triton_dkdv"
     attention_ops.backward_tail_split.cache_clear()
 
 
@@ -57,8 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=SHAPES)
     p.add_argument("--variants", default="default,unsplit")
     p.add_argument("--deterministic-variants", default="default",
-                   help="the deterministic backward's: default, triton_dkdv, triton_dq, triton_passes (those "
-                        "passes in triton.language), dq_stages=N")
+                   help="the deterministic backward's: default, triton_dkdv (its dk/dv pass in triton.language)")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     timer = make_timer(False)
@@ -97,8 +89,8 @@ def main(argv=None) -> int:
         del q, k, v, grad
         torch.cuda.empty_cache()
         write_rows(args.out, rows)  # after every shape: a run stopped midway keeps what it measured
-    assert (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN, attention_ops.SM90_DKDV,
-            attention_ops.SM90_DQ, attention_ops.SM90_DQ_STAGES) == DEFAULTS, "configure drifted"
+    assert (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN,
+            attention_ops.SM90_DKDV) == DEFAULTS, "configure drifted"
     return 0
 
 

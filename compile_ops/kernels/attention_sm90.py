@@ -94,14 +94,13 @@ _DQ_PIECE = gl.constexpr(32)
 
 @gluon.jit
 def _loader(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-            HEAVY_FIRST: gl.constexpr, DQ_PASS: gl.constexpr):
+            HEAVY_FIRST: gl.constexpr):
     """The producer warp, over this program's work items: each item's q rows
-    (DQ_PASS: and its dO rows; once both consumers' last product that reads
-    them in the previous item is done), then every key tile's K and V (the
-    listed blocks' tiles, block-sparse) into the ring, which runs on across
-    items."""
+    (once both consumers' last Q K^T of the previous item is done), then
+    every key tile's K and V (the listed blocks' tiles, block-sparse) into
+    the ring, which runs on across items."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-     work, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE, dq_pass) = args
+     work, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE) = args
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     GROUP = work[7]
@@ -113,13 +112,7 @@ def _loader(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.con
         b = b.to(gl.int32)
         hk = (h // GROUP).to(gl.int32)
         mbarrier.wait(q_empty, (item & 1) ^ 1)
-        if DQ_PASS:
-            do_desc = dq_pass[0]
-            do_smem = dq_pass[1]
-            mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [b, h.to(gl.int32), q_start, 0], q_bar, _box(do_smem))
-        else:
-            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h.to(gl.int32), q_start, 0], q_bar, _box(q_smem))
         for j in range(n_tiles):
             stage = (it + j) % STAGES
@@ -164,7 +157,10 @@ def _softmax(s, m, l, row, qk_scale, key_limit, diagonal, MASKED: gl.constexpr, 
     if INT8_FP8:
         s = s.to(gl.float32, bitcast=True)
     if MASKED:
-        s = _masked(s, key_limit, diagonal, s_layout)
+        cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
+        rows = gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s_layout))
+        visible = (cols < key_limit)[None, :] & (cols[None, :] <= (rows + diagonal)[:, None])
+        s = gl.where(visible, s, float("-inf"))
     if INT8_FP8:  # row > 0: the largest biased score is the largest score
         m_new = gl.maximum(m, (gl.max(s, 1) - _INT8_BIAS) * row)
     else:
@@ -182,17 +178,6 @@ def _softmax(s, m, l, row, qk_scale, key_limit, diagonal, MASKED: gl.constexpr, 
         alpha = gl.exp2(m * qk_scale - m_scaled)
     l = l * alpha + gl.sum(p, 1)
     return p, m_new, l, alpha
-
-
-@gluon.jit
-def _masked(s, key_limit, diagonal, s_layout: gl.constexpr):
-    """The scores ``s`` of a consumer's masked key tile with -inf where key c
-    is hidden from query row r: ``c >= key_limit`` (past kv_len) or ``c > r +
-    diagonal`` (causal; :func:`_softmax`)."""
-    cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
-    rows = gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s_layout))
-    visible = (cols < key_limit)[None, :] & (cols[None, :] <= (rows + diagonal)[:, None])
-    return gl.where(visible, s, float("-inf"))
 
 
 @gluon.jit
@@ -337,7 +322,7 @@ def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constex
     ``q_start + 64 * HALF`` to 64 past it, through the item's key tiles, then
     their output rows and log-sum-exp."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-     work, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE, dq_pass) = args  # (dq_pass: the dq pass's, ())
+     work, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE) = args
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = q_smem.shape[1]
     INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
@@ -533,40 +518,15 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_S
     q_desc = tma.make_tensor_descriptor(Q, [B, H, Lq, D], [sqb, sqh, sql, 1], [1, 1, 2 * _ROWS, D], box)
     k_desc = tma.make_tensor_descriptor(K, [B, H // GROUP, Lk, D], [skb, skh, skl, 1], [1, 1, BLOCK_N, D], box)
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * _ROWS, D], matrix)
+    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, D], matrix)
     if INT8_FP8:
         v_desc = tma.make_tensor_descriptor(V, [B, H // GROUP, D, Lk], [svb, svh, svl, 1], [1, 1, D, BLOCK_N], box)
+        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, D, BLOCK_N], matrix)
         p_smems = gl.allocate_shared_memory(gl.float8e4nv, [2 * _ROWS, BLOCK_N], matrix)
     else:
         v_desc = tma.make_tensor_descriptor(V, [B, H // GROUP, Lk, D], [svb, svh, svl, 1], [1, 1, BLOCK_N, D], box)
-        p_smems = q_smem  # a stand-in: 16-bit P stays in registers
-    k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty = _key_ring(
-        K, V, STAGES, BLOCK_N, D, INT8_FP8, matrix)
-    # Tuples hold run-time values only: an assignment turns a constexpr into a tensor, so the
-    # partitions take the flags as constexpr arguments of their own.
-    work = (gl.cdiv(Lq, 2 * _ROWS), BH, heads_per_group, KV_LEN, BLOCKS, COUNTS, H, GROUP, Lk, sob, soh,
-            (sbb, sbh, sbr, scb, sch, scr), LSE)
-    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready,
-            v_empty, work, OUT, LSE, sol, Lq, scale, Q_SCALE, K_SCALE, V_SCALE, ())
-    gl.warp_specialize([(_consumer_low, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
-                        (_consumer_high, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
-                        (_loader, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST, False))], [4, 1],
-                       [CONSUMER_REGS, 24])
-
-
-@gluon.jit
-def _key_ring(K, V, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, V_TRANSPOSED: gl.constexpr,
-              matrix: gl.constexpr):
-    """The shared memory and mbarriers of a core launch's key ring: ``(k_smem,
-    v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty)``, K and V
-    tiles of ``BLOCK_N`` keys in ``STAGES`` buffers (V_TRANSPOSED: V's as
-    ``[D, BLOCK_N]``, FP8 P V's), each with its "ready" mbarrier (the
-    loader's TMA bytes arrived) and its "empty" one (both consumers are
-    done with it), and q's pair (q loaded, q free again)."""
-    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, D], matrix)
-    if V_TRANSPOSED:
-        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, D, BLOCK_N], matrix)
-    else:
         v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_N, D], matrix)
+        p_smems = q_smem  # a stand-in: 16-bit P stays in registers
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -580,7 +540,15 @@ def _key_ring(K, V, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
-    return k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty
+    # Tuples hold run-time values only: an assignment turns a constexpr into a tensor, so the
+    # partitions take the flags as constexpr arguments of their own.
+    work = (gl.cdiv(Lq, 2 * _ROWS), BH, heads_per_group, KV_LEN, BLOCKS, COUNTS, H, GROUP, Lk, sob, soh,
+            (sbb, sbh, sbr, scb, sch, scr), LSE)
+    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready,
+            v_empty, work, OUT, LSE, sol, Lq, scale, Q_SCALE, K_SCALE, V_SCALE)
+    gl.warp_specialize([(_consumer_low, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
+                        (_consumer_high, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
+                        (_loader, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST))], [4, 1], [CONSUMER_REGS, 24])
 
 
 # ---------------------------------------------------------------- backward (five products, dq added)
@@ -977,174 +945,3 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
         [(_bwd_consumer_low, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT)),
          (_bwd_consumer_high, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT)),
          (_bwd_loader, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, SPLIT))], [4, 1], [CONSUMER_REGS, 24])
-
-
-# ---------------------------------------------------------------- backward's dq pass (deterministic)
-
-
-@gluon.jit
-def _dq_step(c, dq, ds_smem, q_rows, do_rows, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, lse2,
-             delta, qk_scale, masked, key_limit, diagonal, s_layout: gl.constexpr, FIRST: gl.constexpr):
-    """One consumer's key step of the dq pass, the c-th tile through the ring:
-    S_c = Q K_c^T, dQ += dS_c-1 K_c-1 (not FIRST; dS_c-1 from ``ds_smem``)
-    and dP_c = dO V_c^T issued in that order, P_c from S_c while the other
-    two run, then dS_c = P_c (dP_c - delta) stored to ``ds_smem`` for the
-    next step's product. Returns dq. dS goes through shared memory, not
-    registers, so that dQ, S and dP (192 registers) are all that a step's
-    three products hold: with dS as a register operand, ptxas gave dP the
-    registers of the dS that the dQ product was still reading, which made
-    dP wait for it. ``masked``: the tile holds hidden keys
-    (:func:`_masked`)."""
-    STAGES: gl.constexpr = k_smem.shape[0]
-    stage = c % STAGES
-    prev = (c - 1) % STAGES
-    mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
-    s_token = warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if not FIRST:
-        dq_token = warpgroup_mma(ds_smem, k_smem.index(prev), dq, is_async=True)
-    mbarrier.wait(v_ready.index(stage), (c // STAGES) & 1)
-    dp_token = warpgroup_mma(do_rows, v_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if FIRST:
-        s = warpgroup_mma_wait(1, deps=[s_token])
-    else:
-        s = warpgroup_mma_wait(2, deps=[s_token])  # wgmma groups complete in order
-    if masked:
-        s = _masked(s, key_limit, diagonal, s_layout)
-    # lse2 is +inf for rows past Lq and rows that see no key: their P is 0 (a hidden key's score is -inf).
-    p = gl.exp2(s * qk_scale - lse2[:, None])
-    if not FIRST:
-        dq = warpgroup_mma_wait(1, deps=[dq_token])  # dS_c-1 and K_c-1 read
-        mbarrier.arrive(k_empty.index(prev), count=1)
-    dp = warpgroup_mma_wait(0, deps=[dp_token])
-    mbarrier.arrive(v_empty.index(stage), count=1)
-    ds_smem.store((p * (dp - delta[:, None])).to(k_smem.dtype))
-    fence_async_shared()  # the generic proxy's stores before the async proxy's reads (the next product)
-    return dq
-
-
-@gluon.jit
-def _dq_consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-                 HEAVY_FIRST: gl.constexpr):
-    """One consumer warp group of the dq pass, over this program's work
-    items: query rows ``q_start + 64 * HALF`` to 64 past it, through the
-    item's key tiles (the forward's; :func:`_dq_step`), then dq = scale dQ
-    stored to DQ (the forward's OUT, with its strides). Once the item's last
-    S and dP are done it frees q and dO for the loader (``q_empty``), which
-    loads the next item's under the last dQ product."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-     work, DQ, LSE_ROWS, sdql, lq, scale, Q_SCALE, K_SCALE, V_SCALE, dq_pass) = args
-    do_desc, do_smem, DELTA, stats_row, ds_smems = dq_pass
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    D: gl.constexpr = q_smem.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    qk_scale = scale * _LOG2E
-    q_rows = q_smem.slice(_ROWS * HALF, _ROWS)
-    do_rows = do_smem.slice(_ROWS * HALF, _ROWS)
-    ds_smem = ds_smems.slice(_ROWS * HALF, _ROWS)
-    s_zero = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
-    it = 0  # key tiles consumed so far: the ring's position
-    item = 0
-    for w in range(gl.program_id(0), _work_items(work), gl.num_programs(0)):
-        b, h, bh, q_start, kv_len, _, n_tiles, n_full, masked_start, out_off = _work_item(
-            w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
-        first_row = q_start + _ROWS * HALF
-        # The rows' statistics, from attn_bwd_row_stats_kernel's padded rows.
-        stats = bh.to(gl.int64) * stats_row + first_row + gl.arange(0, _ROWS, layout=s_rows)
-        lse2 = gl.load(LSE_ROWS + stats) * _LOG2E
-        delta = gl.load(DELTA + stats)
-        # The masked tile's bounds: keys from kv_len on, and (causal) keys past each row's position.
-        diagonal = BLOCK_N
-        if CAUSAL:
-            diagonal = first_row - masked_start
-        key_limit = kv_len - masked_start
-        dq = gl.zeros([_ROWS, D], gl.float32, d_layout)
-        mbarrier.wait(q_bar, item & 1)
-        if n_tiles > 0:
-            dq = _dq_step(it, dq, ds_smem, q_rows, do_rows, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                          s_zero, lse2, delta, qk_scale, n_full == 0, key_limit, diagonal, s_layout, True)
-            for j in range(1, n_tiles):
-                dq = _dq_step(it + j, dq, ds_smem, q_rows, do_rows, k_smem, v_smem, k_ready, k_empty, v_ready,
-                              v_empty, s_zero, lse2, delta, qk_scale, j >= n_full, key_limit, diagonal, s_layout,
-                              False)
-            mbarrier.arrive(q_empty, count=1)  # every product that reads this item's q and dO is done
-            last = (it + n_tiles - 1) % STAGES
-            dq = warpgroup_mma_wait(0, deps=[warpgroup_mma(ds_smem, k_smem.index(last), dq, is_async=True)])
-            mbarrier.arrive(k_empty.index(last), count=1)
-        else:
-            mbarrier.arrive(q_empty, count=1)
-        it += n_tiles
-        item += 1
-        rows = first_row + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, d_layout))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
-        gl.store(DQ + out_off + rows.to(gl.int64)[:, None] * sdql + cols[None, :],
-                 (dq * scale).to(DQ.dtype.element_ty), mask=(rows < lq)[:, None])
-
-
-@gluon.jit
-def _dq_consumer_low(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-                     HEAVY_FIRST: gl.constexpr):
-    _dq_consumer(args, 0, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
-
-
-@gluon.jit
-def _dq_consumer_high(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-                      HEAVY_FIRST: gl.constexpr):
-    _dq_consumer(args, 1, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
-
-
-@gluon.jit
-def attn_bwd_dq_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ, KV_LEN, BLOCKS, COUNTS,
-                            sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sdqb, sdqh, sdql,
-                            sbb, sbh, sbr, scb, sch, scr, stats_row, BH, H, GROUP, Lq, Lk, scale, heads_per_group,
-                            D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, SPARSE: gl.constexpr,
-                            HEAVY_FIRST: gl.constexpr, num_warps: gl.constexpr):
-    """The deterministic backward's dq pass on the forward core: dq = scale dS K
-    with dS = P (dP - delta), P = exp(scale Q K^T - lse) and dP = dO V^T,
-    three products a key tile, by the forward's work items (128 queries of
-    one (batch, head), ``attn_fwd_sm90_kernel``'s order, grid and masks:
-    dense or SPARSE over the forward's lists BLOCKS ``[B, H, cdiv(Lq, 128),
-    W]`` / COUNTS, CAUSAL, HAS_KV_LEN with KV_LEN ``[B]``, HEAVY_FIRST with
-    ``heads_per_group``), its 128-key tiles through the same loader and
-    ring, with dO loaded beside q. Each item's dq is summed in one order,
-    in registers, and stored once: bit for bit the same on every run, no
-    atomics (``attn_bwd_dq_kernel``'s contract, not its bits: other tiles).
-
-    Q, DO, DQ ``[B, H, Lq, D]`` and K, V ``[B, H / GROUP, Lk, D]`` 16-bit,
-    any layout through the (batch, head, position) strides, a unit stride
-    along D, TMA-aligned Q, K, V, DO; LSE_ROWS and DELTA ``[B * H,
-    stats_row]`` fp32, ``attn_bwd_row_stats_kernel``'s padded rows (lse
-    +inf past Lq and for rows that see no key; ``stats_row`` a multiple of
-    128). D = 64 or 128, ``Lk >= 1``. Launch as the forward core:
-    ``num_warps=4``, ``maxnreg=168``, ``CONSUMER_REGS`` for both consumer
-    groups."""
-    gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
-    gl.static_assert((D == 64) or (D == 128), "D = 64 or 128 (ops.attention._sm90_backward_computes)")
-    BLOCK_N: gl.constexpr = 2 * _ROWS  # the forward's lists' blocks, and one causal diagonal a tile
-    box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-    matrix: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    B = BH // H
-    q_desc = tma.make_tensor_descriptor(Q, [B, H, Lq, D], [sqb, sqh, sql, 1], [1, 1, 2 * _ROWS, D], box)
-    do_desc = tma.make_tensor_descriptor(DO, [B, H, Lq, D], [sdb, sdh, sdl, 1], [1, 1, 2 * _ROWS, D], box)
-    k_desc = tma.make_tensor_descriptor(K, [B, H // GROUP, Lk, D], [skb, skh, skl, 1], [1, 1, BLOCK_N, D], box)
-    v_desc = tma.make_tensor_descriptor(V, [B, H // GROUP, Lk, D], [svb, svh, svl, 1], [1, 1, BLOCK_N, D], box)
-    # Shared memory at D = 128, 2 stages: q and dO 64 KB, K and V 128 KB, dS 32 KB (of 227).
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * _ROWS, D], matrix)
-    do_smem = gl.allocate_shared_memory(DO.dtype.element_ty, [2 * _ROWS, D], matrix)
-    ds_smems = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * _ROWS, BLOCK_N], matrix)
-    k_smem, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty = _key_ring(
-        K, V, STAGES, BLOCK_N, D, False, matrix)
-    work = (gl.cdiv(Lq, 2 * _ROWS), BH, heads_per_group, KV_LEN, BLOCKS, COUNTS, H, GROUP, Lk, sdqb, sdqh,
-            (sbb, sbh, sbr, scb, sch, scr), LSE_ROWS)
-    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-            v_empty, work, DQ, LSE_ROWS, sdql, Lq, scale, None, None, None,
-            (do_desc, do_smem, DELTA, stats_row, ds_smems))
-    gl.warp_specialize([(_dq_consumer_low, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
-                        (_dq_consumer_high, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
-                        (_loader, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST, True))], [4, 1],
-                       [CONSUMER_REGS, 24])

@@ -37,7 +37,7 @@ from compile_ops.kernels.attention import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel
                                            fp8_rows_scale_kernel,
                                            kv8_counters_clear_kernel, kv8_quantize_kernel,
                                            kv8_stats_kernel)
-from compile_ops.kernels.attention_sm90 import attn_bwd_dq_sm90_kernel, attn_bwd_sm90_kernel, attn_fwd_sm90_kernel
+from compile_ops.kernels.attention_sm90 import attn_bwd_sm90_kernel, attn_fwd_sm90_kernel
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
 from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 
@@ -495,16 +495,6 @@ def _takes_sm90_backward(c: dict, q: Tensor, k: Tensor, v: Tensor, grad_out: Ten
 SM90_DKDV = True
 
 
-#: The deterministic backward's dq pass on sm_90: ``attn_bwd_dq_sm90_kernel`` (the forward core's loader,
-#: items and masks; three products a key tile, warp-specialized; bit for bit the same on every run) for the
-#: dense calls :func:`_sm90_backward_computes` accepts, in place of ``attn_bwd_dq_kernel``; with
-#: :data:`SM90_DQ_SPARSE`, block-sparse ones too (over the forward's lists).
-SM90_DQ = True
-SM90_DQ_SPARSE = False
-#: The dq pass's K/V ring: two stages fill 192 KB of shared memory at D = 128 with q and dO.
-SM90_DQ_STAGES = 2
-
-
 #: What a part of an item costs the five-product backward beyond its share of the item's steps, as a
 #: fraction of a whole item: its K and V loads, its pipeline's fill and its fp32 dk/dv (the model
 #: :func:`backward_tail_split` plans with).
@@ -589,49 +579,6 @@ def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
             D=d, BLOCK_M=rows, num_warps=4)
 
 
-def _launch_sm90_dq(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor, delta: Tensor,
-                    dq: Tensor, scale: float, causal: bool, seq_dim: int, kv_lengths: Optional[Tensor],
-                    block_index: Optional[Tensor] = None, block_count: Optional[Tensor] = None) -> None:
-    """Launch ``attn_bwd_dq_sm90_kernel`` (``launch(kernel)``: the kernel, or
-    the launch-plan recorder's proxy of it) on arguments
-    :func:`_sm90_backward_computes` accepted: dq, by the forward core's work
-    items on its grid (:func:`_core_programs`) and in its order (causal:
-    longest first); ``block_index`` / ``block_count``: the forward's lists
-    (``launch_backward``'s ``blocks``)."""
-    b, h, lq, d = meta.attention.dims(q, seq_dim)
-    hk, lk = meta.attention.dims(k, seq_dim)[1:3]
-    sparse = block_index is not None
-    assert not sparse or meta.attention.SPARSE_BLOCK == 128  # a key tile is a listed block
-    items = triton.cdiv(lq, 128) * b * h
-    order, group = causal_order(k, lk, b * h) if causal and not sparse else _LAUNCH_ORDER
-    triton.set_allocator(_scratch)  # the kernel builds its TMA descriptors on the device
-    launch(attn_bwd_dq_sm90_kernel)[(_core_programs(q, items, causal, sparse), )](
-        q, k, v, grad_out, lse_rows, delta, dq, kv_lengths, block_index, block_count,
-        *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
-        *_bhl_strides(grad_out, seq_dim), *_bhl_strides(dq, seq_dim),
-        *_lists((block_index, block_count) if sparse else None)[2:], lse_rows.shape[1], b * h, h, h // hk, lq, lk,
-        float(scale), group, D=d, STAGES=SM90_DQ_STAGES, CONSUMER_REGS=SM90_CORE_CONSUMER_REGS, CAUSAL=causal,
-        HAS_KV_LEN=kv_lengths is not None, SPARSE=sparse, **order, **SM90_CORE_LAUNCH)
-
-
-@torch.library.custom_op("fused_gluon::attention_backward_dq_sm90_", mutates_args=("dq", ))
-def _attention_backward_dq_sm90(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor, delta: Tensor,
-                                dq: Tensor, scale: float, causal: bool, seq_dim: int,
-                                kv_lengths: Optional[Tensor] = None, block_index: Optional[Tensor] = None,
-                                block_count: Optional[Tensor] = None) -> None:
-    """``attn_bwd_dq_sm90_kernel`` (:func:`_launch_sm90_dq`) as an op of its
-    own, for traced calls (as ``fused_gluon.attention_forward_sm90_``:
-    Inductor cannot trace a Gluon kernel); not a public op."""
-    _launch_sm90_dq(lambda kernel: kernel, grad_out, q, k, v, lse_rows, delta, dq, scale, causal, seq_dim,
-                    kv_lengths, block_index, block_count)
-
-
-@_attention_backward_dq_sm90.register_fake
-def _(grad_out, q, k, v, lse_rows, delta, dq, scale, causal, seq_dim, kv_lengths=None, block_index=None,
-      block_count=None):
-    return None
-
-
 @torch.library.custom_op("fused_gluon::attention_backward_sm90_", mutates_args=("dq_acc", "dk", "dv"))
 def _attention_backward_sm90(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor, delta: Tensor,
                              dq_acc: Optional[Tensor], dk: Tensor, dv: Tensor, scale: float, causal: bool, seq_dim: int,
@@ -708,15 +655,6 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
             TMA=tma, **order, **consts,
         )
-    if SM90_DQ and (SM90_DQ_SPARSE or not sparse) and _sm90_backward_computes(c, q, k, v, grad_out, seq_dim):
-        lists = blocks or (None, None)
-        if on_eager_fast_path():  # launched as is, recorded for launch plans
-            _launch_sm90_dq(launcher, grad_out, q, k, v, lse_rows, delta, dq, scale, causal, seq_dim, kv_lengths,
-                            *lists)
-        else:
-            torch.ops.fused_gluon.attention_backward_dq_sm90_(grad_out, q, k, v, lse_rows, delta, dq, float(scale),
-                                                              causal, seq_dim, kv_lengths, *lists)
-        return
     t = dq_tiles(d, q.dtype, sparse, has_tma(q))
     assert STATS_ROW_ALIGN.value % t.block_m == 0, t
     tma = _take_tma(t.tma, (seq_dim, k, v))
