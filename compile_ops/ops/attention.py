@@ -486,12 +486,15 @@ def _takes_sm90_backward(c: dict, q: Tensor, k: Tensor, v: Tensor, grad_out: Ten
 
 #: The deterministic backward's dk/dv pass on sm_90: ``attn_bwd_sm90_kernel`` without dQ (four products,
 #: warp-specialized; bit for bit the same on every run) for the dense calls it computes, in place of
-#: ``attn_bwd_dkdv_kernel``. Forward+backward against the ``triton.language`` pass, H100, 3 rounds
-#: alternated (``bench/results/attention-deterministic-dkdv-sm90-h100.json``): 1.02-1.03x at 1x24x4608x128
-#: and 1.09-1.16x at 1x24x4429x64, both with their last round split, which the pass no longer does (its
-#: memory, :func:`_launch_sm90_backward`), so unmeasured as it runs now; 1.00-1.01x at 2x24x4096x64 and
-#: 1.03-1.07x causal at 1x24x4608x128 (no split, as now). Block-sparse calls keep the ``triton.language``
-#: pass (not measured on this kernel without dQ).
+#: ``attn_bwd_dkdv_kernel``. Forward+backward against the ``triton.language`` pass, H100, alternated rounds:
+#: as it runs (no split), 1.02-1.03x at 1x24x4608x128, 1.03-1.05x at 1x40x16384x128, 0.99-1.02x at
+#: 2x24x4096x64 and 1.05-1.07x causal at 1x24x4608x128 (2 rounds,
+#: ``bench/results/attention-deterministic-dq-sm90-h100.json``: its ``triton_dq`` runs are this default, its
+#: ``triton_passes`` runs the old one); in 3 rounds before
+#: (``attention-deterministic-dkdv-sm90-h100.json``), 1.00-1.01x at 2x24x4096x64, 1.03-1.07x causal, and
+#: with a last round split, which the pass no longer does (its memory, :func:`_launch_sm90_backward`),
+#: 1.02-1.03x at 4608 and 1.09-1.16x at 1x24x4429x64. Block-sparse calls keep the ``triton.language`` pass
+#: (not measured on this kernel without dQ).
 SM90_DKDV = True
 
 
