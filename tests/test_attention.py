@@ -1201,9 +1201,9 @@ def test_backward_tail_split_at_known_shapes():
     from compile_ops.ops.attention import backward_tail_split
 
     assert backward_tail_split(864, 132, 72) == (792, 5)  # 1x24x4608, D = 128
-    assert backward_tail_split(840, 132, 70) == (792, 5)  # 1x24x4429 (SD3), D = 64
+    assert backward_tail_split(840, 132, 35) == (792, 5)  # 1x24x4429 (SD3), D = 64: 128-query steps
     assert backward_tail_split(1728, 132, 72) == (1716, 8)  # 2x24x4608: 12 items alone in a 14th round
-    assert backward_tail_split(1536, 132, 64) == (1536, 1)  # 2x24x4096 (D = 64): 2.3% modelled, 0.98x measured
+    assert backward_tail_split(1536, 132, 32) == (1536, 1)  # 2x24x4096 (D = 64): 2.3% modelled, 0.98x measured
     assert backward_tail_split(3072, 132, 512) == (3072, 1)  # 1x12x32760: 2.7% modelled, 0.98x measured
     assert backward_tail_split(264, 132, 72) == (264, 1)  # whole rounds
     assert backward_tail_split(100, 132, 1) == (100, 1)
@@ -1230,6 +1230,26 @@ def test_backward_tail_split_ends_sooner_by_its_model(items, sms, steps):
     for duration in [1.0] * whole + [1 / parts + attention_ops.PART_OVERHEAD] * ((items - whole) * parts):
         heapq.heappush(free, heapq.heappop(free) + duration)
     assert max(free) < -(-items // sms) * (1 - attention_ops.TAIL_SPLIT_GAIN)
+
+
+def test_set_attention_backward_keys_compile_caches_by_its_setting(monkeypatch):
+    """``set_attention_backward(deterministic=False)`` adds its tag to
+    torch.compile's cache keys (``torch.compiler.config.cache_key_tag``),
+    keeping a tag of the user's; ``True`` takes it off again, once however
+    often it was set; a non-bool is refused."""
+    from compile_ops.ops import attention as attention_ops
+
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "users-own")
+    try:
+        compile_ops.set_attention_backward(deterministic=False)
+        compile_ops.set_attention_backward(deterministic=False)
+        assert torch.compiler.config.cache_key_tag == "users-own," + attention_ops.ATOMIC_DQ_CACHE_TAG
+        compile_ops.set_attention_backward(deterministic=True)
+        assert torch.compiler.config.cache_key_tag == "users-own"
+    finally:
+        compile_ops.set_attention_backward(deterministic=True)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        compile_ops.set_attention_backward(deterministic=1)
 
 
 def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeypatch):
@@ -1602,7 +1622,8 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
         dout = torch.randn_like(out)
         case = (b, h, hk, lq, lk, seq_dim, dtype, causal, lengths, d)
         items = triton.cdiv(lk, 128) * b * hk
-        whole, _ = attention_ops.backward_tail_split(items, multiprocessor_count(q), h // hk * triton.cdiv(lq, 64))
+        steps = h // hk * triton.cdiv(lq, attention_ops.SM90_BACKWARD_STEPS[d])
+        whole, _ = attention_ops.backward_tail_split(items, multiprocessor_count(q), steps)
         parts = not causal and lengths is None and whole < items
         got = five_product_gradients(out, (q, k, v), dout, launched, "attn_bwd_dq_kernel", case, parts)
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
@@ -1665,8 +1686,7 @@ def test_sm90_deterministic_backward_by_the_kernel_without_dq(monkeypatch):
 
 
 @pytest.mark.skipif(not _SM90, reason="the Gluon core runs on sm_90 GPUs only")
-@pytest.mark.parametrize("deterministic", [False, True], ids=["five_products", "deterministic"])
-def test_sm90_backward_compiled_equals_eager(deterministic, monkeypatch):
+def test_sm90_backward_compiled_equals_eager(monkeypatch):
     """Under ``torch.compile`` (Inductor, fullgraph) the sm_90 backward runs
     as the opaque ``fused_gluon.attention_backward_sm90_``: the five-product
     option with a dQ accumulator (and, where the launch splits its last
@@ -1675,7 +1695,10 @@ def test_sm90_backward_compiled_equals_eager(deterministic, monkeypatch):
     dk and dv equal the eager backward's bit for bit; dq too in the
     deterministic mode, within 1e-3 with five products (its sums' order
     varies from run to run: 1.6e-4 seen on an H100, where the bound was
-    1e-4); D = 128 and 64, with and without a split."""
+    1e-4); D = 128 and 64, with and without a split. The five-product
+    option first, then the default compiling the same function again: its
+    graph must not come from the compile caches' entry of the other
+    setting (``set_attention_backward``'s cache tag)."""
     from compile_ops.ops import attention as attention_ops
 
     # Traced calls launch the Gluon kernel inside the opaque op, not through ``launcher``.
@@ -1688,31 +1711,34 @@ def test_sm90_backward_compiled_equals_eager(deterministic, monkeypatch):
     def attend(q, k, v):
         return compile_ops.attention(q, k, v, None, False, 2)
 
-    compile_ops.set_attention_backward(deterministic=deterministic)
     try:
-        splits, sms = set(), multiprocessor_count(torch.empty(0, device="cuda"))
-        for b, h, lq, lk, d in [(1, 5, 700, 4096, 128), (2, 4, 500, 4300, 64), (1, 4, 300, 4224, 128)]:
-            items = triton.cdiv(lk, 128) * b * h
-            split = attention_ops.backward_tail_split(items, sms, triton.cdiv(lq, 64))[0] < items
-            splits.add(split)
-            torch.manual_seed(lk)
-            q, k, v = _qkv(b, h, h, lq, lk, d, 2, torch.bfloat16, "cuda")
-            dout = torch.randn(b, h, lq, d, device="cuda", dtype=torch.bfloat16)
-            eager = torch.autograd.grad(attend(q, k, v), (q, k, v), dout)
-            torch._dynamo.reset()
-            clear_launch_plans()
-            launched.clear()
-            compiled = torch.autograd.grad(torch.compile(attend, fullgraph=True)(q, k, v), (q, k, v), dout)
-            case = (b, h, lq, lk, d, split)
-            assert "attn_bwd_sm90_kernel" in launched, (case, launched)
-            assert ("attn_bwd_parts_kernel" in launched) == (split and not deterministic), (case, launched)
-            assert torch.equal(compiled[1], eager[1]) and torch.equal(compiled[2], eager[2]), case
-            if deterministic:
-                assert "attn_bwd_dq_kernel" in launched, (case, launched)
-                assert torch.equal(compiled[0], eager[0]), case
-            else:
-                assert ((compiled[0].float() - eager[0].float()).norm() / eager[0].float().norm()).item() < 1e-3, case
-        assert splits == {True, False}, splits  # (on a 132-SM GPU: an H100 or H200)
+        for deterministic in (False, True):
+            compile_ops.set_attention_backward(deterministic=deterministic)
+            splits, sms = set(), multiprocessor_count(torch.empty(0, device="cuda"))
+            for b, h, lq, lk, d in [(1, 5, 700, 4096, 128), (2, 4, 500, 4300, 64), (1, 4, 300, 4224, 128)]:
+                items = triton.cdiv(lk, 128) * b * h
+                steps = triton.cdiv(lq, attention_ops.SM90_BACKWARD_STEPS[d])
+                split = attention_ops.backward_tail_split(items, sms, steps)[0] < items
+                splits.add(split)
+                torch.manual_seed(lk)
+                q, k, v = _qkv(b, h, h, lq, lk, d, 2, torch.bfloat16, "cuda")
+                dout = torch.randn(b, h, lq, d, device="cuda", dtype=torch.bfloat16)
+                eager = torch.autograd.grad(attend(q, k, v), (q, k, v), dout)
+                torch._dynamo.reset()
+                clear_launch_plans()
+                launched.clear()
+                compiled = torch.autograd.grad(torch.compile(attend, fullgraph=True)(q, k, v), (q, k, v), dout)
+                case = (b, h, lq, lk, d, split)
+                assert "attn_bwd_sm90_kernel" in launched, (case, launched)
+                assert ("attn_bwd_parts_kernel" in launched) == (split and not deterministic), (case, launched)
+                assert torch.equal(compiled[1], eager[1]) and torch.equal(compiled[2], eager[2]), case
+                if deterministic:
+                    assert "attn_bwd_dq_kernel" in launched, (case, launched)
+                    assert torch.equal(compiled[0], eager[0]), case
+                else:
+                    error = (compiled[0].float() - eager[0].float()).norm() / eager[0].float().norm()
+                    assert error.item() < 1e-3, case
+            assert splits == {True, False}, splits  # (on a 132-SM GPU: an H100 or H200)
     finally:
         compile_ops.set_attention_backward(deterministic=True)
 

@@ -428,8 +428,12 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
     lengths, block lists, a split last round, without dQ) and the kernel
     adding up a split item's parts
     compile, the Gluon kernel with its partitions' register budgets,
-    spilling a few set-up scalars at most, none in a loop when dense
-    (ptxas, cuobjdump)."""
+    spilling a few set-up scalars at most, none in a loop when dense at
+    D = 128 (ptxas, cuobjdump). D = 64's 128-query steps (dense) keep a
+    few more set-up scalars in local memory, reloaded in the step loop: 3
+    accesses a step, 11 with masked keys, 19 causal (ptxas at 240
+    registers: dK, dV, two 64 x 128 score tiles and their 16-bit
+    operands); none without dQ."""
     import os
     import re
     import subprocess
@@ -478,6 +482,8 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
                                                     MASKED_KEYS=True)),
                 ("bf16", dict(D=64, SPLIT=True, MASKED_KEYS=True)),
                 ("bf16", dict(D=64, SPARSE=True, MASKED_KEYS=True)),
+                # D = 64 with 64-query steps (bench/experiments/five_product_backward.py's step=64)
+                ("bf16", dict(D=64, STEP=64)),
                 # without dQ: the deterministic backward's dk/dv pass (DQ_ACC unused)
                 ("bf16", dict(DQ=False)), ("fp16", dict(DQ=False, D=64, MASKED_KEYS=True)),
                 ("bf16", dict(DQ=False, CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True, MASKED_KEYS=True))]
@@ -489,7 +495,8 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         if flags.get("SPARSE"):
             pointers.update(BLOCKS="*i32", COUNTS="*i64")
         d = flags.pop("D", 128)
-        constants = dict(D=d, STAGES=attention_ops.SM90_BACKWARD_STAGES,
+        constants = dict(D=d, STEP=attention_ops.backward_step(d, bool(flags.get("SPARSE"))),
+                         STAGES=attention_ops.SM90_BACKWARD_STAGES,
                          CONSUMER_REGS=attention_ops.SM90_CORE_CONSUMER_REGS, CAUSAL=False, HAS_KV_LEN=False,
                          HEAVY_FIRST=False, SPARSE=False, MASKED_KEYS=False, DQ=True, SPLIT=False, num_warps=4)
         constants.update(flags)
@@ -516,13 +523,17 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         # list pointers) that ptxas keeps in local memory at the consumers' 168 registers: 4-52 bytes,
         # reloaded from L1 at most twice a 64-query step. The dense kernel keeps one (the tile's first key,
         # 4 bytes: stored before the step loop, loaded after it), none in a loop. A spilled tile (dk, dv
-        # or a score tile: 256 bytes a thread each) would pass neither bound.
+        # or a score tile: 256 bytes a thread each) would pass neither bound. 128-query steps: up to 76 and
+        # 96 bytes (causal with key lengths).
         stored, loaded = (int(re.search(rf"(\d+) bytes spill {kind}", report).group(1)) for kind in ("stores", "loads"))
-        assert stored <= 64 and loaded <= 96, (dtype, d, flags, report)
+        wide = constants["STEP"] > 64
+        assert stored <= (80 if wide else 64) and loaded <= (112 if wide else 96), (dtype, d, flags, report)
         if flags in (dict(), dict(DQ=False), dict(SPLIT=True)):  # dense
             sass = subprocess.run([os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump"), "-sass",
                                    str(tmp_path / "bwd.cubin")], capture_output=True, text=True, check=True).stdout
-            assert not _spills_in_loops_with_mma(sass), (dtype, d, _spills_in_loops_with_mma(sass))
+            # (a spilled tile would be 32-64 accesses a step: these bounds pass only scalars)
+            bound = 4 if constants["STEP"] > 64 and constants["DQ"] else 0
+            assert len(_spills_in_loops_with_mma(sass)) <= bound, (dtype, d, _spills_in_loops_with_mma(sass))
 
 
 def _sass_loops(sass: str) -> tuple:

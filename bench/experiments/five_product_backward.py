@@ -1,16 +1,18 @@
 """The five-product backward's launch options beside cuDNN, flash and the deterministic passes (issue 28):
 
     PYTHONPATH=. python bench/experiments/five_product_backward.py OUT.json [--shapes BxHxLxD[c],...]
-        [--variants default,unsplit,stages=4] [--deterministic-variants default,triton_dkdv] [--rounds 3]
+        [--variants default,unsplit,stages=4,step=64] [--deterministic-variants default,triton_dkdv,step=64]
+        [--rounds 3]
 
 Forward+backward steps of ``compile_ops.attention`` with the five-product
 backward (``set_attention_backward(deterministic=False)``) in each of
 ``--variants``: ``default`` (as it launches), ``unsplit`` (no split of the
-last round, ``ops.attention.backward_tail_split``) and ``stages=N`` (an
-N-deep q/dO ring, ``SM90_BACKWARD_STAGES``); the deterministic backward in
-each of ``--deterministic-variants`` (``default``; ``triton_dkdv``: its
-dk/dv pass in ``triton.language``, not the sm_90 kernel without dQ,
-``SM90_DKDV``); and SDPA's cuDNN and flash backends. Per shape (a trailing ``c``: causal),
+last round, ``ops.attention.backward_tail_split``), ``stages=N`` (an
+N-deep q/dO ring, ``SM90_BACKWARD_STAGES``) and ``step=N`` (N-query steps
+at the shape's head dim, ``SM90_BACKWARD_STEPS``); the deterministic
+backward in each of ``--deterministic-variants`` (``default``;
+``triton_dkdv``: its dk/dv pass in ``triton.language``, not the sm_90
+kernel without dQ, ``SM90_DKDV``; ``step=N`` as above); and SDPA's cuDNN and flash backends. Per shape (a trailing ``c``: causal),
 ``--rounds`` times alternated, CUDA-graph replays after a second of calls.
 
 Why: at D = 64 a q/dO stage takes 16 KB of shared memory where D = 128
@@ -32,12 +34,16 @@ SHAPES = "1x24x4608x128,1x24x4592x128,2x24x4096x64,1x24x4429x64,1x12x32760x128,1
 
 
 #: The launch options as ``compile_ops`` sets them, which ``default`` restores.
-DEFAULTS = attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN, attention_ops.SM90_DKDV
+DEFAULTS = (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN, attention_ops.SM90_DKDV,
+            dict(attention_ops.SM90_BACKWARD_STEPS))
 
 
-def configure(variant: str) -> None:
-    """Set the five-product backward's launch options for ``variant`` (see the module docstring)."""
-    stages, gain, dkdv = DEFAULTS
+def configure(variant: str, d: int = 128) -> None:
+    """Set the five-product backward's launch options for ``variant`` (see the module docstring) at head dim ``d``."""
+    stages, gain, dkdv, steps = DEFAULTS
+    attention_ops.SM90_BACKWARD_STEPS.update(steps)
+    if variant.startswith("step="):
+        attention_ops.SM90_BACKWARD_STEPS[d] = int(variant.split("=")[1])
     attention_ops.SM90_BACKWARD_STAGES = int(variant.split("=")[1]) if variant.startswith("stages=") else stages
     attention_ops.TAIL_SPLIT_GAIN = 1.0 if variant == "unsplit" else gain  # a gain of 100%: never split
     attention_ops.SM90_DKDV = dkdv and variant != "triton_dkdv"
@@ -50,7 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=SHAPES)
     p.add_argument("--variants", default="default,unsplit")
     p.add_argument("--deterministic-variants", default="default",
-                   help="the deterministic backward's: default, triton_dkdv (its dk/dv pass in triton.language)")
+                   help="the deterministic backward's: default, triton_dkdv (its dk/dv pass in triton.language), "
+                        "step=N")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     timer = make_timer(False)
@@ -76,7 +83,7 @@ def main(argv=None) -> int:
                     q.grad = k.grad = v.grad = None
 
                 compile_ops.set_attention_backward(deterministic=deterministic)  # clears the launch plans
-                configure(variant or "default")
+                configure(variant or "default", d)
                 try:
                     keep_busy(step, 1.0)
                     ms = graph_replay_time(step, timer)
@@ -89,8 +96,8 @@ def main(argv=None) -> int:
         del q, k, v, grad
         torch.cuda.empty_cache()
         write_rows(args.out, rows)  # after every shape: a run stopped midway keeps what it measured
-    assert (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN,
-            attention_ops.SM90_DKDV) == DEFAULTS, "configure drifted"
+    assert (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN, attention_ops.SM90_DKDV,
+            attention_ops.SM90_BACKWARD_STEPS) == DEFAULTS, "configure drifted"
     return 0
 
 

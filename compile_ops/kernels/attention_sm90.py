@@ -63,7 +63,7 @@ memory (:func:`_next_carry`), and it is not ahead of ``attn_fwd_kernel``
 
 ``attn_bwd_sm90_kernel`` (end of the module): the backward in five
 products a tile pair, FlashAttention-3's structure too (a loader warp, two
-consumer warp groups of 64 keys sharing 64-query steps), with dq added by
+consumer warp groups of 64 keys sharing steps of 64 queries, 128 at D = 64), with dq added by
 TMA reductions in the order the programs run: the
 ``set_attention_backward(deterministic=False)`` option, dense, causal,
 with key lengths or over block lists: 1.05-1.12x the deterministic passes
@@ -566,12 +566,13 @@ def _tma_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _bwd_program(KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CAUSAL: gl.constexpr,
-                 HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr):
+                 HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr,
+                 STEP: gl.constexpr):
     """This program's ``(batch, k head, key tile, kv_len, first query step,
     query steps per q head, query steps, its lists, first step, steps)``,
     the same in every partition. Its item's 128 keys are seen by
-    the queries of steps (of 64 rows) from the first: every one, or
-    (causal) those from the tile's first key on; or (SPARSE) the two steps
+    the queries of steps (of STEP rows, 64 or 128) from the first: every one, or
+    (causal) those from the tile's first key on; or (SPARSE) the steps
     of each query block whose list holds the tile, for each q head of the
     GQA group (``lists``: the transposed lists, ``(index, count, 3 index
     strides, 3 count strides)``; its lists: the group's first q head's list
@@ -595,11 +596,12 @@ def _bwd_program(KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CAUSA
     b = bhk // Hk
     hk = bhk % Hk
     kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
-    n_steps = gl.cdiv(Lq, _ROWS)
+    PER_TILE: gl.constexpr = 2 * _ROWS // STEP  # query steps a 128-row block holds
+    n_steps = gl.cdiv(Lq, STEP)
     seen = tile * 2 * _ROWS < kv_len  # some key of the tile is within kv_len
     first_step = 0
     if CAUSAL and not SPARSE:
-        first_step = gl.minimum(tile * 2, n_steps)  # query i sees keys j <= i: rows from the tile's first key
+        first_step = gl.minimum(tile * PER_TILE, n_steps)  # query i sees keys j <= i: rows from the tile's first key
     first_step = gl.where(seen, first_step, n_steps)
     n_steps -= first_step
     total = GROUP * n_steps
@@ -612,7 +614,7 @@ def _bwd_program(KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CAUSA
         first_count = COUNTS + b * scb + hk * GROUP * sch + tile * scr
         total = 0
         for g in range(GROUP):
-            total += 2 * gl.load(first_count + g * sch).to(gl.int32)  # int32 or int64 lists
+            total += PER_TILE * gl.load(first_count + g * sch).to(gl.int32)  # int32 or int64 lists
         total = gl.where(seen, total, 0)
         row_lists = (first_list, sbh, first_count, sch)
     first = 0
@@ -643,10 +645,10 @@ def _bwd_item(split, Hk, heads_per_group, HEAVY_FIRST: gl.constexpr, SPLIT: gl.c
 
 
 @gluon.jit
-def _bwd_step(i, program, GROUP, n_tiles, STAGGER: gl.constexpr, SPARSE: gl.constexpr):
+def _bwd_step(i, program, GROUP, n_tiles, STAGGER: gl.constexpr, SPARSE: gl.constexpr, STEP: gl.constexpr):
     """The (q head, first query) of a program's i-th step: every q head of
-    its GQA group in turn, 64 queries a step from ``first_step`` (SPARSE:
-    the two halves of each listed query block in turn). STAGGER
+    its GQA group in turn, STEP queries a step from ``first_step`` (SPARSE:
+    the steps of each listed query block in turn). STAGGER
     (non-causal): each program starts at its own point of that cycle
     (spread evenly over the programs of a k head), so that they do not add
     into the same dq rows at the same time: 1.03x, 1.06x and 1.03x
@@ -662,15 +664,16 @@ def _bwd_step(i, program, GROUP, n_tiles, STAGGER: gl.constexpr, SPARSE: gl.cons
         # (heads with an empty list pass at once; once j falls short it stays short).
         first_list, list_step, first_count, count_step = row_lists
         g = 0
+        PER_TILE: gl.constexpr = 2 * _ROWS // STEP
         for _ in range(GROUP - 1):
-            steps = 2 * gl.load(first_count + g * count_step).to(gl.int32)
+            steps = PER_TILE * gl.load(first_count + g * count_step).to(gl.int32)
             past = j >= steps
             j = gl.where(past, j - steps, j)
             g = gl.where(past, g + 1, g)
-        block = gl.load(first_list + g * list_step + j // 2).to(gl.int32)
-        return hk * GROUP + g, block * 2 * _ROWS + (j % 2) * _ROWS
+        block = gl.load(first_list + g * list_step + j // PER_TILE).to(gl.int32)
+        return hk * GROUP + g, block * 2 * _ROWS + (j % PER_TILE) * STEP
     else:
-        return hk * GROUP + j // n_steps, (first_step + j % n_steps) * _ROWS
+        return hk * GROUP + j // n_steps, (first_step + j % n_steps) * STEP
 
 
 @gluon.jit
@@ -683,14 +686,15 @@ def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRS
      delta_smem, dq_args, kv_bar, ready, empty, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
      Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
+    STEP: gl.constexpr = q_smem.shape[1]
     program = _bwd_program(KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
-                           HEAVY_FIRST, SPARSE, SPLIT)
+                           HEAVY_FIRST, SPARSE, SPLIT, STEP)
     b, hk, tile, _, _, _, _, _, from_step, count = program
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, tile * 2 * _ROWS, 0], kv_bar, _box(k_smem))
     tma.async_copy_global_to_shared(v_desc, [b, hk, tile * 2 * _ROWS, 0], kv_bar, _box(v_smem))
     for i in range(count):  # the ring's i-th step, the item's (from_step + i)-th
-        h, m0 = _bwd_step(from_step + i, program, GROUP, split[0], not CAUSAL, SPARSE)
+        h, m0 = _bwd_step(from_step + i, program, GROUP, split[0], not CAUSAL, SPARSE, STEP)
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes
@@ -713,10 +717,11 @@ def _bwd_dq_step(dq_args, k_smem, dq_zero, head_row, m0, buf, i, W: gl.constexpr
     bench/notes.md)."""
     dqa_desc, ds_smem, dq_smem, ds_full = dq_args
     D: gl.constexpr = k_smem.shape[1]
+    STEP: gl.constexpr = ds_smem.shape[2]
     HALF: gl.constexpr = D // 2  # this group's dQ channels, from HALF * W
     PIECES: gl.constexpr = HALF // _DQ_PIECE
     mbarrier.wait(ds_full.index(buf), (i // 2) & 1)
-    ds_t = ds_smem.index(buf).permute((1, 0))  # dS: [64 queries, 128 keys]
+    ds_t = ds_smem.index(buf).permute((1, 0))  # dS: [STEP queries, 128 keys]
     first = warpgroup_mma(ds_t, k_smem.slice(HALF * W, _DQ_PIECE, dim=1), dq_zero, use_acc=False, is_async=True)
     if PIECES == 2:
         second = warpgroup_mma(ds_t, k_smem.slice(HALF * W + _DQ_PIECE, _DQ_PIECE, dim=1), dq_zero,
@@ -731,53 +736,55 @@ def _bwd_dq_step(dq_args, k_smem, dq_zero, head_row, m0, buf, i, W: gl.constexpr
         dq_smem.index(PIECES * W + 1).store(second)
     fence_async_shared()
     gl.thread_barrier()
-    _tma_add(dqa_desc, [head_row, m0, HALF * W], dq_smem.index(PIECES * W).reshape([1, _ROWS, _DQ_PIECE]))
+    _tma_add(dqa_desc, [head_row, m0, HALF * W], dq_smem.index(PIECES * W).reshape([1, STEP, _DQ_PIECE]))
     if PIECES == 2:
         _tma_add(dqa_desc, [head_row, m0, HALF * W + _DQ_PIECE],
-                 dq_smem.index(PIECES * W + 1).reshape([1, _ROWS, _DQ_PIECE]))
+                 dq_smem.index(PIECES * W + 1).reshape([1, STEP, _DQ_PIECE]))
 
 
 @gluon.jit
 def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
                   SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr):
     """Consumer warp group W of the backward: keys ``64 W`` to ``64 W + 63`` of
-    the program's tile, through every step of 64 queries. S^T and dP^T (64
-    keys x 64 queries) issued together; P^T and dS^T from them, in registers,
+    the program's tile, through every step of STEP queries (64; 128 at D = 64, dense). S^T and dP^T (64
+    keys x STEP queries) issued together; P^T and dS^T from them, in registers,
     the A operands of dV += P^T dO and dK += dS^T Q; with DQ, dS^T into this
-    group's half of a shared [128 keys, 64 queries] tile and its share of
+    group's half of a shared [128 keys, STEP queries] tile and its share of
     dQ (``_bwd_dq_step``). Masks: keys past
     kv_len (MASKED_KEYS: the tile may hold some) and, causal, keys past the
-    query on the steps that cross the diagonal (two; block lists may add
-    steps above it, masked whole)."""
+    query on the steps that cross the diagonal (two of 64 queries, one of
+    128; block lists may add steps above it, masked whole)."""
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
      delta_smem, dq_args, kv_bar, ready, empty, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
      Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
+    STEP: gl.constexpr = q_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, _ROWS, 16])
+                                                       instr_shape=[16, STEP, 16])
     d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
     program = _bwd_program(KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
-                           HEAVY_FIRST, SPARSE, SPLIT)
+                           HEAVY_FIRST, SPARSE, SPLIT, STEP)
     b, hk, tile, kv_len, _, _, _, _, from_step, count = program
     k_rows = k_smem.slice(_ROWS * W, _ROWS)
     v_rows = v_smem.slice(_ROWS * W, _ROWS)
     qk_scale = scale * _LOG2E
     dk = gl.zeros([_ROWS, D], gl.float32, d_layout)
     dv = gl.zeros([_ROWS, D], gl.float32, d_layout)
-    s_zero = gl.zeros([_ROWS, _ROWS], gl.float32, s_layout)
+    s_zero = gl.zeros([_ROWS, STEP], gl.float32, s_layout)
     if DQ:  # the dQ products' (unused) accumulator: _bwd_dq_step's products start from zero
         piece_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                instr_shape=[16, _DQ_PIECE, 16])
-        dq_zero = gl.zeros([_ROWS, _DQ_PIECE], gl.float32, piece_layout)
+        dq_zero = gl.zeros([STEP, _DQ_PIECE], gl.float32, piece_layout)
     first_key = tile * 2 * _ROWS + _ROWS * W
     key = first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
-    step_query = gl.arange(0, _ROWS, layout=gl.SliceLayout(0, s_layout))
+    step_query = gl.arange(0, STEP, layout=gl.SliceLayout(0, s_layout))
+    key_bias = gl.where(key < kv_len, 0.0, float("-inf"))  # (MASKED_KEYS with 128-query steps)
     mbarrier.wait(kv_bar, 0)
     for i in range(count):
-        h, m0 = _bwd_step(from_step + i, program, GROUP, split[0], not CAUSAL, SPARSE)
+        h, m0 = _bwd_step(from_step + i, program, GROUP, split[0], not CAUSAL, SPARSE, STEP)
         stage = i % STAGES
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         qs = q_smem.index(stage)
@@ -787,19 +794,33 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
         st = warpgroup_mma_wait(1, deps=[s_token])
         # The step's statistics as [1, 64] rows in the scores' layout, read as late as they are needed
         # (registers): lse is +inf past Lq and for rows that saw no key, so that their P is 0.
-        p = gl.exp2(st * qk_scale - lse_smem.index(stage).load(s_layout) * _LOG2E)
-        # Masked keys (past kv_len, where they read as zeros past Lk) give scores, not probabilities of 0,
-        # so their P rows are set to 0, on the steps and in the groups that hold some: one where a step.
-        if MASKED_KEYS:
+        lse2 = lse_smem.index(stage).load(s_layout) * _LOG2E
+        if MASKED_KEYS and STEP > _ROWS:
+            # Masked keys (past kv_len, where they read as zeros past Lk) give scores, not probabilities
+            # of 0: with 128-query steps, a -inf bias of theirs (exp2 gives 0; lse is +inf past Lq: still
+            # -inf), since the branch below made ptxas spill P (148 accesses in the loop).
+            p = gl.exp2(st * qk_scale + (key_bias[:, None] - lse2))
+        else:
+            p = gl.exp2(st * qk_scale - lse2)
+        # With 64-query steps, their P rows are set to 0 on the steps and in the groups that hold some.
+        if MASKED_KEYS and STEP == _ROWS:
             if first_key + _ROWS > kv_len:
                 p = gl.where(key[:, None] < kv_len, p, 0.0)
         if CAUSAL:  # and keys past the query, on the steps that cross this group's diagonal (or lie above it)
             if m0 < first_key + _ROWS:
                 p = gl.where(key[:, None] <= (m0 + step_query)[None, :], p, 0.0)
-        p_op = gl.convert_layout(p.to(q_smem.dtype), op_layout)
-        dv_token = warpgroup_mma(p_op, dos, dv, is_async=True)
-        dp = warpgroup_mma_wait(1, deps=[dp_token])
-        ds = (p * (dp - delta_smem.index(stage).load(s_layout))).to(q_smem.dtype)
+        if STEP > _ROWS:
+            # 128-query steps (D = 64): dV += P^T dO waits for dS, so that P's 16-bit operand is not live
+            # beside P, dP and dS (64 + 64 + 32 + 32 registers past dK and dV: ptxas spilled in the loop).
+            dp = warpgroup_mma_wait(0, deps=[dp_token])
+            ds = (p * (dp - delta_smem.index(stage).load(s_layout))).to(q_smem.dtype)
+            p_op = gl.convert_layout(p.to(q_smem.dtype), op_layout)
+            dv_token = warpgroup_mma(p_op, dos, dv, is_async=True)
+        else:
+            p_op = gl.convert_layout(p.to(q_smem.dtype), op_layout)
+            dv_token = warpgroup_mma(p_op, dos, dv, is_async=True)
+            dp = warpgroup_mma_wait(1, deps=[dp_token])
+            ds = (p * (dp - delta_smem.index(stage).load(s_layout))).to(q_smem.dtype)
         ds_op = gl.convert_layout(ds, op_layout)
         dk_token = warpgroup_mma(ds_op, qs, dk, is_async=True)
         buf = i % 2  # ds_smem's buffer: the other one may still be read by the other group's dQ product
@@ -849,7 +870,7 @@ def _bwd_consumer_high(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEA
 def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS, KV_LEN, BLOCKS, COUNTS, sqb, sqh,
                          sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl, sbb, sbh,
                          sbr, scb, sch, scr, stats_row, B, H, GROUP, Lq, Lk, scale, heads_per_group, whole, parts,
-                         D: gl.constexpr,
+                         D: gl.constexpr, STEP: gl.constexpr,
                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
                          HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr,
                          MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr,
@@ -884,11 +905,18 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     ``kernels.attention.attn_bwd_parts_kernel`` (SPLIT: dense, not causal,
     no key lengths; else every item is whole, and ``whole``, ``parts`` and
     PARTIALS are unused).
+    STEP: the query rows of a step, 64, or 128 at D = 64 without block
+    lists (``ops.attention.backward_step``).
     Launch ``whole + (items - whole) * parts`` programs with ``num_warps=4``
     and ``maxnreg=168`` (the forward core's budgets: CONSUMER_REGS for both
     consumer groups, 24 for the loader)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((D == 64) or (D == 128), "D = 64 or 128 (ops.attention._takes_sm90_backward)")
+    # A consumer's S^T and dP^T are 64 keys x STEP queries: 128-query steps fit its registers beside dK and
+    # dV at D = 64 (32 registers each), not at D = 128 (64 each), nor with block lists (ptxas spilled 154
+    # accesses in the step loop).
+    gl.static_assert((STEP == 64) or ((STEP == 128) and (D == 64) and not SPARSE),
+                     "64-query steps, or 128 at D = 64, dense")
     gl.static_assert(not (SPLIT and (CAUSAL or HAS_KV_LEN or SPARSE)), "only items of equal work are split")
     box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     matrix: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -896,21 +924,21 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     piece: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     pieces: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
     Hk = H // GROUP
-    q_desc = tma.make_tensor_descriptor(Q, [B, H, Lq, D], [sqb, sqh, sql, 1], [1, 1, _ROWS, D], box)
-    do_desc = tma.make_tensor_descriptor(DO, [B, H, Lq, D], [sdb, sdh, sdl, 1], [1, 1, _ROWS, D], box)
+    q_desc = tma.make_tensor_descriptor(Q, [B, H, Lq, D], [sqb, sqh, sql, 1], [1, 1, STEP, D], box)
+    do_desc = tma.make_tensor_descriptor(DO, [B, H, Lq, D], [sdb, sdh, sdl, 1], [1, 1, STEP, D], box)
     k_desc = tma.make_tensor_descriptor(K, [B, Hk, Lk, D], [skb, skh, skl, 1], [1, 1, 2 * _ROWS, D], box)
     v_desc = tma.make_tensor_descriptor(V, [B, Hk, Lk, D], [svb, svh, svl, 1], [1, 1, 2 * _ROWS, D], box)
-    lse_desc = tma.make_tensor_descriptor(LSE_ROWS, [B * H, stats_row], [stats_row, 1], [1, _ROWS], stats)
-    delta_desc = tma.make_tensor_descriptor(DELTA, [B * H, stats_row], [stats_row, 1], [1, _ROWS], stats)
-    # Shared memory, 198 KB at D = 128 (2 stages): K and V 64 KB, q and dO 32 KB a stage, dS^T twice 16 KB, dQ
-    # 32 KB; at D = 64, 112 KB: K and V 32 KB, q and dO 16 KB a stage, dS^T 32 KB, dQ 16 KB. Without DQ, no dS^T
-    # and dQ buffers: 134 KB at D = 128.
+    lse_desc = tma.make_tensor_descriptor(LSE_ROWS, [B * H, stats_row], [stats_row, 1], [1, STEP], stats)
+    delta_desc = tma.make_tensor_descriptor(DELTA, [B * H, stats_row], [stats_row, 1], [1, STEP], stats)
+    # Shared memory, 198 KB at D = 128 (2 stages of 64 queries): K and V 64 KB, q and dO 32 KB a stage, dS^T
+    # twice 16 KB, dQ 32 KB; at D = 64 with 128-query steps, 194 KB: K and V 32 KB, q and dO 32 KB a stage,
+    # dS^T twice 32 KB, dQ 32 KB. Without DQ, no dS^T and dQ buffers: 134 KB at D = 128.
     k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [2 * _ROWS, D], matrix)
     v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [2 * _ROWS, D], matrix)
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, _ROWS, D], matrix)
-    do_smem = gl.allocate_shared_memory(DO.dtype.element_ty, [STAGES, _ROWS, D], matrix)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, _ROWS], stats)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, _ROWS], stats)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [STAGES, STEP, D], matrix)
+    do_smem = gl.allocate_shared_memory(DO.dtype.element_ty, [STAGES, STEP, D], matrix)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STEP], stats)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STEP], stats)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -922,9 +950,9 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     # partition argument that no partition reads).
     if DQ:
         dqa_desc = tma.make_tensor_descriptor(DQ_ACC, [B * H, stats_row, D], [stats_row * D, D, 1],
-                                              [1, _ROWS, _DQ_PIECE], pieces)
-        ds_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 2 * _ROWS, _ROWS], matrix)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [D // _DQ_PIECE, _ROWS, _DQ_PIECE], piece)  # D / 64 a group
+                                              [1, STEP, _DQ_PIECE], pieces)
+        ds_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 2 * _ROWS, STEP], matrix)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [D // _DQ_PIECE, STEP, _DQ_PIECE], piece)  # D / 64 a group
         ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
             mbarrier.init(ds_full.index(s), count=2)  # both halves of dS^T written

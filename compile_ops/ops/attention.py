@@ -462,6 +462,16 @@ ATOMIC_DQ = False
 SM90_BACKWARD_STAGES = 2
 #: The head dimensions the five-product backward computes (one or two 32-channel dQ pieces a consumer).
 SM90_BACKWARD_HEAD_DIMS = (64, 128)
+#: ``attn_bwd_sm90_kernel``'s query rows a step of dense calls, by head dim: at D = 64 a consumer's dK and
+#: dV take 32 registers each, which leaves room for 64 x 128 score tiles (FlashAttention-3's hdim-64
+#: backward also takes 128-query blocks); at D = 128, 64. Block lists take 64 (:func:`backward_step`).
+SM90_BACKWARD_STEPS = {64: 128, 128: 64}
+
+
+def backward_step(d: int, sparse: bool) -> int:
+    """``attn_bwd_sm90_kernel``'s query rows a step at head dim ``d``: :data:`SM90_BACKWARD_STEPS`, or
+    64 over block lists (a 128-query step there made ptxas spill in the step loop)."""
+    return 64 if sparse else SM90_BACKWARD_STEPS[d]
 
 
 def _sm90_backward_computes(c: dict, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, seq_dim: int) -> bool:
@@ -559,11 +569,12 @@ def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
     order, group = causal_order(q, lq * (h // hk), b * hk) if causal and not sparse else _LAUNCH_ORDER
     n_tiles = triton.cdiv(lk, 128)
     items = n_tiles * b * hk
+    step = backward_step(d, sparse)
     whole, parts = items, 1
     # Not for the deterministic dk/dv pass (no dq_acc): its fp32 parts (47 MB at 1x24x4608x128) would raise the
     # default backward's peak memory, which the five-product option's dq buffer already does.
     if dq_acc is not None and not (causal or sparse or kv_lengths is not None):
-        whole, parts = backward_tail_split(items, multiprocessor_count(q), (h // hk) * triton.cdiv(lq, 64))
+        whole, parts = backward_tail_split(items, multiprocessor_count(q), (h // hk) * triton.cdiv(lq, step))
     partials = q.new_empty((items - whole, parts, 2, 128, d), dtype=torch.float32) if whole < items else None
     triton.set_allocator(_scratch)  # the kernel builds its TMA descriptors on the device
     launch(attn_bwd_sm90_kernel)[(whole + (items - whole) * parts, )](
@@ -571,7 +582,8 @@ def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
         *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
         *_bhl_strides(grad_out, seq_dim), *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim),
         *_lists((key_index, key_count) if sparse else None)[2:], lse_rows.shape[1], b, h, h // hk, lq, lk,
-        float(scale), group, whole, parts, D=d, STAGES=SM90_BACKWARD_STAGES, CONSUMER_REGS=SM90_CORE_CONSUMER_REGS,
+        float(scale), group, whole, parts, D=d, STEP=step, STAGES=SM90_BACKWARD_STAGES,
+        CONSUMER_REGS=SM90_CORE_CONSUMER_REGS,
         CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None, SPARSE=sparse,
         MASKED_KEYS=lk % 128 != 0 or kv_lengths is not None, DQ=dq_acc is not None, SPLIT=partials is not None,
         **order, **SM90_CORE_LAUNCH)
@@ -979,13 +991,26 @@ def set_attention_backward(deterministic: bool = True) -> None:
     other than 64 and 128, fp32), and
     every call while ``torch.use_deterministic_algorithms(True)`` is on,
     keep the deterministic passes. Compiled graphs take the setting that
-    held when they were traced.
+    held when they were traced. ``False`` adds a tag to
+    ``torch.compiler.config.cache_key_tag`` (``True`` removes it), so that
+    torch.compile's caches (AOTAutograd's and Inductor's, in memory and on
+    disk) do not hand a graph traced under one setting to a compile under
+    the other: the setting is read inside the backward's trace, which their
+    keys do not otherwise see.
     """
     if not isinstance(deterministic, bool):
         raise TypeError(f"set_attention_backward: deterministic must be a bool, got {type(deterministic).__name__}")
     global ATOMIC_DQ
     ATOMIC_DQ = not deterministic
+    tags = [tag for tag in torch.compiler.config.cache_key_tag.split(",") if tag and tag != ATOMIC_DQ_CACHE_TAG]
+    torch.compiler.config.cache_key_tag = ",".join(tags + [ATOMIC_DQ_CACHE_TAG] * ATOMIC_DQ)
     clear_launch_plans()  # plans recorded under the other setting launch the other kernels
+
+
+#: The tag :func:`set_attention_backward` adds to torch.compile's cache keys while dq is summed in atomic
+#: order. (Without it, a compile under one setting found the AOTAutograd cache's graph of the other: the
+#: deterministic backward ran the five-product kernel, H100, ``test_sm90_backward_compiled_equals_eager``.)
+ATOMIC_DQ_CACHE_TAG = "compile_ops.attention_atomic_dq"
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, causal: bool = False,
