@@ -447,9 +447,10 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
 #: the five-product sm_90 backward (``attn_bwd_sm90_kernel``) for the calls
 #: :func:`_takes_sm90_backward` accepts. Off by default: dq then differs from
 #: run to run in its last bits (dk and dv do not), and the default backward is
-#: bit-identical across runs. Forward+backward 1.05-1.12x the deterministic
-#: backward and 0.87-1.00x cuDNN at issue 28's D = 128 shapes (three runs), 0.89-0.93x at
-#: 2x24x4096x64, causal 1.10-1.19x and 0.92-0.98x, block-sparse 1.11-1.26x (H100,
+#: bit-identical across runs. Forward+backward 1.03-1.12x the deterministic
+#: backward and 0.87-1.00x cuDNN at issue 28's D = 128 shapes (four runs), 0.95-0.98x at
+#: 2x24x4096x64 (128-query steps, :data:`SM90_BACKWARD_STEPS`), causal 1.05-1.19x and 0.92-1.00x,
+#: block-sparse 1.11-1.26x (H100,
 #: ``bench/results/attention-h100.json``, ``attention-causal-h100.json`` and
 #: ``block-sparse-h100.json``'s ``*_atomic_dq``; bench/notes.md, "A
 #: five-product backward in Gluon" and after);
