@@ -425,7 +425,7 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
     faked sm_90 GPU, ``fused.attention_backward`` launches the statistics
     pass with its dq zeroing and dq's cast, which compile for sm_90; the
     Gluon kernel (bf16 and fp16, D = 128 and 64; masked keys, causal, key
-    lengths, block lists, a split last round, without dQ) and the kernel
+    lengths, block lists, a split last round, without dQ, persistent) and the kernel
     adding up a split item's parts
     compile, the Gluon kernel with its partitions' register budgets,
     spilling a few set-up scalars at most, none in a loop when dense at
@@ -486,7 +486,10 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
                 ("bf16", dict(D=64, STEP=64)),
                 # without dQ: the deterministic backward's dk/dv pass (DQ_ACC unused)
                 ("bf16", dict(DQ=False)), ("fp16", dict(DQ=False, D=64, MASKED_KEYS=True)),
-                ("bf16", dict(DQ=False, CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True, MASKED_KEYS=True))]
+                ("bf16", dict(DQ=False, CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True, MASKED_KEYS=True)),
+                # ... persistent (dense, not causal: ops.attention.SM90_DKDV_PERSISTENT)
+                ("bf16", dict(DQ=False, PERSISTENT=True)), ("fp16", dict(DQ=False, D=64, MASKED_KEYS=True,
+                                                                    PERSISTENT=True))]
     for dtype, flags in variants:
         pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", DO=f"*{dtype}", LSE_ROWS="*fp32", DELTA="*fp32",
                         DQ_ACC="*fp32", DK=f"*{dtype}", DV=f"*{dtype}", PARTIALS="*fp32")
@@ -498,7 +501,8 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         constants = dict(D=d, STEP=attention_ops.backward_step(d, bool(flags.get("SPARSE"))),
                          STAGES=attention_ops.SM90_BACKWARD_STAGES,
                          CONSUMER_REGS=attention_ops.SM90_CORE_CONSUMER_REGS, CAUSAL=False, HAS_KV_LEN=False,
-                         HEAVY_FIRST=False, SPARSE=False, MASKED_KEYS=False, DQ=True, SPLIT=False, num_warps=4)
+                         HEAVY_FIRST=False, SPARSE=False, MASKED_KEYS=False, DQ=True, SPLIT=False, PERSISTENT=False,
+                         num_warps=4)
         constants.update(flags)
         if not constants["DQ"]:
             del pointers["DQ_ACC"]

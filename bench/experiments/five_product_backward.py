@@ -12,7 +12,8 @@ N-deep q/dO ring, ``SM90_BACKWARD_STAGES``) and ``step=N`` (N-query steps
 at the shape's head dim, ``SM90_BACKWARD_STEPS``); the deterministic
 backward in each of ``--deterministic-variants`` (``default``;
 ``triton_dkdv``: its dk/dv pass in ``triton.language``, not the sm_90
-kernel without dQ, ``SM90_DKDV``; ``step=N`` as above); and SDPA's cuDNN and flash backends. Per shape (a trailing ``c``: causal),
+kernel without dQ, ``SM90_DKDV``; ``unpersistent``: that kernel one
+program per key tile, ``SM90_DKDV_PERSISTENT``; ``step=N`` as above); and SDPA's cuDNN and flash backends. Per shape (a trailing ``c``: causal),
 ``--rounds`` times alternated, CUDA-graph replays after a second of calls.
 
 Why: at D = 64 a q/dO stage takes 16 KB of shared memory where D = 128
@@ -35,12 +36,13 @@ SHAPES = "1x24x4608x128,1x24x4592x128,2x24x4096x64,1x24x4429x64,1x12x32760x128,1
 
 #: The launch options as ``compile_ops`` sets them, which ``default`` restores.
 DEFAULTS = (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN, attention_ops.SM90_DKDV,
-            dict(attention_ops.SM90_BACKWARD_STEPS))
+            dict(attention_ops.SM90_BACKWARD_STEPS), attention_ops.SM90_DKDV_PERSISTENT)
 
 
 def configure(variant: str, d: int = 128) -> None:
     """Set the five-product backward's launch options for ``variant`` (see the module docstring) at head dim ``d``."""
-    stages, gain, dkdv, steps = DEFAULTS
+    stages, gain, dkdv, steps, persistent = DEFAULTS
+    attention_ops.SM90_DKDV_PERSISTENT = persistent and variant != "unpersistent"
     attention_ops.SM90_BACKWARD_STEPS.update(steps)
     if variant.startswith("step="):
         attention_ops.SM90_BACKWARD_STEPS[d] = int(variant.split("=")[1])
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="default,unsplit")
     p.add_argument("--deterministic-variants", default="default",
                    help="the deterministic backward's: default, triton_dkdv (its dk/dv pass in triton.language), "
-                        "step=N")
+                        "unpersistent, step=N")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     timer = make_timer(False)
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         write_rows(args.out, rows)  # after every shape: a run stopped midway keeps what it measured
     assert (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN, attention_ops.SM90_DKDV,
-            attention_ops.SM90_BACKWARD_STEPS) == DEFAULTS, "configure drifted"
+            attention_ops.SM90_BACKWARD_STEPS, attention_ops.SM90_DKDV_PERSISTENT) == DEFAULTS, "configure drifted"
     return 0
 
 

@@ -565,10 +565,10 @@ def _tma_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _bwd_program(KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CAUSAL: gl.constexpr,
+def _bwd_program(w, KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CAUSAL: gl.constexpr,
                  HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr,
                  STEP: gl.constexpr):
-    """This program's ``(batch, k head, key tile, kv_len, first query step,
+    """Work index w's ``(batch, k head, key tile, kv_len, first query step,
     query steps per q head, query steps, its lists, first step, steps)``,
     the same in every partition. Its item's 128 keys are seen by
     the queries of steps (of STEP rows, 64 or 128) from the first: every one, or
@@ -592,7 +592,7 @@ def _bwd_program(KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CAUSA
     items taken longest first, the first key tiles of a group of heads
     before their second (``kernels.attention._dealt_rank``, as the
     deterministic dk/dv pass)."""
-    tile, bhk = _bwd_item(split, Hk, heads_per_group, HEAVY_FIRST, SPLIT)
+    tile, bhk = _bwd_item(w, split, Hk, heads_per_group, HEAVY_FIRST, SPLIT)
     b = bhk // Hk
     hk = bhk % Hk
     kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
@@ -621,20 +621,19 @@ def _bwd_program(KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CAUSA
     count = total
     if SPLIT:
         _, whole, parts, _, _ = split
-        pid = gl.program_id(0)
-        part = (pid - whole) % parts
-        first = gl.where(pid >= whole, part * total // parts, 0)
-        count = gl.where(pid >= whole, (part + 1) * total // parts, total) - first
+        part = (w - whole) % parts
+        first = gl.where(w >= whole, part * total // parts, 0)
+        count = gl.where(w >= whole, (part + 1) * total // parts, total) - first
     return b, hk, tile, kv_len, first_step, n_steps, total, row_lists, first, count
 
 
 @gluon.jit
-def _bwd_item(split, Hk, heads_per_group, HEAVY_FIRST: gl.constexpr, SPLIT: gl.constexpr):
-    """This program's item as ``(key tile, batch * Hk + k head)``
+def _bwd_item(w, split, Hk, heads_per_group, HEAVY_FIRST: gl.constexpr, SPLIT: gl.constexpr):
+    """Work index w's item as ``(key tile, batch * Hk + k head)``
     (``_bwd_program``)."""
     n_tiles = split[0]
     B = split[-1]
-    item = gl.program_id(0)
+    item = w
     if SPLIT:
         _, whole, parts, _, _ = split
         item = gl.where(item >= whole, whole + (item - whole) // parts, item)
@@ -642,6 +641,19 @@ def _bwd_item(split, Hk, heads_per_group, HEAVY_FIRST: gl.constexpr, SPLIT: gl.c
         return _dealt_rank(item, n_tiles, B * Hk, heads_per_group)
     else:
         return item % n_tiles, item // n_tiles
+
+
+@gluon.jit
+def _bwd_work(split, Hk, SPLIT: gl.constexpr):
+    """How many work indices a launch has: its items, or with SPLIT the
+    whole ones and the parts of the others (``_bwd_program``). A launch of
+    that many programs gives each one; fewer programs (one per SM: the
+    persistent dk/dv pass) take them round robin."""
+    items = split[0] * split[-1] * Hk
+    if SPLIT:
+        _, whole, parts, _, _ = split
+        items = whole + (items - whole) * parts
+    return items
 
 
 @gluon.jit
@@ -677,32 +689,57 @@ def _bwd_step(i, program, GROUP, n_tiles, STAGGER: gl.constexpr, SPARSE: gl.cons
 
 
 @gluon.jit
-def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                SPARSE: gl.constexpr, SPLIT: gl.constexpr):
-    """The producer warp of the backward: this program's K and V tiles once,
-    then each step's q and dO tiles and the step's rows of the statistics
-    (lse, delta), every query head of the GQA group in turn, into a ring."""
+def _bwd_load_item(args, w, it, item, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                   SPARSE: gl.constexpr, SPLIT: gl.constexpr):
+    """The producer warp's part of work index w (its program's ``item``-th,
+    whose steps are the ring's from ``it`` on), returning its step count:
+    the item's K and V tiles (once both consumers are done with the last
+    item's: ``kv_empty``), then each step's q and dO tiles and the step's
+    rows of the statistics (lse, delta), every query head of the GQA group
+    in turn, into the ring."""
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, dq_args, kv_bar, ready, empty, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
+     delta_smem, dq_args, kv_bars, ready, empty, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
      Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
     STEP: gl.constexpr = q_smem.shape[1]
-    program = _bwd_program(KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
+    kv_bar, kv_empty = kv_bars
+    program = _bwd_program(w, KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
                            HEAVY_FIRST, SPARSE, SPLIT, STEP)
     b, hk, tile, _, _, _, _, _, from_step, count = program
+    mbarrier.wait(kv_empty, (item & 1) ^ 1)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, tile * 2 * _ROWS, 0], kv_bar, _box(k_smem))
     tma.async_copy_global_to_shared(v_desc, [b, hk, tile * 2 * _ROWS, 0], kv_bar, _box(v_smem))
-    for i in range(count):  # the ring's i-th step, the item's (from_step + i)-th
+    for i in range(count):  # the item's (from_step + i)-th step, the ring's (it + i)-th
         h, m0 = _bwd_step(from_step + i, program, GROUP, split[0], not CAUSAL, SPARSE, STEP)
-        stage = i % STAGES
-        mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+        stage = (it + i) % STAGES
+        mbarrier.wait(empty.index(stage), (((it + i) // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes
                         + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], ready.index(stage), _box(q_smem.index(stage)))
         tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], ready.index(stage), _box(do_smem.index(stage)))
         tma.async_copy_global_to_shared(lse_desc, [b * H + h, m0], ready.index(stage), lse_smem.index(stage))
         tma.async_copy_global_to_shared(delta_desc, [b * H + h, m0], ready.index(stage), delta_smem.index(stage))
+    return count
+
+
+@gluon.jit
+def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                SPARSE: gl.constexpr, SPLIT: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The producer warp of the backward (:func:`_bwd_load_item`): its
+    program's work index, or (PERSISTENT) every ``num_programs``-th from
+    it, the ring running on across them."""
+    if PERSISTENT:
+        split = args[20]  # (the argument tuple's order: attn_bwd_sm90_kernel)
+        H = args[21]
+        GROUP = args[22]
+        it = 0
+        item = 0
+        for w in range(gl.program_id(0), _bwd_work(split, H // GROUP, SPLIT), gl.num_programs(0)):
+            it += _bwd_load_item(args, w, it, item, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, SPLIT)
+            item += 1
+    else:
+        _bwd_load_item(args, gl.program_id(0), 0, 0, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, SPLIT)
 
 
 @gluon.jit
@@ -743,10 +780,13 @@ def _bwd_dq_step(dq_args, k_smem, dq_zero, head_row, m0, buf, i, W: gl.constexpr
 
 
 @gluon.jit
-def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                  SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr):
-    """Consumer warp group W of the backward: keys ``64 W`` to ``64 W + 63`` of
-    the program's tile, through every step of STEP queries (64; 128 at D = 64, dense). S^T and dP^T (64
+def _bwd_consume_item(args, w, it, item, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr,
+                      HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr,
+                      SPLIT: gl.constexpr):
+    """Consumer warp group W's part of work index w (its program's
+    ``item``-th, whose steps are the ring's from ``it`` on), returning its
+    step count: keys ``64 W`` to ``64 W + 63`` of
+    the item's tile, through every step of STEP queries (64; 128 at D = 64, dense). S^T and dP^T (64
     keys x STEP queries) issued together; P^T and dS^T from them, in registers,
     the A operands of dV += P^T dO and dK += dS^T Q; with DQ, dS^T into this
     group's half of a shared [128 keys, STEP queries] tile and its share of
@@ -755,7 +795,7 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     query on the steps that cross the diagonal (two of 64 queries, one of
     128; block lists may add steps above it, masked whole)."""
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, dq_args, kv_bar, ready, empty, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
+     delta_smem, dq_args, kv_bars, ready, empty, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
      Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     STAGES: gl.constexpr = q_smem.shape[0]
     STEP: gl.constexpr = q_smem.shape[1]
@@ -765,40 +805,42 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
-    program = _bwd_program(KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
-                           HEAVY_FIRST, SPARSE, SPLIT, STEP)
-    b, hk, tile, kv_len, _, _, _, _, from_step, count = program
     k_rows = k_smem.slice(_ROWS * W, _ROWS)
     v_rows = v_smem.slice(_ROWS * W, _ROWS)
     qk_scale = scale * _LOG2E
-    dk = gl.zeros([_ROWS, D], gl.float32, d_layout)
-    dv = gl.zeros([_ROWS, D], gl.float32, d_layout)
     s_zero = gl.zeros([_ROWS, STEP], gl.float32, s_layout)
     if DQ:  # the dQ products' (unused) accumulator: _bwd_dq_step's products start from zero
         piece_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                instr_shape=[16, _DQ_PIECE, 16])
         dq_zero = gl.zeros([STEP, _DQ_PIECE], gl.float32, piece_layout)
+    step_query = gl.arange(0, STEP, layout=gl.SliceLayout(0, s_layout))
+    kv_bar, kv_empty = kv_bars
+    program = _bwd_program(w, KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL,
+                           HAS_KV_LEN, HEAVY_FIRST, SPARSE, SPLIT, STEP)
+    b, hk, tile, kv_len, _, _, _, _, from_step, count = program
+    dk = gl.zeros([_ROWS, D], gl.float32, d_layout)
+    dv = gl.zeros([_ROWS, D], gl.float32, d_layout)
     first_key = tile * 2 * _ROWS + _ROWS * W
     key = first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
-    step_query = gl.arange(0, STEP, layout=gl.SliceLayout(0, s_layout))
     key_bias = gl.where(key < kv_len, 0.0, float("-inf"))  # (MASKED_KEYS with 128-query steps)
-    mbarrier.wait(kv_bar, 0)
+    mbarrier.wait(kv_bar, item & 1)
     for i in range(count):
         h, m0 = _bwd_step(from_step + i, program, GROUP, split[0], not CAUSAL, SPARSE, STEP)
-        stage = i % STAGES
-        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        c = it + i  # the ring's step
+        stage = c % STAGES
+        mbarrier.wait(ready.index(stage), (c // STAGES) & 1)
         qs = q_smem.index(stage)
         dos = do_smem.index(stage)
         s_token = warpgroup_mma(k_rows, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_token = warpgroup_mma(v_rows, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=[s_token])
-        # The step's statistics as [1, 64] rows in the scores' layout, read as late as they are needed
+        # The step's statistics as [1, STEP] rows in the scores' layout, read as late as they are needed
         # (registers): lse is +inf past Lq and for rows that saw no key, so that their P is 0.
         lse2 = lse_smem.index(stage).load(s_layout) * _LOG2E
         if MASKED_KEYS and STEP > _ROWS:
             # Masked keys (past kv_len, where they read as zeros past Lk) give scores, not probabilities
-            # of 0: with 128-query steps, a -inf bias of theirs (exp2 gives 0; lse is +inf past Lq: still
-            # -inf), since the branch below made ptxas spill P (148 accesses in the loop).
+            # of 0: with 128-query steps, a -inf bias of theirs (exp2 gives 0; lse is +inf past Lq:
+            # still -inf), since the branch below made ptxas spill P (148 accesses in the loop).
             p = gl.exp2(st * qk_scale + (key_bias[:, None] - lse2))
         else:
             p = gl.exp2(st * qk_scale - lse2)
@@ -806,7 +848,7 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
         if MASKED_KEYS and STEP == _ROWS:
             if first_key + _ROWS > kv_len:
                 p = gl.where(key[:, None] < kv_len, p, 0.0)
-        if CAUSAL:  # and keys past the query, on the steps that cross this group's diagonal (or lie above it)
+        if CAUSAL:  # and keys past the query, on the steps that cross this group's diagonal (or above it)
             if m0 < first_key + _ROWS:
                 p = gl.where(key[:, None] <= (m0 + step_query)[None, :], p, 0.0)
         if STEP > _ROWS:
@@ -823,7 +865,7 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
             ds = (p * (dp - delta_smem.index(stage).load(s_layout))).to(q_smem.dtype)
         ds_op = gl.convert_layout(ds, op_layout)
         dk_token = warpgroup_mma(ds_op, qs, dk, is_async=True)
-        buf = i % 2  # ds_smem's buffer: the other one may still be read by the other group's dQ product
+        buf = c % 2  # ds_smem's buffer: the other one may still be read by the other group's dQ product
         if DQ:
             dq_args[1].index(buf).slice(_ROWS * W, _ROWS).store(ds)  # (dqa_desc, ds_smem, dq_smem, ds_full)
             fence_async_shared()
@@ -831,7 +873,8 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
         mbarrier.arrive(empty.index(stage), count=1)  # this step's q, dO and statistics are done with
         if DQ:
-            _bwd_dq_step(dq_args, k_smem, dq_zero, b * H + h, m0, buf, i, W)
+            _bwd_dq_step(dq_args, k_smem, dq_zero, b * H + h, m0, buf, c, W)
+    mbarrier.arrive(kv_empty, count=1)  # every product that reads this item's K and V is done
     if DQ:
         tma.store_wait(0)  # shared memory must outlive the reductions that read it
     # dK = scale dS^T Q; dV = P^T dO.
@@ -840,7 +883,7 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     stored = (keys < Lk)[:, None]
     if SPLIT:  # a part of an item, or a whole one
         _, whole, _, PARTIALS, _ = split
-        slot = gl.program_id(0) - whole
+        slot = w - whole
         # A part's fp32 sums go to its slot of PARTIALS, [dk | dv] x [128 keys, D]; a whole item's to DK, DV.
         at = (_ROWS * W + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, d_layout)))[:, None] * D + cols[None, :]
         own = PARTIALS + gl.maximum(slot, 0).to(gl.int64) * (2 * 2 * _ROWS * D) + at
@@ -852,18 +895,43 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
              (dk * scale).to(DK.dtype.element_ty), mask=stored)
     gl.store(DV + b.to(gl.int64) * sdvb + hk.to(gl.int64) * sdvh + keys * sdvl + cols[None, :],
              dv.to(DV.dtype.element_ty), mask=stored)
+    return count
+
+
+@gluon.jit
+def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                  SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr,
+                  PERSISTENT: gl.constexpr):
+    """Consumer warp group W of the backward (:func:`_bwd_consume_item`):
+    its program's work index, or (PERSISTENT) every ``num_programs``-th
+    from it, with the ring running on across them."""
+    if PERSISTENT:
+        split = args[20]  # (the argument tuple's order: attn_bwd_sm90_kernel)
+        H = args[21]
+        GROUP = args[22]
+        it = 0
+        item = 0
+        for w in range(gl.program_id(0), _bwd_work(split, H // GROUP, SPLIT), gl.num_programs(0)):
+            it += _bwd_consume_item(args, w, it, item, W, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ,
+                                    SPLIT)
+            item += 1
+    else:
+        _bwd_consume_item(args, gl.program_id(0), 0, 0, W, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ,
+                          SPLIT)
 
 
 @gluon.jit
 def _bwd_consumer_low(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                      SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr):
-    _bwd_consumer(args, 0, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT)
+                      SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr,
+                      PERSISTENT: gl.constexpr):
+    _bwd_consumer(args, 0, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT, PERSISTENT)
 
 
 @gluon.jit
 def _bwd_consumer_high(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                       SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr):
-    _bwd_consumer(args, 1, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT)
+                       SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr,
+                       PERSISTENT: gl.constexpr):
+    _bwd_consumer(args, 1, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT, PERSISTENT)
 
 
 @gluon.jit
@@ -874,7 +942,7 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
                          HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr,
                          MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
     """The attention backward in five products a (key tile, query step): dK
     and dV of 128 keys of one (batch, k head) per program, and (DQ) dQ added
     into DQ_ACC by TMA reductions in whatever order the programs run (not
@@ -906,8 +974,11 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     no key lengths; else every item is whole, and ``whole``, ``parts`` and
     PARTIALS are unused).
     STEP: the query rows of a step, 64, or 128 at D = 64 without block
-    lists (``ops.attention.backward_step``).
-    Launch ``whole + (items - whole) * parts`` programs with ``num_warps=4``
+    lists (``ops.attention.backward_step``). PERSISTENT (without DQ, dense,
+    not causal): fewer programs than work indices, each taking every
+    ``num_programs``-th (one per SM: the descriptors the kernel builds on
+    the device take 768 bytes of scratch per program).
+    Launch ``whole + (items - whole) * parts`` programs (or fewer, PERSISTENT) with ``num_warps=4``
     and ``maxnreg=168`` (the forward core's budgets: CONSUMER_REGS for both
     consumer groups, 24 for the loader)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
@@ -918,6 +989,7 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     gl.static_assert((STEP == 64) or ((STEP == 128) and (D == 64) and not SPARSE),
                      "64-query steps, or 128 at D = 64, dense")
     gl.static_assert(not (SPLIT and (CAUSAL or HAS_KV_LEN or SPARSE)), "only items of equal work are split")
+    gl.static_assert(not (PERSISTENT and (DQ or CAUSAL or SPARSE)), "the dense, non-causal dk/dv pass persists")
     box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     matrix: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     stats: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -940,9 +1012,11 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STEP], stats)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STEP], stats)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_empty, count=2)  # released by both consumers
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # released by both consumers
@@ -966,10 +1040,11 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     else:
         split = (gl.cdiv(Lk, 2 * _ROWS), B)
     args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-            delta_smem, dq_args, kv_bar, ready, empty, DK, DV, KV_LEN,
+            delta_smem, dq_args, (kv_bar, kv_empty), ready, empty, DK, DV, KV_LEN,
             (BLOCKS, COUNTS, sbb, sbh, sbr, scb, sch, scr), split, H, GROUP, Lq, Lk, scale, heads_per_group, sdkb, sdkh,
             sdkl, sdvb, sdvh, sdvl)
     gl.warp_specialize(
-        [(_bwd_consumer_low, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT)),
-         (_bwd_consumer_high, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT)),
-         (_bwd_loader, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, SPLIT))], [4, 1], [CONSUMER_REGS, 24])
+        [(_bwd_consumer_low, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT, PERSISTENT)),
+         (_bwd_consumer_high, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT, PERSISTENT)),
+         (_bwd_loader, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, SPLIT, PERSISTENT))], [4, 1],
+        [CONSUMER_REGS, 24])

@@ -507,6 +507,16 @@ def _takes_sm90_backward(c: dict, q: Tensor, k: Tensor, v: Tensor, grad_out: Ten
 #: 1.02-1.03x at 4608 and 1.09-1.16x at 1x24x4429x64. Block-sparse calls keep the ``triton.language`` pass
 #: (not measured on this kernel without dQ).
 SM90_DKDV = True
+#: That pass dense and not causal, persistent: one program per SM walks its share of the key tiles, its
+#: loader fetching the next tile's K and V once both consumers are done with the last one's and its q/dO
+#: ring running on across tiles. Why: the kernel builds its six TMA descriptors on the device, 128 bytes
+#: each in scratch memory per program, which one program per key tile made 0.4-2.5 MiB (one fp32 per key
+#: row) above the ``triton.language`` pass's peak (bench/notes.md, the README tables rerun whole); one
+#: per SM brings 1x40x16384x128 back to 651 MiB. And it is faster: forward+backward 1.00-1.02x at
+#: 1x24x4608x128, 1.02-1.04x at 1x40x16384x128, 1.04-1.06x at 2x24x4096x64 against one program per tile
+#: (H100, 2 rounds alternated, ``bench/results/attention-dkdv-persistent-h100.json``). Causal items differ
+#: in work and keep one program each, as in the forward (:func:`_core_programs`).
+SM90_DKDV_PERSISTENT = True
 
 
 #: What a part of an item costs the five-product backward beyond its share of the item's steps, as a
@@ -577,8 +587,13 @@ def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
     if dq_acc is not None and not (causal or sparse or kv_lengths is not None):
         whole, parts = backward_tail_split(items, multiprocessor_count(q), (h // hk) * triton.cdiv(lq, step))
     partials = q.new_empty((items - whole, parts, 2, 128, d), dtype=torch.float32) if whole < items else None
+    work = whole + (items - whole) * parts
+    # The deterministic dk/dv pass, dense and not causal (items of equal work): one program per SM.
+    persistent = dq_acc is None and SM90_DKDV_PERSISTENT and not (causal or sparse)
+    if persistent:
+        work = min(work, multiprocessor_count(q))
     triton.set_allocator(_scratch)  # the kernel builds its TMA descriptors on the device
-    launch(attn_bwd_sm90_kernel)[(whole + (items - whole) * parts, )](
+    launch(attn_bwd_sm90_kernel)[(work, )](
         q, k, v, grad_out, lse_rows, delta, dq_acc, dk, dv, partials, kv_lengths, key_index, key_count,
         *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
         *_bhl_strides(grad_out, seq_dim), *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim),
@@ -587,7 +602,7 @@ def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
         CONSUMER_REGS=SM90_CORE_CONSUMER_REGS,
         CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None, SPARSE=sparse,
         MASKED_KEYS=lk % 128 != 0 or kv_lengths is not None, DQ=dq_acc is not None, SPLIT=partials is not None,
-        **order, **SM90_CORE_LAUNCH)
+        PERSISTENT=persistent, **order, **SM90_CORE_LAUNCH)
     if partials is not None:
         rows = 32
         launch(attn_bwd_parts_kernel)[(items - whole, 128 // rows)](
