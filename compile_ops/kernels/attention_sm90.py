@@ -644,12 +644,16 @@ def _bwd_item(w, split, Hk, heads_per_group, HEAVY_FIRST: gl.constexpr, SPLIT: g
 
 
 @gluon.jit
-def _bwd_work(split, Hk, SPLIT: gl.constexpr):
-    """How many work indices a launch has: its items, or with SPLIT the
-    whole ones and the parts of the others (``_bwd_program``). A launch of
-    that many programs gives each one; fewer programs (one per SM: the
+def _bwd_work(args, SPLIT: gl.constexpr):
+    """How many work indices a launch has (``args``: the partitions'
+    argument tuple, ``attn_bwd_sm90_kernel``'s): its items, or with SPLIT
+    the whole ones and the parts of the others (``_bwd_program``). A launch
+    of that many programs gives each one; fewer programs (one per SM: the
     persistent dk/dv pass) take them round robin."""
-    items = split[0] * split[-1] * Hk
+    split = args[20]
+    H = args[21]
+    GROUP = args[22]
+    items = split[0] * split[-1] * (H // GROUP)
     if SPLIT:
         _, whole, parts, _, _ = split
         items = whole + (items - whole) * parts
@@ -730,12 +734,9 @@ def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRS
     program's work index, or (PERSISTENT) every ``num_programs``-th from
     it, the ring running on across them."""
     if PERSISTENT:
-        split = args[20]  # (the argument tuple's order: attn_bwd_sm90_kernel)
-        H = args[21]
-        GROUP = args[22]
         it = 0
         item = 0
-        for w in range(gl.program_id(0), _bwd_work(split, H // GROUP, SPLIT), gl.num_programs(0)):
+        for w in range(gl.program_id(0), _bwd_work(args, SPLIT), gl.num_programs(0)):
             it += _bwd_load_item(args, w, it, item, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, SPLIT)
             item += 1
     else:
@@ -906,12 +907,9 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
     its program's work index, or (PERSISTENT) every ``num_programs``-th
     from it, with the ring running on across them."""
     if PERSISTENT:
-        split = args[20]  # (the argument tuple's order: attn_bwd_sm90_kernel)
-        H = args[21]
-        GROUP = args[22]
         it = 0
         item = 0
-        for w in range(gl.program_id(0), _bwd_work(split, H // GROUP, SPLIT), gl.num_programs(0)):
+        for w in range(gl.program_id(0), _bwd_work(args, SPLIT), gl.num_programs(0)):
             it += _bwd_consume_item(args, w, it, item, W, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ,
                                     SPLIT)
             item += 1
