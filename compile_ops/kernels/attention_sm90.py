@@ -68,7 +68,9 @@ TMA reductions in the order the programs run: the
 ``set_attention_backward(deterministic=False)`` option, dense, causal,
 with key lengths or over block lists: 1.05-1.12x the deterministic passes
 forward+backward, causal 1.10-1.19x, block-sparse 1.11-1.26x (H100,
-bench/notes.md, "A five-product backward in Gluon" and after).
+bench/notes.md, "A five-product backward in Gluon" and after). Without
+dQ it is the deterministic backward's dk/dv pass (four products), for
+dense non-causal calls persistent: one program per SM over the key tiles.
 
 Gluon does not run under the interpreter: the CPU tests compile every
 variant for sm_90 (tests/test_sm90_compile.py), the GPU tests compare them
