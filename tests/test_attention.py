@@ -1232,6 +1232,17 @@ def test_backward_tail_split_ends_sooner_by_its_model(items, sms, steps):
     assert max(free) < -(-items // sms) * (1 - attention_ops.TAIL_SPLIT_GAIN)
 
 
+def test_backward_steps_are_128_queries_only_at_head_dim_64_without_block_lists():
+    """``attn_bwd_sm90_kernel``'s step rule (``ops.attention.backward_step``):
+    128 queries for dense calls at D = 64 (1.06-1.14x on an H100), 64 at
+    D = 128 (dK and dV fill the registers) and over block lists (a 128-query
+    step spilled in the step loop); the kernel's static assert refuses the rest."""
+    from compile_ops.ops.attention import backward_step
+
+    assert [backward_step(64, False), backward_step(64, True), backward_step(128, False),
+            backward_step(128, True)] == [128, 64, 64, 64]
+
+
 def test_set_attention_backward_keys_compile_caches_by_its_setting(monkeypatch):
     """``set_attention_backward(deterministic=False)`` adds its tag to
     torch.compile's cache keys (``torch.compiler.config.cache_key_tag``),
