@@ -1,8 +1,8 @@
 """The five-product backward's launch options beside cuDNN, flash and the deterministic passes (issue 28):
 
     PYTHONPATH=. python bench/experiments/five_product_backward.py OUT.json [--shapes BxHxLxD[c],...]
-        [--variants default,unsplit,stages=4,step=64] [--deterministic-variants default,triton_dkdv,step=64]
-        [--rounds 3]
+        [--variants default,unsplit,stages=4,step=64]
+        [--deterministic-variants default,triton_dkdv,unpersistent,step=64] [--rounds 3]
 
 Forward+backward steps of ``compile_ops.attention`` with the five-product
 backward (``set_attention_backward(deterministic=False)``) in each of
@@ -13,8 +13,10 @@ at the shape's head dim, ``SM90_BACKWARD_STEPS``); the deterministic
 backward in each of ``--deterministic-variants`` (``default``;
 ``triton_dkdv``: its dk/dv pass in ``triton.language``, not the sm_90
 kernel without dQ, ``SM90_DKDV``; ``unpersistent``: that kernel one
-program per key tile, ``SM90_DKDV_PERSISTENT``; ``step=N`` as above); and SDPA's cuDNN and flash backends. Per shape (a trailing ``c``: causal),
-``--rounds`` times alternated, CUDA-graph replays after a second of calls.
+program per key tile, ``SM90_DKDV_PERSISTENT``; ``step=N`` as above);
+and SDPA's cuDNN and flash backends. Per shape (a trailing ``c``:
+causal), ``--rounds`` times alternated, CUDA-graph replays after a second
+of calls.
 
 Why: at D = 64 a q/dO stage takes 16 KB of shared memory where D = 128
 takes 32, so a deeper ring fits; and a launch whose items leave a last
