@@ -584,7 +584,7 @@ def _bwd_program(w, KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CA
     Items are (key tile, batch and k head), key tiles fastest. ``split``:
     ``(key tiles, B)``, or with SPLIT (the launch splits its last items,
     which are of equal work: dense, not causal, no key lengths) ``(key
-    tiles, whole, parts, PARTIALS, B)``: programs from ``whole`` on take
+    tiles, whole, parts, PARTIALS, B)``: work indices from ``whole`` on take
     the items from ``whole`` on in ``parts`` parts each, part k the
     item's steps ``k * steps // parts`` up to the next part's, and write
     their dk and dv to the part slot ``(item - whole) * parts + k`` for
@@ -672,13 +672,13 @@ def _bwd_step(i, program, GROUP, n_tiles, STAGGER: gl.constexpr, SPARSE: gl.cons
     into the same dq rows at the same time: 1.03x, 1.06x and 1.03x
     forward+backward at 4608, 16384 and 32760 tokens against every program
     starting at 0 (H100, bench/notes.md). Causal programs start at their
-    own diagonals, two steps apart, so they need no stagger."""
+    own diagonals, 128 queries apart, so they need no stagger."""
     b, hk, tile, _, first_step, n_steps, total, row_lists, _, _ = program
     j = i
     if STAGGER:
         j = (i + tile * total // n_tiles) % total
     if SPARSE:
-        # The q head whose steps hold j: past each head whose 2 * count steps j is at or past
+        # The q head whose steps hold j: past each head whose PER_TILE * count steps j is at or past
         # (heads with an empty list pass at once; once j falls short it stays short).
         first_list, list_step, first_count, count_step = row_lists
         g = 0
@@ -751,7 +751,7 @@ def _bwd_dq_step(dq_args, k_smem, dq_zero, head_row, m0, buf, i, W: gl.constexpr
     DQ): once both groups' halves of dS^T are in ``ds_smem`` (``ds_full``),
     dQ's channels ``D / 2 * W`` on = dS K over the tile's 128 keys, added
     into DQ_ACC's rows ``m0`` on of (batch, q head) row ``head_row`` by TMA
-    reductions of 64 x 32 (``_DQ_PIECE`` channels each: two at D = 128, one
+    reductions of STEP x 32 (``_DQ_PIECE`` channels each: two at D = 128, one
     at D = 64; the next step rewrites their buffers once the reductions
     have read them; a second set of buffers measured no faster,
     bench/notes.md)."""
@@ -825,7 +825,8 @@ def _bwd_consume_item(args, w, it, item, W: gl.constexpr, CAUSAL: gl.constexpr, 
     dv = gl.zeros([_ROWS, D], gl.float32, d_layout)
     first_key = tile * 2 * _ROWS + _ROWS * W
     key = first_key + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
-    key_bias = gl.where(key < kv_len, 0.0, float("-inf"))  # (MASKED_KEYS with 128-query steps)
+    if MASKED_KEYS and STEP > _ROWS:  # (below: masked keys with 128-query steps)
+        key_bias = gl.where(key < kv_len, 0.0, float("-inf"))
     mbarrier.wait(kv_bar, item & 1)
     for i in range(count):
         h, m0 = _bwd_step(from_step + i, program, GROUP, split[0], not CAUSAL, SPARSE, STEP)
