@@ -200,23 +200,14 @@ class Plan:
             for buffer in scratch:
                 buffer.fill_(0xFF)  # NaN in every float dtype, -1 in every int one
         ptrs = [t.data_ptr() for t in inputs] + [o.data_ptr() for o in outs] + [b.data_ptr() for b in scratch]
-        kept = []
-        if self.allocator is not None:
-            # Each launch's descriptor scratch is its own until all are launched: a launch may run beside the
-            # one before it (programmatic dependent launch), which a freed and reused buffer would corrupt.
-            def allocate(size, alignment, stream):
-                kept.append(self.allocator(size, alignment, stream))
-                return kept[-1]
-
-            _allocation._allocator.set(allocate)
+        if self.allocator is not None and _allocation._allocator.get() is not self.allocator:
+            _allocation._allocator.set(self.allocator)  # a new thread: its context has none set
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
         for run, function, packed, grid, values, slots in self.launches:
             values = values.copy()
             for position, source, offset in slots:
                 values[position] = ptrs[source] + offset
             run(*grid, stream, function, packed, None, None, None, *values)
-        if self.allocator is not None:
-            _allocation._allocator.set(self.allocator)  # (also a new thread's: its context had none set)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

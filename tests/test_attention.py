@@ -1266,8 +1266,7 @@ def test_set_attention_backward_keys_compile_caches_by_its_setting(monkeypatch):
 def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeypatch):
     """Traced on fake CUDA tensors of a faked sm_90 GPU: ``fused.attention_backward``
     runs the three deterministic passes by default, the dk/dv pass as the
-    sm_90 kernel without dQ for dense calls it computes (``SM90_DKDV``), with
-    the dq pass in the same opaque op (launched behind it); with
+    sm_90 kernel without dQ for dense calls it computes (``SM90_DKDV``); with
     ``set_attention_backward(deterministic=False)`` a 16-bit call at
     D = 128 or 64 (Lk a multiple of 128 or not, causal or not, with key
     lengths or not, dense or ``fused.block_sparse_attention_backward``'s)
@@ -1281,9 +1280,8 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
     five = ["attn_bwd_row_stats_kernel", "fused_gluon.attention_backward_sm90_.default",
             "attn_bwd_dq_from_acc_kernel"]
     three = ["attn_bwd_row_stats_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
-    # the deterministic backward of a dense call the sm_90 kernel computes: its dk/dv pass is that kernel, and
-    # the opaque op launches the dq pass right behind it (SM90_DQ_AFTER_DKDV)
-    three_sm90 = ["attn_bwd_row_stats_kernel", "fused_gluon.attention_backward_sm90_.default"]
+    # the deterministic backward of a dense call the sm_90 kernel computes: its dk/dv pass is that kernel
+    three_sm90 = ["attn_bwd_row_stats_kernel", "fused_gluon.attention_backward_sm90_.default", "attn_bwd_dq_kernel"]
     monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: t.device.type == "cuda")
 
     def launches(lk=256, d=128, dtype=torch.bfloat16, causal=False, with_lengths=False, sparse=False):

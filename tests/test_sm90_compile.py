@@ -128,10 +128,7 @@ def test_attention_backward_tma_compiles_for_sm90(monkeypatch):
     """The backward passes' TMA option (dkdv_tiles / dq_tiles take it at
     D=128, dense, on Hopper), forced on every launch of the backward op's
     inputs (whose heads are narrower than 128): the TMA variants of the dk/dv
-    and dq kernels compile for sm_90; the dq kernel also as the sm_90
-    deterministic backward launches it behind its dk/dv pass (AFTER_DKDV,
-    ``launch_pdl``), where each program waits for that pass before it ends
-    (``griddepcontrol.wait``, which no other variant has)."""
+    and dq kernels compile for sm_90."""
     import dataclasses
 
     from compile_ops.ops import attention as attention_ops
@@ -148,15 +145,11 @@ def test_attention_backward_tma_compiles_for_sm90(monkeypatch):
                 in _launches(spec, torch.bfloat16).items()
                 if name in ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel") and constants["TMA"]]
     assert {kernel.fn.__name__ for kernel, _, _ in launches} == {"attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}
-    launches += [(kernel, signature, dict(constants, AFTER_DKDV=True)) for kernel, signature, constants in launches
-                 if kernel.fn.__name__ == "attn_bwd_dq_kernel"]
     for kernel, signature, constants in launches:
         ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
         src = ASTSource(fn=kernel, signature=ordered, constexprs=constants)
-        after = constants.get("AFTER_DKDV", False)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "launch_pdl": after})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
         assert compiled.asm.get("cubin")
-        assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == after and compiled.metadata.launch_pdl == after
 
 
 def test_block_sparse_forward_streams_keys_three_deep_on_sm90(monkeypatch):
@@ -525,9 +518,8 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
                              options=dict(num_warps=launch["num_warps"], maxnreg=launch["maxnreg"])).asm["ptx"]
         budgets = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
         assert {24, attention_ops.SM90_CORE_CONSUMER_REGS} <= budgets, (dtype, d, flags, sorted(budgets))
-        # dq added by TMA reductions, or (without DQ) not at all, and then the dq pass let start beside it
+        # dq added by TMA reductions, or (without DQ) not at all
         assert ("cp.reduce.async.bulk.tensor" in ptx) == constants["DQ"], (dtype, d, flags)
-        assert ("griddepcontrol.launch_dependents" in ptx) == (not constants["DQ"]), (dtype, d, flags)
         (tmp_path / "bwd.ptx").write_text(ptx)
         report = subprocess.run([knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "bwd.ptx"), "-o",
                                  str(tmp_path / "bwd.cubin")], capture_output=True, text=True, check=True).stderr

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/experiments/five_product_backward.py OUT.json [--shapes BxHxLxD[c],...]
         [--variants default,unsplit,stages=4,step=64]
-        [--deterministic-variants default,triton_dkdv,unpersistent,no_pdl,step=64] [--rounds 3]
+        [--deterministic-variants default,triton_dkdv,unpersistent,step=64] [--rounds 3]
 
 Forward+backward steps of ``compile_ops.attention`` with the five-product
 backward (``set_attention_backward(deterministic=False)``) in each of
@@ -13,9 +13,7 @@ at the shape's head dim, ``SM90_BACKWARD_STEPS``); the deterministic
 backward in each of ``--deterministic-variants`` (``default``;
 ``triton_dkdv``: its dk/dv pass in ``triton.language``, not the sm_90
 kernel without dQ, ``SM90_DKDV``; ``unpersistent``: that kernel one
-program per key tile, ``SM90_DKDV_PERSISTENT``; ``no_pdl``: its dq pass
-launched after the dk/dv pass ends, not beside its last round,
-``SM90_DQ_AFTER_DKDV``; ``step=N`` as above);
+program per key tile, ``SM90_DKDV_PERSISTENT``; ``step=N`` as above);
 and SDPA's cuDNN and flash backends. Per shape (a trailing ``c``:
 causal), ``--rounds`` times alternated, CUDA-graph replays after a second
 of calls.
@@ -40,14 +38,12 @@ SHAPES = "1x24x4608x128,1x24x4592x128,2x24x4096x64,1x24x4429x64,1x12x32760x128,1
 
 #: The launch options as ``compile_ops`` sets them, which ``default`` restores.
 DEFAULTS = (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN, attention_ops.SM90_DKDV,
-            dict(attention_ops.SM90_BACKWARD_STEPS), attention_ops.SM90_DKDV_PERSISTENT,
-            attention_ops.SM90_DQ_AFTER_DKDV)
+            dict(attention_ops.SM90_BACKWARD_STEPS), attention_ops.SM90_DKDV_PERSISTENT)
 
 
 def configure(variant: str, d: int = 128) -> None:
     """Set the five-product backward's launch options for ``variant`` (see the module docstring) at head dim ``d``."""
-    stages, gain, dkdv, steps, persistent, dq_after_dkdv = DEFAULTS
-    attention_ops.SM90_DQ_AFTER_DKDV = dq_after_dkdv and variant != "no_pdl"
+    stages, gain, dkdv, steps, persistent = DEFAULTS
     attention_ops.SM90_DKDV_PERSISTENT = persistent and variant != "unpersistent"
     attention_ops.SM90_BACKWARD_STEPS.update(steps)
     if variant.startswith("step="):
@@ -65,7 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="default,unsplit")
     p.add_argument("--deterministic-variants", default="default",
                    help="the deterministic backward's: default, triton_dkdv (its dk/dv pass in triton.language), "
-                        "unpersistent, no_pdl, step=N")
+                        "unpersistent, step=N")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     timer = make_timer(False)
@@ -105,8 +101,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         write_rows(args.out, rows)  # after every shape: a run stopped midway keeps what it measured
     assert (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN, attention_ops.SM90_DKDV,
-            attention_ops.SM90_BACKWARD_STEPS, attention_ops.SM90_DKDV_PERSISTENT,
-            attention_ops.SM90_DQ_AFTER_DKDV) == DEFAULTS, "configure drifted"
+            attention_ops.SM90_BACKWARD_STEPS, attention_ops.SM90_DKDV_PERSISTENT) == DEFAULTS, "configure drifted"
     return 0
 
 

@@ -56,7 +56,6 @@ stride along D (the launcher guarantees it); D is padded to ``BLOCK_D``.
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from compile_ops.kernels.fp8 import E4M3_MAX, to_e4m3
 
@@ -936,16 +935,10 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ, KV_LEN, BLOCKS, COUNTS,
                        CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
                        SPARSE: tl.constexpr, TMA: tl.constexpr = False,
-                       ALIGNED_LENGTHS: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False,
-                       AFTER_DKDV: tl.constexpr = False):
+                       ALIGNED_LENGTHS: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False):
     """dq of BLOCK_M queries of one (batch, head); SPARSE, HEAVY_FIRST as the
     forward. TMA (Hopper): the loop's k and v tiles by tensor descriptors over
-    the whole tensors, as the dk/dv pass's q and dO. AFTER_DKDV: launched
-    with programmatic dependent launch right after the sm_90 dk/dv pass
-    (``attn_bwd_sm90_kernel`` without DQ), whose outputs it does not read, so
-    it may run beside that pass's last round; each program waits for that
-    pass to finish before it ends, so that what follows this kernel in the
-    stream sees dk and dv too."""
+    the whole tensors, as the dk/dv pass's q and dO."""
     Lq, Lk = _lengths(Lq, Lk, ALIGNED_LENGTHS)
     tile, bh = _query_tile(heads_per_group, HEAVY_FIRST)
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
@@ -981,5 +974,3 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ, KV_LEN, BLOCKS, COUNTS,
                    blocks, kv_len, Lk, scale, b, h // GROUP, D, BLOCK_D, True, CAUSAL, DOT_PRECISION, FMA_EXPONENT,
                    SPARSE_BLOCK, SPARSE, TMA)
     _store_tile(DQ + b * sdqb + h * sdqh, q_start, offs_m, Lq, sdql, offs_d, dq * scale, D)
-    if AFTER_DKDV:
-        gdc_wait()

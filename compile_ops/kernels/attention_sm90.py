@@ -981,16 +981,7 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     the device take 768 bytes of scratch per program).
     Launch ``whole + (items - whole) * parts`` programs (or fewer, PERSISTENT) with ``num_warps=4``
     and ``maxnreg=168`` (the forward core's budgets: CONSUMER_REGS for both
-    consumer groups, 24 for the loader).
-
-    Without DQ every program lets a dependent launch start as it begins
-    (``griddepcontrol.launch_dependents``): the deterministic dq pass, launched
-    next with programmatic dependent launch (``launch_pdl``), reads nothing
-    this kernel writes, and its programs take the SMs that this pass's last,
-    partly empty round leaves idle."""
-    if not DQ:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+    consumer groups, 24 for the loader)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((D == 64) or (D == 128), "D = 64 or 128 (ops.attention._takes_sm90_backward)")
     # A consumer's S^T and dP^T are 64 keys x STEP queries: 128-query steps fit its registers beside dK and

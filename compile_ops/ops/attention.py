@@ -226,22 +226,6 @@ def _scratch(size: int, alignment: int, stream) -> Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-class _ScratchKept:
-    """A scratch allocator (as :func:`_scratch`) that holds every buffer it
-    hands out for as long as it lives. Launches that may run at the same
-    time (a kernel launched with programmatic dependent launch beside the
-    one before it) must not get the same scratch, which the caching
-    allocator would hand out again once the first launch's buffer is freed;
-    one of these, kept until both are launched, keeps them apart."""
-
-    def __init__(self):
-        self.buffers = []
-
-    def __call__(self, size: int, alignment: int, stream) -> Tensor:
-        self.buffers.append(_scratch(size, alignment, stream))
-        return self.buffers[-1]
-
-
 def _take_tma(wanted: bool, *layouts: tuple) -> bool:
     """Whether a launch loads by TMA: its tiles want it and every ``(seq_dim,
     *tensors)`` of ``layouts`` is aligned for descriptors (:func:`_tma_ready`).
@@ -533,13 +517,6 @@ SM90_DKDV = True
 #: (H100, 2 rounds alternated, ``bench/results/attention-dkdv-persistent-h100.json``). Causal items differ
 #: in work and keep one program each, as in the forward (:func:`_core_programs`).
 SM90_DKDV_PERSISTENT = True
-#: The deterministic backward's dq pass after the sm_90 dk/dv pass, launched with programmatic dependent
-#: launch (``launch_pdl``): it reads nothing the dk/dv pass writes, so its programs may start on the SMs
-#: that the dk/dv pass's last round leaves idle (``attn_bwd_dq_kernel``'s ``AFTER_DKDV``). Forward+backward
-#: 1.00-1.02x at 1x24x4608x128 (causal 1.00-1.03x), 1.00-1.03x at 2x24x4096x64 (causal 1.01-1.02x), within
-#: the runs' spread at 1x40x16384x128 (H100, two runs of 2 alternated rounds,
-#: ``bench/results/attention-dq-pdl-h100.json``).
-SM90_DQ_AFTER_DKDV = True
 
 
 #: What a part of an item costs the five-product backward beyond its share of the item's steps, as a
@@ -583,17 +560,15 @@ def backward_tail_split(items: int, sms: int, steps: int) -> tuple[int, int]:
 
 
 def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor,
-                          delta: Tensor, dq_acc: Optional[Tensor], dq: Tensor, dk: Tensor, dv: Tensor, scale: float,
-                          causal: bool, seq_dim: int, kv_lengths: Optional[Tensor], key_index: Optional[Tensor] = None,
+                          delta: Tensor, dq_acc: Optional[Tensor], dk: Tensor, dv: Tensor, scale: float, causal: bool,
+                          seq_dim: int, kv_lengths: Optional[Tensor], key_index: Optional[Tensor] = None,
                           key_count: Optional[Tensor] = None) -> None:
     """Launch ``attn_bwd_sm90_kernel`` on arguments
     :func:`_sm90_backward_computes` accepted (``launch(kernel)``: the
     kernel, or the launch-plan recorder's proxy of it): dk and dv, and dS K
-    added into ``dq_acc`` (zeroed; ``dq`` is then filled from it by the
-    caller); with ``dq_acc`` None, dk and dv alone (the deterministic
-    backward's dk/dv pass), then its dq pass into ``dq`` right behind it
-    (:data:`SM90_DQ_AFTER_DKDV`). Block-sparse: ``key_index`` /
-    ``key_count``, ``launch_backward``'s ``key_blocks``. Dense causal programs run longest
+    added into ``dq_acc`` (zeroed; None: dk and dv alone, the deterministic
+    backward's dk/dv pass). Block-sparse: ``key_index`` / ``key_count``,
+    ``launch_backward``'s ``key_blocks``. Dense causal programs run longest
     first, in the deterministic dk/dv pass's groups of heads; with dq,
     dense non-causal calls without key lengths (items of equal work) split
     their last items (:func:`backward_tail_split`), whose parts
@@ -617,10 +592,7 @@ def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
     persistent = dq_acc is None and SM90_DKDV_PERSISTENT and not (causal or sparse)
     if persistent:
         work = min(work, multiprocessor_count(q))
-    # The kernel builds its TMA descriptors on the device, and so does a dq pass behind it, which may run
-    # beside it: each keeps its own scratch until both are launched (_ScratchKept).
-    kept = _ScratchKept()
-    triton.set_allocator(kept)
+    triton.set_allocator(_scratch)  # the kernel builds its TMA descriptors on the device
     launch(attn_bwd_sm90_kernel)[(work, )](
         q, k, v, grad_out, lse_rows, delta, dq_acc, dk, dv, partials, kv_lengths, key_index, key_count,
         *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
@@ -636,59 +608,24 @@ def _launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Ten
         launch(attn_bwd_parts_kernel)[(items - whole, 128 // rows)](
             partials, dk, dv, whole, parts, n_tiles, hk, lk, *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim),
             D=d, BLOCK_M=rows, num_warps=4)
-    if dq_acc is None:
-        _launch_dq_pass(launch, grad_out, q, k, v, lse_rows, delta, dq, scale, causal, seq_dim, kv_lengths, None,
-                        after_dkdv=SM90_DQ_AFTER_DKDV, allocator=kept)
-    triton.set_allocator(_scratch)
 
 
-@torch.library.custom_op("fused_gluon::attention_backward_sm90_", mutates_args=("dq_acc", "dq", "dk", "dv"))
+@torch.library.custom_op("fused_gluon::attention_backward_sm90_", mutates_args=("dq_acc", "dk", "dv"))
 def _attention_backward_sm90(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor, delta: Tensor,
-                             dq_acc: Optional[Tensor], dq: Tensor, dk: Tensor, dv: Tensor, scale: float, causal: bool,
-                             seq_dim: int, kv_lengths: Optional[Tensor] = None, key_index: Optional[Tensor] = None,
+                             dq_acc: Optional[Tensor], dk: Tensor, dv: Tensor, scale: float, causal: bool, seq_dim: int,
+                             kv_lengths: Optional[Tensor] = None, key_index: Optional[Tensor] = None,
                              key_count: Optional[Tensor] = None) -> None:
-    """``attn_bwd_sm90_kernel`` (:func:`_launch_sm90_backward`; without
-    ``dq_acc``, the deterministic dq pass into ``dq`` behind it) as an op of
+    """``attn_bwd_sm90_kernel`` (:func:`_launch_sm90_backward`) as an op of
     its own, for traced calls (as ``fused_gluon.attention_forward_sm90_``:
-    Inductor cannot trace a Gluon kernel, nor launch a Triton kernel with
-    ``launch_pdl``); not a public op."""
-    _launch_sm90_backward(lambda kernel: kernel, grad_out, q, k, v, lse_rows, delta, dq_acc, dq, dk, dv, scale,
+    Inductor cannot trace a Gluon kernel); not a public op."""
+    _launch_sm90_backward(lambda kernel: kernel, grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale,
                           causal, seq_dim, kv_lengths, key_index, key_count)
 
 
 @_attention_backward_sm90.register_fake
-def _(grad_out, q, k, v, lse_rows, delta, dq_acc, dq, dk, dv, scale, causal, seq_dim, kv_lengths=None,
-      key_index=None, key_count=None):
+def _(grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale, causal, seq_dim, kv_lengths=None, key_index=None,
+      key_count=None):
     return None
-
-
-def _launch_dq_pass(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor, delta: Tensor,
-                    dq: Tensor, scale: float, causal: bool, seq_dim: int, kv_lengths: Optional[Tensor],
-                    blocks: Optional[tuple], after_dkdv: bool = False, allocator=None) -> None:
-    """The deterministic backward's dq pass (``attn_bwd_dq_kernel``: S and dP
-    recomputed, dq summed over the key tiles in order) into ``dq``; shapes as
-    :func:`launch_backward`, ``lse_rows`` / ``delta`` its statistics rows.
-    ``after_dkdv``: launched with programmatic dependent launch behind the
-    sm_90 dk/dv pass (:data:`SM90_DQ_AFTER_DKDV`). ``allocator``: the scratch
-    allocator for its TMA descriptors, where not triton's usual one
-    (:class:`_ScratchKept`)."""
-    c = _common(q, k, causal, seq_dim, kv_lengths)
-    t = dq_tiles(int(c["d"]), q.dtype, blocks is not None, has_tma(q))
-    assert STATS_ROW_ALIGN.value % t.block_m == 0, t  # the statistics rows hold whole query tiles
-    tma = _take_tma(t.tma, (seq_dim, k, v))
-    if allocator is not None:
-        triton.set_allocator(allocator)
-    index, count, *list_strides = _lists(blocks)
-    order, group = causal_order(k, c["lk"], c["b"] * c["h"]) if causal and blocks is None else _LAUNCH_ORDER
-    pdl = dict(AFTER_DKDV=True, launch_pdl=True) if after_dkdv else {}
-    launch(attn_bwd_dq_kernel)[(triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])](
-        q, k, v, grad_out, lse_rows, delta, dq, kv_lengths, index, count,
-        *_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
-        *_bhl_strides(grad_out, seq_dim), *_bhl_strides(dq, seq_dim), *list_strides,
-        c["b"], c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale), group,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=blocks is not None,
-        TMA=tma, **order, **c["consts"], **pdl,
-    )
 
 
 def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dq: Tensor,
@@ -720,16 +657,13 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
         *_bhl_strides(grad_out, seq_dim), D=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=rows, ACC=consts["ACC"],
         DQ_ACC=dq_acc, num_warps=4)
     if five_products or sm90_dkdv:
-        # Without dq_acc the deterministic dq pass goes with the dk/dv pass, right behind it (SM90_DQ_AFTER_DKDV).
         if on_eager_fast_path():  # launched as is, recorded for launch plans
-            _launch_sm90_backward(launcher, grad_out, q, k, v, lse_rows, delta, dq_acc, dq, dk, dv, scale, causal,
+            _launch_sm90_backward(launcher, grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale, causal,
                                   seq_dim, kv_lengths, *(key_blocks or (None, None)))
         else:
-            torch.ops.fused_gluon.attention_backward_sm90_(grad_out, q, k, v, lse_rows, delta, dq_acc, dq, dk, dv,
+            torch.ops.fused_gluon.attention_backward_sm90_(grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv,
                                                            float(scale), causal, seq_dim, kv_lengths,
                                                            *(key_blocks or (None, None)))
-        if sm90_dkdv:
-            return
     if five_products:
         launcher(attn_bwd_dq_from_acc_kernel)[(triton.cdiv(c["lq"], rows), c["b"] * c["h"])](
             dq_acc, dq, c["h"], c["lq"], *_bhl_strides(dq, seq_dim), float(scale), D=d, BLOCK_D=consts["BLOCK_D"],
@@ -737,21 +671,32 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
         return
     strides = (*_bhl_strides(q, seq_dim), *_bhl_strides(k, seq_dim), *_bhl_strides(v, seq_dim),
                *_bhl_strides(grad_out, seq_dim))
-    t = dkdv_tiles(d, q.dtype, sparse, has_tma(q))
-    assert STATS_ROW_ALIGN.value % t.block_m == 0, t  # the statistics rows hold whole query tiles
-    tma = _take_tma(t.tma, (seq_dim, q, grad_out))
-    index, count, *list_strides = _lists(key_blocks)
-    # A dk/dv row reads q and dO of its whole GQA group of heads.
-    order, group = (causal_order(q, c["lq"] * (c["h"] // c["hk"]), c["b"] * c["hk"]) if causal and not sparse
-                    else _LAUNCH_ORDER)
-    launcher(attn_bwd_dkdv_kernel)[(triton.cdiv(c["lk"], t.block_n), c["b"] * c["hk"])](
-        q, k, v, grad_out, lse_rows, delta, dk, dv, kv_lengths, index, count, *strides,
-        *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim), *list_strides,
-        c["b"], c["hk"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale), group,
+    if not sm90_dkdv:
+        t = dkdv_tiles(d, q.dtype, sparse, has_tma(q))
+        assert STATS_ROW_ALIGN.value % t.block_m == 0, t  # the statistics rows hold whole query tiles
+        tma = _take_tma(t.tma, (seq_dim, q, grad_out))
+        index, count, *list_strides = _lists(key_blocks)
+        # A dk/dv row reads q and dO of its whole GQA group of heads.
+        order, group = (causal_order(q, c["lq"] * (c["h"] // c["hk"]), c["b"] * c["hk"]) if causal and not sparse
+                        else _LAUNCH_ORDER)
+        launcher(attn_bwd_dkdv_kernel)[(triton.cdiv(c["lk"], t.block_n), c["b"] * c["hk"])](
+            q, k, v, grad_out, lse_rows, delta, dk, dv, kv_lengths, index, count, *strides,
+            *_bhl_strides(dk, seq_dim), *_bhl_strides(dv, seq_dim), *list_strides,
+            c["b"], c["hk"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale), group,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
+            TMA=tma, **order, **consts,
+        )
+    t = dq_tiles(d, q.dtype, sparse, has_tma(q))
+    assert STATS_ROW_ALIGN.value % t.block_m == 0, t
+    tma = _take_tma(t.tma, (seq_dim, k, v))
+    index, count, *list_strides = _lists(blocks)
+    order, group = causal_order(k, c["lk"], c["b"] * c["h"]) if causal and not sparse else _LAUNCH_ORDER
+    launcher(attn_bwd_dq_kernel)[(triton.cdiv(c["lq"], t.block_m), c["b"] * c["h"])](
+        q, k, v, grad_out, lse_rows, delta, dq, kv_lengths, index, count, *strides, *_bhl_strides(dq, seq_dim),
+        *list_strides, c["b"], c["h"], c["h"] // c["hk"], c["lq"], c["lk"], float(scale), group,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
         TMA=tma, **order, **consts,
     )
-    _launch_dq_pass(launcher, grad_out, q, k, v, lse_rows, delta, dq, scale, causal, seq_dim, kv_lengths, blocks)
 
 
 # ---------------------------------------------------------------- ops
