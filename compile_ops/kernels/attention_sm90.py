@@ -652,9 +652,9 @@ def _bwd_work(args, SPLIT: gl.constexpr):
     the whole ones and the parts of the others (``_bwd_program``). A launch
     of that many programs gives each one; fewer programs (one per SM: the
     persistent dk/dv pass) take them round robin."""
-    split = args[20]
-    H = args[21]
-    GROUP = args[22]
+    (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+     delta_smem, dq_args, kv_bars, ready, empty, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
+     Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
     items = split[0] * split[-1] * (H // GROUP)
     if SPLIT:
         _, whole, parts, _, _ = split

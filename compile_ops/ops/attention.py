@@ -991,6 +991,12 @@ PRECISIONS = ("exact", "int8", "int8_fp8")
 _EIGHT_BIT_OPS = {"int8": _attention_int8_op, "int8_fp8": _attention_int8_fp8_op}
 
 
+#: The tag :func:`set_attention_backward` adds to torch.compile's cache keys while dq is summed in atomic
+#: order. (Without it, a compile under one setting found the AOTAutograd cache's graph of the other: the
+#: deterministic backward ran the five-product kernel, H100, ``test_sm90_backward_compiled_equals_eager``.)
+ATOMIC_DQ_CACHE_TAG = "compile_ops.attention_atomic_dq"
+
+
 def set_attention_backward(deterministic: bool = True) -> None:
     """Choose how ``fused.attention``'s backward sums dq from now on.
 
@@ -1021,12 +1027,6 @@ def set_attention_backward(deterministic: bool = True) -> None:
     tags = [tag for tag in torch.compiler.config.cache_key_tag.split(",") if tag and tag != ATOMIC_DQ_CACHE_TAG]
     torch.compiler.config.cache_key_tag = ",".join(tags + [ATOMIC_DQ_CACHE_TAG] * ATOMIC_DQ)
     clear_launch_plans()  # plans recorded under the other setting launch the other kernels
-
-
-#: The tag :func:`set_attention_backward` adds to torch.compile's cache keys while dq is summed in atomic
-#: order. (Without it, a compile under one setting found the AOTAutograd cache's graph of the other: the
-#: deterministic backward ran the five-product kernel, H100, ``test_sm90_backward_compiled_equals_eager``.)
-ATOMIC_DQ_CACHE_TAG = "compile_ops.attention_atomic_dq"
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, causal: bool = False,
