@@ -32,8 +32,8 @@ from shapes import size
 def _spec_quantize(x):
     """The recipe in a few lines, for cross-checking (not the library's code)."""
     xf = x.double().float()
-    finite = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf))
-    amax = finite.amax(-1, keepdim=True).clamp(min=1e-12)
+    counted = torch.where(torch.isnan(xf), torch.zeros_like(xf), xf.abs())  # NaN left out, +-inf counted
+    amax = counted.amax(-1, keepdim=True).clamp(min=1e-12)
     q = torch.clamp(xf * (torch.tensor(448.0) / amax), -448.0, 448.0).to(torch.float8_e4m3fn)
     return q, (amax / 448.0).squeeze(-1)
 
@@ -101,23 +101,132 @@ def test_activation_mode_quantizes_the_activation_rounded_to_the_input_dtype(act
     assert q.shape == (6, 64) and _same_bytes(q, want_q) and torch.equal(scale, want_scale)
 
 
-def test_non_finite_values_keep_the_scale_finite_and_stay_in_their_row():
-    x = torch.randn(7, 16)
-    x[0, 3], x[1, 5], x[2], x[3], x[4], x[5, 0] = float("inf"), float("nan"), 0.0, float("nan"), -float("inf"), 1e-30
+def test_an_infinity_makes_its_row_nan_and_a_nan_stays_where_it_is():
+    """The non-finite rule: amax counts +-inf and leaves NaN out. A row with an
+    infinity gets an infinite scale and the codes ``x * (448 / inf)``: NaN at
+    the infinities, +-0 elsewhere, so ``q * scale`` is NaN across the row; a
+    NaN without an infinity keeps its row's scale and is NaN only where it
+    was. Rows are independent: the others keep their bytes."""
+    inf, nan = float("inf"), float("nan")
+    x = torch.randn(9, 16)
+    x[0, 3], x[1, 5], x[2], x[3], x[4], x[5, 0] = inf, nan, 0.0, nan, -inf, 1e-30
+    x[6, 2], x[6, 9], x[7, 1], x[7, 4] = -inf, nan, inf, -inf
     q, scale = compile_ops.quantize_fp8_rows(x)
-    assert torch.isfinite(scale).all() and (scale > 0).all()
-    # A non-finite value is left out of its row's amax: the row's finite values
+    want_q, want_scale = _spec_quantize(x)
+    assert _same_bytes(q, want_q) and torch.equal(scale, want_scale)
+    infinite = torch.tensor([True, False, False, False, True, False, True, True, False])
+    assert torch.equal(torch.isinf(scale), infinite) and (scale[infinite] > 0).all()
+    assert torch.isfinite(scale[~infinite]).all() and (scale[~infinite] > 0).all()
+    back = q.float() * scale[:, None]
+    assert back[infinite].isnan().all() and not back[~infinite].isinf().any()
+    assert torch.equal(q.float().isnan(), ~torch.isfinite(x))  # NaN codes exactly at the non-finite values
+    assert (q[0, [0, 1, 2, 4]].float() == 0).all() and (q[4].float().isnan()).all()
+    # A NaN without an infinity is left out of the amax: the row's other values
     # get the scale they would get without it.
-    _, without_inf = compile_ops.quantize_fp8_rows(torch.cat([x[0, :3], x[0, 4:]]))
-    assert torch.equal(scale[0], without_inf)
-    assert q[0, 3].float() == 448.0 and (q[4].float() == -448.0).all()  # saturated, not NaN
+    _, without_nan = compile_ops.quantize_fp8_rows(torch.cat([x[1, :5], x[1, 6:]]))
+    assert torch.equal(scale[1], without_nan)
     assert q[1, 5].float().isnan() and not q[1, [0, 1, 2, 3, 4, 6]].float().isnan().any()
     assert q[3].float().isnan().all()
-    # All-zero, all-NaN and all-inf rows: the floor's scale, 1e-12 / 448.
+    # All-zero and all-NaN rows: the floor's scale, 1e-12 / 448.
     floor = torch.tensor(ref.AMAX_FLOOR, dtype=torch.float32) / ref.E4M3_MAX
-    assert torch.equal(scale[[2, 3, 4]], floor.expand(3)) and (q[2].float() == 0).all()
-    clean_q, clean_scale = compile_ops.quantize_fp8_rows(x[5:])
-    assert _same_bytes(q[5:], clean_q) and torch.equal(scale[5:], clean_scale)
+    assert torch.equal(scale[[2, 3]], floor.expand(2)) and (q[2].float() == 0).all()
+    clean_q, clean_scale = compile_ops.quantize_fp8_rows(x[[5, 8]])
+    assert _same_bytes(q[[5, 8]], clean_q) and torch.equal(scale[[5, 8]], clean_scale)
+
+
+def _non_finite_activations(dtype, device="cpu"):
+    """``(x [9, 64], bad [9])``: rows with +inf, -inf, NaN, a whole +inf row, a
+    whole -inf row, +inf beside -inf, and NaN beside -inf (``bad``), between
+    finite rows."""
+    inf, nan = float("inf"), float("nan")
+    x = torch.randn(9, 64)
+    x[1, 3], x[2, 10], x[3, 5], x[4], x[5], x[6, 1], x[6, 2], x[7, 0], x[7, 9] = \
+        inf, -inf, nan, inf, -inf, inf, -inf, nan, -inf
+    bad = torch.tensor([False, True, True, True, True, True, True, True, False])
+    return x.to(device, dtype), bad.to(device)
+
+
+def _check_non_finite_rows_as_nn_linear(fp8, linear, x, bad):
+    """FP8Linear ``fp8`` of ``linear`` on ``x`` whose rows ``bad`` are not
+    finite: NaN across those rows, where nn.Linear's rows are +-inf or NaN
+    (never a finite output from a non-finite input); the finite rows are the
+    bytes they have beside finite rows (the bad ones zeroed)."""
+    with torch.no_grad():
+        got, want = fp8(x), linear(x)
+        clean = fp8(torch.where(bad[:, None], 0.0, x).to(x.dtype))
+        by_function = compile_ops.fp8_linear(x, fp8.weight_q, fp8.weight_scale, fp8.bias)
+    assert (~torch.isfinite(want[bad])).all(), "nn.Linear: every output of a non-finite row is non-finite"
+    assert got[bad].isnan().all(), "FP8Linear: NaN across a non-finite row"
+    assert torch.isfinite(got[~bad]).all() and torch.equal(got[~bad], clean[~bad])
+    assert torch.equal(by_function.isnan(), got.isnan()) and torch.equal(by_function[~bad], got[~bad])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_keeps_non_finite_activation_rows_non_finite_as_nn_linear_does(dtype):
+    linear = _linear(dtype=dtype)
+    x, bad = _non_finite_activations(dtype)
+    _check_non_finite_rows_as_nn_linear(compile_ops.FP8Linear.from_linear(linear), linear, x, bad)
+
+
+def _non_finite_weight(linear, case):
+    """``linear`` with weight row 5 made non-finite by ``case``; returns the row."""
+    inf, nan = float("inf"), float("nan")
+    with torch.no_grad():
+        if case == "whole +inf row":
+            linear.weight[5] = inf
+        else:
+            linear.weight[5, 7] = {"+inf": inf, "-inf": -inf, "nan": nan}[case]
+    return 5
+
+
+def _check_non_finite_weight_columns(fp8, linear, column, x):
+    """The output column of a non-finite weight row is NaN for every token, where
+    nn.Linear's is +-inf or NaN; the other columns (and weight rows) keep the
+    bytes of the same Linear with that row zeroed."""
+    zeroed = torch.nn.Linear(linear.in_features, linear.out_features).to(linear.weight.device, linear.weight.dtype)
+    with torch.no_grad():
+        zeroed.weight.copy_(linear.weight)
+        zeroed.weight[column] = 0.0
+        zeroed.bias.copy_(linear.bias)
+    clean = compile_ops.FP8Linear.from_linear(zeroed)
+    others = torch.arange(linear.out_features, device=x.device) != column
+    assert torch.isinf(fp8.weight_scale[column]) or fp8.weight_q[column].float().isnan().any()
+    assert _same_bytes(fp8.weight_q[others], clean.weight_q[others])
+    assert torch.equal(fp8.weight_scale[others], clean.weight_scale[others])
+    with torch.no_grad():
+        got, want = fp8(x), linear(x)
+        clean_out = clean(x)
+    assert (~torch.isfinite(want[:, column])).all() and got[:, column].isnan().all()
+    assert torch.isfinite(got[:, others]).all() and torch.equal(got[:, others], clean_out[:, others])
+
+
+@pytest.mark.parametrize("case", ["+inf", "-inf", "nan", "whole +inf row"])
+def test_fp8_linear_keeps_a_non_finite_weight_non_finite_as_nn_linear_does(case):
+    linear = _linear()
+    column = _non_finite_weight(linear, case)
+    x = torch.randn(6, 64)
+    x[0, 7] = 0.0  # nn.Linear: 0 * inf = NaN in that token's column
+    _check_non_finite_weight_columns(compile_ops.FP8Linear.from_linear(linear), linear, column, x)
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
+def test_fp8_projection_activation_keeps_an_overflow_non_finite(activation):
+    """FP8ProjectionActivation (an MLP's first half) hands on NaN rows for rows
+    the bf16 MLP makes non-finite; its activation mode follows the same rule on
+    an activation that is infinite (``act(+inf) = +inf``)."""
+    linear, second = _linear(), _linear(48, 64)
+    mlp = torch.nn.Sequential(linear, torch.nn.GELU("tanh") if activation == "gelu_tanh" else torch.nn.SiLU(),
+                              second)
+    fp8 = compile_ops.FP8ProjectionActivation(compile_ops.FP8Linear.from_linear(linear), activation)
+    fp8_second = compile_ops.FP8Linear.from_linear(second)
+    x, bad = _non_finite_activations(torch.float32)
+    with torch.no_grad():
+        got, want = fp8_second(fp8(x)), mlp(x)
+    assert (~torch.isfinite(want[bad])).all() and got[bad].isnan().all() and torch.isfinite(got[~bad]).all()
+    h = torch.randn(3, 48)
+    h[0, 4] = float("inf")
+    q, scale = compile_ops.quantize_fp8_rows(h, activation)
+    assert torch.isinf(scale[0]) and (q[0].float() * scale[0]).isnan().all() and torch.isfinite(scale[1:]).all()
 
 
 def test_fp8_linear_reference_matches_scaled_mm_on_the_same_operands():
@@ -501,6 +610,61 @@ def test_kernel_holds_a_row_in_any_number_of_blocks_or_loops_past_them(rows, k, 
         values = torch.cat([head, values], dim=-1)
     want_q, want_scale = ref.quantize_fp8_rows(values.cpu())
     assert _same_bytes(q.cpu(), want_q) and torch.equal(scale.cpu(), want_scale)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("k", [40, 200])  # 3 blocks held; the two-pass loop
+@pytest.mark.parametrize("activation", ["none", "silu"])
+@pytest.mark.parametrize("with_head", [False, True])
+def test_kernel_follows_the_non_finite_rule(k, activation, with_head):
+    """+inf, -inf, NaN and whole infinite rows, in x and in the head, under the
+    scaled-down launch config of the test above: the reference's bytes and
+    scales, and the rule itself: a row holding an infinity (after the
+    activation) gets an infinite scale and dequantizes to NaN across the row,
+    a NaN without one keeps its row's finite scale."""
+    from compile_ops._library import clear_launch_plans
+
+    inf, nan = float("inf"), float("nan")
+    torch.manual_seed(k)
+    x = torch.randn(9, k) * 3
+    x[1, 3], x[2, k - 1], x[3, 5], x[4], x[5], x[6, 1], x[6, k // 2] = inf, -inf, nan, inf, -inf, inf, -inf
+    head = torch.randn(9, 24) * 2
+    head[7, 20], head[8, 2] = inf, nan
+    x, head = x.to(KERNEL_DEVICE), head.to(KERNEL_DEVICE) if with_head else None
+    saved = ops.CHUNK_N, ops.MAX_ROW_VALUES, ops.LOOP_BLOCK_N
+    ops.CHUNK_N, ops.MAX_ROW_VALUES, ops.LOOP_BLOCK_N = 16, 8 * 16, 16
+    clear_launch_plans()
+    try:
+        q, scale = compile_ops.quantize_fp8_rows(x, activation, head=head)
+    finally:
+        ops.CHUNK_N, ops.MAX_ROW_VALUES, ops.LOOP_BLOCK_N = saved
+        clear_launch_plans()
+    values = x if activation == "none" else _unquantized_activation(x, activation)
+    if head is not None:
+        values = torch.cat([head, values], dim=-1)
+    want_q, want_scale = ref.quantize_fp8_rows(values.cpu())
+    assert _same_bytes_but_nan_sign(q.cpu(), want_q) and torch.equal(scale.cpu(), want_scale)
+    infinite = values.isinf().any(-1)
+    assert infinite.sum() >= 3
+    assert torch.isinf(scale[infinite]).all() and torch.isfinite(scale[~infinite]).all()
+    back = q.float() * scale[:, None]
+    assert back[infinite].isnan().all() and torch.equal(back[~infinite].isnan(), values[~infinite].isnan())
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_fp8_linear_keeps_non_finite_activations_and_weights_non_finite(dtype):
+    """The layer-1 checks of non-finite activation rows and weight rows with
+    the kernel quantizing (FP8Linear's activations and from_linear's weight)."""
+    linear = _linear(dtype=dtype).to(KERNEL_DEVICE)
+    x, bad = _non_finite_activations(dtype, KERNEL_DEVICE)
+    _check_non_finite_rows_as_nn_linear(compile_ops.FP8Linear.from_linear(linear), linear, x, bad)
+    for case in ("+inf", "-inf", "nan", "whole +inf row"):
+        linear = _linear(dtype=dtype).to(KERNEL_DEVICE)
+        column = _non_finite_weight(linear, case)
+        tokens = torch.randn(6, 64, device=KERNEL_DEVICE).to(dtype)
+        tokens[0, 7] = 0.0
+        _check_non_finite_weight_columns(compile_ops.FP8Linear.from_linear(linear), linear, column, tokens)
 
 
 @pytest.mark.kernels

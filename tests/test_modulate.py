@@ -483,7 +483,7 @@ def _check_fp8_mode(op, args):
     fused = getattr(compile_ops, f"{op}_fp8")(*args)
     plain = getattr(compile_ops, op)(*args)
     if op == "gated_residual_norm_modulate":
-        assert torch.equal(fused[0], plain[0])
+        torch.testing.assert_close(fused[0], plain[0], rtol=0, atol=0, equal_nan=True)
         fused, plain = fused[1], plain[1]
     _same_fp8(fused, compile_ops.quantize_fp8_rows(plain), fp32_output=plain.dtype == torch.float32)
 
@@ -505,3 +505,57 @@ def test_kernels_fp8_modes_write_the_bytes_of_quantizing_their_own_output(case):
     op = "gated_residual_norm_modulate" if case[0].startswith("gated") else "norm_modulate"
     torch.manual_seed(0)
     _check_fp8_mode(op, _detached(_case_args(op, *case[1:], KERNEL_DEVICE)))
+
+
+def _overflow_args(op, device):
+    """fp16 inputs whose unquantized output is not finite in rows 0-3 of 6: an
+    output past fp16's range from finite inputs (row 0, one channel), a -inf
+    shift (row 1; with the residual, an infinity in it too), a NaN in x (row
+    2), a whole row of +inf shift (row 3); rows 4 and 5 finite."""
+    torch.manual_seed(0)
+    inf = float("inf")
+    x, scale, shift = torch.randn(1, 6, 48), 0.5 * torch.randn(1, 6, 48), torch.randn(1, 6, 48)
+    x[0, 0, 3], scale[0, 0, 3] = 5.0, 3e4  # about 4.5 * 3e4 > 65504
+    shift[0, 1, 5], x[0, 2, 7], shift[0, 3] = -inf, float("nan"), inf
+    x, scale, shift = (t.to(device, torch.float16) for t in (x, scale, shift))
+    if op == "norm_modulate":
+        return (x, scale, shift, None, None, "layernorm", 1e-6)
+    residual, gate = torch.randn(1, 6, 48), torch.randn(1, 6, 48)
+    residual[0, 0, 3], gate[0, 0, 3], residual[0, 1, 0] = 5.0, 1.0, -inf  # h[0, 0, 3] = 10: row 0 overflows
+    residual, gate = residual.to(device, torch.float16), gate.to(device, torch.float16)
+    return (residual, x, gate, scale, shift, None, None, "layernorm", 1e-6)
+
+
+def _check_fp8_mode_keeps_an_overflow(op, device):
+    """The FP8 mode's rows of a non-finite output row dequantize to NaN across
+    the row (``reference/fp8.py``'s rule: an infinity makes the scale infinite),
+    so the FP8 Linear after it is NaN where nn.Linear on the unquantized
+    output is +-inf or NaN; the bytes stay those of quantize_fp8_rows of the
+    unquantized output, and the finite rows stay finite."""
+    args = _overflow_args(op, device)
+    plain, rows = getattr(compile_ops, op)(*args), getattr(compile_ops, f"{op}_fp8")(*args)
+    if op == "gated_residual_norm_modulate":
+        plain, rows = plain[1], rows[1]
+    assert plain[0, 0, 3].isinf()  # the overflow itself
+    bad = ~torch.isfinite(plain).all(-1)
+    assert bad.tolist() == [[True] * 4 + [False] * 2]
+    back = rows.q.float() * rows.scale[..., None]
+    assert back[bad].isnan().all() and torch.isfinite(back[~bad]).all()
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(48, 32).to(device, torch.float16)
+    with torch.no_grad():
+        got, want = compile_ops.FP8Linear.from_linear(linear)(rows), linear(plain)
+    assert (~torch.isfinite(want[bad])).all() and got[bad].isnan().all() and torch.isfinite(got[~bad]).all()
+    _check_fp8_mode(op, args)
+
+
+@pytest.mark.parametrize("op", ["norm_modulate", "gated_residual_norm_modulate"])
+def test_fp8_modes_keep_an_overflow_non_finite(op):
+    _check_fp8_mode_keeps_an_overflow(op, "cpu")
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("op", ["norm_modulate", "gated_residual_norm_modulate"])
+def test_kernels_fp8_modes_keep_an_overflow_non_finite(op):
+    """The fused epilogue (``kernels/fp8.py``'s shared row scale) on the same rows."""
+    _check_fp8_mode_keeps_an_overflow(op, KERNEL_DEVICE)

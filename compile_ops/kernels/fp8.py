@@ -6,6 +6,13 @@ correctly rounded fp32 divisions (triton's plain fp32 ``/`` is approximate on
 NVIDIA GPUs), the product one fp32 multiply, the clamp exact, the convert
 round-to-nearest-even (``cvt.rn.satfinite.e4m3x2.f32`` on sm_89+).
 
+Non-finite values follow the reference's rule through the one row scale of
+:func:`fp8_scales`, which every producer calls: NaN is left out of a row's
+maximum and stays NaN; +-inf counts, so its row's scale is +inf, its inverse
+0, and the row's codes are NaN at the infinities and +-0 elsewhere (``q *
+scale`` is NaN across the row: no overflow reaches the GEMM as a finite
+value).
+
 :func:`quantize_tile` is the piece other kernels call as an epilogue, behind
 a constexpr flag so one kernel serves both output modes::
 
@@ -18,7 +25,7 @@ a constexpr flag so one kernel serves both output modes::
         tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
 
 A producer whose rows span several tiles keeps the elementwise maximum of
-:func:`finite_abs` over its tiles, reduces it once per row, takes
+:func:`counted_abs` over its tiles, reduces it once per row, takes
 :func:`fp8_scales` of the result, and converts each tile with
 :func:`to_e4m3`, as :func:`quantize_fp8_rows_kernel` does.
 :func:`quantize_fp8_rows_kernel` is the standalone pass for a tensor that
@@ -36,32 +43,35 @@ from compile_ops.kernels.norm import _div_exact, _tile, _tile_rows
 
 E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
 AMAX_FLOOR: tl.constexpr = tl.constexpr(1e-12)
-FP32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def finite_abs(y, mask):
-    """``|y|`` where ``mask`` holds and y is finite, else 0: the elements a row's
-    scale counts (inf and NaN never reach one: ``a <= FP32_MAX`` is false for
-    both). A producer that holds a row in several tiles keeps the elementwise
-    maximum of these and reduces once, rather than once per tile."""
+def counted_abs(y, mask):
+    """``|y|`` where ``mask`` holds and y is not NaN, else 0: the elements a row's
+    scale counts (``a <= inf`` is false for NaN only; +-inf counts and makes the
+    scale infinite). A producer that holds a row in several tiles keeps the
+    elementwise maximum of these and reduces once, rather than once per tile."""
     a = tl.abs(y)
-    return tl.where(mask & (a <= FP32_MAX), a, 0.0)
+    return tl.where(mask & (a <= float("inf")), a, 0.0)
 
 
 @triton.jit
 def row_amax(y, mask):
-    """``max |y|`` of each row of a ``[BLOCK_M, BLOCK_N]`` fp32 tile over its finite
-    elements inside ``mask`` (0 for none)."""
-    return tl.max(finite_abs(y, mask), axis=1)
+    """``max |y|`` of each row of a ``[BLOCK_M, BLOCK_N]`` fp32 tile over its
+    non-NaN elements inside ``mask`` (0 for none, +inf for a row holding an
+    infinity)."""
+    return tl.max(counted_abs(y, mask), axis=1)
 
 
 @triton.jit
 def fp8_scales(amax):
-    """``(inverse, scale)`` of row maxima ``amax [BLOCK_M]`` (fp32, finite, >= 0):
-    ``448 / amax`` multiplies the values, ``amax / 448`` dequantizes; both
-    correctly rounded, like the reference's torch divisions (triton's plain
-    fp32 ``/`` is approximate on NVIDIA GPUs)."""
+    """``(inverse, scale)`` of row maxima ``amax [BLOCK_M]`` (fp32, >= 0, +inf
+    allowed): ``448 / amax`` multiplies the values, ``amax / 448`` dequantizes;
+    both correctly rounded, like the reference's torch divisions (triton's
+    plain fp32 ``/`` is approximate on NVIDIA GPUs). The one place a row's
+    scale is taken, by every producer of FP8 rows: an infinite amax gives
+    ``(0, +inf)``, which :func:`to_e4m3` turns into NaN codes at the
+    infinities and +-0 elsewhere."""
     amax = tl.maximum(amax, AMAX_FLOOR)
     # _div_exact divides by a scalar; the inverse has the scalar on top.
     inverse = tl.div_rn(tl.full(amax.shape, E4M3_MAX, tl.float32), amax)
@@ -70,7 +80,9 @@ def fp8_scales(amax):
 
 @triton.jit
 def to_e4m3(y, inverse):
-    """``e4m3(clamp(y * inverse[:, None], -448, 448))``: inf saturates, NaN stays NaN."""
+    """``e4m3(clamp(y * inverse[:, None], -448, 448))``: inf times a finite nonzero
+    inverse saturates, NaN stays NaN, and so does inf times the 0 inverse of a
+    row whose amax is infinite."""
     v = tl.clamp(y * inverse[:, None], -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
     return v.to(tl.float8e4nv)
 
@@ -108,11 +120,11 @@ def _columns(c0, K, rows, row_mask, BLOCK_N: tl.constexpr):
 @triton.jit
 def _segment_peak(peak, X, rows, row_mask, K, stride_row, stride_col,
                   ACT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``peak [BLOCK_M, BLOCK_N]`` raised to :func:`finite_abs` of a ``K``-column segment's blocks."""
+    """``peak [BLOCK_M, BLOCK_N]`` raised to :func:`counted_abs` of a ``K``-column segment's blocks."""
     for k0 in range(0, K, BLOCK_N):
         c, mask = _columns(k0, K, rows, row_mask, BLOCK_N)
         y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT, "evict_last")
-        peak = tl.maximum(peak, finite_abs(y, mask))
+        peak = tl.maximum(peak, counted_abs(y, mask))
     return peak
 
 
@@ -169,12 +181,12 @@ def quantize_fp8_rows_kernel(X, Q, S, n_rows, K, stride_row, stride_col,
         for i in tl.static_range(HEAD_CHUNKS):
             c, mask = _columns(i * BLOCK_N, K_HEAD, rows, row_mask, BLOCK_N)
             h = _load_values(HEAD, rows, c, stride_head_row, stride_head_col, mask, -1, "")
-            peak = tl.maximum(peak, finite_abs(h, mask))
+            peak = tl.maximum(peak, counted_abs(h, mask))
             tiles = tiles + (h,)
         for i in tl.static_range(CHUNKS):
             c, mask = _columns(i * BLOCK_N, K, rows, row_mask, BLOCK_N)
             y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT, "")
-            peak = tl.maximum(peak, finite_abs(y, mask))
+            peak = tl.maximum(peak, counted_abs(y, mask))
             tiles = tiles + (y,)
         inverse, scale = fp8_scales(tl.max(peak, axis=1))
         for i in tl.static_range(HEAD_CHUNKS):

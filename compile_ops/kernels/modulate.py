@@ -96,8 +96,10 @@ def modulate_fwd_kernel(
     QUANTIZE (the FP8 output mode, inference): OUT is e4m3 and OUT_SCALE gets
     one fp32 scale per row (``kernels/fp8.py``), of the output rounded to
     OUT_DTYPE first, so the bytes are those of ``quantize_fp8_rows`` of the
-    unquantized op's output; rows are whole in a tile, so the row maximum is
-    one reduction of registers already held.
+    unquantized op's output (an output that overflows OUT_DTYPE is +-inf
+    there, and its row's scale infinite: ``kernels/fp8.py``'s rule); rows are
+    whole in a tile, so the row maximum is one reduction of registers already
+    held.
 
     Program p takes piece p: ``chunk_rows`` rows of one segment, which share
     their modulation rows, so those are read once per piece as 1-D rows rather

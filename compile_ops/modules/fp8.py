@@ -22,6 +22,12 @@ class FP8Linear(nn.Module):
     producing kernel already quantized; the output has x's dtype, or
     ``out_dtype`` (the original Linear's weight dtype) for an FP8Rows input.
 
+    Non-finite values are not hidden (``quantize_fp8_rows``' rule): a token
+    holding +-inf or NaN gives an output row of NaN, and a weight row holding
+    one an output column of NaN for every token, where ``nn.Linear`` gives
+    +-inf or NaN; never a finite value, and the other rows and columns are
+    what they would be without it.
+
     ``module.to(dtype)`` / ``.half()`` (a diffusers pipeline's ``.to``) moves
     the quantized weight and its scales but keeps their dtypes: a float8
     tensor counts as floating point to ``nn.Module.to``, which would otherwise
@@ -46,7 +52,10 @@ class FP8Linear(nn.Module):
     @torch.no_grad()
     def from_linear(cls, linear: nn.Linear, fast_accum: bool = True) -> "FP8Linear":
         """The FP8 twin of ``linear`` (on its device; raises on a GPU without FP8
-        tensor cores). ``fast_accum``: see :func:`~compile_ops.ops.fp8.fp8_linear`."""
+        tensor cores). ``fast_accum``: see :func:`~compile_ops.ops.fp8.fp8_linear`.
+        The weight is quantized per output channel by ``quantize_fp8_rows``: a
+        row holding +-inf gets an infinite scale and NaN codes, one holding
+        NaN keeps NaN codes, so its output channel is NaN."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"FP8Linear.from_linear: expected an nn.Linear, got {type(linear).__name__}")
         weight = linear.weight
@@ -95,7 +104,10 @@ class FP8ProjectionActivation(nn.Module):
         activation: ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``.
 
     ``forward(x)``: ``x [..., K]`` or FP8Rows of it -> ``FP8Rows`` ``q [..., N]``
-    float8_e4m3fn, ``scale [...]`` fp32.
+    float8_e4m3fn, ``scale [...]`` fp32. A row that ``proj`` makes non-finite
+    (NaN), or whose activation is +-inf, is handed on as a row that
+    dequantizes to NaN (``quantize_fp8_rows``' rule): the next FP8 Linear's
+    output row is NaN, never finite.
     """
 
     def __init__(self, proj: FP8Linear, activation: str):

@@ -164,6 +164,15 @@ def quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tensor
         ``FP8Rows(q, scale)``: ``q [..., K_head + K]`` float8_e4m3fn and
         ``scale [...]`` fp32, contiguous, with ``x ~ q * scale[..., None]``.
 
+    Non-finite values (the reference's rule, so that an overflow is never
+    hidden): a row holding +inf or -inf (after the activation, in the head
+    or in x) gets ``scale = +inf`` and codes NaN at the infinities, +-0
+    elsewhere, so ``q * scale`` and every GEMM output of the row are NaN; a
+    NaN is left out of its row's scale (the other values quantize as they
+    would without it) and its code is NaN. e4m3fn has no infinity, so an
+    infinity becomes NaN rather than the row's largest finite value. Other
+    rows are unaffected.
+
     Raises a RuntimeError when x requires grad under grad mode (inference only).
     """
     refuse_gradient("quantize_fp8_rows", x, head)
@@ -200,6 +209,13 @@ def fp8_linear(x: Union[Tensor, FP8Rows], weight_q: Tensor, weight_scale: Tensor
         with rowwise scales (its rowwise mode writes bf16 and takes a bf16
         bias: an fp32 output is that bf16 result, cast); elsewhere the
         reference, summed in fp32 and cast once.
+
+    Non-finite inputs give non-finite outputs where ``F.linear`` does: a row
+    of x holding +-inf or NaN gives an output row of NaN, and a weight row
+    quantized from one (an infinite ``weight_scale`` or NaN codes, as
+    :func:`quantize_fp8_rows` writes them) an output column of NaN.
+    ``F.linear`` gives +-inf or NaN there; FP8 gives NaN (e4m3fn has no
+    infinity), never a finite value. Finite rows and columns are unaffected.
     """
     if isinstance(x, FP8Rows):
         meta.fp8.check_fp8_rows(x.q, x.scale)

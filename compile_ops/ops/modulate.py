@@ -465,7 +465,9 @@ def norm_modulate_fp8(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[
     Returns:
         ``FP8Rows(q [B, *tokens, C] float8_e4m3fn, scale [B, *tokens] fp32)``:
         the bytes of ``quantize_fp8_rows(norm_modulate(...))``, without writing
-        and re-reading the bf16 output.
+        and re-reading the bf16 output. Non-finite values as there: a row
+        whose output holds +-inf (an overflow of the output dtype included)
+        gets an infinite scale and dequantizes to NaN; a NaN stays NaN.
     """
     refuse_gradient("norm_modulate_fp8", x, scale, shift, weight, bias)
     return FP8Rows(*_norm_modulate_fp8_op(x, scale, shift, weight, bias, norm, eps))
@@ -480,7 +482,10 @@ def gated_residual_norm_modulate_fp8(residual: Tensor, x: Tensor, gate: Tensor, 
     Args: as :func:`gated_residual_norm_modulate`.
 
     Returns:
-        ``(residual_out [B, *tokens, C], FP8Rows(q [B, *tokens, C], scale [B, *tokens]))``.
+        ``(residual_out [B, *tokens, C], FP8Rows(q [B, *tokens, C], scale [B, *tokens]))``:
+        the rows are the bytes of ``quantize_fp8_rows`` of the unquantized
+        ``out``, non-finite rule included (a row holding +-inf dequantizes to
+        NaN, a NaN stays NaN).
     """
     refuse_gradient("gated_residual_norm_modulate_fp8", residual, x, gate, scale, shift, weight, bias)
     residual_out, q, q_scale = _gated_residual_norm_modulate_fp8_op(residual, x, gate, scale, shift, weight, bias,

@@ -18,15 +18,29 @@ finite, positive scale instead of 0 / 0.
 
 Per row ``x [K]``:
 
-- ``amax = max |x_i|`` over the row's *finite* values, in fp32, at least
-  ``AMAX_FLOOR``: an inf or NaN neither makes the scale infinite nor (rows
-  being independent) reaches another row; an all-zero row gets a finite scale.
+- ``amax = max |x_i|`` over the row's values that are not NaN, in fp32, at
+  least ``AMAX_FLOOR``: an all-zero (or all-NaN) row gets a finite scale.
 - ``q = e4m3(clamp(x * (448 / amax), -448, 448))``, rounded to nearest even:
   ``448 / amax`` is one IEEE fp32 division, the product one fp32 rounding, so
   a kernel doing the same two operations writes the same bytes. The clamp
-  sends +-inf to +-448 (e4m3fn has no infinity: the GPU's saturating convert
-  does the same) and keeps NaN.
+  takes up the product's rounding past 448 and keeps NaN (so does the GPU's
+  saturating convert).
 - ``scale = amax / 448`` (fp32), the factor that dequantizes: ``x ~ q * scale``.
+
+Non-finite values never give a finite result, as in the unquantized Linear
+(rows being independent, they never reach another row either):
+
+- NaN: left out of its row's amax, so the row's other values keep the scale
+  they have without it; its code is NaN, and so is every output of its row
+  in a GEMM.
+- +-inf: counted, so its row's amax and scale are +inf and ``448 / amax`` is
+  0: the codes are ``inf * 0 = NaN`` at the infinities and +-0 at the finite
+  values. ``q * scale`` is NaN across the row (``0 * inf``), and so is every
+  output of the row in a GEMM (or output column, for a weight row), where
+  the unquantized product gives +-inf or NaN. NaN rather than +-inf, because
+  e4m3fn has no infinity and one scale per row cannot hold an infinity and
+  the row's finite values both; saturating the infinity to the row's largest
+  finite value instead would turn an overflow into a finite output.
 
 A GEMM of two such operands is ``(q_x * scale_x[:, None]) @ (q_w * scale_w[:, None]).T``
 accumulated in fp32, plus the bias, cast to the output dtype: what
@@ -52,13 +66,17 @@ def quantize_fp8_rows(x: torch.Tensor, activation: str = "none", head: Optional[
     unquantized activation would have written (the kernel's tanh, erf and exp
     are not torch's: its bytes may differ from these by a rounding).
     ``head [..., K_head]``: quantize ``cat([head, act(x)], -1)`` (q is
-    ``[..., K_head + K]``, one scale per row of the concatenation)."""
+    ``[..., K_head + K]``, one scale per row of the concatenation).
+
+    A row holding +-inf (after the activation) gets scale +inf and codes NaN
+    at the infinities, +-0 elsewhere; a NaN is left out of its row's scale and
+    stays NaN (the module docstring says why)."""
     if activation != "none":
         x = apply_activation(x.float(), activation).to(x.dtype)
     if head is not None:
         x = torch.cat([head, x], dim=-1)
     xf = x.float()
-    amax = torch.where(torch.isfinite(xf), xf.abs(), 0.0).amax(-1, keepdim=True) if x.shape[-1] else \
+    amax = torch.where(torch.isnan(xf), 0.0, xf.abs()).amax(-1, keepdim=True) if x.shape[-1] else \
         xf.new_zeros((*x.shape[:-1], 1))
     amax = amax.clamp(min=AMAX_FLOOR)
     # Tensors on both sides of each division: torch computes ``python_float / tensor``
@@ -72,7 +90,9 @@ def quantize_fp8_rows(x: torch.Tensor, activation: str = "none", head: Optional[
 def fp8_linear(q_x: torch.Tensor, scale_x: torch.Tensor, q_w: torch.Tensor, scale_w: torch.Tensor,
                bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     """``q_x [M, K]``, ``scale_x [M]``, ``q_w [N, K]``, ``scale_w [N]``, ``bias [N]``
-    -> ``[M, N]`` in ``out_dtype``, summed in fp32."""
+    -> ``[M, N]`` in ``out_dtype``, summed in fp32. An infinite scale (a row
+    that held +-inf) dequantizes its row to NaN (``0 * inf``, ``NaN * inf``):
+    the output row (or column, for W) is NaN."""
     out = (q_x.float() * scale_x[:, None].float()) @ (q_w.float() * scale_w[:, None].float()).T
     if bias is not None:
         out = out + bias.float()
