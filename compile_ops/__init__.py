@@ -3,7 +3,10 @@
 Importing the package registers the ops; the public functions and modules are
 re-exported here.
 """
+import torch
+
 from compile_ops import ops  # noqa: F401  (registers torch.ops.fused.*)
+from compile_ops.meta._validate import checked_arguments
 from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.moe import MoEFeedForward
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
@@ -32,6 +35,12 @@ from compile_ops import distributed as _distributed
 _distributed.register()
 
 
+def _check_model(owner: str, model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{owner}: model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+@checked_arguments
 def patch(model, attention_processors: bool = True, attention_kernel: str = "auto", precision: str = "bf16",
           fp8_fast_accum: bool = True, attention=None, attention_precision: str = "exact",
           attention_dense_steps: int = 0, fp8_modulation: bool = False):
@@ -43,6 +52,7 @@ def patch(model, attention_processors: bool = True, attention_kernel: str = "aut
     8-bit dense attention for inference, after ``attention_dense_steps``); see
     :func:`compile_ops.integrations.diffusers.patch`. A Hugging Face transformers
     model (Llama, Qwen2) goes to :func:`compile_ops.integrations.transformers.patch`."""
+    _check_model("compile_ops.patch", model)
     from compile_ops.integrations import transformers as _transformers
     if _transformers.is_transformers_model(model):
         return _transformers.patch(model, attention_processors, attention_kernel=attention_kernel, precision=precision,
@@ -56,6 +66,7 @@ def patch(model, attention_processors: bool = True, attention_kernel: str = "aut
 
 def unpatch(model) -> None:
     """Undo :func:`patch`; see :func:`compile_ops.integrations.diffusers.unpatch`."""
+    _check_model("compile_ops.unpatch", model)
     from compile_ops.integrations.diffusers import unpatch as _unpatch
     _unpatch(model)
 

@@ -34,6 +34,7 @@ from torch.library import wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from compile_ops import _dtensor, _replay
+from compile_ops.meta._validate import type_checker
 
 NAMESPACE = "fused"
 
@@ -44,6 +45,16 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def runs_triton(t: torch.Tensor) -> bool:
     """True when ops on ``t`` launch Triton kernels (CUDA, or CPU under the interpreter)."""
     return t.device.type == "cuda" or (INTERPRET and t.device.type == "cpu")
+
+
+def refuse_interpreted_bf16_dots(op: str, **operands: Optional[torch.Tensor]) -> None:
+    """Refuse bf16 operands of ``tl.dot`` under triton's interpreter: numpy has
+    no bf16, and the interpreter (triton 3.6) multiplies such operands as
+    their raw 16-bit patterns, which gives garbage instead of an error."""
+    for name, t in operands.items():
+        if INTERPRET and t is not None and t.dtype == torch.bfloat16 and t.device.type == "cpu":
+            raise TypeError(f"fused.{op}: {name} is bfloat16, whose matrix products triton's interpreter "
+                            "(TRITON_INTERPRET=1) computes on the raw bits; use float16 or float32 there, or a GPU")
 
 
 #: Looked up once: ``torch.cuda.is_available()`` costs microseconds per call,
@@ -242,8 +253,12 @@ class FusedOp:
     and the same autograd formula without the dispatcher's layers.
     """
 
-    def __init__(self, name: str, custom_op, body: Callable, eager_check: Optional[Callable] = None):
+    def __init__(self, name: str, custom_op, body: Callable, eager_check: Optional[Callable] = None,
+                 check_types: Optional[Callable] = None):
         self.name = name
+        #: The Python types of the arguments (``meta._validate.type_checker``), checked before the
+        #: dispatcher, which would turn a float into a bool or take None for a tensor.
+        self.check_types = check_types
         self.custom_op = custom_op
         self.body = body
         #: Value checks the fast path runs before every call (see :func:`fused_op`).
@@ -280,6 +295,8 @@ class FusedOp:
         self._autograd_function = EagerFunction
 
     def __call__(self, *args, **kwargs):
+        if not torch.compiler.is_compiling() and self.check_types is not None:
+            self.check_types(args, kwargs)
         if not _untraced(args, kwargs):
             return self.op(*args, **kwargs)
         if self.eager_check is not None:
@@ -376,7 +393,7 @@ def fused_op(name: str, *, fake: Callable, reference: Callable, autocast: Option
         op.register_fake(fake)
         if autocast is not None:
             register_autocast_policy(name, autocast)
-        FUSED_OPS[name] = FusedOp(name, op, body, eager_check)
+        FUSED_OPS[name] = FusedOp(name, op, body, eager_check, type_checker(f"{NAMESPACE}.{name}", launch))
         return FUSED_OPS[name]
 
     return decorate

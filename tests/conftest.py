@@ -9,6 +9,7 @@
 """
 import contextlib
 import os
+import warnings
 
 import pytest
 import torch
@@ -136,3 +137,41 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def _global_state() -> dict:
+    """What a test may change only for its own duration: torch's config modules
+    (changed through their own ``patch()``, never pytest's monkeypatch, which
+    deletes an entry it cannot find in the module's ``__dict__``, and torch
+    then hides that entry for the rest of the process), torch's global modes,
+    and compile_ops' own process-wide settings."""
+    import torch._dynamo.config
+    import torch._inductor.config
+    import torch.compiler.config
+
+    from compile_ops.ops import attention as attention_ops
+
+    # Read entry by entry: get_config_copy() still lists an entry torch has hidden.
+    with warnings.catch_warnings():  # reading a deprecated entry warns
+        warnings.simplefilter("ignore", FutureWarning)
+        configs = {module.__name__: {key: repr(getattr(module, key, "<hidden>")) for key in module.get_config_copy()}
+                   for module in (torch.compiler.config, torch._dynamo.config, torch._inductor.config)}
+    return {"configs": configs,
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "default_dtype": torch.get_default_dtype(), "grad_enabled": torch.is_grad_enabled(),
+            "attention_atomic_dq": attention_ops.ATOMIC_DQ}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_global_state():
+    """Fail the test that leaves global state changed: a later test, in any
+    order, must see the process as a fresh one would."""
+    before = _global_state()
+    yield
+    after = _global_state()
+    changed = {key for key in before if key != "configs" and before[key] != after[key]}
+    for name, config in before["configs"].items():
+        now = after["configs"][name]
+        changed |= {f"{name}.{key}" for key in config.keys() | now.keys() if config.get(key) != now.get(key)}
+    assert not changed, f"the test left global state changed: {sorted(changed)}"

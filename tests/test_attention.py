@@ -285,6 +285,15 @@ def _bad_input_cases():
          r"kv_lengths must be in \[0, Lk=8\], got values in \[8, 9\]"),
         (lambda: att(q, k, v, 0.1, False, 2, torch.tensor([8])), ValueError, r"kv_lengths must have shape \(2,\)"),
         (lambda: att(q, k, v, 0.1, False, 2, torch.tensor([8.0, 8.0])), TypeError, r"kv_lengths must be int32"),
+        # Python scalars are checked before the dispatcher would turn them into a bool (SDPA's rule)
+        *[(lambda causal=causal: compile_ops.attention(q, k, v, causal=causal), TypeError,
+           r"causal must be a bool, got (nan|0.5|2)") for causal in (float("nan"), 0.5, 2)],
+        (lambda: compile_ops.attention(*qkv((1, 1, 4, 0), (1, 1, 4, 0), (1, 1, 4, 0))), ValueError,
+         r"compile_ops.attention: q must have a non-empty last \(head\) dim D, got shape \(1, 1, 4, 0\)"),
+        (lambda: compile_ops.attention(q, k, v, scale="x"), TypeError, r"scale must be a float or None, got 'x'"),
+        (lambda: compile_ops.attention(q.tolist(), k, v), TypeError, r"q must be a torch.Tensor or an Int8QK, got list"),
+        (lambda: compile_ops.attention(q, k, v, kv_lengths=[3, 5]), TypeError,
+         r"kv_lengths must be a torch.Tensor or None, got list"),
         # 8-bit attention on q and k quantized beforehand (Int8QK, fused.attention_qk8)
         (lambda: compile_ops.attention(qk8, k, v, precision="int8"), ValueError,
          r"compile_ops.attention: q is an Int8QK .* so k must be None, got Tensor"),
@@ -304,6 +313,22 @@ def _bad_input_cases():
         (lambda: qk8_op(*qk8, v, 0.1, False, 2, None, True, True)[0].float().sum().backward(), RuntimeError,
          r"element 0 of tensors does not require grad"),
     ]
+
+
+@pytest.mark.kernels
+@pytest.mark.skipif(not INTERPRET, reason="a property of triton's interpreter, which runs bf16 dots on raw bits")
+def test_kernels_refuse_bf16_under_the_interpreter():
+    """bf16 attention (and its backward) under TRITON_INTERPRET=1 raises where
+    it used to return values around 1e8: the interpreter multiplies bf16 dot
+    operands as integers."""
+    q, k, v = (torch.randn(1, 2, 64, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with pytest.raises(TypeError, match=r"fused.attention: q is bfloat16, whose matrix products triton's interpreter"):
+        compile_ops.attention(q, k, v)
+    with pytest.raises(TypeError, match=r"fused.attention: q is bfloat16"):
+        compile_ops.attention(q, k, v, precision="int8")
+    out = compile_ops.attention(q.half(), k.half(), v.half())  # float16 runs
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
 
 
 def _quantized_for_bad_input(q, k):
@@ -1243,22 +1268,25 @@ def test_backward_steps_are_128_queries_only_at_head_dim_64_without_block_lists(
             backward_step(128, True)] == [128, 64, 64, 64]
 
 
-def test_set_attention_backward_keys_compile_caches_by_its_setting(monkeypatch):
+def test_set_attention_backward_keys_compile_caches_by_its_setting():
     """``set_attention_backward(deterministic=False)`` adds its tag to
     torch.compile's cache keys (``torch.compiler.config.cache_key_tag``),
     keeping a tag of the user's; ``True`` takes it off again, once however
     often it was set; a non-bool is refused."""
     from compile_ops.ops import attention as attention_ops
 
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "users-own")
-    try:
-        compile_ops.set_attention_backward(deterministic=False)
-        compile_ops.set_attention_backward(deterministic=False)
-        assert torch.compiler.config.cache_key_tag == "users-own," + attention_ops.ATOMIC_DQ_CACHE_TAG
-        compile_ops.set_attention_backward(deterministic=True)
-        assert torch.compiler.config.cache_key_tag == "users-own"
-    finally:
-        compile_ops.set_attention_backward(deterministic=True)
+    # torch's config modules are changed through their own patch(): pytest's monkeypatch
+    # (9.x) deletes an entry it did not find in the module's __dict__ when it undoes.
+    with torch.compiler.config.patch(cache_key_tag="users-own"):
+        try:
+            compile_ops.set_attention_backward(deterministic=False)
+            compile_ops.set_attention_backward(deterministic=False)
+            assert torch.compiler.config.cache_key_tag == "users-own," + attention_ops.ATOMIC_DQ_CACHE_TAG
+            compile_ops.set_attention_backward(deterministic=True)
+            assert torch.compiler.config.cache_key_tag == "users-own"
+        finally:
+            compile_ops.set_attention_backward(deterministic=True)
+    assert torch.compiler.config.cache_key_tag == before
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         compile_ops.set_attention_backward(deterministic=1)
 

@@ -253,7 +253,7 @@ def _bad_input_cases():
         (lambda: compile_ops.rmsnorm(x.to(torch.complex64), None), TypeError, r"x must have a floating dtype.*complex64"),
         (lambda: compile_ops.rmsnorm(x, w.long()), TypeError, r"weight must have a floating dtype.*int64"),
         (lambda: compile_ops.rmsnorm(x, w, -1e-6), ValueError, r"rmsnorm: eps must be >= 0, got -1e-06"),
-        (lambda: compile_ops.rmsnorm(x, w, float("nan")), ValueError, r"eps must be >= 0"),
+        (lambda: compile_ops.rmsnorm(x, w, float("nan")), ValueError, r"rmsnorm: eps must be a number, got NaN"),
         (lambda: compile_ops.rmsnorm(x, w.to("meta")), ValueError, r"weight is on meta but x is on cpu"),
         (lambda: compile_ops.rmsnorm(torch.randn(()), None), ValueError, r"x must have at least 1 dim"),
         (lambda: compile_ops.rmsnorm(torch.randn(3, 0), None), ValueError, r"non-empty last \(hidden\) dim"),
@@ -264,6 +264,13 @@ def _bad_input_cases():
         (lambda: compile_ops.add_rmsnorm(x, x.int(), w), TypeError, r"residual must have a floating dtype"),
         (lambda: compile_ops.add_rmsnorm(x, x.to("meta"), w), ValueError, r"residual is on meta"),
         (lambda: compile_ops.RMSNorm((4, 8)), ValueError, r"normalized_shape must name one"),
+        # the sum is kept in residual's dtype: one narrower than x's would round it below torch's promotion
+        (lambda: compile_ops.add_rmsnorm(x, x.half(), w), TypeError,
+         r"residual must be at least as precise as x .* got residual torch.float16 and x torch.float32"),
+        (lambda: compile_ops.add_rmsnorm(x.double(), x, w), TypeError, r"residual must be at least as precise as x"),
+        (lambda: compile_ops.add_rmsnorm(x.bfloat16(), x.half(), w), TypeError, r"residual must be at least as"),
+        (lambda: compile_ops.rmsnorm(None), TypeError, r"fused.rmsnorm: x must be a torch.Tensor, got NoneType"),
+        (lambda: compile_ops.rmsnorm(x, w, "1e-6"), TypeError, r"fused.rmsnorm: eps must be a float, got '1e-6'"),
     ]
 
 

@@ -128,6 +128,8 @@ class TopK:
     def __post_init__(self):
         if not isinstance(self.coverage, (int, float)) or not 0 < self.coverage <= 1:
             raise ValueError(f"compile_ops.TopK: coverage must be in (0, 1], got {self.coverage!r}")
+        if not isinstance(self.sink_blocks, int) or isinstance(self.sink_blocks, bool) or self.sink_blocks < 0:
+            raise ValueError(f"compile_ops.TopK: sink_blocks must be an int >= 0, got {self.sink_blocks!r}")
         _check_triple("TopK", "tile", self.tile)
         _check_steps("TopK", self.dense_steps)
 

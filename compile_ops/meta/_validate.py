@@ -3,7 +3,11 @@
 Each raises before any launch with a message ``fused.<op>: <argument> ...``
 that names the argument and what was expected.
 """
-from typing import Optional
+import functools
+import inspect
+import math
+import typing
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -51,3 +55,113 @@ def check_eps(op: str, eps: float) -> None:
         fail(op, f"eps must be a float, got {type(eps).__name__}", TypeError)
     if not eps >= 0.0:  # also rejects NaN
         fail(op, f"eps must be >= 0, got {eps}")
+
+
+def check_module_input(owner: str, name: str, t, weight: Optional[torch.Tensor], hooked: bool = False,
+                       weight_name: str = "the module's weights") -> None:
+    """A module's floating input ``t`` against the ``weight`` it meets first:
+    a floating tensor, on the weight's device unless a hook (``hooked``:
+    offloading) moves the weight there when it is called."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{owner}: {name} must have a floating dtype, got {t.dtype}")
+    if weight is not None and not hooked and t.device != weight.device and weight.device.type != "meta":
+        raise ValueError(f"{owner}: {name} is on {t.device} but {weight_name} is on {weight.device}")
+
+
+def softmax_scale(owner: str, q, scale: Optional[float], q_kinds: str = "a torch.Tensor") -> float:
+    """Attention's ``scale``, defaulting to ``1 / sqrt(D)`` of q's last dim;
+    q is checked first, so that a q without a head dim gets an error naming it
+    (``q_kinds``: what the function takes as q)."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"{owner}: q must be {q_kinds}, got {type(q).__name__}")
+    if q.dim() == 0 or q.shape[-1] == 0:
+        raise ValueError(f"{owner}: q must have a non-empty last (head) dim D, got shape {tuple(q.shape)}")
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+# ---------------------------------------------------------------- argument types
+
+#: What an annotation accepts from Python: ``(types, None allowed, what the
+#: error says is expected, element types of a sequence or None)``. bool is
+#: refused where a number is expected and a number where a bool is (SDPA's
+#: rule: ``is_causal=0.5`` is a TypeError, not True); symbolic numbers pass,
+#: as torch.compile's tracing hands them on.
+_NUMBER = (int, float, torch.SymInt, torch.SymFloat)
+_INT = (int, torch.SymInt)
+_TYPE_RULES = {
+    torch.Tensor: ((torch.Tensor,), False, "a torch.Tensor", None),
+    Optional[torch.Tensor]: ((torch.Tensor,), True, "a torch.Tensor or None", None),
+    float: (_NUMBER, False, "a float", None),
+    Optional[float]: (_NUMBER, True, "a float or None", None),
+    int: (_INT, False, "an int", None),
+    Optional[int]: (_INT, True, "an int or None", None),
+    bool: ((bool, torch.SymBool), False, "a bool", None),
+    str: ((str,), False, "a str", None),
+    Sequence[int]: ((list, tuple), False, "a sequence of ints", _INT),
+    Union[int, Sequence[int]]: ((int, list, tuple), False, "an int or a sequence of ints", _INT),
+}
+
+
+def _resolved_hints(fn: Callable) -> dict:
+    """``fn``'s type hints, with any annotation that does not resolve left out."""
+    try:
+        return typing.get_type_hints(fn)
+    except (NameError, AttributeError, TypeError):
+        return {name: hint for name, hint in fn.__annotations__.items() if not isinstance(hint, str)}
+
+
+def type_checker(owner: str, fn: Callable) -> Callable:
+    """``check(args, kwargs)``: the Python types of a call of ``fn`` against
+    its annotations (those :data:`_TYPE_RULES` knows; others are the
+    function's own to check), raising ``TypeError("<owner>: <argument> must
+    be ...")``. NaN is refused where a number is expected: no argument of
+    this library means anything by it."""
+    hints = _resolved_hints(fn)
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    rules = [(p.name, *_TYPE_RULES[hints[p.name]]) if _TYPE_RULES.get(hints.get(p.name), None) else None
+             for p in params]
+    positional = [rule for rule, p in zip(rules, params) if p.kind != p.KEYWORD_ONLY]
+    by_name = {rule[0]: rule for rule in rules if rule is not None}
+
+    def check_one(rule, value) -> None:
+        name, types, optional, expected, elements = rule
+        if value is None and optional:
+            return
+        wrong = not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
+        if not wrong and elements is not None and isinstance(value, (list, tuple)):
+            wrong = not all(isinstance(v, elements) and not isinstance(v, bool) for v in value)
+        if wrong:
+            got = repr(value) if isinstance(value, (str, int, float)) else type(value).__name__
+            raise TypeError(f"{owner}: {name} must be {expected}, got {got:.60}")
+        if isinstance(value, float) and math.isnan(value):
+            raise ValueError(f"{owner}: {name} must be a number, got NaN")
+
+    def check(args: tuple, kwargs: dict) -> None:
+        for rule, value in zip(positional, args):
+            if rule is not None:
+                check_one(rule, value)
+        for name, value in kwargs.items():
+            if name in by_name:
+                check_one(by_name[name], value)
+
+    return check
+
+
+def checked_arguments(fn: Callable) -> Callable:
+    """Decorate a public function, or a module's ``__init__`` or ``forward``,
+    so that an argument of the wrong Python type raises a TypeError naming it
+    (:func:`type_checker`) before the function reads it. Skipped while
+    torch.compile traces: the check is for the Python caller."""
+    owner = "compile_ops." + fn.__qualname__.replace(".__init__", "").replace(".forward", "")
+    check = type_checker(owner, fn)
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            check(args, kwargs)
+        return fn(*args, **kwargs)
+
+    return checked

@@ -71,6 +71,11 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.
     check_floating("add_rmsnorm", "residual", residual)
     if residual.shape != x.shape:
         fail("add_rmsnorm", f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if torch.promote_types(x.dtype, residual.dtype) != residual.dtype:
+        # residual_out = x + residual is stored in residual's dtype: a narrower one would round the sum
+        # below torch's type promotion (fp32 x + fp16 residual is fp32 in torch).
+        fail("add_rmsnorm", f"residual must be at least as precise as x (the sum is kept in residual's dtype), "
+                            f"got residual {residual.dtype} and x {x.dtype}", TypeError)
     check_same_device("add_rmsnorm", x, residual=residual)
     check_affine("add_rmsnorm", "weight", weight, x)
     check_eps("add_rmsnorm", eps)

@@ -7,6 +7,8 @@ so a diffusers state dict loads unchanged; the projection is the same
 """
 from torch import Tensor, nn
 
+from compile_ops.meta._validate import check_module_input, checked_arguments
+from compile_ops.modules.hooks import must_call
 from compile_ops.ops.glu import geglu, swiglu
 
 
@@ -18,13 +20,19 @@ class GEGLU(nn.Module):
     diffusers' choice, or "tanh") is an addition.
     """
 
+    @checked_arguments
     def __init__(self, dim_in: int, dim_out: int, bias: bool = True, approximate: str = "none"):
         super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"compile_ops.GEGLU: approximate must be 'none' or 'tanh', got {approximate!r}")
         self.proj = nn.Linear(dim_in, dim_out * 2, bias=bias)
         self.approximate = approximate
 
+    @checked_arguments
     def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
         # *args, **kwargs: diffusers' deprecated ``scale`` argument, ignored as there.
+        check_module_input("compile_ops.GEGLU", "hidden_states", hidden_states, self.proj.weight,
+                           must_call(self.proj))
         return geglu(self.proj(hidden_states), self.approximate)
 
     def extra_repr(self) -> str:
@@ -38,9 +46,13 @@ class SwiGLU(nn.Module):
     Input ``[..., dim_in]``, output ``[..., dim_out]``.
     """
 
+    @checked_arguments
     def __init__(self, dim_in: int, dim_out: int, bias: bool = True):
         super().__init__()
         self.proj = nn.Linear(dim_in, dim_out * 2, bias=bias)
 
+    @checked_arguments
     def forward(self, hidden_states: Tensor) -> Tensor:
+        check_module_input("compile_ops.SwiGLU", "hidden_states", hidden_states, self.proj.weight,
+                           must_call(self.proj))
         return swiglu(self.proj(hidden_states))

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from compile_ops.meta._validate import check_module_input, checked_arguments
 from compile_ops.modules.hooks import must_call
 from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.modulate import norm_modulate, norm_modulate_fp8
@@ -35,6 +36,7 @@ class AdaLayerNormZero(nn.Module):
     quantized per row in the norm's kernel (``fused.norm_modulate_fp8``).
     """
 
+    @checked_arguments
     def __init__(self, embedding_dim: int, num_embeddings: Optional[int] = None,
                  norm_type: str = "layer_norm", bias: bool = True):
         super().__init__()
@@ -49,10 +51,12 @@ class AdaLayerNormZero(nn.Module):
         self.silu = nn.SiLU()
         self.linear = nn.Linear(embedding_dim, 6 * embedding_dim, bias=bias)
 
+    @checked_arguments
     def forward(self, x: Tensor, timestep: Optional[Tensor] = None, class_labels: Optional[Tensor] = None,
                 hidden_dtype: Optional[torch.dtype] = None, emb: Optional[Tensor] = None, fp8_rows: bool = False):
         if emb is None:
             raise ValueError("AdaLayerNormZero: emb ([B, C]) is required")
+        check_module_input("compile_ops.AdaLayerNormZero", "emb", emb, self.linear.weight, must_call(self.linear))
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
         x = (norm_modulate_fp8 if fp8_rows else norm_modulate)(x, scale_msa, shift_msa, None, None, "layernorm",
@@ -67,6 +71,7 @@ class AdaLayerNormZeroSingle(nn.Module):
     ``fp8_rows=True``: the first as ``FP8Rows`` (see :class:`AdaLayerNormZero`).
     """
 
+    @checked_arguments
     def __init__(self, embedding_dim: int, norm_type: str = "layer_norm", bias: bool = True):
         super().__init__()
         if norm_type != "layer_norm":
@@ -74,9 +79,12 @@ class AdaLayerNormZeroSingle(nn.Module):
         self.silu = nn.SiLU()
         self.linear = nn.Linear(embedding_dim, 3 * embedding_dim, bias=bias)
 
+    @checked_arguments
     def forward(self, x: Tensor, emb: Optional[Tensor] = None, fp8_rows: bool = False):
         if emb is None:
             raise ValueError("AdaLayerNormZeroSingle: emb ([B, C]) is required")
+        check_module_input("compile_ops.AdaLayerNormZeroSingle", "emb", emb, self.linear.weight,
+                           must_call(self.linear))
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
         modulate = norm_modulate_fp8 if fp8_rows else norm_modulate
@@ -92,6 +100,7 @@ class AdaLayerNormContinuous(nn.Module):
     LayerNorm or RMSNorm with diffusers' affine setting.
     """
 
+    @checked_arguments
     def __init__(self, embedding_dim: int, conditioning_embedding_dim: int, elementwise_affine: bool = True,
                  eps: float = 1e-5, bias: bool = True, norm_type: str = "layer_norm"):
         super().__init__()
@@ -107,7 +116,12 @@ class AdaLayerNormContinuous(nn.Module):
             raise ValueError(f"AdaLayerNormContinuous: norm_type must be 'layer_norm' or 'rms_norm', "
                              f"got {norm_type!r}")
 
+    @checked_arguments
     def forward(self, x: Tensor, conditioning_embedding: Tensor) -> Tensor:
+        hooked = must_call(self.linear)
+        check_module_input("compile_ops.AdaLayerNormContinuous", "x", x, self.linear.weight, hooked)
+        check_module_input("compile_ops.AdaLayerNormContinuous", "conditioning_embedding", conditioning_embedding,
+                           self.linear.weight, hooked)
         # Back to x's dtype, as diffusers does (the embedding may be fp32).
         emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
         scale, shift = torch.chunk(emb, 2, dim=1)

@@ -34,7 +34,8 @@ import torch
 from torch import Tensor, nn
 
 from compile_ops._library import cuda_capability
-from compile_ops.meta._validate import accumulation_dtype
+from compile_ops.meta._validate import accumulation_dtype, check_module_input, checked_arguments
+from compile_ops.modules.hooks import must_call
 from compile_ops.ops.glu import swiglu
 from compile_ops.ops.moe import moe_route
 
@@ -108,6 +109,7 @@ class MoEFeedForward(nn.Module):
     kept (call :func:`compile_ops.ops.moe.moe_route` for it).
     """
 
+    @checked_arguments
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int = 2, renormalize: bool = True,
                  expert_impl: str = "auto"):
         super().__init__()
@@ -121,7 +123,10 @@ class MoEFeedForward(nn.Module):
         nn.init.uniform_(self.w_in, -1 / math.sqrt(dim), 1 / math.sqrt(dim))
         nn.init.uniform_(self.w_out, -1 / math.sqrt(hidden_dim), 1 / math.sqrt(hidden_dim))
 
+    @checked_arguments
     def forward(self, hidden_states: Tensor) -> Tensor:
+        check_module_input("compile_ops.MoEFeedForward", "hidden_states", hidden_states, self.router.weight,
+                           must_call(self.router))
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, experts, counts, token_index = moe_route(x, self.router.weight, self.top_k, self.renormalize)

@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from compile_ops.meta._validate import checked_arguments
 from compile_ops.ops.norm import layernorm, rmsnorm
 
 
@@ -32,6 +33,7 @@ class RMSNorm(nn.Module):
     ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in torch.
     """
 
+    @checked_arguments
     def __init__(self, dim: Union[int, Sequence[int]], eps: Optional[float] = None,
                  elementwise_affine: bool = True, bias: bool = False, device=None, dtype=None):
         super().__init__()
@@ -42,7 +44,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(self.dim, **factory)) if elementwise_affine else None
         self.bias = nn.Parameter(torch.zeros(self.dim, **factory)) if elementwise_affine and bias else None
 
+    @checked_arguments
     def forward(self, x: Tensor) -> Tensor:
+        if self.eps is None and not x.is_floating_point():  # torch.finfo would raise first
+            raise TypeError(f"compile_ops.RMSNorm: x must have a floating dtype, got {x.dtype}")
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         return rmsnorm(x, self.weight, eps, self.bias)
 
@@ -56,6 +61,7 @@ class LayerNorm(nn.Module):
     Input ``[..., normalized_shape]``; output as :func:`compile_ops.layernorm`.
     """
 
+    @checked_arguments
     def __init__(self, normalized_shape: Union[int, Sequence[int]], eps: float = 1e-5,
                  elementwise_affine: bool = True, bias: bool = True, device=None, dtype=None):
         super().__init__()
@@ -67,6 +73,7 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(self.dim, **factory)) if elementwise_affine else None
         self.bias = nn.Parameter(torch.zeros(self.dim, **factory)) if elementwise_affine and bias else None
 
+    @checked_arguments
     def forward(self, x: Tensor) -> Tensor:
         return layernorm(x, self.weight, self.bias, self.eps)
 

@@ -20,7 +20,7 @@ import functools
 import heapq
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import triton
@@ -30,14 +30,13 @@ from torch._subclasses.fake_tensor import is_fake
 from compile_ops import _dtensor, meta, reference
 from compile_ops._library import (building_aot_package, clear_launch_plans, fused_op, has_tma, has_wgmma,
                                   l2_cache_bytes, launcher, multiprocessor_count, on_eager_fast_path,
-                                  register_no_gradient, require_fp8_mma)
+                                  refuse_interpreted_bf16_dots, register_no_gradient, require_fp8_mma)
 from compile_ops.kernels.attention import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel, attn_bwd_dq_from_acc_kernel,
                                            attn_bwd_dq_kernel, attn_bwd_parts_kernel, attn_bwd_row_stats_kernel,
-                                           attn_fwd_kernel,
-                                           fp8_rows_scale_kernel,
-                                           kv8_counters_clear_kernel, kv8_quantize_kernel,
-                                           kv8_stats_kernel)
+                                           attn_fwd_kernel, fp8_rows_scale_kernel, kv8_counters_clear_kernel,
+                                           kv8_quantize_kernel, kv8_stats_kernel)
 from compile_ops.kernels.attention_sm90 import attn_bwd_sm90_kernel, attn_fwd_sm90_kernel
+from compile_ops.meta._validate import check_module_input, checked_arguments, softmax_scale
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
 from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 
@@ -386,6 +385,7 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     (with ``v_scale``): ``(row_scale [B], out_scale [B, Lq])`` fp32, out being
     e4m3 ``[B, Lq, Hq, D]`` whatever seq_dim: the output written as the FP8
     rows of ``reference.attention.attention_int8_fp8_rows``."""
+    refuse_interpreted_bf16_dots("attention", q=q, k=k, v=v)
     c = _common(q, k, causal, seq_dim, kv_lengths)
     if out.numel() == 0:
         return
@@ -634,6 +634,7 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     """Fill dq, dk, dv (from the fake). Block-sparse: ``blocks`` as the forward,
     ``key_blocks`` the transposed lists (per key block, the query blocks that
     list it: ``[B, H, Lk blocks, width]`` / ``[B, H, Lk blocks]``)."""
+    refuse_interpreted_bf16_dots("attention_backward", q=q, k=k, v=v, grad_out=grad_out)
     c = _common(q, k, causal, seq_dim, kv_lengths)
     if dq.numel() == 0 or dk.numel() == 0:  # no queries or no keys: all gradients are 0
         dq.zero_(), dk.zero_(), dv.zero_()
@@ -1029,7 +1030,8 @@ def set_attention_backward(deterministic: bool = True) -> None:
     clear_launch_plans()  # plans recorded under the other setting launch the other kernels
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, causal: bool = False,
+@checked_arguments
+def attention(q: Union[Tensor, Int8QK], k: Optional[Tensor], v: Tensor, scale: Optional[float] = None, causal: bool = False,
               seq_dim: int = 2, kv_lengths: Optional[Tensor] = None, return_lse: bool = False,
               precision: str = "exact"):
     """Flash attention: ``softmax(scale q k^T) v`` without materializing the scores.
@@ -1074,9 +1076,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, ca
         if precision not in _EIGHT_BIT_OPS:
             raise ValueError(f"compile_ops.attention: q is an Int8QK (quantized q and k), which needs an 8-bit "
                              f"precision {tuple(_EIGHT_BIT_OPS)}, got precision={precision!r}")
-        scale = 1.0 / math.sqrt(q.q.shape[-1]) if scale is None else float(scale)
+        scale = softmax_scale("compile_ops.attention", q.q, scale)
         return _attention_qk8_op(*q, v, scale, causal, seq_dim, kv_lengths, precision == "int8_fp8", False)[0]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale("compile_ops.attention", q, scale, "a torch.Tensor or an Int8QK")
     if precision in _EIGHT_BIT_OPS:
         op = _EIGHT_BIT_OPS[precision]
         return _dtensor.sequence_parallel(
@@ -1086,7 +1088,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, ca
     return (out, lse) if return_lse else out
 
 
-def attention_fp8_rows(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, causal: bool = False,
+@checked_arguments
+def attention_fp8_rows(q: Union[Tensor, Int8QK], k: Optional[Tensor], v: Tensor, scale: Optional[float] = None, causal: bool = False,
                        seq_dim: int = 2, kv_lengths: Optional[Tensor] = None) -> FP8Rows:
     """:func:`attention` with ``precision="int8_fp8"`` whose output comes as the
     FP8 rows an FP8 output projection reads (``FP8Linear``, :func:`fp8_linear`):
@@ -1112,15 +1115,16 @@ def attention_fp8_rows(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] =
     """
     if _given_quantized("compile_ops.attention_fp8_rows", q, k):
         refuse_gradient("compile_ops.attention_fp8_rows", v)
-        scale = 1.0 / math.sqrt(q.q.shape[-1]) if scale is None else float(scale)
+        scale = softmax_scale("compile_ops.attention_fp8_rows", q.q, scale)
         values, row_scale = _attention_qk8_op(*q, v, scale, causal, seq_dim, kv_lengths, True, True)
         return FP8Rows(values.flatten(2, 3), row_scale)
     refuse_gradient("compile_ops.attention_fp8_rows", q, k, v)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale("compile_ops.attention_fp8_rows", q, scale, "a torch.Tensor or an Int8QK")
     values, row_scale = _attention_int8_fp8_rows_op(q, k, v, scale, causal, seq_dim, kv_lengths)
     return FP8Rows(values.flatten(2, 3), row_scale)
 
 
+@checked_arguments
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
                                  enable_gqa: bool = False) -> Tensor:
@@ -1136,9 +1140,17 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     Returns:
         ``[B, Hq, Lq, D]``.
     """
+    owner = "compile_ops.scaled_dot_product_attention"
     if attn_mask is not None:
-        raise NotImplementedError("compile_ops.scaled_dot_product_attention: attn_mask is not supported; "
-                                  "pass key padding as kv_lengths to compile_ops.attention")
+        raise NotImplementedError(f"{owner}: attn_mask is not supported; pass key padding as kv_lengths to "
+                                  "compile_ops.attention")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{owner}: dropout_p must be a probability in [0, 1], got {dropout_p}")
     if dropout_p != 0.0:
-        raise NotImplementedError(f"compile_ops.scaled_dot_product_attention: dropout_p must be 0, got {dropout_p}")
+        raise NotImplementedError(f"{owner}: dropout_p must be 0 (no dropout), got {dropout_p}")
+    # SDPA's argument names in its errors, before attention() checks them as q, k, v.
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_module_input(owner, name, t, None)
+        if t.device != query.device:
+            raise ValueError(f"{owner}: {name} is on {t.device} but query is on {query.device}")
     return attention(query, key, value, scale, is_causal, 2)

@@ -25,6 +25,7 @@ from torch import Tensor
 from compile_ops import _dtensor, meta, reference
 from compile_ops._library import fused_op, launcher
 from compile_ops.kernels.block_sparse import sort_block_lists_kernel
+from compile_ops.meta._validate import checked_arguments, softmax_scale
 from compile_ops.meta.attention import SPARSE_BLOCK
 from compile_ops.ops._launch import unit_last_stride
 from compile_ops.ops.attention import launch_backward, launch_forward
@@ -113,6 +114,7 @@ _block_sparse_attention_op.register_autograd(_backward, setup_context=_setup)
 # ---------------------------------------------------------------- public functions
 
 
+@checked_arguments
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_index: Tensor, block_count: Tensor,
                            scale: Optional[float] = None, causal: bool = False, seq_dim: int = 2,
                            kv_lengths: Optional[Tensor] = None, return_lse: bool = False):
@@ -133,7 +135,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_index: Tensor,
         ``[B, Hq, Lq, D]`` / ``[B, Lq, Hq, D]`` (and the lse ``[B, Hq, Lq]``). A
         query with no listed (or no visible) key gives 0 and an lse of -inf.
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale("compile_ops.block_sparse_attention", q, scale)
     out, lse = _dtensor.sequence_parallel(
         lambda q, k, v: _block_sparse_attention_op(q, k, v, block_index, block_count, scale, causal, seq_dim,
                                                    kv_lengths), q, k, v, seq_dim)
@@ -155,6 +157,20 @@ class BlockSparseMask:
     block_index: Tensor
     block_count: Tensor
 
+    def __post_init__(self):
+        for name in ("block_index", "block_count"):
+            t = getattr(self, name)
+            if not isinstance(t, Tensor) or t.dtype not in (torch.int32, torch.int64):
+                got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+                raise TypeError(f"compile_ops.BlockSparseMask: {name} must be an int32 or int64 tensor, got {got}")
+        if self.block_count.device != self.block_index.device:
+            raise ValueError(f"compile_ops.BlockSparseMask: block_count is on {self.block_count.device} but "
+                             f"block_index is on {self.block_index.device}")
+        if self.block_index.dim() != 4 or self.block_count.shape != self.block_index.shape[:-1]:
+            raise ValueError("compile_ops.BlockSparseMask: block_index must be [B or 1, Hq or 1, NQ, W] and "
+                             f"block_count its first three dims, got block_index {tuple(self.block_index.shape)} "
+                             f"and block_count {tuple(self.block_count.shape)}")
+
     @classmethod
     def from_block_mask(cls, mask: Tensor) -> "BlockSparseMask":
         """From a dense block mask ``[B or 1, Hq or 1, NQ, NK]`` bool (see :func:`block_index_from_mask`)."""
@@ -167,6 +183,7 @@ class BlockSparseMask:
                                       seq_dim=seq_dim)
 
 
+@checked_arguments
 def block_index_from_mask(mask: Tensor) -> tuple[Tensor, Tensor]:
     """Block lists from a dense block mask.
 
@@ -181,6 +198,7 @@ def block_index_from_mask(mask: Tensor) -> tuple[Tensor, Tensor]:
     return reference.block_sparse.block_index_from_mask(mask)
 
 
+@checked_arguments
 def tile_permutation(frames: int, height: int, width: int, tile: Sequence[int], device=None,
                      ragged: bool = False) -> Tensor:
     """The token order that makes each ``tile = (t, h, w)`` cube of a
@@ -219,6 +237,7 @@ def _tile_sort_key(frames: int, height: int, width: int, tile: Sequence[int], de
     return (cut * math.prod(tiles) + tile_id) * (t * h * w) + ((f % t) * h + y % h) * w + x % w
 
 
+@checked_arguments
 def sliding_tile_block_mask(frames: int, height: int, width: int, tile: Sequence[int], window: Sequence[int],
                             device=None) -> tuple[Tensor, Tensor]:
     """Sliding-tile attention on any token grid, at the kernels' 128-token block
@@ -261,6 +280,7 @@ def _window_starts(n: int, size: int, device) -> Tensor:
     return centre.clamp(0, max(n - size, 0))
 
 
+@checked_arguments
 def sliding_tile_mask(tile_grid: Sequence[int], window: Sequence[int], device=None) -> Tensor:
     """Sliding-tile attention's block mask (one tile = one 128-token block).
 
@@ -285,6 +305,7 @@ def sliding_tile_mask(tile_grid: Sequence[int], window: Sequence[int], device=No
     return mask.reshape(n, n)
 
 
+@checked_arguments
 def radial_mask(frames: int, tokens_per_frame: int, dense_frames: int = 1, device=None) -> Tensor:
     """A spatio-temporal radial block mask: dense near the diagonal in time,
     sparser farther away (the energy decay that Radial Attention exploits).
@@ -327,6 +348,7 @@ def _block_sizes(length: int, n_blocks: int, device) -> Tensor:
     return (length - starts).clamp(max=SPARSE_BLOCK).float()
 
 
+@checked_arguments
 def topk_block_index(q: Tensor, k: Tensor, coverage: float = 0.9, sink_blocks: int = 1,
                      scale: Optional[float] = None, seq_dim: int = 2) -> tuple[Tensor, Tensor]:
     """Dynamic block lists: for each query block, the first ``sink_blocks`` key
@@ -349,7 +371,7 @@ def topk_block_index(q: Tensor, k: Tensor, coverage: float = 0.9, sink_blocks: i
         for :func:`block_sparse_attention`: sinks first, then by estimated
         mass (not ascending).
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale("compile_ops.topk_block_index", q, scale)
     meta.block_sparse.topk_block_index(q, k, coverage, sink_blocks, scale, seq_dim)
     if seq_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)

@@ -248,7 +248,9 @@ def add_rmsnorm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None,
 
     Args:
         x: ``[..., N]``, the branch output.
-        residual: ``[..., N]``, the residual stream; may be fp32 while x is bf16.
+        residual: ``[..., N]``, the residual stream, in x's dtype or a wider one
+            (fp32 while x is bf16): the sum is kept in residual's dtype, so a
+            narrower one than x's is refused.
         weight: ``[N]`` or None.
         eps: ``>= 0``.
 
