@@ -123,3 +123,57 @@ def test_the_lowest_layers_import_no_op():
     for low in ("compile_ops._dtensor", "compile_ops._library"):
         above = {m for m in reachable(low) if m.startswith("compile_ops.ops") or m == "compile_ops.distributed"}
         assert not above, f"{low} reaches {sorted(above)}"
+
+
+#: Which layers each layer of ``compile_ops`` may import (docs/design.md): the
+#: Triton kernels, the fakes and the PyTorch references under the ops, the ops
+#: under the modules, the modules under the integrations, the package's
+#: ``__init__`` over everything. A layer may always import itself.
+LAYER_IMPORTS = {
+    "kernels": set(),
+    "meta": set(),
+    "_dtensor": set(),
+    "_replay": set(),
+    "reference": {"meta"},
+    "_library": {"_dtensor", "_replay", "meta"},
+    "ops": {"kernels", "meta", "reference", "_library", "_dtensor", "_replay"},
+    "modules": {"ops", "meta", "_library"},
+    "distributed": {"ops", "meta", "_library", "_dtensor"},
+    "registry": {"ops", "meta", "reference", "_library"},
+    "integrations": {"modules", "ops", "meta", "reference", "_library", "_dtensor"},
+}
+
+
+def layer_of(module: str) -> str:
+    """``compile_ops.ops.norm`` -> ``ops``; the package itself -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layer_violations(graph: dict) -> list:
+    """``(importer, imported)`` arrows that go up or sideways across layers."""
+    wrong = []
+    for module, targets in graph.items():
+        layer = layer_of(module)
+        if layer == "__init__":
+            continue
+        for target in targets:
+            if layer_of(target) != layer and layer_of(target) not in LAYER_IMPORTS[layer]:
+                wrong.append((module, target))
+    return sorted(wrong)
+
+
+def test_layers_import_downward_only():
+    """kernels/meta/reference below ops, ops below modules and integrations: no
+    kernel reaches an op, no op a module, no module an integration."""
+    graph = import_graph("compile_ops")
+    assert {layer_of(m) for m in graph} - {"__init__"} <= set(LAYER_IMPORTS), "a new layer needs its row"
+    assert layer_violations(graph) == []
+
+
+def test_the_layer_check_finds_an_arrow_upward():
+    graph = {name: set(targets) for name, targets in import_graph("compile_ops").items()}
+    graph["compile_ops.kernels.norm"].add("compile_ops.ops.norm")
+    graph["compile_ops.ops.norm"].add("compile_ops.modules.norm")
+    assert layer_violations(graph) == [("compile_ops.kernels.norm", "compile_ops.ops.norm"),
+                                       ("compile_ops.ops.norm", "compile_ops.modules.norm")]
