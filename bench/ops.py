@@ -5,7 +5,7 @@ on a CUDA machine (:func:`run`); writes ``<out>/<gpu>.json`` (e.g.
 ``bench/results/h100.json``), prints the table (``bench/report.py``) and writes
 ``<out>/<gpu>.png``.
 
-Method (shared/DESIGN.md, "Benchmarks"):
+Method (docs/design.md, "Benchmarks"):
 - bf16 inputs from ``OpSpec.make_inputs`` at ``OpSpec.bench_shapes``, all larger
   than L2; ``triton.testing.do_bench`` median, which also flushes L2 between runs.
 - Providers: ``native_eager`` (the pure-PyTorch reference, the composite an

@@ -658,7 +658,7 @@ def _block_sparse_backward_edges(dtype, device, requires_grad):
 #: 1024x1024 image tokens, the anchors' shapes.
 GLU_SHAPES = ((1, 4608, 24576), (2, 4096, 24576))
 
-#: DiT activation shapes from shared/DESIGN.md: Flux/SD3 (3072), Wan/LTX-like
+#: DiT activation shapes from docs/design.md: Flux/SD3 (3072), Wan/LTX-like
 #: long sequences (1536), HunyuanVideo-sized hidden (5120).
 DIT_NORM_SHAPES = ((2, 4096, 3072), (1, 32768, 1536), (1, 16384, 5120))
 

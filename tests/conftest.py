@@ -1,4 +1,4 @@
-"""Where each test layer runs (shared/DESIGN.md, "the four test layers").
+"""Where each test layer runs (docs/design.md, "the four test layers").
 
 - ``kernels`` tests execute the Triton kernels: on CUDA when there is a GPU,
   else on CPU through triton's interpreter, which needs TRITON_INTERPRET=1

@@ -1,4 +1,4 @@
-"""The tolerance policy of shared/DESIGN.md, shared by every family's tests.
+"""The tolerance policy of docs/design.md, shared by every family's tests.
 
 Two references: ``exact`` computed in fp64 from the same low-precision inputs,
 and ``torch_at_dtype``, what plain PyTorch computes at the input dtype. The
