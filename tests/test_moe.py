@@ -169,6 +169,75 @@ def test_kernels_ties_go_to_the_lowest_expert_and_nan_rows_to_the_first(dtype):
     assert token_index.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3], [2, 3, 4, 4], [0, 1, 4, 4], [4] * 4, [4] * 4]
 
 
+def _non_finite_route_inputs(dtype, device, infinite_weight):
+    """``(x [9, 32], w [6, 32])``: tokens 0-5 not finite (+inf, -inf, NaN, a
+    whole +inf row, a whole -inf row, two +inf), 6-8 finite. Router columns 3
+    and 5 have chosen signs, so that the logits of tokens 0, 1 and 5 mix NaN,
+    +inf and -inf away from experts 0 and 1. ``infinite_weight``: expert 4's
+    column 0 is +inf too, which token 6 meets with a positive value (its
+    logit +inf beside finite ones), token 7 with a negative one (-inf: finite
+    probabilities, 0 for expert 4) and token 8 with 0 (NaN)."""
+    inf, nan = float("inf"), float("nan")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(9, 32, generator=g), torch.randn(6, 32, generator=g) * 32 ** -0.5
+    w[:, 3] = torch.tensor([-1.0, -0.5, 0.7, 0.0, 0.2, -0.3])
+    w[:, 5] = torch.tensor([0.3, -0.2, 0.1, -0.4, 0.5, -0.6])
+    x[0, 3], x[1, 5], x[2, 7], x[3], x[4], x[5, 3], x[5, 5] = inf, -inf, nan, inf, -inf, inf, inf
+    if infinite_weight:
+        w[4, 0], x[6, 0], x[7, 0], x[8, 0] = inf, 1.0, -1.0, 0.0
+    return x.to(device, dtype), w.to(device, dtype)
+
+
+def _check_non_finite_routing(dtype, device, infinite_weight, renormalize):
+    """moe_route against torch.topk on the logits of a PyTorch router
+    (``F.linear`` in fp32): a token whose probabilities are NaN takes the
+    experts of the largest logits in torch.topk's order (NaN, +inf, the
+    numbers, -inf; the lowest expert first among equal logits) and NaN weights;
+    the other tokens route by their probabilities as before, and those beside
+    finite tokens only route as they do beside the non-finite ones."""
+    top_k = 3
+    x, w = _non_finite_route_inputs(dtype, device, infinite_weight)
+    probs, weights, experts, counts, token_index = compile_ops.moe_route(x, w, top_k, renormalize)
+    logits = F.linear(x.float(), w.float()).cpu()
+    plain_probs = torch.softmax(logits, dim=-1)
+    nan_rows = plain_probs.isnan().any(-1)
+    assert torch.equal(probs.isnan().cpu(), nan_rows[:, None].expand(-1, 6))
+    assert nan_rows[:6].all() and nan_rows.tolist()[6:] == ([True, False, True] if infinite_weight else [False] * 3)
+    experts = experts.cpu()
+    key = torch.where(nan_rows[:, None], logits, plain_probs)
+    assert torch.equal(experts, torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :top_k])
+    # torch.topk's values: the same logits (NaN as NaN) and probabilities, largest first.
+    chosen, top = logits[nan_rows].gather(1, experts[nan_rows]), torch.topk(logits[nan_rows], top_k).values
+    assert torch.equal(chosen.isnan(), top.isnan()) and torch.equal(chosen.nan_to_num(), top.nan_to_num())
+    assert torch.equal(probs.cpu()[~nan_rows].gather(1, experts[~nan_rows]),
+                       torch.topk(probs.cpu()[~nan_rows], top_k).values)
+    if not infinite_weight:  # not the old choice, experts 0, 1, 2
+        assert experts[[0, 1, 5]].tolist() == [[3, 2, 4], [1, 3, 5], [0, 3, 2]]
+    assert weights.cpu()[nan_rows].isnan().all() and torch.isfinite(weights.cpu()[~nan_rows]).all()
+    clean = compile_ops.moe_route(torch.where(nan_rows.to(device)[:, None], 0.0, x).to(dtype), w, top_k, renormalize)
+    finite = ~nan_rows.to(device)
+    for got, want in zip((probs, weights, experts.to(device)), clean[:3]):
+        assert torch.equal(got[finite], want[finite])
+    want_counts, want_index = expert_lists(experts, 6)
+    assert torch.equal(counts.cpu(), want_counts) and torch.equal(token_index.cpu(), want_index)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("infinite_weight", [False, True])
+def test_non_finite_tokens_route_as_torch_topk_of_the_logits(infinite_weight, renormalize):
+    _check_non_finite_routing(torch.float32, "cpu", infinite_weight, renormalize)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("infinite_weight", [False, True])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_kernels_non_finite_tokens_route_as_torch_topk_of_the_logits(dtype, infinite_weight, split):
+    """Both routing kernels' paths: logits in one program, or summed from slices of H."""
+    with _split_router(split):
+        _check_non_finite_routing(dtype, KERNEL_DEVICE, infinite_weight, True)
+
+
 @pytest.mark.parametrize("route_block_h", [32, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_launch_configs_keep_the_dot_chunk_at_16_or_more(dtype, route_block_h, monkeypatch):

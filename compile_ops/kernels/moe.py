@@ -14,9 +14,11 @@ program. The partial sums are added in a fixed order: the logits, hence the
 routing, are the same every run. Then the softmax in the accumulator's
 precision, the probabilities written, and the top k by k rounds of (row
 max, lowest column holding it): the tie break is the lowest expert index,
-as a stable descending sort gives (``reference/moe.py``). NaN is taken as
-larger than every probability (as torch's sort does), so a NaN row picks
-experts 0..k-1. E is held whole in one row of registers: hence
+as a stable descending sort gives (``reference/moe.py``). A token whose
+probabilities are NaN (a NaN or +inf logit makes the softmax's whole row
+NaN) takes the top k of its logits instead, in torch.topk's order: NaN
+above +inf above the numbers above -inf (``reference.moe.routing_key``).
+E is held whole in one row of registers: hence
 ``meta.moe.MAX_EXPERTS``. Each program also writes how many of its tokens
 chose each expert (``BLOCK_COUNTS``).
 
@@ -46,6 +48,11 @@ def _divide(a, b):
         return a / b
     else:
         return tl.div_rn(a, b)
+
+
+@triton.jit
+def _is_nan(v):
+    return v != v  # false for every number and infinity
 
 
 @triton.jit
@@ -117,24 +124,34 @@ def moe_route_kernel(X, W, PARTIAL, PROBS, WEIGHTS, EXPERTS, BLOCK_COUNTS, n_tok
     probs = _divide(numerators, tl.sum(numerators, axis=1)[:, None])
     tl.store(PROBS + rows[:, None] * E + cols[None, :], probs.to(PROBS.dtype.element_ty), mask=out_mask)
 
-    # Top-k by k rounds of max. The key orders NaN above every probability
-    # (2 > 1 >= p) and the padding columns below every one (-1 < 0 <= p).
-    key = tl.where(probs != probs, 2.0, probs)
-    key = tl.where(col_mask[None, :], key, -1.0)
+    # Top-k by k rounds of max over the columns still live (real, not yet
+    # picked). The key is the probabilities, or the logits of a token whose
+    # probabilities are NaN (the softmax makes the whole row NaN); a NaN key
+    # counts as +inf and goes first among the columns holding +inf by its
+    # rank (its column, where +inf's is its column + BLOCK_E): torch.topk's
+    # order, NaN above +inf.
+    nan_row = tl.max(tl.where(col_mask[None, :] & _is_nan(probs), 1, 0), axis=1) > 0
+    key = tl.where(nan_row[:, None], logits, probs)
+    key_nan = _is_nan(key)
+    key = tl.where(key_nan, float("inf"), key)
+    rank = cols[None, :] + tl.where(key_nan, 0, BLOCK_E)
+    live = (cols[None, :] + tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)) < E
     slots = tl.arange(0, BLOCK_K)
     chosen_p = tl.zeros((BLOCK_T, BLOCK_K), dtype=ACC_DTYPE)
     chosen_e = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
     hits = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(key, axis=1)
-        # The lowest column holding the maximum: the deterministic tie-break.
-        index = tl.min(tl.where(key == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        best = tl.max(tl.where(live, key, float("-inf")), axis=1)
+        # The lowest rank holding the maximum: NaN first, then the lowest
+        # column (the deterministic tie-break).
+        first = tl.min(tl.where(live & (key == best[:, None]), rank, 2 * BLOCK_E), axis=1)
+        index = first % BLOCK_E
         picked = cols[None, :] == index[:, None]
         p = tl.sum(tl.where(picked, probs, 0.0), axis=1)
         chosen_p = tl.where(slots[None, :] == j, p[:, None], chosen_p)
         chosen_e = tl.where(slots[None, :] == j, index[:, None].to(tl.int64), chosen_e)
         hits += picked.to(tl.int32)
-        key = tl.where(picked, -1.0, key)
+        live = live & ~picked
     if RENORMALIZE:
         chosen_p = _divide(chosen_p, tl.sum(chosen_p, axis=1)[:, None])
     k_mask = row_mask[:, None] & (slots < TOP_K)[None, :]

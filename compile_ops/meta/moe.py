@@ -11,7 +11,12 @@ Output layout of ``fused.moe_route(x [T, H], router_weight [E, H], top_k, renorm
   dtype as probs), divided by their sum when ``renormalize``;
 - ``experts [T, k]`` int64 (``torch.topk``'s index dtype, so that it feeds
   ``gather``/``scatter`` as is): the chosen experts, most probable first;
-  equal probabilities go to the LOWEST expert index first;
+  equal probabilities go to the LOWEST expert index first. A token whose
+  probabilities are NaN (the softmax gives a whole row NaN once a logit is
+  NaN or +inf, or all are -inf: a NaN or inf in x or the router weight)
+  chooses by its logits instead, in torch.topk's order on them: NaN first,
+  then +inf, the numbers in descending order, -inf last, equal logits
+  (NaNs among them) to the lowest expert index first. Its weights are NaN;
 - ``counts [E]`` int32: tokens routed to each expert (``sum(counts) == T * k``);
 - ``token_index [E, T]`` int32: row e lists the ids of the tokens routed to
   expert e in ascending order in its first ``counts[e]`` entries; the rest of

@@ -204,6 +204,19 @@ def moe_route(x: Tensor, router_weight: Tensor, top_k: int, renormalize: bool = 
         ``probs`` and ``weights`` are differentiable with respect to x and
         router_weight; the three integer outputs are not. Results are the same
         bits on every run (no atomics).
+
+    Non-finite tokens: a NaN or +-inf in a token makes its logits NaN or
+    +-inf (one in the router weight, that expert's logit of every token), and
+    the softmax gives a token's whole row NaN as soon as one logit is NaN or
+    +inf (or all are -inf). Such a token
+    chooses the top k of its logits, in ``torch.topk``'s order on them: NaN
+    first, then +inf, the numbers in descending order, -inf last; equal
+    logits (NaNs among them) go to the lowest expert index first, an order
+    torch.topk leaves unspecified. Its ``probs`` and ``weights`` are NaN, so
+    that the NaN reaches the MoE output instead of a finite weight made from
+    it. A token whose probabilities are finite (a -inf logit gives its
+    expert probability 0) routes by them as above; the other tokens are
+    unaffected.
     """
     meta.moe.check_options("moe_route", top_k, renormalize)
     return _moe_route_op(x, router_weight, top_k, renormalize)

@@ -1,7 +1,9 @@
 """Pure-PyTorch MoE routing: the implementation off-GPU and the test oracle.
 
-Computed in fp32 (fp64 for fp64 inputs) like the kernel; the layouts and the
-tie-break (lowest expert index first) are those of ``compile_ops/meta/moe.py``.
+Computed in fp32 (fp64 for fp64 inputs) like the kernel; the layouts, the
+tie-break (lowest expert index first) and the choice for a token whose
+probabilities are NaN (:func:`routing_key`) are those of
+``compile_ops/meta/moe.py``.
 Every step has a fixed output shape (no ``nonzero``, no ``.item()``), so the
 reference traces under ``torch.compile(fullgraph=True)`` too.
 """
@@ -11,12 +13,22 @@ from compile_ops.meta import moe as meta
 from compile_ops.meta._validate import accumulation_dtype
 
 
-def top_k_descending(probs: torch.Tensor, top_k: int) -> tuple:
+def top_k_descending(key: torch.Tensor, top_k: int) -> tuple:
     """``(values, indices)`` of the ``top_k`` largest entries of each row, largest
-    first, equal values in ascending index order (a stable descending sort;
-    NaN sorts as the largest, so a NaN row picks experts 0..k-1)."""
-    values, indices = torch.sort(probs, dim=-1, descending=True, stable=True)
+    first, equal values in ascending index order: a stable descending sort,
+    torch.topk's order (NaN above +inf above every number above -inf) with
+    the ties that torch.topk leaves unspecified going to the lowest index."""
+    values, indices = torch.sort(key, dim=-1, descending=True, stable=True)
     return values[:, :top_k], indices[:, :top_k]
+
+
+def routing_key(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """What each token's experts are the top k of: its probabilities, or its
+    logits where its probabilities are NaN. The softmax makes a whole row NaN
+    as soon as one logit is NaN or +inf (or all are -inf), which would leave
+    nothing to choose by; the logits still order the experts as torch.topk on
+    them does, NaN and +inf first."""
+    return torch.where(probs.isnan().any(dim=-1, keepdim=True), logits, probs)
 
 
 def expert_lists(experts: torch.Tensor, num_experts: int) -> tuple:
@@ -37,7 +49,8 @@ def moe_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormal
     acc = accumulation_dtype(x)
     logits = x.to(acc) @ router_weight.to(acc).t()
     probs = torch.softmax(logits, dim=-1)
-    weights, experts = top_k_descending(probs, top_k)
+    experts = top_k_descending(routing_key(logits, probs), top_k)[1]
+    weights = probs.gather(1, experts)  # NaN where the probabilities are
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     counts, token_index = expert_lists(experts, router_weight.shape[0])
