@@ -62,7 +62,7 @@ class DiTBlock(nn.Module):
         # and with them most gradients; the default init keeps every path live.
         self.ada = nn.Linear(dim, 6 * dim)
         # Separate projections, as in diffusers: tensor parallelism shards each
-        # by heads (bench/distributed_train.py); a packed qkv would shard across q/k/v.
+        # by heads (bench/runners/distributed_train.py); a packed qkv would shard across q/k/v.
         self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
         # Near 1 but not 1, so that a norm that dropped its weight would show.
         self.q_norm_weight = nn.Parameter(1.0 + 0.1 * torch.randn(self.head_dim))

@@ -4,14 +4,14 @@
     python bench/report.py bench/results/h100.json --readme README.md   # also rewrite README's table
     python bench/report.py bench/results/h100.json --plot h100.png      # also draw the plot
 
-    python bench/report.py bench/results/attention-h100.json --readme README.md  # bench/attention.py's
+    python bench/report.py bench/results/attention-h100.json --readme README.md  # bench/runners/attention.py's
     python bench/report.py RERUN.json --merge-into bench/results/attention-h100.json --readme README.md
 
 The README block is everything between the lines ``<!-- perf-table:start -->``
 and ``<!-- perf-table:end -->`` (``attention-table`` / ``attention-causal-table``
-for bench/attention.py's JSON, ``block-sparse-table`` for
-bench/block_sparse.py's, ``diffusers-e2e-table`` for bench/diffusers_e2e.py's,
-``distributed-train-table`` for bench/distributed_train.py's);
+for bench/runners/attention.py's JSON, ``block-sparse-table`` for
+bench/runners/block_sparse.py's, ``diffusers-e2e-table`` for bench/runners/diffusers_e2e.py's,
+``distributed-train-table`` for bench/runners/distributed_train.py's);
 it is regenerated from the JSON, never edited by
 hand.
 """
@@ -108,12 +108,12 @@ def format_table(data: dict) -> str:
     overhead = data.get("overhead")
     if overhead and "error" not in overhead:
         out.append("")
-        if "eager_us" in overhead:  # bench/host.py's row
+        if "eager_us" in overhead:  # bench/runners/host.py's row
             out.append(f"eager overhead at {_shape(overhead['shape'])}: fused.rmsnorm "
                        f"{overhead['eager_us']:.1f} µs/call (through the dispatcher "
                        f"{overhead['dispatcher_us']:.1f}), bare Triton launch {overhead['bare_us']:.1f} µs/call "
                        f"(x{overhead['ratio']:.2f})")
-        else:  # results files written before bench/host.py
+        else:  # results files written before bench/runners/host.py
             out.append(f"eager overhead at {_shape(overhead['shape'])}: fused.rmsnorm "
                        f"{overhead['fused_op_us']:.1f} µs/call, bare Triton launch "
                        f"{overhead['bare_triton_us']:.1f} µs/call (x{overhead['ratio']:.2f})"
@@ -205,7 +205,7 @@ def merge_runs(base: dict, newer: dict, key=("shape", "causal", "provider")) -> 
 
 
 def is_attention(data: dict) -> bool:
-    """bench/attention.py's JSON (TFLOP/s rows) rather than bench/run.py's."""
+    """bench/runners/attention.py's JSON (TFLOP/s rows) rather than bench/run.py's."""
     return any("fwd_TFLOPs" in r or r.get("provider") == "sdpa_flash" for r in data["rows"])
 
 
@@ -236,7 +236,7 @@ def attention_table(data: dict) -> str:
 
 
 def is_attention_int8(data: dict) -> bool:
-    """bench/attention.py --int8's JSON: rows per input kind, with their error."""
+    """bench/runners/attention.py --int8's JSON: rows per input kind, with their error."""
     return any("inputs" in r and "rel_l2_vs_fp64" in r for r in data["rows"])
 
 
@@ -266,7 +266,7 @@ def attention_int8_table(data: dict) -> str:
 
 
 def is_moe(data: dict) -> bool:
-    """bench/moe.py's JSON: routing times per provider, in microseconds."""
+    """bench/runners/moe.py's JSON: routing times per provider, in microseconds."""
     return any("fwd_graph_us" in r and "experts" in r for r in data["rows"])
 
 
@@ -298,7 +298,7 @@ def moe_table(data: dict) -> str:
 
 
 def is_host(data: dict) -> bool:
-    """bench/host.py's JSON: host microseconds per eager call."""
+    """bench/runners/host.py's JSON: host microseconds per eager call."""
     return any("bare_us" in r for r in data["rows"])
 
 
@@ -320,7 +320,7 @@ def host_table(data: dict) -> str:
 
 
 def is_aoti(data: dict) -> bool:
-    """bench/aoti.py's JSON: a patched model as an AOTInductor package run from C++."""
+    """bench/runners/aoti.py's JSON: a patched model as an AOTInductor package run from C++."""
     return any("aoti_ms" in r for r in data["rows"])
 
 
@@ -344,7 +344,7 @@ def aoti_table(data: dict) -> str:
 
 
 def is_compile_modes(data: dict) -> bool:
-    """bench/diffusers_e2e.py's JSON from ``--inductor-modes``: a provider in several torch.compile modes."""
+    """bench/runners/diffusers_e2e.py's JSON from ``--inductor-modes``: a provider in several torch.compile modes."""
     return any("+" in r.get("compile", "") for r in data["rows"])
 
 
@@ -366,7 +366,7 @@ def compile_modes_table(data: dict) -> str:
 
 
 def is_block_sparse(data: dict) -> bool:
-    """bench/block_sparse.py's JSON."""
+    """bench/runners/block_sparse.py's JSON."""
     return any(r.get("provider") == "fused_sparse" for r in data["rows"])
 
 
@@ -419,7 +419,7 @@ def block_sparse_table(data: dict) -> str:
 
 
 def is_diffusers_e2e(data: dict) -> bool:
-    """bench/diffusers_e2e.py's JSON."""
+    """bench/runners/diffusers_e2e.py's JSON."""
     return any("case" in r for r in data["rows"])
 
 
@@ -551,7 +551,7 @@ def _fp8_e2e_table(by: dict) -> str:
 
 
 def is_sparse_e2e(data: dict) -> bool:
-    """bench/sparse_e2e.py's JSON."""
+    """bench/runners/sparse_e2e.py's JSON."""
     return any(r.get("provider") == "sparse_compiled" for r in data["rows"])
 
 
@@ -586,12 +586,12 @@ def sparse_e2e_table(data: dict) -> str:
 
 
 def is_distributed_train(data: dict) -> bool:
-    """bench/distributed_train.py's JSON."""
+    """bench/runners/distributed_train.py's JSON."""
     return any("multi" in r for r in data["rows"])
 
 
 def compiled_summary(result: dict) -> str:
-    """bench/distributed_train.py's compiled timings of a sharded run, in words."""
+    """bench/runners/distributed_train.py's compiled timings of a sharded run, in words."""
     if "compile_error" in result:
         return f"compiled: failed, {result['compile_error']}"
     if "compiled_sharded_ms" not in result:

@@ -1,9 +1,9 @@
 """What the benchmark runners share: environment, timing, byte counts, results files, sweeps.
 
-Imported by every runner (``bench/ops.py``, ``attention.py``, ``block_sparse.py``,
-``diffusers_e2e.py``, ``distributed_train.py``, ``sweep_<family>.py``); it
-imports no runner, and ``bench/run.py`` only parses arguments and dispatches
-to the runners, so the imports of ``bench/`` run one way.
+Imported by every runner (``bench/runners/``), sweep (``bench/sweeps/``),
+experiment and tool; it imports none of them, and ``bench/run.py`` only
+parses arguments and dispatches to the runners, so the imports of ``bench/``
+run one way.
 
 - Environment: :func:`environment` (GPU, torch, triton, CUDA, Liger versions),
   :func:`gpu_slug` (the file stem of a GPU name).
@@ -355,7 +355,7 @@ def module_config(module, *names):
 
 
 def run_sweep(out_path, ops, shapes, configs, configure, fields, default_ops, default_configs) -> list:
-    """The launch-config sweep of ``bench/sweep_<family>.py``: every op of
+    """The launch-config sweep of ``bench/sweeps/<family>.py``: every op of
     ``ops`` (comma-separated, else ``default_ops``) at every shape (None: each
     op's registry bench shapes), bf16, timed
     by :func:`sweep_times` under each config (``"a/b/c,..."``, else

@@ -993,11 +993,11 @@ def test_patched_flux_exports_with_a_dynamic_sequence_and_a_block_runs_as_an_aot
     (the fused ops stay ops in the graph) matches eager at two lengths; one
     patched double block goes through AOTInductor (on a GPU: its fused ops as
     Triton kernels in the package), and the package matches eager at lengths
-    it was not exported at, run from C++ (``bench/aoti_runner.cpp``, no Python
+    it was not exported at, run from C++ (``bench/runners/aoti_runner.cpp``, no Python
     in the process) and, on the CPU, loaded in Python. Not in Python on a GPU:
     on the benchmark's machine torch 2.11's loader crashes the process for
     every package (bench/notes.md)."""
-    from bench.aoti import build_runner, flat_inputs, run_package
+    from bench.runners.aoti import build_runner, flat_inputs, run_package
 
     torch.manual_seed(0)
     model, inputs = _flux()
@@ -1054,7 +1054,7 @@ def test_patched_flux_ships_as_a_saved_exported_program_that_a_fresh_process_run
     installed package): the loaded program, eager and under
     ``torch.compile(fullgraph=True)``, matches the model at a length it was not
     exported at. A shipping path with Python; without it, an AOTInductor
-    package run from C++ (the test above, bench/aoti.py)."""
+    package run from C++ (the test above, bench/runners/aoti.py)."""
     import subprocess
     import sys
 

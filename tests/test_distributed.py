@@ -276,7 +276,7 @@ def _attention_cases():
     # Sequence-sharded q/k/v: the public functions move them to head shards and
     # back (Ulysses), so the results come back sharded on the sequence. (gloo
     # has no all-to-all: DTensor emulates it with all-gathers on CPU;
-    # bench/distributed_train.py checks NCCL's all-to-alls.)
+    # bench/runners/distributed_train.py checks NCCL's all-to-alls.)
     for seq_dim in (2, 1):
         s = Shard(seq_dim)
         yield Case(f"attention_seq_dim{seq_dim}/sequence", partial(_attention, seq_dim), _attention_inputs(seq_dim),
@@ -550,7 +550,7 @@ def _worker(rank: int, world: int, directory: str) -> None:
         raise
     # gloo's threads end here, not during interpreter exit (the likely cause of
     # the FSDP2 test's rare SIGABRT): see teardown_process_group.
-    from bench.distributed_train import teardown_process_group
+    from bench.runners.distributed_train import teardown_process_group
 
     teardown_process_group()
 

@@ -1,4 +1,4 @@
-"""The README's multi-GPU example (``bench/distributed_train.py``) end to end.
+"""The README's multi-GPU example (``bench/runners/distributed_train.py``) end to end.
 
 On CPU (gloo, 2 processes, a tiny fp32 config compiled with aot_eager) in CI;
 on CUDA (NCCL, 2 GPUs, bf16, Inductor) where a machine has two GPUs. Checks
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import distributed_train  # noqa: E402
+from bench.runners import distributed_train  # noqa: E402
 
 CONFIGS = {
     "cpu": distributed_train.Config(dim=64, heads=4, depth=2, tokens=32, steps=4, warmup=1, dtype="float32",

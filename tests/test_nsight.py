@@ -1,6 +1,6 @@
-"""bench/nsight.py's parsing of ncu output (no GPU, no ncu): the details page
+"""bench/runners/nsight.py's parsing of ncu output (no GPU, no ncu): the details page
 into per-launch metrics and the summary table, the source page into SASS hot spots."""
-from bench import nsight
+from bench.runners import nsight
 
 DETAILS = '''==PROF== Connected to process 1
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"

@@ -11,7 +11,7 @@ Each group size is forced on the causal launches in place of
 ``dq``) in launch order whatever the group, to time one pass's order against
 the others'. Per shape: SDPA's cuDNN backend, then every group, ``--rounds``
 times alternated, forward and forward+backward as CUDA-graph replays of
-``compile_ops.attention`` called eagerly (``bench.attention.measure``), and
+``compile_ops.attention`` called eagerly (``bench.runners.attention.measure``), and
 each group's forward output compared with the first group's, bit for bit.
 
 The sweep behind ``ops.attention.causal_order`` (bench/notes.md, "Causal
@@ -24,7 +24,7 @@ import sys
 import torch
 
 import compile_ops
-from bench.attention import measure, providers
+from bench.runners.attention import measure, providers
 from bench.toolkit import make_timer, warm_up_gpu, write_rows
 from compile_ops._library import clear_launch_plans
 from compile_ops.ops import attention as attention_ops

@@ -29,7 +29,7 @@ import json
 import torch
 
 import compile_ops
-from bench.attention import keep_busy, providers
+from bench.runners.attention import keep_busy, providers
 from bench.toolkit import graph_replay_time, make_timer, warm_up_gpu, write_rows
 from compile_ops.ops import attention as attention_ops
 

@@ -11,7 +11,7 @@ nothing. Which lengths does that hold at? Flux at non-square resolutions
 (1360x768: 4592 tokens; 1280x720: 4112) and Qwen-Image (an image's tokens
 plus a prompt's) have such lengths. Per shape, ``--rounds`` times
 alternated: ``compile_ops.attention`` eager and compiled
-(``bench.attention.providers``) and SDPA's cuDNN backend, forward, CUDA-graph
+(``bench.runners.attention.providers``) and SDPA's cuDNN backend, forward, CUDA-graph
 replays.
 """
 import argparse
@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from bench.attention import providers
+from bench.runners.attention import providers
 from bench.toolkit import graph_replay_time, make_timer, warm_up_gpu, write_rows
 
 SHAPES = ("1x24x4608x128,1x24x4544x128,1x24x4592x128,1x24x4429x128,1x24x4112x128,1x24x2816x128,1x24x6989x128,"

@@ -6,7 +6,7 @@ portable kernel and cuDNN in one run, on an H100:
 Every front end of the core at the shapes of issue 28: dense forward at 2
 and 3 K/V stages (D = 64 with the package's 256-key tiles), causal, key
 lengths, block-sparse at about 26% of the blocks (the lists of
-``bench/block_sparse.py``), and the INT8_FP8 mode against
+``bench/runners/block_sparse.py``), and the INT8_FP8 mode against
 ``attn_fwd_kernel``'s INT8 + PV_FP8 on the same operands (q given in int8);
 ``waves``: the core and cuDNN at 22, 24 and 26 heads (whole and partial last
 waves); ``persistent``: the core on one program per work item against one
@@ -107,7 +107,7 @@ def dense_and_causal():
 
 
 def sparse():
-    from bench.block_sparse import random_block_mask
+    from bench.runners.block_sparse import random_block_mask
 
     for b, h, L, d in [(1, 12, 32760, 128), (1, 12, 75600, 128)]:
         q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -165,7 +165,7 @@ def persistent():
     """The core with one program per work item (the GPU deals them out as SMs
     free up) against one program per SM looping over its items, in every
     mode, cuDNN beside them."""
-    from bench.block_sparse import random_block_mask
+    from bench.runners.block_sparse import random_block_mask
 
     for b, h, L in [(1, 24, 4608), (1, 12, 32760), (1, 40, 16384), (1, 12, 75600), (2, 24, 4096)]:
         d = 128

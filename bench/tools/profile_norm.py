@@ -3,7 +3,7 @@ forward+backward step (torch.profiler), and the host-side cost of eager calls
 (cProfile, cumulative) for a forward, a direct backward op and an autograd
 step on a small input. A diagnosis tool for bench/notes.md, not part of the benchmark.
 
-    PYTHONPATH=. python bench/profile_norm.py
+    PYTHONPATH=. python bench/tools/profile_norm.py
 """
 import cProfile
 import pstats

@@ -1,7 +1,7 @@
 """Sweep the RoPE kernels' launch configs on a GPU, to pick TILE,
 PROGRAMS_PER_SM and NUM_WARPS in compile_ops/ops/rope.py.
 
-    PYTHONPATH=. python bench/sweep_rope.py [OUT.json] [OPS] [TILE/PER_SM/WARPS,...]
+    PYTHONPATH=. python bench/sweeps/rope.py [OUT.json] [OPS] [TILE/PER_SM/WARPS,...]
 
 rope_qk (half-split, [B, L, H, D]), rope (interleaved, [B, H, L, D]),
 rope_grid and qk_norm_rope at the registry's RoPE shapes, bf16, timed as CUDA
@@ -11,7 +11,7 @@ graph replays of the forward and of the whole forward+backward step
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 

@@ -11,7 +11,7 @@ Method (docs/design.md, "Benchmarks"):
 - Providers: ``native_eager`` (the pure-PyTorch reference, the composite an
   uncompiled model runs), ``native_compiled`` (it under ``torch.compile``),
   ``fused_eager`` (``torch.ops.fused.<op>``), ``fused_compiled`` (it under
-  ``torch.compile(fullgraph=True)``), and the peers in ``bench/<family>.py``.
+  ``torch.compile(fullgraph=True)``), and the peers in ``bench/peers/<family>.py``.
 - Bytes, from the tensors themselves (``bench.toolkit.bytes_model``): forward =
   inputs read once + outputs written once; forward+backward adds the output
   gradients read, the input gradients written and the differentiable inputs
@@ -40,10 +40,10 @@ CORE_PROVIDERS = ("fused_eager", "fused_compiled", "native_eager", "native_compi
 # ---------------------------------------------------------------- providers
 
 def load_peers(families) -> dict:
-    """``{op_name: {provider: fn}}`` merged from ``bench/<family>.py`` (``PEERS``) for each family."""
+    """``{op_name: {provider: fn}}`` merged from ``bench/peers/<family>.py`` (``PEERS``) for each family."""
     peers = {}
     for family in sorted(set(families)):
-        module_name = f"bench.{family}"
+        module_name = f"bench.peers.{family}"
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
@@ -179,7 +179,7 @@ def run(ops: str, quick: bool, out: str, merge: bool) -> int:
     overhead = None
     if any(spec.name == "rmsnorm" for spec in specs):
         try:
-            from bench import host
+            from bench.runners import host
 
             overhead = host.measure(next(s for s in specs if s.name == "rmsnorm"))
             log(f"eager overhead at {shape_str(overhead['shape'])}: fused.rmsnorm {overhead['eager_us']:.1f} us "

@@ -1,7 +1,7 @@
 """Nsight Compute profiles of a fused op's kernels: the profiling step of the kernel workflow.
 
     python bench/run.py --profile rmsnorm,norm_modulate,attention [--out bench/results]
-    PYTHONPATH=. python bench/nsight.py OP [--shape B,L,C] [--passes fwd,fwdbwd] [--out DIR]
+    PYTHONPATH=. python bench/runners/nsight.py OP [--shape B,L,C] [--passes fwd,fwdbwd] [--out DIR]
                                            [--kernel REGEX] [--sass N]
 
 For each op, at one shape (``--shape``, else the registry's first benchmark
@@ -43,7 +43,7 @@ import shutil
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -86,7 +86,7 @@ def ncu_binary() -> str:
     for candidate in (os.environ.get("NCU"), shutil.which("ncu"), "/usr/local/cuda/bin/ncu"):
         if candidate and os.path.exists(candidate):
             return candidate
-    raise SystemExit("bench/nsight.py: no ncu found (set $NCU, or put Nsight Compute's ncu on PATH)")
+    raise SystemExit("bench/runners/nsight.py: no ncu found (set $NCU, or put Nsight Compute's ncu on PATH)")
 
 
 def _number(text: str):
@@ -199,7 +199,7 @@ def _shape_of(op: str, shape_arg: str):
         return tuple(spec.bench_shapes[0])
     if op in DEFAULT_SHAPES:
         return DEFAULT_SHAPES[op]
-    raise SystemExit(f"bench/nsight.py: {op} has no benchmark shape; give one with --shape B,L,C")
+    raise SystemExit(f"bench/runners/nsight.py: {op} has no benchmark shape; give one with --shape B,L,C")
 
 
 # ---------------------------------------------------------------- the profiled child
@@ -242,10 +242,10 @@ def profile(op: str, out: str, shape_arg: str = "", passes: str = "", sass: int 
     from compile_ops import registry
 
     if op not in registry.BY_NAME:
-        raise SystemExit(f"bench/nsight.py: unknown op {op!r}; choose from {sorted(registry.BY_NAME)}")
+        raise SystemExit(f"bench/runners/nsight.py: unknown op {op!r}; choose from {sorted(registry.BY_NAME)}")
     spec = registry.BY_NAME[op]
     if spec.make_inputs is None:
-        raise SystemExit(f"bench/nsight.py: {op} has no input maker in the registry (a backward op: profile its "
+        raise SystemExit(f"bench/runners/nsight.py: {op} has no input maker in the registry (a backward op: profile its "
                          "forward's fwdbwd pass instead)")
     shape = _shape_of(op, shape_arg)
     wanted = passes.split(",") if passes else (["fwd", "fwdbwd"] if spec.differentiable else ["fwd"])

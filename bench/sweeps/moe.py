@@ -1,7 +1,7 @@
 """Sweep the MoE routing kernels' launch config on a GPU, to pick the
 ROUTE_*, SPLIT_COLUMNS and LOGITS_* globals in compile_ops/ops/moe.py.
 
-    PYTHONPATH=. python bench/sweep_moe.py [OUT.json] [OPS] [BT/BH/WARPS/STAGES/SPLIT_COLUMNS/LOGITS_BT/LOGITS_WARPS/LOGITS_STAGES/SPLIT_BT,...]
+    PYTHONPATH=. python bench/sweeps/moe.py [OUT.json] [OPS] [BT/BH/WARPS/STAGES/SPLIT_COLUMNS/LOGITS_BT/LOGITS_WARPS/LOGITS_STAGES/SPLIT_BT,...]
 
 At the registry's shapes of ``moe_route`` (4096 x 4096, E = 64, k = 2) and
 ``moe_route_hidream`` (4096 x 2560, E = 4), bf16, CUDA-graph replays of the
@@ -11,7 +11,7 @@ forward+backward step (``bench.toolkit.run_sweep``).
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 

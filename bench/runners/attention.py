@@ -1,6 +1,6 @@
 """Attention benchmark: fused.attention against SDPA's backends and FlexAttention.
 
-    PYTHONPATH=. python bench/attention.py [--out bench/results] [--quick] [--causal | --int8]
+    PYTHONPATH=. python bench/runners/attention.py [--out bench/results] [--quick] [--causal | --int8]
 
 bf16, [B, H, L, D] (SDPA's layout), self-attention at the DiT shapes of
 shared/DESIGN.md. Providers: ``fused_eager`` (``compile_ops.attention``),
@@ -26,7 +26,7 @@ import argparse
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 

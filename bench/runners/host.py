@@ -1,6 +1,6 @@
 """Host cost of an eager call: every registry op against a bare Triton launch of its kernels.
 
-    PYTHONPATH=. python bench/host.py [--out bench/results] [--ops rmsnorm,attention]
+    PYTHONPATH=. python bench/runners/host.py [--out bench/results] [--ops rmsnorm,attention]
 
 On a CUDA machine, for each registry op with example inputs, at a shape small
 enough that launching, not the kernels, sets the time (``OVERHEAD_SHAPE``,
@@ -18,7 +18,7 @@ bf16), the host microseconds per call of:
 
 and ``gpu_us``, the kernels' own time (CUDA-graph replay), which shows the
 calls are host-bound. ``ratio`` is ``eager_us / bare_us`` (issue 20's target:
-at most 1.5). Writes ``<out>/host-<gpu>.json``; ``bench/ops.py`` runs the
+at most 1.5). Writes ``<out>/host-<gpu>.json``; ``bench/runners/ops.py`` runs the
 rmsnorm row for its report line.
 """
 import argparse
@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 

@@ -1,6 +1,6 @@
 """End-to-end benchmark: diffusers transformers with and without compile_ops.patch.
 
-    PYTHONPATH=. python bench/diffusers_e2e.py [--cases flux_step,wan_step,flux_train] [--out bench/results]
+    PYTHONPATH=. python bench/runners/diffusers_e2e.py [--cases flux_step,wan_step,flux_train] [--out bench/results]
 
 Full-size configs with random weights (nothing is downloaded), bf16, batch 1:
 
@@ -70,7 +70,7 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -119,7 +119,7 @@ CASES = {
     "wan_step": (_wan, False),
     "flux_train": (lambda: _flux(2, 4), True),
 }
-#: Cases other runners build with :func:`_build` (bench/sparse_e2e.py), not run here by default.
+#: Cases other runners build with :func:`_build` (bench/runners/sparse_e2e.py), not run here by default.
 #: ``flux_blocks_1360x768``: the flux_train block stack (2 double + 4 single), one inference forward at
 #: 1360x768 (48 x 85 = 4080 image + 512 text = 4592 tokens, not a multiple of 128: ``attention_kernel="auto"``
 #: takes the sm_90 core there; bench/notes.md, "Ragged key counts").
@@ -568,7 +568,7 @@ def main(argv=None) -> int:
     global REPLAY, ATTENTION_KERNEL
     REPLAY, ATTENTION_KERNEL = args.replay, args.attention_kernel
     env = diffusers_environment()
-    env["command"] = "python bench/diffusers_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    env["command"] = "python bench/runners/diffusers_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
     stem = "diffusers-e2e"
     if args.fp8:  # the FP8 comparison has its own file, with the peer's version
         import torchao

@@ -1,6 +1,6 @@
 """MoE routing benchmark: fused.moe_route against the PyTorch composite and torch.compile of it.
 
-    PYTHONPATH=. python bench/moe.py [--out bench/results] [--quick]
+    PYTHONPATH=. python bench/runners/moe.py [--out bench/results] [--quick]
 
 Side by side in one run, at the registry's shapes (``moe_route``: 4096 tokens
 x 4096 wide, E = 64, k = 2; ``moe_route_hidream``: 4096 x 2560, E = 4, k = 2),
@@ -12,60 +12,33 @@ and the router weight), each timed as plain calls and as CUDA-graph replays
   weights, experts, counts and the per-expert token lists ``[E, T]``), and
   it under ``torch.compile(fullgraph=True)``;
 - ``composite_eager`` / ``composite_compiled``: what a model writes instead
-  (:func:`composite`): ``F.linear``, fp32 softmax, ``torch.topk``, the
-  renormalization, counts by a scatter-add of ones (``bincount`` needs a host
-  sync for its output size, which would also break the compiled graph), and
-  the tokens grouped by expert by a stable argsort of the flattened experts
-  (the flat layout, ``T * k`` ids: the same information as our padded
-  ``[E, T]`` rows), and it under ``torch.compile``.
+  (``bench/peers/moe.py``'s :func:`composite`), and it under ``torch.compile``.
 
-Issue 23's target: fused >= 10x composite_eager and >= 10x composite_compiled
-at 4096 x 4096, E = 64, k = 2. The summary prints the ratios; the rows go to
+The target: fused >= 10x composite_eager and >= 10x composite_compiled at
+4096 x 4096, E = 64, k = 2. The summary prints the ratios; the rows go to
 ``<out>/moe-<gpu>.json`` with the GPU, torch and triton versions. The fused
 outputs are checked against the composite's first (probabilities' relative
 L2, the share of tokens whose experts agree, the counts where all agree).
-
-``PEERS`` gives ``bench/ops.py`` (``bench/run.py``'s op table) the composite
-as well. Without a GPU, ``main`` runs the providers' CPU-safe check at a
-small shape and exits.
+Without a GPU, ``main`` runs the providers' CPU-safe check at a small shape
+and exits.
 """
 import argparse
 import functools
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
+from bench.peers.moe import SPECS, composite  # noqa: E402
 from bench.toolkit import (environment, log, make_timer, relative_l2, shape_str, time_forward,  # noqa: E402
                            time_forward_backward, warm_up_gpu, write_results)
 
-#: The registry rows this runner measures (their make_inputs and bench shapes).
-SPECS = ("moe_route", "moe_route_hidream")
-#: fused / composite speed-up asked for by issue 23.
+#: The fused / composite speed-up the routing kernels are held to.
 TARGET = 10.0
-
-
-def composite(x, router_weight, top_k: int, renormalize: bool = True):
-    """The routing a model writes in PyTorch: ``(probs [T, E] fp32, weights [T, k],
-    experts [T, k], counts [E], token_ids [T * k])``, ``token_ids`` grouped by
-    expert (expert e's tokens, ascending, at ``counts[:e].sum()`` on)."""
-    probs = torch.softmax(F.linear(x, router_weight).float(), dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    flat = experts.flatten()
-    counts = torch.zeros(router_weight.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat))
-    token_ids = torch.argsort(flat, stable=True) // top_k
-    return probs, weights, experts, counts, token_ids
-
-
-PEERS = {name: {"composite_eager": composite, "composite_compiled": torch.compile(composite)} for name in SPECS}
 
 
 def providers() -> dict:
@@ -151,7 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        log("bench/moe.py: no CUDA device; checking the providers on CPU instead.")
+        log("bench/runners/moe.py: no CUDA device; checking the providers on CPU instead.")
         return cpu_check()
     from compile_ops import registry
 

@@ -1,14 +1,14 @@
 """Sweep the attention kernels' tile configs on a GPU, to pick forward_tiles,
 dkdv_tiles and dq_tiles in compile_ops/ops/attention.py.
 
-    PYTHONPATH=. python bench/sweep_attention.py [OUT.json] [--block-sparse | --tma | --hopper |
+    PYTHONPATH=. python bench/sweeps/attention.py [OUT.json] [--block-sparse | --tma | --hopper |
                                                              --eight-bit [--modes=M,...] | --backward-tma]
 
 bf16, non-causal, CUDA-graph replays: forward configs timed on the forward,
 backward configs (dk/dv pass, then dq pass) on the whole forward+backward step
 with the other passes at their defaults. ``--block-sparse`` times
 fused.block_sparse_attention at [1, 24, 32760, 128] with a random mask that
-keeps a quarter of the 128 x 128 blocks (bench/block_sparse.py's), with the
+keeps a quarter of the 128 x 128 blocks (bench/runners/block_sparse.py's), with the
 configs whose tiles fit in a block. ``--eight-bit``: the forward tiles of
 8-bit attention (INT8 q k with 16-bit or FP8 P V; q given in INT8 or rounded
 by the kernel), kernel only. The forward configs are ``attn_fwd_kernel``'s
@@ -19,14 +19,14 @@ import functools
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
 import compile_ops  # noqa: E402
-from bench.block_sparse import random_block_mask  # noqa: E402
+from bench.runners.block_sparse import random_block_mask  # noqa: E402
 from bench.toolkit import graph_replay_time, make_timer, warm_up_gpu, write_sweep  # noqa: E402
 from compile_ops._library import clear_launch_plans  # noqa: E402
 from compile_ops.ops import attention as attention_ops  # noqa: E402
@@ -59,7 +59,7 @@ SPARSE_SHAPE, SPARSE_DENSITY = (1, 24, 32760, 128), 0.25
 
 
 def _quarter_of_the_blocks(length: int):
-    """bench/block_sparse.py's first random mask, as lists."""
+    """bench/runners/block_sparse.py's first random mask, as lists."""
     mask = random_block_mask((length + 127) // 128, SPARSE_DENSITY, torch.Generator(device="cuda").manual_seed(0))
     return compile_ops.block_index_from_mask(mask[None, None]), mask.float().mean().item()
 

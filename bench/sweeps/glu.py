@@ -1,7 +1,7 @@
 """Sweep the gated-activation kernel's launch config on a GPU, to pick TILE,
 MAX_BLOCK_N and NUM_WARPS in compile_ops/ops/glu.py.
 
-    PYTHONPATH=. python bench/sweep_glu.py [OUT.json] [OPS] [TILE/BLOCK_N/WARPS,...]
+    PYTHONPATH=. python bench/sweeps/glu.py [OUT.json] [OPS] [TILE/BLOCK_N/WARPS,...]
 
 At the registry's GLU shapes, bf16, CUDA-graph replays of the forward and of
 the forward+backward step (``bench.toolkit.run_sweep``).
@@ -9,7 +9,7 @@ the forward+backward step (``bench.toolkit.run_sweep``).
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 

@@ -3,7 +3,7 @@ FlexAttention with the same block mask, and against dense attention (ours
 and SDPA's cuDNN backend); ``fused_sparse_atomic_dq``: ours after
 ``compile_ops.set_attention_backward(deterministic=False)``.
 
-    PYTHONPATH=. python bench/block_sparse.py [--out bench/results] [--shape 1x12x75600x128]
+    PYTHONPATH=. python bench/runners/block_sparse.py [--out bench/results] [--shape 1x12x75600x128]
 
 bf16, [1, 24, 32760, 128] by default (Wan-length sequence, Flux's 24 heads), random
 block masks at 25% and 50% of the 128 x 128 blocks kept (block 0 and the
@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 

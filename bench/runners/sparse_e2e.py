@@ -12,7 +12,7 @@ Random weights say nothing about perceived quality: the published
 evaluations of sliding-tile attention (VBench, human preference on
 HunyuanVideo and Wan) are what the preset's window follows.
 
-    python bench/sparse_e2e.py [--cases wan_step,wan_step_720p] [--repeats 3] [--out DIR]
+    python bench/runners/sparse_e2e.py [--cases wan_step,wan_step_720p] [--repeats 3] [--out DIR]
 
 Results: ``<out>/sparse-e2e-<gpu>.json`` (written after each case).
 """
@@ -21,20 +21,20 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from bench.diffusers_e2e import _build, _compiled, _repeated, _uncompiled, diffusers_environment  # noqa: E402
+from bench.runners.diffusers_e2e import _build, _compiled, _repeated, _uncompiled, diffusers_environment  # noqa: E402
 from bench.toolkit import relative_l2, write_results  # noqa: E402
 
 #: The sliding-tile preset measured here (tiles of 2 x 8 x 8 latent tokens, a
 #: window of 3 x 3 x 3 tiles); its density per grid is in the results.
 PRESET = dict(window=(3, 3, 3), tile=(2, 8, 8))
 
-#: The cases (bench/diffusers_e2e.py builds them): Wan at 480p and 720p x 81 frames.
+#: The cases (bench/runners/diffusers_e2e.py builds them): Wan at 480p and 720p x 81 frames.
 CASES = ("wan_step", "wan_step_720p")
 
 

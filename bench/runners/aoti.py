@@ -1,6 +1,6 @@
 """A patched diffusers model shipped as an AOTInductor package, run from C++ (issue 20).
 
-    PYTHONPATH=. python bench/aoti.py [--layers 19,38] [--repeats 3] [--out bench/results]
+    PYTHONPATH=. python bench/runners/aoti.py [--layers 19,38] [--repeats 3] [--out bench/results]
 
 The steps a user takes to ship a patched model, timed against the same model
 compiled in Python:
@@ -11,12 +11,12 @@ compiled in Python:
    fused ops staying ops in the graph;
 3. ``torch._inductor.aoti_compile_and_package``: one ``.pt2`` holding the
    wrapper, the weights and the fused ops' Triton kernels as cubins;
-4. run the package from C++ (``bench/aoti_runner.cpp``, built here with the
+4. run the package from C++ (``bench/runners/aoti_runner.cpp``, built here with the
    installed torch's headers and libraries) at 1024x1024 (4096 image tokens)
    and at 768x768 (2304, a length it was not exported at), against the eager
    patched model's output, and time it: ``--repeats`` rounds of 10 calls;
 5. time the patched model under ``torch.compile`` (block by block, as
-   ``bench/diffusers_e2e.py --compile regional``) in the same run.
+   ``bench/runners/diffusers_e2e.py --compile regional``) in the same run.
 
 Why C++: on the benchmark's GPU machine (torch 2.11) the Python loader,
 ``torch._inductor.aoti_load_package``, crashes or hangs for every package,
@@ -35,16 +35,16 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 sys.path.insert(0, ROOT)
 
 from bench.toolkit import log, relative_l2, write_results  # noqa: E402
 
-RUNNER_SOURCE = os.path.join(ROOT, "bench", "aoti_runner.cpp")
+RUNNER_SOURCE = os.path.join(ROOT, "bench", "runners", "aoti_runner.cpp")
 
 
 def build_runner(dest_dir: str) -> str:
-    """Compile ``bench/aoti_runner.cpp`` against the installed torch (``$CXX``
+    """Compile ``bench/runners/aoti_runner.cpp`` against the installed torch (``$CXX``
     or g++; CUDA libraries linked when torch has them). Returns its path."""
     torch_dir = os.path.dirname(torch.__file__)
     lib = os.path.join(torch_dir, "lib")
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import compile_ops
-    from bench.diffusers_e2e import _compiled, _flux, _repeated, diffusers_environment
+    from bench.runners.diffusers_e2e import _compiled, _flux, _repeated, diffusers_environment
 
     on_gpu = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)  # CPU: a check of the steps

@@ -1,7 +1,7 @@
 """The fused ops on several GPUs: FSDP2 + torch.compile training of a Flux-size
 block stack, and a block with its attention heads sharded across GPUs.
 
-    PYTHONPATH=. python bench/distributed_train.py [--gpus 2] [--out bench/results]
+    PYTHONPATH=. python bench/runners/distributed_train.py [--gpus 2] [--out bench/results]
 
 What it runs (each world size in its own processes, ``torch.multiprocessing``;
 NCCL on GPUs, gloo on CPU):
@@ -47,7 +47,7 @@ import time
 import warnings
 from functools import partial
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 

@@ -4,7 +4,7 @@
 # the time left. Logs and results go to $1 (default $OUT, the device tool's
 # folder, else .cache/gpu-check).
 #
-#   bash bench/gpu_check.sh [OUT_DIR]
+#   bash bench/tools/gpu_check.sh [OUT_DIR]
 #
 # Needs diffusers and torchao importable (on the lent machines: carried wheels
 # installed to a --target folder on PYTHONPATH); carry .whl/ for expecttest.
@@ -19,7 +19,7 @@
 # The log names every test as it finishes (-vv), so a suite cut short by its
 # limit still says which tests failed; they are listed at the end.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${1:-${OUT:-.cache/gpu-check}}
 mkdir -p "$out/results"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
@@ -54,6 +54,6 @@ grep -E " (FAILED|ERROR) " "$out/gpu-tests.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]
 left=$((${TOTAL_LIMIT:-585} - SECONDS))
 if [ "$left" -gt 60 ]; then
   # shellcheck disable=SC2086  # E2E_ARGS is a list of arguments
-  timeout "$left" python3 bench/diffusers_e2e.py --out "$out/results" ${E2E_ARGS:---cases flux_step --fp8 \
+  timeout "$left" python3 bench/runners/diffusers_e2e.py --out "$out/results" ${E2E_ARGS:---cases flux_step --fp8 \
     --repeats 3 --compile regional --replay --rep-ms 1500 --providers native_compiled,fp8_compiled,torchao_fp8_compiled}
 fi

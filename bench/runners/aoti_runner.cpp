@@ -6,7 +6,7 @@
 //   aoti_runner PACKAGE.pt2 INPUTS.pt OUTPUTS.pt DEVICE [REPEATS] [CALLS]
 //
 // INPUTS.pt: torch.save of a list of tensors, the package's flat inputs in
-// order (bench/aoti.py writes it). OUTPUTS.pt: the first call's outputs, a
+// order (bench/runners/aoti.py writes it). OUTPUTS.pt: the first call's outputs, a
 // tuple (torch.load reads it). With REPEATS > 0, also times REPEATS rounds of
 // CALLS calls each (default 3 x 10), the device synchronized by reading one
 // output value back after each round. Prints one JSON line:

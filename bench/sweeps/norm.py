@@ -1,7 +1,7 @@
 """Sweep the norm kernels' launch configs on a GPU, to pick the tables in
 compile_ops/ops/norm.py (forward_config, backward_config).
 
-    PYTHONPATH=. python bench/sweep_norm.py [OUT.json]
+    PYTHONPATH=. python bench/sweeps/norm.py [OUT.json]
 
 Times the forward op and the backward op alone (bf16, with weight; RMS, and
 LayerNorm with bias) at the DiT shapes, with the bytes model of bench/toolkit.py
@@ -88,7 +88,7 @@ def main(out_path=None, norms=("rms", "ln"), backward_only=False):
 
 
 if __name__ == "__main__":
-    # python bench/sweep_norm.py [OUT.json] [rms,ln] [bwd]
+    # python bench/sweeps/norm.py [OUT.json] [rms,ln] [bwd]
     main(sys.argv[1] if len(sys.argv) > 1 else None,
          tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else ("rms", "ln"),
          backward_only=len(sys.argv) > 3 and sys.argv[3] == "bwd")

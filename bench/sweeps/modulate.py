@@ -2,7 +2,7 @@
 compile_ops/ops/modulate.py (the forward uses the norm family's forward_config,
 the backward its own backward_config).
 
-    PYTHONPATH=. python bench/sweep_modulate.py [OUT.json] [OPS]
+    PYTHONPATH=. python bench/sweeps/modulate.py [OUT.json] [OPS]
 
 norm_modulate and gated_residual_norm_modulate (LayerNorm without affine,
 per-sample [B, C] modulation: the DiT case) at the DiT shapes, bf16, timed as
@@ -18,7 +18,7 @@ import os
 import statistics
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
