@@ -23,7 +23,7 @@ import compile_ops
 from bad_input import bad_input_test
 from shapes import size
 from compile_ops._library import clear_launch_plans, multiprocessor_count
-from compile_ops.kernels.attention import _program_rank
+from compile_ops.kernels.attention_common import program_rank
 from compile_ops.reference import attention as ref
 from conftest import INTERPRET, KERNEL_DEVICE, allow_tma_under_interpreter, deterministic_algorithms, tf32_dots
 from numerics import assert_within_torch_error
@@ -912,7 +912,7 @@ def test_kernels_backward_tma_computes_what_pointer_loads_do(causal, monkeypatch
 def test_kernels_causal_program_order_computes_what_launch_order_does(group, monkeypatch):
     """Causal launches deal their tiles out longest first over groups of
     (batch, head) rows (``ops.attention.causal_order``,
-    ``kernels.attention._program_rank``): every group size gives the bits of
+    ``kernels.attention_common.program_rank``): every group size gives the bits of
     the launch order, forward and both backward passes, over 8 query-head rows
     (B=2, 4 q heads, 2 k heads: the dk/dv pass has 4 rows), so groups of 3
     leave a short last group, and partial query and key tiles (Lq != Lk).
@@ -951,8 +951,8 @@ def test_kernels_causal_program_order_computes_what_launch_order_does(group, mon
 
 @triton.jit
 def _ranks_kernel(OUT, heads_per_group):
-    """Each program's ``_program_rank`` (rank, row) at its launch-order index of ``OUT [tiles * rows, 2]``."""
-    rank, bh = _program_rank(heads_per_group, True)
+    """Each program's ``program_rank`` (rank, row) at its launch-order index of ``OUT [tiles * rows, 2]``."""
+    rank, bh = program_rank(heads_per_group, True)
     linear = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
     tl.store(OUT + 2 * linear, rank)
     tl.store(OUT + 2 * linear + 1, bh)
@@ -962,7 +962,7 @@ def _ranks_kernel(OUT, heads_per_group):
 @pytest.mark.parametrize("tiles, rows, group", [(5, 7, 3), (4, 6, 6), (3, 4, 1)],
                          ids=["uneven-groups", "one-group", "one-row-groups"])
 def test_kernels_program_rank_deals_the_heaviest_tiles_first(tiles, rows, group):
-    """``_program_rank`` itself, on a ``(tiles, rows)`` grid: in launch order
+    """``program_rank`` itself, on a ``(tiles, rows)`` grid: in launch order
     (x fastest) the programs take each (rank, row) once, groups of ``group``
     consecutive rows one after another, and within a group every row's rank r
     before any row's rank r + 1. The launch order itself (identity) fails the

@@ -22,7 +22,7 @@ Lk) never contribute; a query with no visible key gets 0 and an lse of -inf.
 
 Program order: as launched (query or key tile fastest, then batch x head),
 except for causal launches (``HEAVY_FIRST``), where a tile's work grows with
-its distance from the diagonal: ``_program_rank`` runs the tiles with the
+its distance from the diagonal: ``program_rank`` runs the tiles with the
 most keys (forward, dq) or queries (dk/dv) first, interleaving a group of
 heads sized by the launcher (``ops.attention.causal_order``).
 
@@ -31,7 +31,7 @@ with ``SPARSE``: instead of a range of key tiles, a program walks the
 ``SPARSE_BLOCK``-sized blocks listed for its query block (forward, dq) or, in
 the dk/dv pass, the query blocks that list its key block (the transposed
 lists). Loops count tiles, so the dense and sparse paths are one loop:
-``_tile_start`` maps a tile number to its first row, and ``_tiles_before``
+``tile_start`` maps a tile number to its first row, and ``tiles_before``
 a row to the number of tiles that start below it. Lists are ascending (the
 ops sort them), so the listed tiles that need a mask are a contiguous run,
 the same run as the dense loop's: with every block listed, sparse and dense
@@ -57,32 +57,14 @@ stride along D (the launcher guarantees it); D is padded to ``BLOCK_D``.
 import triton
 import triton.language as tl
 
+from compile_ops.kernels.attention_common import (INT8_BIAS, INT8_BIAS_BITS, INT8_MAX, P_FP8_SHIFT, aligned_lengths,
+                                                  block_list, kv_len_of, load_tile, program_head, program_rank,
+                                                  query_program, query_tile, quantization_scale, round_to_int8,
+                                                  store_tile, tile_start, tiles_before, visible_mask)
 from compile_ops.kernels.fp8 import E4M3_MAX, to_e4m3
 
-
-@triton.jit
-def _tile_ptrs(base, start, offs, stride_row, cols):
-    # The tile's first row as an int64 scalar, the in-tile offsets in int32:
-    # rows of one head may lie more than 2**31 elements apart ([B, L, H, D]).
-    return base + tl.cast(start, tl.int64) * stride_row + offs[:, None] * stride_row + cols[None, :]
-
-
-@triton.jit
-def _load_tile(base, start, offs, n_rows, stride_row, cols, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               ROW_MASK: tl.constexpr):
-    """Rows ``start + offs`` as a ``[len(offs), BLOCK_D]`` tile, zero past D and
-    (ROW_MASK) past ``n_rows``."""
-    ptrs = _tile_ptrs(base, start, offs, stride_row, cols)
-    if ROW_MASK:
-        if D == BLOCK_D:
-            return tl.load(ptrs, mask=(start + offs < n_rows)[:, None], other=0.0)
-        else:
-            return tl.load(ptrs, mask=(start + offs < n_rows)[:, None] & (cols < D)[None, :], other=0.0)
-    else:
-        if D == BLOCK_D:
-            return tl.load(ptrs)
-        else:
-            return tl.load(ptrs, mask=(cols < D)[None, :], other=0.0)
+#: The 8-bit rounding under the names ``kernels/rope.py`` imports from here.
+_INT8_MAX, _int8_of, _scale_of = INT8_MAX, round_to_int8, quantization_scale
 
 
 @triton.jit
@@ -96,224 +78,6 @@ def _load_channels(base, start, offs, n_keys, stride_channel, chans, D: tl.const
     if KEY_MASK:
         mask = mask & (start + offs < n_keys)[None, :]
     return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _store_tile(base, start, offs, n_rows, stride_row, cols, value, D: tl.constexpr):
-    tl.store(_tile_ptrs(base, start, offs, stride_row, cols), value.to(base.dtype.element_ty),
-             mask=(start + offs < n_rows)[:, None] & (cols < D)[None, :])
-
-
-@triton.jit
-def _visible(q_rows, k_cols, kv_len, CAUSAL: tl.constexpr):
-    """``[M, N]`` bool: key column j is visible to query row i."""
-    ok = (k_cols < kv_len)[None, :]
-    if CAUSAL:
-        ok = ok & (k_cols[None, :] <= q_rows[:, None])
-    return ok
-
-
-@triton.jit
-def _lengths(Lq, Lk, ALIGNED_LENGTHS: tl.constexpr):
-    """``(Lq, Lk)``, known to the compiler as multiples of 16 when
-    ALIGNED_LENGTHS. Why: Triton's JIT specializes integer arguments divisible
-    by 16 on its own, but Inductor, launching a kernel under dynamic shapes
-    (the second resolution a compiled model sees), cannot prove it for a
-    symbolic length and drops the hint; the lse/delta and mask arithmetic then
-    loses its vector width (H100, [1,24,4608,128] compiled dynamic: the dk/dv
-    pass 1.34 ms against 1.07). ``n // 16 * 16`` is n itself here, and a form
-    the compiler's divisibility analysis reads (``tl.multiple_of`` is ignored
-    on a scalar argument)."""
-    if ALIGNED_LENGTHS:
-        return Lq // 16 * 16, Lk // 16 * 16
-    else:
-        return Lq, Lk
-
-
-@triton.jit
-def _program_rank(heads_per_group, HEAVY_FIRST: tl.constexpr):
-    """``(rank, batch * heads + head)`` of this program in a ``(tiles, B * H)`` grid.
-
-    Without HEAVY_FIRST: ``(program_id(0), program_id(1))``. With it, the
-    programs are taken in launch order (x fastest) and dealt out to groups of
-    ``heads_per_group`` (batch, head) rows (:func:`_dealt_rank`)."""
-    if HEAVY_FIRST:
-        n_tiles = tl.num_programs(0)
-        linear = tl.program_id(0) + tl.program_id(1) * n_tiles
-        return _dealt_rank(linear, n_tiles, tl.num_programs(1), heads_per_group)
-    else:
-        return tl.program_id(0), tl.program_id(1)
-
-
-@triton.jit
-def _dealt_rank(linear, n_tiles, n_rows, heads_per_group):
-    """``(rank, row)`` of the ``linear``-th of ``n_tiles * n_rows`` programs
-    dealt out to groups of ``heads_per_group`` (batch, head) rows: a group's
-    rank-0 tiles first, one per row, then its rank-1 tiles, and so on, then
-    the next group. The caller maps rank to the tile that has the most work
-    (causal attention: the last query tile, the first key tile), so programs
-    run roughly longest first, which keeps the last wave short; the group
-    bounds how many heads' keys and values are read at once (L2 reuse)."""
-    group_programs = heads_per_group * n_tiles
-    first = (linear // group_programs) * heads_per_group
-    within = linear % group_programs
-    rows = tl.minimum(heads_per_group, n_rows - first)
-    return within // rows, first + within % rows
-
-
-@triton.jit
-def _query_tile(heads_per_group, HEAVY_FIRST: tl.constexpr):
-    """``(query tile, batch * heads + head)`` of a forward or dq program; with
-    HEAVY_FIRST (causal) rank 0 is the last query tile, which sees the most keys."""
-    rank, bh = _program_rank(heads_per_group, HEAVY_FIRST)
-    if HEAVY_FIRST:
-        return tl.num_programs(0) - 1 - rank, bh
-    else:
-        return rank, bh
-
-
-@triton.jit
-def _program_head(bh, H, GROUP, sqb, sqh, skb, skh):
-    """``(batch, head, q offset, k/v offset)`` of (batch, q head) ``bh``,
-    all int64: one batch element may hold more than 2**31 elements."""
-    b = tl.cast(bh, tl.int64) // H
-    h = bh - b * H
-    return b, h, b * sqb + h * sqh, b * skb + (h // GROUP) * skh
-
-
-@triton.jit
-def _query_program(tile, bh, KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr):
-    """The setup of a program that owns ``BLOCK_M`` queries (forward, dq pass):
-    ``(batch, head, q/k/v offsets, first query, kv_len, end of the unmasked
-    key tiles, end of all key tiles)``."""
-    b, h, q_off, k_off = _program_head(bh, H, GROUP, sqb, sqh, skb, skh)
-    v_off = b * svb + (h // GROUP) * svh
-    q_start = tile * BLOCK_M
-    kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
-    end = kv_len
-    if CAUSAL:
-        end = tl.minimum(end, q_start + BLOCK_M)
-    unmasked_end = tl.minimum(_unmasked_key_end(kv_len, q_start, BLOCK_N, CAUSAL), end)
-    return b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end
-
-
-@triton.jit
-def _kv_len(KV_LEN, b, Lk, HAS_KV_LEN: tl.constexpr):
-    if HAS_KV_LEN:
-        return tl.minimum(tl.load(KV_LEN + b).to(tl.int32), Lk)
-    else:
-        return Lk
-
-
-@triton.jit
-def _unmasked_key_end(kv_len, q_start, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Keys below this need no mask for any query row ``>= q_start``."""
-    end = (kv_len // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        end = tl.minimum(end, (q_start // BLOCK_N) * BLOCK_N)
-    return end
-
-
-@triton.jit
-def _block_list(BLOCKS, COUNTS, b, h, row, sbb, sbh, sbr, scb, sch, scr):
-    """The listed blocks of (batch b, head h, block ``row``): a pointer to
-    their indices and their count (broadcast lists have stride 0)."""
-    return BLOCKS + b * sbb + h * sbh + row * sbr, tl.load(COUNTS + b * scb + h * sch + row * scr)
-
-
-LIST_CHUNK = tl.constexpr(64)  # listed blocks compared at once by _tiles_before
-#: 1.5 * 2**23 and its fp32 bits: int32 scores plus these bits, read as fp32,
-#: are exactly _INT8_BIAS + score (the INT8 path of _fwd_tiles).
-_INT8_BIAS = tl.constexpr(12582912.0)
-_INT8_BIAS_BITS = tl.constexpr(0x4B400000)
-#: FP8 P V rounds ``2**8 * p`` to e4m3, not p (reference.attention.P_FP8_SHIFT):
-#: probabilities down to 2**-14 stay normal numbers. A per-row term of the exponent.
-_P_FP8_SHIFT = tl.constexpr(8.0)
-
-
-@triton.jit
-def _tiles_before(row, BLOCKS, count, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARSE: tl.constexpr):
-    """How many of the loop's tiles start below ``row`` (a multiple of TILE):
-    ``row // TILE``, or (SPARSE) the tiles of the listed blocks (ascending,
-    ``count`` of them at ``BLOCKS``) that start below it."""
-    if SPARSE:
-        block = row // SPARSE_BLOCK
-        below = tl.zeros([], dtype=tl.int32)
-        for j in range(0, tl.cdiv(count, LIST_CHUNK)):
-            offs = tl.cast(j, tl.int32) * LIST_CHUNK + tl.arange(0, LIST_CHUNK)
-            listed = tl.load(BLOCKS + offs, mask=offs < count, other=block)
-            below += tl.sum((listed < block).to(tl.int32))
-        # The block that holds `row`, when listed, has its first tiles below it.
-        straddles = tl.load(BLOCKS + below, mask=below < count, other=-1) == block
-        return below * (SPARSE_BLOCK // TILE) + tl.where(straddles, (row % SPARSE_BLOCK) // TILE, 0)
-    else:
-        return row // TILE
-
-
-@triton.jit
-def _tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARSE: tl.constexpr,
-                LIST_BY_ASM: tl.constexpr = False, count=0):
-    """First row of the loop's i-th tile: ``i * TILE``, or (SPARSE) a tile of
-    the ``i // (SPARSE_BLOCK // TILE)``-th listed block.
-
-    LIST_BY_ASM (the forward on Hopper, CUDA only): the listed block is read by
-    a plain ``ld.global`` that Triton's software pipeliner does not claim.
-    Given an ordinary load there, Triton 3.6 pipelines it as an async copy
-    into a one-entry buffer and spends one of the loop's stages on it, so K
-    and V stream two tiles deep instead of the dense loop's three (TTGIR of
-    the TMA forward): the sparse forward ran up to 8% slower for it
-    (bench/notes.md). Declared pure because the pipeliner refuses an impure
-    asm op in a loop it pipelines ("doesn't know how to predicate"); the
-    lists are read-only here, but pure also lets it hoist the read into its
-    prologue, unpredicated, for iterations past the list, so the entry is
-    clamped to ``[0, count)`` (entry 0 when empty: the launcher takes this
-    path only for lists at least one entry wide)."""
-    if SPARSE:
-        i = tl.cast(i, tl.int32)  # the interpreter's range yields Python ints
-        per_block: tl.constexpr = SPARSE_BLOCK // TILE
-        if LIST_BY_ASM:
-            entry = tl.maximum(tl.minimum(i // per_block, count - 1), 0)
-            block = tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [BLOCKS + entry],
-                                              dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            block = tl.load(BLOCKS + i // per_block).to(tl.int32)
-        return block * SPARSE_BLOCK + (i % per_block) * TILE
-    else:
-        return i * TILE
-
-
-# ---------------------------------------------------------------- 8-bit rounding (forward and quantizing passes)
-
-_INT8_MAX = tl.constexpr(127.0)
-_FP32_TINY = tl.constexpr(1.1754943508222875e-38)
-
-
-@triton.jit
-def _scale_of(amax, TOP: tl.constexpr):
-    """A quantization scale and its reciprocal: ``max(amax / TOP, tiny)``
-    (fp32's smallest normal: an all-zero block or channel stays 0 and the
-    reciprocal stays finite) and ``1 / scale``, both correctly rounded, as
-    ``reference.attention.quantization_scale``. The values are then
-    multiplied by the reciprocal: one FMUL each, where a correctly rounded
-    division per value (``div.rn.f32``, a dozen instructions and a slow-path
-    branch) made the quantizing passes arithmetic-bound."""
-    scale = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, TOP, tl.float32)), _FP32_TINY)
-    return scale, tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
-
-
-@triton.jit
-def _int8_of(x, inverse):
-    """``round_half_even(x * inverse)`` clamped to [-127, 127], as int8 (the
-    product rounded to fp32, as torch's). Adding and subtracting
-    ``_INT8_BIAS`` (1.5 * 2**23) rounds an fp32 |x| < 2**22 to an integer, half
-    to even, as fp32 addition rounds: torch.round's rounding. The clamp comes
-    first (the same result: its bounds are integers) so that the compiler
-    cannot contract the product and the bias into one fma, which would round
-    once where torch rounds twice (seen in sm_90 PTX: a product just below a
-    half rounded up)."""
-    clamped = tl.minimum(tl.maximum(x * inverse, -_INT8_MAX), _INT8_MAX)
-    return ((clamped + _INT8_BIAS) - _INT8_BIAS).to(tl.int8)
 
 
 # ---------------------------------------------------------------- forward
@@ -343,7 +107,7 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
     accumulator operand (wgmma adds into it) instead of a separate add;
     ``WARP_SPECIALIZE``: Triton's producer/consumer warp groups for the loop;
     ``LIST_BY_ASM`` (SPARSE): the block list read past the pipeliner
-    (:func:`_tile_start`; ``count`` entries).
+    (:func:`tile_start`; ``count`` entries).
 
     ``INT8`` (8-bit attention): q and k are int8, q with per-token scales
     (``q_scale``, this program's rows), k with one scale per KEY_BLOCK
@@ -353,7 +117,7 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
     exp2 itself; instead each score's bits get 1.5 * 2**23 added, which makes
     them the fp32 number ``1.5 * 2**23 + s`` exactly (``|s| < 2**22``: at most
     127 * 127 * 256), and the offset is folded into the exponent's fma
-    (``_INT8_BIAS``). Per score that is one integer add where the 16-bit path
+    (``INT8_BIAS``). Per score that is one integer add where the 16-bit path
     has none.
 
     ``PV_FP8`` (with INT8): V is e4m3, transposed (``[D, Lk]`` per head, one
@@ -366,7 +130,7 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
     registers fewer and 2-3% faster on an H100, but 1.3-2x the distance to
     the specification (bench/notes.md), so ``forward_tiles`` leaves it off."""
     for i in tl.range(first, last, warp_specialize=WARP_SPECIALIZE):  # key tiles
-        start_n = _tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE, LIST_BY_ASM, count)
+        start_n = tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE, LIST_BY_ASM, count)
         cols = start_n + offs_n
         if TMA:
             k = K.load([start_n, 0])
@@ -375,21 +139,21 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
             else:
                 v = V.load([start_n, 0])
         else:
-            k = _load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
+            k = load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
             if PV_FP8:
                 v = tl.trans(_load_channels(V, start_n, offs_n, Lk, svl, offs_d, D, MASKED))
             else:
-                v = _load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
+                v = load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
         if INT8:
             # Biased scores (see above) and the row factor that makes them real: (s - BIAS) * row.
-            s = (tl.dot(q, tl.trans(k), out_dtype=tl.int32) + _INT8_BIAS_BITS).to(tl.float32, bitcast=True)
+            s = (tl.dot(q, tl.trans(k), out_dtype=tl.int32) + INT8_BIAS_BITS).to(tl.float32, bitcast=True)
             row = q_scale * tl.load(K_SCALE + start_n // KEY_BLOCK)
         else:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
-            s = tl.where(_visible(q_rows, cols, kv_len, CAUSAL), s, float("-inf"))
+            s = tl.where(visible_mask(q_rows, cols, kv_len, CAUSAL), s, float("-inf"))
         if INT8:  # row > 0: the largest biased score is the largest score
-            m_new = tl.maximum(m, (tl.max(s, 1) - _INT8_BIAS) * row)
+            m_new = tl.maximum(m, (tl.max(s, 1) - INT8_BIAS) * row)
         else:
             m_new = tl.maximum(m, tl.max(s, 1))
         # A row that has seen no visible key yet keeps m = -inf: shift by 0 so
@@ -397,9 +161,9 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         if INT8:  # exp2((s - BIAS) * row * c - m * c) as one fma per score
             factor = row * qk_scale
-            shift = factor * _INT8_BIAS + m_shift * qk_scale  # (constexpr on the right: the interpreter needs it)
+            shift = factor * INT8_BIAS + m_shift * qk_scale  # (constexpr on the right: the interpreter needs it)
             if PV_FP8:
-                shift = shift - _P_FP8_SHIFT
+                shift = shift - P_FP8_SHIFT
             p = tl.exp2(s * factor[:, None] - shift[:, None])
             alpha = tl.exp2((m - m_shift) * qk_scale)
         elif FMA_EXPONENT:
@@ -443,7 +207,7 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     their per-token scales ``[B, H, Lq]``, K_SCALE one per INT8_KEY_BLOCK keys
     ``[B, Hk, ceil(Lk / INT8_KEY_BLOCK)]`` (fp32 contiguous; BLOCK_N divides
     INT8_KEY_BLOCK). QUANTIZE_Q (with INT8): Q is 16-bit and each program
-    rounds its own rows to int8 per token (``_scale_of``, ``_int8_of``: the
+    rounds its own rows to int8 per token (``quantization_scale``, ``round_to_int8``: the
     specification's rounding; Q_SCALE unused), so q is read once, by the
     program that needs it, not read, written and read again by a pass of
     its own. PV_FP8 (with INT8): V is e4m3 ``[B, Hk, D, Lk]`` with a
@@ -453,14 +217,14 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     +-448 (``ROW_SCALE [B]`` fp32, a bound on |out|: the FP8 rows of
     ``reference.attention.attention_int8_fp8_rows``), and the programs of head
     0 write that scale to their rows of ``OUT_SCALE [B, Lq]``. ALIGNED_LENGTHS
-    (the three attention kernels): Lq and Lk are multiples of 16 (``_lengths``).
+    (the three attention kernels): Lq and Lk are multiples of 16 (``aligned_lengths``).
     LIST_BY_ASM (SPARSE, CUDA, lists at least one entry wide): see
-    :func:`_tile_start`. HEAVY_FIRST, ``heads_per_group`` (the three
+    :func:`tile_start`. HEAVY_FIRST, ``heads_per_group`` (the three
     attention kernels): the program order of causal launches,
-    :func:`_program_rank`."""
-    Lq, Lk = _lengths(Lq, Lk, ALIGNED_LENGTHS)
-    tile, bh = _query_tile(heads_per_group, HEAVY_FIRST)
-    b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
+    :func:`program_rank`."""
+    Lq, Lk = aligned_lengths(Lq, Lk, ALIGNED_LENGTHS)
+    tile, bh = query_tile(heads_per_group, HEAVY_FIRST)
+    b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = query_program(
         tile, bh, KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     o_off = b * sob + h * soh
     q_rows = q_start + tl.arange(0, BLOCK_M)
@@ -480,7 +244,7 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
             values = tl.make_tensor_descriptor(V + v_off, shape=[Lk, D], strides=[svl, 1],
                                                block_shape=[BLOCK_N, BLOCK_D])
     else:
-        q = _load_tile(Q + q_off, q_start, tl.arange(0, BLOCK_M), Lq, sql, offs_d, D, BLOCK_D, True)
+        q = load_tile(Q + q_off, q_start, tl.arange(0, BLOCK_M), Lq, sql, offs_d, D, BLOCK_D, True)
         keys, values = K + k_off, V + v_off
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     m = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
@@ -489,17 +253,17 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     if INT8:
         # Rows past Lq get a factor of 1 (never 0: a masked score times 0 would be NaN); they are not stored.
         if QUANTIZE_Q:
-            q_scale, q_inverse = _scale_of(tl.max(tl.abs(q.to(tl.float32)), 1), _INT8_MAX)
-            q = _int8_of(q.to(tl.float32), q_inverse[:, None])
+            q_scale, q_inverse = quantization_scale(tl.max(tl.abs(q.to(tl.float32)), 1), INT8_MAX)
+            q = round_to_int8(q.to(tl.float32), q_inverse[:, None])
             q_scale = tl.where(q_rows < Lq, q_scale, 1.0)
         else:
             q_scale = tl.load(Q_SCALE + (b * H + h) * Lq + q_rows, mask=q_rows < Lq, other=1.0)
         k_scales = K_SCALE + (b * (H // GROUP) + h // GROUP) * tl.cdiv(Lk, INT8_KEY_BLOCK)
     blocks, count = BLOCKS, 0
     if SPARSE:
-        blocks, count = _block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
-    first_masked = _tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
-    last = _tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
+        blocks, count = block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
+    first_masked = tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
+    last = tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
     acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, 0, first_masked,
                            blocks, count, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, False, CAUSAL,
                            DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, WARP_SPECIALIZE, INT8,
@@ -515,7 +279,7 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     if PV_FP8:  # V's channel scales; l sums 2**8 p
         v_scales = V_SCALE + (b * (H // GROUP) + h // GROUP) * D
         out = out * tl.load(v_scales + offs_d, mask=offs_d < D, other=0.0)[None, :]
-        log2_l = log2_l - _P_FP8_SHIFT
+        log2_l = log2_l - P_FP8_SHIFT
     if OUT_FP8:
         row_scale = tl.load(ROW_SCALE + b)
         # The reciprocal correctly rounded, as the specification's fp32 division.
@@ -523,7 +287,7 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
         out = to_e4m3(out.to(tl.float32), inverse)
         if h == 0:
             tl.store(OUT_SCALE + b * Lq + q_rows, tl.zeros([BLOCK_M], tl.float32) + row_scale, mask=q_rows < Lq)
-    _store_tile(OUT + o_off, q_start, tl.arange(0, BLOCK_M), Lq, sol, offs_d, out, D)
+    store_tile(OUT + o_off, q_start, tl.arange(0, BLOCK_M), Lq, sol, offs_d, out, D)
     lse = tl.where(empty, float("-inf"), m * scale + log2_l * 0.6931471805599453)  # ln 2
     tl.store(LSE + tl.cast(bh, tl.int64) * Lq + q_rows, lse, mask=q_rows < Lq)
 
@@ -661,12 +425,12 @@ def kv8_quantize_kernel(K, K8, K_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, ch
         # (tl.cast, not L.to: Inductor may pass L as a Python int constant)
         mean = tl.div_rn(tl.load(K_SUM + totals, mask=cols < D, other=0.0), tl.cast(L, tl.float32))
         k = tl.where(mask, k - mean[None, :], 0.0)
-        scale, inverse = _scale_of(tl.max(tl.max(tl.abs(k), 1), 0), _INT8_MAX)
+        scale, inverse = quantization_scale(tl.max(tl.max(tl.abs(k), 1), 0), INT8_MAX)
         tl.store(K_SCALE + tl.cast(bh, tl.int64) * tl.cdiv(L, BLOCK_L) + blk, scale)
-        tl.store(K8 + b * s8b + h * s8h + rows[:, None].to(tl.int64) * s8l + cols[None, :], _int8_of(k, inverse),
+        tl.store(K8 + b * s8b + h * s8h + rows[:, None].to(tl.int64) * s8l + cols[None, :], round_to_int8(k, inverse),
                  mask=mask)
     if WITH_V:
-        v_scale, v_inverse = _scale_of(tl.load(V_AMAX + totals, mask=cols < D, other=0.0), E4M3_MAX)
+        v_scale, v_inverse = quantization_scale(tl.load(V_AMAX + totals, mask=cols < D, other=0.0), E4M3_MAX)
         if blk == 0:
             tl.store(V_SCALE + tl.cast(bh, tl.int64) * D + cols, v_scale, mask=cols < D)
         v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask,
@@ -711,14 +475,14 @@ def attn_bwd_row_stats_kernel(OUT, DO, LSE, DELTA, LSE_ROWS, H, Lq, sob, soh, so
     key, so that their probabilities are 0. DQ_ACC (the five-product
     backward's dq accumulator, ``[B * H, _stats_row_length(Lq), D]`` fp32):
     its rows zeroed in the same pass, not by a launch of their own."""
-    _, _, o_off, do_off = _program_head(tl.program_id(1), H, 1, sob, soh, sdb, sdh)  # O and dO share q's heads
+    _, _, o_off, do_off = program_head(tl.program_id(1), H, 1, sob, soh, sdb, sdh)  # O and dO share q's heads
     start = tl.program_id(0) * BLOCK_M
     offs = tl.arange(0, BLOCK_M)
     rows = start + offs
     offs_d = tl.arange(0, BLOCK_D)
     head = tl.cast(tl.program_id(1), tl.int64)
-    o = _load_tile(OUT + o_off, start, offs, Lq, sol, offs_d, D, BLOCK_D, True).to(ACC)
-    do = _load_tile(DO + do_off, start, offs, Lq, sdl, offs_d, D, BLOCK_D, True).to(ACC)
+    o = load_tile(OUT + o_off, start, offs, Lq, sol, offs_d, D, BLOCK_D, True).to(ACC)
+    do = load_tile(DO + do_off, start, offs, Lq, sdl, offs_d, D, BLOCK_D, True).to(ACC)
     lse = tl.load(LSE + head * Lq + rows, mask=rows < Lq, other=float("inf"))
     padded = head * _stats_row_length(Lq) + rows
     tl.store(DELTA + padded, tl.sum(o * do, 1))  # rows past Lq loaded as zeros: 0
@@ -787,12 +551,12 @@ def _streamed_rows(src, b, h, start, offs, n_rows, stride_row, cols, D: tl.const
     over the whole ``[B, H, L, D]`` tensor with block ``[1, 1, len(offs),
     BLOCK_D]``, whose rows past L and columns past D come back as zeros (TMA
     coordinates are int32); else by pointers from ``src``, the head's base,
-    zero past D and (ROW_MASK) past ``n_rows``, as :func:`_load_tile`."""
+    zero past D and (ROW_MASK) past ``n_rows``, as :func:`load_tile`."""
     if TMA:
         tile = src.load([tl.cast(b, tl.int32), tl.cast(h, tl.int32), start, 0])
         return tl.reshape(tile, [tile.shape[2], tile.shape[3]])
     else:
-        return _load_tile(src, start, offs, n_rows, stride_row, cols, D, BLOCK_D, ROW_MASK)
+        return load_tile(src, start, offs, n_rows, stride_row, cols, D, BLOCK_D, ROW_MASK)
 
 
 @triton.jit
@@ -817,7 +581,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE_ROWS, DELTA, sql, sdl, k_cols, offs_m, 
     """TMA: Q and DO are whole-tensor descriptors, read at head (b, h).
     LSE_ROWS and DELTA: this head's padded statistics rows."""
     for i in range(first, last):  # query tiles
-        start_m = _tile_start(i, BLOCKS, offs_m.shape[0], SPARSE_BLOCK, SPARSE)
+        start_m = tile_start(i, BLOCKS, offs_m.shape[0], SPARSE_BLOCK, SPARSE)
         rows = start_m + offs_m
         q = _streamed_rows(Q, b, h, start_m, offs_m, Lq, sql, offs_d, D, BLOCK_D, True, TMA)
         do = _streamed_rows(DO, b, h, start_m, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True, TMA)
@@ -851,18 +615,18 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DK, DV, KV_LEN, BLOCKS, C
     by tensor descriptors over the whole tensors (16-byte aligned bases and
     strides, which the launcher checks). HEAVY_FIRST as the forward: rank 0
     is the first key tile, which the most queries see."""
-    Lq, Lk = _lengths(Lq, Lk, ALIGNED_LENGTHS)
-    tile, bh = _program_rank(heads_per_group, HEAVY_FIRST)
-    b, hk, k_off, v_off = _program_head(bh, HK, 1, skb, skh, svb, svh)  # a program per (batch, k/v head)
+    Lq, Lk = aligned_lengths(Lq, Lk, ALIGNED_LENGTHS)
+    tile, bh = program_rank(heads_per_group, HEAVY_FIRST)
+    b, hk, k_off, v_off = program_head(bh, HK, 1, skb, skh, svb, svh)  # a program per (batch, k/v head)
     k_start = tile * BLOCK_N
     k_cols = k_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
+    kv_len = kv_len_of(KV_LEN, b, Lk, HAS_KV_LEN)
     scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
     offs_n = tl.arange(0, BLOCK_N)
-    k = _load_tile(K + k_off, k_start, offs_n, Lk, skl, offs_d, D, BLOCK_D, True)
-    v = _load_tile(V + v_off, k_start, offs_n, Lk, svl, offs_d, D, BLOCK_D, True)
+    k = load_tile(K + k_off, k_start, offs_n, Lk, skl, offs_d, D, BLOCK_D, True)
+    v = load_tile(V + v_off, k_start, offs_n, Lk, svl, offs_d, D, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     # Queries that see some key of this tile: all, or (causal) rows >= k_start.
@@ -888,11 +652,11 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DK, DV, KV_LEN, BLOCKS, C
             row_base = (b * HK * GROUP + h) * _stats_row_length(Lq)
             blocks, count = BLOCKS, 0
             if SPARSE:
-                blocks, count = _block_list(BLOCKS, COUNTS, b, h, k_start // SPARSE_BLOCK, sbb, sbh, sbr,
-                                            scb, sch, scr)
-            first = _tiles_before(q_begin, blocks, count, BLOCK_M, SPARSE_BLOCK, SPARSE)
-            first_unmasked = _tiles_before(unmasked_begin, blocks, count, BLOCK_M, SPARSE_BLOCK, SPARSE)
-            last = _tiles_before(tl.cdiv(Lq, BLOCK_M) * BLOCK_M, blocks, count, BLOCK_M, SPARSE_BLOCK, SPARSE)
+                blocks, count = block_list(BLOCKS, COUNTS, b, h, k_start // SPARSE_BLOCK, sbb, sbh, sbr,
+                                           scb, sch, scr)
+            first = tiles_before(q_begin, blocks, count, BLOCK_M, SPARSE_BLOCK, SPARSE)
+            first_unmasked = tiles_before(unmasked_begin, blocks, count, BLOCK_M, SPARSE_BLOCK, SPARSE)
+            last = tiles_before(tl.cdiv(Lq, BLOCK_M) * BLOCK_M, blocks, count, BLOCK_M, SPARSE_BLOCK, SPARSE)
             dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE_ROWS + row_base, DELTA + row_base, sql, sdl, k_cols,
                                  offs_m, offs_d, first, first_unmasked, blocks, Lq, scale, b, h, D, BLOCK_D, True,
                                  DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA)
@@ -900,9 +664,9 @@ def attn_bwd_dkdv_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DK, DV, KV_LEN, BLOCKS, C
                                  offs_m, offs_d, first_unmasked, last, blocks, Lq, scale, b, h, D, BLOCK_D, False,
                                  DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA)
     valid = (k_cols < kv_len)[:, None]
-    _store_tile(DK + b * sdkb + hk * sdkh, k_start, offs_n, Lk, sdkl, offs_d,
-                tl.where(valid, dk * scale, 0.0), D)
-    _store_tile(DV + b * sdvb + hk * sdvh, k_start, offs_n, Lk, sdvl, offs_d, tl.where(valid, dv, 0.0), D)
+    store_tile(DK + b * sdkb + hk * sdkh, k_start, offs_n, Lk, sdkl, offs_d,
+               tl.where(valid, dk * scale, 0.0), D)
+    store_tile(DV + b * sdvb + hk * sdvh, k_start, offs_n, Lk, sdvl, offs_d, tl.where(valid, dv, 0.0), D)
 
 
 @triton.jit
@@ -912,14 +676,14 @@ def _dq_tiles(dq, q, do, lse, delta, K, V, skl, svl, q_rows, offs_n, offs_d, fir
               SPARSE: tl.constexpr, TMA: tl.constexpr):
     """TMA: K and V are whole-tensor descriptors, read at k/v head (b, hk)."""
     for i in range(first, last):  # key tiles
-        start_n = _tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE)
+        start_n = tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE)
         cols = start_n + offs_n
         k = _streamed_rows(K, b, hk, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED, TMA)
         v = _streamed_rows(V, b, hk, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED, TMA)
         p = _probabilities(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale, lse[:, None],
                            FMA_EXPONENT)
         if MASKED:
-            p = tl.where(_visible(q_rows, cols, kv_len, CAUSAL), p, 0.0)
+            p = tl.where(visible_mask(q_rows, cols, kv_len, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -939,9 +703,9 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ, KV_LEN, BLOCKS, COUNTS,
     """dq of BLOCK_M queries of one (batch, head); SPARSE, HEAVY_FIRST as the
     forward. TMA (Hopper): the loop's k and v tiles by tensor descriptors over
     the whole tensors, as the dk/dv pass's q and dO."""
-    Lq, Lk = _lengths(Lq, Lk, ALIGNED_LENGTHS)
-    tile, bh = _query_tile(heads_per_group, HEAVY_FIRST)
-    b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = _query_program(
+    Lq, Lk = aligned_lengths(Lq, Lk, ALIGNED_LENGTHS)
+    tile, bh = query_tile(heads_per_group, HEAVY_FIRST)
+    b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = query_program(
         tile, bh, KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
     q_rows = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -949,16 +713,16 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ, KV_LEN, BLOCKS, COUNTS,
     scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
     row_base = tl.cast(bh, tl.int64) * _stats_row_length(Lq)
     offs_m = tl.arange(0, BLOCK_M)
-    q = _load_tile(Q + q_off, q_start, offs_m, Lq, sql, offs_d, D, BLOCK_D, True)
-    do = _load_tile(DO + b * sdb + h * sdh, q_start, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True)
+    q = load_tile(Q + q_off, q_start, offs_m, Lq, sql, offs_d, D, BLOCK_D, True)
+    do = load_tile(DO + b * sdb + h * sdh, q_start, offs_m, Lq, sdl, offs_d, D, BLOCK_D, True)
     lse = tl.load(LSE_ROWS + row_base + q_rows)  # padded rows: no mask
     delta = tl.load(DELTA + row_base + q_rows)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     blocks, count = BLOCKS, 0
     if SPARSE:
-        blocks, count = _block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
-    first_masked = _tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
-    last = _tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
+        blocks, count = block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
+    first_masked = tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
+    last = tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
     if TMA:
         Hk = H // GROUP
         keys = tl.make_tensor_descriptor(K, shape=[B, Hk, Lk, D], strides=[skb, skh, skl, 1],
@@ -973,4 +737,4 @@ def attn_bwd_dq_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ, KV_LEN, BLOCKS, COUNTS,
     dq = _dq_tiles(dq, q, do, lse, delta, keys, values, skl, svl, q_rows, offs_n, offs_d, first_masked, last,
                    blocks, kv_len, Lk, scale, b, h // GROUP, D, BLOCK_D, True, CAUSAL, DOT_PRECISION, FMA_EXPONENT,
                    SPARSE_BLOCK, SPARSE, TMA)
-    _store_tile(DQ + b * sdqb + h * sdqh, q_start, offs_m, Lq, sdql, offs_d, dq * scale, D)
+    store_tile(DQ + b * sdqb + h * sdqh, q_start, offs_m, Lq, sdql, offs_d, dq * scale, D)

@@ -42,7 +42,7 @@ portable kernel): 16-bit q/k/v with a unit stride along D (a power of
 two; the package sends D = 128, and D = 64 where it is ahead), 16-byte
 aligned bases and batch, head and row strides (TMA), ``Lk >= 1``; dense or
 block-sparse, causal or not, with key lengths or not, its items in
-``attn_fwd_kernel``'s program order (``_query_tile``: causal items longest
+``attn_fwd_kernel``'s program order (``query_tile``: causal items longest
 first). Its tiles are 128 queries by ``BLOCK_N`` keys: 128, the
 block-sparse lists' blocks, or (dense, D = 64) 256, a multiple of the
 query tile, so at most one key tile of an item needs a mask: the one at
@@ -83,8 +83,8 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from compile_ops.kernels.attention import (_INT8_BIAS, _INT8_BIAS_BITS, _P_FP8_SHIFT, _block_list, _dealt_rank,
-                                           _kv_len, _query_program, _tile_start)
+from compile_ops.kernels.attention_common import (INT8_BIAS, INT8_BIAS_BITS, P_FP8_SHIFT, block_list, dealt_rank,
+                                                  kv_len_of, query_program, tile_start)
 
 _LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)
@@ -120,7 +120,7 @@ def _loader(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.con
             stage = (it + j) % STAGES
             phase = ((it + j) // STAGES) & 1
             # Read before the wait for a free buffer, which hides the list read's latency.
-            row = _tile_start(j, blocks, BLOCK_N, BLOCK_N, SPARSE)
+            row = tile_start(j, blocks, BLOCK_N, BLOCK_N, SPARSE)
             # A fresh mbarrier counts as having completed the phase before its first,
             # so the first STAGES waits on "empty" pass at once.
             mbarrier.wait(k_empty.index(stage), phase ^ 1)
@@ -164,14 +164,14 @@ def _softmax(s, m, l, row, qk_scale, key_limit, diagonal, MASKED: gl.constexpr, 
         visible = (cols < key_limit)[None, :] & (cols[None, :] <= (rows + diagonal)[:, None])
         s = gl.where(visible, s, float("-inf"))
     if INT8_FP8:  # row > 0: the largest biased score is the largest score
-        m_new = gl.maximum(m, (gl.max(s, 1) - _INT8_BIAS) * row)
+        m_new = gl.maximum(m, (gl.max(s, 1) - INT8_BIAS) * row)
     else:
         m_new = gl.maximum(m, gl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf: shift by 0, so that exp2 gives 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
     if INT8_FP8:  # exp2((s - BIAS) * row * c - m * c + 8) as one fma per score
         factor = row * qk_scale
-        shift = factor * _INT8_BIAS + m_shift * qk_scale - _P_FP8_SHIFT
+        shift = factor * INT8_BIAS + m_shift * qk_scale - P_FP8_SHIFT
         p = gl.exp2(s * factor[:, None] - shift[:, None])
         alpha = gl.exp2((m - m_shift) * qk_scale)
     else:
@@ -350,7 +350,7 @@ def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constex
         first_row = q_start + _ROWS * HALF
         o_zero = gl.zeros([_ROWS, D], gl.float32, o_layout)
         if INT8_FP8:  # the biased int32 scores (see attn_fwd_kernel's INT8)
-            s_init = gl.full([_ROWS, BLOCK_N], _INT8_BIAS_BITS, gl.int32, s_layout)
+            s_init = gl.full([_ROWS, BLOCK_N], INT8_BIAS_BITS, gl.int32, s_layout)
         else:
             s_init = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
         if INT8_FP8:
@@ -388,7 +388,7 @@ def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constex
         if INT8_FP8:  # V's channel scales; l sums 2**8 p
             kv_row = b * (H // GROUP) + h // GROUP  # again: one register fewer across the key tiles
             out = out * gl.load(V_SCALE + kv_row * D + cols)[None, :]
-            log2_l = log2_l - _P_FP8_SHIFT
+            log2_l = log2_l - P_FP8_SHIFT
         rows = first_row + gl.arange(0, _ROWS, layout=o_rows)
         gl.store(OUT + out_off + rows.to(gl.int64)[:, None] * sol + cols[None, :], out.to(OUT.dtype.element_ty),
                  mask=(rows < lq)[:, None])
@@ -436,24 +436,24 @@ def _work_item(w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST):
     """Work item w's set-up, the same in every partition: ``(batch, head,
     batch * H + head, first query, kv_len, its list of key blocks, key tiles,
     unmasked key tiles, first key of the masked tile, OUT's offset)``. Items
-    are numbered in ``attn_fwd_kernel``'s launch order (``_query_tile``: x
+    are numbered in ``attn_fwd_kernel``'s launch order (``query_tile``: x
     fastest, causal dealt out longest first), so a persistent program's
     items and a one-item program's launch order agree."""
     n_q_tiles, BH, heads_per_group, KV_LEN, BLOCKS, COUNTS, H, GROUP, Lk, sob, soh, list_strides, stand_in = work
     if HEAVY_FIRST:
-        rank, bh = _dealt_rank(w, n_q_tiles, BH, heads_per_group)
+        rank, bh = dealt_rank(w, n_q_tiles, BH, heads_per_group)
         tile = n_q_tiles - 1 - rank
     else:
         tile = w % n_q_tiles
         bh = w // n_q_tiles
-    # Given OUT's strides as q's, _query_program's q offset is OUT's; q, k and v are read by descriptor coordinates.
-    b, h, out_off, _k_off, _v_off, q_start, kv_len, unmasked_end, end = _query_program(
+    # Given OUT's strides as q's, query_program's q offset is OUT's; q, k and v are read by descriptor coordinates.
+    b, h, out_off, _k_off, _v_off, q_start, kv_len, unmasked_end, end = query_program(
         tile, bh, KV_LEN, H, GROUP, Lk, sob, soh, 0, 0, 0, 0, 2 * _ROWS, BLOCK_N, CAUSAL, HAS_KV_LEN)
     # Tiles of BLOCK_N = 2 * _ROWS = the list's blocks: at most one tile needs a mask, the one at the
     # unmasked keys' end (the ragged tile of kv_len, or the causal diagonal, or both).
     if SPARSE:
         sbb, sbh, sbr, scb, sch, scr = list_strides
-        blocks, count = _block_list(BLOCKS, COUNTS, b, h, q_start // BLOCK_N, sbb, sbh, sbr, scb, sch, scr)
+        blocks, count = block_list(BLOCKS, COUNTS, b, h, q_start // BLOCK_N, sbb, sbh, sbr, scb, sch, scr)
         count = count.to(gl.int32)  # int32 or int64 lists
         if CAUSAL or HAS_KV_LEN:
             n_full = _listed_below(blocks, count, unmasked_end // BLOCK_N)
@@ -469,7 +469,7 @@ def _work_item(w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST):
         n_tiles = gl.cdiv(end, BLOCK_N)
     masked_start = unmasked_end
     if SPARSE and n_tiles > n_full:
-        masked_start = _tile_start(n_full, blocks, BLOCK_N, BLOCK_N, SPARSE)
+        masked_start = tile_start(n_full, blocks, BLOCK_N, BLOCK_N, SPARSE)
     return b, h, bh, q_start, kv_len, blocks, n_tiles, n_full, masked_start, out_off
 
 
@@ -485,7 +485,7 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_S
     out to the programs of a 1-D grid round robin (a grid of one program per
     SM makes the core persistent; one per item gives each program one). Each
     item is what ``attn_fwd_kernel`` computes with the same arguments
-    (``_query_tile``'s order, ``CAUSAL``, ``KV_LEN`` [B] with ``HAS_KV_LEN``,
+    (``query_tile``'s order, ``CAUSAL``, ``KV_LEN`` [B] with ``HAS_KV_LEN``,
     and with ``SPARSE`` the 128-key blocks that BLOCKS/COUNTS list for its
     query block, ascending).
 
@@ -597,7 +597,7 @@ def _bwd_program(w, KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CA
     tile, bhk = _bwd_item(w, split, Hk, heads_per_group, HEAVY_FIRST, SPLIT)
     b = bhk // Hk
     hk = bhk % Hk
-    kv_len = _kv_len(KV_LEN, b, Lk, HAS_KV_LEN)
+    kv_len = kv_len_of(KV_LEN, b, Lk, HAS_KV_LEN)
     PER_TILE: gl.constexpr = 2 * _ROWS // STEP  # query steps a 128-row block holds
     n_steps = gl.cdiv(Lq, STEP)
     seen = tile * 2 * _ROWS < kv_len  # some key of the tile is within kv_len
@@ -640,7 +640,7 @@ def _bwd_item(w, split, Hk, heads_per_group, HEAVY_FIRST: gl.constexpr, SPLIT: g
         _, whole, parts, _, _ = split
         item = gl.where(item >= whole, whole + (item - whole) // parts, item)
     if HEAVY_FIRST:
-        return _dealt_rank(item, n_tiles, B * Hk, heads_per_group)
+        return dealt_rank(item, n_tiles, B * Hk, heads_per_group)
     else:
         return item % n_tiles, item // n_tiles
 
