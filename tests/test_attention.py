@@ -1356,7 +1356,7 @@ def test_kernels_five_product_backward_statistics_zero_and_cast_dq():
     dq accumulator it is given (NaN-filled before), and the cast writes
     ``scale * accumulator`` into dq's strided rows, the padded rows left
     out, in dq's dtype."""
-    from compile_ops.kernels.attention import attn_bwd_dq_from_acc_kernel, attn_bwd_row_stats_kernel
+    from compile_ops.kernels.attention_backward import attn_bwd_dq_from_acc_kernel, attn_bwd_row_stats_kernel
     from compile_ops.ops import attention as attention_ops
 
     dev = KERNEL_DEVICE
@@ -1389,7 +1389,7 @@ def test_kernels_five_product_backward_parts_add_up_in_order():
     left alone; whole items' rows are not touched. fp32 outputs and parts of
     mixed magnitudes, so that another order of the sums gives other bits
     (checked on the data), and bf16 outputs for the cast."""
-    from compile_ops.kernels.attention import attn_bwd_parts_kernel
+    from compile_ops.kernels.attention_backward import attn_bwd_parts_kernel
     from compile_ops.ops import attention as attention_ops
 
     dev = KERNEL_DEVICE

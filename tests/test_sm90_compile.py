@@ -154,7 +154,7 @@ def test_attention_backward_tma_compiles_for_sm90(monkeypatch):
 
 def test_block_sparse_forward_streams_keys_three_deep_on_sm90(monkeypatch):
     """The block-sparse forward on Hopper reads its block list past Triton's
-    pipeliner (``LIST_BY_ASM``, kernels.attention._tile_start): its D=128 TMA
+    pipeliner (``LIST_BY_ASM``, kernels.attention_common.tile_start): its D=128 TMA
     variant compiles for sm_90 with K and V buffered three tiles deep in both
     key loops, as the dense forward's, and no async copy of the list into a
     one-entry buffer (what an ordinary load of the list gets, with K and V two
@@ -279,7 +279,7 @@ def test_fp8_rows_scale_kernel_compiles_for_sm90():
     (traced, the reference's torch ops take its place, so no op body above
     reaches it), at Flux's and Wan's Hk * D."""
     from compile_ops import reference
-    from compile_ops.kernels.attention import fp8_rows_scale_kernel
+    from compile_ops.kernels.attention_8bit import fp8_rows_scale_kernel
 
     signature = {"V_SCALE": "*fp32", "ROW_SCALE": "*fp32", "per_batch": "i32"}
     for per_batch in (24 * 128, 12 * 128, 40):
@@ -441,7 +441,7 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
     from triton import knobs
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from compile_ops.kernels.attention_sm90 import attn_bwd_sm90_kernel as kernel
+    from compile_ops.kernels.attention_sm90_backward import attn_bwd_sm90_kernel as kernel
     from compile_ops.ops import attention as attention_ops
 
     monkeypatch.setattr(attention_ops, "has_tma", lambda t: t.device.type == "cuda")
@@ -461,7 +461,7 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
     assert all(signature.get("DQ_ACC") == "*fp32"  # the statistics pass zeroes the accumulator
                for kernel, signature, _ in launches.values() if kernel.fn.__name__ == "attn_bwd_row_stats_kernel")
     # The opaque op's own Triton kernel: the parts of a split last round added up (D = 128 and 64).
-    from compile_ops.kernels.attention import attn_bwd_parts_kernel as parts_kernel
+    from compile_ops.kernels.attention_backward import attn_bwd_parts_kernel as parts_kernel
     launches = list(launches.values())
     for dtype, d in (("bf16", 128), ("fp16", 64)):
         signature = {p: "i32" for p in parts_kernel.arg_names}

@@ -31,11 +31,14 @@ from compile_ops import _dtensor, meta, reference
 from compile_ops._library import (building_aot_package, clear_launch_plans, fused_op, has_tma, has_wgmma,
                                   l2_cache_bytes, launcher, multiprocessor_count, on_eager_fast_path,
                                   refuse_interpreted_bf16_dots, register_no_gradient, require_fp8_mma)
-from compile_ops.kernels.attention import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel, attn_bwd_dq_from_acc_kernel,
-                                           attn_bwd_dq_kernel, attn_bwd_parts_kernel, attn_bwd_row_stats_kernel,
-                                           attn_fwd_kernel, fp8_rows_scale_kernel, kv8_counters_clear_kernel,
-                                           kv8_quantize_kernel, kv8_stats_kernel)
-from compile_ops.kernels.attention_sm90 import attn_bwd_sm90_kernel, attn_fwd_sm90_kernel
+from compile_ops.kernels.attention import attn_fwd_kernel
+from compile_ops.kernels.attention_8bit import (fp8_rows_scale_kernel, kv8_counters_clear_kernel, kv8_quantize_kernel,
+                                                kv8_stats_kernel)
+from compile_ops.kernels.attention_backward import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel,
+                                                    attn_bwd_dq_from_acc_kernel, attn_bwd_dq_kernel,
+                                                    attn_bwd_parts_kernel, attn_bwd_row_stats_kernel)
+from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
+from compile_ops.kernels.attention_sm90_backward import attn_bwd_sm90_kernel
 from compile_ops.meta._validate import check_module_input, checked_arguments, softmax_scale
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
 from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
