@@ -168,6 +168,111 @@ def test_kernels_qk_norm_rope_weight_grads_are_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(first, grads()))
 
 
+# ----------------------------------------------------- gradients of cos and sin
+
+#: (rotary_dim, table columns, table batch) of head dim 8: a full table shared
+#: by the batch; a half table per batch element past a partial rotary dim; a
+#: full table of batch 1 (broadcast) past another partial rotary dim.
+TABLE_GRAD_CASES = [(None, "full", None), (4, "half", 2), (6, "full", 1)]
+#: The differentiable inputs of each op, in its argument order.
+TABLE_GRAD_INPUTS = {"rope": ("q", "cos", "sin"), "rope_qk": ("q", "k", "cos", "sin"),
+                     "qk_norm_rope": ("q", "k", "q_weight", "k_weight", "cos", "sin")}
+
+
+def _table_grad_case(op, rotary_dim, columns, table_batch, seq_dim, dtype, device):
+    """The op's differentiable inputs, every one requiring grad: q (3 heads)
+    and k (2 heads) ``[2, 5, H, 8]`` in ``seq_dim``'s layout, weights near 1,
+    cos/sin of independent angles (the two entries of a full table's pair
+    differ, so a gradient summed into the wrong entry shows)."""
+    b, length, d = 2, 5, 8
+    r = d if rotary_dim is None else rotary_dim
+    heads = {"q": 3, "k": 2}
+    tensors = {name: torch.randn((b, h, length, d) if seq_dim == 2 else (b, length, h, d), device=device)
+               for name, h in heads.items()}
+    tensors.update(q_weight=1 + 0.1 * torch.randn(d, device=device), k_weight=1 + 0.1 * torch.randn(d, device=device))
+    tensors["cos"], tensors["sin"] = _tables(((table_batch,) if table_batch else ()) +
+                                             (length, r // 2 if columns == "half" else r), device)
+    return [tensors[name].to(dtype).requires_grad_(True) for name in TABLE_GRAD_INPUTS[op]]
+
+
+def _rotations(impl, op, tensors, interleaved, seq_dim, rotary_dim, inverse=False):
+    """The outputs of ``op`` from ``impl``: the public functions (``rope_ops``),
+    ``torch.ops.fused`` or the reference (``ref``), which share the argument
+    order; ``inverse`` (the op's own argument) is not passed to public functions."""
+    extra = (inverse,) if inverse else ()
+    if op == "rope":
+        x, cos, sin = tensors
+        return (impl.rope(x, cos, sin, interleaved, seq_dim, rotary_dim, *extra),)
+    if op == "rope_qk":
+        return tuple(impl.rope_qk(*tensors, interleaved, seq_dim, rotary_dim, *extra))
+    return tuple(impl.qk_norm_rope(*tensors, 1e-6, interleaved, seq_dim, rotary_dim))
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("seq_dim", [1, 2])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("op", ["rope", "rope_qk", "qk_norm_rope"])
+def test_kernels_cos_sin_grads_match_fp64_reference(op, interleaved, seq_dim):
+    """cos and sin that require grad get the reference's gradients (fp32
+    inputs against fp64 autograd of the reference), summed over heads, q and
+    k, the batch of a shared table and the two entries of a half table's pair;
+    every other input's gradient is unchanged by asking for them."""
+    for rotary_dim, columns, table_batch in TABLE_GRAD_CASES:
+        tensors = _table_grad_case(op, rotary_dim, columns, table_batch, seq_dim, torch.float32, KERNEL_DEVICE)
+        outs = _rotations(rope_ops, op, tensors, interleaved, seq_dim, rotary_dim)
+        dys = [torch.randn_like(o) for o in outs]
+        # The reference's gradients by autograd through its torch ops: x * cos + rotate(x) * sin.
+        exact_in = _detached(tensors, torch.float64)
+        exact = _rotations(ref, op, exact_in, interleaved, seq_dim, rotary_dim)
+        got = torch.autograd.grad(outs, tensors, dys)
+        want = torch.autograd.grad(exact, exact_in, [dy.double() for dy in dys])
+        for name, t, g, w in zip(TABLE_GRAD_INPUTS[op], tensors, got, want):
+            assert g.dtype == t.dtype and g.shape == t.shape, name
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, what=f"{op} d{name}": f"{what}: {m}")
+
+
+@pytest.mark.parametrize("seq_dim", [1, 2])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("op, inverse", [("rope", False), ("rope", True), ("rope_qk", False), ("rope_qk", True),
+                                         ("qk_norm_rope", False)])
+def test_cos_sin_grads_pass_gradcheck_fp64(op, inverse, interleaved, seq_dim):
+    """fp64 gradcheck of every input, cos and sin included, through the
+    registered autograd on the reference path (the inverse rotation too: the
+    backward's own op)."""
+    for rotary_dim, columns, table_batch in TABLE_GRAD_CASES:
+        tensors = _table_grad_case(op, rotary_dim, columns, table_batch, seq_dim, torch.float64, "cpu")
+
+        def f(*ts, rotary_dim=rotary_dim):
+            return _rotations(torch.ops.fused, op, ts, interleaved, seq_dim, rotary_dim, inverse)
+
+        assert torch.autograd.gradcheck(f, tensors, eps=1e-6, atol=1e-8, rtol=1e-7)
+
+
+def _loss(impl, op, interleaved, seq_dim, rotary_dim, *tensors):
+    """A loss of the op's outputs that weights every element differently."""
+    outs = _rotations(impl, op, tensors, interleaved, seq_dim, rotary_dim)
+    return sum((o * o.detach().sin()).sum() for o in outs)
+
+
+def test_cos_sin_grads_under_compile_fullgraph():
+    """The same gradients from a torch.compile(fullgraph=True) graph (AOT
+    autograd's joint graph through the registered backward) as from the
+    reference: the three ops, one layout each, fp64 on the reference path."""
+    torch._dynamo.reset()
+    cases = [("rope", True, 2, 6, "full", 1), ("rope_qk", False, 1, 4, "half", 2),
+             ("qk_norm_rope", True, 1, None, "full", None)]
+    for op, interleaved, seq_dim, rotary_dim, columns, table_batch in cases:
+        tensors = _table_grad_case(op, rotary_dim, columns, table_batch, seq_dim, torch.float64, "cpu")
+        args = (op, interleaved, seq_dim, rotary_dim)
+        compiled = torch.compile(_loss, fullgraph=True, backend="aot_eager")
+        got = torch.autograd.grad(compiled(rope_ops, *args, *tensors), tensors)
+        exact_in = _detached(tensors)
+        want = torch.autograd.grad(_loss(ref, *args, *exact_in), exact_in)
+        for name, g, w in zip(TABLE_GRAD_INPUTS[op], got, want):
+            torch.testing.assert_close(g, w, msg=lambda m, what=f"{op} d{name}": f"{what}: {m}")
+
+
 # ------------------------------------------------------------ 3D video RoPE
 
 #: (convention, dim, overrides, (frames, height, width), heads): small grids of

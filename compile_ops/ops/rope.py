@@ -8,7 +8,9 @@
   one launch; ``fused.qk_norm_rope_backward`` is its backward.
 
 The backward of a rotation is its transpose, the same op with ``inverse``
-flipped, so the first three ops are their own backward ops.
+flipped, so the first three ops are their own backward ops. Tables that
+require grad get theirs from plain torch ops in the backward (the rotated
+input times the output's gradient, summed to the table's shape).
 """
 from typing import Optional
 
@@ -157,15 +159,39 @@ def _rope_op(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, seq_dim: in
     return out
 
 
+def _table_grads(needs: tuple[bool, bool], cos: Tensor, sin: Tensor, rotated, args: tuple):
+    """``(dcos, dsin)``, each None unless ``needs`` says its table requires
+    grad, summed over ``rotated``: ``(rotation input in the accumulation
+    dtype, its output's gradient)`` pairs. ``args``: ``(interleaved,
+    seq_dim, rotary_dim, transposed)`` as the backward's rotation takes them.
+
+    Plain torch ops rather than a kernel: a table's gradient is a reduction
+    over heads and batch that the kernels' transposed rotation does not do,
+    and it runs only for tables that require grad."""
+    if not any(needs):
+        return None, None
+    interleaved, seq_dim, rotary_dim, transposed = args
+    r, half = meta.rope.table_layout(rotated[0][0], cos, rotary_dim)
+    sums = None
+    for xf, grad in rotated:
+        grads = reference.rope.table_grads(grad, xf, cos, r, half, interleaved, seq_dim, not transposed)
+        sums = grads if sums is None else tuple(a + b for a, b in zip(sums, grads))
+    return tuple(g.to(t.dtype) if need else None for g, t, need in zip(sums, (cos, sin), needs))
+
+
 def _setup_rope(ctx, inputs, output):
     x, cos, sin, interleaved, seq_dim, rotary_dim, inverse = inputs
-    ctx.save_for_backward(cos, sin)
+    # x only for the tables' gradients: the rotation's transpose does not read it.
+    ctx.save_for_backward(cos, sin, x if any(ctx.needs_input_grad[1:3]) else None)
     ctx.args = (interleaved, seq_dim, rotary_dim, not inverse)
 
 
 def _backward_rope(ctx, grad):
-    cos, sin = ctx.saved_tensors
-    return _rope_op(grad, cos, sin, *ctx.args), None, None, None, None, None, None
+    cos, sin, x = ctx.saved_tensors
+    needs = ctx.needs_input_grad[1:3]
+    rotated = [(x.to(accumulation_dtype(x)), grad)] if any(needs) else None
+    dcos, dsin = _table_grads(needs, cos, sin, rotated, ctx.args)
+    return _rope_op(grad, cos, sin, *ctx.args), dcos, dsin, None, None, None, None
 
 
 _rope_op.register_autograd(_backward_rope, setup_context=_setup_rope)
@@ -195,15 +221,19 @@ def _grads_of_pair(ctx, grad_q: Optional[Tensor], grad_k: Optional[Tensor]):
 
 def _setup_rope_qk(ctx, inputs, output):
     q, k, cos, sin, interleaved, seq_dim, rotary_dim, inverse = inputs
-    ctx.save_for_backward(cos, sin)
+    tables_need_grad = any(ctx.needs_input_grad[2:4])
+    ctx.save_for_backward(cos, sin, *((q, k) if tables_need_grad else (None, None)))
     _save_pair_shapes(ctx, q, k)
     ctx.args = (interleaved, seq_dim, rotary_dim, not inverse)
 
 
 def _backward_rope_qk(ctx, grad_q, grad_k):
-    cos, sin = ctx.saved_tensors
+    cos, sin, q, k = ctx.saved_tensors
     grad_q, grad_k = _grads_of_pair(ctx, grad_q, grad_k)
-    return (*_rope_qk_op(grad_q, grad_k, cos, sin, *ctx.args), None, None, None, None, None, None)
+    needs = ctx.needs_input_grad[2:4]
+    rotated = [(x.to(accumulation_dtype(x)), g) for x, g in ((q, grad_q), (k, grad_k))] if any(needs) else None
+    dcos, dsin = _table_grads(needs, cos, sin, rotated, ctx.args)
+    return (*_rope_qk_op(grad_q, grad_k, cos, sin, *ctx.args), dcos, dsin, None, None, None, None)
 
 
 _rope_qk_op.register_autograd(_backward_rope_qk, setup_context=_setup_rope_qk)
@@ -301,7 +331,13 @@ def _backward_qk_norm_rope(ctx, grad_q, grad_k):
     q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
     grad_q, grad_k = _grads_of_pair(ctx, grad_q, grad_k)
     grads = _qk_norm_rope_backward_op(grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, *ctx.args)
-    return (*grads, None, None, None, None, None, None)
+    eps, interleaved, seq_dim, rotary_dim = ctx.args
+    needs = ctx.needs_input_grad[4:6]
+    # The tables rotate the normalized q and k: recomputed, not saved by the forward.
+    rotated = [(reference.rope.normalized(x, w, eps), g)
+               for x, w, g in ((q, q_weight, grad_q), (k, k_weight, grad_k))] if any(needs) else None
+    dcos, dsin = _table_grads(needs, cos, sin, rotated, (interleaved, seq_dim, rotary_dim, True))
+    return (*grads, dcos, dsin, None, None, None, None)
 
 
 _qk_norm_rope_op.register_autograd(_backward_qk_norm_rope, setup_context=_setup_qk_norm_rope)
@@ -350,6 +386,10 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, seq_dim
             (``seq_dim=1``), fp16/bf16/fp32/fp64, any strides.
         cos, sin: ``[L, T]`` or ``[B, L, T]``; ``T = rotary_dim`` (diffusers'
             full tables) or ``rotary_dim / 2`` (one angle per pair). Read in fp32.
+            Differentiable: tables that require grad (learned or computed
+            from learned frequencies) get their gradients, summed over the
+            heads and the batch they are shared by; tables that don't cost
+            the backward nothing.
         interleaved: pairs ``(2i, 2i + 1)`` (``use_real_unbind_dim=-1``: Flux,
             CogVideoX, HunyuanVideo); False: ``(i, i + R/2)`` (``-2``).
         seq_dim: the position dim of x, 1 or 2.
@@ -368,7 +408,8 @@ def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = 
     Args:
         q: ``[B, Hq, L, D]`` (``seq_dim=2``) or ``[B, L, Hq, D]`` (``seq_dim=1``), any strides.
         k: the same layout, dtype, B, L and D as q; ``Hk`` heads (GQA: any Hk).
-        cos, sin, interleaved, seq_dim, rotary_dim: as for :func:`rope`.
+        cos, sin, interleaved, seq_dim, rotary_dim: as for :func:`rope`; the
+            tables' gradients sum q's and k's.
         quantize: inference with 8-bit attention (fp16/bf16 q, k): return
             the rotated q and k quantized for ``attention(..., precision=
             "int8" | "int8_fp8")`` (:class:`~compile_ops.Int8QK`), written
@@ -429,7 +470,8 @@ def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: 
         q: ``[B, Hq, L, D]`` (``seq_dim=2``) or ``[B, L, Hq, D]`` (``seq_dim=1``), any strides.
         k: the same layout, dtype, B, L and D as q; any head count.
         q_weight, k_weight: ``[D]``, the RMSNorms' weights (any float dtype).
-        cos, sin: as for :func:`rope`.
+        cos, sin: as for :func:`rope`; their gradients are those of the
+            rotation of the normalized q and k (the values the tables rotate).
         eps: the RMSNorm epsilon.
         interleaved, seq_dim, rotary_dim: as for :func:`rope` (channels past
             ``rotary_dim`` are normalized, not rotated).

@@ -50,6 +50,38 @@ def _rotate(xf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int, half
     return torch.cat((_merge(y1, y2, interleaved), xf[..., r:]), dim=-1)
 
 
+def _untable(t: torch.Tensor, like: torch.Tensor, r: int, half: bool, interleaved: bool,
+             seq_dim: int) -> torch.Tensor:
+    """The transpose of :func:`_table`: a full-width gradient against x's
+    layout summed to the table ``like``'s shape (over heads, over the batch
+    of a shared table, over the two entries of a half table's pair)."""
+    t = t.sum(3 - seq_dim)
+    if half:
+        first, second = _pairs(t, r, interleaved)
+        t = first + second
+    if like.dim() == 2:
+        return t.sum(0)
+    return t.sum(0, keepdim=True) if like.shape[0] != t.shape[0] else t
+
+
+def table_grads(grad: torch.Tensor, xf: torch.Tensor, cos: torch.Tensor, r: int, half: bool, interleaved: bool,
+                seq_dim: int, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of cos and sin through :func:`_rotate` of ``xf`` (in the
+    accumulation dtype), in that dtype and cos's shape, given the rotation's
+    output gradient ``grad``. The rotation is ``x * c + rotate(x) * s`` with
+    ``rotate(x) = (-x2, x1)`` per pair, so ``dc = g * x`` and ``ds = g *
+    rotate(x)``; the inverse's sine term is ``rotate^T(x * s)``, so ``ds =
+    rotate(g) * x``. Written out rather than differentiated: an op's
+    backward runs below autograd."""
+    g = grad[..., :r].to(xf.dtype)
+    x = xf[..., :r]
+    x1, x2 = _pairs(x, r, interleaved)
+    g1, g2 = _pairs(g, r, interleaved)
+    ds = _merge(-g2 * x1, g1 * x2, interleaved) if inverse else _merge(-g1 * x2, g2 * x1, interleaved)
+    return (_untable(g * x, cos, r, half, interleaved, seq_dim),
+            _untable(ds, cos, r, half, interleaved, seq_dim))
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, seq_dim: int,
          rotary_dim: Optional[int] = None, inverse: bool = False) -> torch.Tensor:
     r, half = meta.check_rope("rope", x, cos, sin, seq_dim, rotary_dim)
@@ -90,10 +122,16 @@ def rope_grid(q: torch.Tensor, k: torch.Tensor, constants: torch.Tensor, height:
     return rope_qk(q, k, cos, sin, interleaved, seq_dim, r, inverse)
 
 
-def _norm_rope(x, weight, cos, sin, eps, r, half, interleaved, seq_dim):
+def normalized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with weight of ``x`` in the accumulation dtype, not rounded:
+    what :func:`qk_norm_rope` rotates."""
     xf = x.to(accumulation_dtype(x))
     xhat = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return _rotate(xhat * weight.to(xf.dtype), cos, sin, r, half, interleaved, seq_dim, False).to(x.dtype)
+    return xhat * weight.to(xf.dtype)
+
+
+def _norm_rope(x, weight, cos, sin, eps, r, half, interleaved, seq_dim):
+    return _rotate(normalized(x, weight, eps), cos, sin, r, half, interleaved, seq_dim, False).to(x.dtype)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
