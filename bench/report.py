@@ -1,19 +1,22 @@
 """Tables and a plot from a benchmark JSON written by ``bench/run.py``.
 
-    python bench/report.py bench/results/h100.json                      # print the table
-    python bench/report.py bench/results/h100.json --readme README.md   # also rewrite README's table
-    python bench/report.py bench/results/h100.json --plot h100.png      # also draw the plot
+    python bench/report.py bench/results/h100.json                             # print the table
+    python bench/report.py bench/results/h100.json --doc docs/performance.md   # also rewrite its block there
+    python bench/report.py bench/results/h100.json --plot h100.png             # also draw the plot
 
-    python bench/report.py bench/results/attention-h100.json --readme README.md  # bench/runners/attention.py's
-    python bench/report.py RERUN.json --merge-into bench/results/attention-h100.json --readme README.md
+    python bench/report.py bench/results/attention-h100.json --doc docs/performance.md  # runners/attention.py's
+    python bench/report.py RERUN.json --merge-into bench/results/attention-h100.json --doc docs/performance.md
+    python bench/report.py --headline README.md   # the README's end-to-end table, from bench/results
 
-The README block is everything between the lines ``<!-- perf-table:start -->``
-and ``<!-- perf-table:end -->`` (``attention-table`` / ``attention-causal-table``
-for bench/runners/attention.py's JSON, ``block-sparse-table`` for
-bench/runners/block_sparse.py's, ``diffusers-e2e-table`` for bench/runners/diffusers_e2e.py's,
-``distributed-train-table`` for bench/runners/distributed_train.py's);
-it is regenerated from the JSON, never edited by
-hand.
+A table's block is everything between the lines ``<!-- perf-table:start -->``
+and ``<!-- perf-table:end -->`` of the Markdown file (``attention-table`` /
+``attention-causal-table`` for bench/runners/attention.py's JSON,
+``block-sparse-table`` for bench/runners/block_sparse.py's,
+``diffusers-e2e-table`` for bench/runners/diffusers_e2e.py's,
+``distributed-train-table`` for bench/runners/distributed_train.py's, ...;
+``headline-table`` for :func:`headline_table`); it is regenerated from the
+JSON, never edited by hand. The tables live in docs/performance.md, the
+headline in README.md.
 """
 import argparse
 import json
@@ -640,21 +643,79 @@ def distributed_train_table(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def update_readme(readme_path: str, block: str, marker: str = "perf-table") -> None:
+#: The README's headline: one end-to-end step per row, compile_ops beside what a user runs instead.
+#: (label, results file, case, our provider, patch call, peer provider, peer label).
+HEADLINE_ROWS = (
+    ("Flux.1-dev 1024², bf16", "diffusers-e2e-h100.json", "flux_step", "patched_compiled", "`patch(model)`",
+     "native_compiled", "`torch.compile`"),
+    ("Wan 2.1 1.3B 480p, bf16", "diffusers-e2e-h100.json", "wan_step", "patched_compiled", "`patch(model)`",
+     "native_compiled", "`torch.compile`"),
+    ("Flux-size training step, bf16", "diffusers-e2e-h100.json", "flux_train", "patched_compiled", "`patch(model)`",
+     "native_compiled", "`torch.compile`"),
+    ("Flux.1-dev 1024², FP8 Linears", "diffusers-e2e-fp8-h100.json", "flux_step", "fp8_compiled",
+     '`precision="fp8"`', "torchao_fp8_compiled", "torchao float8"),
+    ("Wan 2.1 1.3B 480p, FP8 + 8-bit attention", "diffusers-e2e-fp8-h100.json", "wan_step",
+     "fp8_int8_fp8_attention_compiled", '`precision="fp8", attention_precision="int8_fp8"`',
+     "torchao_fp8_compiled", "torchao float8"),
+    ("Wan 2.1 1.3B 480p, 8-bit attention", "diffusers-e2e-int8-h100.json", "wan_step",
+     "int8_fp8_attention_compiled", '`attention_precision="int8_fp8"`', "sage_attention_compiled",
+     "SageAttention 1.0.6"),
+    ("Wan 2.1 1.3B 720p, 8-bit attention", "diffusers-e2e-int8-h100.json", "wan_step_720p",
+     "int8_fp8_attention_compiled", '`attention_precision="int8_fp8"`', "native_compiled", "`torch.compile`"),
+    ("Wan 2.1 1.3B 480p, sparse attention", "sparse-e2e-h200.json", "wan_step", "sparse_compiled",
+     "`attention=SlidingTile(...)`", "native_compiled", "`torch.compile`"),
+)
+
+
+def _step_error(row: dict) -> str:
+    """The step output's relative L2 distance to the bf16 model (sparse rows: to dense attention)."""
+    for key in ("rel_l2_vs_bf16", "step_rel_l2"):
+        if key in row:
+            return f"{row[key]:.1e}"
+    return "-"
+
+
+def headline_table(results_dir: str, doc_dir: str = ".") -> str:
+    """Markdown: :data:`HEADLINE_ROWS` from the committed results files in ``results_dir``:
+    each step's time beside its peer's, from the same run, with the step error of both;
+    the files are linked relative to ``doc_dir``, the directory of the page that shows it."""
+    out = ["| step (batch 1) | compile_ops | ms | beside | ms | speed-up | step error, ours / beside | GPU |",
+           "|---|---|---:|---|---:|---:|---:|---|"]
+    envs = {}
+    for label, name, case, ours, call, peer, peer_label in HEADLINE_ROWS:
+        data = load(os.path.join(results_dir, name))
+        envs[name] = data["env"]
+        by = {(r["case"], r["provider"]): r for r in data["rows"]}
+        mine, theirs = by[(case, ours)], by[(case, peer)]
+        gpu = data["env"]["gpu"].replace("NVIDIA ", "").replace(" 80GB HBM3", "")
+        out.append(f"| {label} | {call} | {mine['ms']:.1f} | {peer_label} | {theirs['ms']:.1f} | "
+                   f"{theirs['ms'] / mine['ms']:.2f}x | {_step_error(mine)} / {_step_error(theirs)} | {gpu} |")
+    versions = sorted({(e["torch"], e["triton"], e.get("diffusers", "?")) for e in envs.values()})
+    dates = sorted({e["date"][:10] for e in envs.values()})
+    files = ", ".join(f"[`{name}`]({os.path.relpath(os.path.join(results_dir, name), doc_dir)})" for name in envs)
+    out += ["", "Random weights; ms: a `do_bench` median, or the median of 3 where the run repeated it "
+            "(regional or whole-model compile, as each file records); step error: the output's relative L2 "
+            "distance to the bf16 model's (sparse: to dense attention). "
+            + "; ".join(f"torch {t}, triton {tr}, diffusers {d}" for t, tr, d in versions)
+            + f"; runs of {', '.join(dates)}; from {files}."]
+    return "\n".join(out) + "\n"
+
+
+def update_block(doc_path: str, block: str, marker: str = "perf-table") -> None:
     """Replace the lines between the ``<!-- marker:start -->`` and ``<!-- marker:end -->``
-    lines of ``readme_path`` with ``block``."""
+    lines of the Markdown file ``doc_path`` with ``block``."""
     start_line, end_line = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
-    with open(readme_path) as f:
+    with open(doc_path) as f:
         lines = f.read().splitlines(keepends=True)
     stripped = [line.strip() for line in lines]
     try:
         start = stripped.index(start_line)
         end = stripped.index(end_line, start + 1)
     except ValueError:
-        raise SystemExit(f"report.py: {readme_path} needs the lines {start_line} and {end_line} "
+        raise SystemExit(f"report.py: {doc_path} needs the lines {start_line} and {end_line} "
                          "(in that order) around the table") from None
     new = lines[:start + 1] + [block if block.endswith("\n") else block + "\n"] + lines[end:]
-    with open(readme_path, "w") as f:
+    with open(doc_path, "w") as f:
         f.writelines(new)
 
 
@@ -722,15 +783,29 @@ def plot(json_path: str, png_path: str):
 
 
 def main(argv=None) -> int:
-    """CLI: print the table; optionally rewrite the README block and draw the plot."""
+    """CLI: print the table; optionally rewrite its block in a Markdown file and draw the plot."""
     p = argparse.ArgumentParser(description="Print benchmark tables from bench/run.py's JSON.")
-    p.add_argument("json", help="results file, e.g. bench/results/h100.json")
-    p.add_argument("--readme", help="a Markdown file whose perf-table block to rewrite")
+    p.add_argument("json", nargs="?", help="results file, e.g. bench/results/h100.json")
+    p.add_argument("--doc", "--readme", dest="doc",
+                   help="a Markdown file whose block for this table to rewrite (docs/performance.md)")
+    p.add_argument("--headline", metavar="MARKDOWN",
+                   help="rewrite the headline-table block of this file (README.md) from bench/results")
+    p.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                   help="where --headline reads the results files (default: bench/results)")
     p.add_argument("--plot", help="write the plot to this PNG")
     p.add_argument("--merge-into", metavar="BASE_JSON",
                    help="a rerun of some of BASE_JSON's cases: its rows replace theirs in BASE_JSON (rewritten, "
                         "each row dated), and the table is made from the result")
     args = p.parse_args(argv)
+    if args.headline:
+        table = headline_table(args.results, os.path.dirname(os.path.abspath(args.headline)))
+        print(table)
+        update_block(args.headline, table, "headline-table")
+        print(f"\nrewrote the headline-table block in {args.headline}")
+        if args.json is None:
+            return 0
+    if args.json is None:
+        p.error("a results file is needed (or --headline alone)")
     data = load(args.json)
     if args.merge_into:
         data = merge_runs(load(args.merge_into), data)
@@ -754,14 +829,14 @@ def main(argv=None) -> int:
         if recognise(data):
             table = make_table(data)
             print(table)
-            if args.readme:
-                update_readme(args.readme, table, marker(data["rows"]))
-                print(f"\nrewrote the {marker(data['rows'])} block in {args.readme}")
+            if args.doc:
+                update_block(args.doc, table, marker(data["rows"]))
+                print(f"\nrewrote the {marker(data['rows'])} block in {args.doc}")
             return 0
     print(format_table(data))
-    if args.readme:
-        update_readme(args.readme, markdown_table(data))
-        print(f"\nrewrote the perf table in {args.readme}")
+    if args.doc:
+        update_block(args.doc, markdown_table(data))
+        print(f"\nrewrote the perf table in {args.doc}")
     if args.plot and plot(args.json, args.plot):
         print(f"wrote {args.plot}")
     return 0
