@@ -1,4 +1,4 @@
-"""Causal attention's program order, swept by group size on a GPU (issue 28):
+"""Causal attention's program order, swept by group size on a GPU:
 
     PYTHONPATH=. python bench/experiments/causal_order.py OUT.json [--groups 0,1,3,6,12,all]
         [--launch-order-passes dkdv] [--rounds 2]
@@ -14,9 +14,9 @@ times alternated, forward and forward+backward as CUDA-graph replays of
 ``compile_ops.attention`` called eagerly (``bench.runners.attention.measure``), and
 each group's forward output compared with the first group's, bit for bit.
 
-The sweep behind ``ops.attention.causal_order`` (bench/notes.md, "Causal
-programs, longest first"; ``bench/results/attention-causal-order-sweep-h100.json``)
-ran this schedule from a scratch script before this file existed.
+The sweep behind ``ops.attention.causal_order`` (docs/notes/attention-forward.md,
+"Causal programs, longest first"; ``bench/results/attention-causal-order-sweep-h100.json``)
+ran this schedule.
 """
 import argparse
 import sys

@@ -1,4 +1,4 @@
-"""The forward's time against its number of work items, on a GPU (issue 28):
+"""The forward's time against its number of work items, on a GPU:
 
     PYTHONPATH=. python bench/experiments/forward_waves.py OUT.json [--length 4608] [--heads 20,21,...]
 

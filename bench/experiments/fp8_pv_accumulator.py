@@ -1,4 +1,4 @@
-"""8-bit attention's FP8 P V accumulated by the MMA itself (issue 29), on a GPU:
+"""8-bit attention's FP8 P V accumulated by the MMA itself, on a GPU:
 
     PYTHONPATH=. python bench/experiments/fp8_pv_accumulator.py OUT.json [--rounds 3]
 

@@ -1,4 +1,4 @@
-"""8-bit attention's k/v quantization passes, launch variants A/B (issue 29), on a GPU:
+"""8-bit attention's k/v quantization passes, launch variants A/B, on a GPU:
 
     PYTHONPATH=. python bench/experiments/kv8_passes.py OUT.json [--rounds 3] [--baseline | --sweep]
 

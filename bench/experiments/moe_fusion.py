@@ -8,11 +8,11 @@ and ``git show REV:compile_ops/ops/moe.py``): its ``_launch_route`` is run
 against its own kernels. Shapes: the registry's moe_route (4096 x 4096,
 E = 64, k = 2) and moe_route_hidream (4096 x 2560, E = 4, k = 2), bf16; every
 version's outputs are compared with the committed one's, bit for bit.
-Used for the fusion of the routing's launches (issue 23; bench/notes.md,
+Used for the fusion of the routing's launches (docs/notes/moe.md,
 "MoE routing in fewer launches: measured no faster"): the two-launch version
 is commit 07bc05a (``two_launches=K.py,O.py`` from ``git show 07bc05a:...``),
 ``bench/results/moe-fusion-two-launches-h100.json`` its run (its ``committed``
-row is 07bc05a, ``three_launches`` today's kernels).
+row is 07bc05a, ``three_launches`` the committed kernels).
 """
 import importlib.util
 import sys

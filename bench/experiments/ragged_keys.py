@@ -1,11 +1,11 @@
-"""Forward speed at key lengths that are not a multiple of 128, against cuDNN (issue 28, ``attention_kernel="auto"``):
+"""Forward speed at key lengths that are not a multiple of 128, against cuDNN (``attention_kernel="auto"``):
 
     PYTHONPATH=. python bench/experiments/ragged_keys.py OUT.json [--shapes BxHxLxD,...] [--rounds 3]
 
 Why: ``integrations.diffusers._sdpa_is_faster`` sends 16-bit inference below
 16385 keys to SDPA's cuDNN backend, from measurements at whole multiples of
 128 keys (4096, 4608). At 4429 and 4500 keys (D = 128) the sm_90 core ran
-1.05-1.06x cuDNN in the split-last-round runs (bench/notes.md): cuDNN's
+1.05-1.06x cuDNN in the split-last-round runs (docs/notes/attention-forward.md): cuDNN's
 time grows at a ragged key length and the core's masked last tile costs
 nothing. Which lengths does that hold at? Flux at non-square resolutions
 (1360x768: 4592 tokens; 1280x720: 4112) and Qwen-Image (an image's tokens

@@ -1,9 +1,9 @@
 """The sm_90 core (compile_ops/kernels/attention_sm90.py) timed against the
-portable kernel and cuDNN in one run, on an H100:
+portable kernel and cuDNN in one run, on a Hopper GPU:
 
     PYTHONPATH=. python bench/experiments/sm90_core_sweep.py OUT.json [PART ...]
 
-Every front end of the core at the shapes of issue 28: dense forward at 2
+Every front end of the core at the README's attention shapes: dense forward at 2
 and 3 K/V stages (D = 64 with the package's 256-key tiles), causal, key
 lengths, block-sparse at about 26% of the blocks (the lists of
 ``bench/runners/block_sparse.py``), and the INT8_FP8 mode against

@@ -6,11 +6,11 @@
 - ``diffusers_eager`` / ``diffusers_compiled``: the activation step of
   diffusers' ``GEGLU`` / ``SwiGLU`` (``hidden, gate = x.chunk(2, -1);
   hidden * act(gate)`` at the input dtype), written out here because the GPU
-  machine has no diffusers. Compiled, it is the anchors' torch.compile row.
+  machine has no diffusers. Compiled, it is the torch.compile row.
 - ``liger``: Liger-Kernel's ``LigerGELUMulFunction`` (tanh GELU only: the
   ``geglu_tanh`` rows) and ``LigerSiLUMulFunction``, given ``(gate, value)``
-  from ``x.chunk(2, -1)`` as the anchors called it (it makes the chunks
-  contiguous, as a diffusers-order caller must).
+  from ``x.chunk(2, -1)`` (it makes the chunks contiguous, as a
+  diffusers-order caller must).
 - ``liger_gate_first``: Liger's ``LigerFusedGateUpSiLUMulFunction``, which reads
   the unchunked ``[gate, value]`` tensor (vLLM's order): the same bytes and
   work as ``swiglu(x, gate_first=True)``, timed on the same x.

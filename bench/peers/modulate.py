@@ -6,7 +6,7 @@
 diffusers model computes, at the input dtype (``AdaLayerNormZero``: a
 ``LayerNorm`` without affine, then ``* (1 + scale[:, None]) + shift[:, None]``;
 Flux/SD3 blocks: ``x + gate[:, None] * branch``), eager and under
-``torch.compile``: the anchors' "LayerNorm+modulate" rows.
+``torch.compile``.
 """
 import torch
 import torch.nn.functional as F

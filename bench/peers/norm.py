@@ -3,9 +3,9 @@
 ``PEERS[op_name][provider] = callable`` where the callable takes exactly the
 op's arguments (as built by ``registry.OpSpec.make_inputs``), so the runner can
 time peers and our ops on the same tensors. Liger-Kernel rows appear only where
-it is installed (it is the reference Triton implementation the anchors
-measured); its autograd Functions are called directly because its modules own
-their weights, and we need to pass ours.
+it is installed (the reference Triton implementation of these norms); its
+autograd Functions are called directly because its modules own their
+weights, and we need to pass ours.
 """
 import torch.nn.functional as F
 
@@ -31,7 +31,7 @@ PEERS = {
 }
 
 try:
-    # Signature (liger-kernel 0.8, as the anchors ran it): forward(ctx, X, W, eps, offset=0.0,
+    # Signature (liger-kernel 0.8): forward(ctx, X, W, eps, offset=0.0,
     # casting_mode="llama", in_place=True, row_mode=None). in_place=False: the
     # in-place backward overwrites dY, which the benchmark reuses across runs.
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction

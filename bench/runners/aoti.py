@@ -1,4 +1,4 @@
-"""A patched diffusers model shipped as an AOTInductor package, run from C++ (issue 20).
+"""A patched diffusers model shipped as an AOTInductor package, run from C++.
 
     PYTHONPATH=. python bench/runners/aoti.py [--layers 19,38] [--repeats 3] [--out bench/results]
 
@@ -21,7 +21,7 @@ compiled in Python:
 Why C++: on the benchmark's GPU machine (torch 2.11) the Python loader,
 ``torch._inductor.aoti_load_package``, crashes or hangs for every package,
 plain-PyTorch and CPU packages included, while the same packages load and run
-in a C++ process (``bench/notes.md``). A C++ process is also how a package is
+in a C++ process (``docs/notes/aoti.md``). A C++ process is also how a package is
 deployed without Python. Writes ``aoti-<gpu>.json``.
 """
 import argparse

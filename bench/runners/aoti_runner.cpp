@@ -1,7 +1,7 @@
 // Runs an AOTInductor package from C++, with no Python in the process: how a
 // package is shipped, and the way that works on the benchmark's GPU machine,
 // where torch 2.11's Python loader (aoti_load_package) crashes for every
-// package, plain PyTorch and CPU ones included (bench/notes.md, issue 20).
+// package, plain PyTorch and CPU ones included (docs/notes/aoti.md).
 //
 //   aoti_runner PACKAGE.pt2 INPUTS.pt OUTPUTS.pt DEVICE [REPEATS] [CALLS]
 //

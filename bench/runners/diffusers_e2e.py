@@ -39,7 +39,7 @@ it (``replay_ms``): the GPU time alone, whatever a provider's launch cost.
 ``--providers a,b`` runs only those. ``--inductor-modes default,reduce-overhead``
 runs the compiled providers in each of those ``torch.compile`` modes, side by
 side (with ``cudagraph_skips``: Inductor's count of graphs it ran without CUDA
-graphs; issue 20's comparison). ``--compile regional`` compiles each transformer block in place
+graphs). ``--compile regional`` compiles each transformer block in place
 (``block.compile(fullgraph=True)``; blocks of one class share one compiled
 graph, as in diffusers' ``compile_repeated_blocks``) instead of the whole
 model: the same kernels in the blocks, minutes less compiling (torchao's
@@ -122,7 +122,7 @@ CASES = {
 #: Cases other runners build with :func:`_build` (bench/runners/sparse_e2e.py), not run here by default.
 #: ``flux_blocks_1360x768``: the flux_train block stack (2 double + 4 single), one inference forward at
 #: 1360x768 (48 x 85 = 4080 image + 512 text = 4592 tokens, not a multiple of 128: ``attention_kernel="auto"``
-#: takes the sm_90 core there; bench/notes.md, "Ragged key counts").
+#: takes the sm_90 core there; docs/notes/attention-forward.md, ragged key counts).
 EXTRA_CASES = {"wan_step_720p": (lambda: _wan(90, 160), False),
                "flux_blocks_1360x768": (lambda: _flux(2, 4, 48, 85), False)}
 

@@ -17,7 +17,7 @@ bf16), the host microseconds per call of:
 - ``reference_us``: the pure-PyTorch composite the op replaces, eager;
 
 and ``gpu_us``, the kernels' own time (CUDA-graph replay), which shows the
-calls are host-bound. ``ratio`` is ``eager_us / bare_us`` (issue 20's target:
+calls are host-bound. ``ratio`` is ``eager_us / bare_us`` (the target:
 at most 1.5). Writes ``<out>/host-<gpu>.json``; ``bench/runners/ops.py`` runs the
 rmsnorm row for its report line.
 """

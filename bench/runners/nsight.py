@@ -245,7 +245,7 @@ def profile(op: str, out: str, shape_arg: str = "", passes: str = "", sass: int 
         raise SystemExit(f"bench/runners/nsight.py: unknown op {op!r}; choose from {sorted(registry.BY_NAME)}")
     spec = registry.BY_NAME[op]
     if spec.make_inputs is None:
-        raise SystemExit(f"bench/runners/nsight.py: {op} has no input maker in the registry (a backward op: profile its "
+        raise SystemExit(f"nsight.py: {op} has no input maker in the registry (a backward op: profile its "
                          "forward's fwdbwd pass instead)")
     shape = _shape_of(op, shape_arg)
     wanted = passes.split(",") if passes else (["fwd", "fwdbwd"] if spec.differentiable else ["fwd"])

@@ -33,9 +33,8 @@ from compile_ops.ops import attention as attention_ops  # noqa: E402
 
 SHAPES = ((1, 24, 4608, 128), (2, 24, 4096, 64))
 #: (block_m, block_n, warps, stages) per pass.
-#: Round 1 (sweep-attention-h100-round1.json) covered the first three of each
-#: list and a few more; round 2 the neighbours of its winners; round 3 (on an
-#: H200, sweep-attention-h200-round3.json) the same list after the fma exponents.
+#: Their runs: bench/results/sweep-attention-h100-round1.json and -round2.json
+#: (the neighbours of the first round's best), sweep-attention-h200-round3.json.
 CANDIDATES = {
     "forward_tiles": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (64, 128, 4, 3)],
     "dkdv_tiles": [(32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4), (64, 64, 8, 3),
@@ -71,13 +70,13 @@ SPARSE_CANDIDATES = {
 }
 
 
-#: ``--hopper``: the forward's Hopper options (issue 28) against the default
+#: ``--hopper``: the forward's Hopper options against the default
 #: tiles, at the shapes of the README's attention tables, with SDPA's cuDNN
 #: backend in the same run. Each entry: (block_m, block_n, warps, stages,
 #: tma, dot_acc, warp_specialize).
 HOPPER_SHAPES = ((1, 24, 4608, 128), (1, 12, 32760, 128), (1, 40, 16384, 128), (1, 12, 75600, 128))
 HOPPER_CANDIDATES = [
-    (128, 128, 8, 3, False, False, False),  # today's default
+    (128, 128, 8, 3, False, False, False),  # the default
     (128, 128, 8, 3, False, True, False),
     (128, 128, 8, 3, True, False, False),
     (128, 128, 8, 3, True, True, False),
@@ -207,7 +206,7 @@ def eight_bit_sweep(out_path, modes=tuple(EIGHT_BIT_CANDIDATES)):
         write_sweep(out_path, rows)  # after each shape: a timed-out sweep keeps what it measured
 
 
-#: ``--backward-tma``: the backward passes' TMA loads (issue 28) on and off,
+#: ``--backward-tma``: the backward passes' TMA loads on and off,
 #: (dk/dv pass, dq pass), timed on the forward+backward step at HOPPER_SHAPES
 #: and Flux's training shape, twice in alternation.
 BACKWARD_TMA_SHAPES = HOPPER_SHAPES + ((2, 24, 4096, 128),)
@@ -279,7 +278,7 @@ def main(*argv):
     if "--backward-tma" in argv:
         return backward_tma_sweep(out_path)
     sparse = "--block-sparse" in argv
-    # --tma: the backward passes' tiles again with their TMA loads (issue 28), at D=128.
+    # --tma: the backward passes' tiles again with their TMA loads, at D=128.
     tma = "--tma" in argv
     timer = make_timer(quick=False)
     warm_up_gpu()

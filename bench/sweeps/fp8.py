@@ -3,7 +3,8 @@ MAX_ROW_VALUES (held rows or the two-pass loop), CHUNK_N (the blocks a held
 row is cut in), VALUES_PER_THREAD and ACTIVATION_VALUES_PER_THREAD (warps) and
 the loop's block and warps in compile_ops/ops/fp8.py.
 
-    PYTHONPATH=. python bench/sweeps/fp8.py [OUT.json] [OPS] [ROWVALUES/CHUNK/PERTHREAD/ACTPERTHREAD/LOOPN/LOOPWARPS,...]
+    PYTHONPATH=. python bench/sweeps/fp8.py [OUT.json] [OPS]
+                                            [ROWVALUES/CHUNK/PERTHREAD/ACTPERTHREAD/LOOPN/LOOPWARPS,...]
 
 At the registry's FP8 shapes (Flux.1-dev's activations), bf16, CUDA-graph
 replays of the forward (``bench.toolkit.run_sweep``).

@@ -8,7 +8,7 @@ norm_modulate and gated_residual_norm_modulate (LayerNorm without affine,
 per-sample [B, C] modulation: the DiT case) at the DiT shapes, bf16, timed as
 CUDA-graph replays: the forward alone per forward config, and the whole
 forward+backward step per backward config (the backward alone misled the norm
-family's sweep, bench/notes.md). Three interleaved rounds, median kept.
+family's sweep, docs/notes/norm.md). Three interleaved rounds, median kept.
 OPS (comma-separated) may name the FP8 output modes, norm_modulate_fp8 and
 gated_residual_norm_modulate_fp8: forward only (inference), at the first shape.
 """

@@ -7,7 +7,7 @@ Times the forward op and the backward op alone (bf16, with weight; RMS, and
 LayerNorm with bias) at the DiT shapes, with the bytes model of bench/toolkit.py
 (forward: read x + write y; backward: read x, dy + write dx). Each candidate
 is timed in three interleaved rounds and the median kept: single do_bench
-medians of neighbouring configs differed by up to 2x on the first sweep.
+medians of neighbouring configs are too noisy to rank them.
 """
 import itertools
 import json

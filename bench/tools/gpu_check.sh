@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU session's checks in one command: the whole GPU test suite (cold,
-# xdist workers), then the FP8 end-to-end comparison with torchao on Flux in
-# the time left. Logs and results go to $1 (default $OUT, the device tool's
+# The GPU checks in one command: the whole GPU test suite (cold, xdist
+# workers), then the FP8 end-to-end comparison with torchao on Flux in the
+# time left. Logs and results go to $1 (default $OUT, the device tool's
 # folder, else .cache/gpu-check).
 #
 #   bash bench/tools/gpu_check.sh [OUT_DIR]
@@ -9,13 +9,12 @@
 # Needs diffusers and torchao importable (on the lent machines: carried wheels
 # installed to a --target folder on PYTHONPATH); carry .whl/ for expecttest.
 # Environment: TEST_WORKERS (default 16), SUITE_LIMIT (seconds for the suite,
-# default 560: a device call's 10 minutes less the set-up; a cold H200 took
-# 402 s on 2026-11-27 and a cold H100 had not finished at 570 s), TOTAL_LIMIT
+# default 560: a device call's 10 minutes less the set-up), TOTAL_LIMIT
 # (seconds for everything, default 585: a device call's 10 minutes), E2E_ARGS
-# (diffusers_e2e.py's arguments), SUITE_PART: "attention" (the attention,
-# block-sparse, sparse and sm_90 compile files) or "rest" (the others) for a
-# suite split over two calls (a cold H100 did not finish the whole suite in
-# 570 s on 2026-11-27), unset for all of it.
+# (bench/runners/diffusers_e2e.py's arguments), SUITE_PART: "attention" (the
+# attention, block-sparse, sparse and sm_90 compile files) or "rest" (the
+# others) for a suite split over two calls (a cold machine may not finish the
+# whole suite in one), unset for all of it.
 # The log names every test as it finishes (-vv), so a suite cut short by its
 # limit still says which tests failed; they are listed at the end.
 set -u

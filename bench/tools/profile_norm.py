@@ -1,7 +1,7 @@
 """Where the time of a fused norm goes, on a GPU: the kernels of one
 forward+backward step (torch.profiler), and the host-side cost of eager calls
 (cProfile, cumulative) for a forward, a direct backward op and an autograd
-step on a small input. A diagnosis tool for bench/notes.md, not part of the benchmark.
+step on a small input. A diagnosis tool behind docs/notes/norm.md, not part of the benchmark.
 
     PYTHONPATH=. python bench/tools/profile_norm.py
 """
