@@ -7,23 +7,31 @@ run one way.
 
 - Environment: :func:`environment` (GPU, torch, triton, CUDA, Liger versions),
   :func:`gpu_slug` (the file stem of a GPU name).
-- Timing: :func:`warm_up_gpu`, :func:`make_timer` (``triton.testing.do_bench``
-  median, L2 flushed), :func:`graph_replay_time` (CUDA-graph replays),
-  :func:`time_forward`, :func:`time_forward_backward`, and the device copy
-  bandwidth that sets the roofline (:func:`copy_bandwidth_TBps`).
+- Timing: :func:`warm_up_gpu`, :func:`keep_busy`, :func:`make_timer`
+  (``triton.testing.do_bench`` median, L2 flushed), :func:`graph_replay_time`
+  (CUDA-graph replays), :func:`time_forward`, :func:`time_forward_backward`,
+  :func:`timed_call` (one of :data:`KINDS` as a callable), and the roofs: the
+  device copy bandwidth (:func:`copy_bandwidth_TBps`) and a large bf16
+  matmul's rate (:func:`matmul_TFLOPs`).
 - Bytes: :func:`bytes_model`.
 - Results: :func:`results_path`, :func:`write_results`, :func:`write_sweep`,
   :func:`merge_runs`.
 - Launch-config sweeps: :func:`run_sweep`, :func:`sweep_times`, :func:`module_config`.
+- Output: :class:`Progress` (a counter that ends at its total),
+  :func:`output_to` (stdout and stderr into a log file), :func:`machine_line`.
 - Small helpers: :func:`log`, :func:`shape_str`, :func:`error_text`,
   :func:`as_tuple`, :func:`tensors_of`.
 """
+import contextlib
 import datetime
 import functools
 import importlib.metadata
+import io
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 
 import torch
@@ -32,6 +40,11 @@ import torch
 COPY_BYTES = 2 * 1024**3
 #: do_bench (warmup, rep) in milliseconds of run time, full and --quick.
 TIMING = {False: (25, 200), True: (5, 25)}
+#: The ways a runner times a call: the forward alone or the training step (forward+backward),
+#: as plain calls (host launch cost included) or as CUDA-graph replays (the kernels' own time).
+KINDS = ("fwd", "fwdbwd", "fwd_graph", "fwdbwd_graph")
+#: How a kind reads in logs and summaries.
+KIND_LABELS = {"fwd": "fwd", "fwdbwd": "fwd+bwd", "fwd_graph": "fwd/graph", "fwdbwd_graph": "fwd+bwd/graph"}
 
 
 # ---------------------------------------------------------------- small helpers
@@ -99,6 +112,86 @@ def environment() -> dict:
     }
 
 
+def machine_line(env: dict) -> str:
+    """One line naming the GPU and the versions of :func:`environment`'s ``env``."""
+    return (f"{env['gpu']} ({env['sms']} SMs) | torch {env['torch']} | triton {env['triton']} | "
+            f"CUDA {env.get('cuda')}")
+
+
+# ---------------------------------------------------------------- progress and output
+
+class Progress:
+    """A counter of the measurements of a run: each :meth:`step` logs
+    ``[done/total] msg`` (to the log, where :func:`output_to` sends stdout) and,
+    given a ``screen``, shows the count there: one line per step for short
+    runs or on a terminal, else one line per tenth of the total.
+
+    ``total`` must be counted from the plan that is run, and work that cannot
+    run is counted by :meth:`skip`, so that the count ends at its total.
+    """
+
+    def __init__(self, total: int, screen=None, every_step: bool = False):
+        self.total, self.done, self.screen = total, 0, screen
+        self.every_step = every_step or total <= 30
+        self._shown_tenths = 0
+
+    def __call__(self, msg: str) -> None:
+        self.step(msg)
+
+    def step(self, msg: str, count: int = 1) -> None:
+        """``count`` measurements done; ``msg`` says which."""
+        self.done += count
+        width = len(str(self.total))
+        line = f"[{self.done:>{width}}/{self.total}] {msg}"
+        log(line)
+        if self.screen is None:
+            return
+        tenths = 10 * self.done // max(self.total, 1)
+        if self.every_step or tenths > self._shown_tenths or self.done == self.total:
+            self._shown_tenths = tenths
+            self.screen.write(line[:160] + "\n")
+            self.screen.flush()
+
+    def skip(self, count: int, why: str) -> None:
+        """``count`` planned measurements that will not run (a failed input, the time budget)."""
+        if count:
+            self.step(f"skipped {count}: {why}", count)
+
+
+@contextlib.contextmanager
+def output_to(log_path: str, echo: bool = False):
+    """Send stdout and stderr, this process's (``sys.stdout``, ``sys.stderr``
+    and file descriptors 1 and 2) and its children's, to ``log_path``
+    (appended); with ``echo``, to the screen as well. Yields a text stream
+    that still writes to the screen."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    saved_out, saved_err = os.dup(1), os.dup(2)
+    screen = os.fdopen(os.dup(1), "w", buffering=1)
+    tee = None
+    if echo:  # a tee child copies everything to the log and to the screen
+        tee = subprocess.Popen(["tee", "-a", log_path], stdin=subprocess.PIPE, stdout=saved_out)
+        target = io.TextIOWrapper(tee.stdin, line_buffering=True)
+    else:
+        target = open(log_path, "a", buffering=1)
+    os.dup2(target.fileno(), 1)
+    os.dup2(target.fileno(), 2)
+    try:
+        with contextlib.redirect_stdout(target), contextlib.redirect_stderr(target):
+            yield screen
+    finally:
+        target.flush()
+        os.dup2(saved_out, 1)
+        os.dup2(saved_err, 2)
+        target.close()
+        if tee is not None:
+            tee.wait()
+        os.close(saved_out)
+        os.close(saved_err)
+        screen.close()
+
+
 # ---------------------------------------------------------------- timing
 
 def make_timer(quick: bool):
@@ -115,13 +208,36 @@ def make_timer(quick: bool):
 
 def warm_up_gpu(seconds: float = 8.0) -> None:
     """Keep the GPU busy before timing: on a freshly started machine, timings of
-    the same kernel in the first minutes spread by up to 2x (bench/notes.md)."""
+    the same kernel in the first minutes spread widely (docs/notes/method.md)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         for _ in range(20):
             a @ a
         torch.cuda.synchronize()
+
+
+def keep_busy(fn, seconds: float) -> None:
+    """Call ``fn`` for about ``seconds`` (at least twice), then synchronize: a
+    call timed right after the GPU sat idle (while the next provider compiled,
+    or inputs were made) runs slower at long shapes."""
+    start = time.perf_counter()
+    calls = 0
+    while calls < 2 or time.perf_counter() - start < seconds:
+        fn()
+        calls += 1
+        if calls % 8 == 0:
+            torch.cuda.synchronize()  # keep the host from queueing seconds ahead
+    torch.cuda.synchronize()
+
+
+def matmul_TFLOPs(timer, n: int = 8192) -> float:
+    """The rate of an ``n x n x n`` bf16 matmul in TFLOP/s: the compute roof
+    that attention's share is given against."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    ms = timer(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
 def copy_bandwidth_TBps(timer) -> float:
@@ -232,6 +348,24 @@ def time_forward_backward(fn, args, timer, graph: bool = False) -> float:
 
 
 # ---------------------------------------------------------------- bytes
+
+def timed_call(fn, args, kind: str):
+    """A callable that runs ``fn(*args)`` as timing ``kind`` of :data:`KINDS`
+    measures it (compiled and warmed up here, outside any timing): the forward
+    under ``torch.no_grad`` or :func:`_training_step`, as plain calls or as the
+    replay of a CUDA graph holding one call."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind.startswith("fwdbwd"):
+        call = _training_step(fn, args)
+    else:
+        def call():
+            with torch.no_grad():
+                return fn(*args)
+
+        call()
+    return captured_graph(call) if kind.endswith("_graph") else call
+
 
 def bytes_model(args, outs, backward_reads_inputs: bool = True) -> tuple:
     """``(forward bytes, forward+backward bytes)`` from the actual tensors.

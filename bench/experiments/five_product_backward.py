@@ -1,4 +1,4 @@
-"""The five-product backward's launch options beside cuDNN, flash and the deterministic passes (issue 28):
+"""The five-product backward's launch options beside cuDNN, flash and the deterministic passes:
 
     PYTHONPATH=. python bench/experiments/five_product_backward.py OUT.json [--shapes BxHxLxD[c],...]
         [--variants default,unsplit,stages=4,step=64]
@@ -29,8 +29,8 @@ import json
 import torch
 
 import compile_ops
-from bench.runners.attention import keep_busy, providers
-from bench.toolkit import graph_replay_time, make_timer, warm_up_gpu, write_rows
+from bench.runners.attention import providers
+from bench.toolkit import graph_replay_time, keep_busy, make_timer, warm_up_gpu, write_rows
 from compile_ops.ops import attention as attention_ops
 
 SHAPES = "1x24x4608x128,1x24x4592x128,2x24x4096x64,1x24x4429x64,1x12x32760x128,1x40x16384x128"

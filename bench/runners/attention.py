@@ -9,7 +9,7 @@ shared/DESIGN.md. Providers: ``fused_eager`` (``compile_ops.attention``),
 the five-product sm_90 backward where it applies), ``sdpa_flash``,
 ``sdpa_cudnn``, ``sdpa_efficient`` (``F.scaled_dot_product_attention`` pinned to
 one backend) and ``flex_compiled`` (``torch.compile(flex_attention)``, no mask).
-TFLOP/s as the anchors count them: forward ``4 B H Lq Lk D`` (halved when
+TFLOP/s as FlashAttention's benchmarks count them: forward ``4 B H Lq Lk D`` (halved when
 causal), forward+backward 3.5x that. Times are CUDA-graph replays (the kernels'
 own time), median of ``triton.testing.do_bench``, each after the call has
 kept the GPU busy for ``BUSY_SECONDS``; peak memory of one forward+backward
@@ -33,7 +33,8 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.toolkit import environment, graph_replay_time, make_timer, warm_up_gpu, write_results  # noqa: E402
+from bench.toolkit import (environment, graph_replay_time, keep_busy, make_timer, warm_up_gpu,  # noqa: E402
+                           write_results)
 
 #: Flux at 1024x1024 (24 heads), Wan 2.1 480p x 81 frames (12 heads), a
 #: HunyuanVideo-sized 40-head sequence, and head dim 64.
@@ -78,28 +79,10 @@ def providers(causal: bool) -> dict:
     return out
 
 
-#: Seconds each provider runs untimed, at the shape, right before its timings.
-#: Why: a provider measured straight after the GPU sat idle (while the next
-#: provider compiled, or a shape's tensors were made) ran up to 13% slower at
-#: the long shapes; six alternated measurements of the same two providers at
-#: [1,12,32760,128] gave 421, 411, 448, 469, 463, 467 TFLOP/s in that order
-#: (bench/results/attention-alternated-order-h100.json), while do_bench's own
-#: warm-up is 25 ms, half of one 32760-token step.
+#: Seconds each provider runs untimed, at the shape, right before its timings
+#: (``toolkit.keep_busy``): do_bench's own warm-up is shorter than one step at
+#: the long shapes (bench/results/attention-alternated-order-h100.json).
 BUSY_SECONDS = 2.0
-
-
-def keep_busy(fn, seconds: float = BUSY_SECONDS) -> None:
-    """Call ``fn`` for about ``seconds`` (at least twice), then synchronize."""
-    import time
-
-    start = time.perf_counter()
-    calls = 0
-    while calls < 2 or time.perf_counter() - start < seconds:
-        fn()
-        calls += 1
-        if calls % 8 == 0:
-            torch.cuda.synchronize()  # keep the host from queueing seconds ahead
-    torch.cuda.synchronize()
 
 
 def measure(fn, q, k, v, timer) -> dict:
@@ -121,15 +104,15 @@ def measure(fn, q, k, v, timer) -> dict:
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    keep_busy(forward)
+    keep_busy(forward, BUSY_SECONDS)
     fwd_ms = graph_replay_time(forward, timer)
-    keep_busy(step)
+    keep_busy(step, BUSY_SECONDS)
     return {"fwd_ms": fwd_ms, "fwdbwd_ms": graph_replay_time(step, timer), "peak_MiB": peak / 2**20}
 
 
 #: ``--int8``: the input kinds the 8-bit comparison measures errors on: N(0, 1)
 #: q, k, v, and keys with a per-channel offset N(0, 4^2) and doubled queries
-#: (where unsmoothed 8-bit keys lose the most; issue 29's second case).
+#: (where unsmoothed 8-bit keys lose the most).
 INT8_INPUTS = ("normal", "offset_keys")
 #: Queries of each shape whose outputs are compared with fp64 attention (all keys).
 ERROR_QUERIES = 1024
