@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python bench/runners/attention.py [--out bench/results] [--quick] [--causal | --int8]
 
-bf16, [B, H, L, D] (SDPA's layout), self-attention at the DiT shapes of
-shared/DESIGN.md. Providers: ``fused_eager`` (``compile_ops.attention``),
+bf16, [B, H, L, D] (SDPA's layout), self-attention at the DiT shapes
+(:data:`SHAPES`). Providers: ``fused_eager`` (``compile_ops.attention``),
 ``fused_compiled`` (it under ``torch.compile(fullgraph=True)``), ``fused_atomic_dq``
 (``fused_eager`` with ``compile_ops.set_attention_backward(deterministic=False)``:
 the five-product sm_90 backward where it applies), ``sdpa_flash``,

@@ -1,9 +1,9 @@
 """Op benchmark: every registry op at DiT shapes, fused against native PyTorch and peers.
 
-Run by ``python bench/run.py [--ops rmsnorm,layernorm] [--quick] [--out bench/results] [--merge]``
-on a CUDA machine (:func:`run`); writes ``<out>/<gpu>.json`` (e.g.
-``bench/results/h100.json``), prints the table (``bench/report.py``) and writes
-``<out>/<gpu>.png``.
+Run by ``python bench/run.py --full`` (every op) or ``--ops rmsnorm,layernorm``
+[``--quick``] [``--out bench/results``] [``--merge``] on a CUDA machine
+(:func:`run`); writes ``<out>/<gpu>.json`` (e.g. ``bench/results/h100.json``),
+logs the table (``bench/report.py``) and writes ``<out>/<gpu>.png``.
 
 Method (docs/design.md, "Benchmarks"):
 - bf16 inputs from ``OpSpec.make_inputs`` at ``OpSpec.bench_shapes``, all larger
@@ -20,7 +20,6 @@ Method (docs/design.md, "Benchmarks"):
   GB/s compare like time does, and is also given as % of the measured device
   copy bandwidth.
 """
-import functools
 import importlib
 import json
 import os
@@ -29,9 +28,9 @@ import traceback
 import torch
 
 from bench import report
-from bench.toolkit import (TIMING, as_tuple, bytes_model, copy_bandwidth_TBps, environment, error_text, gpu_slug,
-                           log, make_timer, merge_runs, shape_str, tensors_of, time_forward, time_forward_backward,
-                           warm_up_gpu)
+from bench.toolkit import (KIND_LABELS, KINDS, TIMING, Progress, as_tuple, bytes_model, copy_bandwidth_TBps,
+                           environment, error_text, gpu_slug, log, make_timer, merge_runs, shape_str, tensors_of,
+                           time_forward, time_forward_backward, warm_up_gpu)
 
 #: Providers every op gets, in table order; peers follow.
 CORE_PROVIDERS = ("fused_eager", "fused_compiled", "native_eager", "native_compiled")
@@ -78,46 +77,49 @@ def make_providers(spec, peers: dict) -> dict:
 
 # ---------------------------------------------------------------- measurement
 
-class Progress:
-    """``[i/total]`` prefixed lines, flushed as each measurement ends."""
+#: How each timing kind is measured: (function, graph replay).
+_MEASURES = {"fwd": (time_forward, False), "fwdbwd": (time_forward_backward, False),
+             "fwd_graph": (time_forward, True), "fwdbwd_graph": (time_forward_backward, True)}
 
-    def __init__(self, total: int):
-        self.total, self.done = total, 0
 
-    def __call__(self, msg: str) -> None:
-        self.done += 1
-        width = len(str(self.total))
-        log(f"[{self.done:>{width}}/{self.total}] {msg}")
+def kinds_of(spec, kinds=KINDS) -> list:
+    """The timing kinds measured for ``spec``: ``kinds`` less the backward ones
+    for an op that is not differentiable (an FP8 output mode)."""
+    return [k for k in kinds if spec.differentiable or not k.startswith("fwdbwd")]
+
+
+def measurement_count(plan, provider_count: dict, kinds=KINDS) -> int:
+    """How many timings :func:`bench_shape` makes over ``plan`` (``[(spec, shape)]``)
+    with ``provider_count[op name]`` providers per op: the progress total."""
+    return sum(provider_count[spec.name] * len(kinds_of(spec, kinds)) for spec, _ in plan)
 
 
 def bench_shape(spec, shape, providers: dict, timer, copy_TBps: float, progress: Progress,
-                dtype=torch.bfloat16, device="cuda") -> list:
-    """One row per provider for ``spec`` at ``shape``: forward and forward+backward
-    µs, GB/s and % of copy bandwidth. A provider that raises gets an ``error``
-    string and the others still run."""
+                dtype=torch.bfloat16, device="cuda", kinds=KINDS) -> list:
+    """One row per provider for ``spec`` at ``shape``: for each timing kind of
+    ``kinds`` (:func:`kinds_of`), µs, GB/s and % of copy bandwidth (None where
+    not measured). A provider that raises gets an ``error`` string and the
+    others still run. Each timing is one ``progress`` step, failed or not."""
     args = spec.make_inputs(shape, dtype, device, requires_grad=True)
     with torch.no_grad():
         fwd_bytes, fwdbwd_bytes = bytes_model(args, as_tuple(spec.reference(*args)), spec.backward_reads_inputs)
     copy_GBps = copy_TBps * 1e3
+    measured = kinds_of(spec, kinds)
     rows = []
     for name, fn in providers.items():
         row = {"op": spec.name, "shape": list(shape), "dtype": str(dtype).replace("torch.", ""),
                "provider": name, "fwd_bytes": fwd_bytes, "fwdbwd_bytes": fwdbwd_bytes}
-        errors = []
-        for key, measure, nbytes, label in (
-                ("fwd", time_forward, fwd_bytes, "fwd"),
-                ("fwdbwd", time_forward_backward, fwdbwd_bytes, "fwd+bwd"),
-                ("fwd_graph", functools.partial(time_forward, graph=True), fwd_bytes, "fwd/graph"),
-                ("fwdbwd_graph", functools.partial(time_forward_backward, graph=True), fwdbwd_bytes,
-                 "fwd+bwd/graph")):
+        for key in KINDS:
             row[f"{key}_us"] = row[f"{key}_GBps"] = row[f"{key}_pct_copy"] = None
-            if key.startswith("fwdbwd") and not spec.differentiable:
-                continue  # inference-only (an FP8 output mode): there is no backward to time
-            where = f"{spec.name} {shape_str(shape)} {name:<22} {label:<13}"
+        errors = []
+        for key in measured:
+            measure, graph = _MEASURES[key]
+            nbytes = fwdbwd_bytes if key.startswith("fwdbwd") else fwd_bytes
+            where = f"{spec.name} {shape_str(shape)} {name:<22} {KIND_LABELS[key]:<13}"
             try:
-                us = measure(fn, args, timer) * 1e3
+                us = measure(fn, args, timer, graph=graph) * 1e3
             except Exception as e:  # noqa: BLE001 (a failing provider is a result too)
-                errors.append(f"{label}: {error_text(e)}")
+                errors.append(f"{KIND_LABELS[key]}: {error_text(e)}")
                 progress(f"{where} FAILED {errors[-1].splitlines()[0][:160]}")
                 for a in tensors_of(args):
                     a.grad = None
@@ -149,9 +151,10 @@ def select_specs(ops_arg):
     return [s for s in specs if s.name in wanted]
 
 
-def run(ops: str, quick: bool, out: str, merge: bool) -> int:
-    """The GPU benchmark (``bench/run.py``'s ``--ops``, ``--quick``, ``--out``,
-    ``--merge``); returns 1 when a fused provider failed, else 0."""
+def run(ops: str, quick: bool, out: str, merge: bool, screen=None) -> tuple:
+    """The op table (``bench/run.py``'s ``--ops``, ``--quick``, ``--out``,
+    ``--merge``; ``screen``: where the progress shows, besides the log).
+    Returns ``(status, json_path)``: status 1 when a fused provider failed, else 0."""
     specs = select_specs(ops)
     peers = load_peers(s.family for s in specs)
     timer = make_timer(quick)
@@ -165,15 +168,19 @@ def run(ops: str, quick: bool, out: str, merge: bool) -> int:
 
     plan = [(spec, tuple(shape)) for spec in specs
             for shape in (spec.bench_shapes[:1] if quick else spec.bench_shapes)]
-    progress = Progress(sum(2 * (len(CORE_PROVIDERS) + len(peers.get(spec.name, {}))) for spec, _ in plan))
+    provider_count = {spec.name: len(CORE_PROVIDERS) + len(peers.get(spec.name, {})) for spec in specs}
+    progress = Progress(measurement_count(plan, provider_count), screen)
     rows = []
     for spec, shape in plan:
         torch._dynamo.reset()  # a fresh, shape-specialized compile per shape
+        done = progress.done
         try:
             rows += bench_shape(spec, shape, make_providers(spec, peers), timer, copy_TBps, progress)
         except Exception as e:  # noqa: BLE001 (inputs failed to build: note it, go on)
             traceback.print_exc()
             rows.append({"op": spec.name, "shape": list(shape), "provider": "*", "error": error_text(e)})
+            planned = provider_count[spec.name] * len(kinds_of(spec))
+            progress.skip(planned - (progress.done - done), f"{spec.name} {shape_str(shape)}: {error_text(e)[:120]}")
         torch.cuda.empty_cache()
 
     overhead = None
@@ -201,7 +208,7 @@ def run(ops: str, quick: bool, out: str, merge: bool) -> int:
     with open(stem + ".json", "w") as f:
         json.dump(data, f, indent=1)
     log(f"wrote {stem}.json")
-    print(report.format_table(data), flush=True)
+    log(report.format_table(data))
     if report.plot(stem + ".json", stem + ".png"):
         log(f"wrote {stem}.png")
 
@@ -210,4 +217,4 @@ def run(ops: str, quick: bool, out: str, merge: bool) -> int:
     for r in rows:
         if "error" in r:
             log(f"error: {r['op']} {shape_str(r['shape'])} {r['provider']}: {r['error'][:300]}")
-    return 1 if failed else 0
+    return (1 if failed else 0), stem + ".json"
