@@ -782,6 +782,32 @@ def plot(json_path: str, png_path: str):
     return png_path
 
 
+#: The runners' tables, recognised by their JSON's rows: (recognise, make the table, its block's marker).
+#: bench/run.py's op table is the fallback (:func:`doc_table`).
+RUNNER_TABLES = ((is_aoti, aoti_table, lambda rows: "aoti-table"),
+                 (is_compile_modes, compile_modes_table, lambda rows: "compile-modes-table"),
+                 (is_distributed_train, distributed_train_table, lambda rows: "distributed-train-table"),
+                 (is_sparse_e2e, sparse_e2e_table, lambda rows: "sparse-e2e-table"),
+                 (is_diffusers_e2e_int8, diffusers_e2e_int8_table, lambda rows: "diffusers-e2e-int8-table"),
+                 (is_diffusers_e2e_fp8, diffusers_e2e_fp8_table, lambda rows: "diffusers-e2e-fp8-table"),
+                 (is_diffusers_e2e, diffusers_e2e_table, lambda rows: "diffusers-e2e-table"),
+                 (is_block_sparse, block_sparse_table, lambda rows: "block-sparse-table"),
+                 (is_host, host_table, lambda rows: "host-table"),
+                 (is_moe, moe_table, lambda rows: "moe-table"),
+                 (is_attention_int8, attention_int8_table, lambda rows: "attention-int8-table"),
+                 (is_attention, attention_table,
+                  lambda rows: "attention-causal-table" if any(r.get("causal") for r in rows) else "attention-table"))
+
+
+def doc_table(data: dict) -> tuple:
+    """``(marker, Markdown)``: the table a results file's ``data`` makes, and the
+    block of docs/performance.md it fills."""
+    for recognise, make_table, marker in RUNNER_TABLES:
+        if recognise(data):
+            return marker(data["rows"]), make_table(data)
+    return "perf-table", markdown_table(data)
+
+
 def main(argv=None) -> int:
     """CLI: print the table; optionally rewrite its block in a Markdown file and draw the plot."""
     p = argparse.ArgumentParser(description="Print benchmark tables from bench/run.py's JSON.")
@@ -811,32 +837,13 @@ def main(argv=None) -> int:
         data = merge_runs(load(args.merge_into), data)
         with open(args.merge_into, "w") as f:
             json.dump(data, f, indent=1)
-    # bench/run.py's op table comes last: the other runners' JSON is recognised by its rows.
-    special = ((is_aoti, aoti_table, lambda rows: "aoti-table"),
-               (is_compile_modes, compile_modes_table, lambda rows: "compile-modes-table"),
-               (is_distributed_train, distributed_train_table, lambda rows: "distributed-train-table"),
-               (is_sparse_e2e, sparse_e2e_table, lambda rows: "sparse-e2e-table"),
-               (is_diffusers_e2e_int8, diffusers_e2e_int8_table, lambda rows: "diffusers-e2e-int8-table"),
-               (is_diffusers_e2e_fp8, diffusers_e2e_fp8_table, lambda rows: "diffusers-e2e-fp8-table"),
-               (is_diffusers_e2e, diffusers_e2e_table, lambda rows: "diffusers-e2e-table"),
-               (is_block_sparse, block_sparse_table, lambda rows: "block-sparse-table"),
-               (is_host, host_table, lambda rows: "host-table"),
-               (is_moe, moe_table, lambda rows: "moe-table"),
-               (is_attention_int8, attention_int8_table, lambda rows: "attention-int8-table"),
-               (is_attention, attention_table,
-                lambda rows: "attention-causal-table" if any(r.get("causal") for r in rows) else "attention-table"))
-    for recognise, make_table, marker in special:
-        if recognise(data):
-            table = make_table(data)
-            print(table)
-            if args.doc:
-                update_block(args.doc, table, marker(data["rows"]))
-                print(f"\nrewrote the {marker(data['rows'])} block in {args.doc}")
-            return 0
-    print(format_table(data))
+    marker, table = doc_table(data)
+    print(format_table(data) if marker == "perf-table" else table)
     if args.doc:
-        update_block(args.doc, markdown_table(data))
-        print(f"\nrewrote the perf table in {args.doc}")
+        update_block(args.doc, table, marker)
+        print(f"\nrewrote the {marker} block in {args.doc}")
+    if marker != "perf-table":
+        return 0
     if args.plot and plot(args.json, args.plot):
         print(f"wrote {args.plot}")
     return 0
