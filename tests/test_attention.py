@@ -291,7 +291,8 @@ def _bad_input_cases():
         (lambda: compile_ops.attention(*qkv((1, 1, 4, 0), (1, 1, 4, 0), (1, 1, 4, 0))), ValueError,
          r"compile_ops.attention: q must have a non-empty last \(head\) dim D, got shape \(1, 1, 4, 0\)"),
         (lambda: compile_ops.attention(q, k, v, scale="x"), TypeError, r"scale must be a float or None, got 'x'"),
-        (lambda: compile_ops.attention(q.tolist(), k, v), TypeError, r"q must be a torch.Tensor or an Int8QK, got list"),
+        (lambda: compile_ops.attention(q.tolist(), k, v), TypeError,
+         r"q must be a torch.Tensor or an Int8QK, got list"),
         (lambda: compile_ops.attention(q, k, v, kv_lengths=[3, 5]), TypeError,
          r"kv_lengths must be a torch.Tensor or None, got list"),
         # 8-bit attention on q and k quantized beforehand (Int8QK, fused.attention_qk8)
@@ -349,13 +350,13 @@ def test_kernels_attention_on_quantized_qk_is_the_8bit_ops(seq_dim, hq, hk, lq, 
     specification is bit for bit those ops, whose kernel rounds q itself
     (the same products on the same operands, v quantized alone), in all
     three output forms."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_8bit
 
     torch.manual_seed(0)
     q, k, v = _int8_case(seq_dim, 2, hq, hk, lq, lk, d, torch.float16, KERNEL_DEVICE)
     # q as the kernel rounds it (the specification's, exactly); k from the ops' own Triton pass.
     qk = compile_ops.Int8QK(*ref.smooth_quantize_qk(q, k, seq_dim)[:2],
-                            *attention_ops.quantize_8bit(k, None, seq_dim))
+                            *attention_8bit.quantize_8bit(k, None, seq_dim))
     with torch.no_grad():
         for precision in EIGHT_BIT:
             got = compile_ops.attention(qk, None, v, seq_dim=seq_dim, precision=precision)
@@ -595,7 +596,7 @@ def test_kernels_fp8_rows_scale_bound_is_the_reference_bit_for_bit(b, hk, d):
     exactly: the largest channel scale of each batch element (placed last,
     past the kernel loop's first block at Hk * D = 5120), the floor for an
     all-zero v (batch element 0), and the headroom factor."""
-    from compile_ops.ops.attention import fp8_rows_scale
+    from compile_ops.ops.attention_8bit import fp8_rows_scale
 
     torch.manual_seed(0)
     v_scale = torch.rand(b, hk, d) * torch.logspace(-6, 2, b)[:, None, None]
@@ -718,23 +719,23 @@ def test_kernels_8bit_quantization_writes_the_specified_operands(seq_dim, b, hq,
     its 16-row steps (a wrong step, or a total summed before every chunk
     arrived, shows). v's row padding (4 and 12 keys in the first and third
     cases) holds zeros."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_8bit
 
-    monkeypatch.setattr(attention_ops, "STAT_STEP", stat_step)
-    monkeypatch.setattr(attention_ops, "STAT_CHUNK_ROWS", stat_chunk_rows)
-    launched, launcher = [], attention_ops.launcher
-    monkeypatch.setattr(attention_ops, "launcher",
+    monkeypatch.setattr(attention_8bit, "STAT_STEP", stat_step)
+    monkeypatch.setattr(attention_8bit, "STAT_CHUNK_ROWS", stat_chunk_rows)
+    launched, launcher = [], attention_8bit.launcher
+    monkeypatch.setattr(attention_8bit, "launcher",
                         lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
     torch.manual_seed(0)
     q, k, v = _int8_case(seq_dim, b, hq, hk, lq, lk, d, torch.float16, KERNEL_DEVICE, key_offset=3.0)
-    operands = attention_ops.quantize_8bit(k, v, seq_dim)
+    operands = attention_8bit.quantize_8bit(k, v, seq_dim)
     assert launched == ["kv8_counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel"], launched
     # v's rows are padded to 16 keys, and the transposed store covers the padding with zeros.
     padding = operands[2]._base[..., lk:]
     assert padding.shape[-1] == -lk % 16 and not padding.view(torch.uint8).any()
     k8, k_scale, vt8, v_scale = (t.cpu() for t in operands)
     want_k8, want_k_scale = ref.smooth_quantize_qk(q.cpu(), k.cpu(), seq_dim)[2:]
-    want_vt8, want_v_scale = attention_ops.fp8_values_transposed(v.cpu(), seq_dim)
+    want_vt8, want_v_scale = attention_8bit.fp8_values_transposed(v.cpu(), seq_dim)
     assert torch.equal(v_scale, want_v_scale)
     assert vt8.stride(3) == 1 and torch.equal(vt8.view(torch.uint8), want_vt8.view(torch.uint8))
     assert (k8.int() - want_k8.int()).abs().max() <= 1 and (k8 != want_k8).float().mean() < 1e-3
@@ -747,15 +748,15 @@ def test_8bit_statistics_chunks_cover_the_keys_within_their_bounds(lk):
     of STAT_STEP keys that cover the keys with no chunk empty, STAT_CHUNK_ROWS
     keys each up to MAX_STAT_CHUNKS a head, longer past it (where no fewer
     steps a chunk keep within MAX_STAT_CHUNKS)."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_8bit
 
-    step, most = attention_ops.STAT_STEP, attention_ops.MAX_STAT_CHUNKS
-    rows = attention_ops.stat_rows_per_chunk(lk)
+    step, most = attention_8bit.STAT_STEP, attention_8bit.MAX_STAT_CHUNKS
+    rows = attention_8bit.stat_rows_per_chunk(lk)
     chunks = -(-lk // rows)
     assert rows % step == 0 and (chunks - 1) * rows < lk <= chunks * rows
     assert 1 <= chunks <= most
-    if lk <= most * attention_ops.STAT_CHUNK_ROWS:
-        assert rows == attention_ops.STAT_CHUNK_ROWS
+    if lk <= most * attention_8bit.STAT_CHUNK_ROWS:
+        assert rows == attention_8bit.STAT_CHUNK_ROWS
     else:
         assert -(-lk // (rows - step)) > most, (rows, chunks)
 
@@ -844,9 +845,9 @@ def test_kernels_hopper_options_compute_what_the_default_forward_does(precision,
     not the result: forced on,
     with a padded head dim, a partial key tile, key lengths and both layouts,
     the output equals the default's up to the order of additions."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch, attention_tiles
 
-    default = attention_ops.forward_tiles
+    default = attention_tiles.forward_tiles
     torch.manual_seed(0)
     for seq_dim in (1, 2):
         # D = 48: padded to 64, and (TMA's condition, which the interpreter run forces) every head's
@@ -857,8 +858,8 @@ def test_kernels_hopper_options_compute_what_the_default_forward_does(precision,
         with torch.no_grad():
             want = compile_ops.attention(q, k, v, seq_dim=seq_dim, kv_lengths=kv_lengths, precision=precision)
         with monkeypatch.context() as m:
-            m.setattr(attention_ops, "forward_tiles",
-                      lambda d, dtype, tma=False, precision="exact", wgmma=False: attention_ops.Tiles(
+            m.setattr(attention_launch, "forward_tiles",
+                      lambda d, dtype, tma=False, precision="exact", wgmma=False: attention_tiles.Tiles(
                           *dataclasses.astuple(default(d, dtype, False, precision))[:4], **options))
             allow_tma_under_interpreter(m)
             clear_launch_plans()  # the eager call above left a plan for the default tiles
@@ -876,9 +877,9 @@ def test_kernels_backward_tma_computes_what_pointer_loads_do(causal, monkeypatch
     v tiles through whole-tensor descriptors give the gradients of the
     pointer loads: forced on, with GQA, a padded head dim, partial query and
     key tiles, key lengths and both layouts."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch, attention_tiles
 
-    defaults = attention_ops.dkdv_tiles, attention_ops.dq_tiles
+    defaults = attention_tiles.dkdv_tiles, attention_tiles.dq_tiles
     torch.manual_seed(0)
     for seq_dim in (1, 2):
         q_shape = (2, 70, 4, 48) if seq_dim == 1 else (2, 4, 70, 48)
@@ -895,9 +896,9 @@ def test_kernels_backward_tma_computes_what_pointer_loads_do(causal, monkeypatch
 
         want = gradients()
         with monkeypatch.context() as m:
-            m.setattr(attention_ops, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
+            m.setattr(attention_launch, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
                 defaults[0](d, dtype, sparse), tma=True))
-            m.setattr(attention_ops, "dq_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
+            m.setattr(attention_launch, "dq_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
                 defaults[1](d, dtype, sparse), tma=True))
             allow_tma_under_interpreter(m)
             clear_launch_plans()
@@ -911,13 +912,13 @@ def test_kernels_backward_tma_computes_what_pointer_loads_do(causal, monkeypatch
 @pytest.mark.parametrize("group", [1, 3, 8], ids=["one-row", "uneven-groups", "all-rows"])
 def test_kernels_causal_program_order_computes_what_launch_order_does(group, monkeypatch):
     """Causal launches deal their tiles out longest first over groups of
-    (batch, head) rows (``ops.attention.causal_order``,
+    (batch, head) rows (``ops.attention_tiles.causal_order``,
     ``kernels.attention_common.program_rank``): every group size gives the bits of
     the launch order, forward and both backward passes, over 8 query-head rows
     (B=2, 4 q heads, 2 k heads: the dk/dv pass has 4 rows), so groups of 3
     leave a short last group, and partial query and key tiles (Lq != Lk).
     A program given another's tile, or none, leaves rows unwritten."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch, attention_tiles
 
     torch.manual_seed(0)
     q = torch.randn(2, 4, 150, 32, device=KERNEL_DEVICE).to(torch.float16)
@@ -932,7 +933,7 @@ def test_kernels_causal_program_order_computes_what_launch_order_does(group, mon
 
     groups = []
     with monkeypatch.context() as m:
-        m.setattr(attention_ops, "causal_order", lambda shared, length, rows: attention_ops._LAUNCH_ORDER)
+        m.setattr(attention_launch, "causal_order", lambda shared, length, rows: attention_tiles.LAUNCH_ORDER)
         clear_launch_plans()
         want = run()
 
@@ -940,7 +941,7 @@ def test_kernels_causal_program_order_computes_what_launch_order_does(group, mon
             groups.append((rows, min(group, rows)))
             return dict(HEAVY_FIRST=True), min(group, rows)
 
-        m.setattr(attention_ops, "causal_order", order)
+        m.setattr(attention_launch, "causal_order", order)
         clear_launch_plans()
         got = run()
     clear_launch_plans()
@@ -990,11 +991,11 @@ def test_causal_launches_carry_the_program_order(monkeypatch):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from compile_ops._library import OP_BODIES
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_sm90, attention_tiles
 
-    monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: False)
+    monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: False)
     # The groups below are an H100's (50 MiB of L2); an H200's 60 MiB would make them 6 heads.
-    monkeypatch.setattr(attention_ops, "l2_cache_bytes", lambda t: 50 * 2**20)
+    monkeypatch.setattr(attention_tiles, "l2_cache_bytes", lambda t: 50 * 2**20)
 
     def launches(causal):
         with FakeTensorMode():
@@ -1021,7 +1022,7 @@ def test_causal_order_groups_the_rows_whose_keys_fill_a_quarter_of_l2():
     """The group rule against the sweep it was fitted to (bench/notes.md):
     bf16 k and v of 2.4 MB per row (4608 x 128) give 5 rows, 1 MB (4096 x 64)
     12, 8.4 and 16.8 MB one row; never more rows than launched, never none."""
-    from compile_ops.ops.attention import causal_order
+    from compile_ops.ops.attention_tiles import causal_order
 
     def group(length, d, rows, dtype=torch.bfloat16):
         constexprs, g = causal_order(torch.empty(1, 1, length, d, dtype=dtype, device="meta"), length, rows)
@@ -1060,9 +1061,9 @@ def test_symbolic_lengths_keep_their_divisibility_hint_and_guard_it(length, monk
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
     from compile_ops._library import OP_BODIES
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_sm90
 
-    monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: False)
+    monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: False)
 
     env = ShapeEnv()
     sym = env.create_unspecified_symint_and_symbol(length, ConstantSource("L"), DimDynamic.DYNAMIC)
@@ -1116,11 +1117,11 @@ def _traced_tiles(q, k, v, wgmma=None):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from compile_ops._library import OP_BODIES
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_sm90
 
     with pytest.MonkeyPatch.context() if wgmma is False else contextlib.nullcontext() as m:
         if m is not None:
-            m.setattr(attention_ops, "has_wgmma", lambda t: False)
+            m.setattr(attention_sm90, "has_wgmma", lambda t: False)
         gm = make_fx(lambda *a: OP_BODIES["fused::attention"](*a))(q, k, v, 0.125, False, 2, None)
     node = next(n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation)
     config = kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).configs[0]  # torch's one-config wrapper
@@ -1138,7 +1139,7 @@ def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypa
     package, and no GPU without wgmma takes the core."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_sm90
 
     core, portable = ["fused_gluon.attention_forward_sm90_.default"], ["attn_fwd_kernel"]
     with FakeTensorMode():
@@ -1154,7 +1155,7 @@ def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypa
             return [name for name in launches if name in portable + core]
 
         for wgmma in (False, True):
-            monkeypatch.setattr(attention_ops, "has_wgmma", lambda t, on=wgmma: on and t.device.type == "cuda")
+            monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t, on=wgmma: on and t.device.type == "cuda")
             takes = core if wgmma else portable
             assert _traced_forward(*qkv()) == takes
             assert _traced_forward(*qkv(seq_dim=1), seq_dim=1) == takes
@@ -1204,9 +1205,9 @@ def test_head_dim_64_core_rule_guards_a_symbolic_key_length(length, monkeypatch)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_sm90
 
-    monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: t.device.type == "cuda")
     env = ShapeEnv()
     sym = env.create_unspecified_symint_and_symbol(length, ConstantSource("L"), DimDynamic.DYNAMIC)
     with FakeTensorMode(shape_env=env):
@@ -1223,7 +1224,7 @@ def test_backward_tail_split_at_known_shapes():
     in a seventh round and are split (their 72 items in 5 parts); whole
     rounds, and leftovers whose split gains less than 4% by the model, are
     not; one query step cannot be parted."""
-    from compile_ops.ops.attention import backward_tail_split
+    from compile_ops.ops.attention_sm90 import backward_tail_split
 
     assert backward_tail_split(864, 132, 72) == (792, 5)  # 1x24x4608, D = 128
     assert backward_tail_split(840, 132, 35) == (792, 5)  # 1x24x4429 (SD3), D = 64: 128-query steps
@@ -1244,25 +1245,25 @@ def test_backward_tail_split_ends_sooner_by_its_model(items, sms, steps):
     ``TAIL_SPLIT_GAIN`` shorter than without the split; or no split."""
     import heapq
 
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_sm90
 
-    whole, parts = attention_ops.backward_tail_split(items, sms, steps)
+    whole, parts = attention_sm90.backward_tail_split(items, sms, steps)
     if parts == 1:
         assert whole == items
         return
     assert 2 <= parts <= min(8, steps) and items - whole in (items % sms, items % sms + sms)
     free = [0.0] * sms
-    for duration in [1.0] * whole + [1 / parts + attention_ops.PART_OVERHEAD] * ((items - whole) * parts):
+    for duration in [1.0] * whole + [1 / parts + attention_sm90.PART_OVERHEAD] * ((items - whole) * parts):
         heapq.heappush(free, heapq.heappop(free) + duration)
-    assert max(free) < -(-items // sms) * (1 - attention_ops.TAIL_SPLIT_GAIN)
+    assert max(free) < -(-items // sms) * (1 - attention_sm90.TAIL_SPLIT_GAIN)
 
 
 def test_backward_steps_are_128_queries_only_at_head_dim_64_without_block_lists():
-    """``attn_bwd_sm90_kernel``'s step rule (``ops.attention.backward_step``):
+    """``attn_bwd_sm90_kernel``'s step rule (``ops.attention_sm90.backward_step``):
     128 queries for dense calls at D = 64 (1.06-1.14x on an H100), 64 at
     D = 128 (dK and dV fill the registers) and over block lists (a 128-query
     step spilled in the step loop); the kernel's static assert refuses the rest."""
-    from compile_ops.ops.attention import backward_step
+    from compile_ops.ops.attention_sm90 import backward_step
 
     assert [backward_step(64, False), backward_step(64, True), backward_step(128, False),
             backward_step(128, True)] == [128, 64, 64, 64]
@@ -1275,6 +1276,7 @@ def test_set_attention_backward_keys_compile_caches_by_its_setting():
     often it was set; a non-bool is refused."""
     from compile_ops.ops import attention as attention_ops
 
+    before = torch.compiler.config.cache_key_tag
     # torch's config modules are changed through their own patch(): pytest's monkeypatch
     # (9.x) deletes an entry it did not find in the module's __dict__ when it undoes.
     with torch.compiler.config.patch(cache_key_tag="users-own"):
@@ -1303,14 +1305,14 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
     keeps the three passes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_sm90
 
     five = ["attn_bwd_row_stats_kernel", "fused_gluon.attention_backward_sm90_.default",
             "attn_bwd_dq_from_acc_kernel"]
     three = ["attn_bwd_row_stats_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
     # the deterministic backward of a dense call the sm_90 kernel computes: its dk/dv pass is that kernel
     three_sm90 = ["attn_bwd_row_stats_kernel", "fused_gluon.attention_backward_sm90_.default", "attn_bwd_dq_kernel"]
-    monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: t.device.type == "cuda")
 
     def launches(lk=256, d=128, dtype=torch.bfloat16, causal=False, with_lengths=False, sparse=False):
         with FakeTensorMode():
@@ -1329,9 +1331,9 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
 
     assert launches() == three_sm90 and launches(sparse=True) == three
     assert launches(d=64, causal=True, with_lengths=True, lk=300) == three_sm90
-    monkeypatch.setattr(attention_ops, "SM90_DKDV", False)
+    monkeypatch.setattr(attention_sm90, "SM90_DKDV", False)
     assert launches() == three
-    monkeypatch.setattr(attention_ops, "SM90_DKDV", True)
+    monkeypatch.setattr(attention_sm90, "SM90_DKDV", True)
     compile_ops.set_attention_backward(deterministic=False)
     try:
         for taken in (dict(), dict(lk=300), dict(causal=True), dict(with_lengths=True),
@@ -1357,7 +1359,7 @@ def test_kernels_five_product_backward_statistics_zero_and_cast_dq():
     ``scale * accumulator`` into dq's strided rows, the padded rows left
     out, in dq's dtype."""
     from compile_ops.kernels.attention_backward import attn_bwd_dq_from_acc_kernel, attn_bwd_row_stats_kernel
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch
 
     dev = KERNEL_DEVICE
     b, h, lq, d = 2, 3, 100, 32
@@ -1366,7 +1368,7 @@ def test_kernels_five_product_backward_statistics_zero_and_cast_dq():
     rows = 128  # _stats_row_length(100)
     delta, lse_rows = (torch.empty(b * h, rows, device=dev) for _ in range(2))
     acc = torch.full((b * h, rows, d), float("nan"), device=dev)
-    attention_ops.launcher(attn_bwd_row_stats_kernel)[(rows // 64, b * h)](
+    attention_launch.launcher(attn_bwd_row_stats_kernel)[(rows // 64, b * h)](
         out, grad, lse, delta, lse_rows, h, lq, *out.stride()[:1], out.stride(2), out.stride(1),
         *grad.stride()[:1], grad.stride(2), grad.stride(1), D=d, BLOCK_D=d, BLOCK_M=64, ACC=tl.float32,
         DQ_ACC=acc, num_warps=4)
@@ -1374,7 +1376,7 @@ def test_kernels_five_product_backward_statistics_zero_and_cast_dq():
     torch.testing.assert_close(delta[:, :lq], (out.float() * grad.float()).sum(-1).transpose(1, 2).reshape(b * h, lq))
     acc = torch.randn(b * h, rows, d, device=dev)
     dq = torch.full((b, lq, h, d), float("nan"), device=dev, dtype=torch.bfloat16)
-    attention_ops.launcher(attn_bwd_dq_from_acc_kernel)[(triton.cdiv(lq, 64), b * h)](
+    attention_launch.launcher(attn_bwd_dq_from_acc_kernel)[(triton.cdiv(lq, 64), b * h)](
         acc, dq, h, lq, dq.stride(0), dq.stride(2), dq.stride(1), 0.125, D=d, BLOCK_D=d, BLOCK_M=64, num_warps=4)
     want = (acc.view(b, h, rows, d)[:, :, :lq] * 0.125).to(torch.bfloat16).transpose(1, 2)
     assert torch.equal(dq, want)
@@ -1390,7 +1392,7 @@ def test_kernels_five_product_backward_parts_add_up_in_order():
     mixed magnitudes, so that another order of the sums gives other bits
     (checked on the data), and bf16 outputs for the cast."""
     from compile_ops.kernels.attention_backward import attn_bwd_parts_kernel
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch
 
     dev = KERNEL_DEVICE
     b, hk, lk, d, parts, whole = 2, 3, 300, 32, 3, 2  # 3 key tiles x 6 (batch, head) rows: items 2..17 parted
@@ -1403,7 +1405,7 @@ def test_kernels_five_product_backward_parts_add_up_in_order():
     assert not torch.equal(summed, partials[:, 2] + partials[:, 1] + partials[:, 0])  # the order shows
     for dtype in (torch.float32, torch.bfloat16):
         dk, dv = (torch.full((b, lk, hk, d), float("nan"), device=dev, dtype=dtype) for _ in range(2))
-        attention_ops.launcher(attn_bwd_parts_kernel)[(items - whole, 128 // 32)](
+        attention_launch.launcher(attn_bwd_parts_kernel)[(items - whole, 128 // 32)](
             partials, dk, dv, whole, parts, n_tiles, hk, lk, dk.stride(0), dk.stride(2), dk.stride(1), dv.stride(0),
             dv.stride(2), dv.stride(1), D=d, BLOCK_M=32, num_warps=4)
         for grad, which in ((dk, 0), (dv, 1)):
@@ -1423,10 +1425,10 @@ def test_8bit_forward_takes_the_sm90_core_only_with_q_given_in_int8(monkeypatch)
     it all stays there."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_sm90, attention_tiles
 
     core = ["fused_gluon.attention_forward_sm90_.default"]
-    monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: t.device.type == "cuda")
     with FakeTensorMode():
         q, k, v = (torch.empty(1, 300, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
         q8, k8 = (torch.empty(1, 300, 2, 128, dtype=torch.int8, device="cuda") for _ in range(2))
@@ -1439,7 +1441,7 @@ def test_8bit_forward_takes_the_sm90_core_only_with_q_given_in_int8(monkeypatch)
 
         for with_int8 in (False, True):
             precisions = ("exact", "int8_fp8") if with_int8 else ("exact",)
-            monkeypatch.setattr(attention_ops, "SM90_CORE_PRECISIONS", precisions)
+            monkeypatch.setattr(attention_tiles, "SM90_CORE_PRECISIONS", precisions)
             assert qk8(True, False) == (core if with_int8 else ["attn_fwd_kernel"])
             assert qk8(True, True) == ["attn_fwd_kernel"]
             assert qk8(False, False) == ["attn_fwd_kernel"]
@@ -1487,7 +1489,7 @@ def test_sm90_core_computes_what_the_portable_forward_does(dtype, mode, monkeypa
     second call and a compiled call (through the opaque op) give the first
     call's result."""
     from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_sm90
 
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
     causal = "causal" in mode
@@ -1515,7 +1517,7 @@ def test_sm90_core_computes_what_the_portable_forward_does(dtype, mode, monkeypa
             torch._dynamo.reset()  # a fresh graph for each case: not a recompilation, which fullgraph bounds
             compiled = torch.compile(attend, fullgraph=True)(q, k, v)
             with monkeypatch.context() as m:
-                m.setattr(attention_ops, "has_wgmma", lambda t: False)
+                m.setattr(attention_sm90, "has_wgmma", lambda t: False)
                 clear_launch_plans()
                 want = attend(q, k, v)
         case = (mode, b, h, hk, lq, lk, seq_dim)
@@ -1527,8 +1529,8 @@ def test_sm90_core_computes_what_the_portable_forward_does(dtype, mode, monkeypa
             out, lse = torch.full_like(q, float("nan")), torch.full((b, h, lq), float("nan"), device="cuda")
             with monkeypatch.context() as m:
                 if programs:
-                    m.setattr(attention_ops, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
-                attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, 128 ** -0.5, causal,
+                    m.setattr(attention_sm90, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
+                attention_sm90.launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, 128 ** -0.5, causal,
                                                 seq_dim, lengths, *lists)
             assert torch.equal(out, got[0][0]) and torch.equal(lse, got[0][1]), (case, programs)
     clear_launch_plans()
@@ -1546,16 +1548,16 @@ def test_sm90_core_wide_tiles_at_head_dim_64_match_the_reference(dtype, monkeypa
     many items through the ring) and a compiled call give the first call's
     bits, and the portable kernel's output stays within a few roundings."""
     from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_args, attention_sm90, attention_tiles
 
     for b, h, hk, lq, lk, seq_dim in [(1, 4, 4, 1000, 1024, 2), (2, 8, 2, 333, 4096, 1), (1, 2, 2, 64, 256, 2),
                                       (2, 3, 3, 513, 512, 1)]:
         torch.manual_seed(lq + lk)
         q, k, v = _qkv(b, h, hk, lq, lk, 64, seq_dim, dtype, "cuda")
         case = (b, h, hk, lq, lk, seq_dim)
-        tiles = attention_ops.forward_tiles(64, dtype, True, "exact", True)
-        common = attention_ops._common(q, k, False, seq_dim, None)
-        assert attention_ops._takes_sm90_core(tiles, common, q, k, v, seq_dim, seq_dim, None, False, None), case
+        tiles = attention_tiles.forward_tiles(64, dtype, True, "exact", True)
+        sizes = attention_args.attention_sizes(q, k, False, seq_dim, None)
+        assert attention_sm90.takes_sm90_core(tiles, sizes, q, k, v, seq_dim, seq_dim, None, False, None), case
         with torch.no_grad():
             clear_launch_plans()
             out, lse = compile_ops.attention(q, k, v, seq_dim=seq_dim, return_lse=True)
@@ -1563,7 +1565,7 @@ def test_sm90_core_wide_tiles_at_head_dim_64_match_the_reference(dtype, monkeypa
             compiled = torch.compile(lambda q, k, v: compile_ops.attention(q, k, v, seq_dim=seq_dim, return_lse=True),
                                      fullgraph=True)(q, k, v)
             with monkeypatch.context() as m:
-                m.setattr(attention_ops, "has_wgmma", lambda t: False)
+                m.setattr(attention_sm90, "has_wgmma", lambda t: False)
                 clear_launch_plans()
                 portable = compile_ops.attention(q, k, v, seq_dim=seq_dim)
         exact, exact_lse = ref.attention(*(t.detach().double() for t in (q, k, v)), 64 ** -0.5, False, seq_dim, None)
@@ -1578,8 +1580,8 @@ def test_sm90_core_wide_tiles_at_head_dim_64_match_the_reference(dtype, monkeypa
             again, again_lse = torch.full_like(q, float("nan")), torch.full((b, h, lq), float("nan"), device="cuda")
             with monkeypatch.context() as m:
                 if programs:
-                    m.setattr(attention_ops, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
-                attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, again, again_lse, 64 ** -0.5, False,
+                    m.setattr(attention_sm90, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
+                attention_sm90.launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, again, again_lse, 64 ** -0.5, False,
                                                 seq_dim)
             assert torch.equal(again, out) and torch.equal(again_lse, lse), (case, programs)
     clear_launch_plans()
@@ -1631,10 +1633,10 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
     none), checked against the deterministic passes
     (:func:`five_product_gradients`), and dq, dk and dv within the
     two-reference rule of the fp64 gradients."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch, attention_sm90
 
-    launched, launcher = [], attention_ops.launcher
-    monkeypatch.setattr(attention_ops, "launcher",
+    launched, launcher = [], attention_launch.launcher
+    monkeypatch.setattr(attention_launch, "launcher",
                         lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
     for b, h, hk, lq, lk, seq_dim, dtype, causal, lengths, d in [
             (1, 4, 4, 1000, 1024, 2, torch.bfloat16, False, None, 128),
@@ -1661,8 +1663,8 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
         dout = torch.randn_like(out)
         case = (b, h, hk, lq, lk, seq_dim, dtype, causal, lengths, d)
         items = triton.cdiv(lk, 128) * b * hk
-        steps = h // hk * triton.cdiv(lq, attention_ops.SM90_BACKWARD_STEPS[d])
-        whole, _ = attention_ops.backward_tail_split(items, multiprocessor_count(q), steps)
+        steps = h // hk * triton.cdiv(lq, attention_sm90.SM90_BACKWARD_STEPS[d])
+        whole, _ = attention_sm90.backward_tail_split(items, multiprocessor_count(q), steps)
         parts = not causal and lengths is None and whole < items
         got = five_product_gradients(out, (q, k, v), dout, launched, "attn_bwd_dq_kernel", case, parts)
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
@@ -1687,10 +1689,10 @@ def test_sm90_deterministic_backward_by_the_kernel_without_dq(monkeypatch):
     persistent (``SM90_DKDV_PERSISTENT``), two of them with more key tiles
     than an H100's 132 SMs (160 and 136), so that some programs take two
     and a dropped or doubled second item fails the fp64 rule."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch, attention_sm90
 
-    launched, launcher = [], attention_ops.launcher
-    monkeypatch.setattr(attention_ops, "launcher",
+    launched, launcher = [], attention_launch.launcher
+    monkeypatch.setattr(attention_launch, "launcher",
                         lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
     for b, h, hk, lq, lk, seq_dim, dtype, causal, lengths, d in [
             (1, 5, 5, 700, 4096, 2, torch.bfloat16, False, None, 128),  # split, with dq by reductions
@@ -1711,10 +1713,10 @@ def test_sm90_deterministic_backward_by_the_kernel_without_dq(monkeypatch):
         assert "attn_bwd_sm90_kernel" in launched and "attn_bwd_dkdv_kernel" not in launched, (case, launched)
         assert "attn_bwd_parts_kernel" not in launched, (case, launched)
         assert all(torch.equal(a, g) for again in got[1:] for a, g in zip(again, got[0])), case
-        monkeypatch.setattr(attention_ops, "SM90_DKDV", False)
+        monkeypatch.setattr(attention_sm90, "SM90_DKDV", False)
         clear_launch_plans()
         passes = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        monkeypatch.setattr(attention_ops, "SM90_DKDV", True)
+        monkeypatch.setattr(attention_sm90, "SM90_DKDV", True)
         clear_launch_plans()
         assert torch.equal(got[0][0], passes[0]), case
         for g, w in zip(got[0][1:], passes[1:]):
@@ -1741,14 +1743,17 @@ def test_sm90_backward_compiled_equals_eager(monkeypatch):
     option first, then the default compiling the same function again: its
     graph must not come from the compile caches' entry of the other
     setting (``set_attention_backward``'s cache tag)."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch, attention_sm90
 
     # Traced calls launch the Gluon kernel inside the opaque op, not through ``launcher``.
-    launched, launcher, launch_sm90 = [], attention_ops.launcher, attention_ops._launch_sm90_backward
-    monkeypatch.setattr(attention_ops, "launcher",
+    launched, launcher, launch_sm90 = [], attention_launch.launcher, attention_sm90.launch_sm90_backward
+    monkeypatch.setattr(attention_launch, "launcher",
                         lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
-    monkeypatch.setattr(attention_ops, "_launch_sm90_backward", lambda launch, *args: launch_sm90(
-        lambda kernel: launched.append(kernel.fn.__name__) or launch(kernel), *args))
+    def recorded(launch, *args):
+        return launch_sm90(lambda kernel: launched.append(kernel.fn.__name__) or launch(kernel), *args)
+
+    for module in (attention_launch, attention_sm90):  # the eager path's launch and the opaque op's
+        monkeypatch.setattr(module, "launch_sm90_backward", recorded)
 
     def attend(q, k, v):
         return compile_ops.attention(q, k, v, None, False, 2)
@@ -1759,8 +1764,8 @@ def test_sm90_backward_compiled_equals_eager(monkeypatch):
             splits, sms = set(), multiprocessor_count(torch.empty(0, device="cuda"))
             for b, h, lq, lk, d in [(1, 5, 700, 4096, 128), (2, 4, 500, 4300, 64), (1, 4, 300, 4224, 128)]:
                 items = triton.cdiv(lk, 128) * b * h
-                steps = triton.cdiv(lq, attention_ops.SM90_BACKWARD_STEPS[d])
-                split = attention_ops.backward_tail_split(items, sms, steps)[0] < items
+                steps = triton.cdiv(lq, attention_sm90.SM90_BACKWARD_STEPS[d])
+                split = attention_sm90.backward_tail_split(items, sms, steps)[0] < items
                 splits.add(split)
                 torch.manual_seed(lk)
                 q, k, v = _qkv(b, h, h, lq, lk, d, 2, torch.bfloat16, "cuda")
@@ -1796,7 +1801,7 @@ def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
     every row, and the replayed second call and a compiled call give the
     first call's result."""
     from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_8bit, attention_sm90, attention_tiles
 
     for b, h, hk, lq, lk, seq_dim in [(1, 4, 4, 1000, 1000, 2), (2, 8, 2, 333, 4096, 1), (1, 2, 2, 64, 77, 2),
                                       (1, 2, 1, 513, 129, 1), (1, 3, 3, 130, 1, 2), (1, 12, 12, 4680, 4680, 2)]:
@@ -1810,17 +1815,17 @@ def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
         case = (b, h, hk, lq, lk, seq_dim)
         with torch.no_grad():
             with monkeypatch.context() as m:
-                m.setattr(attention_ops, "SM90_CORE_PRECISIONS", ("exact", "int8_fp8"))
+                m.setattr(attention_tiles, "SM90_CORE_PRECISIONS", ("exact", "int8_fp8"))
                 clear_launch_plans()
                 got = [torch.ops.fused.attention_qk8(*args)[0] for _ in range(2)]
                 compiled = torch.compile(lambda *a: torch.ops.fused.attention_qk8(*a)[0], fullgraph=True)(*args)
-                vt8, v_scale = attention_ops._quantized(None, None, v, seq_dim, True)
+                vt8, v_scale = attention_8bit.quantized_operands(None, None, v, seq_dim, True)
                 for programs in (None, None, 1, 3, 7):
                     out = torch.full_like(q, float("nan"))
                     lse = torch.empty(b, h, lq, device="cuda")
                     if programs:
-                        m.setattr(attention_ops, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
-                    attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q8, k8, vt8, out, lse, 128 ** -0.5,
+                        m.setattr(attention_sm90, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
+                    attention_sm90.launch_sm90_core(attn_fwd_sm90_kernel, q8, k8, vt8, out, lse, 128 ** -0.5,
                                                     False, seq_dim, None, None, None, q_scale, k_scale, v_scale)
                     assert torch.equal(out, got[0]), (case, programs)
             clear_launch_plans()

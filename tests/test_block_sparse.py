@@ -110,10 +110,10 @@ def test_sm90_five_product_backward_over_block_lists(monkeypatch):
     layouts and D = 128 and 64; checked as the dense kernel is (``five_product_gradients``),
     and all three gradients within the two-reference rule of the fp64
     gradients."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch
 
-    launched, launcher = [], attention_ops.launcher
-    monkeypatch.setattr(attention_ops, "launcher",
+    launched, launcher = [], attention_launch.launcher
+    monkeypatch.setattr(attention_launch, "launcher",
                         lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
     for b, hq, hk, lq, lk, seq_dim, dtype, causal, lengths, per_head, density, d in [
             (1, 4, 4, 1024, 1024, 2, torch.bfloat16, False, None, True, 0.3, 128),
@@ -172,9 +172,9 @@ def test_kernels_sparse_dkdv_by_tma_computes_what_pointer_loads_do(monkeypatch):
     block with no listed block and both layouts."""
     import dataclasses
 
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch, attention_tiles
 
-    default = attention_ops.dkdv_tiles
+    default = attention_tiles.dkdv_tiles
     torch.manual_seed(0)
     for seq_dim in (1, 2):
         q, k, v = _qkv(2, 4, 2, 300, 260, 48, seq_dim, torch.float16, KERNEL_DEVICE)
@@ -189,11 +189,11 @@ def test_kernels_sparse_dkdv_by_tma_computes_what_pointer_loads_do(monkeypatch):
             return [t.grad for t in inputs]
 
         with monkeypatch.context() as m:
-            m.setattr(attention_ops, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
+            m.setattr(attention_launch, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
                 default(d, dtype, sparse), tma=False))
             clear_launch_plans()
             want = gradients()
-            m.setattr(attention_ops, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
+            m.setattr(attention_launch, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
                 default(d, dtype, sparse), tma=True))
             allow_tma_under_interpreter(m)
             clear_launch_plans()

@@ -78,10 +78,10 @@ def _launches(spec, dtype, body=None):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("spec", registry.OPS, ids=[s.name for s in registry.OPS])
 def test_every_launched_kernel_variant_compiles_for_sm90(spec, dtype, monkeypatch):
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch
 
     # The variants an H100 launches: the fake CUDA device of a CPU-only build has TMA.
-    monkeypatch.setattr(attention_ops, "has_tma", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(attention_launch, "has_tma", lambda t: t.device.type == "cuda")
     launches = _launches(spec, dtype)
     assert launches, "the op launched no kernel"
     for name, (kernel, signature, constants) in launches.items():
@@ -103,15 +103,15 @@ def test_attention_forward_hopper_options_compile_for_sm90(options, monkeypatch)
     """The forward's Hopper options (issue 28), of which forward_tiles picks
     only TMA (at D=128): traced with the options forced on every launch, the
     variants compile for sm_90 too (and the TMA variant is the one launched)."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch, attention_tiles
 
-    default = attention_ops.forward_tiles
+    default = attention_tiles.forward_tiles
 
     def tiles(d, dtype, tma=False, precision="exact", wgmma=False):  # the portable kernel's variants
         t = default(d, dtype, False, precision)
-        return attention_ops.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, **options)
+        return attention_tiles.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, **options)
 
-    monkeypatch.setattr(attention_ops, "forward_tiles", tiles)
+    monkeypatch.setattr(attention_launch, "forward_tiles", tiles)
     spec = next(s for s in registry.OPS if s.name == "attention")
     launches = _launches(spec, torch.bfloat16)
     forward = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants) in launches.items()
@@ -131,13 +131,13 @@ def test_attention_backward_tma_compiles_for_sm90(monkeypatch):
     and dq kernels compile for sm_90."""
     import dataclasses
 
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch, attention_tiles
 
-    defaults = attention_ops.dkdv_tiles, attention_ops.dq_tiles
-    monkeypatch.setattr(attention_ops, "has_tma", lambda t: t.device.type == "cuda")
-    monkeypatch.setattr(attention_ops, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
+    defaults = attention_tiles.dkdv_tiles, attention_tiles.dq_tiles
+    monkeypatch.setattr(attention_launch, "has_tma", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(attention_launch, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
         defaults[0](d, dtype, sparse), tma=tma))
-    monkeypatch.setattr(attention_ops, "dq_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
+    monkeypatch.setattr(attention_launch, "dq_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
         defaults[1](d, dtype, sparse), tma=tma))
     spec = next(s for s in registry.OPS if s.name == "attention_backward")
     # Inputs whose rows are not 16-byte aligned (D = 12 in bf16) keep the pointer loads.
@@ -162,10 +162,10 @@ def test_block_sparse_forward_streams_keys_three_deep_on_sm90(monkeypatch):
     kernel's variant, which TMA GPUs other than sm_90 (and AOTInductor
     packages) run: on an sm_90 GPU the sm_90 core takes these calls, so the
     GPU is taken for one without wgmma."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch, attention_sm90
 
-    monkeypatch.setattr(attention_ops, "has_tma", lambda t: t.device.type == "cuda")
-    monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: False)
+    monkeypatch.setattr(attention_launch, "has_tma", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: False)
     spec = next(s for s in registry.OPS if s.name == "block_sparse_attention")
     launches = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants)
                 in _launches(spec, torch.bfloat16).items()
@@ -186,15 +186,15 @@ def test_fp8_pv_accumulated_in_the_mma_compiles_for_sm90(monkeypatch):
     """int8_fp8 with DOT_ACC (the FP8 dot accumulating into the running
     accumulator, measured and left off by ``forward_tiles``): traced with it
     forced, the attention kernel that rounds q itself compiles for sm_90."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch, attention_tiles
 
-    default = attention_ops.forward_tiles
+    default = attention_tiles.forward_tiles
 
     def tiles(d, dtype, tma=False, precision="exact", wgmma=False):  # the portable kernel's variants
         t = default(d, dtype, True, precision)
-        return attention_ops.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, tma=t.tma, dot_acc=True)
+        return attention_tiles.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, tma=t.tma, dot_acc=True)
 
-    monkeypatch.setattr(attention_ops, "forward_tiles", tiles)
+    monkeypatch.setattr(attention_launch, "forward_tiles", tiles)
     spec = next(s for s in registry.OPS if s.name == "attention_int8_fp8")
     forward = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants)
                in _launches(spec, torch.bfloat16).items() if name == "attn_fwd_kernel"]
@@ -217,10 +217,10 @@ def test_8bit_quantization_kernels_compile_for_sm90(spec):
     reach them too; here alone): every variant compiles for sm_90, with its
     int arguments as arguments and as constants (Inductor may pass a static
     int so: ``L.to`` on an int once failed to compile)."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_8bit
 
     def quantize(q, k, v, scale, causal, seq_dim, kv_lengths):
-        return attention_ops.quantize_8bit(k, v if spec.name == "attention_int8_fp8" else None, seq_dim)
+        return attention_8bit.quantize_8bit(k, v if spec.name == "attention_int8_fp8" else None, seq_dim)
 
     launches = list(_launches(spec, torch.bfloat16, quantize).values())
     assert {kernel.fn.__name__ for kernel, _, _ in launches} == set(_QUANTIZE_KERNELS)
@@ -230,12 +230,12 @@ def test_8bit_quantization_kernels_compile_for_sm90(spec):
 def test_fp8_values_alone_kernels_compile_for_sm90():
     """v's quantization alone (WITH_K off: q and k came quantized from
     fused.qk_rope_int8), as attention_qk8 runs it eagerly."""
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_8bit
 
     spec = next(s for s in registry.OPS if s.name == "attention_qk8")
 
     def quantize(q, q_scale, k, k_scale, v, scale, causal, seq_dim, *rest):
-        return attention_ops.quantize_8bit(None, v, seq_dim)
+        return attention_8bit.quantize_8bit(None, v, seq_dim)
 
     launches = list(_launches(spec, torch.bfloat16, quantize).values())
     assert {kernel.fn.__name__ for kernel, _, _ in launches} == set(_QUANTIZE_KERNELS)
@@ -253,12 +253,12 @@ def test_fp8_values_are_stored_in_16_byte_vectors_at_any_length():
     key mask at L: 128 ``st.global.b8`` per thread)."""
     import re
 
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_8bit
 
     spec = next(s for s in registry.OPS if s.name == "attention_int8_fp8")
 
     def quantize(q, k, v, scale, causal, seq_dim, kv_lengths):
-        return attention_ops.quantize_8bit(k, v, seq_dim)
+        return attention_8bit.quantize_8bit(k, v, seq_dim)
 
     launches = [(kernel, signature, constants) for kernel, signature, constants
                 in _launches(spec, torch.bfloat16, quantize).values()
@@ -309,7 +309,6 @@ def test_8bit_rounding_keeps_the_product_out_of_an_fma():
     which cannot contract). In the sm_90 PTX of every quantizing kernel
     (attention's passes and the quantizing rotation) the bias (``0f4B400000``)
     is added by a plain add, never an fma."""
-    from compile_ops.ops import attention as attention_ops
 
     spec = next(s for s in registry.OPS if s.name == "attention_int8_fp8")
     launches = list(_launches(spec, torch.bfloat16).values())  # its passes, and attention rounding q (QUANTIZE_Q)
@@ -337,12 +336,12 @@ def _sm90_core_variants():
     bench/experiments/sm90_core_sweep.py, not routed yet) at 2 and 3 stages."""
     import itertools
 
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_sm90, attention_tiles
 
-    regs = attention_ops.SM90_CORE_CONSUMER_REGS
+    regs = attention_sm90.SM90_CORE_CONSUMER_REGS
     for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        for d in attention_ops.SM90_CORE_HEAD_DIMS:
-            t = attention_ops.forward_tiles(d, torch_dtype, True, "exact", True)
+        for d in attention_tiles.SM90_CORE_HEAD_DIMS:
+            t = attention_tiles.forward_tiles(d, torch_dtype, True, "exact", True)
             assert t.sm90_core
             pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", OUT=f"*{dtype}", LSE="*fp32")
             constants = dict(D=d, BLOCK_N=t.block_n, STAGES=t.num_stages, CONSUMER_REGS=regs, INT8_FP8=False,
@@ -351,7 +350,7 @@ def _sm90_core_variants():
                 if dtype == "fp16" and (lists == "i64" or causal != kv_len):
                     continue  # the dtype changes nothing in these: the corners suffice
                 if t.block_n != 128 and (lists or causal or kv_len):
-                    continue  # wide key tiles (D = 64) take dense non-causal calls alone (_takes_sm90_core)
+                    continue  # wide key tiles (D = 64) take dense non-causal calls alone (takes_sm90_core)
                 variant_pointers = dict(pointers)
                 flags = dict(SPARSE=bool(lists), CAUSAL=causal, HAS_KV_LEN=kv_len, HEAVY_FIRST=causal and not lists)
                 if lists:
@@ -390,18 +389,18 @@ def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(variant
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel as kernel
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_sm90
 
     name, pointers, constants = variant
     signature = {p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
                  for p in kernel.arg_names}
-    launch = attention_ops.SM90_CORE_LAUNCH
+    launch = attention_sm90.SM90_CORE_LAUNCH
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=launch["num_warps"], maxnreg=launch["maxnreg"]))
     ptx = compiled.asm["ptx"]
     budgets = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
-    assert {24, attention_ops.SM90_CORE_CONSUMER_REGS} <= budgets, (name, sorted(budgets))
+    assert {24, attention_sm90.SM90_CORE_CONSUMER_REGS} <= budgets, (name, sorted(budgets))
     (tmp_path / "core.ptx").write_text(ptx)
     report = subprocess.run([knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "core.ptx"), "-o",
                              str(tmp_path / "core.cubin")], capture_output=True, text=True, check=True).stderr
@@ -442,11 +441,11 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from compile_ops.kernels.attention_sm90_backward import attn_bwd_sm90_kernel as kernel
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_launch, attention_sm90
 
-    monkeypatch.setattr(attention_ops, "has_tma", lambda t: t.device.type == "cuda")
-    monkeypatch.setattr(attention_ops, "has_wgmma", lambda t: t.device.type == "cuda")
-    monkeypatch.setattr(attention_ops, "ATOMIC_DQ", True)
+    monkeypatch.setattr(attention_launch, "has_tma", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(attention_sm90, "ATOMIC_DQ", True)
     spec = next(s for s in registry.OPS if s.name == "attention_backward")
 
     def backward(grad, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths):  # D = 128, Lk 256: the kernel's calls
@@ -468,7 +467,7 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         signature.update(PARTIALS="*fp32", DK=f"*{dtype}", DV=f"*{dtype}", D="constexpr", BLOCK_M="constexpr")
         launches.append((parts_kernel, signature, dict(D=d, BLOCK_M=32)))
     _compile_with_constant_ints(launches)
-    launch = attention_ops.SM90_CORE_LAUNCH
+    launch = attention_sm90.SM90_CORE_LAUNCH
     variants = [("bf16", dict()), ("bf16", dict(MASKED_KEYS=True)), ("fp16", dict()),
                 # the last round split into parts (dense, not causal, no key lengths)
                 ("bf16", dict(SPLIT=True)), ("fp16", dict(SPLIT=True, MASKED_KEYS=True)),
@@ -487,7 +486,7 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
                 # without dQ: the deterministic backward's dk/dv pass (DQ_ACC unused)
                 ("bf16", dict(DQ=False)), ("fp16", dict(DQ=False, D=64, MASKED_KEYS=True)),
                 ("bf16", dict(DQ=False, CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True, MASKED_KEYS=True)),
-                # ... persistent (dense, not causal: ops.attention.SM90_DKDV_PERSISTENT)
+                # ... persistent (dense, not causal: ops.attention_sm90.SM90_DKDV_PERSISTENT)
                 ("bf16", dict(DQ=False, PERSISTENT=True)), ("fp16", dict(DQ=False, D=64, MASKED_KEYS=True,
                                                                     PERSISTENT=True))]
     for dtype, flags in variants:
@@ -498,9 +497,9 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         if flags.get("SPARSE"):
             pointers.update(BLOCKS="*i32", COUNTS="*i64")
         d = flags.pop("D", 128)
-        constants = dict(D=d, STEP=attention_ops.backward_step(d, bool(flags.get("SPARSE"))),
-                         STAGES=attention_ops.SM90_BACKWARD_STAGES,
-                         CONSUMER_REGS=attention_ops.SM90_CORE_CONSUMER_REGS, CAUSAL=False, HAS_KV_LEN=False,
+        constants = dict(D=d, STEP=attention_sm90.backward_step(d, bool(flags.get("SPARSE"))),
+                         STAGES=attention_sm90.SM90_BACKWARD_STAGES,
+                         CONSUMER_REGS=attention_sm90.SM90_CORE_CONSUMER_REGS, CAUSAL=False, HAS_KV_LEN=False,
                          HEAVY_FIRST=False, SPARSE=False, MASKED_KEYS=False, DQ=True, SPLIT=False, PERSISTENT=False,
                          num_warps=4)
         constants.update(flags)
@@ -517,7 +516,7 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
                              target=GPUTarget("cuda", 90, 32),
                              options=dict(num_warps=launch["num_warps"], maxnreg=launch["maxnreg"])).asm["ptx"]
         budgets = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
-        assert {24, attention_ops.SM90_CORE_CONSUMER_REGS} <= budgets, (dtype, d, flags, sorted(budgets))
+        assert {24, attention_sm90.SM90_CORE_CONSUMER_REGS} <= budgets, (dtype, d, flags, sorted(budgets))
         # dq added by TMA reductions, or (without DQ) not at all
         assert ("cp.reduce.async.bulk.tensor" in ptx) == constants["DQ"], (dtype, d, flags)
         (tmp_path / "bwd.ptx").write_text(ptx)

@@ -28,7 +28,7 @@ from compile_ops.kernels.block_sparse import sort_block_lists_kernel
 from compile_ops.meta._validate import checked_arguments, softmax_scale
 from compile_ops.meta.attention import SPARSE_BLOCK
 from compile_ops.ops._launch import unit_last_stride
-from compile_ops.ops.attention import launch_backward, launch_forward
+from compile_ops.ops.attention_launch import launch_backward, launch_forward
 
 
 def _per_head(index: Tensor, count: Tensor, batch: int, heads: int) -> tuple:

@@ -1,0 +1,172 @@
+"""8-bit attention's operands and forward: :func:`quantize_8bit`'s Triton
+passes over k and v, the layouts and scales of FP8 P V, and the body the
+8-bit ops share (:func:`launch_eight_bit`)."""
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+from compile_ops import meta, reference
+from compile_ops._library import launcher
+from compile_ops.kernels.attention_8bit import (fp8_rows_scale_kernel, kv8_counters_clear_kernel, kv8_quantize_kernel,
+                                                kv8_stats_kernel)
+from compile_ops.ops._launch import unit_last_stride
+from compile_ops.ops.attention_args import bhl_strides
+from compile_ops.ops.attention_launch import launch_forward
+from compile_ops.ops.attention_tiles import block_d
+
+
+#: The 8-bit quantization's statistics pass: each program reduces a chunk
+#: of STAT_CHUNK_ROWS of a head's keys in steps of STAT_STEP rows, and the
+#: head's last chunk to finish sums the head's partials; past
+#: MAX_STAT_CHUNKS chunks a head the chunks grow instead. Swept on an H100
+#: (bench/results/quantize-8bit-stats-sweep-h100.json: chunks of 128 to 2048
+#: keys, steps of 32 to 128, 4 or 8 warps, seven shapes): 1024-key chunks
+#: in 128-key steps at 8 warps are within 3.5% of each shape's best. With
+#: kv8_quantize_kernel's padded store, both passes are 19-20% faster than 16
+#: chunks a head in 64-key steps at 4 warps (the configuration before) at
+#: aligned lengths and 55% at 32760 (bench/notes.md).
+STAT_STEP = 128
+STAT_CHUNK_ROWS = 1024
+MAX_STAT_CHUNKS = 128
+#: Launches of the two passes (tests and experiments patch them).
+STATS_LAUNCH = dict(num_warps=8)
+QUANTIZE_LAUNCH = dict(num_warps=4)  # 8 warps: 1.2x the time (H200, bench/notes.md)
+
+
+def stat_rows_per_chunk(lk: int) -> int:
+    """Keys per program of the statistics pass over ``lk`` keys: a multiple
+    of STAT_STEP, at least STAT_CHUNK_ROWS and enough for at most
+    MAX_STAT_CHUNKS programs a head."""
+    steps_per_chunk = torch.sym_max(triton.cdiv(STAT_CHUNK_ROWS, STAT_STEP),
+                                    triton.cdiv(triton.cdiv(lk, STAT_STEP), MAX_STAT_CHUNKS))
+    return STAT_STEP * steps_per_chunk
+
+
+def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tuple:
+    """8-bit attention's k and v operands by Triton kernels: ``(k8, k_scale)``
+    of ``reference.attention.smooth_quantize_qk`` and, with v, ``(vt8,
+    v_scale)`` of :func:`fp8_values_transposed`, in three launches: the
+    arrival counters zeroed, k's and v's sequence statistics (partials per
+    chunk of keys, summed per head by the chunk that finishes last), then
+    both quantized; each 16-bit input is read twice. Eager and traced calls
+    alike. The same values as the reference up to the order of k's mean's
+    sum (an fp32 ulp, which can move a rare k value to the next integer). q
+    has no pass: the attention kernel rounds each program's rows per token
+    as it loads them (``QUANTIZE_Q``). k None: v's alone (q and k came
+    quantized from ``fused.qk_rope_int8``).
+
+    Args:
+        k, v: ``[B, Hk, Lk, D]`` (seq_dim 2) or ``[B, Lk, Hk, D]`` (1),
+            fp16/bf16, unit-stride D; v None for 16-bit P V.
+    """
+    with_k, with_v = k is not None, v is not None
+    kv = k if with_k else v
+    b, hk, lk, d = meta.attention.dims(kv, seq_dim)
+    blocks = triton.cdiv(lk, reference.attention.INT8_KEY_BLOCK)
+    rows_per_chunk = stat_rows_per_chunk(lk)
+    chunks = triton.cdiv(lk, rows_per_chunk)
+    # Per (batch, k head): a row per chunk and the head's total; k's column
+    # sums and v's column amax, each only when quantized.
+    k_sum, v_amax = (torch.empty((b * hk, chunks + 1, d), dtype=torch.float32, device=kv.device) if wanted
+                     else None for wanted in (with_k, with_v))
+    arrivals = torch.empty((b * hk,), dtype=torch.int32, device=kv.device)
+    k8 = k_scale = vt8 = v_scale = None
+    if with_k:
+        k8 = torch.empty_like(k, dtype=torch.int8)
+        k_scale = torch.empty((b, hk, blocks), dtype=torch.float32, device=k.device)
+    if with_v:
+        # The kernel is handed the whole padded buffer, not the narrowed view the attention kernel
+        # reads: a traced kernel mutating a view made Inductor emit an e4m3 slice copy that failed
+        # to compile (tl.full of fp8) at 32760 tokens.
+        vt8 = torch.empty((b, hk, d, lk + -lk % 16), dtype=torch.float8_e4m3fn, device=v.device)
+        v_scale = torch.empty((b, hk, d), dtype=torch.float32, device=v.device)
+    k_strides = bhl_strides(k, seq_dim) if with_k else (0, 0, 0)
+    v_strides = bhl_strides(v, seq_dim) if with_v else (0, 0, 0)
+    if lk > 0 and b * hk > 0:
+        consts = dict(D=d, BLOCK_D=block_d(d), WITH_V=with_v, WITH_K=with_k)
+        launcher(kv8_counters_clear_kernel)[(triton.cdiv(b * hk, 1024),)](arrivals, b * hk, BLOCK=1024)
+        launcher(kv8_stats_kernel)[(chunks, b * hk)](
+            k, v, k_sum, v_amax, arrivals, hk, lk, *k_strides, *v_strides, rows_per_chunk, BLOCK_L=STAT_STEP,
+            **STATS_LAUNCH, **consts)
+        launcher(kv8_quantize_kernel)[(blocks, b * hk)](
+            k, k8, k_scale, k_sum, v, vt8, v_amax, v_scale, hk, lk, chunks, *k_strides,
+            *(bhl_strides(k8, seq_dim) if with_k else (0, 0, 0)), *v_strides, vt8.stride(2) if with_v else 0,
+            BLOCK_L=reference.attention.INT8_KEY_BLOCK, **QUANTIZE_LAUNCH, **consts)
+    return ((k8, k_scale) if with_k else ()) + ((vt8.narrow(3, 0, lk), v_scale) if with_v else ())
+
+
+def fp8_values_transposed(v: Tensor, seq_dim: int) -> tuple[Tensor, Tensor]:
+    """``reference.attention.quantize_v_fp8`` of v (``[B, Hk, Lk, D]`` or
+    ``[B, Lk, Hk, D]``) laid out as the FP8 P V kernel reads it: e4m3
+    ``[B, Hk, D, Lk]`` with a unit key stride and rows padded to 16 bytes
+    (TMA's row alignment), and the channel scales ``[B, Hk, D]``. In torch
+    ops: the layout's specification, which :func:`quantize_8bit`'s kernel
+    writes (padding columns excepted), for the tests and benchmarks."""
+    vf = v.float() if seq_dim == 2 else v.float().transpose(1, 2)
+    v_scale, v_inverse = reference.attention.fp8_channel_scales(vf)
+    lk = vf.shape[2]
+    scaled = (vf * v_inverse.unsqueeze(2)).transpose(2, 3)
+    # Contiguous whatever the padding: with none, pad returns the transposed view, and a cast
+    # that preserved its strides would leave the keys D apart (the kernel reads them as adjacent).
+    vt = torch.nn.functional.pad(scaled, (0, -lk % 16)).to(torch.float8_e4m3fn,
+                                                            memory_format=torch.contiguous_format)
+    return vt.narrow(3, 0, lk), v_scale
+
+
+def fp8_rows_scale(v_scale: Tensor) -> Tensor:
+    """``reference.attention.fp8_rows_scale`` of v's channel scales ``[B, Hk,
+    D]`` (contiguous fp32): ``[B]``. Traced, the reference's torch ops; run
+    eagerly, one small kernel, so that the FP8-rows op's launches can be
+    replayed (``_replay``: an intermediate from torch ops cannot be)."""
+    if is_fake(v_scale):
+        return reference.attention.fp8_rows_scale(v_scale)
+    b = v_scale.shape[0]
+    row_scale = torch.empty((b,), dtype=torch.float32, device=v_scale.device)
+    if b > 0:
+        per_batch = v_scale[0].numel()
+        launcher(fp8_rows_scale_kernel)[(b,)](
+            v_scale, row_scale, per_batch, FLOOR=reference.fp8.AMAX_FLOOR / reference.attention.FP8_MAX,
+            HEADROOM=reference.attention.FP8_ROWS_HEADROOM,
+            BLOCK=min(4096, triton.next_power_of_2(max(per_batch, 1))), num_warps=4)
+    return row_scale
+
+
+def launch_eight_bit(operands: tuple, v: Tensor, out: Tensor, scale: float, causal: bool, seq_dim: int,
+                     kv_lengths: Optional[Tensor], out_scale: Optional[Tensor] = None) -> None:
+    """The body the 8-bit ops share: fill ``out`` from the forward kernel.
+    ``operands``: ``(q8, q_scale, k8, k_scale)`` and, for FP8 P V, ``(vt8,
+    v_scale)`` (:func:`quantize_8bit`'s tuple); without the latter P V is
+    16-bit, on ``v``. ``out_scale`` ``[B, Lq]`` (FP8 P V only): out is the
+    e4m3 rows of ``reference.attention.attention_int8_fp8_rows``, these their
+    scales."""
+    q8, q_scale, k8, k_scale, *v_operands = operands
+    b, h, lq, _ = meta.attention.dims(q8, seq_dim)
+    lse = v.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
+    if not v_operands:
+        launch_forward(q8, k8, unit_last_stride(v), out, lse, scale, causal, seq_dim, kv_lengths,
+                       int8_scales=(q_scale, k_scale))
+        return
+    vt8, v_scale = v_operands
+    fp8_rows = None if out_scale is None else (fp8_rows_scale(v_scale), out_scale)
+    launch_forward(q8, k8, vt8, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale),
+                   v_scale=v_scale, fp8_rows=fp8_rows)
+
+
+def quantized_operands(q: Optional[Tensor], k: Optional[Tensor], v: Tensor, seq_dim: int, pv_fp8: bool) -> tuple:
+    """The 8-bit kernel's operands: q as given (16-bit, no scale: the kernel
+    rounds it, ``QUANTIZE_Q``), :func:`quantize_8bit` of k and, for FP8 P V,
+    v, in one pass where they share it (q and k None: they came quantized,
+    and only v's operands are made). Traced too (torch.compile,
+    torch.export): the Triton passes beat Inductor's fusion of the
+    specification's torch ops at every measured shape for ``int8_fp8`` (H100,
+    1x24x4608x128: 568 TFLOP/s eager against 541 compiled with the torch
+    ops; bench/notes.md), and one path is what both modes then run."""
+    if q is None and not pv_fp8:
+        return ()
+    q, k, v = (None if t is None else unit_last_stride(t) for t in (q, k, v))
+    operands = quantize_8bit(k, v if pv_fp8 else None, seq_dim)
+    # q stays 16-bit, without a scale: the attention kernel rounds each program's rows itself (QUANTIZE_Q).
+    return operands if q is None else (q, None) + operands
