@@ -37,7 +37,7 @@ causal and key lengths 1.05-1.17x that kernel. Its output is the portable
 kernel's bit for bit (same 128 x 128 tiles, products, order of additions
 and formulas).
 
-What it takes (``ops/attention.py`` routes everything else to the
+What it takes (``ops/attention_sm90.py`` routes everything else to the
 portable kernel): 16-bit q/k/v with a unit stride along D (a power of
 two; the package sends D = 128, and D = 64 where it is ahead), 16-byte
 aligned bases and batch, head and row strides (TMA), ``Lk >= 1``; dense or
@@ -59,7 +59,7 @@ scores, one row factor per tile, ``2**8 p`` rounded to e4m3, a fresh FP8
 product per tile added to the fp32 accumulator), and the same results bit
 for bit, dense only. Measured, not routed: its P goes through shared
 memory (:func:`_next_carry`), and it is not ahead of ``attn_fwd_kernel``
-(``ops.attention.SM90_CORE_PRECISIONS``).
+(``ops.attention_tiles.SM90_CORE_PRECISIONS``).
 
 
 Gluon does not run under the interpreter: the CPU tests compile every

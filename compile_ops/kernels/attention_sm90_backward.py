@@ -62,9 +62,9 @@ def _bwd_program(w, KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CA
     their dk and dv to the part slot ``(item - whole) * parts + k`` for
     ``attn_bwd_parts_kernel`` to add up: the launch's
     last round split so that it ends with the others
-    (``ops.attention.backward_tail_split``). HEAVY_FIRST (causal, dense):
+    (``ops.attention_sm90.backward_tail_split``). HEAVY_FIRST (causal, dense):
     items taken longest first, the first key tiles of a group of heads
-    before their second (``kernels.attention._dealt_rank``, as the
+    before their second (``kernels.attention_common.dealt_rank``, as the
     deterministic dk/dv pass)."""
     tile, bhk = _bwd_item(w, split, Hk, heads_per_group, HEAVY_FIRST, SPLIT)
     b = bhk // Hk
@@ -420,7 +420,7 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     """The attention backward in five products a (key tile, query step): dK
     and dV of 128 keys of one (batch, k head) per program, and (DQ) dQ added
     into DQ_ACC by TMA reductions in whatever order the programs run (not
-    bit for bit the same from run to run; ``ops.attention`` takes it only
+    bit for bit the same from run to run; ``ops.attention_sm90`` takes it only
     when asked: ``ATOMIC_DQ``). Without DQ, four products: dK and dV alone,
     in the same order on every run (the deterministic backward's dk/dv pass
     on sm_90; DQ_ACC unused). Dense or (SPARSE) block-sparse: BLOCKS ``[B, H,
@@ -433,7 +433,7 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     MASKED_KEYS: a tile may hold keys past kv_len (Lk is not a multiple of
     128, or key lengths are given), which are masked. HEAVY_FIRST with
     ``heads_per_group``: dense causal programs longest first
-    (``ops.attention.causal_order``).
+    (``ops.attention_tiles.causal_order``).
 
     Q, DO ``[B, H, Lq, D]`` and K, V, DK, DV ``[B, H / GROUP, Lk, D]`` 16-bit,
     any layout through the (batch, head, position) strides, a unit stride
@@ -444,11 +444,11 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     GROUP`` of them: the first ``whole`` one program each, the others
     ``parts`` programs each (``_bwd_program``), whose dk and dv go to
     PARTIALS ``[items - whole, parts, 2, 128, D]`` fp32 for
-    ``kernels.attention.attn_bwd_parts_kernel`` (SPLIT: dense, not causal,
+    ``kernels.attention_backward.attn_bwd_parts_kernel`` (SPLIT: dense, not causal,
     no key lengths; else every item is whole, and ``whole``, ``parts`` and
     PARTIALS are unused).
     STEP: the query rows of a step, 64, or 128 at D = 64 without block
-    lists (``ops.attention.backward_step``). PERSISTENT (without DQ, dense,
+    lists (``ops.attention_sm90.backward_step``). PERSISTENT (without DQ, dense,
     not causal): fewer programs than work indices, each taking every
     ``num_programs``-th (one per SM: the descriptors the kernel builds on
     the device take 768 bytes of scratch per program).
@@ -456,7 +456,7 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     and ``maxnreg=168`` (the forward core's budgets: CONSUMER_REGS for both
     consumer groups, 24 for the loader)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
-    gl.static_assert((D == 64) or (D == 128), "D = 64 or 128 (ops.attention._takes_sm90_backward)")
+    gl.static_assert((D == 64) or (D == 128), "D = 64 or 128 (ops.attention_sm90.takes_sm90_backward)")
     # A consumer's S^T and dP^T are 64 keys x STEP queries: 128-query steps fit its registers beside dK and
     # dV at D = 64 (32 registers each), not at D = 128 (64 each), nor with block lists (ptxas spilled 154
     # accesses in the step loop).
