@@ -121,9 +121,9 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
     products are summed by a fresh dot and added to the fp32 accumulator
     (two-level accumulation: Hopper's FP8 MMA keeps fewer accumulator bits
     than fp32, which over one tile of keys is far below e4m3's rounding).
-    With DOT_ACC the accumulator is the FP8 dot's own operand instead: 50
-    registers fewer and 2-3% faster on an H100, but 1.3-2x the distance to
-    the specification (bench/notes.md), so ``forward_tiles`` leaves it off."""
+    With DOT_ACC the accumulator is the FP8 dot's own operand instead: fewer
+    registers and a little faster, but further from the specification
+    (docs/notes/attention.md), so ``forward_tiles`` leaves it off."""
     for i in tl.range(first, last, warp_specialize=WARP_SPECIALIZE):  # key tiles
         start_n = tile_start(i, BLOCKS, offs_n.shape[0], SPARSE_BLOCK, SPARSE, LIST_BY_ASM, count)
         cols = start_n + offs_n

@@ -59,9 +59,8 @@ def kv8_stats_kernel(K, V, K_SUM, V_AMAX, ARRIVALS, Hk, Lk, skb, skh, skl, svb, 
     programs arrives last (ARRIVALS, ``[B * Hk]`` int32 zeroed by
     ``kv8_counters_clear_kernel``, counts them in): the same bits on every
     run whatever the order the programs ran in, and ``kv8_quantize_kernel``
-    reads one row. (The quantizing programs once reduced 16 partials each
-    themselves; with the head's total summed once here, the chunk count is
-    free to follow the length.) Triton issues the scalar atomic from one
+    reads one row, so the chunk count is free to follow the length. Triton
+    issues the scalar atomic from one
     thread after a CTA barrier, so the release covers every thread's store
     of the chunk's row."""
     bh = tl.program_id(1)
@@ -71,8 +70,8 @@ def kv8_stats_kernel(K, V, K_SUM, V_AMAX, ARRIVALS, Hk, Lk, skb, skh, skl, svb, 
     first = tl.program_id(0) * rows_per_chunk
     last = tl.minimum(first + rows_per_chunk, Lk)
     # Elementwise accumulators, reduced over their rows once after the loop,
-    # not a row reduction (shared memory and barriers) in every step: the
-    # per-step form ran at 1.0-1.3 TB/s on an H100 (bench/notes.md).
+    # not a row reduction (shared memory and barriers) in every step, which
+    # is slower (docs/notes/attention.md).
     k_sum = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
     v_amax = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
     for start in range(first, last, BLOCK_L):

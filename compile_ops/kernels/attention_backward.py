@@ -31,9 +31,8 @@ from compile_ops.kernels.attention_common import (aligned_lengths, block_list, k
 #: passes' query tiles. Why padded: the dk/dv pass loads them once per query
 #: tile, and at a length that is not a multiple of 16 (Wan 480p: 32760
 #: tokens) a row base of ``head * Lq`` and a mask of ``rows < Lq`` cost those
-#: loads their vector width and the kernel 2.2x its spills (H100,
-#: [1,24,4600,128]: the pass 1.35 ms against 1.04 at 4608). Padded, the rows
-#: start aligned and are read without a mask.
+#: loads their vector width and the kernel spills (docs/notes/attention.md).
+#: Padded, the rows start aligned and are read without a mask.
 STATS_ROW_ALIGN = tl.constexpr(128)
 
 
@@ -142,7 +141,7 @@ def _probabilities(s, scale, lse, FMA_EXPONENT: tl.constexpr):
     """``exp(scale * s - lse)``: the exponent is formed in natural units, with
     torch's two roundings, and only then moved to log2 units for exp2 (scaling
     s by ``scale * log2(e)`` first multiplies the roundings' error by the
-    scores' magnitude: 4x torch's error in fp32 dk, found by Hypothesis).
+    scores' magnitude, past torch's error in fp32 dk).
     16-bit inputs (``FMA_EXPONENT``) take that error for one fma per score:
     p is rounded to 16 bits before its dots anyway."""
     if FMA_EXPONENT:

@@ -31,8 +31,6 @@ def load_tile(base, start, offs, n_rows, stride_row, cols, D: tl.constexpr, BLOC
             return tl.load(ptrs, mask=(cols < D)[None, :], other=0.0)
 
 
-
-
 @triton.jit
 def store_tile(base, start, offs, n_rows, stride_row, cols, value, D: tl.constexpr):
     tl.store(_tile_ptrs(base, start, offs, stride_row, cols), value.to(base.dtype.element_ty),
@@ -55,8 +53,8 @@ def aligned_lengths(Lq, Lk, ALIGNED_LENGTHS: tl.constexpr):
     by 16 on its own, but Inductor, launching a kernel under dynamic shapes
     (the second resolution a compiled model sees), cannot prove it for a
     symbolic length and drops the hint; the lse/delta and mask arithmetic then
-    loses its vector width (H100, [1,24,4608,128] compiled dynamic: the dk/dv
-    pass 1.34 ms against 1.07). ``n // 16 * 16`` is n itself here, and a form
+    loses its vector width (docs/notes/attention.md). ``n // 16 * 16`` is n
+    itself here, and a form
     the compiler's divisibility analysis reads (``tl.multiple_of`` is ignored
     on a scalar argument)."""
     if ALIGNED_LENGTHS:
@@ -197,8 +195,8 @@ def tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARSE
     Given an ordinary load there, Triton 3.6 pipelines it as an async copy
     into a one-entry buffer and spends one of the loop's stages on it, so K
     and V stream two tiles deep instead of the dense loop's three (TTGIR of
-    the TMA forward): the sparse forward ran up to 8% slower for it
-    (bench/notes.md). Declared pure because the pipeliner refuses an impure
+    the TMA forward), which slows the sparse forward (docs/notes/attention.md).
+    Declared pure because the pipeliner refuses an impure
     asm op in a loop it pipelines ("doesn't know how to predicate"); the
     lists are read-only here, but pure also lets it hoist the read into its
     prologue, unpredicated, for iterations past the list, so the entry is
@@ -232,7 +230,7 @@ def quantization_scale(amax, TOP: tl.constexpr):
     ``reference.attention.quantization_scale``. The values are then
     multiplied by the reciprocal: one FMUL each, where a correctly rounded
     division per value (``div.rn.f32``, a dozen instructions and a slow-path
-    branch) made the quantizing passes arithmetic-bound."""
+    branch) makes the quantizing passes arithmetic-bound."""
     scale = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, TOP, tl.float32)), _FP32_TINY)
     return scale, tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
 
@@ -245,7 +243,7 @@ def round_to_int8(x, inverse):
     to even, as fp32 addition rounds: torch.round's rounding. The clamp comes
     first (the same result: its bounds are integers) so that the compiler
     cannot contract the product and the bias into one fma, which would round
-    once where torch rounds twice (seen in sm_90 PTX: a product just below a
-    half rounded up)."""
+    once where torch rounds twice (a product just below a half would round
+    up)."""
     clamped = tl.minimum(tl.maximum(x * inverse, -INT8_MAX), INT8_MAX)
     return ((clamped + INT8_BIAS) - INT8_BIAS).to(tl.int8)

@@ -3,9 +3,9 @@
 Why a second forward next to ``attention.py``'s ``attn_fwd_kernel``: that
 kernel is written in ``triton.language``, whose compiler issues the TMA
 loads from the warps that run the softmax (four CTA barriers a key step)
-and waits for every wgmma right after issuing it. Triton 3.6's own warp
-specialization of that loop gave wrong results at random and no speed
-(bench/notes.md). Gluon lets the kernel say what FlashAttention-3 does:
+and waits for every wgmma right after issuing it, and whose own warp
+specialization of that loop (Triton 3.6) does not compute it reliably.
+Gluon lets the kernel say what FlashAttention-3 does:
 
 - work items of 128 queries of one (batch, head), dealt out round robin to
   the programs (one per SM for dense attention: persistent), each program
@@ -17,25 +17,19 @@ specialization of that loop gave wrong results at random and no speed
     arrived) and an "empty" one (both consumers are done with it). So the
     next item's loads run under this item's last product and epilogue, and
     the three TMA descriptors (4-D, over whole tensors) are written once
-    per program, not per item: 1.01-1.06x a program per item, most at the
-    short lengths (1x24x4608: 0.91x cuDNN per item, 0.96x persistent; H100,
-    bench/notes.md, "A persistent sm_90 core");
+    per program, not per item;
   - two consumer warp groups of 64 query rows each (``CONSUMER_REGS``
     registers), sharing every K/V tile; neither waits for the other, so the
     warp schedulers run one's softmax under the other's products;
 - inside a consumer, step j issues S_j = Q K_j^T and then O += P_j-1 V_j-1
   and waits for S_j alone, so S_j's softmax can start while the product
-  runs. In the SASS ptxas hoists the product's wait above the softmax's
-  exponentials all the same; a wait pinned below them (predicated on the
-  row sums) changed nothing at 16 bits and cost 5-7% in INT8_FP8 (H200,
-  bench/notes.md): the other consumer's products fill the tensor cores
-  while this one's softmax runs.
+  runs. ptxas hoists the product's wait above the softmax's exponentials
+  all the same, and pinning it below them does not pay: the other
+  consumer's products fill the tensor cores while this one's softmax runs.
 
-Measured (bench/notes.md, "The sm_90 core" and after): 0.95-1.11x cuDNN's
-forward where the ``triton.language`` kernel was 0.88-1.01x; block-sparse,
-causal and key lengths 1.05-1.17x that kernel. Its output is the portable
-kernel's bit for bit (same 128 x 128 tiles, products, order of additions
-and formulas).
+It is faster than the ``triton.language`` kernel (docs/notes/attention.md),
+and its output is the portable kernel's bit for bit (same 128 x 128 tiles,
+products, order of additions and formulas).
 
 What it takes (``ops/attention_sm90.py`` routes everything else to the
 portable kernel): 16-bit q/k/v with a unit stride along D (a power of
@@ -48,23 +42,22 @@ block-sparse lists' blocks, or (dense, D = 64) 256, a multiple of the
 query tile, so at most one key tile of an item needs a mask: the one at
 the unmasked keys' end (kv_len's ragged tile, the causal diagonal, or
 both). With 256-key tiles a tile's scores and the previous tile's P do not
-fit in a consumer's registers side by side (ptxas spilled 660 bytes), so
-each key step folds the previous P V in before it issues the next Q K^T
+fit in a consumer's registers side by side (ptxas spills), so each key
+step folds the previous P V in before it issues the next Q K^T
 (``_key_step``): only the other consumer overlaps this one's softmax.
-That form at D = 64 ran 1.07-1.09x the portable kernel (bench/notes.md).
 
 ``INT8_FP8``: the 8-bit operands of ``attn_fwd_kernel``'s ``INT8`` +
 ``PV_FP8`` mode with q given in int8, the same formulas (biased int32
 scores, one row factor per tile, ``2**8 p`` rounded to e4m3, a fresh FP8
 product per tile added to the fp32 accumulator), and the same results bit
-for bit, dense only. Measured, not routed: its P goes through shared
-memory (:func:`_next_carry`), and it is not ahead of ``attn_fwd_kernel``
+for bit, dense only. Built, not routed: its P goes through shared memory
+(:func:`_next_carry`), and it is not ahead of ``attn_fwd_kernel``
 (``ops.attention_tiles.SM90_CORE_PRECISIONS``).
 
-
-Gluon does not run under the interpreter: the CPU tests compile every
-variant for sm_90 (tests/test_sm90_compile.py), the GPU tests compare them
-with the portable kernel (the backward: with the deterministic passes).
+The five-product backward is ``kernels/attention_sm90_backward.py``. Gluon
+does not run under the interpreter: the CPU tests compile every variant for
+sm_90 (tests/test_sm90_compile.py), the GPU tests compare them with the
+portable kernel.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -186,10 +179,8 @@ def _next_carry(p, alpha, v_smem, p_smem, p_layout: gl.constexpr):
     with ``2**8 p`` rounded to e4m3 stored to this consumer's shared buffer
     (the next product's A operand) and ordered before its reads (async
     proxy). In registers, an 8-bit P takes Triton's conversion from the
-    scores' layout, byte permutes and warp shuffles (161 ``shfl`` in the
-    kernel's PTX), and the core ran 0.76-0.85x ``attn_fwd_kernel`` so,
-    against 0.93-1.00x through shared memory (H200, bench/notes.md, "The
-    sm_90 core's front ends")."""
+    scores' layout, byte permutes and warp shuffles, which is slower than
+    the round trip through shared memory (docs/notes/attention.md)."""
     if v_smem.dtype == gl.float8e4nv:
         p_smem.store(p.to(gl.float8e4nv))
         fence_async_shared()

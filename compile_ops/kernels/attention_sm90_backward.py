@@ -1,18 +1,18 @@
 """The Hopper (sm_90) attention backward, in Gluon: five products a tile pair, FlashAttention-3's structure.
 
-``attn_bwd_sm90_kernel``: a loader warp, two
-consumer warp groups of 64 keys sharing steps of 64 queries, 128 at D = 64), with dq added by
-TMA reductions in the order the programs run: the
-``set_attention_backward(deterministic=False)`` option, dense, causal,
-with key lengths or over block lists: 1.05-1.12x the deterministic passes
-forward+backward, causal 1.10-1.19x, block-sparse 1.11-1.26x (H100,
-bench/notes.md, "A five-product backward in Gluon" and after). Without
-dQ it is the deterministic backward's dk/dv pass (four products), for
-dense non-causal calls persistent: one program per SM over the key tiles.
+``attn_bwd_sm90_kernel``: a loader warp and two consumer warp groups of 64
+keys sharing steps of 64 queries (128 at D = 64), with dq added by TMA
+reductions in the order the programs run: the
+``set_attention_backward(deterministic=False)`` option, dense, causal, with
+key lengths or over block lists, faster than the deterministic passes
+(docs/notes/attention.md). Without dQ it is the deterministic backward's
+dk/dv pass (four products), for dense non-causal calls persistent: one
+program per SM over the key tiles. It shares the forward core's warp-group
+rows and TMA boxes (``kernels/attention_sm90.py``).
 
 Gluon does not run under the interpreter: the CPU tests compile every
 variant for sm_90 (tests/test_sm90_compile.py), the GPU tests compare them
-with the portable kernel (the backward: with the deterministic passes).
+with the deterministic passes.
 """
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -82,7 +82,7 @@ def _bwd_program(w, KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CA
     row_lists = (0, 0, 0, 0)  # dense: none
     if SPARSE:  # (causal: the listed blocks above the diagonal are masked, not skipped)
         # Only the group's first q head's list and count pointers, and the steps to the next head's, stay
-        # live through the loop (ptxas spilled set-up values inside it while all eight list arguments did).
+        # live through the loop (with all eight list arguments live, ptxas spills set-up values inside it).
         BLOCKS, COUNTS, sbb, sbh, sbr, scb, sch, scr = lists
         first_list = BLOCKS + b * sbb + hk * GROUP * sbh + tile * sbr
         first_count = COUNTS + b * scb + hk * GROUP * sch + tile * scr
@@ -141,10 +141,9 @@ def _bwd_step(i, program, GROUP, n_tiles, STAGGER: gl.constexpr, SPARSE: gl.cons
     the steps of each listed query block in turn). STAGGER
     (non-causal): each program starts at its own point of that cycle
     (spread evenly over the programs of a k head), so that they do not add
-    into the same dq rows at the same time: 1.03x, 1.06x and 1.03x
-    forward+backward at 4608, 16384 and 32760 tokens against every program
-    starting at 0 (H100, bench/notes.md). Causal programs start at their
-    own diagonals, 128 queries apart, so they need no stagger."""
+    into the same dq rows at the same time, which is faster than every
+    program starting at 0 (docs/notes/attention.md). Causal programs start
+    at their own diagonals, 128 queries apart, so they need no stagger."""
     b, hk, tile, _, first_step, n_steps, total, row_lists, _, _ = program
     j = i
     if STAGGER:
@@ -225,8 +224,8 @@ def _bwd_dq_step(dq_args, k_smem, dq_zero, head_row, m0, buf, i, W: gl.constexpr
     into DQ_ACC's rows ``m0`` on of (batch, q head) row ``head_row`` by TMA
     reductions of STEP x 32 (``_DQ_PIECE`` channels each: two at D = 128, one
     at D = 64; the next step rewrites their buffers once the reductions
-    have read them; a second set of buffers measured no faster,
-    bench/notes.md)."""
+    have read them: a second set of buffers is no faster,
+    docs/notes/attention.md)."""
     dqa_desc, ds_smem, dq_smem, ds_full = dq_args
     D: gl.constexpr = k_smem.shape[1]
     STEP: gl.constexpr = ds_smem.shape[2]
@@ -316,7 +315,7 @@ def _bwd_consume_item(args, w, it, item, W: gl.constexpr, CAUSAL: gl.constexpr, 
         if MASKED_KEYS and STEP > WGMMA_ROWS:
             # Masked keys (past kv_len, where they read as zeros past Lk) give scores, not probabilities
             # of 0: with 128-query steps, a -inf bias of theirs (exp2 gives 0; lse is +inf past Lq:
-            # still -inf), since the branch below made ptxas spill P (148 accesses in the loop).
+            # still -inf), since the branch below makes ptxas spill P in the loop.
             p = gl.exp2(st * qk_scale + (key_bias[:, None] - lse2))
         else:
             p = gl.exp2(st * qk_scale - lse2)
@@ -329,7 +328,7 @@ def _bwd_consume_item(args, w, it, item, W: gl.constexpr, CAUSAL: gl.constexpr, 
                 p = gl.where(key[:, None] <= (m0 + step_query)[None, :], p, 0.0)
         if STEP > WGMMA_ROWS:
             # 128-query steps (D = 64): dV += P^T dO waits for dS, so that P's 16-bit operand is not live
-            # beside P, dP and dS (64 + 64 + 32 + 32 registers past dK and dV: ptxas spilled in the loop).
+            # beside P, dP and dS (64 + 64 + 32 + 32 registers past dK and dV: ptxas would spill in the loop).
             dp = warpgroup_mma_wait(0, deps=[dp_token])
             ds = (p * (dp - delta_smem.index(stage).load(s_layout))).to(q_smem.dtype)
             p_op = gl.convert_layout(p.to(q_smem.dtype), op_layout)
@@ -458,8 +457,8 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert((D == 64) or (D == 128), "D = 64 or 128 (ops.attention_sm90.takes_sm90_backward)")
     # A consumer's S^T and dP^T are 64 keys x STEP queries: 128-query steps fit its registers beside dK and
-    # dV at D = 64 (32 registers each), not at D = 128 (64 each), nor with block lists (ptxas spilled 154
-    # accesses in the step loop).
+    # dV at D = 64 (32 registers each), not at D = 128 (64 each), nor with block lists (ptxas spills in the
+    # step loop).
     gl.static_assert((STEP == 64) or ((STEP == 128) and (D == 64) and not SPARSE),
                      "64-query steps, or 128 at D = 64, dense")
     gl.static_assert(not (SPLIT and (CAUSAL or HAS_KV_LEN or SPARSE)), "only items of equal work are split")

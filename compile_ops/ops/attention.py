@@ -183,28 +183,29 @@ _EIGHT_BIT_OPS = {"int8": _attention_int8_op, "int8_fp8": _attention_int8_fp8_op
 
 
 #: The tag :func:`set_attention_backward` adds to torch.compile's cache keys while dq is summed in atomic
-#: order. (Without it, a compile under one setting found the AOTAutograd cache's graph of the other: the
-#: deterministic backward ran the five-product kernel, H100, ``test_sm90_backward_compiled_equals_eager``.)
+#: order: without it, a compile under one setting can be handed the cached graph of the other.
 ATOMIC_DQ_CACHE_TAG = "compile_ops.attention_atomic_dq"
 
 
 def set_attention_backward(deterministic: bool = True) -> None:
     """Choose how ``fused.attention``'s backward sums dq from now on.
 
-    ``deterministic=True`` (the default): three passes (statistics, dk/dv,
-    dq; on sm_90 the dk/dv pass of dense calls is the five-product kernel
-    without its dQ, ``SM90_DKDV``), the gradients bit for bit the same on
-    every run. ``False``: on sm_90 GPUs, 16-bit calls at
-    D = 64 or 128 (dense or block-sparse, causal or not, with key lengths or not)
-    take a five-product backward whose dq is added up by TMA reductions in
-    the order the GPU's programs run, so dq's last bits vary from run to run
-    (dk and dv do not); forward+backward on an H100 1.05-1.17x the
-    ``triton.language`` passes, causal 1.10-1.19x, block-sparse 1.11-1.26x,
-    and 1.02-1.09x the default with its sm_90 dk/dv pass (README). Other calls (D
-    other than 64 and 128, fp32), and
-    every call while ``torch.use_deterministic_algorithms(True)`` is on,
-    keep the deterministic passes. Compiled graphs take the setting that
-    held when they were traced. ``False`` adds a tag to
+    Args:
+        deterministic: ``True`` (the default): three passes (statistics,
+            dk/dv, dq; on sm_90 the dk/dv pass of dense calls is the
+            five-product kernel without its dQ, ``SM90_DKDV``), the
+            gradients bit for bit the same on every run. ``False``: on sm_90
+            GPUs, 16-bit calls at D = 64 or 128 (dense or block-sparse,
+            causal or not, with key lengths or not) take a five-product
+            backward whose dq is added up by TMA reductions in the order the
+            GPU's programs run, so dq's last bits vary from run to run (dk
+            and dv do not), and the backward runs faster
+            (docs/notes/attention.md).
+
+    Other calls (D other than 64 and 128, fp32), and every call while
+    ``torch.use_deterministic_algorithms(True)`` is on, keep the
+    deterministic passes. Compiled graphs take the setting that held when
+    they were traced. ``False`` adds a tag to
     ``torch.compiler.config.cache_key_tag`` (``True`` removes it), so that
     torch.compile's caches (AOTAutograd's and Inductor's, in memory and on
     disk) do not hand a graph traced under one setting to a compile under

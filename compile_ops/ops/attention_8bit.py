@@ -21,19 +21,15 @@ from compile_ops.ops.attention_tiles import block_d
 #: The 8-bit quantization's statistics pass: each program reduces a chunk
 #: of STAT_CHUNK_ROWS of a head's keys in steps of STAT_STEP rows, and the
 #: head's last chunk to finish sums the head's partials; past
-#: MAX_STAT_CHUNKS chunks a head the chunks grow instead. Swept on an H100
-#: (bench/results/quantize-8bit-stats-sweep-h100.json: chunks of 128 to 2048
-#: keys, steps of 32 to 128, 4 or 8 warps, seven shapes): 1024-key chunks
-#: in 128-key steps at 8 warps are within 3.5% of each shape's best. With
-#: kv8_quantize_kernel's padded store, both passes are 19-20% faster than 16
-#: chunks a head in 64-key steps at 4 warps (the configuration before) at
-#: aligned lengths and 55% at 32760 (bench/notes.md).
+#: MAX_STAT_CHUNKS chunks a head the chunks grow instead. The values are a
+#: sweep's (chunk and step lengths, warps) best across shapes
+#: (docs/notes/attention.md).
 STAT_STEP = 128
 STAT_CHUNK_ROWS = 1024
 MAX_STAT_CHUNKS = 128
 #: Launches of the two passes (tests and experiments patch them).
 STATS_LAUNCH = dict(num_warps=8)
-QUANTIZE_LAUNCH = dict(num_warps=4)  # 8 warps: 1.2x the time (H200, bench/notes.md)
+QUANTIZE_LAUNCH = dict(num_warps=4)  # 8 warps ran slower (docs/notes/attention.md)
 
 
 def stat_rows_per_chunk(lk: int) -> int:
@@ -79,8 +75,8 @@ def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tup
         k_scale = torch.empty((b, hk, blocks), dtype=torch.float32, device=k.device)
     if with_v:
         # The kernel is handed the whole padded buffer, not the narrowed view the attention kernel
-        # reads: a traced kernel mutating a view made Inductor emit an e4m3 slice copy that failed
-        # to compile (tl.full of fp8) at 32760 tokens.
+        # reads: a traced kernel that mutates a view makes Inductor emit an e4m3 slice copy, which fails
+        # to compile (tl.full of fp8).
         vt8 = torch.empty((b, hk, d, lk + -lk % 16), dtype=torch.float8_e4m3fn, device=v.device)
         v_scale = torch.empty((b, hk, d), dtype=torch.float32, device=v.device)
     k_strides = bhl_strides(k, seq_dim) if with_k else (0, 0, 0)
@@ -161,9 +157,8 @@ def quantized_operands(q: Optional[Tensor], k: Optional[Tensor], v: Tensor, seq_
     v, in one pass where they share it (q and k None: they came quantized,
     and only v's operands are made). Traced too (torch.compile,
     torch.export): the Triton passes beat Inductor's fusion of the
-    specification's torch ops at every measured shape for ``int8_fp8`` (H100,
-    1x24x4608x128: 568 TFLOP/s eager against 541 compiled with the torch
-    ops; bench/notes.md), and one path is what both modes then run."""
+    specification's torch ops (docs/notes/attention.md), and one path is
+    what both modes then run."""
     if q is None and not pv_fp8:
         return ()
     q, k, v = (None if t is None else unit_last_stride(t) for t in (q, k, v))

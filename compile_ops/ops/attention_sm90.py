@@ -43,11 +43,9 @@ def takes_sm90_core(t: Tiles, sizes: AttentionSizes, q: Tensor, k: Tensor, v: Te
     only dense, with q given in int8, not ``rounds_q``, and a 16-bit
     output); the rest stays on ``attn_fwd_kernel``. Its 256-key tiles
     (D = 64) are not a listed block, and only dense non-causal calls over
-    whole tiles without key lengths measured ahead with them: 427 against
-    the portable kernel's 396 TFLOP/s at 2x24x4096x64, 448 against 412 at
-    1x24x16384x64, but 360 against 377 at SD3's ragged 4429 tokens, 391
-    against 410 with key lengths and 281 against 373 causal at 2x24x4096
-    (H100, ``bench/results/attention-sm90-core-d64-h100.json``)."""
+    whole tiles without key lengths run ahead of the portable kernel with
+    them; ragged, causal and key-length calls run behind it
+    (docs/notes/attention.md)."""
     eight_bit_ok = not rounds_q and fp8_rows is None and (blocks is None or q.dtype != torch.int8)
     wide_ok = t.block_n == meta.attention.SPARSE_BLOCK or (
         blocks is None and not sizes.causal and not sizes.has_kv_len and sizes.lk % t.block_n == 0)
@@ -69,12 +67,10 @@ def _broadcast(seq_dim: int, *tensors: Tensor) -> bool:
 def _core_programs(q: Tensor, items, causal: bool, sparse: bool):
     """The sm_90 core's grid. Dense (with key lengths or not): one program
     per SM, each looping over its share of the work items with its loader
-    running ahead into the next item's q and keys, 1.01-1.06x one program per
-    item (0.96x cuDNN at 1x24x4608 where one per item was 0.91x, 0.96x at
-    2x24x4096; H100, ``bench/results/attention-sm90-core-persistent-h100.json``).
-    Causal and block-sparse items differ in work: one program per item,
-    which the GPU deals out as SMs free up (a static round robin of causal
-    items ran 0.84x at 1x40x16384, of block-sparse ones 0.98-1.01x)."""
+    running ahead into the next item's q and keys (faster than one program
+    per item). Causal and block-sparse items differ in work: one program
+    per item, which the GPU deals out as SMs free up (a static round robin
+    of them ran slower; docs/notes/attention.md)."""
     if causal or sparse:
         return items
     return min(items, multiprocessor_count(q))  # real tensors only: the opaque op or the eager path
@@ -136,19 +132,12 @@ def _(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths=None, block_index=No
 #: the five-product sm_90 backward (``attn_bwd_sm90_kernel``) for the calls
 #: :func:`takes_sm90_backward` accepts. Off by default: dq then differs from
 #: run to run in its last bits (dk and dv do not), and the default backward is
-#: bit-identical across runs. Forward+backward 1.03-1.12x the deterministic
-#: backward and 0.87-1.00x cuDNN at issue 28's D = 128 shapes (four runs), 0.95-0.98x at
-#: 2x24x4096x64 (128-query steps, :data:`SM90_BACKWARD_STEPS`), causal 1.05-1.19x and 0.92-1.00x,
-#: block-sparse 1.11-1.26x (H100,
-#: ``bench/results/attention-h100.json``, ``attention-causal-h100.json`` and
-#: ``block-sparse-h100.json``'s ``*_atomic_dq``; bench/notes.md, "A
-#: five-product backward in Gluon" and after);
+#: bit-identical across runs; the option is faster (docs/notes/attention.md).
 #: ``torch.use_deterministic_algorithms(True)`` turns it off again. Read when a
 #: call is made, or traced: set it before compiling.
 ATOMIC_DQ = False
 #: The five-product backward's q/dO ring: 198 KB of shared memory at 2 stages at D = 128, where a third
-#: does not fit; at D = 64 (16 KB a stage) 4 and 6 stages ran no faster than 2, within 1% or slower at
-#: four shapes (H100, ``bench/results/attention-backward-stages-d64-h100.json``).
+#: does not fit; at D = 64 more stages ran no faster (docs/notes/attention.md).
 SM90_BACKWARD_STAGES = 2
 #: The head dimensions the five-product backward computes (one or two 32-channel dQ pieces a consumer).
 SM90_BACKWARD_HEAD_DIMS = (64, 128)
@@ -160,7 +149,7 @@ SM90_BACKWARD_STEPS = {64: 128, 128: 64}
 
 def backward_step(d: int, sparse: bool) -> int:
     """``attn_bwd_sm90_kernel``'s query rows a step at head dim ``d``: :data:`SM90_BACKWARD_STEPS`, or
-    64 over block lists (a 128-query step there made ptxas spill in the step loop)."""
+    64 over block lists (a 128-query step there spills in the step loop)."""
     return 64 if sparse else SM90_BACKWARD_STEPS[d]
 
 
@@ -188,25 +177,16 @@ def takes_sm90_backward(sizes: AttentionSizes, q: Tensor, k: Tensor, v: Tensor, 
 
 #: The deterministic backward's dk/dv pass on sm_90: ``attn_bwd_sm90_kernel`` without dQ (four products,
 #: warp-specialized; bit for bit the same on every run) for the dense calls it computes, in place of
-#: ``attn_bwd_dkdv_kernel``. Forward+backward against the ``triton.language`` pass, H100, alternated rounds:
-#: as it runs (no split), 1.02-1.03x at 1x24x4608x128, 1.03-1.05x at 1x40x16384x128, 0.99-1.02x at
-#: 2x24x4096x64 and 1.05-1.07x causal at 1x24x4608x128 (2 rounds,
-#: ``bench/results/attention-deterministic-dq-sm90-h100.json``: its ``triton_dq`` runs are this default, its
-#: ``triton_passes`` runs the old one); in 3 rounds before
-#: (``attention-deterministic-dkdv-sm90-h100.json``), 1.00-1.01x at 2x24x4096x64, 1.03-1.07x causal, and
-#: with a last round split, which the pass no longer does (its memory, :func:`launch_sm90_backward`),
-#: 1.02-1.03x at 4608 and 1.09-1.16x at 1x24x4429x64. Block-sparse calls keep the ``triton.language`` pass
-#: (not measured on this kernel without dQ).
+#: ``attn_bwd_dkdv_kernel``, where it is faster than the ``triton.language`` pass (docs/notes/attention.md).
+#: Its last round is never split (its memory, :func:`launch_sm90_backward`). Block-sparse calls keep the
+#: ``triton.language`` pass.
 SM90_DKDV = True
 #: That pass dense and not causal, persistent: one program per SM walks its share of the key tiles, its
 #: loader fetching the next tile's K and V once both consumers are done with the last one's and its q/dO
 #: ring running on across tiles. Why: the kernel builds its six TMA descriptors on the device, 128 bytes
-#: each in scratch memory per program, which one program per key tile made 0.4-2.5 MiB (one fp32 per key
-#: row) above the ``triton.language`` pass's peak (bench/notes.md, the README tables rerun whole); one
-#: per SM brings 1x40x16384x128 back to 651 MiB. And it is faster: forward+backward 1.00-1.02x at
-#: 1x24x4608x128, 1.02-1.04x at 1x40x16384x128, 1.04-1.06x at 2x24x4096x64 against one program per tile
-#: (H100, 2 rounds alternated, ``bench/results/attention-dkdv-persistent-h100.json``). Causal items differ
-#: in work and keep one program each, as in the forward (:func:`_core_programs`).
+#: each in scratch memory per program, which one program per key tile would add to the backward's peak
+#: memory; one per SM does not, and is faster too (docs/notes/attention.md). Causal items differ in work
+#: and keep one program each, as in the forward (:func:`_core_programs`).
 SM90_DKDV_PERSISTENT = True
 
 
@@ -223,10 +203,7 @@ def takes_sm90_dkdv(sizes: AttentionSizes, q: Tensor, k: Tensor, v: Tensor, grad
 #: :func:`backward_tail_split` plans with).
 PART_OVERHEAD = 0.03
 #: The least modelled gain, as a fraction of the launch's rounds, for which the backward splits its last
-#: items. Measured on an H100 (forward+backward, split against not, 3 rounds alternated,
-#: ``bench/results/attention-five-product-split-h100.json``): modelled 4.4% -> 1.04x at 1x24x4608x128 but
-#: 1.00x at 1x24x4592x128; 7.7% -> 1.04x at 1x24x4429x64; 2.3% -> 0.98x at 2x24x4096x64 and 2.7% -> 0.98x
-#: at 1x12x32760x128, where the model's parts cost more than it says.
+#: items: below it the parts cost more than the model says (docs/notes/attention.md).
 TAIL_SPLIT_GAIN = 0.04
 
 
@@ -281,8 +258,8 @@ def launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Tens
     items = n_tiles * b * hk
     step = backward_step(d, sparse)
     whole, parts = items, 1
-    # Not for the deterministic dk/dv pass (no dq_acc): its fp32 parts (47 MB at 1x24x4608x128) would raise the
-    # default backward's peak memory, which the five-product option's dq buffer already does.
+    # Not for the deterministic dk/dv pass (no dq_acc): its fp32 parts would raise the default backward's peak
+    # memory, which the five-product option's dq buffer already does.
     if dq_acc is not None and not (causal or sparse or kv_lengths is not None):
         whole, parts = backward_tail_split(items, multiprocessor_count(q), (h // hk) * triton.cdiv(lq, step))
     partials = q.new_empty((items - whole, parts, 2, 128, d), dtype=torch.float32) if whole < items else None
