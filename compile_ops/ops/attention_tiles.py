@@ -12,11 +12,14 @@ from compile_ops._library import l2_cache_bytes
 
 @dataclass(frozen=True)
 class Tiles:
+    """A launch's tiles: ``block_m`` queries by ``block_n`` keys (the dk/dv
+    pass: ``block_n`` keys per program in ``block_m``-query steps), on
+    ``num_warps`` warps with ``num_stages`` pipeline stages."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    #: Forward only, Hopper (see kernels/attention.py ``_fwd_tiles``): K/V by
+    #: Forward only, Hopper (kernels/attention.py's ``_fwd_tiles``): K/V by
     #: TMA tensor descriptors (taken only where the tensors are aligned for it),
     #: the accumulator as the second dot's operand, warp-specialized key loop.
     tma: bool = False
