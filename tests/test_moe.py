@@ -253,6 +253,17 @@ def test_launch_configs_keep_the_dot_chunk_at_16_or_more(dtype, route_block_h, m
 
 
 @pytest.mark.kernels
+@pytest.mark.skipif(not INTERPRET, reason="a property of triton's interpreter, which runs bf16 dots on raw bits")
+def test_kernels_refuse_bf16_under_the_interpreter():
+    """bf16 routing under TRITON_INTERPRET=1 raises where it used to pick
+    experts from garbage logits: the interpreter multiplies bf16 dot operands
+    as integers."""
+    x, w = _route_inputs(8, 64, 4, torch.bfloat16, KERNEL_DEVICE)
+    with pytest.raises(TypeError, match=r"fused.moe_route: x is bfloat16, whose matrix products triton's"):
+        compile_ops.moe_route(x, w, 2)
+
+
+@pytest.mark.kernels
 @concurrent_programs_only
 def test_kernels_reruns_are_bit_identical():
     x, w = _route_inputs(4096, 512, 64, torch.bfloat16, KERNEL_DEVICE, requires_grad=True)

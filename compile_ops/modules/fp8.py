@@ -4,6 +4,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
+from compile_ops.meta._validate import checked_arguments
 from compile_ops.meta.glu import ACTIVATIONS
 from compile_ops.ops.fp8 import FP8Rows, check_fp8_device, fp8_linear, quantize_fp8_rows
 
@@ -34,6 +35,7 @@ class FP8Linear(nn.Module):
     widen the weight and round the fp32 scales to the new dtype.
     """
 
+    @checked_arguments
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device=None, dtype: Optional[torch.dtype] = None, fast_accum: bool = True):
         super().__init__()
@@ -77,6 +79,8 @@ class FP8Linear(nn.Module):
     def forward(self, x: Union[Tensor, FP8Rows]) -> Tensor:
         """``x [..., in_features]`` or ``FP8Rows(q [..., in_features], scale [...])``
         -> ``[..., out_features]``."""
+        if not isinstance(x, (Tensor, FP8Rows)):
+            raise TypeError(f"compile_ops.FP8Linear: x must be a torch.Tensor or an FP8Rows, got {type(x).__name__}")
         k = x.q.shape[-1] if isinstance(x, FP8Rows) else x.shape[-1]
         if k != self.in_features:
             shape = x.q.shape if isinstance(x, FP8Rows) else x.shape

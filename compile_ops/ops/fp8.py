@@ -30,6 +30,7 @@ from compile_ops import _library
 from compile_ops._library import fused_op, launcher, register_no_gradient
 from compile_ops.kernels.fp8 import quantize_fp8_rows_kernel
 from compile_ops.kernels.glu import ACTIVATION_CODES
+from compile_ops.meta._validate import checked_arguments
 from compile_ops.ops._launch import as_rows
 
 #: FP8 tensor cores: sm_89 (Ada) and newer, sm_90 (Hopper) among them.
@@ -146,6 +147,7 @@ def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tenso
 register_no_gradient(_quantize_fp8_rows, f"fused.quantize_fp8_rows: {INFERENCE_ONLY}")
 
 
+@checked_arguments
 def quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tensor] = None) -> FP8Rows:
     """Rowwise e4m3 quantization (``compile_ops/reference/fp8.py`` specifies it).
 
@@ -181,6 +183,7 @@ def quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tensor
     return FP8Rows(q, scale)
 
 
+@checked_arguments
 def fp8_linear(x: Union[Tensor, FP8Rows], weight_q: Tensor, weight_scale: Tensor,
                bias: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
                fast_accum: bool = True) -> Tensor:
@@ -198,11 +201,9 @@ def fp8_linear(x: Union[Tensor, FP8Rows], weight_q: Tensor, weight_scale: Tensor
         fast_accum: on a GPU, ``torch._scaled_mm``'s fast accumulation (the
             tensor cores' own accumulator for the whole K loop, as torchao's
             float8 inference does by default) instead of promoting partial
-            sums to fp32 every few K steps. On an H100 a patched Flux step
-            took 102 ms with it and 122 ms without (one run, README's FP8
-            section), at the same step error (1.7e-2 against bf16); the cost
-            is a few low bits on long K. The reference (CPU) always sums in
-            fp32.
+            sums to fp32 every few K steps: faster, at the cost of a few low
+            bits on long K (docs/notes/fp8.md). The reference (CPU) always
+            sums in fp32.
 
     Returns:
         ``[..., N]`` (x's leading dims). On a CUDA GPU ``torch._scaled_mm``
@@ -225,6 +226,8 @@ def fp8_linear(x: Union[Tensor, FP8Rows], weight_q: Tensor, weight_scale: Tensor
         out_dtype = out_dtype or torch.bfloat16
         meta.fp8.check_linear(x.q, weight_q, weight_scale, bias)
     else:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"compile_ops.fp8_linear: x must be a torch.Tensor or an FP8Rows, got {type(x).__name__}")
         refuse_gradient("fp8_linear", x)
         meta.fp8.check_linear(x, weight_q, weight_scale, bias)
         lead, k = x.shape[:-1], x.shape[-1]

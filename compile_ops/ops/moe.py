@@ -15,7 +15,7 @@ import triton
 from torch import Tensor
 
 from compile_ops import meta, reference
-from compile_ops._library import fused_op, launcher
+from compile_ops._library import fused_op, launcher, refuse_interpreted_bf16_dots
 from compile_ops.kernels.moe import (moe_route_backward_kernel, moe_route_kernel, moe_router_logits_kernel,
                                      moe_token_lists_kernel)
 from compile_ops.ops._launch import TRITON_DTYPES, acc_dtype, dot_precision, unit_last_stride
@@ -88,6 +88,7 @@ def launch_config(e: int, h: int, dtype: torch.dtype) -> LaunchConfig:
 
 
 def _launch_route(x: Tensor, w: Tensor, top_k: int, renormalize: bool, outs: tuple) -> None:
+    refuse_interpreted_bf16_dots("moe_route", x=x, router_weight=w)
     probs, weights, experts, counts, token_index = outs
     n_tokens, h = x.shape
     e = w.shape[0]

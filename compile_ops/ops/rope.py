@@ -22,7 +22,7 @@ from compile_ops import _dtensor, meta, reference
 from compile_ops._library import fused_op, launcher, multiprocessor_count, register_no_gradient
 from compile_ops.kernels.rope import qk_norm_rope_bwd_kernel, rope_kernel
 from compile_ops.meta.modulate import static_int
-from compile_ops.meta._validate import accumulation_dtype
+from compile_ops.meta._validate import accumulation_dtype, checked_arguments
 from compile_ops.ops._launch import acc_dtype, column_sum
 from compile_ops.ops.attention import Int8QK
 
@@ -377,6 +377,7 @@ register_no_gradient(_qk_rope_int8_op, "fused.qk_rope_int8 is inference only (it
 # ---------------------------------------------------------- public functions
 
 
+@checked_arguments
 def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, seq_dim: int = 2,
          rotary_dim: Optional[int] = None) -> Tensor:
     """Rotary position embedding, as diffusers' ``apply_rotary_emb(x, (cos, sin), use_real=True)``.
@@ -401,6 +402,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, seq_dim
     return _rope_op(x, cos, sin, interleaved, seq_dim, rotary_dim, False)
 
 
+@checked_arguments
 def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, seq_dim: int = 2,
             rotary_dim: Optional[int] = None, quantize: bool = False):
     """:func:`rope` of q and k in one launch (each table row is read once for both).
@@ -426,6 +428,7 @@ def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = 
     return _rope_qk_op(q, k, cos, sin, interleaved, seq_dim, rotary_dim, False)
 
 
+@checked_arguments
 def rope_grid(q: Tensor, k: Tensor, spec: "meta.rope.GridRope", height: int, width: int,
               seq_dim: int = 2) -> tuple[Tensor, Tensor]:
     """3D (video) RoPE of q and k with the angles computed in the kernel from each
@@ -460,6 +463,7 @@ def _grid_constants(spec: "meta.rope.GridRope", device) -> Tensor:
     return _GRID_CONSTANTS[key]
 
 
+@checked_arguments
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor,
                  eps: float = 1e-6, interleaved: bool = False, seq_dim: int = 2,
                  rotary_dim: Optional[int] = None, quantize: bool = False):
