@@ -28,6 +28,7 @@ from compile_ops.meta.rope import GridRope, grid_rope
 from compile_ops.ops.rope import qk_norm_rope, rope, rope_grid, rope_qk
 from compile_ops.integrations.sparse_attention import Radial, SlidingTile, TopK
 from compile_ops.integrations.attention_backend import register_diffusers_backend
+from compile_ops.integrations.options import PatchOptions, takes_patch_options
 from compile_ops import distributed as _distributed
 
 # DTensor sharding rules for every op (a no-op without torch.distributed); see
@@ -41,31 +42,34 @@ def _check_model(owner: str, model) -> None:
 
 
 @checked_arguments
-def patch(model, attention_processors: bool = True, attention_kernel: str = "auto", precision: str = "bf16",
-          fp8_fast_accum: bool = True, attention=None, attention_precision: str = "exact",
-          attention_dense_steps: int = 0, fp8_modulation: bool = False):
-    """Swap the fused ops into a diffusers transformer (``precision="fp8"``: FP8
-    Linears in its blocks, their AdaLN modulation projections too with
-    ``fp8_modulation=True``; ``attention=SlidingTile(...)``, ``Radial(...)`` or
-    ``TopK(...)``: sparse video self-attention; ``attention_precision="int8"``
-    (or ``"int8_fp8"``, P V in FP8 too):
-    8-bit dense attention for inference, after ``attention_dense_steps``); see
-    :func:`compile_ops.integrations.diffusers.patch`. A Hugging Face transformers
-    model (Llama, Qwen2) goes to :func:`compile_ops.integrations.transformers.patch`."""
+@takes_patch_options
+def patch(model, **options):
+    """Swap the fused ops into a model, in place, and return a report of what
+    was replaced and what was left (``print`` it).
+
+    ``model``: a diffusers transformer (Flux, SD3, Wan, LTX-Video,
+    HunyuanVideo, ... or any ``nn.Module`` holding their modules; see
+    :func:`compile_ops.integrations.diffusers.patch`) or a Hugging Face
+    transformers Llama / Qwen2 model (:func:`compile_ops.integrations.transformers.patch`).
+    The options, keyword-only, are
+    :class:`~compile_ops.integrations.options.PatchOptions`' fields: among
+    them ``precision="fp8"`` (FP8 Linears in the blocks),
+    ``attention=SlidingTile(...)`` / ``Radial(...)`` / ``TopK(...)`` (sparse
+    video self-attention) and ``attention_precision="int8"`` (8-bit dense
+    attention for inference). A wrong option raises an error naming it."""
     _check_model("compile_ops.patch", model)
+    options = PatchOptions.from_keywords(options)
     from compile_ops.integrations import transformers as _transformers
     if _transformers.is_transformers_model(model):
-        return _transformers.patch(model, attention_processors, attention_kernel=attention_kernel, precision=precision,
-                                   fp8_fast_accum=fp8_fast_accum, attention=attention,
-                                   attention_precision=attention_precision,
-                                   attention_dense_steps=attention_dense_steps, fp8_modulation=fp8_modulation)
+        return _transformers.patch(model, options)
     from compile_ops.integrations.diffusers import patch as _patch
-    return _patch(model, attention_processors, attention_kernel, precision, fp8_fast_accum, attention,
-                  attention_precision, attention_dense_steps, fp8_modulation)
+    return _patch(model, options)
 
 
 def unpatch(model) -> None:
-    """Undo :func:`patch`; see :func:`compile_ops.integrations.diffusers.unpatch`."""
+    """Undo :func:`patch` on ``model`` (the patched ``nn.Module``): the original
+    modules and attention processors go back; see
+    :func:`compile_ops.integrations.diffusers.unpatch`."""
     _check_model("compile_ops.unpatch", model)
     from compile_ops.integrations.diffusers import unpatch as _unpatch
     _unpatch(model)

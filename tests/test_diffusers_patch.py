@@ -17,6 +17,7 @@ import torch
 
 import compile_ops
 from compile_ops.integrations import diffusers as integration
+from compile_ops.integrations.diffusers import attention_kernel, blocks, processors
 from conftest import HAS_CUDA
 from patch_checks import DEVICE, TOL, assert_gradient_close, assert_patched_matches_forward_and_backward
 
@@ -117,12 +118,13 @@ def test_flux_blocks_run_their_seams_and_qk_norms_through_the_fused_ops(monkeypa
     assert replaced["single_transformer_blocks.0"] == "compile_ops FluxSingleTransformerBlock (fused seams)"
     calls = Counter()
 
-    def counting(name):
-        op = getattr(integration, name)
+    def counting(module, name):
+        op = getattr(module, name)
         return lambda *a, **k: calls.update([name]) or op(*a, **k)
 
-    for name in ("gated_residual_norm_modulate", "gated_residual", "qk_norm_rope", "rope_qk"):
-        monkeypatch.setattr(integration, name, counting(name))
+    for module, name in ((blocks, "gated_residual_norm_modulate"), (blocks, "gated_residual"),
+                         (processors, "qk_norm_rope"), (processors, "rope_qk")):
+        monkeypatch.setattr(module, name, counting(module, name))
     args = _to(inputs(4), DEVICE)
     torch.testing.assert_close(patched(**args).sample, model(**args).sample, **TOL)
     # Double block: one seam per stream, a gated MLP residual per stream, one
@@ -269,10 +271,9 @@ def test_auto_attention_kernel_takes_fused_where_the_sm90_core_is_ahead(monkeypa
     gradient."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from compile_ops.integrations import diffusers as integration
     from compile_ops.ops import attention as attention_ops
 
-    ahead = integration.FUSED_AHEAD_FROM_KEYS
+    ahead = attention_kernel.FUSED_AHEAD_FROM_KEYS
     with FakeTensorMode():
         def qkv(lk, d=128, dtype=torch.bfloat16):
             return (torch.empty(1, 300, 2, d, dtype=dtype, device="cuda"),
@@ -280,24 +281,24 @@ def test_auto_attention_kernel_takes_fused_where_the_sm90_core_is_ahead(monkeypa
 
         lengths = torch.full((1,), 100, device="cuda")
         for wgmma in (True, False):
-            monkeypatch.setattr(integration, "has_wgmma", lambda t, on=wgmma: on)
-            assert integration._sdpa_is_faster(*qkv(ahead)) is not wgmma
-            assert integration._sdpa_is_faster(*qkv(ahead - 1))
-            assert integration._sdpa_is_faster(*qkv(4608))
-            ragged = integration.FUSED_AHEAD_RAGGED_FROM_KEYS
+            monkeypatch.setattr(attention_kernel, "has_wgmma", lambda t, on=wgmma: on)
+            assert attention_kernel.sdpa_is_faster(*qkv(ahead)) is not wgmma
+            assert attention_kernel.sdpa_is_faster(*qkv(ahead - 1))
+            assert attention_kernel.sdpa_is_faster(*qkv(4608))
+            ragged = attention_kernel.FUSED_AHEAD_RAGGED_FROM_KEYS
             tiles = attention_ops.forward_tiles(128, torch.bfloat16, True, "exact", True)
-            assert tiles.sm90_core and tiles.block_n == integration.RAGGED_KEY_TILE  # ragged means a masked tile
-            assert integration._sdpa_is_faster(*qkv(4592)) is not wgmma
-            assert integration._sdpa_is_faster(*qkv(ragged + 1)) is not wgmma
-            assert integration._sdpa_is_faster(*qkv(ragged - 1))  # ragged, shorter than measured
-            assert integration._sdpa_is_faster(*qkv(4592, d=64))
-            assert integration._sdpa_is_faster(*qkv(ahead, d=64))
-            assert integration._sdpa_is_faster(*qkv(ahead), lengths) is not wgmma
-            assert integration._sdpa_is_faster(*qkv(4608), lengths) is not wgmma
-            assert integration._sdpa_is_faster(*qkv(4608, d=64), lengths)
-            assert not integration._sdpa_is_faster(*qkv(ahead, dtype=torch.float32))
+            assert tiles.sm90_core and tiles.block_n == attention_kernel.RAGGED_KEY_TILE  # ragged means a masked tile
+            assert attention_kernel.sdpa_is_faster(*qkv(4592)) is not wgmma
+            assert attention_kernel.sdpa_is_faster(*qkv(ragged + 1)) is not wgmma
+            assert attention_kernel.sdpa_is_faster(*qkv(ragged - 1))  # ragged, shorter than measured
+            assert attention_kernel.sdpa_is_faster(*qkv(4592, d=64))
+            assert attention_kernel.sdpa_is_faster(*qkv(ahead, d=64))
+            assert attention_kernel.sdpa_is_faster(*qkv(ahead), lengths) is not wgmma
+            assert attention_kernel.sdpa_is_faster(*qkv(4608), lengths) is not wgmma
+            assert attention_kernel.sdpa_is_faster(*qkv(4608, d=64), lengths)
+            assert not attention_kernel.sdpa_is_faster(*qkv(ahead, dtype=torch.float32))
             q, k, v = qkv(4608)
-            assert not integration._sdpa_is_faster(q.requires_grad_(), k, v)
+            assert not attention_kernel.sdpa_is_faster(q.requires_grad_(), k, v)
 
 
 @pytest.mark.parametrize("length", [4592, 4608, 2537])
@@ -312,19 +313,17 @@ def test_auto_attention_kernel_guards_a_symbolic_key_length(length, monkeypatch)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-    from compile_ops.integrations import diffusers as integration
-
-    monkeypatch.setattr(integration, "has_wgmma", lambda t: True)
+    monkeypatch.setattr(attention_kernel, "has_wgmma", lambda t: True)
     env = ShapeEnv()
     sym = env.create_unspecified_symint_and_symbol(length, ConstantSource("L"), DimDynamic.DYNAMIC)
     with FakeTensorMode(shape_env=env):
         q, k, v = (torch.empty(1, sym, 24, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-        sdpa = integration._sdpa_is_faster(q, k, v)
+        sdpa = attention_kernel.sdpa_is_faster(q, k, v)
     assert sdpa == (length != 4592)
     guards = [str(g.expr) for g in env.guards]
     assert f"{'Eq' if length % 128 == 0 else 'Ne'}(Mod({sym}, 128), 0)" in guards, guards
     if length % 128:
-        assert any(str(integration.FUSED_AHEAD_RAGGED_FROM_KEYS) in g for g in guards), guards
+        assert any(str(attention_kernel.FUSED_AHEAD_RAGGED_FROM_KEYS) in g for g in guards), guards
 
 
 # ---------------------------------------------------------------- precision="fp8"
@@ -522,7 +521,7 @@ def test_fp8_flux_seams_hand_fp8_rows_to_the_mlp(monkeypatch):
     from compile_ops.modules import modulate as modulate_modules
     from compile_ops.ops import fp8 as fp8_ops
     for name in ("gated_residual_norm_modulate", "gated_residual_norm_modulate_fp8"):
-        monkeypatch.setattr(integration, name, counting(integration, name))
+        monkeypatch.setattr(blocks, name, counting(blocks, name))
     for name in ("norm_modulate", "norm_modulate_fp8"):
         monkeypatch.setattr(modulate_modules, name, counting(modulate_modules, name))
     monkeypatch.setattr(fp8_ops, "_quantize_fp8_rows", counting(fp8_ops, "_quantize_fp8_rows"))
@@ -1125,19 +1124,19 @@ def test_patched_model_under_cuda_graphs_has_no_skip_and_matches_the_default_mod
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
-# ---------------------------------------------------------------- 8-bit attention (issue 29)
+# ---------------------------------------------------------------- 8-bit attention
 
 
 def _count_attention_precisions(monkeypatch) -> Counter:
     """Counts, by precision ("exact", "int8", "int8_fp8"), the attention calls our processors make from now on."""
     calls = Counter()
-    attend = integration.attention
+    attend = processors.attention
 
     def counting(*args, **kwargs):
         calls.update([kwargs.get("precision", "exact")])
         return attend(*args, **kwargs)
 
-    monkeypatch.setattr(integration, "attention", counting)
+    monkeypatch.setattr(processors, "attention", counting)
     return calls
 
 
@@ -1184,13 +1183,13 @@ def test_int8_attention_precision_runs_8_bit_attention_on_16_bit_inference_only(
 def _count_query_types(monkeypatch) -> Counter:
     """Counts, by the type of q (``Tensor`` or ``Int8QK``), the attention calls our processors make from now on."""
     seen = Counter()
-    attend = integration.attention
+    attend = processors.attention
 
     def counting(q, *a, **kw):
         seen.update([type(q).__name__])
         return attend(q, *a, **kw)
 
-    monkeypatch.setattr(integration, "attention", counting)
+    monkeypatch.setattr(processors, "attention", counting)
     return seen
 
 
@@ -1223,7 +1222,7 @@ def test_8bit_attention_takes_q_and_k_quantized_by_their_rotation(name, fused_ca
         seen = _count_query_types(monkeypatch)
         got = fused(**args).sample
         assert seen["Int8QK"] == fused_calls and seen["Tensor"] == (2 if name == "flux" else 4) - fused_calls, seen
-        monkeypatch.setattr(integration._FusedProcessor, "quantizes_qk", lambda self, *tensors: False)
+        monkeypatch.setattr(processors.FusedProcessor, "quantizes_qk", lambda self, *tensors: False)
         seen.clear()
         want = unfused(**args).sample
         assert seen["Int8QK"] == 0, seen
@@ -1250,7 +1249,7 @@ def test_fp8_linears_with_fp8_pv_attention_take_the_attention_output_as_fp8_rows
         compile_ops.patch(m, precision="fp8", attention_precision="int8_fp8")
     args = _bf16(_to(inputs(4), DEVICE))
     calls = []
-    rows = integration.attention_fp8_rows
+    rows = processors.attention_fp8_rows
 
     def counted(*a, **kw):
         calls.append(type(a[0]).__name__)
@@ -1261,10 +1260,10 @@ def test_fp8_linears_with_fp8_pv_attention_take_the_attention_output_as_fp8_rows
         return compile_ops.quantize_fp8_rows(out.flatten(2, 3))
 
     with torch.no_grad():
-        monkeypatch.setattr(integration, "attention_fp8_rows", counted)
+        monkeypatch.setattr(processors, "attention_fp8_rows", counted)
         got = rows_model(**args).sample
         assert len(calls) == rows_calls, calls
-        monkeypatch.setattr(integration, "attention_fp8_rows", quantized_by_a_pass)
+        monkeypatch.setattr(processors, "attention_fp8_rows", quantized_by_a_pass)
         want = pass_model(**args).sample
     err = _relative_l2(got, want)
     print(f"{name}: attention output as FP8 rows (epilogue's bound scale) vs a per-row quantization pass: "

@@ -16,6 +16,7 @@ from torch import Tensor
 
 
 def check_dense_steps(owner: str, dense_steps) -> None:
+    """Raise a ValueError naming ``owner`` unless ``dense_steps`` is an int >= 0 (a bool is not)."""
     if not isinstance(dense_steps, int) or isinstance(dense_steps, bool) or dense_steps < 0:
         raise ValueError(f"{owner}: dense_steps must be an int >= 0, got {dense_steps!r}")
 

@@ -142,6 +142,7 @@ class TopK:
         return Layout(perm, torch.argsort(perm), None, None, None, topk=self)
 
 
+#: The configurations ``compile_ops.patch(attention=...)`` takes.
 SPARSE_ATTENTION = (SlidingTile, Radial, TopK)
 
 
@@ -211,16 +212,19 @@ class SparseAttention:
     the layouts built so far (one per grid), and the layout of the current
     call (None: dense), which the model's forward pre-hook sets.
 
-    ``describe()`` says which attention runs and at what density per grid."""
+    ``describe()`` says which attention runs and at what density per grid.
+
+    Args:
+        config: a :data:`SPARSE_ATTENTION` configuration (``PatchOptions`` checks it).
+        grid_of: ``(model, args, kwargs) -> (frames, height, width)`` token grid
+            of a model call, or None (that call runs dense).
+        layers: how many self-attention layers share the plan (for ``describe``).
+        text_of: ``(model, args, kwargs) -> int`` text tokens after the video
+            tokens in the same attention, or None (text is cross-attended).
+    """
 
     def __init__(self, config, grid_of, layers: int, text_of=None):
-        if not isinstance(config, SPARSE_ATTENTION):
-            raise TypeError(f"compile_ops.patch: attention must be one of "
-                            f"{', '.join(c.__name__ for c in SPARSE_ATTENTION)} (or None), "
-                            f"got {type(config).__name__}")
         self.config, self.grid_of, self.layers = config, grid_of, layers
-        #: ``(model, args, kwargs) -> text tokens`` appended to the video tokens in
-        #: the same attention (HunyuanVideo), or None (text in cross-attention).
         self.text_of = text_of
         self.layouts: dict = {}
         self.layout: Optional[Layout] = None

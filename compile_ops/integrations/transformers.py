@@ -17,11 +17,11 @@ and k already rotated: registering an attention function cannot reach the
 rotation. Rebinding ``apply_rotary_pos_emb`` in transformers' modules would
 change every model of that class in the process, patched or not, and
 ``unpatch`` could not scope it. So the attention module itself is replaced,
-as diffusers' Flux blocks are (integrations/diffusers.py): by an instance of a
-subclass of the original class (``isinstance`` holds, so transformers' output
-recording, ``output_attentions``, still finds it) whose ``forward`` is
-transformers' with the rotation as ``fused.rope_qk``; it holds the original's
-Linears and attributes, and the attention itself still goes through
+as diffusers' Flux blocks are (integrations/diffusers/blocks.py): by an
+instance of a subclass of the original class (``isinstance`` holds, so
+transformers' output recording, ``output_attentions``, still finds it) whose
+``forward`` is transformers' with the rotation as ``fused.rope_qk``; it holds
+the original's Linears and attributes, and the attention itself still goes through
 ``ALL_ATTENTION_FUNCTIONS`` (``config._attn_implementation``: sdpa, eager,
 flash, ``compile_ops`` if registered) and the KV cache as before. It is
 replaced only when the class is exactly one listed in :data:`FAMILIES` and its
@@ -31,7 +31,8 @@ another forward is left and reported).
 Replacements keep transformers' submodule and parameter names and share the
 original tensors, so ``state_dict()`` keys, loading, ``model.to(...)`` and
 optimizer state are unchanged, and :func:`compile_ops.unpatch` puts the
-originals back (it is diffusers' unpatch: the same undo list).
+originals back (the diffusers integration's unpatch: the same undo record,
+integrations/module_swap.py).
 
 Numerics: the fused ops compute in fp32 and round once, where transformers
 rounds after each step in the model's dtype (RMSNorm rounds the normalized x
@@ -50,8 +51,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from compile_ops.integrations.diffusers import PatchReport, _STATE, _check_order, _on_meta, _swap_module
-from compile_ops.integrations.diffusers import patch as _diffusers_patch
+from compile_ops.integrations.module_swap import PATCH_STATE, PatchReport, build_on_meta, check_patchable, swap_module
+from compile_ops.integrations.options import PatchOptions
 from compile_ops.modules.norm import RMSNorm
 from compile_ops.ops.glu import swiglu
 from compile_ops.ops.rope import rope_qk
@@ -183,7 +184,7 @@ def _attention_class(original_cls: type, interface_attributes: tuple) -> type:
 
 
 def _rms_norm(old: nn.Module) -> Optional[nn.Module]:
-    return _on_meta(lambda: RMSNorm(old.weight.shape[0], old.variance_epsilon), old)
+    return build_on_meta(lambda: RMSNorm(old.weight.shape[0], old.variance_epsilon), old)
 
 
 def _mlp(old: nn.Module) -> Optional[nn.Module]:
@@ -191,8 +192,8 @@ def _mlp(old: nn.Module) -> Optional[nn.Module]:
 
     if type(old.act_fn) not in (SiLUActivation, nn.SiLU):
         return None
-    return _on_meta(lambda: SwiGLUMLP(old.gate_proj.in_features, old.gate_proj.out_features,
-                                      old.gate_proj.bias is not None), old)
+    return build_on_meta(lambda: SwiGLUMLP(old.gate_proj.in_features, old.gate_proj.out_features,
+                                           old.gate_proj.bias is not None), old)
 
 
 _NOT_REPRODUCED = "a configuration or forward the fused module does not reproduce"
@@ -215,17 +216,15 @@ def _rules(attention: bool) -> tuple[dict, dict]:
     return rules, rotary
 
 
-def _reject_diffusers_options(options: dict) -> None:
-    """The public ``compile_ops.patch`` options that apply to diffusers models
-    only must be at their defaults (read from the diffusers patch's signature)."""
-    defaults = inspect.signature(_diffusers_patch).parameters
-    changed = [name for name, value in options.items() if value != defaults[name].default]
+def _reject_diffusers_options(options: PatchOptions) -> None:
+    """The options that apply to diffusers models only must be at their defaults."""
+    changed = [name for name in options.changed() if name != "attention_processors"]
     if changed:
         raise ValueError(f"compile_ops.patch: {', '.join(changed)} apply to diffusers models; a transformers "
                          "model takes attention_processors only")
 
 
-def patch(model: nn.Module, attention_processors: bool = True, **diffusers_options) -> PatchReport:
+def patch(model: nn.Module, options: Optional[PatchOptions] = None) -> PatchReport:
     """Swap the fused ops into a Hugging Face transformers model (Llama, Qwen2), in place.
 
     Call it before ``torch.compile`` (it raises on a compiled model). Works on
@@ -235,23 +234,25 @@ def patch(model: nn.Module, attention_processors: bool = True, **diffusers_optio
         model: a transformers ``LlamaForCausalLM`` / ``LlamaModel`` /
             ``Qwen2ForCausalLM`` / ``Qwen2Model`` (or one of their layers);
             other families' modules are left and reported.
-        attention_processors: also replace the attention modules, whose
-            rotary embedding then runs as ``fused.rope_qk`` (the attention
-            itself stays transformers' ``config._attn_implementation``).
-            False: norms and MLPs only.
-        **diffusers_options: :func:`compile_ops.patch`'s other options apply
-            to diffusers models; here they must be left at their defaults.
+        options: :class:`~compile_ops.integrations.options.PatchOptions`
+            (None: the defaults). ``attention_processors``: also replace the
+            attention modules, whose rotary embedding then runs as
+            ``fused.rope_qk`` (the attention itself stays transformers'
+            ``config._attn_implementation``); False: norms and MLPs only. The
+            other options apply to diffusers models; here they must be left
+            at their defaults.
 
     Returns:
-        A :class:`~compile_ops.integrations.diffusers.PatchReport`: replaced
+        A :class:`~compile_ops.integrations.module_swap.PatchReport`: replaced
         modules, and those left (other families' norms, MLPs and attention,
         non-SiLU MLPs, the rotary embedding modules that build the tables).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile_ops.patch: model must be a torch.nn.Module, got {type(model).__name__}")
-    _reject_diffusers_options(diffusers_options)
-    _check_order(model, "bf16")
-    rules, rotary = _rules(attention_processors)
+    options = PatchOptions() if options is None else options
+    _reject_diffusers_options(options)
+    check_patchable(model, "bf16")
+    rules, rotary = _rules(options.attention_processors)
     report, undo = PatchReport(), []
 
     def walk(module: nn.Module, prefix: str) -> None:
@@ -260,7 +261,7 @@ def patch(model: nn.Module, attention_processors: bool = True, **diffusers_optio
             rule = rules.get(type(child))
             new = rule[1](child) if rule else None
             if new is not None:
-                _swap_module(module, name, child, new, undo)
+                swap_module(module, name, child, new, undo)
                 report.replaced.append((path, rule[0], f"compile_ops {type(new).__name__}"))
                 continue  # the replacement holds the original's children, which need nothing
             if rule:
@@ -274,5 +275,5 @@ def patch(model: nn.Module, attention_processors: bool = True, **diffusers_optio
             walk(child, path)
 
     walk(model, "")
-    setattr(model, _STATE, undo)
+    setattr(model, PATCH_STATE, undo)
     return report

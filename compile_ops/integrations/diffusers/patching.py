@@ -1,0 +1,148 @@
+"""``patch``/``unpatch`` of a diffusers transformer: the walk that applies the
+block and module rules, the attention processors, sparse attention and FP8,
+and the undo record."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+from torch import nn
+
+from compile_ops.integrations.attention_backend import register_diffusers_backend
+from compile_ops.integrations.diffusers.blocks import block_rules
+from compile_ops.integrations.diffusers.fp8_linears import fuse_mlp_activations, quantize_linears
+from compile_ops.integrations.diffusers.module_rules import diffusers_modules, module_rules, why_left_alone
+from compile_ops.integrations.diffusers.processors import FusedProcessor, processor_rules
+from compile_ops.integrations.diffusers.sparse_models import attach_sparse_attention
+from compile_ops.integrations.module_swap import PATCH_STATE, PatchReport, check_patchable, swap_module
+from compile_ops.integrations.options import PatchOptions
+from compile_ops.integrations.schedule import DenseFirst
+
+
+def patch(model: nn.Module, options: Optional[PatchOptions] = None) -> PatchReport:
+    """Swap the fused ops into a diffusers transformer, in place.
+
+    Call it before ``torch.compile`` and before diffusers' hooks (group
+    offloading, layerwise casting, caching; it raises otherwise). accelerate's
+    offloading hooks (``from_pretrained(device_map=...)``, sequential CPU
+    offload) may already be there: each replacement takes over its
+    original's hook. Works on CPU (the ops' reference paths) and CUDA.
+
+    Args:
+        model: a diffusers transformer (``FluxTransformer2DModel``,
+            ``SD3Transformer2DModel``, ``WanTransformer3DModel``,
+            ``LTXVideoTransformer3DModel``, ...) or any ``nn.Module`` holding
+            such modules.
+        options: what to patch (:class:`~compile_ops.integrations.options.PatchOptions`);
+            None: the defaults.
+
+    Returns:
+        A :class:`~compile_ops.integrations.module_swap.PatchReport`; ``print`` it for a summary.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compile_ops.patch: model must be a torch.nn.Module, got {type(model).__name__}")
+    options = PatchOptions() if options is None else options
+    check_patchable(model, options.precision)
+    schedule = DenseFirst(options.attention_dense_steps)
+    activations = diffusers_modules().activations  # first: without diffusers, a clear ImportError
+    if importlib.util.find_spec("diffusers.models.attention_dispatch") is not None:  # diffusers 0.35+
+        register_diffusers_backend()  # model.set_attention_backend("compile_ops") from here on
+    report, undo = PatchReport(), []
+    _replace_modules(model, activations, report, undo)
+    _replace_processors(model, options, schedule, report, undo)
+    if options.attention_dense_steps:
+        undo.append(("hook", model.register_forward_pre_hook(schedule.pre_forward, with_kwargs=True), None, None))
+    if options.attention is not None:
+        attach_sparse_attention(model, options.attention, report, undo)
+    if options.precision == "fp8":
+        quantize_linears(model, report, options.fp8_fast_accum, options.fp8_modulation)
+        fuse_mlp_activations(model, report)
+        # The originals in ``undo`` hold the bf16 weights: drop them, or memory would not drop.
+        undo = None
+    setattr(model, PATCH_STATE, undo)
+    return report
+
+
+def _replace_modules(model: nn.Module, activations, report: PatchReport, undo: list) -> None:
+    """Swap the blocks and modules the rules cover, depth first: a replaced
+    block's children are patched inside it; a replaced module owns its subtree.
+    ``activations``: diffusers' activations module."""
+    rules, blocks = module_rules(), block_rules()
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, child in list(module.named_children()):
+            path = f"{prefix}.{name}" if prefix else name
+            block = blocks.get(type(child))
+            if block is not None:
+                what, ours = block
+                new = ours.build(child)
+                if new is None:
+                    report.left.append((path, what, "a forward or norms the fused block does not reproduce; "
+                                                    "its modules are patched inside"))
+                else:
+                    swap_module(module, name, child, new, undo)
+                    report.replaced.append((path, what, f"compile_ops {ours.__name__} (fused seams)"))
+                walk(new or child, path)  # the block's own modules
+                continue
+            rule = rules.get(type(child))
+            new = rule[1](child) if rule else None
+            if new is not None:
+                swap_module(module, name, child, new, undo)
+                report.replaced.append((path, rule[0], f"compile_ops.{type(new).__name__}"))
+                continue  # the replacement owns the subtree
+            if rule:
+                report.left.append((path, rule[0], "a configuration the fused module does not cover"))
+            elif (why := why_left_alone(child, activations)) is not None:
+                report.left.append((path, type(child).__name__, why))
+            walk(child, path)
+
+    walk(model, "")
+
+
+def _replace_processors(model: nn.Module, options: PatchOptions, schedule: DenseFirst, report: PatchReport,
+                        undo: list) -> None:
+    """Set ours on every attention layer whose (attention class, exact processor
+    class) a rule covers (none with ``attention_processors=False``); report the others."""
+    rules = processor_rules() if options.attention_processors else {}
+    for path, module in model.named_modules():
+        processor = getattr(module, "processor", None)
+        if processor is None or not hasattr(module, "set_processor"):
+            continue
+        match = next((rule for (attention_class, processor_class), rule in rules.items()
+                      if isinstance(module, attention_class) and type(processor) is processor_class), None)
+        if match is None:
+            how = ("it calls diffusers' attention dispatcher: model.set_attention_backend('compile_ops') runs "
+                   "fused.attention there" if hasattr(processor, "_attention_backend") else "it calls SDPA itself")
+            report.left.append((path, type(processor).__name__, f"attention processor not covered; kept ({how})"))
+            continue
+        what, ours_class = match
+        ours = ours_class(processor, options.attention_kernel)
+        ours.attention_precision = options.attention_precision
+        if options.attention_dense_steps:
+            ours.int8_schedule = schedule
+        module.set_processor(ours)
+        undo.append(("processor", module, None, processor))
+        report.replaced.append((path, what, f"compile_ops {ours_class.__name__}"))
+
+
+def unpatch(model: nn.Module) -> None:
+    """Put back what :func:`patch` replaced (the same module objects), on a
+    model patched by either integration. ``model``: the patched ``nn.Module``."""
+    if not hasattr(model, PATCH_STATE):
+        raise RuntimeError("compile_ops.unpatch: the model is not patched")
+    undo = getattr(model, PATCH_STATE)
+    if undo is None:
+        raise RuntimeError("compile_ops.unpatch: the model was patched with precision='fp8', which released its "
+                           "original weights; load the model again instead")
+    for kind, owner, name, original in reversed(undo):
+        if kind == "module":
+            setattr(owner, name, original)
+        elif kind == "hook":
+            owner.remove()  # a forward pre-hook's handle (sparse attention, the 8-bit schedule)
+        elif isinstance(owner.processor, FusedProcessor):
+            # Ours gives back the diffusers processor it wraps: the original for
+            # the one patch set, a fresh one for one diffusers rebuilt since
+            # (by calling our class, as loading an IP-Adapter does).
+            owner.set_processor(owner.processor.original)
+        # else: diffusers put a processor of its own there since (an IP-Adapter's): it stays.
+    delattr(model, PATCH_STATE)

@@ -1,0 +1,123 @@
+"""What the diffusers and transformers integrations' ``patch`` share: the
+report, the record of what to undo, and the swap of one module for its
+replacement.
+
+A replacement is built on the meta device and takes the original's
+parameters and ``nn.Linear`` submodules by name (our modules keep the model
+library's names), so weights, LoRA wrappers and optimizer state stay valid
+and ``unpatch`` only has to put the originals back.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from compile_ops.integrations.sparse_attention import SparseAttention
+
+#: The model attribute holding the undo list of a patched model (None: a
+#: patch that cannot be undone, ``precision="fp8"``).
+PATCH_STATE = "_compile_ops_patch"
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """What :func:`compile_ops.patch` did: ``replaced`` and ``left`` hold
+    ``(path, what, detail)`` rows (detail: the replacement, or why the module
+    was left)."""
+    replaced: list = dataclasses.field(default_factory=list)
+    left: list = dataclasses.field(default_factory=list)
+    #: The SparseAttention plan of ``patch(attention=...)``: its ``describe()``
+    #: gives the density of each grid the model has run at.
+    sparse_attention: Optional[SparseAttention] = None
+
+    def __str__(self) -> str:
+        lines = [f"compile_ops.patch: {len(self.replaced)} replaced, {len(self.left)} left as they were"]
+        for title, rows in (("replaced", self.replaced), ("left", self.left)):
+            groups = Counter((what, detail) for _, what, detail in rows)
+            for (what, detail), n in groups.items():
+                first = next(path for path, w, d in rows if (w, d) == (what, detail))
+                lines.append(f"  {title}: {n} x {what}: {detail} (e.g. {first})")
+        if self.sparse_attention is not None:
+            lines.append(self.sparse_attention.describe())
+        return "\n".join(lines)
+
+
+def check_patchable(model: nn.Module, precision: str) -> None:
+    """Raise unless ``model`` can be patched now. patch() rewrites modules:
+    after torch.compile the compiled code would not see it, and diffusers'
+    hooks (offloading, caching, layerwise casting) wrap the modules it
+    replaces. accelerate's hooks (``from_pretrained(device_map=...)``,
+    ``cpu_offload``) are carried over to the replacements
+    (:func:`carry_accelerate_hook`), except under ``precision="fp8"`` when
+    they offload: FP8 weights are made at patch time, from weights that
+    must be on the device."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or \
+            getattr(model, "_compiled_call_impl", None) is not None:
+        raise RuntimeError("compile_ops.patch: the model is already compiled; call compile_ops.patch(model) "
+                           "first, then torch.compile(model)")
+    for name, module in model.named_modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is not None and registry.hooks:
+            raise RuntimeError(f"compile_ops.patch: {name or 'the model'} carries diffusers hooks "
+                               f"({', '.join(registry.hooks)}); call compile_ops.patch(model) before group "
+                               "offloading, layerwise casting or caching")
+        if precision == "fp8" and _offloads(getattr(module, "_hf_hook", None)):
+            raise RuntimeError(f"compile_ops.patch: precision='fp8' quantizes the weights now, and "
+                               f"{name or 'the model'}'s are offloaded by an accelerate hook (device_map / "
+                               "cpu_offload); load the model onto the GPU, patch, then offload")
+    if hasattr(model, PATCH_STATE):
+        raise RuntimeError("compile_ops.patch: the model is already patched (compile_ops.unpatch undoes it)")
+
+
+def _offloads(hook) -> bool:
+    """Whether an accelerate hook (or a ``SequentialHook`` of them) keeps weights off the device."""
+    if hook is None:
+        return False
+    return bool(getattr(hook, "offload", False)) or any(_offloads(h) for h in getattr(hook, "hooks", ()))
+
+
+def swap_module(parent: nn.Module, name: str, old: nn.Module, new: nn.Module, undo: list) -> None:
+    """Put ``new`` in ``old``'s place as ``parent.<name>``, with old's
+    accelerate hook, and record the swap for ``unpatch``."""
+    setattr(parent, name, new)
+    carry_accelerate_hook(old, new)
+    undo.append(("module", parent, name, old))
+
+
+def carry_accelerate_hook(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new`` the accelerate hook of the module it replaces. The hook
+    moves (or loads from its weights map) the module's tensors by name around
+    each call, and our modules keep the original names, so it serves the
+    replacement as it served the original; the original keeps its hook for
+    ``unpatch``."""
+    hook = getattr(old, "_hf_hook", None)
+    if hook is not None:
+        from accelerate.hooks import add_hook_to_module  # present: it made the hook
+
+        add_hook_to_module(new, hook)
+
+
+def adopt(new: nn.Module, old: nn.Module) -> Optional[nn.Module]:
+    """``new`` (built on the meta device) takes ``old``'s Linear submodules and
+    parameters, by name; None when the two do not hold the same parameters (a
+    configuration ours does not cover)."""
+    if {n for n, _ in new.named_parameters()} != {n for n, _ in old.named_parameters()}:
+        return None
+    for name, child in list(new.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(new, name, old.get_submodule(name))
+    for name, _ in list(new.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        setattr(new.get_submodule(owner) if owner else new, leaf, old.get_parameter(name))
+    return new
+
+
+def build_on_meta(build: Callable[[], nn.Module], old: nn.Module) -> Optional[nn.Module]:
+    """``build()`` on the meta device (no memory, no initialization), holding ``old``'s tensors (:func:`adopt`)."""
+    with torch.device("meta"):
+        new = build()
+    return adopt(new, old)
