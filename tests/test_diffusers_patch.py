@@ -198,6 +198,35 @@ def test_patch_refuses_a_compiled_hooked_or_already_patched_model():
         compile_ops.patch({})
 
 
+def test_patch_takes_its_options_keyword_only_and_names_a_wrong_one():
+    """compile_ops.patch's options are PatchOptions' fields, keyword-only and
+    with the same defaults; a positional option, an unknown name or a wrong
+    value raises before the model changes, naming what is wrong."""
+    import dataclasses
+    import inspect
+
+    from compile_ops.integrations.options import PatchOptions
+
+    params = inspect.signature(compile_ops.patch).parameters
+    fields = dataclasses.fields(PatchOptions)
+    assert list(params) == ["model", *(f.name for f in fields)]
+    assert all(params[f.name].kind is inspect.Parameter.KEYWORD_ONLY and params[f.name].default == f.default
+               for f in fields)
+    model, _ = _flux()
+    before = dict(model.named_modules())
+    with pytest.raises(TypeError, match="positional argument"):
+        compile_ops.patch(model, True)
+    with pytest.raises(TypeError, match="unknown option 'precison'"):
+        compile_ops.patch(model, precison="fp8")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        compile_ops.patch(model, precision="int4")
+    with pytest.raises(TypeError, match="attention_processors must be a bool"):
+        compile_ops.patch(model, attention_processors=1)
+    with pytest.raises(TypeError, match="attention must be one of SlidingTile, Radial, TopK"):
+        compile_ops.patch(model, attention="sta")
+    assert dict(model.named_modules()) == before and not hasattr(model, "_compile_ops_patch")
+
+
 # aot_eager (AOT autograd's joint graph through the ops' fakes) for Flux, whose
 # processor and fused blocks call the most ops; Dynamo alone (graph breaks,
 # guards, the fakes under symbolic shapes) for the others: the joint graph of
