@@ -1049,7 +1049,10 @@ def test_patched_flux_exports_with_a_dynamic_sequence_and_a_block_runs_as_an_aot
     exported = torch.export.export(block, (), kwargs, dynamic_shapes=dict(
         hidden_states={1: seq}, encoder_hidden_states=None, temb=None,
         image_rotary_emb=({0: rope_len}, {0: rope_len})))
-    package = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "flux_block.pt2"))
+    # aoti_compile_and_package writes into inductor's config dict aot_inductor.metadata in place: a dict of
+    # its own for this compile keeps the process's config as it was.
+    with torch._inductor.config.patch({"aot_inductor.metadata": {}}):
+        package = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "flux_block.pt2"))
     loaded = None if HAS_CUDA else torch._inductor.aoti_load_package(package)
     runner = build_runner(str(tmp_path))
     for side in (5, 7):
