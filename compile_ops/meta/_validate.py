@@ -57,17 +57,12 @@ def check_eps(op: str, eps: float) -> None:
         fail(op, f"eps must be >= 0, got {eps}")
 
 
-def check_module_input(owner: str, name: str, t, weight: Optional[torch.Tensor], hooked: bool = False,
-                       weight_name: str = "the module's weights") -> None:
-    """A module's floating input ``t`` against the ``weight`` it meets first:
-    a floating tensor, on the weight's device unless a hook (``hooked``:
-    offloading) moves the weight there when it is called."""
+def check_floating_input(owner: str, name: str, t) -> None:
+    """``t`` is a floating tensor (an input a module or a wrapper hands to torch ops)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{owner}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_floating_point():
         raise TypeError(f"{owner}: {name} must have a floating dtype, got {t.dtype}")
-    if weight is not None and not hooked and t.device != weight.device and weight.device.type != "meta":
-        raise ValueError(f"{owner}: {name} is on {t.device} but {weight_name} is on {weight.device}")
 
 
 def softmax_scale(owner: str, q, scale: Optional[float], q_kinds: str = "a torch.Tensor") -> float:

@@ -7,8 +7,8 @@ so a diffusers state dict loads unchanged; the projection is the same
 """
 from torch import Tensor, nn
 
-from compile_ops.meta._validate import check_module_input, checked_arguments
-from compile_ops.modules.hooks import must_call
+from compile_ops.meta._validate import checked_arguments
+from compile_ops.modules.hooks import check_input
 from compile_ops.ops.glu import geglu, swiglu
 
 
@@ -31,8 +31,7 @@ class GEGLU(nn.Module):
     @checked_arguments
     def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
         # *args, **kwargs: diffusers' deprecated ``scale`` argument, ignored as there.
-        check_module_input("compile_ops.GEGLU", "hidden_states", hidden_states, self.proj.weight,
-                           must_call(self.proj))
+        check_input("compile_ops.GEGLU", "hidden_states", hidden_states, self.proj)
         return geglu(self.proj(hidden_states), self.approximate)
 
     def extra_repr(self) -> str:
@@ -53,6 +52,5 @@ class SwiGLU(nn.Module):
 
     @checked_arguments
     def forward(self, hidden_states: Tensor) -> Tensor:
-        check_module_input("compile_ops.SwiGLU", "hidden_states", hidden_states, self.proj.weight,
-                           must_call(self.proj))
+        check_input("compile_ops.SwiGLU", "hidden_states", hidden_states, self.proj)
         return swiglu(self.proj(hidden_states))

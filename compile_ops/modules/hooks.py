@@ -10,9 +10,12 @@ on the meta device or in a storage dtype. So a seam that meets a hooked module
 holding tensors of its own calls the module instead (the unfused path for that
 one step), and the hook does its work.
 """
+import itertools
 from typing import Optional
 
 from torch import nn
+
+from compile_ops.meta._validate import check_floating_input
 
 
 def has_call_hooks(module: nn.Module) -> bool:
@@ -37,3 +40,16 @@ def must_call(module: Optional[nn.Module]) -> bool:
         return False
     return next(module.parameters(recurse=False), None) is not None or \
         next(module.buffers(recurse=False), None) is not None
+
+
+def check_input(owner: str, name: str, t, module: nn.Module) -> None:
+    """A module's input ``t`` for its submodule ``module``: a floating tensor on
+    ``module``'s device, unless ``module`` runs hooks (offloading moves its
+    weights to the input when it is called)."""
+    check_floating_input(owner, name, t)
+    if must_call(module):
+        return
+    like = next(itertools.chain(module.parameters(), module.buffers()), None)
+    if like is not None and like.device.type != "meta" and t.device != like.device:
+        raise ValueError(f"{owner}: {name} is on {t.device} but the weights of its {type(module).__name__} are "
+                         f"on {like.device}")

@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from compile_ops.meta._validate import check_module_input, checked_arguments
-from compile_ops.modules.hooks import must_call
+from compile_ops.meta._validate import checked_arguments
+from compile_ops.modules.hooks import check_input, must_call
 from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.modulate import norm_modulate, norm_modulate_fp8
 
@@ -56,7 +56,7 @@ class AdaLayerNormZero(nn.Module):
                 hidden_dtype: Optional[torch.dtype] = None, emb: Optional[Tensor] = None, fp8_rows: bool = False):
         if emb is None:
             raise ValueError("AdaLayerNormZero: emb ([B, C]) is required")
-        check_module_input("compile_ops.AdaLayerNormZero", "emb", emb, self.linear.weight, must_call(self.linear))
+        check_input("compile_ops.AdaLayerNormZero", "emb", emb, self.linear)
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
         x = (norm_modulate_fp8 if fp8_rows else norm_modulate)(x, scale_msa, shift_msa, None, None, "layernorm",
@@ -83,8 +83,7 @@ class AdaLayerNormZeroSingle(nn.Module):
     def forward(self, x: Tensor, emb: Optional[Tensor] = None, fp8_rows: bool = False):
         if emb is None:
             raise ValueError("AdaLayerNormZeroSingle: emb ([B, C]) is required")
-        check_module_input("compile_ops.AdaLayerNormZeroSingle", "emb", emb, self.linear.weight,
-                           must_call(self.linear))
+        check_input("compile_ops.AdaLayerNormZeroSingle", "emb", emb, self.linear)
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
         modulate = norm_modulate_fp8 if fp8_rows else norm_modulate
@@ -118,10 +117,8 @@ class AdaLayerNormContinuous(nn.Module):
 
     @checked_arguments
     def forward(self, x: Tensor, conditioning_embedding: Tensor) -> Tensor:
-        hooked = must_call(self.linear)
-        check_module_input("compile_ops.AdaLayerNormContinuous", "x", x, self.linear.weight, hooked)
-        check_module_input("compile_ops.AdaLayerNormContinuous", "conditioning_embedding", conditioning_embedding,
-                           self.linear.weight, hooked)
+        check_input("compile_ops.AdaLayerNormContinuous", "x", x, self.linear)
+        check_input("compile_ops.AdaLayerNormContinuous", "conditioning_embedding", conditioning_embedding, self.linear)
         # Back to x's dtype, as diffusers does (the embedding may be fp32).
         emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
         scale, shift = torch.chunk(emb, 2, dim=1)

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor, nn
 
 from compile_ops._library import cuda_capability
-from compile_ops.meta._validate import accumulation_dtype, check_module_input, checked_arguments
-from compile_ops.modules.hooks import must_call
+from compile_ops.meta._validate import accumulation_dtype, checked_arguments
+from compile_ops.modules.hooks import check_input
 from compile_ops.ops.glu import swiglu
 from compile_ops.ops.moe import moe_route
 
@@ -125,8 +125,7 @@ class MoEFeedForward(nn.Module):
 
     @checked_arguments
     def forward(self, hidden_states: Tensor) -> Tensor:
-        check_module_input("compile_ops.MoEFeedForward", "hidden_states", hidden_states, self.router.weight,
-                           must_call(self.router))
+        check_input("compile_ops.MoEFeedForward", "hidden_states", hidden_states, self.router)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, experts, counts, token_index = moe_route(x, self.router.weight, self.top_k, self.renormalize)

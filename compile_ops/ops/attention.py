@@ -27,7 +27,7 @@ from torch import Tensor
 
 from compile_ops import _dtensor, meta, reference
 from compile_ops._library import clear_launch_plans, fused_op, register_no_gradient, require_fp8_mma
-from compile_ops.meta._validate import check_module_input, checked_arguments, softmax_scale
+from compile_ops.meta._validate import check_floating_input, checked_arguments, softmax_scale
 from compile_ops.ops import attention_sm90
 from compile_ops.ops.attention_8bit import launch_eight_bit, quantized_operands
 from compile_ops.ops.attention_launch import launch_backward, launch_forward
@@ -340,7 +340,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         raise NotImplementedError(f"{owner}: dropout_p must be 0 (no dropout), got {dropout_p}")
     # SDPA's argument names in its errors, before attention() checks them as q, k, v.
     for name, t in (("query", query), ("key", key), ("value", value)):
-        check_module_input(owner, name, t, None)
+        check_floating_input(owner, name, t)
         if t.device != query.device:
             raise ValueError(f"{owner}: {name} is on {t.device} but query is on {query.device}")
     return attention(query, key, value, scale, is_causal, 2)
