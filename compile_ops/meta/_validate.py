@@ -57,6 +57,12 @@ def check_eps(op: str, eps: float) -> None:
         fail(op, f"eps must be >= 0, got {eps}")
 
 
+def check_flag(owner: str, name: str, value) -> None:
+    """``value`` is a bool (a float or a str is not read as one)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be a bool, got {type(value).__name__}")
+
+
 def check_floating_input(owner: str, name: str, t) -> None:
     """``t`` is a floating tensor (an input a module or a wrapper hands to torch ops)."""
     if not isinstance(t, torch.Tensor):

@@ -28,7 +28,6 @@ class GEGLU(nn.Module):
         self.proj = nn.Linear(dim_in, dim_out * 2, bias=bias)
         self.approximate = approximate
 
-    @checked_arguments
     def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
         # *args, **kwargs: diffusers' deprecated ``scale`` argument, ignored as there.
         check_input("compile_ops.GEGLU", "hidden_states", hidden_states, self.proj)
@@ -50,7 +49,6 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.proj = nn.Linear(dim_in, dim_out * 2, bias=bias)
 
-    @checked_arguments
     def forward(self, hidden_states: Tensor) -> Tensor:
         check_input("compile_ops.SwiGLU", "hidden_states", hidden_states, self.proj)
         return swiglu(self.proj(hidden_states))

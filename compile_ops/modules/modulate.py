@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from compile_ops.meta._validate import checked_arguments
+from compile_ops.meta._validate import check_flag, checked_arguments
 from compile_ops.modules.hooks import check_input, must_call
 from compile_ops.modules.norm import LayerNorm, RMSNorm
 from compile_ops.ops.modulate import norm_modulate, norm_modulate_fp8
@@ -51,11 +51,11 @@ class AdaLayerNormZero(nn.Module):
         self.silu = nn.SiLU()
         self.linear = nn.Linear(embedding_dim, 6 * embedding_dim, bias=bias)
 
-    @checked_arguments
     def forward(self, x: Tensor, timestep: Optional[Tensor] = None, class_labels: Optional[Tensor] = None,
                 hidden_dtype: Optional[torch.dtype] = None, emb: Optional[Tensor] = None, fp8_rows: bool = False):
         if emb is None:
             raise ValueError("AdaLayerNormZero: emb ([B, C]) is required")
+        check_flag("compile_ops.AdaLayerNormZero", "fp8_rows", fp8_rows)
         check_input("compile_ops.AdaLayerNormZero", "emb", emb, self.linear)
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
@@ -79,10 +79,10 @@ class AdaLayerNormZeroSingle(nn.Module):
         self.silu = nn.SiLU()
         self.linear = nn.Linear(embedding_dim, 3 * embedding_dim, bias=bias)
 
-    @checked_arguments
     def forward(self, x: Tensor, emb: Optional[Tensor] = None, fp8_rows: bool = False):
         if emb is None:
             raise ValueError("AdaLayerNormZeroSingle: emb ([B, C]) is required")
+        check_flag("compile_ops.AdaLayerNormZeroSingle", "fp8_rows", fp8_rows)
         check_input("compile_ops.AdaLayerNormZeroSingle", "emb", emb, self.linear)
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
@@ -115,7 +115,6 @@ class AdaLayerNormContinuous(nn.Module):
             raise ValueError(f"AdaLayerNormContinuous: norm_type must be 'layer_norm' or 'rms_norm', "
                              f"got {norm_type!r}")
 
-    @checked_arguments
     def forward(self, x: Tensor, conditioning_embedding: Tensor) -> Tensor:
         check_input("compile_ops.AdaLayerNormContinuous", "x", x, self.linear)
         check_input("compile_ops.AdaLayerNormContinuous", "conditioning_embedding", conditioning_embedding, self.linear)

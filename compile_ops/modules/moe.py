@@ -123,7 +123,6 @@ class MoEFeedForward(nn.Module):
         nn.init.uniform_(self.w_in, -1 / math.sqrt(dim), 1 / math.sqrt(dim))
         nn.init.uniform_(self.w_out, -1 / math.sqrt(hidden_dim), 1 / math.sqrt(hidden_dim))
 
-    @checked_arguments
     def forward(self, hidden_states: Tensor) -> Tensor:
         check_input("compile_ops.MoEFeedForward", "hidden_states", hidden_states, self.router)
         shape = hidden_states.shape

@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from compile_ops.meta._validate import checked_arguments
+from compile_ops.meta._validate import check_floating_input, checked_arguments
 from compile_ops.ops.norm import layernorm, rmsnorm
 
 
@@ -44,10 +44,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(self.dim, **factory)) if elementwise_affine else None
         self.bias = nn.Parameter(torch.zeros(self.dim, **factory)) if elementwise_affine and bias else None
 
-    @checked_arguments
     def forward(self, x: Tensor) -> Tensor:
-        if self.eps is None and not x.is_floating_point():  # torch.finfo would raise first
-            raise TypeError(f"compile_ops.RMSNorm: x must have a floating dtype, got {x.dtype}")
+        if self.eps is None:  # torch.finfo would raise first
+            check_floating_input("compile_ops.RMSNorm", "x", x)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         return rmsnorm(x, self.weight, eps, self.bias)
 
@@ -73,7 +72,6 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(self.dim, **factory)) if elementwise_affine else None
         self.bias = nn.Parameter(torch.zeros(self.dim, **factory)) if elementwise_affine and bias else None
 
-    @checked_arguments
     def forward(self, x: Tensor) -> Tensor:
         return layernorm(x, self.weight, self.bias, self.eps)
 
