@@ -111,7 +111,8 @@ def check_block_lists_eagerly(q, k, v, block_index, block_count, scale, causal, 
     if not (isinstance(block_index, torch.Tensor) and isinstance(block_count, torch.Tensor)
             and isinstance(k, torch.Tensor) and k.dim() == 4 and seq_dim in (1, 2) and block_index.dim() == 4
             and block_index.dtype in INDEX_DTYPES and block_count.dtype in INDEX_DTYPES
-            and tuple(block_count.shape) == tuple(block_index.shape[:3])):
+            and tuple(block_count.shape) == tuple(block_index.shape[:3])
+            and block_index.device == block_count.device == k.device):
         return
     check_block_list_values("block_sparse_attention", block_index, block_count, num_blocks(dims(k, seq_dim)[2]),
                             "key")
