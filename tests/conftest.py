@@ -33,10 +33,10 @@ def allow_tma_under_interpreter(patch) -> None:
     are on the CPU, so the launcher's alignment check and the descriptors'
     scratch allocator are replaced. On a GPU it changes nothing."""
     if INTERPRET:
-        from compile_ops.ops import attention as attention_ops
+        from compile_ops.ops import attention_args
 
-        patch.setattr(attention_ops, "_tma_ready", lambda *tensors: True)
-        patch.setattr(attention_ops, "_scratch", lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+        patch.setattr(attention_args, "tma_ready", lambda *tensors: True)
+        patch.setattr(attention_args, "tma_scratch", lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
 
 
 @contextlib.contextmanager
@@ -149,7 +149,7 @@ def _global_state() -> dict:
     import torch._inductor.config
     import torch.compiler.config
 
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_sm90
 
     # Read entry by entry: get_config_copy() still lists an entry torch has hidden.
     with warnings.catch_warnings():  # reading a deprecated entry warns
@@ -160,7 +160,7 @@ def _global_state() -> dict:
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "default_dtype": torch.get_default_dtype(), "grad_enabled": torch.is_grad_enabled(),
-            "attention_atomic_dq": attention_ops.ATOMIC_DQ}
+            "attention_atomic_dq": attention_sm90.ATOMIC_DQ}
 
 
 @pytest.fixture(autouse=True)

@@ -35,13 +35,6 @@ from compile_ops.ops.attention_tiles import forward_tiles  # noqa: F401  (tests/
 from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 
 
-def __getattr__(name: str):
-    # tests/conftest.py reads ATOMIC_DQ here; the setting lives where it is read, in ops/attention_sm90.py.
-    if name == "ATOMIC_DQ":
-        return attention_sm90.ATOMIC_DQ
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # ---------------------------------------------------------------- ops
 
 
