@@ -1,19 +1,17 @@
 """The one helper that turns a Triton launcher into a ``torch.ops.fused.*`` op.
 
-Why ``triton_op`` with an explicit fake (measured on an H100, torch 2.11,
-``shared/anchors/h100-baseline.json``): Inductor inlines the Triton kernel into
-its generated code instead of calling an opaque extern (``custom_op`` costs
-325 us per eager call against 25 us), and an explicit fake is 2.7x cheaper per
-eager call than letting torch derive one by tracing the body.
+Why ``triton_op`` with an explicit fake: Inductor inlines the Triton kernel
+into its generated code instead of calling an opaque extern (``custom_op``),
+and an explicit fake is cheaper per eager call than letting torch derive one by
+tracing the body (the three registrations compared: docs/design.md).
 
 Where code runs:
 - CUDA tensors run the Triton launcher, under the tensor's device context.
 - Other devices run the pure-PyTorch reference (after the same validation),
   which keeps ``opcheck``, ``gradcheck`` and ``torch.compile`` usable on CPU.
 - Eager calls from Python skip torch's dispatcher when nothing traces them (see
-  ``FusedOp.__call__``): on an H100 host the dispatcher and torch.library's
-  autograd layers cost ~40 us per op call and made an eager forward+backward
-  step host-bound (~950 us against ~350 us of kernels at 1x16384x5120). On
+  ``FusedOp.__call__``): the dispatcher and torch.library's autograd layers
+  made an eager forward+backward step host-bound (docs/notes/host-cost.md). On
   CUDA, those calls also replay launch plans (``_replay``): a signature's
   first call records its launches, later ones skip validation, configuration
   and Triton's argument binding.
@@ -132,9 +130,10 @@ def _device_properties(index: int):
 
 
 def _gpu_property(t: torch.Tensor, name: str, stand_in: int) -> int:
-    """``name`` of ``t``'s GPU's properties; ``stand_in`` (an H100's value)
-    when none is present, so that fake-CUDA tracing and the interpreter size
-    grids and groups exactly as the GPU would."""
+    """``name`` of ``t``'s GPU's properties; ``stand_in`` (the value of the
+    reference machine of docs/notes/method.md) when none is present, so that
+    fake-CUDA tracing and the interpreter size grids and groups exactly as the
+    GPU would."""
     if t.device.type == "cuda" and HAS_CUDA:
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
         return getattr(_device_properties(index), name)
@@ -147,7 +146,7 @@ def multiprocessor_count(t: torch.Tensor) -> int:
 
 
 def l2_cache_bytes(t: torch.Tensor) -> int:
-    """L2 cache size in bytes of ``t``'s GPU (50 MB without one)."""
+    """L2 cache size in bytes of ``t``'s GPU (``50 * 2**20`` without one)."""
     return _gpu_property(t, "L2_cache_size", 50 * 2**20)
 
 
@@ -172,8 +171,8 @@ def launcher(kernel):
     """How launchers call a ``@triton.jit`` kernel: through ``wrap_triton``, so
     that tracing records it, except on the eager fast path where nothing traces
     and the kernel is launched as is (``wrap_triton`` outside an op would route
-    the launch through its tracing machinery, ~9x slower), or recorded for a
-    launch plan (``_replay``)."""
+    the launch through its tracing machinery: docs/notes/host-cost.md), or
+    recorded for a launch plan (``_replay``)."""
     return _replay.recording_kernel(kernel) if getattr(_launch_state, "eager", False) else wrap_triton(kernel)
 
 

@@ -1,8 +1,8 @@
 """Launch plans: an eager fused op's second call with the same signature replays its first.
 
-Why (issue 20, ``bench/host.py`` on an H100 host): an eager call of a fused op
-spent 58-370 us of host time before its kernels ran, against 20-49 us for the
-bare Triton launches it makes. The time goes to the fake's validation and
+Why: an eager call of a fused op spends several times the host time of the
+bare Triton launches it makes before its kernels run (``bench/host.py``;
+figures in docs/notes/host-cost.md). The time goes to the fake's validation and
 output shapes, the launch configuration, and Triton's own argument binding
 and specialization in ``JITFunction.run``. For a given *signature* (every
 tensor argument's dtype, device, shape, strides and pointer alignment, every

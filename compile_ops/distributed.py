@@ -38,10 +38,10 @@ Registration happens at ``import compile_ops`` when ``torch.distributed`` is
 available (:func:`register`, idempotent): a rule must exist before the first
 DTensor reaches an op, including the backward ops that autograd reaches from
 deep inside ``loss.backward()``, and an explicit opt-in would turn a forgotten
-call into an error far from its cause. It costs about a millisecond: one
-small record per op; ``torch.distributed.tensor`` (about 1 s to import on its
-own) is already imported by then, through ``torch._inductor`` that the op
-registration pulls in (torch 2.11 and 2.13 alike).
+call into an error far from its cause. It is cheap: one small record per op;
+``torch.distributed.tensor`` (a slow import on its own) is already imported by
+then, through ``torch._inductor`` that the op registration pulls in (torch 2.11
+and 2.13 alike; the cost: docs/notes/multi-gpu.md).
 
 The rules go through DTensor's op-strategy API (the layer under the
 experimental ``register_sharding``, identical in torch 2.11 and 2.13) rather
