@@ -153,7 +153,7 @@ def quantize_fp8_rows_kernel(X, Q, S, n_rows, K, stride_row, stride_col,
     HEAD_CHUNKS blocks of HEAD then CHUNKS blocks of X, each BLOCK_N wide
     (a tuple of tiles, unrolled), so that a row is padded to whole blocks,
     not to a power of two (Flux's 3072 + 12288 columns: 4 blocks of 4096,
-    where one block per segment was 4096 + 16384); the row maximum is the
+    where one block per segment would be 4096 + 16384); the row maximum is the
     elementwise maximum over the blocks, reduced once. LOOPED (rows too wide
     to hold): two passes over each segment in BLOCK_N blocks, the row maxima
     and then the values (the activation computed in each; the first pass
@@ -161,8 +161,8 @@ def quantize_fp8_rows_kernel(X, Q, S, n_rows, K, stride_row, stride_col,
 
     Why hold rows up to 16384 columns: an MLP's hidden activation (Flux:
     12288 wide, 3072 more of attention output as the head) in two passes is
-    read twice with its activation computed twice, which on an H100 made this
-    kernel 15% of an FP8 Flux step."""
+    read twice with its activation computed twice, which made this kernel a
+    large part of an FP8 Flux step (docs/notes/fp8.md)."""
     rows = _tile_rows(tl.program_id(0), BLOCK_M)
     row_mask = rows < n_rows
     peak = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

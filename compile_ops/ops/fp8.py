@@ -36,19 +36,17 @@ from compile_ops.ops._launch import as_rows
 #: FP8 tensor cores: sm_89 (Ada) and newer, sm_90 (Hopper) among them.
 FP8_CAPABILITY = _library.FP8_MMA
 
-#: Launch configuration, from the H100 sweeps (bench/sweep_fp8.py,
-#: bench/results/sweep-fp8-h100-round1.json and -round2.json). MAX_ROW_VALUES: a program holds up to
-#: this many values (its rows padded to whole blocks) in registers and reads
-#: them once; wider rows take the kernel's two-pass loop, LOOP_BLOCK_N columns
-#: a step with LOOP_WARPS warps (at Flux's 4096 x 12288 tanh GELU: held 69 us,
-#: looped 99). Held rows are cut into blocks of CHUNK_N columns (narrower rows
-#: take one block of their own power of two, several rows a program up to TILE
-#: values): blocks of 1024 that pad less were slower (114 us against 69; Wan's
-#: 8960 columns 499 against 468 in three padded blocks of 4096). Warps: a
+#: Launch configuration, from the sweeps (bench/sweep_fp8.py,
+#: bench/results/sweep-fp8-h100-round1.json and -round2.json; figures in docs/notes/fp8.md). MAX_ROW_VALUES: a
+#: program holds up to this many values (its rows padded to whole blocks) in
+#: registers and reads them once, which beats the two-pass loop that wider
+#: rows take, LOOP_BLOCK_N columns a step with LOOP_WARPS warps. Held rows are
+#: cut into blocks of CHUNK_N columns (narrower rows take one block of their
+#: own power of two, several rows a program up to TILE values): narrower blocks
+#: pad less but are slower (more separate loads and conversions). Warps: a
 #: thread holds about VALUES_PER_THREAD values, ACTIVATION_VALUES_PER_THREAD
-#: where each costs an activation (more warps hide its latency: Flux's single
-#: block 97 us against 104; a plain 8960-wide row 295 against 366 the other
-#: way), 4 to MAX_WARPS.
+#: where each costs an activation (more warps hide its latency; without one,
+#: fewer warps are faster), 4 to MAX_WARPS.
 MAX_ROW_VALUES = 16384
 CHUNK_N = 4096
 TILE = 4096

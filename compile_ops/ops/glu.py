@@ -26,10 +26,9 @@ class LaunchConfig:
 
 
 #: Output elements per program, the widest column block, and warps per program.
-#: ``bench/sweep_glu.py`` on an H100 (bench/results/sweep-glu-h100.json): tiles
-#: from 1024 to 4096 elements with 4 or 8 warps are within 1% of each other at
-#: the DiT shapes; 1024 with 4 warps was first in all four rows, 8192-element
-#: tiles lose 2-10%.
+#: ``bench/sweep_glu.py`` (bench/results/sweep-glu-h100.json, docs/notes/glu.md):
+#: tiles from 1024 to 4096 elements with 4 or 8 warps are level at the DiT
+#: shapes, 1024 with 4 warps first in every row; 8192-element tiles lose.
 TILE = 1024
 MAX_BLOCK_N = 1024
 NUM_WARPS = 4

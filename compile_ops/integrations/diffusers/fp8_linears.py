@@ -39,7 +39,7 @@ def _why_kept(parent: nn.Module, linear: nn.Linear, in_blocks: bool, modulation:
 def quantize_linears(model: nn.Module, report: PatchReport, fast_accum: bool, modulation: bool) -> None:
     """Replace the transformer blocks' Linears (with ``modulation``, their
     AdaLN modulation projections too) with :class:`FP8Linear` (weights
-    quantized once per output channel; the original weight is no longer held),
+    quantized once per output channel; the original weight is not kept),
     and report every Linear of the model, FP8 or not, with the reason."""
     from compile_ops.ops.fp8 import check_fp8_device
 
