@@ -4,9 +4,9 @@
         [--launch-order-passes dkdv] [--rounds 2]
 
 Each group size is forced on the causal launches in place of
-``ops.attention.causal_order``'s rule: 0 is the launch order (no
+``ops.attention_tiles.causal_order``'s rule: 0 is the launch order (no
 ``HEAVY_FIRST``), N deals the tiles out over groups of N (batch, head) rows
-(``kernels.attention._program_rank``), ``all`` over every row.
+(``kernels.attention_common.program_rank``), ``all`` over every row.
 ``--launch-order-passes`` keeps the named passes (``forward``, ``dkdv``,
 ``dq``) in launch order whatever the group, to time one pass's order against
 the others'. Per shape: SDPA's cuDNN backend, then every group, ``--rounds``
@@ -14,7 +14,7 @@ times alternated, forward and forward+backward as CUDA-graph replays of
 ``compile_ops.attention`` called eagerly (``bench.runners.attention.measure``), and
 each group's forward output compared with the first group's, bit for bit.
 
-The sweep behind ``ops.attention.causal_order`` (docs/notes/attention-forward.md,
+The sweep behind ``ops.attention_tiles.causal_order`` (docs/notes/attention-forward.md,
 "Causal programs, longest first"; ``bench/results/attention-causal-order-sweep-h100.json``)
 ran this schedule.
 """
@@ -28,8 +28,11 @@ from bench.runners.attention import measure, providers
 from bench.toolkit import make_timer, warm_up_gpu, write_rows
 from compile_ops._library import clear_launch_plans
 from compile_ops.ops import attention as attention_ops
+from compile_ops.ops import attention_launch, attention_sm90, attention_tiles
 
 SHAPES = ((1, 24, 4608, 128), (1, 12, 32760, 128), (1, 40, 16384, 128), (2, 24, 4096, 64))
+#: The modules whose launches look ``causal_order`` up: the Triton kernels' and the sm_90 kernels'.
+ORDERED_LAUNCHES = (attention_launch, attention_sm90)
 
 
 class ForcedOrder:
@@ -45,7 +48,7 @@ class ForcedOrder:
     def __call__(self, shared, length, rows):
         name = "dkdv" if shared.data_ptr() == self.q.data_ptr() else "dq" if self.in_backward else "forward"
         if self.group == 0 or name in self.skip:
-            return attention_ops._LAUNCH_ORDER
+            return attention_tiles.LAUNCH_ORDER
         return dict(HEAVY_FIRST=True), rows if self.group is None else min(self.group, rows)
 
 
@@ -61,7 +64,8 @@ def main(argv=None) -> int:
     timer = make_timer(False)
     warm_up_gpu(6)
     cudnn, fused = providers(True)["sdpa_cudnn"], lambda q, k, v: compile_ops.attention(q, k, v, None, True)
-    rule, backward = attention_ops.causal_order, attention_ops.launch_backward
+    # fused.attention's backward looks launch_backward up in ops.attention: wrapped there.
+    rule, backward = attention_tiles.causal_order, attention_ops.launch_backward
     rows = []
     try:
         for b, h, length, d in SHAPES:
@@ -83,7 +87,9 @@ def main(argv=None) -> int:
                             finally:
                                 forced.in_backward = False
 
-                        attention_ops.causal_order, attention_ops.launch_backward = forced, wrapped_backward
+                        for module in ORDERED_LAUNCHES:
+                            module.causal_order = forced
+                        attention_ops.launch_backward = wrapped_backward
                         clear_launch_plans()
                         fn = fused
                         with torch.no_grad():
@@ -101,7 +107,9 @@ def main(argv=None) -> int:
             del q, k, v
             torch.cuda.empty_cache()
     finally:
-        attention_ops.causal_order, attention_ops.launch_backward = rule, backward
+        for module in ORDERED_LAUNCHES:
+            module.causal_order = rule
+        attention_ops.launch_backward = backward
         clear_launch_plans()
     write_rows(args.out, rows)
     return 0

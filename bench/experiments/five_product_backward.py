@@ -7,7 +7,7 @@
 Forward+backward steps of ``compile_ops.attention`` with the five-product
 backward (``set_attention_backward(deterministic=False)``) in each of
 ``--variants``: ``default`` (as it launches), ``unsplit`` (no split of the
-last round, ``ops.attention.backward_tail_split``), ``stages=N`` (an
+last round, ``ops.attention_sm90.backward_tail_split``), ``stages=N`` (an
 N-deep q/dO ring, ``SM90_BACKWARD_STAGES``) and ``step=N`` (N-query steps
 at the shape's head dim, ``SM90_BACKWARD_STEPS``); the deterministic
 backward in each of ``--deterministic-variants`` (``default``;
@@ -31,27 +31,27 @@ import torch
 import compile_ops
 from bench.runners.attention import providers
 from bench.toolkit import graph_replay_time, keep_busy, make_timer, warm_up_gpu, write_rows
-from compile_ops.ops import attention as attention_ops
+from compile_ops.ops import attention_sm90
 
 SHAPES = "1x24x4608x128,1x24x4592x128,2x24x4096x64,1x24x4429x64,1x12x32760x128,1x40x16384x128"
 
 
 #: The launch options as ``compile_ops`` sets them, which ``default`` restores.
-DEFAULTS = (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN, attention_ops.SM90_DKDV,
-            dict(attention_ops.SM90_BACKWARD_STEPS), attention_ops.SM90_DKDV_PERSISTENT)
+DEFAULTS = (attention_sm90.SM90_BACKWARD_STAGES, attention_sm90.TAIL_SPLIT_GAIN, attention_sm90.SM90_DKDV,
+            dict(attention_sm90.SM90_BACKWARD_STEPS), attention_sm90.SM90_DKDV_PERSISTENT)
 
 
 def configure(variant: str, d: int = 128) -> None:
     """Set the five-product backward's launch options for ``variant`` (see the module docstring) at head dim ``d``."""
     stages, gain, dkdv, steps, persistent = DEFAULTS
-    attention_ops.SM90_DKDV_PERSISTENT = persistent and variant != "unpersistent"
-    attention_ops.SM90_BACKWARD_STEPS.update(steps)
+    attention_sm90.SM90_DKDV_PERSISTENT = persistent and variant != "unpersistent"
+    attention_sm90.SM90_BACKWARD_STEPS.update(steps)
     if variant.startswith("step="):
-        attention_ops.SM90_BACKWARD_STEPS[d] = int(variant.split("=")[1])
-    attention_ops.SM90_BACKWARD_STAGES = int(variant.split("=")[1]) if variant.startswith("stages=") else stages
-    attention_ops.TAIL_SPLIT_GAIN = 1.0 if variant == "unsplit" else gain  # a gain of 100%: never split
-    attention_ops.SM90_DKDV = dkdv and variant != "triton_dkdv"
-    attention_ops.backward_tail_split.cache_clear()
+        attention_sm90.SM90_BACKWARD_STEPS[d] = int(variant.split("=")[1])
+    attention_sm90.SM90_BACKWARD_STAGES = int(variant.split("=")[1]) if variant.startswith("stages=") else stages
+    attention_sm90.TAIL_SPLIT_GAIN = 1.0 if variant == "unsplit" else gain  # a gain of 100%: never split
+    attention_sm90.SM90_DKDV = dkdv and variant != "triton_dkdv"
+    attention_sm90.backward_tail_split.cache_clear()
 
 
 def main(argv=None) -> int:
@@ -100,8 +100,8 @@ def main(argv=None) -> int:
         del q, k, v, grad
         torch.cuda.empty_cache()
         write_rows(args.out, rows)  # after every shape: a run stopped midway keeps what it measured
-    assert (attention_ops.SM90_BACKWARD_STAGES, attention_ops.TAIL_SPLIT_GAIN, attention_ops.SM90_DKDV,
-            attention_ops.SM90_BACKWARD_STEPS, attention_ops.SM90_DKDV_PERSISTENT) == DEFAULTS, "configure drifted"
+    assert (attention_sm90.SM90_BACKWARD_STAGES, attention_sm90.TAIL_SPLIT_GAIN, attention_sm90.SM90_DKDV,
+            attention_sm90.SM90_BACKWARD_STEPS, attention_sm90.SM90_DKDV_PERSISTENT) == DEFAULTS, "configure drifted"
     return 0
 
 

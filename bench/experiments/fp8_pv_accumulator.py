@@ -22,25 +22,25 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.toolkit import environment, graph_replay_time, make_timer, relative_l2, warm_up_gpu
 from compile_ops import reference
-from compile_ops.ops import attention as ops_attention
+from compile_ops.ops import attention_8bit, attention_launch, attention_tiles
 
 SHAPES = [(1, 24, 4608, 128), (1, 12, 32760, 128), (1, 40, 16384, 128), (1, 12, 75600, 128), (2, 24, 4096, 64)]
-_DEFAULT_TILES = ops_attention.forward_tiles
+_DEFAULT_TILES = attention_tiles.forward_tiles
 
 
 def _tiles(dot_acc: bool):
     def tiles(d, dtype, tma=False, precision="exact", wgmma=False):
         t = _DEFAULT_TILES(d, dtype, tma, precision)
-        return ops_attention.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, tma=t.tma, dot_acc=dot_acc)
+        return attention_tiles.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, tma=t.tma, dot_acc=dot_acc)
     return tiles
 
 
 def _launch(operands, v, out, scale, dot_acc):
-    ops_attention.forward_tiles = _tiles(dot_acc)
+    attention_launch.forward_tiles = _tiles(dot_acc)
     try:
-        ops_attention._launch_eight_bit(operands, v, out, scale, False, 2, None)
+        attention_8bit.launch_eight_bit(operands, v, out, scale, False, 2, None)
     finally:
-        ops_attention.forward_tiles = _DEFAULT_TILES
+        attention_launch.forward_tiles = _DEFAULT_TILES
 
 
 def main() -> None:
@@ -57,13 +57,13 @@ def main() -> None:
         flops = 4 * b * h * length * length * d
         out = torch.empty_like(q)
         row = {"shape": [b, h, length, d], "TFLOPs": {}}
-        pre = (q, None) + ops_attention.quantize_8bit(k, v, 2)
+        pre = (q, None) + attention_8bit.quantize_8bit(k, v, 2)
         calls = {"sdpa_cudnn": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)}
         for dot_acc in (False, True):
             tag = "dot_acc" if dot_acc else "two_level"
             calls[f"kernel_{tag}"] = lambda dot_acc=dot_acc: _launch(pre, v, out, scale, dot_acc)
-            calls[f"op_{tag}"] = lambda dot_acc=dot_acc: _launch(ops_attention._quantized(q, k, v, 2, True), v,
-                                                                 out, scale, dot_acc)
+            calls[f"op_{tag}"] = lambda dot_acc=dot_acc: _launch(attention_8bit.quantized_operands(q, k, v, 2, True),
+                                                                 v, out, scale, dot_acc)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             for _ in range(args.rounds):
                 for name, fn in calls.items():
@@ -74,7 +74,7 @@ def main() -> None:
         exact = torch.softmax((q2.double() @ k2.double().transpose(-1, -2)) * scale, -1) @ v2.double()
         for dot_acc in (False, True):
             got = torch.empty_like(q2)
-            _launch((q2, None) + ops_attention.quantize_8bit(k2, v2, 2), v2, got, scale, dot_acc)
+            _launch((q2, None) + attention_8bit.quantize_8bit(k2, v2, 2), v2, got, scale, dot_acc)
             tag = "dot_acc" if dot_acc else "two_level"
             row[f"rel_l2_to_spec_{tag}"] = relative_l2(got.float(), spec)
             row[f"rel_l2_to_fp64_{tag}"] = relative_l2(got.double(), exact)

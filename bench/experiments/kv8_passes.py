@@ -26,7 +26,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.toolkit import environment, graph_replay_time, kernel_profile, make_timer, warm_up_gpu
 from compile_ops._library import clear_launch_plans
-from compile_ops.ops import attention as ops_attention
+
+try:
+    from compile_ops.ops import attention_8bit
+except ImportError:  # --baseline on an older tree: quantize_8bit in ops/attention.py
+    from compile_ops.ops import attention as attention_8bit
 
 SHAPES = [(1, 24, 4608, 128), (1, 40, 16384, 128), (1, 12, 32760, 128), (2, 24, 4096, 64)]
 #: name -> the module attributes it sets (the others at their defaults)
@@ -35,14 +39,14 @@ VARIANTS = {
     "512-key chunks": dict(STAT_CHUNK_ROWS=512),
     "2048-key chunks": dict(STAT_CHUNK_ROWS=2048),
 }
-_DEFAULTS = {name: getattr(ops_attention, name) for name in ("STAT_CHUNK_ROWS", "STAT_STEP", "MAX_STAT_CHUNKS")
-             if hasattr(ops_attention, name)}
+_DEFAULTS = {name: getattr(attention_8bit, name) for name in ("STAT_CHUNK_ROWS", "STAT_STEP", "MAX_STAT_CHUNKS")
+             if hasattr(attention_8bit, name)}
 
 
 def _configure(variant):
     if variant != "baseline":
         for name, value in dict(_DEFAULTS, **VARIANTS[variant]).items():
-            setattr(ops_attention, name, value)
+            setattr(attention_8bit, name, value)
     clear_launch_plans()  # an eager op's plan replays the launches it recorded
 
 
@@ -54,8 +58,8 @@ def sweep(shapes, timer) -> list:
     replay of the quantizing pass is not separable, so the kernel's share
     comes from ``kernel_profile``)."""
     rows = []
-    default_rows, default_step, default_launch = (ops_attention.stat_rows_per_chunk, ops_attention.STAT_STEP,
-                                                  dict(ops_attention.STATS_LAUNCH))
+    default_rows, default_step, default_launch = (attention_8bit.stat_rows_per_chunk, attention_8bit.STAT_STEP,
+                                                  dict(attention_8bit.STATS_LAUNCH))
     for b, h, length, d in shapes:
         torch.manual_seed(0)
         k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -66,17 +70,17 @@ def sweep(shapes, timer) -> list:
                 for chunk in (128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048):
                     if chunk % step:
                         continue
-                    ops_attention.STAT_STEP = step
-                    ops_attention.STATS_LAUNCH = dict(num_warps=warps)
-                    ops_attention.stat_rows_per_chunk = lambda lk, chunk=chunk: chunk
+                    attention_8bit.STAT_STEP = step
+                    attention_8bit.STATS_LAUNCH = dict(num_warps=warps)
+                    attention_8bit.stat_rows_per_chunk = lambda lk, chunk=chunk: chunk
                     key = f"step {step}, {warps} warps, {chunk} rows"
                     row["quantize_us"][key] = 1e3 * graph_replay_time(
-                        lambda: ops_attention.quantize_8bit(k, v, 2), timer)
-                    profile = kernel_profile(lambda: ops_attention.quantize_8bit(k, v, 2))
+                        lambda: attention_8bit.quantize_8bit(k, v, 2), timer)
+                    profile = kernel_profile(lambda: attention_8bit.quantize_8bit(k, v, 2))
                     row["stats_us"][key] = 1e3 * sum(ms for name, ms, _ in profile["top"]
                                                      if name.startswith("kv8_stats"))
-        ops_attention.stat_rows_per_chunk, ops_attention.STAT_STEP = default_rows, default_step
-        ops_attention.STATS_LAUNCH = default_launch
+        attention_8bit.stat_rows_per_chunk, attention_8bit.STAT_STEP = default_rows, default_step
+        attention_8bit.STATS_LAUNCH = default_launch
         best = min(row["quantize_us"], key=row["quantize_us"].get)
         print(json.dumps({"shape": row["shape"], "best": best, "us": row["quantize_us"][best]}), flush=True)
         rows.append(row)
@@ -107,10 +111,10 @@ def main() -> None:
         k += 3 * torch.randn(1, h, 1, d, device="cuda", dtype=torch.bfloat16)  # keys with a channel offset
         row = {"shape": [b, h, length, d], "quantize_us": {}, "agreement": {}, "op_TFLOPs": {}}
         _configure(variants[0])
-        want = [t.clone() for t in ops_attention.quantize_8bit(k, v, 2)]
+        want = [t.clone() for t in attention_8bit.quantize_8bit(k, v, 2)]
         for variant in variants:
             _configure(variant)
-            got = ops_attention.quantize_8bit(k, v, 2)
+            got = attention_8bit.quantize_8bit(k, v, 2)
             k_diff = (got[0].int() - want[0].int()).abs()
             row["agreement"][variant] = {
                 "k8 max diff": int(k_diff.max()), "k8 differing": float((k_diff > 0).float().mean()),
@@ -122,14 +126,14 @@ def main() -> None:
             for variant in variants:
                 _configure(variant)
                 row["quantize_us"].setdefault(variant, []).append(
-                    1e3 * graph_replay_time(lambda: ops_attention.quantize_8bit(k, v, 2), timer))
+                    1e3 * graph_replay_time(lambda: attention_8bit.quantize_8bit(k, v, 2), timer))
                 row["op_TFLOPs"].setdefault(variant, []).append(flops / 1e9 / graph_replay_time(
                     lambda: torch.ops.fused.attention_int8_fp8(q, k, v, d ** -0.5, False, 2, None), timer))
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 row["op_TFLOPs"].setdefault("cuDNN bf16", []).append(flops / 1e9 / graph_replay_time(
                     lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), timer))
         _configure(variants[0])
-        row["kernels"] = kernel_profile(lambda: ops_attention.quantize_8bit(k, v, 2))
+        row["kernels"] = kernel_profile(lambda: attention_8bit.quantize_8bit(k, v, 2))
         print(json.dumps(row), flush=True)
         rows.append(row)
     with open(args.out, "w") as f:

@@ -15,7 +15,7 @@ per SM, in every mode; ``d64``: D = 64 with 256- and 128-key tiles;
 and int8.
 The package is kept off the core in this process (``has_wgmma`` False), so
 ``fused.*`` calls are the portable kernel and the core is launched directly
-(``ops.attention._launch_sm90_core``). Correctness is the GPU tests'
+(``ops.attention_sm90.launch_sm90_core``). Correctness is the GPU tests'
 (tests/test_attention.py: the core equals the portable kernel bit for bit or
 within one rounding). Timing: CUDA-graph replays, two alternated rounds."""
 import json
@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from compile_ops import reference
 from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
-from compile_ops.ops import attention as attention_ops
+from compile_ops.ops import attention_8bit, attention_launch, attention_sm90, attention_tiles
 from compile_ops.ops import block_sparse as block_sparse_ops
 
 R = {"timing": []}
@@ -38,26 +38,26 @@ SHAPES = [(1, 24, 4608, 128), (1, 12, 32760, 128), (1, 40, 16384, 128), (1, 12, 
 
 def core(q, k, v, out, lse, stages=2, causal=False, kv_lengths=None, lists=(None, None), scales=(None, None, None)):
     """The core launched directly, ``stages`` K/V buffers; q ``[B, H, L, D]``."""
-    attention_ops.SM90_CORE_STAGES = stages
-    attention_ops._launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, q.shape[-1] ** -0.5, causal, 2,
+    attention_tiles.SM90_CORE_STAGES = stages
+    attention_sm90.launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, q.shape[-1] ** -0.5, causal, 2,
                                     kv_lengths, *lists, *scales)
-    attention_ops.SM90_CORE_STAGES = 2
+    attention_tiles.SM90_CORE_STAGES = 2
 
 
 def forced(fn, per_sm, tiles=None):
     """``fn`` (a direct core launch) on one program per SM or one per work
-    item, and with the core's ``tiles`` (``ops.attention.Tiles``) where given."""
+    item, and with the core's ``tiles`` (``ops.attention_tiles.Tiles``) where given."""
     def call():
-        saved = attention_ops.forward_tiles, attention_ops._core_programs
+        saved = attention_sm90.forward_tiles, attention_sm90._core_programs
         if tiles is not None:
-            attention_ops.forward_tiles = lambda *args, **kwargs: tiles
-        attention_ops._core_programs = (
-            lambda q, items, causal, sparse: min(items, attention_ops.multiprocessor_count(q)) if per_sm
+            attention_sm90.forward_tiles = lambda *args, **kwargs: tiles
+        attention_sm90._core_programs = (
+            lambda q, items, causal, sparse: min(items, attention_sm90.multiprocessor_count(q)) if per_sm
             else items)
         try:
             fn()
         finally:
-            attention_ops.forward_tiles, attention_ops._core_programs = saved
+            attention_sm90.forward_tiles, attention_sm90._core_programs = saved
     return call
 
 
@@ -128,16 +128,16 @@ def sparse():
 
 
 def eight_bit():
-    attention_ops.SM90_CORE_PRECISIONS = ("exact", "int8_fp8")
+    attention_tiles.SM90_CORE_PRECISIONS = ("exact", "int8_fp8")
     for b, h, L in [(1, 24, 4608), (1, 12, 32760), (1, 40, 16384), (1, 12, 75600)]:
         d = 128
         q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         q8, q_scale, k8, k_scale = reference.attention.smooth_quantize_qk(q, k, 2)
-        vt8, v_scale = attention_ops.fp8_values_transposed(v, 2)
+        vt8, v_scale = attention_8bit.fp8_values_transposed(v, 2)
         out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
         flops = 4 * b * h * L * L * d
         cands = {"cudnn bf16": lambda: F.scaled_dot_product_attention(q, k, v),
-                 "portable int8_fp8": lambda: attention_ops.launch_forward(
+                 "portable int8_fp8": lambda: attention_launch.launch_forward(
                      q8, k8, vt8, out, lse, d ** -0.5, False, 2, None, int8_scales=(q_scale, k_scale),
                      v_scale=v_scale)}
         for stages in (2, 3):
@@ -202,15 +202,13 @@ def persistent():
 def wide(block_n, stages, per_sm, fn):
     """``fn`` (a direct core launch) with the core's key tiles and stages
     forced, on one program per SM or per work item."""
-    from compile_ops.ops.attention import Tiles
-
-    return forced(fn, per_sm, Tiles(128, block_n, 4, stages, tma=True, sm90_core=True))
+    return forced(fn, per_sm, attention_tiles.Tiles(128, block_n, 4, stages, tma=True, sm90_core=True))
 
 
 def head_dim_64_lengths():
     """D = 64 dense, the lengths around SD3's 4429 tokens (24 heads): whole
     256-key tiles or not, several partial last waves, the core's wide tiles
-    against the portable kernel and cuDNN (which ``_takes_sm90_core``'s rule
+    against the portable kernel and cuDNN (which ``takes_sm90_core``'s rule
     for D = 64 is chosen by)."""
     for b, h, L in [(1, 24, 4096), (1, 24, 4352), (1, 24, 4429), (1, 24, 4608), (2, 24, 4429), (1, 38, 4429)]:
         d = 64
@@ -264,7 +262,7 @@ PARTS = {"dense": dense_and_causal, "sparse": sparse, "int8": eight_bit, "waves"
 
 
 def main():
-    attention_ops.has_wgmma = lambda t: False  # fused.* calls: the portable kernel
+    attention_sm90.has_wgmma = lambda t: False  # fused.* calls: the portable kernel
     parts = sys.argv[2:] or ["dense", "sparse", "int8"]
     unknown = set(parts) - set(PARTS)
     if unknown:

@@ -1,5 +1,5 @@
 """Sweep the attention kernels' tile configs on a GPU, to pick forward_tiles,
-dkdv_tiles and dq_tiles in compile_ops/ops/attention.py.
+dkdv_tiles and dq_tiles in compile_ops/ops/attention_tiles.py.
 
     PYTHONPATH=. python bench/sweeps/attention.py [OUT.json] [--block-sparse | --tma | --hopper |
                                                              --eight-bit [--modes=M,...] | --backward-tma]
@@ -29,7 +29,8 @@ import compile_ops  # noqa: E402
 from bench.runners.block_sparse import random_block_mask  # noqa: E402
 from bench.toolkit import graph_replay_time, make_timer, warm_up_gpu, write_sweep  # noqa: E402
 from compile_ops._library import clear_launch_plans  # noqa: E402
-from compile_ops.ops import attention as attention_ops  # noqa: E402
+from compile_ops.ops import attention_8bit, attention_launch, attention_tiles  # noqa: E402
+from compile_ops.ops.attention_launch import launch_forward  # noqa: E402
 
 SHAPES = ((1, 24, 4608, 128), (2, 24, 4096, 64))
 #: (block_m, block_n, warps, stages) per pass.
@@ -106,10 +107,10 @@ def hopper_sweep(out_path):
                 *(t.transpose(1, 2) for t in (q, k, v))), timer)
         rows.append({"shape": [b, h, length, d], "provider": "cudnn", "ms": ms, "TFLOPs": flops / ms / 1e9})
         print(f"{b}x{h}x{length}x{d} cudnn: {ms * 1e3:8.1f} us {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
-        default = attention_ops.forward_tiles
+        default = attention_launch.forward_tiles
         reference = None
         for config in HOPPER_CANDIDATES:
-            attention_ops.forward_tiles = functools.partial(lambda *a, t: t, t=attention_ops.Tiles(*config))
+            attention_launch.forward_tiles = functools.partial(lambda *a, t: t, t=attention_tiles.Tiles(*config))
             clear_launch_plans()  # eager calls replay the tiles they were recorded with
             try:
                 with torch.no_grad():
@@ -122,7 +123,7 @@ def hopper_sweep(out_path):
                 print(f"{config}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 ms = tflops = diff = float("nan")
             finally:
-                attention_ops.forward_tiles = default
+                attention_launch.forward_tiles = default
                 clear_launch_plans()
             rows.append({"shape": [b, h, length, d], "provider": "fused", "config": list(config), "ms": ms,
                          "TFLOPs": tflops, "max_diff_to_default": diff})
@@ -163,24 +164,23 @@ def eight_bit_sweep(out_path, modes=tuple(EIGHT_BIT_CANDIDATES)):
     timer = make_timer(quick=False)
     warm_up_gpu()
     rows = []
-    default = attention_ops.forward_tiles
+    default = attention_launch.forward_tiles
     for b, h, length, d in HOPPER_SHAPES:
         flops = 4 * b * h * length * length * d
         q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         q8, q_scale, k8, k_scale = reference.attention.smooth_quantize_qk(q, k, 2)
-        vt8, v_scale = attention_ops.fp8_values_transposed(v, 2)
+        vt8, v_scale = attention_8bit.fp8_values_transposed(v, 2)
         out, lse = torch.empty_like(q), torch.empty(b, h, length, device="cuda")
         launches = {
-            "exact": lambda: attention_ops.launch_forward(q, k, v, out, lse, d ** -0.5, False, 2, None),
-            "int8": lambda: attention_ops.launch_forward(q8, k8, v, out, lse, d ** -0.5, False, 2, None,
-                                                         int8_scales=(q_scale, k_scale)),
-            "int8_fp8": lambda: attention_ops.launch_forward(q8, k8, vt8, out, lse, d ** -0.5, False, 2, None,
-                                                             int8_scales=(q_scale, k_scale), v_scale=v_scale),
-            "int8_round_q": lambda: attention_ops.launch_forward(q, k8, v, out, lse, d ** -0.5, False, 2, None,
-                                                                 int8_scales=(None, k_scale)),
-            "int8_fp8_round_q": lambda: attention_ops.launch_forward(q, k8, vt8, out, lse, d ** -0.5, False, 2,
-                                                                     None, int8_scales=(None, k_scale),
-                                                                     v_scale=v_scale),
+            "exact": lambda: launch_forward(q, k, v, out, lse, d ** -0.5, False, 2, None),
+            "int8": lambda: launch_forward(q8, k8, v, out, lse, d ** -0.5, False, 2, None,
+                                           int8_scales=(q_scale, k_scale)),
+            "int8_fp8": lambda: launch_forward(q8, k8, vt8, out, lse, d ** -0.5, False, 2, None,
+                                               int8_scales=(q_scale, k_scale), v_scale=v_scale),
+            "int8_round_q": lambda: launch_forward(q, k8, v, out, lse, d ** -0.5, False, 2, None,
+                                                   int8_scales=(None, k_scale)),
+            "int8_fp8_round_q": lambda: launch_forward(q, k8, vt8, out, lse, d ** -0.5, False, 2, None,
+                                                       int8_scales=(None, k_scale), v_scale=v_scale),
         }
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             ms = graph_replay_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), timer)
@@ -188,8 +188,8 @@ def eight_bit_sweep(out_path, modes=tuple(EIGHT_BIT_CANDIDATES)):
         print(f"{b}x{h}x{length}x{d} cudnn: {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
         for mode in modes:
             for config in EIGHT_BIT_CANDIDATES[mode]:
-                attention_ops.forward_tiles = functools.partial(
-                    lambda *a, c: attention_ops.Tiles(*c[:4], tma=True, warp_specialize=c[4]), c=config)
+                attention_launch.forward_tiles = functools.partial(
+                    lambda *a, c: attention_tiles.Tiles(*c[:4], tma=True, warp_specialize=c[4]), c=config)
                 try:
                     ms = graph_replay_time(launches[mode], timer)
                     tflops = flops / ms / 1e9
@@ -197,7 +197,7 @@ def eight_bit_sweep(out_path, modes=tuple(EIGHT_BIT_CANDIDATES)):
                     print(f"{mode} {config}: {type(e).__name__}: {str(e)[-200:]}", flush=True)
                     ms = tflops = float("nan")
                 finally:
-                    attention_ops.forward_tiles = default
+                    attention_launch.forward_tiles = default
                 rows.append({"shape": [b, h, length, d], "provider": mode, "config": list(config), "ms": ms,
                              "TFLOPs": tflops})
                 print(f"{b}x{h}x{length}x{d} {mode} {config}: {tflops:6.0f} TFLOP/s", flush=True)
@@ -222,7 +222,7 @@ def backward_tma_sweep(out_path):
     timer = make_timer(quick=False)
     warm_up_gpu()
     rows = []
-    defaults = attention_ops.dkdv_tiles, attention_ops.dq_tiles
+    defaults = attention_launch.dkdv_tiles, attention_launch.dq_tiles
     for b, h, length, d in BACKWARD_TMA_SHAPES:
         q, k, v = (torch.randn(b, length, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
@@ -242,9 +242,10 @@ def backward_tma_sweep(out_path):
         print(f"{b}x{h}x{length}x{d} cudnn: {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
         reference = None
         for dkdv_tma, dq_tma in BACKWARD_TMA_CANDIDATES:
-            attention_ops.dkdv_tiles = functools.partial(
+            attention_launch.dkdv_tiles = functools.partial(
                 lambda *a, tma, **kw: defaults[0](*a[:3], tma=tma), tma=dkdv_tma)
-            attention_ops.dq_tiles = functools.partial(lambda *a, tma, **kw: defaults[1](*a[:3], tma=tma), tma=dq_tma)
+            attention_launch.dq_tiles = functools.partial(
+                lambda *a, tma, **kw: defaults[1](*a[:3], tma=tma), tma=dq_tma)
             clear_launch_plans()
             try:
                 grads = step(lambda: compile_ops.attention(q, k, v, seq_dim=1))
@@ -256,7 +257,7 @@ def backward_tma_sweep(out_path):
                 print(f"{(dkdv_tma, dq_tma)}: {type(e).__name__}: {str(e)[-300:]}", flush=True)
                 ms = tflops = diff = float("nan")
             finally:
-                attention_ops.dkdv_tiles, attention_ops.dq_tiles = defaults
+                attention_launch.dkdv_tiles, attention_launch.dq_tiles = defaults
                 clear_launch_plans()
             rows.append({"shape": [b, h, length, d], "provider": "fused", "dkdv_tma": dkdv_tma, "dq_tma": dq_tma,
                          "ms": ms, "TFLOPs": tflops, "max_grad_diff_to_pointer_loads": diff})
@@ -306,10 +307,10 @@ def main(*argv):
             q.grad = k.grad = v.grad = None
 
         for pass_name, configs in (SPARSE_CANDIDATES if sparse else TMA_TILE_CANDIDATES if tma else CANDIDATES).items():
-            default = getattr(attention_ops, pass_name)
+            default = getattr(attention_launch, pass_name)
             for config in configs:
-                tiles = attention_ops.Tiles(*config, tma=tma)
-                setattr(attention_ops, pass_name, functools.partial(lambda *a, t, **kw: t, t=tiles))
+                tiles = attention_tiles.Tiles(*config, tma=tma)
+                setattr(attention_launch, pass_name, functools.partial(lambda *a, t, **kw: t, t=tiles))
                 clear_launch_plans()
                 try:
                     timed, work = (forward, flops) if pass_name == "forward_tiles" else (step, 3.5 * flops)
@@ -320,7 +321,7 @@ def main(*argv):
                     print(f"{pass_name} {config}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     ms = tflops = float("nan")
                 finally:
-                    setattr(attention_ops, pass_name, default)
+                    setattr(attention_launch, pass_name, default)
                     clear_launch_plans()
                 rows.append({"shape": [b, h, length, d], "block_sparse": sparse, "pass": pass_name,
                              "config": list(config), "tma": tma, "ms": ms, "TFLOPs": tflops})
