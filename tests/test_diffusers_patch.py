@@ -1248,7 +1248,7 @@ def test_8bit_attention_takes_q_and_k_quantized_by_their_rotation(name, fused_ca
         seen = _count_query_types(monkeypatch)
         fused(**args)
         assert seen["Int8QK"] == 0, seen
-    monkeypatch.setattr(integration, "QUANTIZE_IN_ROTATION_MIN_TOKENS", 1)  # the tiny models' sequences
+    monkeypatch.setattr(processors, "QUANTIZE_IN_ROTATION_MIN_TOKENS", 1)  # the tiny models' sequences
     seen = Counter()
     with torch.no_grad():
         seen = _count_query_types(monkeypatch)

@@ -459,14 +459,14 @@ def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers,
     """Each of INT8_PROVIDERS (those in ``providers``) on a fresh model; rows
     with the step output's relative L2 to the bf16 model with SDPA (eager)."""
     import compile_ops
-    from compile_ops.integrations import diffusers as integration
+    from compile_ops.integrations.diffusers import processors
 
     model, inputs = _build(name)
     with torch.no_grad():
         exact = model(**inputs).sample
     del model
     rows = []
-    min_tokens = integration.QUANTIZE_IN_ROTATION_MIN_TOKENS
+    min_tokens = processors.QUANTIZE_IN_ROTATION_MIN_TOKENS
     for provider in (p for p in INT8_PROVIDERS if p in (providers or INT8_PROVIDERS)):
         model, inputs = _build(name)
         sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -477,7 +477,7 @@ def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers,
                 compile_ops.patch(model, attention_precision="int8" if provider.startswith("int8_attention")
                                   else "int8_fp8")
                 if provider == QUANT_IN_ATTENTION:
-                    integration.QUANTIZE_IN_ROTATION_MIN_TOKENS = 2 ** 62
+                    processors.QUANTIZE_IN_ROTATION_MIN_TOKENS = 2 ** 62
             elif provider == "sage_attention_compiled":
                 torch.nn.functional.scaled_dot_product_attention = _sage_sdpa()
             # SageAttention's launcher is not traceable whole: its blocks compile with graph breaks.
@@ -494,7 +494,7 @@ def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers,
             continue
         finally:
             torch.nn.functional.scaled_dot_product_attention = sdpa
-            integration.QUANTIZE_IN_ROTATION_MIN_TOKENS = min_tokens
+            processors.QUANTIZE_IN_ROTATION_MIN_TOKENS = min_tokens
         row.update(case=name, provider=provider, first_call_s=setup_s, rel_l2_vs_bf16=relative_l2(out, exact),
                    train=False, tokens=_tokens(name), compile=compile_mode)
         rows.append(row)

@@ -26,10 +26,6 @@ a Linear (no fused op here; ``torch.compile`` fuses it).
 the walk and the undo record. The options are
 :class:`~compile_ops.integrations.options.PatchOptions`.
 """
-import sys
-import types
-
-from compile_ops.integrations.diffusers import processors
 from compile_ops.integrations.diffusers.attention_kernel import (FUSED_AHEAD_FROM_KEYS, FUSED_AHEAD_HEAD_DIM,
                                                                  FUSED_AHEAD_RAGGED_FROM_KEYS, RAGGED_KEY_TILE,
                                                                  sdpa_is_faster)
@@ -44,24 +40,7 @@ from compile_ops.integrations.module_swap import PatchReport
 from compile_ops.integrations.options import PatchOptions
 
 
-class _Package(types.ModuleType):
-    """This package's module type: ``QUANTIZE_IN_ROTATION_MIN_TOKENS`` read or
-    set on the package is the processors' threshold, so that setting it here
-    (as the 8-bit attention benchmark does) changes what the processors do."""
-
-    @property
-    def QUANTIZE_IN_ROTATION_MIN_TOKENS(self) -> int:
-        return processors.QUANTIZE_IN_ROTATION_MIN_TOKENS
-
-    @QUANTIZE_IN_ROTATION_MIN_TOKENS.setter
-    def QUANTIZE_IN_ROTATION_MIN_TOKENS(self, tokens: int) -> None:
-        processors.QUANTIZE_IN_ROTATION_MIN_TOKENS = tokens
-
-
-sys.modules[__name__].__class__ = _Package
-
-__all__ = ["patch", "unpatch", "PatchOptions", "PatchReport", "BLOCK_LISTS", "QUANTIZE_IN_ROTATION_MIN_TOKENS",
-           "FUSED_AHEAD_FROM_KEYS", "FUSED_AHEAD_RAGGED_FROM_KEYS", "RAGGED_KEY_TILE", "FUSED_AHEAD_HEAD_DIM",
-           "sdpa_is_faster", "FusedProcessor", "FluxAttnProcessor", "WanAttnProcessor", "JointAttnProcessor",
-           "LTXVideoAttnProcessor", "HunyuanVideoAttnProcessor", "FluxTransformerBlock",
-           "FluxSingleTransformerBlock", "WanTransformerBlock"]
+__all__ = ["patch", "unpatch", "PatchOptions", "PatchReport", "BLOCK_LISTS", "FUSED_AHEAD_FROM_KEYS",
+           "FUSED_AHEAD_RAGGED_FROM_KEYS", "RAGGED_KEY_TILE", "FUSED_AHEAD_HEAD_DIM", "sdpa_is_faster",
+           "FusedProcessor", "FluxAttnProcessor", "WanAttnProcessor", "JointAttnProcessor", "LTXVideoAttnProcessor",
+           "HunyuanVideoAttnProcessor", "FluxTransformerBlock", "FluxSingleTransformerBlock", "WanTransformerBlock"]
