@@ -656,7 +656,7 @@ def _block_sparse_backward_edges(dtype, device, requires_grad):
     return cases
 
 
-#: GEGLU on a DiT feed-forward's hidden: Flux/SD3 (hidden 3072, 4x MLP) at
+#: GEGLU on a DiT feed-forward's hidden: Flux/SD3 (hidden 3072, MLP ratio 4) at
 #: 1024x1024 image tokens, the anchors' shapes.
 GLU_SHAPES = ((1, 4608, 24576), (2, 4096, 24576))
 
@@ -674,7 +674,7 @@ ROPE_SHAPES = ((1, 4608, 3072), (1, 32760, 1536))
 #: activation at 480p (32760 tokens, 8960 wide).
 FP8_SHAPES = ((1, 4096, 12288), (1, 4608, 12288), (1, 4096, 3072), (1, 32760, 8960))
 
-#: MoE routing at issue 23's shapes ``[1, T, H]``: 4096 tokens of width 4096
+#: MoE routing at its target's shapes ``[1, T, H]`` (docs/notes/moe.md): 4096 tokens of width 4096
 #: (E = 64, k = 2), and HiDream-I1's width 2560 (E = 4, k = 2).
 MOE_SHAPES = ((1, 4096, 4096),)
 MOE_HIDREAM_SHAPES = ((1, 4096, 2560),)
@@ -754,7 +754,7 @@ OPS: tuple[OpSpec, ...] = (
            _attention_int8_edges, differentiable=False),
     OpSpec("attention_int8_fp8", "attention", reference.attention.attention_int8_fp8, _make_attention_int8,
            _attention_int8_edges, differentiable=False),
-    # Its output as the FP8 rows of the output projection (issue 26's epilogue).
+    # Its output as the FP8 rows the output projection reads (a quantizing epilogue).
     OpSpec("attention_int8_fp8_rows", "attention", reference.attention.attention_int8_fp8_rows,
            _make_attention_int8, _attention_int8_edges, differentiable=False),
     # ... on q and k quantized by fused.qk_rope_int8.

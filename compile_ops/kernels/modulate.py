@@ -103,8 +103,7 @@ def modulate_fwd_kernel(
 
     Program p takes piece p: ``chunk_rows`` rows of one segment, which share
     their modulation rows, so those are read once per piece as 1-D rows rather
-    than gathered per row. (On an H100 this moved nothing measurable; pieces of
-    4-8 rows beat 1 row by 16-19% for norm_modulate, bench/notes.md.)
+    than gathered per row (the piece sizes tried: docs/notes/modulate.md).
     """
     eps = tl.cast(eps, ACC_DTYPE)  # Inductor may hand scalars over as fp64
     # (Names must not repeat in and outside the loop below: triton would carry them.)
@@ -112,7 +111,7 @@ def modulate_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     # The modulation rows stay in registers in the input dtype: half the
-    # registers of fp32 for bf16 (no speed difference measured either way).
+    # registers of fp32 for bf16, at the same speed (docs/notes/modulate.md).
     if MODULATED:
         scale = _modulation_row(SCALE, seg_start, cols, col_mask, tokens, sc_sb, sc_sg, sc_ss, sc_sc, sc_group)
         shift = _modulation_row(SHIFT, seg_start, cols, col_mask, tokens, sh_sb, sh_sg, sh_ss, sh_sc, sh_group)

@@ -7,8 +7,8 @@ over H in ``BLOCK_H`` chunks or, for a wide router (``SPLIT``), summing the
 partial products that ``moe_router_logits_kernel`` wrote for slices of H in
 a launch before. Why split: every routing program reads the whole router
 weight (512 KB at E = 64, H = 4096 in bf16) from L2; with one program per 16
-or 32 tokens those re-reads were 2-4x the bytes of x itself (ncu: the
-kernel at 34% of DRAM bandwidth, stalled on shared memory). Splitting H lets
+or 32 tokens those re-reads outweigh the bytes of x itself and stall the
+kernel on shared memory (docs/notes/profiles.md, "MoE routing"). Splitting H lets
 128 programs cover 128 tokens each, reading a quarter of the weight per
 program. The partial sums are added in a fixed order: the logits, hence the
 routing, are the same every run. Then the softmax in the accumulator's

@@ -74,7 +74,7 @@ def _centered_mean_rstd(x, mask, N, eps, IS_RMS: tl.constexpr):
 def _rsqrt_exact(v):
     """1 / sqrt(v) with both steps correctly rounded: triton's fp32 sqrt and
     ``/`` are approximate, and their few ulps of error in rstd reach every
-    gradient (an fp32 gradient of a 0-dim gate drew 7x torch's error)."""
+    gradient (docs/notes/modulate.md, "Numerics found on the GPU")."""
     if v.dtype == tl.float64:
         return 1.0 / tl.sqrt(v)  # fp64 sqrt and division are IEEE already
     else:

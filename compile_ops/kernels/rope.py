@@ -25,7 +25,7 @@ Channels past R pass through (``NORM``: normalized and weighted like the rest).
 import triton
 import triton.language as tl
 
-from compile_ops.kernels.attention import _INT8_MAX, _int8_of, _scale_of
+from compile_ops.kernels.attention_common import INT8_MAX, quantization_scale, round_to_int8
 from compile_ops.kernels.norm import _div_exact, _rsqrt_exact
 
 @triton.jit
@@ -45,8 +45,8 @@ def _load_pairs(rows, stride_c, p, mask, R: tl.constexpr, INTERLEAVED: tl.conste
     ``PACKED`` (interleaved, unit channel stride, rows aligned to two
     elements): each pair is read as one integer word and split with shifts.
     Deinterleaving in registers instead (``tl.split`` of the row, or of a
-    [.., 2] load) ran at 0.9-1.8 TB/s on an H100 against 2.4-2.7 for the
-    half-split layout's two plain loads."""
+    [.., 2] load) is well short of the half-split layout's two plain loads
+    (docs/notes/rope.md)."""
     if INTERLEAVED and PACKED and rows.dtype.element_ty.primitive_bitwidth < 64:
         words = tl.load(_word_pointers(rows)[:, None] + p[None, :], mask=mask, other=0)
         first, second = _unpack(words, rows.dtype.element_ty)
@@ -307,7 +307,7 @@ def _rotate_heads(X, OUT, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2
             if BLOCK_T > 0:
                 tl.store(sums + tail, tl.sum(t, 0), mask=tail < D)
         if MODE == 2:
-            scale, inverse = _scale_of(_abs_max(y1, y2, t, BLOCK_T), _INT8_MAX)
+            scale, inverse = quantization_scale(_abs_max(y1, y2, t, BLOCK_T), INT8_MAX)
             tl.store(SCALE + b * stride_sb + head * stride_sh + pos, scale, mask=pos_mask)
             inverse = inverse[:, None]
         if MODE == 3:
@@ -319,13 +319,13 @@ def _rotate_heads(X, OUT, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2
             if BLOCK_T > 0:
                 m_tail = tl.load(mean_row + tail, mask=tail < D, other=0.0)[None, :]
                 t = tl.where(tail_mask, t - tl.div_rn(m_tail, length), 0.0)
-            scale, inverse = _scale_of(tl.max(_abs_max(y1, y2, t, BLOCK_T), 0), _INT8_MAX)
+            scale, inverse = quantization_scale(tl.max(_abs_max(y1, y2, t, BLOCK_T), 0), INT8_MAX)
             tl.store(SCALE + b * stride_sb + head * stride_sh + block, scale)
         if MODE >= 2:
-            y1 = _int8_of(y1, inverse)
-            y2 = _int8_of(y2, inverse)
+            y1 = round_to_int8(y1, inverse)
+            y2 = round_to_int8(y2, inverse)
             if BLOCK_T > 0:
-                t = _int8_of(t, inverse)
+                t = round_to_int8(t, inverse)
         if MODE != 1:
             _store_pairs(rows, p, mask, y1, y2, R, INTERLEAVED)
             if BLOCK_T > 0:

@@ -2,9 +2,10 @@
 and ``AdaLayerNormContinuous``.
 
 Same constructor arguments, parameter names (``linear.*``, ``norm.*``), chunk
-order, eps and affine setting as diffusers (0.3x-0.4x), so a diffusers state
-dict loads unchanged and the outputs are the same up to rounding; the norm and
-the modulation run as one ``fused.norm_modulate`` kernel.
+order, eps and affine setting as diffusers' own (the versions pyproject.toml
+tests), so a diffusers state dict loads unchanged and the outputs are the same
+up to rounding; the norm and the modulation run as one ``fused.norm_modulate``
+kernel.
 """
 from typing import Optional
 

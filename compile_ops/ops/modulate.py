@@ -32,8 +32,8 @@ from compile_ops.ops.norm import backward_config as norm_backward_config
 
 #: The kernels' NORM flag.
 NORM_CODES = {"none": 0, "rmsnorm": 1, "layernorm": 2}
-#: Rows per forward program: they share the modulation rows, read once (4 to
-#: 8 were best in the H100 sweep; 1 lost up to 20%).
+#: Rows per forward program: they share the modulation rows, read once per
+#: piece (the sweep's best for norm_modulate: docs/notes/modulate.md).
 FORWARD_PIECE_ROWS = 4
 #: The backward's pieces of a segment are at least this many rows long.
 MIN_PIECE_ROWS = 16
@@ -64,7 +64,7 @@ def _segments(h: Tensor, broadcasts: dict):
 
 @functools.lru_cache(maxsize=None)
 def forward_config(n: int, gated: bool) -> LaunchConfig:
-    """From the H100 forward sweep (bench/results/sweep-modulate-fwd-h100.json):
+    """From the forward sweep (bench/results/sweep-modulate-fwd-h100.json):
     4 warps; one row per step, two for the gated residual (two inputs, two
     outputs) up to 4096 wide. Narrow rows take several rows per step."""
     block_n = triton.next_power_of_2(n)
@@ -114,10 +114,10 @@ def backward_config(n: int, accumulators: int, single_rows: bool) -> LaunchConfi
     """Two rows per step up to 2048 wide, one wider, and about 32 values per
     thread per tensor: the kernel keeps up to three modulation accumulators
     (dscale, dshift, dgate) besides the norm's. From the forward+backward sweep
-    on an H100 (bench/results/sweep-modulate-h100.json): 1.97-2.17 TB/s for
-    norm_modulate, 1.91-2.15 for the seam; two rows at 4 warps of 8192 wide
-    spill and run 10x slower. Narrow rows take the norm backward's tiles; one
-    row per step when every row has its own modulation row (per-token)."""
+    (bench/results/sweep-modulate-h100.json, docs/notes/modulate.md): two rows
+    a step at 4 warps spill at 8192 wide. Narrow rows take the norm backward's
+    tiles; one row per step when every row has its own modulation row
+    (per-token)."""
     block_n = triton.next_power_of_2(n)
     block_m = norm_backward_config(n, accumulators).block_m if block_n < 2048 else 2 if block_n == 2048 else 1
     if single_rows:

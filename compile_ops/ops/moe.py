@@ -40,11 +40,10 @@ class LaunchConfig:
 
 #: The routing kernel's launch config when it computes its logits (narrow
 #: routers: HiDream's E = 4). bench/sweep_moe.py sweeps these globals. 32
-#: tokens per program give 128 programs at T = 4096, about one per SM of an
-#: H100; ROUTE_BLOCK_H is in 16-bit columns (fp32 takes half as many, fp64 a
-#: quarter: the same bytes per pipeline stage). 5 stages: 24.0 us against
-#: 25.2 for 4 and 25.5 for 3 at HiDream's 4096 x 2560 (the whole op, with the
-#: earlier token-list kernel; bench/results/sweep-moe-round1-h100.log).
+#: tokens per program give 128 programs at T = 4096, about one per SM;
+#: ROUTE_BLOCK_H is in 16-bit columns (fp32 takes half as many, fp64 a
+#: quarter: the same bytes per pipeline stage). 5 stages are the sweep's best
+#: at HiDream's 4096 x 2560 (docs/notes/moe.md, "The routing kernel's pipeline stages").
 ROUTE_BLOCK_T = 32
 ROUTE_BLOCK_H = 128
 ROUTE_NUM_WARPS = 4

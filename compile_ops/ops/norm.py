@@ -38,8 +38,8 @@ class LaunchConfig:
 
 @functools.lru_cache(maxsize=None)
 def forward_config(n: int) -> LaunchConfig:
-    """One program per tile of about 8K elements (``bench/sweep_norm.py`` on an
-    H100, bench/results/sweep-h100.json): enough bytes in flight per program
+    """One program per tile of about 8K elements (``bench/sweep_norm.py``,
+    bench/results/sweep-h100.json): enough bytes in flight per program
     without spilling; 16 warps only for the widest single-block rows."""
     block_n = triton.next_power_of_2(n)
     if block_n > MAX_SINGLE_BLOCK:
@@ -54,9 +54,8 @@ def forward_config(n: int) -> LaunchConfig:
 def backward_config(n: int, accumulators: int = 1) -> LaunchConfig:
     """Persistent programs stepping over tiles of 2 rows up to 4096 wide (1 row
     wider), each thread holding up to 64 fp32 values per tensor. One-row tiles
-    with two accumulators (LayerNorm's dweight and dbias) get twice the warps:
-    at 1x16384x5120 that took its forward+backward from 1.48 to 1.70 TB/s, while
-    the same change on the two-row tiles of width 3072 lost 7% (bench/notes.md)."""
+    with two accumulators (LayerNorm's dweight and dbias) get twice the warps;
+    two-row tiles keep theirs, where more warps are slower (docs/notes/norm.md)."""
     block_n = triton.next_power_of_2(n)
     if block_n > MAX_SINGLE_BLOCK:
         return LaunchConfig(1, LOOP_BLOCK, True, 8)

@@ -90,9 +90,8 @@ def _tables(cos: Tensor, sin: Tensor, per_pair_constants: bool = False):
 def _quantize_warps(block_l: int, block_p: int) -> int:
     """Warps of a quantizing program, which holds a whole scale block (128
     positions): more warps, not more registers per thread. With the default
-    programs per SM, swept on an H100 against 1, 2, 4, 8 programs per SM x 4,
-    8, 16 warps (bench/notes.md "q and k quantized by their rotation"): within
-    5% of the best everywhere."""
+    programs per SM, close to the best of a sweep over programs per SM and
+    warps (docs/notes/attention-8bit.md, "q and k quantized by their rotation")."""
     return max(NUM_WARPS, min(16, block_l * block_p // 512))
 
 

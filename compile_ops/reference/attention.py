@@ -118,8 +118,8 @@ def quantization_scale(amax: torch.Tensor, top: float) -> tuple[torch.Tensor, to
     ``1 / scale`` stays finite) and ``inverse = 1 / scale``, both correctly
     rounded: tensor-by-tensor divisions are IEEE on CPU and CUDA, while a
     tensor divided by a Python number is, on CUDA, a multiplication by its
-    rounded reciprocal (1 ulp off ``amax / 127`` for about 6% of rows, found
-    by a GPU test), so ``top`` is made a tensor first. The values are then
+    rounded reciprocal (1 ulp off ``amax / 127`` for some rows:
+    docs/notes/attention-8bit.md), so ``top`` is made a tensor first. The values are then
     multiplied by ``inverse``, not divided by ``scale``: the kernels do one
     multiplication per value where a correctly rounded division costs a
     dozen instructions (it made the quantizing passes arithmetic-bound)."""
