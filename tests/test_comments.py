@@ -25,14 +25,16 @@ FORBIDDEN = [
     ("time, bandwidth, throughput or memory figure",
      re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s*(?:ms|us|µs|ns|s|GB/s|TB/s|TFLOP/s|TFLOPs|GiB|MB)(?![\w/])")),
     ("ratio", re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?[x×](?!\w)")),
-    ("ratio to a peer", re.compile(r"[x×]\s*(?:cuDNN|FA[23]|FlashAttention|torch|SDPA|Liger|torchao)\b", re.I)),
+    ("ratio to a peer", re.compile(r"(?:\d|\b)[x×]\s*(?:cuDNN|FA[23]|FlashAttention|torch|SDPA|Liger|torchao)\b")),
     ("percentage", re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?%")),
     ("GPU name", re.compile(r"\b(?:H100|H200|H800|A100|A10G?|B200|B100|GB200|L4|L40S?|RTX\s?\d{4})\b")),
     ("issue number", re.compile(r"\b(?:issue|PR|pull request)\s*#?\d+", re.I)),
     ("session", re.compile(r"\bsessions?\b", re.I)),
     ("date", re.compile(r"\b20\d\d-\d\d(?:-\d\d)?\b")),
+    # Past-tense results and change history; "the scale used to quantize q" passes.
     ("history", re.compile(r"\b(?:used to be|used to (?:run|take|cost|launch|beat|lose|win)|reverted|previously|"
-                           r"no longer|measured (?:slower|faster)|regressed|we tried|once was)\b", re.I)),
+                           r"no longer|regressed|we tried|once was|"
+                           r"(?:was|were|ran|measured)\s+(?:no\s+|a little\s+)?(?:slower|faster))\b", re.I)),
 ]
 
 #: ``"path:line": reason`` for text that matches a pattern but is no figure.
@@ -106,13 +108,13 @@ def f(x):
     """Runs in 3.4 ms on an H100; reverted in issue 28."""
     y = x  # 650 TFLOP/s, 0.93x cuDNN, 71% of roof
     # 2024-05-01 session 12: 3.1 TB/s, 1.1-1.3x
-    return y
+    return y  # 8 warps ran slower
 '''
     found = hits(planted)
     kinds = {kind for _, kind, _ in found}
     assert {"ratio", "time, bandwidth, throughput or memory figure", "GPU name", "history", "issue number",
             "ratio to a peer", "percentage", "date", "session"} <= kinds, kinds
-    assert {line for line, _, _ in found} == {1, 3, 4, 5}
+    assert {line for line, _, _ in found} == {1, 3, 4, 5, 6}
 
 
 def test_the_checker_passes_sizes_and_constants():
@@ -120,7 +122,7 @@ def test_the_checker_passes_sizes_and_constants():
     clean = '''"""Normalizes ``x`` [B, L, C] in fp32 on sm_90; e4m3 saturates at 448."""
 def f(x):
     """Scores scaled by 1 / sqrt(D) with D = 64; 128 keys per tile, 2**-6 floor, 0x7F mask."""
-    y = x  # 2 heads per program, 16 x 16 tiles, int64 offsets past 2**31 elements
+    y = x  # 2 heads per program, 16 x 16 tiles, int64 offsets past 2**31 elements, a prefix torch adds
     return y  # the scale used to quantize q; a 4-stage pipeline
 '''
     assert hits(clean) == []

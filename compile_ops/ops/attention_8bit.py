@@ -29,7 +29,7 @@ STAT_CHUNK_ROWS = 1024
 MAX_STAT_CHUNKS = 128
 #: Launches of the two passes (tests and experiments patch them).
 STATS_LAUNCH = dict(num_warps=8)
-QUANTIZE_LAUNCH = dict(num_warps=4)  # 8 warps ran slower (docs/notes/attention.md)
+QUANTIZE_LAUNCH = dict(num_warps=4)  # 8 warps are slower (docs/notes/attention.md)
 
 
 def stat_rows_per_chunk(lk: int) -> int:
@@ -156,7 +156,7 @@ def quantized_operands(q: Optional[Tensor], k: Optional[Tensor], v: Tensor, seq_
     rounds it, ``QUANTIZE_Q``), :func:`quantize_8bit` of k and, for FP8 P V,
     v, in one pass where they share it (q and k None: they came quantized,
     and only v's operands are made). Traced too (torch.compile,
-    torch.export): the Triton passes beat Inductor's fusion of the
+    torch.export): the Triton passes are faster than Inductor's fusion of the
     specification's torch ops (docs/notes/attention.md), and one path is
     what both modes then run."""
     if q is None and not pv_fp8:

@@ -70,7 +70,7 @@ def _core_programs(q: Tensor, items, causal: bool, sparse: bool):
     running ahead into the next item's q and keys (faster than one program
     per item). Causal and block-sparse items differ in work: one program
     per item, which the GPU deals out as SMs free up (a static round robin
-    of them ran slower; docs/notes/attention.md)."""
+    of them is slower; docs/notes/attention.md)."""
     if causal or sparse:
         return items
     return min(items, multiprocessor_count(q))  # real tensors only: the opaque op or the eager path
@@ -137,7 +137,7 @@ def _(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths=None, block_index=No
 #: call is made, or traced: set it before compiling.
 ATOMIC_DQ = False
 #: The five-product backward's q/dO ring: 198 KB of shared memory at 2 stages at D = 128, where a third
-#: does not fit; at D = 64 more stages ran no faster (docs/notes/attention.md).
+#: does not fit; at D = 64 more stages are no faster (docs/notes/attention.md).
 SM90_BACKWARD_STAGES = 2
 #: The head dimensions the five-product backward computes (one or two 32-channel dQ pieces a consumer).
 SM90_BACKWARD_HEAD_DIMS = (64, 128)

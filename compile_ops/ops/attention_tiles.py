@@ -43,7 +43,7 @@ SM90_CORE_HEAD_DIMS = (64, 128)
 #: mode) is built and tested (bit-identical to ``attn_fwd_kernel``) but not ahead of the portable kernel (its P
 #: goes through shared memory), so the 8-bit modes stay portable (docs/notes/attention.md).
 SM90_CORE_PRECISIONS = ("exact",)
-#: The core's K/V ring: more stages measured no faster (docs/notes/attention.md).
+#: The core's K/V ring: more stages are no faster (docs/notes/attention.md).
 SM90_CORE_STAGES = 2
 
 
