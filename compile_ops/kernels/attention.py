@@ -61,9 +61,6 @@ from compile_ops.kernels.attention_common import (INT8_BIAS, INT8_BIAS_BITS, INT
                                                   tiles_before, visible_mask)
 from compile_ops.kernels.fp8 import to_e4m3
 
-#: The 8-bit rounding under the names ``kernels/rope.py`` imports from here.
-_INT8_MAX, _int8_of, _scale_of = INT8_MAX, round_to_int8, quantization_scale
-
 
 @triton.jit
 def _load_channels(base, start, offs, n_keys, stride_channel, chans, D: tl.constexpr, KEY_MASK: tl.constexpr):
