@@ -300,7 +300,7 @@ def test_auto_attention_kernel_takes_fused_where_the_sm90_core_is_ahead(monkeypa
     gradient."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from compile_ops.ops import attention as attention_ops
+    from compile_ops.ops import attention_tiles
 
     ahead = attention_kernel.FUSED_AHEAD_FROM_KEYS
     with FakeTensorMode():
@@ -315,7 +315,7 @@ def test_auto_attention_kernel_takes_fused_where_the_sm90_core_is_ahead(monkeypa
             assert attention_kernel.sdpa_is_faster(*qkv(ahead - 1))
             assert attention_kernel.sdpa_is_faster(*qkv(4608))
             ragged = attention_kernel.FUSED_AHEAD_RAGGED_FROM_KEYS
-            tiles = attention_ops.forward_tiles(128, torch.bfloat16, True, "exact", True)
+            tiles = attention_tiles.forward_tiles(128, torch.bfloat16, True, "exact", True)
             assert tiles.sm90_core and tiles.block_n == attention_kernel.RAGGED_KEY_TILE  # ragged means a masked tile
             assert attention_kernel.sdpa_is_faster(*qkv(4592)) is not wgmma
             assert attention_kernel.sdpa_is_faster(*qkv(ragged + 1)) is not wgmma

@@ -31,7 +31,6 @@ from compile_ops.meta._validate import check_floating_input, checked_arguments, 
 from compile_ops.ops import attention_sm90
 from compile_ops.ops.attention_8bit import launch_eight_bit, quantized_operands
 from compile_ops.ops.attention_launch import launch_backward, launch_forward
-from compile_ops.ops.attention_tiles import forward_tiles  # noqa: F401  (tests/test_diffusers_patch.py reads it here)
 from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 
 

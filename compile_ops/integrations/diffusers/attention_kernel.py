@@ -21,7 +21,7 @@ FUSED_AHEAD_FROM_KEYS = 16385
 #: (:data:`RAGGED_KEY_TILE`), from this many keys on: there cuDNN's forward
 #: slows and the core's masked last tile does not.
 FUSED_AHEAD_RAGGED_FROM_KEYS = 3000
-#: The core's key tile at D = 128 (``ops.attention.forward_tiles``): a key
+#: The core's key tile at D = 128 (``ops.attention_tiles.forward_tiles``): a key
 #: count off its multiples ends in one masked tile.
 RAGGED_KEY_TILE = 128
 #: The head dim at which the bounds above hold; at D = 64 the core is not
