@@ -161,7 +161,7 @@ def _first_tensor(args, kwargs) -> torch.Tensor:
 #: fake-trace the Triton branch (the registered kernel is a wrapper around it).
 OP_BODIES: dict[str, Callable] = {}
 #: Every op's :class:`FusedOp` by name (``"rmsnorm"``), for the host-cost
-#: benchmark (``bench/host.py``), which calls each op's eager fast path.
+#: benchmark (``bench/runners/host.py``), which calls each op's eager fast path.
 FUSED_OPS: dict[str, "FusedOp"] = {}
 
 _launch_state = threading.local()

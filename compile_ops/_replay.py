@@ -1,7 +1,7 @@
 """Launch plans: an eager fused op's second call with the same signature replays its first.
 
 Why: an eager call of a fused op spends several times the host time of the
-bare Triton launches it makes before its kernels run (``bench/host.py``;
+bare Triton launches it makes before its kernels run (``bench/runners/host.py``;
 figures in docs/notes/host-cost.md). The time goes to the fake's validation and
 output shapes, the launch configuration, and Triton's own argument binding
 and specialization in ``JITFunction.run``. For a given *signature* (every
@@ -96,7 +96,7 @@ def signature(args, kwargs) -> Optional[tuple]:
 @contextlib.contextmanager
 def recorded_launches():
     """Record the launches that fused ops' eager calls make inside the block,
-    as ``(kernel, compiled, grid, args, kwargs)`` (``bench/host.py`` replays
+    as ``(kernel, compiled, grid, args, kwargs)`` (``bench/runners/host.py`` replays
     them bare). Calls inside it run their bodies: no plan is used or made."""
     previous = getattr(_state, "launches", None)
     launches = []

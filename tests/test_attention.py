@@ -768,7 +768,7 @@ def test_8bit_ops_quantize_by_the_triton_passes_when_traced_too(precision):
     (and for FP8 P V v's) sequence statistics, k's (and v's) quantization,
     then attention, which rounds q itself (``QUANTIZE_Q``); not the
     specification's torch ops, which Inductor fused into slower code
-    (bench/notes.md)."""
+    (docs/notes/attention-8bit.md, "The 8-bit quantization passes")."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -1019,7 +1019,8 @@ def test_causal_launches_carry_the_program_order(monkeypatch):
 
 
 def test_causal_order_groups_the_rows_whose_keys_fill_a_quarter_of_l2():
-    """The group rule against the sweep it was fitted to (bench/notes.md):
+    """The group rule against the sweep it was fitted to (docs/notes/attention-forward.md,
+    "Causal programs, longest first"):
     bf16 k and v of 2.4 MB per row (4608 x 128) give 5 rows, 1 MB (4096 x 64)
     12, 8.4 and 16.8 MB one row; never more rows than launched, never none."""
     from compile_ops.ops.attention_tiles import causal_order

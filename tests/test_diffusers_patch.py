@@ -1024,7 +1024,7 @@ def test_patched_flux_exports_with_a_dynamic_sequence_and_a_block_runs_as_an_aot
     it was not exported at, run from C++ (``bench/runners/aoti_runner.cpp``, no Python
     in the process) and, on the CPU, loaded in Python. Not in Python on a GPU:
     on the benchmark's machine torch 2.11's loader crashes the process for
-    every package (bench/notes.md)."""
+    every package (docs/notes/aoti.md)."""
     from bench.runners.aoti import build_runner, flat_inputs, run_package
 
     torch.manual_seed(0)

@@ -411,9 +411,9 @@ def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(variant
                            str(tmp_path / "core.cubin")], capture_output=True, text=True, check=True).stdout
     assert not _spills_in_innermost_loops(sass), (name, _spills_in_innermost_loops(sass))
     # The item loops too, which hold the masked tile's step: spills there cost 3-14% an item (a 32-register
-    # loader left some in the dense core, 8% slower at 4500 keys; bench/notes.md, "The persistent core's
-    # last round"). None in the routed variants; INT8_FP8 (not routed, 0.81-0.94x the portable kernel) has 13,
-    # a lead for issue 29, bounded as they are.
+    # loader left some in the dense core, 8% slower at 4500 keys; docs/notes/attention-forward.md, "The
+    # persistent core's last round"). None in the routed variants; INT8_FP8 (not routed, 0.81-0.94x the
+    # portable kernel) has 13, a lead for issue 29, bounded as they are.
     item_spills = _spills_in_loops_with_mma(sass)
     bound = 13 if name.startswith("int8_fp8") else 0
     assert len(item_spills) <= bound, (name, item_spills)

@@ -19,7 +19,7 @@ derivatives never cancel: the sigmoid and its complement both come from
 sigmoid alone and takes the cheap form ``1 / (1 + exp(-z))`` (one exp, fp32's
 approximate division, a few ulps of fp32): the rowwise FP8 quantization of an
 MLP's hidden activation computes it for every element, and with the exact
-form is bound by that arithmetic, not by memory (bench/notes.md).
+form is bound by that arithmetic, not by memory (docs/notes/fp8.md).
 """
 import triton
 import triton.language as tl

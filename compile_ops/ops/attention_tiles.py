@@ -50,7 +50,7 @@ SM90_CORE_STAGES = 2
 def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False, precision: str = "exact",
                   wgmma: bool = False) -> Tiles:
     """``attn_fwd_kernel``'s tiles by padded head dim ``d``, ``dtype`` and
-    ``precision``, chosen by sweeps (``bench/sweep_attention.py``; the
+    ``precision``, chosen by sweeps (``bench/sweeps/attention.py``; the
     figures are in docs/notes/attention.md). ``tma``: the GPU has TMA
     (``_library.has_tma``): D=128 then loads K and V by tensor descriptors
     (warp specialization and the accumulator as a dot operand stay off:

@@ -36,7 +36,7 @@ from compile_ops.ops._launch import as_rows
 #: FP8 tensor cores: sm_89 (Ada) and newer, sm_90 (Hopper) among them.
 FP8_CAPABILITY = _library.FP8_MMA
 
-#: Launch configuration, from the sweeps (bench/sweep_fp8.py,
+#: Launch configuration, from the sweeps (bench/sweeps/fp8.py,
 #: bench/results/sweep-fp8-h100-round1.json and -round2.json; figures in docs/notes/fp8.md). MAX_ROW_VALUES: a
 #: program holds up to this many values (its rows padded to whole blocks) in
 #: registers and reads them once, which beats the two-pass loop that wider

@@ -26,7 +26,7 @@ class LaunchConfig:
 
 
 #: Output elements per program, the widest column block, and warps per program.
-#: ``bench/sweep_glu.py`` (bench/results/sweep-glu-h100.json, docs/notes/glu.md):
+#: ``bench/sweeps/glu.py`` (bench/results/sweep-glu-h100.json, docs/notes/glu.md):
 #: tiles from 1024 to 4096 elements with 4 or 8 warps are level at the DiT
 #: shapes, 1024 with 4 warps first in every row; 8192-element tiles lose.
 TILE = 1024

@@ -39,7 +39,7 @@ class LaunchConfig:
 
 
 #: The routing kernel's launch config when it computes its logits (narrow
-#: routers: HiDream's E = 4). bench/sweep_moe.py sweeps these globals. 32
+#: routers: HiDream's E = 4). bench/sweeps/moe.py sweeps these globals. 32
 #: tokens per program give 128 programs at T = 4096, about one per SM;
 #: ROUTE_BLOCK_H is in 16-bit columns (fp32 takes half as many, fp64 a
 #: quarter: the same bytes per pipeline stage). 5 stages are the sweep's best

@@ -38,7 +38,7 @@ class LaunchConfig:
 
 @functools.lru_cache(maxsize=None)
 def forward_config(n: int) -> LaunchConfig:
-    """One program per tile of about 8K elements (``bench/sweep_norm.py``,
+    """One program per tile of about 8K elements (``bench/sweeps/norm.py``,
     bench/results/sweep-h100.json): enough bytes in flight per program
     without spilling; 16 warps only for the widest single-block rows."""
     block_n = triton.next_power_of_2(n)
