@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/experiments/ragged_keys.py OUT.json [--shapes BxHxLxD,...] [--rounds 3]
 
-Why: ``integrations.diffusers._sdpa_is_faster`` sends 16-bit inference below
+Why: ``integrations.diffusers.attention_kernel.sdpa_is_faster`` sent 16-bit inference below
 16385 keys to SDPA's cuDNN backend, from measurements at whole multiples of
 128 keys (4096, 4608). At 4429 and 4500 keys (D = 128) the sm_90 core ran
 1.05-1.06x cuDNN in the split-last-round runs (docs/notes/attention-forward.md): cuDNN's
