@@ -6,8 +6,10 @@ looks the backend up in its registry by an ``AttentionBackendName`` member.
 member to that enum (diffusers has no public way to add one) and registers
 :func:`compile_ops_attention` under it, so every diffusers model whose
 processors go through the dispatcher can run ``fused.attention``, not only
-the four whose processors :func:`compile_ops.patch` replaces (those keep
-their fused q/k-norm and rotary embedding and ignore the backend setting).
+the five whose processors :func:`compile_ops.patch` replaces (Flux, Wan,
+SD3, LTX-Video and HunyuanVideo: ``diffusers.processors.processor_rules``;
+those keep their fused q/k-norm and rotary embedding and ignore the backend
+setting).
 
 An ``attn_mask`` that is a :class:`~compile_ops.BlockSparseMask` runs
 ``fused.block_sparse_attention`` over its block lists (the way a FlexAttention
