@@ -302,7 +302,7 @@ def _compile_with_constant_ints(launches):
 
 
 def test_8bit_rounding_keeps_the_product_out_of_an_fma():
-    """``_int8_of`` rounds ``x * (1 / scale)`` by adding and subtracting
+    """``round_to_int8`` rounds ``x * (1 / scale)`` by adding and subtracting
     1.5 * 2**23: if the compiler contracts the product and that add into one
     fma, the product is never rounded to fp32 and a value just below a half
     rounds up, unlike torch (6 GPU test failures, none under the interpreter,
