@@ -254,7 +254,8 @@ def attention_int8_table(data: dict) -> str:
     out = [run_line(data["env"]) + " | [B, H, L, D], non-causal, forward; bf16 inputs, 8-bit providers "
            "quantize inside the timed call.", "",
            "TFLOP/s (4·B·H·L²·D per forward, `do_bench` median) and, in brackets, the relative L2 distance "
-           "to fp64 attention (and its cosine similarity, where the run recorded it). Inputs: `normal` N(0, 1); `offset_keys` keys with a per-channel offset of "
+           "to fp64 attention (and its cosine similarity, where the run recorded it). Inputs: `normal` N(0, 1); "
+           "`offset_keys` keys with a per-channel offset of "
            "N(0, 4²) and doubled queries.", "",
            "| shape | inputs | " + " | ".join(providers) + " |", "|---|---|" + "---:|" * len(providers)]
     for shape, kind in keys:
@@ -627,7 +628,8 @@ def distributed_train_table(data: dict) -> str:
     out += ["", f"Per-step losses, {gpus} GPUs against 1 GPU on the same global batch of {config['global_batch']}: "
                 f"largest relative difference {worst:.1e} over {len(single)} steps.",
             f"Heads-sharded block (tensor parallel): forward collectives {collectives}; worst relative "
-            f"error against the unsharded block (output and every gradient) {max(heads['relative_errors'].values()):.1e}"
+            f"error against the unsharded block (output and every gradient) "
+            f"{max(heads['relative_errors'].values()):.1e}"
             f"; {heads['sharded_ms']:.2f} ms forward+backward against {heads['unsharded_ms']:.2f} unsharded, eager "
             f"({compiled_summary(heads)})."]
     sequence = row["multi"].get("sequence_sharded")

@@ -288,6 +288,7 @@ def kernel_profile(fn, calls: int = 3, top: int = 12) -> dict:
     by family (:data:`KERNEL_FAMILIES`, else "other") and the ``top`` kernels
     by time, as ``{"gpu_ms", "families": {family: ms}, "top": [[name, ms, launches]]}``."""
     import re
+
     from torch.profiler import ProfilerActivity, profile
 
     fn()

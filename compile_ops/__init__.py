@@ -5,31 +5,48 @@ re-exported here.
 """
 import torch
 
+from compile_ops import distributed as _distributed
 from compile_ops import ops  # noqa: F401  (registers torch.ops.fused.*)
-from compile_ops.meta._validate import checked_arguments
-from compile_ops.modules.glu import GEGLU, SwiGLU
-from compile_ops.modules.moe import MoEFeedForward
-from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
-from compile_ops.modules.norm import LayerNorm, RMSNorm
-from compile_ops.ops.attention import (Int8QK, attention, attention_fp8_rows, scaled_dot_product_attention,
-                                      set_attention_backward)
-from compile_ops.ops.block_sparse import (BlockSparseMask, block_index_from_mask, block_sparse_attention, radial_mask,
-                                          sliding_tile_block_mask, sliding_tile_mask, tile_permutation,
-                                          topk_block_index)
-from compile_ops.modules.fp8 import FP8Linear, FP8ProjectionActivation
-from compile_ops.ops.fp8 import FP8Rows, fp8_linear, quantize_fp8_rows
-from compile_ops.ops.glu import geglu, swiglu
-from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
-                                      gated_residual_norm_modulate_fp8, modulate, norm_modulate,
-                                      norm_modulate_fp8)
-from compile_ops.ops.moe import moe_route
-from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
-from compile_ops.meta.rope import GridRope, grid_rope
-from compile_ops.ops.rope import qk_norm_rope, rope, rope_grid, rope_qk
-from compile_ops.integrations.sparse_attention import Radial, SlidingTile, TopK
 from compile_ops.integrations.attention_backend import register_diffusers_backend
 from compile_ops.integrations.options import PatchOptions, takes_patch_options
-from compile_ops import distributed as _distributed
+from compile_ops.integrations.sparse_attention import Radial, SlidingTile, TopK
+from compile_ops.meta._validate import checked_arguments
+from compile_ops.meta.rope import GridRope, grid_rope
+from compile_ops.modules.fp8 import FP8Linear, FP8ProjectionActivation
+from compile_ops.modules.glu import GEGLU, SwiGLU
+from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
+from compile_ops.modules.moe import MoEFeedForward
+from compile_ops.modules.norm import LayerNorm, RMSNorm
+from compile_ops.ops.attention import (
+    Int8QK,
+    attention,
+    attention_fp8_rows,
+    scaled_dot_product_attention,
+    set_attention_backward,
+)
+from compile_ops.ops.block_sparse import (
+    BlockSparseMask,
+    block_index_from_mask,
+    block_sparse_attention,
+    radial_mask,
+    sliding_tile_block_mask,
+    sliding_tile_mask,
+    tile_permutation,
+    topk_block_index,
+)
+from compile_ops.ops.fp8 import FP8Rows, fp8_linear, quantize_fp8_rows
+from compile_ops.ops.glu import geglu, swiglu
+from compile_ops.ops.modulate import (
+    gated_residual,
+    gated_residual_norm_modulate,
+    gated_residual_norm_modulate_fp8,
+    modulate,
+    norm_modulate,
+    norm_modulate_fp8,
+)
+from compile_ops.ops.moe import moe_route
+from compile_ops.ops.norm import add_rmsnorm, layernorm, rmsnorm
+from compile_ops.ops.rope import qk_norm_rope, rope, rope_grid, rope_qk
 
 # DTensor sharding rules for every op (a no-op without torch.distributed); see
 # compile_ops/distributed.py for why this happens at import.
@@ -85,7 +102,7 @@ __all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm",
            "geglu", "swiglu", "GEGLU", "SwiGLU", "attention", "attention_fp8_rows", "Int8QK",
            "scaled_dot_product_attention", "set_attention_backward",
            "moe_route", "MoEFeedForward",
-           "block_sparse_attention", "BlockSparseMask", "block_index_from_mask", "sliding_tile_mask", "tile_permutation",
-           "radial_mask", "topk_block_index", "sliding_tile_block_mask",
+           "block_sparse_attention", "BlockSparseMask", "block_index_from_mask", "sliding_tile_mask",
+           "tile_permutation", "radial_mask", "topk_block_index", "sliding_tile_block_mask",
            "FP8Linear", "FP8ProjectionActivation", "FP8Rows", "fp8_linear", "quantize_fp8_rows",
            "SlidingTile", "Radial", "TopK", "register_diffusers_backend", "patch", "unpatch"]

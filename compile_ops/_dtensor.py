@@ -17,7 +17,6 @@ from typing import Callable, Optional
 
 import torch
 
-
 # ---------------------------------------------------------------- tensors the op wrappers build
 
 

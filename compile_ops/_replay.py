@@ -46,8 +46,8 @@ from typing import Callable, Optional
 
 import torch
 from triton import knobs
-from triton.runtime import _allocation
 from triton.experimental.gluon._runtime import GluonJITFunction
+from triton.runtime import _allocation
 from triton.runtime.jit import JITFunction
 
 #: Kernels whose launches a plan can replay: compiled once, called through

@@ -36,7 +36,8 @@ def allow_tma_under_interpreter(patch) -> None:
         from compile_ops.ops import attention_args
 
         patch.setattr(attention_args, "tma_ready", lambda *tensors: True)
-        patch.setattr(attention_args, "tma_scratch", lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+        patch.setattr(attention_args, "tma_scratch",
+                      lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
 
 
 @contextlib.contextmanager

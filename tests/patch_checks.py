@@ -1,7 +1,6 @@
 """What the patch tests of every model family (diffusers, transformers) compare:
 a patched copy against the unpatched model, forward and parameter gradients."""
 import torch
-
 from conftest import HAS_CUDA
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"

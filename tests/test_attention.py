@@ -16,17 +16,17 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from bad_input import bad_input_test
+from conftest import INTERPRET, KERNEL_DEVICE, allow_tma_under_interpreter, deterministic_algorithms, tf32_dots
 from hypothesis import given
 from hypothesis import strategies as st
+from numerics import assert_within_torch_error
+from shapes import size
 
 import compile_ops
-from bad_input import bad_input_test
-from shapes import size
 from compile_ops._library import clear_launch_plans, multiprocessor_count
 from compile_ops.kernels.attention_common import program_rank
 from compile_ops.reference import attention as ref
-from conftest import INTERPRET, KERNEL_DEVICE, allow_tma_under_interpreter, deterministic_algorithms, tf32_dots
-from numerics import assert_within_torch_error
 
 LSE_ROUNDINGS = 2
 DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])

@@ -12,18 +12,18 @@ import math
 
 import pytest
 import torch
+from bad_input import bad_input_test
+from conftest import INTERPRET, KERNEL_DEVICE, allow_tma_under_interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numerics import assert_within_torch_error
+from shapes import examples
+from test_attention import _SM90, LSE_ROUNDINGS, _qkv, five_product_gradients, torch_at_dtype
 
 import compile_ops
-from bad_input import bad_input_test
-from shapes import examples
 from compile_ops._library import clear_launch_plans
 from compile_ops.ops import block_sparse as bs
 from compile_ops.reference import block_sparse as ref
-from conftest import INTERPRET, KERNEL_DEVICE, allow_tma_under_interpreter
-from numerics import assert_within_torch_error
-from test_attention import _SM90, LSE_ROUNDINGS, _qkv, five_product_gradients, torch_at_dtype
 
 DTYPES = [torch.float16, torch.float32] + ([] if INTERPRET else [torch.bfloat16])
 BLOCK = 128

@@ -14,12 +14,12 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import HAS_CUDA
+from patch_checks import DEVICE, TOL, assert_gradient_close, assert_patched_matches_forward_and_backward
 
 import compile_ops
 from compile_ops.integrations import diffusers as integration
 from compile_ops.integrations.diffusers import attention_kernel, blocks, processors
-from conftest import HAS_CUDA
-from patch_checks import DEVICE, TOL, assert_gradient_close, assert_patched_matches_forward_and_backward
 
 diffusers = pytest.importorskip("diffusers")
 

@@ -13,20 +13,20 @@ import pytest
 import torch
 import torch._dynamo.testing
 import triton
+from bad_input import bad_input_test
+from conftest import KERNEL_DEVICE
 from hypothesis import given
 from hypothesis import strategies as st
+from shapes import size
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import compile_ops
-from bad_input import bad_input_test
 from compile_ops import FP8Rows, _library
 from compile_ops._library import OP_BODIES
 from compile_ops.ops import fp8 as ops
 from compile_ops.reference import fp8 as ref
-from conftest import KERNEL_DEVICE
-from shapes import size
 
 
 def _spec_quantize(x):
@@ -547,7 +547,8 @@ def test_sm90_code_rounds_like_the_reference(looped, act):
 
 @pytest.mark.kernels
 @given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-       st.integers(0, 5), size(st.one_of(st.integers(1, 300), st.sampled_from([3072, 4096, 5000])), [1, 37, 3072, 5000]),
+       st.integers(0, 5),
+       size(st.one_of(st.integers(1, 300), st.sampled_from([3072, 4096, 5000])), [1, 37, 3072, 5000]),
        st.sampled_from(["contiguous", "row_slice", "column_stride"]),
        st.sampled_from(["none", "inf", "nan", "zero_row", "tiny_row"]), st.floats(1e-3, 1e3))
 def test_kernel_writes_the_references_bytes(dtype, rows, k, layout, special, magnitude):

@@ -10,14 +10,14 @@ vLLM's ``GeluAndMul`` / ``SiluAndMul`` (``act(x[..., :d]) * x[..., d:]``) for
 import pytest
 import torch
 import torch.nn.functional as F
+from bad_input import bad_input_test
+from conftest import KERNEL_DEVICE
 from hypothesis import given
 from hypothesis import strategies as st
+from numerics import assert_within_torch_error
+from shapes import size
 
 import compile_ops
-from bad_input import bad_input_test
-from shapes import size
-from conftest import KERNEL_DEVICE
-from numerics import assert_within_torch_error
 
 OPS = {"geglu": "none", "geglu_tanh": "tanh", "swiglu": None}
 

@@ -11,17 +11,17 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
+from bad_input import bad_input_test
+from conftest import HAS_CUDA, KERNEL_DEVICE, concurrent_programs_only
 from hypothesis import given
 from hypothesis import strategies as st
+from numerics import assert_within_torch_error
+from shapes import size
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import compile_ops
 from compile_ops._library import OP_BODIES
 from compile_ops.reference import modulate as ref
-from bad_input import bad_input_test
-from shapes import size
-from conftest import HAS_CUDA, KERNEL_DEVICE, concurrent_programs_only
-from numerics import assert_within_torch_error
 
 OPS = ("modulate", "norm_modulate", "gated_residual", "gated_residual_norm_modulate")
 

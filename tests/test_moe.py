@@ -20,14 +20,14 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import compile_ops
 from bad_input import bad_input_test
 from conftest import INTERPRET, KERNEL_DEVICE, concurrent_programs_only
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from numerics import assert_within_torch_error
 from shapes import examples, size
+
+import compile_ops
 from compile_ops.reference.moe import expert_lists, top_k_descending
 
 KERNEL_DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])

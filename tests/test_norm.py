@@ -8,17 +8,17 @@ import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
+from bad_input import bad_input_test
+from conftest import KERNEL_DEVICE, concurrent_programs_only
 from hypothesis import given
 from hypothesis import strategies as st
+from numerics import assert_within_torch_error
+from shapes import size
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import compile_ops
 from compile_ops._library import OP_BODIES
 from compile_ops.reference import norm as ref
-from bad_input import bad_input_test
-from shapes import size
-from conftest import KERNEL_DEVICE, concurrent_programs_only
-from numerics import assert_within_torch_error
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -247,10 +247,12 @@ def _bad_input_cases():
     x = torch.randn(2, 8)
     w = torch.randn(8)
     return [
-        (lambda: compile_ops.rmsnorm(x, torch.randn(7)), ValueError, r"rmsnorm: weight must have shape \(8,\).*got \(7,\)"),
+        (lambda: compile_ops.rmsnorm(x, torch.randn(7)), ValueError,
+         r"rmsnorm: weight must have shape \(8,\).*got \(7,\)"),
         (lambda: compile_ops.rmsnorm(x, torch.randn(2, 8)), ValueError, r"weight must have shape \(8,\)"),
         (lambda: compile_ops.rmsnorm(x.int(), None), TypeError, r"rmsnorm: x must have a floating dtype.*int32"),
-        (lambda: compile_ops.rmsnorm(x.to(torch.complex64), None), TypeError, r"x must have a floating dtype.*complex64"),
+        (lambda: compile_ops.rmsnorm(x.to(torch.complex64), None), TypeError,
+         r"x must have a floating dtype.*complex64"),
         (lambda: compile_ops.rmsnorm(x, w.long()), TypeError, r"weight must have a floating dtype.*int64"),
         (lambda: compile_ops.rmsnorm(x, w, -1e-6), ValueError, r"rmsnorm: eps must be >= 0, got -1e-06"),
         (lambda: compile_ops.rmsnorm(x, w, float("nan")), ValueError, r"rmsnorm: eps must be a number, got NaN"),

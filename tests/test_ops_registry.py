@@ -8,6 +8,7 @@ that Inductor inlines our kernels.
 import pytest
 import torch
 import torch._dynamo.testing
+from conftest import HAS_CUDA, KERNEL_DEVICE, deterministic_algorithms, tf32_dots
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -15,7 +16,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import compile_ops
 from compile_ops import registry
 from compile_ops._library import OP_BODIES
-from conftest import HAS_CUDA, KERNEL_DEVICE, deterministic_algorithms, tf32_dots
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 DIFFERENTIABLE = [s for s in registry.OPS if s.differentiable]

@@ -9,18 +9,18 @@ reference path.
 """
 import pytest
 import torch
+from bad_input import bad_input_test
+from conftest import INTERPRET, KERNEL_DEVICE
 from hypothesis import given
 from hypothesis import strategies as st
+from numerics import assert_within_torch_error
+from shapes import size
 
 import compile_ops.ops.rope as rope_ops
 from compile_ops.meta.rope import GridRope, grid_rope
 from compile_ops.reference import attention as attention_ref
 from compile_ops.reference import norm as norm_ref
 from compile_ops.reference import rope as ref
-from bad_input import bad_input_test
-from shapes import size
-from conftest import INTERPRET, KERNEL_DEVICE
-from numerics import assert_within_torch_error
 
 
 def _tables(shape, device):

@@ -7,11 +7,11 @@ import itertools
 import pytest
 import torch
 import torch._dynamo.testing
+from conftest import HAS_CUDA, KERNEL_DEVICE
 
 import compile_ops
 from compile_ops.integrations import sparse_attention as sparse
 from compile_ops.ops import block_sparse as bs
-from conftest import HAS_CUDA, KERNEL_DEVICE
 
 diffusers = pytest.importorskip("diffusers")
 DEVICE = "cuda" if HAS_CUDA else "cpu"

@@ -13,11 +13,11 @@ from collections import Counter
 
 import pytest
 import torch
+from patch_checks import DEVICE, TOL, assert_patched_matches_forward_and_backward
 
 import compile_ops
 from compile_ops.integrations import transformers as integration
 from compile_ops.modules import norm as norm_modules
-from patch_checks import DEVICE, TOL, assert_patched_matches_forward_and_backward
 
 transformers = pytest.importorskip("transformers")
 

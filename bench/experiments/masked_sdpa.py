@@ -37,9 +37,11 @@ for b, h, video, text, valid in [(1, 24, 4352, 256, 77), (1, 24, 16384, 256, 77)
         try:
             if backend:
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    fn(); ms = triton.testing.do_bench_cudagraph(fn, rep=200)
+                    fn()
+                    ms = triton.testing.do_bench_cudagraph(fn, rep=200)
             else:
-                fn(); ms = triton.testing.do_bench_cudagraph(fn, rep=200)
+                fn()
+                ms = triton.testing.do_bench_cudagraph(fn, rep=200)
         except Exception as e:  # noqa: BLE001
             print(name, "failed:", type(e).__name__, str(e)[:200], flush=True)
             ms = float("nan")

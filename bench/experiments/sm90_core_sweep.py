@@ -69,9 +69,11 @@ def time_rounds(cands, shape, flops, label, rep=200, rounds=2):
             try:
                 if name.startswith("cudnn"):
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        fn(); ms = triton.testing.do_bench_cudagraph(fn, rep=rep)
+                        fn()
+                        ms = triton.testing.do_bench_cudagraph(fn, rep=rep)
                 else:
-                    fn(); ms = triton.testing.do_bench_cudagraph(fn, rep=rep)
+                    fn()
+                    ms = triton.testing.do_bench_cudagraph(fn, rep=rep)
                 tf = flops / ms / 1e9
             except Exception as e:  # noqa: BLE001
                 print(name, "failed", type(e).__name__, str(e)[-300:], flush=True)

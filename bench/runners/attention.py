@@ -33,8 +33,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.toolkit import (environment, graph_replay_time, keep_busy, make_timer, warm_up_gpu,  # noqa: E402
-                           write_results)
+from bench.toolkit import environment, graph_replay_time, keep_busy, make_timer, warm_up_gpu, write_results  # noqa: E402
 
 #: Flux at 1024x1024 (24 heads), Wan 2.1 480p x 81 frames (12 heads), a
 #: HunyuanVideo-sized 40-head sequence, and head dim 64.
@@ -42,8 +41,9 @@ SHAPES = ((1, 24, 4608, 128), (1, 12, 32760, 128), (1, 40, 16384, 128), (2, 24, 
 
 
 def providers(causal: bool) -> dict:
-    import compile_ops
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import compile_ops
 
     def fused(q, k, v):
         return compile_ops.attention(q, k, v, None, causal)
@@ -121,8 +121,9 @@ ERROR_QUERIES = 1024
 def int8_providers() -> dict:
     """Forward-only providers of the 8-bit comparison: ours exact and 8-bit,
     cuDNN bf16, and SageAttention (INT8 QK) where it is installed."""
-    import compile_ops
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import compile_ops
 
     def cudnn(q, k, v):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -201,8 +202,9 @@ def rope_int8_providers() -> dict:
     8-bit attention quantizing its 16-bit q and k, and ``qk_norm_rope(...,
     quantize=True)`` handing them over quantized (``Int8QK``: no 16-bit q or
     k written). Eager and compiled."""
-    import compile_ops
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import compile_ops
 
     def cudnn(q, k, v, w, cos, sin):
         q, k = compile_ops.qk_norm_rope(q, k, w, w, cos, sin, 1e-6, True, 1)
@@ -230,8 +232,8 @@ def rope_int8_comparison(shapes, timer) -> list:
     rotation) of :func:`rope_int8_providers` as CUDA-graph replays, and each
     one's relative L2 distance to fp64 attention of the bf16-rotated q and k
     over the first ERROR_QUERIES queries."""
-    from compile_ops.reference.attention import attention as exact_attention
     import compile_ops
+    from compile_ops.reference.attention import attention as exact_attention
 
     rows = []
     for b, h, length, d in shapes:

@@ -40,8 +40,9 @@ def random_block_mask(n: int, density: float, generator: torch.Generator) -> tor
 
 
 def main(argv=None) -> int:
-    import compile_ops
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    import compile_ops
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -118,7 +119,8 @@ def main(argv=None) -> int:
               f"{ours['speedup_vs_fused_dense']['fwdbwd']:.2f}x our dense, "
               f"{ours['speedup_vs_sdpa_cudnn_dense']['fwd']:.2f}x / "
               f"{ours['speedup_vs_sdpa_cudnn_dense']['fwdbwd'] or float('nan'):.2f}x cuDNN dense; flex "
-              f"{flex_row['fwd_ms'] / ours['fwd_ms']:.2f}x / {flex_row['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}x our time; "
+              f"{flex_row['fwd_ms'] / ours['fwd_ms']:.2f}x / "
+              f"{flex_row['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}x our time; "
               f"deterministic=False fwd+bwd {atomic['speedup_vs_sdpa_cudnn_dense']['fwdbwd'] or float('nan'):.2f}x "
               f"cuDNN dense", flush=True)
 

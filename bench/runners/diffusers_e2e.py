@@ -77,8 +77,15 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-from bench.toolkit import (captured_graph, environment, kernel_profile, relative_l2, results_path,  # noqa: E402
-                           warm_up_gpu, write_results)
+from bench.toolkit import (  # noqa: E402
+    captured_graph,
+    environment,
+    kernel_profile,
+    relative_l2,
+    results_path,
+    warm_up_gpu,
+    write_results,
+)
 
 DTYPE = torch.bfloat16
 

@@ -196,7 +196,7 @@ def heads_sharded_block(config: Config, mesh, device) -> dict:
         return out
 
     with CommDebugMode() as comm:
-        out = sharded(DTensor.from_local(x, mesh, replicated), DTensor.from_local(temb, mesh, replicated))
+        sharded(DTensor.from_local(x, mesh, replicated), DTensor.from_local(temb, mesh, replicated))
     forward_collectives = {str(k): v for k, v in comm.get_comm_counts().items()}
     got, want = sharded_step(), reference_step()
     errors = {"output": relative_l2(got.full_tensor(), want)}
@@ -433,7 +433,8 @@ def main(argv=None) -> int:
           f"{max(heads['relative_errors'].values()):.2e}")
     sequence = multi["sequence_sharded"]
     print(f"sequence-sharded attention: {sequence['sharded_ms']:.2f} ms fwd+bwd against "
-          f"{sequence['unsharded_ms']:.2f} on one GPU ({compiled_summary(sequence)}); output {sequence['output_placements']}; forward collectives "
+          f"{sequence['unsharded_ms']:.2f} on one GPU ({compiled_summary(sequence)}); "
+          f"output {sequence['output_placements']}; forward collectives "
           f"{sequence['forward_collectives']}; worst relative error {max(sequence['relative_errors'].values()):.2e}")
     if device_type == "cuda":
         print("wrote", write_results(args.out, "distributed-train", environment(),

@@ -43,9 +43,25 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.toolkit import (KIND_LABELS, TIMING, Progress, copy_bandwidth_TBps, environment, error_text,  # noqa: E402
-                           gpu_slug, keep_busy, log, machine_line, make_timer, matmul_TFLOPs, output_to,
-                           relative_l2, shape_str, timed_call, warm_up_gpu)
+from bench.toolkit import (  # noqa: E402
+    KIND_LABELS,
+    TIMING,
+    Progress,
+    copy_bandwidth_TBps,
+    environment,
+    error_text,
+    gpu_slug,
+    keep_busy,
+    log,
+    machine_line,
+    make_timer,
+    matmul_TFLOPs,
+    output_to,
+    relative_l2,
+    shape_str,
+    timed_call,
+    warm_up_gpu,
+)
 
 #: One op per family, ``(family, registry name)``, in summary order, each at its first benchmark shape.
 FAMILY_OPS = (("norm", "rmsnorm"), ("modulate", "gated_residual_norm_modulate"), ("rope", "qk_norm_rope"),

@@ -34,8 +34,17 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from bench.peers.moe import SPECS, composite  # noqa: E402
-from bench.toolkit import (environment, log, make_timer, relative_l2, shape_str, time_forward,  # noqa: E402
-                           time_forward_backward, warm_up_gpu, write_results)
+from bench.toolkit import (  # noqa: E402
+    environment,
+    log,
+    make_timer,
+    relative_l2,
+    shape_str,
+    time_forward,
+    time_forward_backward,
+    warm_up_gpu,
+    write_results,
+)
 
 #: The fused / composite speed-up the routing kernels are held to.
 TARGET = 10.0

@@ -128,6 +128,12 @@ def stalls(metrics: dict) -> list:
     return sorted(found, key=lambda item: -item[1])
 
 
+
+def _pipe_share(metrics: dict, key: str) -> str:
+    """One pipe's share of issue slots for the profile table, or '-' where ncu gave none."""
+    value = metrics.get(key)
+    return f"{value:.0f}" if isinstance(value, (int, float)) else "-"
+
 def summary_lines(op: str, shape, results: dict) -> list:
     """The Markdown summary: per pass, one row per kernel launch."""
     lines = [f"# ncu profile of `fused.{op}` at {'x'.join(map(str, shape))}, bf16", ""]
@@ -147,7 +153,7 @@ def summary_lines(op: str, shape, results: dict) -> list:
                          f"| {m.get('sm__warps_active.avg.pct_of_peak_sustained_active', 0):.1f} / "
                          f"{m.get('sm__maximum_warps_per_active_cycle_pct', 0):.1f} "
                          f"| {m.get('launch__registers_per_thread', '')} "
-                         f"| {' / '.join(f'{m[k]:.0f}' if isinstance(m.get(k), (int, float)) else '-' for _, k in PIPES)} "
+                         f"| {' / '.join(_pipe_share(m, k) for _, k in PIPES)} "
                          f"| {top} |")
         lines.append("")
     return lines

@@ -28,9 +28,26 @@ import traceback
 import torch
 
 from bench import report
-from bench.toolkit import (KIND_LABELS, KINDS, TIMING, Progress, as_tuple, bytes_model, copy_bandwidth_TBps,
-                           environment, error_text, gpu_slug, log, make_timer, merge_runs, shape_str, tensors_of,
-                           time_forward, time_forward_backward, warm_up_gpu)
+from bench.toolkit import (
+    KIND_LABELS,
+    KINDS,
+    TIMING,
+    Progress,
+    as_tuple,
+    bytes_model,
+    copy_bandwidth_TBps,
+    environment,
+    error_text,
+    gpu_slug,
+    log,
+    make_timer,
+    merge_runs,
+    shape_str,
+    tensors_of,
+    time_forward,
+    time_forward_backward,
+    warm_up_gpu,
+)
 
 #: Providers every op gets, in table order; peers follow.
 CORE_PROVIDERS = ("fused_eager", "fused_compiled", "native_eager", "native_compiled")

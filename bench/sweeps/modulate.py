@@ -25,8 +25,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench.toolkit import (bytes_model, graph_replay_time, make_timer, time_forward_backward,  # noqa: E402
-                       warm_up_gpu, write_sweep)
+from bench.toolkit import bytes_model, graph_replay_time, make_timer, time_forward_backward, warm_up_gpu, write_sweep  # noqa: E402
 from compile_ops import registry  # noqa: E402
 from compile_ops._library import clear_launch_plans  # noqa: E402
 from compile_ops.ops import modulate as modulate_ops  # noqa: E402

@@ -1,7 +1,9 @@
 """Sweep the MoE routing kernels' launch config on a GPU, to pick the
 ROUTE_*, SPLIT_COLUMNS and LOGITS_* globals in compile_ops/ops/moe.py.
 
-    PYTHONPATH=. python bench/sweeps/moe.py [OUT.json] [OPS] [BT/BH/WARPS/STAGES/SPLIT_COLUMNS/LOGITS_BT/LOGITS_WARPS/LOGITS_STAGES/SPLIT_BT,...]
+    PYTHONPATH=. python bench/sweeps/moe.py [OUT.json] [OPS] [CONFIG,...]
+
+CONFIG: BT/BH/WARPS/STAGES/SPLIT_COLUMNS/LOGITS_BT/LOGITS_WARPS/LOGITS_STAGES/SPLIT_BT
 
 At the registry's shapes of ``moe_route`` (4096 x 4096, E = 64, k = 2) and
 ``moe_route_hidream`` (4096 x 2560, E = 4), bf16, CUDA-graph replays of the

@@ -38,11 +38,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from compile_ops.integrations.schedule import DenoisingSteps, check_dense_steps
 from compile_ops.meta.attention import SPARSE_BLOCK
 from compile_ops.meta.block_sparse import num_blocks
-from compile_ops.integrations.schedule import DenoisingSteps, check_dense_steps
-from compile_ops.ops.block_sparse import (block_index_from_mask, block_sparse_attention, radial_mask,
-                                          sliding_tile_block_mask, tile_permutation, topk_block_index)
+from compile_ops.ops.block_sparse import (
+    block_index_from_mask,
+    block_sparse_attention,
+    radial_mask,
+    sliding_tile_block_mask,
+    tile_permutation,
+    topk_block_index,
+)
 
 
 def _check_steps(cls: str, dense_steps) -> None:

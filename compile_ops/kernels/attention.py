@@ -55,10 +55,23 @@ stride along D (the launcher guarantees it); D is padded to ``BLOCK_D``.
 import triton
 import triton.language as tl
 
-from compile_ops.kernels.attention_common import (INT8_BIAS, INT8_BIAS_BITS, INT8_MAX, P_FP8_SHIFT, aligned_lengths,
-                                                  block_list, load_tile, query_program, query_tile,
-                                                  quantization_scale, round_to_int8, store_tile, tile_start,
-                                                  tiles_before, visible_mask)
+from compile_ops.kernels.attention_common import (
+    INT8_BIAS,
+    INT8_BIAS_BITS,
+    INT8_MAX,
+    P_FP8_SHIFT,
+    aligned_lengths,
+    block_list,
+    load_tile,
+    quantization_scale,
+    query_program,
+    query_tile,
+    round_to_int8,
+    store_tile,
+    tile_start,
+    tiles_before,
+    visible_mask,
+)
 from compile_ops.kernels.fp8 import to_e4m3
 
 

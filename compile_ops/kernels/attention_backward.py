@@ -21,10 +21,20 @@ items it splits).
 import triton
 import triton.language as tl
 
-from compile_ops.kernels.attention_common import (aligned_lengths, block_list, kv_len_of, load_tile, program_head,
-                                                  program_rank, query_program, query_tile, store_tile, tile_start,
-                                                  tiles_before, visible_mask)
-
+from compile_ops.kernels.attention_common import (
+    aligned_lengths,
+    block_list,
+    kv_len_of,
+    load_tile,
+    program_head,
+    program_rank,
+    query_program,
+    query_tile,
+    store_tile,
+    tile_start,
+    tiles_before,
+    visible_mask,
+)
 
 #: The backward's per-query statistics (``attn_bwd_row_stats_kernel``) sit in
 #: rows of ``_stats_row_length(Lq)``: Lq rounded up to this, a multiple of both

@@ -61,11 +61,23 @@ portable kernel.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
-from compile_ops.kernels.attention_common import (INT8_BIAS, INT8_BIAS_BITS, P_FP8_SHIFT, block_list, dealt_rank,
-                                                  query_program, tile_start)
+from compile_ops.kernels.attention_common import (
+    INT8_BIAS,
+    INT8_BIAS_BITS,
+    P_FP8_SHIFT,
+    block_list,
+    dealt_rank,
+    query_program,
+    tile_start,
+)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 _LN2 = gl.constexpr(0.6931471805599453)

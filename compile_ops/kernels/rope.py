@@ -28,6 +28,7 @@ import triton.language as tl
 from compile_ops.kernels.attention_common import INT8_MAX, quantization_scale, round_to_int8
 from compile_ops.kernels.norm import _div_exact, _rsqrt_exact
 
+
 @triton.jit
 def _two_sum(a, b):
     """``a + b`` rounded, and its exact rounding error (Knuth; no branch)."""

@@ -33,7 +33,6 @@ from compile_ops.ops.attention_8bit import launch_eight_bit, quantized_operands
 from compile_ops.ops.attention_launch import launch_backward, launch_forward
 from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 
-
 # ---------------------------------------------------------------- ops
 
 

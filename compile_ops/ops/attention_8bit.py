@@ -10,13 +10,16 @@ from torch._subclasses.fake_tensor import is_fake
 
 from compile_ops import meta, reference
 from compile_ops._library import launcher
-from compile_ops.kernels.attention_8bit import (fp8_rows_scale_kernel, kv8_counters_clear_kernel, kv8_quantize_kernel,
-                                                kv8_stats_kernel)
+from compile_ops.kernels.attention_8bit import (
+    fp8_rows_scale_kernel,
+    kv8_counters_clear_kernel,
+    kv8_quantize_kernel,
+    kv8_stats_kernel,
+)
 from compile_ops.ops._launch import unit_last_stride
 from compile_ops.ops.attention_args import bhl_strides
 from compile_ops.ops.attention_launch import launch_forward
 from compile_ops.ops.attention_tiles import block_d
-
 
 #: The 8-bit quantization's statistics pass: each program reduces a chunk
 #: of STAT_CHUNK_ROWS of a head's keys in steps of STAT_STEP rows, and the

@@ -11,14 +11,24 @@ from torch import Tensor
 from compile_ops import reference
 from compile_ops._library import has_tma, launcher, on_eager_fast_path, refuse_interpreted_bf16_dots
 from compile_ops.kernels.attention import attn_fwd_kernel
-from compile_ops.kernels.attention_backward import (STATS_ROW_ALIGN, attn_bwd_dkdv_kernel,
-                                                    attn_bwd_dq_from_acc_kernel, attn_bwd_dq_kernel,
-                                                    attn_bwd_row_stats_kernel)
+from compile_ops.kernels.attention_backward import (
+    STATS_ROW_ALIGN,
+    attn_bwd_dkdv_kernel,
+    attn_bwd_dq_from_acc_kernel,
+    attn_bwd_dq_kernel,
+    attn_bwd_row_stats_kernel,
+)
 from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
 from compile_ops.ops.attention_args import attention_sizes, bhl_strides, block_list_args, take_tma
-from compile_ops.ops.attention_sm90 import (can_run_gluon, launch_sm90_backward, launch_sm90_core,
-                                            takes_sm90_backward, takes_sm90_core, takes_sm90_dkdv)
+from compile_ops.ops.attention_sm90 import (
+    can_run_gluon,
+    launch_sm90_backward,
+    launch_sm90_core,
+    takes_sm90_backward,
+    takes_sm90_core,
+    takes_sm90_dkdv,
+)
 from compile_ops.ops.attention_tiles import LAUNCH_ORDER, causal_order, dkdv_tiles, dq_tiles, forward_tiles
 
 

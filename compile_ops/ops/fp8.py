@@ -25,8 +25,7 @@ import torch
 import triton
 from torch import Tensor
 
-from compile_ops import meta, reference
-from compile_ops import _library
+from compile_ops import _library, meta, reference
 from compile_ops._library import fused_op, launcher, register_no_gradient
 from compile_ops.kernels.fp8 import quantize_fp8_rows_kernel
 from compile_ops.kernels.glu import ACTIVATION_CODES

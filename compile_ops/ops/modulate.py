@@ -23,8 +23,8 @@ from torch import Tensor
 from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher, multiprocessor_count
 from compile_ops.kernels.modulate import modulate_bwd_kernel, modulate_fwd_kernel
-from compile_ops.meta.modulate import Broadcast, static_int
 from compile_ops.meta._validate import accumulation_dtype
+from compile_ops.meta.modulate import Broadcast, static_int
 from compile_ops.ops._launch import TRITON_DTYPES, acc_dtype, as_rows, column_sum, contiguous_param, grad_or_none
 from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 from compile_ops.ops.norm import BACKWARD_PROGRAMS_PER_SM, LaunchConfig

@@ -16,8 +16,12 @@ from torch import Tensor
 
 from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher, refuse_interpreted_bf16_dots
-from compile_ops.kernels.moe import (moe_route_backward_kernel, moe_route_kernel, moe_router_logits_kernel,
-                                     moe_token_lists_kernel)
+from compile_ops.kernels.moe import (
+    moe_route_backward_kernel,
+    moe_route_kernel,
+    moe_router_logits_kernel,
+    moe_token_lists_kernel,
+)
 from compile_ops.ops._launch import TRITON_DTYPES, acc_dtype, dot_precision, unit_last_stride
 
 # ---------------------------------------------------------------- launch configs

@@ -16,8 +16,7 @@ from compile_ops import meta, reference
 from compile_ops._library import aten_autocast_policy, fused_op, launcher, multiprocessor_count
 from compile_ops.kernels.norm import norm_bwd_kernel, norm_fwd_kernel
 from compile_ops.meta._validate import accumulation_dtype
-from compile_ops.ops._launch import (acc_dtype, as_rows, column_sum, contiguous_param,
-                                    grad_or_none)
+from compile_ops.ops._launch import acc_dtype, as_rows, column_sum, contiguous_param, grad_or_none
 
 # ---------------------------------------------------------------- launch configs
 

@@ -141,7 +141,8 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _per_row(scale: torch.Tensor, block: int, length: int) -> torch.Tensor:
     """Block scales ``[B, H, blocks]`` repeated for each of the ``length`` rows."""
-    return _dense(scale.unsqueeze(-1).expand(*scale.shape, block)).view(*scale.shape[:2], scale.shape[2] * block).narrow(-1, 0, length)
+    repeated = _dense(scale.unsqueeze(-1).expand(*scale.shape, block))
+    return repeated.view(*scale.shape[:2], scale.shape[2] * block).narrow(-1, 0, length)
 
 
 def smooth_quantize_qk(q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> tuple:

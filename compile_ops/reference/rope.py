@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 
 from compile_ops.meta import rope as meta
-from compile_ops.reference.attention import smooth_quantize_qk
 from compile_ops.meta._validate import accumulation_dtype
+from compile_ops.reference.attention import smooth_quantize_qk
 
 
 def _pairs(t: torch.Tensor, r: int, interleaved: bool):

@@ -23,8 +23,13 @@ from compile_ops.modules.hooks import must_call
 from compile_ops.modules.modulate import AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm
 from compile_ops.ops.fp8 import quantize_fp8_rows
-from compile_ops.ops.modulate import (gated_residual, gated_residual_norm_modulate,
-                                      gated_residual_norm_modulate_fp8, norm_modulate, norm_modulate_fp8)
+from compile_ops.ops.modulate import (
+    gated_residual,
+    gated_residual_norm_modulate,
+    gated_residual_norm_modulate_fp8,
+    norm_modulate,
+    norm_modulate_fp8,
+)
 
 
 class BlockForward(nn.Module):
