@@ -113,6 +113,16 @@ def _resolved_hints(fn: Callable) -> dict:
         return {name: hint for name, hint in fn.__annotations__.items() if not isinstance(hint, str)}
 
 
+def _accepts_plainly(rule: tuple, value_type: type) -> bool:
+    """Whether every value of exactly ``value_type`` passes ``rule`` (no element or NaN check needed)."""
+    _, types, optional, _, elements = rule
+    if value_type is type(None):
+        return optional
+    if elements is not None or value_type is bool and bool not in types:
+        return False
+    return issubclass(value_type, types)
+
+
 def type_checker(owner: str, fn: Callable) -> Callable:
     """``check(args, kwargs)``: the Python types of a call of ``fn`` against
     its annotations (those :data:`_TYPE_RULES` knows; others are the
@@ -126,6 +136,10 @@ def type_checker(owner: str, fn: Callable) -> Callable:
              for p in params]
     positional = [rule for rule, p in zip(rules, params) if p.kind != p.KEYWORD_ONLY]
     by_name = {rule[0]: rule for rule in rules if rule is not None}
+    # The eager fast path runs this on every op call: values whose exact type is plainly right skip the checks
+    # (floats do not, for their NaN check).
+    plain = [frozenset(t for t in (torch.Tensor, torch.nn.Parameter, int, bool, str, type(None))
+                       if _accepts_plainly(rule, t)) if rule is not None else None for rule in positional]
 
     def check_one(rule, value) -> None:
         name, types, optional, expected, elements = rule
@@ -141,8 +155,8 @@ def type_checker(owner: str, fn: Callable) -> Callable:
             raise ValueError(f"{owner}: {name} must be a number, got NaN")
 
     def check(args: tuple, kwargs: dict) -> None:
-        for rule, value in zip(positional, args):
-            if rule is not None:
+        for rule, accepted, value in zip(positional, plain, args):
+            if rule is not None and type(value) not in accepted:
                 check_one(rule, value)
         for name, value in kwargs.items():
             if name in by_name:
@@ -152,10 +166,12 @@ def type_checker(owner: str, fn: Callable) -> Callable:
 
 
 def checked_arguments(fn: Callable) -> Callable:
-    """Decorate a public function, or a module's ``__init__`` or ``forward``,
-    so that an argument of the wrong Python type raises a TypeError naming it
+    """Decorate a public function or a module's ``__init__`` so that an
+    argument of the wrong Python type raises a TypeError naming it
     (:func:`type_checker`) before the function reads it. Skipped while
-    torch.compile traces: the check is for the Python caller."""
+    torch.compile traces: the check is for the Python caller. (Module
+    forwards check inline: dynamo names a wrapped forward's graph inputs
+    after the wrapper's ``*args``.)"""
     owner = "compile_ops." + fn.__qualname__.replace(".__init__", "").replace(".forward", "")
     check = type_checker(owner, fn)
 
