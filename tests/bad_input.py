@@ -32,17 +32,16 @@ def bad_input_test(cases):
     return test
 
 
-#: Argument kinds and what a wrong value of each is. ``tensor``: a floating
-#: tensor; ``index``: an integer tensor; ``mask``: a bool tensor; a trailing
-#: ``?`` means None is allowed.
-KINDS = ("tensor", "tensor?", "index", "index?", "mask", "float", "float?", "bool", "int", "int?", "str", "ints",
-         "module")
+#: Argument kinds (:func:`mutations` says what a wrong value of each is).
+#: ``tensor``: a floating tensor; ``index``: an integer tensor; ``mask``: a
+#: bool tensor; ``ints``: a sequence of ints. A trailing ``?`` allows None.
+KINDS = ("tensor", "index", "mask", "float", "bool", "int", "str", "ints", "module")
 
 
 @dataclass(frozen=True)
 class Call:
-    """A valid call of a public function: ``build(device) -> (fn, kwargs)``,
-    and the kind (:data:`KINDS`) of each argument the suite mutates."""
+    """A valid call of a public function: ``build(device, hidden_size) -> (fn,
+    kwargs)``, and the kind (:data:`KINDS`) of each argument the suite mutates."""
 
     name: str
     build: Callable

@@ -21,8 +21,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import compile_ops
 from compile_ops.ops.fp8 import quantize_fp8_rows
 
-F = dict(dtype=torch.float32)
-
 
 def _t(*shape, device, dtype=torch.float32):
     return torch.randn(*shape, device=device, dtype=dtype)
