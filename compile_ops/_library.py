@@ -49,8 +49,10 @@ def refuse_interpreted_bf16_dots(op: str, **operands: Optional[torch.Tensor]) ->
     """Refuse bf16 operands of ``tl.dot`` under triton's interpreter: numpy has
     no bf16, and the interpreter (triton 3.6) multiplies such operands as
     their raw 16-bit patterns, which gives garbage instead of an error."""
+    if not INTERPRET:
+        return
     for name, t in operands.items():
-        if INTERPRET and t is not None and t.dtype == torch.bfloat16 and t.device.type == "cpu":
+        if t is not None and t.dtype == torch.bfloat16 and t.device.type == "cpu":
             raise TypeError(f"fused.{op}: {name} is bfloat16, whose matrix products triton's interpreter "
                             "(TRITON_INTERPRET=1) computes on the raw bits; use float16 or float32 there, or a GPU")
 
