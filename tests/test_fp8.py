@@ -583,21 +583,13 @@ def _unquantized_activation(x, activation):
     return compile_ops.geglu(ones_and_x, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
-@pytest.mark.kernels
-@given(st.integers(1, 5), st.integers(1, 600), st.integers(0, 300), st.sampled_from([16, 64]),
-       st.sampled_from(["none", "gelu_tanh", "silu"]), st.sampled_from([torch.float32, torch.float16]))
-def test_kernel_holds_a_row_in_any_number_of_blocks_or_loops_past_them(rows, k, k_head, chunk_n, activation, dtype):
-    """The launch config scaled down (blocks of 16 or 64 columns, rows held up to
-    8 blocks, looped past that in blocks of the same width), so that small
-    rows take every path Flux's rows take at full size: one or many blocks of
-    x, of the head, both, a last block partly masked, and the two-pass loop.
-    Bytes and scales equal the reference's of the concatenation, with the
-    activation the GLU kernels compute (``_unquantized_activation``)."""
+
+def _quantized_in_small_chunks(x, activation, head, chunk_n):
+    """``quantize_fp8_rows`` under a launch config scaled down to ``chunk_n``-wide
+    chunks (so small rows take the held and the looped paths), and the values
+    the reference quantizes: ``act(x)`` as the GLU kernels round it, after the head."""
     from compile_ops._library import clear_launch_plans
 
-    torch.manual_seed(k * 301 + k_head)
-    x = (torch.randn(rows, k) * 3).to(dtype).to(KERNEL_DEVICE)
-    head = (torch.randn(rows, k_head) * 2).to(dtype).to(KERNEL_DEVICE) if k_head else None
     saved = ops.CHUNK_N, ops.MAX_ROW_VALUES, ops.LOOP_BLOCK_N
     ops.CHUNK_N, ops.MAX_ROW_VALUES, ops.LOOP_BLOCK_N = chunk_n, 8 * chunk_n, chunk_n
     clear_launch_plans()
@@ -609,6 +601,23 @@ def test_kernel_holds_a_row_in_any_number_of_blocks_or_loops_past_them(rows, k, 
     values = x if activation == "none" else _unquantized_activation(x, activation)
     if head is not None:
         values = torch.cat([head, values], dim=-1)
+    return q, scale, values
+
+@pytest.mark.kernels
+@given(st.integers(1, 5), st.integers(1, 600), st.integers(0, 300), st.sampled_from([16, 64]),
+       st.sampled_from(["none", "gelu_tanh", "silu"]), st.sampled_from([torch.float32, torch.float16]))
+def test_kernel_holds_a_row_in_any_number_of_blocks_or_loops_past_them(rows, k, k_head, chunk_n, activation, dtype):
+    """The launch config scaled down (blocks of 16 or 64 columns, rows held up to
+    8 blocks, looped past that in blocks of the same width), so that small
+    rows take every path Flux's rows take at full size: one or many blocks of
+    x, of the head, both, a last block partly masked, and the two-pass loop.
+    Bytes and scales equal the reference's of the concatenation, with the
+    activation the GLU kernels compute (``_unquantized_activation``)."""
+
+    torch.manual_seed(k * 301 + k_head)
+    x = (torch.randn(rows, k) * 3).to(dtype).to(KERNEL_DEVICE)
+    head = (torch.randn(rows, k_head) * 2).to(dtype).to(KERNEL_DEVICE) if k_head else None
+    q, scale, values = _quantized_in_small_chunks(x, activation, head, chunk_n)
     want_q, want_scale = ref.quantize_fp8_rows(values.cpu())
     assert _same_bytes(q.cpu(), want_q) and torch.equal(scale.cpu(), want_scale)
 
@@ -623,7 +632,6 @@ def test_kernel_follows_the_non_finite_rule(k, activation, with_head):
     scales, and the rule itself: a row holding an infinity (after the
     activation) gets an infinite scale and dequantizes to NaN across the row,
     a NaN without one keeps its row's finite scale."""
-    from compile_ops._library import clear_launch_plans
 
     inf, nan = float("inf"), float("nan")
     torch.manual_seed(k)
@@ -632,17 +640,7 @@ def test_kernel_follows_the_non_finite_rule(k, activation, with_head):
     head = torch.randn(9, 24) * 2
     head[7, 20], head[8, 2] = inf, nan
     x, head = x.to(KERNEL_DEVICE), head.to(KERNEL_DEVICE) if with_head else None
-    saved = ops.CHUNK_N, ops.MAX_ROW_VALUES, ops.LOOP_BLOCK_N
-    ops.CHUNK_N, ops.MAX_ROW_VALUES, ops.LOOP_BLOCK_N = 16, 8 * 16, 16
-    clear_launch_plans()
-    try:
-        q, scale = compile_ops.quantize_fp8_rows(x, activation, head=head)
-    finally:
-        ops.CHUNK_N, ops.MAX_ROW_VALUES, ops.LOOP_BLOCK_N = saved
-        clear_launch_plans()
-    values = x if activation == "none" else _unquantized_activation(x, activation)
-    if head is not None:
-        values = torch.cat([head, values], dim=-1)
+    q, scale, values = _quantized_in_small_chunks(x, activation, head, 16)
     want_q, want_scale = ref.quantize_fp8_rows(values.cpu())
     assert _same_bytes_but_nan_sign(q.cpu(), want_q) and torch.equal(scale.cpu(), want_scale)
     infinite = values.isinf().any(-1)
