@@ -497,15 +497,15 @@ def run_sweep(out_path, ops, shapes, configs, configure, fields, default_ops, de
     ``default_configs``); ``fields`` names a config's values in the rows.
     Prints one line per measurement and writes the rows with :func:`write_sweep`."""
 
-    from compile_ops import registry
+    from cases import BY_NAME
 
     ops = ops.split(",") if ops else default_ops
     configs = [tuple(int(v) for v in c.split("/")) for c in configs.split(",")] if configs else default_configs
     timer = make_timer(quick=False)
     warm_up_gpu()
     results = []
-    plan = [(registry.BY_NAME[name], shape) for name in ops
-            for shape in (shapes or registry.BY_NAME[name].bench_shapes)]
+    plan = [(BY_NAME[name], shape) for name in ops
+            for shape in (shapes or BY_NAME[name].bench_shapes)]
     for spec, shape in plan:
         name = spec.name
         args = spec.make_inputs(shape, torch.bfloat16, "cuda", True)

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import run as bench_run  # noqa: E402
 from bench import toolkit  # noqa: E402
 from bench.runners import first_run, ops  # noqa: E402
-from compile_ops import registry  # noqa: E402
+from cases import BY_NAME  # noqa: E402
 
 # ---------------------------------------------------------------- toolkit
 
@@ -84,7 +84,7 @@ def test_the_op_table_makes_as_many_timings_as_its_progress_total(monkeypatch, n
         return None
 
     monkeypatch.setattr(ops, "_MEASURES", {k: (_fake_measure({failing}), "graph" in k) for k in toolkit.KINDS})
-    spec = registry.BY_NAME[name]
+    spec = BY_NAME[name]
     providers = {"fused_eager": len, "fused_compiled": len, "native_eager": len, "native_compiled": failing}
     plan = [(spec, (1, 16, 256)), (spec, (2, 16, 256))]
     total = ops.measurement_count(plan, {name: len(providers)})
@@ -123,7 +123,7 @@ def test_first_run_plan_counts_every_timing():
     assert [s for s, *_ in stages][:3] == ["setup", "e2e", "attention"]
     assert sum(count for *_, count in stages) == 1 + 2 + 2 + 2 * len(first_run.FAMILY_OPS)
     for family, op in first_run.FAMILY_OPS:  # each family's op is a registry op with a benchmark shape
-        spec = registry.BY_NAME[op]
+        spec = BY_NAME[op]
         assert spec.family == family and spec.bench_shapes and spec.make_inputs is not None
 
 

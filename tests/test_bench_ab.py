@@ -9,7 +9,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.tools import ab  # noqa: E402
-from compile_ops import registry  # noqa: E402
+from cases import BY_NAME  # noqa: E402
 
 
 def test_ab_refuses_without_a_gpu(monkeypatch):
@@ -21,21 +21,33 @@ def test_ab_refuses_without_a_gpu(monkeypatch):
 def test_ab_arguments_and_cases():
     args = ab.parse_args(["--ops", "rmsnorm,attention,quantize_fp8_rows", "--rounds", "3"])
     assert args.ref == "main" and args.kinds == ["fwd_graph", "fwdbwd_graph"] and args.shapes == []
-    cases = ab.plan_cases(registry.BY_NAME, args.ops, args.shapes, args.kinds)
-    first = tuple(registry.BY_NAME["rmsnorm"].bench_shapes[0])
+    cases = ab.plan_cases(BY_NAME, args.ops, args.shapes, args.kinds)
+    first = tuple(BY_NAME["rmsnorm"].bench_shapes[0])
     assert cases == [("rmsnorm", first, "fwd_graph"), ("rmsnorm", first, "fwdbwd_graph"),
                      ("attention", ab.DEFAULT_SHAPE, "fwd_graph"), ("attention", ab.DEFAULT_SHAPE, "fwdbwd_graph"),
-                     ("quantize_fp8_rows", tuple(registry.BY_NAME["quantize_fp8_rows"].bench_shapes[0]),
+                     ("quantize_fp8_rows", tuple(BY_NAME["quantize_fp8_rows"].bench_shapes[0]),
                       "fwd_graph")]
     shaped = ab.parse_args(["--ops", "rmsnorm", "--shapes", "1x64x128,2x8x256", "--kinds", "fwd"])
-    assert ab.plan_cases(registry.BY_NAME, shaped.ops, shaped.shapes, shaped.kinds) == [
+    assert ab.plan_cases(BY_NAME, shaped.ops, shaped.shapes, shaped.kinds) == [
         ("rmsnorm", (1, 64, 128), "fwd"), ("rmsnorm", (2, 8, 256), "fwd")]
     with pytest.raises(SystemExit, match="not a registry op"):
-        ab.plan_cases(registry.BY_NAME, ["norm_backward"], [], ["fwd"])
+        ab.plan_cases(BY_NAME, ["norm_backward"], [], ["fwd"])
     with pytest.raises(SystemExit):
         ab.parse_args(["--ops", "rmsnorm", "--kinds", "bwd"])
     assert {ab.round_order(0, 0), ab.round_order(1, 0)} == {("ref", "tree"), ("tree", "ref")}
     assert ab.round_order(0, 1) == ab.round_order(1, 0)
+
+
+
+def test_ab_workers_read_each_sides_op_table(tmp_path):
+    """A side with ``cases/`` reads its table there; a ref without it, from ``compile_ops/registry.py``."""
+    (tmp_path / "tree" / "cases").mkdir(parents=True)
+    (tmp_path / "tree" / "cases" / "__init__.py").write_text("")
+    (tmp_path / "ref" / "compile_ops").mkdir(parents=True)
+    (tmp_path / "ref" / "compile_ops" / "registry.py").write_text("")
+    assert ab.op_table_module(str(tmp_path / "tree")) == "cases"
+    assert ab.op_table_module(str(tmp_path / "ref")) == "compile_ops.registry"
+    assert ab.op_table_module(ab.ROOT) == "cases"
 
 
 def test_ab_results_hold_both_sides_the_ratio_and_the_spread():

@@ -1,4 +1,4 @@
-"""Cross-op tests driven by compile_ops.registry: every op gets them by having a row.
+"""Cross-op tests driven by the op table of cases/: every op gets them by having a row.
 
 Layer 1 (reference path, CPU): opcheck, fp64 gradcheck, torch.compile with
 fullgraph and a dynamic sequence dim. Layer 2: fake-CUDA tracing of the Triton
@@ -14,12 +14,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import compile_ops
-from compile_ops import registry
+from cases import OPS
+from compile_ops import reference
 from compile_ops._library import OP_BODIES
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
-DIFFERENTIABLE = [s for s in registry.OPS if s.differentiable]
-IDS = [s.name for s in registry.OPS]
+DIFFERENTIABLE = [s for s in OPS if s.differentiable]
+IDS = [s.name for s in OPS]
 
 
 def _tensors(args):
@@ -35,7 +36,7 @@ def _outputs(out):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("spec", registry.OPS, ids=IDS)
+@pytest.mark.parametrize("spec", OPS, ids=IDS)
 def test_opcheck(spec, dtype, device):
     # The autograd checks do not depend on the dtype: fp32 runs them, fp64
     # checks the schema and the fake's dtype rules (a third of phase 1's time
@@ -68,7 +69,7 @@ def test_gradcheck_fp64(spec, device):
         assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-5, rtol=1e-4, fast_mode=fast)
 
 
-@pytest.mark.parametrize("spec", registry.OPS, ids=IDS)
+@pytest.mark.parametrize("spec", OPS, ids=IDS)
 def test_reference_path_matches_reference(spec):
     """The CPU body returns the reference exactly: a wiring test of fused_op."""
     for args in spec.edge_inputs(torch.float32, "cpu", False):
@@ -147,7 +148,7 @@ def _launched_kernels(gm):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("spec", registry.OPS, ids=IDS)
+@pytest.mark.parametrize("spec", OPS, ids=IDS)
 def test_fake_cuda_trace_matches_fake(spec, dtype):
     """The Triton branch traces, launches kernels, and returns outputs whose
     shape, dtype and strides equal the registered fake's."""
@@ -165,7 +166,7 @@ def test_fake_cuda_trace_matches_fake(spec, dtype):
                 assert (t.shape, t.dtype, t.stride()) == (f.shape, f.dtype, f.stride())
 
 
-@pytest.mark.parametrize("spec", [s for s in registry.OPS if s.make_inputs], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [s for s in OPS if s.make_inputs], ids=lambda s: s.name)
 def test_fake_cuda_trace_past_2_31_elements(spec):
     """Shape logic at 2**32 elements: no Python-side overflow, grid within CUDA's limit."""
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -191,7 +192,7 @@ def test_kernels_run_triton_not_the_reference(spec, monkeypatch):
     def no_reference(*args, **kwargs):
         raise AssertionError("the reference ran where the Triton kernel should have")
 
-    for s in registry.OPS:
+    for s in OPS:
         monkeypatch.setattr(s.reference, "__code__", no_reference.__code__)
     args = spec.make_inputs((2, 5, 32), torch.float32, KERNEL_DEVICE, True)
     outs = [o for o in _outputs(spec.op(*args)) if o.requires_grad]
@@ -199,7 +200,7 @@ def test_kernels_run_triton_not_the_reference(spec, monkeypatch):
     assert all(a.grad is not None for a in _tensors(args) if a.requires_grad)
 
 
-INFERENCE_ONLY = [s for s in registry.OPS if not s.differentiable and s.make_inputs is not None]
+INFERENCE_ONLY = [s for s in OPS if not s.differentiable and s.make_inputs is not None]
 
 
 @pytest.mark.kernels
@@ -211,7 +212,7 @@ def test_kernels_run_triton_not_the_reference_for_inference_only_ops(spec, monke
     def no_reference(*args, **kwargs):
         raise AssertionError("the reference ran where the Triton kernel should have")
 
-    for s in registry.OPS:
+    for s in OPS:
         monkeypatch.setattr(s.reference, "__code__", no_reference.__code__)
     with torch.no_grad():
         outs = _outputs(spec.op(*spec.make_inputs((2, 5, 32), torch.float16, KERNEL_DEVICE, False)))
@@ -233,7 +234,7 @@ def test_inductor_inlines_the_triton_kernel():
     code = "\n".join(codes)
     assert "norm_fwd_kernel" in code
     assert "torch.ops.fused" not in code, "the op ran as an opaque extern call"
-    torch.testing.assert_close(out, 2 * registry.reference.norm.rmsnorm(x, w, 1e-6), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, 2 * reference.norm.rmsnorm(x, w, 1e-6), rtol=2e-2, atol=2e-2)
 
 
 # ---------------------------------------------------------------- autocast
@@ -332,7 +333,7 @@ EAGER_VALUE_CHECKS = {"block_sparse_attention"}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", [s for s in registry.OPS if s.make_inputs and s.name not in EAGER_VALUE_CHECKS],
+@pytest.mark.parametrize("spec", [s for s in OPS if s.make_inputs and s.name not in EAGER_VALUE_CHECKS],
                          ids=lambda s: s.name)
 def test_launchers_never_synchronize_with_the_device(spec):
     """No launcher reads a CUDA tensor back on the host (``.item()``,
@@ -402,7 +403,7 @@ def test_module_weights_take_the_eager_fast_path():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", [s for s in registry.OPS if s.make_inputs], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [s for s in OPS if s.make_inputs], ids=lambda s: s.name)
 def test_eager_launch_plans_replay_the_op_exactly(spec):
     """The second eager call of a signature replays the first one's launches
     on new tensors: its outputs equal the op's through the dispatcher (which
@@ -459,7 +460,7 @@ def test_launch_plans_refuse_what_a_replay_would_get_wrong():
     assert torch.equal(run(plans, reads_a_value, (x,), {}), reads_a_value(x))
     assert list(plans.values()) == [UNPLANNED]
     plans = {}
-    spec = next(s for s in registry.OPS if s.name == "rmsnorm")
+    spec = next(s for s in OPS if s.name == "rmsnorm")
     args = spec.make_inputs((2, 40, 256), torch.bfloat16, "cuda", False)
     doubled_first = lambda x, *rest: FUSED_OPS["rmsnorm"].body(2 * x, *rest)  # noqa: E731
     for _ in range(2):

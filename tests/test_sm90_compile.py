@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from compile_ops import registry
+from cases import OPS
 from compile_ops._library import OP_BODIES
 
 _POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64",
@@ -76,7 +76,7 @@ def _launches(spec, dtype, body=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("spec", registry.OPS, ids=[s.name for s in registry.OPS])
+@pytest.mark.parametrize("spec", OPS, ids=[s.name for s in OPS])
 def test_every_launched_kernel_variant_compiles_for_sm90(spec, dtype, monkeypatch):
     from compile_ops.ops import attention_launch
 
@@ -112,7 +112,7 @@ def test_attention_forward_hopper_options_compile_for_sm90(options, monkeypatch)
         return attention_tiles.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, **options)
 
     monkeypatch.setattr(attention_launch, "forward_tiles", tiles)
-    spec = next(s for s in registry.OPS if s.name == "attention")
+    spec = next(s for s in OPS if s.name == "attention")
     launches = _launches(spec, torch.bfloat16)
     forward = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants) in launches.items()
                if name == "attn_fwd_kernel"]
@@ -139,7 +139,7 @@ def test_attention_backward_tma_compiles_for_sm90(monkeypatch):
         defaults[0](d, dtype, sparse), tma=tma))
     monkeypatch.setattr(attention_launch, "dq_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
         defaults[1](d, dtype, sparse), tma=tma))
-    spec = next(s for s in registry.OPS if s.name == "attention_backward")
+    spec = next(s for s in OPS if s.name == "attention_backward")
     # Inputs whose rows are not 16-byte aligned (D = 12 in bf16) keep the pointer loads.
     launches = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants)
                 in _launches(spec, torch.bfloat16).items()
@@ -166,7 +166,7 @@ def test_block_sparse_forward_streams_keys_three_deep_on_sm90(monkeypatch):
 
     monkeypatch.setattr(attention_launch, "has_tma", lambda t: t.device.type == "cuda")
     monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: False)
-    spec = next(s for s in registry.OPS if s.name == "block_sparse_attention")
+    spec = next(s for s in OPS if s.name == "block_sparse_attention")
     launches = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants)
                 in _launches(spec, torch.bfloat16).items()
                 if name == "attn_fwd_kernel" and constants.get("LIST_BY_ASM") and constants["BLOCK_D"] == 128]
@@ -195,7 +195,7 @@ def test_fp8_pv_accumulated_in_the_mma_compiles_for_sm90(monkeypatch):
         return attention_tiles.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, tma=t.tma, dot_acc=True)
 
     monkeypatch.setattr(attention_launch, "forward_tiles", tiles)
-    spec = next(s for s in registry.OPS if s.name == "attention_int8_fp8")
+    spec = next(s for s in OPS if s.name == "attention_int8_fp8")
     forward = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants)
                in _launches(spec, torch.bfloat16).items() if name == "attn_fwd_kernel"]
     assert forward and all(c["DOT_ACC"] and c["PV_FP8"] and c["QUANTIZE_Q"] for _, _, c in forward)
@@ -210,7 +210,7 @@ def test_fp8_pv_accumulated_in_the_mma_compiles_for_sm90(monkeypatch):
 _QUANTIZE_KERNELS = ("kv8_counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel")
 
 
-@pytest.mark.parametrize("spec", [s for s in registry.OPS if s.name in ("attention_int8", "attention_int8_fp8")],
+@pytest.mark.parametrize("spec", [s for s in OPS if s.name in ("attention_int8", "attention_int8_fp8")],
                          ids=lambda s: s.name)
 def test_8bit_quantization_kernels_compile_for_sm90(spec):
     """The Triton quantization passes of 8-bit attention (the op bodies above
@@ -232,7 +232,7 @@ def test_fp8_values_alone_kernels_compile_for_sm90():
     fused.qk_rope_int8), as attention_qk8 runs it eagerly."""
     from compile_ops.ops import attention_8bit
 
-    spec = next(s for s in registry.OPS if s.name == "attention_qk8")
+    spec = next(s for s in OPS if s.name == "attention_qk8")
 
     def quantize(q, q_scale, k, k_scale, v, scale, causal, seq_dim, *rest):
         return attention_8bit.quantize_8bit(None, v, seq_dim)
@@ -255,7 +255,7 @@ def test_fp8_values_are_stored_in_16_byte_vectors_at_any_length():
 
     from compile_ops.ops import attention_8bit
 
-    spec = next(s for s in registry.OPS if s.name == "attention_int8_fp8")
+    spec = next(s for s in OPS if s.name == "attention_int8_fp8")
 
     def quantize(q, k, v, scale, causal, seq_dim, kv_lengths):
         return attention_8bit.quantize_8bit(k, v, seq_dim)
@@ -310,9 +310,9 @@ def test_8bit_rounding_keeps_the_product_out_of_an_fma():
     (attention's passes and the quantizing rotation) the bias (``0f4B400000``)
     is added by a plain add, never an fma."""
 
-    spec = next(s for s in registry.OPS if s.name == "attention_int8_fp8")
+    spec = next(s for s in OPS if s.name == "attention_int8_fp8")
     launches = list(_launches(spec, torch.bfloat16).values())  # its passes, and attention rounding q (QUANTIZE_Q)
-    rope = next(s for s in registry.OPS if s.name == "qk_rope_int8")
+    rope = next(s for s in OPS if s.name == "qk_rope_int8")
     launches += list(_launches(rope, torch.bfloat16).values())
     checked = 0
     for kernel, signature, constants in launches:
@@ -446,7 +446,7 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
     monkeypatch.setattr(attention_launch, "has_tma", lambda t: t.device.type == "cuda")
     monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: t.device.type == "cuda")
     monkeypatch.setattr(attention_sm90, "ATOMIC_DQ", True)
-    spec = next(s for s in registry.OPS if s.name == "attention_backward")
+    spec = next(s for s in OPS if s.name == "attention_backward")
 
     def backward(grad, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths):  # D = 128, Lk 256: the kernel's calls
         b, h, lq = grad.shape[:3] if seq_dim == 2 else (grad.shape[0], grad.shape[2], grad.shape[1])

@@ -1,7 +1,7 @@
 """Peers of the gated-activation family.
 
 ``PEERS[op_name][provider] = callable`` taking the op's arguments as built by
-``registry.OpSpec.make_inputs`` (``x [..., 2H]``, then the op's options).
+``cases.OpSpec.make_inputs`` (``x [..., 2H]``, then the op's options).
 
 - ``diffusers_eager`` / ``diffusers_compiled``: the activation step of
   diffusers' ``GEGLU`` / ``SwiGLU`` (``hidden, gate = x.chunk(2, -1);

@@ -1,7 +1,7 @@
 """Peers of the modulation family: the formulas diffusers' DiT blocks run.
 
 ``PEERS[op_name][provider] = callable`` taking the op's arguments (as built by
-``registry.OpSpec.make_inputs``: per-sample ``[B, C]`` modulation). The
+``cases.OpSpec.make_inputs``: per-sample ``[B, C]`` modulation). The
 ``native_*`` providers of the runner are our fp32 reference; these are what a
 diffusers model computes, at the input dtype (``AdaLayerNormZero``: a
 ``LayerNorm`` without affine, then ``* (1 + scale[:, None]) + shift[:, None]``;

@@ -1,7 +1,7 @@
 """Peers of the MoE routing family: the routing a model writes in PyTorch.
 
 ``PEERS[op_name][provider] = callable`` taking the op's arguments as built by
-``registry.OpSpec.make_inputs`` (``x [1, T, H]``, the router weight ``[E, H]``,
+``cases.OpSpec.make_inputs`` (``x [1, T, H]``, the router weight ``[E, H]``,
 ``top_k``, ``renormalize``).
 
 - ``composite_eager`` / ``composite_compiled``: :func:`composite` and it under

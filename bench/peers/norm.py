@@ -1,7 +1,7 @@
 """Peers of the norm family: what a model would call instead of ``torch.ops.fused.*``.
 
 ``PEERS[op_name][provider] = callable`` where the callable takes exactly the
-op's arguments (as built by ``registry.OpSpec.make_inputs``), so the runner can
+op's arguments (as built by ``cases.OpSpec.make_inputs``), so the runner can
 time peers and our ops on the same tensors. Liger-Kernel rows appear only where
 it is installed (the reference Triton implementation of these norms); its
 autograd Functions are called directly because its modules own their

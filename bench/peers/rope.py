@@ -1,7 +1,7 @@
 """Peers of the RoPE family.
 
 ``PEERS[op_name][provider] = callable`` taking the op's arguments as built by
-``registry.OpSpec.make_inputs``.
+``cases.OpSpec.make_inputs``.
 
 - ``diffusers_eager`` / ``diffusers_compiled``: the formula of diffusers'
   ``apply_rotary_emb(use_real=True)`` (``x * cos + rotate(x) * sin`` in fp32 on

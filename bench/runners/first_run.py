@@ -106,9 +106,9 @@ def _setup(data: dict, timer, progress: Progress) -> None:
 
 def _family(data: dict, family: str, op: str, timer, progress: Progress) -> None:
     from bench.runners import ops
-    from compile_ops import registry
+    from cases import BY_NAME
 
-    spec = registry.BY_NAME[op]
+    spec = BY_NAME[op]
     shape, kind = tuple(spec.bench_shapes[0]), family_kind(spec)
     data["families"].append({"family": family, "op": op, "shape": list(shape), "kind": kind})
     providers = {name: fn for name, fn in ops.make_providers(spec, {}).items() if name in PROVIDERS}

@@ -126,11 +126,11 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default="rmsnorm,attention,norm_modulate",
                    help="ops whose eager call is also profiled (cProfile, printed and kept in the JSON)")
     args = p.parse_args(argv)
-    from compile_ops import registry
+    from cases import OPS
 
     wanted = {n for n in args.ops.split(",") if n}
     profiled = {n for n in args.profile.split(",") if n}
-    specs = [s for s in registry.OPS if s.make_inputs is not None and (not wanted or s.name in wanted)]
+    specs = [s for s in OPS if s.make_inputs is not None and (not wanted or s.name in wanted)]
     env = environment()
     timer = make_timer(quick=True)
     log(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | shape {OVERHEAD_SHAPE} bf16, "

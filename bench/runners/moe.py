@@ -116,10 +116,10 @@ def summary(rows) -> list:
 
 def cpu_check() -> int:
     """Without a GPU: the providers' code on CPU at a small shape (the reference path)."""
-    from compile_ops import registry
+    from cases import BY_NAME
 
     for name in SPECS:
-        args = registry.BY_NAME[name].make_inputs((1, 64, 32), torch.float32, "cpu", True)
+        args = BY_NAME[name].make_inputs((1, 64, 32), torch.float32, "cpu", True)
         result = check(args)
         log(f"{name} (CPU, 64 x 32): {result}")
         if result["experts_agree"] < 1.0 or not result.get("token_lists_equal", False):
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         log("bench/runners/moe.py: no CUDA device; checking the providers on CPU instead.")
         return cpu_check()
-    from compile_ops import registry
+    from cases import BY_NAME
 
     env = environment()
     log(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | CUDA {env['cuda']}")
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     warm_up_gpu()
     rows = []
     for name in SPECS:
-        spec = registry.BY_NAME[name]
+        spec = BY_NAME[name]
         for shape in spec.bench_shapes:
             torch._dynamo.reset()
             rows += bench_case(spec, tuple(shape), timer)

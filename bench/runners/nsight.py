@@ -196,11 +196,11 @@ def sass_lines(pass_name: str, hotspots: list) -> list:
 
 
 def _shape_of(op: str, shape_arg: str):
-    from compile_ops import registry
+    from cases import BY_NAME
 
     if shape_arg:
         return tuple(int(v) for v in shape_arg.replace("x", ",").split(","))
-    spec = registry.BY_NAME[op]
+    spec = BY_NAME[op]
     if spec.bench_shapes:
         return tuple(spec.bench_shapes[0])
     if op in DEFAULT_SHAPES:
@@ -215,9 +215,9 @@ def run_target(op: str, shape, pass_name: str) -> None:
     import torch
 
     from bench.toolkit import _training_step
-    from compile_ops import registry
+    from cases import BY_NAME
 
-    spec = registry.BY_NAME[op]
+    spec = BY_NAME[op]
     args = spec.make_inputs(shape, torch.bfloat16, "cuda", pass_name == "fwdbwd")
     if pass_name == "fwdbwd":
         call = _training_step(spec.op, args)
@@ -245,11 +245,11 @@ def profile(op: str, out: str, shape_arg: str = "", passes: str = "", sass: int 
     import triton
 
     from bench.toolkit import environment, gpu_slug, log
-    from compile_ops import registry
+    from cases import BY_NAME
 
-    if op not in registry.BY_NAME:
-        raise SystemExit(f"bench/runners/nsight.py: unknown op {op!r}; choose from {sorted(registry.BY_NAME)}")
-    spec = registry.BY_NAME[op]
+    if op not in BY_NAME:
+        raise SystemExit(f"bench/runners/nsight.py: unknown op {op!r}; choose from {sorted(BY_NAME)}")
+    spec = BY_NAME[op]
     if spec.make_inputs is None:
         raise SystemExit(f"nsight.py: {op} has no input maker in the registry (a backward op: profile its "
                          "forward's fwdbwd pass instead)")

@@ -155,9 +155,9 @@ def bench_shape(spec, shape, providers: dict, timer, copy_TBps: float, progress:
 
 def select_specs(ops_arg):
     """Registry specs with benchmark shapes, filtered by ``--ops``."""
-    from compile_ops import registry
+    from cases import OPS
 
-    specs = [s for s in registry.OPS if s.bench_shapes and s.make_inputs is not None]
+    specs = [s for s in OPS if s.bench_shapes and s.make_inputs is not None]
     if not ops_arg:
         return specs
     wanted = [n.strip() for n in ops_arg.split(",") if n.strip()]

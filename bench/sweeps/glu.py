@@ -14,7 +14,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.toolkit import module_config, run_sweep  # noqa: E402
-from compile_ops import registry  # noqa: E402
+from cases import GLU_SHAPES  # noqa: E402
 from compile_ops.ops import glu as glu_ops  # noqa: E402
 
 CONFIGS = [(4096, 4096, 8), (4096, 4096, 4), (4096, 2048, 8), (2048, 2048, 4), (2048, 1024, 4),
@@ -23,7 +23,7 @@ OPS = ("geglu", "geglu_tanh", "swiglu")
 
 
 def main(out_path=None, ops=None, configs=None):
-    run_sweep(out_path, ops, registry.GLU_SHAPES, configs,
+    run_sweep(out_path, ops, GLU_SHAPES, configs,
               module_config(glu_ops, "TILE", "MAX_BLOCK_N", "NUM_WARPS"), ("tile", "max_block_n", "num_warps"),
               OPS, CONFIGS)
 

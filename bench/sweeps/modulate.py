@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench.toolkit import bytes_model, graph_replay_time, make_timer, time_forward_backward, warm_up_gpu, write_sweep  # noqa: E402
-from compile_ops import registry  # noqa: E402
+from cases import BY_NAME, DIT_NORM_SHAPES  # noqa: E402
 from compile_ops._library import clear_launch_plans  # noqa: E402
 from compile_ops.ops import modulate as modulate_ops  # noqa: E402
 from compile_ops.ops.norm import LaunchConfig  # noqa: E402
@@ -42,9 +42,9 @@ def main(out_path=None, ops=None):
     timer = make_timer(quick=False)
     warm_up_gpu()
     results = []
-    for name, shape in itertools.product(ops.split(",") if ops else OPS, registry.DIT_NORM_SHAPES):
-        spec = registry.BY_NAME[name]
-        if not spec.differentiable and shape != registry.DIT_NORM_SHAPES[0]:
+    for name, shape in itertools.product(ops.split(",") if ops else OPS, DIT_NORM_SHAPES):
+        spec = BY_NAME[name]
+        if not spec.differentiable and shape != DIT_NORM_SHAPES[0]:
             continue
         args = spec.make_inputs(shape, torch.bfloat16, "cuda", True)
         with torch.no_grad():

@@ -19,8 +19,8 @@ import triton
 from triton.testing import do_bench
 
 import compile_ops
+from cases import DIT_NORM_SHAPES
 from compile_ops.ops import norm as norm_ops
-from compile_ops.registry import DIT_NORM_SHAPES
 
 FORWARD = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (4, 16)]            # (block_m, warps)
 BACKWARD = [(1, 4, 2), (1, 8, 1), (1, 8, 2), (2, 4, 2), (2, 8, 1), (2, 8, 2),

@@ -16,7 +16,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.toolkit import module_config, run_sweep  # noqa: E402
-from compile_ops import registry  # noqa: E402
+from cases import ROPE_SHAPES  # noqa: E402
 from compile_ops.ops import rope as rope_ops  # noqa: E402
 
 CONFIGS = [(2048, 4, 4), (4096, 4, 4), (4096, 8, 8), (8192, 4, 8)]  # tile, programs per SM, warps
@@ -24,7 +24,7 @@ OPS = ("rope_qk", "rope", "rope_grid", "qk_norm_rope")
 
 
 def main(out_path=None, ops=None, configs=None):
-    run_sweep(out_path, ops, registry.ROPE_SHAPES, configs,
+    run_sweep(out_path, ops, ROPE_SHAPES, configs,
               module_config(rope_ops, "TILE", "PROGRAMS_PER_SM", "NUM_WARPS"), ("tile", "programs_per_sm", "num_warps"),
               OPS, CONFIGS)
 

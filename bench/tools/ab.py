@@ -5,9 +5,10 @@
 
 The ref is checked out into a temporary worktree (``git worktree add
 --detach``). Each side runs in a worker process of its own that imports that
-side's ``compile_ops`` (its kernels, and its registry's inputs for each op)
-and times with the working tree's ``bench/toolkit.py``, so both sides share
-one method: ``toolkit.timed_call`` (the forward under ``no_grad`` or the
+side's ``compile_ops`` (its kernels) and op table (its inputs for each op:
+``cases/``, or ``compile_ops/registry.py`` in a ref without ``cases/``) and
+times with the working tree's ``bench/toolkit.py``, so both sides share one
+method: ``toolkit.timed_call`` (the forward under ``no_grad`` or the
 training step, as plain calls or CUDA-graph replays), ``toolkit.keep_busy``
 right before, and ``toolkit.make_timer``'s ``do_bench`` median. The driver
 interleaves the sides: each round times every case on both, the side that
@@ -155,6 +156,12 @@ def _toolkit():
     return module
 
 
+def op_table_module(root: str) -> str:
+    """The module that holds ``root``'s op table (``BY_NAME``): the ``cases``
+    package, or ``compile_ops.registry`` in a tree without ``cases/``."""
+    return "cases" if os.path.isfile(os.path.join(root, "cases", "__init__.py")) else "compile_ops.registry"
+
+
 def worker(root: str, quick: bool, compiled: bool, busy_s: float) -> int:
     """Serve timing requests on stdin (JSON lines ``{"op", "shape", "kind"}``) with
     ``root``'s compile_ops; answers ``{"ms"}`` or ``{"error"}`` on the original stdout."""
@@ -164,10 +171,11 @@ def worker(root: str, quick: bool, compiled: bool, busy_s: float) -> int:
     import torch
 
     import compile_ops
-    from compile_ops import registry
 
-    if not os.path.abspath(compile_ops.__file__).startswith(os.path.join(root, "")):
-        raise SystemExit(f"ab.py worker: compile_ops came from {compile_ops.__file__}, not {root}")
+    table = importlib.import_module(op_table_module(root))
+    for module in (compile_ops, table):
+        if not os.path.abspath(module.__file__).startswith(os.path.join(root, "")):
+            raise SystemExit(f"ab.py worker: {module.__name__} came from {module.__file__}, not {root}")
     toolkit = _toolkit()
     timer = toolkit.make_timer(quick)
     toolkit.warm_up_gpu()
@@ -182,7 +190,7 @@ def worker(root: str, quick: bool, compiled: bool, busy_s: float) -> int:
                 current, args, fn = None, None, None
                 torch._dynamo.reset()
                 torch.cuda.empty_cache()
-                spec = registry.BY_NAME[request["op"]]
+                spec = table.BY_NAME[request["op"]]
                 torch.manual_seed(0)
                 args = spec.make_inputs(case[1], torch.bfloat16, "cuda", True)
                 fn = spec.op
@@ -240,9 +248,9 @@ class Side:
 def compare(args) -> dict:
     """Check the ref out, start both workers, time :func:`plan_cases` in
     interleaved rounds; returns :func:`assemble`'s JSON."""
-    from compile_ops import registry
+    from cases import BY_NAME
 
-    cases = plan_cases(registry.BY_NAME, args.ops, args.shapes, args.kinds, args.all_shapes)
+    cases = plan_cases(BY_NAME, args.ops, args.shapes, args.kinds, args.all_shapes)
     ref_commit = _git("rev-parse", "--verify", f"{args.ref}^{{commit}}")
     commits = {"ref": {"name": args.ref, "commit": ref_commit},
                "tree": {"commit": _git("rev-parse", "HEAD"),
