@@ -1,9 +1,9 @@
 """The house: imports run one way.
 
-Walks every ``import`` statement of ``compile_ops`` and ``bench`` (module level
-and inside functions alike: a lazy import is still a dependency) and fails on
-a circle, naming it. A package's ``__init__`` counts as the module of the
-package's name; importing a submodule does not count as importing its parent
+Walks every ``import`` statement of ``compile_ops``, ``cases`` and ``bench``
+(module level and inside functions alike: a lazy import is still a dependency)
+and fails on a circle, naming it. A package's ``__init__`` counts as the module
+of the package's name; importing a submodule does not count as importing its parent
 package (Python does that for every module, which would make everything one
 circle), but ``from pkg import name`` counts as importing ``pkg.name`` when
 that is a module, else ``pkg`` itself.
@@ -40,10 +40,10 @@ def _absolute(module: str, is_package: bool, level: int, name) -> str:
     return ".".join(base + ([name] if name else []))
 
 
-def import_graph(package: str) -> dict:
-    """``{module: set of modules of the same package it imports}``."""
+def all_imports(package: str) -> dict:
+    """``{module: set of every module it imports}``, other packages' included."""
     files = module_files(package)
-    graph = {}
+    imports = {}
     for module, path in files.items():
         is_package = path.name == "__init__.py"
         targets = set()
@@ -55,8 +55,15 @@ def import_graph(package: str) -> dict:
                 for alias in node.names:
                     submodule = f"{base}.{alias.name}"
                     targets.add(submodule if submodule in files else base)
-        graph[module] = {t for t in targets if t in files and t != module}
-    return graph
+        imports[module] = targets
+    return imports
+
+
+def import_graph(package: str) -> dict:
+    """``{module: set of modules of the same package it imports}``."""
+    files = module_files(package)
+    return {module: {t for t in targets if t in files and t != module}
+            for module, targets in all_imports(package).items()}
 
 
 def find_cycle(graph: dict):
@@ -85,7 +92,7 @@ def find_cycle(graph: dict):
     return None
 
 
-@pytest.mark.parametrize("package", ["compile_ops", "bench"])
+@pytest.mark.parametrize("package", ["compile_ops", "cases", "bench"])
 def test_no_import_circles(package):
     graph = import_graph(package)
     assert len(graph) > 5, graph  # the walk found the package's modules
@@ -139,7 +146,6 @@ LAYER_IMPORTS = {
     "ops": {"kernels", "meta", "reference", "_library", "_dtensor", "_replay"},
     "modules": {"ops", "meta", "_library"},
     "distributed": {"ops", "meta", "_library", "_dtensor"},
-    "registry": {"ops", "meta", "reference", "_library"},
     "integrations": {"modules", "ops", "meta", "reference", "_library", "_dtensor"},
 }
 
@@ -177,3 +183,24 @@ def test_the_layer_check_finds_an_arrow_upward():
     graph["compile_ops.ops.norm"].add("compile_ops.modules.norm")
     assert layer_violations(graph) == [("compile_ops.kernels.norm", "compile_ops.ops.norm"),
                                        ("compile_ops.ops.norm", "compile_ops.modules.norm")]
+
+
+#: The repository's packages above ``compile_ops``: the op table (``cases``) and the
+#: benchmark. They import ``compile_ops``; it imports neither, as neither is
+#: installed with it.
+ABOVE_COMPILE_OPS = ("cases", "bench")
+
+
+def imports_from_above(imports: dict) -> list:
+    """``(importer, imported)`` arrows from ``compile_ops`` to a package above it."""
+    return sorted((module, target) for module, targets in imports.items() for target in targets
+                  if target.split(".")[0] in ABOVE_COMPILE_OPS)
+
+
+def test_compile_ops_imports_no_package_above_it():
+    imports = all_imports("compile_ops")
+    assert imports_from_above(imports) == []
+    # The check is not vacuous: a planted arrow is found, and cases' own arrow into compile_ops is seen.
+    planted = dict(imports, **{"compile_ops.ops.norm": imports["compile_ops.ops.norm"] | {"cases.norm"}})
+    assert imports_from_above(planted) == [("compile_ops.ops.norm", "cases.norm")]
+    assert "compile_ops" in all_imports("cases")["cases"]

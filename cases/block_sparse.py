@@ -1,0 +1,58 @@
+"""Inputs of the block_sparse family's ops: block_sparse_attention and its backward.
+
+An op's arguments are attention's with the block lists after v: ``(q, k, v,
+block_index, block_count, scale, causal, seq_dim, kv_lengths)``.
+"""
+import torch
+
+from cases._tensors import split_heads, tensor
+from cases.attention import qkv
+from compile_ops import reference
+
+
+def _banded_lists(n_q_blocks, n_k_blocks, device, batch=1, heads=1, width=None):
+    """Block lists where query block i attends to key blocks 0 (a sink), i - 1
+    and i + 1 (clipped), ascending, padded to ``width`` with entries past
+    the count set to 0."""
+    i = torch.arange(n_q_blocks, device=device)[:, None]
+    j = torch.arange(n_k_blocks, device=device)[None, :]
+    mask = (j == 0) | ((i - j).abs() == 1)
+    index, count = reference.block_sparse.block_index_from_mask(mask.expand(batch, heads, -1, -1))
+    width = n_k_blocks if width is None else width
+    return index[..., :width].contiguous(), count.clamp(max=width).contiguous()
+
+
+def block_sparse_edges(dtype, device, requires_grad):
+    """Lengths past one block, GQA with per-head lists and padded keys, a query
+    block that lists nothing, no queries."""
+    g = requires_grad
+    kv_lengths = torch.tensor([200, 1], dtype=torch.int32, device=device)
+    empty_rows = torch.zeros(1, 1, 2, 2, dtype=torch.int32, device=device), \
+        torch.tensor([[[1, 0]]], dtype=torch.int32, device=device)  # the second query block lists nothing
+    return [
+        (*qkv(1, 1, 1, 130, 140, 4, 2, dtype, device, g), *_banded_lists(2, 2, device), 0.5, False, 2, None),
+        (*qkv(2, 2, 1, 150, 260, 8, 1, dtype, device, g), *_banded_lists(2, 3, device, 2, 2, width=2), 0.35,
+         True, 1, kv_lengths),                                                       # GQA, per-head lists
+        (*qkv(1, 1, 1, 140, 70, 8, 2, dtype, device, g), *empty_rows, 0.35, False, 2, None),
+        (*qkv(1, 2, 2, 0, 4, 8, 2, dtype, device, g), *_banded_lists(0, 1, device), 0.35, False, 2, None),
+    ]
+
+
+def make_block_sparse(shape, dtype, device, requires_grad):
+    """q, k, v ``[B, H, L, D]`` with banded block lists shared by every head."""
+    b, length, h, d = split_heads(shape)
+    n = (length + 127) // 128
+    return (*qkv(b, h, h, length, length, d, 2, dtype, device, requires_grad), *_banded_lists(n, n, device),
+            d ** -0.5, False, 2, None)
+
+
+def block_sparse_backward_edges(dtype, device, requires_grad):
+    """:func:`block_sparse_edges` with a gradient and the forward's output and
+    log-sum-exp."""
+    cases = []
+    for q, k, v, index, count, scale, causal, seq_dim, kv_lengths in block_sparse_edges(dtype, device, False):
+        out, lse = reference.block_sparse.block_sparse_attention(q, k, v, index, count, scale, causal, seq_dim,
+                                                                 kv_lengths)
+        cases.append((tensor(q.shape, dtype, device), q, k, v, out, lse, index, count, scale, causal, seq_dim,
+                      kv_lengths))
+    return cases
