@@ -8,166 +8,24 @@ key lengths or over block lists, faster than the deterministic passes
 (docs/notes/attention.md). Without dQ it is the deterministic backward's
 dk/dv pass (four products), for dense non-causal calls persistent: one
 program per SM over the key tiles. It shares the forward core's warp-group
-rows and TMA boxes (``kernels/attention_sm90.py``).
+rows and TMA boxes (``kernels/attention_sm90_common.py``). Its parts: the
+work items and their query steps (``kernels/attention_sm90_backward_schedule.py``),
+a consumer group's pass over an item (dS, dK and dV:
+``kernels/attention_sm90_dkdv.py``) and its share of dQ
+(``kernels/attention_sm90_dq.py``).
 
 Gluon does not run under the interpreter: the CPU tests compile every
 variant for sm_90 (tests/test_sm90_compile.py), the GPU tests compare them
 with the deterministic passes.
 """
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from compile_ops.kernels.attention_common import dealt_rank, kv_len_of
-from compile_ops.kernels.attention_sm90 import LOG2E, WGMMA_ROWS, tma_box
-
-#: dQ's fp32 channels per TMA reduction: 128-byte rows, the reductions' 128-byte swizzle.
-_DQ_PIECE = gl.constexpr(32)
-
-
-@builtin
-def _tma_add(tensor_desc, coord, src, _semantic=None):
-    """Add the shared-memory tile ``src`` into the global tile of ``tensor_desc``
-    at ``coord`` (a TMA bulk reduction, ``cp.reduce.async.bulk.tensor ...
-    add``, asynchronous, committed as a bulk group like a TMA store): Gluon
-    3.6 builds the operation but exports no function for it."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def _bwd_program(w, KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CAUSAL: gl.constexpr,
-                 HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr,
-                 STEP: gl.constexpr):
-    """Work index w's ``(batch, k head, key tile, kv_len, first query step,
-    query steps per q head, query steps, its lists, first step, steps)``,
-    the same in every partition. Its item's 128 keys are seen by
-    the queries of steps (of STEP rows, 64 or 128) from the first: every one, or
-    (causal) those from the tile's first key on; or (SPARSE) the steps
-    of each query block whose list holds the tile, for each q head of the
-    GQA group (``lists``: the transposed lists, ``(index, count, 3 index
-    strides, 3 count strides)``; its lists: the group's first q head's list
-    and count, as pointers, with the head strides to the next head's); none
-    when the tile starts at or past kv_len (its dk and dv are 0).
-
-    Items are (key tile, batch and k head), key tiles fastest. ``split``:
-    ``(key tiles, B)``, or with SPLIT (the launch splits its last items,
-    which are of equal work: dense, not causal, no key lengths) ``(key
-    tiles, whole, parts, PARTIALS, B)``: work indices from ``whole`` on take
-    the items from ``whole`` on in ``parts`` parts each, part k the
-    item's steps ``k * steps // parts`` up to the next part's, and write
-    their dk and dv to the part slot ``(item - whole) * parts + k`` for
-    ``attn_bwd_parts_kernel`` to add up: the launch's
-    last round split so that it ends with the others
-    (``ops.attention_sm90.backward_tail_split``). HEAVY_FIRST (causal, dense):
-    items taken longest first, the first key tiles of a group of heads
-    before their second (``kernels.attention_common.dealt_rank``, as the
-    deterministic dk/dv pass)."""
-    tile, bhk = _bwd_item(w, split, Hk, heads_per_group, HEAVY_FIRST, SPLIT)
-    b = bhk // Hk
-    hk = bhk % Hk
-    kv_len = kv_len_of(KV_LEN, b, Lk, HAS_KV_LEN)
-    PER_TILE: gl.constexpr = 2 * WGMMA_ROWS // STEP  # query steps a 128-row block holds
-    n_steps = gl.cdiv(Lq, STEP)
-    seen = tile * 2 * WGMMA_ROWS < kv_len  # some key of the tile is within kv_len
-    first_step = 0
-    if CAUSAL and not SPARSE:
-        first_step = gl.minimum(tile * PER_TILE, n_steps)  # query i sees keys j <= i: rows from the tile's first key
-    first_step = gl.where(seen, first_step, n_steps)
-    n_steps -= first_step
-    total = GROUP * n_steps
-    row_lists = (0, 0, 0, 0)  # dense: none
-    if SPARSE:  # (causal: the listed blocks above the diagonal are masked, not skipped)
-        # Only the group's first q head's list and count pointers, and the steps to the next head's, stay
-        # live through the loop (with all eight list arguments live, ptxas spills set-up values inside it).
-        BLOCKS, COUNTS, sbb, sbh, sbr, scb, sch, scr = lists
-        first_list = BLOCKS + b * sbb + hk * GROUP * sbh + tile * sbr
-        first_count = COUNTS + b * scb + hk * GROUP * sch + tile * scr
-        total = 0
-        for g in range(GROUP):
-            total += PER_TILE * gl.load(first_count + g * sch).to(gl.int32)  # int32 or int64 lists
-        total = gl.where(seen, total, 0)
-        row_lists = (first_list, sbh, first_count, sch)
-    first = 0
-    count = total
-    if SPLIT:
-        _, whole, parts, _, _ = split
-        part = (w - whole) % parts
-        first = gl.where(w >= whole, part * total // parts, 0)
-        count = gl.where(w >= whole, (part + 1) * total // parts, total) - first
-    return b, hk, tile, kv_len, first_step, n_steps, total, row_lists, first, count
-
-
-@gluon.jit
-def _bwd_item(w, split, Hk, heads_per_group, HEAVY_FIRST: gl.constexpr, SPLIT: gl.constexpr):
-    """Work index w's item as ``(key tile, batch * Hk + k head)``
-    (``_bwd_program``)."""
-    n_tiles = split[0]
-    B = split[-1]
-    item = w
-    if SPLIT:
-        _, whole, parts, _, _ = split
-        item = gl.where(item >= whole, whole + (item - whole) // parts, item)
-    if HEAVY_FIRST:
-        return dealt_rank(item, n_tiles, B * Hk, heads_per_group)
-    else:
-        return item % n_tiles, item // n_tiles
-
-
-@gluon.jit
-def _bwd_work(args, SPLIT: gl.constexpr):
-    """How many work indices a launch has (``args``: the partitions'
-    argument tuple, ``attn_bwd_sm90_kernel``'s): its items, or with SPLIT
-    the whole ones and the parts of the others (``_bwd_program``). A launch
-    of that many programs gives each one; fewer programs (one per SM: the
-    persistent dk/dv pass) take them round robin."""
-    (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, dq_args, kv_bars, ready, empty, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
-     Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
-    items = split[0] * split[-1] * (H // GROUP)
-    if SPLIT:
-        _, whole, parts, _, _ = split
-        items = whole + (items - whole) * parts
-    return items
-
-
-@gluon.jit
-def _bwd_step(i, program, GROUP, n_tiles, STAGGER: gl.constexpr, SPARSE: gl.constexpr, STEP: gl.constexpr):
-    """The (q head, first query) of a program's i-th step: every q head of
-    its GQA group in turn, STEP queries a step from ``first_step`` (SPARSE:
-    the steps of each listed query block in turn). STAGGER
-    (non-causal): each program starts at its own point of that cycle
-    (spread evenly over the programs of a k head), so that they do not add
-    into the same dq rows at the same time, which is faster than every
-    program starting at 0 (docs/notes/attention.md). Causal programs start
-    at their own diagonals, 128 queries apart, so they need no stagger."""
-    b, hk, tile, _, first_step, n_steps, total, row_lists, _, _ = program
-    j = i
-    if STAGGER:
-        j = (i + tile * total // n_tiles) % total
-    if SPARSE:
-        # The q head whose steps hold j: past each head whose PER_TILE * count steps j is at or past
-        # (heads with an empty list pass at once; once j falls short it stays short).
-        first_list, list_step, first_count, count_step = row_lists
-        g = 0
-        PER_TILE: gl.constexpr = 2 * WGMMA_ROWS // STEP
-        for _ in range(GROUP - 1):
-            steps = PER_TILE * gl.load(first_count + g * count_step).to(gl.int32)
-            past = j >= steps
-            j = gl.where(past, j - steps, j)
-            g = gl.where(past, g + 1, g)
-        block = gl.load(first_list + g * list_step + j // PER_TILE).to(gl.int32)
-        return hk * GROUP + g, block * 2 * WGMMA_ROWS + (j % PER_TILE) * STEP
-    else:
-        return hk * GROUP + j // n_steps, (first_step + j % n_steps) * STEP
+from compile_ops.kernels.attention_sm90_backward_schedule import bwd_program, bwd_step, bwd_work
+from compile_ops.kernels.attention_sm90_common import WGMMA_ROWS, tma_box
+from compile_ops.kernels.attention_sm90_dkdv import bwd_consume_item
+from compile_ops.kernels.attention_sm90_dq import DQ_PIECE
 
 
 @gluon.jit
@@ -185,15 +43,15 @@ def _bwd_load_item(args, w, it, item, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.const
     STAGES: gl.constexpr = q_smem.shape[0]
     STEP: gl.constexpr = q_smem.shape[1]
     kv_bar, kv_empty = kv_bars
-    program = _bwd_program(w, KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
-                           HEAVY_FIRST, SPARSE, SPLIT, STEP)
+    program = bwd_program(w, KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
+                          HEAVY_FIRST, SPARSE, SPLIT, STEP)
     b, hk, tile, _, _, _, _, _, from_step, count = program
     mbarrier.wait(kv_empty, (item & 1) ^ 1)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, hk, tile * 2 * WGMMA_ROWS, 0], kv_bar, tma_box(k_smem))
     tma.async_copy_global_to_shared(v_desc, [b, hk, tile * 2 * WGMMA_ROWS, 0], kv_bar, tma_box(v_smem))
     for i in range(count):  # the item's (from_step + i)-th step, the ring's (it + i)-th
-        h, m0 = _bwd_step(from_step + i, program, GROUP, split[0], not CAUSAL, SPARSE, STEP)
+        h, m0 = bwd_step(from_step + i, program, GROUP, split[0], not CAUSAL, SPARSE, STEP)
         stage = (it + i) % STAGES
         mbarrier.wait(empty.index(stage), (((it + i) // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes
@@ -214,7 +72,7 @@ def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRS
     if PERSISTENT:
         it = 0
         item = 0
-        for w in range(gl.program_id(0), _bwd_work(args, SPLIT), gl.num_programs(0)):
+        for w in range(gl.program_id(0), bwd_work(args, SPLIT), gl.num_programs(0)):
             it += _bwd_load_item(args, w, it, item, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, SPLIT)
             item += 1
     else:
@@ -222,180 +80,22 @@ def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRS
 
 
 @gluon.jit
-def _bwd_dq_step(dq_args, k_smem, dq_zero, head_row, m0, buf, i, W: gl.constexpr):
-    """Consumer group W's share of one step's dQ (the five-product kernel's
-    DQ): once both groups' halves of dS^T are in ``ds_smem`` (``ds_full``),
-    dQ's channels ``D / 2 * W`` on = dS K over the tile's 128 keys, added
-    into DQ_ACC's rows ``m0`` on of (batch, q head) row ``head_row`` by TMA
-    reductions of STEP x 32 (``_DQ_PIECE`` channels each: two at D = 128, one
-    at D = 64; the next step rewrites their buffers once the reductions
-    have read them: a second set of buffers is no faster,
-    docs/notes/attention.md)."""
-    dqa_desc, ds_smem, dq_smem, ds_full = dq_args
-    D: gl.constexpr = k_smem.shape[1]
-    STEP: gl.constexpr = ds_smem.shape[2]
-    HALF: gl.constexpr = D // 2  # this group's dQ channels, from HALF * W
-    PIECES: gl.constexpr = HALF // _DQ_PIECE
-    mbarrier.wait(ds_full.index(buf), (i // 2) & 1)
-    ds_t = ds_smem.index(buf).permute((1, 0))  # dS: [STEP queries, 128 keys]
-    first = warpgroup_mma(ds_t, k_smem.slice(HALF * W, _DQ_PIECE, dim=1), dq_zero, use_acc=False, is_async=True)
-    if PIECES == 2:
-        second = warpgroup_mma(ds_t, k_smem.slice(HALF * W + _DQ_PIECE, _DQ_PIECE, dim=1), dq_zero,
-                               use_acc=False, is_async=True)
-        first, second = warpgroup_mma_wait(0, deps=[first, second])
-    else:
-        first = warpgroup_mma_wait(0, deps=[first])
-    tma.store_wait(0)  # the step before's reductions have read dq_smem
-    gl.thread_barrier()
-    dq_smem.index(PIECES * W).store(first)
-    if PIECES == 2:
-        dq_smem.index(PIECES * W + 1).store(second)
-    fence_async_shared()
-    gl.thread_barrier()
-    _tma_add(dqa_desc, [head_row, m0, HALF * W], dq_smem.index(PIECES * W).reshape([1, STEP, _DQ_PIECE]))
-    if PIECES == 2:
-        _tma_add(dqa_desc, [head_row, m0, HALF * W + _DQ_PIECE],
-                 dq_smem.index(PIECES * W + 1).reshape([1, STEP, _DQ_PIECE]))
-
-
-@gluon.jit
-def _bwd_consume_item(args, w, it, item, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-                      HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr,
-                      SPLIT: gl.constexpr):
-    """Consumer warp group W's part of work index w (its program's
-    ``item``-th, whose steps are the ring's from ``it`` on), returning its
-    step count: keys ``64 W`` to ``64 W + 63`` of
-    the item's tile, through every step of STEP queries (64; 128 at D = 64, dense). S^T and dP^T (64
-    keys x STEP queries) issued together; P^T and dS^T from them, in registers,
-    the A operands of dV += P^T dO and dK += dS^T Q; with DQ, dS^T into this
-    group's half of a shared [128 keys, STEP queries] tile and its share of
-    dQ (``_bwd_dq_step``). Masks: keys past
-    kv_len (MASKED_KEYS: the tile may hold some) and, causal, keys past the
-    query on the steps that cross the diagonal (two of 64 queries, one of
-    128; block lists may add steps above it, masked whole)."""
-    (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, dq_args, kv_bars, ready, empty, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
-     Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
-    STAGES: gl.constexpr = q_smem.shape[0]
-    STEP: gl.constexpr = q_smem.shape[1]
-    D: gl.constexpr = q_smem.shape[2]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, STEP, 16])
-    d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
-    k_rows = k_smem.slice(WGMMA_ROWS * W, WGMMA_ROWS)
-    v_rows = v_smem.slice(WGMMA_ROWS * W, WGMMA_ROWS)
-    qk_scale = scale * LOG2E
-    s_zero = gl.zeros([WGMMA_ROWS, STEP], gl.float32, s_layout)
-    if DQ:  # the dQ products' (unused) accumulator: _bwd_dq_step's products start from zero
-        piece_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                               instr_shape=[16, _DQ_PIECE, 16])
-        dq_zero = gl.zeros([STEP, _DQ_PIECE], gl.float32, piece_layout)
-    step_query = gl.arange(0, STEP, layout=gl.SliceLayout(0, s_layout))
-    kv_bar, kv_empty = kv_bars
-    program = _bwd_program(w, KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL,
-                           HAS_KV_LEN, HEAVY_FIRST, SPARSE, SPLIT, STEP)
-    b, hk, tile, kv_len, _, _, _, _, from_step, count = program
-    dk = gl.zeros([WGMMA_ROWS, D], gl.float32, d_layout)
-    dv = gl.zeros([WGMMA_ROWS, D], gl.float32, d_layout)
-    first_key = tile * 2 * WGMMA_ROWS + WGMMA_ROWS * W
-    key = first_key + gl.arange(0, WGMMA_ROWS, layout=gl.SliceLayout(1, s_layout))
-    if MASKED_KEYS and STEP > WGMMA_ROWS:  # (below: masked keys with 128-query steps)
-        key_bias = gl.where(key < kv_len, 0.0, float("-inf"))
-    mbarrier.wait(kv_bar, item & 1)
-    for i in range(count):
-        h, m0 = _bwd_step(from_step + i, program, GROUP, split[0], not CAUSAL, SPARSE, STEP)
-        c = it + i  # the ring's step
-        stage = c % STAGES
-        mbarrier.wait(ready.index(stage), (c // STAGES) & 1)
-        qs = q_smem.index(stage)
-        dos = do_smem.index(stage)
-        s_token = warpgroup_mma(k_rows, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_token = warpgroup_mma(v_rows, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(1, deps=[s_token])
-        # The step's statistics as [1, STEP] rows in the scores' layout, read as late as they are needed
-        # (registers): lse is +inf past Lq and for rows that saw no key, so that their P is 0.
-        lse2 = lse_smem.index(stage).load(s_layout) * LOG2E
-        if MASKED_KEYS and STEP > WGMMA_ROWS:
-            # Masked keys (past kv_len, where they read as zeros past Lk) give scores, not probabilities
-            # of 0: with 128-query steps, a -inf bias of theirs (exp2 gives 0; lse is +inf past Lq:
-            # still -inf), since the branch below makes ptxas spill P in the loop.
-            p = gl.exp2(st * qk_scale + (key_bias[:, None] - lse2))
-        else:
-            p = gl.exp2(st * qk_scale - lse2)
-        # With 64-query steps, their P rows are set to 0 on the steps and in the groups that hold some.
-        if MASKED_KEYS and STEP == WGMMA_ROWS:
-            if first_key + WGMMA_ROWS > kv_len:
-                p = gl.where(key[:, None] < kv_len, p, 0.0)
-        if CAUSAL:  # and keys past the query, on the steps that cross this group's diagonal (or above it)
-            if m0 < first_key + WGMMA_ROWS:
-                p = gl.where(key[:, None] <= (m0 + step_query)[None, :], p, 0.0)
-        if STEP > WGMMA_ROWS:
-            # 128-query steps (D = 64): dV += P^T dO waits for dS, so that P's 16-bit operand is not live
-            # beside P, dP and dS (64 + 64 + 32 + 32 registers past dK and dV: ptxas would spill in the loop).
-            dp = warpgroup_mma_wait(0, deps=[dp_token])
-            ds = (p * (dp - delta_smem.index(stage).load(s_layout))).to(q_smem.dtype)
-            p_op = gl.convert_layout(p.to(q_smem.dtype), op_layout)
-            dv_token = warpgroup_mma(p_op, dos, dv, is_async=True)
-        else:
-            p_op = gl.convert_layout(p.to(q_smem.dtype), op_layout)
-            dv_token = warpgroup_mma(p_op, dos, dv, is_async=True)
-            dp = warpgroup_mma_wait(1, deps=[dp_token])
-            ds = (p * (dp - delta_smem.index(stage).load(s_layout))).to(q_smem.dtype)
-        ds_op = gl.convert_layout(ds, op_layout)
-        dk_token = warpgroup_mma(ds_op, qs, dk, is_async=True)
-        buf = c % 2  # ds_smem's buffer: the other one may still be read by the other group's dQ product
-        if DQ:
-            dq_args[1].index(buf).slice(WGMMA_ROWS * W, WGMMA_ROWS).store(ds)  # (dqa_desc, ds_smem, dq_smem, ds_full)
-            fence_async_shared()
-            mbarrier.arrive(dq_args[3].index(buf), count=1)
-        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_token, dk_token, p_op, ds_op])
-        mbarrier.arrive(empty.index(stage), count=1)  # this step's q, dO and statistics are done with
-        if DQ:
-            _bwd_dq_step(dq_args, k_smem, dq_zero, b * H + h, m0, buf, c, W)
-    mbarrier.arrive(kv_empty, count=1)  # every product that reads this item's K and V is done
-    if DQ:
-        tma.store_wait(0)  # shared memory must outlive the reductions that read it
-    # dK = scale dS^T Q; dV = P^T dO.
-    keys = first_key + gl.arange(0, WGMMA_ROWS, layout=gl.SliceLayout(1, d_layout))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, d_layout))
-    stored = (keys < Lk)[:, None]
-    if SPLIT:  # a part of an item, or a whole one
-        _, whole, _, PARTIALS, _ = split
-        slot = w - whole
-        # A part's fp32 sums go to its slot of PARTIALS, [dk | dv] x [128 keys, D]; a whole item's to DK, DV.
-        at = ((WGMMA_ROWS * W + gl.arange(0, WGMMA_ROWS, layout=gl.SliceLayout(1, d_layout)))[:, None] * D
-              + cols[None, :])
-        own = PARTIALS + gl.maximum(slot, 0).to(gl.int64) * (2 * 2 * WGMMA_ROWS * D) + at
-        gl.store(own, dk * scale, mask=slot >= 0)
-        gl.store(own + 2 * WGMMA_ROWS * D, dv, mask=slot >= 0)
-        stored = stored & (slot < 0)
-    keys = keys.to(gl.int64)[:, None]
-    gl.store(DK + b.to(gl.int64) * sdkb + hk.to(gl.int64) * sdkh + keys * sdkl + cols[None, :],
-             (dk * scale).to(DK.dtype.element_ty), mask=stored)
-    gl.store(DV + b.to(gl.int64) * sdvb + hk.to(gl.int64) * sdvh + keys * sdvl + cols[None, :],
-             dv.to(DV.dtype.element_ty), mask=stored)
-    return count
-
-
-@gluon.jit
 def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
                   SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr,
                   PERSISTENT: gl.constexpr):
-    """Consumer warp group W of the backward (:func:`_bwd_consume_item`):
+    """Consumer warp group W of the backward (:func:`bwd_consume_item`):
     its program's work index, or (PERSISTENT) every ``num_programs``-th
     from it, with the ring running on across them."""
     if PERSISTENT:
         it = 0
         item = 0
-        for w in range(gl.program_id(0), _bwd_work(args, SPLIT), gl.num_programs(0)):
-            it += _bwd_consume_item(args, w, it, item, W, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ,
-                                    SPLIT)
+        for w in range(gl.program_id(0), bwd_work(args, SPLIT), gl.num_programs(0)):
+            it += bwd_consume_item(args, w, it, item, W, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ,
+                                   SPLIT)
             item += 1
     else:
-        _bwd_consume_item(args, gl.program_id(0), 0, 0, W, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ,
-                          SPLIT)
+        bwd_consume_item(args, gl.program_id(0), 0, 0, W, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ,
+                         SPLIT)
 
 
 @gluon.jit
@@ -446,7 +146,7 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     ``[B * H, stats_row, D]`` fp32, zeroed, receives dS K (dq less its
     scale) with DQ. Items are (key tile, batch and k head), ``cdiv(Lk, 128) * B * H /
     GROUP`` of them: the first ``whole`` one program each, the others
-    ``parts`` programs each (``_bwd_program``), whose dk and dv go to
+    ``parts`` programs each (``bwd_program``), whose dk and dv go to
     PARTIALS ``[items - whole, parts, 2, 128, D]`` fp32 for
     ``kernels.attention_backward.attn_bwd_parts_kernel`` (SPLIT: dense, not causal,
     no key lengths; else every item is whole, and ``whole``, ``parts`` and
@@ -502,9 +202,9 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     # partition argument that no partition reads).
     if DQ:
         dqa_desc = tma.make_tensor_descriptor(DQ_ACC, [B * H, stats_row, D], [stats_row * D, D, 1],
-                                              [1, STEP, _DQ_PIECE], pieces)
+                                              [1, STEP, DQ_PIECE], pieces)
         ds_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 2 * WGMMA_ROWS, STEP], matrix)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [D // _DQ_PIECE, STEP, _DQ_PIECE], piece)  # D / 64 a group
+        dq_smem = gl.allocate_shared_memory(gl.float32, [D // DQ_PIECE, STEP, DQ_PIECE], piece)  # D / 64 a group
         ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
             mbarrier.init(ds_full.index(s), count=2)  # both halves of dS^T written
