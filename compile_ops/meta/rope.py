@@ -203,7 +203,7 @@ class GridRope:
     def constants(self, device=None) -> torch.Tensor:
         """``[6, P]`` fp32 (rows :data:`GRID_CONSTANT_ROWS`): the slope in three
         parts (two of 12 significant bits, then the rest), the intercept as a
-        head and the rest, and the axis (see ``kernels/rope.py``)."""
+        head and the rest, and the axis (see ``kernels/rope_common.py``)."""
         slopes, intercepts = (torch.tensor(v, dtype=torch.float64) for v in self.slopes_and_intercepts())
         slope_1 = _split_12_bits(slopes)
         slope_2 = _split_12_bits(slopes - slope_1)

@@ -20,7 +20,8 @@ from torch import Tensor
 
 from compile_ops import _dtensor, meta, reference
 from compile_ops._library import fused_op, launcher, multiprocessor_count, register_no_gradient
-from compile_ops.kernels.rope import qk_norm_rope_bwd_kernel, rope_kernel
+from compile_ops.kernels.rope import rope_kernel
+from compile_ops.kernels.rope_backward import qk_norm_rope_bwd_kernel
 from compile_ops.meta._validate import accumulation_dtype, checked_arguments
 from compile_ops.meta.modulate import static_int
 from compile_ops.ops._launch import acc_dtype, column_sum
