@@ -13,7 +13,9 @@ and ``<!-- perf-table:end -->`` of the Markdown file (``attention-table`` /
 ``attention-causal-table`` for bench/runners/attention.py's JSON,
 ``block-sparse-table`` for bench/runners/block_sparse.py's,
 ``diffusers-e2e-table`` for bench/runners/diffusers_e2e.py's,
-``distributed-train-table`` for bench/runners/distributed_train.py's, ...;
+``distributed-train-table`` for bench/runners/distributed_train.py's,
+``context-parallel-<case>-table`` for bench/runners/context_parallel.py's
+(bench/tables/context_parallel.py), ...;
 ``headline-table`` for :func:`headline_table`); it is regenerated from the
 JSON, never edited by hand. The tables live in docs/performance.md, the
 headline in README.md.
@@ -23,6 +25,11 @@ import json
 import math
 import os
 import sys
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path, for bench.tables
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.tables import context_parallel  # noqa: E402
 
 #: Table and plot order; peers follow in the order the runner wrote them.
 CORE_PROVIDERS = ("fused_eager", "fused_compiled", "native_eager", "native_compiled")
@@ -786,7 +793,9 @@ def plot(json_path: str, png_path: str):
 
 #: The runners' tables, recognised by their JSON's rows: (recognise, make the table, its block's marker).
 #: bench/run.py's op table is the fallback (:func:`doc_table`).
-RUNNER_TABLES = ((is_aoti, aoti_table, lambda rows: "aoti-table"),
+RUNNER_TABLES = ((context_parallel.is_context_parallel, context_parallel.context_parallel_table,
+                  context_parallel.marker),
+                 (is_aoti, aoti_table, lambda rows: "aoti-table"),
                  (is_compile_modes, compile_modes_table, lambda rows: "compile-modes-table"),
                  (is_distributed_train, distributed_train_table, lambda rows: "distributed-train-table"),
                  (is_sparse_e2e, sparse_e2e_table, lambda rows: "sparse-e2e-table"),

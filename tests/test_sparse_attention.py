@@ -140,8 +140,8 @@ def test_a_smaller_window_is_dense_attention_under_the_same_explicit_mask(name, 
         if getattr(processor, "sparse", None) is not None:
             plan = processor.sparse
 
-            def masked(query, key, value, text_tokens=0, kv_lengths=None, fp8_rows=False, plan=plan):
-                assert text_tokens == plan.layout.text_tokens and not fp8_rows  # a bf16 model
+            def masked(query, key, value, text_tokens=0, kv_lengths=None, fp8_rows=False, parallel=None, plan=plan):
+                assert text_tokens == plan.layout.text_tokens and not fp8_rows and parallel is None  # bf16, 1 rank
                 layouts.append(plan.layout)
                 return _masked_reference(plan.layout, query, key, value, kv_lengths)
             processor.attend_self = masked
@@ -255,8 +255,9 @@ def test_topk_is_dense_attention_under_the_lists_it_chose():
             if replace == "dense":
                 processor.sparse = None
             else:
-                def masked(query, key, value, text_tokens=0, kv_lengths=None, fp8_rows=False, plan=processor.sparse):
-                    assert not fp8_rows  # a bf16 model
+                def masked(query, key, value, text_tokens=0, kv_lengths=None, fp8_rows=False, parallel=None,
+                           plan=processor.sparse):
+                    assert not fp8_rows and parallel is None  # a bf16 model, one rank
                     return _topk_reference(plan.layout, query, key, value)
                 processor.attend_self = masked
     args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(4, 32).items()}

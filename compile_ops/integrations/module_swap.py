@@ -33,6 +33,15 @@ class PatchReport:
     #: The SparseAttention plan of ``patch(attention=...)``: its ``describe()``
     #: gives the density of each grid the model has run at.
     sparse_attention: Optional[SparseAttention] = None
+    #: ``(path, attention module)`` of each layer with a compile_ops processor:
+    #: :meth:`attention_paths` describes them as they run now.
+    attention_layers: list = dataclasses.field(default_factory=list)
+
+    def attention_paths(self) -> list:
+        """``(path, kernel, parallel path)`` of each patched attention layer, read
+        now: after ``model.enable_parallelism(...)`` it names the Ulysses/ring path."""
+        return [(path, *module.processor.describe(module)) for path, module in self.attention_layers
+                if hasattr(module.processor, "describe")]
 
     def __str__(self) -> str:
         lines = [f"compile_ops.patch: {len(self.replaced)} replaced, {len(self.left)} left as they were"]
@@ -41,6 +50,10 @@ class PatchReport:
             for (what, detail), n in groups.items():
                 first = next(path for path, w, d in rows if (w, d) == (what, detail))
                 lines.append(f"  {title}: {n} x {what}: {detail} (e.g. {first})")
+        paths = self.attention_paths()
+        for (kernel, parallel), n in Counter((kernel, parallel) for _, kernel, parallel in paths).items():
+            first = next(path for path, k, p in paths if (k, p) == (kernel, parallel))
+            lines.append(f"  attention: {n} x {kernel}; across ranks: {parallel} (e.g. {first})")
         if self.sparse_attention is not None:
             lines.append(self.sparse_attention.describe())
         return "\n".join(lines)
@@ -59,6 +72,10 @@ def check_patchable(model: nn.Module, precision: str) -> None:
             getattr(model, "_compiled_call_impl", None) is not None:
         raise RuntimeError("compile_ops.patch: the model is already compiled; call compile_ops.patch(model) "
                            "first, then torch.compile(model)")
+    if getattr(model, "_parallel_config", None) is not None:
+        raise RuntimeError("compile_ops.patch: the model already has a parallel config (model.enable_parallelism "
+                           "or from_pretrained(parallel_config=...)), whose hooks and processors patch would "
+                           "replace; call compile_ops.patch(model) first, then model.enable_parallelism(...)")
     for name, module in model.named_modules():
         registry = getattr(module, "_diffusers_hook", None)
         if registry is not None and registry.hooks:

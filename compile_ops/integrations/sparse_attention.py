@@ -199,17 +199,20 @@ class Layout:
         return cls(perm, None if perm is None else torch.argsort(perm), index[None, None], count[None, None],
                    mask.float().mean().item(), text_tokens)
 
-    def attend(self, query: Tensor, key: Tensor, value: Tensor, kv_lengths: Optional[Tensor] = None) -> Tensor:
+    def attend(self, query: Tensor, key: Tensor, value: Tensor, kv_lengths: Optional[Tensor] = None,
+               scale: Optional[float] = None) -> Tensor:
         """Block-sparse attention of ``[B, L, H, D]`` q, k, v in this layout;
         ``kv_lengths [B]``: keys past each sample's length are masked (padded
-        text at the end, which the permutation leaves there)."""
+        text at the end, which the permutation leaves there); ``scale``: None
+        is ``1 / sqrt(D)``."""
         if self.perm is not None:
             query, key, value = (t.index_select(1, self.perm) for t in (query, key, value))
         if self.topk is not None:
             index, count = topk_block_index(query, key, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
         else:
             index, count = self.index, self.count
-        out = block_sparse_attention(query, key, value, index, count, seq_dim=1, kv_lengths=kv_lengths)
+        out = block_sparse_attention(query, key, value, index, count, scale=scale, seq_dim=1,
+                                     kv_lengths=kv_lengths)
         return out if self.inverse is None else out.index_select(1, self.inverse)
 
 

@@ -35,16 +35,18 @@ def visible(lq: int, lk: int, causal: bool, kv_lengths: Optional[torch.Tensor], 
     return mask
 
 
-def _probabilities(q, k, scale, causal, kv_lengths, allowed):
+def _probabilities(q, k, scale, causal, kv_lengths, allowed, lse=None):
     """``(p, lse)`` of ``[B, H, Lq, D]`` q and GQA-expanded k, with empty rows
     0 / -inf; ``allowed`` (block-sparse attention's token mask, broadcastable
-    to ``[B, H, Lq, Lk]``) or None."""
+    to ``[B, H, Lq, Lk]``) or None. A given ``lse [B, H, Lq]`` normalizes the
+    rows instead of their own: the backward's contract, where the lse may span
+    more keys than k holds (ring attention's merged lse with one key shard)."""
     s = q @ k.transpose(-1, -2) * scale
     mask = visible(q.shape[2], k.shape[2], causal, kv_lengths, q.shape[0], q.device)
     if allowed is not None:
         mask = mask & allowed
     s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
+    lse = torch.logsumexp(s, dim=-1) if lse is None else lse.to(s.dtype)
     p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
     return p, lse
 
@@ -73,7 +75,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     qf, kf, vf, do, o = (_bhld(t, seq_dim, acc) for t in (q, k, v, grad_out, out))
     hq, hk = qf.shape[1], kf.shape[1]
     ke, ve = _heads_of_q(kf, hq), _heads_of_q(vf, hq)
-    p, _ = _probabilities(qf, ke, scale, causal, kv_lengths, allowed)
+    p, _ = _probabilities(qf, ke, scale, causal, kv_lengths, allowed, lse)
     delta = (do * o).sum(-1, keepdim=True)
     ds = p * (do @ ve.transpose(-1, -2) - delta)
     dq = ds @ ke * scale

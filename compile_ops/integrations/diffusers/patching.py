@@ -6,10 +6,12 @@ from __future__ import annotations
 import importlib.util
 from typing import Optional
 
+import torch
 from torch import nn
 
 from compile_ops.integrations.attention_backend import register_diffusers_backend
 from compile_ops.integrations.diffusers.blocks import block_rules
+from compile_ops.integrations.diffusers.context_parallel import check_parallel_mode
 from compile_ops.integrations.diffusers.fp8_linears import fuse_mlp_activations, quantize_linears
 from compile_ops.integrations.diffusers.module_rules import diffusers_modules, module_rules, why_left_alone
 from compile_ops.integrations.diffusers.processors import FusedProcessor, processor_rules
@@ -48,6 +50,7 @@ def patch(model: nn.Module, options: Optional[PatchOptions] = None) -> PatchRepo
     if importlib.util.find_spec("diffusers.models.attention_dispatch") is not None:  # diffusers 0.35+
         register_diffusers_backend()  # model.set_attention_backend("compile_ops") from here on
     report, undo = PatchReport(), []
+    undo.append(("hook", model.register_forward_pre_hook(_check_parallel_config), None, None))
     _replace_modules(model, activations, report, undo)
     _replace_processors(model, options, schedule, report, undo)
     if options.attention_dense_steps:
@@ -61,6 +64,28 @@ def patch(model: nn.Module, options: Optional[PatchOptions] = None) -> PatchRepo
         undo = None
     setattr(model, PATCH_STATE, undo)
     return report
+
+
+def _check_parallel_config(model: nn.Module, args) -> None:
+    """A patched model's forward pre-hook, run before its (compiled) blocks:
+    diffusers' tensor parallelism (``enable_parallelism(config=TensorParallelConfig(...))``,
+    set after patch) is refused, and so is an attention mode that the
+    context-parallel layout cannot run (8-bit or sparse attention under ring),
+    naming what works, not run wrong or raised from inside a compiled block."""
+    config = getattr(model, "_parallel_config", None)
+    if config is None or torch.compiler.is_compiling():
+        return
+    if getattr(config, "tensor_parallel_config", None) is not None:
+        raise RuntimeError("compile_ops: diffusers' tensor parallelism (TensorParallelConfig) does not run on a "
+                           "patched model: its sharded projections leave each rank a subset of the heads and "
+                           "shards of the weights that the fused blocks, processors and FP8 Linears read whole. "
+                           "Use ContextParallelConfig (Ulysses, ring), or tensor parallelism on an unpatched model")
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if isinstance(processor, FusedProcessor) and processor.parallel_config() is not None \
+                and processor.splits_across_ranks(module):
+            check_parallel_mode(processor.parallel_config(), processor.attention_precision,
+                                processor.sparse is not None, False, f"compile_ops {type(processor).__name__}")
 
 
 def _replace_modules(model: nn.Module, activations, report: PatchReport, undo: list) -> None:
@@ -123,6 +148,7 @@ def _replace_processors(model: nn.Module, options: PatchOptions, schedule: Dense
         module.set_processor(ours)
         undo.append(("processor", module, None, processor))
         report.replaced.append((path, what, f"compile_ops {ours_class.__name__}"))
+        report.attention_layers.append((path, module))
 
 
 def unpatch(model: nn.Module) -> None:

@@ -4,8 +4,10 @@ Each processor runs the same projections, q/k-norm and rotary embeddings as
 the one it replaces, with ``fused.qk_norm_rope`` (or the norms and
 ``fused.rope_qk``) and attention with ``fused.attention`` or SDPA
 (``attention_kernel``), and hands any call it does not cover (an attention
-mask, fused projections, image conditioning, a parallel config) to the
-original processor.
+mask, fused projections, image conditioning) to the original processor.
+Under diffusers' context parallelism (``enable_parallelism``) attention runs
+through diffusers' Ulysses/ring templates with the same kernel choices
+(:mod:`.context_parallel`).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from compile_ops.integrations.diffusers.attention_kernel import needs_gradient, sdpa_is_faster
+from compile_ops.integrations.diffusers.context_parallel import context_parallel, parallel_attention
 from compile_ops.integrations.diffusers.module_rules import diffusers_modules
 from compile_ops.integrations.schedule import DenseFirst
 from compile_ops.modules.fp8 import FP8Linear
@@ -38,8 +41,7 @@ class FusedProcessor:
 
     #: Attributes diffusers sets on a model's processors
     #: (``set_attention_backend``, ``enable_parallelism``): they live on the
-    #: original, which runs the calls they concern (a parallel config sends
-    #: every call there).
+    #: original; ours reads ``_parallel_config`` from there (:meth:`parallel_config`).
     _ORIGINALS = ("_attention_backend", "_parallel_config")
 
     def __init__(self, original=None, kernel: str = "auto"):
@@ -79,15 +81,33 @@ class FusedProcessor:
     attention_precision = "exact"
     int8_schedule: Optional[DenseFirst] = None
 
-    def attend(self, query, key, value, kv_lengths=None, fp8_rows: bool = False):
+    def parallel_config(self):
+        """diffusers' ``ParallelConfig`` of this layer when it has context
+        parallelism (``model.enable_parallelism``), else None."""
+        config = getattr(self, "_parallel_config", None)
+        return config if context_parallel(config) is not None else None
+
+    def attention_precision_of(self, query, key, value) -> str:
+        """The precision :meth:`attend` runs these q, k, v in: "exact" unless :meth:`eight_bit`."""
+        return self.attention_precision if self.eight_bit(query, key, value) else "exact"
+
+    def attend(self, query, key, value, kv_lengths=None, fp8_rows: bool = False, parallel=None):
         """Attention of ``[B, L, H, D]`` q, k, v; ``kv_lengths [B]``: keys past
         each sample's length are masked (padded text tokens at the end).
+        ``parallel``: the layer's context-parallel ``ParallelConfig``
+        (:meth:`parallel_config`) for a call diffusers splits across ranks
+        (q, k, v are this rank's sequence shard), else None.
         Under ``attention_precision="int8"`` or ``"int8_fp8"``, 16-bit
         inference calls run 8-bit attention; calls that need a gradient
         (training) and fp32 ones keep the exact kernels. ``fp8_rows`` (the
         caller's output projection is an :class:`FP8Linear`): where
         ``"int8_fp8"`` runs, the output comes as :class:`FP8Rows` ``[B, L, H * D]``
-        from the kernel's epilogue (:func:`attention_fp8_rows`), else as a tensor."""
+        from the kernel's epilogue (:func:`attention_fp8_rows`), else as a tensor
+        (always under ``parallel``: the output travels back to its ranks)."""
+        if parallel is not None:
+            return parallel_attention(query, key, value, parallel, kv_lengths=kv_lengths, kernel=self.kernel,
+                                      precision=self.attention_precision_of(query, key, value),
+                                      owner=f"compile_ops {type(self).__name__}")
         if isinstance(query, Int8QK) or self.eight_bit(query, key, value):
             if fp8_rows and self.attention_precision == "int8_fp8":
                 return attention_fp8_rows(query, key, value, seq_dim=1, kv_lengths=kv_lengths)
@@ -103,6 +123,27 @@ class FusedProcessor:
             return out.transpose(1, 2)
         return attention(query, key, value, seq_dim=1, kv_lengths=kv_lengths)
 
+    def splits_across_ranks(self, attn) -> bool:
+        """Whether ``attn``'s calls split across ranks under context parallelism
+        (not the layers diffusers runs on each rank's queries: Wan's cross-attention)."""
+        return True
+
+    def describe(self, attn) -> tuple[str, str]:
+        """``(kernel, parallel path)`` of this layer's attention calls now, in words (``PatchReport``)."""
+        from compile_ops.integrations.diffusers.context_parallel import parallel_path
+
+        exact = {"auto": "fused.attention or SDPA (attention_kernel='auto')", "fused": "fused.attention",
+                 "sdpa": "SDPA"}.get(self.kernel, self.kernel)
+        kernel = exact
+        if self.sparse is not None:  # set on self-attention layers only
+            kernel = f"fused.block_sparse_attention ({self.sparse.config}), {exact} on its dense steps"
+        elif self.attention_precision != "exact":
+            kernel = f"fused.attention_{self.attention_precision} (inference), {exact} under autograd"
+        parallel = parallel_path(self.parallel_config())
+        if parallel != "one rank" and not self.splits_across_ranks(attn):
+            parallel = f"each rank's queries ({parallel} elsewhere)"
+        return kernel, parallel
+
     def eight_bit(self, query, key, value) -> bool:
         """Whether :meth:`attend` runs these 16-bit q, k, v as 8-bit attention:
         an 8-bit ``attention_precision``, a step the schedule says, no gradient."""
@@ -112,21 +153,27 @@ class FusedProcessor:
     def quantizes_qk(self, query, key, value) -> bool:
         """Whether q and k of a self-attention call come quantized from their
         rotation (``rope_qk``/``qk_norm_rope(..., quantize=True)``): 8-bit
-        attention runs (:meth:`eight_bit`), no sparse plan takes the call, and
-        the sequence is long enough (:data:`QUANTIZE_IN_ROTATION_MIN_TOKENS`)."""
+        attention runs (:meth:`eight_bit`), no sparse plan takes the call, the
+        sequence is long enough (:data:`QUANTIZE_IN_ROTATION_MIN_TOKENS`), and
+        no context parallelism moves q and k between ranks first."""
         return self.eight_bit(query, key, value) and (self.sparse is None or self.sparse.layout is None) \
-            and query.shape[1] >= QUANTIZE_IN_ROTATION_MIN_TOKENS
+            and query.shape[1] >= QUANTIZE_IN_ROTATION_MIN_TOKENS and self.parallel_config() is None
 
-    def attend_self(self, query, key, value, text_tokens: int = 0, kv_lengths=None, fp8_rows: bool = False):
+    def attend_self(self, query, key, value, text_tokens: int = 0, kv_lengths=None, fp8_rows: bool = False,
+                    parallel=None):
         """Video self-attention of ``[B, L, H, D]`` q, k, v (the last
         ``text_tokens`` of L text, attended densely): the sparse plan's layout
-        for this call where one is set, else :meth:`attend` (``fp8_rows`` as there)."""
+        for this call where one is set, else :meth:`attend` (``fp8_rows`` and
+        ``parallel`` as there; under ``parallel`` the layout spans every rank's tokens)."""
         layout = None if self.sparse is None else self.sparse.layout
         if layout is None or isinstance(query, Int8QK):
-            return self.attend(query, key, value, kv_lengths, fp8_rows)
+            return self.attend(query, key, value, kv_lengths, fp8_rows, parallel)
         if layout.text_tokens != text_tokens:
             raise RuntimeError(f"compile_ops sparse attention: the layout was built for {layout.text_tokens} text "
                                f"tokens, this attention has {text_tokens}; this is a compile_ops bug")
+        if parallel is not None:
+            return parallel_attention(query, key, value, parallel, layout=layout, kv_lengths=kv_lengths,
+                                      owner=f"compile_ops {type(self).__name__}")
         return layout.attend(query, key, value, kv_lengths)
 
     def rms_weight(self, norm: nn.Module) -> Optional[tuple]:
@@ -200,7 +247,7 @@ class FluxAttnProcessor(FusedProcessor):
 
     def covers(self, attn, encoder_hidden_states, attention_mask) -> bool:
         """Whether the fused path runs this call (else the original processor does)."""
-        return not (attention_mask is not None or attn.fused_projections or getattr(self, "_parallel_config", None)
+        return not (attention_mask is not None or attn.fused_projections
                     or (encoder_hidden_states is not None and attn.added_kv_proj_dim is None))
 
     @staticmethod
@@ -223,7 +270,7 @@ class FluxAttnProcessor(FusedProcessor):
         if not self.covers(attn, encoder_hidden_states, attention_mask):
             if isinstance(hidden_states, FP8Rows) or isinstance(encoder_hidden_states, FP8Rows):
                 raise RuntimeError("compile_ops FluxAttnProcessor: FP8 rows reached a call the fused path does "
-                                   "not cover (a mask, fused projections or a parallel config since the block "
+                                   "not cover (a mask or fused projections since the block "
                                    "checked); this is a compile_ops bug")
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
@@ -254,7 +301,8 @@ class FluxAttnProcessor(FusedProcessor):
         # single-stream block concatenates the output with its MLP's first.
         fp8_rows = encoder_hidden_states is not None and isinstance(attn.to_out[0], FP8Linear) \
             and isinstance(attn.to_add_out, FP8Linear)
-        out = _heads_joined(self.attend(query, key, value, fp8_rows=fp8_rows), value.dtype)
+        out = _heads_joined(self.attend(query, key, value, fp8_rows=fp8_rows, parallel=self.parallel_config()),
+                            value.dtype)
         if encoder_hidden_states is None:
             return out
         sizes = [_tokens(encoder_hidden_states), _tokens(hidden_states)]
@@ -278,15 +326,16 @@ class WanAttnProcessor(FusedProcessor):
         query's, for ``cross``-attention) as FP8 rows: its projections that
         read it are FP8 Linears and the call is one this processor covers."""
         processor = getattr(attn, "processor", None)
-        if type(processor) is not WanAttnProcessor or attn.add_k_proj is not None or attn.fused_projections \
-                or getattr(processor, "_parallel_config", None):
+        if type(processor) is not WanAttnProcessor or attn.add_k_proj is not None or attn.fused_projections:
             return False
         readers = (attn.to_q,) if cross else (attn.to_q, attn.to_k, attn.to_v)
         return all(isinstance(linear, FP8Linear) for linear in readers)
 
+    def splits_across_ranks(self, attn) -> bool:
+        return not attn.is_cross_attention
+
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        if attention_mask is not None or attn.add_k_proj is not None or attn.fused_projections \
-                or getattr(self, "_parallel_config", None):
+        if attention_mask is not None or attn.add_k_proj is not None or attn.fused_projections:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         hidden_states, context = _projection_inputs(attn, hidden_states, encoder_hidden_states)
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
@@ -299,8 +348,12 @@ class WanAttnProcessor(FusedProcessor):
                 query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1, quantize=True), None
             else:
                 query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1)
-        attend = self.attend if encoder_hidden_states is not None else self.attend_self
-        out = _heads_joined(attend(query, key, value, fp8_rows=isinstance(attn.to_out[0], FP8Linear)), value.dtype)
+        # As diffusers' processor: self-attention splits across ranks, cross-attention
+        # (every rank holds the whole text) runs on each rank's queries.
+        attend, parallel = (self.attend, None) if encoder_hidden_states is not None else \
+            (self.attend_self, self.parallel_config())
+        out = _heads_joined(attend(query, key, value, fp8_rows=isinstance(attn.to_out[0], FP8Linear),
+                                   parallel=parallel), value.dtype)
         return attn.to_out[1](attn.to_out[0](out))
 
 
@@ -355,7 +408,7 @@ class LTXVideoAttnProcessor(FusedProcessor):
                                                         interleaved=True, seq_dim=1))
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, attn.to_v(context)))
         attend = self.attend if encoder_hidden_states is not None else self.attend_self
-        out = attend(query, key, value).flatten(2, 3).to(query.dtype)
+        out = attend(query, key, value, parallel=self.parallel_config()).flatten(2, 3).to(query.dtype)
         return attn.to_out[1](attn.to_out[0](out))
 
 
@@ -380,8 +433,7 @@ class HunyuanVideoAttnProcessor(FusedProcessor):
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
-        if getattr(self, "_parallel_config", None) or \
-                (attention_mask is not None and attention_mask.dtype != torch.bool):
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         joint = attn.add_q_proj is not None and encoder_hidden_states is not None
         text_tokens = 0 if encoder_hidden_states is None else encoder_hidden_states.shape[1]
@@ -406,8 +458,14 @@ class HunyuanVideoAttnProcessor(FusedProcessor):
                                                   attn.norm_added_q, attn.norm_added_k, None)
             query, key = torch.cat([query, text_query], dim=1), torch.cat([key, text_key], dim=1)
             value = torch.cat([value, heads(attn.add_v_proj(c))], dim=1)
+        parallel = self.parallel_config()
+        if parallel is not None and attention_mask is not None and attention_mask.shape[-1] == key.shape[1]:
+            raise ValueError("compile_ops HunyuanVideoAttnProcessor: under context parallelism the text padding "
+                             "mask must span the whole sequence (every rank's tokens), got one of this rank's "
+                             f"{key.shape[1]} keys; leave attention_mask out of the cp_plan's splits")
         lengths = None if attention_mask is None else _prefix_lengths(attention_mask)
-        out = self.attend_self(query, key, value, text_tokens, lengths).flatten(2, 3).to(query.dtype)
+        out = self.attend_self(query, key, value, text_tokens, lengths, parallel=parallel)
+        out = out.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out, None
         out, text = out[:, :-text_tokens], out[:, -text_tokens:]

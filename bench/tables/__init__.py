@@ -1,0 +1,1 @@
+"""Markdown tables of runners' JSON that bench/report.py dispatches to (one module per runner)."""

@@ -1,0 +1,316 @@
+"""compile_ops under diffusers' context parallelism: 2 CPU processes on gloo, the reference path.
+
+Each model case builds a small Wan or Flux model, patches it in one attention
+mode (exact, int8, int8_fp8, sliding-tile sparse), runs it on one process,
+then turns on diffusers' context parallelism (Ulysses-2 or ring-2) and runs it
+again. Ulysses moves whole heads between ranks, so each head's computation is
+the one the single process ran: the outputs must be equal bit for bit. Ring
+merges per-shard partial outputs by their log-sum-exp: equal within fp32
+attention tolerance. 8-bit and sparse attention under ring must be refused
+with an error that names Ulysses. A spy on the forward op given to diffusers'
+templates proves the fused path ran (not the original processor) in the
+requested mode.
+
+The attention cases run the forward and backward ops through diffusers'
+Ulysses and ring autograd functions directly and compare q/k/v gradients with
+the single-process op's.
+
+One spawn runs every case (a process group costs seconds to start); each case
+is a test of its own that reads the spawn's verdict.
+"""
+import datetime
+import json
+import os
+import time
+import traceback
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import compile_ops
+
+diffusers = pytest.importorskip("diffusers")
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="needs torch.distributed with gloo")
+
+WORLD = 2
+#: Wall-clock limit of the spawn: two imports of torch, diffusers and compile_ops
+#: on a busy 2-core CI box, then a few dozen tiny model runs.
+SPAWN_TIMEOUT_S = 300
+#: fp32 attention computed in a different order (ring's merge of two shards).
+RING_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+#: ``patch``'s options of each attention mode.
+MODES = {
+    "exact": lambda: {},
+    "int8": lambda: dict(attention_precision="int8"),
+    "int8_fp8": lambda: dict(attention_precision="int8_fp8"),
+    "sliding_tile": lambda: dict(attention=compile_ops.SlidingTile(window=(1, 1, 1), tile=(2, 8, 8))),
+}
+#: (model, mode, parallelism) of each model case; Flux has no sparse mode.
+MODEL_CASES = [(model, mode, parallelism) for model in ("wan", "flux") for mode in MODES
+               for parallelism in ("ulysses", "ring") if not (model == "flux" and mode == "sliding_tile")]
+ATTENTION_CASES = ["attention-exact-ulysses", "attention-exact-ring", "attention-sparse-ulysses",
+                   "backend-exact-ring", "backend-sparse-ring-refused"]
+
+
+def _wan(dtype):
+    # 4 x 16 x 16 latents in (1, 2, 2) patches: 256 tokens, two 128-token blocks, so
+    # a sliding-tile window of one (2, 8, 8) tile is sparse (half the blocks).
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32).to(dtype).eval()
+    inputs = dict(hidden_states=torch.randn(1, 4, 4, 16, 16, dtype=dtype),
+                  encoder_hidden_states=torch.randn(1, 6, 16, dtype=dtype), timestep=torch.tensor([500]))
+    return model, inputs
+
+
+def _flux(dtype):
+    model = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
+    model = model.to(dtype).eval()
+    side, text = 8, 8
+    grid = torch.meshgrid(torch.zeros(1), torch.arange(float(side)), torch.arange(float(side)), indexing="ij")
+    inputs = dict(hidden_states=torch.randn(1, side * side, 4, dtype=dtype),
+                  encoder_hidden_states=torch.randn(1, text, 32, dtype=dtype),
+                  pooled_projections=torch.randn(1, 32, dtype=dtype), timestep=torch.rand(1, dtype=dtype),
+                  img_ids=torch.stack(grid, -1).reshape(side * side, 3), txt_ids=torch.zeros(text, 3))
+    return model, inputs
+
+
+def _context_parallel_config(parallelism: str):
+    from diffusers import ContextParallelConfig
+    return ContextParallelConfig(ulysses_degree=WORLD) if parallelism == "ulysses" else \
+        ContextParallelConfig(ring_degree=WORLD)
+
+
+class _Spy:
+    """Records the (precision, sparse) of every call of the forward op that
+    compile_ops hands to diffusers' context-parallel templates."""
+
+    def __init__(self):
+        from compile_ops.integrations.diffusers import context_parallel
+        self.module, self.original, self.calls = context_parallel, context_parallel._forward_op, set()
+
+    def __enter__(self):
+        def spy(*args, precision, layout, **kwargs):
+            self.calls.add((precision, layout is not None))
+            return self.original(*args, precision=precision, layout=layout, **kwargs)
+        self.module._forward_op = spy
+        return self
+
+    def __exit__(self, *exc):
+        self.module._forward_op = self.original
+
+
+def _model_case(model_name: str, mode: str, parallelism: str) -> None:
+    # 8-bit attention runs on 16-bit inputs; the exact and sparse modes compare in fp32.
+    dtype = torch.bfloat16 if mode.startswith("int8") else torch.float32
+    torch.manual_seed(0)
+    model, inputs = (_wan if model_name == "wan" else _flux)(dtype)
+    compile_ops.patch(model, **MODES[mode]())
+    with torch.no_grad():
+        one_process = model(**inputs, return_dict=False)[0]
+    # diffusers picks the rank's device as rank % accelerator count; a CPU has none.
+    with mock.patch("torch.accelerator.device_count", return_value=1):
+        model.enable_parallelism(config=_context_parallel_config(parallelism))
+    refused = parallelism == "ring" and mode != "exact"
+    with torch.no_grad(), _Spy() as spy:
+        try:
+            parallel = model(**inputs, return_dict=False)[0]
+        except ValueError as error:
+            if refused and "ulysses_degree" in str(error):
+                return
+            raise
+    assert not refused, f"{mode} under ring attention ran instead of being refused"
+    precision = "exact" if mode in ("exact", "sliding_tile") else mode
+    assert (precision, mode == "sliding_tile") in spy.calls, \
+        f"the fused {mode} path did not run under {parallelism}: forward-op calls {spy.calls}"
+    if parallelism == "ulysses" and model_name == "wan":
+        difference = (parallel.float() - one_process.float()).abs().max().item()
+        assert torch.equal(parallel, one_process), f"Ulysses output differs from one process by {difference}"
+    elif parallelism == "ulysses":
+        # Flux's joint sequence arrives as [text_0, image_0, text_1, image_1]: keys in another order.
+        torch.testing.assert_close(parallel, one_process, **(RING_TOLERANCE if dtype == torch.float32 else
+                                                             dict(rtol=2e-2, atol=2e-2)))
+    else:
+        torch.testing.assert_close(parallel, one_process, **RING_TOLERANCE)
+
+
+def _setup_config(parallelism: str, rank: int):
+    from diffusers.models._modeling_parallel import ParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cp = _context_parallel_config(parallelism)
+    config = ParallelConfig(context_parallel_config=cp)
+    mesh = init_device_mesh("cpu", cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
+    config.setup(rank, WORLD, torch.device("cpu"), mesh=mesh)
+    return config
+
+
+def _attention_case(name: str, rank: int) -> None:
+    """Forward and backward of this rank's shard through diffusers' templates
+    against the single-process op on the whole sequence."""
+    from compile_ops.integrations.attention_backend import compile_ops_attention
+    from compile_ops.integrations.diffusers.context_parallel import parallel_attention
+    from compile_ops.ops.block_sparse import BlockSparseMask, block_sparse_attention
+
+    kind, mode, parallelism = name.split("-")[:3]
+    config = _setup_config(parallelism, rank)
+    torch.manual_seed(0)
+    b, length, heads, d = 1, 256, 4, 16
+    q, k, v = (torch.randn(b, length, heads, d, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, length, heads, d)
+    # Two 128-token blocks: each query block sees its own key block only.
+    mask = BlockSparseMask.from_block_mask(torch.eye(2, dtype=torch.bool)[None, None])
+    if mode == "sparse":
+        full = block_sparse_attention(q, k, v, mask.block_index, mask.block_count, seq_dim=1)
+    else:
+        full = compile_ops.attention(q, k, v, seq_dim=1)
+    full.backward(grad)
+    shard = slice(rank * length // WORLD, (rank + 1) * length // WORLD)
+    local = [t.detach()[:, shard].clone().requires_grad_() for t in (q, k, v)]
+    if name.endswith("refused"):
+        with pytest.raises(ValueError, match="ulysses_degree"):
+            compile_ops_attention(*local, attn_mask=mask, _parallel_config=config)
+        return
+    if kind == "backend":
+        out = compile_ops_attention(*local, attn_mask=mask if mode == "sparse" else None, _parallel_config=config)
+    else:
+        layout = None
+        if mode == "sparse":
+            from compile_ops.integrations.attention_backend import _MaskLayout
+            layout = _MaskLayout(mask)
+        out = parallel_attention(*local, config, layout=layout, kernel="fused")
+    out.backward(grad[:, shard])
+    tolerance = RING_TOLERANCE if parallelism == "ring" else dict(rtol=0, atol=0)
+    torch.testing.assert_close(out, full.detach()[:, shard], **tolerance)
+    for which, mine, theirs in zip("qkv", local, (q, k, v)):
+        torch.testing.assert_close(mine.grad, theirs.grad[:, shard], **RING_TOLERANCE,
+                                   msg=lambda m, which=which: f"d{which}: {m}")
+
+
+def _worker(rank: int, world: int, directory: str) -> None:
+    torch.set_num_threads(1)  # two ranks on a 2-core box
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(directory, 'rendezvous')}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        verdicts = {}
+        for case in MODEL_CASES:
+            try:
+                _model_case(*case)
+                verdicts["-".join(case)] = None
+            except Exception:
+                verdicts["-".join(case)] = traceback.format_exc()
+        for name in ATTENTION_CASES:
+            try:
+                _attention_case(name, rank)
+                verdicts[name] = None
+            except Exception:
+                verdicts[name] = traceback.format_exc()
+        with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
+            json.dump(verdicts, f)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    from bench.runners.distributed_train import teardown_process_group
+
+    teardown_process_group()
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory):
+    """``{case: None or the failure on some rank}`` from one spawn of 2 ranks."""
+    directory = str(tmp_path_factory.mktemp("context_parallel"))
+    context = mp.start_processes(_worker, args=(WORLD, directory), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {WORLD} gloo ranks did not finish in {SPAWN_TIMEOUT_S} s")
+    merged = {}
+    for rank in range(WORLD):
+        with open(os.path.join(directory, f"rank{rank}.json")) as f:
+            for name, failure in json.load(f).items():
+                if failure is not None and merged.get(name) is None:
+                    merged[name] = f"rank {rank}:\n{failure}"
+                merged.setdefault(name, None)
+    return merged
+
+
+@pytest.mark.parametrize("name", ["-".join(case) for case in MODEL_CASES] + ATTENTION_CASES)
+def test_context_parallel_matches_one_process(verdicts, name):
+    failure = verdicts[name]
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
+
+
+# ---------------------------------------------------------------- in-process: refusals and the report
+
+def _patched_wan(**options):
+    torch.manual_seed(0)
+    model, inputs = _wan(torch.float32)
+    return model, inputs, compile_ops.patch(model, **options)
+
+
+def _parallel(**degrees):
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+    return ParallelConfig(context_parallel_config=ContextParallelConfig(**degrees))
+
+
+def test_patch_after_enable_parallelism_is_refused():
+    model, _ = _wan(torch.float32)
+    model._parallel_config = _parallel(ulysses_degree=2)  # what enable_parallelism records
+    with pytest.raises(RuntimeError, match=r"call compile_ops.patch\(model\) first, then model.enable_parallelism"):
+        compile_ops.patch(model)
+
+
+def test_tensor_parallelism_on_a_patched_model_is_refused():
+    from diffusers.models._modeling_parallel import ParallelConfig, TensorParallelConfig
+    model, inputs, _ = _patched_wan()
+    model._parallel_config = ParallelConfig(tensor_parallel_config=TensorParallelConfig(tp_degree=2))
+    with pytest.raises(RuntimeError, match="TensorParallelConfig.*Use ContextParallelConfig"):
+        model(**inputs)
+
+
+@pytest.mark.parametrize("precision, sparse, lengths, refused", [
+    ("exact", False, False, False), ("int8", False, False, True), ("int8_fp8", False, False, True),
+    ("exact", True, False, True), ("exact", False, True, True)])
+def test_ring_refuses_what_needs_every_key(precision, sparse, lengths, refused):
+    from compile_ops.integrations.diffusers.context_parallel import check_parallel_mode
+
+    for config, expect_refusal in ((_parallel(ulysses_degree=2), False), (_parallel(ring_degree=2), refused),
+                                   (_parallel(ring_degree=2, ulysses_degree=2), refused)):
+        if expect_refusal:
+            with pytest.raises(ValueError, match=r"cannot run under ring attention.*ulysses_degree"):
+                check_parallel_mode(config, precision, sparse, lengths, "owner")
+        else:
+            check_parallel_mode(config, precision, sparse, lengths, "owner")  # runs
+
+
+def test_the_report_names_each_layers_kernel_and_parallel_path():
+    model, _, report = _patched_wan(attention_precision="int8_fp8")
+    paths = {path: (kernel, parallel) for path, kernel, parallel in report.attention_paths()}
+    assert set(paths) == {f"blocks.{i}.{a}" for i in range(2) for a in ("attn1", "attn2")}
+    assert all(kernel.startswith("fused.attention_int8_fp8 (inference)") and parallel == "one rank"
+               for kernel, parallel in paths.values()), paths
+    for module in model.modules():  # what model.enable_parallelism sets on each processor
+        if hasattr(module, "processor") and hasattr(module.processor, "_parallel_config"):
+            module.processor._parallel_config = _parallel(ulysses_degree=2)
+    paths = {path: parallel for path, _, parallel in report.attention_paths()}
+    assert paths["blocks.0.attn1"] == "Ulysses-2" and paths["blocks.0.attn2"].startswith("each rank's queries")
+    assert "across ranks: Ulysses-2" in str(report)
+
+
+def test_the_report_names_the_sparse_kernel():
+    _, _, report = _patched_wan(attention=compile_ops.SlidingTile(window=(1, 1, 1), tile=(2, 8, 8)))
+    kernels = {path: kernel for path, kernel, _ in report.attention_paths()}
+    assert kernels["blocks.0.attn1"].startswith("fused.block_sparse_attention (SlidingTile(")
+    assert not kernels["blocks.0.attn2"].startswith("fused.block_sparse_attention")
