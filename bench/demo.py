@@ -11,6 +11,7 @@ the fused ops run their pure-PyTorch reference, so this checks the op
 plumbing (schemas, fake implementations, autograd registration, tracing), not
 the Triton kernels; ``bench/run.py`` measures those on a GPU.
 """
+
 import collections
 import os
 import sys
@@ -99,8 +100,9 @@ class DiTBlock(nn.Module):
             # Three kernels carry the residual stream: norm+modulate, then the
             # seam (gated residual + norm + modulate), then the last gated residual.
             h = compile_ops.norm_modulate(x, scale1, shift1, None, None, "layernorm", EPS)
-            x, h = compile_ops.gated_residual_norm_modulate(x, self._attention(h), gate1, scale2, shift2,
-                                                            None, None, "layernorm", EPS)
+            x, h = compile_ops.gated_residual_norm_modulate(
+                x, self._attention(h), gate1, scale2, shift2, None, None, "layernorm", EPS
+            )
             return compile_ops.gated_residual(x, self._mlp(h), gate2)
         h = F.layer_norm(x, (self.dim,), eps=EPS) * (1 + scale1[:, None]) + shift1[:, None]
         x = x + gate1[:, None] * self._attention(h)
@@ -158,12 +160,15 @@ def _compare(label, got, want):
     for name, g in grads_w.items():
         assert g is not None, f"{label}: eager PyTorch gave no gradient for {name}"
         assert grads_g[name] is not None, f"{label}: no gradient for {name}"
-        torch.testing.assert_close(grads_g[name], g, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, name=name: f"{label}, grad of {name}: {m}")
+        torch.testing.assert_close(
+            grads_g[name], g, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{label}, grad of {name}: {m}"
+        )
         diffs[name] = (grads_g[name] - g).abs().max().item()
     worst = max(diffs, key=diffs.get)
-    print(f"  {label}: max |diff| output {(out_g - out_w).abs().max().item():.2e}, "
-          f"gradients {diffs[worst]:.2e} (worst: {worst}; {len(diffs)} gradients compared)")
+    print(
+        f"  {label}: max |diff| output {(out_g - out_w).abs().max().item():.2e}, "
+        f"gradients {diffs[worst]:.2e} (worst: {worst}; {len(diffs)} gradients compared)"
+    )
 
 
 def main() -> int:
@@ -176,8 +181,10 @@ def main() -> int:
     plain = DiTBlock(C, H, fused=False)
     plain.load_state_dict(fused.state_dict())
     x, temb, grad_out = torch.randn(B, L, C), torch.randn(B, C), torch.randn(B, L, C)
-    print(f"DiT block B={B} L={L} C={C} heads={H}, fp32 on {x.device.type}: "
-          f"fused ops compiled by Inductor vs torch.nn.functional eager")
+    print(
+        f"DiT block B={B} L={L} C={C} heads={H}, fp32 on {x.device.type}: "
+        f"fused ops compiled by Inductor vs torch.nn.functional eager"
+    )
 
     recorder = _GraphRecorder()
     compiled = torch.compile(fused, fullgraph=True, backend=recorder)
@@ -188,11 +195,18 @@ def main() -> int:
     # fullgraph=True already raises on a graph break; one graph confirms it.
     assert len(recorder.graphs) == 1, f"expected 1 Dynamo graph, got {len(recorder.graphs)}"
     calls = fused_calls(recorder.graphs[0])
-    expected = {"fused.norm_modulate": 1, "fused.gated_residual_norm_modulate": 1,
-                "fused.gated_residual": 1, "fused.rmsnorm": 2, "fused.attention": 1}
+    expected = {
+        "fused.norm_modulate": 1,
+        "fused.gated_residual_norm_modulate": 1,
+        "fused.gated_residual": 1,
+        "fused.rmsnorm": 2,
+        "fused.attention": 1,
+    }
     assert dict(calls) == expected, f"fused ops in the graph: {dict(calls)}, expected {expected}"
-    print(f"  Dynamo: {len(recorder.graphs)} graph, 0 graph breaks; fused ops in the graph: "
-          + ", ".join(f"{name} x{n}" for name, n in sorted(calls.items())))
+    print(
+        f"  Dynamo: {len(recorder.graphs)} graph, 0 graph breaks; fused ops in the graph: "
+        + ", ".join(f"{name} x{n}" for name, n in sorted(calls.items()))
+    )
 
     _compare("compiled fused vs eager PyTorch", got_compiled, want)
     _compare("eager fused vs eager PyTorch", got_eager, want)

@@ -20,6 +20,7 @@ to the screen as well); the screen shows the progress and the summary.
 (``bench/runners/nsight.py``). What the runners share (timing, environment,
 results files, progress) is in ``bench/toolkit.py``.
 """
+
 import time
 
 START = time.perf_counter()  # the first run's time budget counts from the process start
@@ -43,20 +44,37 @@ CAUSAL_SHAPES = "1x24x4608x128,1x12x32760x128"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--full", action="store_true",
-                   help="every op at every shape with its peers, then every runner (attention, block-sparse, MoE, "
-                        "diffusers end to end, multi-GPU)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="every op at every shape with its peers, then every runner (attention, block-sparse, MoE, "
+        "diffusers end to end, multi-GPU)",
+    )
     p.add_argument("--ops", default="", help="only the op table, for these comma-separated ops")
     p.add_argument("--quick", action="store_true", help="short timing runs, one shape per op (smoke test)")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"),
-                   help="directory for the results, plots and logs (default: bench/results)")
-    p.add_argument("--merge", action="store_true",
-                   help="keep the other ops' rows of an existing <gpu>.json (same GPU and versions)")
+    p.add_argument(
+        "--out",
+        default=os.path.join(ROOT, "bench", "results"),
+        help="directory for the results, plots and logs (default: bench/results)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other ops' rows of an existing <gpu>.json (same GPU and versions)",
+    )
     p.add_argument("--verbose", action="store_true", help="every measurement line on the screen too")
-    p.add_argument("--budget-s", type=float, default=270.0,
-                   help="the first run skips the stages that would end past this many seconds")
-    p.add_argument("--profile", default="", metavar="OPS",
-                   help="comma-separated ops to profile with ncu (bench/runners/nsight.py) instead of timing")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=270.0,
+        help="the first run skips the stages that would end past this many seconds",
+    )
+    p.add_argument(
+        "--profile",
+        default="",
+        metavar="OPS",
+        help="comma-separated ops to profile with ncu (bench/runners/nsight.py) instead of timing",
+    )
     return p.parse_args(argv)
 
 
@@ -67,10 +85,12 @@ def stages(args, has_diffusers: bool, gpus: int) -> list:
     planned = [("op table" + (f" ({args.ops})" if args.ops else ""), "ops", None)]
     if not args.full:
         return planned
-    planned += [("attention, non-causal", "attention", out + quick),
-                ("attention, causal", "attention", out + quick + ["--causal", "--shapes", CAUSAL_SHAPES]),
-                ("block-sparse attention", "block_sparse", out + quick),
-                ("MoE routing", "moe", out + quick)]
+    planned += [
+        ("attention, non-causal", "attention", out + quick),
+        ("attention, causal", "attention", out + quick + ["--causal", "--shapes", CAUSAL_SHAPES]),
+        ("block-sparse attention", "block_sparse", out + quick),
+        ("MoE routing", "moe", out + quick),
+    ]
     if has_diffusers:
         planned.append(("diffusers end to end", "diffusers_e2e", out))
     if gpus >= 2:
@@ -86,6 +106,7 @@ def table_run(args) -> int:
 
     try:
         import diffusers  # noqa: F401  (the optional extra)
+
         has_diffusers = True
     except ImportError:
         has_diffusers = False
@@ -117,9 +138,18 @@ def table_run(args) -> int:
         lines = report.format_table(data).splitlines()
     paths = (os.path.join(args.out, name) for name in os.listdir(args.out))
     written = sorted(os.path.relpath(p) for p in paths if os.path.isfile(p) and os.path.getmtime(p) >= started)
-    print("\n".join(["", *lines, "", "Written: " + ", ".join(written),
-                     f"Done in {time.perf_counter() - START:.0f} s" + (", with failures (see the log)" if status
-                                                                       else "")]), flush=True)
+    print(
+        "\n".join(
+            [
+                "",
+                *lines,
+                "",
+                "Written: " + ", ".join(written),
+                f"Done in {time.perf_counter() - START:.0f} s" + (", with failures (see the log)" if status else ""),
+            ]
+        ),
+        flush=True,
+    )
     return status
 
 
@@ -129,6 +159,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         log("run.py: no CUDA device here, so no benchmark; running the CPU demo (bench/demo.py) instead.")
         from bench import demo
+
         return demo.main()
     if args.profile:
         from bench.runners import nsight

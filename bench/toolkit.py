@@ -22,6 +22,7 @@ run one way.
 - Small helpers: :func:`log`, :func:`shape_str`, :func:`error_text`,
   :func:`as_tuple`, :func:`tensors_of`.
 """
+
 import contextlib
 import datetime
 import functools
@@ -49,6 +50,7 @@ KIND_LABELS = {"fwd": "fwd", "fwdbwd": "fwd+bwd", "fwd_graph": "fwd/graph", "fwd
 
 # ---------------------------------------------------------------- small helpers
 
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -71,6 +73,7 @@ def error_text(exc: BaseException) -> str:
 
 
 # ---------------------------------------------------------------- environment
+
 
 def relative_l2(got, want) -> float:
     """``|got - want| / |want|`` (L2 over all elements, in fp64): how the
@@ -114,11 +117,11 @@ def environment() -> dict:
 
 def machine_line(env: dict) -> str:
     """One line naming the GPU and the versions of :func:`environment`'s ``env``."""
-    return (f"{env['gpu']} ({env['sms']} SMs) | torch {env['torch']} | triton {env['triton']} | "
-            f"CUDA {env.get('cuda')}")
+    return f"{env['gpu']} ({env['sms']} SMs) | torch {env['torch']} | triton {env['triton']} | CUDA {env.get('cuda')}"
 
 
 # ---------------------------------------------------------------- progress and output
+
 
 class Progress:
     """A counter of the measurements of a run: each :meth:`step` logs
@@ -193,6 +196,7 @@ def output_to(log_path: str, echo: bool = False):
 
 
 # ---------------------------------------------------------------- timing
+
 
 def make_timer(quick: bool):
     """``timer(fn) -> ms``: median of ``triton.testing.do_bench`` (L2 flushed between runs)."""
@@ -307,8 +311,11 @@ def kernel_profile(fn, calls: int = 3, top: int = 12) -> dict:
         family = next((f for f, pattern in KERNEL_FAMILIES if re.search(pattern, name, re.I)), "other")
         families[family] = families.get(family, 0.0) + ms
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"gpu_ms": sum(ms for ms, _ in kernels.values()), "families": dict(sorted(families.items())),
-            "top": [[name[:120], ms, launches // calls] for name, (ms, launches) in ranked]}
+    return {
+        "gpu_ms": sum(ms for ms, _ in kernels.values()),
+        "families": dict(sorted(families.items())),
+        "top": [[name[:120], ms, launches // calls] for name, (ms, launches) in ranked],
+    }
 
 
 def _training_step(fn, args):
@@ -350,6 +357,7 @@ def time_forward_backward(fn, args, timer, graph: bool = False) -> float:
 
 # ---------------------------------------------------------------- bytes
 
+
 def timed_call(fn, args, kind: str):
     """A callable that runs ``fn(*args)`` as timing ``kind`` of :data:`KINDS`
     measures it (compiled and warmed up here, outside any timing): the forward
@@ -360,6 +368,7 @@ def timed_call(fn, args, kind: str):
     if kind.startswith("fwdbwd"):
         call = _training_step(fn, args)
     else:
+
         def call():
             with torch.no_grad():
                 return fn(*args)
@@ -388,6 +397,7 @@ def bytes_model(args, outs, backward_reads_inputs: bool = True) -> tuple:
 
 # ---------------------------------------------------------------- results files
 
+
 def results_path(out_dir: str, stem: str, env: dict) -> str:
     """``<out_dir>/<stem>-<gpu>.json``: where a runner's results go."""
     return os.path.join(out_dir, f"{stem}-{gpu_slug(env['gpu'])}.json")
@@ -415,8 +425,16 @@ def write_sweep(out_path, rows: list) -> None:
         import triton
 
         with open(out_path, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "gpu": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "triton": triton.__version__,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 def merge_runs(old: dict, new: dict) -> dict:
@@ -425,19 +443,27 @@ def merge_runs(old: dict, new: dict) -> dict:
     GPUs or versions; the runs' dates and copy bandwidths are kept."""
     keys = ("gpu", "torch", "triton", "cuda", "liger")
     if any(old["env"].get(k) != new["env"].get(k) for k in keys):
-        raise SystemExit(f"run.py --merge: {[old['env'].get(k) for k in keys]} != "
-                         f"{[new['env'].get(k) for k in keys]}; run every op instead")
+        raise SystemExit(
+            f"run.py --merge: {[old['env'].get(k) for k in keys]} != "
+            f"{[new['env'].get(k) for k in keys]}; run every op instead"
+        )
     measured = {r["op"] for r in new["rows"]}
     old_date = old["env"].get("date")
     kept = [dict(r, date=r.get("date", old_date)) for r in old["rows"] if r["op"] not in measured]
     runs = {r["date"]: None for r in kept + new["rows"]}
     copies = dict(old.get("copy_TBps_by_run", {old_date: old["copy_TBps"]}))
     copies[new["env"]["date"]] = new["copy_TBps"]
-    return dict(new, rows=kept + new["rows"], overhead=new["overhead"] or old.get("overhead"),
-                runs=sorted(runs), copy_TBps_by_run={d: copies[d] for d in sorted(runs) if d in copies})
+    return dict(
+        new,
+        rows=kept + new["rows"],
+        overhead=new["overhead"] or old.get("overhead"),
+        runs=sorted(runs),
+        copy_TBps_by_run={d: copies[d] for d in sorted(runs) if d in copies},
+    )
 
 
 # ---------------------------------------------------------------- launch-config sweeps
+
 
 def sweep_times(spec, args, configs, configure, timer, rounds: int = 3) -> dict:
     """``{(kind, config): median ms}`` for kind "fwd" and "fwdbwd" ("fwd" only
@@ -504,8 +530,7 @@ def run_sweep(out_path, ops, shapes, configs, configure, fields, default_ops, de
     timer = make_timer(quick=False)
     warm_up_gpu()
     results = []
-    plan = [(BY_NAME[name], shape) for name in ops
-            for shape in (shapes or BY_NAME[name].bench_shapes)]
+    plan = [(BY_NAME[name], shape) for name in ops for shape in (shapes or BY_NAME[name].bench_shapes)]
     for spec, shape in plan:
         name = spec.name
         args = spec.make_inputs(shape, torch.bfloat16, "cuda", True)
@@ -513,8 +538,9 @@ def run_sweep(out_path, ops, shapes, configs, configure, fields, default_ops, de
             fwd_bytes, fwdbwd_bytes = bytes_model(args, spec.reference(*args), spec.backward_reads_inputs)
         for (kind, config), ms in sweep_times(spec, args, configs, configure, timer).items():
             gbps = (fwd_bytes if kind == "fwd" else fwdbwd_bytes) / (ms * 1e-3) / 1e9
-            results.append({"op": name, "shape": list(shape), "kind": kind, **dict(zip(fields, config)),
-                            "ms": ms, "GBps": gbps})
+            results.append(
+                {"op": name, "shape": list(shape), "kind": kind, **dict(zip(fields, config)), "ms": ms, "GBps": gbps}
+            )
             described = " ".join(f"{f} {v}" for f, v in zip(fields, config))
             log(f"{name:<13} {shape_str(shape):<14} {kind:<7} {described}: {ms * 1e3:8.1f} us {gbps:7.0f} GB/s")
     write_sweep(out_path, results)

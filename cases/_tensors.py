@@ -1,4 +1,5 @@
 """The random tensors and shape rules that every family's input builders share."""
+
 import torch
 
 

@@ -6,6 +6,7 @@ An op's arguments are ``(q, k, v, scale, causal, seq_dim, kv_lengths)`` (the
 requires_grad)`` make a row's ``make_inputs`` from an activation shape
 ``[B, L, C]`` split into heads, ``*_edges`` its ``edge_inputs``.
 """
+
 import torch
 
 from cases._tensors import int8_dtype, split_heads, tensor
@@ -19,6 +20,7 @@ def qkv(b, hq, hk, lq, lk, d, seq_dim, dtype, device, g, scale=1.0):
     def t(h, length):
         shape = (b, h, length, d) if seq_dim == 2 else (b, length, h, d)
         return tensor(shape, dtype, device, g, scale)
+
     return t(hq, lq), t(hk, lk), t(hk, lk)
 
 
@@ -31,17 +33,17 @@ def attention_edges(dtype, device, requires_grad):
     kv_lengths = torch.tensor([5, 2], dtype=torch.int32, device=device)
     return [
         (*qkv(1, 2, 2, 4, 4, 8, 2, dtype, device, g), 0.35, False, 2, None),
-        (*qkv(1, 2, 1, 3, 5, 12, 1, dtype, device, g), 0.3, True, 1, None),         # GQA, Lq != Lk, D padded
-        (*qkv(2, 1, 1, 3, 5, 8, 2, dtype, device, g), 0.35, False, 2, kv_lengths),   # padded keys
+        (*qkv(1, 2, 1, 3, 5, 12, 1, dtype, device, g), 0.3, True, 1, None),  # GQA, Lq != Lk, D padded
+        (*qkv(2, 1, 1, 3, 5, 8, 2, dtype, device, g), 0.35, False, 2, kv_lengths),  # padded keys
         (q_view, *qkv(1, 2, 2, 4, 4, 8, 2, dtype, device, g)[1:], 0.35, True, 2, None),
-        (*qkv(1, 2, 2, 0, 4, 8, 2, dtype, device, g), 0.35, False, 2, None),         # no queries
+        (*qkv(1, 2, 2, 0, 4, 8, 2, dtype, device, g), 0.35, False, 2, None),  # no queries
     ]
 
 
 def make_attention(shape, dtype, device, requires_grad):
     """q, k, v ``[B, H, L, D]`` (SDPA's layout), non-causal self-attention."""
     b, length, h, d = split_heads(shape)
-    return (*qkv(b, h, h, length, length, d, 2, dtype, device, requires_grad), d ** -0.5, False, 2, None)
+    return (*qkv(b, h, h, length, length, d, 2, dtype, device, requires_grad), d**-0.5, False, 2, None)
 
 
 def attention_int8_edges(dtype, device, requires_grad):
@@ -58,20 +60,29 @@ def attention_int8_edges(dtype, device, requires_grad):
 def make_attention_int8(shape, dtype, device, requires_grad):
     """q, k, v ``[B, L, H, D]`` (the models' layout), non-causal self-attention, 16-bit."""
     b, length, h, d = split_heads(shape)
-    return (*qkv(b, h, h, length, length, d, 1, int8_dtype(dtype), device, False), d ** -0.5, False, 1, None)
+    return (*qkv(b, h, h, length, length, d, 1, int8_dtype(dtype), device, False), d**-0.5, False, 1, None)
 
 
 def _quantized_qk_args(q, k, v, scale, causal, seq_dim, kv_lengths, pv_fp8, fp8_rows):
     """fused.attention_qk8's arguments: q and k quantized by the specification."""
-    return (*reference.attention.smooth_quantize_qk(q, k, seq_dim), v, scale, causal, seq_dim, kv_lengths,
-            pv_fp8, fp8_rows)
+    return (
+        *reference.attention.smooth_quantize_qk(q, k, seq_dim),
+        v,
+        scale,
+        causal,
+        seq_dim,
+        kv_lengths,
+        pv_fp8,
+        fp8_rows,
+    )
 
 
 def attention_qk8_edges(dtype, device, requires_grad):
     """The 8-bit edges with q and k quantized, in the three P V / output modes in turn."""
     modes = ((False, False), (True, False), (True, True))
-    return [_quantized_qk_args(*case, *modes[i % 3])
-            for i, case in enumerate(attention_int8_edges(dtype, device, False))]
+    return [
+        _quantized_qk_args(*case, *modes[i % 3]) for i, case in enumerate(attention_int8_edges(dtype, device, False))
+    ]
 
 
 def make_attention_qk8(shape, dtype, device, requires_grad):

@@ -3,6 +3,7 @@
 An op's arguments are attention's with the block lists after v: ``(q, k, v,
 block_index, block_count, scale, causal, seq_dim, kv_lengths)``.
 """
+
 import torch
 
 from cases._tensors import split_heads, tensor
@@ -27,12 +28,20 @@ def block_sparse_edges(dtype, device, requires_grad):
     block that lists nothing, no queries."""
     g = requires_grad
     kv_lengths = torch.tensor([200, 1], dtype=torch.int32, device=device)
-    empty_rows = torch.zeros(1, 1, 2, 2, dtype=torch.int32, device=device), \
-        torch.tensor([[[1, 0]]], dtype=torch.int32, device=device)  # the second query block lists nothing
+    empty_rows = (
+        torch.zeros(1, 1, 2, 2, dtype=torch.int32, device=device),
+        torch.tensor([[[1, 0]]], dtype=torch.int32, device=device),
+    )  # the second query block lists nothing
     return [
         (*qkv(1, 1, 1, 130, 140, 4, 2, dtype, device, g), *_banded_lists(2, 2, device), 0.5, False, 2, None),
-        (*qkv(2, 2, 1, 150, 260, 8, 1, dtype, device, g), *_banded_lists(2, 3, device, 2, 2, width=2), 0.35,
-         True, 1, kv_lengths),                                                       # GQA, per-head lists
+        (
+            *qkv(2, 2, 1, 150, 260, 8, 1, dtype, device, g),
+            *_banded_lists(2, 3, device, 2, 2, width=2),
+            0.35,
+            True,
+            1,
+            kv_lengths,
+        ),  # GQA, per-head lists
         (*qkv(1, 1, 1, 140, 70, 8, 2, dtype, device, g), *empty_rows, 0.35, False, 2, None),
         (*qkv(1, 2, 2, 0, 4, 8, 2, dtype, device, g), *_banded_lists(0, 1, device), 0.35, False, 2, None),
     ]
@@ -42,8 +51,14 @@ def make_block_sparse(shape, dtype, device, requires_grad):
     """q, k, v ``[B, H, L, D]`` with banded block lists shared by every head."""
     b, length, h, d = split_heads(shape)
     n = (length + 127) // 128
-    return (*qkv(b, h, h, length, length, d, 2, dtype, device, requires_grad), *_banded_lists(n, n, device),
-            d ** -0.5, False, 2, None)
+    return (
+        *qkv(b, h, h, length, length, d, 2, dtype, device, requires_grad),
+        *_banded_lists(n, n, device),
+        d**-0.5,
+        False,
+        2,
+        None,
+    )
 
 
 def block_sparse_backward_edges(dtype, device, requires_grad):
@@ -51,8 +66,10 @@ def block_sparse_backward_edges(dtype, device, requires_grad):
     log-sum-exp."""
     cases = []
     for q, k, v, index, count, scale, causal, seq_dim, kv_lengths in block_sparse_edges(dtype, device, False):
-        out, lse = reference.block_sparse.block_sparse_attention(q, k, v, index, count, scale, causal, seq_dim,
-                                                                 kv_lengths)
-        cases.append((tensor(q.shape, dtype, device), q, k, v, out, lse, index, count, scale, causal, seq_dim,
-                      kv_lengths))
+        out, lse = reference.block_sparse.block_sparse_attention(
+            q, k, v, index, count, scale, causal, seq_dim, kv_lengths
+        )
+        cases.append(
+            (tensor(q.shape, dtype, device), q, k, v, out, lse, index, count, scale, causal, seq_dim, kv_lengths)
+        )
     return cases

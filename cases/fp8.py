@@ -5,6 +5,7 @@ An op's arguments are ``(x [..., N], *activation)`` or ``(x [..., N], activation
 head [..., M])``; ``make_*`` make a row's ``make_inputs`` (no gradient: the op
 is inference only), ``*_edges`` its ``edge_inputs``.
 """
+
 from cases._tensors import tensor
 
 
@@ -13,6 +14,7 @@ def make_quantize(*activation):
 
     def make_inputs(shape, dtype, device, requires_grad):
         return (tensor(shape, dtype, device, False), *activation)
+
     return make_inputs
 
 
@@ -21,6 +23,7 @@ def quantize_edges(*activation):
 
     def edges(dtype, device, requires_grad):
         return [(*case, *activation) for case in _quantize_edge_tensors(dtype, device)]
+
     return edges
 
 
@@ -59,6 +62,6 @@ def _quantize_edge_tensors(dtype, device):
         (tensor((0, 16), dtype, device),),
         (tensor((4, 40), dtype, device)[:, 4:20],),  # row stride 40
         (tensor((24,), dtype, device),),
-        (tensor((2, 5000), dtype, device),),          # held in two blocks
-        (tensor((2, 16384 + 37), dtype, device),),    # past MAX_ROW_VALUES: the two-pass loop
+        (tensor((2, 5000), dtype, device),),  # held in two blocks
+        (tensor((2, 16384 + 37), dtype, device),),  # past MAX_ROW_VALUES: the two-pass loop
     ]

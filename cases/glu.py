@@ -4,6 +4,7 @@ An op's arguments are ``(x [..., 2H], *options, gate_first)``; :func:`make_glu`
 and :func:`glu_edges` make a row's ``make_inputs`` and ``edge_inputs`` from
 its options (geglu's ``approximate``).
 """
+
 import torch
 
 from cases._tensors import tensor
@@ -23,12 +24,12 @@ def glu_edges(*options):
         channel_strided = tensor((16, 3), dtype, device, scale=2.0).t().detach().requires_grad_(g)
         return [
             (x((2, 3, 16)), *options, False),
-            (x((2, 3, 16)), *options, True),     # vLLM's order
-            (x((0, 16)), *options, False),        # zero rows
-            (x((10,)), *options, True),           # 1-D, H = 5
+            (x((2, 3, 16)), *options, True),  # vLLM's order
+            (x((0, 16)), *options, False),  # zero rows
+            (x((10,)), *options, True),  # 1-D, H = 5
             (row_slice, *options, False),
-            (channel_strided, *options, True),    # copied to unit column stride
-            (x((3, 5, 66)), *options, False),     # H = 33, not a block multiple
+            (channel_strided, *options, True),  # copied to unit column stride
+            (x((3, 5, 66)), *options, False),  # H = 33, not a block multiple
         ]
 
     return edges
@@ -39,6 +40,7 @@ def make_glu(*options):
 
     def make_inputs(shape, dtype, device, requires_grad):
         return (tensor(shape, dtype, device, requires_grad, scale=2.0), *options, False)
+
     return make_inputs
 
 

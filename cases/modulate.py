@@ -7,6 +7,7 @@ activation ``x [..., C]`` into an op's arguments, its modulation tensors of
 :func:`make_modulation` and :func:`modulation_edges` make the row's
 ``make_inputs`` and ``edge_inputs`` of one.
 """
+
 from cases._tensors import param, tensor
 from compile_ops import reference
 
@@ -32,8 +33,13 @@ def norm_modulate_args(norm):
     without ``affine``), ``norm``, ``eps``."""
 
     def build(x, mod_shape, affine, dtype, device, g, eps=1e-6):
-        return (*modulate_args(x, mod_shape, affine, dtype, device, g),
-                *_affine_params(x.shape[-1], affine, dtype, device, g), norm, eps)
+        return (
+            *modulate_args(x, mod_shape, affine, dtype, device, g),
+            *_affine_params(x.shape[-1], affine, dtype, device, g),
+            norm,
+            eps,
+        )
+
     return build
 
 
@@ -47,8 +53,11 @@ def gated_residual_norm_modulate_args(norm):
     :func:`norm_modulate_args` ``(norm)``'s past x."""
 
     def build(x, mod_shape, affine, dtype, device, g, eps=1e-6):
-        return (*gated_residual_args(x, mod_shape, affine, dtype, device, g),
-                *norm_modulate_args(norm)(x, mod_shape, affine, dtype, device, g, eps)[1:])
+        return (
+            *gated_residual_args(x, mod_shape, affine, dtype, device, g),
+            *norm_modulate_args(norm)(x, mod_shape, affine, dtype, device, g, eps)[1:],
+        )
+
     return build
 
 
@@ -60,15 +69,17 @@ def modulation_edges(build):
         g = requires_grad
         strided = tensor((4, 40), dtype, device)[:, 4:20].detach().requires_grad_(g)  # row stride 40
         cases = [
-            ((2, 3, 16), (2, 16), True),          # per sample, diffusers' chunk of the embedding
-            ((2, 3, 16), (2, 3, 16), False),      # per token
-            ((2, 4, 16), (2, 2, 1, 16), True),    # per frame: x read as [2, 2, 2, 16]
-            ((3, 16), (16,), False),              # 2-D x, per channel
-            ((2, 5, 33), (1, 1, 33), True),       # width not a block multiple, batch-broadcast
-            ((0, 3, 16), (0, 16), True),          # zero rows
+            ((2, 3, 16), (2, 16), True),  # per sample, diffusers' chunk of the embedding
+            ((2, 3, 16), (2, 3, 16), False),  # per token
+            ((2, 4, 16), (2, 2, 1, 16), True),  # per frame: x read as [2, 2, 2, 16]
+            ((3, 16), (16,), False),  # 2-D x, per channel
+            ((2, 5, 33), (1, 1, 33), True),  # width not a block multiple, batch-broadcast
+            ((0, 3, 16), (0, 16), True),  # zero rows
         ]
-        out = [build(tensor(x_shape, dtype, device, g), m_shape, affine, dtype, device, g)
-               for x_shape, m_shape, affine in cases]
+        out = [
+            build(tensor(x_shape, dtype, device, g), m_shape, affine, dtype, device, g)
+            for x_shape, m_shape, affine in cases
+        ]
         out.append(build(strided, (), False, dtype, device, g))  # strided rows, 0-dim modulation
         return out
 
@@ -80,14 +91,17 @@ def make_modulation(build):
     diffusers' AdaLayerNormZero chunks it from the timestep embedding."""
 
     def make_inputs(shape, dtype, device, requires_grad):
-        return build(tensor(shape, dtype, device, requires_grad), (shape[0], shape[-1]), False, dtype,
-                     device, requires_grad)
+        return build(
+            tensor(shape, dtype, device, requires_grad), (shape[0], shape[-1]), False, dtype, device, requires_grad
+        )
+
     return make_inputs
 
 
 def modulate_backward_edges(dtype, device, requires_grad):
     """modulate_backward's cases: the backward of each op of the family, with
     per-sample, per-token and broadcast modulation, and zero rows."""
+
     def t(shape, scale=1.0):
         return tensor(shape, dtype, device, scale=scale)
 
@@ -95,8 +109,9 @@ def modulate_backward_edges(dtype, device, requires_grad):
     w, b = param(16, dtype, device, False), param(16, dtype, device, False)
     # The forward's row statistics of x, as norm_modulate returns them.
     _, mean, rstd = reference.modulate.norm_modulate(x, t(per_sample), t(per_sample), None, None, "layernorm", 1e-6)
-    _, no_mean, rms_rstd = reference.modulate.norm_modulate(x, t(per_sample), t(per_sample), None, None,
-                                                            "rmsnorm", 1e-6)
+    _, no_mean, rms_rstd = reference.modulate.norm_modulate(
+        x, t(per_sample), t(per_sample), None, None, "rmsnorm", 1e-6
+    )
     return [
         # modulate; norm_modulate with and without affine, statistics given and recomputed;
         # gated_residual; the seam.
@@ -104,8 +119,34 @@ def modulate_backward_edges(dtype, device, requires_grad):
         (t(x.shape), None, x, mean, rstd, None, None, t(per_sample, 0.5), t(per_token), w, b, "layernorm", 1e-6),
         (t(x.shape), None, x, None, None, None, None, t((), 0.5), t((16,)), None, None, "rmsnorm", 1e-6),
         (None, t(x.shape), x, None, None, t(x.shape), t(per_token), None, None, None, None, "none", 0.0),
-        (t(x.shape), t(x.shape), x, no_mean, rms_rstd, t(x.shape), t(per_sample), t((2, 1, 16), 0.5),
-         t(per_sample), w, None, "rmsnorm", 1e-6),
-        (t((0, 3, 16)), None, t((0, 3, 16)), None, None, None, None, t((0, 16)), t((0, 16)), None, None,
-         "layernorm", 1e-6),
+        (
+            t(x.shape),
+            t(x.shape),
+            x,
+            no_mean,
+            rms_rstd,
+            t(x.shape),
+            t(per_sample),
+            t((2, 1, 16), 0.5),
+            t(per_sample),
+            w,
+            None,
+            "rmsnorm",
+            1e-6,
+        ),
+        (
+            t((0, 3, 16)),
+            None,
+            t((0, 3, 16)),
+            None,
+            None,
+            None,
+            None,
+            t((0, 16)),
+            t((0, 16)),
+            None,
+            None,
+            "layernorm",
+            1e-6,
+        ),
     ]

@@ -4,6 +4,7 @@ An op's arguments are ``(x [T, H], router weight [E, H], top_k, renormalize)``;
 :func:`make_moe` makes a row's ``make_inputs`` for one gate (E, k,
 renormalized or not), :func:`moe_edges` is its ``edge_inputs``.
 """
+
 import torch
 
 from cases._tensors import tensor
@@ -12,7 +13,7 @@ from compile_ops import reference
 
 def _router(num_experts, h, dtype, device, g):
     """A router weight ``[E, H]`` scaled so that the logits of N(0, 1) tokens are about N(0, 1)."""
-    return tensor((num_experts, h), dtype, device, g, scale=h ** -0.5)
+    return tensor((num_experts, h), dtype, device, g, scale=h**-0.5)
 
 
 def make_moe(num_experts, top_k, renormalize):
@@ -21,8 +22,13 @@ def make_moe(num_experts, top_k, renormalize):
 
     def make_inputs(shape, dtype, device, requires_grad):
         _, length, c = shape
-        return (tensor((length, c), dtype, device, requires_grad), _router(num_experts, c, dtype, device,
-                                                                          requires_grad), top_k, renormalize)
+        return (
+            tensor((length, c), dtype, device, requires_grad),
+            _router(num_experts, c, dtype, device, requires_grad),
+            top_k,
+            renormalize,
+        )
+
     return make_inputs
 
 
@@ -50,10 +56,28 @@ def moe_backward_edges(dtype, device, requires_grad):
     cases = []
     for x, w, top_k, renormalize in moe_edges(dtype, device, False)[:3]:
         probs, weights, experts, _, _ = reference.moe.moe_route(x, w, top_k, renormalize)
-        cases.append((tensor(probs.shape, probs.dtype, device), tensor(weights.shape, weights.dtype, device),
-                      x, w, probs, experts, renormalize))
+        cases.append(
+            (
+                tensor(probs.shape, probs.dtype, device),
+                tensor(weights.shape, weights.dtype, device),
+                x,
+                w,
+                probs,
+                experts,
+                renormalize,
+            )
+        )
     # Expanded (stride-0) gradients, as probs.sum().backward() produces.
     grad_probs, grad_weights, x, w, probs, experts, _ = cases[0]
-    cases.append((torch.ones((), dtype=probs.dtype, device=device).expand(probs.shape),
-                  torch.ones((), dtype=probs.dtype, device=device).expand(experts.shape), x, w, probs, experts, False))
+    cases.append(
+        (
+            torch.ones((), dtype=probs.dtype, device=device).expand(probs.shape),
+            torch.ones((), dtype=probs.dtype, device=device).expand(experts.shape),
+            x,
+            w,
+            probs,
+            experts,
+            False,
+        )
+    )
     return cases

@@ -5,6 +5,7 @@ An ``*_args`` builder ``build(x, affine, dtype, device, g)`` turns an activation
 :func:`make_norm` and :func:`norm_edges` make the row's ``make_inputs`` and
 ``edge_inputs`` of one.
 """
+
 import torch
 
 from cases._tensors import param, tensor
@@ -21,10 +22,10 @@ def norm_edges(build):
         return [
             build(base, True, dtype, device, g),
             build(base, False, dtype, device, g),
-            build(tensor((0, 16), dtype, device, g), True, dtype, device, g),       # zero rows
-            build(tensor((7,), dtype, device, g), True, dtype, device, g),          # one row, odd width
+            build(tensor((0, 16), dtype, device, g), True, dtype, device, g),  # zero rows
+            build(tensor((7,), dtype, device, g), True, dtype, device, g),  # one row, odd width
             build(strided, True, dtype, device, g),
-            build(tensor((3, 5, 33), dtype, device, g), True, dtype, device, g),    # width not a block multiple
+            build(tensor((3, 5, 33), dtype, device, g), True, dtype, device, g),  # width not a block multiple
         ]
 
     return edges
@@ -55,19 +56,38 @@ def norm_backward_edges(dtype, device, requires_grad):
     """norm_backward's cases, each as RMS and as LayerNorm: with and without weight
     and bias, zero rows, and an expanded gradient."""
     out = []
-    for x, w, b in [(tensor((2, 3, 16), dtype, device), True, True),
-                    (tensor((5, 24), dtype, device), False, False),
-                    (tensor((0, 16), dtype, device), True, True)]:
+    for x, w, b in [
+        (tensor((2, 3, 16), dtype, device), True, True),
+        (tensor((5, 24), dtype, device), False, False),
+        (tensor((0, 16), dtype, device), True, True),
+    ]:
         c = x.shape[-1]
         dy = tensor(x.shape, dtype, device)
         for is_rms in (True, False):
-            out.append((dy, None if is_rms else tensor(x.shape, dtype, device), x,
-                        param(c, dtype, device, False) if w else None,
-                        param(c, dtype, device, False) if b else None, 1e-6, is_rms))
+            out.append(
+                (
+                    dy,
+                    None if is_rms else tensor(x.shape, dtype, device),
+                    x,
+                    param(c, dtype, device, False) if w else None,
+                    param(c, dtype, device, False) if b else None,
+                    1e-6,
+                    is_rms,
+                )
+            )
     # An expanded (stride-0) gradient, as y.sum().backward() produces.
     x = tensor((3, 16), dtype, device)
-    out.append((torch.ones((), dtype=dtype, device=device).expand(3, 16), None, x,
-                param(16, dtype, device, False), None, 1e-6, True))
+    out.append(
+        (
+            torch.ones((), dtype=dtype, device=device).expand(3, 16),
+            None,
+            x,
+            param(16, dtype, device, False),
+            None,
+            1e-6,
+            True,
+        )
+    )
     return out
 
 
@@ -77,4 +97,5 @@ def make_norm(build):
 
     def make_inputs(shape, dtype, device, requires_grad):
         return build(tensor(shape, dtype, device, requires_grad), True, dtype, device, requires_grad)
+
     return make_inputs

@@ -6,6 +6,7 @@ q/k from an activation shape ``[B, L, C]`` split into heads
 (:func:`~cases._tensors.split_heads`); ``<op>_edges(dtype, device,
 requires_grad)`` its ``edge_inputs``.
 """
+
 import math
 
 import torch
@@ -32,10 +33,10 @@ def rope_edges(dtype, device, requires_grad):
     bhld = x((2, 3, 5, 16))
     blhd_view = tensor((2, 5, 3, 16), dtype, device).transpose(1, 2).detach().requires_grad_(g)
     return [
-        (bhld, *_rope_tables(5, 16, dtype, device), False, 2, None, False),           # half-split, full table
-        (bhld, *_rope_tables(5, 8, dtype, device), True, 2, None, False),             # interleaved, half table
+        (bhld, *_rope_tables(5, 16, dtype, device), False, 2, None, False),  # half-split, full table
+        (bhld, *_rope_tables(5, 8, dtype, device), True, 2, None, False),  # interleaved, half table
         (x((2, 5, 3, 16)), *_rope_tables(5, 16, dtype, device), True, 1, None, False),  # [B, L, H, D]
-        (blhd_view, *_rope_tables(5, 16, dtype, device, 2), False, 2, None, False),   # strided, per batch
+        (blhd_view, *_rope_tables(5, 16, dtype, device, 2), False, 2, None, False),  # strided, per batch
         (x((1, 2, 7, 24)), *_rope_tables(7, 16, dtype, device), True, 2, 16, False),  # partial rotary
         (x((0, 2, 7, 16)), *_rope_tables(7, 16, dtype, device), False, 2, None, True),  # zero rows, inverse
     ]
@@ -105,7 +106,7 @@ def rope_grid_edges(dtype, device, requires_grad):
     ltx = meta_rope.grid_rope("ltx", 16).constants(device)
     return [
         (x((2, 3, 24, 16)), x((2, 1, 24, 16)), _grid_constants(16, device), 3, 4, True, 2, False),
-        (x((1, 24, 2, 16)), x((1, 24, 2, 16)), ltx, 2, 3, True, 1, True),              # padding pairs
+        (x((1, 24, 2, 16)), x((1, 24, 2, 16)), ltx, 2, 3, True, 1, True),  # padding pairs
         (x((1, 2, 12, 20)), x((1, 2, 12, 20)), _grid_constants(16, device), 2, 2, False, 2, False),  # tail
     ]
 
@@ -131,12 +132,10 @@ def qk_norm_rope_edges(dtype, device, requires_grad):
 
     blhd_view = tensor((2, 5, 3, 16), dtype, device).transpose(1, 2).detach().requires_grad_(g)
     return [
-        (x((2, 3, 5, 16)), x((2, 1, 5, 16)), w(16), w(16), *_rope_tables(5, 16, dtype, device), 1e-6, True, 2,
-         None),
+        (x((2, 3, 5, 16)), x((2, 1, 5, 16)), w(16), w(16), *_rope_tables(5, 16, dtype, device), 1e-6, True, 2, None),
         (blhd_view, x((2, 3, 5, 16)), w(16), w(16), *_rope_tables(5, 8, dtype, device, 2), 1e-5, False, 2, None),
         (x((1, 7, 2, 24)), x((1, 7, 2, 24)), w(24), w(24), *_rope_tables(7, 16, dtype, device), 1e-6, True, 1, 16),
-        (x((0, 2, 7, 16)), x((0, 2, 7, 16)), w(16), w(16), *_rope_tables(7, 16, dtype, device), 1e-6, False, 2,
-         None),
+        (x((0, 2, 7, 16)), x((0, 2, 7, 16)), w(16), w(16), *_rope_tables(7, 16, dtype, device), 1e-6, False, 2, None),
     ]
 
 
@@ -160,7 +159,9 @@ def qk_norm_rope_backward_edges(dtype, device, requires_grad):
     cases = []
     for args in qk_norm_rope_edges(dtype, device, False):
         q, k = args[:2]
-        grads = (tensor(q.shape, dtype, device), tensor(k.shape, dtype, device).transpose(-1, -2)
-                 .contiguous().transpose(-1, -2))  # a gradient with a non-unit channel stride
+        grads = (
+            tensor(q.shape, dtype, device),
+            tensor(k.shape, dtype, device).transpose(-1, -2).contiguous().transpose(-1, -2),
+        )  # a gradient with a non-unit channel stride
         cases.append((*grads, *args))
     return cases

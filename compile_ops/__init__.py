@@ -3,6 +3,7 @@
 Importing the package registers the ops; the public functions and modules are
 re-exported here.
 """
+
 import torch
 
 from compile_ops import distributed as _distributed
@@ -77,9 +78,11 @@ def patch(model, **options):
     _check_model("compile_ops.patch", model)
     options = PatchOptions.from_keywords(options)
     from compile_ops.integrations import transformers as _transformers
+
     if _transformers.is_transformers_model(model):
         return _transformers.patch(model, options)
     from compile_ops.integrations.diffusers import patch as _patch
+
     return _patch(model, options)
 
 
@@ -89,20 +92,61 @@ def unpatch(model) -> None:
     :func:`compile_ops.integrations.diffusers.unpatch`."""
     _check_model("compile_ops.unpatch", model)
     from compile_ops.integrations.diffusers import unpatch as _unpatch
+
     _unpatch(model)
 
 
 __version__ = "0.1.0"
 
-__all__ = ["rmsnorm", "add_rmsnorm", "layernorm", "RMSNorm", "LayerNorm",
-           "modulate", "norm_modulate", "gated_residual", "gated_residual_norm_modulate",
-           "norm_modulate_fp8", "gated_residual_norm_modulate_fp8",
-           "AdaLayerNormZero", "AdaLayerNormZeroSingle", "AdaLayerNormContinuous",
-           "rope", "rope_qk", "rope_grid", "qk_norm_rope", "grid_rope", "GridRope",
-           "geglu", "swiglu", "GEGLU", "SwiGLU", "attention", "attention_fp8_rows", "Int8QK",
-           "scaled_dot_product_attention", "set_attention_backward",
-           "moe_route", "MoEFeedForward",
-           "block_sparse_attention", "BlockSparseMask", "block_index_from_mask", "sliding_tile_mask",
-           "tile_permutation", "radial_mask", "topk_block_index", "sliding_tile_block_mask",
-           "FP8Linear", "FP8ProjectionActivation", "FP8Rows", "fp8_linear", "quantize_fp8_rows",
-           "SlidingTile", "Radial", "TopK", "register_diffusers_backend", "patch", "unpatch"]
+__all__ = [
+    "rmsnorm",
+    "add_rmsnorm",
+    "layernorm",
+    "RMSNorm",
+    "LayerNorm",
+    "modulate",
+    "norm_modulate",
+    "gated_residual",
+    "gated_residual_norm_modulate",
+    "norm_modulate_fp8",
+    "gated_residual_norm_modulate_fp8",
+    "AdaLayerNormZero",
+    "AdaLayerNormZeroSingle",
+    "AdaLayerNormContinuous",
+    "rope",
+    "rope_qk",
+    "rope_grid",
+    "qk_norm_rope",
+    "grid_rope",
+    "GridRope",
+    "geglu",
+    "swiglu",
+    "GEGLU",
+    "SwiGLU",
+    "attention",
+    "attention_fp8_rows",
+    "Int8QK",
+    "scaled_dot_product_attention",
+    "set_attention_backward",
+    "moe_route",
+    "MoEFeedForward",
+    "block_sparse_attention",
+    "BlockSparseMask",
+    "block_index_from_mask",
+    "sliding_tile_mask",
+    "tile_permutation",
+    "radial_mask",
+    "topk_block_index",
+    "sliding_tile_block_mask",
+    "FP8Linear",
+    "FP8ProjectionActivation",
+    "FP8Rows",
+    "fp8_linear",
+    "quantize_fp8_rows",
+    "SlidingTile",
+    "Radial",
+    "TopK",
+    "register_diffusers_backend",
+    "patch",
+    "unpatch",
+]

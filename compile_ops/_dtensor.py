@@ -13,6 +13,7 @@ itself must be DTensors too (:func:`replicated_like`), and the plain zeros that
 autograd materializes as the gradient of an unused DTensor output must become
 DTensor zeros (:func:`gradients_as_dtensors`).
 """
+
 from typing import Callable, Optional
 
 import torch
@@ -24,6 +25,7 @@ def _dtensor_type():
     if not torch.distributed.is_available():
         return None
     from torch.distributed.tensor import DTensor
+
     return DTensor
 
 
@@ -58,9 +60,12 @@ def gradients_as_dtensors(backward: Callable) -> Callable:
     def wrapped(ctx, *grads):
         layouts = getattr(ctx, "output_layouts", None)
         if layouts is not None:
-            grads = tuple(_dtensor_zeros(g.shape, g.dtype, layout)
-                          if layout is not None and g is not None and layout_of(g) is None else g
-                          for g, layout in zip(grads, layouts))
+            grads = tuple(
+                _dtensor_zeros(g.shape, g.dtype, layout)
+                if layout is not None and g is not None and layout_of(g) is None
+                else g
+                for g, layout in zip(grads, layouts)
+            )
         return backward(ctx, *grads)
 
     return wrapped
@@ -68,6 +73,7 @@ def gradients_as_dtensors(backward: Callable) -> Callable:
 
 def _dtensor_zeros(shape, dtype: torch.dtype, layout: tuple) -> torch.Tensor:
     from torch.distributed.tensor import zeros
+
     mesh, placements = layout
     return zeros(shape, dtype=dtype, device_mesh=mesh, placements=placements)
 
@@ -79,6 +85,7 @@ def replicated_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if layout is None:
         return t
     from torch.distributed.tensor import DTensor, Replicate
+
     mesh = layout[0]
     return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 

@@ -21,6 +21,7 @@ Where code runs:
   fake-traced, so that mode is for eager calls only (tests run it in a separate
   process; see ``tests/run.sh``).
 """
+
 import contextlib
 import functools
 import os
@@ -53,8 +54,10 @@ def refuse_interpreted_bf16_dots(op: str, **operands: Optional[torch.Tensor]) ->
         return
     for name, t in operands.items():
         if t is not None and t.dtype == torch.bfloat16 and t.device.type == "cpu":
-            raise TypeError(f"fused.{op}: {name} is bfloat16, whose matrix products triton's interpreter "
-                            "(TRITON_INTERPRET=1) computes on the raw bits; use float16 or float32 there, or a GPU")
+            raise TypeError(
+                f"fused.{op}: {name} is bfloat16, whose matrix products triton's interpreter "
+                "(TRITON_INTERPRET=1) computes on the raw bits; use float16 or float32 there, or a GPU"
+            )
 
 
 #: Looked up once: ``torch.cuda.is_available()`` costs microseconds per call,
@@ -71,8 +74,7 @@ def device_guard(t: torch.Tensor):
     fake-traces a CUDA op body, and there is no device to select then anyway.
     """
     device = t.device
-    if device.type == "cuda" and HAS_CUDA and device.index is not None \
-            and device.index != torch.cuda.current_device():
+    if device.type == "cuda" and HAS_CUDA and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
     return _NO_GUARD
 
@@ -103,8 +105,10 @@ def require_fp8_mma(t: torch.Tensor, what: str) -> bool:
         return False
     major, minor, name = cuda_capability(t.device.index)
     if (major, minor) < FP8_MMA:
-        raise RuntimeError(f"compile_ops: {what} needs FP8 tensor cores (sm_89 or newer: Ada, Hopper, "
-                           f"Blackwell); {name} is sm_{major}{minor}")
+        raise RuntimeError(
+            f"compile_ops: {what} needs FP8 tensor cores (sm_89 or newer: Ada, Hopper, "
+            f"Blackwell); {name} is sm_{major}{minor}"
+        )
     return True
 
 
@@ -242,7 +246,8 @@ def _on_cuda(args, kwargs) -> bool:
 
 def _needs_grad(args, kwargs) -> bool:
     return torch.is_grad_enabled() and any(
-        isinstance(a, torch.Tensor) and a.requires_grad for a in list(args) + list(kwargs.values()))
+        isinstance(a, torch.Tensor) and a.requires_grad for a in list(args) + list(kwargs.values())
+    )
 
 
 class FusedOp:
@@ -254,8 +259,14 @@ class FusedOp:
     and the same autograd formula without the dispatcher's layers.
     """
 
-    def __init__(self, name: str, custom_op, body: Callable, eager_check: Optional[Callable] = None,
-                 check_types: Optional[Callable] = None):
+    def __init__(
+        self,
+        name: str,
+        custom_op,
+        body: Callable,
+        eager_check: Optional[Callable] = None,
+        check_types: Optional[Callable] = None,
+    ):
         self.name = name
         #: The Python types of the arguments (``meta._validate.type_checker``), checked before the
         #: dispatcher, which would turn a float into a bool or take None for a tensor.
@@ -276,8 +287,9 @@ class FusedOp:
         The registered pair is wrapped for DTensor arguments (see
         :func:`compile_ops._dtensor.gradients_as_dtensors`); the fast path
         never sees DTensors and is left as is."""
-        self.custom_op.register_autograd(_dtensor.gradients_as_dtensors(backward),
-                                         setup_context=_dtensor.remember_output_layouts(setup_context))
+        self.custom_op.register_autograd(
+            _dtensor.gradients_as_dtensors(backward), setup_context=_dtensor.remember_output_layouts(setup_context)
+        )
         body, plans = self.body, self.plans
 
         def forward(*args):
@@ -290,9 +302,15 @@ class FusedOp:
             return backward(ctx, *grads)
 
         # type() rather than a class statement, so that grad_fn names the op.
-        EagerFunction = type(f"{self.name}_eager", (torch.autograd.Function,), {
-            "forward": staticmethod(forward), "setup_context": staticmethod(setup),
-            "backward": staticmethod(backward_)})
+        EagerFunction = type(
+            f"{self.name}_eager",
+            (torch.autograd.Function,),
+            {
+                "forward": staticmethod(forward),
+                "setup_context": staticmethod(setup),
+                "backward": staticmethod(backward_),
+            },
+        )
         self._autograd_function = EagerFunction
 
     def __call__(self, *args, **kwargs):
@@ -351,14 +369,21 @@ def register_no_gradient(op, message: str) -> None:
     """The autograd formula of an inference-only op (FP8 quantization, 8-bit
     attention): outputs track their inputs, and a backward through them
     raises ``message``."""
+
     def no_gradient(ctx, *grads):
         raise RuntimeError(message)
 
     op.register_autograd(no_gradient, setup_context=lambda ctx, inputs, output: None)
 
 
-def fused_op(name: str, *, fake: Callable, reference: Callable, autocast: Optional[str] = None,
-             eager_check: Optional[Callable] = None):
+def fused_op(
+    name: str,
+    *,
+    fake: Callable,
+    reference: Callable,
+    autocast: Optional[str] = None,
+    eager_check: Optional[Callable] = None,
+):
     """Define ``torch.ops.fused.<name>`` from the decorated Triton launcher.
 
     The launcher's type hints give the op schema; it launches kernels through

@@ -40,6 +40,7 @@ after changing one, call ``compile_ops._library.clear_launch_plans()``.
 Only CUDA tensors get plans (the interpreter runs kernels differently).
 This module imports torch and triton only; ``_library`` uses it.
 """
+
 import contextlib
 import threading
 from typing import Callable, Optional
@@ -70,8 +71,10 @@ def launch_hooks_set() -> bool:
     """Whether a profiler (proton, ...) hooks Triton's launches: replays pass
     no hooks, so they are off then. (Triton 3.6 keeps the hooks as chains,
     empty when unset; older releases as a function or None.)"""
-    return any(h is not None and getattr(h, "calls", True)
-               for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+    return any(
+        h is not None and getattr(h, "calls", True)
+        for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    )
 
 
 def signature(args, kwargs) -> Optional[tuple]:
@@ -123,6 +126,7 @@ class _Recorded:
             compiled = self.kernel[grid](*args, **kwargs)
             self.launches.append((self.kernel, compiled, grid, args, kwargs))
             return compiled
+
         return launch
 
 
@@ -172,8 +176,7 @@ class Plan:
                         value = value.data_ptr()
                     else:  # scratch: allocated again by every replay, NaN-filled by the verification
                         storage = value.untyped_storage()
-                        storages[storage.data_ptr()] = (len(inputs) + len(outs) + len(self.scratch),
-                                                        storage.data_ptr())
+                        storages[storage.data_ptr()] = (len(inputs) + len(outs) + len(self.scratch), storage.data_ptr())
                         self.scratch.append(storage.nbytes())
                         source = storages[storage.data_ptr()]
                         slots.append((position, source[0], value.data_ptr() - source[1]))
@@ -189,8 +192,9 @@ class Plan:
     def replay(self, inputs: list):
         """The op's outputs for ``inputs`` (tensors in signature order): new
         outputs, the recorded launches pointed at them."""
-        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
-                for shape, stride, dtype in self.outputs]
+        outs = [
+            torch.empty_strided(shape, stride, dtype=dtype, device=self.device) for shape, stride, dtype in self.outputs
+        ]
         self.launch(inputs, outs)
         return outs[0] if self.single else tuple(outs)
 
@@ -218,8 +222,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _verified(plan: Plan, inputs: list, outputs) -> bool:
     """Replaying ``plan`` into prefilled outputs gives the recorded ``outputs`` exactly."""
-    outs = [torch.empty_strided(shape, stride, dtype=dtype, device=plan.device)
-            for shape, stride, dtype in plan.outputs]
+    outs = [
+        torch.empty_strided(shape, stride, dtype=dtype, device=plan.device) for shape, stride, dtype in plan.outputs
+    ]
     for o in outs:
         o.fill_(float("nan") if o.is_floating_point() else -1)
     plan.launch(inputs, outs, fill_scratch=True)

@@ -57,6 +57,7 @@ wrappers themselves need from DTensor (gradient and layout wrappers,
 sequence-parallel attention) is in ``compile_ops/_dtensor.py``, below every
 op, so no op imports this module.
 """
+
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Sequence
@@ -206,6 +207,7 @@ class Out:
     axis that ``source`` broadcasts along, so it is ``Partial()`` where that
     axis is sharded. An output whose source is None is the op's empty
     placeholder (no gradient to compute) and is replicated."""
+
     source: str
     role: Role
     gradient: bool = False
@@ -214,6 +216,7 @@ class Out:
 @dataclass(frozen=True)
 class Rule:
     """How one fused op shards: a role per tensor argument, one :class:`Out` per output."""
+
     inputs: dict
     """``{argument name: Role}`` for every tensor argument of the schema."""
     outputs: tuple
@@ -268,36 +271,68 @@ RULES: dict[str, Rule] = {
     # ------------------------------------------------------------ norm
     "rmsnorm": _rows_rule({"x": leading_dims, **_AFFINE}, (_ROW_OUT,)),
     "layernorm": _rows_rule({"x": leading_dims, **_AFFINE}, (_ROW_OUT,)),
-    "add_rmsnorm": _rows_rule({"x": leading_dims, "residual": leading_dims, "weight": replicated},
-                              (_ROW_OUT, _ROW_OUT)),
+    "add_rmsnorm": _rows_rule(
+        {"x": leading_dims, "residual": leading_dims, "weight": replicated}, (_ROW_OUT, _ROW_OUT)
+    ),
     "norm_backward": _rows_rule(
         {"grad_out": leading_dims, "grad_residual": leading_dims, "x": leading_dims, **_AFFINE},
-        (_ROW_OUT, Out("weight", replicated, gradient=True), Out("bias", replicated, gradient=True))),
+        (_ROW_OUT, Out("weight", replicated, gradient=True), Out("bias", replicated, gradient=True)),
+    ),
     # ------------------------------------------------------------ modulate
     "modulate": _rows_rule({"x": leading_dims, "scale": modulation, "shift": modulation}, (_ROW_OUT,)),
-    "norm_modulate": _rows_rule({"x": leading_dims, "scale": modulation, "shift": modulation, **_AFFINE},
-                                (_ROW_OUT, *_NORM_STATS)),
+    "norm_modulate": _rows_rule(
+        {"x": leading_dims, "scale": modulation, "shift": modulation, **_AFFINE}, (_ROW_OUT, *_NORM_STATS)
+    ),
     "gated_residual": _rows_rule({"residual": leading_dims, "x": leading_dims, "gate": modulation}, (_ROW_OUT,)),
     "gated_residual_norm_modulate": _rows_rule(
-        {"residual": leading_dims, "x": leading_dims, "gate": modulation, "scale": modulation,
-         "shift": modulation, **_AFFINE},
-        (_ROW_OUT, _ROW_OUT, *_NORM_STATS)),
+        {
+            "residual": leading_dims,
+            "x": leading_dims,
+            "gate": modulation,
+            "scale": modulation,
+            "shift": modulation,
+            **_AFFINE,
+        },
+        (_ROW_OUT, _ROW_OUT, *_NORM_STATS),
+    ),
     # FP8 output modes (inference only: no backward op): the normed output's
     # e4m3 values and one scale per row, both indexed like x's rows.
-    "norm_modulate_fp8": _rows_rule({"x": leading_dims, "scale": modulation, "shift": modulation, **_AFFINE},
-                                    (_ROW_OUT, _ROW_OUT)),
+    "norm_modulate_fp8": _rows_rule(
+        {"x": leading_dims, "scale": modulation, "shift": modulation, **_AFFINE}, (_ROW_OUT, _ROW_OUT)
+    ),
     "gated_residual_norm_modulate_fp8": _rows_rule(
-        {"residual": leading_dims, "x": leading_dims, "gate": modulation, "scale": modulation,
-         "shift": modulation, **_AFFINE},
-        (_ROW_OUT, _ROW_OUT, _ROW_OUT)),
+        {
+            "residual": leading_dims,
+            "x": leading_dims,
+            "gate": modulation,
+            "scale": modulation,
+            "shift": modulation,
+            **_AFFINE,
+        },
+        (_ROW_OUT, _ROW_OUT, _ROW_OUT),
+    ),
     "modulate_backward": _rows_rule(
-        {"grad_out": leading_dims, "grad_h": leading_dims, "h": leading_dims, "mean": row_statistics,
-         "rstd": row_statistics, "x_branch": leading_dims, "gate": modulation, "scale": modulation,
-         "shift": modulation, **_AFFINE},
-        (Out("grad_out", leading_dims), Out("x_branch", leading_dims),
-         *(Out(name, modulation, gradient=True) for name in ("gate", "scale", "shift")),
-         Out("weight", replicated, gradient=True), Out("bias", replicated, gradient=True)),
-        primary="h"),
+        {
+            "grad_out": leading_dims,
+            "grad_h": leading_dims,
+            "h": leading_dims,
+            "mean": row_statistics,
+            "rstd": row_statistics,
+            "x_branch": leading_dims,
+            "gate": modulation,
+            "scale": modulation,
+            "shift": modulation,
+            **_AFFINE,
+        },
+        (
+            Out("grad_out", leading_dims),
+            Out("x_branch", leading_dims),
+            *(Out(name, modulation, gradient=True) for name in ("gate", "scale", "shift")),
+            Out("weight", replicated, gradient=True),
+            Out("bias", replicated, gradient=True),
+        ),
+        primary="h",
+    ),
     # ------------------------------------------------------------ glu
     "geglu": _rows_rule(_GLU, (_ROW_OUT,)),
     "swiglu": _rows_rule(_GLU, (_ROW_OUT,)),
@@ -306,17 +341,29 @@ RULES: dict[str, Rule] = {
     "rope": Rule({"x": heads_layout, **_TABLES}, (Out("x", heads_layout),), batch_sequence_heads),
     "rope_qk": Rule({**_QK, **_TABLES}, _QK_OUT, batch_sequence_heads, "q"),
     "rope_grid": Rule({**_QK, "constants": replicated}, _QK_OUT, batch_heads, "q"),
-    "qk_norm_rope": Rule({**_QK, "q_weight": replicated, "k_weight": replicated, **_TABLES}, _QK_OUT,
-                         batch_sequence_heads, "q"),
+    "qk_norm_rope": Rule(
+        {**_QK, "q_weight": replicated, "k_weight": replicated, **_TABLES}, _QK_OUT, batch_sequence_heads, "q"
+    ),
     # q and k for 8-bit attention: k's smoothing mean spans the sequence.
-    "qk_rope_int8": Rule({**_QK, "q_weight": replicated, "k_weight": replicated, **_TABLES},
-                         (Out("q", heads_layout), Out("q", log_sum_exp), Out("k", heads_layout),
-                          Out("k", key_block_scales)), batch_heads, "q"),
+    "qk_rope_int8": Rule(
+        {**_QK, "q_weight": replicated, "k_weight": replicated, **_TABLES},
+        (Out("q", heads_layout), Out("q", log_sum_exp), Out("k", heads_layout), Out("k", key_block_scales)),
+        batch_heads,
+        "q",
+    ),
     "qk_norm_rope_backward": Rule(
-        {"grad_q": heads_layout, "grad_k": heads_layout, **_QK, "q_weight": replicated, "k_weight": replicated,
-         **_TABLES},
+        {
+            "grad_q": heads_layout,
+            "grad_k": heads_layout,
+            **_QK,
+            "q_weight": replicated,
+            "k_weight": replicated,
+            **_TABLES,
+        },
         (*_QK_OUT, Out("q_weight", replicated, gradient=True), Out("k_weight", replicated, gradient=True)),
-        batch_sequence_heads, "q"),
+        batch_sequence_heads,
+        "q",
+    ),
     # ------------------------------------------------------------ fp8
     "quantize_fp8_rows": _rows_rule({"x": leading_dims, "head": leading_dims}, (_ROW_OUT, _ROW_OUT)),
     # ------------------------------------------------------------ moe
@@ -327,13 +374,22 @@ RULES: dict[str, Rule] = {
     # describes (a shard's ids are local and its lists are pieces of the
     # global ones). The backward is row-wise again: dx follows x's token
     # shards, the router weight's gradient is Partial.
-    "moe_route": Rule({"x": leading_dims, "router_weight": replicated},
-                      (*(Out("x", leading_dims),) * 3, Out("router_weight", replicated),
-                       Out("router_weight", replicated)), no_axes),
+    "moe_route": Rule(
+        {"x": leading_dims, "router_weight": replicated},
+        (*(Out("x", leading_dims),) * 3, Out("router_weight", replicated), Out("router_weight", replicated)),
+        no_axes,
+    ),
     "moe_route_backward": _rows_rule(
-        {"grad_probs": leading_dims, "grad_weights": leading_dims, "x": leading_dims, "router_weight": replicated,
-         "probs": leading_dims, "experts": leading_dims},
-        (Out("x", leading_dims), Out("router_weight", replicated, gradient=True))),
+        {
+            "grad_probs": leading_dims,
+            "grad_weights": leading_dims,
+            "x": leading_dims,
+            "router_weight": replicated,
+            "probs": leading_dims,
+            "experts": leading_dims,
+        },
+        (Out("x", leading_dims), Out("router_weight", replicated, gradient=True)),
+    ),
     # ------------------------------------------------------------ attention
     "attention": Rule(_ATTENTION_ARGS, (Out("q", heads_layout), Out("q", log_sum_exp)), batch_heads, "q"),
     "attention_backward": Rule(_ATTENTION_BACKWARD_ARGS, _ATTENTION_GRADS, batch_heads, "q"),
@@ -346,12 +402,18 @@ RULES: dict[str, Rule] = {
     # scales [B, Lq] whatever q's layout.
     "attention_int8_fp8_rows": Rule(_ATTENTION_ARGS, (Out("q", fp8_rows), Out("q", fp8_rows)), batch_only, "q"),
     # ... and on q and k quantized by fused.qk_rope_int8.
-    "attention_qk8": Rule({**_ATTENTION_ARGS, "q_scale": log_sum_exp, "k_scale": key_block_scales},
-                          (Out("q", qk8_output), Out("q", qk8_output)), qk8_axes, "q"),
-    "block_sparse_attention": Rule({**_ATTENTION_ARGS, **_BLOCK_LISTS},
-                                   (Out("q", heads_layout), Out("q", log_sum_exp)), batch_heads, "q"),
-    "block_sparse_attention_backward": Rule({**_ATTENTION_BACKWARD_ARGS, **_BLOCK_LISTS}, _ATTENTION_GRADS,
-                                            batch_heads, "q"),
+    "attention_qk8": Rule(
+        {**_ATTENTION_ARGS, "q_scale": log_sum_exp, "k_scale": key_block_scales},
+        (Out("q", qk8_output), Out("q", qk8_output)),
+        qk8_axes,
+        "q",
+    ),
+    "block_sparse_attention": Rule(
+        {**_ATTENTION_ARGS, **_BLOCK_LISTS}, (Out("q", heads_layout), Out("q", log_sum_exp)), batch_heads, "q"
+    ),
+    "block_sparse_attention_backward": Rule(
+        {**_ATTENTION_BACKWARD_ARGS, **_BLOCK_LISTS}, _ATTENTION_GRADS, batch_heads, "q"
+    ),
 }
 
 
@@ -455,8 +517,9 @@ def _schema_info(op):
 
     arguments = op._schema.arguments
     static = [i for i, a in enumerate(arguments) if not _is_tensor_argument(a)]
-    return RuntimeSchemaInfo(static_argnum=min(static, default=len(arguments)),
-                             static_kwargkey=[arguments[i].name for i in static] or None)
+    return RuntimeSchemaInfo(
+        static_argnum=min(static, default=len(arguments)), static_kwargkey=[arguments[i].name for i in static] or None
+    )
 
 
 def check_rules() -> None:
@@ -465,16 +528,20 @@ def check_rules() -> None:
     not under DTensor."""
     ops = {name for name in dir(torch.ops.fused) if not name.startswith("_") and name != "name"}
     if ops != set(RULES):
-        raise RuntimeError(f"compile_ops.distributed: ops without a sharding rule: {sorted(ops - set(RULES))}; "
-                           f"rules without an op: {sorted(set(RULES) - ops)}")
+        raise RuntimeError(
+            f"compile_ops.distributed: ops without a sharding rule: {sorted(ops - set(RULES))}; "
+            f"rules without an op: {sorted(set(RULES) - ops)}"
+        )
     for name, rule in RULES.items():
         schema = getattr(torch.ops.fused, name).default._schema
         tensors = {a.name for a in schema.arguments if _is_tensor_argument(a)}
-        if set(rule.inputs) != tensors or len(rule.outputs) != len(schema.returns) \
-                or rule.primary not in tensors \
-                or any(out.source not in tensors for out in rule.outputs):
-            raise RuntimeError(f"compile_ops.distributed: the rule of fused.{name} does not match its schema "
-                               f"{schema}")
+        if (
+            set(rule.inputs) != tensors
+            or len(rule.outputs) != len(schema.returns)
+            or rule.primary not in tensors
+            or any(out.source not in tensors for out in rule.outputs)
+        ):
+            raise RuntimeError(f"compile_ops.distributed: the rule of fused.{name} does not match its schema {schema}")
 
 
 # ---------------------------------------------------------------- registration

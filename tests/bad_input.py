@@ -10,6 +10,7 @@ Two tools:
   a value of the wrong type, dtype, device or value set for that kind, and the
   call must then raise ``TypeError`` or ``ValueError`` naming that argument.
 """
+
 import math
 import re
 from dataclasses import dataclass
@@ -64,8 +65,11 @@ def mutations(kind: str, value, device: str, alone: bool = False) -> list:
     if base in ("tensor", "index", "mask"):
         t = value
         wrong.append(("a list", [[1.0, 2.0]]))
-        wrong_dtypes = {"tensor": (torch.int64, torch.complex64), "index": (torch.float32, torch.bool),
-                        "mask": (torch.float32, torch.int64)}[base]
+        wrong_dtypes = {
+            "tensor": (torch.int64, torch.complex64),
+            "index": (torch.float32, torch.bool),
+            "mask": (torch.float32, torch.int64),
+        }[base]
         if t is not None:
             wrong += [(f"dtype {dtype}", torch.ones(t.shape, dtype=dtype, device=t.device)) for dtype in wrong_dtypes]
             if not alone:
@@ -92,4 +96,5 @@ def assert_names_the_argument(call: Callable, argname: str) -> None:
         call()
     message = str(info.value)
     assert re.search(rf"(?<![\w]){re.escape(argname)}(?![\w])", message), (
-        f"the error does not name {argname!r}: {type(info.value).__name__}: {message}")
+        f"the error does not name {argname!r}: {type(info.value).__name__}: {message}"
+    )

@@ -7,6 +7,7 @@
 - Every other test runs the reference path and fake-CUDA tracing, which the
   interpreter breaks, so they skip under TRITON_INTERPRET=1.
 """
+
 import contextlib
 import os
 import warnings
@@ -20,6 +21,8 @@ HAS_CUDA = torch.cuda.is_available()
 
 #: Where kernel tests put their tensors: the GPU, or the CPU under the interpreter.
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
 def tf32_dots(device) -> bool:
     """Whether fp32 attention's dots run on TF32 tensor cores on ``device``: a GPU
     whose session allows TF32 matmuls (torch's fp32 matmul precision, not
@@ -36,8 +39,9 @@ def allow_tma_under_interpreter(patch) -> None:
         from compile_ops.ops import attention_args
 
         patch.setattr(attention_args, "tma_ready", lambda *tensors: True)
-        patch.setattr(attention_args, "tma_scratch",
-                      lambda size, alignment, stream: torch.empty(size, dtype=torch.int8))
+        patch.setattr(
+            attention_args, "tma_scratch", lambda size, alignment, stream: torch.empty(size, dtype=torch.int8)
+        )
 
 
 @contextlib.contextmanager
@@ -56,7 +60,8 @@ def deterministic_algorithms(enabled: bool = True):
 #: order): the interpreter runs a grid's programs one after another, so there
 #: every run agrees by construction and the test would prove nothing.
 concurrent_programs_only = pytest.mark.skipif(
-    INTERPRET, reason="the interpreter runs programs one at a time: run-to-run determinism is the GPU's property")
+    INTERPRET, reason="the interpreter runs programs one at a time: run-to-run determinism is the GPU's property"
+)
 
 
 def _round_bf16_like_the_gpu():
@@ -106,8 +111,12 @@ def _round_bf16_like_the_gpu():
 if INTERPRET:
     _round_bf16_like_the_gpu()
 
-_common = dict(deadline=None, database=None, print_blob=True,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_common = dict(
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 # One profile per place the suite runs; tests/run.sh picks it (HYPOTHESIS_PROFILE
 # overrides). "ci": CPU, the same 50 examples every run. "gpu": 20 random
 # examples per property with the seed printed by run.sh, sizes from the few
@@ -155,13 +164,18 @@ def _global_state() -> dict:
     # Read entry by entry: get_config_copy() still lists an entry torch has hidden.
     with warnings.catch_warnings():  # reading a deprecated entry warns
         warnings.simplefilter("ignore", FutureWarning)
-        configs = {module.__name__: {key: repr(getattr(module, key, "<hidden>")) for key in module.get_config_copy()}
-                   for module in (torch.compiler.config, torch._dynamo.config, torch._inductor.config)}
-    return {"configs": configs,
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "default_dtype": torch.get_default_dtype(), "grad_enabled": torch.is_grad_enabled(),
-            "attention_atomic_dq": attention_sm90.ATOMIC_DQ}
+        configs = {
+            module.__name__: {key: repr(getattr(module, key, "<hidden>")) for key in module.get_config_copy()}
+            for module in (torch.compiler.config, torch._dynamo.config, torch._inductor.config)
+        }
+    return {
+        "configs": configs,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "default_dtype": torch.get_default_dtype(),
+        "grad_enabled": torch.is_grad_enabled(),
+        "attention_atomic_dq": attention_sm90.ATOMIC_DQ,
+    }
 
 
 @pytest.fixture(autouse=True)

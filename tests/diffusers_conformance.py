@@ -30,6 +30,7 @@ and its hooks act only when ``COMPILE_OPS_CONFORMANCE_PATCH=1``, which the
 patched mode alone sets. Its name does not start with ``test_``, so the
 repository's own pytest run does not collect it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,11 @@ def _transformer_classes() -> list:
     import diffusers.models.transformers as transformers
     from diffusers import ModelMixin
 
-    classes = {obj for obj in vars(transformers).values()
-               if isinstance(obj, type) and issubclass(obj, ModelMixin) and obj is not ModelMixin}
+    classes = {
+        obj
+        for obj in vars(transformers).values()
+        if isinstance(obj, type) and issubclass(obj, ModelMixin) and obj is not ModelMixin
+    }
     return sorted(classes, key=lambda cls: cls.__name__)
 
 
@@ -139,7 +143,7 @@ def parse_junit(path: Path, module: str) -> dict:
     results = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         classname, name = case.get("classname", ""), case.get("name", "")
-        owner = classname[len(module) + 1:] if classname.startswith(module + ".") else ""
+        owner = classname[len(module) + 1 :] if classname.startswith(module + ".") else ""
         test_id = f"{owner.replace('.', '::')}::{name}" if owner else name
         outcome, message = "passed", ""
         for tag, tag_outcome in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
@@ -155,8 +159,7 @@ def parse_junit(path: Path, module: str) -> dict:
     return results
 
 
-def run_pytest(root: Path, test_file: Path, mode: str, k_expr: str | None, timeout: float,
-               processes: int = 1) -> dict:
+def run_pytest(root: Path, test_file: Path, mode: str, k_expr: str | None, timeout: float, processes: int = 1) -> dict:
     """Run one test file in one mode (in ``processes`` pytest-xdist workers
     when above 1); return its outcomes, counts, wall time and status.
 
@@ -171,13 +174,27 @@ def run_pytest(root: Path, test_file: Path, mode: str, k_expr: str | None, timeo
             env[PATCH_ENV] = "1"
         else:
             env.pop(PATCH_ENV, None)
-        command = [sys.executable, "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", "-q",
-                   f"--junitxml={junit}", str(test_file.relative_to(root))] + (["-k", k_expr] if k_expr else []) + (
-                       ["-n", str(processes)] if processes > 1 else [])
+        command = (
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-p",
+                PLUGIN,
+                "-p",
+                "no:cacheprovider",
+                "-q",
+                f"--junitxml={junit}",
+                str(test_file.relative_to(root)),
+            ]
+            + (["-k", k_expr] if k_expr else [])
+            + (["-n", str(processes)] if processes > 1 else [])
+        )
         start = time.monotonic()
         with open(log, "w") as out:
-            process = subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                       start_new_session=True)  # its own group: a timeout kills its children too
+            process = subprocess.Popen(
+                command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )  # its own group: a timeout kills its children too
             try:
                 process.wait(timeout=timeout)
                 status = "ok" if junit.is_file() else "no report"
@@ -193,9 +210,15 @@ def run_pytest(root: Path, test_file: Path, mode: str, k_expr: str | None, timeo
             patched.update(json.loads(counts_file.read_text()))
         tail = "" if status == "ok" else "\n".join(log.read_text(errors="replace").splitlines()[-20:])
     counts = Counter(test["outcome"] for test in tests.values())
-    return {"status": status, "wall_s": round(wall, 1), "exit_code": process.returncode,
-            "counts": {"collected": len(tests), **{o: counts[o] for o in OUTCOMES}},
-            "models_patched": dict(patched), "log_tail": tail, "tests": tests}
+    return {
+        "status": status,
+        "wall_s": round(wall, 1),
+        "exit_code": process.returncode,
+        "counts": {"collected": len(tests), **{o: counts[o] for o in OUTCOMES}},
+        "models_patched": dict(patched),
+        "log_tail": tail,
+        "tests": tests,
+    }
 
 
 def differences(unpatched: dict, patched: dict) -> list:
@@ -207,10 +230,18 @@ def differences(unpatched: dict, patched: dict) -> list:
     for test_id in sorted(set(unpatched) | set(patched)):
         before, after = unpatched.get(test_id, absent), patched.get(test_id, absent)
         if before["outcome"] != after["outcome"]:
-            rows.append({"test": test_id, "unpatched": before["outcome"], "patched": after["outcome"],
-                         "worse_patched": RANK[after["outcome"]] > RANK[before["outcome"]],
-                         **{f"{mode}_message": run["message"] if run["outcome"] in ("failed", "error") else ""
-                            for mode, run in (("unpatched", before), ("patched", after))}})
+            rows.append(
+                {
+                    "test": test_id,
+                    "unpatched": before["outcome"],
+                    "patched": after["outcome"],
+                    "worse_patched": RANK[after["outcome"]] > RANK[before["outcome"]],
+                    **{
+                        f"{mode}_message": run["message"] if run["outcome"] in ("failed", "error") else ""
+                        for mode, run in (("unpatched", before), ("patched", after))
+                    },
+                }
+            )
     return rows
 
 
@@ -220,21 +251,28 @@ def compare(unpatched: dict, patched: dict) -> dict:
     no outcomes to compare: the file is worse patched when only the patched
     run failed that way."""
     if unpatched["status"] != "ok" or patched["status"] != "ok":
-        return {"compared": False, "differences": [],
-                "worse_patched": patched["status"] != "ok" and unpatched["status"] == "ok"}
+        return {
+            "compared": False,
+            "differences": [],
+            "worse_patched": patched["status"] != "ok" and unpatched["status"] == "ok",
+        }
     rows = differences(unpatched["tests"], patched["tests"])
     return {"compared": True, "differences": rows, "worse_patched": any(row["worse_patched"] for row in rows)}
 
 
 def report(results: dict, missing: list) -> None:
     """Print the per-file counts and times, then the differing tests."""
-    print(f"{'file / mode':<28} {'status':<9} {'collected':>9} {'passed':>7} {'failed':>7} {'error':>6} "
-          f"{'skipped':>8} {'wall s':>8}")
+    print(
+        f"{'file / mode':<28} {'status':<9} {'collected':>9} {'passed':>7} {'failed':>7} {'error':>6} "
+        f"{'skipped':>8} {'wall s':>8}"
+    )
     for model, result in results.items():
         for mode in MODES:
             run, c = result[mode], result[mode]["counts"]
-            print(f"{model + ' / ' + mode:<28} {run['status']:<9} {c['collected']:>9} {c['passed']:>7} "
-                  f"{c['failed']:>7} {c['error']:>6} {c['skipped']:>8} {run['wall_s']:>8.1f}")
+            print(
+                f"{model + ' / ' + mode:<28} {run['status']:<9} {c['collected']:>9} {c['passed']:>7} "
+                f"{c['failed']:>7} {c['error']:>6} {c['skipped']:>8} {run['wall_s']:>8.1f}"
+            )
             for line in run["log_tail"].splitlines():  # only when it ended without a report
                 print("    | " + line)
         patched = result["patched"]["models_patched"]
@@ -245,8 +283,10 @@ def report(results: dict, missing: list) -> None:
     for model, result in results.items():
         comparison = result["comparison"]
         if not comparison["compared"]:
-            print(f"{model}: not compared (unpatched {result['unpatched']['status']}, "
-                  f"patched {result['patched']['status']})" + (": WORSE" if comparison["worse_patched"] else ""))
+            print(
+                f"{model}: not compared (unpatched {result['unpatched']['status']}, "
+                f"patched {result['patched']['status']})" + (": WORSE" if comparison["worse_patched"] else "")
+            )
             continue
         rows = comparison["differences"]
         print(f"{model}: {len(rows)} test(s) differ" + (":" if rows else ""))
@@ -259,20 +299,45 @@ def report(results: dict, missing: list) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--diffusers-tests", type=Path, required=True, metavar="PATH",
-                        help="the tests/ directory of a diffusers source checkout")
-    parser.add_argument("--models", default=",".join(MODELS), metavar="NAMES",
-                        help="comma-separated <model>s of test_models_transformer_<model>.py (default: %(default)s)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--diffusers-tests",
+        type=Path,
+        required=True,
+        metavar="PATH",
+        help="the tests/ directory of a diffusers source checkout",
+    )
+    parser.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        metavar="NAMES",
+        help="comma-separated <model>s of test_models_transformer_<model>.py (default: %(default)s)",
+    )
     parser.add_argument("-k", dest="k_expr", metavar="EXPR", help="pytest -k expression, passed to every run")
     parser.add_argument("--out", type=Path, help="write the counts, times, outcomes and differences here as JSON")
-    parser.add_argument("--workers", type=int, default=1, metavar="N",
-                        help="pytest runs at a time (each file in each mode is one run; default %(default)s)")
-    parser.add_argument("--processes", type=int, default=1, metavar="N",
-                        help="pytest-xdist workers of each run (needs pytest-xdist; default %(default)s: no xdist)")
-    parser.add_argument("--timeout", type=float, default=1200, metavar="SECONDS",
-                        help="seconds one file may run in one mode before it is killed (default %(default)s)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="pytest runs at a time (each file in each mode is one run; default %(default)s)",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="pytest-xdist workers of each run (needs pytest-xdist; default %(default)s: no xdist)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=1200,
+        metavar="SECONDS",
+        help="seconds one file may run in one mode before it is killed (default %(default)s)",
+    )
     return parser.parse_args(argv)
 
 
@@ -285,8 +350,10 @@ def main(argv=None) -> int:
     root = tests_dir.parent
     checkout = checkout_version(tests_dir)
     if checkout != diffusers.__version__:
-        print(f"warning: the checkout's diffusers version is {checkout}, the installed diffusers is "
-              f"{diffusers.__version__}: some tests may fail in both modes")
+        print(
+            f"warning: the checkout's diffusers version is {checkout}, the installed diffusers is "
+            f"{diffusers.__version__}: some tests may fail in both modes"
+        )
     files, missing = {}, []
     for model in filter(None, (m.strip() for m in args.models.split(","))):
         path = tests_dir / "models" / "transformers" / f"test_models_transformer_{model}.py"
@@ -296,9 +363,10 @@ def main(argv=None) -> int:
             missing.append(model)
     jobs = [(model, mode) for model in files for mode in MODES]
     with ThreadPoolExecutor(max_workers=max(1, args.workers)) as pool:
-        futures = {job: pool.submit(run_pytest, root, files[job[0]], job[1], args.k_expr, args.timeout,
-                                   args.processes)
-                   for job in jobs}
+        futures = {
+            job: pool.submit(run_pytest, root, files[job[0]], job[1], args.k_expr, args.timeout, args.processes)
+            for job in jobs
+        }
         runs = {job: future.result() for job, future in futures.items()}
     results = {}
     for model in files:
@@ -306,9 +374,18 @@ def main(argv=None) -> int:
         results[model] = {"unpatched": unpatched, "patched": patched, "comparison": compare(unpatched, patched)}
     report(results, missing)
     if args.out:
-        args.out.write_text(json.dumps({"checkout_version": checkout, "installed_diffusers": diffusers.__version__,
-                                        "k": args.k_expr, "missing_test_files": missing, "results": results},
-                                       indent=2))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "checkout_version": checkout,
+                    "installed_diffusers": diffusers.__version__,
+                    "k": args.k_expr,
+                    "missing_test_files": missing,
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
     return 1 if any(result["comparison"]["worse_patched"] for result in results.values()) else 0
 
 

@@ -5,6 +5,7 @@ and ``torch_at_dtype``, what plain PyTorch computes at the input dtype. The
 kernel may be off from ``exact`` by at most ``factor`` times PyTorch's own
 error, plus a floor of one unit in the last place of the output's scale.
 """
+
 import torch
 
 
@@ -14,9 +15,15 @@ def assert_same_nonfinite(got: torch.Tensor, exact: torch.Tensor) -> None:
     assert torch.equal(torch.isneginf(got), torch.isneginf(exact)), "-inf positions differ"
 
 
-def assert_within_torch_error(got: torch.Tensor, exact: torch.Tensor, torch_at_dtype: torch.Tensor,
-                              factor: float, what: str = "output", terms: int = 1,
-                              fp32_roundings: int = 0) -> None:
+def assert_within_torch_error(
+    got: torch.Tensor,
+    exact: torch.Tensor,
+    torch_at_dtype: torch.Tensor,
+    factor: float,
+    what: str = "output",
+    terms: int = 1,
+    fp32_roundings: int = 0,
+) -> None:
     """``terms``: how many values each element of ``got`` sums (the gradient of a
     broadcast input sums over the broadcast dims). Each addition may round, so
     the floor is ``terms`` ulps of the output's scale: a sum of 18 fp32 terms
@@ -45,5 +52,6 @@ def assert_within_torch_error(got: torch.Tensor, exact: torch.Tensor, torch_at_d
     scale = max(exact.double()[finite].abs().max().item(), 1.0)
     floor = torch.finfo(got.dtype).eps * scale * terms + torch.finfo(torch.float32).eps * scale * fp32_roundings
     bound = factor * torch_err + floor
-    assert err <= bound, (f"{what}: error {err:.3g} > {factor} x torch's error at the input dtype "
-                          f"({torch_err:.3g}) + floor {floor:.3g}")
+    assert err <= bound, (
+        f"{what}: error {err:.3g} > {factor} x torch's error at the input dtype ({torch_err:.3g}) + floor {floor:.3g}"
+    )

@@ -1,5 +1,6 @@
 """What the patch tests of every model family (diffusers, transformers) compare:
 a patched copy against the unpatched model, forward and parameter gradients."""
+
 import torch
 from conftest import HAS_CUDA
 

@@ -13,6 +13,7 @@ On the GPU the choices below are few but still cover what the kernels branch
 on: 1, odd sizes that leave a partial tile, exact multiples of 16, sizes past
 one tile, and the model sizes.
 """
+
 import os
 
 import torch

@@ -7,6 +7,7 @@ by the two-reference rule: the kernel's error at most 2x (forward) / 3x
 fp16/bf16; for fp32 the same math, with TF32 matmuls where the session's fp32
 matmul precision lets the kernels use TF32 dots on a GPU).
 """
+
 import dataclasses
 import math
 import types
@@ -49,8 +50,7 @@ def _fp32_flash(q, k, v, dout, scale, causal, kv_lengths, operand, allowed=None)
     hq, hk = q.shape[1], k.shape[1]
     k, v = (t.repeat_interleave(hq // hk, 1) for t in (k, v))
     s = operand(q) @ operand(k).transpose(-1, -2) * scale
-    s = s.masked_fill(~_mask(q.shape[2], k.shape[2], causal, kv_lengths, q.shape[0], q.device, allowed),
-                      float("-inf"))
+    s = s.masked_fill(~_mask(q.shape[2], k.shape[2], causal, kv_lengths, q.shape[0], q.device, allowed), float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0)[..., None])
     out = operand(p) @ operand(v)
@@ -84,8 +84,7 @@ def torch_at_dtype(q, k, v, dout, scale, causal, seq_dim, kv_lengths, allowed=No
     else:
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
         mask = _mask(q.shape[2], k.shape[2], causal, kv_lengths, q.shape[0], q.device, allowed)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
         grads = torch.autograd.grad(out, (q, k, v), dout)
         # SDPA does not return its lse: the fp32 logsumexp of the scores of the
         # half-precision inputs, which tensor cores accumulate in fp32 too.
@@ -117,6 +116,7 @@ def _qkv(b, hq, hk, lq, lk, d, seq_dim, dtype, device):
     def t(h, length):
         shape = (b, h, length, d) if seq_dim == 2 else (b, length, h, d)
         return torch.randn(shape, device=device).to(dtype).requires_grad_(True)
+
     return t(hq, lq), t(hk, lk), t(hk, lk)
 
 
@@ -147,8 +147,9 @@ def test_kernels_match_fp64_reference_forward_and_backward(case):
     qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
     exact, exact_lse = ref.attention(qd, kd, vd, scale_value, causal, seq_dim, kv)
     dout = torch.randn_like(out)
-    plain, theirs, plain_lse = torch_at_dtype(q.detach(), k.detach(), v.detach(), dout, scale_value, causal,
-                                              seq_dim, kv)
+    plain, theirs, plain_lse = torch_at_dtype(
+        q.detach(), k.detach(), v.detach(), dout, scale_value, causal, seq_dim, kv
+    )
 
     assert out.dtype == dtype and out.shape == q.shape and out.is_contiguous()
     # fp32: each output sums its Lk terms p v at fp32, rescaling the running sum once per key tile, in
@@ -266,53 +267,110 @@ def _bad_input_cases():
     att = torch.ops.fused.attention
     qk8, qk8_op = _quantized_for_bad_input(q, k), torch.ops.fused.attention_qk8
     return [
-        (lambda: att(*qkv((2, 4, 8, 16), (2, 2, 8, 32), (2, 2, 8, 32)), 0.1, False), ValueError,
-         r"head dims differ: q 16, k 32"),
-        (lambda: att(*qkv((2, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16)), 0.1, False), ValueError,
-         r"batch sizes differ: q 2, k 1"),
-        (lambda: att(*qkv((2, 4, 8, 16), (2, 3, 8, 16), (2, 3, 8, 16)), 0.1, False), ValueError,
-         r"k/v heads \(3\) must divide q heads \(4\)"),
+        (
+            lambda: att(*qkv((2, 4, 8, 16), (2, 2, 8, 32), (2, 2, 8, 32)), 0.1, False),
+            ValueError,
+            r"head dims differ: q 16, k 32",
+        ),
+        (
+            lambda: att(*qkv((2, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16)), 0.1, False),
+            ValueError,
+            r"batch sizes differ: q 2, k 1",
+        ),
+        (
+            lambda: att(*qkv((2, 4, 8, 16), (2, 3, 8, 16), (2, 3, 8, 16)), 0.1, False),
+            ValueError,
+            r"k/v heads \(3\) must divide q heads \(4\)",
+        ),
         (lambda: att(q, k, v[:, :, :5], 0.1, False), ValueError, r"k and v must have the same heads and length"),
-        (lambda: att(*qkv((2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16), dtype=torch.int32), 0.1, False), TypeError,
-         r"q must have dtype float16"),
+        (
+            lambda: att(*qkv((2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16), dtype=torch.int32), 0.1, False),
+            TypeError,
+            r"q must have dtype float16",
+        ),
         (lambda: att(q, k.float(), v, 0.1, False), TypeError, r"k has dtype torch.float32 but q has torch.float16"),
         (lambda: att(q[0], k, v, 0.1, False), ValueError, r"q must be 4-D \[B, H, L, D\]"),
-        (lambda: att(*qkv((1, 1, 4, 300), (1, 1, 4, 300), (1, 1, 4, 300)), 0.1, False), ValueError,
-         r"head dim D must be in \[1, 256\], got 300"),
+        (
+            lambda: att(*qkv((1, 1, 4, 300), (1, 1, 4, 300), (1, 1, 4, 300)), 0.1, False),
+            ValueError,
+            r"head dim D must be in \[1, 256\], got 300",
+        ),
         (lambda: att(q, k, v, 0.1, False, 3), ValueError, r"seq_dim must be 2 .* or 1"),
         (lambda: att(q, k.to("meta"), v, 0.1, False), ValueError, r"k is on meta but q is on cpu"),
-        (lambda: att(q, k, v, 0.1, False, 2, torch.tensor([8, 9])), ValueError,
-         r"kv_lengths must be in \[0, Lk=8\], got values in \[8, 9\]"),
+        (
+            lambda: att(q, k, v, 0.1, False, 2, torch.tensor([8, 9])),
+            ValueError,
+            r"kv_lengths must be in \[0, Lk=8\], got values in \[8, 9\]",
+        ),
         (lambda: att(q, k, v, 0.1, False, 2, torch.tensor([8])), ValueError, r"kv_lengths must have shape \(2,\)"),
         (lambda: att(q, k, v, 0.1, False, 2, torch.tensor([8.0, 8.0])), TypeError, r"kv_lengths must be int32"),
         # Python scalars are checked before the dispatcher would turn them into a bool (SDPA's rule)
-        *[(lambda causal=causal: compile_ops.attention(q, k, v, causal=causal), TypeError,
-           r"causal must be a bool, got (nan|0.5|2)") for causal in (float("nan"), 0.5, 2)],
-        (lambda: compile_ops.attention(*qkv((1, 1, 4, 0), (1, 1, 4, 0), (1, 1, 4, 0))), ValueError,
-         r"compile_ops.attention: q must have a non-empty last \(head\) dim D, got shape \(1, 1, 4, 0\)"),
+        *[
+            (
+                lambda causal=causal: compile_ops.attention(q, k, v, causal=causal),
+                TypeError,
+                r"causal must be a bool, got (nan|0.5|2)",
+            )
+            for causal in (float("nan"), 0.5, 2)
+        ],
+        (
+            lambda: compile_ops.attention(*qkv((1, 1, 4, 0), (1, 1, 4, 0), (1, 1, 4, 0))),
+            ValueError,
+            r"compile_ops.attention: q must have a non-empty last \(head\) dim D, got shape \(1, 1, 4, 0\)",
+        ),
         (lambda: compile_ops.attention(q, k, v, scale="x"), TypeError, r"scale must be a float or None, got 'x'"),
-        (lambda: compile_ops.attention(q.tolist(), k, v), TypeError,
-         r"q must be a torch.Tensor or an Int8QK, got list"),
-        (lambda: compile_ops.attention(q, k, v, kv_lengths=[3, 5]), TypeError,
-         r"kv_lengths must be a torch.Tensor or None, got list"),
+        (
+            lambda: compile_ops.attention(q.tolist(), k, v),
+            TypeError,
+            r"q must be a torch.Tensor or an Int8QK, got list",
+        ),
+        (
+            lambda: compile_ops.attention(q, k, v, kv_lengths=[3, 5]),
+            TypeError,
+            r"kv_lengths must be a torch.Tensor or None, got list",
+        ),
         # 8-bit attention on q and k quantized beforehand (Int8QK, fused.attention_qk8)
-        (lambda: compile_ops.attention(qk8, k, v, precision="int8"), ValueError,
-         r"compile_ops.attention: q is an Int8QK .* so k must be None, got Tensor"),
-        (lambda: compile_ops.attention(qk8, None, v), ValueError,
-         r"q is an Int8QK \(quantized q and k\), which needs an 8-bit precision .* got precision='exact'"),
+        (
+            lambda: compile_ops.attention(qk8, k, v, precision="int8"),
+            ValueError,
+            r"compile_ops.attention: q is an Int8QK .* so k must be None, got Tensor",
+        ),
+        (
+            lambda: compile_ops.attention(qk8, None, v),
+            ValueError,
+            r"q is an Int8QK \(quantized q and k\), which needs an 8-bit precision .* got precision='exact'",
+        ),
         (lambda: compile_ops.attention_fp8_rows(qk8, k, v), ValueError, r"attention_fp8_rows: .* k must be None"),
-        (lambda: qk8_op(q, qk8.q_scale, qk8.k, qk8.k_scale, v, 0.1, False), TypeError,
-         r"attention_qk8: q must be int8 \(8-bit attention's quantized operand"),
-        (lambda: qk8_op(qk8.q, qk8.q_scale, qk8.k, qk8.k_scale, v.float(), 0.1, False), TypeError,
-         r"attention_qk8: v must be float16 or bfloat16"),
-        (lambda: qk8_op(qk8.q, qk8.q_scale[:, :, :4], qk8.k, qk8.k_scale, v, 0.1, False), ValueError,
-         r"q_scale must have shape \(2, 4, 8\) \(one scale per query and head\), got \(2, 4, 4\)"),
-        (lambda: qk8_op(qk8.q, qk8.q_scale, qk8.k, qk8.k_scale.double(), v, 0.1, False), TypeError,
-         r"k_scale must be float32, got torch.float64"),
-        (lambda: qk8_op(*qk8, v, 0.1, False, 2, None, False, True), ValueError,
-         r"fp8_rows=True \(e4m3 output rows\) is a mode of FP8 P V: pass pv_fp8=True too"),
-        (lambda: qk8_op(*qk8, v, 0.1, False, 2, None, True, True)[0].float().sum().backward(), RuntimeError,
-         r"element 0 of tensors does not require grad"),
+        (
+            lambda: qk8_op(q, qk8.q_scale, qk8.k, qk8.k_scale, v, 0.1, False),
+            TypeError,
+            r"attention_qk8: q must be int8 \(8-bit attention's quantized operand",
+        ),
+        (
+            lambda: qk8_op(qk8.q, qk8.q_scale, qk8.k, qk8.k_scale, v.float(), 0.1, False),
+            TypeError,
+            r"attention_qk8: v must be float16 or bfloat16",
+        ),
+        (
+            lambda: qk8_op(qk8.q, qk8.q_scale[:, :, :4], qk8.k, qk8.k_scale, v, 0.1, False),
+            ValueError,
+            r"q_scale must have shape \(2, 4, 8\) \(one scale per query and head\), got \(2, 4, 4\)",
+        ),
+        (
+            lambda: qk8_op(qk8.q, qk8.q_scale, qk8.k, qk8.k_scale.double(), v, 0.1, False),
+            TypeError,
+            r"k_scale must be float32, got torch.float64",
+        ),
+        (
+            lambda: qk8_op(*qk8, v, 0.1, False, 2, None, False, True),
+            ValueError,
+            r"fp8_rows=True \(e4m3 output rows\) is a mode of FP8 P V: pass pv_fp8=True too",
+        ),
+        (
+            lambda: qk8_op(*qk8, v, 0.1, False, 2, None, True, True)[0].float().sum().backward(),
+            RuntimeError,
+            r"element 0 of tensors does not require grad",
+        ),
     ]
 
 
@@ -340,10 +398,13 @@ test_bad_input_raises_a_clear_error = bad_input_test(_bad_input_cases)
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("seq_dim, hq, hk, lq, lk, d", [
-    (1, 4, 2, 50, 300, 64),    # GQA, a partial last key block
-    (2, 2, 2, 130, 256, 128),  # whole key blocks: v needs no row padding
-])
+@pytest.mark.parametrize(
+    "seq_dim, hq, hk, lq, lk, d",
+    [
+        (1, 4, 2, 50, 300, 64),  # GQA, a partial last key block
+        (2, 2, 2, 130, 256, 128),  # whole key blocks: v needs no row padding
+    ],
+)
 def test_kernels_attention_on_quantized_qk_is_the_8bit_ops(seq_dim, hq, hk, lq, lk, d):
     """``attention(Int8QK, None, v, precision=...)`` (``fused.attention_qk8``)
     given k quantized by the 8-bit ops' own Triton pass and q by the
@@ -355,8 +416,7 @@ def test_kernels_attention_on_quantized_qk_is_the_8bit_ops(seq_dim, hq, hk, lq, 
     torch.manual_seed(0)
     q, k, v = _int8_case(seq_dim, 2, hq, hk, lq, lk, d, torch.float16, KERNEL_DEVICE)
     # q as the kernel rounds it (the specification's, exactly); k from the ops' own Triton pass.
-    qk = compile_ops.Int8QK(*ref.smooth_quantize_qk(q, k, seq_dim)[:2],
-                            *attention_8bit.quantize_8bit(k, None, seq_dim))
+    qk = compile_ops.Int8QK(*ref.smooth_quantize_qk(q, k, seq_dim)[:2], *attention_8bit.quantize_8bit(k, None, seq_dim))
     with torch.no_grad():
         for precision in EIGHT_BIT:
             got = compile_ops.attention(qk, None, v, seq_dim=seq_dim, precision=precision)
@@ -397,9 +457,11 @@ def _relative_l2(got, want):
 
 def _int8_case(seq_dim, b, hq, hk, lq, lk, d, dtype, device, key_offset=2.0):
     """q, k, v with keys carrying a per-channel offset (what the smoothing removes)."""
+
     def t(h, length):
         shape = (b, h, length, d) if seq_dim == 2 else (b, length, h, d)
         return torch.randn(shape, device=device)
+
     offset = key_offset * torch.randn(d, device=device)
     return t(hq, lq).to(dtype), (t(hk, lk) + offset).to(dtype), t(hk, lk).to(dtype)
 
@@ -419,16 +481,19 @@ def test_int8_specification_quantizes_per_token_and_smoothing_leaves_attention_e
     assert int(q8.abs().max()) == 127 and (q8.abs().amax(-1) == 127).all()  # every token uses the full range
     torch.testing.assert_close(q_scale, q.float().abs().amax(-1).transpose(1, 2) / 127)
     smoothed = k.float() - k.float().mean(dim=1, keepdim=True)
-    blocks = [smoothed[:, i:i + 128].abs().amax(dim=(1, 3)) for i in (0, 128, 256)]  # [B, Hk] each
+    blocks = [smoothed[:, i : i + 128].abs().amax(dim=(1, 3)) for i in (0, 128, 256)]  # [B, Hk] each
     torch.testing.assert_close(k_scale, torch.stack(blocks, dim=-1) / 127)
     for i, start in enumerate((0, 128, 256)):  # every block uses the full range, the last (44 keys) too
-        assert (k8[:, start:start + 128].abs().amax(dim=(1, 3)) == 127).all(), i
-    torch.testing.assert_close(ref.dequantize_int8(k8.transpose(1, 2), k_scale, 128),
-                               smoothed.transpose(1, 2), rtol=0, atol=float(k_scale.max()) / 2 * 1.001)
+        assert (k8[:, start : start + 128].abs().amax(dim=(1, 3)) == 127).all(), i
+    torch.testing.assert_close(
+        ref.dequantize_int8(k8.transpose(1, 2), k_scale, 128),
+        smoothed.transpose(1, 2),
+        rtol=0,
+        atol=float(k_scale.max()) / 2 * 1.001,
+    )
     # Softmax ignores the shift: exact attention with and without the smoothing agree (fp64).
     exact, _ = ref.attention(q.double(), k.double(), v.double(), 0.2, False, 1)
-    shifted, _ = ref.attention(q.double(), k.double() - k.double().mean(dim=1, keepdim=True), v.double(), 0.2,
-                               False, 1)
+    shifted, _ = ref.attention(q.double(), k.double() - k.double().mean(dim=1, keepdim=True), v.double(), 0.2, False, 1)
     torch.testing.assert_close(shifted, exact, rtol=1e-10, atol=1e-10)
     approx = ref.attention_int8(q, k, v, 0.2, False, 1)
     err = _relative_l2(approx, exact)
@@ -436,8 +501,13 @@ def test_int8_specification_quantizes_per_token_and_smoothing_leaves_attention_e
     assert err < 5e-2  # 8-bit q.k: ~1e-2 here; a wrong scale or a missing smoothing is O(1)
 
 
-@given(st.integers(1, 300), st.sampled_from([1, 16, 128]), st.integers(1, 40),
-       st.sampled_from(["normal", "outlier", "zero_block"]), st.integers(0, 2 ** 16))
+@given(
+    st.integers(1, 300),
+    st.sampled_from([1, 16, 128]),
+    st.integers(1, 40),
+    st.sampled_from(["normal", "outlier", "zero_block"]),
+    st.integers(0, 2**16),
+)
 def test_int8_block_quantization_properties(length, block, d, kind, seed):
     """quantize_int8 for any length and block: scales ``[B, H, ceil(L / block)]``
     equal to each block's amax / 127 (the floor for an all-zero block, whose
@@ -449,7 +519,7 @@ def test_int8_block_quantization_properties(length, block, d, kind, seed):
     if kind == "outlier":
         x[..., length // 2, d // 2] = 1e4
     elif kind == "zero_block":
-        x[..., :min(block, length), :] = 0
+        x[..., : min(block, length), :] = 0
     q, scale = ref.quantize_int8(x, block)
     blocks = -(-length // block)
     assert q.dtype == torch.int8 and scale.shape == (2, 3, blocks) and scale.dtype == torch.float32
@@ -465,7 +535,7 @@ def test_int8_block_quantization_properties(length, block, d, kind, seed):
     # Half a step, plus the fp32 rounding of 1 / scale, x * (1 / scale) and q * scale (each at most
     # 127 * 2**-24 steps for |q| <= 127): 1.7e-6 steps over the half were found with a division
     # (length 209, seed 740); a wrong rounding mode errs by up to a whole step.
-    assert (step.abs() <= per_row * (0.5 + 3 * 127 * 2.0 ** -24)).all()
+    assert (step.abs() <= per_row * (0.5 + 3 * 127 * 2.0**-24)).all()
 
 
 #: The 8-bit precisions: their op and specification, and how far the kernel
@@ -502,10 +572,10 @@ def test_fp8_pv_specification_rounds_v_per_channel_and_p_against_the_running_max
     torch.testing.assert_close(scale, v.abs().amax(2) / 448, rtol=0, atol=0)
     assert (v8.float().abs().amax(2) == 448).all()
     step = (v8.float() * scale.unsqueeze(2) - v).abs()
-    assert (step <= v.abs() / 16 * (1 + 1e-6) + scale.unsqueeze(2) * 2 ** -10).all()  # 3 mantissa bits, subnormals
+    assert (step <= v.abs() / 16 * (1 + 1e-6) + scale.unsqueeze(2) * 2**-10).all()  # 3 mantissa bits, subnormals
 
     q, k, vv = _int8_case(2, 1, 2, 2, 20, 100, 32, torch.float16, "cpu")
-    scale = 32 ** -0.5
+    scale = 32**-0.5
     q8, q_scale, k8, k_scale = ref.smooth_quantize_qk(q, k, 2)
     s = ref.dequantize_int8(q8, q_scale) @ ref.dequantize_int8(k8, k_scale, ref.INT8_KEY_BLOCK).transpose(-1, -2)
     p = torch.exp2((s - s.amax(-1, keepdim=True)) * scale * math.log2(math.e) + ref.P_FP8_SHIFT)
@@ -523,8 +593,12 @@ def test_fp8_pv_specification_rounds_v_per_channel_and_p_against_the_running_max
     assert err < 6e-2 and _relative_l2(tiled, int8) < 6e-2  # e4m3's 3 mantissa bits: ~3.5e-2; a wrong scale is O(1)
 
 
-@given(st.integers(1, 300), st.integers(1, 40), st.sampled_from(["normal", "outlier", "zero_channel", "tiny"]),
-       st.integers(0, 2 ** 16))
+@given(
+    st.integers(1, 300),
+    st.integers(1, 40),
+    st.sampled_from(["normal", "outlier", "zero_channel", "tiny"]),
+    st.integers(0, 2**16),
+)
 def test_fp8_v_quantization_properties(length, d, kind, seed):
     """quantize_v_fp8 for any length and width: scales ``[B, H, D]`` equal to
     each channel's amax / 448 (the floor for an all-zero channel, whose values
@@ -546,18 +620,21 @@ def test_fp8_v_quantization_properties(length, d, kind, seed):
     values = v8.float()
     assert torch.equal(values.abs().amax(2) == 448, amax > 0)  # full range used, zero channels stay zero
     step = (values * scale.unsqueeze(2) - v).abs()
-    bound = torch.maximum(v.abs() * 2.0 ** -4, scale.unsqueeze(2) * 2.0 ** -10) * (1 + 2.0 ** -20)
+    bound = torch.maximum(v.abs() * 2.0**-4, scale.unsqueeze(2) * 2.0**-10) * (1 + 2.0**-20)
     assert (step <= bound).all()
 
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("precision", list(EIGHT_BIT))
-@pytest.mark.parametrize("seq_dim, causal, lengths, hq, hk, lq, lk, d", [
-    (2, False, None, 2, 2, 130, 300, 64),   # two query tiles, three key tiles (the last partial)
-    (1, True, None, 4, 2, 50, 166, 40),     # [B, L, H, D], GQA, Lq != Lk, D padded
-    (2, False, (30, 266), 2, 1, 33, 266, 128),  # padded keys, MQA
-    (1, False, None, 2, 2, 40, 256, 32),    # Lk a multiple of 16: FP8 P V's transposed v needs no row padding
-])
+@pytest.mark.parametrize(
+    "seq_dim, causal, lengths, hq, hk, lq, lk, d",
+    [
+        (2, False, None, 2, 2, 130, 300, 64),  # two query tiles, three key tiles (the last partial)
+        (1, True, None, 4, 2, 50, 166, 40),  # [B, L, H, D], GQA, Lq != Lk, D padded
+        (2, False, (30, 266), 2, 1, 33, 266, 128),  # padded keys, MQA
+        (1, False, None, 2, 2, 40, 256, 32),  # Lk a multiple of 16: FP8 P V's transposed v needs no row padding
+    ],
+)
 def test_kernels_int8_match_the_same_quantization(precision, seq_dim, causal, lengths, hq, hk, lq, lk, d):
     """The kernel against its specification (``EIGHT_BIT``: same quantized
     operands, the same steps); the distance of both to exact attention is
@@ -569,12 +646,13 @@ def test_kernels_int8_match_the_same_quantization(precision, seq_dim, causal, le
         q, k, v = _int8_case(seq_dim, 2, hq, hk, lq, lk, d, dtype, KERNEL_DEVICE)
         kv_lengths = None if lengths is None else torch.tensor(lengths, device=KERNEL_DEVICE)
         with torch.no_grad():
-            got = compile_ops.attention(q, k, v, causal=causal, seq_dim=seq_dim, kv_lengths=kv_lengths,
-                                        precision=precision)
+            got = compile_ops.attention(
+                q, k, v, causal=causal, seq_dim=seq_dim, kv_lengths=kv_lengths, precision=precision
+            )
         assert got.dtype == dtype and got.shape == q.shape
         lengths_cpu = None if kv_lengths is None else kv_lengths.cpu()
-        want = spec(q.cpu(), k.cpu(), v.cpu(), d ** -0.5, causal, seq_dim, lengths_cpu)
-        exact = _exact_of(q, k, v, d ** -0.5, causal, seq_dim, lengths_cpu)
+        want = spec(q.cpu(), k.cpu(), v.cpu(), d**-0.5, causal, seq_dim, lengths_cpu)
+        exact = _exact_of(q, k, v, d**-0.5, causal, seq_dim, lengths_cpu)
         to_spec, to_exact = _relative_l2(got.cpu(), want), _relative_l2(got.cpu(), exact)
         print(f"{dtype} {precision} kernel: to the specification {to_spec:.2e}, to exact attention {to_exact:.2e}")
         assert to_spec < bounds[dtype], to_spec
@@ -631,14 +709,16 @@ def test_fp8_rows_specification_bounds_the_output_by_v_and_rounds_it_once():
     assert values.float().abs().max() < 448 * 17 / 32  # |out| / scale <= 224 (1 + 2**-4): nothing clamps
     out16 = ref.attention_int8_fp8(q, k, v, 0.2, False, 1).float()
     dequantized = values.float() * row_scale[:, :, None, None]
-    step = torch.maximum(out16.abs() * 2.0 ** -4, row_scale[:, :, None, None] * 2.0 ** -9)
+    step = torch.maximum(out16.abs() * 2.0**-4, row_scale[:, :, None, None] * 2.0**-9)
     assert ((dequantized - out16).abs() <= step).all()  # half a step from fp32, plus bf16's rounding of out16
     per_row = ref_fp8.quantize_fp8_rows(out16.flatten(2, 3))
     per_row = (per_row[0].float() * per_row[1][..., None]).unflatten(2, (4, 32))
     for b in range(2):  # batch 1's rows are dominated by the outlier channel, which a per-row scale hits exactly
         err, per_row_err = _relative_l2(dequantized[b], out16[b]), _relative_l2(per_row[b], out16[b])
-        print(f"FP8 rows against the 16-bit output, batch {b}: bound scale {err:.2e}, per-row amax scale "
-              f"{per_row_err:.2e}")
+        print(
+            f"FP8 rows against the 16-bit output, batch {b}: bound scale {err:.2e}, per-row amax scale "
+            f"{per_row_err:.2e}"
+        )
         assert err < 4e-2
 
     zeros, zero_scale = ref.attention_int8_fp8_rows(q, k, torch.zeros_like(v), 0.2, False, 1)
@@ -646,10 +726,13 @@ def test_fp8_rows_specification_bounds_the_output_by_v_and_rounds_it_once():
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("seq_dim, causal, lengths, hq, hk, lq, lk, d", [
-    (1, False, None, 2, 2, 130, 300, 64),   # two query tiles, a partial last key tile
-    (2, True, (30, 266), 4, 2, 50, 266, 40),  # SDPA's layout in, [B, L, H, D] rows out; GQA, padded keys, D padded
-])
+@pytest.mark.parametrize(
+    "seq_dim, causal, lengths, hq, hk, lq, lk, d",
+    [
+        (1, False, None, 2, 2, 130, 300, 64),  # two query tiles, a partial last key tile
+        (2, True, (30, 266), 4, 2, 50, 266, 40),  # SDPA's layout in, [B, L, H, D] rows out; GQA, padded keys, D padded
+    ],
+)
 def test_kernels_fp8_rows_match_the_specification(seq_dim, causal, lengths, hq, hk, lq, lk, d):
     """The FP8 output epilogue. Exactly: its scales equal the specification's,
     and its values are the same kernel's 16-bit output (``precision="int8_fp8"``)
@@ -663,11 +746,12 @@ def test_kernels_fp8_rows_match_the_specification(seq_dim, causal, lengths, hq, 
     kv_lengths = None if lengths is None else torch.tensor(lengths, device=KERNEL_DEVICE)
     with torch.no_grad():
         rows = compile_ops.attention_fp8_rows(q, k, v, causal=causal, seq_dim=seq_dim, kv_lengths=kv_lengths)
-        out16 = compile_ops.attention(q, k, v, causal=causal, seq_dim=seq_dim, kv_lengths=kv_lengths,
-                                      precision="int8_fp8")
+        out16 = compile_ops.attention(
+            q, k, v, causal=causal, seq_dim=seq_dim, kv_lengths=kv_lengths, precision="int8_fp8"
+        )
     assert rows.q.shape == (2, lq, hq * d) and rows.q.dtype == torch.float8_e4m3fn and rows.scale.shape == (2, lq)
     lengths_cpu = None if kv_lengths is None else kv_lengths.cpu()
-    want, want_scale = ref.attention_int8_fp8_rows(q.cpu(), k.cpu(), v.cpu(), d ** -0.5, causal, seq_dim, lengths_cpu)
+    want, want_scale = ref.attention_int8_fp8_rows(q.cpu(), k.cpu(), v.cpu(), d**-0.5, causal, seq_dim, lengths_cpu)
     assert torch.equal(rows.scale.cpu(), want_scale)
     out16 = (out16 if seq_dim == 1 else out16.transpose(1, 2)).flatten(2, 3).cpu().float()
     inverse = torch.ones_like(want_scale) / want_scale
@@ -676,10 +760,12 @@ def test_kernels_fp8_rows_match_the_specification(seq_dim, causal, lengths, hq, 
     assert steps.max() <= 1 and steps.float().mean() < 0.01, (steps.max(), steps.float().mean())
     dequantized = rows.q.cpu().double() * want_scale[..., None].double()
     to_spec = _relative_l2(dequantized, want.flatten(2, 3).double() * want_scale[..., None].double())
-    exact = _exact_of(q, k, v, d ** -0.5, causal, seq_dim, lengths_cpu)
+    exact = _exact_of(q, k, v, d**-0.5, causal, seq_dim, lengths_cpu)
     to_exact = _relative_l2(dequantized, (exact if seq_dim == 1 else exact.transpose(1, 2)).flatten(2, 3))
-    print(f"FP8 rows kernel: {steps.float().mean():.2%} of values a step from its 16-bit output's; to the "
-          f"specification {to_spec:.2e}, to exact attention {to_exact:.2e}")
+    print(
+        f"FP8 rows kernel: {steps.float().mean():.2%} of values a step from its 16-bit output's; to the "
+        f"specification {to_spec:.2e}, to exact attention {to_exact:.2e}"
+    )
     assert to_spec < 3e-2, to_spec  # a wrong scale or layout is O(1)
 
 
@@ -701,13 +787,17 @@ def test_fp8_rows_compile_with_fullgraph_and_refuse_a_gradient():
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("stat_step, stat_chunk_rows", [(128, 1024), (64, 64), (16, 16)])
-@pytest.mark.parametrize("seq_dim, b, hq, hk, lq, lk, d", [
-    (1, 2, 4, 2, 50, 300, 40),   # GQA, D padded, a partial last key block, v's rows padded to 16
-    (2, 1, 2, 2, 130, 256, 64),  # two q tiles, whole key blocks, no row padding
-    (2, 2, 2, 1, 20, 100, 64),   # one key block
-])
-def test_kernels_8bit_quantization_writes_the_specified_operands(seq_dim, b, hq, hk, lq, lk, d, stat_step,
-                                                                 stat_chunk_rows, monkeypatch):
+@pytest.mark.parametrize(
+    "seq_dim, b, hq, hk, lq, lk, d",
+    [
+        (1, 2, 4, 2, 50, 300, 40),  # GQA, D padded, a partial last key block, v's rows padded to 16
+        (2, 1, 2, 2, 130, 256, 64),  # two q tiles, whole key blocks, no row padding
+        (2, 2, 2, 1, 20, 100, 64),  # one key block
+    ],
+)
+def test_kernels_8bit_quantization_writes_the_specified_operands(
+    seq_dim, b, hq, hk, lq, lk, d, stat_step, stat_chunk_rows, monkeypatch
+):
     """quantize_8bit (the Triton passes the 8-bit ops run) against the torch
     specification: v's channel scales and e4m3 bytes identical; k's int8
     values within 1 of it (its mean is summed in another order) and its
@@ -724,8 +814,9 @@ def test_kernels_8bit_quantization_writes_the_specified_operands(seq_dim, b, hq,
     monkeypatch.setattr(attention_8bit, "STAT_STEP", stat_step)
     monkeypatch.setattr(attention_8bit, "STAT_CHUNK_ROWS", stat_chunk_rows)
     launched, launcher = [], attention_8bit.launcher
-    monkeypatch.setattr(attention_8bit, "launcher",
-                        lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
+    monkeypatch.setattr(
+        attention_8bit, "launcher", lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel)
+    )
     torch.manual_seed(0)
     q, k, v = _int8_case(seq_dim, b, hq, hk, lq, lk, d, torch.float16, KERNEL_DEVICE, key_offset=3.0)
     operands = attention_8bit.quantize_8bit(k, v, seq_dim)
@@ -779,17 +870,23 @@ def test_8bit_ops_quantize_by_the_triton_passes_when_traced_too(precision):
     with FakeTensorMode():
         q, k, v = (torch.empty(1, 200, 2, 64, dtype=torch.bfloat16, device="cuda") for _ in range(3))
         gm = make_fx(lambda *a: OP_BODIES[op](*a))(q, k, v, 0.125, False, 1, None)
-    launched = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in gm.graph.nodes
-                if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation]
-    assert launched == ["kv8_counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel",
-                        "attn_fwd_kernel"], launched
+    launched = [
+        kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
+        for n in gm.graph.nodes
+        if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation
+    ]
+    assert launched == ["kv8_counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel", "attn_fwd_kernel"], (
+        launched
+    )
     attention = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation][-1]
-    arguments = dict(attention.kwargs["kwargs"], **kernel_side_table.get_constant_args(
-        attention.kwargs["constant_args_idx"]))
+    arguments = dict(
+        attention.kwargs["kwargs"], **kernel_side_table.get_constant_args(attention.kwargs["constant_args_idx"])
+    )
     assert arguments["QUANTIZE_Q"] is True and arguments["INT8"] is True and arguments["Q_SCALE"] is None
     assert arguments["Q"].meta["val"].dtype == torch.bfloat16
     torch_ops = {n.target for n in gm.graph.nodes if n.op == "call_function"} - {
-        torch.ops.higher_order.triton_kernel_wrapper_mutation}
+        torch.ops.higher_order.triton_kernel_wrapper_mutation
+    }
     assert not any("div" in str(t) or "round" in str(t) or "amax" in str(t) for t in torch_ops), torch_ops
 
 
@@ -834,11 +931,17 @@ def test_fp8_pv_refuses_a_gpu_without_fp8_tensor_cores(monkeypatch):
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("precision, options", [
-    ("exact", dict(tma=True)), ("exact", dict(dot_acc=True)),
-    ("exact", dict(tma=True, dot_acc=True, warp_specialize=True)),
-    ("int8", dict(tma=True)), ("int8_fp8", dict(tma=True)),  # int8 q k by TMA; FP8 P V's transposed V too
-], ids=["tma", "dot_acc", "tma-dot_acc-ws", "int8-tma", "int8_fp8-tma"])
+@pytest.mark.parametrize(
+    "precision, options",
+    [
+        ("exact", dict(tma=True)),
+        ("exact", dict(dot_acc=True)),
+        ("exact", dict(tma=True, dot_acc=True, warp_specialize=True)),
+        ("int8", dict(tma=True)),
+        ("int8_fp8", dict(tma=True)),  # int8 q k by TMA; FP8 P V's transposed V too
+    ],
+    ids=["tma", "dot_acc", "tma-dot_acc-ws", "int8-tma", "int8_fp8-tma"],
+)
 def test_kernels_hopper_options_compute_what_the_default_forward_does(precision, options, monkeypatch):
     """The forward's Hopper options (forward_tiles picks TMA at D=128 on
     Hopper, the others are off) change how tiles are loaded and accumulated,
@@ -858,9 +961,13 @@ def test_kernels_hopper_options_compute_what_the_default_forward_does(precision,
         with torch.no_grad():
             want = compile_ops.attention(q, k, v, seq_dim=seq_dim, kv_lengths=kv_lengths, precision=precision)
         with monkeypatch.context() as m:
-            m.setattr(attention_launch, "forward_tiles",
-                      lambda d, dtype, tma=False, precision="exact", wgmma=False: attention_tiles.Tiles(
-                          *dataclasses.astuple(default(d, dtype, False, precision))[:4], **options))
+            m.setattr(
+                attention_launch,
+                "forward_tiles",
+                lambda d, dtype, tma=False, precision="exact", wgmma=False: attention_tiles.Tiles(
+                    *dataclasses.astuple(default(d, dtype, False, precision))[:4], **options
+                ),
+            )
             allow_tma_under_interpreter(m)
             clear_launch_plans()  # the eager call above left a plan for the default tiles
             with torch.no_grad():
@@ -896,10 +1003,16 @@ def test_kernels_backward_tma_computes_what_pointer_loads_do(causal, monkeypatch
 
         want = gradients()
         with monkeypatch.context() as m:
-            m.setattr(attention_launch, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
-                defaults[0](d, dtype, sparse), tma=True))
-            m.setattr(attention_launch, "dq_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
-                defaults[1](d, dtype, sparse), tma=True))
+            m.setattr(
+                attention_launch,
+                "dkdv_tiles",
+                lambda d, dtype, sparse=False, tma=False: dataclasses.replace(defaults[0](d, dtype, sparse), tma=True),
+            )
+            m.setattr(
+                attention_launch,
+                "dq_tiles",
+                lambda d, dtype, sparse=False, tma=False: dataclasses.replace(defaults[1](d, dtype, sparse), tma=True),
+            )
             allow_tma_under_interpreter(m)
             clear_launch_plans()
             got = gradients()
@@ -960,8 +1073,9 @@ def _ranks_kernel(OUT, heads_per_group):
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("tiles, rows, group", [(5, 7, 3), (4, 6, 6), (3, 4, 1)],
-                         ids=["uneven-groups", "one-group", "one-row-groups"])
+@pytest.mark.parametrize(
+    "tiles, rows, group", [(5, 7, 3), (4, 6, 6), (3, 4, 1)], ids=["uneven-groups", "one-group", "one-row-groups"]
+)
 def test_kernels_program_rank_deals_the_heaviest_tiles_first(tiles, rows, group):
     """``program_rank`` itself, on a ``(tiles, rows)`` grid: in launch order
     (x fastest) the programs take each (rank, row) once, groups of ``group``
@@ -974,7 +1088,7 @@ def test_kernels_program_rank_deals_the_heaviest_tiles_first(tiles, rows, group)
     assert sorted(taken) == [(r, b) for r in range(tiles) for b in range(rows)], taken
     for start in range(0, rows, group):
         size = min(group, rows - start)
-        span = taken[start * tiles:(start + size) * tiles]
+        span = taken[start * tiles : (start + size) * tiles]
         assert sorted({b for _, b in span}) == list(range(start, start + size)), (start, span)
         assert [r for r, _ in span] == sorted(r for r, _ in span), (start, span)
 
@@ -1008,10 +1122,14 @@ def test_causal_launches_carry_the_program_order(monkeypatch):
                 return OP_BODIES["fused::attention_backward"](grad, q, k, v, grad, lse, 0.125, causal, 2, None)
 
             gm = make_fx(both)(q, k, v, grad, lse)
-        return {kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__:
-                (n.kwargs["kwargs"]["HEAVY_FIRST"], n.kwargs["kwargs"]["heads_per_group"])
-                for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation
-                and "HEAVY_FIRST" in n.kwargs["kwargs"]}
+        return {
+            kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__: (
+                n.kwargs["kwargs"]["HEAVY_FIRST"],
+                n.kwargs["kwargs"]["heads_per_group"],
+            )
+            for n in gm.graph.nodes
+            if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation and "HEAVY_FIRST" in n.kwargs["kwargs"]
+        }
 
     names = ["attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
     assert launches(True) == dict.fromkeys(names, (True, 5))  # 2.4 MB of bf16 k and v per head: 5 heads
@@ -1077,11 +1195,12 @@ def test_symbolic_lengths_keep_their_divisibility_hint_and_guard_it(length, monk
             return OP_BODIES["fused::attention_backward"](grad, q, k, v, grad, lse, 0.125, False, 2, None)
 
         gm = make_fx(both)(q, k, v, grad, lse)
-    aligned = {kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__: n.kwargs["kwargs"]["ALIGNED_LENGTHS"]
-               for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation
-               and "ALIGNED_LENGTHS" in n.kwargs["kwargs"]}
-    assert aligned == dict.fromkeys(["attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"],
-                                    length % 16 == 0)
+    aligned = {
+        kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__: n.kwargs["kwargs"]["ALIGNED_LENGTHS"]
+        for n in gm.graph.nodes
+        if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation and "ALIGNED_LENGTHS" in n.kwargs["kwargs"]
+    }
+    assert aligned == dict.fromkeys(["attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"], length % 16 == 0)
     guard = f"{'Eq' if length % 16 == 0 else 'Ne'}(Mod({sym}, 16), 0)"
     assert guard in [str(g.expr) for g in env.guards]
 
@@ -1101,11 +1220,14 @@ def _traced_launches(op, *args):
     from compile_ops._library import OP_BODIES
 
     gm = make_fx(lambda *a: OP_BODIES[op](*a))(*args)
-    return [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
-            if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation else str(n.target)
-            for n in gm.graph.nodes if n.op == "call_function" and (
-                n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation
-                or "fused_gluon" in str(n.target))]
+    return [
+        kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
+        if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation
+        else str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and (n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation or "fused_gluon" in str(n.target))
+    ]
 
 
 def _traced_tiles(q, k, v, wgmma=None):
@@ -1144,6 +1266,7 @@ def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypa
 
     core, portable = ["fused_gluon.attention_forward_sm90_.default"], ["attn_fwd_kernel"]
     with FakeTensorMode():
+
         def qkv(b=1, h=2, lq=300, lk=300, d=128, dtype=torch.bfloat16, seq_dim=2):
             shape = (lambda l: (b, h, l, d)) if seq_dim == 2 else (lambda l: (b, l, h, d))
             return tuple(torch.empty(shape(l), dtype=dtype, device="cuda") for l in (lq, lk, lk))
@@ -1151,8 +1274,9 @@ def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypa
         def sparse(q, k, v, causal=False, kv_lengths=None):
             index = torch.zeros(1, 1, 3, 3, dtype=torch.int32, device="cuda")
             count = torch.ones(1, 1, 3, dtype=torch.int32, device="cuda")
-            launches = _traced_launches("fused::block_sparse_attention", q, k, v, index, count, 0.125, causal, 2,
-                                        kv_lengths)
+            launches = _traced_launches(
+                "fused::block_sparse_attention", q, k, v, index, count, 0.125, causal, 2, kv_lengths
+            )
             return [name for name in launches if name in portable + core]
 
         for wgmma in (False, True):
@@ -1184,11 +1308,13 @@ def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypa
             assert _traced_tiles(*qkv(lk=0)) == _traced_tiles(*qkv(lk=0), wgmma=False)
             # While AOTInductor builds a package (run from C++, no Python): the Triton kernel, not the opaque op.
             from torch._inductor.virtualized import V
+
             with V.set_aot_compilation(True):
                 assert _traced_forward(*qkv()) == portable
             # Rows 514 bytes apart: off TMA's 16-byte alignment.
-            padded = torch.empty_strided((1, 2, 300, 128), (2 * 300 * 257, 300 * 257, 257, 1),
-                                         dtype=torch.bfloat16, device="cuda")
+            padded = torch.empty_strided(
+                (1, 2, 300, 128), (2 * 300 * 257, 300 * 257, 257, 1), dtype=torch.bfloat16, device="cuda"
+            )
             assert _traced_forward(padded, k, v) == portable
             # Keys and values shared by a batch of 2 (expanded, stride 0): the core's 4-D descriptors decline.
             q2 = torch.empty(2, 2, 300, 128, dtype=torch.bfloat16, device="cuda")
@@ -1266,8 +1392,12 @@ def test_backward_steps_are_128_queries_only_at_head_dim_64_without_block_lists(
     step spilled in the step loop); the kernel's static assert refuses the rest."""
     from compile_ops.ops.attention_sm90 import backward_step
 
-    assert [backward_step(64, False), backward_step(64, True), backward_step(128, False),
-            backward_step(128, True)] == [128, 64, 64, 64]
+    assert [backward_step(64, False), backward_step(64, True), backward_step(128, False), backward_step(128, True)] == [
+        128,
+        64,
+        64,
+        64,
+    ]
 
 
 def test_set_attention_backward_keys_compile_caches_by_its_setting():
@@ -1308,8 +1438,7 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
 
     from compile_ops.ops import attention_sm90
 
-    five = ["attn_bwd_row_stats_kernel", "fused_gluon.attention_backward_sm90_.default",
-            "attn_bwd_dq_from_acc_kernel"]
+    five = ["attn_bwd_row_stats_kernel", "fused_gluon.attention_backward_sm90_.default", "attn_bwd_dq_from_acc_kernel"]
     three = ["attn_bwd_row_stats_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
     # the deterministic backward of a dense call the sm_90 kernel computes: its dk/dv pass is that kernel
     three_sm90 = ["attn_bwd_row_stats_kernel", "fused_gluon.attention_backward_sm90_.default", "attn_bwd_dq_kernel"]
@@ -1322,12 +1451,24 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
             lse = torch.empty(2, 3, 200, device="cuda")
             lengths = torch.empty(2, dtype=torch.int32, device="cuda") if with_lengths else None
             if not sparse:
-                return _traced_launches("fused::attention_backward", grad, q, k, v, out, lse, 0.125, causal, 2,
-                                        lengths)
+                return _traced_launches("fused::attention_backward", grad, q, k, v, out, lse, 0.125, causal, 2, lengths)
             index = torch.zeros(1, 1, 2, 2, dtype=torch.int32, device="cuda")
             count = torch.ones(1, 1, 2, dtype=torch.int32, device="cuda")
-            every = _traced_launches("fused::block_sparse_attention_backward", grad, q, k, v, out, lse, index, count,
-                                     0.125, causal, 2, lengths)
+            every = _traced_launches(
+                "fused::block_sparse_attention_backward",
+                grad,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                index,
+                count,
+                0.125,
+                causal,
+                2,
+                lengths,
+            )
             return [name for name in every if name in five + three]  # less the lists' sorting
 
     assert launches() == three_sm90 and launches(sparse=True) == three
@@ -1337,13 +1478,26 @@ def test_backward_takes_the_five_product_kernel_only_when_asked_and_able(monkeyp
     monkeypatch.setattr(attention_sm90, "SM90_DKDV", True)
     compile_ops.set_attention_backward(deterministic=False)
     try:
-        for taken in (dict(), dict(lk=300), dict(causal=True), dict(with_lengths=True),
-                      dict(causal=True, with_lengths=True, lk=300), dict(sparse=True),
-                      dict(sparse=True, causal=True, lk=300), dict(d=64), dict(d=64, causal=True, lk=300),
-                      dict(d=64, sparse=True)):
+        for taken in (
+            dict(),
+            dict(lk=300),
+            dict(causal=True),
+            dict(with_lengths=True),
+            dict(causal=True, with_lengths=True, lk=300),
+            dict(sparse=True),
+            dict(sparse=True, causal=True, lk=300),
+            dict(d=64),
+            dict(d=64, causal=True, lk=300),
+            dict(d=64, sparse=True),
+        ):
             assert launches(**taken) == five, taken
-        for other in (dict(d=256), dict(d=32), dict(dtype=torch.float32), dict(d=96, causal=True),
-                      dict(d=256, sparse=True)):
+        for other in (
+            dict(d=256),
+            dict(d=32),
+            dict(dtype=torch.float32),
+            dict(d=96, causal=True),
+            dict(d=256, sparse=True),
+        ):
             assert launches(**other) == three, other
         with deterministic_algorithms():
             assert launches() == three_sm90 and launches(sparse=True) == three
@@ -1370,15 +1524,33 @@ def test_kernels_five_product_backward_statistics_zero_and_cast_dq():
     delta, lse_rows = (torch.empty(b * h, rows, device=dev) for _ in range(2))
     acc = torch.full((b * h, rows, d), float("nan"), device=dev)
     attention_launch.launcher(attn_bwd_row_stats_kernel)[(rows // 64, b * h)](
-        out, grad, lse, delta, lse_rows, h, lq, *out.stride()[:1], out.stride(2), out.stride(1),
-        *grad.stride()[:1], grad.stride(2), grad.stride(1), D=d, BLOCK_D=d, BLOCK_M=64, ACC=tl.float32,
-        DQ_ACC=acc, num_warps=4)
+        out,
+        grad,
+        lse,
+        delta,
+        lse_rows,
+        h,
+        lq,
+        *out.stride()[:1],
+        out.stride(2),
+        out.stride(1),
+        *grad.stride()[:1],
+        grad.stride(2),
+        grad.stride(1),
+        D=d,
+        BLOCK_D=d,
+        BLOCK_M=64,
+        ACC=tl.float32,
+        DQ_ACC=acc,
+        num_warps=4,
+    )
     assert torch.equal(acc, torch.zeros_like(acc))
     torch.testing.assert_close(delta[:, :lq], (out.float() * grad.float()).sum(-1).transpose(1, 2).reshape(b * h, lq))
     acc = torch.randn(b * h, rows, d, device=dev)
     dq = torch.full((b, lq, h, d), float("nan"), device=dev, dtype=torch.bfloat16)
     attention_launch.launcher(attn_bwd_dq_from_acc_kernel)[(triton.cdiv(lq, 64), b * h)](
-        acc, dq, h, lq, dq.stride(0), dq.stride(2), dq.stride(1), 0.125, D=d, BLOCK_D=d, BLOCK_M=64, num_warps=4)
+        acc, dq, h, lq, dq.stride(0), dq.stride(2), dq.stride(1), 0.125, D=d, BLOCK_D=d, BLOCK_M=64, num_warps=4
+    )
     want = (acc.view(b, h, rows, d)[:, :, :lq] * 0.125).to(torch.bfloat16).transpose(1, 2)
     assert torch.equal(dq, want)
 
@@ -1400,15 +1572,33 @@ def test_kernels_five_product_backward_parts_add_up_in_order():
     n_tiles = triton.cdiv(lk, 128)
     items = n_tiles * b * hk
     gen = torch.Generator().manual_seed(0)
-    partials = (torch.randn(items - whole, parts, 2, 128, d, generator=gen)
-                * 2.0 ** torch.randint(-12, 12, (items - whole, parts, 2, 128, d), generator=gen)).to(dev)
+    partials = (
+        torch.randn(items - whole, parts, 2, 128, d, generator=gen)
+        * 2.0 ** torch.randint(-12, 12, (items - whole, parts, 2, 128, d), generator=gen)
+    ).to(dev)
     summed = partials[:, 0] + partials[:, 1] + partials[:, 2]  # in part order, as fp32
     assert not torch.equal(summed, partials[:, 2] + partials[:, 1] + partials[:, 0])  # the order shows
     for dtype in (torch.float32, torch.bfloat16):
         dk, dv = (torch.full((b, lk, hk, d), float("nan"), device=dev, dtype=dtype) for _ in range(2))
         attention_launch.launcher(attn_bwd_parts_kernel)[(items - whole, 128 // 32)](
-            partials, dk, dv, whole, parts, n_tiles, hk, lk, dk.stride(0), dk.stride(2), dk.stride(1), dv.stride(0),
-            dv.stride(2), dv.stride(1), D=d, BLOCK_M=32, num_warps=4)
+            partials,
+            dk,
+            dv,
+            whole,
+            parts,
+            n_tiles,
+            hk,
+            lk,
+            dk.stride(0),
+            dk.stride(2),
+            dk.stride(1),
+            dv.stride(0),
+            dv.stride(2),
+            dv.stride(1),
+            D=d,
+            BLOCK_M=32,
+            num_warps=4,
+        )
         for grad, which in ((dk, 0), (dv, 1)):
             want = torch.full((b, hk, n_tiles * 128, d), float("nan"), device=dev)
             want.view(b * hk * n_tiles, 128, d)[whole:] = summed[:, which]
@@ -1436,9 +1626,13 @@ def test_8bit_forward_takes_the_sm90_core_only_with_q_given_in_int8(monkeypatch)
         q_scale, k_scale = torch.empty(1, 2, 300, device="cuda"), torch.empty(1, 2, 3, device="cuda")
 
         def qk8(pv_fp8, fp8_rows):
-            return [name for name in _traced_launches("fused::attention_qk8", q8, q_scale, k8, k_scale, v, 0.125,
-                                                      False, 1, None, pv_fp8, fp8_rows)
-                    if name in ("attn_fwd_kernel", core[0])]
+            return [
+                name
+                for name in _traced_launches(
+                    "fused::attention_qk8", q8, q_scale, k8, k_scale, v, 0.125, False, 1, None, pv_fp8, fp8_rows
+                )
+                if name in ("attn_fwd_kernel", core[0])
+            ]
 
         for with_int8 in (False, True):
             precisions = ("exact", "int8_fp8") if with_int8 else ("exact",)
@@ -1492,10 +1686,16 @@ def test_sm90_core_computes_what_the_portable_forward_does(dtype, mode, monkeypa
     from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
     from compile_ops.ops import attention_sm90
 
-    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
     causal = "causal" in mode
-    for b, h, hk, lq, lk, seq_dim in [(1, 4, 4, 1000, 1000, 2), (2, 8, 2, 333, 4096, 1), (1, 2, 2, 64, 77, 2),
-                                      (2, 2, 1, 513, 129, 1), (1, 3, 3, 130, 1, 2), (1, 12, 12, 4680, 4680, 2)]:
+    for b, h, hk, lq, lk, seq_dim in [
+        (1, 4, 4, 1000, 1000, 2),
+        (2, 8, 2, 333, 4096, 1),
+        (1, 2, 2, 64, 77, 2),
+        (2, 2, 1, 513, 129, 1),
+        (1, 3, 3, 130, 1, 2),
+        (1, 12, 12, 4680, 4680, 2),
+    ]:
         torch.manual_seed(lq + lk)
         shape = (lambda hh, l: (b, hh, l, 128)) if seq_dim == 2 else (lambda hh, l: (b, l, hh, 128))
         q = torch.randn(shape(h, lq), device="cuda", dtype=dtype)
@@ -1507,10 +1707,12 @@ def test_sm90_core_computes_what_the_portable_forward_does(dtype, mode, monkeypa
 
         def attend(q, k, v):
             if lists[0] is None:
-                return compile_ops.attention(q, k, v, causal=causal, seq_dim=seq_dim, kv_lengths=lengths,
-                                             return_lse=True)
-            return compile_ops.block_sparse_attention(q, k, v, *lists, causal=causal, seq_dim=seq_dim,
-                                                      kv_lengths=lengths, return_lse=True)
+                return compile_ops.attention(
+                    q, k, v, causal=causal, seq_dim=seq_dim, kv_lengths=lengths, return_lse=True
+                )
+            return compile_ops.block_sparse_attention(
+                q, k, v, *lists, causal=causal, seq_dim=seq_dim, kv_lengths=lengths, return_lse=True
+            )
 
         with torch.no_grad():
             clear_launch_plans()
@@ -1531,8 +1733,9 @@ def test_sm90_core_computes_what_the_portable_forward_does(dtype, mode, monkeypa
             with monkeypatch.context() as m:
                 if programs:
                     m.setattr(attention_sm90, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
-                attention_sm90.launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, 128 ** -0.5, causal,
-                                                seq_dim, lengths, *lists)
+                attention_sm90.launch_sm90_core(
+                    attn_fwd_sm90_kernel, q, k, v, out, lse, 128**-0.5, causal, seq_dim, lengths, *lists
+                )
             assert torch.equal(out, got[0][0]) and torch.equal(lse, got[0][1]), (case, programs)
     clear_launch_plans()
 
@@ -1551,8 +1754,12 @@ def test_sm90_core_wide_tiles_at_head_dim_64_match_the_reference(dtype, monkeypa
     from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
     from compile_ops.ops import attention_args, attention_sm90, attention_tiles
 
-    for b, h, hk, lq, lk, seq_dim in [(1, 4, 4, 1000, 1024, 2), (2, 8, 2, 333, 4096, 1), (1, 2, 2, 64, 256, 2),
-                                      (2, 3, 3, 513, 512, 1)]:
+    for b, h, hk, lq, lk, seq_dim in [
+        (1, 4, 4, 1000, 1024, 2),
+        (2, 8, 2, 333, 4096, 1),
+        (1, 2, 2, 64, 256, 2),
+        (2, 3, 3, 513, 512, 1),
+    ]:
         torch.manual_seed(lq + lk)
         q, k, v = _qkv(b, h, hk, lq, lk, 64, seq_dim, dtype, "cuda")
         case = (b, h, hk, lq, lk, seq_dim)
@@ -1563,27 +1770,30 @@ def test_sm90_core_wide_tiles_at_head_dim_64_match_the_reference(dtype, monkeypa
             clear_launch_plans()
             out, lse = compile_ops.attention(q, k, v, seq_dim=seq_dim, return_lse=True)
             torch._dynamo.reset()
-            compiled = torch.compile(lambda q, k, v: compile_ops.attention(q, k, v, seq_dim=seq_dim, return_lse=True),
-                                     fullgraph=True)(q, k, v)
+            compiled = torch.compile(
+                lambda q, k, v: compile_ops.attention(q, k, v, seq_dim=seq_dim, return_lse=True), fullgraph=True
+            )(q, k, v)
             with monkeypatch.context() as m:
                 m.setattr(attention_sm90, "has_wgmma", lambda t: False)
                 clear_launch_plans()
                 portable = compile_ops.attention(q, k, v, seq_dim=seq_dim)
-        exact, exact_lse = ref.attention(*(t.detach().double() for t in (q, k, v)), 64 ** -0.5, False, seq_dim, None)
-        plain, _, plain_lse = torch_at_dtype(q, k, v, torch.zeros_like(q), 64 ** -0.5, False, seq_dim, None)
+        exact, exact_lse = ref.attention(*(t.detach().double() for t in (q, k, v)), 64**-0.5, False, seq_dim, None)
+        plain, _, plain_lse = torch_at_dtype(q, k, v, torch.zeros_like(q), 64**-0.5, False, seq_dim, None)
         assert_within_torch_error(out, exact, plain, 2.0, f"output {case}")
         assert_within_torch_error(lse, exact_lse, plain_lse, 2.0, f"lse {case}", fp32_roundings=LSE_ROUNDINGS)
-        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
-        torch.testing.assert_close(out, portable, rtol=2 * ulp, atol=4 * ulp * out.abs().max().item(),
-                                   msg=lambda msg: f"{case}: {msg}")
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+        torch.testing.assert_close(
+            out, portable, rtol=2 * ulp, atol=4 * ulp * out.abs().max().item(), msg=lambda msg: f"{case}: {msg}"
+        )
         assert torch.equal(compiled[0], out) and torch.equal(compiled[1], lse), case
         for programs in (None, 1, 3, 7):
             again, again_lse = torch.full_like(q, float("nan")), torch.full((b, h, lq), float("nan"), device="cuda")
             with monkeypatch.context() as m:
                 if programs:
                     m.setattr(attention_sm90, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
-                attention_sm90.launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, again, again_lse, 64 ** -0.5, False,
-                                                seq_dim)
+                attention_sm90.launch_sm90_core(
+                    attn_fwd_sm90_kernel, q, k, v, again, again_lse, 64**-0.5, False, seq_dim
+                )
             assert torch.equal(again, out) and torch.equal(again_lse, lse), (case, programs)
     clear_launch_plans()
 
@@ -1609,7 +1819,9 @@ def five_product_gradients(out, inputs, dout, launched, passes_kernel, case, par
         got = [torch.autograd.grad(out, inputs, dout, retain_graph=True) for _ in range(3)]
         five = "attn_bwd_dq_from_acc_kernel"  # dq's cast from the five-product kernel's sums
         assert "attn_bwd_sm90_kernel" in launched and five in launched and passes_kernel not in launched, (
-            case, launched)
+            case,
+            launched,
+        )
         assert ("attn_bwd_parts_kernel" in launched) == parts, (case, launched)
         with deterministic_algorithms():
             launched.clear()
@@ -1637,26 +1849,28 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
     from compile_ops.ops import attention_launch, attention_sm90
 
     launched, launcher = [], attention_launch.launcher
-    monkeypatch.setattr(attention_launch, "launcher",
-                        lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
+    monkeypatch.setattr(
+        attention_launch, "launcher", lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel)
+    )
     for b, h, hk, lq, lk, seq_dim, dtype, causal, lengths, d in [
-            (1, 4, 4, 1000, 1024, 2, torch.bfloat16, False, None, 128),
-            (2, 8, 2, 333, 300, 1, torch.float16, False, None, 128),
-            (1, 2, 2, 64, 77, 2, torch.bfloat16, False, None, 128),
-            (1, 3, 3, 4680, 4680, 1, torch.bfloat16, False, None, 128),
-            (1, 4, 2, 1000, 1000, 2, torch.bfloat16, True, None, 128),
-            (2, 3, 3, 300, 700, 1, torch.float16, True, None, 128),
-            (1, 2, 2, 700, 300, 2, torch.bfloat16, True, None, 128),
-            (3, 4, 2, 500, 640, 2, torch.bfloat16, False, [640, 77, 0], 128),
-            (2, 2, 2, 600, 600, 1, torch.float16, True, [600, 250], 128),
-            (1, 4, 4, 1000, 1024, 2, torch.bfloat16, False, None, 64),
-            (2, 8, 2, 333, 300, 1, torch.float16, False, None, 64),
-            (1, 3, 3, 4429, 4429, 1, torch.bfloat16, False, None, 64),
-            (2, 3, 3, 300, 700, 1, torch.float16, True, None, 64),
-            (2, 2, 2, 600, 600, 1, torch.float16, True, [600, 250], 64),
-            # more items than an H100's 132 SMs, and a leftover: whole items and parts in one launch
-            (1, 5, 5, 700, 4096, 2, torch.bfloat16, False, None, 128),
-            (2, 4, 2, 500, 4300, 1, torch.float16, False, None, 64)]:
+        (1, 4, 4, 1000, 1024, 2, torch.bfloat16, False, None, 128),
+        (2, 8, 2, 333, 300, 1, torch.float16, False, None, 128),
+        (1, 2, 2, 64, 77, 2, torch.bfloat16, False, None, 128),
+        (1, 3, 3, 4680, 4680, 1, torch.bfloat16, False, None, 128),
+        (1, 4, 2, 1000, 1000, 2, torch.bfloat16, True, None, 128),
+        (2, 3, 3, 300, 700, 1, torch.float16, True, None, 128),
+        (1, 2, 2, 700, 300, 2, torch.bfloat16, True, None, 128),
+        (3, 4, 2, 500, 640, 2, torch.bfloat16, False, [640, 77, 0], 128),
+        (2, 2, 2, 600, 600, 1, torch.float16, True, [600, 250], 128),
+        (1, 4, 4, 1000, 1024, 2, torch.bfloat16, False, None, 64),
+        (2, 8, 2, 333, 300, 1, torch.float16, False, None, 64),
+        (1, 3, 3, 4429, 4429, 1, torch.bfloat16, False, None, 64),
+        (2, 3, 3, 300, 700, 1, torch.float16, True, None, 64),
+        (2, 2, 2, 600, 600, 1, torch.float16, True, [600, 250], 64),
+        # more items than an H100's 132 SMs, and a leftover: whole items and parts in one launch
+        (1, 5, 5, 700, 4096, 2, torch.bfloat16, False, None, 128),
+        (2, 4, 2, 500, 4300, 1, torch.float16, False, None, 64),
+    ]:
         torch.manual_seed(lq + lk)
         q, k, v = _qkv(b, h, hk, lq, lk, d, seq_dim, dtype, "cuda")
         kv_lengths = None if lengths is None else torch.tensor(lengths, device="cuda", dtype=torch.int32)
@@ -1669,9 +1883,9 @@ def test_sm90_five_product_backward_matches_the_deterministic_one(monkeypatch):
         parts = not causal and lengths is None and whole < items
         got = five_product_gradients(out, (q, k, v), dout, launched, "attn_bwd_dq_kernel", case, parts)
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-        exact, _ = ref.attention(qd, kd, vd, d ** -0.5, causal, seq_dim, kv_lengths)
+        exact, _ = ref.attention(qd, kd, vd, d**-0.5, causal, seq_dim, kv_lengths)
         exact_grads = torch.autograd.grad(exact, (qd, kd, vd), dout.double())
-        theirs = torch_at_dtype(q, k, v, dout, d ** -0.5, causal, seq_dim, kv_lengths)[1]
+        theirs = torch_at_dtype(q, k, v, dout, d**-0.5, causal, seq_dim, kv_lengths)[1]
         for again in got:
             for name, g, e, p in zip("qkv", again, exact_grads, theirs):
                 assert_within_torch_error(g, e, p, 3.0, f"d{name} {case}", fp32_roundings=128)
@@ -1693,15 +1907,17 @@ def test_sm90_deterministic_backward_by_the_kernel_without_dq(monkeypatch):
     from compile_ops.ops import attention_launch, attention_sm90
 
     launched, launcher = [], attention_launch.launcher
-    monkeypatch.setattr(attention_launch, "launcher",
-                        lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
+    monkeypatch.setattr(
+        attention_launch, "launcher", lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel)
+    )
     for b, h, hk, lq, lk, seq_dim, dtype, causal, lengths, d in [
-            (1, 5, 5, 700, 4096, 2, torch.bfloat16, False, None, 128),  # split, with dq by reductions
-            (2, 8, 2, 333, 300, 1, torch.float16, False, None, 128),
-            (1, 4, 2, 1000, 1000, 2, torch.bfloat16, True, None, 128),
-            (3, 4, 2, 500, 640, 2, torch.bfloat16, False, [640, 77, 0], 128),
-            (2, 4, 2, 500, 4300, 1, torch.float16, False, None, 64),  # split, with dq by reductions
-            (2, 3, 3, 300, 700, 1, torch.float16, True, [700, 250], 64)]:
+        (1, 5, 5, 700, 4096, 2, torch.bfloat16, False, None, 128),  # split, with dq by reductions
+        (2, 8, 2, 333, 300, 1, torch.float16, False, None, 128),
+        (1, 4, 2, 1000, 1000, 2, torch.bfloat16, True, None, 128),
+        (3, 4, 2, 500, 640, 2, torch.bfloat16, False, [640, 77, 0], 128),
+        (2, 4, 2, 500, 4300, 1, torch.float16, False, None, 64),  # split, with dq by reductions
+        (2, 3, 3, 300, 700, 1, torch.float16, True, [700, 250], 64),
+    ]:
         case = (b, h, hk, lq, lk, seq_dim, dtype, causal, lengths, d)
         torch.manual_seed(lq + lk)
         q, k, v = _qkv(b, h, hk, lq, lk, d, seq_dim, dtype, "cuda")
@@ -1723,9 +1939,9 @@ def test_sm90_deterministic_backward_by_the_kernel_without_dq(monkeypatch):
         for g, w in zip(got[0][1:], passes[1:]):
             assert ((g.float() - w.float()).norm() / w.float().norm()).item() < 1e-3, case
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-        exact, _ = ref.attention(qd, kd, vd, d ** -0.5, causal, seq_dim, kv_lengths)
+        exact, _ = ref.attention(qd, kd, vd, d**-0.5, causal, seq_dim, kv_lengths)
         exact_grads = torch.autograd.grad(exact, (qd, kd, vd), dout.double())
-        theirs = torch_at_dtype(q, k, v, dout, d ** -0.5, causal, seq_dim, kv_lengths)[1]
+        theirs = torch_at_dtype(q, k, v, dout, d**-0.5, causal, seq_dim, kv_lengths)[1]
         for name, g, e, p in zip("qkv", got[0], exact_grads, theirs):
             assert_within_torch_error(g, e, p, 3.0, f"d{name} {case}", fp32_roundings=128)
 
@@ -1748,8 +1964,10 @@ def test_sm90_backward_compiled_equals_eager(monkeypatch):
 
     # Traced calls launch the Gluon kernel inside the opaque op, not through ``launcher``.
     launched, launcher, launch_sm90 = [], attention_launch.launcher, attention_sm90.launch_sm90_backward
-    monkeypatch.setattr(attention_launch, "launcher",
-                        lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
+    monkeypatch.setattr(
+        attention_launch, "launcher", lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel)
+    )
+
     def recorded(launch, *args):
         return launch_sm90(lambda kernel: launched.append(kernel.fn.__name__) or launch(kernel), *args)
 
@@ -1804,15 +2022,21 @@ def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
     from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
     from compile_ops.ops import attention_8bit, attention_sm90, attention_tiles
 
-    for b, h, hk, lq, lk, seq_dim in [(1, 4, 4, 1000, 1000, 2), (2, 8, 2, 333, 4096, 1), (1, 2, 2, 64, 77, 2),
-                                      (1, 2, 1, 513, 129, 1), (1, 3, 3, 130, 1, 2), (1, 12, 12, 4680, 4680, 2)]:
+    for b, h, hk, lq, lk, seq_dim in [
+        (1, 4, 4, 1000, 1000, 2),
+        (2, 8, 2, 333, 4096, 1),
+        (1, 2, 2, 64, 77, 2),
+        (1, 2, 1, 513, 129, 1),
+        (1, 3, 3, 130, 1, 2),
+        (1, 12, 12, 4680, 4680, 2),
+    ]:
         torch.manual_seed(lq + lk)
         shape = (lambda hh, l: (b, hh, l, 128)) if seq_dim == 2 else (lambda hh, l: (b, l, hh, 128))
         q = torch.randn(shape(h, lq), device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(shape(hk, lk), device="cuda", dtype=torch.bfloat16) for _ in range(2))
         k = k + 4 * torch.randn(128, device="cuda", dtype=torch.bfloat16)  # a per-channel offset
         q8, q_scale, k8, k_scale = ref.smooth_quantize_qk(q, k, seq_dim)
-        args = (q8, q_scale, k8, k_scale, v, 128 ** -0.5, False, seq_dim, None, True, False)
+        args = (q8, q_scale, k8, k_scale, v, 128**-0.5, False, seq_dim, None, True, False)
         case = (b, h, hk, lq, lk, seq_dim)
         with torch.no_grad():
             with monkeypatch.context() as m:
@@ -1826,12 +2050,27 @@ def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
                     lse = torch.empty(b, h, lq, device="cuda")
                     if programs:
                         m.setattr(attention_sm90, "_core_programs", lambda q, items, causal, sparse, n=programs: n)
-                    attention_sm90.launch_sm90_core(attn_fwd_sm90_kernel, q8, k8, vt8, out, lse, 128 ** -0.5,
-                                                    False, seq_dim, None, None, None, q_scale, k_scale, v_scale)
+                    attention_sm90.launch_sm90_core(
+                        attn_fwd_sm90_kernel,
+                        q8,
+                        k8,
+                        vt8,
+                        out,
+                        lse,
+                        128**-0.5,
+                        False,
+                        seq_dim,
+                        None,
+                        None,
+                        None,
+                        q_scale,
+                        k_scale,
+                        v_scale,
+                    )
                     assert torch.equal(out, got[0]), (case, programs)
             clear_launch_plans()
             want = torch.ops.fused.attention_qk8(*args)[0]
-        torch.testing.assert_close(got[0], want, rtol=2.0 ** -7, atol=1e-5, msg=lambda m: f"{case}: {m}")
+        torch.testing.assert_close(got[0], want, rtol=2.0**-7, atol=1e-5, msg=lambda m: f"{case}: {m}")
         for again in (got[1], compiled):
             assert torch.equal(again, got[0]), case
     clear_launch_plans()

@@ -1,5 +1,6 @@
 """bench/ on CPU: the progress accounting, the first run's plan, stages and summary,
 and run.py's dispatch, without a GPU (tests/test_bench_ab.py: the A/B runner)."""
+
 import io
 import json
 import subprocess
@@ -73,6 +74,7 @@ def _fake_measure(fails: set):
         if fn in fails:
             raise RuntimeError("provider failed")
         return 0.01
+
     return measure
 
 
@@ -80,6 +82,7 @@ def _fake_measure(fails: set):
 def test_the_op_table_makes_as_many_timings_as_its_progress_total(monkeypatch, name):
     """Every provider is timed once per kind (four kinds; two without a
     backward), failed timings included: the count the progress total uses."""
+
     def failing(*args):
         return None
 
@@ -110,6 +113,7 @@ def _fake_stages(monkeypatch, failing=()):
                 raise RuntimeError(f"{kind} broke")
             for _ in range(counts[kind] - 1):
                 progress(kind)
+
         return run
 
     monkeypatch.setattr(first_run, "_setup", stage("setup"))
@@ -156,27 +160,43 @@ def test_first_run_writes_its_json_and_log_and_prints_the_summary(monkeypatch, t
 
 def _results() -> dict:
     """A first run's results as the GPU writes them (figures made up)."""
+
     def row(op, provider, us, pct=None, kind="fwdbwd_graph"):
-        return {"op": op, "shape": [2, 4096, 3072], "provider": provider, f"{kind}_us": us,
-                f"{kind}_pct_copy": pct}
+        return {"op": op, "shape": [2, 4096, 3072], "provider": provider, f"{kind}_us": us, f"{kind}_pct_copy": pct}
 
     return {
         "env": {"gpu": "NVIDIA H100 80GB HBM3", "sms": 132, "torch": "2.11.0", "triton": "3.6.0", "cuda": "12.8"},
-        "copy_TBps": 3.0, "matmul_TFLOPs": 700.0, "budget_s": 270.0, "wall_s": 201.0,
-        "families": [{"family": "norm", "op": "rmsnorm", "shape": [2, 4096, 3072], "kind": "fwdbwd_graph"},
-                     {"family": "fp8", "op": "quantize_fp8_rows", "shape": [2, 4096, 3072], "kind": "fwd_graph"},
-                     {"family": "glu", "op": "geglu_tanh", "shape": [2, 4096, 3072], "kind": "fwdbwd_graph"}],
-        "rows": [row("rmsnorm", "fused_compiled", 100.0, 85.0), row("rmsnorm", "native_compiled", 200.0, 42.5),
-                 row("quantize_fp8_rows", "fused_compiled", 50.0, 70.0, "fwd_graph"),
-                 row("quantize_fp8_rows", "native_compiled", 75.0, 46.7, "fwd_graph"),
-                 dict(row("geglu_tanh", "fused_compiled", None), error="fwd+bwd/graph: RuntimeError: boom"),
-                 row("geglu_tanh", "native_compiled", 80.0)],
-        "attention": {"shape": [1, 24, 4608, 128],
-                      "rows": [{"provider": "fused_compiled", "ms": 2.0, "pct_matmul": 61.0},
-                               {"provider": "sdpa_compiled", "ms": 2.5}]},
-        "e2e": {"config": dict(first_run.E2E), "rel_l2": 2e-3,
-                "rows": [{"provider": "compile_ops", "ms": 5.0}, {"provider": "torch_compile", "ms": 5.5}]},
-        "skipped": ["moe_route"], "errors": [],
+        "copy_TBps": 3.0,
+        "matmul_TFLOPs": 700.0,
+        "budget_s": 270.0,
+        "wall_s": 201.0,
+        "families": [
+            {"family": "norm", "op": "rmsnorm", "shape": [2, 4096, 3072], "kind": "fwdbwd_graph"},
+            {"family": "fp8", "op": "quantize_fp8_rows", "shape": [2, 4096, 3072], "kind": "fwd_graph"},
+            {"family": "glu", "op": "geglu_tanh", "shape": [2, 4096, 3072], "kind": "fwdbwd_graph"},
+        ],
+        "rows": [
+            row("rmsnorm", "fused_compiled", 100.0, 85.0),
+            row("rmsnorm", "native_compiled", 200.0, 42.5),
+            row("quantize_fp8_rows", "fused_compiled", 50.0, 70.0, "fwd_graph"),
+            row("quantize_fp8_rows", "native_compiled", 75.0, 46.7, "fwd_graph"),
+            dict(row("geglu_tanh", "fused_compiled", None), error="fwd+bwd/graph: RuntimeError: boom"),
+            row("geglu_tanh", "native_compiled", 80.0),
+        ],
+        "attention": {
+            "shape": [1, 24, 4608, 128],
+            "rows": [
+                {"provider": "fused_compiled", "ms": 2.0, "pct_matmul": 61.0},
+                {"provider": "sdpa_compiled", "ms": 2.5},
+            ],
+        },
+        "e2e": {
+            "config": dict(first_run.E2E),
+            "rel_l2": 2e-3,
+            "rows": [{"provider": "compile_ops", "ms": 5.0}, {"provider": "torch_compile", "ms": 5.5}],
+        },
+        "skipped": ["moe_route"],
+        "errors": [],
     }
 
 
@@ -202,12 +222,15 @@ def test_the_summary_reads_at_a_glance():
 
 
 def test_the_full_runs_summary_finds_each_familys_op_in_the_op_table():
-    rows = _results()["rows"] + [{"op": "rmsnorm", "shape": [1, 32768, 1536], "provider": "fused_compiled",
-                                  "fwdbwd_graph_us": 1.0}]
+    rows = _results()["rows"] + [
+        {"op": "rmsnorm", "shape": [1, 32768, 1536], "provider": "fused_compiled", "fwdbwd_graph_us": 1.0}
+    ]
     found = first_run.families_in(rows)
     assert [(f["op"], f["shape"], f["kind"]) for f in found] == [
-        ("rmsnorm", [2, 4096, 3072], "fwdbwd_graph"), ("geglu_tanh", [2, 4096, 3072], "fwd_graph"),
-        ("quantize_fp8_rows", [2, 4096, 3072], "fwd_graph")]
+        ("rmsnorm", [2, 4096, 3072], "fwdbwd_graph"),
+        ("geglu_tanh", [2, 4096, 3072], "fwd_graph"),
+        ("quantize_fp8_rows", [2, 4096, 3072], "fwd_graph"),
+    ]
 
 
 # ---------------------------------------------------------------- run.py

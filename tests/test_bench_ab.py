@@ -1,5 +1,6 @@
 """bench/tools/ab.py on CPU: its arguments, cases, interleaving and results JSON,
 and its refusal without a GPU (the timing itself needs one)."""
+
 import sys
 from pathlib import Path
 
@@ -23,20 +24,24 @@ def test_ab_arguments_and_cases():
     assert args.ref == "main" and args.kinds == ["fwd_graph", "fwdbwd_graph"] and args.shapes == []
     cases = ab.plan_cases(BY_NAME, args.ops, args.shapes, args.kinds)
     first = tuple(BY_NAME["rmsnorm"].bench_shapes[0])
-    assert cases == [("rmsnorm", first, "fwd_graph"), ("rmsnorm", first, "fwdbwd_graph"),
-                     ("attention", ab.DEFAULT_SHAPE, "fwd_graph"), ("attention", ab.DEFAULT_SHAPE, "fwdbwd_graph"),
-                     ("quantize_fp8_rows", tuple(BY_NAME["quantize_fp8_rows"].bench_shapes[0]),
-                      "fwd_graph")]
+    assert cases == [
+        ("rmsnorm", first, "fwd_graph"),
+        ("rmsnorm", first, "fwdbwd_graph"),
+        ("attention", ab.DEFAULT_SHAPE, "fwd_graph"),
+        ("attention", ab.DEFAULT_SHAPE, "fwdbwd_graph"),
+        ("quantize_fp8_rows", tuple(BY_NAME["quantize_fp8_rows"].bench_shapes[0]), "fwd_graph"),
+    ]
     shaped = ab.parse_args(["--ops", "rmsnorm", "--shapes", "1x64x128,2x8x256", "--kinds", "fwd"])
     assert ab.plan_cases(BY_NAME, shaped.ops, shaped.shapes, shaped.kinds) == [
-        ("rmsnorm", (1, 64, 128), "fwd"), ("rmsnorm", (2, 8, 256), "fwd")]
+        ("rmsnorm", (1, 64, 128), "fwd"),
+        ("rmsnorm", (2, 8, 256), "fwd"),
+    ]
     with pytest.raises(SystemExit, match="not a registry op"):
         ab.plan_cases(BY_NAME, ["norm_backward"], [], ["fwd"])
     with pytest.raises(SystemExit):
         ab.parse_args(["--ops", "rmsnorm", "--kinds", "bwd"])
     assert {ab.round_order(0, 0), ab.round_order(1, 0)} == {("ref", "tree"), ("tree", "ref")}
     assert ab.round_order(0, 1) == ab.round_order(1, 0)
-
 
 
 def test_ab_workers_read_each_sides_op_table(tmp_path):

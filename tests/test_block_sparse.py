@@ -7,6 +7,7 @@ blocks' token mask added to PyTorch's own attention; with every block listed
 the results equal fused.attention's bit for bit. The builders are checked
 against straightforward loops and traced by torch.compile with fullgraph.
 """
+
 import itertools
 import math
 
@@ -50,7 +51,7 @@ def sparse_cases(draw):
     per_head = draw(st.booleans())
     kv_lengths = [draw(st.integers(1, lk)) for _ in range(b)] if draw(st.booleans()) else None
     density = draw(st.sampled_from([0.25, 0.5, 1.0]))
-    seed = draw(st.integers(0, 2 ** 16))
+    seed = draw(st.integers(0, 2**16))
     return dtype, b, hq, hk, lq, lk, d, seq_dim, causal, per_head, kv_lengths, density, seed
 
 
@@ -85,8 +86,9 @@ def test_kernels_match_fp64_reference_forward_and_backward(case):
     qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
     exact, exact_lse = ref.block_sparse_attention(qd, kd, vd, index, count, scale, causal, seq_dim, kv)
     dout = torch.randn_like(out)
-    plain, theirs, plain_lse = torch_at_dtype(q.detach(), k.detach(), v.detach(), dout, scale, causal, seq_dim, kv,
-                                              allowed)
+    plain, theirs, plain_lse = torch_at_dtype(
+        q.detach(), k.detach(), v.detach(), dout, scale, causal, seq_dim, kv, allowed
+    )
     # fp32: each output sums its Lk terms p v at fp32, rescaling the running sum once per key tile, in
     # another order than torch's matmul (the GPU found 5.6e-7 against torch's 2.0e-7 at outputs up to 1.2: about
     # 4 ulps against 1.4, fp32 block-sparse, HYPOTHESIS_SEED=90210).
@@ -113,16 +115,18 @@ def test_sm90_five_product_backward_over_block_lists(monkeypatch):
     from compile_ops.ops import attention_launch
 
     launched, launcher = [], attention_launch.launcher
-    monkeypatch.setattr(attention_launch, "launcher",
-                        lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel))
+    monkeypatch.setattr(
+        attention_launch, "launcher", lambda kernel: launched.append(kernel.fn.__name__) or launcher(kernel)
+    )
     for b, hq, hk, lq, lk, seq_dim, dtype, causal, lengths, per_head, density, d in [
-            (1, 4, 4, 1024, 1024, 2, torch.bfloat16, False, None, True, 0.3, 128),
-            (2, 6, 2, 700, 1000, 1, torch.float16, False, None, True, 0.5, 128),
-            (1, 2, 2, 900, 900, 2, torch.bfloat16, True, None, False, 0.4, 128),
-            (2, 4, 1, 640, 500, 1, torch.bfloat16, False, [500, 130], True, 0.05, 128),
-            (1, 3, 3, 333, 4000, 2, torch.float16, True, [2900], True, 1.0, 128),
-            (2, 6, 2, 700, 1000, 1, torch.float16, False, None, True, 0.5, 64),
-            (1, 2, 2, 900, 900, 2, torch.bfloat16, True, [700], False, 0.4, 64)]:
+        (1, 4, 4, 1024, 1024, 2, torch.bfloat16, False, None, True, 0.3, 128),
+        (2, 6, 2, 700, 1000, 1, torch.float16, False, None, True, 0.5, 128),
+        (1, 2, 2, 900, 900, 2, torch.bfloat16, True, None, False, 0.4, 128),
+        (2, 4, 1, 640, 500, 1, torch.bfloat16, False, [500, 130], True, 0.05, 128),
+        (1, 3, 3, 333, 4000, 2, torch.float16, True, [2900], True, 1.0, 128),
+        (2, 6, 2, 700, 1000, 1, torch.float16, False, None, True, 0.5, 64),
+        (1, 2, 2, 900, 900, 2, torch.bfloat16, True, [700], False, 0.4, 64),
+    ]:
         case = (b, hq, hk, lq, lk, seq_dim, dtype, causal, lengths, per_head, density, d)
         seed = lq + lk
         torch.manual_seed(seed)
@@ -134,12 +138,13 @@ def test_sm90_five_product_backward_over_block_lists(monkeypatch):
         # The deterministic-algorithms leg too: the lists' transposition (a scatter of a scalar) must not
         # raise under use_deterministic_algorithms, and the passes must run then.
         got = five_product_gradients(out, (q, k, v), dout, launched, "attn_bwd_dkdv_kernel", case)
-        scale = d ** -0.5
+        scale = d**-0.5
         qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
         exact, _ = ref.block_sparse_attention(qd, kd, vd, index, count, scale, causal, seq_dim, kv)
         exact_grads = torch.autograd.grad(exact, (qd, kd, vd), dout.double())
-        theirs = torch_at_dtype(q.detach(), k.detach(), v.detach(), dout, scale, causal, seq_dim, kv,
-                                ref.token_mask(index, count, lq, lk))[1]
+        theirs = torch_at_dtype(
+            q.detach(), k.detach(), v.detach(), dout, scale, causal, seq_dim, kv, ref.token_mask(index, count, lq, lk)
+        )[1]
         for again in got:
             for name, g, e, p in zip("qkv", again, exact_grads, theirs):
                 assert_within_torch_error(g, e, p, 3.0, f"d{name} {case}", fp32_roundings=128)
@@ -151,14 +156,15 @@ def test_kernels_every_block_listed_equals_dense_attention_bit_for_bit(causal):
     dev = KERNEL_DEVICE
     q, k, v = _qkv(2, 4, 2, 300, 260, 32, 1, torch.float16, dev)
     kv = torch.tensor([260, 131], dtype=torch.int32, device=dev)
-    index, count = bs.block_index_from_mask(torch.ones(1, 1, _blocks(300), _blocks(260), dtype=torch.bool,
-                                                       device=dev))
+    index, count = bs.block_index_from_mask(torch.ones(1, 1, _blocks(300), _blocks(260), dtype=torch.bool, device=dev))
     dout = torch.randn(2, 300, 4, 32, device=dev, dtype=torch.float16)
-    sparse, sparse_lse = compile_ops.block_sparse_attention(q, k, v, index, count, None, causal, 1, kv,
-                                                            return_lse=True)
+    sparse, sparse_lse = compile_ops.block_sparse_attention(q, k, v, index, count, None, causal, 1, kv, return_lse=True)
     dense, dense_lse = compile_ops.attention(q, k, v, None, causal, 1, kv, return_lse=True)
-    pairs = [(sparse, dense), (sparse_lse, dense_lse),
-             *zip(torch.autograd.grad(sparse, (q, k, v), dout), torch.autograd.grad(dense, (q, k, v), dout))]
+    pairs = [
+        (sparse, dense),
+        (sparse_lse, dense_lse),
+        *zip(torch.autograd.grad(sparse, (q, k, v), dout), torch.autograd.grad(dense, (q, k, v), dout)),
+    ]
     for a, b in pairs:
         assert torch.equal(a, b)
 
@@ -189,12 +195,18 @@ def test_kernels_sparse_dkdv_by_tma_computes_what_pointer_loads_do(monkeypatch):
             return [t.grad for t in inputs]
 
         with monkeypatch.context() as m:
-            m.setattr(attention_launch, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
-                default(d, dtype, sparse), tma=False))
+            m.setattr(
+                attention_launch,
+                "dkdv_tiles",
+                lambda d, dtype, sparse=False, tma=False: dataclasses.replace(default(d, dtype, sparse), tma=False),
+            )
             clear_launch_plans()
             want = gradients()
-            m.setattr(attention_launch, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
-                default(d, dtype, sparse), tma=True))
+            m.setattr(
+                attention_launch,
+                "dkdv_tiles",
+                lambda d, dtype, sparse=False, tma=False: dataclasses.replace(default(d, dtype, sparse), tma=True),
+            )
             allow_tma_under_interpreter(m)
             clear_launch_plans()
             got = gradients()
@@ -238,7 +250,7 @@ def test_block_index_from_mask_lists_true_blocks_ascending():
     assert index.dtype == count.dtype == torch.int32
     for pos in itertools.product(range(2), range(3), range(5)):
         want = torch.nonzero(mask[pos]).flatten().tolist()
-        assert count[pos].item() == len(want) and index[pos][:len(want)].tolist() == want
+        assert count[pos].item() == len(want) and index[pos][: len(want)].tolist() == want
     assert torch.equal(ref.block_mask_from_lists(index, count, 7), mask)
 
 
@@ -278,8 +290,10 @@ def test_ragged_tile_permutation_puts_whole_tiles_first_and_round_trips():
         bs.tile_permutation(frames, height, width, tile)  # ragged is asked for, not assumed
 
 
-@pytest.mark.parametrize("grid, tile, window", [((4, 4, 8), (2, 4, 16), (1, 1, 1)), ((3, 5, 20), (2, 4, 8), (2, 1, 2)),
-                                                ((5, 7, 9), (2, 2, 4), (3, 3, 3))])
+@pytest.mark.parametrize(
+    "grid, tile, window",
+    [((4, 4, 8), (2, 4, 16), (1, 1, 1)), ((3, 5, 20), (2, 4, 8), (2, 1, 2)), ((5, 7, 9), (2, 2, 4), (3, 3, 3))],
+)
 def test_sliding_tile_block_mask_is_the_smallest_block_mask_over_the_token_pattern(grid, tile, window):
     """Built from tokens: token a attends to token b when b's tile lies in a's
     tile's window (sliding_tile_mask over the rounded-up tile grid); a block
@@ -338,8 +352,8 @@ def test_topk_block_index_matches_a_brute_force_selection():
     got = ref.block_mask_from_lists(index, count, 4)
     sizes = torch.tensor([128.0, 128.0, 128.0, 6.0])
     for h, i in itertools.product(range(2), range(3)):
-        qm = q[0, h, i * 128:(i + 1) * 128].mean(0)
-        km = torch.stack([k[0, 0, j * 128:(j + 1) * 128].mean(0) for j in range(4)])
+        qm = q[0, h, i * 128 : (i + 1) * 128].mean(0)
+        km = torch.stack([k[0, 0, j * 128 : (j + 1) * 128].mean(0) for j in range(4)])
         mass = torch.softmax(km @ qm / 4 + sizes.log(), 0)
         keep, total = {0}, mass[0].item()  # the sink counts toward the coverage
         for j in mass.argsort(descending=True).tolist():
@@ -373,8 +387,9 @@ def test_builders_and_attention_trace_with_fullgraph():
         out = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v)
         want = fn(q, k, v)
         torch.testing.assert_close(out, want)
-        for got_grad, want_grad in zip(torch.autograd.grad(out, (q, k, v), dout),
-                                       torch.autograd.grad(want, (q, k, v), dout)):
+        for got_grad, want_grad in zip(
+            torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)
+        ):
             torch.testing.assert_close(got_grad, want_grad)
 
 
@@ -452,16 +467,28 @@ def _bad_input_cases():
     index, count = ref.block_index_from_mask(torch.ones(1, 2, 3, 3, dtype=torch.bool))
     att = torch.ops.fused.block_sparse_attention
     return [
-        (lambda: att(q, k, v, index.clamp(max=3) + 1, count, 0.1, False), ValueError,
-         r"block_index lists key blocks in \[1, 3\], but there are 3"),
-        (lambda: att(q, k, v, index, count + 1, 0.1, False), ValueError,
-         r"block_count must be in \[0, 3\] \(block_index's width\), got values in \[4, 4\]"),
-        (lambda: att(q, k, v, index[:, :, :2], count[:, :, :2], 0.1, False), ValueError,
-         r"block_index must have shape \[B or 1, H or 1, ceil\(Lq / 128\), W\] = \[1 or 1, 2 or 1, 3, W\]"),
+        (
+            lambda: att(q, k, v, index.clamp(max=3) + 1, count, 0.1, False),
+            ValueError,
+            r"block_index lists key blocks in \[1, 3\], but there are 3",
+        ),
+        (
+            lambda: att(q, k, v, index, count + 1, 0.1, False),
+            ValueError,
+            r"block_count must be in \[0, 3\] \(block_index's width\), got values in \[4, 4\]",
+        ),
+        (
+            lambda: att(q, k, v, index[:, :, :2], count[:, :, :2], 0.1, False),
+            ValueError,
+            r"block_index must have shape \[B or 1, H or 1, ceil\(Lq / 128\), W\] = \[1 or 1, 2 or 1, 3, W\]",
+        ),
         (lambda: att(q, k, v, index, count[:, :1], 0.1, False), ValueError, r"block_count must have shape \(1, 2, 3\)"),
         (lambda: att(q, k, v, index.float(), count, 0.1, False), TypeError, r"block_index must be int32 or int64"),
-        (lambda: att(q, k, v, torch.zeros_like(index), count, 0.1, False), ValueError,
-         r"block_index lists a block twice"),
+        (
+            lambda: att(q, k, v, torch.zeros_like(index), count, 0.1, False),
+            ValueError,
+            r"block_index lists a block twice",
+        ),
         (lambda: att(q, k, v, index.to("meta"), count, 0.1, False), ValueError, r"block_index is on meta but q"),
         (lambda: bs.block_index_from_mask(torch.ones(3, 3)), TypeError, r"mask must be bool"),
         (lambda: bs.sliding_tile_mask((2, 2, 2), (3, 1, 1)), ValueError, r"window \(3, 1, 1\) must fit"),

@@ -12,6 +12,7 @@ or session number, or history word it finds. Sizes and specification constants
 (``[B, L, C]``, ``fp32``, ``sm_90``, ``e4m3``, ``2**-6``, ``448``, ``128 keys``,
 ``D = 64``) are not measurements and pass.
 """
+
 import ast
 import io
 import re
@@ -22,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: ``(name, pattern)``: what a comment or docstring must not hold.
 FORBIDDEN = [
-    ("time, bandwidth, throughput or memory figure",
-     re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s*(?:ms|us|µs|ns|s|GB/s|TB/s|TFLOP/s|TFLOPs|GiB|MB)(?![\w/])")),
+    (
+        "time, bandwidth, throughput or memory figure",
+        re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s*(?:ms|us|µs|ns|s|GB/s|TB/s|TFLOP/s|TFLOPs|GiB|MB)(?![\w/])"),
+    ),
     ("ratio", re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?[x×](?!\w)")),
     ("ratio to a peer", re.compile(r"(?:\d|\b)[x×]\s*(?:cuDNN|FA[23]|FlashAttention|torch|SDPA|Liger|torchao)\b")),
     ("percentage", re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?%")),
@@ -32,9 +35,15 @@ FORBIDDEN = [
     ("session", re.compile(r"\bsessions?\b", re.I)),
     ("date", re.compile(r"\b20\d\d-\d\d(?:-\d\d)?\b")),
     # Past-tense results and change history; "the scale used to quantize q" passes.
-    ("history", re.compile(r"\b(?:used to be|used to (?:run|take|cost|launch|beat|lose|win)|reverted|previously|"
-                           r"no longer|regressed|we tried|once was|"
-                           r"(?:was|were|ran|measured)\s+(?:no\s+|a little\s+)?(?:slower|faster))\b", re.I)),
+    (
+        "history",
+        re.compile(
+            r"\b(?:used to be|used to (?:run|take|cost|launch|beat|lose|win)|reverted|previously|"
+            r"no longer|regressed|we tried|once was|"
+            r"(?:was|were|ran|measured)\s+(?:no\s+|a little\s+)?(?:slower|faster))\b",
+            re.I,
+        ),
+    ),
 ]
 
 #: ``"path:line": reason`` for text that matches a pattern but is no figure.
@@ -53,12 +62,15 @@ def docstrings(source: str, filename: str = "<string>"):
     """``(line, text)`` of every module, class and function docstring of ``source``,
     one entry per line of the docstring so that a hit names its own line."""
     tree = ast.parse(source, filename)
-    nodes = [tree] + [n for n in ast.walk(tree)
-                      if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
     for node in nodes:
         body = node.body
-        if not (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
+        if not (
+            body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             continue
         first = body[0].value.lineno
         for offset, text in enumerate(body[0].value.value.splitlines()):
@@ -89,16 +101,19 @@ def package_hits(package: str = "compile_ops") -> list:
 
 def test_no_figures_or_history_in_comments():
     report = package_hits()
-    assert not report, (f"{len(report)} comment/docstring lines hold figures or history; state the rule and point "
-                        "to the docs/notes/ file that holds the numbers:\n" + "\n".join(report))
+    assert not report, (
+        f"{len(report)} comment/docstring lines hold figures or history; state the rule and point "
+        "to the docs/notes/ file that holds the numbers:\n" + "\n".join(report)
+    )
 
 
 def test_every_exemption_has_a_reason_and_a_hit():
     for where, reason in EXEMPT.items():
         assert reason.strip(), f"{where}: an exemption needs its reason"
         path, line = where.rsplit(":", 1)
-        assert any(found[0] == int(line) for found in hits((ROOT / path).read_text(), path)), \
+        assert any(found[0] == int(line) for found in hits((ROOT / path).read_text(), path)), (
             f"{where} is exempt but no longer matches: drop the entry"
+        )
 
 
 def test_the_checker_finds_planted_figures():
@@ -112,8 +127,17 @@ def f(x):
 '''
     found = hits(planted)
     kinds = {kind for _, kind, _ in found}
-    assert {"ratio", "time, bandwidth, throughput or memory figure", "GPU name", "history", "issue number",
-            "ratio to a peer", "percentage", "date", "session"} <= kinds, kinds
+    assert {
+        "ratio",
+        "time, bandwidth, throughput or memory figure",
+        "GPU name",
+        "history",
+        "issue number",
+        "ratio to a peer",
+        "percentage",
+        "date",
+        "session",
+    } <= kinds, kinds
     assert {line for line, _, _ in found} == {1, 3, 4, 5, 6}
 
 

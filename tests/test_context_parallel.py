@@ -18,6 +18,7 @@ the single-process op's.
 One spawn runs every case (a process group costs seconds to start); each case
 is a test of its own that reads the spawn's verdict.
 """
+
 import datetime
 import json
 import os
@@ -34,8 +35,9 @@ import compile_ops
 
 diffusers = pytest.importorskip("diffusers")
 
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
+)
 
 WORLD = 2
 #: Wall-clock limit of the spawn: two imports of torch, diffusers and compile_ops
@@ -52,42 +54,85 @@ MODES = {
     "sliding_tile": lambda: dict(attention=compile_ops.SlidingTile(window=(1, 1, 1), tile=(2, 8, 8))),
 }
 #: (model, mode, parallelism) of each model case; Flux has no sparse mode.
-MODEL_CASES = [(model, mode, parallelism) for model in ("wan", "flux") for mode in MODES
-               for parallelism in ("ulysses", "ring") if not (model == "flux" and mode == "sliding_tile")]
-ATTENTION_CASES = ["attention-exact-ulysses", "attention-exact-ring", "attention-sparse-ulysses",
-                   "backend-exact-ring", "backend-sparse-ring-refused"]
+MODEL_CASES = [
+    (model, mode, parallelism)
+    for model in ("wan", "flux")
+    for mode in MODES
+    for parallelism in ("ulysses", "ring")
+    if not (model == "flux" and mode == "sliding_tile")
+]
+ATTENTION_CASES = [
+    "attention-exact-ulysses",
+    "attention-exact-ring",
+    "attention-sparse-ulysses",
+    "backend-exact-ring",
+    "backend-sparse-ring-refused",
+]
 
 
 def _wan(dtype):
     # 4 x 16 x 16 latents in (1, 2, 2) patches: 256 tokens, two 128-token blocks, so
     # a sliding-tile window of one (2, 8, 8) tile is sparse (half the blocks).
-    model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
-        text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32).to(dtype).eval()
-    inputs = dict(hidden_states=torch.randn(1, 4, 4, 16, 16, dtype=dtype),
-                  encoder_hidden_states=torch.randn(1, 6, 16, dtype=dtype), timestep=torch.tensor([500]))
+    model = (
+        diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=16,
+            in_channels=4,
+            out_channels=4,
+            text_dim=16,
+            freq_dim=16,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
+        .to(dtype)
+        .eval()
+    )
+    inputs = dict(
+        hidden_states=torch.randn(1, 4, 4, 16, 16, dtype=dtype),
+        encoder_hidden_states=torch.randn(1, 6, 16, dtype=dtype),
+        timestep=torch.tensor([500]),
+    )
     return model, inputs
 
 
 def _flux(dtype):
     model = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
     model = model.to(dtype).eval()
     side, text = 8, 8
     grid = torch.meshgrid(torch.zeros(1), torch.arange(float(side)), torch.arange(float(side)), indexing="ij")
-    inputs = dict(hidden_states=torch.randn(1, side * side, 4, dtype=dtype),
-                  encoder_hidden_states=torch.randn(1, text, 32, dtype=dtype),
-                  pooled_projections=torch.randn(1, 32, dtype=dtype), timestep=torch.rand(1, dtype=dtype),
-                  img_ids=torch.stack(grid, -1).reshape(side * side, 3), txt_ids=torch.zeros(text, 3))
+    inputs = dict(
+        hidden_states=torch.randn(1, side * side, 4, dtype=dtype),
+        encoder_hidden_states=torch.randn(1, text, 32, dtype=dtype),
+        pooled_projections=torch.randn(1, 32, dtype=dtype),
+        timestep=torch.rand(1, dtype=dtype),
+        img_ids=torch.stack(grid, -1).reshape(side * side, 3),
+        txt_ids=torch.zeros(text, 3),
+    )
     return model, inputs
 
 
 def _context_parallel_config(parallelism: str):
     from diffusers import ContextParallelConfig
-    return ContextParallelConfig(ulysses_degree=WORLD) if parallelism == "ulysses" else \
-        ContextParallelConfig(ring_degree=WORLD)
+
+    return (
+        ContextParallelConfig(ulysses_degree=WORLD)
+        if parallelism == "ulysses"
+        else ContextParallelConfig(ring_degree=WORLD)
+    )
 
 
 class _Spy:
@@ -96,12 +141,14 @@ class _Spy:
 
     def __init__(self):
         from compile_ops.integrations.diffusers import context_parallel
+
         self.module, self.original, self.calls = context_parallel, context_parallel._forward_op, set()
 
     def __enter__(self):
         def spy(*args, precision, layout, **kwargs):
             self.calls.add((precision, layout is not None))
             return self.original(*args, precision=precision, layout=layout, **kwargs)
+
         self.module._forward_op = spy
         return self
 
@@ -130,15 +177,17 @@ def _model_case(model_name: str, mode: str, parallelism: str) -> None:
             raise
     assert not refused, f"{mode} under ring attention ran instead of being refused"
     precision = "exact" if mode in ("exact", "sliding_tile") else mode
-    assert (precision, mode == "sliding_tile") in spy.calls, \
+    assert (precision, mode == "sliding_tile") in spy.calls, (
         f"the fused {mode} path did not run under {parallelism}: forward-op calls {spy.calls}"
+    )
     if parallelism == "ulysses" and model_name == "wan":
         difference = (parallel.float() - one_process.float()).abs().max().item()
         assert torch.equal(parallel, one_process), f"Ulysses output differs from one process by {difference}"
     elif parallelism == "ulysses":
         # Flux's joint sequence arrives as [text_0, image_0, text_1, image_1]: keys in another order.
-        torch.testing.assert_close(parallel, one_process, **(RING_TOLERANCE if dtype == torch.float32 else
-                                                             dict(rtol=2e-2, atol=2e-2)))
+        torch.testing.assert_close(
+            parallel, one_process, **(RING_TOLERANCE if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2))
+        )
     else:
         torch.testing.assert_close(parallel, one_process, **RING_TOLERANCE)
 
@@ -186,20 +235,27 @@ def _attention_case(name: str, rank: int) -> None:
         layout = None
         if mode == "sparse":
             from compile_ops.integrations.attention_backend import _MaskLayout
+
             layout = _MaskLayout(mask)
         out = parallel_attention(*local, config, layout=layout, kernel="fused")
     out.backward(grad[:, shard])
     tolerance = RING_TOLERANCE if parallelism == "ring" else dict(rtol=0, atol=0)
     torch.testing.assert_close(out, full.detach()[:, shard], **tolerance)
     for which, mine, theirs in zip("qkv", local, (q, k, v)):
-        torch.testing.assert_close(mine.grad, theirs.grad[:, shard], **RING_TOLERANCE,
-                                   msg=lambda m, which=which: f"d{which}: {m}")
+        torch.testing.assert_close(
+            mine.grad, theirs.grad[:, shard], **RING_TOLERANCE, msg=lambda m, which=which: f"d{which}: {m}"
+        )
 
 
 def _worker(rank: int, world: int, directory: str) -> None:
     torch.set_num_threads(1)  # two ranks on a 2-core box
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(directory, 'rendezvous')}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(directory, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         verdicts = {}
         for case in MODEL_CASES:
@@ -254,6 +310,7 @@ def test_context_parallel_matches_one_process(verdicts, name):
 
 # ---------------------------------------------------------------- in-process: refusals and the report
 
+
 def _patched_wan(**options):
     torch.manual_seed(0)
     model, inputs = _wan(torch.float32)
@@ -262,6 +319,7 @@ def _patched_wan(**options):
 
 def _parallel(**degrees):
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+
     return ParallelConfig(context_parallel_config=ContextParallelConfig(**degrees))
 
 
@@ -274,20 +332,31 @@ def test_patch_after_enable_parallelism_is_refused():
 
 def test_tensor_parallelism_on_a_patched_model_is_refused():
     from diffusers.models._modeling_parallel import ParallelConfig, TensorParallelConfig
+
     model, inputs, _ = _patched_wan()
     model._parallel_config = ParallelConfig(tensor_parallel_config=TensorParallelConfig(tp_degree=2))
     with pytest.raises(RuntimeError, match="TensorParallelConfig.*Use ContextParallelConfig"):
         model(**inputs)
 
 
-@pytest.mark.parametrize("precision, sparse, lengths, refused", [
-    ("exact", False, False, False), ("int8", False, False, True), ("int8_fp8", False, False, True),
-    ("exact", True, False, True), ("exact", False, True, True)])
+@pytest.mark.parametrize(
+    "precision, sparse, lengths, refused",
+    [
+        ("exact", False, False, False),
+        ("int8", False, False, True),
+        ("int8_fp8", False, False, True),
+        ("exact", True, False, True),
+        ("exact", False, True, True),
+    ],
+)
 def test_ring_refuses_what_needs_every_key(precision, sparse, lengths, refused):
     from compile_ops.integrations.diffusers.context_parallel import check_parallel_mode
 
-    for config, expect_refusal in ((_parallel(ulysses_degree=2), False), (_parallel(ring_degree=2), refused),
-                                   (_parallel(ring_degree=2, ulysses_degree=2), refused)):
+    for config, expect_refusal in (
+        (_parallel(ulysses_degree=2), False),
+        (_parallel(ring_degree=2), refused),
+        (_parallel(ring_degree=2, ulysses_degree=2), refused),
+    ):
         if expect_refusal:
             with pytest.raises(ValueError, match=r"cannot run under ring attention.*ulysses_degree"):
                 check_parallel_mode(config, precision, sparse, lengths, "owner")
@@ -299,8 +368,10 @@ def test_the_report_names_each_layers_kernel_and_parallel_path():
     model, _, report = _patched_wan(attention_precision="int8_fp8")
     paths = {path: (kernel, parallel) for path, kernel, parallel in report.attention_paths()}
     assert set(paths) == {f"blocks.{i}.{a}" for i in range(2) for a in ("attn1", "attn2")}
-    assert all(kernel.startswith("fused.attention_int8_fp8 (inference)") and parallel == "one rank"
-               for kernel, parallel in paths.values()), paths
+    assert all(
+        kernel.startswith("fused.attention_int8_fp8 (inference)") and parallel == "one rank"
+        for kernel, parallel in paths.values()
+    ), paths
     for module in model.modules():  # what model.enable_parallelism sets on each processor
         if hasattr(module, "processor") and hasattr(module.processor, "_parallel_config"):
             module.processor._parallel_config = _parallel(ulysses_degree=2)

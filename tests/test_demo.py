@@ -1,5 +1,6 @@
 """The README's main command on a machine without a GPU: the demo DiT block built
 on the fused ops compiles with fullgraph=True and matches plain PyTorch."""
+
 import sys
 from pathlib import Path
 

@@ -7,6 +7,7 @@ replaced; modules we do not recognise must be left working; and patch must
 refuse a compiled or hooked model. CPU runs the fused ops' reference paths;
 on a GPU machine the same tests run the kernels.
 """
+
 import copy
 import os
 import shutil
@@ -26,52 +27,109 @@ diffusers = pytest.importorskip("diffusers")
 
 def _flux():
     model = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
 
     def inputs(side):
         li, lt = side * side, 8
         grid = torch.meshgrid(torch.zeros(1), torch.arange(float(side)), torch.arange(float(side)), indexing="ij")
         ids = torch.stack(grid, -1)
-        return dict(hidden_states=torch.randn(2, li, 4), encoder_hidden_states=torch.randn(2, lt, 32),
-                    pooled_projections=torch.randn(2, 32), timestep=torch.rand(2),
-                    img_ids=ids.reshape(li, 3), txt_ids=torch.zeros(lt, 3))
+        return dict(
+            hidden_states=torch.randn(2, li, 4),
+            encoder_hidden_states=torch.randn(2, lt, 32),
+            pooled_projections=torch.randn(2, 32),
+            timestep=torch.rand(2),
+            img_ids=ids.reshape(li, 3),
+            txt_ids=torch.zeros(lt, 3),
+        )
+
     return model, inputs
 
 
 def _wan():
     model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-        text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32)
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
 
     def inputs(side):
-        return dict(hidden_states=torch.randn(1, 4, 2, side, side), encoder_hidden_states=torch.randn(1, 6, 16),
-                    timestep=torch.randint(0, 1000, (1,)))
+        return dict(
+            hidden_states=torch.randn(1, 4, 2, side, side),
+            encoder_hidden_states=torch.randn(1, 6, 16),
+            timestep=torch.randint(0, 1000, (1,)),
+        )
+
     return model, inputs
 
 
 def _sd3():
     model = diffusers.SD3Transformer2DModel(
-        sample_size=8, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
-        caption_projection_dim=16, joint_attention_dim=16, pooled_projection_dim=16, out_channels=4,
-        qk_norm="rms_norm")
+        sample_size=8,
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        caption_projection_dim=16,
+        joint_attention_dim=16,
+        pooled_projection_dim=16,
+        out_channels=4,
+        qk_norm="rms_norm",
+    )
 
     def inputs(side):
-        return dict(hidden_states=torch.randn(2, 4, side, side), encoder_hidden_states=torch.randn(2, 6, 16),
-                    pooled_projections=torch.randn(2, 16), timestep=torch.rand(2))
+        return dict(
+            hidden_states=torch.randn(2, 4, side, side),
+            encoder_hidden_states=torch.randn(2, 6, 16),
+            pooled_projections=torch.randn(2, 16),
+            timestep=torch.rand(2),
+        )
+
     return model, inputs
 
 
 def _ltx():
     model = diffusers.LTXVideoTransformer3DModel(
-        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
-        cross_attention_dim=16, num_layers=1, caption_channels=16)
+        in_channels=4,
+        out_channels=4,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        num_layers=1,
+        caption_channels=16,
+    )
 
     def inputs(side):
-        return dict(hidden_states=torch.randn(1, 2 * side * side, 4), encoder_hidden_states=torch.randn(1, 6, 16),
-                    timestep=torch.randint(0, 1000, (1,)), encoder_attention_mask=torch.ones(1, 6),
-                    num_frames=2, height=side, width=side)
+        return dict(
+            hidden_states=torch.randn(1, 2 * side * side, 4),
+            encoder_hidden_states=torch.randn(1, 6, 16),
+            timestep=torch.randint(0, 1000, (1,)),
+            encoder_attention_mask=torch.ones(1, 6),
+            num_frames=2,
+            height=side,
+            width=side,
+        )
+
     return model, inputs
 
 
@@ -122,8 +180,12 @@ def test_flux_blocks_run_their_seams_and_qk_norms_through_the_fused_ops(monkeypa
         op = getattr(module, name)
         return lambda *a, **k: calls.update([name]) or op(*a, **k)
 
-    for module, name in ((blocks, "gated_residual_norm_modulate"), (blocks, "gated_residual"),
-                         (processors, "qk_norm_rope"), (processors, "rope_qk")):
+    for module, name in (
+        (blocks, "gated_residual_norm_modulate"),
+        (blocks, "gated_residual"),
+        (processors, "qk_norm_rope"),
+        (processors, "rope_qk"),
+    ):
         monkeypatch.setattr(module, name, counting(module, name))
     args = _to(inputs(4), DEVICE)
     torch.testing.assert_close(patched(**args).sample, model(**args).sample, **TOL)
@@ -210,8 +272,9 @@ def test_patch_takes_its_options_keyword_only_and_names_a_wrong_one():
     params = inspect.signature(compile_ops.patch).parameters
     fields = dataclasses.fields(PatchOptions)
     assert list(params) == ["model", *(f.name for f in fields)]
-    assert all(params[f.name].kind is inspect.Parameter.KEYWORD_ONLY and params[f.name].default == f.default
-               for f in fields)
+    assert all(
+        params[f.name].kind is inspect.Parameter.KEYWORD_ONLY and params[f.name].default == f.default for f in fields
+    )
     model, _ = _flux()
     before = dict(model.named_modules())
     with pytest.raises(TypeError, match="positional argument"):
@@ -232,8 +295,10 @@ def test_patch_takes_its_options_keyword_only_and_names_a_wrong_one():
 # guards, the fakes under symbolic shapes) for the others: the joint graph of
 # each op (Wan's rope_qk and attention among them) is test_ops_registry's
 # compile test already, and Wan's aot_eager run cost 45 s of CPU CI.
-@pytest.mark.parametrize("name, sides, backend", [("flux", (4, 6), "aot_eager"), ("wan", (8, 12), "eager"),
-                                                  ("sd3", (8, 12), "eager"), ("ltx", (4, 6), "eager")])
+@pytest.mark.parametrize(
+    "name, sides, backend",
+    [("flux", (4, 6), "aot_eager"), ("wan", (8, 12), "eager"), ("sd3", (8, 12), "eager"), ("ltx", (4, 6), "eager")],
+)
 def test_patched_model_compiles_with_fullgraph_and_no_recompile_across_resolutions(name, sides, backend):
     torch._dynamo.reset()
     _, patched, inputs, _ = _pair(name)
@@ -304,9 +369,12 @@ def test_auto_attention_kernel_takes_fused_where_the_sm90_core_is_ahead(monkeypa
 
     ahead = attention_kernel.FUSED_AHEAD_FROM_KEYS
     with FakeTensorMode():
+
         def qkv(lk, d=128, dtype=torch.bfloat16):
-            return (torch.empty(1, 300, 2, d, dtype=dtype, device="cuda"),
-                    *(torch.empty(1, lk, 2, d, dtype=dtype, device="cuda") for _ in range(2)))
+            return (
+                torch.empty(1, 300, 2, d, dtype=dtype, device="cuda"),
+                *(torch.empty(1, lk, 2, d, dtype=dtype, device="cuda") for _ in range(2)),
+            )
 
         lengths = torch.full((1,), 100, device="cuda")
         for wgmma in (True, False):
@@ -384,10 +452,15 @@ class _SimulatedFP8Linear(torch.nn.Module):
     def forward(self, x):
         q, scale = self.quantize(x)
         if q.is_cuda:
-            out = torch._scaled_mm(q.reshape(-1, q.shape[-1]), self.weight_q.t(), scale_a=scale.reshape(-1, 1),
-                                   scale_b=self.weight_scale[None, :], out_dtype=torch.bfloat16,
-                                   bias=None if self.bias is None else self.bias.to(torch.bfloat16),
-                                   use_fast_accum=True)
+            out = torch._scaled_mm(
+                q.reshape(-1, q.shape[-1]),
+                self.weight_q.t(),
+                scale_a=scale.reshape(-1, 1),
+                scale_b=self.weight_scale[None, :],
+                out_dtype=torch.bfloat16,
+                bias=None if self.bias is None else self.bias.to(torch.bfloat16),
+                use_fast_accum=True,
+            )
             return out.reshape(*q.shape[:-1], -1).to(x.dtype)
         out = (q.float() * scale[..., None]) @ (self.weight_q.float() * self.weight_scale[:, None]).T
         if self.bias is not None:
@@ -398,9 +471,19 @@ class _SimulatedFP8Linear(torch.nn.Module):
 def _wan16():
     """Wan with 16-wide heads: every projection a multiple of 16 (torch._scaled_mm's rule)."""
     model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
-        text_dim=16, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32)
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
     return model, _wan()[1]
 
 
@@ -436,8 +519,10 @@ def test_fp8_patched_model_matches_the_same_quantization_in_plain_pytorch(name):
     with torch.no_grad():
         exact, want, got = (m(**args).sample for m in (model, simulated, patched))
     to_exact, to_simulation = _relative_l2(want, exact), _relative_l2(got, want)
-    print(f"{name}: FP8 vs the unquantized model {to_exact:.2e}; patched vs same-quantization reference "
-          f"{to_simulation:.2e}")
+    print(
+        f"{name}: FP8 vs the unquantized model {to_exact:.2e}; patched vs same-quantization reference "
+        f"{to_simulation:.2e}"
+    )
     # The quantization moved the output (the test sees FP8 at all) ...
     assert to_exact > 1e-3
     # ... and the patched model applies the same quantization: what is left is
@@ -452,8 +537,11 @@ def test_fp8_modulation_quantizes_the_adaln_projections_too():
     without precision='fp8' the option is refused."""
     model, patched, simulated, inputs, report = _fp8_pair("flux", fp8_modulation=True)
     rows = {path: detail for path, _, detail in report.replaced + report.left}
-    for path in ("transformer_blocks.0.norm1.linear", "transformer_blocks.0.norm1_context.linear",
-                 "single_transformer_blocks.0.norm.linear"):
+    for path in (
+        "transformer_blocks.0.norm1.linear",
+        "transformer_blocks.0.norm1_context.linear",
+        "single_transformer_blocks.0.norm.linear",
+    ):
         assert "FP8Linear" in rows[path], (path, rows[path])
     assert "outside the transformer blocks" in rows["norm_out.linear"]  # the final layer stays
     torch.manual_seed(1)
@@ -463,8 +551,8 @@ def test_fp8_modulation_quantizes_the_adaln_projections_too():
     assert _relative_l2(got, want) < _relative_l2(want, exact) / 20
     _, default, *_ = _fp8_pair("flux")
     assert sum(b.numel() * b.element_size() for b in patched.buffers()) + sum(
-        p.numel() * p.element_size() for p in patched.parameters()) < sum(
-        t.numel() * t.element_size() for t in (*default.buffers(), *default.parameters()))
+        p.numel() * p.element_size() for p in patched.parameters()
+    ) < sum(t.numel() * t.element_size() for t in (*default.buffers(), *default.parameters()))
     with pytest.raises(ValueError, match="fp8_modulation applies to precision='fp8'"):
         compile_ops.patch(copy.deepcopy(model), fp8_modulation=True)
 
@@ -545,10 +633,12 @@ def test_fp8_flux_seams_hand_fp8_rows_to_the_mlp(monkeypatch):
                 label += ("" if activation == "none" else f"/{activation}") + ("+head" if head else "")
             calls.update([label])
             return op(*a, **k)
+
         return call
 
     from compile_ops.modules import modulate as modulate_modules
     from compile_ops.ops import fp8 as fp8_ops
+
     for name in ("gated_residual_norm_modulate", "gated_residual_norm_modulate_fp8"):
         monkeypatch.setattr(blocks, name, counting(blocks, name))
     for name in ("norm_modulate", "norm_modulate_fp8"):
@@ -583,6 +673,7 @@ def test_fp8_self_attention_quantizes_its_input_once_for_q_k_and_v(monkeypatch):
     to_k and to_v each quantize the text: 128 tokens, left as it is.)"""
     _, patched, simulated, inputs, _ = _fp8_pair("wan")
     from compile_ops.ops import fp8 as fp8_ops
+
     inputs_quantized = []
     quantize = fp8_ops._quantize_fp8_rows
 
@@ -611,7 +702,8 @@ def test_fp8_mlp_activation_is_fused_only_where_nothing_sits_between():
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.transformer_blocks = torch.nn.ModuleList(
-        [FeedForward(32, dropout=p, activation_fn="gelu-approximate") for p in (0.0, 0.1)]).eval()
+        [FeedForward(32, dropout=p, activation_fn="gelu-approximate") for p in (0.0, 0.1)]
+    ).eval()
     reference = copy.deepcopy(model)
     report = compile_ops.patch(model, precision="fp8")
     fused, kept = model.transformer_blocks
@@ -649,10 +741,15 @@ def _flux_ip_adapter_state_dict(model):
         for kv in ("k", "v"):
             for p in ("weight", "bias"):
                 ip[f"{key_id}.to_{kv}_ip.{p}"] = sd[f"to_{kv}_ip.0.{p}"]
-    sd = ImageProjection(cross_attention_dim=cross, image_embed_dim=model.config.pooled_projection_dim,
-                         num_image_text_embeds=4).state_dict()
-    proj = {"proj.weight": sd["image_embeds.weight"], "proj.bias": sd["image_embeds.bias"],
-            "norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]}
+    sd = ImageProjection(
+        cross_attention_dim=cross, image_embed_dim=model.config.pooled_projection_dim, num_image_text_embeds=4
+    ).state_dict()
+    proj = {
+        "proj.weight": sd["image_embeds.weight"],
+        "proj.bias": sd["image_embeds.bias"],
+        "norm.weight": sd["norm.weight"],
+        "norm.bias": sd["norm.bias"],
+    }
     return {"image_proj": proj, "ip_adapter": ip}
 
 
@@ -689,8 +786,12 @@ def test_ip_adapter_loads_and_unloads_on_a_patched_flux():
     torch.testing.assert_close(got, want, **TOL)
     assert not torch.allclose(got, before, atol=1e-4, rtol=1e-4)  # the adapter acts
     # Unloading, as FluxIPAdapterMixin.unload_ip_adapter rebuilds the processors.
-    patched.set_attn_processor({name: integration.FluxAttnProcessor() if isinstance(p, FluxIPAdapterAttnProcessor)
-                                else p.__class__() for name, p in patched.attn_processors.items()})
+    patched.set_attn_processor(
+        {
+            name: integration.FluxAttnProcessor() if isinstance(p, FluxIPAdapterAttnProcessor) else p.__class__()
+            for name, p in patched.attn_processors.items()
+        }
+    )
     assert all(isinstance(p, integration.FluxAttnProcessor) for p in patched.attn_processors.values())
     with torch.no_grad():
         torch.testing.assert_close(patched(**args).sample, before, **TOL)
@@ -750,8 +851,9 @@ def test_a_block_sparse_mask_through_diffusers_dispatch_runs_block_sparse_attent
     blocks = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool, device=DEVICE)
     mask = compile_ops.BlockSparseMask.from_block_mask(blocks[None, None].expand(1, heads, 3, 3))
     tokens = blocks.repeat_interleave(128, 0)[:lq].repeat_interleave(128, 1)[:, :lq]
-    want = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
-                                                            attn_mask=tokens).transpose(1, 2)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=tokens
+    ).transpose(1, 2)
 
     def attend(q, k, v, mask):
         return dispatch_attention_fn(q, k, v, attn_mask=mask, backend="compile_ops")
@@ -774,36 +876,83 @@ def test_a_block_sparse_mask_through_diffusers_dispatch_runs_block_sparse_attent
 
 def _hunyuan_video():
     model = diffusers.HunyuanVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1, num_single_layers=1,
-        num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True, text_embed_dim=16,
-        pooled_projection_dim=8, rope_axes_dim=(2, 4, 4), image_condition_type=None)
-    return model, lambda: dict(hidden_states=torch.randn(1, 4, 1, 16, 16), timestep=torch.tensor([500.0]),
-                               encoder_hidden_states=torch.randn(1, 12, 16), pooled_projections=torch.randn(1, 8),
-                               encoder_attention_mask=torch.ones(1, 12), guidance=torch.tensor([300.0]))
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=10,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=1,
+        patch_size_t=1,
+        guidance_embeds=True,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 4, 4),
+        image_condition_type=None,
+    )
+    return model, lambda: dict(
+        hidden_states=torch.randn(1, 4, 1, 16, 16),
+        timestep=torch.tensor([500.0]),
+        encoder_hidden_states=torch.randn(1, 12, 16),
+        pooled_projections=torch.randn(1, 8),
+        encoder_attention_mask=torch.ones(1, 12),
+        guidance=torch.tensor([300.0]),
+    )
 
 
 def _cogvideox():
     model = diffusers.CogVideoXTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=2, text_embed_dim=8,
-        num_layers=2, sample_width=8, sample_height=8, sample_frames=8, patch_size=2, patch_size_t=None,
-        temporal_compression_ratio=4, max_text_seq_length=8)
-    return model, lambda: dict(hidden_states=torch.randn(2, 1, 4, 8, 8), encoder_hidden_states=torch.randn(2, 8, 8),
-                               timestep=torch.tensor([100, 700]))
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=2,
+        text_embed_dim=8,
+        num_layers=2,
+        sample_width=8,
+        sample_height=8,
+        sample_frames=8,
+        patch_size=2,
+        patch_size_t=None,
+        temporal_compression_ratio=4,
+        max_text_seq_length=8,
+    )
+    return model, lambda: dict(
+        hidden_states=torch.randn(2, 1, 4, 8, 8),
+        encoder_hidden_states=torch.randn(2, 8, 8),
+        timestep=torch.tensor([100, 700]),
+    )
 
 
 def _qwen_image():
     model = diffusers.QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
-        joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
-    return model, lambda: dict(hidden_states=torch.randn(1, 16, 16), encoder_hidden_states=torch.randn(1, 8, 16),
-                               encoder_hidden_states_mask=torch.ones(1, 8, dtype=torch.long),
-                               timestep=torch.tensor([1.0]), img_shapes=[(1, 4, 4)])
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=16,
+        guidance_embeds=False,
+        axes_dims_rope=(8, 4, 4),
+    )
+    return model, lambda: dict(
+        hidden_states=torch.randn(1, 16, 16),
+        encoder_hidden_states=torch.randn(1, 8, 16),
+        encoder_hidden_states_mask=torch.ones(1, 8, dtype=torch.long),
+        timestep=torch.tensor([1.0]),
+        img_shapes=[(1, 4, 4)],
+    )
 
 
 # name: (build, a kept processor calls diffusers' dispatcher). HunyuanVideo's
 # attention runs compile_ops' processor; its token refiner's calls SDPA.
-MORE_MODELS = {"hunyuan_video": (_hunyuan_video, False), "cogvideox": (_cogvideox, False),
-               "qwen_image": (_qwen_image, True)}
+MORE_MODELS = {
+    "hunyuan_video": (_hunyuan_video, False),
+    "cogvideox": (_cogvideox, False),
+    "qwen_image": (_qwen_image, True),
+}
 
 
 @pytest.mark.parametrize("name", MORE_MODELS)
@@ -1011,8 +1160,11 @@ def _flux_block_inputs(model, side):
 
 
 def _fused_targets(graph_module) -> set:
-    return {str(n.target) for n in graph_module.graph.nodes
-            if n.op == "call_function" and str(n.target).startswith("fused.")}
+    return {
+        str(n.target)
+        for n in graph_module.graph.nodes
+        if n.op == "call_function" and str(n.target).startswith("fused.")
+    }
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")
@@ -1036,8 +1188,9 @@ def test_patched_flux_exports_with_a_dynamic_sequence_and_a_block_runs_as_an_aot
     dynamic = {name: None for name in args}
     dynamic["hidden_states"], dynamic["img_ids"] = {1: seq}, {0: seq}
     exported = torch.export.export(model, (), args, dynamic_shapes=dynamic)
-    assert {"fused.qk_norm_rope.default", "fused.gated_residual_norm_modulate.default"} <= \
-        _fused_targets(exported.graph_module), _fused_targets(exported.graph_module)
+    assert {"fused.qk_norm_rope.default", "fused.gated_residual_norm_modulate.default"} <= _fused_targets(
+        exported.graph_module
+    ), _fused_targets(exported.graph_module)
     for side in (4, 6):
         args = _to(inputs(side), DEVICE)
         with torch.no_grad():
@@ -1046,9 +1199,17 @@ def test_patched_flux_exports_with_a_dynamic_sequence_and_a_block_runs_as_an_aot
     block = model.transformer_blocks[0]
     kwargs = _flux_block_inputs(model, 4)
     rope_len = seq + 8  # 8 text tokens, then the image's
-    exported = torch.export.export(block, (), kwargs, dynamic_shapes=dict(
-        hidden_states={1: seq}, encoder_hidden_states=None, temb=None,
-        image_rotary_emb=({0: rope_len}, {0: rope_len})))
+    exported = torch.export.export(
+        block,
+        (),
+        kwargs,
+        dynamic_shapes=dict(
+            hidden_states={1: seq},
+            encoder_hidden_states=None,
+            temb=None,
+            image_rotary_emb=({0: rope_len}, {0: rope_len}),
+        ),
+    )
     # aoti_compile_and_package writes into inductor's config dict aot_inductor.metadata in place: a dict of
     # its own for this compile keeps the process's config as it was.
     with torch._inductor.config.patch({"aot_inductor.metadata": {}}):
@@ -1106,9 +1267,21 @@ def test_patched_flux_ships_as_a_saved_exported_program_that_a_fresh_process_run
     torch.save({"args": args}, tmp_path / "io.pt")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, str(tmp_path / "flux.pt2"), str(tmp_path / "io.pt"),
-                          str(tmp_path / "out.pt"), "inductor" if HAS_CUDA else "aot_eager"],
-                         capture_output=True, text=True, env=env, timeout=900)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _LOAD_AND_RUN,
+            str(tmp_path / "flux.pt2"),
+            str(tmp_path / "io.pt"),
+            str(tmp_path / "out.pt"),
+            "inductor" if HAS_CUDA else "aot_eager",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     out = torch.load(tmp_path / "out.pt")
     torch.testing.assert_close(out["got"], want, **TOL)
@@ -1173,14 +1346,15 @@ def _count_attention_precisions(monkeypatch) -> Counter:
 
 
 def _bf16(args: dict) -> dict:
-    return {key: value.to(torch.bfloat16) if torch.is_tensor(value) and value.is_floating_point() else value
-            for key, value in args.items()}
+    return {
+        key: value.to(torch.bfloat16) if torch.is_tensor(value) and value.is_floating_point() else value
+        for key, value in args.items()
+    }
 
 
 @pytest.mark.parametrize("precision", ["int8", "int8_fp8"])
 @pytest.mark.parametrize("name, layers", [("flux", 2), ("wan", 4)])
-def test_int8_attention_precision_runs_8_bit_attention_on_16_bit_inference_only(name, layers, precision,
-                                                                                 monkeypatch):
+def test_int8_attention_precision_runs_8_bit_attention_on_16_bit_inference_only(name, layers, precision, monkeypatch):
     """``patch(attention_precision="int8" / "int8_fp8")``: every attention call
     of a bf16 model's inference goes through 8-bit attention (the
     specification's reference on CPU, the kernel on a GPU), close to the
@@ -1298,8 +1472,10 @@ def test_fp8_linears_with_fp8_pv_attention_take_the_attention_output_as_fp8_rows
         monkeypatch.setattr(processors, "attention_fp8_rows", quantized_by_a_pass)
         want = pass_model(**args).sample
     err = _relative_l2(got, want)
-    print(f"{name}: attention output as FP8 rows (epilogue's bound scale) vs a per-row quantization pass: "
-          f"step output relative L2 {err:.2e}")
+    print(
+        f"{name}: attention output as FP8 rows (epilogue's bound scale) vs a per-row quantization pass: "
+        f"step output relative L2 {err:.2e}"
+    )
     assert 0 < err < 5e-2
 
 

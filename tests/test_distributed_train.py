@@ -9,6 +9,7 @@ no collective in the forward besides the two row-parallel all-reduces (so
 qk-norm and attention ran on each rank's heads, through compile_ops' DTensor
 sharding rules).
 """
+
 import dataclasses
 import sys
 from pathlib import Path
@@ -22,16 +23,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.runners import distributed_train  # noqa: E402
 
 CONFIGS = {
-    "cpu": distributed_train.Config(dim=64, heads=4, depth=2, tokens=32, steps=4, warmup=1, dtype="float32",
-                                    compile_backend="aot_eager", lr=1e-2, loss_rtol=1e-5, tp_rtol=1e-5),
+    "cpu": distributed_train.Config(
+        dim=64,
+        heads=4,
+        depth=2,
+        tokens=32,
+        steps=4,
+        warmup=1,
+        dtype="float32",
+        compile_backend="aot_eager",
+        lr=1e-2,
+        loss_rtol=1e-5,
+        tp_rtol=1e-5,
+    ),
     # bf16: the two runs differ in GEMM shapes and reduction order.
     "cuda": distributed_train.Config(dim=512, heads=4, depth=2, tokens=256, steps=12, warmup=2),
 }
 
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed")
-@pytest.mark.parametrize("device_type", [
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"))])
+@pytest.mark.parametrize(
+    "device_type",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"))],
+)
 def test_fsdp2_training_on_two_ranks_matches_one_and_heads_shard_locally(device_type):
     config = CONFIGS[device_type]
     single = distributed_train.run_world(config, 1, device_type)

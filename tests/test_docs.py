@@ -3,6 +3,7 @@
 Reference layer, no GPU and no kernels: reads Markdown files and the
 committed ``bench/results`` JSON only.
 """
+
 import re
 from pathlib import Path
 
@@ -54,8 +55,10 @@ def test_relative_links_point_to_existing_files(path):
 
 
 def test_the_link_check_sees_links_and_skips_code_and_urls():
-    text = ("[a](docs/design.md) [b](https://example.com) [c](#layout) ![d](img.png \"title\") "
-            "[`e.json`](bench/results/e.json#rows) `[f](nowhere.md)`\n```\n[g](nowhere.md)\n```\n")
+    text = (
+        '[a](docs/design.md) [b](https://example.com) [c](#layout) ![d](img.png "title") '
+        "[`e.json`](bench/results/e.json#rows) `[f](nowhere.md)`\n```\n[g](nowhere.md)\n```\n"
+    )
     assert relative_links(text) == ["docs/design.md", "img.png", "bench/results/e.json"]
 
 
@@ -78,12 +81,19 @@ def test_readme_headline_is_what_the_committed_results_give():
 
 #: Each generated block of docs/performance.md and the committed results file it comes from.
 PERFORMANCE_TABLES = {
-    "perf-table": "h100.json", "attention-table": "attention-h100.json",
-    "attention-causal-table": "attention-causal-h100.json", "attention-int8-table": "attention-int8-h100.json",
-    "diffusers-e2e-table": "diffusers-e2e-h100.json", "diffusers-e2e-int8-table": "diffusers-e2e-int8-h100.json",
-    "diffusers-e2e-fp8-table": "diffusers-e2e-fp8-h100.json", "sparse-e2e-table": "sparse-e2e-h200.json",
-    "block-sparse-table": "block-sparse-h100.json", "moe-table": "moe-h100.json", "host-table": "host-h100.json",
-    "aoti-table": "aoti-h100.json", "compile-modes-table": "diffusers-e2e-modes-h100.json",
+    "perf-table": "h100.json",
+    "attention-table": "attention-h100.json",
+    "attention-causal-table": "attention-causal-h100.json",
+    "attention-int8-table": "attention-int8-h100.json",
+    "diffusers-e2e-table": "diffusers-e2e-h100.json",
+    "diffusers-e2e-int8-table": "diffusers-e2e-int8-h100.json",
+    "diffusers-e2e-fp8-table": "diffusers-e2e-fp8-h100.json",
+    "sparse-e2e-table": "sparse-e2e-h200.json",
+    "block-sparse-table": "block-sparse-h100.json",
+    "moe-table": "moe-h100.json",
+    "host-table": "host-h100.json",
+    "aoti-table": "aoti-h100.json",
+    "compile-modes-table": "diffusers-e2e-modes-h100.json",
     "distributed-train-table": "distributed-train-h200.json",
 }
 
@@ -99,4 +109,5 @@ def test_performance_tables_are_what_the_committed_results_give(marker):
     made_marker, table = report.doc_table(report.load(str(ROOT / "bench" / "results" / PERFORMANCE_TABLES[marker])))
     assert made_marker == marker
     assert _block(ROOT / "docs" / "performance.md", marker) == table.strip("\n"), (
-        f"rerun: python bench/report.py bench/results/{PERFORMANCE_TABLES[marker]} --doc docs/performance.md")
+        f"rerun: python bench/report.py bench/results/{PERFORMANCE_TABLES[marker]} --doc docs/performance.md"
+    )

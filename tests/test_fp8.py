@@ -9,6 +9,7 @@ the sm_90 PTX for the instructions that make the GPU's bytes the
 reference's; compare the kernel's bytes with the reference's under the
 interpreter or on the GPU (layers 3/4).
 """
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -69,17 +70,19 @@ def test_reference_and_op_follow_the_recipe(dtype):
     # spacing, 2^-10 * scale.
     back = q.float() * scale[:, None]
     err = (back - x.float()).abs()
-    normal = x.float().abs() >= 2.0 ** -6 * scale[:, None]
+    normal = x.float().abs() >= 2.0**-6 * scale[:, None]
     rel = (err / x.float().abs())[normal]
-    assert rel.max() <= 2.0 ** -4 + 1e-6, rel.max()
-    assert (err <= 2.0 ** -10 * scale[:, None] * (1 + 1e-6))[~normal].all()
+    assert rel.max() <= 2.0**-4 + 1e-6, rel.max()
+    assert (err <= 2.0**-10 * scale[:, None] * (1 + 1e-6))[~normal].all()
     # Each row's largest value maps to +-448 exactly.
     assert torch.equal(q.float().abs().amax(-1), torch.full((6,), 448.0))
 
 
-_TORCH_ACTIVATIONS = {"gelu": lambda t: torch.nn.functional.gelu(t),
-                      "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
-                      "silu": torch.nn.functional.silu}
+_TORCH_ACTIVATIONS = {
+    "gelu": lambda t: torch.nn.functional.gelu(t),
+    "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+    "silu": torch.nn.functional.silu,
+}
 
 
 @pytest.mark.parametrize("activation", _TORCH_ACTIVATIONS)
@@ -140,8 +143,17 @@ def _non_finite_activations(dtype, device="cpu"):
     finite rows."""
     inf, nan = float("inf"), float("nan")
     x = torch.randn(9, 64)
-    x[1, 3], x[2, 10], x[3, 5], x[4], x[5], x[6, 1], x[6, 2], x[7, 0], x[7, 9] = \
-        inf, -inf, nan, inf, -inf, inf, -inf, nan, -inf
+    x[1, 3], x[2, 10], x[3, 5], x[4], x[5], x[6, 1], x[6, 2], x[7, 0], x[7, 9] = (
+        inf,
+        -inf,
+        nan,
+        inf,
+        -inf,
+        inf,
+        -inf,
+        nan,
+        -inf,
+    )
     bad = torch.tensor([False, True, True, True, True, True, True, True, False])
     return x.to(device, dtype), bad.to(device)
 
@@ -215,8 +227,7 @@ def test_fp8_projection_activation_keeps_an_overflow_non_finite(activation):
     the bf16 MLP makes non-finite; its activation mode follows the same rule on
     an activation that is infinite (``act(+inf) = +inf``)."""
     linear, second = _linear(), _linear(48, 64)
-    mlp = torch.nn.Sequential(linear, torch.nn.GELU("tanh") if activation == "gelu_tanh" else torch.nn.SiLU(),
-                              second)
+    mlp = torch.nn.Sequential(linear, torch.nn.GELU("tanh") if activation == "gelu_tanh" else torch.nn.SiLU(), second)
     fp8 = compile_ops.FP8ProjectionActivation(compile_ops.FP8Linear.from_linear(linear), activation)
     fp8_second = compile_ops.FP8Linear.from_linear(second)
     x, bad = _non_finite_activations(torch.float32)
@@ -239,11 +250,10 @@ def test_fp8_linear_reference_matches_scaled_mm_on_the_same_operands():
     qw, sw = compile_ops.quantize_fp8_rows(torch.randn(48, 64, device=device))
     bias = torch.randn(48, device=device).to(torch.bfloat16)
     got = ref.fp8_linear(qx, sx, qw, sw, bias, torch.bfloat16)
-    want = torch._scaled_mm(qx, qw.t(), scale_a=sx[:, None], scale_b=sw[None, :], bias=bias,
-                            out_dtype=torch.bfloat16)
+    want = torch._scaled_mm(qx, qw.t(), scale_a=sx[:, None], scale_b=sw[None, :], bias=bias, out_dtype=torch.bfloat16)
     # Both sum exact products in fp32 (in other orders) and round once to bf16:
     # at most one bf16 ulp apart (2**-7 relative at the bottom of a binade).
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
 
 
 @pytest.mark.gpu
@@ -260,8 +270,15 @@ def test_fp8_linear_on_the_gpu_is_scaled_mm_with_its_accumulation_flag(fast_accu
     with torch.no_grad():
         got = fp8(x)
     qx, sx = compile_ops.quantize_fp8_rows(x)
-    want = torch._scaled_mm(qx, fp8.weight_q.t(), scale_a=sx[:, None], scale_b=fp8.weight_scale[None, :],
-                            bias=fp8.bias, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+    want = torch._scaled_mm(
+        qx,
+        fp8.weight_q.t(),
+        scale_a=sx[:, None],
+        scale_b=fp8.weight_scale[None, :],
+        bias=fp8.bias,
+        out_dtype=torch.bfloat16,
+        use_fast_accum=fast_accum,
+    )
     assert torch.equal(got, want)
     fp32_sum = ref.fp8_linear(qx, sx, fp8.weight_q, fp8.weight_scale, fp8.bias, torch.float32)
     err = ((got.float() - fp32_sum).norm() / fp32_sum.norm()).item()
@@ -357,9 +374,12 @@ def test_fp8_paths_refuse_a_gradient():
     """Public entry points refuse at the call; the raw op's backward refuses too."""
     fp8 = compile_ops.FP8Linear.from_linear(_linear())
     x = torch.randn(3, 64, requires_grad=True)
-    for call in (lambda: fp8(x), lambda: compile_ops.quantize_fp8_rows(x),
-                 lambda: compile_ops.fp8_linear(x, fp8.weight_q, fp8.weight_scale),
-                 lambda: torch.compile(fp8, backend="aot_eager", fullgraph=True)(x)):
+    for call in (
+        lambda: fp8(x),
+        lambda: compile_ops.quantize_fp8_rows(x),
+        lambda: compile_ops.fp8_linear(x, fp8.weight_q, fp8.weight_scale),
+        lambda: torch.compile(fp8, backend="aot_eager", fullgraph=True)(x),
+    ):
         with pytest.raises(RuntimeError, match=r"inference-only.*torch.inference_mode\(\)"):
             call()
     q, _ = torch.ops.fused.quantize_fp8_rows(x)
@@ -381,35 +401,61 @@ def _bad_cases():
         (lambda: fp8(torch.randn(3, 32)), ValueError, r"FP8Linear: x must have 64 channels.*\(3, 32\)"),
         (lambda: fp8(FP8Rows(rows.q, rows.scale)), ValueError, r"64 channels.*\(2, 16\)"),
         (lambda: compile_ops.FP8Linear.from_linear(torch.nn.Conv1d(3, 3, 1)), TypeError, "nn.Linear, got Conv1d"),
-        (lambda: compile_ops.FP8ProjectionActivation(_linear(), "gelu"), TypeError,
-         "FP8ProjectionActivation: proj must be a compile_ops.FP8Linear, got Linear"),
-        (lambda: compile_ops.FP8ProjectionActivation(fp8, "relu"), ValueError,
-         "activation must be one of 'gelu', 'gelu_tanh', 'silu', got 'relu'"),
-        (lambda: quantize(torch.ones(3, 4, dtype=torch.int32)), TypeError,
-         "fused.quantize_fp8_rows: x must have a floating dtype.*int32"),
+        (
+            lambda: compile_ops.FP8ProjectionActivation(_linear(), "gelu"),
+            TypeError,
+            "FP8ProjectionActivation: proj must be a compile_ops.FP8Linear, got Linear",
+        ),
+        (
+            lambda: compile_ops.FP8ProjectionActivation(fp8, "relu"),
+            ValueError,
+            "activation must be one of 'gelu', 'gelu_tanh', 'silu', got 'relu'",
+        ),
+        (
+            lambda: quantize(torch.ones(3, 4, dtype=torch.int32)),
+            TypeError,
+            "fused.quantize_fp8_rows: x must have a floating dtype.*int32",
+        ),
         (lambda: quantize(torch.tensor(1.0)), ValueError, "fused.quantize_fp8_rows: x must have at least 1 dim"),
-        (lambda: quantize(x, "relu"), ValueError,
-         "fused.quantize_fp8_rows: activation must be one of 'none', 'gelu', 'gelu_tanh', 'silu', got 'relu'"),
+        (
+            lambda: quantize(x, "relu"),
+            ValueError,
+            "fused.quantize_fp8_rows: activation must be one of 'none', 'gelu', 'gelu_tanh', 'silu', got 'relu'",
+        ),
         (lambda: quantize(x, None), TypeError, "activation must be a str, got NoneType"),
-        (lambda: quantize(x, head=torch.randn(3, 8)), ValueError,
-         r"head must be \[..., K_head\] with x's leading dims \[2\].*got \[3, 8\]"),
-        (lambda: quantize(x, head=torch.randn(2, 8, dtype=torch.float64)), TypeError,
-         "head must have x's dtype torch.float32.*got torch.float64"),
+        (
+            lambda: quantize(x, head=torch.randn(3, 8)),
+            ValueError,
+            r"head must be \[..., K_head\] with x's leading dims \[2\].*got \[3, 8\]",
+        ),
+        (
+            lambda: quantize(x, head=torch.randn(2, 8, dtype=torch.float64)),
+            TypeError,
+            "head must have x's dtype torch.float32.*got torch.float64",
+        ),
         (lambda: quantize(x, head=torch.randn(2, 8, device="meta")), ValueError, "head is on meta but x is on cpu"),
         # The dispatcher checks the schema first, and names the argument.
         (lambda: quantize([1.0, 2.0]), TypeError, "x must be a torch.Tensor, got list"),
-        (lambda: linear(torch.randn(2, 32), qw, sw), ValueError,
-         r"fp8_linear: weight_q must be float8_e4m3fn \[N, 32\].*\[8, 16\]"),
+        (
+            lambda: linear(torch.randn(2, 32), qw, sw),
+            ValueError,
+            r"fp8_linear: weight_q must be float8_e4m3fn \[N, 32\].*\[8, 16\]",
+        ),
         (lambda: linear(x, qw.float(), sw), TypeError, "weight_q must be float8_e4m3fn.*torch.float32"),
         (lambda: linear(x, qw, sw.double()), ValueError, r"weight_scale must be float32 \[8\].*float64"),
         (lambda: linear(x, qw, sw[:4]), ValueError, r"weight_scale must be float32 \[8\].*\[4\]"),
         (lambda: linear(x, qw, sw, torch.zeros(4)), ValueError, r"bias must be a floating \[8\]"),
-        (lambda: linear(x, qw, sw, torch.zeros(8, device="meta")), ValueError,
-         "bias is on meta but x is on cpu"),
-        (lambda: linear(FP8Rows(rows.q.float(), rows.scale), qw, sw), TypeError,
-         "x.q must be float8_e4m3fn.*torch.float32"),
-        (lambda: linear(FP8Rows(rows.q, rows.scale[:1]), qw, sw), ValueError,
-         r"x.scale must be float32 \[2\] \(one per row"),
+        (lambda: linear(x, qw, sw, torch.zeros(8, device="meta")), ValueError, "bias is on meta but x is on cpu"),
+        (
+            lambda: linear(FP8Rows(rows.q.float(), rows.scale), qw, sw),
+            TypeError,
+            "x.q must be float8_e4m3fn.*torch.float32",
+        ),
+        (
+            lambda: linear(FP8Rows(rows.q, rows.scale[:1]), qw, sw),
+            ValueError,
+            r"x.scale must be float32 \[2\] \(one per row",
+        ),
     ]
 
 
@@ -431,23 +477,38 @@ def test_a_gpu_without_fp8_tensor_cores_is_refused_by_name(monkeypatch):
 def _fake_cuda_launches(fn, *args):
     """make_fx of ``fn`` on fake CUDA tensors like ``args``: ``(graph, [(kernel, kwargs, grid)])``."""
     with FakeTensorMode(allow_non_fake_inputs=True):
-        cuda_args = tuple(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda")
-                          if isinstance(a, torch.Tensor) else a for a in args)
+        cuda_args = tuple(
+            torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda") if isinstance(a, torch.Tensor) else a
+            for a in args
+        )
         gm = make_fx(fn)(*cuda_args)
         out = gm(*cuda_args)
-    launches = [(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__,
-                 {**n.kwargs["kwargs"], **kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"])},
-                 n.kwargs["grid"][0])
-                for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation]
+    launches = [
+        (
+            kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__,
+            {**n.kwargs["kwargs"], **kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"])},
+            n.kwargs["grid"][0],
+        )
+        for n in gm.graph.nodes
+        if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation
+    ]
     return gm, out, launches
 
 
-@pytest.mark.parametrize("shape, looped, activation, act",
-                         [((2, 7, 64), False, "none", -1), ((3, 3072), False, "none", -1),
-                          ((5, 4096 + 37), False, "none", -1), ((5, 16384 + 37), True, "none", -1),
-                          ((2, 2 ** 19, 4096), False, "none", -1), ((2 ** 20, 8192), False, "none", -1),
-                          ((2, 4096, 12288), False, "gelu_tanh", 1), ((2, 4096, 12288), False, "head", 1),
-                          ((2, 64, 16384 + 64), True, "head", 1)])
+@pytest.mark.parametrize(
+    "shape, looped, activation, act",
+    [
+        ((2, 7, 64), False, "none", -1),
+        ((3, 3072), False, "none", -1),
+        ((5, 4096 + 37), False, "none", -1),
+        ((5, 16384 + 37), True, "none", -1),
+        ((2, 2**19, 4096), False, "none", -1),
+        ((2**20, 8192), False, "none", -1),
+        ((2, 4096, 12288), False, "gelu_tanh", 1),
+        ((2, 4096, 12288), False, "head", 1),
+        ((2, 64, 16384 + 64), True, "head", 1),
+    ],
+)
 def test_fake_cuda_trace_launches_the_quantize_kernel(shape, looped, activation, act):
     """The Triton branch on fake CUDA tensors (meta-sized past 2^31 elements):
     one launch, rows read once up to 16384 columns (an MLP's hidden activation
@@ -474,7 +535,7 @@ def test_fake_cuda_trace_launches_the_quantize_kernel(shape, looped, activation,
         assert block_n == min(4096, triton.next_power_of_2(max(x.shape[-1], kwargs["K_HEAD"])))
         assert (chunks, head_chunks) == (triton.cdiv(x.shape[-1], block_n), triton.cdiv(kwargs["K_HEAD"], block_n))
         assert block_n * (chunks + head_chunks) <= 16384
-    assert grid[0] * kwargs["BLOCK_M"] >= rows and 0 < grid[0] < 2 ** 31
+    assert grid[0] * kwargs["BLOCK_M"] >= rows and 0 < grid[0] < 2**31
     assert (q.shape, q.dtype, scale.shape, scale.dtype) == (shape, torch.float8_e4m3fn, shape[:-1], torch.float32)
 
 
@@ -485,23 +546,31 @@ def test_fake_cuda_trace_of_fp8_linear_calls_scaled_mm_rowwise(monkeypatch, bias
     monkeypatch.setattr(_library, "cuda_capability", lambda index: (9, 0, "NVIDIA H100"))
     fp8 = compile_ops.FP8Linear.from_linear(_linear(bias=bias, dtype=torch.bfloat16))
     x = torch.randn(2, 7, 64, dtype=torch.bfloat16)
-    gm, out, _ = _fake_cuda_launches(lambda x, *w: compile_ops.fp8_linear(x, *w), x, fp8.weight_q, fp8.weight_scale,
-                                     fp8.bias)
+    gm, out, _ = _fake_cuda_launches(
+        lambda x, *w: compile_ops.fp8_linear(x, *w), x, fp8.weight_q, fp8.weight_scale, fp8.bias
+    )
     targets = [n.target for n in gm.graph.nodes]
     assert torch.ops.fused.quantize_fp8_rows.default in targets and torch.ops.aten._scaled_mm.default in targets
     assert out.shape == (2, 7, 48) and out.dtype == torch.bfloat16
     # Fast accumulation by default (as torchao's float8 inference), else as asked.
     for fast_accum in (True, False):
         kwargs = {} if fast_accum else {"fast_accum": False}
-        gm, _, _ = _fake_cuda_launches(lambda x, *w: compile_ops.fp8_linear(x, *w, **kwargs), x, fp8.weight_q,
-                                       fp8.weight_scale)
+        gm, _, _ = _fake_cuda_launches(
+            lambda x, *w: compile_ops.fp8_linear(x, *w, **kwargs), x, fp8.weight_q, fp8.weight_scale
+        )
         (mm,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten._scaled_mm.default]
         schema_args = torch.ops.aten._scaled_mm.default._schema.arguments
         use_fast_accum = mm.kwargs.get("use_fast_accum", mm.args[-1] if len(mm.args) == len(schema_args) else False)
         assert use_fast_accum is fast_accum, mm
     rows = compile_ops.quantize_fp8_rows(x)
-    gm, out, _ = _fake_cuda_launches(lambda q, s, *w: compile_ops.fp8_linear(FP8Rows(q, s), *w, torch.float32),
-                                     rows.q, rows.scale, fp8.weight_q, fp8.weight_scale, fp8.bias)
+    gm, out, _ = _fake_cuda_launches(
+        lambda q, s, *w: compile_ops.fp8_linear(FP8Rows(q, s), *w, torch.float32),
+        rows.q,
+        rows.scale,
+        fp8.weight_q,
+        fp8.weight_scale,
+        fp8.bias,
+    )
     assert torch.ops.fused.quantize_fp8_rows.default not in [n.target for n in gm.graph.nodes]
     assert out.shape == (2, 7, 48) and out.dtype == torch.float32
 
@@ -525,14 +594,40 @@ def test_sm90_code_rounds_like_the_reference(looped, act):
 
     from compile_ops.kernels.fp8 import quantize_fp8_rows_kernel
 
-    signature = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "n_rows": "i32", "K": "i32", "stride_row": "i32",
-                 "stride_col": "i32", "HEAD": "*bf16", "K_HEAD": "i32", "stride_head_row": "i32",
-                 "stride_head_col": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "LOOPED": "constexpr",
-                 "ACT": "constexpr", "HAS_HEAD": "constexpr", "CHUNKS": "constexpr", "HEAD_CHUNKS": "constexpr"}
+    signature = {
+        "X": "*bf16",
+        "Q": "*fp8e4nv",
+        "S": "*fp32",
+        "n_rows": "i32",
+        "K": "i32",
+        "stride_row": "i32",
+        "stride_col": "i32",
+        "HEAD": "*bf16",
+        "K_HEAD": "i32",
+        "stride_head_row": "i32",
+        "stride_head_col": "i32",
+        "BLOCK_M": "constexpr",
+        "BLOCK_N": "constexpr",
+        "LOOPED": "constexpr",
+        "ACT": "constexpr",
+        "HAS_HEAD": "constexpr",
+        "CHUNKS": "constexpr",
+        "HEAD_CHUNKS": "constexpr",
+    }
     # Flux's single block as the launcher runs it: 3 + 1 blocks of 4096 held, or the loop.
-    src = ASTSource(fn=quantize_fp8_rows_kernel, signature=signature,
-                    constexprs={"BLOCK_M": 1, "BLOCK_N": 2048 if looped else 4096, "LOOPED": looped, "ACT": act,
-                                "HAS_HEAD": True, "CHUNKS": 0 if looped else 3, "HEAD_CHUNKS": 0 if looped else 1})
+    src = ASTSource(
+        fn=quantize_fp8_rows_kernel,
+        signature=signature,
+        constexprs={
+            "BLOCK_M": 1,
+            "BLOCK_N": 2048 if looped else 4096,
+            "LOOPED": looped,
+            "ACT": act,
+            "HAS_HEAD": True,
+            "CHUNKS": 0 if looped else 3,
+            "HEAD_CHUNKS": 0 if looped else 1,
+        },
+    )
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if looped else 8}).asm["ptx"]
     assert set(re.findall(r"cvt\.[\w.]*e4m3[\w.]*", ptx)) == {"cvt.rn.satfinite.e4m3x2.f32"}
     divisions = re.findall(r"div\.[\w.]+", ptx)
@@ -546,17 +641,20 @@ def test_sm90_code_rounds_like_the_reference(looped, act):
 
 
 @pytest.mark.kernels
-@given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-       st.integers(0, 5),
-       size(st.one_of(st.integers(1, 300), st.sampled_from([3072, 4096, 5000])), [1, 37, 3072, 5000]),
-       st.sampled_from(["contiguous", "row_slice", "column_stride"]),
-       st.sampled_from(["none", "inf", "nan", "zero_row", "tiny_row"]), st.floats(1e-3, 1e3))
+@given(
+    st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    st.integers(0, 5),
+    size(st.one_of(st.integers(1, 300), st.sampled_from([3072, 4096, 5000])), [1, 37, 3072, 5000]),
+    st.sampled_from(["contiguous", "row_slice", "column_stride"]),
+    st.sampled_from(["none", "inf", "nan", "zero_row", "tiny_row"]),
+    st.floats(1e-3, 1e3),
+)
 def test_kernel_writes_the_references_bytes(dtype, rows, k, layout, special, magnitude):
     torch.manual_seed(k)
     if layout == "column_stride":
         x = (torch.randn(rows, 2 * k) * magnitude)[:, ::2]
     elif layout == "row_slice":
-        x = (torch.randn(rows, k + 3) * magnitude)[:, 2:2 + k]
+        x = (torch.randn(rows, k + 3) * magnitude)[:, 2 : 2 + k]
     else:
         x = torch.randn(rows, k) * magnitude
     x = x.to(dtype)
@@ -583,7 +681,6 @@ def _unquantized_activation(x, activation):
     return compile_ops.geglu(ones_and_x, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
-
 def _quantized_in_small_chunks(x, activation, head, chunk_n):
     """``quantize_fp8_rows`` under a launch config scaled down to ``chunk_n``-wide
     chunks (so small rows take the held and the looped paths), and the values
@@ -603,9 +700,16 @@ def _quantized_in_small_chunks(x, activation, head, chunk_n):
         values = torch.cat([head, values], dim=-1)
     return q, scale, values
 
+
 @pytest.mark.kernels
-@given(st.integers(1, 5), st.integers(1, 600), st.integers(0, 300), st.sampled_from([16, 64]),
-       st.sampled_from(["none", "gelu_tanh", "silu"]), st.sampled_from([torch.float32, torch.float16]))
+@given(
+    st.integers(1, 5),
+    st.integers(1, 600),
+    st.integers(0, 300),
+    st.sampled_from([16, 64]),
+    st.sampled_from(["none", "gelu_tanh", "silu"]),
+    st.sampled_from([torch.float32, torch.float16]),
+)
 def test_kernel_holds_a_row_in_any_number_of_blocks_or_loops_past_them(rows, k, k_head, chunk_n, activation, dtype):
     """The launch config scaled down (blocks of 16 or 64 columns, rows held up to
     8 blocks, looped past that in blocks of the same width), so that small
@@ -669,9 +773,15 @@ def test_kernel_fp8_linear_keeps_non_finite_activations_and_weights_non_finite(d
 @pytest.mark.kernels
 @pytest.mark.parametrize("activation", _TORCH_ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shape, layout", [((3, 37), "contiguous"), ((4, 64), "column_stride"),
-                                           ((2, 4096 + 37), "contiguous"),
-                                           ((2, 16384 + 37), "contiguous")])  # the last: the two-pass loop
+@pytest.mark.parametrize(
+    "shape, layout",
+    [
+        ((3, 37), "contiguous"),
+        ((4, 64), "column_stride"),
+        ((2, 4096 + 37), "contiguous"),
+        ((2, 16384 + 37), "contiguous"),
+    ],
+)  # the last: the two-pass loop
 def test_kernel_activation_mode_writes_the_bytes_of_quantizing_the_activation(activation, dtype, shape, layout):
     """Bytes and scales equal to quantizing the activation's own kernel output;
     the distance to torch's activation (other tanh/erf/exp) is reported."""
@@ -682,11 +792,13 @@ def test_kernel_activation_mode_writes_the_bytes_of_quantizing_the_activation(ac
     want_q, want_scale = compile_ops.quantize_fp8_rows(_unquantized_activation(x, activation))
     assert _same_bytes(q, want_q) and torch.equal(scale, want_scale)
     # A head segment (strided rows) before the activation: the concatenation's rows.
-    head = (torch.randn(shape[0], shape[1] + 8) * 4).to(dtype).to(KERNEL_DEVICE)[:, 3:3 + shape[1] // 2]
+    head = (torch.randn(shape[0], shape[1] + 8) * 4).to(dtype).to(KERNEL_DEVICE)[:, 3 : 3 + shape[1] // 2]
     q_cat, scale_cat = compile_ops.quantize_fp8_rows(x, activation, head=head)
     want_q, want_scale = compile_ops.quantize_fp8_rows(torch.cat([head, _unquantized_activation(x, activation)], -1))
     assert _same_bytes(q_cat, want_q) and torch.equal(scale_cat, want_scale)
     exact_q, exact_scale = ref.quantize_fp8_rows(x.cpu(), activation)
     deq, exact = q.cpu().float() * scale.cpu()[:, None], exact_q.float() * exact_scale[:, None]
-    print(f"{activation} {dtype}: relative L2 to quantizing torch's activation "
-          f"{((deq - exact).norm() / exact.norm()).item():.1e}")
+    print(
+        f"{activation} {dtype}: relative L2 to quantizing torch's activation "
+        f"{((deq - exact).norm() / exact.norm()).item():.1e}"
+    )

@@ -7,6 +7,7 @@ PyTorch computes at the input dtype" is each library's own formula: diffusers'
 vLLM's ``GeluAndMul`` / ``SiluAndMul`` (``act(x[..., :d]) * x[..., d:]``) for
 ``gate_first``. The rest check validation, the modules and the reference path.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,7 @@ def glu_cases(draw):
 def _make_x(dtype, lead, h, layout, scale, device):
     n = 2 * h
     if layout == "row_slice":  # rows spaced wider than 2H: a slice of a bigger activation
-        x = torch.randn(lead + (n + 6,), device=device)[..., 5:5 + n]
+        x = torch.randn(lead + (n + 6,), device=device)[..., 5 : 5 + n]
     elif layout == "channel_strided":
         x = torch.randn((n,) + lead, device=device).movedim(0, -1)
     else:
@@ -110,7 +111,7 @@ def test_kernels_wide_rows_span_several_programs(h):
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_kernels_nan_and_inf_stay_where_the_formula_puts_them(op):
     x = torch.randn(4, 2 * 24, device=KERNEL_DEVICE)
-    x[0, 3] = float("nan")      # a value: its output element only
+    x[0, 3] = float("nan")  # a value: its output element only
     x[1, 24 + 5] = float("nan")  # a gate
     x[2, 24 + 7] = float("inf")  # gelu(inf) = silu(inf) = inf
     x[3, 24 + 9] = -float("inf")  # gelu(-inf) = silu(-inf) = 0 -> value * 0
@@ -129,8 +130,10 @@ def test_kernels_modules_are_diffusers_geglu_and_swiglu(dtype):
     gradients (to the rounding of its two-step formula)."""
     activations = pytest.importorskip("diffusers.models.activations")
     torch.manual_seed(0)
-    for theirs, ours in ((activations.GEGLU(32, 48), compile_ops.GEGLU(32, 48)),
-                         (activations.SwiGLU(32, 48, bias=False), compile_ops.SwiGLU(32, 48, bias=False))):
+    for theirs, ours in (
+        (activations.GEGLU(32, 48), compile_ops.GEGLU(32, 48)),
+        (activations.SwiGLU(32, 48, bias=False), compile_ops.SwiGLU(32, 48, bias=False)),
+    ):
         theirs = theirs.to(KERNEL_DEVICE, dtype)
         ours.load_state_dict(theirs.state_dict())
         ours = ours.to(KERNEL_DEVICE, dtype)
@@ -139,8 +142,10 @@ def test_kernels_modules_are_diffusers_geglu_and_swiglu(dtype):
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(got, want, **tol)
         dy = torch.randn_like(want)
-        for p, q in zip(torch.autograd.grad(got, list(ours.parameters()), dy),
-                        torch.autograd.grad(want, list(theirs.parameters()), dy)):
+        for p, q in zip(
+            torch.autograd.grad(got, list(ours.parameters()), dy),
+            torch.autograd.grad(want, list(theirs.parameters()), dy),
+        ):
             torch.testing.assert_close(p, q, **tol)
 
 
@@ -159,8 +164,11 @@ def test_reference_backward_formulas_match_autograd():
     from compile_ops.reference.glu import activation_derivative
 
     g = torch.linspace(-12, 12, 2001, dtype=torch.float64).requires_grad_(True)
-    for activation, fn in (("gelu", lambda t: F.gelu(t)), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh")),
-                           ("silu", F.silu)):
+    for activation, fn in (
+        ("gelu", lambda t: F.gelu(t)),
+        ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh")),
+        ("silu", F.silu),
+    ):
         (want,) = torch.autograd.grad(fn(g).sum(), g)
         torch.testing.assert_close(activation_derivative(g.detach(), activation), want, rtol=1e-12, atol=1e-14)
 
@@ -190,14 +198,26 @@ def _bad_input_cases():
         (lambda: compile_ops.geglu(x, "erf"), ValueError, r"approximate must be one of 'none', 'tanh', got 'erf'"),
         (lambda: compile_ops.geglu(x, None), TypeError, r"approximate must be one of .*, got None"),
         (lambda: compile_ops.swiglu(x, 1), TypeError, r"gate_first must be a bool, got int"),
-        (lambda: torch.ops.fused.glu_backward(torch.randn(2, 8), x, "gelu", False), ValueError,
-         r"grad_out must have shape \(2, 4\)"),
-        (lambda: torch.ops.fused.glu_backward(torch.randn(2, 4), x, "relu", False), ValueError,
-         r"activation must be one of 'gelu', 'gelu_tanh', 'silu', got 'relu'"),
-        (lambda: torch.ops.fused.glu_backward(torch.ones(2, 4, dtype=torch.int64), x, "silu", False), TypeError,
-         r"grad_out must have a floating dtype"),
-        (lambda: torch.ops.fused.glu_backward(torch.randn(2, 4, device="meta"), x, "silu", False), ValueError,
-         r"grad_out is on meta but x is on cpu"),
+        (
+            lambda: torch.ops.fused.glu_backward(torch.randn(2, 8), x, "gelu", False),
+            ValueError,
+            r"grad_out must have shape \(2, 4\)",
+        ),
+        (
+            lambda: torch.ops.fused.glu_backward(torch.randn(2, 4), x, "relu", False),
+            ValueError,
+            r"activation must be one of 'gelu', 'gelu_tanh', 'silu', got 'relu'",
+        ),
+        (
+            lambda: torch.ops.fused.glu_backward(torch.ones(2, 4, dtype=torch.int64), x, "silu", False),
+            TypeError,
+            r"grad_out must have a floating dtype",
+        ),
+        (
+            lambda: torch.ops.fused.glu_backward(torch.randn(2, 4, device="meta"), x, "silu", False),
+            ValueError,
+            r"grad_out is on meta but x is on cpu",
+        ),
     ]
 
 

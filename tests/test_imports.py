@@ -13,6 +13,7 @@ imported the DTensor rules table, which imported every op, which imported
 ``_library``; and ``bench/run.py`` imported the runners that imported it back.
 Such loops make the import order decide whether a name exists yet.
 """
+
 import ast
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def _absolute(module: str, is_package: bool, level: int, name) -> str:
     if level == 0:
         return name or ""
     base = module.split(".") if is_package else module.split(".")[:-1]
-    base = base[:len(base) - (level - 1)]
+    base = base[: len(base) - (level - 1)]
     return ".".join(base + ([name] if name else []))
 
 
@@ -62,8 +63,9 @@ def all_imports(package: str) -> dict:
 def import_graph(package: str) -> dict:
     """``{module: set of modules of the same package it imports}``."""
     files = module_files(package)
-    return {module: {t for t in targets if t in files and t != module}
-            for module, targets in all_imports(package).items()}
+    return {
+        module: {t for t in targets if t in files and t != module} for module, targets in all_imports(package).items()
+    }
 
 
 def find_cycle(graph: dict):
@@ -75,7 +77,7 @@ def find_cycle(graph: dict):
         stack.append(module)
         for target in sorted(graph[module]):
             if state.get(target) == "open":
-                return stack[stack.index(target):] + [target]
+                return stack[stack.index(target) :] + [target]
             if target not in state:
                 cycle = visit(target, stack)
                 if cycle:
@@ -181,8 +183,10 @@ def test_the_layer_check_finds_an_arrow_upward():
     graph = {name: set(targets) for name, targets in import_graph("compile_ops").items()}
     graph["compile_ops.kernels.norm"].add("compile_ops.ops.norm")
     graph["compile_ops.ops.norm"].add("compile_ops.modules.norm")
-    assert layer_violations(graph) == [("compile_ops.kernels.norm", "compile_ops.ops.norm"),
-                                       ("compile_ops.ops.norm", "compile_ops.modules.norm")]
+    assert layer_violations(graph) == [
+        ("compile_ops.kernels.norm", "compile_ops.ops.norm"),
+        ("compile_ops.ops.norm", "compile_ops.modules.norm"),
+    ]
 
 
 #: The repository's packages above ``compile_ops``: the op table (``cases``) and the
@@ -193,8 +197,12 @@ ABOVE_COMPILE_OPS = ("cases", "bench")
 
 def imports_from_above(imports: dict) -> list:
     """``(importer, imported)`` arrows from ``compile_ops`` to a package above it."""
-    return sorted((module, target) for module, targets in imports.items() for target in targets
-                  if target.split(".")[0] in ABOVE_COMPILE_OPS)
+    return sorted(
+        (module, target)
+        for module, targets in imports.items()
+        for target in targets
+        if target.split(".")[0] in ABOVE_COMPILE_OPS
+    )
 
 
 def test_compile_ops_imports_no_package_above_it():

@@ -6,6 +6,7 @@ against an fp64 reference with the two-reference tolerance rule, over every
 broadcast form of scale/shift/gate; the rest check validation, the diffusers
 modules, compilation and the traced graph on the reference path.
 """
+
 import expecttest
 import pytest
 import torch
@@ -62,6 +63,7 @@ def _normalized_at_dtype(h, weight, bias, norm, eps):
 
 def _plain(op, args):
     """The op as an uncompiled diffusers model writes it, in the inputs' dtypes."""
+
     def x_shaped(m, x):
         # A 0-dim tensor broadcasts as is (expanded, it would promote like a dimensioned one).
         return m if m.dim() == 0 else ref.expand_to_x(m, x)
@@ -103,14 +105,14 @@ def modulation_cases(draw):
 def _case_args(op, dtype, B, L, C, forms, mod_dtype, chunked, strided_x, norm, affine, residual_fp32, device):
     def act(dt):
         if strided_x:
-            return torch.randn(B, L, C + 5, device=device).to(dt)[..., 2:2 + C].requires_grad_(True)
+            return torch.randn(B, L, C + 5, device=device).to(dt)[..., 2 : 2 + C].requires_grad_(True)
         return torch.randn(B, L, C, device=device).to(dt).requires_grad_(True)
 
     def modulation(form, scale):
         shape = FORMS[form](B, L, C)
         if chunked and len(shape) == 2 and shape[0] == B:
             emb = (scale * torch.randn(B, 6 * C, device=device)).to(mod_dtype)
-            return emb[:, 2 * C:3 * C].detach().requires_grad_(True)  # stride (6C, 1), as emb.chunk(6)
+            return emb[:, 2 * C : 3 * C].detach().requires_grad_(True)  # stride (6C, 1), as emb.chunk(6)
         return (scale * torch.randn(shape, device=device)).to(mod_dtype).requires_grad_(True)
 
     x = act(dtype)
@@ -148,9 +150,8 @@ def test_kernels_match_fp64_reference_forward_and_backward(case):
     args = _case_args(*case, KERNEL_DEVICE)
     got = _outputs(getattr(compile_ops, op)(*args))
     exact_args = _fp64(args)
-    exact = _outputs(getattr(ref, op)(*exact_args))[:len(got)]  # without the statistics outputs
-    plain_args = tuple(a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) else a
-                       for a in args)
+    exact = _outputs(getattr(ref, op)(*exact_args))[: len(got)]  # without the statistics outputs
+    plain_args = tuple(a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) else a for a in args)
     plain = _plain(op, plain_args)
     for g, e, p in zip(got, exact, plain):
         assert g.dtype == p.dtype, f"{op}: output dtype {g.dtype}, plain PyTorch gives {p.dtype}"
@@ -158,10 +159,13 @@ def test_kernels_match_fp64_reference_forward_and_backward(case):
 
     grads_out = [torch.randn_like(o) for o in got]
     names = [n for n, a in zip("abcdefghi", args) if isinstance(a, torch.Tensor)]
-    for name, g, e, p, a in zip(names, _grads(got, args, grads_out),
-                                _grads(exact, exact_args, [g.double() for g in grads_out]),
-                                _grads(plain, plain_args, grads_out),
-                                [a for a in args if isinstance(a, torch.Tensor)]):
+    for name, g, e, p, a in zip(
+        names,
+        _grads(got, args, grads_out),
+        _grads(exact, exact_args, [g.double() for g in grads_out]),
+        _grads(plain, plain_args, grads_out),
+        [a for a in args if isinstance(a, torch.Tensor)],
+    ):
         assert g.shape == a.shape and g.dtype == a.dtype, f"{op}: gradient of input {name}"
         terms = max(1, got[0].numel() // max(1, a.numel()))  # > 1: summed over broadcast dims
         assert_within_torch_error(g, e, p, 3.0, f"{op} gradient of input {name} {tuple(a.shape)}", terms)
@@ -197,8 +201,20 @@ def test_kernels_norm_modulate_equals_the_norm_family_when_unmodulated():
 @pytest.mark.parametrize("form", ["per-sample [B, C]", "per-frame [B, F, 1, C]", "per-channel [C]"])
 def test_kernels_backward_is_deterministic(form):
     """Many rows, so many programs' partial sums meet in every reduced gradient."""
-    case = ("gated_residual_norm_modulate", torch.bfloat16, 2, 96, 160, [form] * 3, torch.bfloat16,
-            False, False, "layernorm", "weight+bias", True)
+    case = (
+        "gated_residual_norm_modulate",
+        torch.bfloat16,
+        2,
+        96,
+        160,
+        [form] * 3,
+        torch.bfloat16,
+        False,
+        False,
+        "layernorm",
+        "weight+bias",
+        True,
+    )
     args = _case_args(*case, KERNEL_DEVICE)
     outs = compile_ops.gated_residual_norm_modulate(*args)
     grads_out = [torch.randn_like(o) for o in outs]
@@ -213,8 +229,13 @@ def test_kernels_modulation_tensors_with_different_frame_counts():
     """Per-frame tensors with 4 and 6 frames over 12 tokens: no two of their runs
     line up (3 and 2 rows), so the backward reduces per row (the runs' gcd)."""
     d = KERNEL_DEVICE
-    args = [torch.randn(2, 12, 24, device=d), torch.randn(2, 12, 24, device=d), torch.randn(2, 4, 1, 24, device=d),
-            torch.randn(2, 6, 1, 24, device=d), torch.randn((), device=d)]
+    args = [
+        torch.randn(2, 12, 24, device=d),
+        torch.randn(2, 12, 24, device=d),
+        torch.randn(2, 4, 1, 24, device=d),
+        torch.randn(2, 6, 1, 24, device=d),
+        torch.randn((), device=d),
+    ]
     args = [a.requires_grad_(True) for a in args]
     outs = compile_ops.gated_residual_norm_modulate(*args, None, None, "layernorm", 1e-6)
     exact_args = [a.detach().double().requires_grad_(True) for a in args]
@@ -222,8 +243,10 @@ def test_kernels_modulation_tensors_with_different_frame_counts():
     grads_out = [torch.randn_like(o) for o in outs]
     for g, e in zip(outs, exact):
         torch.testing.assert_close(g.double(), e, rtol=1e-5, atol=1e-5)
-    for g, e in zip(torch.autograd.grad(outs, args, grads_out),
-                    torch.autograd.grad(exact, exact_args, [g.double() for g in grads_out])):
+    for g, e in zip(
+        torch.autograd.grad(outs, args, grads_out),
+        torch.autograd.grad(exact, exact_args, [g.double() for g in grads_out]),
+    ):
         torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-4)
 
 
@@ -257,7 +280,7 @@ def test_gpu_per_token_and_2d_rows_past_2_31_elements():
     """int64 offsets in the forward and the backward, per-token modulation (the
     largest modulation tensors) at more than 2**31 elements."""
     C = 2048
-    rows = 2 ** 31 // C + 3
+    rows = 2**31 // C + 3
     x = torch.randn(1, rows, C, device="cuda", dtype=torch.bfloat16)
     scale = torch.randn(1, rows, C, device="cuda", dtype=torch.bfloat16)
     out = compile_ops.modulate(x, scale, scale)
@@ -266,7 +289,8 @@ def test_gpu_per_token_and_2d_rows_past_2_31_elements():
     torch.testing.assert_close(out[:, tail], want, rtol=0, atol=0)
     del out
     dx, _, _, dscale, _, _, _ = torch.ops.fused.modulate_backward(
-        x, None, x, None, None, None, None, scale, scale, None, None, "none", 0.0)
+        x, None, x, None, None, None, None, scale, scale, None, None, "none", 0.0
+    )
     torch.testing.assert_close(dx[:, tail], (x[:, tail].float() * (1 + scale[:, tail].float())).bfloat16())
     torch.testing.assert_close(dscale[:, tail], (x[:, tail].float() ** 2).bfloat16())
 
@@ -279,30 +303,54 @@ def _bad_input_cases():
     s = torch.randn(2, 8)
     nm = compile_ops.norm_modulate
     return [
-        (lambda: compile_ops.modulate(x, torch.randn(3, 8), s), ValueError,
-         r"modulate: scale of shape \(3, 8\) does not broadcast to x of shape \(2, 6, 8\).*dim 0.*size 3"),
+        (
+            lambda: compile_ops.modulate(x, torch.randn(3, 8), s),
+            ValueError,
+            r"modulate: scale of shape \(3, 8\) does not broadcast to x of shape \(2, 6, 8\).*dim 0.*size 3",
+        ),
         (lambda: compile_ops.modulate(x, s, torch.randn(2, 7)), ValueError, r"shift of shape \(2, 7\) does not"),
-        (lambda: compile_ops.modulate(x, torch.randn(2, 6, 8, 1, 1), s), ValueError,
-         r"scale of shape \(2, 6, 8, 1, 1\) does not broadcast.*expected 0-dim, \[C\], \[B, C\]"),
-        (lambda: compile_ops.modulate(x, torch.randn(2, 4, 1, 8), s), ValueError,
-         r"per frame \(\[B, F, 1, C\]\) but x's 6 tokens do not split into F=4 frames"),
+        (
+            lambda: compile_ops.modulate(x, torch.randn(2, 6, 8, 1, 1), s),
+            ValueError,
+            r"scale of shape \(2, 6, 8, 1, 1\) does not broadcast.*expected 0-dim, \[C\], \[B, C\]",
+        ),
+        (
+            lambda: compile_ops.modulate(x, torch.randn(2, 4, 1, 8), s),
+            ValueError,
+            r"per frame \(\[B, F, 1, C\]\) but x's 6 tokens do not split into F=4 frames",
+        ),
         (lambda: compile_ops.modulate(x, s.int(), s), TypeError, r"modulate: scale must have a floating dtype.*int32"),
         (lambda: compile_ops.modulate(x, s, s.to("meta")), ValueError, r"shift is on meta but x is on cpu"),
         (lambda: compile_ops.modulate(torch.randn(8), s, s), ValueError, r"x must be \[B, \.\.\., C\]"),
         (lambda: compile_ops.modulate(torch.randn(1, 2, 16385), s, s), ValueError, r"hidden size 16385.*up to 16384"),
-        (lambda: compile_ops.modulate(torch.randn(2, 3, 4, 5, 8), torch.randn(2, 3, 1, 5, 8), torch.randn(())),
-         ValueError, r"pattern of 3 levels"),
-        (lambda: nm(x, s, s, None, None, "groupnorm", 1e-6), ValueError,
-         r"norm_modulate: norm must be one of \('layernorm', 'rmsnorm'\), got 'groupnorm'"),
+        (
+            lambda: compile_ops.modulate(torch.randn(2, 3, 4, 5, 8), torch.randn(2, 3, 1, 5, 8), torch.randn(())),
+            ValueError,
+            r"pattern of 3 levels",
+        ),
+        (
+            lambda: nm(x, s, s, None, None, "groupnorm", 1e-6),
+            ValueError,
+            r"norm_modulate: norm must be one of \('layernorm', 'rmsnorm'\), got 'groupnorm'",
+        ),
         (lambda: nm(x, s, s, torch.randn(7), None, "layernorm", 1e-6), ValueError, r"weight must have shape \(8,\)"),
         (lambda: nm(x, s, s, None, None, "rmsnorm", -1.0), ValueError, r"eps must be >= 0"),
-        (lambda: compile_ops.gated_residual(torch.randn(2, 6, 9), x, s), ValueError,
-         r"gated_residual: residual must have the shape of x \(2, 6, 8\), got \(2, 6, 9\)"),
+        (
+            lambda: compile_ops.gated_residual(torch.randn(2, 6, 9), x, s),
+            ValueError,
+            r"gated_residual: residual must have the shape of x \(2, 6, 8\), got \(2, 6, 9\)",
+        ),
         (lambda: compile_ops.gated_residual(x, x, torch.randn(2, 6)), ValueError, r"gate of shape \(2, 6\) does not"),
-        (lambda: compile_ops.gated_residual_norm_modulate(x, x, s, s, s, None, None, "layer_norm", 1e-6),
-         ValueError, r"norm must be one of"),
-        (lambda: compile_ops.AdaLayerNormContinuous(8, 8, norm_type="group_norm"), ValueError,
-         r"norm_type must be 'layer_norm' or 'rms_norm'"),
+        (
+            lambda: compile_ops.gated_residual_norm_modulate(x, x, s, s, s, None, None, "layer_norm", 1e-6),
+            ValueError,
+            r"norm must be one of",
+        ),
+        (
+            lambda: compile_ops.AdaLayerNormContinuous(8, 8, norm_type="group_norm"),
+            ValueError,
+            r"norm_type must be 'layer_norm' or 'rms_norm'",
+        ),
     ]
 
 
@@ -315,8 +363,15 @@ def test_bad_input_raises_before_any_launch_on_cuda():
     with FakeTensorMode():
         x = torch.empty(2, 64, 32, device="cuda", dtype=torch.bfloat16)
         with pytest.raises(ValueError, match=r"scale of shape \(3, 32\) does not broadcast"):
-            body(x, torch.empty(3, 32, device="cuda", dtype=torch.bfloat16),
-                 torch.empty(2, 32, device="cuda", dtype=torch.bfloat16), None, None, "layernorm", 1e-6)
+            body(
+                x,
+                torch.empty(3, 32, device="cuda", dtype=torch.bfloat16),
+                torch.empty(2, 32, device="cuda", dtype=torch.bfloat16),
+                None,
+                None,
+                "layernorm",
+                1e-6,
+            )
 
 
 # ---------------------------------------------------------------- broadcast forms, dtypes, compile
@@ -356,9 +411,10 @@ def test_compile_one_graph_across_sequence_lengths(form):
 
     @torch.compile(backend=counter, fullgraph=True)
     def seam(residual, x, gate, scale, shift):
-        h, out = compile_ops.gated_residual_norm_modulate(residual, x, gate, scale, shift, None, None,
-                                                          "layernorm", 1e-6)
-        return (h.float().square().sum() + out.float().square().sum())
+        h, out = compile_ops.gated_residual_norm_modulate(
+            residual, x, gate, scale, shift, None, None, "layernorm", 1e-6
+        )
+        return h.float().square().sum() + out.float().square().sum()
 
     for L in (6, 10, 18):
         residual, x = (torch.randn(2, L, 32, device=device, requires_grad=True) for _ in range(2))
@@ -399,8 +455,10 @@ def test_ada_layer_norm_zero_single_matches_diffusers():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("norm_type,affine,bias", [("layer_norm", True, True), ("layer_norm", False, False),
-                                                   ("rms_norm", True, False), ("rms_norm", False, False)])
+@pytest.mark.parametrize(
+    "norm_type,affine,bias",
+    [("layer_norm", True, True), ("layer_norm", False, False), ("rms_norm", True, False), ("rms_norm", False, False)],
+)
 def test_ada_layer_norm_continuous_matches_diffusers(norm_type, affine, bias):
     theirs = _diffusers_normalization().AdaLayerNormContinuous(32, 24, affine, 1e-6, bias, norm_type)
     with torch.no_grad():
@@ -412,8 +470,9 @@ def test_ada_layer_norm_continuous_matches_diffusers(norm_type, affine, bias):
     got, want = ours(x, cond), theirs(x, cond)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     dy = torch.randn_like(got)
-    for g, w in zip(torch.autograd.grad(got, [x, *ours.parameters()], dy),
-                    torch.autograd.grad(want, [x, *theirs.parameters()], dy)):
+    for g, w in zip(
+        torch.autograd.grad(got, [x, *ours.parameters()], dy), torch.autograd.grad(want, [x, *theirs.parameters()], dy)
+    ):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
@@ -431,7 +490,9 @@ class TestTracedGraph(expecttest.TestCase):
         torch._dynamo.reset()
         block = compile_ops.AdaLayerNormZeroSingle(16)
         torch.compile(block, backend=capture, fullgraph=True)(torch.randn(2, 8, 16), emb=torch.randn(2, 16))
-        self.assertExpectedInline(graphs[0].code.strip(), """\
+        self.assertExpectedInline(
+            graphs[0].code.strip(),
+            """\
 def forward(self, L_emb_ : torch.Tensor, L_self_modules_linear_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_linear_parameters_bias_ : torch.nn.parameter.Parameter, L_x_ : torch.Tensor):
     l_emb_ = L_emb_
     l_self_modules_linear_parameters_weight_ = L_self_modules_linear_parameters_weight_
@@ -445,7 +506,8 @@ def forward(self, L_emb_ : torch.Tensor, L_self_modules_linear_parameters_weight
     gate_msa = chunk[2];  chunk = None
     norm_modulate = torch.ops.fused.norm_modulate(l_x_, scale_msa, shift_msa, None, None, 'layernorm', 1e-06);  l_x_ = scale_msa = shift_msa = None
     getitem_3 = norm_modulate[0];  norm_modulate = None
-    return (getitem_3, gate_msa)""")
+    return (getitem_3, gate_msa)""",
+        )
 
 
 # ---------------------------------------------------------------- FP8 output modes (inference)
@@ -471,11 +533,11 @@ def _same_fp8(rows, want, fp32_output=False):
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), "e4m3 bytes differ"
         assert torch.equal(scale, want_scale), "row scales differ"
         return
-    torch.testing.assert_close(scale, want_scale, rtol=2 ** -22, atol=0)
+    torch.testing.assert_close(scale, want_scale, rtol=2**-22, atol=0)
     same = scale == want_scale
     assert torch.equal(q[same].view(torch.uint8), want_q[same].view(torch.uint8)), "e4m3 bytes differ"
     # One e4m3 step: 2**-3 relative for normals, 2**-9 absolute among subnormals.
-    torch.testing.assert_close(q[~same].float(), want_q[~same].float(), rtol=2 ** -3, atol=2 ** -9)
+    torch.testing.assert_close(q[~same].float(), want_q[~same].float(), rtol=2**-3, atol=2**-9)
 
 
 def _check_fp8_mode(op, args):

@@ -14,6 +14,7 @@ interpreter: fp16/fp32 there, its bf16 dots are wrong) against:
 The rest check the layouts by hand, the validation, and the module against a
 plain PyTorch MoE layer, eager and compiled with fullgraph.
 """
+
 import contextlib
 
 import pytest
@@ -36,7 +37,7 @@ KERNEL_DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bf
 def _route_inputs(t, h, e, dtype, device, requires_grad=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, h, generator=g).to(device, dtype).requires_grad_(requires_grad)
-    w = (torch.randn(e, h, generator=g) * h ** -0.5).to(device, dtype).requires_grad_(requires_grad)
+    w = (torch.randn(e, h, generator=g) * h**-0.5).to(device, dtype).requires_grad_(requires_grad)
     return x, w
 
 
@@ -55,7 +56,7 @@ def _margins(probs, top_k):
     """Per row, the smallest gap between consecutive sorted probabilities among
     the first k + 1 (k + 1 only where it exists): how far the row is from a
     different top-k choice or order."""
-    top = torch.sort(probs, dim=-1, descending=True).values[:, :top_k + 1]
+    top = torch.sort(probs, dim=-1, descending=True).values[:, : top_k + 1]
     if top.shape[1] < 2:
         return torch.full((probs.shape[0],), float("inf"), dtype=probs.dtype)
     return (top[:, :-1] - top[:, 1:]).min(dim=1).values
@@ -71,7 +72,7 @@ def route_cases(draw):
     t = draw(size(st.integers(0, 80), [1, 37, 200]))
     h = draw(size(st.integers(1, 96), [16, 72, 256]))
     dtype = draw(st.sampled_from(KERNEL_DTYPES))
-    return t, h, e, top_k, dtype, draw(st.booleans()), draw(st.booleans()), draw(st.integers(0, 2 ** 16))
+    return t, h, e, top_k, dtype, draw(st.booleans()), draw(st.booleans()), draw(st.integers(0, 2**16))
 
 
 def _split_router(split: bool):
@@ -96,8 +97,13 @@ def test_kernels_match_the_reference_and_choose_its_experts(case):
     x, w = _route_inputs(t, h, e, dtype, KERNEL_DEVICE, requires_grad=True, seed=seed)
     with _split_router(split):
         probs, weights, experts, counts, token_index = compile_ops.moe_route(x, w, top_k, renormalize)
-    assert (probs.dtype, weights.dtype, experts.dtype, counts.dtype, token_index.dtype) == \
-        (torch.float32, torch.float32, torch.int64, torch.int32, torch.int32)
+    assert (probs.dtype, weights.dtype, experts.dtype, counts.dtype, token_index.dtype) == (
+        torch.float32,
+        torch.float32,
+        torch.int64,
+        torch.int32,
+        torch.int32,
+    )
     assert probs.shape == (t, e) and weights.shape == experts.shape == (t, top_k)
     assert counts.shape == (e,) and token_index.shape == (e, t)
 
@@ -107,7 +113,7 @@ def test_kernels_match_the_reference_and_choose_its_experts(case):
     if renormalize:
         own_weights = own_weights / own_weights.sum(dim=-1, keepdim=True)
         # 2 ulps: the kernel sums the k values in a tree, torch in its own order.
-        torch.testing.assert_close(weights.detach(), own_weights, rtol=4 * 2 ** -24, atol=0)
+        torch.testing.assert_close(weights.detach(), own_weights, rtol=4 * 2**-24, atol=0)
     else:
         assert torch.equal(weights.detach(), own_weights)
     want_counts, want_index = expert_lists(experts.cpu(), e)
@@ -179,7 +185,7 @@ def _non_finite_route_inputs(dtype, device, infinite_weight):
     probabilities, 0 for expert 4) and token 8 with 0 (NaN)."""
     inf, nan = float("inf"), float("nan")
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(9, 32, generator=g), torch.randn(6, 32, generator=g) * 32 ** -0.5
+    x, w = torch.randn(9, 32, generator=g), torch.randn(6, 32, generator=g) * 32**-0.5
     w[:, 3] = torch.tensor([-1.0, -0.5, 0.7, 0.0, 0.2, -0.3])
     w[:, 5] = torch.tensor([0.3, -0.2, 0.1, -0.4, 0.5, -0.6])
     x[0, 3], x[1, 5], x[2, 7], x[3], x[4], x[5, 3], x[5, 5] = inf, -inf, nan, inf, -inf, inf, inf
@@ -209,8 +215,9 @@ def _check_non_finite_routing(dtype, device, infinite_weight, renormalize):
     # torch.topk's values: the same logits (NaN as NaN) and probabilities, largest first.
     chosen, top = logits[nan_rows].gather(1, experts[nan_rows]), torch.topk(logits[nan_rows], top_k).values
     assert torch.equal(chosen.isnan(), top.isnan()) and torch.equal(chosen.nan_to_num(), top.nan_to_num())
-    assert torch.equal(probs.cpu()[~nan_rows].gather(1, experts[~nan_rows]),
-                       torch.topk(probs.cpu()[~nan_rows], top_k).values)
+    assert torch.equal(
+        probs.cpu()[~nan_rows].gather(1, experts[~nan_rows]), torch.topk(probs.cpu()[~nan_rows], top_k).values
+    )
     if not infinite_weight:  # not the old choice, experts 0, 1, 2
         assert experts[[0, 1, 5]].tolist() == [[3, 2, 4], [1, 3, 5], [0, 3, 2]]
     assert weights.cpu()[nan_rows].isnan().all() and torch.isfinite(weights.cpu()[~nan_rows]).all()
@@ -293,8 +300,9 @@ def plain_moe(x, router_weight, w_in, w_out, top_k, renormalize):
 
 def _check_module_against_plain(module, x, rtol, atol):
     out = module(x)
-    want = plain_moe(x.reshape(-1, x.shape[-1]), module.router.weight, module.w_in, module.w_out,
-                     module.top_k, module.renormalize).reshape(x.shape)
+    want = plain_moe(
+        x.reshape(-1, x.shape[-1]), module.router.weight, module.w_in, module.w_out, module.top_k, module.renormalize
+    ).reshape(x.shape)
     torch.testing.assert_close(out, want, rtol=rtol, atol=atol)
     params = [x, *module.parameters()]
     dy = torch.randn_like(out)
@@ -329,8 +337,7 @@ def test_module_is_a_plain_moe_layer_on_the_reference_path(impl, dtype):
     if impl == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no torch._grouped_mm")
     torch.manual_seed(0)
-    module = compile_ops.MoEFeedForward(16, 24, 5, top_k=2, renormalize=impl == "loop",
-                                        expert_impl=impl).to(dtype)
+    module = compile_ops.MoEFeedForward(16, 24, 5, top_k=2, renormalize=impl == "loop", expert_impl=impl).to(dtype)
     x = torch.randn(3, 7, 16, dtype=dtype, requires_grad=True)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
     _check_module_against_plain(module, x, **tol)
@@ -368,23 +375,41 @@ def _bad_input_cases():
         (lambda: compile_ops.moe_route(x, w, 0), ValueError, r"top_k must be in \[1, E\].*got 0"),
         (lambda: compile_ops.moe_route(x, w, 1.5), TypeError, r"top_k must be an int, got float"),
         (lambda: compile_ops.moe_route(x, w, 2, renormalize=1), TypeError, r"renormalize must be a bool, got int"),
-        (lambda: compile_ops.moe_route(x, torch.randn(257, 8), 2), ValueError,
-         r"router_weight must have between 1 and 256 experts \(rows\), got E = 257"),
-        (lambda: compile_ops.moe_route(x, w.bfloat16(), 2), TypeError,
-         r"router_weight must have x's dtype torch.float32, got torch.bfloat16"),
+        (
+            lambda: compile_ops.moe_route(x, torch.randn(257, 8), 2),
+            ValueError,
+            r"router_weight must have between 1 and 256 experts \(rows\), got E = 257",
+        ),
+        (
+            lambda: compile_ops.moe_route(x, w.bfloat16(), 2),
+            TypeError,
+            r"router_weight must have x's dtype torch.float32, got torch.bfloat16",
+        ),
         (lambda: compile_ops.moe_route(x.half(), w, 2), TypeError, r"router_weight must have x's dtype torch.float16"),
         (lambda: compile_ops.moe_route(x[None], w, 2), ValueError, r"x must be 2-D \[T, H\].*\(1, 4, 8\)"),
         (lambda: compile_ops.moe_route(x, w[0], 1), ValueError, r"router_weight must be 2-D \[E, H\]"),
-        (lambda: compile_ops.moe_route(x, torch.randn(3, 9), 2), ValueError,
-         r"router_weight must have shape \[E, 8\] \(H = x.shape\[1\]\), got \(3, 9\)"),
+        (
+            lambda: compile_ops.moe_route(x, torch.randn(3, 9), 2),
+            ValueError,
+            r"router_weight must have shape \[E, 8\] \(H = x.shape\[1\]\), got \(3, 9\)",
+        ),
         (lambda: compile_ops.moe_route(x.long(), w, 2), TypeError, r"x must have a floating dtype"),
         (lambda: compile_ops.moe_route(x, w.to("meta"), 2), ValueError, r"router_weight is on meta but x is on cpu"),
-        (lambda: torch.ops.fused.moe_route_backward(probs, weights[:, :1], x, w, probs, experts, True), ValueError,
-         r"grad_weights must have experts' shape \(4, 2\), got \(4, 1\)"),
-        (lambda: torch.ops.fused.moe_route_backward(probs, weights, x, w, probs, experts.int(), True), ValueError,
-         r"experts must be int64 \[T=4, k\]"),
-        (lambda: compile_ops.MoEFeedForward(8, 8, 4, expert_impl="triton"), ValueError,
-         r"expert_impl must be one of \('auto', 'loop', 'grouped_mm'\)"),
+        (
+            lambda: torch.ops.fused.moe_route_backward(probs, weights[:, :1], x, w, probs, experts, True),
+            ValueError,
+            r"grad_weights must have experts' shape \(4, 2\), got \(4, 1\)",
+        ),
+        (
+            lambda: torch.ops.fused.moe_route_backward(probs, weights, x, w, probs, experts.int(), True),
+            ValueError,
+            r"experts must be int64 \[T=4, k\]",
+        ),
+        (
+            lambda: compile_ops.MoEFeedForward(8, 8, 4, expert_impl="triton"),
+            ValueError,
+            r"expert_impl must be one of \('auto', 'loop', 'grouped_mm'\)",
+        ),
     ]
 
 

@@ -4,6 +4,7 @@
 against an fp64 reference with the two-reference tolerance rule; the rest
 check validation, modules and tracing on the reference path.
 """
+
 import expecttest
 import pytest
 import torch
@@ -55,8 +56,9 @@ def _call(op, x, residual, weight, bias, eps):
 
 def _reference(op, x, residual, weight, bias, eps):
     """fp64 reference from the same (low-precision) inputs."""
-    up = [None if t is None else t.detach().double().requires_grad_(t.requires_grad)
-          for t in (x, residual, weight, bias)]
+    up = [
+        None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in (x, residual, weight, bias)
+    ]
     xd, rd, wd, bd = up
     if op == "rmsnorm":
         out, h = ref.rmsnorm(xd, wd, eps, bd), None
@@ -88,7 +90,7 @@ def norm_cases(draw):
 def _make_case(op, dtype, lead, n, weight, bias, strided, residual_dtype, device):
     shape = lead + (n,)
     if strided:  # rows spaced wider than n: a slice of a bigger activation
-        x = torch.randn(lead + (n + 7,), device=device).to(dtype)[..., 3:3 + n]
+        x = torch.randn(lead + (n + 7,), device=device).to(dtype)[..., 3 : 3 + n]
     else:
         x = torch.randn(shape, device=device).to(dtype)
     x.requires_grad_(True)
@@ -112,8 +114,9 @@ def test_kernels_match_fp64_reference_forward_and_backward(case):
     assert_within_torch_error(out, ref_out, plain_out, 2.0, f"{op} output")
     if h is not None:
         assert h.dtype == residual_dtype
-        assert torch.equal(h, (x.detach().double() + r.detach().double()).to(residual_dtype)), \
+        assert torch.equal(h, (x.detach().double() + r.detach().double()).to(residual_dtype)), (
             "residual_out is not x + residual rounded once"
+        )
 
     # Backward: the same random upstream gradient through all three computations.
     dy = torch.randn_like(out)
@@ -172,8 +175,9 @@ def test_kernels_add_rmsnorm_out_is_rmsnorm_of_residual_out(dtype):
 def test_kernels_backward_is_deterministic(op):
     """Many rows, so many programs' partial sums meet in the weight gradient
     (201 rows in tiles of 16: 13 programs)."""
-    x, r, w, b = _make_case(op, torch.bfloat16, (3, 67), 160, "fp32", op == "layernorm", False,
-                            torch.float32, KERNEL_DEVICE)
+    x, r, w, b = _make_case(
+        op, torch.bfloat16, (3, 67), 160, "fp32", op == "layernorm", False, torch.float32, KERNEL_DEVICE
+    )
     out, _ = _call(op, x, r, w, b, 1e-6)
     dy = torch.randn_like(out)
     inputs = [t for t in (x, r, w, b) if t is not None]
@@ -228,7 +232,7 @@ def test_kernels_zero_rows(shape):
 def test_gpu_numel_past_2_31():
     """int64 offsets: the last rows of a 2**31+ element tensor are normalized right."""
     n = 2048
-    rows = 2 ** 31 // n + 3
+    rows = 2**31 // n + 3
     x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     out = compile_ops.rmsnorm(x, w)
@@ -247,12 +251,18 @@ def _bad_input_cases():
     x = torch.randn(2, 8)
     w = torch.randn(8)
     return [
-        (lambda: compile_ops.rmsnorm(x, torch.randn(7)), ValueError,
-         r"rmsnorm: weight must have shape \(8,\).*got \(7,\)"),
+        (
+            lambda: compile_ops.rmsnorm(x, torch.randn(7)),
+            ValueError,
+            r"rmsnorm: weight must have shape \(8,\).*got \(7,\)",
+        ),
         (lambda: compile_ops.rmsnorm(x, torch.randn(2, 8)), ValueError, r"weight must have shape \(8,\)"),
         (lambda: compile_ops.rmsnorm(x.int(), None), TypeError, r"rmsnorm: x must have a floating dtype.*int32"),
-        (lambda: compile_ops.rmsnorm(x.to(torch.complex64), None), TypeError,
-         r"x must have a floating dtype.*complex64"),
+        (
+            lambda: compile_ops.rmsnorm(x.to(torch.complex64), None),
+            TypeError,
+            r"x must have a floating dtype.*complex64",
+        ),
         (lambda: compile_ops.rmsnorm(x, w.long()), TypeError, r"weight must have a floating dtype.*int64"),
         (lambda: compile_ops.rmsnorm(x, w, -1e-6), ValueError, r"rmsnorm: eps must be >= 0, got -1e-06"),
         (lambda: compile_ops.rmsnorm(x, w, float("nan")), ValueError, r"rmsnorm: eps must be a number, got NaN"),
@@ -261,14 +271,20 @@ def _bad_input_cases():
         (lambda: compile_ops.rmsnorm(torch.randn(3, 0), None), ValueError, r"non-empty last \(hidden\) dim"),
         (lambda: compile_ops.layernorm(x, w, torch.randn(9)), ValueError, r"layernorm: bias must have shape \(8,\)"),
         (lambda: compile_ops.layernorm(x, w, None, -1.0), ValueError, r"layernorm: eps must be >= 0"),
-        (lambda: compile_ops.add_rmsnorm(x, torch.randn(2, 9), w), ValueError,
-         r"add_rmsnorm: residual must have the shape of x \(2, 8\), got \(2, 9\)"),
+        (
+            lambda: compile_ops.add_rmsnorm(x, torch.randn(2, 9), w),
+            ValueError,
+            r"add_rmsnorm: residual must have the shape of x \(2, 8\), got \(2, 9\)",
+        ),
         (lambda: compile_ops.add_rmsnorm(x, x.int(), w), TypeError, r"residual must have a floating dtype"),
         (lambda: compile_ops.add_rmsnorm(x, x.to("meta"), w), ValueError, r"residual is on meta"),
         (lambda: compile_ops.RMSNorm((4, 8)), ValueError, r"normalized_shape must name one"),
         # the sum is kept in residual's dtype: one narrower than x's would round it below torch's promotion
-        (lambda: compile_ops.add_rmsnorm(x, x.half(), w), TypeError,
-         r"residual must be at least as precise as x .* got residual torch.float16 and x torch.float32"),
+        (
+            lambda: compile_ops.add_rmsnorm(x, x.half(), w),
+            TypeError,
+            r"residual must be at least as precise as x .* got residual torch.float16 and x torch.float32",
+        ),
         (lambda: compile_ops.add_rmsnorm(x.double(), x, w), TypeError, r"residual must be at least as precise as x"),
         (lambda: compile_ops.add_rmsnorm(x.bfloat16(), x.half(), w), TypeError, r"residual must be at least as"),
         (lambda: compile_ops.rmsnorm(None), TypeError, r"fused.rmsnorm: x must be a torch.Tensor, got NoneType"),
@@ -316,13 +332,16 @@ def test_layernorm_module_drops_in_for_torch(affine, bias):
     torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("x_dtype,w_dtype,out_dtype", [
-    (torch.float32, torch.bfloat16, torch.bfloat16),   # half weight: the weight's dtype
-    (torch.float32, torch.float16, torch.float16),
-    (torch.bfloat16, torch.float32, torch.bfloat16),   # fp32 weight: the input's dtype
-    (torch.bfloat16, None, torch.bfloat16),
-    (torch.float32, torch.float32, torch.float32),
-])
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype,out_dtype",
+    [
+        (torch.float32, torch.bfloat16, torch.bfloat16),  # half weight: the weight's dtype
+        (torch.float32, torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32, torch.bfloat16),  # fp32 weight: the input's dtype
+        (torch.bfloat16, None, torch.bfloat16),
+        (torch.float32, torch.float32, torch.float32),
+    ],
+)
 def test_rmsnorm_module_follows_diffusers_casting_rule(x_dtype, w_dtype, out_dtype):
     m = compile_ops.RMSNorm(16, eps=1e-6, elementwise_affine=w_dtype is not None, dtype=w_dtype)
     x = torch.randn(2, 16).to(x_dtype)
@@ -356,13 +375,16 @@ class TestTracedGraph(expecttest.TestCase):
         torch._dynamo.reset()
         block = torch.compile(lambda x, w: compile_ops.rmsnorm(x, w, 1e-6) * 2.0, backend=capture, fullgraph=True)
         block(torch.randn(2, 8, 16), torch.randn(16))
-        self.assertExpectedInline(graphs[0].code.strip(), """\
+        self.assertExpectedInline(
+            graphs[0].code.strip(),
+            """\
 def forward(self, L_x_ : torch.Tensor, L_w_ : torch.Tensor):
     l_x_ = L_x_
     l_w_ = L_w_
     rmsnorm = torch.ops.fused.rmsnorm(l_x_, l_w_, 1e-06, None);  l_x_ = l_w_ = None
     mul = rmsnorm * 2.0;  rmsnorm = None
-    return (mul,)""")
+    return (mul,)""",
+        )
 
 
 @pytest.mark.kernels
@@ -370,8 +392,9 @@ def forward(self, L_x_ : torch.Tensor, L_w_ : torch.Tensor):
 def test_kernels_eager_fast_path_equals_the_registered_op(op):
     """The public functions skip the dispatcher in eager mode; the result and the
     gradients must be those of torch.ops.fused.<op> bit for bit."""
-    x, r, w, b = _make_case(op, torch.bfloat16, (2, 33), 96, "fp32", op == "layernorm", True,
-                            torch.float32, KERNEL_DEVICE)
+    x, r, w, b = _make_case(
+        op, torch.bfloat16, (2, 33), 96, "fp32", op == "layernorm", True, torch.float32, KERNEL_DEVICE
+    )
     inputs = [t for t in (x, r, w, b) if t is not None]
     fast, _ = _call(op, x, r, w, b, 1e-6)
     op_args = {"rmsnorm": (x, w, 1e-6, b), "layernorm": (x, w, b, 1e-6), "add_rmsnorm": (x, r, w, 1e-6)}[op]

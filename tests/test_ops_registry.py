@@ -5,6 +5,7 @@ fullgraph and a dynamic sequence dim. Layer 2: fake-CUDA tracing of the Triton
 branch of every op body. On a GPU the same tests run on CUDA, plus the check
 that Inductor inlines our kernels.
 """
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -42,7 +43,7 @@ def test_opcheck(spec, dtype, device):
     # checks the schema and the fake's dtype rules (a third of phase 1's time
     # on a 2-core CI box went here).
     with_grad = spec.differentiable and dtype == torch.float32
-    for requires_grad in ([False, True] if with_grad else [False]):
+    for requires_grad in [False, True] if with_grad else [False]:
         for args in spec.edge_inputs(dtype, device, requires_grad):
             torch.library.opcheck(spec.op, args)
 
@@ -111,8 +112,9 @@ def test_compile_fullgraph_one_compile_across_lengths(spec, backend):
         loss.backward()
         grads = [a.grad for a in _tensors(args) if a.requires_grad]
 
-        ref_args = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-                    for a in args]
+        ref_args = [
+            a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args
+        ]
         ref_loss = sum(o.float().square().sum() for o in _outputs(spec.reference(*ref_args)))
         ref_loss.backward()
         ref_grads = [a.grad for a in _tensors(ref_args) if a.requires_grad]
@@ -135,8 +137,10 @@ def _trace_triton_body(spec, args):
 
 def _fake_cuda(args):
     """The same arguments as fake CUDA tensors with the same strides (call under FakeTensorMode)."""
-    return tuple(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda")
-                 if isinstance(a, torch.Tensor) else a for a in args)
+    return tuple(
+        torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda") if isinstance(a, torch.Tensor) else a
+        for a in args
+    )
 
 
 def _launched_kernels(gm):
@@ -171,12 +175,12 @@ def test_fake_cuda_trace_past_2_31_elements(spec):
     """Shape logic at 2**32 elements: no Python-side overflow, grid within CUDA's limit."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         with torch.device("meta"):
-            args = spec.make_inputs((2, 2 ** 19, 4096), torch.bfloat16, "meta", False)
+            args = spec.make_inputs((2, 2**19, 4096), torch.bfloat16, "meta", False)
         cuda_args = _fake_cuda(args)
         gm = _trace_triton_body(spec, cuda_args)
         for node in gm.graph.nodes:
             if node.target is torch.ops.higher_order.triton_kernel_wrapper_mutation:
-                assert all(0 < g < 2 ** 31 for g in node.kwargs["grid"][0])
+                assert all(0 < g < 2**31 for g in node.kwargs["grid"][0])
         assert _outputs(gm(*cuda_args))[0].shape == _outputs(spec.op(*cuda_args))[0].shape
 
 
@@ -189,6 +193,7 @@ def test_kernels_run_triton_not_the_reference(spec, monkeypatch):
     """The family tests compare kernels with the references, so they would pass
     vacuously if an op fell back to its reference: make every reference fail,
     then run the op forward and backward (which calls the backward ops)."""
+
     def no_reference(*args, **kwargs):
         raise AssertionError("the reference ran where the Triton kernel should have")
 
@@ -209,6 +214,7 @@ def test_kernels_run_triton_not_the_reference_for_inference_only_ops(spec, monke
     """The same for the ops without a gradient (FP8 quantization, 8-bit
     attention), forward only: their family tests compare the kernel with the
     reference, which would pass if the op ran the reference."""
+
     def no_reference(*args, **kwargs):
         raise AssertionError("the reference ran where the Triton kernel should have")
 
@@ -261,18 +267,29 @@ def _autocast_pairs(device):
     w, b = torch.randn(16, device=device), torch.randn(16, device=device)
     mod = torch.randn(2, 16, device=device, dtype=torch.bfloat16)
     q = torch.randn(1, 2, 130, 16, device=device)  # fp32: autocast lowers it
-    index, count = torch.zeros(1, 1, 2, 1, dtype=torch.int32, device=device), torch.ones(1, 1, 2, dtype=torch.int32,
-                                                                                            device=device)
+    index, count = (
+        torch.zeros(1, 1, 2, 1, dtype=torch.int32, device=device),
+        torch.ones(1, 1, 2, dtype=torch.int32, device=device),
+    )
     sdpa = torch.nn.functional.scaled_dot_product_attention
     return [
         ("rmsnorm", lambda: compile_ops.rmsnorm(x, w, 1e-6), lambda: torch.nn.functional.rms_norm(x, (16,), w, 1e-6)),
-        ("layernorm", lambda: compile_ops.layernorm(x, w, b, 1e-6),
-         lambda: torch.nn.functional.layer_norm(x, (16,), w, b, 1e-6)),
-        ("norm_modulate", lambda: compile_ops.norm_modulate(x, mod, mod, w, b),
-         lambda: torch.nn.functional.layer_norm(x, (16,), w, b, 1e-6) * (1 + mod.unsqueeze(1)) + mod.unsqueeze(1)),
+        (
+            "layernorm",
+            lambda: compile_ops.layernorm(x, w, b, 1e-6),
+            lambda: torch.nn.functional.layer_norm(x, (16,), w, b, 1e-6),
+        ),
+        (
+            "norm_modulate",
+            lambda: compile_ops.norm_modulate(x, mod, mod, w, b),
+            lambda: torch.nn.functional.layer_norm(x, (16,), w, b, 1e-6) * (1 + mod.unsqueeze(1)) + mod.unsqueeze(1),
+        ),
         ("attention", lambda: compile_ops.attention(q, q, q), lambda: sdpa(q, q, q)),
-        ("block_sparse_attention", lambda: compile_ops.block_sparse_attention(q, q, q, index, count),
-         lambda: sdpa(q, q, q)),
+        (
+            "block_sparse_attention",
+            lambda: compile_ops.block_sparse_attention(q, q, q, index, count),
+            lambda: sdpa(q, q, q),
+        ),
     ]
 
 
@@ -315,11 +332,28 @@ def test_autocast_kernels_exist_exactly_for_the_ops_with_a_policy():
 
     # The RMS norms mirror aten's rms_norm, which has a CUDA autocast kernel from torch 2.13 on, none in 2.11.
     rms = ("cuda",) if aten_autocast_policy("aten::rms_norm", "fp32") else ()
-    with_policy = {"rmsnorm": rms, "layernorm": ("cuda",), "add_rmsnorm": rms,
-                   "norm_modulate": ("cuda",), "gated_residual_norm_modulate": ("cuda",),
-                   "attention": ("cuda", "cpu"), "block_sparse_attention": ("cuda", "cpu")}
-    for name in ("rmsnorm", "layernorm", "add_rmsnorm", "norm_modulate", "gated_residual_norm_modulate", "attention",
-                 "block_sparse_attention", "rope", "geglu", "modulate", "quantize_fp8_rows"):
+    with_policy = {
+        "rmsnorm": rms,
+        "layernorm": ("cuda",),
+        "add_rmsnorm": rms,
+        "norm_modulate": ("cuda",),
+        "gated_residual_norm_modulate": ("cuda",),
+        "attention": ("cuda", "cpu"),
+        "block_sparse_attention": ("cuda", "cpu"),
+    }
+    for name in (
+        "rmsnorm",
+        "layernorm",
+        "add_rmsnorm",
+        "norm_modulate",
+        "gated_residual_norm_modulate",
+        "attention",
+        "block_sparse_attention",
+        "rope",
+        "geglu",
+        "modulate",
+        "quantize_fp8_rows",
+    ):
         for device, key in (("cuda", "AutocastCUDA"), ("cpu", "AutocastCPU")):
             has = torch._C._dispatch_has_kernel_for_dispatch_key(f"fused::{name}", key)
             assert has == (device in with_policy.get(name, ())), (name, key)
@@ -333,8 +367,9 @@ EAGER_VALUE_CHECKS = {"block_sparse_attention"}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", [s for s in OPS if s.make_inputs and s.name not in EAGER_VALUE_CHECKS],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "spec", [s for s in OPS if s.make_inputs and s.name not in EAGER_VALUE_CHECKS], ids=lambda s: s.name
+)
 def test_launchers_never_synchronize_with_the_device(spec):
     """No launcher reads a CUDA tensor back on the host (``.item()``,
     ``.tolist()``, ``.cpu()``, a data-dependent shape): that would stall the
@@ -356,6 +391,7 @@ def test_launchers_never_synchronize_with_the_device(spec):
 
 # ---------------------------------------------------------------- eager launch plans (compile_ops/_replay.py)
 
+
 def test_launch_plan_signature_tells_apart_what_launchers_depend_on():
     """Calls that may launch differently have different keys: dtype, shape,
     strides, pointer alignment, scalar values and their types, argument names,
@@ -366,9 +402,16 @@ def test_launch_plan_signature_tells_apart_what_launchers_depend_on():
     x = torch.randn(4, 8)
     key = signature((x, 1e-6), {})
     assert key == signature((torch.randn(4, 8), 1e-6), {})
-    others = [signature((x.half(), 1e-6), {}), signature((x[:, :4], 1e-6), {}), signature((x.t(), 1e-6), {}),
-              signature((x.view(-1)[1:].view(31)[:28].view(4, 7), 1e-6), {}), signature((x, 1e-5), {}),
-              signature((x, 1), {}), signature((x,), {"eps": 1e-6}), signature((x, True), {})]
+    others = [
+        signature((x.half(), 1e-6), {}),
+        signature((x[:, :4], 1e-6), {}),
+        signature((x.t(), 1e-6), {}),
+        signature((x.view(-1)[1:].view(31)[:28].view(4, 7), 1e-6), {}),
+        signature((x, 1e-5), {}),
+        signature((x, 1), {}),
+        signature((x,), {"eps": 1e-6}),
+        signature((x, True), {}),
+    ]
     assert all(o is not None and o != key for o in others) and len(set(others)) == len(others)
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if previous == "highest" else "highest")
@@ -395,8 +438,9 @@ def test_module_weights_take_the_eager_fast_path():
     weight = torch.nn.Parameter(torch.randn(256, device="cuda", dtype=torch.bfloat16))
     x = torch.randn(2, 40, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        outputs = [torch.ops.fused.rmsnorm.default(x, weight, 1e-6)] + [compile_ops.rmsnorm(x, weight, 1e-6)
-                                                                        for _ in range(3)]
+        outputs = [torch.ops.fused.rmsnorm.default(x, weight, 1e-6)] + [
+            compile_ops.rmsnorm(x, weight, 1e-6) for _ in range(3)
+        ]
     assert all(torch.equal(o, outputs[0]) for o in outputs)
     assert [type(p) for p in FUSED_OPS["rmsnorm"].plans.values()] == [Plan]
     clear_launch_plans()
@@ -415,6 +459,7 @@ def test_eager_launch_plans_replay_the_op_exactly(spec):
     op = FUSED_OPS[spec.op_name or spec.name]
     clear_launch_plans()
     torch.manual_seed(0)
+
     def shifted(a):  # the same values one element past a 16-byte boundary
         if not isinstance(a, torch.Tensor) or not a.is_contiguous():
             return a
@@ -425,8 +470,11 @@ def test_eager_launch_plans_replay_the_op_exactly(spec):
             args = spec.make_inputs((2, 40, 256), torch.bfloat16, "cuda", False)
             args = tuple(shifted(a) for a in args) if i == 3 else args
             for got, want in zip(_outputs(op(*args)), _outputs(spec.op(*args))):
-                assert torch.equal(got, want) or (got.isnan() == want.isnan()).all() and torch.equal(
-                    got.nan_to_num(), want.nan_to_num())
+                assert (
+                    torch.equal(got, want)
+                    or (got.isnan() == want.isnan()).all()
+                    and torch.equal(got.nan_to_num(), want.nan_to_num())
+                )
         planned = [p for p in op.plans.values() if type(p) is Plan]
         print(f"{spec.name}: {len(planned)} of {len(op.plans)} signatures planned")
     if spec.name in PLANNED_OPS:
@@ -437,11 +485,34 @@ def test_eager_launch_plans_replay_the_op_exactly(spec):
 #: Ops whose eager calls must get launch plans (every kernel argument is an
 #: input, an output, a view of one, or scratch the op's kernels write): a
 #: change that breaks planning fails here.
-PLANNED_OPS = {"rmsnorm", "add_rmsnorm", "layernorm", "modulate", "norm_modulate", "gated_residual",
-               "gated_residual_norm_modulate", "rope", "rope_qk", "rope_grid", "qk_norm_rope", "geglu",
-               "geglu_tanh", "swiglu", "quantize_fp8_rows", "norm_modulate_fp8", "gated_residual_norm_modulate_fp8",
-               "attention", "moe_route", "moe_route_hidream", "attention_int8", "attention_int8_fp8", "qk_rope_int8",
-               "attention_qk8", "attention_int8_fp8_rows", "block_sparse_attention"}
+PLANNED_OPS = {
+    "rmsnorm",
+    "add_rmsnorm",
+    "layernorm",
+    "modulate",
+    "norm_modulate",
+    "gated_residual",
+    "gated_residual_norm_modulate",
+    "rope",
+    "rope_qk",
+    "rope_grid",
+    "qk_norm_rope",
+    "geglu",
+    "geglu_tanh",
+    "swiglu",
+    "quantize_fp8_rows",
+    "norm_modulate_fp8",
+    "gated_residual_norm_modulate_fp8",
+    "attention",
+    "moe_route",
+    "moe_route_hidream",
+    "attention_int8",
+    "attention_int8_fp8",
+    "qk_rope_int8",
+    "attention_qk8",
+    "attention_int8_fp8_rows",
+    "block_sparse_attention",
+}
 
 
 @pytest.mark.gpu

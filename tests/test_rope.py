@@ -7,6 +7,7 @@ against fp64 references with the two-reference rule and against diffusers' own
 ``apply_rotary_emb`` and rotary classes; the rest check validation and the
 reference path.
 """
+
 import pytest
 import torch
 from bad_input import bad_input_test
@@ -105,8 +106,7 @@ def test_kernels_match_diffusers_apply_rotary_emb(interleaved):
     x = torch.randn(B, H, L, D, device=KERNEL_DEVICE)
     cos, sin = embeddings.get_1d_rotary_pos_embed(D, L, use_real=True, repeat_interleave_real=interleaved)
     cos, sin = cos.to(KERNEL_DEVICE), sin.to(KERNEL_DEVICE)
-    want = embeddings.apply_rotary_emb(x, (cos, sin), use_real=True,
-                                       use_real_unbind_dim=-1 if interleaved else -2)
+    want = embeddings.apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-1 if interleaved else -2)
     torch.testing.assert_close(rope_ops.rope(x, cos, sin, interleaved), want, rtol=1e-6, atol=1e-6)
 
 
@@ -128,14 +128,15 @@ def test_kernels_qk_norm_rope_match_fp64_reference_forward_and_backward(case, ep
     torch.manual_seed(0)
     q, k, cos, sin, interleaved, seq_dim, rotary_dim = _case(*case, KERNEL_DEVICE)
     D = q.shape[-1]
-    q_w, k_w = ((1 + 0.1 * torch.randn(D, device=KERNEL_DEVICE)).to(q.dtype).requires_grad_(True)
-                for _ in range(2))
+    q_w, k_w = ((1 + 0.1 * torch.randn(D, device=KERNEL_DEVICE)).to(q.dtype).requires_grad_(True) for _ in range(2))
     args = (cos, sin, eps, interleaved, seq_dim, rotary_dim)
     got = rope_ops.qk_norm_rope(q, k, q_w, k_w, *args)
     exact_in, plain_in = _detached((q, k, q_w, k_w), torch.float64), _detached((q, k, q_w, k_w))
     exact = ref.qk_norm_rope(*exact_in, cos.double(), sin.double(), *args[2:])
-    plain = [_at_dtype(norm_ref.rmsnorm(x, w, eps), cos, sin, interleaved, seq_dim, rotary_dim)
-             for x, w in ((plain_in[0], plain_in[2]), (plain_in[1], plain_in[3]))]
+    plain = [
+        _at_dtype(norm_ref.rmsnorm(x, w, eps), cos, sin, interleaved, seq_dim, rotary_dim)
+        for x, w in ((plain_in[0], plain_in[2]), (plain_in[1], plain_in[3]))
+    ]
     dys = [torch.randn_like(g) for g in got]
     grads = torch.autograd.grad(got, (q, k, q_w, k_w), dys)
     exact_grads = torch.autograd.grad(exact, exact_in, [dy.double() for dy in dys])
@@ -144,11 +145,13 @@ def test_kernels_qk_norm_rope_match_fp64_reference_forward_and_backward(case, ep
         assert g.dtype == q.dtype and g.is_contiguous()
         assert_within_torch_error(g, e, p, 2.0, f"qk_norm_rope {name}")
     rows = [q.numel() // D, k.numel() // D]
-    for name, g, e, p, terms in zip(("dq", "dk", "dq_weight", "dk_weight"), grads, exact_grads, plain_grads,
-                                    [1, 1] + rows):
+    for name, g, e, p, terms in zip(
+        ("dq", "dk", "dq_weight", "dk_weight"), grads, exact_grads, plain_grads, [1, 1] + rows
+    ):
         # dx = rstd (w dz - xhat c): four fp32 roundings before the terms cancel.
-        assert_within_torch_error(g, e, p, 3.0, f"qk_norm_rope {name}", terms=terms,
-                                  fp32_roundings=4 if terms == 1 else 0)
+        assert_within_torch_error(
+            g, e, p, 3.0, f"qk_norm_rope {name}", terms=terms, fp32_roundings=4 if terms == 1 else 0
+        )
 
 
 @pytest.mark.kernels
@@ -175,8 +178,11 @@ def test_kernels_qk_norm_rope_weight_grads_are_deterministic():
 #: full table of batch 1 (broadcast) past another partial rotary dim.
 TABLE_GRAD_CASES = [(None, "full", None), (4, "half", 2), (6, "full", 1)]
 #: The differentiable inputs of each op, in its argument order.
-TABLE_GRAD_INPUTS = {"rope": ("q", "cos", "sin"), "rope_qk": ("q", "k", "cos", "sin"),
-                     "qk_norm_rope": ("q", "k", "q_weight", "k_weight", "cos", "sin")}
+TABLE_GRAD_INPUTS = {
+    "rope": ("q", "cos", "sin"),
+    "rope_qk": ("q", "k", "cos", "sin"),
+    "qk_norm_rope": ("q", "k", "q_weight", "k_weight", "cos", "sin"),
+}
 
 
 def _table_grad_case(op, rotary_dim, columns, table_batch, seq_dim, dtype, device):
@@ -187,11 +193,14 @@ def _table_grad_case(op, rotary_dim, columns, table_batch, seq_dim, dtype, devic
     b, length, d = 2, 5, 8
     r = d if rotary_dim is None else rotary_dim
     heads = {"q": 3, "k": 2}
-    tensors = {name: torch.randn((b, h, length, d) if seq_dim == 2 else (b, length, h, d), device=device)
-               for name, h in heads.items()}
+    tensors = {
+        name: torch.randn((b, h, length, d) if seq_dim == 2 else (b, length, h, d), device=device)
+        for name, h in heads.items()
+    }
     tensors.update(q_weight=1 + 0.1 * torch.randn(d, device=device), k_weight=1 + 0.1 * torch.randn(d, device=device))
-    tensors["cos"], tensors["sin"] = _tables(((table_batch,) if table_batch else ()) +
-                                             (length, r // 2 if columns == "half" else r), device)
+    tensors["cos"], tensors["sin"] = _tables(
+        ((table_batch,) if table_batch else ()) + (length, r // 2 if columns == "half" else r), device
+    )
     return [tensors[name].to(dtype).requires_grad_(True) for name in TABLE_GRAD_INPUTS[op]]
 
 
@@ -228,14 +237,16 @@ def test_kernels_cos_sin_grads_match_fp64_reference(op, interleaved, seq_dim):
         want = torch.autograd.grad(exact, exact_in, [dy.double() for dy in dys])
         for name, t, g, w in zip(TABLE_GRAD_INPUTS[op], tensors, got, want):
             assert g.dtype == t.dtype and g.shape == t.shape, name
-            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, what=f"{op} d{name}": f"{what}: {m}")
+            torch.testing.assert_close(
+                g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda m, what=f"{op} d{name}": f"{what}: {m}"
+            )
 
 
 @pytest.mark.parametrize("seq_dim", [1, 2])
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("op, inverse", [("rope", False), ("rope", True), ("rope_qk", False), ("rope_qk", True),
-                                         ("qk_norm_rope", False)])
+@pytest.mark.parametrize(
+    "op, inverse", [("rope", False), ("rope", True), ("rope_qk", False), ("rope_qk", True), ("qk_norm_rope", False)]
+)
 def test_cos_sin_grads_pass_gradcheck_fp64(op, inverse, interleaved, seq_dim):
     """fp64 gradcheck of every input, cos and sin included, through the
     registered autograd on the reference path (the inverse rotation too: the
@@ -260,8 +271,11 @@ def test_cos_sin_grads_under_compile_fullgraph():
     autograd's joint graph through the registered backward) as from the
     reference: the three ops, one layout each, fp64 on the reference path."""
     torch._dynamo.reset()
-    cases = [("rope", True, 2, 6, "full", 1), ("rope_qk", False, 1, 4, "half", 2),
-             ("qk_norm_rope", True, 1, None, "full", None)]
+    cases = [
+        ("rope", True, 2, 6, "full", 1),
+        ("rope_qk", False, 1, 4, "half", 2),
+        ("qk_norm_rope", True, 1, None, "full", None),
+    ]
     for op, interleaved, seq_dim, rotary_dim, columns, table_batch in cases:
         tensors = _table_grad_case(op, rotary_dim, columns, table_batch, seq_dim, torch.float64, "cpu")
         args = (op, interleaved, seq_dim, rotary_dim)
@@ -306,8 +320,9 @@ def test_kernels_rope_grid_match_table_reference(convention, dim, overrides, gri
     cos, sin = cos64.float().to(KERNEL_DEVICE), sin64.float().to(KERNEL_DEVICE)
     exact_in, plain_in = _detached((q, k), torch.float64), _detached((q, k))
     r = spec.rotary_dim
-    exact = [ref.rope(x, cos64.to(KERNEL_DEVICE), sin64.to(KERNEL_DEVICE), spec.interleaved, seq_dim, r)
-             for x in exact_in]
+    exact = [
+        ref.rope(x, cos64.to(KERNEL_DEVICE), sin64.to(KERNEL_DEVICE), spec.interleaved, seq_dim, r) for x in exact_in
+    ]
     plain = [_at_dtype(x, cos, sin, spec.interleaved, seq_dim, r) for x in plain_in]
     dys = [torch.randn_like(g) for g in got]
     grads = torch.autograd.grad(got, (q, k), dys)
@@ -321,8 +336,12 @@ def test_kernels_rope_grid_match_table_reference(convention, dim, overrides, gri
 def test_grid_rope_table_reference_matches_explicit_angles():
     """grid_tables against angles written out per token for a hand-made spec
     (axis -1 pairs stay unrotated)."""
-    spec = GridRope(frequencies=(1.0, 0.5, 0.25, 2.0), axes=(0, 1, 2, -1),
-                    position_scale=(1.0, 2.0, 0.5), position_offset=(0.0, -1.0, 0.25))
+    spec = GridRope(
+        frequencies=(1.0, 0.5, 0.25, 2.0),
+        axes=(0, 1, 2, -1),
+        position_scale=(1.0, 2.0, 0.5),
+        position_offset=(0.0, -1.0, 0.25),
+    )
     cos, sin = ref.grid_tables(spec, 2 * 3 * 4, 3, 4)
     for token, (f, h, w) in enumerate((f, h, w) for f in range(2) for h in range(3) for w in range(4)):
         angles = torch.tensor([f * 1.0, (2.0 * h - 1.0) * 0.5, (0.5 * w + 0.25) * 0.25, 0.0], dtype=torch.float64)
@@ -334,58 +353,115 @@ def _bad_input_cases():
     x = torch.randn(2, 3, 5, 16)
     c = torch.randn(5, 16)
     return [
-        (lambda: rope_ops.rope(torch.randn(2, 5, 16), c, c), ValueError,
-         r"rope: x must be \[B, L, H, D\] or \[B, H, L, D\]"),
-        (lambda: rope_ops.rope(torch.randn(2, 3, 5, 15), torch.randn(5, 15), torch.randn(5, 15)), ValueError,
-         r"head dim D=15 is odd"),
-        (lambda: rope_ops.rope(x, c, c, rotary_dim=7), ValueError,
-         r"rotary_dim must be an even int in \[2, D=16\], got 7"),
+        (
+            lambda: rope_ops.rope(torch.randn(2, 5, 16), c, c),
+            ValueError,
+            r"rope: x must be \[B, L, H, D\] or \[B, H, L, D\]",
+        ),
+        (
+            lambda: rope_ops.rope(torch.randn(2, 3, 5, 15), torch.randn(5, 15), torch.randn(5, 15)),
+            ValueError,
+            r"head dim D=15 is odd",
+        ),
+        (
+            lambda: rope_ops.rope(x, c, c, rotary_dim=7),
+            ValueError,
+            r"rotary_dim must be an even int in \[2, D=16\], got 7",
+        ),
         (lambda: rope_ops.rope(x, c, c, rotary_dim=18), ValueError, r"rotary_dim must be an even int"),
-        (lambda: rope_ops.rope(x, torch.randn(6, 16), torch.randn(6, 16)), ValueError,
-         r"cos has 6 positions but x has L=5 along seq_dim=2"),
+        (
+            lambda: rope_ops.rope(x, torch.randn(6, 16), torch.randn(6, 16)),
+            ValueError,
+            r"cos has 6 positions but x has L=5 along seq_dim=2",
+        ),
         (lambda: rope_ops.rope(x, c, c, seq_dim=3), ValueError, r"seq_dim must be 1 .* or 2"),
-        (lambda: rope_ops.rope(x, torch.randn(5, 12), torch.randn(5, 12)), ValueError,
-         r"cos must have rotary_dim=16 \(a full table\) or 8 .* got 12"),
+        (
+            lambda: rope_ops.rope(x, torch.randn(5, 12), torch.randn(5, 12)),
+            ValueError,
+            r"cos must have rotary_dim=16 \(a full table\) or 8 .* got 12",
+        ),
         (lambda: rope_ops.rope(x, c, torch.randn(5, 8)), ValueError, r"cos and sin must have the same shape"),
-        (lambda: rope_ops.rope(x, torch.randn(3, 5, 16), torch.randn(3, 5, 16)), ValueError,
-         r"per batch but x has B=2"),
+        (
+            lambda: rope_ops.rope(x, torch.randn(3, 5, 16), torch.randn(3, 5, 16)),
+            ValueError,
+            r"per batch but x has B=2",
+        ),
         (lambda: rope_ops.rope(x.int(), c, c), TypeError, r"x must have a floating dtype"),
         (lambda: rope_ops.rope(x, c.to("meta"), c), ValueError, r"cos is on meta but x is on cpu"),
         # q and k together
         (lambda: rope_ops.rope_qk(x, x.half(), c, c), TypeError, r"rope_qk: q and k must have the same dtype"),
-        (lambda: rope_ops.rope_qk(x, torch.randn(2, 3, 6, 16), c, c), ValueError,
-         r"rope_qk: q and k must have the same length \(seq_dim\)"),
+        (
+            lambda: rope_ops.rope_qk(x, torch.randn(2, 3, 6, 16), c, c),
+            ValueError,
+            r"rope_qk: q and k must have the same length \(seq_dim\)",
+        ),
         (lambda: rope_ops.rope_qk(x, torch.randn(2, 3, 5, 8), c, c), ValueError, r"same head dim"),
         (lambda: rope_ops.rope_qk(x, x.to("meta"), c, c), ValueError, r"k is on meta but q is on cpu"),
         (lambda: rope_ops.rope_qk(x, x[0], c, c), ValueError, r"q and k must be \[B, L, H, D\]"),
         # qk_norm_rope
-        (lambda: rope_ops.qk_norm_rope(x, x, torch.ones(8), torch.ones(16), c, c), ValueError,
-         r"qk_norm_rope: q_weight must have shape \(16,\), the head dim of q, got \(8,\)"),
-        (lambda: rope_ops.qk_norm_rope(x, x, torch.ones(16), torch.ones(16, dtype=torch.int32), c, c),
-         TypeError, r"k_weight must have a floating dtype"),
-        (lambda: rope_ops.qk_norm_rope(x, x, torch.ones(16), torch.ones(16), c, c, eps=-1.0), ValueError,
-         r"eps must be >= 0"),
-        (lambda: rope_ops.qk_norm_rope(x, x, torch.ones(16), torch.ones(16), torch.randn(5, 6),
-                                       torch.randn(5, 6)), ValueError, r"cos must have rotary_dim=16"),
+        (
+            lambda: rope_ops.qk_norm_rope(x, x, torch.ones(8), torch.ones(16), c, c),
+            ValueError,
+            r"qk_norm_rope: q_weight must have shape \(16,\), the head dim of q, got \(8,\)",
+        ),
+        (
+            lambda: rope_ops.qk_norm_rope(x, x, torch.ones(16), torch.ones(16, dtype=torch.int32), c, c),
+            TypeError,
+            r"k_weight must have a floating dtype",
+        ),
+        (
+            lambda: rope_ops.qk_norm_rope(x, x, torch.ones(16), torch.ones(16), c, c, eps=-1.0),
+            ValueError,
+            r"eps must be >= 0",
+        ),
+        (
+            lambda: rope_ops.qk_norm_rope(x, x, torch.ones(16), torch.ones(16), torch.randn(5, 6), torch.randn(5, 6)),
+            ValueError,
+            r"cos must have rotary_dim=16",
+        ),
         # the quantizing mode (8-bit attention's q and k)
-        (lambda: rope_ops.rope_qk(x, x, c, c, quantize=True), TypeError,
-         r"qk_rope_int8: q and k must be float16 or bfloat16 \(8-bit attention quantizes 16-bit activations\), "
-         r"got torch.float32"),
-        (lambda: torch.ops.fused.qk_rope_int8(x.half(), x.half(), torch.ones(16), None, c, c, 1e-6, True, 2),
-         ValueError, r"q_weight and k_weight must both be given .* got q_weight=a tensor and k_weight=None"),
-        (lambda: rope_ops.qk_norm_rope(x.half(), x.half(), torch.ones(8), torch.ones(16), c, c, quantize=True),
-         ValueError, r"qk_rope_int8: q_weight must have shape \(16,\)"),
-        (lambda: rope_ops.rope_qk(x.half(), x.half(), c, c, quantize=True)[0].float().sum().backward(),
-         RuntimeError, r"element 0 of tensors does not require grad"),
+        (
+            lambda: rope_ops.rope_qk(x, x, c, c, quantize=True),
+            TypeError,
+            r"qk_rope_int8: q and k must be float16 or bfloat16 \(8-bit attention quantizes 16-bit activations\), "
+            r"got torch.float32",
+        ),
+        (
+            lambda: torch.ops.fused.qk_rope_int8(x.half(), x.half(), torch.ones(16), None, c, c, 1e-6, True, 2),
+            ValueError,
+            r"q_weight and k_weight must both be given .* got q_weight=a tensor and k_weight=None",
+        ),
+        (
+            lambda: rope_ops.qk_norm_rope(x.half(), x.half(), torch.ones(8), torch.ones(16), c, c, quantize=True),
+            ValueError,
+            r"qk_rope_int8: q_weight must have shape \(16,\)",
+        ),
+        (
+            lambda: rope_ops.rope_qk(x.half(), x.half(), c, c, quantize=True)[0].float().sum().backward(),
+            RuntimeError,
+            r"element 0 of tensors does not require grad",
+        ),
         # grid RoPE
-        (lambda: rope_ops.rope_grid(x, x, grid_rope("wan", 16), 2, 2), ValueError,
-         r"rope_grid: q has L=5 tokens along seq_dim=2, not a whole number of height x width = 2 x 2 frames"),
-        (lambda: rope_ops.rope_grid(x, x, grid_rope("wan", 24), 1, 5), ValueError,
-         r"the grid RoPE rotates 24 channels but q's head dim is D=16"),
-        (lambda: rope_ops.rope_grid(x, x, grid_rope("wan", 16), 0, 5), ValueError,
-         r"height must be an int in \[1, 4096\], got 0"),
-        (lambda: torch.ops.fused.rope_grid(x, x, torch.zeros(6, 8, dtype=torch.float64), 1, 5, True, 2),
-         ValueError, r"constants must be a \[6, P\] fp32 tensor from GridRope.constants\(\), got torch.float64"),
+        (
+            lambda: rope_ops.rope_grid(x, x, grid_rope("wan", 16), 2, 2),
+            ValueError,
+            r"rope_grid: q has L=5 tokens along seq_dim=2, not a whole number of height x width = 2 x 2 frames",
+        ),
+        (
+            lambda: rope_ops.rope_grid(x, x, grid_rope("wan", 24), 1, 5),
+            ValueError,
+            r"the grid RoPE rotates 24 channels but q's head dim is D=16",
+        ),
+        (
+            lambda: rope_ops.rope_grid(x, x, grid_rope("wan", 16), 0, 5),
+            ValueError,
+            r"height must be an int in \[1, 4096\], got 0",
+        ),
+        (
+            lambda: torch.ops.fused.rope_grid(x, x, torch.zeros(6, 8, dtype=torch.float64), 1, 5, True, 2),
+            ValueError,
+            r"constants must be a \[6, P\] fp32 tensor from GridRope.constants\(\), got torch.float64",
+        ),
         (lambda: GridRope(frequencies=(1.0,), axes=(3,)), ValueError, r"GridRope: axes must be 0 \(frame\)"),
         (lambda: grid_rope("sd3", 16), ValueError, r"grid_rope: unknown convention .sd3."),
     ]
@@ -400,9 +476,11 @@ test_bad_input_raises_a_clear_error = bad_input_test(_bad_input_cases)
 def _int8_rope_case(seq_dim, b, hq, hk, length, d, r, dtype, device, key_offset=3.0):
     """q, k (keys offset per channel: what the smoothing removes) and full
     interleaved tables of rotary dim ``r``."""
+
     def t(h):
         shape = (b, length, h, d) if seq_dim == 1 else (b, h, length, d)
         return torch.randn(shape, device=device)
+
     offset = torch.linspace(-key_offset, key_offset, d, device=device)
     q, k = (2 * t(hq)).to(dtype), (t(hk) + offset).to(dtype)
     angle = torch.randn(length, r // 2, device=device) * 3
@@ -411,13 +489,15 @@ def _int8_rope_case(seq_dim, b, hq, hk, length, d, r, dtype, device, key_offset=
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("norm", [True, False], ids=["qk_norm_rope", "rope_qk"])
-@pytest.mark.parametrize("seq_dim, b, hq, hk, length, d, r, interleaved", [
-    (1, 2, 4, 2, 300, 64, 64, True),     # GQA, three key blocks (the last partial), packed int8 pairs
-    (2, 1, 2, 2, 128, 40, 32, False),    # one whole key block, half-split pairs, a tail past the rotary dim
-    (1, 1, 3, 1, 70, 128, 128, True),    # MQA, a single partial block, Flux's and Wan's head dim
-])
-def test_kernels_quantizing_rotation_writes_the_specified_operands(norm, seq_dim, b, hq, hk, length, d, r,
-                                                                    interleaved):
+@pytest.mark.parametrize(
+    "seq_dim, b, hq, hk, length, d, r, interleaved",
+    [
+        (1, 2, 4, 2, 300, 64, 64, True),  # GQA, three key blocks (the last partial), packed int8 pairs
+        (2, 1, 2, 2, 128, 40, 32, False),  # one whole key block, half-split pairs, a tail past the rotary dim
+        (1, 1, 3, 1, 70, 128, 128, True),  # MQA, a single partial block, Flux's and Wan's head dim
+    ],
+)
+def test_kernels_quantizing_rotation_writes_the_specified_operands(norm, seq_dim, b, hq, hk, length, d, r, interleaved):
     """``rope_qk``/``qk_norm_rope(..., quantize=True)`` (``fused.qk_rope_int8``)
     against its specification, the 16-bit op then
     ``reference.attention.smooth_quantize_qk``: q's INT8 values and scales
@@ -447,7 +527,7 @@ def test_kernels_quantizing_rotation_writes_the_specified_operands(norm, seq_dim
             # another order than the 16-bit op's: a rare 16-bit value rounds to its neighbour, which
             # moves its INT8 value by at most 1 and its row's scale by at most one 16-bit step.
             assert (q8.int() - want[0].int()).abs().max() <= 1 and (q8 != want[0]).float().mean() < 1e-3
-            torch.testing.assert_close(q_scale, want[1], rtol=2 ** -7, atol=0)
+            torch.testing.assert_close(q_scale, want[1], rtol=2**-7, atol=0)
             assert (q_scale != want[1]).float().mean() < 1e-2
         else:
             assert torch.equal(q8, want[0]) and torch.equal(q_scale, want[1])
@@ -470,5 +550,7 @@ def test_quantizing_rotation_is_the_16_bit_rotation_then_the_8_bit_quantization(
     for got, want in zip(qk, attention_ref.smooth_quantize_qk(q16, k16, 1)):
         assert torch.equal(got, want)
     for precision in ("int8", "int8_fp8"):
-        assert torch.equal(compile_ops.attention(qk, None, v, seq_dim=1, precision=precision),
-                           compile_ops.attention(q16, k16, v, seq_dim=1, precision=precision))
+        assert torch.equal(
+            compile_ops.attention(qk, None, v, seq_dim=1, precision=precision),
+            compile_ops.attention(q16, k16, v, seq_dim=1, precision=precision),
+        )

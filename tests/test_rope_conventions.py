@@ -18,6 +18,7 @@ fp64 angles with cos/sin rounded to fp32 (error <= u/2).
   Rotating a pair of norm r by angles that differ by d moves it by <= r d; fp32
   tables and the fp32 products and sums of both sides add <= 4u (|x1| + |x2|).
 """
+
 import dataclasses
 import math
 
@@ -34,7 +35,7 @@ wan_mod = pytest.importorskip("diffusers.models.transformers.transformer_wan")
 Attention = pytest.importorskip("diffusers.models.attention_processor").Attention
 diffusers_apply_rotary_emb = pytest.importorskip("diffusers.models.embeddings").apply_rotary_emb
 
-U = 2.0 ** -24
+U = 2.0**-24
 GRID = (3, 4, 5)
 
 
@@ -54,8 +55,9 @@ def angle_tolerance(spec: GridRope, grid, theta, fp32_angles: bool) -> torch.Ten
     if not fp32_angles:
         return torch.zeros(math.prod(grid), len(spec.axes), dtype=torch.float64)
     ax = torch.tensor(spec.axes).clamp(min=0)
-    mag = (_idx(grid)[:, ax] * torch.tensor(spec.position_scale, dtype=torch.float64)[ax]).abs() \
-        + torch.tensor(spec.position_offset, dtype=torch.float64)[ax].abs()
+    mag = (_idx(grid)[:, ax] * torch.tensor(spec.position_scale, dtype=torch.float64)[ax]).abs() + torch.tensor(
+        spec.position_offset, dtype=torch.float64
+    )[ax].abs()
     mag = torch.where(torch.tensor(spec.axes) >= 0, mag, torch.zeros(()))
     return (math.log(theta) + 4) * U * torch.tensor(spec.frequencies, dtype=torch.float64) * mag
 
@@ -143,8 +145,9 @@ def test_wan_processor(monkeypatch, head_dim, theta, patch, extra):
     heads, B = 3, 2
     spec = grid_rope("wan", head_dim, theta=theta)
     _, rot = _wan_inputs(head_dim, theta, patch, extra)
-    attn = wan_mod.WanAttention(dim=heads * head_dim, heads=heads, dim_head=head_dim,
-                                processor=wan_mod.WanAttnProcessor())
+    attn = wan_mod.WanAttention(
+        dim=heads * head_dim, heads=heads, dim_head=head_dim, processor=wan_mod.WanAttnProcessor()
+    )
     identity_projections(attn, ["to_q", "to_k", "to_v", "norm_q", "norm_k"])
     attn.fused_projections = False
     L = math.prod(GRID)
@@ -201,9 +204,18 @@ def test_hunyuan_processor(monkeypatch, axes_dims, theta, p, pt, dual_stream):
     spec = grid_rope("hunyuan", D, theta=theta, axes_dims=axes_dims)
     rot = _hy_inputs(axes_dims, theta, p, pt)
     kw = dict(added_kv_proj_dim=heads * D, context_pre_only=False) if dual_stream else dict(pre_only=True)
-    attn = Attention(query_dim=heads * D, cross_attention_dim=None, dim_head=D, heads=heads,
-                     out_dim=heads * D, bias=True, qk_norm="rms_norm", eps=1e-6,
-                     processor=hy_mod.HunyuanVideoAttnProcessor2_0(), **kw)
+    attn = Attention(
+        query_dim=heads * D,
+        cross_attention_dim=None,
+        dim_head=D,
+        heads=heads,
+        out_dim=heads * D,
+        bias=True,
+        qk_norm="rms_norm",
+        eps=1e-6,
+        processor=hy_mod.HunyuanVideoAttnProcessor2_0(),
+        **kw,
+    )
     names = ["to_q", "to_k", "to_v", "norm_q", "norm_k"]
     if dual_stream:
         names += ["add_q_proj", "add_k_proj", "add_v_proj", "norm_added_q", "norm_added_k"]
@@ -238,8 +250,11 @@ LTX_CASES = [  # (dim, overrides)
 
 
 def _ltx_rotary(dim, ov, grid=GRID, batch=1):
-    cls_kw = {k: ov[k] for k in ("theta", "base_num_frames", "base_height", "base_width",
-                                 "patch_size", "patch_size_t") if k in ov}
+    cls_kw = {
+        k: ov[k]
+        for k in ("theta", "base_num_frames", "base_height", "base_width", "patch_size", "patch_size_t")
+        if k in ov
+    }
     emb = ltx_mod.LTXVideoRotaryPosEmbed(dim, **cls_kw)
     F, H, W = grid
     hs = torch.zeros(batch, F * H * W, dim)
@@ -273,8 +288,9 @@ def test_ltx_processor(monkeypatch, dim, ov):
     spec = grid_rope("ltx", dim, **ov)
     theta = ov.get("theta", 10000.0)
     rot = _ltx_rotary(dim, ov, batch=B)
-    attn = ltx_mod.LTXAttention(query_dim=dim, heads=heads, kv_heads=heads, dim_head=head_dim,
-                                processor=ltx_mod.LTXVideoAttnProcessor())
+    attn = ltx_mod.LTXAttention(
+        query_dim=dim, heads=heads, kv_heads=heads, dim_head=head_dim, processor=ltx_mod.LTXVideoAttnProcessor()
+    )
     identity_projections(attn, ["to_q", "to_k", "to_v", "norm_q", "norm_k"])
     L = math.prod(GRID)
     x = torch.randn(B, L, dim, generator=torch.Generator().manual_seed(2))
@@ -291,8 +307,13 @@ def test_ltx_processor(monkeypatch, dim, ov):
     # the same thing, per head: head h uses pair columns [h*head_dim/2, (h+1)*head_dim/2)
     hp = head_dim // 2
     for h in range(heads):
-        per_head = rope(x.view(B, L, heads, head_dim)[:, :, h:h + 1], cos[:, h * hp:(h + 1) * hp],
-                        sin[:, h * hp:(h + 1) * hp], interleaved=True, seq_dim=1)
+        per_head = rope(
+            x.view(B, L, heads, head_dim)[:, :, h : h + 1],
+            cos[:, h * hp : (h + 1) * hp],
+            sin[:, h * hp : (h + 1) * hp],
+            interleaved=True,
+            seq_dim=1,
+        )
         assert torch.equal(per_head[:, :, 0], ours[:, :, h])
 
 
@@ -352,6 +373,7 @@ def test_bound_catches_wrong_specs():
 
 # --------------------------------------------------------------------------- layout / errors
 
+
 def test_structure():
     w = grid_rope("wan", 128)
     assert w.axes == (0,) * 22 + (1,) * 21 + (2,) * 21 and w.interleaved
@@ -368,12 +390,20 @@ def test_structure():
     assert grid_rope("ltx", 2048, rope_interpolation_scale=None).position_scale == (2.0, 2.0, 2.0)
 
 
-@pytest.mark.parametrize("conv,dim,ov", [
-    ("wan", 127, {}), ("wan", 4, {}),
-    ("hunyuan", 120, {}), ("hunyuan", 128, dict(axes_dims=(15, 57, 56))), ("hunyuan", 64, dict(axes_dims=(32, 32))),
-    ("ltx", 2047, {}), ("ltx", 4, {}), ("ltx", 0, {}),
-    ("cogvideo", 64, {}),
-])
+@pytest.mark.parametrize(
+    "conv,dim,ov",
+    [
+        ("wan", 127, {}),
+        ("wan", 4, {}),
+        ("hunyuan", 120, {}),
+        ("hunyuan", 128, dict(axes_dims=(15, 57, 56))),
+        ("hunyuan", 64, dict(axes_dims=(32, 32))),
+        ("ltx", 2047, {}),
+        ("ltx", 4, {}),
+        ("ltx", 0, {}),
+        ("cogvideo", 64, {}),
+    ],
+)
 def test_bad_dims(conv, dim, ov):
     with pytest.raises(ValueError):
         grid_rope(conv, dim, **ov)

@@ -8,6 +8,7 @@ and each distinct (kernel, argument types, constexprs) is compiled ahead of
 time through PTX to a cubin with triton's bundled ptxas; no GPU is needed.
 Float scalars are compiled as fp32 (triton's launcher) and fp64 (Inductor's).
 """
+
 import pytest
 import torch
 import triton
@@ -20,13 +21,23 @@ from triton.compiler import ASTSource
 from cases import OPS
 from compile_ops._library import OP_BODIES
 
-_POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64",
-            torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
+_POINTER = {
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.float64: "*fp64",
+    torch.int8: "*i8",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+    torch.float8_e4m3fn: "*fp8e4nv",
+}
 
 
 def _fake_cuda(args):
-    return tuple(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda")
-                 if isinstance(a, torch.Tensor) else a for a in args)
+    return tuple(
+        torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda") if isinstance(a, torch.Tensor) else a
+        for a in args
+    )
 
 
 def _launches(spec, dtype, body=None):
@@ -57,7 +68,7 @@ def _launches(spec, dtype, body=None):
                     elif isinstance(value, bool) or isinstance(value, triton.language.dtype):
                         constants[name] = value
                     elif isinstance(value, int):
-                        signature[name] = "i64" if abs(value) >= 2 ** 31 else "i32"
+                        signature[name] = "i64" if abs(value) >= 2**31 else "i32"
                     elif isinstance(value, float):
                         signature[name] = "fp32"
                     else:
@@ -69,8 +80,11 @@ def _launches(spec, dtype, body=None):
                         del signature[name]
                 for name in constants:
                     signature[name] = "constexpr"
-                key = (kernel.fn.__name__, tuple(sorted(signature.items())),
-                       tuple(sorted((k, str(v)) for k, v in constants.items())))
+                key = (
+                    kernel.fn.__name__,
+                    tuple(sorted(signature.items())),
+                    tuple(sorted((k, str(v)) for k, v in constants.items())),
+                )
                 launches[key] = (kernel, signature, constants)
     return launches
 
@@ -96,9 +110,16 @@ def test_every_launched_kernel_variant_compiles_for_sm90(spec, dtype, monkeypatc
             assert compiled.asm.get("cubin"), f"{name[0]} ({float_type} scalars): no cubin"
 
 
-@pytest.mark.parametrize("options", [dict(tma=True), dict(dot_acc=True), dict(tma=True, dot_acc=True),
-                                     dict(tma=True, dot_acc=True, warp_specialize=True)],
-                         ids=["tma", "dot_acc", "tma-dot_acc", "tma-dot_acc-ws"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(tma=True),
+        dict(dot_acc=True),
+        dict(tma=True, dot_acc=True),
+        dict(tma=True, dot_acc=True, warp_specialize=True),
+    ],
+    ids=["tma", "dot_acc", "tma-dot_acc", "tma-dot_acc-ws"],
+)
 def test_attention_forward_hopper_options_compile_for_sm90(options, monkeypatch):
     """The forward's Hopper options (issue 28), of which forward_tiles picks
     only TMA (at D=128): traced with the options forced on every launch, the
@@ -114,8 +135,11 @@ def test_attention_forward_hopper_options_compile_for_sm90(options, monkeypatch)
     monkeypatch.setattr(attention_launch, "forward_tiles", tiles)
     spec = next(s for s in OPS if s.name == "attention")
     launches = _launches(spec, torch.bfloat16)
-    forward = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants) in launches.items()
-               if name == "attn_fwd_kernel"]
+    forward = [
+        (kernel, signature, constants)
+        for (name, *_), (kernel, signature, constants) in launches.items()
+        if name == "attn_fwd_kernel"
+    ]
     assert forward and any(c.get("TMA") for _, _, c in forward) == options.get("tma", False)
     for kernel, signature, constants in forward:
         ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
@@ -135,15 +159,23 @@ def test_attention_backward_tma_compiles_for_sm90(monkeypatch):
 
     defaults = attention_tiles.dkdv_tiles, attention_tiles.dq_tiles
     monkeypatch.setattr(attention_launch, "has_tma", lambda t: t.device.type == "cuda")
-    monkeypatch.setattr(attention_launch, "dkdv_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
-        defaults[0](d, dtype, sparse), tma=tma))
-    monkeypatch.setattr(attention_launch, "dq_tiles", lambda d, dtype, sparse=False, tma=False: dataclasses.replace(
-        defaults[1](d, dtype, sparse), tma=tma))
+    monkeypatch.setattr(
+        attention_launch,
+        "dkdv_tiles",
+        lambda d, dtype, sparse=False, tma=False: dataclasses.replace(defaults[0](d, dtype, sparse), tma=tma),
+    )
+    monkeypatch.setattr(
+        attention_launch,
+        "dq_tiles",
+        lambda d, dtype, sparse=False, tma=False: dataclasses.replace(defaults[1](d, dtype, sparse), tma=tma),
+    )
     spec = next(s for s in OPS if s.name == "attention_backward")
     # Inputs whose rows are not 16-byte aligned (D = 12 in bf16) keep the pointer loads.
-    launches = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants)
-                in _launches(spec, torch.bfloat16).items()
-                if name in ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel") and constants["TMA"]]
+    launches = [
+        (kernel, signature, constants)
+        for (name, *_), (kernel, signature, constants) in _launches(spec, torch.bfloat16).items()
+        if name in ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel") and constants["TMA"]
+    ]
     assert {kernel.fn.__name__ for kernel, _, _ in launches} == {"attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}
     for kernel, signature, constants in launches:
         ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
@@ -167,9 +199,11 @@ def test_block_sparse_forward_streams_keys_three_deep_on_sm90(monkeypatch):
     monkeypatch.setattr(attention_launch, "has_tma", lambda t: t.device.type == "cuda")
     monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: False)
     spec = next(s for s in OPS if s.name == "block_sparse_attention")
-    launches = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants)
-                in _launches(spec, torch.bfloat16).items()
-                if name == "attn_fwd_kernel" and constants.get("LIST_BY_ASM") and constants["BLOCK_D"] == 128]
+    launches = [
+        (kernel, signature, constants)
+        for (name, *_), (kernel, signature, constants) in _launches(spec, torch.bfloat16).items()
+        if name == "attn_fwd_kernel" and constants.get("LIST_BY_ASM") and constants["BLOCK_D"] == 128
+    ]
     assert launches, "no D=128 block-sparse forward read its list past the pipeliner"
     for kernel, signature, constants in launches:
         ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
@@ -196,8 +230,11 @@ def test_fp8_pv_accumulated_in_the_mma_compiles_for_sm90(monkeypatch):
 
     monkeypatch.setattr(attention_launch, "forward_tiles", tiles)
     spec = next(s for s in OPS if s.name == "attention_int8_fp8")
-    forward = [(kernel, signature, constants) for (name, *_), (kernel, signature, constants)
-               in _launches(spec, torch.bfloat16).items() if name == "attn_fwd_kernel"]
+    forward = [
+        (kernel, signature, constants)
+        for (name, *_), (kernel, signature, constants) in _launches(spec, torch.bfloat16).items()
+        if name == "attn_fwd_kernel"
+    ]
     assert forward and all(c["DOT_ACC"] and c["PV_FP8"] and c["QUANTIZE_Q"] for _, _, c in forward)
     for kernel, signature, constants in forward:
         ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
@@ -210,8 +247,9 @@ def test_fp8_pv_accumulated_in_the_mma_compiles_for_sm90(monkeypatch):
 _QUANTIZE_KERNELS = ("kv8_counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel")
 
 
-@pytest.mark.parametrize("spec", [s for s in OPS if s.name in ("attention_int8", "attention_int8_fp8")],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "spec", [s for s in OPS if s.name in ("attention_int8", "attention_int8_fp8")], ids=lambda s: s.name
+)
 def test_8bit_quantization_kernels_compile_for_sm90(spec):
     """The Triton quantization passes of 8-bit attention (the op bodies above
     reach them too; here alone): every variant compiles for sm_90, with its
@@ -260,16 +298,24 @@ def test_fp8_values_are_stored_in_16_byte_vectors_at_any_length():
     def quantize(q, k, v, scale, causal, seq_dim, kv_lengths):
         return attention_8bit.quantize_8bit(k, v, seq_dim)
 
-    launches = [(kernel, signature, constants) for kernel, signature, constants
-                in _launches(spec, torch.bfloat16, quantize).values()
-                if kernel.fn.__name__ == "kv8_quantize_kernel" and constants["BLOCK_D"] == constants["D"] == 128]
+    launches = [
+        (kernel, signature, constants)
+        for kernel, signature, constants in _launches(spec, torch.bfloat16, quantize).values()
+        if kernel.fn.__name__ == "kv8_quantize_kernel" and constants["BLOCK_D"] == constants["D"] == 128
+    ]
     assert launches
     for kernel, signature, constants in launches:
         ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.arg_names)
-                   if p in signature and p not in ("L", "H", "chunks")}
-        ptx = triton.compile(ASTSource(fn=kernel, signature=ordered, constexprs=constants, attrs=aligned),
-                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        aligned = {
+            (i,): [["tt.divisibility", 16]]
+            for i, p in enumerate(kernel.arg_names)
+            if p in signature and p not in ("L", "H", "chunks")
+        }
+        ptx = triton.compile(
+            ASTSource(fn=kernel, signature=ordered, constexprs=constants, attrs=aligned),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": 4},
+        ).asm["ptx"]
         stores = re.findall(r"st\.global(?:\.v\d)?\.b\d+", ptx)
         assert "st.global.b8" not in stores and stores.count("st.global.v4.b32") == 16, stores
 
@@ -283,9 +329,11 @@ def test_fp8_rows_scale_kernel_compiles_for_sm90():
 
     signature = {"V_SCALE": "*fp32", "ROW_SCALE": "*fp32", "per_batch": "i32"}
     for per_batch in (24 * 128, 12 * 128, 40):
-        constants = dict(FLOOR=reference.fp8.AMAX_FLOOR / reference.attention.FP8_MAX,
-                         HEADROOM=reference.attention.FP8_ROWS_HEADROOM,
-                         BLOCK=min(4096, triton.next_power_of_2(per_batch)))
+        constants = dict(
+            FLOOR=reference.fp8.AMAX_FLOOR / reference.attention.FP8_MAX,
+            HEADROOM=reference.attention.FP8_ROWS_HEADROOM,
+            BLOCK=min(4096, triton.next_power_of_2(per_batch)),
+        )
         _compile_with_constant_ints([(fp8_rows_scale_kernel, signature, constants)])
 
 
@@ -296,8 +344,11 @@ def _compile_with_constant_ints(launches):
             consts = dict(constants, **({p: 1000 + i for i, p in enumerate(ints)} if constant_ints else {}))
             typed = {p: ("constexpr" if p in consts else t) for p, t in signature.items()}
             ordered = {p: typed[p] for p in kernel.arg_names if p in typed}
-            compiled = triton.compile(ASTSource(fn=kernel, signature=ordered, constexprs=consts),
-                                      target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            compiled = triton.compile(
+                ASTSource(fn=kernel, signature=ordered, constexprs=consts),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": 4},
+            )
             assert compiled.asm.get("cubin")
 
 
@@ -317,13 +368,18 @@ def test_8bit_rounding_keeps_the_product_out_of_an_fma():
     checked = 0
     for kernel, signature, constants in launches:
         ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
-        ptx = triton.compile(ASTSource(fn=kernel, signature=ordered, constexprs=constants),
-                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        ptx = triton.compile(
+            ASTSource(fn=kernel, signature=ordered, constexprs=constants),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": 4},
+        ).asm["ptx"]
         bias_lines = [line.strip().rstrip(";") for line in ptx.splitlines() if "0f4B400000" in line]
         # The bias as an fma's addend is the contraction; as a factor (the 8-bit forward's
         # exponent, ``factor * _INT8_BIAS + m``) it is the formula.
         assert not [line for line in bias_lines if line.startswith("fma") and line.endswith("0f4B400000")], (
-            kernel.fn.__name__, bias_lines[:3])
+            kernel.fn.__name__,
+            bias_lines[:3],
+        )
         checked += any(line.startswith("add") for line in bias_lines)
     assert checked >= 2, "no kernel rounded by the bias: the check looked at nothing"
 
@@ -344,8 +400,17 @@ def _sm90_core_variants():
             t = attention_tiles.forward_tiles(d, torch_dtype, True, "exact", True)
             assert t.sm90_core
             pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", OUT=f"*{dtype}", LSE="*fp32")
-            constants = dict(D=d, BLOCK_N=t.block_n, STAGES=t.num_stages, CONSUMER_REGS=regs, INT8_FP8=False,
-                             Q_SCALE=None, K_SCALE=None, V_SCALE=None, num_warps=4)
+            constants = dict(
+                D=d,
+                BLOCK_N=t.block_n,
+                STAGES=t.num_stages,
+                CONSUMER_REGS=regs,
+                INT8_FP8=False,
+                Q_SCALE=None,
+                K_SCALE=None,
+                V_SCALE=None,
+                num_warps=4,
+            )
             for lists, causal, kv_len in itertools.product((None, "i32", "i64"), (False, True), (False, True)):
                 if dtype == "fp16" and (lists == "i64" or causal != kv_len):
                     continue  # the dtype changes nothing in these: the corners suffice
@@ -364,11 +429,34 @@ def _sm90_core_variants():
                 name = f"{dtype}-d{d}-{lists or 'dense'}{'-causal' if causal else ''}{'-kv_len' if kv_len else ''}"
                 yield name, variant_pointers, dict(constants, **flags)
     for stages in (2, 3):
-        yield (f"int8_fp8-{stages}-stages",
-               dict(Q="*i8", K="*i8", V="*fp8e4nv", OUT="*bf16", LSE="*fp32", Q_SCALE="*fp32", K_SCALE="*fp32",
-                    V_SCALE="*fp32"),
-               dict(D=128, BLOCK_N=128, STAGES=stages, CONSUMER_REGS=regs, INT8_FP8=True, num_warps=4, BLOCKS=None,
-                    COUNTS=None, KV_LEN=None, SPARSE=False, CAUSAL=False, HAS_KV_LEN=False, HEAVY_FIRST=False))
+        yield (
+            f"int8_fp8-{stages}-stages",
+            dict(
+                Q="*i8",
+                K="*i8",
+                V="*fp8e4nv",
+                OUT="*bf16",
+                LSE="*fp32",
+                Q_SCALE="*fp32",
+                K_SCALE="*fp32",
+                V_SCALE="*fp32",
+            ),
+            dict(
+                D=128,
+                BLOCK_N=128,
+                STAGES=stages,
+                CONSUMER_REGS=regs,
+                INT8_FP8=True,
+                num_warps=4,
+                BLOCKS=None,
+                COUNTS=None,
+                KV_LEN=None,
+                SPARSE=False,
+                CAUSAL=False,
+                HAS_KV_LEN=False,
+                HEAVY_FIRST=False,
+            ),
+        )
 
 
 @pytest.mark.parametrize("variant", list(_sm90_core_variants()), ids=lambda v: v[0])
@@ -392,23 +480,35 @@ def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(variant
     from compile_ops.ops import attention_sm90
 
     name, pointers, constants = variant
-    signature = {p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
-                 for p in kernel.arg_names}
+    signature = {
+        p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
+        for p in kernel.arg_names
+    }
     launch = attention_sm90.SM90_CORE_LAUNCH
-    compiled = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
-                              target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=launch["num_warps"], maxnreg=launch["maxnreg"]))
+    compiled = triton.compile(
+        GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=launch["num_warps"], maxnreg=launch["maxnreg"]),
+    )
     ptx = compiled.asm["ptx"]
     budgets = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
     assert {24, attention_sm90.SM90_CORE_CONSUMER_REGS} <= budgets, (name, sorted(budgets))
     (tmp_path / "core.ptx").write_text(ptx)
-    report = subprocess.run([knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "core.ptx"), "-o",
-                             str(tmp_path / "core.cubin")], capture_output=True, text=True, check=True).stderr
+    report = subprocess.run(
+        [knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "core.ptx"), "-o", str(tmp_path / "core.cubin")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stderr
     assert "Used " in report, (name, report)
     if "-dense" in name:  # the 16-bit list-free variants (int8_fp8 ones are named by their stages)
         assert "0 bytes spill stores" in report, (name, report)
-    sass = subprocess.run([os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump"), "-sass",
-                           str(tmp_path / "core.cubin")], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run(
+        [os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump"), "-sass", str(tmp_path / "core.cubin")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert not _spills_in_innermost_loops(sass), (name, _spills_in_innermost_loops(sass))
     # The item loops too, which hold the masked tile's step: spills there cost 3-14% an item (a 32-register
     # loader left some in the dense core, 8% slower at 4500 keys; docs/notes/attention-forward.md, "The
@@ -457,10 +557,14 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
     launches = _launches(spec, torch.bfloat16, backward)
     names = {kernel.fn.__name__ for kernel, _, _ in launches.values()}
     assert names == {"attn_bwd_row_stats_kernel", "attn_bwd_dq_from_acc_kernel"}, names
-    assert all(signature.get("DQ_ACC") == "*fp32"  # the statistics pass zeroes the accumulator
-               for kernel, signature, _ in launches.values() if kernel.fn.__name__ == "attn_bwd_row_stats_kernel")
+    assert all(
+        signature.get("DQ_ACC") == "*fp32"  # the statistics pass zeroes the accumulator
+        for kernel, signature, _ in launches.values()
+        if kernel.fn.__name__ == "attn_bwd_row_stats_kernel"
+    )
     # The opaque op's own Triton kernel: the parts of a split last round added up (D = 128 and 64).
     from compile_ops.kernels.attention_backward import attn_bwd_parts_kernel as parts_kernel
+
     launches = list(launches.values())
     for dtype, d in (("bf16", 128), ("fp16", 64)):
         signature = {p: "i32" for p in parts_kernel.arg_names}
@@ -468,60 +572,103 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         launches.append((parts_kernel, signature, dict(D=d, BLOCK_M=32)))
     _compile_with_constant_ints(launches)
     launch = attention_sm90.SM90_CORE_LAUNCH
-    variants = [("bf16", dict()), ("bf16", dict(MASKED_KEYS=True)), ("fp16", dict()),
-                # the last round split into parts (dense, not causal, no key lengths)
-                ("bf16", dict(SPLIT=True)), ("fp16", dict(SPLIT=True, MASKED_KEYS=True)),
-                ("bf16", dict(CAUSAL=True, HEAVY_FIRST=True, MASKED_KEYS=True)),
-                ("fp16", dict(HAS_KV_LEN=True, MASKED_KEYS=True)),
-                ("bf16", dict(CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True, MASKED_KEYS=True)),
-                ("bf16", dict(SPARSE=True)), ("fp16", dict(SPARSE=True, MASKED_KEYS=True)),
-                ("bf16", dict(SPARSE=True, CAUSAL=True, HAS_KV_LEN=True, MASKED_KEYS=True)),
-                # D = 64: one dQ piece a consumer
-                ("bf16", dict(D=64)), ("fp16", dict(D=64, CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True,
-                                                    MASKED_KEYS=True)),
-                ("bf16", dict(D=64, SPLIT=True, MASKED_KEYS=True)),
-                ("bf16", dict(D=64, SPARSE=True, MASKED_KEYS=True)),
-                # D = 64 with 64-query steps (bench/experiments/five_product_backward.py's step=64)
-                ("bf16", dict(D=64, STEP=64)),
-                # without dQ: the deterministic backward's dk/dv pass (DQ_ACC unused)
-                ("bf16", dict(DQ=False)), ("fp16", dict(DQ=False, D=64, MASKED_KEYS=True)),
-                ("bf16", dict(DQ=False, CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True, MASKED_KEYS=True)),
-                # ... persistent (dense, not causal: ops.attention_sm90.SM90_DKDV_PERSISTENT)
-                ("bf16", dict(DQ=False, PERSISTENT=True)), ("fp16", dict(DQ=False, D=64, MASKED_KEYS=True,
-                                                                    PERSISTENT=True))]
+    variants = [
+        ("bf16", dict()),
+        ("bf16", dict(MASKED_KEYS=True)),
+        ("fp16", dict()),
+        # the last round split into parts (dense, not causal, no key lengths)
+        ("bf16", dict(SPLIT=True)),
+        ("fp16", dict(SPLIT=True, MASKED_KEYS=True)),
+        ("bf16", dict(CAUSAL=True, HEAVY_FIRST=True, MASKED_KEYS=True)),
+        ("fp16", dict(HAS_KV_LEN=True, MASKED_KEYS=True)),
+        ("bf16", dict(CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True, MASKED_KEYS=True)),
+        ("bf16", dict(SPARSE=True)),
+        ("fp16", dict(SPARSE=True, MASKED_KEYS=True)),
+        ("bf16", dict(SPARSE=True, CAUSAL=True, HAS_KV_LEN=True, MASKED_KEYS=True)),
+        # D = 64: one dQ piece a consumer
+        ("bf16", dict(D=64)),
+        ("fp16", dict(D=64, CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True, MASKED_KEYS=True)),
+        ("bf16", dict(D=64, SPLIT=True, MASKED_KEYS=True)),
+        ("bf16", dict(D=64, SPARSE=True, MASKED_KEYS=True)),
+        # D = 64 with 64-query steps (bench/experiments/five_product_backward.py's step=64)
+        ("bf16", dict(D=64, STEP=64)),
+        # without dQ: the deterministic backward's dk/dv pass (DQ_ACC unused)
+        ("bf16", dict(DQ=False)),
+        ("fp16", dict(DQ=False, D=64, MASKED_KEYS=True)),
+        ("bf16", dict(DQ=False, CAUSAL=True, HAS_KV_LEN=True, HEAVY_FIRST=True, MASKED_KEYS=True)),
+        # ... persistent (dense, not causal: ops.attention_sm90.SM90_DKDV_PERSISTENT)
+        ("bf16", dict(DQ=False, PERSISTENT=True)),
+        ("fp16", dict(DQ=False, D=64, MASKED_KEYS=True, PERSISTENT=True)),
+    ]
     for dtype, flags in variants:
-        pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", DO=f"*{dtype}", LSE_ROWS="*fp32", DELTA="*fp32",
-                        DQ_ACC="*fp32", DK=f"*{dtype}", DV=f"*{dtype}", PARTIALS="*fp32")
+        pointers = dict(
+            Q=f"*{dtype}",
+            K=f"*{dtype}",
+            V=f"*{dtype}",
+            DO=f"*{dtype}",
+            LSE_ROWS="*fp32",
+            DELTA="*fp32",
+            DQ_ACC="*fp32",
+            DK=f"*{dtype}",
+            DV=f"*{dtype}",
+            PARTIALS="*fp32",
+        )
         if flags.get("HAS_KV_LEN"):
             pointers["KV_LEN"] = "*i32"
         if flags.get("SPARSE"):
             pointers.update(BLOCKS="*i32", COUNTS="*i64")
         d = flags.pop("D", 128)
-        constants = dict(D=d, STEP=attention_sm90.backward_step(d, bool(flags.get("SPARSE"))),
-                         STAGES=attention_sm90.SM90_BACKWARD_STAGES,
-                         CONSUMER_REGS=attention_sm90.SM90_CORE_CONSUMER_REGS, CAUSAL=False, HAS_KV_LEN=False,
-                         HEAVY_FIRST=False, SPARSE=False, MASKED_KEYS=False, DQ=True, SPLIT=False, PERSISTENT=False,
-                         num_warps=4)
+        constants = dict(
+            D=d,
+            STEP=attention_sm90.backward_step(d, bool(flags.get("SPARSE"))),
+            STAGES=attention_sm90.SM90_BACKWARD_STAGES,
+            CONSUMER_REGS=attention_sm90.SM90_CORE_CONSUMER_REGS,
+            CAUSAL=False,
+            HAS_KV_LEN=False,
+            HEAVY_FIRST=False,
+            SPARSE=False,
+            MASKED_KEYS=False,
+            DQ=True,
+            SPLIT=False,
+            PERSISTENT=False,
+            num_warps=4,
+        )
         constants.update(flags)
         if not constants["DQ"]:
             del pointers["DQ_ACC"]
         if not constants["SPLIT"]:
             del pointers["PARTIALS"]
-        constants.update({name: None for name in ("KV_LEN", "BLOCKS", "COUNTS", "DQ_ACC", "PARTIALS")
-                          if name not in pointers})
-        signature = {p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
-                     for p in kernel.arg_names}
+        constants.update(
+            {name: None for name in ("KV_LEN", "BLOCKS", "COUNTS", "DQ_ACC", "PARTIALS") if name not in pointers}
+        )
+        signature = {
+            p: pointers.get(p, "constexpr" if p in constants else "fp32" if p == "scale" else "i32")
+            for p in kernel.arg_names
+        }
         aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.arg_names) if p in pointers}
-        ptx = triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
-                             target=GPUTarget("cuda", 90, 32),
-                             options=dict(num_warps=launch["num_warps"], maxnreg=launch["maxnreg"])).asm["ptx"]
+        ptx = triton.compile(
+            GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=launch["num_warps"], maxnreg=launch["maxnreg"]),
+        ).asm["ptx"]
         budgets = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
         assert {24, attention_sm90.SM90_CORE_CONSUMER_REGS} <= budgets, (dtype, d, flags, sorted(budgets))
         # dq added by TMA reductions, or (without DQ) not at all
         assert ("cp.reduce.async.bulk.tensor" in ptx) == constants["DQ"], (dtype, d, flags)
         (tmp_path / "bwd.ptx").write_text(ptx)
-        report = subprocess.run([knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "bwd.ptx"), "-o",
-                                 str(tmp_path / "bwd.cubin")], capture_output=True, text=True, check=True).stderr
+        report = subprocess.run(
+            [
+                knobs.nvidia.ptxas.path,
+                "-v",
+                "-arch=sm_90a",
+                str(tmp_path / "bwd.ptx"),
+                "-o",
+                str(tmp_path / "bwd.cubin"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
         # Masks, the causal order and block lists add loop-invariant set-up values (batch, head, tile,
         # list pointers) that ptxas keeps in local memory at the consumers' 168 registers: 4-52 bytes,
         # reloaded from L1 at most twice a 64-query step. The dense kernel keeps one (the tile's first key,
@@ -532,8 +679,16 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         wide = constants["STEP"] > 64
         assert stored <= (80 if wide else 64) and loaded <= (112 if wide else 96), (dtype, d, flags, report)
         if flags in (dict(), dict(DQ=False), dict(SPLIT=True)):  # dense
-            sass = subprocess.run([os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump"), "-sass",
-                                   str(tmp_path / "bwd.cubin")], capture_output=True, text=True, check=True).stdout
+            sass = subprocess.run(
+                [
+                    os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump"),
+                    "-sass",
+                    str(tmp_path / "bwd.cubin"),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             # (a spilled tile would be 32-64 accesses a step: these bounds pass only scalars)
             bound = 4 if constants["STEP"] > 64 and constants["DQ"] else 0
             assert len(_spills_in_loops_with_mma(sass)) <= bound, (dtype, d, _spills_in_loops_with_mma(sass))
@@ -552,9 +707,12 @@ def _sass_loops(sass: str) -> tuple:
     code = [(int(at, 16), op) for at, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     assert code, "no SASS instructions parsed"
     ends = [at for at, op in code if re.match(r"(@!?U?P\w+\s+)?(EXIT|USETMAXREG)\b", op.strip())]
-    loops = [(int(m.group(1), 16), at) for at, op in code
-             for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", op)]
-             if m and int(m.group(1), 16) <= at and not any(int(m.group(1), 16) <= e <= at for e in ends)]
+    loops = [
+        (int(m.group(1), 16), at)
+        for at, op in code
+        for m in [re.search(r"\bBRA\s+0x([0-9a-f]+)", op)]
+        if m and int(m.group(1), 16) <= at and not any(int(m.group(1), 16) <= e <= at for e in ends)
+    ]
     assert loops, "no loop found: the SASS format changed"
     return code, loops
 
@@ -563,8 +721,11 @@ def _spills_in(code: list, spans: list) -> list:
     """The local-memory loads and stores (spills) of ``code`` inside any of ``spans``."""
     import re
 
-    return [(hex(at), op) for at, op in code
-            if re.search(r"\b(STL|LDL)\b", op) and any(start <= at <= end for start, end in spans)]
+    return [
+        (hex(at), op)
+        for at, op in code
+        if re.search(r"\b(STL|LDL)\b", op) and any(start <= at <= end for start, end in spans)
+    ]
 
 
 def _spills_in_loops_with_mma(sass: str) -> list:

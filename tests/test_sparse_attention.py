@@ -1,6 +1,7 @@
 """Sparse self-attention through compile_ops.patch(model, attention=...): Wan and
 LTX-Video, against the dense patched model (a window covering the grid) and
 against dense attention under the same explicit token mask (smaller windows)."""
+
 import copy
 import itertools
 
@@ -21,27 +22,56 @@ TOL = dict(rtol=2e-3, atol=2e-3) if HAS_CUDA else dict(rtol=1e-4, atol=1e-5)
 def _wan():
     torch.manual_seed(0)
     model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-        text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=64)
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64,
+    )
 
     def inputs(frames, side, timestep=500):
         # frames x side/2 x side/2 tokens
-        return dict(hidden_states=torch.randn(1, 4, frames, side, side), encoder_hidden_states=torch.randn(1, 6, 16),
-                    timestep=torch.tensor([timestep]))
+        return dict(
+            hidden_states=torch.randn(1, 4, frames, side, side),
+            encoder_hidden_states=torch.randn(1, 6, 16),
+            timestep=torch.tensor([timestep]),
+        )
+
     return model, inputs, lambda frames, side: (frames, side // 2, side // 2)
 
 
 def _ltx():
     torch.manual_seed(0)
     model = diffusers.LTXVideoTransformer3DModel(
-        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
-        cross_attention_dim=16, num_layers=1, caption_channels=16)
+        in_channels=4,
+        out_channels=4,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        num_layers=1,
+        caption_channels=16,
+    )
 
     def inputs(frames, side, timestep=500):
-        return dict(hidden_states=torch.randn(1, frames * side * side, 4), encoder_hidden_states=torch.randn(1, 6, 16),
-                    timestep=torch.tensor([timestep]), encoder_attention_mask=torch.ones(1, 6),
-                    num_frames=frames, height=side, width=side)
+        return dict(
+            hidden_states=torch.randn(1, frames * side * side, 4),
+            encoder_hidden_states=torch.randn(1, 6, 16),
+            timestep=torch.tensor([timestep]),
+            encoder_attention_mask=torch.ones(1, 6),
+            num_frames=frames,
+            height=side,
+            width=side,
+        )
+
     return model, inputs, lambda frames, side: (frames, side, side)
 
 
@@ -50,14 +80,32 @@ def _hunyuan():
     the last two of its 12 text tokens are padding (a key-length mask)."""
     torch.manual_seed(0)
     model = diffusers.HunyuanVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1, num_single_layers=1,
-        num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True, text_embed_dim=16,
-        pooled_projection_dim=8, rope_axes_dim=(2, 4, 4), image_condition_type=None)
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=10,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=1,
+        patch_size_t=1,
+        guidance_embeds=True,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 4, 4),
+        image_condition_type=None,
+    )
 
     def inputs(frames, side, timestep=500):
-        return dict(hidden_states=torch.randn(1, 4, frames, side, side), timestep=torch.tensor([float(timestep)]),
-                    encoder_hidden_states=torch.randn(1, 12, 16), pooled_projections=torch.randn(1, 8),
-                    encoder_attention_mask=torch.tensor([[1.0] * 10 + [0.0] * 2]), guidance=torch.tensor([300.0]))
+        return dict(
+            hidden_states=torch.randn(1, 4, frames, side, side),
+            timestep=torch.tensor([float(timestep)]),
+            encoder_hidden_states=torch.randn(1, 12, 16),
+            pooled_projections=torch.randn(1, 8),
+            encoder_attention_mask=torch.tensor([[1.0] * 10 + [0.0] * 2]),
+            guidance=torch.tensor([300.0]),
+        )
+
     return model, inputs, lambda frames, side: (frames, side, side)
 
 
@@ -77,8 +125,12 @@ def _pair(name, config):
 
 
 def _forward_backward(model, args):
-    args = {k: v.clone().requires_grad_(k == "hidden_states") if isinstance(v, torch.Tensor) and v.is_floating_point()
-            else v for k, v in args.items()}
+    args = {
+        k: v.clone().requires_grad_(k == "hidden_states")
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+        else v
+        for k, v in args.items()
+    }
     out = model(**args).sample
     out.square().mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -109,12 +161,13 @@ def _dense_under_lists(index, count, perm, query, key, value, kv_lengths=None):
     block = position // 128  # each token's block in the permuted sequence
     listed = torch.zeros(*index.shape[:3], index.shape[2], dtype=torch.bool, device=query.device)
     for b, h, i in itertools.product(*(range(n) for n in index.shape[:3])):  # each list's first `count` blocks
-        listed[b, h, i, index[b, h, i, :count[b, h, i]].long()] = True
+        listed[b, h, i, index[b, h, i, : count[b, h, i]].long()] = True
     mask = listed[:, :, block[:, None], block[None, :]]  # [B or 1, H or 1, L, L]
     if kv_lengths is not None:
         mask = mask & (torch.arange(length, device=query.device) < kv_lengths[:, None, None, None])
-    out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)),
-                                                           attn_mask=mask)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (query, key, value)), attn_mask=mask
+    )
     return out.transpose(1, 2)
 
 
@@ -128,9 +181,15 @@ RADIAL_SIZES = {"wan": (4, 64), "ltx": (4, 32), "hunyuan": (4, 32)}
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("config", [compile_ops.SlidingTile(window=(1, 2, 1), tile=(2, 8, 8)),
-                                    compile_ops.SlidingTile(window=(1, 1, 1), tile=(1, 4, 8)),
-                                    compile_ops.Radial(dense_frames=1)], ids=["sta-2x", "sta-ragged", "radial"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        compile_ops.SlidingTile(window=(1, 2, 1), tile=(2, 8, 8)),
+        compile_ops.SlidingTile(window=(1, 1, 1), tile=(1, 4, 8)),
+        compile_ops.Radial(dense_frames=1),
+    ],
+    ids=["sta-2x", "sta-ragged", "radial"],
+)
 def test_a_smaller_window_is_dense_attention_under_the_same_explicit_mask(name, config):
     _, sparse_model, report, inputs, grid = _pair(name, config)
     reference = copy.deepcopy(sparse_model)
@@ -144,6 +203,7 @@ def test_a_smaller_window_is_dense_attention_under_the_same_explicit_mask(name, 
                 assert text_tokens == plan.layout.text_tokens and not fp8_rows and parallel is None  # bf16, 1 rank
                 layouts.append(plan.layout)
                 return _masked_reference(plan.layout, query, key, value, kv_lengths)
+
             processor.attend_self = masked
     size = RADIAL_SIZES[name] if isinstance(config, compile_ops.Radial) else MODELS[name][1]
     args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(*size).items()}
@@ -168,7 +228,7 @@ def test_text_after_the_video_is_attended_by_all_and_attends_to_all(video_grid, 
     n = -(-(video + text) // 128)
     listed = torch.zeros(n, n, dtype=torch.bool)
     for i in range(n):
-        listed[i, layout.index[0, 0, i, :layout.count[0, 0, i]].long()] = True
+        listed[i, layout.index[0, 0, i, : layout.count[0, 0, i]].long()] = True
     perm, video_mask = bs.sliding_tile_block_mask(*video_grid, config.tile, config.window)
     first_text = video // 128
     assert torch.equal(layout.perm, torch.cat([perm, torch.arange(video, video + text)]))
@@ -182,8 +242,9 @@ def test_dense_steps_keep_the_first_steps_dense_and_a_new_generation_restarts():
     plan, seen = report.sparse_attention, []
     with torch.no_grad():
         for t in (900, 900, 800, 700, 600, 950, 900):  # CFG repeats a timestep; 950 starts a new generation
-            sparse_model(**{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
-                            for k, v in inputs(4, 32, timestep=t).items()})
+            sparse_model(
+                **{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(4, 32, timestep=t).items()}
+            )
             seen.append(plan.layout is not None)
     assert seen == [False, False, False, True, True, False, False], seen
 
@@ -207,8 +268,9 @@ def test_the_permutation_and_layouts_are_built_once_per_grid(monkeypatch):
     monkeypatch.setattr(sparse, "sliding_tile_block_mask", lambda *a, **k: builds.append(a) or original(*a, **k))
     with torch.no_grad():
         for frames, side in ((4, 32), (4, 32), (2, 32), (4, 32)):
-            sparse_model(**{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
-                            for k, v in inputs(frames, side).items()})
+            sparse_model(
+                **{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(frames, side).items()}
+            )
     assert [a[:3] for a in builds] == [(4, 16, 16), (2, 16, 16)], builds
 
 
@@ -222,9 +284,17 @@ def test_configurations_that_do_not_fit_raise_by_name():
         compile_ops.Radial(dense_steps=-1)
     with pytest.raises(ValueError, match=r"coverage must be in \(0, 1\]"):
         compile_ops.TopK(coverage=1.5)
-    flux = diffusers.FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
-                                            attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                                            pooled_projection_dim=16, axes_dims_rope=(2, 2, 4))
+    flux = diffusers.FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        pooled_projection_dim=16,
+        axes_dims_rope=(2, 2, 4),
+    )
     with pytest.raises(TypeError, match="sparse attention covers WanTransformer3DModel"):
         compile_ops.patch(flux, attention=compile_ops.SlidingTile())
     with pytest.raises(TypeError, match="attention must be one of SlidingTile, Radial, TopK"):
@@ -255,10 +325,20 @@ def test_topk_is_dense_attention_under_the_lists_it_chose():
             if replace == "dense":
                 processor.sparse = None
             else:
-                def masked(query, key, value, text_tokens=0, kv_lengths=None, fp8_rows=False, parallel=None,
-                           plan=processor.sparse):
+
+                def masked(
+                    query,
+                    key,
+                    value,
+                    text_tokens=0,
+                    kv_lengths=None,
+                    fp8_rows=False,
+                    parallel=None,
+                    plan=processor.sparse,
+                ):
                     assert not fp8_rows and parallel is None  # a bf16 model, one rank
                     return _topk_reference(plan.layout, query, key, value)
+
                 processor.attend_self = masked
     args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(4, 32).items()}
     with torch.no_grad():
@@ -282,14 +362,15 @@ def test_regional_compile_fullgraph_compiles_once_per_mode_across_resolutions(na
     for block in blocks:
         block.compile(backend=counter, fullgraph=True, dynamic=True)
     eager = copy.deepcopy(sparse_model)
-    for block in (eager.blocks if name == "wan" else eager.transformer_blocks):
+    for block in eager.blocks if name == "wan" else eager.transformer_blocks:
         block._compiled_call_impl = None
     frames, side = MODELS[name][1]
     with torch.no_grad():
         for size in ((frames, side), (frames // 2, side * 3 // 2)):  # two grids
             for t in (900, 800):  # dense (first step), sparse
-                args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
-                        for k, v in inputs(*size, timestep=t).items()}
+                args = {
+                    k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs(*size, timestep=t).items()
+                }
                 torch.testing.assert_close(sparse_model(**args).sample, eager(**args).sample, **TOL)
     assert len(report.sparse_attention.layouts) == 2  # both grids ran sparse
     assert counter.frame_count == 2, counter.frame_count  # one per mode

@@ -8,6 +8,7 @@ that ran; the patched model must compile with fullgraph and not recompile
 across sequence lengths; state dict keys, ``.to()``, ``isinstance`` and the
 KV cache must work as before; the report must name what was replaced and left.
 """
+
 import copy
 from collections import Counter
 
@@ -27,11 +28,20 @@ VOCAB = 64
 
 def _config(name, **overrides):
     # GQA (4 query heads, 2 key/value heads), head dim 8; Qwen2's q/k/v biases.
-    sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
+    sizes = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }
     config_cls, model_cls = classes[name]
     return model_cls, config_cls(**{**sizes, **overrides})
 
@@ -88,8 +98,9 @@ def test_bf16_patched_model_is_within_the_tolerance_policy_of_the_unpatched_one(
         return logits.double(), m.model.embed_tokens.weight.grad.double()
 
     exact_results, patched_results, unpatched_results = run(exact), run(patched), run(model)
-    for what, want, got, base, factor in zip(("logits", "embedding gradient"), exact_results, patched_results,
-                                             unpatched_results, (2, 3)):
+    for what, want, got, base, factor in zip(
+        ("logits", "embedding gradient"), exact_results, patched_results, unpatched_results, (2, 3)
+    ):
         err, base_err = ((t - want).norm() / want.norm() for t in (got, base))
         assert err <= factor * base_err + 1e-3, f"{name} {what}: {err:.2e} against the unpatched {base_err:.2e}"
 
@@ -126,7 +137,10 @@ def test_report_names_what_was_replaced_and_what_was_left():
 
     _, patched, report = _pair("qwen2")
     assert {what for _, what, _ in report.replaced} == {
-        "transformers Qwen2RMSNorm", "transformers Qwen2MLP", "transformers Qwen2Attention"}
+        "transformers Qwen2RMSNorm",
+        "transformers Qwen2MLP",
+        "transformers Qwen2Attention",
+    }
 
     model = _model("llama")
     report = compile_ops.patch(model, attention_processors=False)

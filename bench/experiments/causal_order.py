@@ -18,6 +18,7 @@ The sweep behind ``ops.attention_tiles.causal_order`` (docs/notes/attention-forw
 "Causal programs, longest first"; ``bench/results/attention-causal-order-sweep-h100.json``)
 ran this schedule.
 """
+
 import argparse
 import sys
 
@@ -69,8 +70,9 @@ def main(argv=None) -> int:
     rows = []
     try:
         for b, h, length, d in SHAPES:
-            q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                       for _ in range(3))
+            q, k, v = (
+                torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+            )
             flops = 2 * b * h * length * length * d  # causal: half of 4 B H L^2 D
             reference = None
             for rnd in range(args.rounds):
@@ -98,11 +100,20 @@ def main(argv=None) -> int:
                         if not torch.equal(out, reference):
                             raise AssertionError(f"group {group}: output differs from the first group's")
                     r = measure(fn, q, k, v, timer)
-                    row = dict(shape=[b, h, length, d], group="all" if group is None else group, round=rnd,
-                               launch_order_passes=skip, fwd_TFLOPs=flops / r["fwd_ms"] / 1e9,
-                               fwdbwd_TFLOPs=3.5 * flops / r["fwdbwd_ms"] / 1e9, **r)
-                    print(f"{b}x{h}x{length}x{d} {row['group']!s:>6} r{rnd} fwd {row['fwd_TFLOPs']:.0f} "
-                          f"fwd+bwd {row['fwdbwd_TFLOPs']:.0f}", flush=True)
+                    row = dict(
+                        shape=[b, h, length, d],
+                        group="all" if group is None else group,
+                        round=rnd,
+                        launch_order_passes=skip,
+                        fwd_TFLOPs=flops / r["fwd_ms"] / 1e9,
+                        fwdbwd_TFLOPs=3.5 * flops / r["fwdbwd_ms"] / 1e9,
+                        **r,
+                    )
+                    print(
+                        f"{b}x{h}x{length}x{d} {row['group']!s:>6} r{rnd} fwd {row['fwd_TFLOPs']:.0f} "
+                        f"fwd+bwd {row['fwdbwd_TFLOPs']:.0f}",
+                        flush=True,
+                    )
                     rows.append(row)
             del q, k, v
             torch.cuda.empty_cache()

@@ -23,6 +23,7 @@ takes 32, so a deeper ring fits; and a launch whose items leave a last
 round part-empty (1x24x4608: 864 items, 6 rounds of 132 and 72) can split
 those items along the queries.
 """
+
 import argparse
 import json
 
@@ -37,8 +38,13 @@ SHAPES = "1x24x4608x128,1x24x4592x128,2x24x4096x64,1x24x4429x64,1x12x32760x128,1
 
 
 #: The launch options as ``compile_ops`` sets them, which ``default`` restores.
-DEFAULTS = (attention_sm90.SM90_BACKWARD_STAGES, attention_sm90.TAIL_SPLIT_GAIN, attention_sm90.SM90_DKDV,
-            dict(attention_sm90.SM90_BACKWARD_STEPS), attention_sm90.SM90_DKDV_PERSISTENT)
+DEFAULTS = (
+    attention_sm90.SM90_BACKWARD_STAGES,
+    attention_sm90.TAIL_SPLIT_GAIN,
+    attention_sm90.SM90_DKDV,
+    dict(attention_sm90.SM90_BACKWARD_STEPS),
+    attention_sm90.SM90_DKDV_PERSISTENT,
+)
 
 
 def configure(variant: str, d: int = 128) -> None:
@@ -59,9 +65,12 @@ def main(argv=None) -> int:
     p.add_argument("out")
     p.add_argument("--shapes", default=SHAPES)
     p.add_argument("--variants", default="default,unsplit")
-    p.add_argument("--deterministic-variants", default="default",
-                   help="the deterministic backward's: default, triton_dkdv (its dk/dv pass in triton.language), "
-                        "unpersistent, step=N")
+    p.add_argument(
+        "--deterministic-variants",
+        default="default",
+        help="the deterministic backward's: default, triton_dkdv (its dk/dv pass in triton.language), "
+        "unpersistent, step=N",
+    )
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     timer = make_timer(False)
@@ -71,17 +80,25 @@ def main(argv=None) -> int:
         causal = text.endswith("c")
         b, h, length, d = (int(x) for x in text.rstrip("c").split("x"))
         chosen = providers(causal)
-        q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+        )
         grad = torch.randn_like(q)
-        flops = 3.5 * 4 * b * h * length ** 2 * d * (0.5 if causal else 1.0)
+        flops = 3.5 * 4 * b * h * length**2 * d * (0.5 if causal else 1.0)
         runs = [("sdpa_cudnn", chosen["sdpa_cudnn"], None, True), ("sdpa_flash", chosen["sdpa_flash"], None, True)]
-        runs += [(f"deterministic_{variant}", chosen["fused_eager"], variant, True)
-                 for variant in args.deterministic_variants.split(",") if variant]
-        runs += [(f"five_product_{variant}", chosen["fused_eager"], variant, False)
-                 for variant in args.variants.split(",") if variant]
+        runs += [
+            (f"deterministic_{variant}", chosen["fused_eager"], variant, True)
+            for variant in args.deterministic_variants.split(",")
+            if variant
+        ]
+        runs += [
+            (f"five_product_{variant}", chosen["fused_eager"], variant, False)
+            for variant in args.variants.split(",")
+            if variant
+        ]
         for rnd in range(args.rounds):
             for name, fn, variant, deterministic in runs:
+
                 def step(fn=fn):
                     fn(q, k, v).backward(grad)
                     q.grad = k.grad = v.grad = None
@@ -94,14 +111,27 @@ def main(argv=None) -> int:
                 finally:
                     compile_ops.set_attention_backward(deterministic=True)
                     configure("default")
-                rows.append(dict(shape=[b, h, length, d], causal=causal, round=rnd, provider=name, fwdbwd_ms=ms,
-                                 fwdbwd_TFLOPs=flops / ms / 1e9))
+                rows.append(
+                    dict(
+                        shape=[b, h, length, d],
+                        causal=causal,
+                        round=rnd,
+                        provider=name,
+                        fwdbwd_ms=ms,
+                        fwdbwd_TFLOPs=flops / ms / 1e9,
+                    )
+                )
                 print(json.dumps(rows[-1]), flush=True)
         del q, k, v, grad
         torch.cuda.empty_cache()
         write_rows(args.out, rows)  # after every shape: a run stopped midway keeps what it measured
-    assert (attention_sm90.SM90_BACKWARD_STAGES, attention_sm90.TAIL_SPLIT_GAIN, attention_sm90.SM90_DKDV,
-            attention_sm90.SM90_BACKWARD_STEPS, attention_sm90.SM90_DKDV_PERSISTENT) == DEFAULTS, "configure drifted"
+    assert (
+        attention_sm90.SM90_BACKWARD_STAGES,
+        attention_sm90.TAIL_SPLIT_GAIN,
+        attention_sm90.SM90_DKDV,
+        attention_sm90.SM90_BACKWARD_STEPS,
+        attention_sm90.SM90_DKDV_PERSISTENT,
+    ) == DEFAULTS, "configure drifted"
     return 0
 
 

@@ -11,6 +11,7 @@ with the items. This script times ``compile_ops.attention``'s forward
 (CUDA-graph replays) and SDPA's cuDNN backend at one length over a range of
 head counts, with the item and round counts beside each time.
 """
+
 import argparse
 import json
 import math
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
         for h in (int(x) for x in args.heads.split(",")):
             q, k, v = (torch.randn(1, h, args.length, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             items = math.ceil(args.length / 128) * h
-            flops = 4 * h * args.length ** 2 * 128
+            flops = 4 * h * args.length**2 * 128
 
             def ours():
                 with torch.no_grad():
@@ -51,9 +52,19 @@ def main(argv=None) -> int:
 
             for name, fn in (("fused_eager", ours), ("sdpa_cudnn", cudnn)):
                 ms = graph_replay_time(fn, timer)
-                rows.append(dict(round=rnd, heads=h, length=args.length, items=items,
-                                 waves=items / sms, provider=name, fwd_ms=ms,
-                                 fwd_TFLOPs=flops / ms / 1e9, ms_per_full_wave=ms / math.ceil(items / sms)))
+                rows.append(
+                    dict(
+                        round=rnd,
+                        heads=h,
+                        length=args.length,
+                        items=items,
+                        waves=items / sms,
+                        provider=name,
+                        fwd_ms=ms,
+                        fwd_TFLOPs=flops / ms / 1e9,
+                        ms_per_full_wave=ms / math.ceil(items / sms),
+                    )
+                )
                 print(json.dumps(rows[-1]), flush=True)
     write_rows(args.out, rows)
     return 0

@@ -14,6 +14,7 @@ SDPA's cuDNN backend; then each variant's relative L2 to the
 specification (``reference.attention.attention_int8_fp8``) and to fp64
 attention, on one head's first 4096 queries.
 """
+
 import argparse
 import json
 
@@ -32,6 +33,7 @@ def _tiles(dot_acc: bool):
     def tiles(d, dtype, tma=False, precision="exact", wgmma=False):
         t = _DEFAULT_TILES(d, dtype, tma, precision)
         return attention_tiles.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, tma=t.tma, dot_acc=dot_acc)
+
     return tiles
 
 
@@ -53,7 +55,7 @@ def main() -> None:
     rows = []
     for b, h, length, d in SHAPES:
         q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        scale = d ** -0.5
+        scale = d**-0.5
         flops = 4 * b * h * length * length * d
         out = torch.empty_like(q)
         row = {"shape": [b, h, length, d], "TFLOPs": {}}
@@ -62,8 +64,9 @@ def main() -> None:
         for dot_acc in (False, True):
             tag = "dot_acc" if dot_acc else "two_level"
             calls[f"kernel_{tag}"] = lambda dot_acc=dot_acc: _launch(pre, v, out, scale, dot_acc)
-            calls[f"op_{tag}"] = lambda dot_acc=dot_acc: _launch(attention_8bit.quantized_operands(q, k, v, 2, True),
-                                                                 v, out, scale, dot_acc)
+            calls[f"op_{tag}"] = lambda dot_acc=dot_acc: _launch(
+                attention_8bit.quantized_operands(q, k, v, 2, True), v, out, scale, dot_acc
+            )
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             for _ in range(args.rounds):
                 for name, fn in calls.items():

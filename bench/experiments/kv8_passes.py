@@ -18,6 +18,7 @@ whole ``fused.attention_int8_fp8`` op in TFLOP/s beside SDPA's cuDNN backend
 in the same process; every variant's operands against the first variant's
 (v bit-identical, k's int8 within 1: its mean is summed in another order).
 """
+
 import argparse
 import json
 
@@ -39,8 +40,11 @@ VARIANTS = {
     "512-key chunks": dict(STAT_CHUNK_ROWS=512),
     "2048-key chunks": dict(STAT_CHUNK_ROWS=2048),
 }
-_DEFAULTS = {name: getattr(attention_8bit, name) for name in ("STAT_CHUNK_ROWS", "STAT_STEP", "MAX_STAT_CHUNKS")
-             if hasattr(attention_8bit, name)}
+_DEFAULTS = {
+    name: getattr(attention_8bit, name)
+    for name in ("STAT_CHUNK_ROWS", "STAT_STEP", "MAX_STAT_CHUNKS")
+    if hasattr(attention_8bit, name)
+}
 
 
 def _configure(variant):
@@ -58,13 +62,20 @@ def sweep(shapes, timer) -> list:
     replay of the quantizing pass is not separable, so the kernel's share
     comes from ``kernel_profile``)."""
     rows = []
-    default_rows, default_step, default_launch = (attention_8bit.stat_rows_per_chunk, attention_8bit.STAT_STEP,
-                                                  dict(attention_8bit.STATS_LAUNCH))
+    default_rows, default_step, default_launch = (
+        attention_8bit.stat_rows_per_chunk,
+        attention_8bit.STAT_STEP,
+        dict(attention_8bit.STATS_LAUNCH),
+    )
     for b, h, length, d in shapes:
         torch.manual_seed(0)
         k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        row = {"shape": [b, h, length, d], "default_rows_per_chunk": default_rows(length),
-               "quantize_us": {}, "stats_us": {}}
+        row = {
+            "shape": [b, h, length, d],
+            "default_rows_per_chunk": default_rows(length),
+            "quantize_us": {},
+            "stats_us": {},
+        }
         for step in (32, 64, 128):
             for warps in (4, 8):
                 for chunk in (128, 192, 256, 320, 384, 448, 512, 640, 768, 1024, 1536, 2048):
@@ -75,10 +86,12 @@ def sweep(shapes, timer) -> list:
                     attention_8bit.stat_rows_per_chunk = lambda lk, chunk=chunk: chunk
                     key = f"step {step}, {warps} warps, {chunk} rows"
                     row["quantize_us"][key] = 1e3 * graph_replay_time(
-                        lambda: attention_8bit.quantize_8bit(k, v, 2), timer)
+                        lambda: attention_8bit.quantize_8bit(k, v, 2), timer
+                    )
                     profile = kernel_profile(lambda: attention_8bit.quantize_8bit(k, v, 2))
-                    row["stats_us"][key] = 1e3 * sum(ms for name, ms, _ in profile["top"]
-                                                     if name.startswith("kv8_stats"))
+                    row["stats_us"][key] = 1e3 * sum(
+                        ms for name, ms, _ in profile["top"] if name.startswith("kv8_stats")
+                    )
         attention_8bit.stat_rows_per_chunk, attention_8bit.STAT_STEP = default_rows, default_step
         attention_8bit.STATS_LAUNCH = default_launch
         best = min(row["quantize_us"], key=row["quantize_us"].get)
@@ -117,29 +130,48 @@ def main() -> None:
             got = attention_8bit.quantize_8bit(k, v, 2)
             k_diff = (got[0].int() - want[0].int()).abs()
             row["agreement"][variant] = {
-                "k8 max diff": int(k_diff.max()), "k8 differing": float((k_diff > 0).float().mean()),
-                "v bit-identical": bool(torch.equal(got[2].view(torch.uint8), want[2].view(torch.uint8))
-                                        and torch.equal(got[3], want[3])),
-                "k_scale max rel": float(((got[1] - want[1]).abs() / want[1]).max())}
+                "k8 max diff": int(k_diff.max()),
+                "k8 differing": float((k_diff > 0).float().mean()),
+                "v bit-identical": bool(
+                    torch.equal(got[2].view(torch.uint8), want[2].view(torch.uint8)) and torch.equal(got[3], want[3])
+                ),
+                "k_scale max rel": float(((got[1] - want[1]).abs() / want[1]).max()),
+            }
         flops = 4 * b * h * length * length * d
         for _ in range(args.rounds):
             for variant in variants:
                 _configure(variant)
                 row["quantize_us"].setdefault(variant, []).append(
-                    1e3 * graph_replay_time(lambda: attention_8bit.quantize_8bit(k, v, 2), timer))
-                row["op_TFLOPs"].setdefault(variant, []).append(flops / 1e9 / graph_replay_time(
-                    lambda: torch.ops.fused.attention_int8_fp8(q, k, v, d ** -0.5, False, 2, None), timer))
+                    1e3 * graph_replay_time(lambda: attention_8bit.quantize_8bit(k, v, 2), timer)
+                )
+                row["op_TFLOPs"].setdefault(variant, []).append(
+                    flops
+                    / 1e9
+                    / graph_replay_time(
+                        lambda: torch.ops.fused.attention_int8_fp8(q, k, v, d**-0.5, False, 2, None), timer
+                    )
+                )
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                row["op_TFLOPs"].setdefault("cuDNN bf16", []).append(flops / 1e9 / graph_replay_time(
-                    lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), timer))
+                row["op_TFLOPs"].setdefault("cuDNN bf16", []).append(
+                    flops
+                    / 1e9
+                    / graph_replay_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), timer)
+                )
         _configure(variants[0])
         row["kernels"] = kernel_profile(lambda: attention_8bit.quantize_8bit(k, v, 2))
         print(json.dumps(row), flush=True)
         rows.append(row)
     with open(args.out, "w") as f:
-        json.dump({"environment": environment(), "variants": {k: repr(v) for k, v in VARIANTS.items()},
-                   "defaults": repr(_DEFAULTS),
-                   "rows": rows}, f, indent=1)
+        json.dump(
+            {
+                "environment": environment(),
+                "variants": {k: repr(v) for k, v in VARIANTS.items()},
+                "defaults": repr(_DEFAULTS),
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

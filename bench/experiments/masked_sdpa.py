@@ -6,6 +6,7 @@ cuDNN unmasked beside them; forward, bf16, CUDA-graph replays:
 
     PYTHONPATH=. python bench/experiments/masked_sdpa.py OUT.json
 """
+
 import json
 import sys
 
@@ -45,8 +46,9 @@ for b, h, video, text, valid in [(1, 24, 4352, 256, 77), (1, 24, 16384, 256, 77)
         except Exception as e:  # noqa: BLE001
             print(name, "failed:", type(e).__name__, str(e)[:200], flush=True)
             ms = float("nan")
-        R["rows"].append(dict(shape=[b, h, L, 128], kv_len=video + valid, provider=name, ms=ms,
-                              TFLOPs=flops / ms / 1e9))
+        R["rows"].append(
+            dict(shape=[b, h, L, 128], kv_len=video + valid, provider=name, ms=ms, TFLOPs=flops / ms / 1e9)
+        )
         print(f"{b}x{h}x{L} kv {video + valid}: {name:36s} {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
     del q, k, v
 R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)

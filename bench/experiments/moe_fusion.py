@@ -14,6 +14,7 @@ is commit 07bc05a (``two_launches=K.py,O.py`` from ``git show 07bc05a:...``),
 ``bench/results/moe-fusion-two-launches-h100.json`` its run (its ``committed``
 row is 07bc05a, ``three_launches`` the committed kernels).
 """
+
 import importlib.util
 import sys
 
@@ -33,9 +34,12 @@ def version_launch(label, kernels_path, ops_path):
     start = source.index("@dataclass(frozen=True)")
     end = source.index("# ---------------------------------------------------------------- ops")
     namespace = {"__name__": f"moe_ops_{label}"}
-    exec("from dataclasses import dataclass\nimport torch, triton\nfrom torch import Tensor\n"
-         "from compile_ops._library import launcher\n"
-         "from compile_ops.ops._launch import TRITON_DTYPES, acc_dtype, dot_precision\n", namespace)
+    exec(
+        "from dataclasses import dataclass\nimport torch, triton\nfrom torch import Tensor\n"
+        "from compile_ops._library import launcher\n"
+        "from compile_ops.ops._launch import TRITON_DTYPES, acc_dtype, dot_precision\n",
+        namespace,
+    )
     namespace.update({k: getattr(kernels, k) for k in dir(kernels) if k.endswith("_kernel")})
     exec(source[start:end], namespace)
     return namespace["_launch_route"]
@@ -51,12 +55,14 @@ def main(out_path, *versions):
     for op, (t, h, e) in {"moe_route": (4096, 4096, 64), "moe_route_hidream": (4096, 2560, 4)}.items():
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
-        w = torch.randn(e, h, device="cuda", dtype=torch.bfloat16, generator=g) * h ** -0.5
+        w = torch.randn(e, h, device="cuda", dtype=torch.bfloat16, generator=g) * h**-0.5
         outs = meta.moe.moe_route(x, w, 2, True)
         committed = None
         for label, launch_route in launchers.items():
+
             def launch(launch_route=launch_route):
                 launch_route(x, w, 2, True, outs)
+
             for o in outs:
                 o.fill_(-1)
             launch()

@@ -14,6 +14,7 @@ alternated: ``compile_ops.attention`` eager and compiled
 (``bench.runners.attention.providers``) and SDPA's cuDNN backend, forward, CUDA-graph
 replays.
 """
+
 import argparse
 import json
 
@@ -22,8 +23,10 @@ import torch
 from bench.runners.attention import providers
 from bench.toolkit import graph_replay_time, make_timer, warm_up_gpu, write_rows
 
-SHAPES = ("1x24x4608x128,1x24x4544x128,1x24x4592x128,1x24x4429x128,1x24x4112x128,1x24x2816x128,1x24x6989x128,"
-          "1x24x12288x128,1x24x12345x128")
+SHAPES = (
+    "1x24x4608x128,1x24x4544x128,1x24x4592x128,1x24x4429x128,1x24x4112x128,1x24x2816x128,1x24x6989x128,"
+    "1x24x12288x128,1x24x12345x128"
+)
 
 
 def main(argv=None) -> int:
@@ -34,22 +37,32 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     timer = make_timer(False)
     warm_up_gpu()
-    chosen = {name: fn for name, fn in providers(False).items() if name in ("fused_eager", "fused_compiled",
-                                                                             "sdpa_cudnn")}
+    chosen = {
+        name: fn for name, fn in providers(False).items() if name in ("fused_eager", "fused_compiled", "sdpa_cudnn")
+    }
     rows = []
     for shape in (tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")):
         b, h, length, d = shape
         q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        flops = 4 * b * h * length ** 2 * d
+        flops = 4 * b * h * length**2 * d
         for rnd in range(args.rounds):
             for name, fn in chosen.items():
+
                 def forward(fn=fn):
                     with torch.no_grad():
                         fn(q, k, v)
 
                 ms = graph_replay_time(forward, timer)
-                rows.append(dict(shape=list(shape), round=rnd, provider=name, keys_mod_128=length % 128, fwd_ms=ms,
-                                 fwd_TFLOPs=flops / ms / 1e9))
+                rows.append(
+                    dict(
+                        shape=list(shape),
+                        round=rnd,
+                        provider=name,
+                        keys_mod_128=length % 128,
+                        fwd_ms=ms,
+                        fwd_TFLOPs=flops / ms / 1e9,
+                    )
+                )
                 print(json.dumps(rows[-1]), flush=True)
     write_rows(args.out, rows)
     return 0

@@ -18,6 +18,7 @@ The package is kept off the core in this process (``has_wgmma`` False), so
 (``ops.attention_sm90.launch_sm90_core``). Correctness is the GPU tests'
 (tests/test_attention.py: the core equals the portable kernel bit for bit or
 within one rounding). Timing: CUDA-graph replays, two alternated rounds."""
+
 import json
 import sys
 
@@ -32,32 +33,41 @@ from compile_ops.ops import attention_8bit, attention_launch, attention_sm90, at
 from compile_ops.ops import block_sparse as block_sparse_ops
 
 R = {"timing": []}
-SHAPES = [(1, 24, 4608, 128), (1, 12, 32760, 128), (1, 40, 16384, 128), (1, 12, 75600, 128), (2, 24, 4096, 128),
-          (2, 24, 4096, 64)]
+SHAPES = [
+    (1, 24, 4608, 128),
+    (1, 12, 32760, 128),
+    (1, 40, 16384, 128),
+    (1, 12, 75600, 128),
+    (2, 24, 4096, 128),
+    (2, 24, 4096, 64),
+]
 
 
 def core(q, k, v, out, lse, stages=2, causal=False, kv_lengths=None, lists=(None, None), scales=(None, None, None)):
     """The core launched directly, ``stages`` K/V buffers; q ``[B, H, L, D]``."""
     attention_tiles.SM90_CORE_STAGES = stages
-    attention_sm90.launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, q.shape[-1] ** -0.5, causal, 2,
-                                    kv_lengths, *lists, *scales)
+    attention_sm90.launch_sm90_core(
+        attn_fwd_sm90_kernel, q, k, v, out, lse, q.shape[-1] ** -0.5, causal, 2, kv_lengths, *lists, *scales
+    )
     attention_tiles.SM90_CORE_STAGES = 2
 
 
 def forced(fn, per_sm, tiles=None):
     """``fn`` (a direct core launch) on one program per SM or one per work
     item, and with the core's ``tiles`` (``ops.attention_tiles.Tiles``) where given."""
+
     def call():
         saved = attention_sm90.forward_tiles, attention_sm90._core_programs
         if tiles is not None:
             attention_sm90.forward_tiles = lambda *args, **kwargs: tiles
-        attention_sm90._core_programs = (
-            lambda q, items, causal, sparse: min(items, attention_sm90.multiprocessor_count(q)) if per_sm
-            else items)
+        attention_sm90._core_programs = lambda q, items, causal, sparse: (
+            min(items, attention_sm90.multiprocessor_count(q)) if per_sm else items
+        )
         try:
             fn()
         finally:
             attention_sm90.forward_tiles, attention_sm90._core_programs = saved
+
     return call
 
 
@@ -79,8 +89,9 @@ def time_rounds(cands, shape, flops, label, rep=200, rounds=2):
                 print(name, "failed", type(e).__name__, str(e)[-300:], flush=True)
                 ms = tf = float("nan")
             R["timing"].append(dict(case=label, shape=list(shape), provider=name, round=rnd, ms=ms, TFLOPs=tf))
-            print(f"{label} {'x'.join(map(str, shape))} round {rnd} {name:28s} {ms:8.3f} ms {tf:6.0f} TFLOP/s",
-                  flush=True)
+            print(
+                f"{label} {'x'.join(map(str, shape))} round {rnd} {name:28s} {ms:8.3f} ms {tf:6.0f} TFLOP/s", flush=True
+            )
 
 
 def dense_and_causal():
@@ -88,22 +99,40 @@ def dense_and_causal():
         q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
         flops = 4 * b * h * L * L * d
-        time_rounds({"cudnn": lambda: F.scaled_dot_product_attention(q, k, v),
-                     "portable": lambda: torch.ops.fused.attention(q, k, v, d ** -0.5, False, 2),
-                     "core 2 stages": lambda: core(q, k, v, out, lse, 2),
-                     "core 3 stages": lambda: core(q, k, v, out, lse, 3)}, (b, h, L, d), flops, "dense")
+        time_rounds(
+            {
+                "cudnn": lambda: F.scaled_dot_product_attention(q, k, v),
+                "portable": lambda: torch.ops.fused.attention(q, k, v, d**-0.5, False, 2),
+                "core 2 stages": lambda: core(q, k, v, out, lse, 2),
+                "core 3 stages": lambda: core(q, k, v, out, lse, 3),
+            },
+            (b, h, L, d),
+            flops,
+            "dense",
+        )
         if L <= 32760 and d == 128:
-            time_rounds({"cudnn causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                         "portable causal": lambda: torch.ops.fused.attention(q, k, v, d ** -0.5, True, 2),
-                         "core causal": lambda: core(q, k, v, out, lse, causal=True)}, (b, h, L, d), flops / 2,
-                        "causal")
+            time_rounds(
+                {
+                    "cudnn causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                    "portable causal": lambda: torch.ops.fused.attention(q, k, v, d**-0.5, True, 2),
+                    "core causal": lambda: core(q, k, v, out, lse, causal=True),
+                },
+                (b, h, L, d),
+                flops / 2,
+                "causal",
+            )
         if L == 4608:  # key lengths: 4096 + 77 of 4608 keys (a padded text + image batch)
             lengths = torch.full((b,), 4096 + 77, device="cuda", dtype=torch.int32)
             flops_kv = 4 * b * h * L * (4096 + 77) * d
-            time_rounds({"portable kv_lengths": lambda: torch.ops.fused.attention(q, k, v, d ** -0.5, False, 2,
-                                                                                   lengths),
-                         "core kv_lengths": lambda: core(q, k, v, out, lse, kv_lengths=lengths)}, (b, h, L, d),
-                        flops_kv, "kv_lengths")
+            time_rounds(
+                {
+                    "portable kv_lengths": lambda: torch.ops.fused.attention(q, k, v, d**-0.5, False, 2, lengths),
+                    "core kv_lengths": lambda: core(q, k, v, out, lse, kv_lengths=lengths),
+                },
+                (b, h, L, d),
+                flops_kv,
+                "kv_lengths",
+            )
         del q, k, v, out, lse
         torch.cuda.empty_cache()
 
@@ -120,11 +149,18 @@ def sparse():
         lists = block_sparse_ops._per_head(block_sparse_ops.ascending(index, count), count, b, h)
         kept = mask.float().mean().item()
         flops = 4 * b * h * L * L * d  # dense-equivalent: the speed-up over cuDNN dense is its ratio
-        time_rounds({"cudnn dense": lambda: F.scaled_dot_product_attention(q, k, v),
-                     "portable sparse": lambda: torch.ops.fused.block_sparse_attention(q, k, v, index, count,
-                                                                                         d ** -0.5, False, 2),
-                     "core sparse": lambda: core(q, k, v, out, lse, lists=lists)}, (b, h, L, d), flops,
-                    f"sparse {kept:.3f}")
+        time_rounds(
+            {
+                "cudnn dense": lambda: F.scaled_dot_product_attention(q, k, v),
+                "portable sparse": lambda: torch.ops.fused.block_sparse_attention(
+                    q, k, v, index, count, d**-0.5, False, 2
+                ),
+                "core sparse": lambda: core(q, k, v, out, lse, lists=lists),
+            },
+            (b, h, L, d),
+            flops,
+            f"sparse {kept:.3f}",
+        )
         del q, k, v, out, lse
         torch.cuda.empty_cache()
 
@@ -138,13 +174,16 @@ def eight_bit():
         vt8, v_scale = attention_8bit.fp8_values_transposed(v, 2)
         out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
         flops = 4 * b * h * L * L * d
-        cands = {"cudnn bf16": lambda: F.scaled_dot_product_attention(q, k, v),
-                 "portable int8_fp8": lambda: attention_launch.launch_forward(
-                     q8, k8, vt8, out, lse, d ** -0.5, False, 2, None, int8_scales=(q_scale, k_scale),
-                     v_scale=v_scale)}
+        cands = {
+            "cudnn bf16": lambda: F.scaled_dot_product_attention(q, k, v),
+            "portable int8_fp8": lambda: attention_launch.launch_forward(
+                q8, k8, vt8, out, lse, d**-0.5, False, 2, None, int8_scales=(q_scale, k_scale), v_scale=v_scale
+            ),
+        }
         for stages in (2, 3):
-            cands[f"core int8_fp8 {stages} stages"] = (lambda st=stages: core(
-                q8, k8, vt8, out, lse, st, scales=(q_scale, k_scale, v_scale)))
+            cands[f"core int8_fp8 {stages} stages"] = lambda st=stages: core(
+                q8, k8, vt8, out, lse, st, scales=(q_scale, k_scale, v_scale)
+            )
         time_rounds(cands, (b, h, L, d), flops, "int8_fp8")
         del q, k, v, q8, k8, vt8
         torch.cuda.empty_cache()
@@ -157,9 +196,13 @@ def waves():
         d = 128
         q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
-        time_rounds({"cudnn": lambda: F.scaled_dot_product_attention(q, k, v),
-                     "core": lambda: core(q, k, v, out, lse)}, (b, h, L, d), 4 * b * h * L * L * d, "waves",
-                    rounds=3)
+        time_rounds(
+            {"cudnn": lambda: F.scaled_dot_product_attention(q, k, v), "core": lambda: core(q, k, v, out, lse)},
+            (b, h, L, d),
+            4 * b * h * L * L * d,
+            "waves",
+            rounds=3,
+        )
         del q, k, v, out, lse
 
 
@@ -182,20 +225,29 @@ def persistent():
             cands = {"cudnn causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
             for per_sm in (False, True):
                 cands[f"core causal {'per SM' if per_sm else 'per item'}"] = forced(
-                    lambda: core(q, k, v, out, lse, causal=True), per_sm)
+                    lambda: core(q, k, v, out, lse, causal=True), per_sm
+                )
             time_rounds(cands, (b, h, L, d), flops / 2, "causal", rounds=2)
         if L == 4608:
             lengths = torch.full((b,), 4096 + 77, device="cuda", dtype=torch.int32)
-            cands = {f"core kv_lengths {'per SM' if per_sm else 'per item'}": forced(
-                lambda: core(q, k, v, out, lse, kv_lengths=lengths), per_sm) for per_sm in (False, True)}
+            cands = {
+                f"core kv_lengths {'per SM' if per_sm else 'per item'}": forced(
+                    lambda: core(q, k, v, out, lse, kv_lengths=lengths), per_sm
+                )
+                for per_sm in (False, True)
+            }
             time_rounds(cands, (b, h, L, d), 4 * b * h * L * (4096 + 77) * d, "kv_lengths", rounds=2)
         if L in (32760, 75600):
             n = triton.cdiv(L, 128)
             mask = random_block_mask(n, 0.25, torch.Generator(device="cuda").manual_seed(0))
             index, count = block_sparse_ops.block_index_from_mask(mask[None, None])
             lists = block_sparse_ops._per_head(block_sparse_ops.ascending(index, count), count, b, h)
-            cands = {f"core sparse {'per SM' if per_sm else 'per item'}": forced(
-                lambda: core(q, k, v, out, lse, lists=lists), per_sm) for per_sm in (False, True)}
+            cands = {
+                f"core sparse {'per SM' if per_sm else 'per item'}": forced(
+                    lambda: core(q, k, v, out, lse, lists=lists), per_sm
+                )
+                for per_sm in (False, True)
+            }
             time_rounds(cands, (b, h, L, d), flops, f"sparse {mask.float().mean().item():.3f}", rounds=2)
         del q, k, v, out, lse
         torch.cuda.empty_cache()
@@ -216,10 +268,16 @@ def head_dim_64_lengths():
         d = 64
         q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
-        time_rounds({"cudnn": lambda: F.scaled_dot_product_attention(q, k, v),
-                     "portable": lambda: torch.ops.fused.attention(q, k, v, d ** -0.5, False, 2),
-                     "core 256 keys per SM": wide(256, 2, True, lambda: core(q, k, v, out, lse))},
-                    (b, h, L, d), 4 * b * h * L * L * d, "dense")
+        time_rounds(
+            {
+                "cudnn": lambda: F.scaled_dot_product_attention(q, k, v),
+                "portable": lambda: torch.ops.fused.attention(q, k, v, d**-0.5, False, 2),
+                "core 256 keys per SM": wide(256, 2, True, lambda: core(q, k, v, out, lse)),
+            },
+            (b, h, L, d),
+            4 * b * h * L * L * d,
+            "dense",
+        )
         del q, k, v, out, lse
 
 
@@ -233,34 +291,51 @@ def head_dim_64():
         q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
         flops = 4 * b * h * L * L * d
-        for causal, lengths, label in [(False, None, "dense"), (True, None, "causal"),
-                                       (False, torch.full((b,), L - 333, device="cuda", dtype=torch.int32),
-                                        "kv_lengths")]:
-            want = torch.ops.fused.attention(q, k, v, d ** -0.5, causal, 2, lengths)[0]
-            cands = {"cudnn": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)} if lengths is None \
-                else {}
-            cands["portable"] = lambda: torch.ops.fused.attention(q, k, v, d ** -0.5, causal, 2, lengths)
-            for block_n, stages, per_sm in [(128, 2, True), (128, 2, False), (256, 2, True), (256, 3, True),
-                                            (256, 2, False)]:
+        for causal, lengths, label in [
+            (False, None, "dense"),
+            (True, None, "causal"),
+            (False, torch.full((b,), L - 333, device="cuda", dtype=torch.int32), "kv_lengths"),
+        ]:
+            want = torch.ops.fused.attention(q, k, v, d**-0.5, causal, 2, lengths)[0]
+            cands = (
+                {"cudnn": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)} if lengths is None else {}
+            )
+            cands["portable"] = lambda: torch.ops.fused.attention(q, k, v, d**-0.5, causal, 2, lengths)
+            for block_n, stages, per_sm in [
+                (128, 2, True),
+                (128, 2, False),
+                (256, 2, True),
+                (256, 3, True),
+                (256, 2, False),
+            ]:
                 if causal and per_sm:
                     continue
                 name = f"core {block_n} keys {stages} stages {'per SM' if per_sm else 'per item'}"
-                cands[name] = wide(block_n, stages, per_sm,
-                                   lambda: core(q, k, v, out, lse, causal=causal, kv_lengths=lengths))
+                cands[name] = wide(
+                    block_n, stages, per_sm, lambda: core(q, k, v, out, lse, causal=causal, kv_lengths=lengths)
+                )
                 out.fill_(float("nan"))
                 cands[name]()
                 err = (out.float() - want.float()).abs().max().item()
                 print(label, b, h, L, name, "max |core - portable|", err, flush=True)
                 R.setdefault("checks", []).append(dict(case=label, shape=[b, h, L, d], provider=name, max_abs=err))
-            time_rounds(cands, (b, h, L, d), flops / 2 if causal else flops * (1 if lengths is None else (L - 333) / L),
-                        label)
+            time_rounds(
+                cands, (b, h, L, d), flops / 2 if causal else flops * (1 if lengths is None else (L - 333) / L), label
+            )
         del q, k, v, out, lse
         torch.cuda.empty_cache()
 
 
 #: The parts a run can name (the module's docstring says what each times).
-PARTS = {"dense": dense_and_causal, "sparse": sparse, "int8": eight_bit, "waves": waves, "persistent": persistent,
-         "d64": head_dim_64, "d64-lengths": head_dim_64_lengths}
+PARTS = {
+    "dense": dense_and_causal,
+    "sparse": sparse,
+    "int8": eight_bit,
+    "waves": waves,
+    "persistent": persistent,
+    "d64": head_dim_64,
+    "d64-lengths": head_dim_64_lengths,
+}
 
 
 def main():

@@ -15,6 +15,7 @@
   the unchunked ``[gate, value]`` tensor (vLLM's order): the same bytes and
   work as ``swiglu(x, gate_first=True)``, timed on the same x.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +24,7 @@ def _diffusers(activation):
     def step(x, *options):
         hidden, gate = x.chunk(2, dim=-1)
         return hidden * activation(gate)
+
     return step
 
 

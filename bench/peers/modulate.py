@@ -8,6 +8,7 @@ diffusers model computes, at the input dtype (``AdaLayerNormZero``: a
 Flux/SD3 blocks: ``x + gate[:, None] * branch``), eager and under
 ``torch.compile``.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -44,5 +45,7 @@ def _eager_and_compiled(fn):
     return {"diffusers_eager": fn, "diffusers_compiled": torch.compile(fn)}
 
 
-PEERS = {fn.__name__: _eager_and_compiled(fn)
-         for fn in (modulate, norm_modulate, gated_residual, gated_residual_norm_modulate)}
+PEERS = {
+    fn.__name__: _eager_and_compiled(fn)
+    for fn in (modulate, norm_modulate, gated_residual, gated_residual_norm_modulate)
+}

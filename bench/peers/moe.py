@@ -12,6 +12,7 @@
   flat layout, ``T * k`` ids: the same information as the op's padded ``[E, T]``
   rows).
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +30,8 @@ def composite(x, router_weight, top_k: int, renormalize: bool = True):
         weights = weights / weights.sum(dim=-1, keepdim=True)
     flat = experts.flatten()
     counts = torch.zeros(router_weight.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat))
+        0, flat, torch.ones_like(flat)
+    )
     token_ids = torch.argsort(flat, stable=True) // top_k
     return probs, weights, experts, counts, token_ids
 

@@ -7,6 +7,7 @@ it is installed (the reference Triton implementation of these norms); its
 autograd Functions are called directly because its modules own their
 weights, and we need to pass ours.
 """
+
 import torch.nn.functional as F
 
 

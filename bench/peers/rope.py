@@ -16,6 +16,7 @@
   ``rope_qk`` rows, which use it), given q and k as ``[B, H, L, D]`` views of
   the ``[B, L, H, D]`` projections, the layout it reads without a copy.
 """
+
 import torch
 import torch.nn.functional as F
 

@@ -24,6 +24,7 @@ plain-PyTorch and CPU packages included, while the same packages load and run
 in a C++ process (``docs/notes/aoti.md``). A C++ process is also how a package is
 deployed without Python. Writes ``aoti-<gpu>.json``.
 """
+
 import argparse
 import json
 import os
@@ -48,13 +49,24 @@ def build_runner(dest_dir: str) -> str:
     or g++; CUDA libraries linked when torch has them). Returns its path."""
     torch_dir = os.path.dirname(torch.__file__)
     lib = os.path.join(torch_dir, "lib")
-    libs = ["torch", "torch_cpu", "c10"] + [name for name in ("torch_cuda", "c10_cuda")
-                                            if os.path.exists(os.path.join(lib, f"lib{name}.so"))]
+    libs = ["torch", "torch_cpu", "c10"] + [
+        name for name in ("torch_cuda", "c10_cuda") if os.path.exists(os.path.join(lib, f"lib{name}.so"))
+    ]
     runner = os.path.join(dest_dir, "aoti_runner")
-    cmd = [os.environ.get("CXX", "g++"), "-std=c++20", "-O1", RUNNER_SOURCE,
-           "-I" + os.path.join(torch_dir, "include"),
-           "-I" + os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"),
-           "-L" + lib, "-Wl,--no-as-needed", *("-l" + name for name in libs), "-Wl,-rpath," + lib, "-o", runner]
+    cmd = [
+        os.environ.get("CXX", "g++"),
+        "-std=c++20",
+        "-O1",
+        RUNNER_SOURCE,
+        "-I" + os.path.join(torch_dir, "include"),
+        "-I" + os.path.join(torch_dir, "include", "torch", "csrc", "api", "include"),
+        "-L" + lib,
+        "-Wl,--no-as-needed",
+        *("-l" + name for name in libs),
+        "-Wl,-rpath," + lib,
+        "-o",
+        runner,
+    ]
     subprocess.run(cmd, check=True)
     return runner
 
@@ -69,15 +81,21 @@ def flat_inputs(exported, kwargs: dict) -> list:
     return [x for x in flat if isinstance(x, torch.Tensor)]
 
 
-def run_package(runner: str, package: str, inputs: list, device: str, repeats: int, calls: int = 10,
-                timeout: float = 600) -> tuple:
+def run_package(
+    runner: str, package: str, inputs: list, device: str, repeats: int, calls: int = 10, timeout: float = 600
+) -> tuple:
     """Run ``package`` in a C++ process on ``inputs``: (its outputs, its JSON
     line: load_s, first_call_ms, ms_runs)."""
     with tempfile.TemporaryDirectory() as tmp:
         inputs_path, outputs_path = os.path.join(tmp, "inputs.pt"), os.path.join(tmp, "outputs.pt")
         torch.save([t.detach().cpu() for t in inputs], inputs_path)
-        done = subprocess.run([runner, package, inputs_path, outputs_path, device, str(repeats), str(calls)],
-                              check=True, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [runner, package, inputs_path, outputs_path, device, str(repeats), str(calls)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         timing = json.loads(done.stdout.strip().splitlines()[-1])
         return list(torch.load(outputs_path)), timing
 
@@ -87,11 +105,16 @@ def _flux_inputs(side: int, device: str, dtype: torch.dtype) -> dict:
     rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
     img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
     text = 512
-    inputs = dict(hidden_states=torch.randn(1, side * side, 64), encoder_hidden_states=torch.randn(1, text, 4096),
-                  pooled_projections=torch.randn(1, 768), timestep=torch.tensor([0.5]),
-                  guidance=torch.tensor([3.5]), img_ids=img_ids, txt_ids=torch.zeros(text, 3))
-    return {k: v.to(device, dtype if v.is_floating_point() and "ids" not in k else v.dtype)
-            for k, v in inputs.items()}
+    inputs = dict(
+        hidden_states=torch.randn(1, side * side, 64),
+        encoder_hidden_states=torch.randn(1, text, 4096),
+        pooled_projections=torch.randn(1, 768),
+        timestep=torch.tensor([0.5]),
+        guidance=torch.tensor([3.5]),
+        img_ids=img_ids,
+        txt_ids=torch.zeros(text, 3),
+    )
+    return {k: v.to(device, dtype if v.is_floating_point() and "ids" not in k else v.dtype) for k, v in inputs.items()}
 
 
 def main(argv=None) -> int:
@@ -101,9 +124,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work", default=None, help="folder for the package and the runner (default: a temp dir)")
     p.add_argument("--skip-compiled", action="store_true", help="time the package alone")
-    p.add_argument("--drop-inductor-cache", action="store_true",
-                   help="delete Inductor's cache folder once the package is written (a full-size Flux package "
-                        "is 24 GB, and the C++ loader extracts another copy: a 64 GB disk holds two)")
+    p.add_argument(
+        "--drop-inductor-cache",
+        action="store_true",
+        help="delete Inductor's cache folder once the package is written (a full-size Flux package "
+        "is 24 GB, and the C++ loader extracts another copy: a 64 GB disk holds two)",
+    )
     args = p.parse_args(argv)
 
     import compile_ops
@@ -144,8 +170,9 @@ def main(argv=None) -> int:
     dynamic["hidden_states"], dynamic["img_ids"] = {1: seq}, {0: seq}
     with torch.no_grad():
         exported = torch.export.export(model, (), inputs["1024px"], dynamic_shapes=dynamic)
-    row["fused_ops_in_graph"] = sorted({str(n.target) for n in exported.graph.nodes
-                                        if str(n.target).startswith("fused.")})
+    row["fused_ops_in_graph"] = sorted(
+        {str(n.target) for n in exported.graph.nodes if str(n.target).startswith("fused.")}
+    )
     row["export_s"] = time.perf_counter() - start
     flat = {name: flat_inputs(exported, kw) for name, kw in inputs.items()}
     save()
@@ -162,8 +189,7 @@ def main(argv=None) -> int:
     save()
 
     for name in inputs:
-        outs, timing = run_package(runner, package, flat[name], device,
-                                   args.repeats if name == "1024px" else 0)
+        outs, timing = run_package(runner, package, flat[name], device, args.repeats if name == "1024px" else 0)
         row[f"aoti_{name}"] = dict(timing, rel_l2_vs_eager=relative_l2(outs[0].to(device), eager[name]))
         save()
     runs = sorted(row["aoti_1024px"]["ms_runs"])

@@ -22,6 +22,7 @@ relative L2 distance to fp64 attention (``attention-int8-<gpu>.json``). ``--int8
 q/k-norm + rotation + 8-bit attention, q and k quantized by the rotation's kernel against
 by attention, beside rotation + cuDNN (``attention-int8-rope-<gpu>.json``).
 """
+
 import argparse
 import os
 import sys
@@ -52,11 +53,17 @@ def providers(causal: bool) -> dict:
         def call(q, k, v):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
         return call
 
-    out = {"fused_eager": fused, "fused_compiled": torch.compile(fused, fullgraph=True), "fused_atomic_dq": fused,
-           "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
-           "sdpa_efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION)}
+    out = {
+        "fused_eager": fused,
+        "fused_compiled": torch.compile(fused, fullgraph=True),
+        "fused_atomic_dq": fused,
+        "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa_efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
+    }
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -71,8 +78,10 @@ def providers(causal: bool) -> dict:
                     masks[key] = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, *key)
                 return flex(q, k, v, block_mask=masks[key])
         else:
+
             def flex_call(q, k, v):
                 return flex(q, k, v)
+
         out["flex_compiled"] = flex_call
     except ImportError:
         pass
@@ -135,9 +144,14 @@ def int8_providers() -> dict:
     def int8_fp8(q, k, v):
         return compile_ops.attention(q, k, v, precision="int8_fp8")
 
-    out = {"sdpa_cudnn": cudnn, "fused_eager": lambda q, k, v: compile_ops.attention(q, k, v),
-           "fused_int8_eager": int8, "fused_int8_compiled": torch.compile(int8, fullgraph=True),
-           "fused_int8_fp8_eager": int8_fp8, "fused_int8_fp8_compiled": torch.compile(int8_fp8, fullgraph=True)}
+    out = {
+        "sdpa_cudnn": cudnn,
+        "fused_eager": lambda q, k, v: compile_ops.attention(q, k, v),
+        "fused_int8_eager": int8,
+        "fused_int8_compiled": torch.compile(int8, fullgraph=True),
+        "fused_int8_fp8_eager": int8_fp8,
+        "fused_int8_fp8_compiled": torch.compile(int8_fp8, fullgraph=True),
+    }
     try:
         from sageattention import sageattn
 
@@ -167,7 +181,7 @@ def int8_comparison(shapes, timer) -> list:
         for kind in INT8_INPUTS:
             q, k, v = int8_inputs(kind, b, h, length, d)
             n = min(ERROR_QUERIES, length)
-            exact, _ = exact_attention(q[:, :, :n].double(), k.double(), v.double(), d ** -0.5, False)
+            exact, _ = exact_attention(q[:, :, :n].double(), k.double(), v.double(), d**-0.5, False)
             for name, fn in int8_providers().items():
                 row = {"shape": [b, h, length, d], "inputs": kind, "provider": name}
                 try:
@@ -182,9 +196,11 @@ def int8_comparison(shapes, timer) -> list:
                             torch.cuda.synchronize()
                             row["fwd_ms"], row["timing"] = timer(lambda: fn(q, k, v)), "eager calls"
                     row["fwd_TFLOPs"] = flops / row["fwd_ms"] / 1e9
-                    print(f"{b}x{h}x{length}x{d} {kind:<11} {name:<20} fwd {row['fwd_TFLOPs']:6.0f} TFLOP/s "
-                          f"rel. L2 vs fp64 {row['rel_l2_vs_fp64']:.2e} cosine {row['cosine_vs_fp64']:.6f}",
-                          flush=True)
+                    print(
+                        f"{b}x{h}x{length}x{d} {kind:<11} {name:<20} fwd {row['fwd_TFLOPs']:6.0f} TFLOP/s "
+                        f"rel. L2 vs fp64 {row['rel_l2_vs_fp64']:.2e} cosine {row['cosine_vs_fp64']:.6f}",
+                        flush=True,
+                    )
                 except Exception as e:  # noqa: BLE001 (a failing provider is a result)
                     row["error"] = f"{type(e).__name__}: {e}"[:400]
                     print(f"{b}x{h}x{length}x{d} {kind:<11} {name:<20} FAILED {row['error'][:200]}", flush=True)
@@ -220,8 +236,11 @@ def rope_int8_providers() -> dict:
         return compile_ops.attention(qk, None, v, seq_dim=1, precision="int8_fp8")
 
     out = {}
-    for name, fn in (("rope_sdpa_cudnn", cudnn), ("rope_int8_fp8", quantized_in_attention),
-                     ("rope_int8_fp8_fused_quant", quantized_by_rotation)):
+    for name, fn in (
+        ("rope_sdpa_cudnn", cudnn),
+        ("rope_int8_fp8", quantized_in_attention),
+        ("rope_int8_fp8_fused_quant", quantized_by_rotation),
+    ):
         out[f"{name}_eager"] = fn
         out[f"{name}_compiled"] = torch.compile(fn, fullgraph=True)
     return out
@@ -246,7 +265,7 @@ def rope_int8_comparison(shapes, timer) -> list:
             cos, sin = angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1)
             n = min(ERROR_QUERIES, length)
             q16, k16 = compile_ops.qk_norm_rope(q, k, w, w, cos, sin, 1e-6, True, 1)
-            exact, _ = exact_attention(q16[:, :n].double(), k16.double(), v.double(), d ** -0.5, False, 1)
+            exact, _ = exact_attention(q16[:, :n].double(), k16.double(), v.double(), d**-0.5, False, 1)
             q16 = k16 = None
             args = (q, k, v, w, cos, sin)
             for name, fn in rope_int8_providers().items():
@@ -259,8 +278,11 @@ def rope_int8_comparison(shapes, timer) -> list:
                         got = None
                         row["fwd_ms"] = graph_replay_time(lambda: fn(*args), timer)
                     row["fwd_TFLOPs"] = flops / row["fwd_ms"] / 1e9
-                    print(f"{b}x{h}x{length}x{d} {kind:<11} {name:<34} {row['fwd_ms']:8.3f} ms "
-                          f"{row['fwd_TFLOPs']:6.0f} TFLOP/s rel. L2 vs fp64 {row['rel_l2_vs_fp64']:.2e}", flush=True)
+                    print(
+                        f"{b}x{h}x{length}x{d} {kind:<11} {name:<34} {row['fwd_ms']:8.3f} ms "
+                        f"{row['fwd_TFLOPs']:6.0f} TFLOP/s rel. L2 vs fp64 {row['rel_l2_vs_fp64']:.2e}",
+                        flush=True,
+                    )
                 except Exception as e:  # noqa: BLE001 (a failing provider is a result)
                     row["error"] = f"{type(e).__name__}: {e}"[:400]
                     print(f"{b}x{h}x{length}x{d} {kind:<11} {name:<34} FAILED {row['error'][:200]}", flush=True)
@@ -276,11 +298,15 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--shapes", default="", help="BxHxLxD,... (default: the DiT shapes)")
-    p.add_argument("--int8", action="store_true",
-                   help="the 8-bit comparison instead: forward only, errors against fp64 attention")
-    p.add_argument("--rope", action="store_true",
-                   help="with --int8: q/k-norm + rotation + attention pairs, the quantization in the rotation "
-                        "against in attention, beside the rotation + cuDNN bf16")
+    p.add_argument(
+        "--int8", action="store_true", help="the 8-bit comparison instead: forward only, errors against fp64 attention"
+    )
+    p.add_argument(
+        "--rope",
+        action="store_true",
+        help="with --int8: q/k-norm + rotation + attention pairs, the quantization in the rotation "
+        "against in attention, beside the rotation + cuDNN bf16",
+    )
     args = p.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     timer = make_timer(args.quick)
@@ -300,8 +326,9 @@ def main(argv=None) -> int:
     rows, failed = [], False
     for b, h, length, d in shapes:
         torch._dynamo.reset()
-        q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+        )
         flops = 4 * b * h * length * length * d * (0.5 if args.causal else 1.0)
         for name, fn in providers(args.causal).items():
             row = {"shape": [b, h, length, d], "causal": args.causal, "provider": name}
@@ -310,8 +337,11 @@ def main(argv=None) -> int:
                 row.update(measure(fn, q, k, v, timer))
                 row["fwd_TFLOPs"] = flops / row["fwd_ms"] / 1e9
                 row["fwdbwd_TFLOPs"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
-                print(f"{b}x{h}x{length}x{d} {name:<15} fwd {row['fwd_TFLOPs']:6.0f} TFLOP/s "
-                      f"fwd+bwd {row['fwdbwd_TFLOPs']:6.0f} TFLOP/s peak {row['peak_MiB']:8.1f} MiB", flush=True)
+                print(
+                    f"{b}x{h}x{length}x{d} {name:<15} fwd {row['fwd_TFLOPs']:6.0f} TFLOP/s "
+                    f"fwd+bwd {row['fwdbwd_TFLOPs']:6.0f} TFLOP/s peak {row['peak_MiB']:8.1f} MiB",
+                    flush=True,
+                )
             except Exception as e:  # noqa: BLE001 (a failing peer is a result; ours is a failure)
                 row["error"] = f"{type(e).__name__}: {e}"[:400]
                 failed |= name.startswith("fused")

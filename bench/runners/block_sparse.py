@@ -12,6 +12,7 @@ replays; mask building (the dynamic top-k estimate from q and k, and the
 conversion of a static mask) is timed on its own. Writes
 ``<out>/block-sparse-<gpu>.json``.
 """
+
 import argparse
 import os
 import sys
@@ -70,8 +71,13 @@ def main(argv=None) -> int:
             q.grad = k.grad = v.grad = None
 
         fwd = graph_replay_time(forward, timer)
-        row = {"provider": name, "density": density, "shape": list(shape), "fwd_ms": fwd,
-               "fwd_TFLOPs": flops / fwd / 1e9}
+        row = {
+            "provider": name,
+            "density": density,
+            "shape": list(shape),
+            "fwd_ms": fwd,
+            "fwd_TFLOPs": flops / fwd / 1e9,
+        }
         try:
             step()
             both = graph_replay_time(step, timer)
@@ -82,9 +88,12 @@ def main(argv=None) -> int:
             q.grad = k.grad = v.grad = None
             row["fwdbwd_error"] = f"{type(e).__name__}: {e}"[:300]
         rows.append(row)
-        print(f"{name:<16} density {density:.2f}  fwd {fwd * 1e3:8.1f} us  fwd+bwd "
-              f"{row.get('fwdbwd_ms', float('nan')) * 1e3:8.1f} us  (effective {row['fwd_TFLOPs']:.0f} / "
-              f"{row.get('fwdbwd_TFLOPs', float('nan')):.0f} TFLOP/s)", flush=True)
+        print(
+            f"{name:<16} density {density:.2f}  fwd {fwd * 1e3:8.1f} us  fwd+bwd "
+            f"{row.get('fwdbwd_ms', float('nan')) * 1e3:8.1f} us  (effective {row['fwd_TFLOPs']:.0f} / "
+            f"{row.get('fwdbwd_TFLOPs', float('nan')):.0f} TFLOP/s)",
+            flush=True,
+        )
         return row
 
     def cudnn_dense():
@@ -102,8 +111,9 @@ def main(argv=None) -> int:
         ours = measure("fused_sparse", kept, lambda: compile_ops.block_sparse_attention(q, k, v, index, count), flops)
         compile_ops.set_attention_backward(deterministic=False)  # the five-product backward over the lists
         try:
-            atomic = measure("fused_sparse_atomic_dq", kept,
-                             lambda: compile_ops.block_sparse_attention(q, k, v, index, count), flops)
+            atomic = measure(
+                "fused_sparse_atomic_dq", kept, lambda: compile_ops.block_sparse_attention(q, k, v, index, count), flops
+            )
         finally:
             compile_ops.set_attention_backward(deterministic=True)
         kv_num = count[0, 0].view(1, 1, n)
@@ -114,15 +124,19 @@ def main(argv=None) -> int:
             for ref_name, ref in (("fused_dense", dense), ("sdpa_cudnn_dense", cudnn)):
                 row[f"speedup_vs_{ref_name}"] = {
                     "fwd": ref["fwd_ms"] / row["fwd_ms"],
-                    "fwdbwd": ref["fwdbwd_ms"] / row["fwdbwd_ms"] if "fwdbwd_ms" in ref else None}
-        print(f"  at {kept:.2f}: ours {ours['speedup_vs_fused_dense']['fwd']:.2f}x / "
-              f"{ours['speedup_vs_fused_dense']['fwdbwd']:.2f}x our dense, "
-              f"{ours['speedup_vs_sdpa_cudnn_dense']['fwd']:.2f}x / "
-              f"{ours['speedup_vs_sdpa_cudnn_dense']['fwdbwd'] or float('nan'):.2f}x cuDNN dense; flex "
-              f"{flex_row['fwd_ms'] / ours['fwd_ms']:.2f}x / "
-              f"{flex_row['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}x our time; "
-              f"deterministic=False fwd+bwd {atomic['speedup_vs_sdpa_cudnn_dense']['fwdbwd'] or float('nan'):.2f}x "
-              f"cuDNN dense", flush=True)
+                    "fwdbwd": ref["fwdbwd_ms"] / row["fwdbwd_ms"] if "fwdbwd_ms" in ref else None,
+                }
+        print(
+            f"  at {kept:.2f}: ours {ours['speedup_vs_fused_dense']['fwd']:.2f}x / "
+            f"{ours['speedup_vs_fused_dense']['fwdbwd']:.2f}x our dense, "
+            f"{ours['speedup_vs_sdpa_cudnn_dense']['fwd']:.2f}x / "
+            f"{ours['speedup_vs_sdpa_cudnn_dense']['fwdbwd'] or float('nan'):.2f}x cuDNN dense; flex "
+            f"{flex_row['fwd_ms'] / ours['fwd_ms']:.2f}x / "
+            f"{flex_row['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}x our time; "
+            f"deterministic=False fwd+bwd {atomic['speedup_vs_sdpa_cudnn_dense']['fwdbwd'] or float('nan'):.2f}x "
+            f"cuDNN dense",
+            flush=True,
+        )
 
     # Mask building: the dynamic top-k estimate (pooled q and k, per head) and
     # a static mask's conversion, compiled as a model would run them.
@@ -138,8 +152,11 @@ def main(argv=None) -> int:
     topk_kept = count.float().mean().item() / n
     rows.append({"provider": "topk_block_index", "shape": list(shape), "ms": t_topk, "kept": topk_kept})
     rows.append({"provider": "block_index_from_mask", "shape": [1, 1, 270, 270], "ms": t_convert})
-    print(f"topk_block_index {t_topk * 1e3:.1f} us (keeps {topk_kept:.2f} of the blocks on random data); "
-          f"block_index_from_mask {t_convert * 1e3:.1f} us", flush=True)
+    print(
+        f"topk_block_index {t_topk * 1e3:.1f} us (keeps {topk_kept:.2f} of the blocks on random data); "
+        f"block_index_from_mask {t_convert * 1e3:.1f} us",
+        flush=True,
+    )
 
     print(f"wrote {write_results(args.out, 'block-sparse', environment(), rows)}")
     return 0

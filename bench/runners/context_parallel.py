@@ -26,6 +26,7 @@ the same). Writes ``<out>/context-parallel-<cases>-x<world>-<gpu>.json``.
 Cases: ``wan_720p`` (Wan 2.1 1.3B, 720p x 81 frames: 21 x 45 x 80 = 75,600
 tokens), ``flux`` (Flux.1-dev, 1024 x 1024: 4096 image + 512 text tokens).
 """
+
 import argparse
 import json
 import os
@@ -120,8 +121,13 @@ def worker(args) -> None:
             out = step()  # compiles
             step()  # and recompiles where the first call's strides differ from the next ones'
             times = _step_times(step, args.repeats, distributed)
-            row.update(step_ms=statistics.median(times), step_ms_min=min(times), step_ms_max=max(times),
-                       times_ms=times, attention_paths=sorted({(k, p) for _, k, p in _report(model)}))
+            row.update(
+                step_ms=statistics.median(times),
+                step_ms_min=min(times),
+                step_ms_max=max(times),
+                times_ms=times,
+                attention_paths=sorted({(k, p) for _, k, p in _report(model)}),
+            )
             outputs[(case, mode)] = out.cpu()  # bf16: small enough to carry between runs
             del model, inputs, out
         except ValueError as error:  # a mode the layout refuses
@@ -157,9 +163,25 @@ def _report(model) -> list:
 
 def _launch(args, layout: str) -> None:
     """Run :func:`worker` on ``args.world`` processes, one a GPU, under ``layout``."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.world}", "--master-port=29533",
-               __file__, "--worker", "--layout", layout, "--world", str(args.world), "--cases", args.cases,
-               "--repeats", str(args.repeats), "--scratch", args.scratch]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={args.world}",
+        "--master-port=29533",
+        __file__,
+        "--worker",
+        "--layout",
+        layout,
+        "--world",
+        str(args.world),
+        "--cases",
+        args.cases,
+        "--repeats",
+        str(args.repeats),
+        "--scratch",
+        args.scratch,
+    ]
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     subprocess.run(command, check=True, env={**os.environ, **NCCL_ENV, "PYTHONPATH": path})
 
@@ -184,8 +206,10 @@ def _collect(args, env: dict) -> list:
     steps = {(r["case"], r["mode"], r["layout"]): r.get("step_ms") for r in rows}
     for row in rows:  # speed-up over the mode's own one-GPU step and over native under the same layout
         if row.get("step_ms"):
-            one_gpu, native = steps.get((row["case"], row["mode"], "single")), steps.get((row["case"], "native",
-                                                                                          row["layout"]))
+            one_gpu, native = (
+                steps.get((row["case"], row["mode"], "single")),
+                steps.get((row["case"], "native", row["layout"])),
+            )
             row["speedup_vs_own_one_gpu"] = one_gpu / row["step_ms"] if one_gpu else None
             row["speedup_vs_native_same_layout"] = native / row["step_ms"] if native else None
     order = {name: i for i, name in enumerate(["single", *(name for name, _, _ in layouts(args.world))])}
@@ -203,13 +227,19 @@ def _print(rows: list) -> None:
         return "-" if value is None else format(value, spec)
 
     for row in rows:
-        log(f"{row['case']:9s} {row['layout']:16s} {row['mode']:13s} "
-            + (f"{row['step_ms']:9.1f} ms  x{number(row, 'speedup_vs_own_one_gpu', '.2f')} own-1GPU  "
-               f"x{number(row, 'speedup_vs_native_same_layout', '.2f')} native  "
-               f"relL2 {number(row, 'rel_l2_vs_native_one_gpu', '.2e')} / "
-               f"{number(row, 'rel_l2_vs_same_mode_one_gpu', '.2e')}"
-               if row.get("step_ms") else f"refused: {row.get('refused')}" if "refused" in row
-               else f"failed: {row.get('failed')}"))
+        log(
+            f"{row['case']:9s} {row['layout']:16s} {row['mode']:13s} "
+            + (
+                f"{row['step_ms']:9.1f} ms  x{number(row, 'speedup_vs_own_one_gpu', '.2f')} own-1GPU  "
+                f"x{number(row, 'speedup_vs_native_same_layout', '.2f')} native  "
+                f"relL2 {number(row, 'rel_l2_vs_native_one_gpu', '.2e')} / "
+                f"{number(row, 'rel_l2_vs_same_mode_one_gpu', '.2e')}"
+                if row.get("step_ms")
+                else f"refused: {row.get('refused')}"
+                if "refused" in row
+                else f"failed: {row.get('failed')}"
+            )
+        )
 
 
 def main(argv=None) -> int:
@@ -217,10 +247,17 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=torch.cuda.device_count())
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--layouts", default=None, help="comma-separated subset of single (one GPU) and the "
-                   "parallel layouts (default: all)")
-    p.add_argument("--scratch", default=None, help="a folder that keeps each layout's rows and step outputs "
-                   "across runs (split a long run: --layouts single,ulysses2, then --layouts ring2)")
+    p.add_argument(
+        "--layouts",
+        default=None,
+        help="comma-separated subset of single (one GPU) and the parallel layouts (default: all)",
+    )
+    p.add_argument(
+        "--scratch",
+        default=None,
+        help="a folder that keeps each layout's rows and step outputs "
+        "across runs (split a long run: --layouts single,ulysses2, then --layouts ring2)",
+    )
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", default="single", help=argparse.SUPPRESS)

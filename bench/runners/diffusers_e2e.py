@@ -64,6 +64,7 @@ SDPA (its blocks compiled with graph breaks), each on a fresh model, with
 the step output's relative L2 to the bf16 model's eager output:
 ``diffusers-e2e-int8-<gpu>.json``.
 """
+
 import argparse
 import json
 import os
@@ -95,16 +96,30 @@ def _flux(num_layers: int, num_single_layers: int, rows: int = 64, cols: int = 6
     side) after 512 text tokens."""
     from diffusers import FluxTransformer2DModel
 
-    model = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=num_layers,
-                                   num_single_layers=num_single_layers, attention_head_dim=128,
-                                   num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                                   guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,
+        num_layers=num_layers,
+        num_single_layers=num_single_layers,
+        attention_head_dim=128,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        pooled_projection_dim=768,
+        guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
+    )
     text = 512
     row_ids, col_ids = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
     img_ids = torch.stack([torch.zeros_like(row_ids), row_ids, col_ids], -1).reshape(-1, 3).float()
-    inputs = dict(hidden_states=torch.randn(1, rows * cols, 64), encoder_hidden_states=torch.randn(1, text, 4096),
-                  pooled_projections=torch.randn(1, 768), timestep=torch.tensor([0.5]),
-                  guidance=torch.tensor([3.5]), img_ids=img_ids, txt_ids=torch.zeros(text, 3))
+    inputs = dict(
+        hidden_states=torch.randn(1, rows * cols, 64),
+        encoder_hidden_states=torch.randn(1, text, 4096),
+        pooled_projections=torch.randn(1, 768),
+        timestep=torch.tensor([0.5]),
+        guidance=torch.tensor([3.5]),
+        img_ids=img_ids,
+        txt_ids=torch.zeros(text, 3),
+    )
     return model, inputs
 
 
@@ -113,11 +128,25 @@ def _wan(height: int = 60, width: int = 104):
     ``height x width`` latents (480p: 60 x 104, 720p: 90 x 160)."""
     from diffusers import WanTransformer3DModel
 
-    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128,
-                                  in_channels=16, out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960,
-                                  num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
-    inputs = dict(hidden_states=torch.randn(1, 16, 21, height, width),
-                  encoder_hidden_states=torch.randn(1, 512, 4096), timestep=torch.tensor([500]))
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=12,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=8960,
+        num_layers=30,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+    )
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 21, height, width),
+        encoder_hidden_states=torch.randn(1, 512, 4096),
+        timestep=torch.tensor([500]),
+    )
     return model, inputs
 
 
@@ -130,8 +159,10 @@ CASES = {
 #: ``flux_blocks_1360x768``: the flux_train block stack (2 double + 4 single), one inference forward at
 #: 1360x768 (48 x 85 = 4080 image + 512 text = 4592 tokens, not a multiple of 128: ``attention_kernel="auto"``
 #: takes the sm_90 core there; docs/notes/attention-forward.md, ragged key counts).
-EXTRA_CASES = {"wan_step_720p": (lambda: _wan(90, 160), False),
-               "flux_blocks_1360x768": (lambda: _flux(2, 4, 48, 85), False)}
+EXTRA_CASES = {
+    "wan_step_720p": (lambda: _wan(90, 160), False),
+    "flux_blocks_1360x768": (lambda: _flux(2, 4, 48, 85), False),
+}
 
 
 def _compiled(model, mode: str, fullgraph: bool = True, inductor_mode: str = "default"):
@@ -168,7 +199,7 @@ def _measure(fn, timer_ms: float):
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**20
     return do_bench(fn, warmup=timer_ms / 4, rep=timer_ms, return_mode="median"), peak
 
 
@@ -183,8 +214,9 @@ def _build(name: str):
             model, inputs = build()
         finally:
             torch.set_default_dtype(default)
-    inputs = {k: v.to("cuda", DTYPE if v.is_floating_point() and "ids" not in k else v.dtype)
-              for k, v in inputs.items()}
+    inputs = {
+        k: v.to("cuda", DTYPE if v.is_floating_point() and "ids" not in k else v.dtype) for k, v in inputs.items()
+    }
     return model.train(train).requires_grad_(train), inputs
 
 
@@ -199,7 +231,7 @@ def _tensor_bytes(t) -> int:
 
 
 def _weight_MiB(model) -> float:
-    return sum(_tensor_bytes(t) for t in (*model.parameters(), *model.buffers())) / 2 ** 20
+    return sum(_tensor_bytes(t) for t in (*model.parameters(), *model.buffers())) / 2**20
 
 
 def _host_ms(fn, calls: int = 5) -> float:
@@ -230,8 +262,14 @@ def _repeated(fn, timer_ms: float, repeats: int) -> dict:
     CUDA-graph replay (``replay_ms``...)."""
     runs = [_measure(fn, timer_ms) for _ in range(repeats)]
     times = sorted(ms for ms, _ in runs)
-    row = {"ms": times[len(times) // 2], "ms_min": times[0], "ms_max": times[-1], "ms_runs": times,
-           "peak_MiB": max(peak for _, peak in runs), "host_ms": _host_ms(fn)}
+    row = {
+        "ms": times[len(times) // 2],
+        "ms_min": times[0],
+        "ms_max": times[-1],
+        "ms_runs": times,
+        "peak_MiB": max(peak for _, peak in runs),
+        "host_ms": _host_ms(fn),
+    }
     if REPLAY:
         replay = captured_graph(fn, warmups=2)
         times = sorted(_measure(replay, timer_ms)[0] for _ in range(repeats))
@@ -243,10 +281,16 @@ def _quantize(provider: str, model):
     """Quantize ``model`` in place for an FP8 provider; the patch report, if any."""
     if provider != "torchao_fp8_compiled":  # ours: FP8_PROVIDERS' other entries
         import compile_ops
-        return compile_ops.patch(model, precision="fp8", fp8_fast_accum=provider != "fp8_fp32_accum_compiled",
-                                 fp8_modulation=provider == "fp8_modulation_compiled",
-                                 attention_precision=FP8_ATTENTION.get(provider, "exact"))
+
+        return compile_ops.patch(
+            model,
+            precision="fp8",
+            fp8_fast_accum=provider != "fp8_fp32_accum_compiled",
+            fp8_modulation=provider == "fp8_modulation_compiled",
+            attention_precision=FP8_ATTENTION.get(provider, "exact"),
+        )
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
     quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
     return None
 
@@ -258,13 +302,20 @@ def _fp8_recipe(provider: str):
 
         def torchao(linear):
             # A fresh Linear, not a deepcopy: a copy would keep the measuring hook.
-            twin = torch.nn.Linear(linear.in_features, linear.out_features, linear.bias is not None,
-                                   device=linear.weight.device, dtype=linear.weight.dtype)
+            twin = torch.nn.Linear(
+                linear.in_features,
+                linear.out_features,
+                linear.bias is not None,
+                device=linear.weight.device,
+                dtype=linear.weight.dtype,
+            )
             twin.load_state_dict(linear.state_dict())
             quantize_(twin, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
             return twin
+
         return torchao
     from compile_ops import FP8Linear
+
     return lambda linear: FP8Linear.from_linear(linear, fast_accum=provider != "fp8_fp32_accum_compiled")
 
 
@@ -291,6 +342,7 @@ def _per_linear_errors(model, inputs, providers) -> tuple:
         def measure(linear, args, output):
             for p, recipe in recipes.items():
                 errors[p][path] = relative_l2(recipe(linear)(args[0]), output)
+
         return measure
 
     handles = []
@@ -307,13 +359,23 @@ def _per_linear_errors(model, inputs, providers) -> tuple:
     summary = {}
     for p, by_path in errors.items():
         values = sorted(by_path.values())
-        summary[p] = {"median": values[len(values) // 2], "max": values[-1],
-                      "worst": max(by_path, key=by_path.get), "linears": len(values)}
+        summary[p] = {
+            "median": values[len(values) // 2],
+            "max": values[-1],
+            "worst": max(by_path, key=by_path.get),
+            "linears": len(values),
+        }
     return out, summary
 
 
-FP8_PROVIDERS = ("fp8_compiled", "fp8_modulation_compiled", "fp8_fp32_accum_compiled", "fp8_int8_attention_compiled",
-                 "fp8_int8_fp8_attention_compiled", "torchao_fp8_compiled")
+FP8_PROVIDERS = (
+    "fp8_compiled",
+    "fp8_modulation_compiled",
+    "fp8_fp32_accum_compiled",
+    "fp8_int8_attention_compiled",
+    "fp8_int8_fp8_attention_compiled",
+    "torchao_fp8_compiled",
+)
 #: The FP8 providers that run 8-bit attention too: their attention_precision.
 FP8_ATTENTION = {"fp8_int8_attention_compiled": "int8", "fp8_int8_fp8_attention_compiled": "int8_fp8"}
 BF16_PROVIDERS = ("native_eager", "native_compiled", "patched_eager", "patched_compiled")
@@ -330,8 +392,16 @@ def _profiled(row: dict, fn, profile: bool) -> None:
         print(f"      {ms:7.2f} ms {launches:4d}x {name}", flush=True)
 
 
-def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact, providers, compile_mode: str,
-                      per_linear: dict, profile: bool = False) -> list:
+def run_fp8_providers(
+    name: str,
+    timer_ms: float,
+    repeats: int,
+    exact,
+    providers,
+    compile_mode: str,
+    per_linear: dict,
+    profile: bool = False,
+) -> list:
     """The FP8 providers in ``providers`` on fresh models; ``exact`` is the bf16
     model's output on the same inputs, ``per_linear`` :func:`_per_linear_errors`'."""
     rows = []
@@ -351,28 +421,49 @@ def run_fp8_providers(name: str, timer_ms: float, repeats: int, exact, providers
             err = relative_l2(out, exact)
             row = _repeated(lambda m=module: m(**inputs).sample, timer_ms, repeats)
             _profiled(row, lambda m=module: m(**inputs).sample, profile)
-        row.update(case=name, provider=provider, first_call_s=setup_s, rel_l2_vs_bf16=err, train=False,
-                   tokens=_tokens(name), weights_MiB=_weight_MiB(model), compile=compile_mode)
+        row.update(
+            case=name,
+            provider=provider,
+            first_call_s=setup_s,
+            rel_l2_vs_bf16=err,
+            train=False,
+            tokens=_tokens(name),
+            weights_MiB=_weight_MiB(model),
+            compile=compile_mode,
+        )
         if report is not None:
             row["fp8_linears"] = sum("FP8Linear" in detail for _, _, detail in report.replaced)
         if provider in per_linear:
             row["per_linear_rel_l2"] = per_linear[provider]
         rows.append(row)
-        print(f"{name:<11} {provider:<21} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, "
-              f"host {row['host_ms']:.1f})  "
-              f"rel. L2 vs bf16 {err:.2e}  weights {row['weights_MiB']:.0f} MiB  (first call {setup_s:.0f} s)",
-              flush=True)
+        print(
+            f"{name:<11} {provider:<21} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, "
+            f"host {row['host_ms']:.1f})  "
+            f"rel. L2 vs bf16 {err:.2e}  weights {row['weights_MiB']:.0f} MiB  (first call {setup_s:.0f} s)",
+            flush=True,
+        )
         if "replay_ms" in row:
-            print(f"{'':<11} {provider:<21} {row['replay_ms']:9.2f} ms ({row['replay_ms_min']:.2f}-"
-                  f"{row['replay_ms_max']:.2f}) as a CUDA-graph replay", flush=True)
+            print(
+                f"{'':<11} {provider:<21} {row['replay_ms']:9.2f} ms ({row['replay_ms_min']:.2f}-"
+                f"{row['replay_ms_max']:.2f}) as a CUDA-graph replay",
+                flush=True,
+            )
         del model, module
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     return rows
 
 
-def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, providers=None,
-             compile_mode: str = "full", profile: bool = False, inductor_mode: str = "default") -> list:
+def run_case(
+    name: str,
+    timer_ms: float,
+    repeats: int = 1,
+    fp8: bool = False,
+    providers=None,
+    compile_mode: str = "full",
+    profile: bool = False,
+    inductor_mode: str = "default",
+) -> list:
     import compile_ops
 
     _, train = {**CASES, **EXTRA_CASES}[name]
@@ -395,8 +486,11 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
     if fp8 and not train:
         exact, per_linear = _per_linear_errors(model, inputs, [p for p in FP8_PROVIDERS if p in providers])
         for p, e in per_linear.items():
-            print(f"{name:<11} {p:<21} per-Linear rel. L2 vs bf16: median {e['median']:.2e}, max {e['max']:.2e} "
-                  f"({e['worst']}; {e['linears']} Linears)", flush=True)
+            print(
+                f"{name:<11} {p:<21} per-Linear rel. L2 vs bf16: median {e['median']:.2e}, max {e['max']:.2e} "
+                f"({e['worst']}; {e['linears']} Linears)",
+                flush=True,
+            )
     for provider in BF16_PROVIDERS:
         if provider.startswith("patched") and report is None:
             torch._dynamo.reset()
@@ -413,22 +507,33 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
         setup_s = time.perf_counter() - start
         row = _repeated(lambda: step(module), timer_ms, repeats)
         _profiled(row, lambda: step(module), profile)
-        row.update(case=name, provider=provider, first_call_s=setup_s, train=train, tokens=_tokens(name),
-                   attention_kernel=ATTENTION_KERNEL if provider.startswith("patched") else None,
-                   weights_MiB=_weight_MiB(model),
-                   compile=compile_mode if inductor_mode == "default" else f"{compile_mode}+{inductor_mode}")
+        row.update(
+            case=name,
+            provider=provider,
+            first_call_s=setup_s,
+            train=train,
+            tokens=_tokens(name),
+            attention_kernel=ATTENTION_KERNEL if provider.startswith("patched") else None,
+            weights_MiB=_weight_MiB(model),
+            compile=compile_mode if inductor_mode == "default" else f"{compile_mode}+{inductor_mode}",
+        )
         if compiled and inductor_mode != "default":
             # Inductor counts each graph it runs without CUDA graphs ("skipping cudagraphs: ...").
             row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips_before
         rows.append(row)
-        print(f"{name:<11} {provider:<17} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, "
-              f"host {row['host_ms']:.1f})  "
-              f"peak {row['peak_MiB']:8.0f} MiB  (first call {setup_s:.0f} s)", flush=True)
+        print(
+            f"{name:<11} {provider:<17} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, "
+            f"host {row['host_ms']:.1f})  "
+            f"peak {row['peak_MiB']:8.0f} MiB  (first call {setup_s:.0f} s)",
+            flush=True,
+        )
     by = {r["provider"]: r for r in rows}
     for kind in ("compiled", "eager"):
         if f"native_{kind}" in by and f"patched_{kind}" in by:
-            print(f"{name}: patched {kind} {by[f'native_{kind}']['ms'] / by[f'patched_{kind}']['ms']:.3f}x "
-                  f"native {kind}", flush=True)
+            print(
+                f"{name}: patched {kind} {by[f'native_{kind}']['ms'] / by[f'patched_{kind}']['ms']:.3f}x native {kind}",
+                flush=True,
+            )
     for r in rows:
         r["patched"] = {"replaced": len(report.replaced), "left": len(report.left)}
     del model
@@ -441,8 +546,14 @@ def run_case(name: str, timer_ms: float, repeats: int = 1, fp8: bool = False, pr
 
 #: ``--int8-attention``: the step with 8-bit attention against bf16 attention
 #: and SageAttention, all compiled the same way.
-INT8_PROVIDERS = ("native_compiled", "patched_compiled", "int8_attention_compiled", "int8_fp8_attention_compiled",
-                  "int8_fp8_attention_quant_in_attention_compiled", "sage_attention_compiled")
+INT8_PROVIDERS = (
+    "native_compiled",
+    "patched_compiled",
+    "int8_attention_compiled",
+    "int8_fp8_attention_compiled",
+    "int8_fp8_attention_quant_in_attention_compiled",
+    "sage_attention_compiled",
+)
 #: The provider whose q and k attention quantizes at every length (the
 #: rotation's quantizing mode off), beside int8_fp8_attention_compiled.
 QUANT_IN_ATTENTION = "int8_fp8_attention_quant_in_attention_compiled"
@@ -461,8 +572,9 @@ def _sage_sdpa():
     return sdpa
 
 
-def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers, compile_mode: str,
-                            profile: bool = False) -> list:
+def run_int8_attention_case(
+    name: str, timer_ms: float, repeats: int, providers, compile_mode: str, profile: bool = False
+) -> list:
     """Each of INT8_PROVIDERS (those in ``providers``) on a fresh model; rows
     with the step output's relative L2 to the bf16 model with SDPA (eager)."""
     import compile_ops
@@ -481,10 +593,11 @@ def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers,
             if provider == "patched_compiled":
                 compile_ops.patch(model)
             elif provider in ("int8_attention_compiled", "int8_fp8_attention_compiled", QUANT_IN_ATTENTION):
-                compile_ops.patch(model, attention_precision="int8" if provider.startswith("int8_attention")
-                                  else "int8_fp8")
+                compile_ops.patch(
+                    model, attention_precision="int8" if provider.startswith("int8_attention") else "int8_fp8"
+                )
                 if provider == QUANT_IN_ATTENTION:
-                    processors.QUANTIZE_IN_ROTATION_MIN_TOKENS = 2 ** 62
+                    processors.QUANTIZE_IN_ROTATION_MIN_TOKENS = 2**62
             elif provider == "sage_attention_compiled":
                 torch.nn.functional.scaled_dot_product_attention = _sage_sdpa()
             # SageAttention's launcher is not traceable whole: its blocks compile with graph breaks.
@@ -502,12 +615,22 @@ def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers,
         finally:
             torch.nn.functional.scaled_dot_product_attention = sdpa
             processors.QUANTIZE_IN_ROTATION_MIN_TOKENS = min_tokens
-        row.update(case=name, provider=provider, first_call_s=setup_s, rel_l2_vs_bf16=relative_l2(out, exact),
-                   train=False, tokens=_tokens(name), compile=compile_mode)
+        row.update(
+            case=name,
+            provider=provider,
+            first_call_s=setup_s,
+            rel_l2_vs_bf16=relative_l2(out, exact),
+            train=False,
+            tokens=_tokens(name),
+            compile=compile_mode,
+        )
         rows.append(row)
-        print(f"{name:<11} {provider:<24} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, "
-              f"host {row['host_ms']:.1f})  "
-              f"rel. L2 vs bf16 SDPA {row['rel_l2_vs_bf16']:.2e}  (first call {setup_s:.0f} s)", flush=True)
+        print(
+            f"{name:<11} {provider:<24} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, "
+            f"host {row['host_ms']:.1f})  "
+            f"rel. L2 vs bf16 SDPA {row['rel_l2_vs_bf16']:.2e}  (first call {setup_s:.0f} s)",
+            flush=True,
+        )
         del model, module
         torch._dynamo.reset()
         torch.cuda.empty_cache()
@@ -516,7 +639,8 @@ def run_int8_attention_case(name: str, timer_ms: float, repeats: int, providers,
 
 def _tokens(name: str) -> int:
     return {"wan_step": 21 * 30 * 52, "wan_step_720p": 21 * 45 * 80, "flux_blocks_1360x768": 48 * 85 + 512}.get(
-        name, 4096 + 512)
+        name, 4096 + 512
+    )
 
 
 def _version(package: str):
@@ -551,23 +675,46 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--rep-ms", type=float, default=3000.0, help="do_bench's time budget per measurement")
     p.add_argument("--repeats", type=int, default=1, help="measurements per provider (median and spread)")
-    p.add_argument("--providers", default=None, help="comma-separated subset of "
-                   + ",".join((*BF16_PROVIDERS, *FP8_PROVIDERS)))
-    p.add_argument("--compile", dest="compile_mode", choices=("full", "regional"), default="full",
-                   help="compile the whole model, or each transformer block in place")
-    p.add_argument("--inductor-modes", default="default",
-                   help="comma-separated torch.compile modes (default,reduce-overhead,max-autotune...) for the "
-                        "compiled providers, each a row of its own, in diffusers-e2e-modes-<gpu>.json unless default")
-    p.add_argument("--attention-kernel", default="auto", choices=("auto", "fused", "sdpa"),
-                   help="compile_ops.patch's attention_kernel for the bf16 patched providers")
-    p.add_argument("--replay", action="store_true",
-                   help="also time each step as the replay of one CUDA graph holding it (GPU time, no host cost)")
-    p.add_argument("--fp8", action="store_true",
-                   help="also compile_ops FP8 and torchao float8 providers on the inference cases")
-    p.add_argument("--int8-attention", action="store_true",
-                   help="only the 8-bit attention comparison (INT8_PROVIDERS) on the inference cases")
-    p.add_argument("--profile", action="store_true",
-                   help="also each step's GPU time by kernel family and its top kernels (torch.profiler)")
+    p.add_argument(
+        "--providers", default=None, help="comma-separated subset of " + ",".join((*BF16_PROVIDERS, *FP8_PROVIDERS))
+    )
+    p.add_argument(
+        "--compile",
+        dest="compile_mode",
+        choices=("full", "regional"),
+        default="full",
+        help="compile the whole model, or each transformer block in place",
+    )
+    p.add_argument(
+        "--inductor-modes",
+        default="default",
+        help="comma-separated torch.compile modes (default,reduce-overhead,max-autotune...) for the "
+        "compiled providers, each a row of its own, in diffusers-e2e-modes-<gpu>.json unless default",
+    )
+    p.add_argument(
+        "--attention-kernel",
+        default="auto",
+        choices=("auto", "fused", "sdpa"),
+        help="compile_ops.patch's attention_kernel for the bf16 patched providers",
+    )
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="also time each step as the replay of one CUDA graph holding it (GPU time, no host cost)",
+    )
+    p.add_argument(
+        "--fp8", action="store_true", help="also compile_ops FP8 and torchao float8 providers on the inference cases"
+    )
+    p.add_argument(
+        "--int8-attention",
+        action="store_true",
+        help="only the 8-bit attention comparison (INT8_PROVIDERS) on the inference cases",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also each step's GPU time by kernel family and its top kernels (torch.profiler)",
+    )
     args = p.parse_args(argv)
     modes = args.inductor_modes.split(",")
     if modes != ["default"] and (args.fp8 or args.int8_attention):
@@ -593,11 +740,15 @@ def main(argv=None) -> int:
     for name in args.cases.split(","):  # written after each case: a later one may run out of time
         chosen = args.providers.split(",") if args.providers else None
         if args.int8_attention:
-            new = run_int8_attention_case(name, args.rep_ms, args.repeats, chosen, args.compile_mode,
-                                          args.profile)
+            new = run_int8_attention_case(name, args.rep_ms, args.repeats, chosen, args.compile_mode, args.profile)
         else:
-            new = [row for mode in modes for row in run_case(name, args.rep_ms, args.repeats, args.fp8, chosen,
-                                                             args.compile_mode, args.profile, mode)]
+            new = [
+                row
+                for mode in modes
+                for row in run_case(
+                    name, args.rep_ms, args.repeats, args.fp8, chosen, args.compile_mode, args.profile, mode
+                )
+            ]
         measured = {_row_key(r) for r in new}
         rows = [r for r in rows if _row_key(r) not in measured] + new
         write_results(args.out, stem, env, rows)

@@ -35,6 +35,7 @@ Writes ``<out>/distributed-train-<gpu>.json``; exits non-zero when a check
 fails. ``tests/test_distributed_train.py`` runs the same code on CPU with a
 tiny config.
 """
+
 import argparse
 import copy
 import dataclasses
@@ -145,9 +146,12 @@ def fsdp_training(config: Config, mesh, device) -> dict:
     seconds = (time.perf_counter() - start) / (config.steps - config.warmup)
     total = torch.stack(losses)
     dist.all_reduce(total)  # each rank's loss is the mean of its equal share of the batch
-    return {"losses": (total / world).tolist(), "step_ms": seconds * 1e3,
-            "samples_per_s": config.global_batch / seconds,
-            "peak_MiB": torch.cuda.max_memory_allocated(device) / 2 ** 20 if device.type == "cuda" else None}
+    return {
+        "losses": (total / world).tolist(),
+        "step_ms": seconds * 1e3,
+        "samples_per_s": config.global_batch / seconds,
+        "peak_MiB": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+    }
 
 
 def _tensor_parallel(block: DiTBlock, mesh) -> DiTBlock:
@@ -159,8 +163,9 @@ def _tensor_parallel(block: DiTBlock, mesh) -> DiTBlock:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     column, row = ColwiseParallel(use_local_output=False), RowwiseParallel(use_local_output=False)
-    parallelize_module(block, mesh, {"to_q": column, "to_k": column, "to_v": column, "proj": row,
-                                     "mlp_in": column, "mlp_out": row})
+    parallelize_module(
+        block, mesh, {"to_q": column, "to_k": column, "to_v": column, "proj": row, "mlp_in": column, "mlp_out": row}
+    )
     for module in block.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if not isinstance(p, DTensor):
@@ -202,10 +207,18 @@ def heads_sharded_block(config: Config, mesh, device) -> dict:
     errors = {"output": relative_l2(got.full_tensor(), want)}
     for (name, p), (_, q) in zip(sharded.named_parameters(), reference.named_parameters()):
         errors[name] = relative_l2(p.grad.full_tensor(), q.grad)
-    return {"forward_collectives": forward_collectives, "relative_errors": errors,
-            "sharded_ms": _time(sharded_step, device), "unsharded_ms": _time(reference_step, device),
-            **_compiled_times(config, partial(sharded_step, _compile(config, sharded)),
-                              partial(reference_step, _compile(config, reference)), device)}
+    return {
+        "forward_collectives": forward_collectives,
+        "relative_errors": errors,
+        "sharded_ms": _time(sharded_step, device),
+        "unsharded_ms": _time(reference_step, device),
+        **_compiled_times(
+            config,
+            partial(sharded_step, _compile(config, sharded)),
+            partial(reference_step, _compile(config, reference)),
+            device,
+        ),
+    }
 
 
 def sequence_sharded_attention(config: Config, mesh, device) -> dict:
@@ -220,8 +233,7 @@ def sequence_sharded_attention(config: Config, mesh, device) -> dict:
 
     torch.manual_seed(2)
     shape = (1, config.tokens, config.heads, config.dim // config.heads)  # [B, L, H, D]
-    full = [torch.randn(shape, device=device, dtype=getattr(torch, config.dtype), requires_grad=True)
-            for _ in range(3)]
+    full = [torch.randn(shape, device=device, dtype=getattr(torch, config.dtype), requires_grad=True) for _ in range(3)]
     grad = torch.randn_like(full[0])
     sharded = [distribute_tensor(t.detach(), mesh, [Shard(1)]).requires_grad_() for t in full]
     sharded_grad = distribute_tensor(grad, mesh, [Shard(1)])
@@ -231,8 +243,7 @@ def sequence_sharded_attention(config: Config, mesh, device) -> dict:
     want = compile_ops.attention(*full, seq_dim=1)
     want.backward(grad)
     errors = {"output": relative_l2(out.full_tensor(), want)}
-    errors.update({f"d{name}": relative_l2(s.grad.full_tensor(), t.grad)
-                   for name, s, t in zip("qkv", sharded, full)})
+    errors.update({f"d{name}": relative_l2(s.grad.full_tensor(), t.grad) for name, s, t in zip("qkv", sharded, full)})
 
     def attend(q, k, v):
         return compile_ops.attention(q, k, v, seq_dim=1)
@@ -243,13 +254,17 @@ def sequence_sharded_attention(config: Config, mesh, device) -> dict:
         fn(*inputs).backward(g)
 
     compiled = _compile(config, attend)
-    return {"forward_collectives": {str(k): v for k, v in comm.get_comm_counts().items()},
-            "output_placements": str(out.placements), "relative_errors": errors,
-            "backend": dist.get_backend(),
-            "sharded_ms": _time(lambda: step(sharded, sharded_grad), device),
-            "unsharded_ms": _time(lambda: step(full, grad), device),
-            **_compiled_times(config, lambda: step(sharded, sharded_grad, compiled),
-                              lambda: step(full, grad, compiled), device)}
+    return {
+        "forward_collectives": {str(k): v for k, v in comm.get_comm_counts().items()},
+        "output_placements": str(out.placements),
+        "relative_errors": errors,
+        "backend": dist.get_backend(),
+        "sharded_ms": _time(lambda: step(sharded, sharded_grad), device),
+        "unsharded_ms": _time(lambda: step(full, grad), device),
+        **_compiled_times(
+            config, lambda: step(sharded, sharded_grad, compiled), lambda: step(full, grad, compiled), device
+        ),
+    }
 
 
 def _compile(config: Config, fn):
@@ -263,8 +278,10 @@ def _compiled_times(config: Config, sharded_step, unsharded_step, device) -> dic
     if not config.compile_backend:
         return {}
     try:
-        return {"compiled_sharded_ms": _time(sharded_step, device),
-                "compiled_unsharded_ms": _time(unsharded_step, device)}
+        return {
+            "compiled_sharded_ms": _time(sharded_step, device),
+            "compiled_unsharded_ms": _time(unsharded_step, device),
+        }
     except Exception as e:  # noqa: BLE001 (reported in the results)
         return {"compile_error": f"{type(e).__name__}: {str(e)[:400]}"}
 
@@ -291,8 +308,9 @@ def _worker(rank: int, world: int, config: Config, rendezvous: str, out_path: st
     # A file rendezvous, not MASTER_ADDR/MASTER_PORT: no TCPStore server thread
     # on rank 0 (with env:// it ran until the process exited, see
     # teardown_process_group) and no free port to pick and lose in between.
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{rendezvous}",
-                            rank=rank, world_size=world)
+    dist.init_process_group(
+        "nccl" if device_type == "cuda" else "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world
+    )
     try:
         device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
         mesh = init_device_mesh(device_type, (world,))
@@ -367,8 +385,9 @@ def run_world(config: Config, world: int, device_type: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "result.json")
         rendezvous = os.path.join(tmp, "rendezvous")
-        torch.multiprocessing.spawn(_worker, args=(world, config, rendezvous, out_path, device_type),
-                                    nprocs=world, join=True)
+        torch.multiprocessing.spawn(
+            _worker, args=(world, config, rendezvous, out_path, device_type), nprocs=world, join=True
+        )
         with open(out_path) as f:
             return json.load(f)
 
@@ -381,14 +400,20 @@ def check(config: Config, single: dict, multi: dict) -> list:
         if abs(a - b) > config.loss_rtol * abs(a):
             failures.append(f"step {step}: loss {b:.6f} on {multi['world']} ranks, {a:.6f} on 1")
     heads = multi["heads_sharded"]
-    failures += [f"heads-sharded block: {name} relative error {err:.2e} > {config.tp_rtol}"
-                 for name, err in heads["relative_errors"].items() if not err <= config.tp_rtol]
+    failures += [
+        f"heads-sharded block: {name} relative error {err:.2e} > {config.tp_rtol}"
+        for name, err in heads["relative_errors"].items()
+        if not err <= config.tp_rtol
+    ]
     collectives = heads["forward_collectives"]
     if set(collectives) != {"c10d_functional.all_reduce"} or sum(collectives.values()) != 2:
         failures.append(f"heads-sharded forward: collectives {collectives}, expected the 2 row-parallel all-reduces")
     sequence = multi["sequence_sharded"]
-    failures += [f"sequence-sharded attention: {name} relative error {err:.2e} > {config.tp_rtol}"
-                 for name, err in sequence["relative_errors"].items() if not err <= config.tp_rtol]
+    failures += [
+        f"sequence-sharded attention: {name} relative error {err:.2e} > {config.tp_rtol}"
+        for name, err in sequence["relative_errors"].items()
+        if not err <= config.tp_rtol
+    ]
     if sequence["output_placements"] != "(Shard(dim=1),)":
         failures.append(f"sequence-sharded attention: output {sequence['output_placements']}, expected Shard(dim=1)")
     gathers = [k for k in sequence["forward_collectives"] if "all_gather" in k]
@@ -402,8 +427,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     for field in dataclasses.fields(Config):
-        p.add_argument(f"--{field.name.replace('_', '-')}", type=field.type,
-                       default=field.default)
+        p.add_argument(f"--{field.name.replace('_', '-')}", type=field.type, default=field.default)
     args = p.parse_args(argv)
     config = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -418,28 +442,51 @@ def main(argv=None) -> int:
     baseline = run_world(per_rank, 1, device_type) if args.gpus > 1 else single
     failures = check(config, single, multi)
     a, b, c = single["training"], multi["training"], baseline["training"]
-    print(f"1 rank, batch {config.global_batch}: {a['step_ms']:.1f} ms/step, {a['samples_per_s']:.2f} samples/s; "
-          f"1 rank, batch {per_rank.global_batch}: {c['step_ms']:.1f} ms/step, {c['samples_per_s']:.2f} samples/s; "
-          f"{args.gpus} ranks: {b['step_ms']:.1f} ms/step, {b['samples_per_s']:.2f} samples/s "
-          f"= {b['samples_per_s'] / c['samples_per_s']:.2f}x one rank at the same batch per rank "
-          f"({b['samples_per_s'] / a['samples_per_s']:.2f}x one rank with the whole batch)")
-    print(f"losses: first {a['losses'][0]:.5f} / {b['losses'][0]:.5f}, last {a['losses'][-1]:.5f} / "
-          f"{b['losses'][-1]:.5f}, max relative difference "
-          f"{max(abs(x - y) / abs(x) for x, y in zip(a['losses'], b['losses'])):.2e}")
+    print(
+        f"1 rank, batch {config.global_batch}: {a['step_ms']:.1f} ms/step, {a['samples_per_s']:.2f} samples/s; "
+        f"1 rank, batch {per_rank.global_batch}: {c['step_ms']:.1f} ms/step, {c['samples_per_s']:.2f} samples/s; "
+        f"{args.gpus} ranks: {b['step_ms']:.1f} ms/step, {b['samples_per_s']:.2f} samples/s "
+        f"= {b['samples_per_s'] / c['samples_per_s']:.2f}x one rank at the same batch per rank "
+        f"({b['samples_per_s'] / a['samples_per_s']:.2f}x one rank with the whole batch)"
+    )
+    print(
+        f"losses: first {a['losses'][0]:.5f} / {b['losses'][0]:.5f}, last {a['losses'][-1]:.5f} / "
+        f"{b['losses'][-1]:.5f}, max relative difference "
+        f"{max(abs(x - y) / abs(x) for x, y in zip(a['losses'], b['losses'])):.2e}"
+    )
     heads = multi["heads_sharded"]
-    print(f"heads-sharded block: {heads['sharded_ms']:.2f} ms fwd+bwd against {heads['unsharded_ms']:.2f} unsharded "
-          f"({compiled_summary(heads)}); "
-          f"forward collectives {heads['forward_collectives']}; worst relative error "
-          f"{max(heads['relative_errors'].values()):.2e}")
+    print(
+        f"heads-sharded block: {heads['sharded_ms']:.2f} ms fwd+bwd against {heads['unsharded_ms']:.2f} unsharded "
+        f"({compiled_summary(heads)}); "
+        f"forward collectives {heads['forward_collectives']}; worst relative error "
+        f"{max(heads['relative_errors'].values()):.2e}"
+    )
     sequence = multi["sequence_sharded"]
-    print(f"sequence-sharded attention: {sequence['sharded_ms']:.2f} ms fwd+bwd against "
-          f"{sequence['unsharded_ms']:.2f} on one GPU ({compiled_summary(sequence)}); "
-          f"output {sequence['output_placements']}; forward collectives "
-          f"{sequence['forward_collectives']}; worst relative error {max(sequence['relative_errors'].values()):.2e}")
+    print(
+        f"sequence-sharded attention: {sequence['sharded_ms']:.2f} ms fwd+bwd against "
+        f"{sequence['unsharded_ms']:.2f} on one GPU ({compiled_summary(sequence)}); "
+        f"output {sequence['output_placements']}; forward collectives "
+        f"{sequence['forward_collectives']}; worst relative error {max(sequence['relative_errors'].values()):.2e}"
+    )
     if device_type == "cuda":
-        print("wrote", write_results(args.out, "distributed-train", environment(),
-                                     [{"config": dataclasses.asdict(config), "gpus": args.gpus, "single": single,
-                                       "baseline": baseline, "multi": multi, "failures": failures}]))
+        print(
+            "wrote",
+            write_results(
+                args.out,
+                "distributed-train",
+                environment(),
+                [
+                    {
+                        "config": dataclasses.asdict(config),
+                        "gpus": args.gpus,
+                        "single": single,
+                        "baseline": baseline,
+                        "multi": multi,
+                        "failures": failures,
+                    }
+                ],
+            ),
+        )
     for failure in failures:
         print("FAIL:", failure)
     return 1 if failures else 0

@@ -28,6 +28,7 @@ past ``--budget-s`` seconds after the process started (by
 :data:`STAGE_SECONDS`) is skipped and named in the summary. Every op at every
 shape, the peers and the other runners: ``python bench/run.py --full``.
 """
+
 import argparse
 import json
 import os
@@ -64,8 +65,14 @@ from bench.toolkit import (  # noqa: E402
 )
 
 #: One op per family, ``(family, registry name)``, in summary order, each at its first benchmark shape.
-FAMILY_OPS = (("norm", "rmsnorm"), ("modulate", "gated_residual_norm_modulate"), ("rope", "qk_norm_rope"),
-              ("glu", "geglu_tanh"), ("moe", "moe_route"), ("fp8", "quantize_fp8_rows"))
+FAMILY_OPS = (
+    ("norm", "rmsnorm"),
+    ("modulate", "gated_residual_norm_modulate"),
+    ("rope", "qk_norm_rope"),
+    ("glu", "geglu_tanh"),
+    ("moe", "moe_route"),
+    ("fp8", "quantize_fp8_rows"),
+)
 #: The providers of each family's op (``bench/runners/ops.py``'s names): fused first.
 PROVIDERS = ("fused_compiled", "native_compiled")
 #: Flux at 1024x1024: 24 heads of 128 over 4096 image + 512 text tokens, ``[B, H, L, D]``.
@@ -84,8 +91,11 @@ BUSY_SECONDS = {False: 1.0, True: 0.2}
 
 def plan() -> list:
     """The stages in run order, ``[(stage, name, measurements)]``: the progress counts these."""
-    stages = [("setup", "warm-up and roofs", 1), ("e2e", "end-to-end step", len(E2E_PROVIDERS)),
-              ("attention", "attention", len(ATTENTION_PROVIDERS))]
+    stages = [
+        ("setup", "warm-up and roofs", 1),
+        ("e2e", "end-to-end step", len(E2E_PROVIDERS)),
+        ("attention", "attention", len(ATTENTION_PROVIDERS)),
+    ]
     return stages + [("family", op, len(PROVIDERS)) for _, op in FAMILY_OPS]
 
 
@@ -96,12 +106,14 @@ def family_kind(spec) -> str:
 
 # ---------------------------------------------------------------- stages
 
+
 def _setup(data: dict, timer, progress: Progress) -> None:
     warm_up_gpu()
     data["copy_TBps"] = copy_bandwidth_TBps(timer)
     data["matmul_TFLOPs"] = matmul_TFLOPs(timer)
-    progress(f"warm-up; roofs: device copy {data['copy_TBps']:.2f} TB/s, bf16 matmul "
-             f"{data['matmul_TFLOPs']:.0f} TFLOP/s")
+    progress(
+        f"warm-up; roofs: device copy {data['copy_TBps']:.2f} TB/s, bf16 matmul {data['matmul_TFLOPs']:.0f} TFLOP/s"
+    )
 
 
 def _family(data: dict, family: str, op: str, timer, progress: Progress) -> None:
@@ -119,8 +131,7 @@ def _attention(data: dict, timer, busy_s: float, progress: Progress) -> None:
     import compile_ops
 
     b, h, length, d = ATTENTION_SHAPE
-    q, k, v = (torch.randn(ATTENTION_SHAPE, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (torch.randn(ATTENTION_SHAPE, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     flops = 3.5 * 4 * b * h * length * length * d  # forward 4·B·H·L²·D, the backward 2.5x that
 
     def fused(q, k, v):
@@ -168,8 +179,10 @@ def _e2e(data: dict, timer, busy_s: float, progress: Progress) -> None:
     depth, dim, heads, tokens = E2E["depth"], E2E["dim"], E2E["heads"], E2E["tokens"]
     torch.manual_seed(0)
     with torch.device("cuda"):
-        stacks = {"compile_ops": BlockStack(depth, dim, heads, fused=True),
-                  "torch_compile": BlockStack(depth, dim, heads, fused=False)}
+        stacks = {
+            "compile_ops": BlockStack(depth, dim, heads, fused=True),
+            "torch_compile": BlockStack(depth, dim, heads, fused=False),
+        }
     stacks["torch_compile"].load_state_dict(stacks["compile_ops"].state_dict())
     x = torch.randn(1, tokens, dim, device="cuda", dtype=torch.bfloat16)
     temb = torch.randn(1, dim, device="cuda", dtype=torch.bfloat16)
@@ -196,6 +209,7 @@ def _e2e(data: dict, timer, busy_s: float, progress: Progress) -> None:
 
 
 # ---------------------------------------------------------------- the run
+
 
 def measure(data: dict, quick: bool, start: float, budget_s: float, screen=None) -> dict:
     """Every stage of :func:`plan` into ``data`` (``rows``, ``families``,
@@ -243,12 +257,18 @@ def run(out: str, quick: bool = False, verbose: bool = False, budget_s: float = 
     files = {"json": stem + ".json", "png": stem + ".png", "log": stem + ".log"}
     if os.path.exists(files["log"]):
         os.remove(files["log"])
-    data = {"env": env, "quick": bool(quick), "timing_ms": dict(zip(("warmup", "rep"), TIMING[bool(quick)])),
-            "budget_s": budget_s}
+    data = {
+        "env": env,
+        "quick": bool(quick),
+        "timing_ms": dict(zip(("warmup", "rep"), TIMING[bool(quick)])),
+        "budget_s": budget_s,
+    }
     with output_to(files["log"], echo=verbose) as screen:
-        screen.write(f"compile_ops first run on {machine_line(env)}\n"
-                     f"each op family against torch.compile, attention, one end-to-end step; "
-                     f"details in {os.path.relpath(files['log'])}\n")
+        screen.write(
+            f"compile_ops first run on {machine_line(env)}\n"
+            f"each op family against torch.compile, attention, one end-to-end step; "
+            f"details in {os.path.relpath(files['log'])}\n"
+        )
         try:
             measure(data, quick, start, budget_s, None if verbose else screen)
         finally:
@@ -264,11 +284,15 @@ def run(out: str, quick: bool = False, verbose: bool = False, budget_s: float = 
 
 # ---------------------------------------------------------------- the summary
 
+
 def failures(data: dict) -> list:
     """What failed: the stages' errors and the fused providers' (a peer's failure is a result)."""
     rows = data.get("rows", []) + data.get("attention", {}).get("rows", []) + data.get("e2e", {}).get("rows", [])
-    return data.get("errors", []) + [f"{r.get('op', 'e2e')} {r['provider']}: {r['error']}" for r in rows
-                                     if "error" in r and r["provider"] in ("fused_compiled", "compile_ops")]
+    return data.get("errors", []) + [
+        f"{r.get('op', 'e2e')} {r['provider']}: {r['error']}"
+        for r in rows
+        if "error" in r and r["provider"] in ("fused_compiled", "compile_ops")
+    ]
 
 
 def families_in(rows: list) -> list:
@@ -305,15 +329,19 @@ def _attention_line(attention: dict) -> str:
     fused, sdpa = by.get("fused_compiled", {}), by.get("sdpa_compiled", {})
     speed = "failed" if "ms" not in fused else "SDPA failed" if "ms" not in sdpa else f"{sdpa['ms'] / fused['ms']:.2f}x"
     share = f"{fused['pct_matmul']:.0f}% of matmul" if "pct_matmul" in fused else "-"
-    return (f"{'attention':<10} {'attention (vs SDPA)':<30} {shape_str(attention['shape']):<14} {'fwd+bwd':<8} "
-            f"{speed:>16}  {share}")
+    return (
+        f"{'attention':<10} {'attention (vs SDPA)':<30} {shape_str(attention['shape']):<14} {'fwd+bwd':<8} "
+        f"{speed:>16}  {share}"
+    )
 
 
 def _e2e_lines(e2e: dict) -> list:
     c = e2e["config"]
     by = {r["provider"]: r for r in e2e["rows"]}
-    head = (f"End to end: {c['depth']} DiT blocks ({c['dim']} wide, {c['heads']} heads, {c['tokens']} tokens, "
-            f"bf16), one forward, each block compiled in place:")
+    head = (
+        f"End to end: {c['depth']} DiT blocks ({c['dim']} wide, {c['heads']} heads, {c['tokens']} tokens, "
+        f"bf16), one forward, each block compiled in place:"
+    )
     if "ms" not in by.get("compile_ops", {}) or "ms" not in by.get("torch_compile", {}):
         errors = "; ".join(f"{n}: {r['error'][:100]}" for n, r in by.items() if "error" in r)
         return [head, f"  failed ({errors or 'not run'})"]
@@ -328,26 +356,39 @@ def summary_lines(data: dict, files: dict) -> list:
     env = data["env"]
     out = ["", f"compile_ops on {machine_line(env)}"]
     if "copy_TBps" in data:
-        out.append(f"Roofs: device copy {data['copy_TBps']:.2f} TB/s (read+write), "
-                   f"bf16 matmul {data['matmul_TFLOPs']:.0f} TFLOP/s.")
-    out += ["", "Fused op under torch.compile against torch.compile of its PyTorch reference (above 1x: fused is "
-            "faster), CUDA-graph replays:", ""]
+        out.append(
+            f"Roofs: device copy {data['copy_TBps']:.2f} TB/s (read+write), "
+            f"bf16 matmul {data['matmul_TFLOPs']:.0f} TFLOP/s."
+        )
+    out += [
+        "",
+        "Fused op under torch.compile against torch.compile of its PyTorch reference (above 1x: fused is "
+        "faster), CUDA-graph replays:",
+        "",
+    ]
     out += family_lines(data.get("rows", []), data.get("families", []))
     if "attention" in data:
         out.append(_attention_line(data["attention"]))
     if "e2e" in data:
         out += [""] + _e2e_lines(data["e2e"])
     if data.get("skipped"):
-        out += ["", f"Skipped for the {data['budget_s']:.0f} s budget: {', '.join(data['skipped'])} "
-                "(python bench/run.py --budget-s 600 runs them)."]
+        out += [
+            "",
+            f"Skipped for the {data['budget_s']:.0f} s budget: {', '.join(data['skipped'])} "
+            "(python bench/run.py --budget-s 600 runs them).",
+        ]
     failed = failures(data)
     if failed:
         out += ["", "Failed (details in the log):"] + [f"  {f[:200]}" for f in failed]
-    out += ["", f"Results {files['json']} | plot {files.get('png') or 'not drawn (no matplotlib)'} | "
-                f"log {files['log']}"]
+    out += [
+        "",
+        f"Results {files['json']} | plot {files.get('png') or 'not drawn (no matplotlib)'} | log {files['log']}",
+    ]
     if "wall_s" in data:
-        out.append(f"Done in {data['wall_s']:.0f} s. Every op at every shape with its peers, and every runner: "
-                   "python bench/run.py --full.")
+        out.append(
+            f"Done in {data['wall_s']:.0f} s. Every op at every shape with its peers, and every runner: "
+            "python bench/run.py --full."
+        )
     return out
 
 
@@ -356,6 +397,7 @@ def plot(data: dict, png_path: str):
     end-to-end step; returns ``png_path``, or None without matplotlib or results."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")  # files only; no display on the benchmark machines
         import matplotlib.pyplot as plt
     except ImportError:
@@ -368,8 +410,10 @@ def plot(data: dict, png_path: str):
         if fused.get(key) and native.get(key):
             labels.append(f"{f['family']}: {f['op']}")
             ratios.append(native[key] / fused[key])
-    for label, part, ours, theirs in (("attention (vs SDPA)", "attention", "fused_compiled", "sdpa_compiled"),
-                                      ("end to end, forward", "e2e", "compile_ops", "torch_compile")):
+    for label, part, ours, theirs in (
+        ("attention (vs SDPA)", "attention", "fused_compiled", "sdpa_compiled"),
+        ("end to end, forward", "e2e", "compile_ops", "torch_compile"),
+    ):
         rows = {r["provider"]: r for r in data.get(part, {}).get("rows", [])}
         if "ms" in rows.get(ours, {}) and "ms" in rows.get(theirs, {}):
             labels.append(label)

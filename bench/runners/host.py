@@ -21,6 +21,7 @@ calls are host-bound. ``ratio`` is ``eager_us / bare_us`` (the target:
 at most 1.5). Writes ``<out>/host-<gpu>.json``; ``bench/runners/ops.py`` runs the
 rmsnorm row for its report line.
 """
+
 import argparse
 import cProfile
 import io
@@ -82,6 +83,7 @@ def measure(spec, shape=OVERHEAD_SHAPE, timer=None, profile: bool = False) -> di
     args = spec.make_inputs(shape, torch.bfloat16, "cuda", False)
 
     with torch.no_grad():
+
         def eager():
             return fused(*args)
 
@@ -106,11 +108,18 @@ def measure(spec, shape=OVERHEAD_SHAPE, timer=None, profile: bool = False) -> di
         bare()
         torch.cuda.synchronize()
         same_output = all(torch.equal(g, w) for g, w in zip(got, want) if isinstance(g, torch.Tensor))
-        row = {"op": spec.name, "shape": list(shape), "dtype": "bfloat16",
-               "kernels": [kernel.fn.__name__ for kernel, *_ in launches],
-               "eager_us": per_call_us(eager), "dispatcher_us": per_call_us(dispatcher),
-               "bare_us": per_call_us(bare), "reference_us": per_call_us(reference),
-               "same_output": same_output, "planned": any(type(p) is Plan for p in fused.plans.values())}
+        row = {
+            "op": spec.name,
+            "shape": list(shape),
+            "dtype": "bfloat16",
+            "kernels": [kernel.fn.__name__ for kernel, *_ in launches],
+            "eager_us": per_call_us(eager),
+            "dispatcher_us": per_call_us(dispatcher),
+            "bare_us": per_call_us(bare),
+            "reference_us": per_call_us(reference),
+            "same_output": same_output,
+            "planned": any(type(p) is Plan for p in fused.plans.values()),
+        }
         row["ratio"] = row["eager_us"] / row["bare_us"]
         if timer is not None:
             row["gpu_us"] = graph_replay_time(eager, timer) * 1e3
@@ -123,8 +132,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--ops", default="", help="comma-separated op names (default: every op with example inputs)")
-    p.add_argument("--profile", default="rmsnorm,attention,norm_modulate",
-                   help="ops whose eager call is also profiled (cProfile, printed and kept in the JSON)")
+    p.add_argument(
+        "--profile",
+        default="rmsnorm,attention,norm_modulate",
+        help="ops whose eager call is also profiled (cProfile, printed and kept in the JSON)",
+    )
     args = p.parse_args(argv)
     from cases import OPS
 
@@ -133,8 +145,10 @@ def main(argv=None) -> int:
     specs = [s for s in OPS if s.make_inputs is not None and (not wanted or s.name in wanted)]
     env = environment()
     timer = make_timer(quick=True)
-    log(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | shape {OVERHEAD_SHAPE} bf16, "
-        f"host us per call (median of {ROUNDS} x {CALLS} calls)")
+    log(
+        f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | shape {OVERHEAD_SHAPE} bf16, "
+        f"host us per call (median of {ROUNDS} x {CALLS} calls)"
+    )
     log(f"{'op':34s} {'eager':>7s} {'disp.':>7s} {'bare':>7s} {'ratio':>6s} {'ref.':>7s} {'gpu':>6s}  kernels")
     rows, status = [], 0
     for spec in specs:
@@ -146,10 +160,12 @@ def main(argv=None) -> int:
             status = 1
             continue
         rows.append(row)
-        log(f"{spec.name:34s} {row['eager_us']:7.1f} {row['dispatcher_us']:7.1f} {row['bare_us']:7.1f} "
+        log(
+            f"{spec.name:34s} {row['eager_us']:7.1f} {row['dispatcher_us']:7.1f} {row['bare_us']:7.1f} "
             f"{row['ratio']:6.2f} {row['reference_us']:7.1f} {row.get('gpu_us', float('nan')):6.1f}  "
             f"{len(row['kernels'])} {'planned' if row['planned'] else 'body'} "
-            f"{'' if row['same_output'] else 'OUTPUT DIFFERS'}")
+            f"{'' if row['same_output'] else 'OUTPUT DIFFERS'}"
+        )
         if "profile" in row:
             log(row["profile"])
     log(f"wrote {write_results(args.out, 'host', env, rows)}")

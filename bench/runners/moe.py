@@ -22,6 +22,7 @@ L2, the share of tokens whose experts agree, the counts where all agree).
 Without a GPU, ``main`` runs the providers' CPU-safe check at a small shape
 and exits.
 """
+
 import argparse
 import functools
 import os
@@ -57,8 +58,12 @@ def providers() -> dict:
     def fused(*args):
         return compile_ops.moe_route(*args)
 
-    return {"fused_eager": compile_ops.moe_route, "fused_compiled": torch.compile(fused, fullgraph=True),
-            "composite_eager": composite, "composite_compiled": torch.compile(composite)}
+    return {
+        "fused_eager": compile_ops.moe_route,
+        "fused_compiled": torch.compile(fused, fullgraph=True),
+        "composite_eager": composite,
+        "composite_compiled": torch.compile(composite),
+    }
 
 
 def check(args) -> dict:
@@ -83,11 +88,21 @@ def bench_case(spec, shape, timer, dtype=torch.bfloat16) -> list:
     log(f"{spec.name} {shape_str(shape)} E={args[1].shape[0]} k={args[2]} renormalize={args[3]}: {check(args)}")
     rows = []
     for name, fn in providers().items():
-        row = {"op": spec.name, "shape": list(shape), "experts": args[1].shape[0], "top_k": args[2],
-               "renormalize": args[3], "dtype": str(dtype).replace("torch.", ""), "provider": name}
-        for key, measure in (("fwd", time_forward), ("fwdbwd", time_forward_backward),
-                             ("fwd_graph", functools.partial(time_forward, graph=True)),
-                             ("fwdbwd_graph", functools.partial(time_forward_backward, graph=True))):
+        row = {
+            "op": spec.name,
+            "shape": list(shape),
+            "experts": args[1].shape[0],
+            "top_k": args[2],
+            "renormalize": args[3],
+            "dtype": str(dtype).replace("torch.", ""),
+            "provider": name,
+        }
+        for key, measure in (
+            ("fwd", time_forward),
+            ("fwdbwd", time_forward_backward),
+            ("fwd_graph", functools.partial(time_forward, graph=True)),
+            ("fwdbwd_graph", functools.partial(time_forward_backward, graph=True)),
+        ):
             try:
                 row[f"{key}_us"] = measure(fn, args, timer) * 1e3
             except Exception as e:  # noqa: BLE001 (a failing provider is a result too)

@@ -34,6 +34,7 @@ ncu needs access to the GPU's performance counters (root, or the driver's
 ``NVreg_RestrictProfilingToAdminUsers=0``); ``$NCU`` names the binary when it
 is not on ``PATH`` or in ``/usr/local/cuda/bin``.
 """
+
 import argparse
 import csv
 import io
@@ -69,16 +70,21 @@ METRICS = (
 )
 #: ``--sass``: ncu's instruction-level sampling (where warps wait, per SASS instruction).
 SASS_SECTIONS = ("SourceCounters", "WarpStateStats")
-PIPES = (("issue", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
-         ("tensor", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"),
-         ("XU", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active"),
-         ("FMA", "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active"),
-         ("ALU", "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active"))
+PIPES = (
+    ("issue", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
+    ("tensor", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"),
+    ("XU", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active"),
+    ("FMA", "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active"),
+    ("ALU", "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active"),
+)
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
 #: Shapes for ops without registry benchmark shapes ([B, L, C]: C = heads x 128).
-DEFAULT_SHAPES = {"attention": (1, 4608, 3072), "attention_int8": (1, 4608, 3072),
-                  "attention_int8_fp8": (1, 4608, 3072)}
+DEFAULT_SHAPES = {
+    "attention": (1, 4608, 3072),
+    "attention_int8": (1, 4608, 3072),
+    "attention_int8_fp8": (1, 4608, 3072),
+}
 
 
 def ncu_binary() -> str:
@@ -121,12 +127,16 @@ def parse_csv(text: str) -> list:
 
 def stalls(metrics: dict) -> list:
     """``[(reason, cycles per issued instruction)]``, largest first."""
-    found = [(name[len(STALL_PREFIX):-len(STALL_SUFFIX)], value) for name, value in metrics.items()
-             if name.startswith(STALL_PREFIX) and name.endswith(STALL_SUFFIX) and isinstance(value, (int, float))
-             and not name.endswith("_not_issued" + STALL_SUFFIX)
-             and name != STALL_PREFIX + "selected" + STALL_SUFFIX]  # issuing, 1.00 by definition
+    found = [
+        (name[len(STALL_PREFIX) : -len(STALL_SUFFIX)], value)
+        for name, value in metrics.items()
+        if name.startswith(STALL_PREFIX)
+        and name.endswith(STALL_SUFFIX)
+        and isinstance(value, (int, float))
+        and not name.endswith("_not_issued" + STALL_SUFFIX)
+        and name != STALL_PREFIX + "selected" + STALL_SUFFIX
+    ]  # issuing, 1.00 by definition
     return sorted(found, key=lambda item: -item[1])
-
 
 
 def _pipe_share(metrics: dict, key: str) -> str:
@@ -134,27 +144,33 @@ def _pipe_share(metrics: dict, key: str) -> str:
     value = metrics.get(key)
     return f"{value:.0f}" if isinstance(value, (int, float)) else "-"
 
+
 def summary_lines(op: str, shape, results: dict) -> list:
     """The Markdown summary: per pass, one row per kernel launch."""
     lines = [f"# ncu profile of `fused.{op}` at {'x'.join(map(str, shape))}, bf16", ""]
     for pass_name, launches in results.items():
-        lines += [f"## {pass_name}", "",
-                  "| kernel | µs | DRAM GB read+written | DRAM % of peak | SM % of peak "
-                  "| occupancy achieved / theoretical (%) | regs | busy % (issue, tensor, XU, FMA, ALU) "
-                  "| top stalls (cycles per issue) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {pass_name}",
+            "",
+            "| kernel | µs | DRAM GB read+written | DRAM % of peak | SM % of peak "
+            "| occupancy achieved / theoretical (%) | regs | busy % (issue, tensor, XU, FMA, ALU) "
+            "| top stalls (cycles per issue) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for launch in launches:
             m = launch["metrics"]
             dram = (m.get("dram__bytes_read.sum", 0) + m.get("dram__bytes_write.sum", 0)) / 1e9
             top = ", ".join(f"{reason} {value:.2f}" for reason, value in stalls(m)[:3])
-            lines.append(f"| `{launch['kernel'][:60]}` | {m.get('gpu__time_duration.sum', 0) / 1e3:.1f} "
-                         f"| {dram:.3f} | {m.get('dram__throughput.avg.pct_of_peak_sustained_elapsed', 0):.1f} "
-                         f"| {m.get('sm__throughput.avg.pct_of_peak_sustained_elapsed', 0):.1f} "
-                         f"| {m.get('sm__warps_active.avg.pct_of_peak_sustained_active', 0):.1f} / "
-                         f"{m.get('sm__maximum_warps_per_active_cycle_pct', 0):.1f} "
-                         f"| {m.get('launch__registers_per_thread', '')} "
-                         f"| {' / '.join(_pipe_share(m, k) for _, k in PIPES)} "
-                         f"| {top} |")
+            lines.append(
+                f"| `{launch['kernel'][:60]}` | {m.get('gpu__time_duration.sum', 0) / 1e3:.1f} "
+                f"| {dram:.3f} | {m.get('dram__throughput.avg.pct_of_peak_sustained_elapsed', 0):.1f} "
+                f"| {m.get('sm__throughput.avg.pct_of_peak_sustained_elapsed', 0):.1f} "
+                f"| {m.get('sm__warps_active.avg.pct_of_peak_sustained_active', 0):.1f} / "
+                f"{m.get('sm__maximum_warps_per_active_cycle_pct', 0):.1f} "
+                f"| {m.get('launch__registers_per_thread', '')} "
+                f"| {' / '.join(_pipe_share(m, k) for _, k in PIPES)} "
+                f"| {top} |"
+            )
         lines.append("")
     return lines
 
@@ -180,15 +196,25 @@ def sass_hotspots(text: str, top: int = 15) -> list:
     total = sum(count(row, samples) for row in rows) or 1
     reasons = [k for k in (rows[0] if rows else {}) if k.startswith("stall_") and "Not Issued" not in k]
     ranked = sorted(rows, key=lambda row: -count(row, samples))[:top]
-    return [{"address": row["Address"], "sass": row["Source"].strip(), "share": count(row, samples) / total,
-             "reasons": sorted(((k[len("stall_"):], count(row, k)) for k in reasons), key=lambda x: -x[1])[:3]}
-            for row in ranked]
+    return [
+        {
+            "address": row["Address"],
+            "sass": row["Source"].strip(),
+            "share": count(row, samples) / total,
+            "reasons": sorted(((k[len("stall_") :], count(row, k)) for k in reasons), key=lambda x: -x[1])[:3],
+        }
+        for row in ranked
+    ]
 
 
 def sass_lines(pass_name: str, hotspots: list) -> list:
     """The Markdown table of one pass's :func:`sass_hotspots`."""
-    lines = [f"### {pass_name}: SASS instructions with the most warp-stall samples", "",
-             "| share | instruction | top reasons (samples) |", "|---|---|---|"]
+    lines = [
+        f"### {pass_name}: SASS instructions with the most warp-stall samples",
+        "",
+        "| share | instruction | top reasons (samples) |",
+        "|---|---|---|",
+    ]
     for h in hotspots:
         reasons = ", ".join(f"{r} {n}" for r, n in h["reasons"])
         lines.append(f"| {100 * h['share']:.1f}% | `{h['sass'][:70]}` | {reasons} |")
@@ -210,6 +236,7 @@ def _shape_of(op: str, shape_arg: str):
 
 # ---------------------------------------------------------------- the profiled child
 
+
 def run_target(op: str, shape, pass_name: str) -> None:
     """In the child under ncu: warm up, then one call of ``op`` inside the profiler range."""
     import torch
@@ -222,9 +249,11 @@ def run_target(op: str, shape, pass_name: str) -> None:
     if pass_name == "fwdbwd":
         call = _training_step(spec.op, args)
     else:
+
         def call():
             with torch.no_grad():
                 spec.op(*args)
+
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -235,6 +264,7 @@ def run_target(op: str, shape, pass_name: str) -> None:
 
 
 # ---------------------------------------------------------------- the driver
+
 
 def profile(op: str, out: str, shape_arg: str = "", passes: str = "", sass: int = 0, kernel: str = "") -> int:
     """Profile ``op`` under ncu, write its JSON and Markdown summary; 0 on success.
@@ -251,29 +281,73 @@ def profile(op: str, out: str, shape_arg: str = "", passes: str = "", sass: int 
         raise SystemExit(f"bench/runners/nsight.py: unknown op {op!r}; choose from {sorted(BY_NAME)}")
     spec = BY_NAME[op]
     if spec.make_inputs is None:
-        raise SystemExit(f"nsight.py: {op} has no input maker in the registry (a backward op: profile its "
-                         "forward's fwdbwd pass instead)")
+        raise SystemExit(
+            f"nsight.py: {op} has no input maker in the registry (a backward op: profile its "
+            "forward's fwdbwd pass instead)"
+        )
     shape = _shape_of(op, shape_arg)
     wanted = passes.split(",") if passes else (["fwd", "fwdbwd"] if spec.differentiable else ["fwd"])
     ncu = ncu_binary()
     version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1:]
     results, failures, hotspots = {}, {}, {}
     for pass_name in wanted:
-        target = [sys.executable, os.path.abspath(__file__), op, "--target", pass_name,
-                  "--shape", ",".join(map(str, shape))]
+        target = [
+            sys.executable,
+            os.path.abspath(__file__),
+            op,
+            "--target",
+            pass_name,
+            "--shape",
+            ",".join(map(str, shape)),
+        ]
         only = ["--kernel-name", f"regex:{kernel}"] if kernel else []
-        command = [ncu, "--profile-from-start", "off", "--target-processes", "all", *only, "--csv", "--page",
-                   "details", "--print-units", "base", "--metrics", ",".join(METRICS), *target]
+        command = [
+            ncu,
+            "--profile-from-start",
+            "off",
+            "--target-processes",
+            "all",
+            *only,
+            "--csv",
+            "--page",
+            "details",
+            "--print-units",
+            "base",
+            "--metrics",
+            ",".join(METRICS),
+            *target,
+        ]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         if sass:
             sections = [a for name in SASS_SECTIONS for a in ("--section", name)]
-            source = subprocess.run([ncu, "--profile-from-start", "off", "--target-processes", "all", *only,
-                                     *sections, "--import-source", "no", "--csv", "--page", "source",
-                                     "--print-source", "sass", *target], capture_output=True, text=True, env=env)
+            source = subprocess.run(
+                [
+                    ncu,
+                    "--profile-from-start",
+                    "off",
+                    "--target-processes",
+                    "all",
+                    *only,
+                    *sections,
+                    "--import-source",
+                    "no",
+                    "--csv",
+                    "--page",
+                    "source",
+                    "--print-source",
+                    "sass",
+                    *target,
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             hotspots[pass_name] = sass_hotspots(source.stdout, sass)
             if not hotspots[pass_name]:
-                log(f"nsight: {op} {pass_name}: no SASS source page (exit {source.returncode}):\n"
-                    f"{(source.stderr or source.stdout)[-2000:]}")
+                log(
+                    f"nsight: {op} {pass_name}: no SASS source page (exit {source.returncode}):\n"
+                    f"{(source.stderr or source.stdout)[-2000:]}"
+                )
         log(f"nsight: {op} {'x'.join(map(str, shape))} {pass_name}")
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         launches = parse_csv(done.stdout)
@@ -283,9 +357,19 @@ def profile(op: str, out: str, shape_arg: str = "", passes: str = "", sass: int 
             continue
         results[pass_name] = launches
     env_info = environment()
-    data = {"op": op, "shape": list(shape), "dtype": "bfloat16", "gpu": env_info["gpu"], "torch": torch.__version__,
-            "triton": triton.__version__, "ncu": version[0] if version else None, "metrics": list(METRICS),
-            "passes": results, "failures": failures, "sass_hotspots": hotspots}
+    data = {
+        "op": op,
+        "shape": list(shape),
+        "dtype": "bfloat16",
+        "gpu": env_info["gpu"],
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "ncu": version[0] if version else None,
+        "metrics": list(METRICS),
+        "passes": results,
+        "failures": failures,
+        "sass_hotspots": hotspots,
+    }
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, f"profile-{op}-{gpu_slug(env_info['gpu'])}")
     with open(stem + ".json", "w") as f:
@@ -306,8 +390,13 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="", help="B,L,C (default: the registry's first benchmark shape)")
     p.add_argument("--passes", default="", help="fwd,fwdbwd (default: both for differentiable ops)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
-    p.add_argument("--sass", type=int, default=0, metavar="N",
-                   help="also list the N SASS instructions where warps stall most (instruction-level sampling)")
+    p.add_argument(
+        "--sass",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also list the N SASS instructions where warps stall most (instruction-level sampling)",
+    )
     p.add_argument("--kernel", default="", help="profile only kernels whose name matches this regular expression")
     p.add_argument("--target", default="", help=argparse.SUPPRESS)  # set in the child that ncu runs
     args = p.parse_args(argv)

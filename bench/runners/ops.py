@@ -20,6 +20,7 @@ Method (docs/design.md, "Benchmarks"):
   GB/s compare like time does, and is also given as % of the measured device
   copy bandwidth.
 """
+
 import importlib
 import json
 import os
@@ -54,6 +55,7 @@ CORE_PROVIDERS = ("fused_eager", "fused_compiled", "native_eager", "native_compi
 
 
 # ---------------------------------------------------------------- providers
+
 
 def load_peers(families) -> dict:
     """``{op_name: {provider: fn}}`` merged from ``bench/peers/<family>.py`` (``PEERS``) for each family."""
@@ -95,8 +97,12 @@ def make_providers(spec, peers: dict) -> dict:
 # ---------------------------------------------------------------- measurement
 
 #: How each timing kind is measured: (function, graph replay).
-_MEASURES = {"fwd": (time_forward, False), "fwdbwd": (time_forward_backward, False),
-             "fwd_graph": (time_forward, True), "fwdbwd_graph": (time_forward_backward, True)}
+_MEASURES = {
+    "fwd": (time_forward, False),
+    "fwdbwd": (time_forward_backward, False),
+    "fwd_graph": (time_forward, True),
+    "fwdbwd_graph": (time_forward_backward, True),
+}
 
 
 def kinds_of(spec, kinds=KINDS) -> list:
@@ -111,8 +117,17 @@ def measurement_count(plan, provider_count: dict, kinds=KINDS) -> int:
     return sum(provider_count[spec.name] * len(kinds_of(spec, kinds)) for spec, _ in plan)
 
 
-def bench_shape(spec, shape, providers: dict, timer, copy_TBps: float, progress: Progress,
-                dtype=torch.bfloat16, device="cuda", kinds=KINDS) -> list:
+def bench_shape(
+    spec,
+    shape,
+    providers: dict,
+    timer,
+    copy_TBps: float,
+    progress: Progress,
+    dtype=torch.bfloat16,
+    device="cuda",
+    kinds=KINDS,
+) -> list:
     """One row per provider for ``spec`` at ``shape``: for each timing kind of
     ``kinds`` (:func:`kinds_of`), µs, GB/s and % of copy bandwidth (None where
     not measured). A provider that raises gets an ``error`` string and the
@@ -124,8 +139,14 @@ def bench_shape(spec, shape, providers: dict, timer, copy_TBps: float, progress:
     measured = kinds_of(spec, kinds)
     rows = []
     for name, fn in providers.items():
-        row = {"op": spec.name, "shape": list(shape), "dtype": str(dtype).replace("torch.", ""),
-               "provider": name, "fwd_bytes": fwd_bytes, "fwdbwd_bytes": fwdbwd_bytes}
+        row = {
+            "op": spec.name,
+            "shape": list(shape),
+            "dtype": str(dtype).replace("torch.", ""),
+            "provider": name,
+            "fwd_bytes": fwd_bytes,
+            "fwdbwd_bytes": fwdbwd_bytes,
+        }
         for key in KINDS:
             row[f"{key}_us"] = row[f"{key}_GBps"] = row[f"{key}_pct_copy"] = None
         errors = []
@@ -153,6 +174,7 @@ def bench_shape(spec, shape, providers: dict, timer, copy_TBps: float, progress:
 
 # ---------------------------------------------------------------- driver
 
+
 def select_specs(ops_arg):
     """Registry specs with benchmark shapes, filtered by ``--ops``."""
     from cases import OPS
@@ -176,15 +198,16 @@ def run(ops: str, quick: bool, out: str, merge: bool, screen=None) -> tuple:
     peers = load_peers(s.family for s in specs)
     timer = make_timer(quick)
     env = environment()
-    log(f"{env['gpu']} ({env['sms']} SMs) | torch {env['torch']} | triton {env['triton']} | "
-        f"CUDA {env['cuda']} | liger {env['liger']}" + (" | --quick" if quick else ""))
+    log(
+        f"{env['gpu']} ({env['sms']} SMs) | torch {env['torch']} | triton {env['triton']} | "
+        f"CUDA {env['cuda']} | liger {env['liger']}" + (" | --quick" if quick else "")
+    )
     torch.manual_seed(0)
     warm_up_gpu()
     copy_TBps = copy_bandwidth_TBps(timer)
     log(f"device-to-device copy: {copy_TBps:.3f} TB/s (read+write)")
 
-    plan = [(spec, tuple(shape)) for spec in specs
-            for shape in (spec.bench_shapes[:1] if quick else spec.bench_shapes)]
+    plan = [(spec, tuple(shape)) for spec in specs for shape in (spec.bench_shapes[:1] if quick else spec.bench_shapes)]
     provider_count = {spec.name: len(CORE_PROVIDERS) + len(peers.get(spec.name, {})) for spec in specs}
     progress = Progress(measurement_count(plan, provider_count), screen)
     rows = []
@@ -206,18 +229,25 @@ def run(ops: str, quick: bool, out: str, merge: bool, screen=None) -> tuple:
             from bench.runners import host
 
             overhead = host.measure(next(s for s in specs if s.name == "rmsnorm"))
-            log(f"eager overhead at {shape_str(overhead['shape'])}: fused.rmsnorm {overhead['eager_us']:.1f} us "
+            log(
+                f"eager overhead at {shape_str(overhead['shape'])}: fused.rmsnorm {overhead['eager_us']:.1f} us "
                 f"per call (through the dispatcher {overhead['dispatcher_us']:.1f}), bare Triton launch "
-                f"{overhead['bare_us']:.1f} us (x{overhead['ratio']:.2f}; same output: {overhead['same_output']})")
+                f"{overhead['bare_us']:.1f} us (x{overhead['ratio']:.2f}; same output: {overhead['same_output']})"
+            )
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             overhead = {"error": error_text(e)}
 
     for r in rows:
         r["date"] = env["date"]
-    data = {"env": env, "copy_TBps": copy_TBps, "quick": bool(quick),
-            "timing_ms": dict(zip(("warmup", "rep"), TIMING[bool(quick)])),
-            "rows": rows, "overhead": overhead}
+    data = {
+        "env": env,
+        "copy_TBps": copy_TBps,
+        "quick": bool(quick),
+        "timing_ms": dict(zip(("warmup", "rep"), TIMING[bool(quick)])),
+        "rows": rows,
+        "overhead": overhead,
+    }
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, gpu_slug(env["gpu"]))
     if merge and os.path.exists(stem + ".json"):

@@ -16,6 +16,7 @@ HunyuanVideo and Wan) are what the preset's window follows.
 
 Results: ``<out>/sparse-e2e-<gpu>.json`` (written after each case).
 """
+
 import argparse
 import os
 import sys
@@ -51,8 +52,9 @@ def _with_attention_errors(model, inputs) -> tuple:
     """One eager step of the patched model in which every sparse self-attention
     layer also runs dense SDPA on the same q, k, v: ``(output, errors)``."""
     errors = []
-    processors = [m.processor for m in model.modules()
-                  if getattr(getattr(m, "processor", None), "sparse", None) is not None]
+    processors = [
+        m.processor for m in model.modules() if getattr(getattr(m, "processor", None), "sparse", None) is not None
+    ]
 
     def both(processor):
         def attend(query, key, value, fp8_rows=False):  # attend_self's call (FP8 output rows: not on sparse layouts)
@@ -60,6 +62,7 @@ def _with_attention_errors(model, inputs) -> tuple:
             dense = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
             errors.append(relative_l2(out, dense.transpose(1, 2)))
             return out
+
         return attend
 
     for processor in processors:
@@ -98,8 +101,11 @@ def run_case(name: str, timer_ms: float, repeats: int) -> list:
             row = _repeated(lambda: module(**inputs).sample, timer_ms, repeats)
         row.update(case=name, provider=provider, first_call_s=first, tokens=tokens, compile="regional", **extra)
         rows.append(row)
-        print(f"{name:<14} {provider:<16} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f})  "
-              f"(first call {first:.0f} s) {extra}", flush=True)
+        print(
+            f"{name:<14} {provider:<16} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f})  "
+            f"(first call {first:.0f} s) {extra}",
+            flush=True,
+        )
 
     timed("native_compiled", {})
     _uncompiled(model)
@@ -108,10 +114,17 @@ def run_case(name: str, timer_ms: float, repeats: int) -> list:
     out, errors = _with_attention_errors(model, inputs)
     out_smooth, errors_smooth = _with_attention_errors(model, smooth)
     layout = report.sparse_attention.layout
-    timed("sparse_compiled", {
-        "preset": f"SlidingTile(window={PRESET['window']}, tile={PRESET['tile']})", "density": layout.density,
-        "step_rel_l2": relative_l2(out, exact), "step_rel_l2_smooth": relative_l2(out_smooth, exact_smooth),
-        "attention_rel_l2": _summary(errors), "attention_rel_l2_smooth": _summary(errors_smooth)})
+    timed(
+        "sparse_compiled",
+        {
+            "preset": f"SlidingTile(window={PRESET['window']}, tile={PRESET['tile']})",
+            "density": layout.density,
+            "step_rel_l2": relative_l2(out, exact),
+            "step_rel_l2_smooth": relative_l2(out_smooth, exact_smooth),
+            "attention_rel_l2": _summary(errors),
+            "attention_rel_l2_smooth": _summary(errors_smooth),
+        },
+    )
     print(report.sparse_attention.describe(), flush=True)
     del model
     torch._dynamo.reset()

@@ -15,6 +15,7 @@ by the kernel), kernel only. The forward configs are ``attn_fwd_kernel``'s
 (a swept ``Tiles`` never asks for the sm_90 core); the core's own are
 swept by bench/experiments/sm90_core_sweep.py.
 """
+
 import functools
 import os
 import sys
@@ -38,10 +39,16 @@ SHAPES = ((1, 24, 4608, 128), (2, 24, 4096, 64))
 #: (the neighbours of the first round's best), sweep-attention-h200-round3.json.
 CANDIDATES = {
     "forward_tiles": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (64, 128, 4, 3)],
-    "dkdv_tiles": [(32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4), (64, 64, 8, 3),
-                   (32, 64, 8, 3), (16, 64, 4, 3)],
-    "dq_tiles": [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 4),
-                 (64, 128, 8, 3)],
+    "dkdv_tiles": [
+        (32, 64, 4, 3),
+        (32, 128, 4, 3),
+        (64, 128, 8, 3),
+        (32, 64, 4, 4),
+        (64, 64, 8, 3),
+        (32, 64, 8, 3),
+        (16, 64, 4, 3),
+    ],
+    "dq_tiles": [(128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 4), (64, 128, 8, 3)],
 }
 
 
@@ -49,8 +56,14 @@ CANDIDATES = {
 #: passes at their defaults.
 TMA_TILE_SHAPES = ((1, 24, 4608, 128), (1, 40, 16384, 128))
 TMA_TILE_CANDIDATES = {
-    "dkdv_tiles": [(64, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 4), (32, 128, 4, 3), (64, 64, 4, 3),
-                   (128, 128, 8, 2)],
+    "dkdv_tiles": [
+        (64, 128, 8, 3),
+        (64, 128, 8, 2),
+        (64, 128, 8, 4),
+        (32, 128, 4, 3),
+        (64, 64, 4, 3),
+        (128, 128, 8, 2),
+    ],
     "dq_tiles": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
 }
 
@@ -62,6 +75,7 @@ def _quarter_of_the_blocks(length: int):
     """bench/runners/block_sparse.py's first random mask, as lists."""
     mask = random_block_mask((length + 127) // 128, SPARSE_DENSITY, torch.Generator(device="cuda").manual_seed(0))
     return compile_ops.block_index_from_mask(mask[None, None]), mask.float().mean().item()
+
 
 #: Block-sparse: program tiles of at most one 128-token block, steps that divide it.
 SPARSE_CANDIDATES = {
@@ -103,8 +117,9 @@ def hopper_sweep(out_path):
         q, k, v = (torch.randn(b, length, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = 4 * b * h * length * length * d
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            ms = graph_replay_time(lambda: torch.nn.functional.scaled_dot_product_attention(
-                *(t.transpose(1, 2) for t in (q, k, v))), timer)
+            ms = graph_replay_time(
+                lambda: torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))), timer
+            )
         rows.append({"shape": [b, h, length, d], "provider": "cudnn", "ms": ms, "TFLOPs": flops / ms / 1e9})
         print(f"{b}x{h}x{length}x{d} cudnn: {ms * 1e3:8.1f} us {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
         default = attention_launch.forward_tiles
@@ -125,10 +140,21 @@ def hopper_sweep(out_path):
             finally:
                 attention_launch.forward_tiles = default
                 clear_launch_plans()
-            rows.append({"shape": [b, h, length, d], "provider": "fused", "config": list(config), "ms": ms,
-                         "TFLOPs": tflops, "max_diff_to_default": diff})
-            print(f"{b}x{h}x{length}x{d} {config}: {ms * 1e3:8.1f} us {tflops:6.0f} TFLOP/s "
-                  f"(max |diff| to default {diff:.2e})", flush=True)
+            rows.append(
+                {
+                    "shape": [b, h, length, d],
+                    "provider": "fused",
+                    "config": list(config),
+                    "ms": ms,
+                    "TFLOPs": tflops,
+                    "max_diff_to_default": diff,
+                }
+            )
+            print(
+                f"{b}x{h}x{length}x{d} {config}: {ms * 1e3:8.1f} us {tflops:6.0f} TFLOP/s "
+                f"(max |diff| to default {diff:.2e})",
+                flush=True,
+            )
         del q, k, v
         write_sweep(out_path, rows)  # after each shape: a timed-out sweep keeps what it measured
 
@@ -139,11 +165,22 @@ def hopper_sweep(out_path):
 #: q and k from ``fused.qk_rope_int8``, as the patched Wan runs it); their
 #: ``_round_q`` forms: q given in 16 bits and rounded by the kernel as it
 #: loads it (``QUANTIZE_Q``: what ``fused.attention_int8`` / ``_fp8`` launch).
-_INT8_CANDIDATES = [(128, 128, 8, 3, False), (64, 128, 4, 3, False), (64, 128, 4, 2, False), (64, 64, 4, 3, False),
-                    (64, 128, 4, 4, False)]
+_INT8_CANDIDATES = [
+    (128, 128, 8, 3, False),
+    (64, 128, 4, 3, False),
+    (64, 128, 4, 2, False),
+    (64, 64, 4, 3, False),
+    (64, 128, 4, 4, False),
+]
 # FP8 P V's key tiles are the specification's 128 (reference.attention.FP8_PV_TILE).
-_INT8_FP8_CANDIDATES = [(128, 128, 8, 3, False), (64, 128, 4, 3, False), (64, 128, 4, 2, False),
-                        (64, 128, 4, 4, False), (128, 128, 4, 3, False), (64, 128, 4, 3, True)]
+_INT8_FP8_CANDIDATES = [
+    (128, 128, 8, 3, False),
+    (64, 128, 4, 3, False),
+    (64, 128, 4, 2, False),
+    (64, 128, 4, 4, False),
+    (128, 128, 4, 3, False),
+    (64, 128, 4, 3, True),
+]
 EIGHT_BIT_CANDIDATES = {
     "exact": [(128, 128, 8, 3, False), (64, 128, 4, 3, False), (64, 128, 4, 2, False), (64, 64, 4, 3, False)],
     "int8": _INT8_CANDIDATES,
@@ -172,15 +209,19 @@ def eight_bit_sweep(out_path, modes=tuple(EIGHT_BIT_CANDIDATES)):
         vt8, v_scale = attention_8bit.fp8_values_transposed(v, 2)
         out, lse = torch.empty_like(q), torch.empty(b, h, length, device="cuda")
         launches = {
-            "exact": lambda: launch_forward(q, k, v, out, lse, d ** -0.5, False, 2, None),
-            "int8": lambda: launch_forward(q8, k8, v, out, lse, d ** -0.5, False, 2, None,
-                                           int8_scales=(q_scale, k_scale)),
-            "int8_fp8": lambda: launch_forward(q8, k8, vt8, out, lse, d ** -0.5, False, 2, None,
-                                               int8_scales=(q_scale, k_scale), v_scale=v_scale),
-            "int8_round_q": lambda: launch_forward(q, k8, v, out, lse, d ** -0.5, False, 2, None,
-                                                   int8_scales=(None, k_scale)),
-            "int8_fp8_round_q": lambda: launch_forward(q, k8, vt8, out, lse, d ** -0.5, False, 2, None,
-                                                       int8_scales=(None, k_scale), v_scale=v_scale),
+            "exact": lambda: launch_forward(q, k, v, out, lse, d**-0.5, False, 2, None),
+            "int8": lambda: launch_forward(
+                q8, k8, v, out, lse, d**-0.5, False, 2, None, int8_scales=(q_scale, k_scale)
+            ),
+            "int8_fp8": lambda: launch_forward(
+                q8, k8, vt8, out, lse, d**-0.5, False, 2, None, int8_scales=(q_scale, k_scale), v_scale=v_scale
+            ),
+            "int8_round_q": lambda: launch_forward(
+                q, k8, v, out, lse, d**-0.5, False, 2, None, int8_scales=(None, k_scale)
+            ),
+            "int8_fp8_round_q": lambda: launch_forward(
+                q, k8, vt8, out, lse, d**-0.5, False, 2, None, int8_scales=(None, k_scale), v_scale=v_scale
+            ),
         }
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             ms = graph_replay_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), timer)
@@ -189,7 +230,8 @@ def eight_bit_sweep(out_path, modes=tuple(EIGHT_BIT_CANDIDATES)):
         for mode in modes:
             for config in EIGHT_BIT_CANDIDATES[mode]:
                 attention_launch.forward_tiles = functools.partial(
-                    lambda *a, c: attention_tiles.Tiles(*c[:4], tma=True, warp_specialize=c[4]), c=config)
+                    lambda *a, c: attention_tiles.Tiles(*c[:4], tma=True, warp_specialize=c[4]), c=config
+                )
                 try:
                     ms = graph_replay_time(launches[mode], timer)
                     tflops = flops / ms / 1e9
@@ -198,8 +240,9 @@ def eight_bit_sweep(out_path, modes=tuple(EIGHT_BIT_CANDIDATES)):
                     ms = tflops = float("nan")
                 finally:
                     attention_launch.forward_tiles = default
-                rows.append({"shape": [b, h, length, d], "provider": mode, "config": list(config), "ms": ms,
-                             "TFLOPs": tflops})
+                rows.append(
+                    {"shape": [b, h, length, d], "provider": mode, "config": list(config), "ms": ms, "TFLOPs": tflops}
+                )
                 print(f"{b}x{h}x{length}x{d} {mode} {config}: {tflops:6.0f} TFLOP/s", flush=True)
         del q, k, v, q8, k8, vt8
         torch.cuda.empty_cache()
@@ -224,8 +267,9 @@ def backward_tma_sweep(out_path):
     rows = []
     defaults = attention_launch.dkdv_tiles, attention_launch.dq_tiles
     for b, h, length, d in BACKWARD_TMA_SHAPES:
-        q, k, v = (torch.randn(b, length, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(b, length, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+        )
         grad = torch.randn_like(q)
         flops = 3.5 * 4 * b * h * length * length * d
 
@@ -236,16 +280,24 @@ def backward_tma_sweep(out_path):
             return grads
 
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            ms = graph_replay_time(lambda: step(lambda: torch.nn.functional.scaled_dot_product_attention(
-                *(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)), timer)
+            ms = graph_replay_time(
+                lambda: step(
+                    lambda: torch.nn.functional.scaled_dot_product_attention(
+                        *(t.transpose(1, 2) for t in (q, k, v))
+                    ).transpose(1, 2)
+                ),
+                timer,
+            )
         rows.append({"shape": [b, h, length, d], "provider": "cudnn", "ms": ms, "TFLOPs": flops / ms / 1e9})
         print(f"{b}x{h}x{length}x{d} cudnn: {flops / ms / 1e9:6.0f} TFLOP/s", flush=True)
         reference = None
         for dkdv_tma, dq_tma in BACKWARD_TMA_CANDIDATES:
             attention_launch.dkdv_tiles = functools.partial(
-                lambda *a, tma, **kw: defaults[0](*a[:3], tma=tma), tma=dkdv_tma)
+                lambda *a, tma, **kw: defaults[0](*a[:3], tma=tma), tma=dkdv_tma
+            )
             attention_launch.dq_tiles = functools.partial(
-                lambda *a, tma, **kw: defaults[1](*a[:3], tma=tma), tma=dq_tma)
+                lambda *a, tma, **kw: defaults[1](*a[:3], tma=tma), tma=dq_tma
+            )
             clear_launch_plans()
             try:
                 grads = step(lambda: compile_ops.attention(q, k, v, seq_dim=1))
@@ -259,10 +311,22 @@ def backward_tma_sweep(out_path):
             finally:
                 attention_launch.dkdv_tiles, attention_launch.dq_tiles = defaults
                 clear_launch_plans()
-            rows.append({"shape": [b, h, length, d], "provider": "fused", "dkdv_tma": dkdv_tma, "dq_tma": dq_tma,
-                         "ms": ms, "TFLOPs": tflops, "max_grad_diff_to_pointer_loads": diff})
-            print(f"{b}x{h}x{length}x{d} dkdv_tma={dkdv_tma} dq_tma={dq_tma}: {tflops:6.0f} TFLOP/s "
-                  f"(max |grad diff| {diff:.2e})", flush=True)
+            rows.append(
+                {
+                    "shape": [b, h, length, d],
+                    "provider": "fused",
+                    "dkdv_tma": dkdv_tma,
+                    "dq_tma": dq_tma,
+                    "ms": ms,
+                    "TFLOPs": tflops,
+                    "max_grad_diff_to_pointer_loads": diff,
+                }
+            )
+            print(
+                f"{b}x{h}x{length}x{d} dkdv_tma={dkdv_tma} dq_tma={dq_tma}: {tflops:6.0f} TFLOP/s "
+                f"(max |grad diff| {diff:.2e})",
+                flush=True,
+            )
         del q, k, v, grad
         torch.cuda.empty_cache()
         write_sweep(out_path, rows)  # after each shape: a timed-out sweep keeps what it measured
@@ -285,8 +349,9 @@ def main(*argv):
     warm_up_gpu()
     rows = []
     for b, h, length, d in [SPARSE_SHAPE] if sparse else TMA_TILE_SHAPES if tma else SHAPES:
-        q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+        )
         grad = torch.randn_like(q)
         flops = 4 * b * h * length * length * d
         if sparse:
@@ -323,10 +388,21 @@ def main(*argv):
                 finally:
                     setattr(attention_launch, pass_name, default)
                     clear_launch_plans()
-                rows.append({"shape": [b, h, length, d], "block_sparse": sparse, "pass": pass_name,
-                             "config": list(config), "tma": tma, "ms": ms, "TFLOPs": tflops})
-                print(f"{b}x{h}x{length}x{d} {pass_name:<14} {config}: {ms * 1e3:8.1f} us {tflops:6.0f} TFLOP/s",
-                      flush=True)
+                rows.append(
+                    {
+                        "shape": [b, h, length, d],
+                        "block_sparse": sparse,
+                        "pass": pass_name,
+                        "config": list(config),
+                        "tma": tma,
+                        "ms": ms,
+                        "TFLOPs": tflops,
+                    }
+                )
+                print(
+                    f"{b}x{h}x{length}x{d} {pass_name:<14} {config}: {ms * 1e3:8.1f} us {tflops:6.0f} TFLOP/s",
+                    flush=True,
+                )
         del q, k, v
         write_sweep(out_path, rows)  # after each shape: a timed-out sweep keeps what it measured
 

@@ -12,6 +12,7 @@ family's sweep, docs/notes/norm.md). Three interleaved rounds, median kept.
 OPS (comma-separated) may name the FP8 output modes, norm_modulate_fp8 and
 gated_residual_norm_modulate_fp8: forward only (inference), at the first shape.
 """
+
 import functools
 import itertools
 import os
@@ -70,16 +71,28 @@ def main(out_path=None, ops=None):
                     print(f"{name} {shape} {kind} {m}x{w}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     ms = float("nan")
                 finally:
-                    (modulate_ops.forward_config, modulate_ops.backward_config,
-                     modulate_ops.FORWARD_PIECE_ROWS) = saved
+                    (modulate_ops.forward_config, modulate_ops.backward_config, modulate_ops.FORWARD_PIECE_ROWS) = saved
                 times[(kind, m, w, piece)].append(ms)
         for (kind, m, w, piece), ts in times.items():
             ms = statistics.median(ts)
             gbps = (fwd_bytes if kind == "fwd" else fwdbwd_bytes) / (ms * 1e-3) / 1e9
-            results.append({"op": name, "shape": list(shape), "kind": kind, "block_m": m, "num_warps": w,
-                            "piece_rows": piece, "ms": ms, "GBps": gbps})
-            print(f"{name:<30} {'x'.join(map(str, shape)):<13} {kind:<7} rows {m} warps {w:>2} piece {piece:>2}: "
-                  f"{ms * 1e3:8.1f} us {gbps:7.0f} GB/s", flush=True)
+            results.append(
+                {
+                    "op": name,
+                    "shape": list(shape),
+                    "kind": kind,
+                    "block_m": m,
+                    "num_warps": w,
+                    "piece_rows": piece,
+                    "ms": ms,
+                    "GBps": gbps,
+                }
+            )
+            print(
+                f"{name:<30} {'x'.join(map(str, shape)):<13} {kind:<7} rows {m} warps {w:>2} piece {piece:>2}: "
+                f"{ms * 1e3:8.1f} us {gbps:7.0f} GB/s",
+                flush=True,
+            )
     write_sweep(out_path, results)
 
 

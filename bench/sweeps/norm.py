@@ -9,6 +9,7 @@ LayerNorm with bias) at the DiT shapes, with the bytes model of bench/toolkit.py
 is timed in three interleaved rounds and the median kept: single do_bench
 medians of neighbouring configs are too noisy to rank them.
 """
+
 import itertools
 import json
 import statistics
@@ -22,9 +23,21 @@ import compile_ops
 from cases import DIT_NORM_SHAPES
 from compile_ops.ops import norm as norm_ops
 
-FORWARD = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (4, 16)]            # (block_m, warps)
-BACKWARD = [(1, 4, 2), (1, 8, 1), (1, 8, 2), (2, 4, 2), (2, 8, 1), (2, 8, 2),
-            (4, 8, 1), (4, 8, 2), (1, 8, 4), (4, 4, 4), (1, 16, 1), (2, 16, 1)]  # (block_m, warps, programs/SM)
+FORWARD = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (4, 16)]  # (block_m, warps)
+BACKWARD = [
+    (1, 4, 2),
+    (1, 8, 1),
+    (1, 8, 2),
+    (2, 4, 2),
+    (2, 8, 1),
+    (2, 8, 2),
+    (4, 8, 1),
+    (4, 8, 2),
+    (1, 8, 4),
+    (4, 4, 4),
+    (1, 16, 1),
+    (2, 16, 1),
+]  # (block_m, warps, programs/SM)
 STAGES = (1, 3)
 ROUNDS = 3
 
@@ -72,23 +85,53 @@ def main(out_path=None, norms=("rms", "ln"), backward_only=False):
                 continue
             ms = statistics.median(ts)
             passes = 2 if kind == "fwd" else 3
-            results.append(dict(kind=kind, norm=name, shape=[b, l, c], block_m=m, warps=wp, programs_per_sm=p,
-                                stages=st, us=ms * 1e3, GBps=passes * nbytes / ms / 1e6,
-                                spread=(max(ts) - min(ts)) / ms))
+            results.append(
+                dict(
+                    kind=kind,
+                    norm=name,
+                    shape=[b, l, c],
+                    block_m=m,
+                    warps=wp,
+                    programs_per_sm=p,
+                    stages=st,
+                    us=ms * 1e3,
+                    GBps=passes * nbytes / ms / 1e6,
+                    spread=(max(ts) - min(ts)) / ms,
+                )
+            )
         for kind in ("fwd", "bwd"):
-            rows = sorted((r for r in results if r["kind"] == kind and r["norm"] == name and r["shape"] == [b, l, c]),
-                          key=lambda r: r["us"])
-            print(f"{kind} {name} {b}x{l}x{c}: " + " | ".join(
-                f"m{r['block_m']} w{r['warps']}" + (f" p{r['programs_per_sm']} s{r['stages']}" if kind == "bwd" else "")
-                + f" {r['GBps']:.0f} (±{100 * r['spread']:.0f}%)" for r in rows[:4]), flush=True)
+            rows = sorted(
+                (r for r in results if r["kind"] == kind and r["norm"] == name and r["shape"] == [b, l, c]),
+                key=lambda r: r["us"],
+            )
+            print(
+                f"{kind} {name} {b}x{l}x{c}: "
+                + " | ".join(
+                    f"m{r['block_m']} w{r['warps']}"
+                    + (f" p{r['programs_per_sm']} s{r['stages']}" if kind == "bwd" else "")
+                    + f" {r['GBps']:.0f} (±{100 * r['spread']:.0f}%)"
+                    for r in rows[:4]
+                ),
+                flush=True,
+            )
     if out_path:
         with open(out_path, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                           triton=triton.__version__, results=results), f, indent=1)
+            json.dump(
+                dict(
+                    gpu=torch.cuda.get_device_name(),
+                    torch=torch.__version__,
+                    triton=triton.__version__,
+                    results=results,
+                ),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":
     # python bench/sweeps/norm.py [OUT.json] [rms,ln] [bwd]
-    main(sys.argv[1] if len(sys.argv) > 1 else None,
-         tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else ("rms", "ln"),
-         backward_only=len(sys.argv) > 3 and sys.argv[3] == "bwd")
+    main(
+        sys.argv[1] if len(sys.argv) > 1 else None,
+        tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else ("rms", "ln"),
+        backward_only=len(sys.argv) > 3 and sys.argv[3] == "bwd",
+    )

@@ -8,6 +8,7 @@ rope_grid and qk_norm_rope at the registry's RoPE shapes, bf16, timed as CUDA
 graph replays of the forward and of the whole forward+backward step
 (``bench.toolkit.run_sweep``: three interleaved rounds, median kept).
 """
+
 import os
 import sys
 
@@ -24,9 +25,16 @@ OPS = ("rope_qk", "rope", "rope_grid", "qk_norm_rope")
 
 
 def main(out_path=None, ops=None, configs=None):
-    run_sweep(out_path, ops, ROPE_SHAPES, configs,
-              module_config(rope_ops, "TILE", "PROGRAMS_PER_SM", "NUM_WARPS"), ("tile", "programs_per_sm", "num_warps"),
-              OPS, CONFIGS)
+    run_sweep(
+        out_path,
+        ops,
+        ROPE_SHAPES,
+        configs,
+        module_config(rope_ops, "TILE", "PROGRAMS_PER_SM", "NUM_WARPS"),
+        ("tile", "programs_per_sm", "num_warps"),
+        OPS,
+        CONFIGS,
+    )
 
 
 if __name__ == "__main__":

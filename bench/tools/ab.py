@@ -27,6 +27,7 @@ the machine line and environment, both commits, the method, and per case both
 sides' runs, medians and spreads and the speed-up; the workers' output goes
 to the same path with ``.log``. Needs a CUDA device; without one it refuses.
 """
+
 import argparse
 import importlib.util
 import json
@@ -53,8 +54,11 @@ def parse_args(argv=None):
     p.add_argument("--ops", required=True, help="comma-separated registry op names")
     p.add_argument("--shapes", default="", help="comma-separated BxLxC shapes for every op")
     p.add_argument("--all-shapes", action="store_true", help="every benchmark shape of each op, not the first")
-    p.add_argument("--kinds", default="fwd_graph,fwdbwd_graph",
-                   help="comma-separated timing kinds: fwd, fwdbwd, fwd_graph, fwdbwd_graph")
+    p.add_argument(
+        "--kinds",
+        default="fwd_graph,fwdbwd_graph",
+        help="comma-separated timing kinds: fwd, fwdbwd, fwd_graph, fwdbwd_graph",
+    )
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each times every case on both sides)")
     p.add_argument("--compiled", action="store_true", help="time the op under torch.compile(fullgraph=True)")
     p.add_argument("--quick", action="store_true", help="short do_bench runs")
@@ -84,8 +88,9 @@ def plan_cases(specs: dict, ops: list, shapes: list, kinds: list, all_shapes: bo
             raise SystemExit(f"ab.py: {op!r} is not a registry op with inputs; choose from {known}")
         chosen = shapes or [tuple(s) for s in (spec.bench_shapes if all_shapes else spec.bench_shapes[:1])]
         for shape in chosen or [DEFAULT_SHAPE]:
-            cases += [(op, tuple(shape), kind) for kind in kinds
-                      if spec.differentiable or not kind.startswith("fwdbwd")]
+            cases += [
+                (op, tuple(shape), kind) for kind in kinds if spec.differentiable or not kind.startswith("fwdbwd")
+            ]
     return cases
 
 
@@ -110,8 +115,9 @@ def assemble(cases: list, times: dict, errors: dict, env: dict, commits: dict, m
         for side in SIDES:
             runs = times[side].get(i, [])
             if runs:
-                row.update({f"{side}_ms": statistics.median(runs), f"{side}_spread": spread(runs),
-                            f"{side}_runs": runs})
+                row.update(
+                    {f"{side}_ms": statistics.median(runs), f"{side}_spread": spread(runs), f"{side}_runs": runs}
+                )
             if i in errors[side]:
                 row[f"{side}_error"] = errors[side][i]
         if "ref_ms" in row and "tree_ms" in row:
@@ -123,10 +129,14 @@ def assemble(cases: list, times: dict, errors: dict, env: dict, commits: dict, m
 def format_rows(data: dict) -> list:
     """The table printed at the end: one line per case."""
     ref = data["commits"]["ref"]["name"]
-    lines = [data["machine"], f"ref {ref} ({data['commits']['ref']['commit'][:10]}) against the working tree "
-             f"({data['commits']['tree']['commit'][:10]}{', with changes' if data['commits']['tree']['dirty'] else ''})"
-             f"; medians of {data['method']['rounds']} interleaved rounds, (spread)", "",
-             f"{'op':<28} {'shape':<16} {'kind':<13} {'ref us':>16} {'tree us':>16} {'ref/tree':>9}"]
+    lines = [
+        data["machine"],
+        f"ref {ref} ({data['commits']['ref']['commit'][:10]}) against the working tree "
+        f"({data['commits']['tree']['commit'][:10]}{', with changes' if data['commits']['tree']['dirty'] else ''})"
+        f"; medians of {data['method']['rounds']} interleaved rounds, (spread)",
+        "",
+        f"{'op':<28} {'shape':<16} {'kind':<13} {'ref us':>16} {'tree us':>16} {'ref/tree':>9}",
+    ]
     for r in data["rows"]:
         cells = []
         for side in SIDES:
@@ -146,6 +156,7 @@ def default_out(ref: str, gpu_name: str) -> str:
 
 
 # ---------------------------------------------------------------- the worker (one per side)
+
 
 def _toolkit():
     """The working tree's bench/toolkit.py, loaded by path: the ref's worker times
@@ -179,8 +190,10 @@ def worker(root: str, quick: bool, compiled: bool, busy_s: float) -> int:
     toolkit = _toolkit()
     timer = toolkit.make_timer(quick)
     toolkit.warm_up_gpu()
-    answers.write(json.dumps({"ready": True, "env": toolkit.environment(),
-                              "compile_ops": os.path.dirname(compile_ops.__file__)}) + "\n")
+    answers.write(
+        json.dumps({"ready": True, "env": toolkit.environment(), "compile_ops": os.path.dirname(compile_ops.__file__)})
+        + "\n"
+    )
     current, args, fn = None, None, None
     for line in sys.stdin:
         request = json.loads(line)
@@ -195,6 +208,7 @@ def worker(root: str, quick: bool, compiled: bool, busy_s: float) -> int:
                 args = spec.make_inputs(case[1], torch.bfloat16, "cuda", True)
                 fn = spec.op
                 if compiled:
+
                     def fused(*call_args, op=spec.op):
                         return op(*call_args)
 
@@ -210,6 +224,7 @@ def worker(root: str, quick: bool, compiled: bool, busy_s: float) -> int:
 
 # ---------------------------------------------------------------- the driver
 
+
 def _git(*args) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
 
@@ -219,11 +234,31 @@ class Side:
 
     def __init__(self, name: str, root: str, args, log_file):
         self.name = name
-        command = [sys.executable, os.path.abspath(__file__), "--worker", root, "--ops", ",".join(args.ops),
-                   "--busy-s", str(args.busy_s)] + ["--quick"] * args.quick + ["--compiled"] * args.compiled
+        command = (
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                root,
+                "--ops",
+                ",".join(args.ops),
+                "--busy-s",
+                str(args.busy_s),
+            ]
+            + ["--quick"] * args.quick
+            + ["--compiled"] * args.compiled
+        )
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        self.process = subprocess.Popen(command, cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=log_file, text=True, bufsize=1)
+        self.process = subprocess.Popen(
+            command,
+            cwd=root,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+            bufsize=1,
+        )
         self.log_path = log_file.name
 
     def read(self) -> dict:
@@ -231,8 +266,9 @@ class Side:
         if not line:
             with open(self.log_path) as f:
                 tail = f.read()[-3000:]
-            raise SystemExit(f"ab.py: the {self.name} worker exited (status {self.process.poll()}); "
-                             f"its log ends:\n{tail}")
+            raise SystemExit(
+                f"ab.py: the {self.name} worker exited (status {self.process.poll()}); its log ends:\n{tail}"
+            )
         return json.loads(line)
 
     def time(self, op: str, shape, kind: str) -> dict:
@@ -252,9 +288,13 @@ def compare(args) -> dict:
 
     cases = plan_cases(BY_NAME, args.ops, args.shapes, args.kinds, args.all_shapes)
     ref_commit = _git("rev-parse", "--verify", f"{args.ref}^{{commit}}")
-    commits = {"ref": {"name": args.ref, "commit": ref_commit},
-               "tree": {"commit": _git("rev-parse", "HEAD"),
-                        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}}
+    commits = {
+        "ref": {"name": args.ref, "commit": ref_commit},
+        "tree": {
+            "commit": _git("rev-parse", "HEAD"),
+            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        },
+    }
     worktree = tempfile.mkdtemp(prefix="compile-ops-ab-")
     try:
         _git("worktree", "add", "--detach", worktree, ref_commit)
@@ -282,15 +322,24 @@ def compare(args) -> dict:
                         else:
                             times[side].setdefault(i, []).append(answer["ms"])
                     got = {s: times[s].get(i, [None])[-1] for s in SIDES}
-                    print(f"round {r + 1}/{args.rounds} {op} {'x'.join(map(str, shape))} {kind}: " + ", ".join(
-                        f"{s} {'failed' if ms is None else f'{ms * 1e3:.1f} us'}" for s, ms in got.items()),
-                        flush=True)
+                    print(
+                        f"round {r + 1}/{args.rounds} {op} {'x'.join(map(str, shape))} {kind}: "
+                        + ", ".join(f"{s} {'failed' if ms is None else f'{ms * 1e3:.1f} us'}" for s, ms in got.items()),
+                        flush=True,
+                    )
     finally:
         for side in sides.values():
             side.close()
         _git("worktree", "remove", "--force", worktree)
-    method = {"rounds": args.rounds, "kinds": args.kinds, "compiled": args.compiled, "quick": args.quick,
-              "busy_s": args.busy_s, "dtype": "bfloat16", "timer": "triton.testing.do_bench median, L2 flushed"}
+    method = {
+        "rounds": args.rounds,
+        "kinds": args.kinds,
+        "compiled": args.compiled,
+        "quick": args.quick,
+        "busy_s": args.busy_s,
+        "dtype": "bfloat16",
+        "timer": "triton.testing.do_bench median, L2 flushed",
+    }
     return assemble(cases, times, errors, env, commits, method)
 
 
@@ -303,8 +352,10 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("ab.py: no CUDA device here. The A/B benchmark times both sides' kernels on one GPU; "
-                         "run it on a GPU machine.")
+        raise SystemExit(
+            "ab.py: no CUDA device here. The A/B benchmark times both sides' kernels on one GPU; "
+            "run it on a GPU machine."
+        )
     args.out = args.out or default_out(args.ref, torch.cuda.get_device_name())
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     data = compare(args)

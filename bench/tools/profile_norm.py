@@ -5,6 +5,7 @@ step on a small input. A diagnosis tool behind docs/notes/norm.md, not part of t
 
     PYTHONPATH=. python bench/tools/profile_norm.py
 """
+
 import cProfile
 import pstats
 import time

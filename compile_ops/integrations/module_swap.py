@@ -7,6 +7,7 @@ parameters and ``nn.Linear`` submodules by name (our modules keep the model
 library's names), so weights, LoRA wrappers and optimizer state stay valid
 and ``unpatch`` only has to put the originals back.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,6 +29,7 @@ class PatchReport:
     """What :func:`compile_ops.patch` did: ``replaced`` and ``left`` hold
     ``(path, what, detail)`` rows (detail: the replacement, or why the module
     was left)."""
+
     replaced: list = dataclasses.field(default_factory=list)
     left: list = dataclasses.field(default_factory=list)
     #: The SparseAttention plan of ``patch(attention=...)``: its ``describe()``
@@ -40,8 +42,11 @@ class PatchReport:
     def attention_paths(self) -> list:
         """``(path, kernel, parallel path)`` of each patched attention layer, read
         now: after ``model.enable_parallelism(...)`` it names the Ulysses/ring path."""
-        return [(path, *module.processor.describe(module)) for path, module in self.attention_layers
-                if hasattr(module.processor, "describe")]
+        return [
+            (path, *module.processor.describe(module))
+            for path, module in self.attention_layers
+            if hasattr(module.processor, "describe")
+        ]
 
     def __str__(self) -> str:
         lines = [f"compile_ops.patch: {len(self.replaced)} replaced, {len(self.left)} left as they were"]
@@ -68,24 +73,34 @@ def check_patchable(model: nn.Module, precision: str) -> None:
     (:func:`carry_accelerate_hook`), except under ``precision="fp8"`` when
     they offload: FP8 weights are made at patch time, from weights that
     must be on the device."""
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or \
-            getattr(model, "_compiled_call_impl", None) is not None:
-        raise RuntimeError("compile_ops.patch: the model is already compiled; call compile_ops.patch(model) "
-                           "first, then torch.compile(model)")
+    if (
+        isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+        or getattr(model, "_compiled_call_impl", None) is not None
+    ):
+        raise RuntimeError(
+            "compile_ops.patch: the model is already compiled; call compile_ops.patch(model) "
+            "first, then torch.compile(model)"
+        )
     if getattr(model, "_parallel_config", None) is not None:
-        raise RuntimeError("compile_ops.patch: the model already has a parallel config (model.enable_parallelism "
-                           "or from_pretrained(parallel_config=...)), whose hooks and processors patch would "
-                           "replace; call compile_ops.patch(model) first, then model.enable_parallelism(...)")
+        raise RuntimeError(
+            "compile_ops.patch: the model already has a parallel config (model.enable_parallelism "
+            "or from_pretrained(parallel_config=...)), whose hooks and processors patch would "
+            "replace; call compile_ops.patch(model) first, then model.enable_parallelism(...)"
+        )
     for name, module in model.named_modules():
         registry = getattr(module, "_diffusers_hook", None)
         if registry is not None and registry.hooks:
-            raise RuntimeError(f"compile_ops.patch: {name or 'the model'} carries diffusers hooks "
-                               f"({', '.join(registry.hooks)}); call compile_ops.patch(model) before group "
-                               "offloading, layerwise casting or caching")
+            raise RuntimeError(
+                f"compile_ops.patch: {name or 'the model'} carries diffusers hooks "
+                f"({', '.join(registry.hooks)}); call compile_ops.patch(model) before group "
+                "offloading, layerwise casting or caching"
+            )
         if precision == "fp8" and _offloads(getattr(module, "_hf_hook", None)):
-            raise RuntimeError(f"compile_ops.patch: precision='fp8' quantizes the weights now, and "
-                               f"{name or 'the model'}'s are offloaded by an accelerate hook (device_map / "
-                               "cpu_offload); load the model onto the GPU, patch, then offload")
+            raise RuntimeError(
+                f"compile_ops.patch: precision='fp8' quantizes the weights now, and "
+                f"{name or 'the model'}'s are offloaded by an accelerate hook (device_map / "
+                "cpu_offload); load the model onto the GPU, patch, then offload"
+            )
     if hasattr(model, PATCH_STATE):
         raise RuntimeError("compile_ops.patch: the model is already patched (compile_ops.unpatch undoes it)")
 

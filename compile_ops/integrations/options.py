@@ -5,6 +5,7 @@
 signature from them; the diffusers and transformers integrations take the
 checked object.
 """
+
 import dataclasses
 import inspect
 import typing
@@ -83,6 +84,7 @@ class PatchOptions:
             their weight bytes, at a larger step error (their rounding moves
             every token's shift, scale and gate).
     """
+
     attention_processors: bool = True
     attention_kernel: str = "auto"
     precision: str = "bf16"
@@ -94,21 +96,28 @@ class PatchOptions:
 
     def __post_init__(self):
         _check_types((), {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
-        for name, allowed in (("attention_kernel", ATTENTION_KERNELS), ("precision", PRECISIONS),
-                              ("attention_precision", ATTENTION_PRECISIONS)):
+        for name, allowed in (
+            ("attention_kernel", ATTENTION_KERNELS),
+            ("precision", PRECISIONS),
+            ("attention_precision", ATTENTION_PRECISIONS),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{OWNER}: {name} must be one of {allowed}, got {getattr(self, name)!r}")
         check_dense_steps(f"{OWNER}: attention_dense_steps", self.attention_dense_steps)
         if self.fp8_modulation and self.precision != "fp8":
             raise ValueError(f"{OWNER}: fp8_modulation applies to precision='fp8', got precision={self.precision!r}")
         if self.attention_dense_steps and self.attention_precision == "exact":
-            raise ValueError(f"{OWNER}: attention_dense_steps applies to an 8-bit attention_precision "
-                             "('int8' or 'int8_fp8'), got attention_precision='exact'")
+            raise ValueError(
+                f"{OWNER}: attention_dense_steps applies to an 8-bit attention_precision "
+                "('int8' or 'int8_fp8'), got attention_precision='exact'"
+            )
         if self.attention_precision != "exact" and not self.attention_processors:
             raise ValueError(f"{OWNER}: attention_precision needs attention_processors=True (our processors run it)")
         if self.attention is not None and not isinstance(self.attention, SPARSE_ATTENTION):
-            raise TypeError(f"{OWNER}: attention must be one of {', '.join(c.__name__ for c in SPARSE_ATTENTION)} "
-                            f"(or None), got {type(self.attention).__name__}")
+            raise TypeError(
+                f"{OWNER}: attention must be one of {', '.join(c.__name__ for c in SPARSE_ATTENTION)} "
+                f"(or None), got {type(self.attention).__name__}"
+            )
 
     @classmethod
     def from_keywords(cls, options: dict) -> "PatchOptions":
@@ -116,8 +125,9 @@ class PatchOptions:
         unknown name raises a TypeError naming it and the known ones."""
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
-            raise TypeError(f"{OWNER}: unknown option {', '.join(map(repr, unknown))}; "
-                            f"the options are {', '.join(OPTION_NAMES)}")
+            raise TypeError(
+                f"{OWNER}: unknown option {', '.join(map(repr, unknown))}; the options are {', '.join(OPTION_NAMES)}"
+            )
         return cls(**options)
 
     def changed(self) -> list:
@@ -137,8 +147,10 @@ def takes_patch_options(fn: Callable) -> Callable:
     hints = typing.get_type_hints(PatchOptions)
     signature = inspect.signature(fn)
     leading = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
-               for f in dataclasses.fields(PatchOptions)]
+    options = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+        for f in dataclasses.fields(PatchOptions)
+    ]
     fn.__signature__ = signature.replace(parameters=leading + options)
     fn.__annotations__ = {**fn.__annotations__, **{p.name: p.annotation for p in options}}
     return fn

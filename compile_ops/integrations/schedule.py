@@ -9,6 +9,7 @@ The count reads the timestep on the host, in a forward pre-hook on the model,
 so a schedule wants the blocks compiled (``block.compile()``, diffusers'
 ``compile_repeated_blocks``), not the whole model.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,9 +34,11 @@ class DenoisingSteps:
         if timestep is None:
             return
         if torch.compiler.is_compiling():
-            raise RuntimeError(f"{self.owner}: dense_steps reads the timestep on the host in the model's forward "
-                               "pre-hook; compile the transformer blocks (block.compile() / "
-                               "compile_repeated_blocks) rather than the whole model, or use dense_steps=0")
+            raise RuntimeError(
+                f"{self.owner}: dense_steps reads the timestep on the host in the model's forward "
+                "pre-hook; compile the transformer blocks (block.compile() / "
+                "compile_repeated_blocks) rather than the whole model, or use dense_steps=0"
+            )
         t = float(timestep.flatten()[0]) if isinstance(timestep, Tensor) else float(timestep)
         if self._last_timestep is None or t > self._last_timestep:
             self.step = 0  # the first call, or a new generation

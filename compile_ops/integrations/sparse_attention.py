@@ -30,6 +30,7 @@ then straddle tiles, and the block mask is the smallest one covering every
 tile pair in the window (``sliding_tile_block_mask``), a superset of the
 token-level pattern. A window larger than the tile grid raises, naming both.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,10 +57,14 @@ def _check_steps(cls: str, dense_steps) -> None:
 
 
 def _check_triple(cls: str, name: str, value) -> tuple:
-    if not (isinstance(value, (tuple, list)) and len(value) == 3
-            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
-        raise ValueError(f"compile_ops.{cls}: {name} must be three positive ints (frames, height, width), "
-                         f"got {value!r}")
+    if not (
+        isinstance(value, (tuple, list))
+        and len(value) == 3
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
+        raise ValueError(
+            f"compile_ops.{cls}: {name} must be three positive ints (frames, height, width), got {value!r}"
+        )
     return tuple(value)
 
 
@@ -75,6 +80,7 @@ class SlidingTile:
             grids the tile divides.
         dense_steps: the first denoising steps run dense (module docstring).
     """
+
     window: tuple = (3, 3, 3)
     tile: tuple = (2, 8, 8)
     dense_steps: int = 0
@@ -99,6 +105,7 @@ class Radial:
         dense_frames: latent frames of full attention around each frame.
         dense_steps: the first denoising steps run dense.
     """
+
     dense_frames: int = 1
     dense_steps: int = 0
 
@@ -109,8 +116,12 @@ class Radial:
 
     def layout(self, grid: tuple, device, text_tokens: int = 0) -> "Layout":
         frames, height, width = grid
-        return Layout.from_mask(None, radial_mask(frames, height * width, self.dense_frames, device=device),
-                                frames * height * width, text_tokens)
+        return Layout.from_mask(
+            None,
+            radial_mask(frames, height * width, self.dense_frames, device=device),
+            frames * height * width,
+            text_tokens,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +137,7 @@ class TopK:
         tile: as :class:`SlidingTile`'s.
         dense_steps: the first denoising steps run dense.
     """
+
     coverage: float = 0.9
     sink_blocks: int = 1
     tile: tuple = (2, 8, 8)
@@ -141,9 +153,11 @@ class TopK:
 
     def layout(self, grid: tuple, device, text_tokens: int = 0) -> "Layout":
         if text_tokens:
-            raise ValueError("compile_ops.TopK: block lists chosen per call cover video-only self-attention "
-                             "(Wan, LTX-Video); for joint video + text attention (HunyuanVideo) use SlidingTile "
-                             "or Radial")
+            raise ValueError(
+                "compile_ops.TopK: block lists chosen per call cover video-only self-attention "
+                "(Wan, LTX-Video); for joint video + text attention (HunyuanVideo) use SlidingTile "
+                "or Radial"
+            )
         perm = tile_permutation(*grid, self.tile, device=device, ragged=True)
         return Layout(perm, torch.argsort(perm), None, None, None, topk=self)
 
@@ -158,7 +172,7 @@ def _with_text(mask: Tensor, video: int, text: int) -> Tensor:
     last video tokens included), and blocks holding text attend to all."""
     n = num_blocks(video + text)
     full = torch.zeros(n, n, dtype=torch.bool, device=mask.device)
-    full[:mask.shape[0], :mask.shape[1]] = mask
+    full[: mask.shape[0], : mask.shape[1]] = mask
     first_text = video // SPARSE_BLOCK
     full[:, first_text:] = True
     full[first_text:, :] = True
@@ -172,6 +186,7 @@ class Layout:
     natural order) and its inverse, and static block lists
     ``index [1, 1, NB, NB]`` / ``count [1, 1, NB]`` with their ``density`` (or
     None for lists chosen per call: ``topk``)."""
+
     perm: Optional[Tensor]
     inverse: Optional[Tensor]
     index: Optional[Tensor]
@@ -196,11 +211,23 @@ class Layout:
             if perm is not None:
                 perm = torch.cat([perm, torch.arange(video, video + text_tokens, device=perm.device)])
         index, count = block_index_from_mask(mask)
-        return cls(perm, None if perm is None else torch.argsort(perm), index[None, None], count[None, None],
-                   mask.float().mean().item(), text_tokens)
+        return cls(
+            perm,
+            None if perm is None else torch.argsort(perm),
+            index[None, None],
+            count[None, None],
+            mask.float().mean().item(),
+            text_tokens,
+        )
 
-    def attend(self, query: Tensor, key: Tensor, value: Tensor, kv_lengths: Optional[Tensor] = None,
-               scale: Optional[float] = None) -> Tensor:
+    def attend(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_lengths: Optional[Tensor] = None,
+        scale: Optional[float] = None,
+    ) -> Tensor:
         """Block-sparse attention of ``[B, L, H, D]`` q, k, v in this layout;
         ``kv_lengths [B]``: keys past each sample's length are masked (padded
         text at the end, which the permutation leaves there); ``scale``: None
@@ -211,8 +238,7 @@ class Layout:
             index, count = topk_block_index(query, key, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
         else:
             index, count = self.index, self.count
-        out = block_sparse_attention(query, key, value, index, count, scale=scale, seq_dim=1,
-                                     kv_lengths=kv_lengths)
+        out = block_sparse_attention(query, key, value, index, count, scale=scale, seq_dim=1, kv_lengths=kv_lengths)
         return out if self.inverse is None else out.index_select(1, self.inverse)
 
 

@@ -41,6 +41,7 @@ rounding. One dtype rule differs: with a 16-bit input and an fp32 norm weight,
 transformers' RMSNorm returns fp32 (the product's promotion) and
 ``fused.rmsnorm`` the input's dtype.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -109,8 +110,10 @@ class RotaryAttention(nn.Module):
     #: The original forward's parameters, in order, as transformers releases
     #: have them: 5.17-5.23 pass the KV cache as ``past_key_values``; 5.24
     #: renamed it ``cache`` and hands the call's kwargs to its ``update``.
-    signatures = (("hidden_states", "position_embeddings", "attention_mask", "past_key_values", "kwargs"),
-                  ("hidden_states", "position_embeddings", "attention_mask", "cache", "kwargs"))
+    signatures = (
+        ("hidden_states", "position_embeddings", "attention_mask", "past_key_values", "kwargs"),
+        ("hidden_states", "position_embeddings", "attention_mask", "cache", "kwargs"),
+    )
     #: Set per family: module attributes passed to the attention interface, and
     #: the family's ``eager_attention_forward`` (the interface's default).
     interface_attributes: tuple = ()
@@ -126,8 +129,15 @@ class RotaryAttention(nn.Module):
         for name, child in original.named_children():
             setattr(self, name, child)
 
-    def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor] | None = None,
-                attention_mask: Optional[Tensor] = None, past_key_values=None, cache=None, **kwargs):
+    def forward(
+        self,
+        hidden_states: Tensor,
+        position_embeddings: tuple[Tensor, Tensor] | None = None,
+        attention_mask: Optional[Tensor] = None,
+        past_key_values=None,
+        cache=None,
+        **kwargs,
+    ):
         """hidden_states ``[B, L, hidden]``; position_embeddings ``(cos, sin)``, each
         ``[B or 1, L, head_dim]`` (transformers' full tables, in the model's dtype);
         the KV cache as ``cache`` (transformers 5.24) or ``past_key_values`` (earlier).
@@ -140,20 +150,35 @@ class RotaryAttention(nn.Module):
         # The projections' [B, L, H, D] views go to the op as they are (seq_dim=1):
         # it reads any strides and writes contiguous outputs, so transformers'
         # transpose before the rotation is only a view after it.
-        query, key = rope_qk(self.q_proj(hidden_states).view(hidden_shape),
-                             self.k_proj(hidden_states).view(hidden_shape), cos, sin, interleaved=False, seq_dim=1)
+        query, key = rope_qk(
+            self.q_proj(hidden_states).view(hidden_shape),
+            self.k_proj(hidden_states).view(hidden_shape),
+            cos,
+            sin,
+            interleaved=False,
+            seq_dim=1,
+        )
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
         elif past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                          type(self).eager_attention_forward)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, type(self).eager_attention_forward
+        )
         extra = {name: getattr(self, name) for name in self.interface_attributes}
-        attn_output, attn_weights = interface(self, query, key, value, attention_mask,
-                                              dropout=0.0 if not self.training else self.attention_dropout,
-                                              scaling=self.scaling, **extra, **kwargs)
+        attn_output, attn_weights = interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **extra,
+            **kwargs,
+        )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
@@ -163,8 +188,11 @@ class RotaryAttention(nn.Module):
         are not the ones reproduced."""
         params = tuple(inspect.signature(type(original).forward).parameters)[1:]
         children = {name for name, _ in original.named_children()}
-        if params not in cls.signatures or children != {"q_proj", "k_proj", "v_proj", "o_proj"} or \
-                next(original.parameters(recurse=False), None) is not None:
+        if (
+            params not in cls.signatures
+            or children != {"q_proj", "k_proj", "v_proj", "o_proj"}
+            or next(original.parameters(recurse=False), None) is not None
+        ):
             return None
         return cls(original)
 
@@ -177,9 +205,15 @@ def _attention_class(original_cls: type, interface_attributes: tuple) -> type:
     (one class per original: torch.compile guards on the module's type)."""
     if original_cls not in _ATTENTION_CLASSES:
         module = sys.modules[original_cls.__module__]
-        _ATTENTION_CLASSES[original_cls] = type(f"Fused{original_cls.__name__}", (RotaryAttention, original_cls), {
-            "__module__": __name__, "interface_attributes": interface_attributes,
-            "eager_attention_forward": staticmethod(module.eager_attention_forward)})
+        _ATTENTION_CLASSES[original_cls] = type(
+            f"Fused{original_cls.__name__}",
+            (RotaryAttention, original_cls),
+            {
+                "__module__": __name__,
+                "interface_attributes": interface_attributes,
+                "eager_attention_forward": staticmethod(module.eager_attention_forward),
+            },
+        )
     return _ATTENTION_CLASSES[original_cls]
 
 
@@ -192,8 +226,9 @@ def _mlp(old: nn.Module) -> Optional[nn.Module]:
 
     if type(old.act_fn) not in (SiLUActivation, nn.SiLU):
         return None
-    return build_on_meta(lambda: SwiGLUMLP(old.gate_proj.in_features, old.gate_proj.out_features,
-                                           old.gate_proj.bias is not None), old)
+    return build_on_meta(
+        lambda: SwiGLUMLP(old.gate_proj.in_features, old.gate_proj.out_features, old.gate_proj.bias is not None), old
+    )
 
 
 _NOT_REPRODUCED = "a configuration or forward the fused module does not reproduce"
@@ -206,12 +241,21 @@ def _rules(attention: bool) -> tuple[dict, dict]:
     for family, (prefix, attributes) in FAMILIES.items():
         module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
         rules[getattr(module, f"{prefix}RMSNorm")] = (f"transformers {prefix}RMSNorm", _rms_norm, _NOT_REPRODUCED)
-        rules[getattr(module, f"{prefix}MLP")] = (f"transformers {prefix}MLP", _mlp,
-                                                  "not a SiLU MLP (fused.swiglu computes value * silu(gate))")
+        rules[getattr(module, f"{prefix}MLP")] = (
+            f"transformers {prefix}MLP",
+            _mlp,
+            "not a SiLU MLP (fused.swiglu computes value * silu(gate))",
+        )
         cls = getattr(module, f"{prefix}Attention")
-        rules[cls] = ((f"transformers {prefix}Attention", _attention_class(cls, attributes).build, _NOT_REPRODUCED)
-                      if attention else (f"transformers {prefix}Attention", lambda old: None,
-                                         "attention_processors=False: transformers' rotary embedding kept"))
+        rules[cls] = (
+            (f"transformers {prefix}Attention", _attention_class(cls, attributes).build, _NOT_REPRODUCED)
+            if attention
+            else (
+                f"transformers {prefix}Attention",
+                lambda old: None,
+                "attention_processors=False: transformers' rotary embedding kept",
+            )
+        )
         rotary[getattr(module, f"{prefix}RotaryEmbedding")] = prefix
     return rules, rotary
 
@@ -220,8 +264,10 @@ def _reject_diffusers_options(options: PatchOptions) -> None:
     """The options that apply to diffusers models only must be at their defaults."""
     changed = [name for name in options.changed() if name != "attention_processors"]
     if changed:
-        raise ValueError(f"compile_ops.patch: {', '.join(changed)} apply to diffusers models; a transformers "
-                         "model takes attention_processors only")
+        raise ValueError(
+            f"compile_ops.patch: {', '.join(changed)} apply to diffusers models; a transformers "
+            "model takes attention_processors only"
+        )
 
 
 def patch(model: nn.Module, options: Optional[PatchOptions] = None) -> PatchReport:
@@ -267,11 +313,22 @@ def patch(model: nn.Module, options: Optional[PatchOptions] = None) -> PatchRepo
             if rule:
                 report.left.append((path, rule[0], rule[2]))
             elif type(child) in rotary:
-                report.left.append((path, type(child).__name__, "transformers' cos/sin tables, kept (the attention "
-                                    "modules rotate q and k with them)"))
+                report.left.append(
+                    (
+                        path,
+                        type(child).__name__,
+                        "transformers' cos/sin tables, kept (the attention modules rotate q and k with them)",
+                    )
+                )
             elif type(child).__name__.endswith(("RMSNorm", "MLP", "Attention")):
-                report.left.append((path, type(child).__name__, "a class whose forward compile_ops does not "
-                                    f"reproduce (covered: {', '.join(p for p, _ in FAMILIES.values())})"))
+                report.left.append(
+                    (
+                        path,
+                        type(child).__name__,
+                        "a class whose forward compile_ops does not "
+                        f"reproduce (covered: {', '.join(p for p, _ in FAMILIES.values())})",
+                    )
+                )
             walk(child, path)
 
     walk(model, "")

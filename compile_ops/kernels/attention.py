@@ -52,6 +52,7 @@ tensors; the launchers pick it in ``forward_tiles``, ``dkdv_tiles`` and
 Offsets of the (batch, head) bases are int64; q, k, v, dO and O have a unit
 stride along D (the launcher guarantees it); D is padded to ``BLOCK_D``.
 """
+
 import triton
 import triton.language as tl
 
@@ -89,13 +90,43 @@ def _load_channels(base, start, offs, n_keys, stride_channel, chans, D: tl.const
 
 
 @triton.jit
-def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last, BLOCKS, count, kv_len, Lk,
-               qk_scale, q_scale, K_SCALE,
-               D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-               SPARSE: tl.constexpr, TMA: tl.constexpr, DOT_ACC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-               INT8: tl.constexpr, KEY_BLOCK: tl.constexpr, PV_FP8: tl.constexpr,
-               LIST_BY_ASM: tl.constexpr = False):
+def _fwd_tiles(
+    acc,
+    m,
+    l,
+    q,
+    K,
+    V,
+    skl,
+    svl,
+    q_rows,
+    offs_n,
+    offs_d,
+    first,
+    last,
+    BLOCKS,
+    count,
+    kv_len,
+    Lk,
+    qk_scale,
+    q_scale,
+    K_SCALE,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FMA_EXPONENT: tl.constexpr,
+    SPARSE_BLOCK: tl.constexpr,
+    SPARSE: tl.constexpr,
+    TMA: tl.constexpr,
+    DOT_ACC: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    INT8: tl.constexpr,
+    KEY_BLOCK: tl.constexpr,
+    PV_FP8: tl.constexpr,
+    LIST_BY_ASM: tl.constexpr = False,
+):
     """Online softmax over key tiles; ``m`` is the running max of the raw
     scores q.k, and exponents are ``(s - m) * scale * log2(e)``: scaled after
     the subtraction, so their rounding error is relative to the (small)
@@ -192,18 +223,67 @@ def _fwd_tiles(acc, m, l, q, K, V, skl, svl, q_rows, offs_n, offs_d, first, last
 
 
 @triton.jit
-def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE, V_SCALE, ROW_SCALE, OUT_SCALE,
-                    sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr,
-                    H, GROUP, Lq, Lk, scale, heads_per_group,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    ACC: tl.constexpr, FMA_EXPONENT: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-                    SPARSE: tl.constexpr, TMA: tl.constexpr = False, DOT_ACC: tl.constexpr = False,
-                    WARP_SPECIALIZE: tl.constexpr = False, INT8: tl.constexpr = False,
-                    INT8_KEY_BLOCK: tl.constexpr = 128, PV_FP8: tl.constexpr = False,
-                    OUT_FP8: tl.constexpr = False, ALIGNED_LENGTHS: tl.constexpr = False,
-                    LIST_BY_ASM: tl.constexpr = False, HEAVY_FIRST: tl.constexpr = False,
-                    QUANTIZE_Q: tl.constexpr = False):
+def attn_fwd_kernel(
+    Q,
+    K,
+    V,
+    OUT,
+    LSE,
+    KV_LEN,
+    BLOCKS,
+    COUNTS,
+    Q_SCALE,
+    K_SCALE,
+    V_SCALE,
+    ROW_SCALE,
+    OUT_SCALE,
+    sqb,
+    sqh,
+    sql,
+    skb,
+    skh,
+    skl,
+    svb,
+    svh,
+    svl,
+    sob,
+    soh,
+    sol,
+    sbb,
+    sbh,
+    sbr,
+    scb,
+    sch,
+    scr,
+    H,
+    GROUP,
+    Lq,
+    Lk,
+    scale,
+    heads_per_group,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
+    FMA_EXPONENT: tl.constexpr,
+    SPARSE_BLOCK: tl.constexpr,
+    SPARSE: tl.constexpr,
+    TMA: tl.constexpr = False,
+    DOT_ACC: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False,
+    INT8: tl.constexpr = False,
+    INT8_KEY_BLOCK: tl.constexpr = 128,
+    PV_FP8: tl.constexpr = False,
+    OUT_FP8: tl.constexpr = False,
+    ALIGNED_LENGTHS: tl.constexpr = False,
+    LIST_BY_ASM: tl.constexpr = False,
+    HEAVY_FIRST: tl.constexpr = False,
+    QUANTIZE_Q: tl.constexpr = False,
+):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
     that BLOCKS/COUNTS list for this query block. TMA, DOT_ACC,
@@ -230,7 +310,8 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     Lq, Lk = aligned_lengths(Lq, Lk, ALIGNED_LENGTHS)
     tile, bh = query_tile(heads_per_group, HEAVY_FIRST)
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = query_program(
-        tile, bh, KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN)
+        tile, bh, KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M, BLOCK_N, CAUSAL, HAS_KV_LEN
+    )
     o_off = b * sob + h * soh
     q_rows = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -239,15 +320,18 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
     qk_scale = scale * 1.4426950408889634  # log2(e)
 
     if TMA:
-        q = tl.make_tensor_descriptor(Q + q_off, shape=[Lq, D], strides=[sql, 1],
-                                      block_shape=[BLOCK_M, BLOCK_D]).load([q_start, 0])
+        q = tl.make_tensor_descriptor(Q + q_off, shape=[Lq, D], strides=[sql, 1], block_shape=[BLOCK_M, BLOCK_D]).load(
+            [q_start, 0]
+        )
         keys = tl.make_tensor_descriptor(K + k_off, shape=[Lk, D], strides=[skl, 1], block_shape=[BLOCK_N, BLOCK_D])
         if PV_FP8:  # transposed: channels are its rows
-            values = tl.make_tensor_descriptor(V + v_off, shape=[D, Lk], strides=[svl, 1],
-                                               block_shape=[BLOCK_D, BLOCK_N])
+            values = tl.make_tensor_descriptor(
+                V + v_off, shape=[D, Lk], strides=[svl, 1], block_shape=[BLOCK_D, BLOCK_N]
+            )
         else:
-            values = tl.make_tensor_descriptor(V + v_off, shape=[Lk, D], strides=[svl, 1],
-                                               block_shape=[BLOCK_N, BLOCK_D])
+            values = tl.make_tensor_descriptor(
+                V + v_off, shape=[Lk, D], strides=[svl, 1], block_shape=[BLOCK_N, BLOCK_D]
+            )
     else:
         q = load_tile(Q + q_off, q_start, tl.arange(0, BLOCK_M), Lq, sql, offs_d, D, BLOCK_D, True)
         keys, values = K + k_off, V + v_off
@@ -269,14 +353,79 @@ def attn_fwd_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE,
         blocks, count = block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
     first_masked = tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
     last = tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
-    acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, 0, first_masked,
-                           blocks, count, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, False, CAUSAL,
-                           DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, WARP_SPECIALIZE, INT8,
-                           INT8_KEY_BLOCK, PV_FP8, LIST_BY_ASM)
-    acc, m, l = _fwd_tiles(acc, m, l, q, keys, values, skl, svl, q_rows, offs_n, offs_d, first_masked, last,
-                           blocks, count, kv_len, Lk, qk_scale, q_scale, k_scales, D, BLOCK_D, True, CAUSAL,
-                           DOT_PRECISION, FMA_EXPONENT, SPARSE_BLOCK, SPARSE, TMA, DOT_ACC, False, INT8, INT8_KEY_BLOCK,
-                           PV_FP8)
+    acc, m, l = _fwd_tiles(
+        acc,
+        m,
+        l,
+        q,
+        keys,
+        values,
+        skl,
+        svl,
+        q_rows,
+        offs_n,
+        offs_d,
+        0,
+        first_masked,
+        blocks,
+        count,
+        kv_len,
+        Lk,
+        qk_scale,
+        q_scale,
+        k_scales,
+        D,
+        BLOCK_D,
+        False,
+        CAUSAL,
+        DOT_PRECISION,
+        FMA_EXPONENT,
+        SPARSE_BLOCK,
+        SPARSE,
+        TMA,
+        DOT_ACC,
+        WARP_SPECIALIZE,
+        INT8,
+        INT8_KEY_BLOCK,
+        PV_FP8,
+        LIST_BY_ASM,
+    )
+    acc, m, l = _fwd_tiles(
+        acc,
+        m,
+        l,
+        q,
+        keys,
+        values,
+        skl,
+        svl,
+        q_rows,
+        offs_n,
+        offs_d,
+        first_masked,
+        last,
+        blocks,
+        count,
+        kv_len,
+        Lk,
+        qk_scale,
+        q_scale,
+        k_scales,
+        D,
+        BLOCK_D,
+        True,
+        CAUSAL,
+        DOT_PRECISION,
+        FMA_EXPONENT,
+        SPARSE_BLOCK,
+        SPARSE,
+        TMA,
+        DOT_ACC,
+        False,
+        INT8,
+        INT8_KEY_BLOCK,
+        PV_FP8,
+    )
 
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]

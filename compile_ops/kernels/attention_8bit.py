@@ -7,6 +7,7 @@ v's channel amax, per chunk and reduced per head in a fixed order); the
 forward kernel (``kernels/attention.py``, ``INT8`` and ``PV_FP8``) reads
 them. ``fp8_rows_scale_kernel``: the scale bound of the FP8 output rows.
 """
+
 import triton
 import triton.language as tl
 
@@ -15,8 +16,17 @@ from compile_ops.kernels.fp8 import E4M3_MAX
 
 
 @triton.jit
-def _kv8_head_totals(K_SUM, V_AMAX, head, chunks, cols, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     WITH_K: tl.constexpr, WITH_V: tl.constexpr):
+def _kv8_head_totals(
+    K_SUM,
+    V_AMAX,
+    head,
+    chunks,
+    cols,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WITH_K: tl.constexpr,
+    WITH_V: tl.constexpr,
+):
     """The ``chunks`` partial rows of one head (from ``head`` on: k's column
     sums, v's column amax) reduced in index order into row ``chunks``.
     ``.cg`` loads (from L2, not this SM's L1): other programs wrote them."""
@@ -29,8 +39,7 @@ def _kv8_head_totals(K_SUM, V_AMAX, head, chunks, cols, D: tl.constexpr, BLOCK_D
         if WITH_K:
             k_total += tl.sum(tl.load(K_SUM + at, mask=mask, other=0.0, cache_modifier=".cg"), 0)
         if WITH_V:
-            v_total = tl.maximum(v_total, tl.max(tl.load(V_AMAX + at, mask=mask, other=0.0, cache_modifier=".cg"),
-                                                 0))
+            v_total = tl.maximum(v_total, tl.max(tl.load(V_AMAX + at, mask=mask, other=0.0, cache_modifier=".cg"), 0))
     total = head + tl.cast(chunks, tl.int64) * D + cols
     if WITH_K:
         tl.store(K_SUM + total, k_total, mask=cols < D)
@@ -48,9 +57,27 @@ def kv8_counters_clear_kernel(COUNTS, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def kv8_stats_kernel(K, V, K_SUM, V_AMAX, ARRIVALS, Hk, Lk, skb, skh, skl, svb, svh, svl, rows_per_chunk,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, WITH_V: tl.constexpr,
-                     WITH_K: tl.constexpr):
+def kv8_stats_kernel(
+    K,
+    V,
+    K_SUM,
+    V_AMAX,
+    ARRIVALS,
+    Hk,
+    Lk,
+    skb,
+    skh,
+    skl,
+    svb,
+    svh,
+    svl,
+    rows_per_chunk,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    WITH_V: tl.constexpr,
+    WITH_K: tl.constexpr,
+):
     """Per (batch, k head) ``program_id(1)`` and chunk ``program_id(0)`` of
     ``rows_per_chunk`` keys: WITH_K, k's column sums (K_SUM) and, WITH_V, v's
     column amax (V_AMAX), both fp32 ``[B * Hk, chunks + 1, D]`` with
@@ -78,12 +105,10 @@ def kv8_stats_kernel(K, V, K_SUM, V_AMAX, ARRIVALS, Hk, Lk, skb, skh, skl, svb, 
         rows = start + tl.arange(0, BLOCK_L)
         mask = (rows < last)[:, None] & (cols < D)[None, :]
         if WITH_K:
-            k = tl.load(K + b * skb + h * skh + rows[:, None].to(tl.int64) * skl + cols[None, :], mask=mask,
-                        other=0.0)
+            k = tl.load(K + b * skb + h * skh + rows[:, None].to(tl.int64) * skl + cols[None, :], mask=mask, other=0.0)
             k_sum += k.to(tl.float32)
         if WITH_V:
-            v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask,
-                        other=0.0)
+            v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask, other=0.0)
             v_amax = tl.maximum(v_amax, tl.abs(v.to(tl.float32)))
     chunks = tl.num_programs(0)
     head = tl.cast(bh, tl.int64) * (chunks + 1) * D
@@ -99,8 +124,9 @@ def kv8_stats_kernel(K, V, K_SUM, V_AMAX, ARRIVALS, Hk, Lk, skb, skh, skl, svb, 
 
 
 @triton.jit
-def fp8_rows_scale_kernel(V_SCALE, ROW_SCALE, per_batch, FLOOR: tl.constexpr, HEADROOM: tl.constexpr,
-                          BLOCK: tl.constexpr):
+def fp8_rows_scale_kernel(
+    V_SCALE, ROW_SCALE, per_batch, FLOOR: tl.constexpr, HEADROOM: tl.constexpr, BLOCK: tl.constexpr
+):
     """``reference.attention.fp8_rows_scale`` for batch element
     ``program_id(0)``: ``HEADROOM * max(FLOOR, max(V_SCALE[b]))`` over its
     ``per_batch`` channel scales (``[B, Hk, D]``, contiguous). The same fp32
@@ -115,10 +141,34 @@ def fp8_rows_scale_kernel(V_SCALE, ROW_SCALE, per_batch, FLOOR: tl.constexpr, HE
 
 
 @triton.jit
-def kv8_quantize_kernel(K, K8, K_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, chunks, skb, skh, skl, s8b, s8h, s8l,
-                        svb, svh, svl, svtd,
-                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                        WITH_V: tl.constexpr, WITH_K: tl.constexpr):
+def kv8_quantize_kernel(
+    K,
+    K8,
+    K_SCALE,
+    K_SUM,
+    V,
+    VT8,
+    V_AMAX,
+    V_SCALE,
+    H,
+    L,
+    chunks,
+    skb,
+    skh,
+    skl,
+    s8b,
+    s8h,
+    s8l,
+    svb,
+    svh,
+    svl,
+    svtd,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    WITH_V: tl.constexpr,
+    WITH_K: tl.constexpr,
+):
     """8-bit attention's k and v for the ``BLOCK_L`` (= INT8_KEY_BLOCK)
     positions of block ``program_id(0)`` of one (batch, head), as
     ``reference.attention.smooth_quantize_qk`` and ``quantize_v_fp8``
@@ -138,21 +188,26 @@ def kv8_quantize_kernel(K, K8, K_SCALE, K_SUM, V, VT8, V_AMAX, V_SCALE, H, L, ch
     mask = (rows < L)[:, None] & (cols < D)[None, :]
     totals = (tl.cast(bh, tl.int64) * (chunks + 1) + chunks) * D + cols
     if WITH_K:
-        k = tl.load(K + b * skb + h * skh + rows[:, None].to(tl.int64) * skl + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
+        k = tl.load(K + b * skb + h * skh + rows[:, None].to(tl.int64) * skl + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
         # (tl.cast, not L.to: Inductor may pass L as a Python int constant)
         mean = tl.div_rn(tl.load(K_SUM + totals, mask=cols < D, other=0.0), tl.cast(L, tl.float32))
         k = tl.where(mask, k - mean[None, :], 0.0)
         scale, inverse = quantization_scale(tl.max(tl.max(tl.abs(k), 1), 0), INT8_MAX)
         tl.store(K_SCALE + tl.cast(bh, tl.int64) * tl.cdiv(L, BLOCK_L) + blk, scale)
-        tl.store(K8 + b * s8b + h * s8h + rows[:, None].to(tl.int64) * s8l + cols[None, :], round_to_int8(k, inverse),
-                 mask=mask)
+        tl.store(
+            K8 + b * s8b + h * s8h + rows[:, None].to(tl.int64) * s8l + cols[None, :],
+            round_to_int8(k, inverse),
+            mask=mask,
+        )
     if WITH_V:
         v_scale, v_inverse = quantization_scale(tl.load(V_AMAX + totals, mask=cols < D, other=0.0), E4M3_MAX)
         if blk == 0:
             tl.store(V_SCALE + tl.cast(bh, tl.int64) * D + cols, v_scale, mask=cols < D)
-        v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
+        v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
         v8 = (v * v_inverse[None, :]).to(tl.float8e4nv)
         vt8 = VT8 + tl.cast(bh, tl.int64) * D * svtd + cols[None, :] * svtd + rows[:, None]
         # The transposed store runs along the keys, and a mask at L would split

@@ -2,6 +2,7 @@
 ``kernels/attention_sm90.py``'s Gluon core): tile loads and stores, the
 programs' order and set-up, block-list walks, and 8-bit attention's
 constants and rounding."""
+
 import triton
 import triton.language as tl
 
@@ -14,8 +15,9 @@ def _tile_ptrs(base, start, offs, stride_row, cols):
 
 
 @triton.jit
-def load_tile(base, start, offs, n_rows, stride_row, cols, D: tl.constexpr, BLOCK_D: tl.constexpr,
-              ROW_MASK: tl.constexpr):
+def load_tile(
+    base, start, offs, n_rows, stride_row, cols, D: tl.constexpr, BLOCK_D: tl.constexpr, ROW_MASK: tl.constexpr
+):
     """Rows ``start + offs`` as a ``[len(offs), BLOCK_D]`` tile, zero past D and
     (ROW_MASK) past ``n_rows``."""
     ptrs = _tile_ptrs(base, start, offs, stride_row, cols)
@@ -33,8 +35,11 @@ def load_tile(base, start, offs, n_rows, stride_row, cols, D: tl.constexpr, BLOC
 
 @triton.jit
 def store_tile(base, start, offs, n_rows, stride_row, cols, value, D: tl.constexpr):
-    tl.store(_tile_ptrs(base, start, offs, stride_row, cols), value.to(base.dtype.element_ty),
-             mask=(start + offs < n_rows)[:, None] & (cols < D)[None, :])
+    tl.store(
+        _tile_ptrs(base, start, offs, stride_row, cols),
+        value.to(base.dtype.element_ty),
+        mask=(start + offs < n_rows)[:, None] & (cols < D)[None, :],
+    )
 
 
 @triton.jit
@@ -115,8 +120,24 @@ def program_head(bh, H, GROUP, sqb, sqh, skb, skh):
 
 
 @triton.jit
-def query_program(tile, bh, KV_LEN, H, GROUP, Lk, sqb, sqh, skb, skh, svb, svh, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KV_LEN: tl.constexpr):
+def query_program(
+    tile,
+    bh,
+    KV_LEN,
+    H,
+    GROUP,
+    Lk,
+    sqb,
+    sqh,
+    skb,
+    skh,
+    svb,
+    svh,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KV_LEN: tl.constexpr,
+):
     """The setup of a program that owns ``BLOCK_M`` queries (forward, dq pass):
     ``(batch, head, q/k/v offsets, first query, kv_len, end of the unmasked
     key tiles, end of all key tiles)``."""
@@ -185,8 +206,15 @@ def tiles_before(row, BLOCKS, count, TILE: tl.constexpr, SPARSE_BLOCK: tl.conste
 
 
 @triton.jit
-def tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARSE: tl.constexpr,
-               LIST_BY_ASM: tl.constexpr = False, count=0):
+def tile_start(
+    i,
+    BLOCKS,
+    TILE: tl.constexpr,
+    SPARSE_BLOCK: tl.constexpr,
+    SPARSE: tl.constexpr,
+    LIST_BY_ASM: tl.constexpr = False,
+    count=0,
+):
     """First row of the loop's i-th tile: ``i * TILE``, or (SPARSE) a tile of
     the ``i // (SPARSE_BLOCK // TILE)``-th listed block.
 
@@ -207,8 +235,9 @@ def tile_start(i, BLOCKS, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARSE
         per_block: tl.constexpr = SPARSE_BLOCK // TILE
         if LIST_BY_ASM:
             entry = tl.maximum(tl.minimum(i // per_block, count - 1), 0)
-            block = tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [BLOCKS + entry],
-                                              dtype=tl.int32, is_pure=True, pack=1)
+            block = tl.inline_asm_elementwise(
+                "ld.global.b32 $0, [$1];", "=r,l", [BLOCKS + entry], dtype=tl.int32, is_pure=True, pack=1
+            )
         else:
             block = tl.load(BLOCKS + i // per_block).to(tl.int32)
         return block * SPARSE_BLOCK + (i % per_block) * TILE

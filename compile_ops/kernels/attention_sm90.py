@@ -63,6 +63,7 @@ does not run under the interpreter: the CPU tests compile every variant for
 sm_90 (tests/test_sm90_compile.py), the GPU tests compare them with the
 portable kernel.
 """
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
@@ -82,22 +83,44 @@ _LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _loader(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-            HEAVY_FIRST: gl.constexpr):
+def _loader(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr):
     """The producer warp, over this program's work items: each item's q rows
     (once both consumers' last Q K^T of the previous item is done), then
     every key tile's K and V (the listed blocks' tiles, block-sparse) into
     the ring, which runs on across items."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-     work, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE) = args
+    (
+        q_desc,
+        k_desc,
+        v_desc,
+        q_smem,
+        k_smem,
+        v_smem,
+        p_smems,
+        q_bar,
+        q_empty,
+        k_ready,
+        k_empty,
+        v_ready,
+        v_empty,
+        work,
+        OUT,
+        LSE,
+        sol,
+        lq,
+        scale,
+        Q_SCALE,
+        K_SCALE,
+        V_SCALE,
+    ) = args
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     GROUP = work[7]
     it = 0  # key tiles loaded so far: the ring's position
     item = 0
     for w in range(gl.program_id(0), _work_items(work), gl.num_programs(0)):
-        b, h, _, q_start, _, blocks, n_tiles, _, _, _ = _work_item(w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN,
-                                                                   HEAVY_FIRST)
+        b, h, _, q_start, _, blocks, n_tiles, _, _, _ = _work_item(
+            w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST
+        )
         b = b.to(gl.int32)
         hk = (h // GROUP).to(gl.int32)
         mbarrier.wait(q_empty, (item & 1) ^ 1)
@@ -112,28 +135,57 @@ def _loader(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.con
             # so the first STAGES waits on "empty" pass at once.
             mbarrier.wait(k_empty.index(stage), phase ^ 1)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, hk, row, 0], k_ready.index(stage),
-                                            tma_box(k_smem.index(stage)))
+            tma.async_copy_global_to_shared(k_desc, [b, hk, row, 0], k_ready.index(stage), tma_box(k_smem.index(stage)))
             mbarrier.wait(v_empty.index(stage), phase ^ 1)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
             if v_smem.dtype == gl.float8e4nv:  # FP8 P V's transposed V: [D, BLOCK_N] tiles along the keys
-                tma.async_copy_global_to_shared(v_desc, [b, hk, 0, row], v_ready.index(stage),
-                                                tma_box(v_smem.index(stage)))
+                tma.async_copy_global_to_shared(
+                    v_desc, [b, hk, 0, row], v_ready.index(stage), tma_box(v_smem.index(stage))
+                )
             else:
-                tma.async_copy_global_to_shared(v_desc, [b, hk, row, 0], v_ready.index(stage),
-                                                tma_box(v_smem.index(stage)))
+                tma.async_copy_global_to_shared(
+                    v_desc, [b, hk, row, 0], v_ready.index(stage), tma_box(v_smem.index(stage))
+                )
         it += n_tiles
         item += 1
 
 
 @gluon.jit
-def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-              HEAVY_FIRST: gl.constexpr):
+def _consumer(
+    args,
+    HALF: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    SPARSE: gl.constexpr,
+    HAS_KV_LEN: gl.constexpr,
+    HEAVY_FIRST: gl.constexpr,
+):
     """One consumer warp group, over this program's work items: query rows
     ``q_start + 64 * HALF`` to 64 past it, through the item's key tiles, then
     their output rows and log-sum-exp."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-     work, OUT, LSE, sol, lq, scale, Q_SCALE, K_SCALE, V_SCALE) = args
+    (
+        q_desc,
+        k_desc,
+        v_desc,
+        q_smem,
+        k_smem,
+        v_smem,
+        p_smems,
+        q_bar,
+        q_empty,
+        k_ready,
+        k_empty,
+        v_ready,
+        v_empty,
+        work,
+        OUT,
+        LSE,
+        sol,
+        lq,
+        scale,
+        Q_SCALE,
+        K_SCALE,
+        V_SCALE,
+    ) = args
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = q_smem.shape[1]
     INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
@@ -141,10 +193,12 @@ def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constex
     H = work[6]
     GROUP = work[7]
     Lk = work[8]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, K_STEP])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, K_STEP])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, K_STEP]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, K_STEP]
+    )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -155,7 +209,8 @@ def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constex
     item = 0
     for w in range(gl.program_id(0), _work_items(work), gl.num_programs(0)):
         b, h, bh, q_start, kv_len, _, n_tiles, n_full, masked_start, out_off = _work_item(
-            w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
+            w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST
+        )
         first_row = q_start + WGMMA_ROWS * HALF
         o_zero = gl.zeros([WGMMA_ROWS, D], gl.float32, o_layout)
         if INT8_FP8:  # the biased int32 scores (see attn_fwd_kernel's INT8)
@@ -180,9 +235,33 @@ def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constex
         if CAUSAL:
             diagonal = first_row - masked_start
         if n_tiles > 0:
-            o, m, l = key_tiles(it, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, q_empty, k_ready,
-                                k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, n_tiles, n_full,
-                                kv_len - masked_start, diagonal, s_layout, p_layout, o_rows)
+            o, m, l = key_tiles(
+                it,
+                o,
+                m,
+                l,
+                q_rows,
+                row_q,
+                k_scales,
+                k_smem,
+                v_smem,
+                p_smem,
+                q_empty,
+                k_ready,
+                k_empty,
+                v_ready,
+                v_empty,
+                s_init,
+                o_zero,
+                qk_scale,
+                n_tiles,
+                n_full,
+                kv_len - masked_start,
+                diagonal,
+                s_layout,
+                p_layout,
+                o_rows,
+            )
         else:
             mbarrier.arrive(q_empty, count=1)
         it += n_tiles
@@ -199,22 +278,27 @@ def _consumer(args, HALF: gl.constexpr, CAUSAL: gl.constexpr, SPARSE: gl.constex
             out = out * gl.load(V_SCALE + kv_row * D + cols)[None, :]
             log2_l = log2_l - P_FP8_SHIFT
         rows = first_row + gl.arange(0, WGMMA_ROWS, layout=o_rows)
-        gl.store(OUT + out_off + rows.to(gl.int64)[:, None] * sol + cols[None, :], out.to(OUT.dtype.element_ty),
-                 mask=(rows < lq)[:, None])
+        gl.store(
+            OUT + out_off + rows.to(gl.int64)[:, None] * sol + cols[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=(rows < lq)[:, None],
+        )
         lse_row = first_row + gl.arange(0, WGMMA_ROWS, layout=s_rows)
         lse = gl.where(empty, float("-inf"), m * scale + log2_l * _LN2)  # attn_fwd_kernel's formula
         gl.store(LSE + bh.to(gl.int64) * lq + lse_row, lse, mask=lse_row < lq)
 
 
 @gluon.jit
-def _consumer_low(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-                  HEAVY_FIRST: gl.constexpr):
+def _consumer_low(
+    args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr
+):
     _consumer(args, 0, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
 
 
 @gluon.jit
-def _consumer_high(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-                   HEAVY_FIRST: gl.constexpr):
+def _consumer_high(
+    args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr
+):
     _consumer(args, 1, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
 
 
@@ -257,7 +341,8 @@ def _work_item(w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST):
         bh = w // n_q_tiles
     # Given OUT's strides as q's, query_program's q offset is OUT's; q, k and v are read by descriptor coordinates.
     b, h, out_off, _k_off, _v_off, q_start, kv_len, unmasked_end, end = query_program(
-        tile, bh, KV_LEN, H, GROUP, Lk, sob, soh, 0, 0, 0, 0, 2 * WGMMA_ROWS, BLOCK_N, CAUSAL, HAS_KV_LEN)
+        tile, bh, KV_LEN, H, GROUP, Lk, sob, soh, 0, 0, 0, 0, 2 * WGMMA_ROWS, BLOCK_N, CAUSAL, HAS_KV_LEN
+    )
     # Tiles of BLOCK_N = 2 * WGMMA_ROWS = the list's blocks: at most one tile needs a mask, the one at the
     # unmasked keys' end (the ragged tile of kv_len, or the causal diagonal, or both).
     if SPARSE:
@@ -283,12 +368,54 @@ def _work_item(w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST):
 
 
 @gluon.jit
-def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_SCALE, V_SCALE,
-                         sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, sbb, sbh, sbr, scb, sch, scr,
-                         BH, H, GROUP, Lq, Lk, scale, heads_per_group, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, INT8_FP8: gl.constexpr,
-                         CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, SPARSE: gl.constexpr,
-                         HEAVY_FIRST: gl.constexpr, num_warps: gl.constexpr):
+def attn_fwd_sm90_kernel(
+    Q,
+    K,
+    V,
+    OUT,
+    LSE,
+    KV_LEN,
+    BLOCKS,
+    COUNTS,
+    Q_SCALE,
+    K_SCALE,
+    V_SCALE,
+    sqb,
+    sqh,
+    sql,
+    skb,
+    skh,
+    skl,
+    svb,
+    svh,
+    svl,
+    sob,
+    soh,
+    sol,
+    sbb,
+    sbh,
+    sbr,
+    scb,
+    sch,
+    scr,
+    BH,
+    H,
+    GROUP,
+    Lq,
+    Lk,
+    scale,
+    heads_per_group,
+    D: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    INT8_FP8: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_KV_LEN: gl.constexpr,
+    SPARSE: gl.constexpr,
+    HEAVY_FIRST: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """OUT = softmax(scale Q K^T) V and LSE (natural log), by work items of
     128 queries of one (batch, head): ``cdiv(Lq, 128) * BH`` of them, dealt
     out to the programs of a 1-D grid round robin (a grid of one program per
@@ -317,8 +444,10 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_S
     unused (pass None)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
     gl.static_assert(not (SPARSE and INT8_FP8), "8-bit operands are dense")
-    gl.static_assert(BLOCK_N == 2 * WGMMA_ROWS or not (SPARSE or INT8_FP8),
-                     "a key tile is a listed block, and INT8_FP8's key tile is its k scale's block")
+    gl.static_assert(
+        BLOCK_N == 2 * WGMMA_ROWS or not (SPARSE or INT8_FP8),
+        "a key tile is a listed block, and INT8_FP8's key tile is its k scale's block",
+    )
     # A key tile a multiple of the query tile: the causal diagonal of an item falls in one key tile.
     gl.static_assert(BLOCK_N % (2 * WGMMA_ROWS) == 0, "a key tile spans whole query tiles")
     # Every operand's rows are 128 bytes or more (D >= 64 16-bit, D = 128 8-bit, BLOCK_N = 128 e4m3): 128-byte swizzle.
@@ -353,10 +482,51 @@ def attn_fwd_sm90_kernel(Q, K, V, OUT, LSE, KV_LEN, BLOCKS, COUNTS, Q_SCALE, K_S
         mbarrier.init(v_empty.index(i), count=2)
     # Tuples hold run-time values only: an assignment turns a constexpr into a tensor, so the
     # partitions take the flags as constexpr arguments of their own.
-    work = (gl.cdiv(Lq, 2 * WGMMA_ROWS), BH, heads_per_group, KV_LEN, BLOCKS, COUNTS, H, GROUP, Lk, sob, soh,
-            (sbb, sbh, sbr, scb, sch, scr), LSE)
-    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, p_smems, q_bar, q_empty, k_ready, k_empty, v_ready,
-            v_empty, work, OUT, LSE, sol, Lq, scale, Q_SCALE, K_SCALE, V_SCALE)
-    gl.warp_specialize([(_consumer_low, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
-                        (_consumer_high, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
-                        (_loader, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST))], [4, 1], [CONSUMER_REGS, 24])
+    work = (
+        gl.cdiv(Lq, 2 * WGMMA_ROWS),
+        BH,
+        heads_per_group,
+        KV_LEN,
+        BLOCKS,
+        COUNTS,
+        H,
+        GROUP,
+        Lk,
+        sob,
+        soh,
+        (sbb, sbh, sbr, scb, sch, scr),
+        LSE,
+    )
+    args = (
+        q_desc,
+        k_desc,
+        v_desc,
+        q_smem,
+        k_smem,
+        v_smem,
+        p_smems,
+        q_bar,
+        q_empty,
+        k_ready,
+        k_empty,
+        v_ready,
+        v_empty,
+        work,
+        OUT,
+        LSE,
+        sol,
+        Lq,
+        scale,
+        Q_SCALE,
+        K_SCALE,
+        V_SCALE,
+    )
+    gl.warp_specialize(
+        [
+            (_consumer_low, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
+            (_consumer_high, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
+            (_loader, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )

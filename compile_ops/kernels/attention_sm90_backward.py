@@ -18,6 +18,7 @@ Gluon does not run under the interpreter: the CPU tests compile every
 variant for sm_90 (tests/test_sm90_compile.py), the GPU tests compare them
 with the deterministic passes.
 """
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
@@ -29,22 +30,78 @@ from compile_ops.kernels.attention_sm90_dq import DQ_PIECE
 
 
 @gluon.jit
-def _bwd_load_item(args, w, it, item, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                   SPARSE: gl.constexpr, SPLIT: gl.constexpr):
+def _bwd_load_item(
+    args,
+    w,
+    it,
+    item,
+    CAUSAL: gl.constexpr,
+    HAS_KV_LEN: gl.constexpr,
+    HEAVY_FIRST: gl.constexpr,
+    SPARSE: gl.constexpr,
+    SPLIT: gl.constexpr,
+):
     """The producer warp's part of work index w (its program's ``item``-th,
     whose steps are the ring's from ``it`` on), returning its step count:
     the item's K and V tiles (once both consumers are done with the last
     item's: ``kv_empty``), then each step's q and dO tiles and the step's
     rows of the statistics (lse, delta), every query head of the GQA group
     in turn, into the ring."""
-    (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, dq_args, kv_bars, ready, empty, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
-     Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
+    (
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        lse_desc,
+        delta_desc,
+        k_smem,
+        v_smem,
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        dq_args,
+        kv_bars,
+        ready,
+        empty,
+        DK,
+        DV,
+        KV_LEN,
+        lists,
+        split,
+        H,
+        GROUP,
+        Lq,
+        Lk,
+        scale,
+        heads_per_group,
+        sdkb,
+        sdkh,
+        sdkl,
+        sdvb,
+        sdvh,
+        sdvl,
+    ) = args
     STAGES: gl.constexpr = q_smem.shape[0]
     STEP: gl.constexpr = q_smem.shape[1]
     kv_bar, kv_empty = kv_bars
-    program = bwd_program(w, KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL, HAS_KV_LEN,
-                          HEAVY_FIRST, SPARSE, SPLIT, STEP)
+    program = bwd_program(
+        w,
+        KV_LEN,
+        lists,
+        split,
+        H // GROUP,
+        GROUP,
+        heads_per_group,
+        Lq,
+        Lk,
+        CAUSAL,
+        HAS_KV_LEN,
+        HEAVY_FIRST,
+        SPARSE,
+        SPLIT,
+        STEP,
+    )
     b, hk, tile, _, _, _, _, _, from_step, count = program
     mbarrier.wait(kv_empty, (item & 1) ^ 1)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -54,8 +111,13 @@ def _bwd_load_item(args, w, it, item, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.const
         h, m0 = bwd_step(from_step + i, program, GROUP, split[0], not CAUSAL, SPARSE, STEP)
         stage = (it + i) % STAGES
         mbarrier.wait(empty.index(stage), (((it + i) // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                        + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        mbarrier.expect(
+            ready.index(stage),
+            q_desc.block_type.nbytes
+            + do_desc.block_type.nbytes
+            + lse_desc.block_type.nbytes
+            + delta_desc.block_type.nbytes,
+        )
         tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], ready.index(stage), tma_box(q_smem.index(stage)))
         tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], ready.index(stage), tma_box(do_smem.index(stage)))
         tma.async_copy_global_to_shared(lse_desc, [b * H + h, m0], ready.index(stage), lse_smem.index(stage))
@@ -64,8 +126,15 @@ def _bwd_load_item(args, w, it, item, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.const
 
 
 @gluon.jit
-def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                SPARSE: gl.constexpr, SPLIT: gl.constexpr, PERSISTENT: gl.constexpr):
+def _bwd_loader(
+    args,
+    CAUSAL: gl.constexpr,
+    HAS_KV_LEN: gl.constexpr,
+    HEAVY_FIRST: gl.constexpr,
+    SPARSE: gl.constexpr,
+    SPLIT: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
     """The producer warp of the backward (:func:`_bwd_load_item`): its
     program's work index, or (PERSISTENT) every ``num_programs``-th from
     it, the ring running on across them."""
@@ -80,9 +149,18 @@ def _bwd_loader(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRS
 
 
 @gluon.jit
-def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                  SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr,
-                  PERSISTENT: gl.constexpr):
+def _bwd_consumer(
+    args,
+    W: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_KV_LEN: gl.constexpr,
+    HEAVY_FIRST: gl.constexpr,
+    SPARSE: gl.constexpr,
+    MASKED_KEYS: gl.constexpr,
+    DQ: gl.constexpr,
+    SPLIT: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
     """Consumer warp group W of the backward (:func:`bwd_consume_item`):
     its program's work index, or (PERSISTENT) every ``num_programs``-th
     from it, with the ring running on across them."""
@@ -90,37 +168,109 @@ def _bwd_consumer(args, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.co
         it = 0
         item = 0
         for w in range(gl.program_id(0), bwd_work(args, SPLIT), gl.num_programs(0)):
-            it += bwd_consume_item(args, w, it, item, W, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ,
-                                   SPLIT)
+            it += bwd_consume_item(
+                args, w, it, item, W, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT
+            )
             item += 1
     else:
-        bwd_consume_item(args, gl.program_id(0), 0, 0, W, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ,
-                         SPLIT)
+        bwd_consume_item(
+            args, gl.program_id(0), 0, 0, W, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT
+        )
 
 
 @gluon.jit
-def _bwd_consumer_low(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                      SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr,
-                      PERSISTENT: gl.constexpr):
+def _bwd_consumer_low(
+    args,
+    CAUSAL: gl.constexpr,
+    HAS_KV_LEN: gl.constexpr,
+    HEAVY_FIRST: gl.constexpr,
+    SPARSE: gl.constexpr,
+    MASKED_KEYS: gl.constexpr,
+    DQ: gl.constexpr,
+    SPLIT: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
     _bwd_consumer(args, 0, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT, PERSISTENT)
 
 
 @gluon.jit
-def _bwd_consumer_high(args, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                       SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr,
-                       PERSISTENT: gl.constexpr):
+def _bwd_consumer_high(
+    args,
+    CAUSAL: gl.constexpr,
+    HAS_KV_LEN: gl.constexpr,
+    HEAVY_FIRST: gl.constexpr,
+    SPARSE: gl.constexpr,
+    MASKED_KEYS: gl.constexpr,
+    DQ: gl.constexpr,
+    SPLIT: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
     _bwd_consumer(args, 1, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT, PERSISTENT)
 
 
 @gluon.jit
-def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS, KV_LEN, BLOCKS, COUNTS, sqb, sqh,
-                         sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl, sbb, sbh,
-                         sbr, scb, sch, scr, stats_row, B, H, GROUP, Lq, Lk, scale, heads_per_group, whole, parts,
-                         D: gl.constexpr, STEP: gl.constexpr,
-                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
-                         HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr,
-                         MASKED_KEYS: gl.constexpr, DQ: gl.constexpr, SPLIT: gl.constexpr,
-                         PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
+def attn_bwd_sm90_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE_ROWS,
+    DELTA,
+    DQ_ACC,
+    DK,
+    DV,
+    PARTIALS,
+    KV_LEN,
+    BLOCKS,
+    COUNTS,
+    sqb,
+    sqh,
+    sql,
+    skb,
+    skh,
+    skl,
+    svb,
+    svh,
+    svl,
+    sdb,
+    sdh,
+    sdl,
+    sdkb,
+    sdkh,
+    sdkl,
+    sdvb,
+    sdvh,
+    sdvl,
+    sbb,
+    sbh,
+    sbr,
+    scb,
+    sch,
+    scr,
+    stats_row,
+    B,
+    H,
+    GROUP,
+    Lq,
+    Lk,
+    scale,
+    heads_per_group,
+    whole,
+    parts,
+    D: gl.constexpr,
+    STEP: gl.constexpr,
+    STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_KV_LEN: gl.constexpr,
+    HEAVY_FIRST: gl.constexpr,
+    SPARSE: gl.constexpr,
+    MASKED_KEYS: gl.constexpr,
+    DQ: gl.constexpr,
+    SPLIT: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """The attention backward in five products a (key tile, query step): dK
     and dV of 128 keys of one (batch, k head) per program, and (DQ) dQ added
     into DQ_ACC by TMA reductions in whatever order the programs run (not
@@ -164,8 +314,9 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     # A consumer's S^T and dP^T are 64 keys x STEP queries: 128-query steps fit its registers beside dK and
     # dV at D = 64 (32 registers each), not at D = 128 (64 each), nor with block lists (ptxas spills in the
     # step loop).
-    gl.static_assert((STEP == 64) or ((STEP == 128) and (D == 64) and not SPARSE),
-                     "64-query steps, or 128 at D = 64, dense")
+    gl.static_assert(
+        (STEP == 64) or ((STEP == 128) and (D == 64) and not SPARSE), "64-query steps, or 128 at D = 64, dense"
+    )
     gl.static_assert(not (SPLIT and (CAUSAL or HAS_KV_LEN or SPARSE)), "only items of equal work are split")
     gl.static_assert(not (PERSISTENT and (DQ or CAUSAL or SPARSE)), "the dense, non-causal dk/dv pass persists")
     box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
@@ -201,8 +352,9 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
     # dQ's descriptor and buffers only where the partitions read them (Triton 3.6's lowering fails on a
     # partition argument that no partition reads).
     if DQ:
-        dqa_desc = tma.make_tensor_descriptor(DQ_ACC, [B * H, stats_row, D], [stats_row * D, D, 1],
-                                              [1, STEP, DQ_PIECE], pieces)
+        dqa_desc = tma.make_tensor_descriptor(
+            DQ_ACC, [B * H, stats_row, D], [stats_row * D, D, 1], [1, STEP, DQ_PIECE], pieces
+        )
         ds_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, 2 * WGMMA_ROWS, STEP], matrix)
         dq_smem = gl.allocate_shared_memory(gl.float32, [D // DQ_PIECE, STEP, DQ_PIECE], piece)  # D / 64 a group
         ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -217,12 +369,47 @@ def attn_bwd_sm90_kernel(Q, K, V, DO, LSE_ROWS, DELTA, DQ_ACC, DK, DV, PARTIALS,
         split = (gl.cdiv(Lk, 2 * WGMMA_ROWS), whole, parts, PARTIALS, B)
     else:
         split = (gl.cdiv(Lk, 2 * WGMMA_ROWS), B)
-    args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-            delta_smem, dq_args, (kv_bar, kv_empty), ready, empty, DK, DV, KV_LEN,
-            (BLOCKS, COUNTS, sbb, sbh, sbr, scb, sch, scr), split, H, GROUP, Lq, Lk, scale, heads_per_group, sdkb, sdkh,
-            sdkl, sdvb, sdvh, sdvl)
+    args = (
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        lse_desc,
+        delta_desc,
+        k_smem,
+        v_smem,
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        dq_args,
+        (kv_bar, kv_empty),
+        ready,
+        empty,
+        DK,
+        DV,
+        KV_LEN,
+        (BLOCKS, COUNTS, sbb, sbh, sbr, scb, sch, scr),
+        split,
+        H,
+        GROUP,
+        Lq,
+        Lk,
+        scale,
+        heads_per_group,
+        sdkb,
+        sdkh,
+        sdkl,
+        sdvb,
+        sdvh,
+        sdvl,
+    )
     gl.warp_specialize(
-        [(_bwd_consumer_low, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT, PERSISTENT)),
-         (_bwd_consumer_high, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT, PERSISTENT)),
-         (_bwd_loader, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, SPLIT, PERSISTENT))], [4, 1],
-        [CONSUMER_REGS, 24])
+        [
+            (_bwd_consumer_low, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT, PERSISTENT)),
+            (_bwd_consumer_high, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, MASKED_KEYS, DQ, SPLIT, PERSISTENT)),
+            (_bwd_loader, (args, CAUSAL, HAS_KV_LEN, HEAVY_FIRST, SPARSE, SPLIT, PERSISTENT)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )

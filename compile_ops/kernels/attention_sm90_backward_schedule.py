@@ -4,6 +4,7 @@ work index's item (key tile, batch and k head), its query steps (every q head
 of the GQA group in turn, from the causal diagonal or the transposed block
 lists), and with a split last round the part of the item's steps it takes.
 """
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -12,9 +13,23 @@ from compile_ops.kernels.attention_sm90_common import WGMMA_ROWS
 
 
 @gluon.jit
-def bwd_program(w, KV_LEN, lists, split, Hk, GROUP, heads_per_group, Lq, Lk, CAUSAL: gl.constexpr,
-                HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr,
-                STEP: gl.constexpr):
+def bwd_program(
+    w,
+    KV_LEN,
+    lists,
+    split,
+    Hk,
+    GROUP,
+    heads_per_group,
+    Lq,
+    Lk,
+    CAUSAL: gl.constexpr,
+    HAS_KV_LEN: gl.constexpr,
+    HEAVY_FIRST: gl.constexpr,
+    SPARSE: gl.constexpr,
+    SPLIT: gl.constexpr,
+    STEP: gl.constexpr,
+):
     """Work index w's ``(batch, k head, key tile, kv_len, first query step,
     query steps per q head, query steps, its lists, first step, steps)``,
     the same in every partition. Its item's 128 keys are seen by
@@ -97,9 +112,41 @@ def bwd_work(args, SPLIT: gl.constexpr):
     the whole ones and the parts of the others (``bwd_program``). A launch
     of that many programs gives each one; fewer programs (one per SM: the
     persistent dk/dv pass) take them round robin."""
-    (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, dq_args, kv_bars, ready, empty, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
-     Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
+    (
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        lse_desc,
+        delta_desc,
+        k_smem,
+        v_smem,
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        dq_args,
+        kv_bars,
+        ready,
+        empty,
+        DK,
+        DV,
+        KV_LEN,
+        lists,
+        split,
+        H,
+        GROUP,
+        Lq,
+        Lk,
+        scale,
+        heads_per_group,
+        sdkb,
+        sdkh,
+        sdkl,
+        sdvb,
+        sdvh,
+        sdvl,
+    ) = args
     items = split[0] * split[-1] * (H // GROUP)
     if SPLIT:
         _, whole, parts, _, _ = split

@@ -2,6 +2,7 @@
 (``kernels/attention_sm90.py``) and the backward (``kernels/attention_sm90_backward.py``)
 split their rows between consumer warp groups of one wgmma's M and move tiles by 4-D
 TMA descriptors over whole tensors."""
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 

@@ -4,6 +4,7 @@ attention backward (``kernels/attention_sm90_backward.py``): dK and dV of its
 registers, and with dQ, dS^T handed to the dQ products
 (``kernels/attention_sm90_dq.py``).
 """
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -20,9 +21,20 @@ from compile_ops.kernels.attention_sm90_dq import DQ_PIECE, bwd_dq_step
 
 
 @gluon.jit
-def bwd_consume_item(args, w, it, item, W: gl.constexpr, CAUSAL: gl.constexpr, HAS_KV_LEN: gl.constexpr,
-                     HEAVY_FIRST: gl.constexpr, SPARSE: gl.constexpr, MASKED_KEYS: gl.constexpr, DQ: gl.constexpr,
-                     SPLIT: gl.constexpr):
+def bwd_consume_item(
+    args,
+    w,
+    it,
+    item,
+    W: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_KV_LEN: gl.constexpr,
+    HEAVY_FIRST: gl.constexpr,
+    SPARSE: gl.constexpr,
+    MASKED_KEYS: gl.constexpr,
+    DQ: gl.constexpr,
+    SPLIT: gl.constexpr,
+):
     """Consumer warp group W's part of work index w (its program's
     ``item``-th, whose steps are the ring's from ``it`` on), returning its
     step count: keys ``64 W`` to ``64 W + 63`` of
@@ -34,29 +46,75 @@ def bwd_consume_item(args, w, it, item, W: gl.constexpr, CAUSAL: gl.constexpr, H
     kv_len (MASKED_KEYS: the tile may hold some) and, causal, keys past the
     query on the steps that cross the diagonal (two of 64 queries, one of
     128; block lists may add steps above it, masked whole)."""
-    (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-     delta_smem, dq_args, kv_bars, ready, empty, DK, DV, KV_LEN, lists, split, H, GROUP, Lq,
-     Lk, scale, heads_per_group, sdkb, sdkh, sdkl, sdvb, sdvh, sdvl) = args
+    (
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        lse_desc,
+        delta_desc,
+        k_smem,
+        v_smem,
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        dq_args,
+        kv_bars,
+        ready,
+        empty,
+        DK,
+        DV,
+        KV_LEN,
+        lists,
+        split,
+        H,
+        GROUP,
+        Lq,
+        Lk,
+        scale,
+        heads_per_group,
+        sdkb,
+        sdkh,
+        sdkl,
+        sdvb,
+        sdvh,
+        sdvl,
+    ) = args
     STAGES: gl.constexpr = q_smem.shape[0]
     STEP: gl.constexpr = q_smem.shape[1]
     D: gl.constexpr = q_smem.shape[2]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, STEP, 16])
-    d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, STEP, 16])
+    d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
     k_rows = k_smem.slice(WGMMA_ROWS * W, WGMMA_ROWS)
     v_rows = v_smem.slice(WGMMA_ROWS * W, WGMMA_ROWS)
     qk_scale = scale * LOG2E
     s_zero = gl.zeros([WGMMA_ROWS, STEP], gl.float32, s_layout)
     if DQ:  # the dQ products' (unused) accumulator: bwd_dq_step's products start from zero
-        piece_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                               instr_shape=[16, DQ_PIECE, 16])
+        piece_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_PIECE, 16]
+        )
         dq_zero = gl.zeros([STEP, DQ_PIECE], gl.float32, piece_layout)
     step_query = gl.arange(0, STEP, layout=gl.SliceLayout(0, s_layout))
     kv_bar, kv_empty = kv_bars
-    program = bwd_program(w, KV_LEN, lists, split, H // GROUP, GROUP, heads_per_group, Lq, Lk, CAUSAL,
-                          HAS_KV_LEN, HEAVY_FIRST, SPARSE, SPLIT, STEP)
+    program = bwd_program(
+        w,
+        KV_LEN,
+        lists,
+        split,
+        H // GROUP,
+        GROUP,
+        heads_per_group,
+        Lq,
+        Lk,
+        CAUSAL,
+        HAS_KV_LEN,
+        HEAVY_FIRST,
+        SPARSE,
+        SPLIT,
+        STEP,
+    )
     b, hk, tile, kv_len, _, _, _, _, from_step, count = program
     dk = gl.zeros([WGMMA_ROWS, D], gl.float32, d_layout)
     dv = gl.zeros([WGMMA_ROWS, D], gl.float32, d_layout)
@@ -126,15 +184,22 @@ def bwd_consume_item(args, w, it, item, W: gl.constexpr, CAUSAL: gl.constexpr, H
         _, whole, _, PARTIALS, _ = split
         slot = w - whole
         # A part's fp32 sums go to its slot of PARTIALS, [dk | dv] x [128 keys, D]; a whole item's to DK, DV.
-        at = ((WGMMA_ROWS * W + gl.arange(0, WGMMA_ROWS, layout=gl.SliceLayout(1, d_layout)))[:, None] * D
-              + cols[None, :])
+        at = (WGMMA_ROWS * W + gl.arange(0, WGMMA_ROWS, layout=gl.SliceLayout(1, d_layout)))[:, None] * D + cols[
+            None, :
+        ]
         own = PARTIALS + gl.maximum(slot, 0).to(gl.int64) * (2 * 2 * WGMMA_ROWS * D) + at
         gl.store(own, dk * scale, mask=slot >= 0)
         gl.store(own + 2 * WGMMA_ROWS * D, dv, mask=slot >= 0)
         stored = stored & (slot < 0)
     keys = keys.to(gl.int64)[:, None]
-    gl.store(DK + b.to(gl.int64) * sdkb + hk.to(gl.int64) * sdkh + keys * sdkl + cols[None, :],
-             (dk * scale).to(DK.dtype.element_ty), mask=stored)
-    gl.store(DV + b.to(gl.int64) * sdvb + hk.to(gl.int64) * sdvh + keys * sdvl + cols[None, :],
-             dv.to(DV.dtype.element_ty), mask=stored)
+    gl.store(
+        DK + b.to(gl.int64) * sdkb + hk.to(gl.int64) * sdkh + keys * sdkl + cols[None, :],
+        (dk * scale).to(DK.dtype.element_ty),
+        mask=stored,
+    )
+    gl.store(
+        DV + b.to(gl.int64) * sdvb + hk.to(gl.int64) * sdvh + keys * sdvl + cols[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=stored,
+    )
     return count

@@ -2,6 +2,7 @@
 with ``DQ``): a consumer group's channels of each step's dS K, added into the
 fp32 accumulator by TMA bulk reductions in the order the programs run.
 """
+
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -47,8 +48,9 @@ def bwd_dq_step(dq_args, k_smem, dq_zero, head_row, m0, buf, i, W: gl.constexpr)
     ds_t = ds_smem.index(buf).permute((1, 0))  # dS: [STEP queries, 128 keys]
     first = warpgroup_mma(ds_t, k_smem.slice(HALF * W, DQ_PIECE, dim=1), dq_zero, use_acc=False, is_async=True)
     if PIECES == 2:
-        second = warpgroup_mma(ds_t, k_smem.slice(HALF * W + DQ_PIECE, DQ_PIECE, dim=1), dq_zero,
-                               use_acc=False, is_async=True)
+        second = warpgroup_mma(
+            ds_t, k_smem.slice(HALF * W + DQ_PIECE, DQ_PIECE, dim=1), dq_zero, use_acc=False, is_async=True
+        )
         first, second = warpgroup_mma_wait(0, deps=[first, second])
     else:
         first = warpgroup_mma_wait(0, deps=[first])
@@ -61,5 +63,6 @@ def bwd_dq_step(dq_args, k_smem, dq_zero, head_row, m0, buf, i, W: gl.constexpr)
     gl.thread_barrier()
     _tma_add(dqa_desc, [head_row, m0, HALF * W], dq_smem.index(PIECES * W).reshape([1, STEP, DQ_PIECE]))
     if PIECES == 2:
-        _tma_add(dqa_desc, [head_row, m0, HALF * W + DQ_PIECE],
-                 dq_smem.index(PIECES * W + 1).reshape([1, STEP, DQ_PIECE]))
+        _tma_add(
+            dqa_desc, [head_row, m0, HALF * W + DQ_PIECE], dq_smem.index(PIECES * W + 1).reshape([1, STEP, DQ_PIECE])
+        )

@@ -4,6 +4,7 @@ design): each key tile's Q K^T, online-softmax step and P V, the products
 issued so that a tile's softmax runs under the previous tile's P V, with the
 ring's K and V buffers released as each product is done with them.
 """
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -18,8 +19,9 @@ from compile_ops.kernels.attention_sm90_common import WGMMA_ROWS
 
 
 @gluon.jit
-def _softmax(s, m, l, row, qk_scale, key_limit, diagonal, MASKED: gl.constexpr, INT8_FP8: gl.constexpr,
-             s_layout: gl.constexpr):
+def _softmax(
+    s, m, l, row, qk_scale, key_limit, diagonal, MASKED: gl.constexpr, INT8_FP8: gl.constexpr, s_layout: gl.constexpr
+):
     """One key tile's online-softmax step in base 2 (``attn_fwd_kernel``'s
     formulas): ``(p, m_new, l_new, alpha)``. ``MASKED`` (the one tile past the
     unmasked ones): its key c is visible to query row r of this consumer
@@ -61,8 +63,9 @@ def _scores(c, q_rows, k_smem, k_ready, s_init):
     STAGES: gl.constexpr = k_smem.shape[0]
     stage = c % STAGES
     mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
-    return warpgroup_mma(q_rows, k_smem.index(stage).permute((1, 0)), s_init,
-                         use_acc=k_smem.dtype == gl.int8, is_async=True)
+    return warpgroup_mma(
+        q_rows, k_smem.index(stage).permute((1, 0)), s_init, use_acc=k_smem.dtype == gl.int8, is_async=True
+    )
 
 
 @gluon.jit
@@ -89,8 +92,7 @@ def _pv_issue(carry, o, o_zero, v_smem, p_smem, stage):
     into a fresh product (``attn_fwd_kernel``'s two-level accumulation: FP8
     MMAs keep fewer accumulator bits than fp32)."""
     if v_smem.dtype == gl.float8e4nv:
-        return warpgroup_mma(p_smem, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False,
-                             is_async=True)
+        return warpgroup_mma(p_smem, v_smem.index(stage).permute((1, 0)), o_zero, use_acc=False, is_async=True)
     else:
         return warpgroup_mma(carry, v_smem.index(stage), o, is_async=True)
 
@@ -109,9 +111,33 @@ def _pv_fold(token, carry, o, v_smem, o_rows: gl.constexpr):
 
 
 @gluon.jit
-def _key_step(j, c, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, k_ready, k_empty, v_ready,
-              v_empty, s_init, o_zero, qk_scale, key_limit, diagonal, MASKED: gl.constexpr,
-              s_layout: gl.constexpr, p_layout: gl.constexpr, o_rows: gl.constexpr):
+def _key_step(
+    j,
+    c,
+    carry,
+    o,
+    m,
+    l,
+    q_rows,
+    row_q,
+    k_scales,
+    k_smem,
+    v_smem,
+    p_smem,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    s_init,
+    o_zero,
+    qk_scale,
+    key_limit,
+    diagonal,
+    MASKED: gl.constexpr,
+    s_layout: gl.constexpr,
+    p_layout: gl.constexpr,
+    o_rows: gl.constexpr,
+):
     """Key tile j >= 1 of one consumer's work item, the c-th through the ring:
     S_j and P_j-1 V_j-1 issued back to back, S_j's softmax while the product
     runs, then the product folded in (with 256-key tiles, P_j-1 V_j-1 first
@@ -151,9 +177,33 @@ def _key_step(j, c, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_s
 
 
 @gluon.jit
-def key_tiles(it, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, q_empty, k_ready, k_empty, v_ready,
-              v_empty, s_init, o_zero, qk_scale, n_tiles, n_full, key_limit, diagonal, s_layout: gl.constexpr,
-              p_layout: gl.constexpr, o_rows: gl.constexpr):
+def key_tiles(
+    it,
+    o,
+    m,
+    l,
+    q_rows,
+    row_q,
+    k_scales,
+    k_smem,
+    v_smem,
+    p_smem,
+    q_empty,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    s_init,
+    o_zero,
+    qk_scale,
+    n_tiles,
+    n_full,
+    key_limit,
+    diagonal,
+    s_layout: gl.constexpr,
+    p_layout: gl.constexpr,
+    o_rows: gl.constexpr,
+):
     """One consumer's pass over its work item's ``n_tiles >= 1`` key tiles,
     the last ``n_tiles - n_full`` (0 or 1) masked, the ring's ``it``-th
     onwards: ``(o, m, l)``. Once its last Q K^T is done it frees q for the
@@ -172,13 +222,61 @@ def key_tiles(it, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem, q_em
         p, m, l, alpha = _softmax(s, m, l, row, qk_scale, key_limit, diagonal, False, INT8_FP8, s_layout)
     carry = _next_carry(p, alpha, v_smem, p_smem, p_layout)
     for j in range(1, n_full):
-        carry, o, m, l = _key_step(j, it + j, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem, p_smem,
-                                   k_ready, k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, key_limit, diagonal,
-                                   False, s_layout, p_layout, o_rows)
+        carry, o, m, l = _key_step(
+            j,
+            it + j,
+            carry,
+            o,
+            m,
+            l,
+            q_rows,
+            row_q,
+            k_scales,
+            k_smem,
+            v_smem,
+            p_smem,
+            k_ready,
+            k_empty,
+            v_ready,
+            v_empty,
+            s_init,
+            o_zero,
+            qk_scale,
+            key_limit,
+            diagonal,
+            False,
+            s_layout,
+            p_layout,
+            o_rows,
+        )
     if n_tiles > n_full and n_full > 0:  # the masked tile after unmasked ones
-        carry, o, m, l = _key_step(n_full, it + n_full, carry, o, m, l, q_rows, row_q, k_scales, k_smem, v_smem,
-                                   p_smem, k_ready, k_empty, v_ready, v_empty, s_init, o_zero, qk_scale, key_limit,
-                                   diagonal, True, s_layout, p_layout, o_rows)
+        carry, o, m, l = _key_step(
+            n_full,
+            it + n_full,
+            carry,
+            o,
+            m,
+            l,
+            q_rows,
+            row_q,
+            k_scales,
+            k_smem,
+            v_smem,
+            p_smem,
+            k_ready,
+            k_empty,
+            v_ready,
+            v_empty,
+            s_init,
+            o_zero,
+            qk_scale,
+            key_limit,
+            diagonal,
+            True,
+            s_layout,
+            p_layout,
+            o_rows,
+        )
     mbarrier.arrive(q_empty, count=1)  # every Q K^T of this item is done
     last = it + n_tiles - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)

@@ -35,6 +35,7 @@ element, rounded to the input's dtype as the unquantized activation would
 write it, then quantized): an MLP's hidden activation is read once and never
 written in 16 bits.
 """
+
 import triton
 import triton.language as tl
 
@@ -103,8 +104,7 @@ def _load_values(X, rows, c, stride_row, stride_col, mask, ACT: tl.constexpr, EV
     (``kernels.glu``'s codes) their activation rounded to X's dtype (masked
     elements load 0, whose activation is 0 in every mode). EVICT: the load's
     L2 eviction policy (the two-pass loop keeps its first read for the second)."""
-    y = tl.load(X + _tile(rows, c, stride_row, stride_col), mask=mask, other=0.0,
-                eviction_policy=EVICT).to(tl.float32)
+    y = tl.load(X + _tile(rows, c, stride_row, stride_col), mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     if ACT >= 0:
         y = activation(y, ACT, False)[0].to(X.dtype.element_ty).to(tl.float32)
     return y
@@ -118,8 +118,7 @@ def _columns(c0, K, rows, row_mask, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _segment_peak(peak, X, rows, row_mask, K, stride_row, stride_col,
-                  ACT: tl.constexpr, BLOCK_N: tl.constexpr):
+def _segment_peak(peak, X, rows, row_mask, K, stride_row, stride_col, ACT: tl.constexpr, BLOCK_N: tl.constexpr):
     """``peak [BLOCK_M, BLOCK_N]`` raised to :func:`counted_abs` of a ``K``-column segment's blocks."""
     for k0 in range(0, K, BLOCK_N):
         c, mask = _columns(k0, K, rows, row_mask, BLOCK_N)
@@ -129,8 +128,20 @@ def _segment_peak(peak, X, rows, row_mask, K, stride_row, stride_col,
 
 
 @triton.jit
-def _segment_store(Q, q_row_stride, q_col0, X, rows, row_mask, K, stride_row, stride_col, inverse,
-                   ACT: tl.constexpr, BLOCK_N: tl.constexpr):
+def _segment_store(
+    Q,
+    q_row_stride,
+    q_col0,
+    X,
+    rows,
+    row_mask,
+    K,
+    stride_row,
+    stride_col,
+    inverse,
+    ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """The e4m3 values of a ``K``-column segment, at Q's columns from ``q_col0``."""
     for k0 in range(0, K, BLOCK_N):
         c, mask = _columns(k0, K, rows, row_mask, BLOCK_N)
@@ -139,11 +150,26 @@ def _segment_store(Q, q_row_stride, q_col0, X, rows, row_mask, K, stride_row, st
 
 
 @triton.jit
-def quantize_fp8_rows_kernel(X, Q, S, n_rows, K, stride_row, stride_col,
-                             HEAD, K_HEAD, stride_head_row, stride_head_col,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
-                             ACT: tl.constexpr, HAS_HEAD: tl.constexpr,
-                             CHUNKS: tl.constexpr = 1, HEAD_CHUNKS: tl.constexpr = 0):
+def quantize_fp8_rows_kernel(
+    X,
+    Q,
+    S,
+    n_rows,
+    K,
+    stride_row,
+    stride_col,
+    HEAD,
+    K_HEAD,
+    stride_head_row,
+    stride_head_col,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOOPED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_HEAD: tl.constexpr,
+    CHUNKS: tl.constexpr = 1,
+    HEAD_CHUNKS: tl.constexpr = 0,
+):
     """Q[r] = e4m3 of row r of X (of act(X) with ``ACT >= 0``), S[r] its scale.
     With HAS_HEAD the row is ``HEAD[r]`` (K_HEAD columns, as they are) followed
     by that: the quantization of a concatenation that is never written. One
@@ -172,10 +198,10 @@ def quantize_fp8_rows_kernel(X, Q, S, n_rows, K, stride_row, stride_col,
         peak = _segment_peak(peak, X, rows, row_mask, K, stride_row, stride_col, ACT, BLOCK_N)
         inverse, scale = fp8_scales(tl.max(peak, axis=1))
         if HAS_HEAD:
-            _segment_store(Q, K_HEAD + K, 0, HEAD, rows, row_mask, K_HEAD, stride_head_row,
-                           stride_head_col, inverse, -1, BLOCK_N)
-        _segment_store(Q, K_HEAD + K, K_HEAD, X, rows, row_mask, K, stride_row, stride_col, inverse,
-                       ACT, BLOCK_N)
+            _segment_store(
+                Q, K_HEAD + K, 0, HEAD, rows, row_mask, K_HEAD, stride_head_row, stride_head_col, inverse, -1, BLOCK_N
+            )
+        _segment_store(Q, K_HEAD + K, K_HEAD, X, rows, row_mask, K, stride_row, stride_col, inverse, ACT, BLOCK_N)
     else:
         tiles = ()
         for i in tl.static_range(HEAD_CHUNKS):
@@ -194,6 +220,5 @@ def quantize_fp8_rows_kernel(X, Q, S, n_rows, K, stride_row, stride_col,
             tl.store(Q + _tile(rows, c, K_HEAD + K, 1), to_e4m3(tiles[i], inverse), mask=mask)
         for i in tl.static_range(CHUNKS):
             c, mask = _columns(i * BLOCK_N, K, rows, row_mask, BLOCK_N)
-            tl.store(Q + _tile(rows, K_HEAD + c, K_HEAD + K, 1), to_e4m3(tiles[HEAD_CHUNKS + i], inverse),
-                     mask=mask)
+            tl.store(Q + _tile(rows, K_HEAD + c, K_HEAD + K, 1), to_e4m3(tiles[HEAD_CHUNKS + i], inverse), mask=mask)
     tl.store(S + rows, scale, mask=row_mask)

@@ -21,6 +21,7 @@ approximate division, a few ulps of fp32): the rowwise FP8 quantization of an
 MLP's hidden activation computes it for every element, and with the exact
 form is bound by that arithmetic, not by memory (docs/notes/fp8.md).
 """
+
 import triton
 import triton.language as tl
 
@@ -96,9 +97,21 @@ def activation(g, ACT: tl.constexpr, DERIVATIVE: tl.constexpr):
 
 
 @triton.jit
-def glu_kernel(X, DY, OUT, n_rows, H, stride_x_row, stride_dy_row,
-               ACT: tl.constexpr, GATE_FIRST: tl.constexpr, BACKWARD: tl.constexpr,
-               ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def glu_kernel(
+    X,
+    DY,
+    OUT,
+    n_rows,
+    H,
+    stride_x_row,
+    stride_dy_row,
+    ACT: tl.constexpr,
+    GATE_FIRST: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Forward: ``OUT [rows, H] = value * act(gate)``. Backward: ``OUT [rows, 2H] =
     dx`` from ``DY [rows, H]``. OUT is contiguous; X and DY have unit column stride."""
     pid = tl.program_id(0)

@@ -18,6 +18,7 @@ p, p + P, ... and write one partial row per piece for the gradients of the
 modulation tensors, which the launcher sums in a fixed order: broadcast
 gradients are reduced without atomics, deterministically.
 """
+
 import triton
 import triton.language as tl
 
@@ -46,8 +47,23 @@ def _piece_rows(piece, chunks, seg_rows, chunk_rows):
 
 
 @triton.jit
-def _normalized(h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM: tl.constexpr,
-                HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, LOAD_STATS: tl.constexpr):
+def _normalized(
+    h,
+    mask,
+    rows,
+    row_mask,
+    cols,
+    N,
+    W,
+    B,
+    MEAN,
+    RSTD,
+    eps,
+    NORM: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    LOAD_STATS: tl.constexpr,
+):
     """``(norm(h) * w + b, xhat, mean, rstd)`` of a tile of whole rows; ``h`` for
     every tensor when NORM == 0. With LOAD_STATS the row statistics come from
     MEAN (LayerNorm) and RSTD, as the forward stored them, instead of two
@@ -76,17 +92,54 @@ def _normalized(h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM: t
 
 @triton.jit
 def modulate_fwd_kernel(
-    X, RES, GATE, SCALE, SHIFT, W, B, OUT, RES_OUT, MEAN, RSTD, OUT_SCALE,
-    n_rows, N, tokens, seg_rows, chunk_rows, chunks,
-    stride_x_row, stride_x_col, stride_res_row, stride_res_col,
-    g_sb, g_sg, g_ss, g_sc, g_group,
-    sc_sb, sc_sg, sc_ss, sc_sc, sc_group,
-    sh_sb, sh_sg, sh_ss, sh_sc, sh_group,
+    X,
+    RES,
+    GATE,
+    SCALE,
+    SHIFT,
+    W,
+    B,
+    OUT,
+    RES_OUT,
+    MEAN,
+    RSTD,
+    OUT_SCALE,
+    n_rows,
+    N,
+    tokens,
+    seg_rows,
+    chunk_rows,
+    chunks,
+    stride_x_row,
+    stride_x_col,
+    stride_res_row,
+    stride_res_col,
+    g_sb,
+    g_sg,
+    g_ss,
+    g_sc,
+    g_group,
+    sc_sb,
+    sc_sg,
+    sc_ss,
+    sc_sc,
+    sc_group,
+    sh_sb,
+    sh_sg,
+    sh_ss,
+    sh_sc,
+    sh_group,
     eps,
-    GATED: tl.constexpr, NORM: tl.constexpr, MODULATED: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    QUANTIZE: tl.constexpr = False, OUT_DTYPE: tl.constexpr = None,
+    GATED: tl.constexpr,
+    NORM: tl.constexpr,
+    MODULATED: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QUANTIZE: tl.constexpr = False,
+    OUT_DTYPE: tl.constexpr = None,
 ):
     """RES_OUT = RES + GATE * X (GATED); OUT = modulate(norm(h) * W + B) with h
     RES_OUT read back at its dtype (GATED) or X. OUT is written when NORM or
@@ -129,8 +182,9 @@ def modulate_fwd_kernel(
             tl.store(RES_OUT + _tile(rows, cols, N, 1), h_out, mask=mask)
             h = h_out.to(ACC_DTYPE)
         if NORM != 0 or MODULATED:
-            y, xhat, mean, rstd = _normalized(h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM,
-                                              HAS_WEIGHT, HAS_BIAS, False)
+            y, xhat, mean, rstd = _normalized(
+                h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM, HAS_WEIGHT, HAS_BIAS, False
+            )
             if not QUANTIZE:  # the statistics are for a backward, which FP8 outputs have not
                 if NORM == 2:
                     tl.store(MEAN + rows, mean, mask=row_mask)
@@ -154,17 +208,61 @@ def _store_partial(P, row_offset, cols, col_mask, acc):
 
 @triton.jit
 def modulate_bwd_kernel(
-    DY, DH, H, MEAN, RSTD, XB, GATE, SCALE, W, B,
-    DIN, DXB, DGATE_P, DSCALE_P, DSHIFT_P, DW_P, DB_P,
-    n_rows, N, tokens, seg_rows, chunk_rows, chunks, n_segments, n_programs,
-    stride_dy_row, stride_dy_col, stride_dh_row, stride_dh_col, stride_h_row, stride_h_col,
-    stride_xb_row, stride_xb_col,
-    g_sb, g_sg, g_ss, g_sc, g_group,
-    sc_sb, sc_sg, sc_ss, sc_sc, sc_group,
+    DY,
+    DH,
+    H,
+    MEAN,
+    RSTD,
+    XB,
+    GATE,
+    SCALE,
+    W,
+    B,
+    DIN,
+    DXB,
+    DGATE_P,
+    DSCALE_P,
+    DSHIFT_P,
+    DW_P,
+    DB_P,
+    n_rows,
+    N,
+    tokens,
+    seg_rows,
+    chunk_rows,
+    chunks,
+    n_segments,
+    n_programs,
+    stride_dy_row,
+    stride_dy_col,
+    stride_dh_row,
+    stride_dh_col,
+    stride_h_row,
+    stride_h_col,
+    stride_xb_row,
+    stride_xb_col,
+    g_sb,
+    g_sg,
+    g_ss,
+    g_sc,
+    g_group,
+    sc_sb,
+    sc_sg,
+    sc_ss,
+    sc_sc,
+    sc_group,
     eps,
-    HAS_DY: tl.constexpr, HAS_DH: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-    MODULATED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_STATS: tl.constexpr, ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DY: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    GATED: tl.constexpr,
+    NORM: tl.constexpr,
+    MODULATED: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_STATS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Gradients of the forward kernel's outputs (see ``modulate_fwd_kernel``).
 
@@ -188,11 +286,13 @@ def modulate_bwd_kernel(
         segment, seg_start, start, end = _piece_rows(piece, chunks, seg_rows, chunk_rows)
         # Every row of a segment shares its modulation rows: load them once.
         if GATED:
-            gate = _modulation_row(GATE, seg_start, cols, col_mask, tokens,
-                                   g_sb, g_sg, g_ss, g_sc, g_group).to(ACC_DTYPE)
+            gate = _modulation_row(GATE, seg_start, cols, col_mask, tokens, g_sb, g_sg, g_ss, g_sc, g_group).to(
+                ACC_DTYPE
+            )
         if MODULATED:
-            scale1 = 1.0 + _modulation_row(SCALE, seg_start, cols, col_mask, tokens,
-                                           sc_sb, sc_sg, sc_ss, sc_sc, sc_group).to(ACC_DTYPE)
+            scale1 = 1.0 + _modulation_row(
+                SCALE, seg_start, cols, col_mask, tokens, sc_sb, sc_sg, sc_ss, sc_sc, sc_group
+            ).to(ACC_DTYPE)
         dgate_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)
         dscale_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)
         dshift_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)
@@ -201,12 +301,11 @@ def modulate_bwd_kernel(
             row_mask = rows < end
             mask = row_mask[:, None] & col_mask[None, :]
             if HAS_DY:
-                dy = tl.load(DY + _tile(rows, cols, stride_dy_row, stride_dy_col), mask=mask,
-                             other=0.0).to(ACC_DTYPE)
-                h = tl.load(H + _tile(rows, cols, stride_h_row, stride_h_col), mask=mask,
-                            other=0.0).to(ACC_DTYPE)
-                y, xhat, mean, rstd = _normalized(h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM,
-                                               HAS_WEIGHT, HAS_BIAS, HAS_STATS)
+                dy = tl.load(DY + _tile(rows, cols, stride_dy_row, stride_dy_col), mask=mask, other=0.0).to(ACC_DTYPE)
+                h = tl.load(H + _tile(rows, cols, stride_h_row, stride_h_col), mask=mask, other=0.0).to(ACC_DTYPE)
+                y, xhat, mean, rstd = _normalized(
+                    h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM, HAS_WEIGHT, HAS_BIAS, HAS_STATS
+                )
                 if MODULATED:
                     dscale_acc += dy * y
                     dshift_acc += dy
@@ -225,18 +324,16 @@ def modulate_bwd_kernel(
                 else:
                     dh = dn
                 if HAS_DH:
-                    dh += tl.load(DH + _tile(rows, cols, stride_dh_row, stride_dh_col), mask=mask,
-                                  other=0.0).to(ACC_DTYPE)
+                    dh += tl.load(DH + _tile(rows, cols, stride_dh_row, stride_dh_col), mask=mask, other=0.0).to(
+                        ACC_DTYPE
+                    )
                 tl.store(DIN + _tile(rows, cols, N, 1), dh.to(DIN.dtype.element_ty), mask=mask)
             else:
-                dh = tl.load(DH + _tile(rows, cols, stride_dh_row, stride_dh_col), mask=mask,
-                             other=0.0).to(ACC_DTYPE)
+                dh = tl.load(DH + _tile(rows, cols, stride_dh_row, stride_dh_col), mask=mask, other=0.0).to(ACC_DTYPE)
             if GATED:
-                xb = tl.load(XB + _tile(rows, cols, stride_xb_row, stride_xb_col), mask=mask,
-                             other=0.0).to(ACC_DTYPE)
+                xb = tl.load(XB + _tile(rows, cols, stride_xb_row, stride_xb_col), mask=mask, other=0.0).to(ACC_DTYPE)
                 dgate_acc += dh * xb
-                tl.store(DXB + _tile(rows, cols, N, 1), (dh * gate[None, :]).to(DXB.dtype.element_ty),
-                         mask=mask)
+                tl.store(DXB + _tile(rows, cols, N, 1), (dh * gate[None, :]).to(DXB.dtype.element_ty), mask=mask)
         partial_row = (piece - segment * chunks) * n_segments * N + segment * N
         if GATED:
             _store_partial(DGATE_P, partial_row, cols, col_mask, dgate_acc)

@@ -37,6 +37,7 @@ gradients of probs and of the routing weights (``reference.moe.logits_gradient``
 gives the formula); the two products with x and router_weight that complete
 the backward are torch matmuls in ``ops/moe.py``.
 """
+
 import triton
 import triton.language as tl
 
@@ -56,9 +57,23 @@ def _is_nan(v):
 
 
 @triton.jit
-def _router_logits(X, W, rows, cols, row_mask, col_mask, h_start, h_end, stride_x, stride_w,
-                   DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+def _router_logits(
+    X,
+    W,
+    rows,
+    cols,
+    row_mask,
+    col_mask,
+    h_start,
+    h_end,
+    stride_x,
+    stride_w,
+    DOT_PRECISION: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """``x[rows, h_start:h_end] @ w[cols, h_start:h_end].T`` ``[BLOCK_T, BLOCK_E]`` in ACC_DTYPE."""
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=ACC_DTYPE)
     for h0 in range(h_start, h_end, BLOCK_H):
@@ -66,16 +81,30 @@ def _router_logits(X, W, rows, cols, row_mask, col_mask, h_start, h_end, stride_
         h_mask = hs < h_end
         x = tl.load(X + rows[:, None] * stride_x + hs[None, :], mask=row_mask[:, None] & h_mask[None, :], other=0.0)
         # W read transposed, [BLOCK_H, BLOCK_E]: the product's right operand.
-        w = tl.load(W + cols[None, :].to(tl.int64) * stride_w + hs[:, None], mask=col_mask[None, :] & h_mask[:, None],
-                    other=0.0)
+        w = tl.load(
+            W + cols[None, :].to(tl.int64) * stride_w + hs[:, None], mask=col_mask[None, :] & h_mask[:, None], other=0.0
+        )
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     return acc
 
 
 @triton.jit
-def moe_router_logits_kernel(X, W, PARTIAL, n_tokens, H, E, stride_x, stride_w, h_per_split,
-                             DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                             BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+def moe_router_logits_kernel(
+    X,
+    W,
+    PARTIAL,
+    n_tokens,
+    H,
+    E,
+    stride_x,
+    stride_w,
+    h_per_split,
+    DOT_PRECISION: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """Program (i, s): the logits of tokens ``[i * BLOCK_T, (i + 1) * BLOCK_T)``
     over hidden columns ``[s * h_per_split, (s + 1) * h_per_split)``, to
     ``PARTIAL[s]`` (``[SPLIT, T, E]`` contiguous, ACC_DTYPE). ``h_per_split``
@@ -85,17 +114,51 @@ def moe_router_logits_kernel(X, W, PARTIAL, n_tokens, H, E, stride_x, stride_w, 
     row_mask = rows < n_tokens
     col_mask = cols < E
     h_start = tl.program_id(1) * h_per_split
-    acc = _router_logits(X, W, rows, cols, row_mask, col_mask, h_start, tl.minimum(h_start + h_per_split, H),
-                         stride_x, stride_w, DOT_PRECISION, ACC_DTYPE, BLOCK_T, BLOCK_E, BLOCK_H)
+    acc = _router_logits(
+        X,
+        W,
+        rows,
+        cols,
+        row_mask,
+        col_mask,
+        h_start,
+        tl.minimum(h_start + h_per_split, H),
+        stride_x,
+        stride_w,
+        DOT_PRECISION,
+        ACC_DTYPE,
+        BLOCK_T,
+        BLOCK_E,
+        BLOCK_H,
+    )
     partial = PARTIAL + tl.cast(tl.program_id(1), tl.int64) * n_tokens * E
     tl.store(partial + rows[:, None] * E + cols[None, :], acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
-def moe_route_kernel(X, W, PARTIAL, PROBS, WEIGHTS, EXPERTS, BLOCK_COUNTS, n_tokens, H, E, stride_x, stride_w,
-                     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+def moe_route_kernel(
+    X,
+    W,
+    PARTIAL,
+    PROBS,
+    WEIGHTS,
+    EXPERTS,
+    BLOCK_COUNTS,
+    n_tokens,
+    H,
+    E,
+    stride_x,
+    stride_w,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """X ``[T, H]`` and W ``[E, H]`` with unit column stride; PROBS ``[T, E]``,
     WEIGHTS and EXPERTS ``[T, TOP_K]`` contiguous; BLOCK_COUNTS
     ``[cdiv(T, BLOCK_T), E]`` int32: how many of each program's tokens chose
@@ -110,8 +173,23 @@ def moe_route_kernel(X, W, PARTIAL, PROBS, WEIGHTS, EXPERTS, BLOCK_COUNTS, n_tok
     out_mask = row_mask[:, None] & col_mask[None, :]
 
     if SPLIT == 0:
-        acc = _router_logits(X, W, rows, cols, row_mask, col_mask, 0, H, stride_x, stride_w,
-                             DOT_PRECISION, ACC_DTYPE, BLOCK_T, BLOCK_E, BLOCK_H)
+        acc = _router_logits(
+            X,
+            W,
+            rows,
+            cols,
+            row_mask,
+            col_mask,
+            0,
+            H,
+            stride_x,
+            stride_w,
+            DOT_PRECISION,
+            ACC_DTYPE,
+            BLOCK_T,
+            BLOCK_E,
+            BLOCK_H,
+        )
     else:
         acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=ACC_DTYPE)
         for s in tl.static_range(SPLIT):
@@ -164,9 +242,20 @@ def moe_route_kernel(X, W, PARTIAL, PROBS, WEIGHTS, EXPERTS, BLOCK_COUNTS, n_tok
 
 
 @triton.jit
-def moe_token_lists_kernel(EXPERTS, BLOCK_COUNTS, COUNTS, TOKEN_INDEX, n_tokens, n_blocks, E,
-                           TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_E: tl.constexpr, COUNT_CHUNK: tl.constexpr):
+def moe_token_lists_kernel(
+    EXPERTS,
+    BLOCK_COUNTS,
+    COUNTS,
+    TOKEN_INDEX,
+    n_tokens,
+    n_blocks,
+    E,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    COUNT_CHUNK: tl.constexpr,
+):
     """Program i: the slots of tokens ``[i * BLOCK_T, (i + 1) * BLOCK_T)`` in
     every expert's row of ``TOKEN_INDEX [E, T]`` (int32, ascending token ids,
     padded with T), from ``EXPERTS [T, TOP_K]`` and ``moe_route_kernel``'s
@@ -182,8 +271,11 @@ def moe_token_lists_kernel(EXPERTS, BLOCK_COUNTS, COUNTS, TOKEN_INDEX, n_tokens,
     total = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for b0 in range(0, n_blocks, COUNT_CHUNK):
         blocks = b0 + tl.arange(0, COUNT_CHUNK)
-        counts = tl.load(BLOCK_COUNTS + blocks[:, None].to(tl.int64) * E + cols[None, :],
-                         mask=(blocks < n_blocks)[:, None] & col_mask[None, :], other=0)
+        counts = tl.load(
+            BLOCK_COUNTS + blocks[:, None].to(tl.int64) * E + cols[None, :],
+            mask=(blocks < n_blocks)[:, None] & col_mask[None, :],
+            other=0,
+        )
         earlier += tl.sum(tl.where((blocks < pid)[:, None], counts, 0), axis=0)
         total += tl.sum(counts, axis=0)
     if pid == 0:
@@ -200,15 +292,28 @@ def moe_token_lists_kernel(EXPERTS, BLOCK_COUNTS, COUNTS, TOKEN_INDEX, n_tokens,
     tl.store(rows + slots, (tokens[:, None] + 0 * cols[None, :]).to(tl.int32), mask=hits > 0)
     # The padding: this block's range of positions, past each expert's count.
     pad = (tokens[:, None] >= total[None, :]) & token_mask[:, None] & col_mask[None, :]
-    tl.store(rows + tokens[:, None], (tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int64) + n_tokens).to(tl.int32),
-             mask=pad)
+    tl.store(rows + tokens[:, None], (tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int64) + n_tokens).to(tl.int32), mask=pad)
 
 
 @triton.jit
-def moe_route_backward_kernel(GRAD_PROBS, GRAD_WEIGHTS, PROBS, EXPERTS, DLOGITS, n_tokens, E,
-                              stride_gp_row, stride_gp_col, stride_gw_row, stride_gw_col,
-                              TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                              BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+def moe_route_backward_kernel(
+    GRAD_PROBS,
+    GRAD_WEIGHTS,
+    PROBS,
+    EXPERTS,
+    DLOGITS,
+    n_tokens,
+    E,
+    stride_gp_row,
+    stride_gp_col,
+    stride_gw_row,
+    stride_gw_col,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     """DLOGITS ``[T, E]`` (contiguous) from GRAD_PROBS ``[T, E]`` and
     GRAD_WEIGHTS ``[T, TOP_K]`` (any strides, 0 included: expanded gradients),
     PROBS ``[T, E]`` and EXPERTS ``[T, TOP_K]`` (contiguous)."""
@@ -218,8 +323,9 @@ def moe_route_backward_kernel(GRAD_PROBS, GRAD_WEIGHTS, PROBS, EXPERTS, DLOGITS,
     row_mask = rows < n_tokens
     mask = row_mask[:, None] & (cols < E)[None, :]
     probs = tl.load(PROBS + rows[:, None] * E + cols[None, :], mask=mask, other=0.0).to(ACC_DTYPE)
-    full = tl.load(GRAD_PROBS + rows[:, None] * stride_gp_row + cols[None, :] * stride_gp_col, mask=mask,
-                   other=0.0).to(ACC_DTYPE)
+    full = tl.load(GRAD_PROBS + rows[:, None] * stride_gp_row + cols[None, :] * stride_gp_col, mask=mask, other=0.0).to(
+        ACC_DTYPE
+    )
 
     # The chosen probabilities, their sum, and sum_j g_j w_j for the renormalization.
     total = tl.zeros((BLOCK_T,), dtype=ACC_DTYPE)

@@ -20,6 +20,7 @@ stride is passed, stride 0 included (``y.sum().backward()`` hands in an
 expanded gradient); triton specializes a stride of 1, so the contiguous case
 still gets vector loads. Outputs (and the residual output) are contiguous.
 """
+
 import triton
 import triton.language as tl
 
@@ -82,9 +83,20 @@ def _rsqrt_exact(v):
 
 
 @triton.jit
-def _looped_mean_rstd(H, rows, row_mask, cols, N, stride_row, stride_col, eps,
-                      IS_RMS: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _looped_mean_rstd(
+    H,
+    rows,
+    row_mask,
+    cols,
+    N,
+    stride_row,
+    stride_col,
+    eps,
+    IS_RMS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """``(mean, rstd)`` of rows longer than one block: one pass for the mean
     (LayerNorm only), one for the variance around it."""
     mean = tl.zeros([BLOCK_M], dtype=ACC_DTYPE)
@@ -106,9 +118,21 @@ def _looped_mean_rstd(H, rows, row_mask, cols, N, stride_row, stride_col, eps,
 
 
 @triton.jit
-def _load_input(X, RES, RES_OUT, rows, cols, mask, N,
-                stride_x_row, stride_x_col, stride_res_row, stride_res_col,
-                HAS_RESIDUAL: tl.constexpr, ACC_DTYPE: tl.constexpr):
+def _load_input(
+    X,
+    RES,
+    RES_OUT,
+    rows,
+    cols,
+    mask,
+    N,
+    stride_x_row,
+    stride_x_col,
+    stride_res_row,
+    stride_res_col,
+    HAS_RESIDUAL: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
     """x, or with a residual ``h = x + residual`` stored to RES_OUT and read back
     rounded to its dtype, so that the output is exactly norm(residual_out)."""
     x = tl.load(X + _tile(rows, cols, stride_x_row, stride_x_col), mask=mask, other=0.0).to(ACC_DTYPE)
@@ -121,8 +145,7 @@ def _load_input(X, RES, RES_OUT, rows, cols, mask, N,
 
 
 @triton.jit
-def _store_output(Y, W, B, xc, rstd, rows, cols, mask, N,
-                  HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _store_output(Y, W, B, xc, rstd, rows, cols, mask, N, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
     y = xc * rstd[:, None]
     col_mask = cols < N
     if HAS_WEIGHT:
@@ -134,13 +157,27 @@ def _store_output(Y, W, B, xc, rstd, rows, cols, mask, N,
 
 @triton.jit
 def norm_fwd_kernel(
-    X, RES, W, B, Y, RES_OUT,
-    n_rows, N,
-    stride_x_row, stride_x_col, stride_res_row, stride_res_col,
+    X,
+    RES,
+    W,
+    B,
+    Y,
+    RES_OUT,
+    n_rows,
+    N,
+    stride_x_row,
+    stride_x_col,
+    stride_res_row,
+    stride_res_col,
     eps,
-    IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOOPED: tl.constexpr,
 ):
     """Y = norm(X [+ RES]) * W + B over rows of length N; RES_OUT = X + RES."""
     eps = tl.cast(eps, ACC_DTYPE)  # Inductor may hand scalars over as fp64
@@ -149,8 +186,21 @@ def norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     if not LOOPED:
         mask = row_mask[:, None] & (cols < N)[None, :]
-        x = _load_input(X, RES, RES_OUT, rows, cols, mask, N, stride_x_row, stride_x_col,
-                        stride_res_row, stride_res_col, HAS_RESIDUAL, ACC_DTYPE)
+        x = _load_input(
+            X,
+            RES,
+            RES_OUT,
+            rows,
+            cols,
+            mask,
+            N,
+            stride_x_row,
+            stride_x_col,
+            stride_res_row,
+            stride_res_col,
+            HAS_RESIDUAL,
+            ACC_DTYPE,
+        )
         xc, rstd = _centered_rstd(x, mask, N, eps, IS_RMS)
         _store_output(Y, W, B, xc, rstd, rows, cols, mask, N, HAS_WEIGHT, HAS_BIAS)
     else:
@@ -158,19 +208,32 @@ def norm_fwd_kernel(
             for start in range(0, N, BLOCK_N):
                 c = start + cols
                 mask = row_mask[:, None] & (c < N)[None, :]
-                _load_input(X, RES, RES_OUT, rows, c, mask, N, stride_x_row, stride_x_col,
-                            stride_res_row, stride_res_col, HAS_RESIDUAL, ACC_DTYPE)
+                _load_input(
+                    X,
+                    RES,
+                    RES_OUT,
+                    rows,
+                    c,
+                    mask,
+                    N,
+                    stride_x_row,
+                    stride_x_col,
+                    stride_res_row,
+                    stride_res_col,
+                    HAS_RESIDUAL,
+                    ACC_DTYPE,
+                )
             H, stride_h_row, stride_h_col = RES_OUT, N, 1
         else:
             H, stride_h_row, stride_h_col = X, stride_x_row, stride_x_col
-        mean, rstd = _looped_mean_rstd(H, rows, row_mask, cols, N, stride_h_row, stride_h_col, eps,
-                                       IS_RMS, ACC_DTYPE, BLOCK_M, BLOCK_N)
+        mean, rstd = _looped_mean_rstd(
+            H, rows, row_mask, cols, N, stride_h_row, stride_h_col, eps, IS_RMS, ACC_DTYPE, BLOCK_M, BLOCK_N
+        )
         for start in range(0, N, BLOCK_N):
             c = start + cols
             mask = row_mask[:, None] & (c < N)[None, :]
             h = tl.load(H + _tile(rows, c, stride_h_row, stride_h_col), mask=mask, other=0.0).to(ACC_DTYPE)
-            _store_output(Y, W, B, tl.where(mask, h - mean[:, None], 0.0), rstd, rows, c, mask, N,
-                          HAS_WEIGHT, HAS_BIAS)
+            _store_output(Y, W, B, tl.where(mask, h - mean[:, None], 0.0), rstd, rows, c, mask, N, HAS_WEIGHT, HAS_BIAS)
 
 
 @triton.jit
@@ -193,13 +256,31 @@ def _grad_input(xhat, wdy, rstd, N, IS_RMS: tl.constexpr):
 
 @triton.jit
 def norm_bwd_kernel(
-    DY, DRES, X, W, DX, DW_PARTIAL, DB_PARTIAL,
-    n_rows, N, n_programs,
-    stride_dy_row, stride_dy_col, stride_dres_row, stride_dres_col, stride_x_row, stride_x_col,
+    DY,
+    DRES,
+    X,
+    W,
+    DX,
+    DW_PARTIAL,
+    DB_PARTIAL,
+    n_rows,
+    N,
+    n_programs,
+    stride_dy_row,
+    stride_dy_col,
+    stride_dres_row,
+    stride_dres_col,
+    stride_x_row,
+    stride_x_col,
     eps,
-    IS_RMS: tl.constexpr, HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOOPED: tl.constexpr,
 ):
     """DX = d norm(X)*W+B / dX applied to DY (+ DRES); per-program partial sums of
     dW and dB go to row ``program_id`` of DW_PARTIAL / DB_PARTIAL ([programs, N]).
@@ -235,8 +316,9 @@ def norm_bwd_kernel(
                 db_acc += dy
             dx = _grad_input(xhat, wdy, rstd, N, IS_RMS)
             if HAS_DRES:
-                dx += tl.load(DRES + _tile(rows, cols, stride_dres_row, stride_dres_col),
-                              mask=mask, other=0.0).to(ACC_DTYPE)
+                dx += tl.load(DRES + _tile(rows, cols, stride_dres_row, stride_dres_col), mask=mask, other=0.0).to(
+                    ACC_DTYPE
+                )
             tl.store(DX + _tile(rows, cols, N, 1), dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
             tl.store(DW_PARTIAL + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
@@ -249,8 +331,9 @@ def norm_bwd_kernel(
         for tile in range(pid, n_tiles, n_programs):
             rows = _tile_rows(tile, BLOCK_M)
             row_mask = rows < n_rows
-            mean, rstd = _looped_mean_rstd(X, rows, row_mask, cols, N, stride_x_row, stride_x_col, eps,
-                                           IS_RMS, ACC_DTYPE, BLOCK_M, BLOCK_N)
+            mean, rstd = _looped_mean_rstd(
+                X, rows, row_mask, cols, N, stride_x_row, stride_x_col, eps, IS_RMS, ACC_DTYPE, BLOCK_M, BLOCK_N
+            )
             c1_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)
             c2_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=ACC_DTYPE)
             for start in range(0, N, BLOCK_N):
@@ -285,8 +368,9 @@ def norm_bwd_kernel(
                     dx = dx - c2[:, None]
                 dx = dx * rstd[:, None]
                 if HAS_DRES:
-                    dx += tl.load(DRES + _tile(rows, c, stride_dres_row, stride_dres_col),
-                                  mask=mask, other=0.0).to(ACC_DTYPE)
+                    dx += tl.load(DRES + _tile(rows, c, stride_dres_row, stride_dres_col), mask=mask, other=0.0).to(
+                        ACC_DTYPE
+                    )
                 tl.store(DX + _tile(rows, c, N, 1), dx.to(DX.dtype.element_ty), mask=mask)
 
 

@@ -17,6 +17,7 @@ No module-level constexprs: Inductor copies a user kernel's source into its
 generated code, and globals of the kernel's module do not come along.
 Channels past R pass through (``NORM``: normalized and weighted like the rest).
 """
+
 import triton
 import triton.language as tl
 
@@ -35,9 +36,30 @@ from compile_ops.kernels.rope_common import (
 
 
 @triton.jit
-def _normed_rotated(x_row, stride_xd, p, mask, tail, tail_mask, w1, w2, w_tail, c1, s1, c2, s2, D, eps,
-                    R: tl.constexpr, INTERLEAVED: tl.constexpr, PACKED: tl.constexpr, NORM: tl.constexpr,
-                    INVERSE: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr):
+def _normed_rotated(
+    x_row,
+    stride_xd,
+    p,
+    mask,
+    tail,
+    tail_mask,
+    w1,
+    w2,
+    w_tail,
+    c1,
+    s1,
+    c2,
+    s2,
+    D,
+    eps,
+    R: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    PACKED: tl.constexpr,
+    NORM: tl.constexpr,
+    INVERSE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ACC: tl.constexpr,
+):
     """One head's rows at pointers ``x_row`` [BLOCK_L]: (RMS-normalized with
     weight, then) rotated, in ACC: pair tiles ``(y1, y2)`` and the tail (y1
     itself when there is no tail)."""
@@ -68,11 +90,46 @@ def _abs_max(y1, y2, t, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(X, OUT, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2,
-                  stride_xb, stride_xl, stride_xh, stride_xd, stride_ob, stride_ol, stride_oh, D, eps,
-                  SCALE, stride_sb, stride_sh, K_SUM, stride_mb, stride_mh, block, L,
-                  R: tl.constexpr, INTERLEAVED: tl.constexpr, PACKED: tl.constexpr, NORM: tl.constexpr,
-                  INVERSE: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr):
+def _rotate_heads(
+    X,
+    OUT,
+    W,
+    h_start,
+    h_end,
+    b,
+    pos,
+    pos_mask,
+    p,
+    c1,
+    s1,
+    c2,
+    s2,
+    stride_xb,
+    stride_xl,
+    stride_xh,
+    stride_xd,
+    stride_ob,
+    stride_ol,
+    stride_oh,
+    D,
+    eps,
+    SCALE,
+    stride_sb,
+    stride_sh,
+    K_SUM,
+    stride_mb,
+    stride_mh,
+    block,
+    L,
+    R: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    PACKED: tl.constexpr,
+    NORM: tl.constexpr,
+    INVERSE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ACC: tl.constexpr,
+    MODE: tl.constexpr,
+):
     """Heads [h_start, h_end) of X at positions ``pos`` (position block
     ``block``): (RMS-normalize with weight W, then) rotate, and by ``MODE``:
 
@@ -97,9 +154,30 @@ def _rotate_heads(X, OUT, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2
         w1, w2, w_tail = c1, c2, c1  # unused
     for h in range(h_start, h_end):
         head = tl.cast(h, tl.int64)
-        y1, y2, t = _normed_rotated(x_rows + head * stride_xh, stride_xd, p, mask, tail, tail_mask,
-                                    w1, w2, w_tail, c1, s1, c2, s2, D, eps,
-                                    R, INTERLEAVED, PACKED, NORM, INVERSE, BLOCK_T, ACC)
+        y1, y2, t = _normed_rotated(
+            x_rows + head * stride_xh,
+            stride_xd,
+            p,
+            mask,
+            tail,
+            tail_mask,
+            w1,
+            w2,
+            w_tail,
+            c1,
+            s1,
+            c2,
+            s2,
+            D,
+            eps,
+            R,
+            INTERLEAVED,
+            PACKED,
+            NORM,
+            INVERSE,
+            BLOCK_T,
+            ACC,
+        )
         rows = out_rows + head * stride_oh  # MODE 0, 2, 3: this head's output rows
         if MODE != 0:
             # What the 16-bit op would have stored: the quantization's input.
@@ -109,8 +187,7 @@ def _rotate_heads(X, OUT, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2
             t = tl.where(tail_mask, t.to(x_dtype).to(ACC), 0.0)
         if MODE == 1:
             sums = OUT + b * stride_ob + block * stride_ol + head * stride_oh + tl.zeros([1], tl.int64)
-            store_pairs(sums, p, (p < R // 2)[None, :], tl.sum(y1, 0)[None, :], tl.sum(y2, 0)[None, :],
-                        R, INTERLEAVED)
+            store_pairs(sums, p, (p < R // 2)[None, :], tl.sum(y1, 0)[None, :], tl.sum(y2, 0)[None, :], R, INTERLEAVED)
             if BLOCK_T > 0:
                 tl.store(sums + tail, tl.sum(t, 0), mask=tail < D)
         if MODE == 2:
@@ -141,15 +218,60 @@ def _rotate_heads(X, OUT, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2
 
 @triton.jit
 def rope_kernel(
-    Q, K, Q_OUT, K_OUT, COS, SIN, Q_W, K_W, Q_SCALE, K_SCALE, K_SUM,
-    L, HQ, HK, D, n_pos_blocks, heads_per_program,
-    stride_qb, stride_ql, stride_qh, stride_qd, stride_kb, stride_kl, stride_kh, stride_kd,
-    stride_oqb, stride_oql, stride_oqh, stride_okb, stride_okl, stride_okh,
-    stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_mb, stride_mh,
-    stride_tb, stride_tl, frame_size, width, eps,
-    R: tl.constexpr, INTERLEAVED: tl.constexpr, PACKED: tl.constexpr, HALF_TABLE: tl.constexpr,
-    GRID_ANGLES: tl.constexpr, NORM: tl.constexpr, INVERSE: tl.constexpr, BLOCK_L: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr, QUANTIZE: tl.constexpr,
+    Q,
+    K,
+    Q_OUT,
+    K_OUT,
+    COS,
+    SIN,
+    Q_W,
+    K_W,
+    Q_SCALE,
+    K_SCALE,
+    K_SUM,
+    L,
+    HQ,
+    HK,
+    D,
+    n_pos_blocks,
+    heads_per_program,
+    stride_qb,
+    stride_ql,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kl,
+    stride_kh,
+    stride_kd,
+    stride_oqb,
+    stride_oql,
+    stride_oqh,
+    stride_okb,
+    stride_okl,
+    stride_okh,
+    stride_qsb,
+    stride_qsh,
+    stride_ksb,
+    stride_ksh,
+    stride_mb,
+    stride_mh,
+    stride_tb,
+    stride_tl,
+    frame_size,
+    width,
+    eps,
+    R: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    PACKED: tl.constexpr,
+    HALF_TABLE: tl.constexpr,
+    GRID_ANGLES: tl.constexpr,
+    NORM: tl.constexpr,
+    INVERSE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ACC: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     """Q_OUT, K_OUT = rotate([rmsnorm]Q), rotate([rmsnorm]K) (``INVERSE``: by the
     negated angles). Tensors are addressed by (batch, position, head, channel)
@@ -164,15 +286,102 @@ def rope_kernel(
     b, pos, pos_mask, first_head = program_block(L, n_pos_blocks, heads_per_program, BLOCK_L)
     block = tl.program_id(0) % n_pos_blocks
     p = tl.arange(0, BLOCK_P)
-    c1, s1, c2, s2 = angle_cos_sin(COS, SIN, b, pos, pos_mask, p, stride_tb, stride_tl, frame_size, width,
-                                   R, INTERLEAVED, HALF_TABLE, GRID_ANGLES, ACC)
+    c1, s1, c2, s2 = angle_cos_sin(
+        COS,
+        SIN,
+        b,
+        pos,
+        pos_mask,
+        p,
+        stride_tb,
+        stride_tl,
+        frame_size,
+        width,
+        R,
+        INTERLEAVED,
+        HALF_TABLE,
+        GRID_ANGLES,
+        ACC,
+    )
     start, end = head_range(first_head, 0, HQ, heads_per_program)
-    _rotate_heads(Q, Q_OUT, Q_W, start, end, b, pos, pos_mask, p, c1, s1, c2, s2,
-                  stride_qb, stride_ql, stride_qh, stride_qd, stride_oqb, stride_oql, stride_oqh, D, eps,
-                  Q_SCALE, stride_qsb, stride_qsh, K_SUM, 0, 0, block, L,
-                  R, INTERLEAVED, PACKED, NORM, INVERSE, BLOCK_T, ACC, QUANTIZE)
+    _rotate_heads(
+        Q,
+        Q_OUT,
+        Q_W,
+        start,
+        end,
+        b,
+        pos,
+        pos_mask,
+        p,
+        c1,
+        s1,
+        c2,
+        s2,
+        stride_qb,
+        stride_ql,
+        stride_qh,
+        stride_qd,
+        stride_oqb,
+        stride_oql,
+        stride_oqh,
+        D,
+        eps,
+        Q_SCALE,
+        stride_qsb,
+        stride_qsh,
+        K_SUM,
+        0,
+        0,
+        block,
+        L,
+        R,
+        INTERLEAVED,
+        PACKED,
+        NORM,
+        INVERSE,
+        BLOCK_T,
+        ACC,
+        QUANTIZE,
+    )
     start, end = head_range(first_head, HQ, HK, heads_per_program)
-    _rotate_heads(K, K_OUT, K_W, start, end, b, pos, pos_mask, p, c1, s1, c2, s2,
-                  stride_kb, stride_kl, stride_kh, stride_kd, stride_okb, stride_okl, stride_okh, D, eps,
-                  K_SCALE, stride_ksb, stride_ksh, K_SUM, stride_mb, stride_mh, block, L,
-                  R, INTERLEAVED, PACKED, NORM, INVERSE, BLOCK_T, ACC, 3 if QUANTIZE == 2 else 0)
+    _rotate_heads(
+        K,
+        K_OUT,
+        K_W,
+        start,
+        end,
+        b,
+        pos,
+        pos_mask,
+        p,
+        c1,
+        s1,
+        c2,
+        s2,
+        stride_kb,
+        stride_kl,
+        stride_kh,
+        stride_kd,
+        stride_okb,
+        stride_okl,
+        stride_okh,
+        D,
+        eps,
+        K_SCALE,
+        stride_ksb,
+        stride_ksh,
+        K_SUM,
+        stride_mb,
+        stride_mh,
+        block,
+        L,
+        R,
+        INTERLEAVED,
+        PACKED,
+        NORM,
+        INVERSE,
+        BLOCK_T,
+        ACC,
+        3 if QUANTIZE == 2 else 0,
+    )

@@ -6,6 +6,7 @@ sharing one angle tile); pairs, angles and the helpers are kernels/rope_common.p
 Besides dq and dk, each program writes its partial sums of the norm weights'
 gradients as one row, reduced over programs in a fixed order by the launcher.
 """
+
 import triton
 import triton.language as tl
 
@@ -24,11 +25,41 @@ from compile_ops.kernels.rope_common import (
 
 
 @triton.jit
-def _norm_rope_grad_heads(X, G, DX, DW_PART, W, h_start, h_end, b, pos, pos_mask, p, c1, s1, c2, s2,
-                          stride_xb, stride_xl, stride_xh, stride_xd, stride_gb, stride_gl, stride_gh,
-                          stride_gd, stride_ob, stride_ol, stride_oh, D, eps,
-                          R: tl.constexpr, INTERLEAVED: tl.constexpr, PACKED: tl.constexpr,
-                          BLOCK_T: tl.constexpr, ACC: tl.constexpr):
+def _norm_rope_grad_heads(
+    X,
+    G,
+    DX,
+    DW_PART,
+    W,
+    h_start,
+    h_end,
+    b,
+    pos,
+    pos_mask,
+    p,
+    c1,
+    s1,
+    c2,
+    s2,
+    stride_xb,
+    stride_xl,
+    stride_xh,
+    stride_xd,
+    stride_gb,
+    stride_gl,
+    stride_gh,
+    stride_gd,
+    stride_ob,
+    stride_ol,
+    stride_oh,
+    D,
+    eps,
+    R: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    PACKED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ACC: tl.constexpr,
+):
     """dx of heads [h_start, h_end) of ``rotate(rmsnorm(x) * w)`` given its
     gradient G, and this program's partial sum of dw, one row of DW_PART."""
     mask = pos_mask[:, None] & (p < R // 2)[None, :]
@@ -68,26 +99,79 @@ def _norm_rope_grad_heads(X, G, DX, DW_PART, W, h_start, h_end, b, pos, pos_mask
         rows = out_rows + head * stride_oh
         store_pairs(rows, p, mask, rstd * (wdz1 - xhat1 * c), rstd * (wdz2 - xhat2 * c), R, INTERLEAVED)
         if BLOCK_T > 0:
-            tl.store(rows[:, None] + tail[None, :], (rstd * (wdz_tail - xhat_tail * c)).to(DX.dtype.element_ty),
-                     mask=tail_mask)
+            tl.store(
+                rows[:, None] + tail[None, :],
+                (rstd * (wdz_tail - xhat_tail * c)).to(DX.dtype.element_ty),
+                mask=tail_mask,
+            )
     # One partial row per program: reduced over programs in a fixed order later.
     p_mask = p < R // 2
-    store_pairs(DW_PART + tl.zeros([1], tl.int64), p, p_mask[None, :], tl.sum(dw1, axis=0)[None, :],
-                tl.sum(dw2, axis=0)[None, :], R, INTERLEAVED)
+    store_pairs(
+        DW_PART + tl.zeros([1], tl.int64),
+        p,
+        p_mask[None, :],
+        tl.sum(dw1, axis=0)[None, :],
+        tl.sum(dw2, axis=0)[None, :],
+        R,
+        INTERLEAVED,
+    )
     if BLOCK_T > 0:
         tl.store(DW_PART + tail, tl.sum(dw_tail, axis=0), mask=tail < D)
 
 
 @triton.jit
 def qk_norm_rope_bwd_kernel(
-    Q, K, GQ, GK, DQ, DK, DQW_PART, DKW_PART, COS, SIN, Q_W, K_W,
-    L, HQ, HK, D, n_pos_blocks, heads_per_program,
-    stride_qb, stride_ql, stride_qh, stride_qd, stride_kb, stride_kl, stride_kh, stride_kd,
-    stride_gqb, stride_gql, stride_gqh, stride_gqd, stride_gkb, stride_gkl, stride_gkh, stride_gkd,
-    stride_oqb, stride_oql, stride_oqh, stride_okb, stride_okl, stride_okh,
-    stride_tb, stride_tl, eps,
-    R: tl.constexpr, INTERLEAVED: tl.constexpr, PACKED: tl.constexpr, HALF_TABLE: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr,
+    Q,
+    K,
+    GQ,
+    GK,
+    DQ,
+    DK,
+    DQW_PART,
+    DKW_PART,
+    COS,
+    SIN,
+    Q_W,
+    K_W,
+    L,
+    HQ,
+    HK,
+    D,
+    n_pos_blocks,
+    heads_per_program,
+    stride_qb,
+    stride_ql,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kl,
+    stride_kh,
+    stride_kd,
+    stride_gqb,
+    stride_gql,
+    stride_gqh,
+    stride_gqd,
+    stride_gkb,
+    stride_gkl,
+    stride_gkh,
+    stride_gkd,
+    stride_oqb,
+    stride_oql,
+    stride_oqh,
+    stride_okb,
+    stride_okl,
+    stride_okh,
+    stride_tb,
+    stride_tl,
+    eps,
+    R: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    PACKED: tl.constexpr,
+    HALF_TABLE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """dq, dk and per-program partial rows of dq_weight, dk_weight of
     ``rotate(rmsnorm(q) * q_weight), rotate(rmsnorm(k) * k_weight)``; the grid
@@ -95,15 +179,78 @@ def qk_norm_rope_bwd_kernel(
     b, pos, pos_mask, first_head = program_block(L, n_pos_blocks, heads_per_program, BLOCK_L)
     part_row = (tl.cast(tl.program_id(0), tl.int64) * tl.num_programs(1) + tl.program_id(1)) * D
     p = tl.arange(0, BLOCK_P)
-    c1, s1, c2, s2 = angle_cos_sin(COS, SIN, b, pos, pos_mask, p, stride_tb, stride_tl, 1, 1,
-                                   R, INTERLEAVED, HALF_TABLE, False, ACC)
+    c1, s1, c2, s2 = angle_cos_sin(
+        COS, SIN, b, pos, pos_mask, p, stride_tb, stride_tl, 1, 1, R, INTERLEAVED, HALF_TABLE, False, ACC
+    )
     start, end = head_range(first_head, 0, HQ, heads_per_program)
-    _norm_rope_grad_heads(Q, GQ, DQ, DQW_PART + part_row, Q_W, start, end, b, pos, pos_mask, p,
-                          c1, s1, c2, s2, stride_qb, stride_ql, stride_qh, stride_qd,
-                          stride_gqb, stride_gql, stride_gqh, stride_gqd, stride_oqb, stride_oql, stride_oqh,
-                          D, eps, R, INTERLEAVED, PACKED, BLOCK_T, ACC)
+    _norm_rope_grad_heads(
+        Q,
+        GQ,
+        DQ,
+        DQW_PART + part_row,
+        Q_W,
+        start,
+        end,
+        b,
+        pos,
+        pos_mask,
+        p,
+        c1,
+        s1,
+        c2,
+        s2,
+        stride_qb,
+        stride_ql,
+        stride_qh,
+        stride_qd,
+        stride_gqb,
+        stride_gql,
+        stride_gqh,
+        stride_gqd,
+        stride_oqb,
+        stride_oql,
+        stride_oqh,
+        D,
+        eps,
+        R,
+        INTERLEAVED,
+        PACKED,
+        BLOCK_T,
+        ACC,
+    )
     start, end = head_range(first_head, HQ, HK, heads_per_program)
-    _norm_rope_grad_heads(K, GK, DK, DKW_PART + part_row, K_W, start, end, b, pos, pos_mask, p,
-                          c1, s1, c2, s2, stride_kb, stride_kl, stride_kh, stride_kd,
-                          stride_gkb, stride_gkl, stride_gkh, stride_gkd, stride_okb, stride_okl, stride_okh,
-                          D, eps, R, INTERLEAVED, PACKED, BLOCK_T, ACC)
+    _norm_rope_grad_heads(
+        K,
+        GK,
+        DK,
+        DKW_PART + part_row,
+        K_W,
+        start,
+        end,
+        b,
+        pos,
+        pos_mask,
+        p,
+        c1,
+        s1,
+        c2,
+        s2,
+        stride_kb,
+        stride_kl,
+        stride_kh,
+        stride_kd,
+        stride_gkb,
+        stride_gkl,
+        stride_gkh,
+        stride_gkd,
+        stride_okb,
+        stride_okl,
+        stride_okh,
+        D,
+        eps,
+        R,
+        INTERLEAVED,
+        PACKED,
+        BLOCK_T,
+        ACC,
+    )

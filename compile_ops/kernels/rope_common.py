@@ -10,6 +10,7 @@ constants, with no table.
 No module-level constexprs: Inductor copies a user kernel's source into its
 generated code, and globals of the kernel's module do not come along.
 """
+
 import triton
 import triton.language as tl
 
@@ -25,8 +26,9 @@ def _two_sum(a, b):
 
 
 @triton.jit
-def load_pairs(rows, stride_c, p, mask, R: tl.constexpr, INTERLEAVED: tl.constexpr, PACKED: tl.constexpr,
-               ACC: tl.constexpr):
+def load_pairs(
+    rows, stride_c, p, mask, R: tl.constexpr, INTERLEAVED: tl.constexpr, PACKED: tl.constexpr, ACC: tl.constexpr
+):
     """Both members of pairs ``p`` [BLOCK_P] of the rows at pointers ``rows``
     [BLOCK_L]: two [BLOCK_L, BLOCK_P] tiles in ACC.
 
@@ -75,14 +77,17 @@ def _unpack(words, dtype: tl.constexpr):
 @triton.jit
 def _pack(first, second, dtype: tl.constexpr):
     if dtype.primitive_bitwidth == 8:  # int8 pairs of the quantizing mode
-        words = first.to(dtype).to(tl.uint8, bitcast=True).to(tl.uint16) \
-            | (second.to(dtype).to(tl.uint8, bitcast=True).to(tl.uint16) << 8)
+        words = first.to(dtype).to(tl.uint8, bitcast=True).to(tl.uint16) | (
+            second.to(dtype).to(tl.uint8, bitcast=True).to(tl.uint16) << 8
+        )
     elif dtype.primitive_bitwidth == 16:
-        words = first.to(dtype).to(tl.uint16, bitcast=True).to(tl.uint32) \
-            | (second.to(dtype).to(tl.uint16, bitcast=True).to(tl.uint32) << 16)
+        words = first.to(dtype).to(tl.uint16, bitcast=True).to(tl.uint32) | (
+            second.to(dtype).to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+        )
     else:
-        words = first.to(dtype).to(tl.uint32, bitcast=True).to(tl.uint64) \
-            | (second.to(dtype).to(tl.uint32, bitcast=True).to(tl.uint64) << 32)
+        words = first.to(dtype).to(tl.uint32, bitcast=True).to(tl.uint64) | (
+            second.to(dtype).to(tl.uint32, bitcast=True).to(tl.uint64) << 32
+        )
     return words
 
 
@@ -137,9 +142,23 @@ def _grid_angle_cos_sin(CONSTS, pos, p, frame_size, width, R: tl.constexpr, ACC:
 
 
 @triton.jit
-def angle_cos_sin(COS, SIN, b, pos, pos_mask, p, stride_tb, stride_tl, frame_size, width,
-                  R: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr, GRID_ANGLES: tl.constexpr,
-                  ACC: tl.constexpr):
+def angle_cos_sin(
+    COS,
+    SIN,
+    b,
+    pos,
+    pos_mask,
+    p,
+    stride_tb,
+    stride_tl,
+    frame_size,
+    width,
+    R: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HALF_TABLE: tl.constexpr,
+    GRID_ANGLES: tl.constexpr,
+    ACC: tl.constexpr,
+):
     """cos and sin of both members' angles at positions ``pos``: four
     [BLOCK_L, BLOCK_P] tiles ``(cos_1, sin_1, cos_2, sin_2)``. For GRID_ANGLES,
     COS holds the per-pair constants."""
@@ -207,8 +226,7 @@ def row_rstd(x1, x2, t, D, eps, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def norm_weights(W, p, tail, D, R: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr,
-                 ACC: tl.constexpr):
+def norm_weights(W, p, tail, D, R: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr):
     """The norm weight as [1, BLOCK_P] pair tiles and a [1, BLOCK_T] tail tile."""
     w1, w2 = load_pairs(W + tl.zeros([1], tl.int64), 1, p, (p < R // 2)[None, :], R, INTERLEAVED, True, ACC)
     w_tail = tl.load(W + tail, mask=tail < D, other=0.0).to(ACC)[None, :]

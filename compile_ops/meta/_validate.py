@@ -3,6 +3,7 @@
 Each raises before any launch with a message ``fused.<op>: <argument> ...``
 that names the argument and what was expected.
 """
+
 import functools
 import inspect
 import math
@@ -39,9 +40,13 @@ def values_readable(t: torch.Tensor) -> bool:
     (which a CUDA-graph capture forbids)."""
     # Tracing hands ops FakeTensors, or (AOT autograd) FunctionalTensors that
     # wrap them under an active fake mode: only a plain tensor has values.
-    return not (torch.compiler.is_compiling() or type(t) is not torch.Tensor or t.device.type == "meta"
-                or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
-                or (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+    return not (
+        torch.compiler.is_compiling()
+        or type(t) is not torch.Tensor
+        or t.device.type == "meta"
+        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+        or (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    )
 
 
 def check_same_device(op: str, x: torch.Tensor, x_name: str = "x", **others: Optional[torch.Tensor]) -> None:
@@ -130,16 +135,26 @@ def type_checker(owner: str, fn: Callable) -> Callable:
     be ...")``. NaN is refused where a number is expected: no argument of
     this library means anything by it."""
     hints = _resolved_hints(fn)
-    params = [p for p in inspect.signature(fn).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    rules = [(p.name, *_TYPE_RULES[hints[p.name]]) if _TYPE_RULES.get(hints.get(p.name), None) else None
-             for p in params]
+    params = [
+        p
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    rules = [
+        (p.name, *_TYPE_RULES[hints[p.name]]) if _TYPE_RULES.get(hints.get(p.name), None) else None for p in params
+    ]
     positional = [rule for rule, p in zip(rules, params) if p.kind != p.KEYWORD_ONLY]
     by_name = {rule[0]: rule for rule in rules if rule is not None}
     # The eager fast path runs this on every op call: values whose exact type is plainly right skip the checks
     # (floats do not, for their NaN check).
-    plain = [frozenset(t for t in (torch.Tensor, torch.nn.Parameter, int, bool, str, type(None))
-                       if _accepts_plainly(rule, t)) if rule is not None else None for rule in positional]
+    plain = [
+        frozenset(
+            t for t in (torch.Tensor, torch.nn.Parameter, int, bool, str, type(None)) if _accepts_plainly(rule, t)
+        )
+        if rule is not None
+        else None
+        for rule in positional
+    ]
 
     def check_one(rule, value) -> None:
         name, types, optional, expected, elements = rule

@@ -8,6 +8,7 @@ Layouts: q, k, v are ``[B, H, L, D]`` (``seq_dim=2``, SDPA's) or ``[B, L, H, D]`
 strides. k and v share a head count that divides q's (GQA/MQA). The output has
 q's shape and layout; the log-sum-exp is ``[B, H, Lq]`` fp32.
 """
+
 from typing import Optional
 
 import torch
@@ -29,8 +30,17 @@ def dims(t: torch.Tensor, seq_dim: int) -> tuple:
     return (b, t.shape[1], t.shape[2], d) if seq_dim == 2 else (b, t.shape[2], t.shape[1], d)
 
 
-def check_attention(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                    seq_dim: int, kv_lengths: Optional[torch.Tensor], quantized_qk: bool = False) -> None:
+def check_attention(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int,
+    kv_lengths: Optional[torch.Tensor],
+    quantized_qk: bool = False,
+) -> None:
     """Shapes, dtypes, devices and options of an attention call.
     ``quantized_qk``: q and k are 8-bit attention's INT8 operands, v 16-bit."""
     if seq_dim not in (1, 2) or isinstance(seq_dim, bool):
@@ -49,15 +59,18 @@ def check_attention(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if quantized_qk:
         for name, t in (("q", q), ("k", k)):
             if t.dtype != torch.int8:
-                fail(op, f"{name} must be int8 (8-bit attention's quantized operand, from fused.qk_rope_int8), "
-                         f"got {t.dtype}", TypeError)
+                fail(
+                    op,
+                    f"{name} must be int8 (8-bit attention's quantized operand, from fused.qk_rope_int8), "
+                    f"got {t.dtype}",
+                    TypeError,
+                )
         if v.dtype not in INT8_DTYPES:
             fail(op, f"v must be float16 or bfloat16 (the output's dtype), got {v.dtype}", TypeError)
     else:
         for name, t in (("k", k), ("v", v)):
             if t.dtype != q.dtype:
-                fail(op, f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share a dtype",
-                     TypeError)
+                fail(op, f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v must share a dtype", TypeError)
     check_same_device(op, q, "q", k=k, v=v, kv_lengths=kv_lengths)
     bq, hq, _, dq = dims(q, seq_dim)
     bk, hk, lk, dk = dims(k, seq_dim)
@@ -82,24 +95,33 @@ def check_attention(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         if kv_lengths.dtype not in (torch.int32, torch.int64):
             fail(op, f"kv_lengths must be int32 or int64, got {kv_lengths.dtype}", TypeError)
         if tuple(kv_lengths.shape) != (bq,):
-            fail(op, f"kv_lengths must have shape ({bq},) (one valid key length per batch element), "
-                     f"got {tuple(kv_lengths.shape)}")
+            fail(
+                op,
+                f"kv_lengths must have shape ({bq},) (one valid key length per batch element), "
+                f"got {tuple(kv_lengths.shape)}",
+            )
 
 
 def check_kv_lengths_values(op: str, kv_lengths: Optional[torch.Tensor], lk) -> None:
     """Values of ``kv_lengths`` in ``[0, Lk]``, in eager calls only: reading them
     syncs with the GPU, and under tracing they are data (the kernels clamp to
     Lk and treat a length <= 0 as no keys either way)."""
-    if kv_lengths is None or kv_lengths.numel() == 0 or isinstance(lk, torch.SymInt) \
-            or not values_readable(kv_lengths):
+    if kv_lengths is None or kv_lengths.numel() == 0 or isinstance(lk, torch.SymInt) or not values_readable(kv_lengths):
         return
     lo, hi = int(kv_lengths.min()), int(kv_lengths.max())
     if lo < 0 or hi > lk:
         fail(op, f"kv_lengths must be in [0, Lk={lk}], got values in [{lo}, {hi}]")
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-              seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``: out in q's shape, dtype and layout, contiguous; lse ``[B, H, Lq]`` fp32
     (fp64 for fp64 inputs)."""
     check_attention("attention", q, k, v, scale, causal, seq_dim, kv_lengths)
@@ -122,47 +144,90 @@ def int8_qk_shapes(q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> tuple:
     tensors in q's and k's shapes (contiguous), the scales fp32."""
     b, h, lq, _ = dims(q, seq_dim)
     hk, lk = dims(k, seq_dim)[1:3]
-    return (q.new_empty(q.shape, dtype=torch.int8), q.new_empty((b, h, lq), dtype=torch.float32),
-            k.new_empty(k.shape, dtype=torch.int8),
-            k.new_empty((b, hk, -(-lk // INT8_KEY_BLOCK)), dtype=torch.float32))
+    return (
+        q.new_empty(q.shape, dtype=torch.int8),
+        q.new_empty((b, h, lq), dtype=torch.float32),
+        k.new_empty(k.shape, dtype=torch.int8),
+        k.new_empty((b, hk, -(-lk // INT8_KEY_BLOCK)), dtype=torch.float32),
+    )
 
 
-def _eight_bit(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-               seq_dim: int, kv_lengths: Optional[torch.Tensor]) -> torch.Tensor:
+def _eight_bit(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int,
+    kv_lengths: Optional[torch.Tensor],
+) -> torch.Tensor:
     check_attention(op, q, k, v, scale, causal, seq_dim, kv_lengths)
     if q.dtype not in INT8_DTYPES:
-        fail(op, f"q, k and v must be float16 or bfloat16 (8-bit attention quantizes 16-bit "
-                 f"activations), got {q.dtype}", TypeError)
+        fail(
+            op,
+            f"q, k and v must be float16 or bfloat16 (8-bit attention quantizes 16-bit activations), got {q.dtype}",
+            TypeError,
+        )
     check_kv_lengths_values(op, kv_lengths, dims(k, seq_dim)[2])
     return q.new_empty(q.shape)
 
 
-def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                   seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+def attention_int8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """out in q's shape, dtype and layout, contiguous (no lse: inference only)."""
     return _eight_bit("attention_int8", q, k, v, scale, causal, seq_dim, kv_lengths)
 
 
-def attention_int8_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                       seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+def attention_int8_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """As :func:`attention_int8` (INT8 q k, and P V in FP8)."""
     return _eight_bit("attention_int8_fp8", q, k, v, scale, causal, seq_dim, kv_lengths)
 
 
-def attention_int8_fp8_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                            seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> tuple:
+def attention_int8_fp8_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+) -> tuple:
     """``(values [B, Lq, Hq, D] float8_e4m3fn, row_scale [B, Lq] fp32)``, contiguous,
     whatever q's layout: the rows ``[B, Lq, Hq * D]`` of an FP8 output projection."""
     _eight_bit("attention_int8_fp8_rows", q, k, v, scale, causal, seq_dim, kv_lengths)
     b, h, lq, d = dims(q, seq_dim)
-    return (q.new_empty((b, lq, h, d), dtype=torch.float8_e4m3fn),
-            q.new_empty((b, lq), dtype=torch.float32))
+    return (q.new_empty((b, lq, h, d), dtype=torch.float8_e4m3fn), q.new_empty((b, lq), dtype=torch.float32))
 
 
-def attention_qk8(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
-                  v: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
-                  kv_lengths: Optional[torch.Tensor] = None, pv_fp8: bool = False,
-                  fp8_rows: bool = False) -> tuple:
+def attention_qk8(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+    pv_fp8: bool = False,
+    fp8_rows: bool = False,
+) -> tuple:
     """``(out, out_scale)`` of 8-bit attention on quantized q and k: out in
     q's shape and layout and v's dtype, out_scale empty; with ``fp8_rows``
     (which needs ``pv_fp8``), :func:`attention_int8_fp8_rows`'s e4m3 values
@@ -180,22 +245,33 @@ def attention_qk8(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_sca
         if not isinstance(t, torch.Tensor):
             fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
         if tuple(t.shape) != tuple(want.shape):
-            fail(op, f"{name} must have shape {tuple(want.shape)} (one scale per "
-                     f"{'query' if name == 'q_scale' else f'block of {INT8_KEY_BLOCK} keys'} and head), "
-                     f"got {tuple(t.shape)}")
+            fail(
+                op,
+                f"{name} must have shape {tuple(want.shape)} (one scale per "
+                f"{'query' if name == 'q_scale' else f'block of {INT8_KEY_BLOCK} keys'} and head), "
+                f"got {tuple(t.shape)}",
+            )
         if t.dtype != torch.float32:
             fail(op, f"{name} must be float32, got {t.dtype}", TypeError)
     check_same_device(op, q, "q", q_scale=q_scale, k_scale=k_scale)
     if fp8_rows:
         b, h, lq, d = dims(q, seq_dim)
-        return (q.new_empty((b, lq, h, d), dtype=torch.float8_e4m3fn),
-                q.new_empty((b, lq), dtype=torch.float32))
+        return (q.new_empty((b, lq, h, d), dtype=torch.float8_e4m3fn), q.new_empty((b, lq), dtype=torch.float32))
     return q.new_empty(q.shape, dtype=v.dtype), q.new_empty((0,), dtype=torch.float32)
 
 
-def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
-                       kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in q's, k's and v's shapes and dtype, contiguous."""
     op = "attention_backward"
     check_attention(op, q, k, v, scale, causal, seq_dim, kv_lengths)

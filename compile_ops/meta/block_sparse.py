@@ -14,6 +14,7 @@ blocks lie in ``[0, ceil(Lk / 128))``, each at most once; the kernels visit
 them in the listed order. Within a listed block, causal masking and
 ``kv_lengths`` still apply per token.
 """
+
 import weakref
 from typing import Optional
 
@@ -30,8 +31,9 @@ def num_blocks(length) -> int:
     return (length + SPARSE_BLOCK - 1) // SPARSE_BLOCK
 
 
-def check_block_lists(op: str, block_index: torch.Tensor, block_count: torch.Tensor, batch: int, heads: int,
-                      lq, lk, device: torch.device) -> None:
+def check_block_lists(
+    op: str, block_index: torch.Tensor, block_count: torch.Tensor, batch: int, heads: int, lq, lk, device: torch.device
+) -> None:
     """Types, shapes and devices of the lists for q ``[batch, heads, lq]`` and
     ``lk`` keys; their values in eager calls (:func:`check_block_list_values`)."""
     for name, t, ndim in (("block_index", block_index, 4), ("block_count", block_count, 3)):
@@ -44,12 +46,18 @@ def check_block_lists(op: str, block_index: torch.Tensor, block_count: torch.Ten
     nq = num_blocks(lq)
     bi, hi, rows, _ = block_index.shape
     if bi not in (1, batch) or hi not in (1, heads) or rows != nq:
-        fail(op, f"block_index must have shape [B or 1, H or 1, ceil(Lq / {SPARSE_BLOCK}), W] = "
-                 f"[{batch} or 1, {heads} or 1, {nq}, W] for q's B={batch}, H={heads}, Lq={lq}, "
-                 f"got {tuple(block_index.shape)}")
+        fail(
+            op,
+            f"block_index must have shape [B or 1, H or 1, ceil(Lq / {SPARSE_BLOCK}), W] = "
+            f"[{batch} or 1, {heads} or 1, {nq}, W] for q's B={batch}, H={heads}, Lq={lq}, "
+            f"got {tuple(block_index.shape)}",
+        )
     if tuple(block_count.shape) != (bi, hi, rows):
-        fail(op, f"block_count must have shape {(bi, hi, rows)} (block_index's first three dims), "
-                 f"got {tuple(block_count.shape)}")
+        fail(
+            op,
+            f"block_count must have shape {(bi, hi, rows)} (block_index's first three dims), "
+            f"got {tuple(block_count.shape)}",
+        )
     check_same_device(op, torch.empty(0, device=device), "q", block_index=block_index, block_count=block_count)
     check_block_list_values(op, block_index, block_count, num_blocks(lk), "key")
 
@@ -79,8 +87,12 @@ def _checked_before(key: tuple, block_index: torch.Tensor, block_count: torch.Te
     if entry is None:
         return False
     index_ref, count_ref, versions = entry
-    return index_ref() is block_index and count_ref() is block_count and \
-        versions is not None and versions == _versions(block_index, block_count)
+    return (
+        index_ref() is block_index
+        and count_ref() is block_count
+        and versions is not None
+        and versions == _versions(block_index, block_count)
+    )
 
 
 def _remember_checked(key: tuple, block_index: torch.Tensor, block_count: torch.Tensor) -> None:
@@ -93,8 +105,12 @@ def check_block_list_values(op: str, block_index: torch.Tensor, block_count: tor
     """Counts in ``[0, W]``; the listed entries in ``[0, limit)`` and distinct.
     Eager calls only: under tracing the lists are data. The same unchanged
     list tensors are checked once (``_CHECKED_LISTS``)."""
-    if block_count.numel() == 0 or isinstance(limit, torch.SymInt) or not values_readable(block_index) \
-            or not values_readable(block_count):
+    if (
+        block_count.numel() == 0
+        or isinstance(limit, torch.SymInt)
+        or not values_readable(block_index)
+        or not values_readable(block_count)
+    ):
         return
     key = (id(block_index), id(block_count), limit, what)
     if _checked_before(key, block_index, block_count):
@@ -108,14 +124,20 @@ def check_block_lists_eagerly(q, k, v, block_index, block_count, scale, causal, 
     are replayed (a replay skips the op's body, hence its fake's validation):
     the lists' values (:func:`check_block_list_values`). Malformed arguments
     are left to the body, whose validation names them."""
-    if not (isinstance(block_index, torch.Tensor) and isinstance(block_count, torch.Tensor)
-            and isinstance(k, torch.Tensor) and k.dim() == 4 and seq_dim in (1, 2) and block_index.dim() == 4
-            and block_index.dtype in INDEX_DTYPES and block_count.dtype in INDEX_DTYPES
-            and tuple(block_count.shape) == tuple(block_index.shape[:3])
-            and block_index.device == block_count.device == k.device):
+    if not (
+        isinstance(block_index, torch.Tensor)
+        and isinstance(block_count, torch.Tensor)
+        and isinstance(k, torch.Tensor)
+        and k.dim() == 4
+        and seq_dim in (1, 2)
+        and block_index.dim() == 4
+        and block_index.dtype in INDEX_DTYPES
+        and block_count.dtype in INDEX_DTYPES
+        and tuple(block_count.shape) == tuple(block_index.shape[:3])
+        and block_index.device == block_count.device == k.device
+    ):
         return
-    check_block_list_values("block_sparse_attention", block_index, block_count, num_blocks(dims(k, seq_dim)[2]),
-                            "key")
+    check_block_list_values("block_sparse_attention", block_index, block_count, num_blocks(dims(k, seq_dim)[2]), "key")
 
 
 def _check_values(op: str, block_index: torch.Tensor, block_count: torch.Tensor, limit, what: str) -> None:
@@ -129,16 +151,27 @@ def _check_values(op: str, block_index: torch.Tensor, block_count: torch.Tensor,
         return
     lo, hi = int(entries.min()), int(entries.max())
     if lo < 0 or hi >= limit:
-        fail(op, f"block_index lists {what} blocks in [{lo}, {hi}], but there are {limit} "
-                 f"(ceil(L / {SPARSE_BLOCK})); listed entries must be in [0, {limit})")
+        fail(
+            op,
+            f"block_index lists {what} blocks in [{lo}, {hi}], but there are {limit} "
+            f"(ceil(L / {SPARSE_BLOCK})); listed entries must be in [0, {limit})",
+        )
     ordered = torch.where(listed, block_index, -1 - torch.arange(width, device=block_index.device)).sort(-1).values
     if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
         fail(op, "block_index lists a block twice for one query block; listed entries must be distinct")
 
 
-def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_index: torch.Tensor,
-                           block_count: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
-                           kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_index: torch.Tensor,
+    block_count: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` as ``fused.attention``'s."""
     out, lse = attention(q, k, v, scale, causal, seq_dim, kv_lengths)  # validates q, k, v and the options
     b, h, lq, _ = dims(q, seq_dim)
@@ -146,16 +179,26 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     return out, lse
 
 
-def block_sparse_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                    out: torch.Tensor, lse: torch.Tensor, block_index: torch.Tensor,
-                                    block_count: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
-                                    kv_lengths: Optional[torch.Tensor] = None
-                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_sparse_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_index: torch.Tensor,
+    block_count: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` as ``fused.attention_backward``'s."""
     grads = attention_backward(grad_out, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths)
     b, h, lq, _ = dims(q, seq_dim)
-    check_block_lists("block_sparse_attention_backward", block_index, block_count, b, h, lq, dims(k, seq_dim)[2],
-                      q.device)
+    check_block_lists(
+        "block_sparse_attention_backward", block_index, block_count, b, h, lq, dims(k, seq_dim)[2], q.device
+    )
     return grads
 
 
@@ -171,12 +214,12 @@ def block_index_from_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         fail(op, f"mask must be bool (True: the query block attends to the key block), got {mask.dtype}", TypeError)
     if mask.dim() < 2:
         fail(op, f"mask must be [..., query blocks, key blocks], got shape {tuple(mask.shape)}")
-    return (mask.new_empty(mask.shape, dtype=torch.int32),
-            mask.new_empty(mask.shape[:-1], dtype=torch.int32))
+    return (mask.new_empty(mask.shape, dtype=torch.int32), mask.new_empty(mask.shape[:-1], dtype=torch.int32))
 
 
-def topk_block_index(q: torch.Tensor, k: torch.Tensor, coverage: float, sink_blocks: int = 1, scale: float = 1.0,
-                     seq_dim: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_block_index(
+    q: torch.Tensor, k: torch.Tensor, coverage: float, sink_blocks: int = 1, scale: float = 1.0, seq_dim: int = 2
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(index [B, H, NQ, NK] int32, count [B, H, NQ] int32)`` for q ``[B, H, Lq, D]``
     (or ``[B, Lq, H, D]``) and k."""
     op = "topk_block_index"
@@ -191,8 +234,7 @@ def topk_block_index(q: torch.Tensor, k: torch.Tensor, coverage: float, sink_blo
     b, h, lq, d = dims(q, seq_dim)
     bk, hk, lk, dk = dims(k, seq_dim)
     if bk != b or dk != d or hk == 0 or h % hk:
-        fail(op, f"k {tuple(k.shape)} must share q's batch and head dim, with heads dividing q's "
-                 f"(q {tuple(q.shape)})")
+        fail(op, f"k {tuple(k.shape)} must share q's batch and head dim, with heads dividing q's (q {tuple(q.shape)})")
     if not isinstance(coverage, (int, float)) or isinstance(coverage, bool) or not 0.0 < coverage <= 1.0:
         fail(op, f"coverage must be a share of the attention mass in (0, 1], got {coverage!r}")
     if not isinstance(sink_blocks, int) or isinstance(sink_blocks, bool) or sink_blocks < 0:
@@ -205,8 +247,11 @@ def topk_block_index(q: torch.Tensor, k: torch.Tensor, coverage: float, sink_blo
 
 def _positive_ints(op: str, name: str, values, n: int = 3) -> tuple:
     values = tuple(values) if isinstance(values, (tuple, list)) else values
-    if not isinstance(values, tuple) or len(values) != n or \
-            not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in values):
+    if (
+        not isinstance(values, tuple)
+        or len(values) != n
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in values)
+    ):
         fail(op, f"{name} must be {n} positive ints, got {values!r}")
     return values
 
@@ -218,8 +263,11 @@ def check_tiles(op: str, grid, tile, ragged: bool = False) -> tuple:
     grid = _positive_ints(op, "(frames, height, width)", grid)
     tile = _positive_ints(op, "tile", tile)
     if not ragged and any(g % t for g, t in zip(grid, tile)):
-        fail(op, f"tile {tile} must divide the token grid (frames, height, width) = {grid} "
-                 "(or pass ragged=True: smaller tiles at the far edges)")
+        fail(
+            op,
+            f"tile {tile} must divide the token grid (frames, height, width) = {grid} "
+            "(or pass ragged=True: smaller tiles at the far edges)",
+        )
     return tuple(-(-g // t) for g, t in zip(grid, tile))
 
 

@@ -1,4 +1,5 @@
 """Shape and dtype rules of the fp8 family, and its validation (the fakes)."""
+
 from typing import Optional
 
 import torch
@@ -19,8 +20,11 @@ def check_rows(op: str, argname: str, x: torch.Tensor) -> None:
 
 def check_activation(activation: str) -> None:
     if not isinstance(activation, str) or activation not in QUANTIZE_ACTIVATIONS:
-        fail("quantize_fp8_rows", f"activation must be one of {', '.join(map(repr, QUANTIZE_ACTIVATIONS))}, "
-             f"got {activation!r}", ValueError if isinstance(activation, str) else TypeError)
+        fail(
+            "quantize_fp8_rows",
+            f"activation must be one of {', '.join(map(repr, QUANTIZE_ACTIVATIONS))}, got {activation!r}",
+            ValueError if isinstance(activation, str) else TypeError,
+        )
 
 
 def check_head(x: torch.Tensor, head: Optional[torch.Tensor]) -> int:
@@ -30,8 +34,11 @@ def check_head(x: torch.Tensor, head: Optional[torch.Tensor]) -> int:
     op = "quantize_fp8_rows"
     check_floating(op, "head", head)
     if head.dim() != x.dim() or tuple(head.shape[:-1]) != tuple(x.shape[:-1]):
-        fail(op, f"head must be [..., K_head] with x's leading dims {list(x.shape[:-1])} (its rows are "
-             f"concatenated before x's), got {list(head.shape)}")
+        fail(
+            op,
+            f"head must be [..., K_head] with x's leading dims {list(x.shape[:-1])} (its rows are "
+            f"concatenated before x's), got {list(head.shape)}",
+        )
     if head.dtype != x.dtype:
         fail(op, f"head must have x's dtype {x.dtype} (a concatenation of the two), got {head.dtype}", TypeError)
     check_same_device(op, x, head=head)
@@ -43,8 +50,10 @@ def quantize_fp8_rows(x: torch.Tensor, activation: str = "none", head: Optional[
     check_rows("quantize_fp8_rows", "x", x)
     check_activation(activation)
     k_head = check_head(x, head)
-    return (x.new_empty((*x.shape[:-1], k_head + x.shape[-1]), dtype=torch.float8_e4m3fn),
-            x.new_empty(x.shape[:-1], dtype=torch.float32))
+    return (
+        x.new_empty((*x.shape[:-1], k_head + x.shape[-1]), dtype=torch.float8_e4m3fn),
+        x.new_empty(x.shape[:-1], dtype=torch.float32),
+    )
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -62,21 +71,27 @@ def check_fp8_rows(q: torch.Tensor, scale: torch.Tensor, argname: str = "x") -> 
     if q.dtype != torch.float8_e4m3fn or q.dim() < 1:
         _linear_fail(f"{argname}.q must be float8_e4m3fn [..., K], got {_describe(q)}", TypeError)
     if scale.dtype != torch.float32 or tuple(scale.shape) != tuple(q.shape[:-1]):
-        _linear_fail(f"{argname}.scale must be float32 {list(q.shape[:-1])} (one per row of {argname}.q "
-                     f"{list(q.shape)}), got {_describe(scale)}")
+        _linear_fail(
+            f"{argname}.scale must be float32 {list(q.shape[:-1])} (one per row of {argname}.q "
+            f"{list(q.shape)}), got {_describe(scale)}"
+        )
     if scale.device != q.device:
         _linear_fail(f"{argname}.scale is on {scale.device} but {argname}.q is on {q.device}")
 
 
-def check_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
-                 bias: Optional[torch.Tensor]) -> None:
+def check_linear(
+    x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor]
+) -> None:
     """``x [..., K]`` (the activation, or its quantized values) against ``weight_q [N, K]``
     float8_e4m3fn, ``weight_scale [N]`` float32 and ``bias [N]`` (floating) or None,
     all on x's device."""
     k = x.shape[-1]
     if weight_q.dtype != torch.float8_e4m3fn or weight_q.dim() != 2 or weight_q.shape[1] != k:
-        _linear_fail(f"weight_q must be float8_e4m3fn [N, {k}] (K = x's last dim, x is {list(x.shape)}), "
-                     f"got {_describe(weight_q)}", TypeError if weight_q.dtype != torch.float8_e4m3fn else ValueError)
+        _linear_fail(
+            f"weight_q must be float8_e4m3fn [N, {k}] (K = x's last dim, x is {list(x.shape)}), "
+            f"got {_describe(weight_q)}",
+            TypeError if weight_q.dtype != torch.float8_e4m3fn else ValueError,
+        )
     n = weight_q.shape[0]
     if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (n,):
         _linear_fail(f"weight_scale must be float32 [{n}] (one per row of weight_q), got {_describe(weight_scale)}")

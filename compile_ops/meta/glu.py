@@ -3,6 +3,7 @@
 Torch only: these are the fake implementations of ``fused.geglu``,
 ``fused.swiglu`` and ``fused.glu_backward`` and allocate the launchers' outputs.
 """
+
 import torch
 
 from compile_ops.meta._validate import check_floating, check_same_device, fail
@@ -41,8 +42,11 @@ def check_gated_input(op: str, x: torch.Tensor, gate_first: bool) -> int:
 
 def _check_choice(op: str, argname: str, value: str, choices: tuple) -> None:
     if not isinstance(value, str) or value not in choices:
-        fail(op, f"{argname} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}",
-             ValueError if isinstance(value, str) else TypeError)
+        fail(
+            op,
+            f"{argname} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}",
+            ValueError if isinstance(value, str) else TypeError,
+        )
 
 
 def geglu(x: torch.Tensor, approximate: str = "none", gate_first: bool = False) -> torch.Tensor:
@@ -64,7 +68,6 @@ def glu_backward(grad_out: torch.Tensor, x: torch.Tensor, activation: str, gate_
     check_floating(op, "grad_out", grad_out)
     expected = (*x.shape[:-1], h)
     if tuple(grad_out.shape) != expected:
-        fail(op, f"grad_out must have shape {expected} (x's with the last dim halved), "
-                 f"got {tuple(grad_out.shape)}")
+        fail(op, f"grad_out must have shape {expected} (x's with the last dim halved), got {tuple(grad_out.shape)}")
     check_same_device(op, x, grad_out=grad_out)
     return x.new_empty(x.shape)

@@ -19,6 +19,7 @@ The kernels see row ``r = b * L + t`` of x and find a modulation row at
 (:class:`Broadcast`), so the token dims of the expanded tensor must collapse
 to at most two levels; every form above does.
 """
+
 import functools
 import math
 from dataclasses import dataclass
@@ -58,25 +59,29 @@ class Broadcast:
 def _aligned(op: str, argname: str, m: torch.Tensor, x: torch.Tensor):
     """``(x_shape, aligned_shape, aligned_strides)`` of ``m`` against ``x``."""
     nx = x.dim()
-    forms = ("0-dim, [C], [B, C], a shape that broadcasts to x's, "
-             "or [B, F, 1, C] per frame for a 3-D x")
+    forms = "0-dim, [C], [B, C], a shape that broadcasts to x's, or [B, F, 1, C] per frame for a 3-D x"
     if m.dim() == 0:
         return tuple(x.shape), (1,) * nx, (0,) * nx
     if m.dim() == 1:
         return tuple(x.shape), (1,) * (nx - 1) + (m.shape[0],), (0,) * (nx - 1) + (m.stride(0),)
     if m.dim() == 2 and nx > 2:
-        return (tuple(x.shape), (m.shape[0],) + (1,) * (nx - 2) + (m.shape[1],),
-                (m.stride(0),) + (0,) * (nx - 2) + (m.stride(1),))
+        return (
+            tuple(x.shape),
+            (m.shape[0],) + (1,) * (nx - 2) + (m.shape[1],),
+            (m.stride(0),) + (0,) * (nx - 2) + (m.stride(1),),
+        )
     if m.dim() == nx:
         return tuple(x.shape), tuple(m.shape), tuple(m.stride())
     if nx == 3 and m.dim() == 4:
         frames, tokens = m.shape[1], x.shape[1]
         if frames == 0 or tokens % frames != 0:
-            fail(op, f"{argname} of shape {tuple(m.shape)} is per frame ([B, F, 1, C]) but x's "
-                     f"{tokens} tokens do not split into F={frames} frames")
+            fail(
+                op,
+                f"{argname} of shape {tuple(m.shape)} is per frame ([B, F, 1, C]) but x's "
+                f"{tokens} tokens do not split into F={frames} frames",
+            )
         return (x.shape[0], frames, tokens // frames, x.shape[2]), tuple(m.shape), tuple(m.stride())
-    fail(op, f"{argname} of shape {tuple(m.shape)} does not broadcast to x of shape "
-             f"{tuple(x.shape)}: expected {forms}")
+    fail(op, f"{argname} of shape {tuple(m.shape)} does not broadcast to x of shape {tuple(x.shape)}: expected {forms}")
 
 
 def broadcast_on_x(op: str, argname: str, m: torch.Tensor, x: torch.Tensor) -> Broadcast:
@@ -84,9 +89,12 @@ def broadcast_on_x(op: str, argname: str, m: torch.Tensor, x: torch.Tensor) -> B
     x_shape, shape, strides = _aligned(op, argname, m, x)
     for d, (size, want) in enumerate(zip(shape, x_shape)):
         if size != 1 and size != want:
-            fail(op, f"{argname} of shape {tuple(m.shape)} does not broadcast to x of shape "
-                     f"{tuple(x.shape)}: its dim {d} (aligned to x as {shape}) has size {size}, "
-                     f"expected 1 or {want}")
+            fail(
+                op,
+                f"{argname} of shape {tuple(m.shape)} does not broadcast to x of shape "
+                f"{tuple(x.shape)}: its dim {d} (aligned to x as {shape}) has size {size}, "
+                f"expected 1 or {want}",
+            )
     # A broadcast dim reads the same element for every index: stride 0.
     strides = tuple(0 if size == 1 else s for size, s in zip(shape, strides))
 
@@ -100,9 +108,12 @@ def broadcast_on_x(op: str, argname: str, m: torch.Tensor, x: torch.Tensor) -> B
         else:
             levels.append((size, stride))
     if len(levels) > 2:
-        fail(op, f"{argname} of shape {tuple(m.shape)} broadcasts over x's token dims "
-                 f"{tuple(token_sizes)} in a pattern of {len(levels)} levels; at most 2 are "
-                 f"supported (per sample, per token, per frame): expand or reshape it")
+        fail(
+            op,
+            f"{argname} of shape {tuple(m.shape)} broadcasts over x's token dims "
+            f"{tuple(token_sizes)} in a pattern of {len(levels)} levels; at most 2 are "
+            f"supported (per sample, per token, per frame): expand or reshape it",
+        )
     if len(levels) == 2:
         group, stride_group, stride_in_group = levels[1][0], levels[0][1], levels[1][1]
     elif len(levels) == 1:
@@ -115,8 +126,7 @@ def broadcast_on_x(op: str, argname: str, m: torch.Tensor, x: torch.Tensor) -> B
         if size != 1 and stride != 0:
             break
         run = run * size
-    return Broadcast(strides[0], stride_group, stride_in_group, strides[-1], group, run,
-                     shape, x_shape)
+    return Broadcast(strides[0], stride_group, stride_in_group, strides[-1], group, run, shape, x_shape)
 
 
 def promoted_dtype(*tensors: torch.Tensor, norm_dtype: Optional[torch.dtype] = None) -> torch.dtype:
@@ -178,9 +188,15 @@ def row_stats(x: torch.Tensor, norm: str) -> tuple[torch.Tensor, torch.Tensor]:
     return (rstd.new_empty((0,)) if norm == "rmsnorm" else x.new_empty(x.shape[:-1], dtype=acc)), rstd
 
 
-def norm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-                  weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                  norm: str, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def norm_modulate(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    norm: str,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, mean, rstd)``; see :func:`row_stats`."""
     op = "norm_modulate"
     check_x(op, x)
@@ -201,10 +217,17 @@ def gated_residual(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) 
     return x.new_empty(x.shape, dtype=promoted_dtype(residual, x, gate))
 
 
-def gated_residual_norm_modulate(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor,
-                                 scale: torch.Tensor, shift: torch.Tensor,
-                                 weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                                 norm: str, eps: float) -> tuple[torch.Tensor, ...]:
+def gated_residual_norm_modulate(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    norm: str,
+    eps: float,
+) -> tuple[torch.Tensor, ...]:
     """``(residual_out, out, mean, rstd)``; ``out`` has :func:`norm_modulate`'s
     dtype for an input in residual_out's dtype, the statistics are residual_out's."""
     op = "gated_residual_norm_modulate"
@@ -226,28 +249,50 @@ def fp8_rows(out: torch.Tensor) -> tuple:
     return out.new_empty(out.shape, dtype=torch.float8_e4m3fn), out.new_empty(out.shape[:-1], dtype=torch.float32)
 
 
-def norm_modulate_fp8(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-                      weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                      norm: str, eps: float) -> tuple:
+def norm_modulate_fp8(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    norm: str,
+    eps: float,
+) -> tuple:
     """``(q [..., C] float8_e4m3fn, scale [...] float32)`` of :func:`norm_modulate`'s output."""
     return fp8_rows(norm_modulate(x, scale, shift, weight, bias, norm, eps)[0])
 
 
-def gated_residual_norm_modulate_fp8(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor,
-                                     scale: torch.Tensor, shift: torch.Tensor,
-                                     weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                                     norm: str, eps: float) -> tuple:
+def gated_residual_norm_modulate_fp8(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    norm: str,
+    eps: float,
+) -> tuple:
     """``(residual_out, q, scale)``: :func:`gated_residual_norm_modulate`'s ``out`` quantized."""
     residual_out, out, _, _ = gated_residual_norm_modulate(residual, x, gate, scale, shift, weight, bias, norm, eps)
     return (residual_out, *fp8_rows(out))
 
 
-def modulate_backward(grad_out: Optional[torch.Tensor], grad_h: Optional[torch.Tensor],
-                      h: torch.Tensor, mean: Optional[torch.Tensor], rstd: Optional[torch.Tensor],
-                      x_branch: Optional[torch.Tensor], gate: Optional[torch.Tensor],
-                      scale: Optional[torch.Tensor], shift: Optional[torch.Tensor],
-                      weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                      norm: str, eps: float):
+def modulate_backward(
+    grad_out: Optional[torch.Tensor],
+    grad_h: Optional[torch.Tensor],
+    h: torch.Tensor,
+    mean: Optional[torch.Tensor],
+    rstd: Optional[torch.Tensor],
+    x_branch: Optional[torch.Tensor],
+    gate: Optional[torch.Tensor],
+    scale: Optional[torch.Tensor],
+    shift: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    norm: str,
+    eps: float,
+):
     """``(d_h, d_x_branch, d_gate, d_scale, d_shift, d_weight, d_bias)``, each in the
     dtype and shape of its input, or shape ``(0,)`` where that input is None.
     ``d_h`` is ``(0,)`` when there is no ``grad_out`` (a gated residual alone,
@@ -263,8 +308,11 @@ def modulate_backward(grad_out: Optional[torch.Tensor], grad_h: Optional[torch.T
         want_mean, want_rstd = row_stats(h, norm)
         for argname, t, want in (("mean", mean, want_mean), ("rstd", rstd, want_rstd)):
             if t.shape != want.shape or t.dtype != want.dtype or t.device != h.device or not t.is_contiguous():
-                fail(op, f"{argname} must be contiguous {want.dtype} of shape {tuple(want.shape)} on {h.device} "
-                         f"(the forward's row statistics of h), got {t.dtype} {tuple(t.shape)} on {t.device}")
+                fail(
+                    op,
+                    f"{argname} must be contiguous {want.dtype} of shape {tuple(want.shape)} on {h.device} "
+                    f"(the forward's row statistics of h), got {t.dtype} {tuple(t.shape)} on {t.device}",
+                )
     if grad_out is None and grad_h is None:
         fail(op, "grad_out and grad_h are both None; at least one gradient is needed")
     for argname, t in (("grad_out", grad_out), ("grad_h", grad_h), ("x_branch", x_branch)):
@@ -278,8 +326,7 @@ def modulate_backward(grad_out: Optional[torch.Tensor], grad_h: Optional[torch.T
         fail(op, "grad_out is required when there is a norm or a modulation")
     if grad_out is not None and scale is None and norm == "none":
         fail(op, "grad_out was given but there is neither a norm nor a modulation to apply it to")
-    check_modulation(op, h, **{k: v for k, v in (("gate", gate), ("scale", scale), ("shift", shift))
-                               if v is not None})
+    check_modulation(op, h, **{k: v for k, v in (("gate", gate), ("scale", scale), ("shift", shift)) if v is not None})
     check_affine(op, "weight", weight, h)
     check_affine(op, "bias", bias, h)
     if norm != "none":

@@ -26,6 +26,7 @@ Output layout of ``fused.moe_route(x [T, H], router_weight [E, H], top_k, renorm
   half the bytes of int64, and what ``torch._grouped_mm``'s offsets take;
   ``index_select``/``index_add``/indexing accept it as an index.
 """
+
 import torch
 
 from compile_ops.meta._validate import accumulation_dtype, check_floating, check_same_device, fail
@@ -87,14 +88,24 @@ def moe_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormal
     check_top_k(op, top_k, e)
     check_renormalize(op, renormalize)
     acc = accumulation_dtype(x)
-    return (x.new_empty((t, e), dtype=acc), x.new_empty((t, top_k), dtype=acc),
-            x.new_empty((t, top_k), dtype=EXPERTS_DTYPE), x.new_empty((e,), dtype=INDEX_DTYPE),
-            x.new_empty((e, t), dtype=INDEX_DTYPE))
+    return (
+        x.new_empty((t, e), dtype=acc),
+        x.new_empty((t, top_k), dtype=acc),
+        x.new_empty((t, top_k), dtype=EXPERTS_DTYPE),
+        x.new_empty((e,), dtype=INDEX_DTYPE),
+        x.new_empty((e, t), dtype=INDEX_DTYPE),
+    )
 
 
-def moe_route_backward(grad_probs: torch.Tensor, grad_weights: torch.Tensor, x: torch.Tensor,
-                       router_weight: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor,
-                       renormalize: bool) -> tuple:
+def moe_route_backward(
+    grad_probs: torch.Tensor,
+    grad_weights: torch.Tensor,
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    probs: torch.Tensor,
+    experts: torch.Tensor,
+    renormalize: bool,
+) -> tuple:
     """``(dx [T, H], d_router_weight [E, H])`` in the inputs' dtype."""
     op = "moe_route_backward"
     t, h, e = check_router_inputs(op, x, router_weight)
@@ -102,14 +113,24 @@ def moe_route_backward(grad_probs: torch.Tensor, grad_weights: torch.Tensor, x: 
     for name, g in (("grad_probs", grad_probs), ("probs", probs), ("grad_weights", grad_weights)):
         check_floating(op, name, g)
     if tuple(probs.shape) != (t, e) or tuple(grad_probs.shape) != (t, e):
-        fail(op, f"probs and grad_probs must have shape {(t, e)} ([T, E]), got {tuple(probs.shape)} and "
-                 f"{tuple(grad_probs.shape)}")
+        fail(
+            op,
+            f"probs and grad_probs must have shape {(t, e)} ([T, E]), got {tuple(probs.shape)} and "
+            f"{tuple(grad_probs.shape)}",
+        )
     if experts.dim() != 2 or experts.shape[0] != t or experts.dtype != EXPERTS_DTYPE:
         fail(op, f"experts must be int64 [T={t}, k], got {experts.dtype} {tuple(experts.shape)}")
     if not 1 <= experts.shape[1] <= e:
         fail(op, f"experts must have between 1 and E = {e} columns (top_k), got {experts.shape[1]}")
     if tuple(grad_weights.shape) != tuple(experts.shape):
         fail(op, f"grad_weights must have experts' shape {tuple(experts.shape)}, got {tuple(grad_weights.shape)}")
-    check_same_device(op, x, router_weight=router_weight, grad_probs=grad_probs, grad_weights=grad_weights,
-                      probs=probs, experts=experts)
+    check_same_device(
+        op,
+        x,
+        router_weight=router_weight,
+        grad_probs=grad_probs,
+        grad_weights=grad_weights,
+        probs=probs,
+        experts=experts,
+    )
     return x.new_empty(x.shape), router_weight.new_empty(router_weight.shape)

@@ -5,6 +5,7 @@ Torch only. These functions are the fake (meta) implementations of the
 rules below hold on every path. Every check runs before any launch and names
 the argument it rejects.
 """
+
 from typing import Optional
 
 import torch
@@ -27,8 +28,7 @@ def check_affine(op: str, argname: str, p: Optional[torch.Tensor], x: torch.Tens
         return
     check_floating(op, argname, p)
     if p.shape != x.shape[-1:]:
-        fail(op, f"{argname} must have shape ({x.shape[-1]},) to match the last dim of x, "
-                  f"got {tuple(p.shape)}")
+        fail(op, f"{argname} must have shape ({x.shape[-1]},) to match the last dim of x, got {tuple(p.shape)}")
     check_same_device(op, x, **{argname: p})
 
 
@@ -45,8 +45,9 @@ def output_dtype_for(dtype: torch.dtype, weight: Optional[torch.Tensor]) -> torc
     return dtype
 
 
-def rmsnorm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
-            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def rmsnorm(
+    x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     check_x("rmsnorm", x)
     check_affine("rmsnorm", "weight", weight, x)
     check_affine("rmsnorm", "bias", bias, x)
@@ -54,8 +55,9 @@ def rmsnorm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
     return x.new_empty(x.shape, dtype=output_dtype(x, weight))
 
 
-def layernorm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-              eps: float) -> torch.Tensor:
+def layernorm(
+    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
+) -> torch.Tensor:
     check_x("layernorm", x)
     check_affine("layernorm", "weight", weight, x)
     check_affine("layernorm", "bias", bias, x)
@@ -63,8 +65,9 @@ def layernorm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[to
     return x.new_empty(x.shape, dtype=output_dtype(x, weight))
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor],
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor], eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, residual_out)``: ``residual_out = x + residual`` in residual's dtype,
     ``out = rmsnorm(residual_out)`` in the dtype of :func:`output_dtype` of x."""
     check_x("add_rmsnorm", x)
@@ -74,18 +77,27 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.
     if torch.promote_types(x.dtype, residual.dtype) != residual.dtype:
         # residual_out = x + residual is stored in residual's dtype: a narrower one would round the sum
         # below torch's type promotion (fp32 x + fp16 residual is fp32 in torch).
-        fail("add_rmsnorm", f"residual must be at least as precise as x (the sum is kept in residual's dtype), "
-                            f"got residual {residual.dtype} and x {x.dtype}", TypeError)
+        fail(
+            "add_rmsnorm",
+            f"residual must be at least as precise as x (the sum is kept in residual's dtype), "
+            f"got residual {residual.dtype} and x {x.dtype}",
+            TypeError,
+        )
     check_same_device("add_rmsnorm", x, residual=residual)
     check_affine("add_rmsnorm", "weight", weight, x)
     check_eps("add_rmsnorm", eps)
-    return (x.new_empty(x.shape, dtype=output_dtype(x, weight)),
-            x.new_empty(x.shape, dtype=residual.dtype))
+    return (x.new_empty(x.shape, dtype=output_dtype(x, weight)), x.new_empty(x.shape, dtype=residual.dtype))
 
 
-def norm_backward(grad_out: torch.Tensor, grad_residual: Optional[torch.Tensor], x: torch.Tensor,
-                  weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
-                  is_rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def norm_backward(
+    grad_out: torch.Tensor,
+    grad_residual: Optional[torch.Tensor],
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    eps: float,
+    is_rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dweight, dbias)``; dx in x's dtype, dweight/dbias in the parameter's
     dtype, or shape ``(0,)`` where that parameter is None."""
     op = "norm_backward"

@@ -9,6 +9,7 @@ full table, as diffusers builds it: each angle twice) or ``T = rotary_dim / 2``
 ``use_real_unbind_dim=-2``) or ``(2i, 2i + 1)`` (``interleaved``, ``-1``: Flux,
 CogVideoX, HunyuanVideo).
 """
+
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -25,14 +26,19 @@ def rotary_dim_of(op: str, x: torch.Tensor, rotary_dim: Optional[int]):
         if d % 2:
             fail(op, f"x's head dim D={d} is odd; pass an even rotary_dim to rotate part of it")
         return d
-    if not isinstance(rotary_dim, (int, torch.SymInt)) or isinstance(rotary_dim, bool) or rotary_dim % 2 \
-            or not 0 < rotary_dim <= d:
+    if (
+        not isinstance(rotary_dim, (int, torch.SymInt))
+        or isinstance(rotary_dim, bool)
+        or rotary_dim % 2
+        or not 0 < rotary_dim <= d
+    ):
         fail(op, f"rotary_dim must be an even int in [2, D={d}], got {rotary_dim!r}")
     return rotary_dim
 
 
-def check_rope(op: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_dim: int,
-               rotary_dim: Optional[int]) -> tuple[int, bool]:
+def check_rope(
+    op: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_dim: int, rotary_dim: Optional[int]
+) -> tuple[int, bool]:
     """Validate; ``(rotary_dim, half_table)``."""
     check_floating(op, "x", x)
     if x.dim() != 4:
@@ -51,8 +57,11 @@ def check_rope(op: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
         if t.dim() == 3 and t.shape[0] not in (1, x.shape[0]):
             fail(op, f"{argname} of shape {tuple(t.shape)} is per batch but x has B={x.shape[0]}")
         if t.shape[-1] not in (r, r // 2):
-            fail(op, f"{argname} must have rotary_dim={r} (a full table) or {r // 2} (one entry "
-                     f"per pair) columns, got {t.shape[-1]}")
+            fail(
+                op,
+                f"{argname} must have rotary_dim={r} (a full table) or {r // 2} (one entry "
+                f"per pair) columns, got {t.shape[-1]}",
+            )
     if cos.shape != sin.shape:
         fail(op, f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     return table_layout(x, cos, rotary_dim)
@@ -70,8 +79,10 @@ def check_qk(op: str, q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> None:
     check_floating(op, "q", q)
     check_floating(op, "k", k)
     if q.dim() != 4 or k.dim() != 4:
-        fail(op, f"q and k must be [B, L, H, D] or [B, H, L, D] (4 dims), got shapes "
-                 f"{tuple(q.shape)} and {tuple(k.shape)}")
+        fail(
+            op,
+            f"q and k must be [B, L, H, D] or [B, H, L, D] (4 dims), got shapes {tuple(q.shape)} and {tuple(k.shape)}",
+        )
     if q.dtype != k.dtype:
         fail(op, f"q and k must have the same dtype, got {q.dtype} and {k.dtype}", TypeError)
     if k.device != q.device:
@@ -90,22 +101,46 @@ def check_norm_weight(op: str, argname: str, w: torch.Tensor, x: torch.Tensor, x
     check_same_device(op, x, **{argname: w})
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, seq_dim: int,
-         rotary_dim: Optional[int] = None, inverse: bool = False) -> torch.Tensor:
+def rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+    inverse: bool = False,
+) -> torch.Tensor:
     check_rope("rope", x, cos, sin, seq_dim, rotary_dim)
     return x.new_empty(x.shape)
 
 
-def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-            seq_dim: int, rotary_dim: Optional[int] = None, inverse: bool = False):
+def rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+    inverse: bool = False,
+):
     check_qk("rope_qk", q, k, seq_dim)
     check_rope("rope_qk", q, cos, sin, seq_dim, rotary_dim)
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, eps: float, interleaved: bool, seq_dim: int,
-                 rotary_dim: Optional[int] = None):
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+):
     check_qk("qk_norm_rope", q, k, seq_dim)
     check_rope("qk_norm_rope", q, cos, sin, seq_dim, rotary_dim)
     check_norm_weight("qk_norm_rope", "q_weight", q_weight, q, "q")
@@ -114,37 +149,67 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-def qk_rope_int8(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor],
-                 k_weight: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                 interleaved: bool, seq_dim: int, rotary_dim: Optional[int] = None) -> tuple:
+def qk_rope_int8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: Optional[torch.Tensor],
+    k_weight: Optional[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+) -> tuple:
     """``(q8, q_scale [B, Hq, L], k8, k_scale [B, Hk, ceil(L / 128)])``: the
     int8 tensors in q's and k's shapes, contiguous; the scales fp32."""
     op = "qk_rope_int8"
     check_qk(op, q, k, seq_dim)
     check_rope(op, q, cos, sin, seq_dim, rotary_dim)
     if (q_weight is None) != (k_weight is None):
-        fail(op, "q_weight and k_weight must both be given (RMSNorm of q and k, then RoPE) or both be None "
-                 f"(RoPE alone), got q_weight={'None' if q_weight is None else 'a tensor'} and "
-                 f"k_weight={'None' if k_weight is None else 'a tensor'}")
+        fail(
+            op,
+            "q_weight and k_weight must both be given (RMSNorm of q and k, then RoPE) or both be None "
+            f"(RoPE alone), got q_weight={'None' if q_weight is None else 'a tensor'} and "
+            f"k_weight={'None' if k_weight is None else 'a tensor'}",
+        )
     if q_weight is not None:
         check_norm_weight(op, "q_weight", q_weight, q, "q")
         check_norm_weight(op, "k_weight", k_weight, k, "k")
         check_eps(op, eps)
     if q.dtype not in INT8_DTYPES:
-        fail(op, f"q and k must be float16 or bfloat16 (8-bit attention quantizes 16-bit activations), "
-                 f"got {q.dtype}", TypeError)
+        fail(
+            op,
+            f"q and k must be float16 or bfloat16 (8-bit attention quantizes 16-bit activations), got {q.dtype}",
+            TypeError,
+        )
     return int8_qk_shapes(q, k, seq_dim)
 
 
-def qk_norm_rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                          q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          eps: float, interleaved: bool, seq_dim: int, rotary_dim: Optional[int] = None):
+def qk_norm_rope_backward(
+    grad_q: torch.Tensor,
+    grad_k: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+):
     qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim)
     for argname, g, x in (("grad_q", grad_q, q), ("grad_k", grad_k, k)):
         if g.shape != x.shape:
             fail("qk_norm_rope_backward", f"{argname} must have shape {tuple(x.shape)}, got {tuple(g.shape)}")
-    return (q.new_empty(q.shape), k.new_empty(k.shape),
-            q_weight.new_empty(q_weight.shape), k_weight.new_empty(k_weight.shape))
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        q_weight.new_empty(q_weight.shape),
+        k_weight.new_empty(k_weight.shape),
+    )
 
 
 # ------------------------------------------------------------ 3D (video) RoPE
@@ -171,6 +236,7 @@ class GridRope:
     Build one with :func:`grid_rope` for the Wan, HunyuanVideo and LTX-Video
     conventions.
     """
+
     frequencies: tuple[float, ...]
     axes: tuple[int, ...]
     position_scale: tuple[float, float, float] = (1.0, 1.0, 1.0)
@@ -179,14 +245,18 @@ class GridRope:
 
     def __post_init__(self):
         if len(self.frequencies) != len(self.axes) or not self.axes:
-            raise ValueError(f"GridRope: frequencies and axes must be non-empty and of one length (pairs), "
-                             f"got {len(self.frequencies)} and {len(self.axes)}")
+            raise ValueError(
+                f"GridRope: frequencies and axes must be non-empty and of one length (pairs), "
+                f"got {len(self.frequencies)} and {len(self.axes)}"
+            )
         if any(a not in (-1, 0, 1, 2) for a in self.axes):
-            raise ValueError(f"GridRope: axes must be 0 (frame), 1 (row), 2 (column) or -1 (unrotated), "
-                             f"got {sorted(set(self.axes))}")
+            raise ValueError(
+                f"GridRope: axes must be 0 (frame), 1 (row), 2 (column) or -1 (unrotated), got {sorted(set(self.axes))}"
+            )
         if len(self.position_scale) != 3 or len(self.position_offset) != 3:
-            raise ValueError("GridRope: position_scale and position_offset need one entry per axis "
-                             "(frame, row, column)")
+            raise ValueError(
+                "GridRope: position_scale and position_offset need one entry per axis (frame, row, column)"
+            )
 
     @property
     def rotary_dim(self) -> int:
@@ -232,8 +302,10 @@ def _wan(dim: int, theta: float = 10000.0) -> GridRope:
     """Wan 2.x (``WanRotaryPosEmbed``): height and width get 2 * (D // 6)
     channels each, frames the rest; raw patch indices; interleaved."""
     if dim % 2 or dim < 6:
-        raise ValueError(f"grid_rope('wan'): head dim {dim} cannot be split into three even axis blocks "
-                         f"(an even dim >= 6: 2 * (dim // 6) for height and width, the rest for frames)")
+        raise ValueError(
+            f"grid_rope('wan'): head dim {dim} cannot be split into three even axis blocks "
+            f"(an even dim >= 6: 2 * (dim // 6) for height and width, the rest for frames)"
+        )
     hw = 2 * (dim // 6)
     return GridRope(*_axis_blocks((dim - 2 * hw, hw, hw), theta), interleaved=True)
 
@@ -245,22 +317,30 @@ def _hunyuan(dim: int, theta: float = 256.0, axes_dims=(16, 56, 56)) -> GridRope
     if len(axes_dims) != 3 or any(d <= 0 or d % 2 for d in axes_dims):
         raise ValueError(f"grid_rope('hunyuan'): axes_dims must be three positive even sizes, got {axes_dims}")
     if sum(axes_dims) != dim:
-        raise ValueError(f"grid_rope('hunyuan'): axes_dims {axes_dims} sum to {sum(axes_dims)}, "
-                         f"not the head dim {dim}")
+        raise ValueError(f"grid_rope('hunyuan'): axes_dims {axes_dims} sum to {sum(axes_dims)}, not the head dim {dim}")
     return GridRope(*_axis_blocks(axes_dims, theta), interleaved=True)
 
 
-def _ltx(dim: int, theta: float = 10000.0, base_num_frames: float = 20, base_height: float = 2048,
-         base_width: float = 2048, patch_size: int = 1, patch_size_t: int = 1,
-         rope_interpolation_scale=LTX_PIPELINE_INTERPOLATION_SCALE) -> GridRope:
+def _ltx(
+    dim: int,
+    theta: float = 10000.0,
+    base_num_frames: float = 20,
+    base_height: float = 2048,
+    base_width: float = 2048,
+    patch_size: int = 1,
+    patch_size_t: int = 1,
+    rope_interpolation_scale=LTX_PIPELINE_INTERPOLATION_SCALE,
+) -> GridRope:
     """LTX-Video (``LTXVideoRotaryPosEmbed``), over the whole inner dim: K = dim // 6
     frequencies (pi/2) * theta ** (k / (K - 1)), each shared by the three axes
     (pairs ordered (k, axis), axis fastest) after (dim % 6) / 2 unrotated pairs;
     position 2 * idx * scale * patch / base - 1 (raw 2 * idx - 1 when
     ``rope_interpolation_scale`` is None); interleaved."""
     if dim % 2 or dim < 6:
-        raise ValueError(f"grid_rope('ltx'): dim {dim} cannot be split: an even dim >= 6 "
-                         f"(dim // 6 frequencies per axis, dim % 6 leading channels unrotated)")
+        raise ValueError(
+            f"grid_rope('ltx'): dim {dim} cannot be split: an even dim >= 6 "
+            f"(dim // 6 frequencies per axis, dim % 6 leading channels unrotated)"
+        )
     count = dim // 6
     pads = (dim % 6) // 2
     frequencies, axes = [0.0] * pads, [-1] * pads
@@ -274,8 +354,11 @@ def _ltx(dim: int, theta: float = 10000.0, base_num_frames: float = 20, base_hei
         s = tuple(float(v) for v in rope_interpolation_scale)
         if len(s) != 3:
             raise ValueError("grid_rope('ltx'): rope_interpolation_scale needs 3 entries (frame, row, column)")
-        scale = (2.0 * s[0] * patch_size_t / base_num_frames, 2.0 * s[1] * patch_size / base_height,
-                 2.0 * s[2] * patch_size / base_width)
+        scale = (
+            2.0 * s[0] * patch_size_t / base_num_frames,
+            2.0 * s[1] * patch_size / base_height,
+            2.0 * s[2] * patch_size / base_width,
+        )
     return GridRope(tuple(frequencies), tuple(axes), scale, (-1.0, -1.0, -1.0), interleaved=True)
 
 
@@ -297,8 +380,7 @@ def grid_rope(convention: str, dim: int, **overrides) -> GridRope:
             LTXPipeline's (8/25, 32, 32)).
     """
     if convention not in _CONVENTIONS:
-        raise ValueError(f"fused.grid_rope: unknown convention {convention!r}; expected one of "
-                         f"{sorted(_CONVENTIONS)}")
+        raise ValueError(f"fused.grid_rope: unknown convention {convention!r}; expected one of {sorted(_CONVENTIONS)}")
     if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
         raise ValueError(f"fused.grid_rope: dim must be a positive int, got {dim!r}")
     try:
@@ -307,14 +389,23 @@ def grid_rope(convention: str, dim: int, **overrides) -> GridRope:
         raise TypeError(f"fused.grid_rope({convention!r}): {e}") from None
 
 
-def check_grid(op: str, q: torch.Tensor, constants: torch.Tensor, height: int, width: int,
-               seq_dim: int) -> int:
+def check_grid(op: str, q: torch.Tensor, constants: torch.Tensor, height: int, width: int, seq_dim: int) -> int:
     """Validate the grid arguments; the rotary dim."""
-    if not isinstance(constants, torch.Tensor) or constants.dtype != torch.float32 \
-            or constants.dim() != 2 or constants.shape[0] != len(GRID_CONSTANT_ROWS):
-        fail(op, f"constants must be a [{len(GRID_CONSTANT_ROWS)}, P] fp32 tensor from GridRope.constants(), got "
-                 + (f"{constants.dtype} of shape {tuple(constants.shape)}" if isinstance(constants, torch.Tensor)
-                    else type(constants).__name__))
+    if (
+        not isinstance(constants, torch.Tensor)
+        or constants.dtype != torch.float32
+        or constants.dim() != 2
+        or constants.shape[0] != len(GRID_CONSTANT_ROWS)
+    ):
+        fail(
+            op,
+            f"constants must be a [{len(GRID_CONSTANT_ROWS)}, P] fp32 tensor from GridRope.constants(), got "
+            + (
+                f"{constants.dtype} of shape {tuple(constants.shape)}"
+                if isinstance(constants, torch.Tensor)
+                else type(constants).__name__
+            ),
+        )
     check_same_device(op, q, constants=constants)
     r = 2 * constants.shape[1]
     if r > q.shape[-1]:
@@ -324,15 +415,26 @@ def check_grid(op: str, q: torch.Tensor, constants: torch.Tensor, height: int, w
             fail(op, f"{argname} must be an int in [1, {GRID_MAX_INDEX}], got {v!r}")
     length = q.shape[seq_dim]
     if length % (height * width):
-        fail(op, f"q has L={length} tokens along seq_dim={seq_dim}, not a whole number of "
-                 f"height x width = {height} x {width} frames")
+        fail(
+            op,
+            f"q has L={length} tokens along seq_dim={seq_dim}, not a whole number of "
+            f"height x width = {height} x {width} frames",
+        )
     if length > GRID_MAX_INDEX * height * width:
         fail(op, f"q has {length // (height * width)} frames of {height} x {width}; at most {GRID_MAX_INDEX}")
     return r
 
 
-def rope_grid(q: torch.Tensor, k: torch.Tensor, constants: torch.Tensor, height: int, width: int,
-              interleaved: bool, seq_dim: int, inverse: bool = False):
+def rope_grid(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    constants: torch.Tensor,
+    height: int,
+    width: int,
+    interleaved: bool,
+    seq_dim: int,
+    inverse: bool = False,
+):
     check_qk("rope_grid", q, k, seq_dim)
     check_grid("rope_grid", q, constants, height, width, seq_dim)
     return q.new_empty(q.shape), k.new_empty(k.shape)

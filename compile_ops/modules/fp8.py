@@ -1,4 +1,5 @@
 """``FP8Linear``: an ``nn.Linear`` for inference with e4m3 weights and activations."""
+
 from typing import Optional, Union
 
 import torch
@@ -36,19 +37,28 @@ class FP8Linear(nn.Module):
     """
 
     @checked_arguments
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 device=None, dtype: Optional[torch.dtype] = None, fast_accum: bool = True):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype: Optional[torch.dtype] = None,
+        fast_accum: bool = True,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         #: torch._scaled_mm's fast accumulation on a GPU (:func:`~compile_ops.ops.fp8.fp8_linear`).
         self.fast_accum = fast_accum
         #: The output dtype of an already-quantized (FP8Rows) input, which has no dtype of its own.
         self.out_dtype = dtype or torch.bfloat16
-        self.register_buffer("weight_q", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn,
-                                                     device=device))
+        self.register_buffer(
+            "weight_q", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
+        )
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.bfloat16, device=device)
-                             if bias else None)
+        self.register_buffer(
+            "bias", torch.zeros(out_features, dtype=dtype or torch.bfloat16, device=device) if bias else None
+        )
 
     @classmethod
     @torch.no_grad()
@@ -62,8 +72,14 @@ class FP8Linear(nn.Module):
             raise TypeError(f"FP8Linear.from_linear: expected an nn.Linear, got {type(linear).__name__}")
         weight = linear.weight
         check_fp8_device(weight.device)
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None, device="meta",
-                  dtype=weight.dtype, fast_accum=fast_accum)
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            device="meta",
+            dtype=weight.dtype,
+            fast_accum=fast_accum,
+        )
         new.weight_q, new.weight_scale = quantize_fp8_rows(weight.detach())
         new.bias = None if linear.bias is None else linear.bias.detach().clone()
         return new
@@ -84,14 +100,15 @@ class FP8Linear(nn.Module):
         k = x.q.shape[-1] if isinstance(x, FP8Rows) else x.shape[-1]
         if k != self.in_features:
             shape = x.q.shape if isinstance(x, FP8Rows) else x.shape
-            raise ValueError(f"FP8Linear: x must have {self.in_features} channels (last dim), "
-                             f"got shape {tuple(shape)}")
+            raise ValueError(f"FP8Linear: x must have {self.in_features} channels (last dim), got shape {tuple(shape)}")
         out_dtype = self.out_dtype if isinstance(x, FP8Rows) else x.dtype
         return fp8_linear(x, self.weight_q, self.weight_scale, self.bias, out_dtype, self.fast_accum)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, fp8 e4m3 rowwise, fast_accum={self.fast_accum}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, fp8 e4m3 rowwise, fast_accum={self.fast_accum}"
+        )
 
 
 class FP8ProjectionActivation(nn.Module):
@@ -119,8 +136,10 @@ class FP8ProjectionActivation(nn.Module):
         if not isinstance(proj, FP8Linear):
             raise TypeError(f"FP8ProjectionActivation: proj must be a compile_ops.FP8Linear, got {type(proj).__name__}")
         if activation not in ACTIVATIONS:
-            raise ValueError(f"FP8ProjectionActivation: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, "
-                             f"got {activation!r}")
+            raise ValueError(
+                f"FP8ProjectionActivation: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, "
+                f"got {activation!r}"
+            )
         self.proj, self.activation = proj, activation
 
     def forward(self, x: Union[Tensor, FP8Rows]) -> FP8Rows:

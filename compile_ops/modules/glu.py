@@ -5,6 +5,7 @@ so a diffusers state dict loads unchanged; the projection is the same
 ``nn.Linear`` and the activation step runs as one ``fused.geglu`` /
 ``fused.swiglu`` kernel.
 """
+
 from torch import Tensor, nn
 
 from compile_ops.meta._validate import checked_arguments

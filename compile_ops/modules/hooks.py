@@ -10,6 +10,7 @@ on the meta device or in a storage dtype. So a seam that meets a hooked module
 holding tensors of its own calls the module instead (the unfused path for that
 one step), and the hook does its work.
 """
+
 import itertools
 from typing import Optional
 
@@ -38,8 +39,10 @@ def must_call(module: Optional[nn.Module]) -> bool:
     LayerNorm without affine) is safe to fuse past."""
     if module is None or not has_call_hooks(module):
         return False
-    return next(module.parameters(recurse=False), None) is not None or \
-        next(module.buffers(recurse=False), None) is not None
+    return (
+        next(module.parameters(recurse=False), None) is not None
+        or next(module.buffers(recurse=False), None) is not None
+    )
 
 
 def check_input(owner: str, name: str, t, module: nn.Module) -> None:
@@ -51,5 +54,6 @@ def check_input(owner: str, name: str, t, module: nn.Module) -> None:
         return
     like = next(itertools.chain(module.parameters(), module.buffers()), None)
     if like is not None and like.device.type != "meta" and t.device != like.device:
-        raise ValueError(f"{owner}: {name} is on {t.device} but the weights of its {type(module).__name__} are "
-                         f"on {like.device}")
+        raise ValueError(
+            f"{owner}: {name} is on {t.device} but the weights of its {type(module).__name__} are on {like.device}"
+        )

@@ -7,6 +7,7 @@ tests), so a diffusers state dict loads unchanged and the outputs are the same
 up to rounding; the norm and the modulation run as one ``fused.norm_modulate``
 kernel.
 """
+
 from typing import Optional
 
 import torch
@@ -38,30 +39,40 @@ class AdaLayerNormZero(nn.Module):
     """
 
     @checked_arguments
-    def __init__(self, embedding_dim: int, num_embeddings: Optional[int] = None,
-                 norm_type: str = "layer_norm", bias: bool = True):
+    def __init__(
+        self, embedding_dim: int, num_embeddings: Optional[int] = None, norm_type: str = "layer_norm", bias: bool = True
+    ):
         super().__init__()
         if num_embeddings is not None:
-            raise NotImplementedError("AdaLayerNormZero: num_embeddings (class-label embeddings) is not "
-                                      "supported; pass the embedding as `emb`")
+            raise NotImplementedError(
+                "AdaLayerNormZero: num_embeddings (class-label embeddings) is not "
+                "supported; pass the embedding as `emb`"
+            )
         if norm_type not in _ZERO_NORM_EPS:
-            raise ValueError(f"AdaLayerNormZero: norm_type must be one of {tuple(_ZERO_NORM_EPS)}, "
-                             f"got {norm_type!r}")
+            raise ValueError(f"AdaLayerNormZero: norm_type must be one of {tuple(_ZERO_NORM_EPS)}, got {norm_type!r}")
         self.emb = None
         self.eps = _ZERO_NORM_EPS[norm_type]
         self.silu = nn.SiLU()
         self.linear = nn.Linear(embedding_dim, 6 * embedding_dim, bias=bias)
 
-    def forward(self, x: Tensor, timestep: Optional[Tensor] = None, class_labels: Optional[Tensor] = None,
-                hidden_dtype: Optional[torch.dtype] = None, emb: Optional[Tensor] = None, fp8_rows: bool = False):
+    def forward(
+        self,
+        x: Tensor,
+        timestep: Optional[Tensor] = None,
+        class_labels: Optional[Tensor] = None,
+        hidden_dtype: Optional[torch.dtype] = None,
+        emb: Optional[Tensor] = None,
+        fp8_rows: bool = False,
+    ):
         if emb is None:
             raise ValueError("AdaLayerNormZero: emb ([B, C]) is required")
         check_flag("compile_ops.AdaLayerNormZero", "fp8_rows", fp8_rows)
         check_input("compile_ops.AdaLayerNormZero", "emb", emb, self.linear)
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-        x = (norm_modulate_fp8 if fp8_rows else norm_modulate)(x, scale_msa, shift_msa, None, None, "layernorm",
-                                                              self.eps)
+        x = (norm_modulate_fp8 if fp8_rows else norm_modulate)(
+            x, scale_msa, shift_msa, None, None, "layernorm", self.eps
+        )
         return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
@@ -101,8 +112,15 @@ class AdaLayerNormContinuous(nn.Module):
     """
 
     @checked_arguments
-    def __init__(self, embedding_dim: int, conditioning_embedding_dim: int, elementwise_affine: bool = True,
-                 eps: float = 1e-5, bias: bool = True, norm_type: str = "layer_norm"):
+    def __init__(
+        self,
+        embedding_dim: int,
+        conditioning_embedding_dim: int,
+        elementwise_affine: bool = True,
+        eps: float = 1e-5,
+        bias: bool = True,
+        norm_type: str = "layer_norm",
+    ):
         super().__init__()
         self.silu = nn.SiLU()
         self.linear = nn.Linear(conditioning_embedding_dim, embedding_dim * 2, bias=bias)
@@ -113,8 +131,7 @@ class AdaLayerNormContinuous(nn.Module):
             self.norm = RMSNorm(embedding_dim, eps, elementwise_affine)
             self._norm = "rmsnorm"
         else:
-            raise ValueError(f"AdaLayerNormContinuous: norm_type must be 'layer_norm' or 'rms_norm', "
-                             f"got {norm_type!r}")
+            raise ValueError(f"AdaLayerNormContinuous: norm_type must be 'layer_norm' or 'rms_norm', got {norm_type!r}")
 
     def forward(self, x: Tensor, conditioning_embedding: Tensor) -> Tensor:
         check_input("compile_ops.AdaLayerNormContinuous", "x", x, self.linear)

@@ -28,6 +28,7 @@ Both combine the k expert outputs of a token with its routing weights in
 fp32 (fp64 for fp64 weights), in a fixed order: no atomics, the same bits
 on every run.
 """
+
 import math
 
 import torch
@@ -44,8 +45,13 @@ EXPERT_IMPLS = ("auto", "loop", "grouped_mm")
 
 def grouped_mm_available(t: Tensor) -> bool:
     """Whether ``"auto"`` runs the experts through ``torch._grouped_mm`` for weights like ``t``."""
-    return (hasattr(torch, "_grouped_mm") and t.device.type == "cuda" and torch.cuda.is_available()
-            and t.dtype == torch.bfloat16 and cuda_capability(t.device.index)[:2] >= (9, 0))
+    return (
+        hasattr(torch, "_grouped_mm")
+        and t.device.type == "cuda"
+        and torch.cuda.is_available()
+        and t.dtype == torch.bfloat16
+        and cuda_capability(t.device.index)[:2] >= (9, 0)
+    )
 
 
 def _expert_mlp(x: Tensor, w_in: Tensor, w_out: Tensor) -> Tensor:
@@ -53,8 +59,9 @@ def _expert_mlp(x: Tensor, w_in: Tensor, w_out: Tensor) -> Tensor:
     return swiglu(x @ w_in.t(), gate_first=True) @ w_out.t()
 
 
-def experts_loop(x: Tensor, weights: Tensor, experts: Tensor, counts: Tensor, token_index: Tensor,
-                 w_in: Tensor, w_out: Tensor) -> Tensor:
+def experts_loop(
+    x: Tensor, weights: Tensor, experts: Tensor, counts: Tensor, token_index: Tensor, w_in: Tensor, w_out: Tensor
+) -> Tensor:
     """``[T, dim]`` in the combine dtype: ``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])``,
     one expert at a time (see the module docstring for the two batch sizes)."""
     t, dim = x.shape
@@ -62,19 +69,21 @@ def experts_loop(x: Tensor, weights: Tensor, experts: Tensor, counts: Tensor, to
     acc = accumulation_dtype(x, weights)
     # Row T of each padded tensor is what the padding entries (T) of token_index read.
     padded = torch.cat([x, x.new_zeros(1, dim)])
-    combine = torch.cat([weights.new_zeros(t, num_experts).scatter(1, experts, weights),
-                         weights.new_zeros(1, num_experts)])
+    combine = torch.cat(
+        [weights.new_zeros(t, num_experts).scatter(1, experts, weights), weights.new_zeros(1, num_experts)]
+    )
     out = torch.zeros(t + 1, dim, dtype=acc, device=x.device)
     sizes = [t] * num_experts if torch.compiler.is_compiling() else counts.tolist()
     for e in range(num_experts):
-        rows = token_index[e, :sizes[e]]
+        rows = token_index[e, : sizes[e]]
         y = _expert_mlp(padded[rows], w_in[e], w_out[e])
         out = out.index_add(0, rows, y.to(acc) * combine[rows, e, None].to(acc))
     return out[:t]
 
 
-def experts_grouped(x: Tensor, weights: Tensor, experts: Tensor, counts: Tensor, token_index: Tensor,
-                    w_in: Tensor, w_out: Tensor) -> Tensor:
+def experts_grouped(
+    x: Tensor, weights: Tensor, experts: Tensor, counts: Tensor, token_index: Tensor, w_in: Tensor, w_out: Tensor
+) -> Tensor:
     """The same sum through ``torch._grouped_mm``, on the ``T * k`` (token,
     expert) pairs sorted by expert (each expert's tokens ascending)."""
     t, dim = x.shape
@@ -110,8 +119,15 @@ class MoEFeedForward(nn.Module):
     """
 
     @checked_arguments
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int = 2, renormalize: bool = True,
-                 expert_impl: str = "auto"):
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int = 2,
+        renormalize: bool = True,
+        expert_impl: str = "auto",
+    ):
         super().__init__()
         if expert_impl not in EXPERT_IMPLS:
             raise ValueError(f"MoEFeedForward: expert_impl must be one of {EXPERT_IMPLS}, got {expert_impl!r}")
@@ -135,5 +151,7 @@ class MoEFeedForward(nn.Module):
 
     def extra_repr(self) -> str:
         e, two_f, dim = self.w_in.shape
-        return (f"dim={dim}, hidden_dim={two_f // 2}, num_experts={e}, top_k={self.top_k}, "
-                f"renormalize={self.renormalize}, expert_impl={self.expert_impl!r}")
+        return (
+            f"dim={dim}, hidden_dim={two_f // 2}, num_experts={e}, top_k={self.top_k}, "
+            f"renormalize={self.renormalize}, expert_impl={self.expert_impl!r}"
+        )

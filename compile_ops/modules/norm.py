@@ -4,6 +4,7 @@ Parameter names (``weight``, ``bias``) and constructor arguments follow
 ``torch.nn.RMSNorm`` / ``torch.nn.LayerNorm`` and diffusers' ``RMSNorm``, so
 state dicts load unchanged.
 """
+
 import numbers
 from typing import Optional, Sequence, Union
 
@@ -19,8 +20,10 @@ def _hidden_size(normalized_shape: Union[int, Sequence[int]]) -> int:
         return int(normalized_shape)
     shape = tuple(normalized_shape)
     if len(shape) != 1:
-        raise ValueError(f"normalized_shape must name one (the last) dim, got {shape}: "
-                         "the fused norms normalize over the last dim only")
+        raise ValueError(
+            f"normalized_shape must name one (the last) dim, got {shape}: "
+            "the fused norms normalize over the last dim only"
+        )
     return int(shape[0])
 
 
@@ -34,8 +37,15 @@ class RMSNorm(nn.Module):
     """
 
     @checked_arguments
-    def __init__(self, dim: Union[int, Sequence[int]], eps: Optional[float] = None,
-                 elementwise_affine: bool = True, bias: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        dim: Union[int, Sequence[int]],
+        eps: Optional[float] = None,
+        elementwise_affine: bool = True,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.dim = _hidden_size(dim)
         self.eps = eps
@@ -61,8 +71,15 @@ class LayerNorm(nn.Module):
     """
 
     @checked_arguments
-    def __init__(self, normalized_shape: Union[int, Sequence[int]], eps: float = 1e-5,
-                 elementwise_affine: bool = True, bias: bool = True, device=None, dtype=None):
+    def __init__(
+        self,
+        normalized_shape: Union[int, Sequence[int]],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.dim = _hidden_size(normalized_shape)
         self.normalized_shape = (self.dim,)

@@ -1,4 +1,5 @@
 """Launcher helpers shared by every op family in ``ops/``."""
+
 from typing import Optional
 
 import torch
@@ -32,8 +33,12 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 #: torch dtypes as the kernels' ``tl.constexpr`` dtype arguments.
-TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
-                 torch.float64: tl.float64}
+TRITON_DTYPES = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float64: tl.float64,
+}
 
 
 def as_rows(t: Tensor) -> Tensor:
@@ -71,4 +76,5 @@ def column_sum(partial: Tensor, n_rows, out: Tensor) -> None:
     # hidden size ran on 12 of 132 SMs.
     block_n = min(triton.next_power_of_2(n), 32)
     launcher(column_sum_kernel)[(triton.cdiv(n, block_n),)](
-        partial, out, n_rows, n, BLOCK_R=64, BLOCK_N=block_n, num_warps=4)
+        partial, out, n_rows, n, BLOCK_R=64, BLOCK_N=block_n, num_warps=4
+    )

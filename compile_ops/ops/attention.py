@@ -20,6 +20,7 @@ programs, once :func:`set_attention_backward` asks for it.
 ``ops/attention_tiles.py`` and ``ops/attention_args.py`` hold the launches'
 configurations and arguments.
 """
+
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -36,22 +37,31 @@ from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 # ---------------------------------------------------------------- ops
 
 
-@fused_op("attention", fake=meta.attention.attention, reference=reference.attention.attention,
-          autocast="lower")
-def _attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2,
-                  kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+@fused_op("attention", fake=meta.attention.attention, reference=reference.attention.attention, autocast="lower")
+def _attention_op(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2, kv_lengths: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
     out, lse = meta.attention.attention(q, k, v, scale, causal, seq_dim, kv_lengths)
     launch_forward(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths)
     return out, lse
 
 
-@fused_op("attention_backward", fake=meta.attention.attention_backward,
-          reference=reference.attention.attention_backward)
-def _attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                           scale: float, causal: bool, seq_dim: int = 2,
-                           kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = meta.attention.attention_backward(grad_out, q, k, v, out, lse, scale, causal, seq_dim,
-                                                   kv_lengths)
+@fused_op(
+    "attention_backward", fake=meta.attention.attention_backward, reference=reference.attention.attention_backward
+)
+def _attention_backward_op(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = meta.attention.attention_backward(grad_out, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths)
     launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, scale, causal, seq_dim, kv_lengths)
     return dq, dk, dv
 
@@ -73,58 +83,96 @@ def _backward_attention(ctx, grad_out, _grad_lse):
 _attention_op.register_autograd(_backward_attention, setup_context=_setup_attention)
 
 
-@fused_op("attention_int8", fake=meta.attention.attention_int8, reference=reference.attention.attention_int8,
-          autocast="lower")
-def _attention_int8_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2,
-                       kv_lengths: Optional[Tensor] = None) -> Tensor:
+@fused_op(
+    "attention_int8", fake=meta.attention.attention_int8, reference=reference.attention.attention_int8, autocast="lower"
+)
+def _attention_int8_op(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2, kv_lengths: Optional[Tensor] = None
+) -> Tensor:
     out = meta.attention.attention_int8(q, k, v, scale, causal, seq_dim, kv_lengths)
-    launch_eight_bit(quantized_operands(q, k, v, seq_dim, pv_fp8=False), v, out, scale, causal, seq_dim,
-                     kv_lengths)
+    launch_eight_bit(quantized_operands(q, k, v, seq_dim, pv_fp8=False), v, out, scale, causal, seq_dim, kv_lengths)
     return out
 
 
-register_no_gradient(_attention_int8_op, "fused.attention_int8 is inference only (its q and k are rounded to 8 "
-                     "bits, which has no useful gradient): train with precision='exact', or run the call under "
-                     "torch.no_grad()")
+register_no_gradient(
+    _attention_int8_op,
+    "fused.attention_int8 is inference only (its q and k are rounded to 8 "
+    "bits, which has no useful gradient): train with precision='exact', or run the call under "
+    "torch.no_grad()",
+)
 
 
-@fused_op("attention_int8_fp8", fake=meta.attention.attention_int8_fp8,
-          reference=reference.attention.attention_int8_fp8, autocast="lower")
-def _attention_int8_fp8_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2,
-                           kv_lengths: Optional[Tensor] = None) -> Tensor:
+@fused_op(
+    "attention_int8_fp8",
+    fake=meta.attention.attention_int8_fp8,
+    reference=reference.attention.attention_int8_fp8,
+    autocast="lower",
+)
+def _attention_int8_fp8_op(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2, kv_lengths: Optional[Tensor] = None
+) -> Tensor:
     out = meta.attention.attention_int8_fp8(q, k, v, scale, causal, seq_dim, kv_lengths)
     require_fp8_mma(q, "precision='int8_fp8' attention (P V in FP8)")
-    launch_eight_bit(quantized_operands(q, k, v, seq_dim, pv_fp8=True), v, out, scale, causal, seq_dim,
-                     kv_lengths)
+    launch_eight_bit(quantized_operands(q, k, v, seq_dim, pv_fp8=True), v, out, scale, causal, seq_dim, kv_lengths)
     return out
 
 
-register_no_gradient(_attention_int8_fp8_op, "fused.attention_int8_fp8 is inference only (q, k, v and the "
-                     "probabilities are rounded to 8 bits): train with precision='exact', or run the call under "
-                     "torch.no_grad()")
+register_no_gradient(
+    _attention_int8_fp8_op,
+    "fused.attention_int8_fp8 is inference only (q, k, v and the "
+    "probabilities are rounded to 8 bits): train with precision='exact', or run the call under "
+    "torch.no_grad()",
+)
 
 
-@fused_op("attention_int8_fp8_rows", fake=meta.attention.attention_int8_fp8_rows,
-          reference=reference.attention.attention_int8_fp8_rows, autocast="lower")
-def _attention_int8_fp8_rows_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2,
-                                kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+@fused_op(
+    "attention_int8_fp8_rows",
+    fake=meta.attention.attention_int8_fp8_rows,
+    reference=reference.attention.attention_int8_fp8_rows,
+    autocast="lower",
+)
+def _attention_int8_fp8_rows_op(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, seq_dim: int = 2, kv_lengths: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
     values, out_scale = meta.attention.attention_int8_fp8_rows(q, k, v, scale, causal, seq_dim, kv_lengths)
     require_fp8_mma(q, "FP8 output rows of 8-bit attention")
-    launch_eight_bit(quantized_operands(q, k, v, seq_dim, pv_fp8=True), v, values, scale, causal, seq_dim, kv_lengths,
-                     out_scale=out_scale)
+    launch_eight_bit(
+        quantized_operands(q, k, v, seq_dim, pv_fp8=True),
+        v,
+        values,
+        scale,
+        causal,
+        seq_dim,
+        kv_lengths,
+        out_scale=out_scale,
+    )
     return values, out_scale
 
 
-register_no_gradient(_attention_int8_fp8_rows_op, "fused.attention_int8_fp8_rows is inference only (its output "
-                     "is e4m3): train with precision='exact', or run the call under torch.no_grad()")
+register_no_gradient(
+    _attention_int8_fp8_rows_op,
+    "fused.attention_int8_fp8_rows is inference only (its output "
+    "is e4m3): train with precision='exact', or run the call under torch.no_grad()",
+)
 
 
 @fused_op("attention_qk8", fake=meta.attention.attention_qk8, reference=reference.attention.attention_qk8)
-def _attention_qk8_op(q: Tensor, q_scale: Tensor, k: Tensor, k_scale: Tensor, v: Tensor, scale: float,
-                      causal: bool, seq_dim: int = 2, kv_lengths: Optional[Tensor] = None, pv_fp8: bool = False,
-                      fp8_rows: bool = False) -> tuple[Tensor, Tensor]:
-    out, out_scale = meta.attention.attention_qk8(q, q_scale, k, k_scale, v, scale, causal, seq_dim, kv_lengths,
-                                                  pv_fp8, fp8_rows)
+def _attention_qk8_op(
+    q: Tensor,
+    q_scale: Tensor,
+    k: Tensor,
+    k_scale: Tensor,
+    v: Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[Tensor] = None,
+    pv_fp8: bool = False,
+    fp8_rows: bool = False,
+) -> tuple[Tensor, Tensor]:
+    out, out_scale = meta.attention.attention_qk8(
+        q, q_scale, k, k_scale, v, scale, causal, seq_dim, kv_lengths, pv_fp8, fp8_rows
+    )
     if pv_fp8:
         require_fp8_mma(q, "8-bit attention with P V in FP8")
     operands = (q, q_scale, k, k_scale) + quantized_operands(None, None, v, seq_dim, pv_fp8)
@@ -132,8 +180,11 @@ def _attention_qk8_op(q: Tensor, q_scale: Tensor, k: Tensor, k_scale: Tensor, v:
     return out, out_scale
 
 
-register_no_gradient(_attention_qk8_op, "fused.attention_qk8 is inference only (its q and k are INT8): train "
-                     "with precision='exact', or run the call under torch.no_grad()")
+register_no_gradient(
+    _attention_qk8_op,
+    "fused.attention_qk8 is inference only (its q and k are INT8): train "
+    "with precision='exact', or run the call under torch.no_grad()",
+)
 
 
 # ---------------------------------------------------------------- public functions
@@ -146,6 +197,7 @@ class Int8QK(NamedTuple):
     write straight from the projections (no 16-bit q or k in memory), and
     what :func:`attention` and :func:`attention_fp8_rows` take as ``q`` (with
     ``k=None``) in place of 16-bit q and k."""
+
     q: Tensor
     """int8, q's shape and layout."""
     q_scale: Tensor
@@ -161,8 +213,9 @@ def _given_quantized(name: str, q, k) -> bool:
     if not isinstance(q, Int8QK):
         return False
     if k is not None:
-        raise ValueError(f"{name}: q is an Int8QK (q and k quantized together), so k must be None, got "
-                         f"{type(k).__name__}")
+        raise ValueError(
+            f"{name}: q is an Int8QK (q and k quantized together), so k must be None, got {type(k).__name__}"
+        )
     return True
 
 
@@ -212,9 +265,17 @@ def set_attention_backward(deterministic: bool = True) -> None:
 
 
 @checked_arguments
-def attention(q: Union[Tensor, Int8QK], k: Optional[Tensor], v: Tensor, scale: Optional[float] = None,
-              causal: bool = False, seq_dim: int = 2, kv_lengths: Optional[Tensor] = None, return_lse: bool = False,
-              precision: str = "exact"):
+def attention(
+    q: Union[Tensor, Int8QK],
+    k: Optional[Tensor],
+    v: Tensor,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    seq_dim: int = 2,
+    kv_lengths: Optional[Tensor] = None,
+    return_lse: bool = False,
+    precision: str = "exact",
+):
     """Flash attention: ``softmax(scale q k^T) v`` without materializing the scores.
 
     Args:
@@ -251,27 +312,40 @@ def attention(q: Union[Tensor, Int8QK], k: Optional[Tensor], v: Tensor, scale: O
     if precision not in PRECISIONS:
         raise ValueError(f"compile_ops.attention: precision must be one of {PRECISIONS}, got {precision!r}")
     if precision in _EIGHT_BIT_OPS and return_lse:
-        raise ValueError(f"compile_ops.attention: precision={precision!r} returns no lse (inference only); "
-                         "call it with return_lse=False")
+        raise ValueError(
+            f"compile_ops.attention: precision={precision!r} returns no lse (inference only); "
+            "call it with return_lse=False"
+        )
     if _given_quantized("compile_ops.attention", q, k):
         if precision not in _EIGHT_BIT_OPS:
-            raise ValueError(f"compile_ops.attention: q is an Int8QK (quantized q and k), which needs an 8-bit "
-                             f"precision {tuple(_EIGHT_BIT_OPS)}, got precision={precision!r}")
+            raise ValueError(
+                f"compile_ops.attention: q is an Int8QK (quantized q and k), which needs an 8-bit "
+                f"precision {tuple(_EIGHT_BIT_OPS)}, got precision={precision!r}"
+            )
         scale = softmax_scale("compile_ops.attention", q.q, scale)
         return _attention_qk8_op(*q, v, scale, causal, seq_dim, kv_lengths, precision == "int8_fp8", False)[0]
     scale = softmax_scale("compile_ops.attention", q, scale, "a torch.Tensor or an Int8QK")
     if precision in _EIGHT_BIT_OPS:
         op = _EIGHT_BIT_OPS[precision]
         return _dtensor.sequence_parallel(
-            lambda q, k, v: op(q, k, v, scale, causal, seq_dim, kv_lengths), q, k, v, seq_dim)
+            lambda q, k, v: op(q, k, v, scale, causal, seq_dim, kv_lengths), q, k, v, seq_dim
+        )
     out, lse = _dtensor.sequence_parallel(
-        lambda q, k, v: _attention_op(q, k, v, scale, causal, seq_dim, kv_lengths), q, k, v, seq_dim)
+        lambda q, k, v: _attention_op(q, k, v, scale, causal, seq_dim, kv_lengths), q, k, v, seq_dim
+    )
     return (out, lse) if return_lse else out
 
 
 @checked_arguments
-def attention_fp8_rows(q: Union[Tensor, Int8QK], k: Optional[Tensor], v: Tensor, scale: Optional[float] = None,
-                       causal: bool = False, seq_dim: int = 2, kv_lengths: Optional[Tensor] = None) -> FP8Rows:
+def attention_fp8_rows(
+    q: Union[Tensor, Int8QK],
+    k: Optional[Tensor],
+    v: Tensor,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    seq_dim: int = 2,
+    kv_lengths: Optional[Tensor] = None,
+) -> FP8Rows:
     """:func:`attention` with ``precision="int8_fp8"`` whose output comes as the
     FP8 rows an FP8 output projection reads (``FP8Linear``, :func:`fp8_linear`):
     the kernel writes e4m3 values and their scales in its epilogue, so the
@@ -306,9 +380,16 @@ def attention_fp8_rows(q: Union[Tensor, Int8QK], k: Optional[Tensor], v: Tensor,
 
 
 @checked_arguments
-def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
-                                 dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
-                                 enable_gqa: bool = False) -> Tensor:
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention``'s signature, on :func:`attention`.
 
     Args:
@@ -323,8 +404,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     """
     owner = "compile_ops.scaled_dot_product_attention"
     if attn_mask is not None:
-        raise NotImplementedError(f"{owner}: attn_mask is not supported; pass key padding as kv_lengths to "
-                                  "compile_ops.attention")
+        raise NotImplementedError(
+            f"{owner}: attn_mask is not supported; pass key padding as kv_lengths to compile_ops.attention"
+        )
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{owner}: dropout_p must be a probability in [0, 1], got {dropout_p}")
     if dropout_p != 0.0:

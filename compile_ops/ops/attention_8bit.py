@@ -1,6 +1,7 @@
 """8-bit attention's operands and forward: :func:`quantize_8bit`'s Triton
 passes over k and v, the layouts and scales of FP8 P V, and the body the
 8-bit ops share (:func:`launch_eight_bit`)."""
+
 from typing import Optional
 
 import torch
@@ -39,8 +40,9 @@ def stat_rows_per_chunk(lk: int) -> int:
     """Keys per program of the statistics pass over ``lk`` keys: a multiple
     of STAT_STEP, at least STAT_CHUNK_ROWS and enough for at most
     MAX_STAT_CHUNKS programs a head."""
-    steps_per_chunk = torch.sym_max(triton.cdiv(STAT_CHUNK_ROWS, STAT_STEP),
-                                    triton.cdiv(triton.cdiv(lk, STAT_STEP), MAX_STAT_CHUNKS))
+    steps_per_chunk = torch.sym_max(
+        triton.cdiv(STAT_CHUNK_ROWS, STAT_STEP), triton.cdiv(triton.cdiv(lk, STAT_STEP), MAX_STAT_CHUNKS)
+    )
     return STAT_STEP * steps_per_chunk
 
 
@@ -69,8 +71,10 @@ def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tup
     chunks = triton.cdiv(lk, rows_per_chunk)
     # Per (batch, k head): a row per chunk and the head's total; k's column
     # sums and v's column amax, each only when quantized.
-    k_sum, v_amax = (torch.empty((b * hk, chunks + 1, d), dtype=torch.float32, device=kv.device) if wanted
-                     else None for wanted in (with_k, with_v))
+    k_sum, v_amax = (
+        torch.empty((b * hk, chunks + 1, d), dtype=torch.float32, device=kv.device) if wanted else None
+        for wanted in (with_k, with_v)
+    )
     arrivals = torch.empty((b * hk,), dtype=torch.int32, device=kv.device)
     k8 = k_scale = vt8 = v_scale = None
     if with_k:
@@ -88,12 +92,40 @@ def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tup
         consts = dict(D=d, BLOCK_D=block_d(d), WITH_V=with_v, WITH_K=with_k)
         launcher(kv8_counters_clear_kernel)[(triton.cdiv(b * hk, 1024),)](arrivals, b * hk, BLOCK=1024)
         launcher(kv8_stats_kernel)[(chunks, b * hk)](
-            k, v, k_sum, v_amax, arrivals, hk, lk, *k_strides, *v_strides, rows_per_chunk, BLOCK_L=STAT_STEP,
-            **STATS_LAUNCH, **consts)
+            k,
+            v,
+            k_sum,
+            v_amax,
+            arrivals,
+            hk,
+            lk,
+            *k_strides,
+            *v_strides,
+            rows_per_chunk,
+            BLOCK_L=STAT_STEP,
+            **STATS_LAUNCH,
+            **consts,
+        )
         launcher(kv8_quantize_kernel)[(blocks, b * hk)](
-            k, k8, k_scale, k_sum, v, vt8, v_amax, v_scale, hk, lk, chunks, *k_strides,
-            *(bhl_strides(k8, seq_dim) if with_k else (0, 0, 0)), *v_strides, vt8.stride(2) if with_v else 0,
-            BLOCK_L=reference.attention.INT8_KEY_BLOCK, **QUANTIZE_LAUNCH, **consts)
+            k,
+            k8,
+            k_scale,
+            k_sum,
+            v,
+            vt8,
+            v_amax,
+            v_scale,
+            hk,
+            lk,
+            chunks,
+            *k_strides,
+            *(bhl_strides(k8, seq_dim) if with_k else (0, 0, 0)),
+            *v_strides,
+            vt8.stride(2) if with_v else 0,
+            BLOCK_L=reference.attention.INT8_KEY_BLOCK,
+            **QUANTIZE_LAUNCH,
+            **consts,
+        )
     return ((k8, k_scale) if with_k else ()) + ((vt8.narrow(3, 0, lk), v_scale) if with_v else ())
 
 
@@ -110,8 +142,7 @@ def fp8_values_transposed(v: Tensor, seq_dim: int) -> tuple[Tensor, Tensor]:
     scaled = (vf * v_inverse.unsqueeze(2)).transpose(2, 3)
     # Contiguous whatever the padding: with none, pad returns the transposed view, and a cast
     # that preserved its strides would leave the keys D apart (the kernel reads them as adjacent).
-    vt = torch.nn.functional.pad(scaled, (0, -lk % 16)).to(torch.float8_e4m3fn,
-                                                            memory_format=torch.contiguous_format)
+    vt = torch.nn.functional.pad(scaled, (0, -lk % 16)).to(torch.float8_e4m3fn, memory_format=torch.contiguous_format)
     return vt.narrow(3, 0, lk), v_scale
 
 
@@ -127,14 +158,27 @@ def fp8_rows_scale(v_scale: Tensor) -> Tensor:
     if b > 0:
         per_batch = v_scale[0].numel()
         launcher(fp8_rows_scale_kernel)[(b,)](
-            v_scale, row_scale, per_batch, FLOOR=reference.fp8.AMAX_FLOOR / reference.attention.FP8_MAX,
+            v_scale,
+            row_scale,
+            per_batch,
+            FLOOR=reference.fp8.AMAX_FLOOR / reference.attention.FP8_MAX,
             HEADROOM=reference.attention.FP8_ROWS_HEADROOM,
-            BLOCK=min(4096, triton.next_power_of_2(max(per_batch, 1))), num_warps=4)
+            BLOCK=min(4096, triton.next_power_of_2(max(per_batch, 1))),
+            num_warps=4,
+        )
     return row_scale
 
 
-def launch_eight_bit(operands: tuple, v: Tensor, out: Tensor, scale: float, causal: bool, seq_dim: int,
-                     kv_lengths: Optional[Tensor], out_scale: Optional[Tensor] = None) -> None:
+def launch_eight_bit(
+    operands: tuple,
+    v: Tensor,
+    out: Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int,
+    kv_lengths: Optional[Tensor],
+    out_scale: Optional[Tensor] = None,
+) -> None:
     """The body the 8-bit ops share: fill ``out`` from the forward kernel.
     ``operands``: ``(q8, q_scale, k8, k_scale)`` and, for FP8 P V, ``(vt8,
     v_scale)`` (:func:`quantize_8bit`'s tuple); without the latter P V is
@@ -145,13 +189,26 @@ def launch_eight_bit(operands: tuple, v: Tensor, out: Tensor, scale: float, caus
     b, h, lq, _ = meta.attention.dims(q8, seq_dim)
     lse = v.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
     if not v_operands:
-        launch_forward(q8, k8, unit_last_stride(v), out, lse, scale, causal, seq_dim, kv_lengths,
-                       int8_scales=(q_scale, k_scale))
+        launch_forward(
+            q8, k8, unit_last_stride(v), out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale)
+        )
         return
     vt8, v_scale = v_operands
     fp8_rows = None if out_scale is None else (fp8_rows_scale(v_scale), out_scale)
-    launch_forward(q8, k8, vt8, out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale),
-                   v_scale=v_scale, fp8_rows=fp8_rows)
+    launch_forward(
+        q8,
+        k8,
+        vt8,
+        out,
+        lse,
+        scale,
+        causal,
+        seq_dim,
+        kv_lengths,
+        int8_scales=(q_scale, k_scale),
+        v_scale=v_scale,
+        fp8_rows=fp8_rows,
+    )
 
 
 def quantized_operands(q: Optional[Tensor], k: Optional[Tensor], v: Tensor, seq_dim: int, pv_fp8: bool) -> tuple:

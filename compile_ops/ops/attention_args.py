@@ -1,6 +1,7 @@
 """What every attention launch derives from its tensors: the call's sizes and
 shared constexprs, (batch, head, position) strides, block-list arguments,
 and whether TMA descriptors may cover the tensors."""
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,6 +24,7 @@ def bhl_strides(t: Tensor, seq_dim: int) -> tuple:
 @dataclass(frozen=True)
 class AttentionSizes:
     """A call's sizes and the constexprs every attention kernel takes (:func:`attention_sizes`)."""
+
     b: int
     h: int
     hk: int
@@ -49,10 +51,17 @@ def attention_sizes(q: Tensor, k: Tensor, causal: bool, seq_dim: int, kv_lengths
     lengths, each at full speed."""
     b, h, lq, d = meta.attention.dims(q, seq_dim)
     hk, lk = meta.attention.dims(k, seq_dim)[1:3]
-    consts = dict(D=d, BLOCK_D=block_d(d), CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None,
-                  DOT_PRECISION=dot_precision(q.dtype), ACC=acc_dtype(q),
-                  FMA_EXPONENT=q.dtype in (torch.float16, torch.bfloat16), SPARSE_BLOCK=meta.attention.SPARSE_BLOCK,
-                  ALIGNED_LENGTHS=bool(lq % 16 == 0 and lk % 16 == 0))
+    consts = dict(
+        D=d,
+        BLOCK_D=block_d(d),
+        CAUSAL=causal,
+        HAS_KV_LEN=kv_lengths is not None,
+        DOT_PRECISION=dot_precision(q.dtype),
+        ACC=acc_dtype(q),
+        FMA_EXPONENT=q.dtype in (torch.float16, torch.bfloat16),
+        SPARSE_BLOCK=meta.attention.SPARSE_BLOCK,
+        ALIGNED_LENGTHS=bool(lq % 16 == 0 and lk % 16 == 0),
+    )
     return AttentionSizes(b, h, hk, lq, lk, d, causal, kv_lengths is not None, consts)
 
 

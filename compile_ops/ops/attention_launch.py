@@ -2,6 +2,7 @@
 fill the outputs of every attention op (dense, block-sparse, 8-bit) from
 its fake, on the Triton kernels or, where ``ops/attention_sm90.py`` takes the
 call, the sm_90 Gluon kernels."""
+
 from typing import Optional
 
 import torch
@@ -32,10 +33,21 @@ from compile_ops.ops.attention_sm90 import (
 from compile_ops.ops.attention_tiles import LAUNCH_ORDER, causal_order, dkdv_tiles, dq_tiles, forward_tiles
 
 
-def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
-                   seq_dim: int, kv_lengths: Optional[Tensor], blocks: Optional[tuple] = None,
-                   int8_scales: Optional[tuple] = None, v_scale: Optional[Tensor] = None,
-                   fp8_rows: Optional[tuple] = None) -> None:
+def launch_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int,
+    kv_lengths: Optional[Tensor],
+    blocks: Optional[tuple] = None,
+    int8_scales: Optional[tuple] = None,
+    v_scale: Optional[Tensor] = None,
+    fp8_rows: Optional[tuple] = None,
+) -> None:
     """Fill ``out`` and ``lse`` (from the fake). ``blocks``: block-sparse
     attention's ``(index [B, H, Lq blocks, width], count [B, H, Lq blocks])``.
     ``int8_scales``: 8-bit attention's ``(q_scale [B, H, Lq], k_scale [B, Hk,
@@ -61,24 +73,32 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     assert pv_fp8 or fp8_rows is None, "FP8 output rows are a mode of FP8 P V"
     consts = sizes.consts
     if int8:  # the accumulators and a 16-bit PV dot follow out (fp32 for e4m3 rows); an int8 dot needs K (= D) >= 32
-        consts = dict(consts, ACC=acc_dtype(out), DOT_PRECISION=dot_precision(out.dtype), FMA_EXPONENT=True,
-                      BLOCK_D=max(32, consts["BLOCK_D"]))
+        consts = dict(
+            consts,
+            ACC=acc_dtype(out),
+            DOT_PRECISION=dot_precision(out.dtype),
+            FMA_EXPONENT=True,
+            BLOCK_D=max(32, consts["BLOCK_D"]),
+        )
     q_scale, k_scale = int8_scales if int8 else (None, None)
     precision = "int8_fp8" if pv_fp8 else "int8" if int8 else "exact"
     v_seq_dim = 2 if pv_fp8 else seq_dim  # the transposed v: its channels take the position stride
     if pv_fp8 and v.stride(3) != 1:
-        raise ValueError(f"launch_forward: FP8 P V takes v as [B, Hk, D, Lk] with unit key stride, got strides "
-                         f"{tuple(v.stride())}")
+        raise ValueError(
+            f"launch_forward: FP8 P V takes v as [B, Hk, D, Lk] with unit key stride, got strides {tuple(v.stride())}"
+        )
     core = forward_tiles(int(sizes.d), out.dtype, True, precision, can_run_gluon(q))
     if takes_sm90_core(core, sizes, q, k, v, seq_dim, v_seq_dim, blocks, int8 and q_scale is None, fp8_rows):
         lists = blocks if blocks is not None else (None, None)
         scales = (q_scale, k_scale, v_scale) if pv_fp8 else (None, None, None)
         if on_eager_fast_path():  # launched as is, recorded for launch plans
-            launch_sm90_core(launcher(attn_fwd_sm90_kernel), q, k, v, out, lse, scale, causal, seq_dim, kv_lengths,
-                             *lists, *scales)
+            launch_sm90_core(
+                launcher(attn_fwd_sm90_kernel), q, k, v, out, lse, scale, causal, seq_dim, kv_lengths, *lists, *scales
+            )
         else:
-            torch.ops.fused_gluon.attention_forward_sm90_(q, k, v, out, lse, float(scale), causal, seq_dim,
-                                                          kv_lengths, *lists, *scales)
+            torch.ops.fused_gluon.attention_forward_sm90_(
+                q, k, v, out, lse, float(scale), causal, seq_dim, kv_lengths, *lists, *scales
+            )
         return
     t = forward_tiles(int(sizes.d), out.dtype, has_tma(q), precision)  # attn_fwd_kernel's own tiles
     # One k scale per tile: its key tiles divide the scale blocks (all tiles are powers of two up to 128).
@@ -95,20 +115,66 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sc
     grid = (triton.cdiv(sizes.lq, t.block_m), sizes.b * sizes.h)
     order, group = causal_order(k, sizes.lk, grid[1]) if causal and blocks is None else LAUNCH_ORDER
     launcher(attn_fwd_kernel)[grid](
-        q, k, v, out, lse, kv_lengths, index, count, q_scale, k_scale, v_scale, row_scale, out_scale,
-        *bhl_strides(q, seq_dim), *bhl_strides(k, seq_dim), *bhl_strides(v, v_seq_dim),
-        *bhl_strides(out, 1 if fp8_rows is not None else seq_dim), *list_strides,
-        sizes.h, sizes.h // sizes.hk, sizes.lq, sizes.lk, float(scale), group,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
-        SPARSE=blocks is not None, TMA=tma, DOT_ACC=t.dot_acc, WARP_SPECIALIZE=t.warp_specialize, INT8=int8,
-        INT8_KEY_BLOCK=reference.attention.INT8_KEY_BLOCK, PV_FP8=pv_fp8, OUT_FP8=fp8_rows is not None,
-        LIST_BY_ASM=list_by_asm, QUANTIZE_Q=int8 and q_scale is None, **order, **consts,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        kv_lengths,
+        index,
+        count,
+        q_scale,
+        k_scale,
+        v_scale,
+        row_scale,
+        out_scale,
+        *bhl_strides(q, seq_dim),
+        *bhl_strides(k, seq_dim),
+        *bhl_strides(v, v_seq_dim),
+        *bhl_strides(out, 1 if fp8_rows is not None else seq_dim),
+        *list_strides,
+        sizes.h,
+        sizes.h // sizes.hk,
+        sizes.lq,
+        sizes.lk,
+        float(scale),
+        group,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+        SPARSE=blocks is not None,
+        TMA=tma,
+        DOT_ACC=t.dot_acc,
+        WARP_SPECIALIZE=t.warp_specialize,
+        INT8=int8,
+        INT8_KEY_BLOCK=reference.attention.INT8_KEY_BLOCK,
+        PV_FP8=pv_fp8,
+        OUT_FP8=fp8_rows is not None,
+        LIST_BY_ASM=list_by_asm,
+        QUANTIZE_Q=int8 and q_scale is None,
+        **order,
+        **consts,
     )
 
 
-def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dq: Tensor,
-                    dk: Tensor, dv: Tensor, scale: float, causal: bool, seq_dim: int, kv_lengths: Optional[Tensor],
-                    blocks: Optional[tuple] = None, key_blocks: Optional[tuple] = None) -> None:
+def launch_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int,
+    kv_lengths: Optional[Tensor],
+    blocks: Optional[tuple] = None,
+    key_blocks: Optional[tuple] = None,
+) -> None:
     """Fill dq, dk, dv (from the fake). Block-sparse: ``blocks`` as the forward,
     ``key_blocks`` the transposed lists (per key block, the query blocks that
     list it: ``[B, H, Lk blocks, width]`` / ``[B, H, Lk blocks]``)."""
@@ -131,38 +197,120 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     dq_acc = lse.new_empty((sizes.b * sizes.h, stats_row, d)) if five_products else None
     rows = 64
     launcher(attn_bwd_row_stats_kernel)[(stats_row // rows, sizes.b * sizes.h)](
-        out, grad_out, lse, delta, lse_rows, sizes.h, sizes.lq, *bhl_strides(out, seq_dim),
-        *bhl_strides(grad_out, seq_dim), D=d, BLOCK_D=consts["BLOCK_D"], BLOCK_M=rows, ACC=consts["ACC"],
-        DQ_ACC=dq_acc, num_warps=4)
+        out,
+        grad_out,
+        lse,
+        delta,
+        lse_rows,
+        sizes.h,
+        sizes.lq,
+        *bhl_strides(out, seq_dim),
+        *bhl_strides(grad_out, seq_dim),
+        D=d,
+        BLOCK_D=consts["BLOCK_D"],
+        BLOCK_M=rows,
+        ACC=consts["ACC"],
+        DQ_ACC=dq_acc,
+        num_warps=4,
+    )
     if five_products or sm90_dkdv:
         if on_eager_fast_path():  # launched as is, recorded for launch plans
-            launch_sm90_backward(launcher, grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale, causal,
-                                 seq_dim, kv_lengths, *(key_blocks or (None, None)))
+            launch_sm90_backward(
+                launcher,
+                grad_out,
+                q,
+                k,
+                v,
+                lse_rows,
+                delta,
+                dq_acc,
+                dk,
+                dv,
+                scale,
+                causal,
+                seq_dim,
+                kv_lengths,
+                *(key_blocks or (None, None)),
+            )
         else:
-            torch.ops.fused_gluon.attention_backward_sm90_(grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv,
-                                                           float(scale), causal, seq_dim, kv_lengths,
-                                                           *(key_blocks or (None, None)))
+            torch.ops.fused_gluon.attention_backward_sm90_(
+                grad_out,
+                q,
+                k,
+                v,
+                lse_rows,
+                delta,
+                dq_acc,
+                dk,
+                dv,
+                float(scale),
+                causal,
+                seq_dim,
+                kv_lengths,
+                *(key_blocks or (None, None)),
+            )
     if five_products:
         launcher(attn_bwd_dq_from_acc_kernel)[(triton.cdiv(sizes.lq, rows), sizes.b * sizes.h)](
-            dq_acc, dq, sizes.h, sizes.lq, *bhl_strides(dq, seq_dim), float(scale), D=d, BLOCK_D=consts["BLOCK_D"],
-            BLOCK_M=rows, num_warps=4)
+            dq_acc,
+            dq,
+            sizes.h,
+            sizes.lq,
+            *bhl_strides(dq, seq_dim),
+            float(scale),
+            D=d,
+            BLOCK_D=consts["BLOCK_D"],
+            BLOCK_M=rows,
+            num_warps=4,
+        )
         return
-    strides = (*bhl_strides(q, seq_dim), *bhl_strides(k, seq_dim), *bhl_strides(v, seq_dim),
-               *bhl_strides(grad_out, seq_dim))
+    strides = (
+        *bhl_strides(q, seq_dim),
+        *bhl_strides(k, seq_dim),
+        *bhl_strides(v, seq_dim),
+        *bhl_strides(grad_out, seq_dim),
+    )
     if not sm90_dkdv:
         t = dkdv_tiles(d, q.dtype, sparse, has_tma(q))
         assert STATS_ROW_ALIGN.value % t.block_m == 0, t  # the statistics rows hold whole query tiles
         tma = take_tma(t.tma, (seq_dim, q, grad_out))
         index, count, *list_strides = block_list_args(key_blocks)
         # A dk/dv row reads q and dO of its whole GQA group of heads.
-        order, group = (causal_order(q, sizes.lq * (sizes.h // sizes.hk), sizes.b * sizes.hk)
-                        if causal and not sparse else LAUNCH_ORDER)
+        order, group = (
+            causal_order(q, sizes.lq * (sizes.h // sizes.hk), sizes.b * sizes.hk)
+            if causal and not sparse
+            else LAUNCH_ORDER
+        )
         launcher(attn_bwd_dkdv_kernel)[(triton.cdiv(sizes.lk, t.block_n), sizes.b * sizes.hk)](
-            q, k, v, grad_out, lse_rows, delta, dk, dv, kv_lengths, index, count, *strides,
-            *bhl_strides(dk, seq_dim), *bhl_strides(dv, seq_dim), *list_strides,
-            sizes.b, sizes.hk, sizes.h // sizes.hk, sizes.lq, sizes.lk, float(scale), group,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
-            TMA=tma, **order, **consts,
+            q,
+            k,
+            v,
+            grad_out,
+            lse_rows,
+            delta,
+            dk,
+            dv,
+            kv_lengths,
+            index,
+            count,
+            *strides,
+            *bhl_strides(dk, seq_dim),
+            *bhl_strides(dv, seq_dim),
+            *list_strides,
+            sizes.b,
+            sizes.hk,
+            sizes.h // sizes.hk,
+            sizes.lq,
+            sizes.lk,
+            float(scale),
+            group,
+            BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n,
+            num_warps=t.num_warps,
+            num_stages=t.num_stages,
+            SPARSE=sparse,
+            TMA=tma,
+            **order,
+            **consts,
         )
     t = dq_tiles(d, q.dtype, sparse, has_tma(q))
     assert STATS_ROW_ALIGN.value % t.block_m == 0, t
@@ -170,8 +318,32 @@ def launch_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     index, count, *list_strides = block_list_args(blocks)
     order, group = causal_order(k, sizes.lk, sizes.b * sizes.h) if causal and not sparse else LAUNCH_ORDER
     launcher(attn_bwd_dq_kernel)[(triton.cdiv(sizes.lq, t.block_m), sizes.b * sizes.h)](
-        q, k, v, grad_out, lse_rows, delta, dq, kv_lengths, index, count, *strides, *bhl_strides(dq, seq_dim),
-        *list_strides, sizes.b, sizes.h, sizes.h // sizes.hk, sizes.lq, sizes.lk, float(scale), group,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages, SPARSE=sparse,
-        TMA=tma, **order, **consts,
+        q,
+        k,
+        v,
+        grad_out,
+        lse_rows,
+        delta,
+        dq,
+        kv_lengths,
+        index,
+        count,
+        *strides,
+        *bhl_strides(dq, seq_dim),
+        *list_strides,
+        sizes.b,
+        sizes.h,
+        sizes.h // sizes.hk,
+        sizes.lq,
+        sizes.lk,
+        float(scale),
+        group,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+        SPARSE=sparse,
+        TMA=tma,
+        **order,
+        **consts,
     )

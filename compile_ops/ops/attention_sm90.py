@@ -3,6 +3,7 @@ the warp-specialized forward core (:func:`takes_sm90_core`) and the
 five-product backward (:func:`takes_sm90_backward`, :func:`takes_sm90_dkdv`),
 how they are launched, and the opaque ``fused_gluon`` ops traced calls reach
 them through."""
+
 import functools
 import heapq
 import math
@@ -35,8 +36,18 @@ def can_run_gluon(q: Tensor) -> bool:
     return has_wgmma(q) and (on_eager_fast_path() or not building_aot_package())
 
 
-def takes_sm90_core(t: Tiles, sizes: AttentionSizes, q: Tensor, k: Tensor, v: Tensor, seq_dim: int, v_seq_dim: int,
-                    blocks: Optional[tuple], rounds_q: bool, fp8_rows: Optional[tuple]) -> bool:
+def takes_sm90_core(
+    t: Tiles,
+    sizes: AttentionSizes,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seq_dim: int,
+    v_seq_dim: int,
+    blocks: Optional[tuple],
+    rounds_q: bool,
+    fp8_rows: Optional[tuple],
+) -> bool:
     """Whether a forward runs on the sm_90 core: its tiles chose it, and the
     call is one the core computes (at least one key, TMA-aligned q, k and
     v; dense or block-sparse, causal or not, with key lengths or not; 8-bit
@@ -48,9 +59,18 @@ def takes_sm90_core(t: Tiles, sizes: AttentionSizes, q: Tensor, k: Tensor, v: Te
     (docs/notes/attention.md)."""
     eight_bit_ok = not rounds_q and fp8_rows is None and (blocks is None or q.dtype != torch.int8)
     wide_ok = t.block_n == meta.attention.SPARSE_BLOCK or (
-        blocks is None and not sizes.causal and not sizes.has_kv_len and sizes.lk % t.block_n == 0)
-    return (t.sm90_core and eight_bit_ok and wide_ok and sizes.lk > 0 and tma_ready(seq_dim, q, k)
-            and tma_ready(v_seq_dim, v) and not _broadcast(seq_dim, q, k) and not _broadcast(v_seq_dim, v))
+        blocks is None and not sizes.causal and not sizes.has_kv_len and sizes.lk % t.block_n == 0
+    )
+    return (
+        t.sm90_core
+        and eight_bit_ok
+        and wide_ok
+        and sizes.lk > 0
+        and tma_ready(seq_dim, q, k)
+        and tma_ready(v_seq_dim, v)
+        and not _broadcast(seq_dim, q, k)
+        and not _broadcast(v_seq_dim, v)
+    )
 
 
 def _broadcast(seq_dim: int, *tensors: Tensor) -> bool:
@@ -76,11 +96,23 @@ def _core_programs(q: Tensor, items, causal: bool, sparse: bool):
     return min(items, multiprocessor_count(q))  # real tensors only: the opaque op or the eager path
 
 
-def launch_sm90_core(kernel, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                     causal: bool, seq_dim: int, kv_lengths: Optional[Tensor] = None,
-                     block_index: Optional[Tensor] = None, block_count: Optional[Tensor] = None,
-                     q_scale: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
-                     v_scale: Optional[Tensor] = None) -> None:
+def launch_sm90_core(
+    kernel,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int,
+    kv_lengths: Optional[Tensor] = None,
+    block_index: Optional[Tensor] = None,
+    block_count: Optional[Tensor] = None,
+    q_scale: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None,
+) -> None:
     """Launch the sm_90 core (``kernel``: it, or the launch-plan recorder's
     proxy of it) on arguments :func:`takes_sm90_core` accepted: its work
     items in ``attn_fwd_kernel``'s program order, on the grid
@@ -98,33 +130,102 @@ def launch_sm90_core(kernel, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
     items = triton.cdiv(lq, t.block_m) * b * h
     order, group = causal_order(k, lk, b * h) if causal and not sparse else LAUNCH_ORDER
     triton.set_allocator(tma_scratch)  # the core builds its TMA descriptors on the device
-    kernel[(_core_programs(q, items, causal, sparse), )](
-        q, k, v, out, lse, kv_lengths, block_index, block_count, q_scale, k_scale, v_scale,
-        *bhl_strides(q, seq_dim), *bhl_strides(k, seq_dim), *bhl_strides(v, 2 if int8_fp8 else seq_dim),
-        *bhl_strides(out, seq_dim), *block_list_args((block_index, block_count) if sparse else None)[2:],
-        b * h, h, h // hk, lq, lk, float(scale), group, D=d, BLOCK_N=t.block_n, STAGES=t.num_stages,
-        CONSUMER_REGS=SM90_CORE_CONSUMER_REGS, INT8_FP8=int8_fp8, CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None,
-        SPARSE=sparse, **order, **SM90_CORE_LAUNCH)
+    kernel[(_core_programs(q, items, causal, sparse),)](
+        q,
+        k,
+        v,
+        out,
+        lse,
+        kv_lengths,
+        block_index,
+        block_count,
+        q_scale,
+        k_scale,
+        v_scale,
+        *bhl_strides(q, seq_dim),
+        *bhl_strides(k, seq_dim),
+        *bhl_strides(v, 2 if int8_fp8 else seq_dim),
+        *bhl_strides(out, seq_dim),
+        *block_list_args((block_index, block_count) if sparse else None)[2:],
+        b * h,
+        h,
+        h // hk,
+        lq,
+        lk,
+        float(scale),
+        group,
+        D=d,
+        BLOCK_N=t.block_n,
+        STAGES=t.num_stages,
+        CONSUMER_REGS=SM90_CORE_CONSUMER_REGS,
+        INT8_FP8=int8_fp8,
+        CAUSAL=causal,
+        HAS_KV_LEN=kv_lengths is not None,
+        SPARSE=sparse,
+        **order,
+        **SM90_CORE_LAUNCH,
+    )
 
 
 @torch.library.custom_op("fused_gluon::attention_forward_sm90_", mutates_args=("out", "lse"))
-def _attention_forward_sm90(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
-                            seq_dim: int, kv_lengths: Optional[Tensor] = None, block_index: Optional[Tensor] = None,
-                            block_count: Optional[Tensor] = None, q_scale: Optional[Tensor] = None,
-                            k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None) -> None:
+def _attention_forward_sm90(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int,
+    kv_lengths: Optional[Tensor] = None,
+    block_index: Optional[Tensor] = None,
+    block_count: Optional[Tensor] = None,
+    q_scale: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None,
+) -> None:
     """The sm_90 core as an op of its own, for traced calls (torch.compile,
     export, the dispatcher's eager path): Inductor cannot trace a Gluon
     kernel the way it inlines ``wrap_triton`` launches, so a compiled graph
     calls this op, which fills ``out`` and ``lse`` in place. In a namespace
     of its own: not a public op (no sharding rule, no registry row); the
     ``fused`` ops that call it have those."""
-    launch_sm90_core(attn_fwd_sm90_kernel, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths, block_index,
-                     block_count, q_scale, k_scale, v_scale)
+    launch_sm90_core(
+        attn_fwd_sm90_kernel,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        scale,
+        causal,
+        seq_dim,
+        kv_lengths,
+        block_index,
+        block_count,
+        q_scale,
+        k_scale,
+        v_scale,
+    )
 
 
 @_attention_forward_sm90.register_fake
-def _(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths=None, block_index=None, block_count=None, q_scale=None,
-      k_scale=None, v_scale=None):
+def _(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    scale,
+    causal,
+    seq_dim,
+    kv_lengths=None,
+    block_index=None,
+    block_count=None,
+    q_scale=None,
+    k_scale=None,
+    v_scale=None,
+):
     return None
 
 
@@ -153,26 +254,35 @@ def backward_step(d: int, sparse: bool) -> int:
     return 64 if sparse else SM90_BACKWARD_STEPS[d]
 
 
-def sm90_backward_computes(sizes: AttentionSizes, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor,
-                           seq_dim: int) -> bool:
+def sm90_backward_computes(
+    sizes: AttentionSizes, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, seq_dim: int
+) -> bool:
     """Whether ``attn_bwd_sm90_kernel`` computes a backward: on an sm_90 GPU
     where a traced call can hold its opaque op (:func:`can_run_gluon`), dense or
     block-sparse, causal or not, key lengths or not, 16-bit (q, k, v and dO
     alike), D = 64 or 128, at least one key, TMA-aligned q, k, v and dO with
     no broadcast strides."""
     tensors = (q, k, v, grad_out)
-    return (can_run_gluon(q) and q.dtype in (torch.float16, torch.bfloat16)
-            and all(t.dtype == q.dtype for t in tensors) and sizes.d in SM90_BACKWARD_HEAD_DIMS and sizes.lk > 0
-            and tma_ready(seq_dim, *tensors) and not _broadcast(seq_dim, *tensors))
+    return (
+        can_run_gluon(q)
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and all(t.dtype == q.dtype for t in tensors)
+        and sizes.d in SM90_BACKWARD_HEAD_DIMS
+        and sizes.lk > 0
+        and tma_ready(seq_dim, *tensors)
+        and not _broadcast(seq_dim, *tensors)
+    )
 
 
-def takes_sm90_backward(sizes: AttentionSizes, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor,
-                        seq_dim: int) -> bool:
+def takes_sm90_backward(sizes: AttentionSizes, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, seq_dim: int) -> bool:
     """Whether a backward runs on the five-product sm_90 kernel: asked for
     (:data:`ATOMIC_DQ`, and torch's deterministic algorithms not asked
     for), on a call it computes (:func:`sm90_backward_computes`)."""
-    return (ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled()
-            and sm90_backward_computes(sizes, q, k, v, grad_out, seq_dim))
+    return (
+        ATOMIC_DQ
+        and not torch.are_deterministic_algorithms_enabled()
+        and sm90_backward_computes(sizes, q, k, v, grad_out, seq_dim)
+    )
 
 
 #: The deterministic backward's dk/dv pass on sm_90: ``attn_bwd_sm90_kernel`` without dQ (four products,
@@ -190,8 +300,9 @@ SM90_DKDV = True
 SM90_DKDV_PERSISTENT = True
 
 
-def takes_sm90_dkdv(sizes: AttentionSizes, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, seq_dim: int,
-                    sparse: bool) -> bool:
+def takes_sm90_dkdv(
+    sizes: AttentionSizes, q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, seq_dim: int, sparse: bool
+) -> bool:
     """Whether the deterministic backward's dk/dv pass runs on
     ``attn_bwd_sm90_kernel`` without dQ: :data:`SM90_DKDV`, a dense call,
     one the kernel computes (:func:`sm90_backward_computes`)."""
@@ -219,6 +330,7 @@ def backward_tail_split(items: int, sms: int, steps: int) -> tuple[int, int]:
     split items are the last leftover (``items % sms``) or the leftover and
     one round more, in 2-8 parts, whichever ends soonest, if that is
     :data:`TAIL_SPLIT_GAIN` sooner than no split; else ``(items, 1)``."""
+
     def makespan(split: int, parts: int) -> float:
         free = [0.0] * sms
         for duration, count in ((1.0, items - split), (1.0 / parts + PART_OVERHEAD, split * parts)):
@@ -235,10 +347,24 @@ def backward_tail_split(items: int, sms: int, steps: int) -> tuple[int, int]:
     return choice
 
 
-def launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor,
-                         delta: Tensor, dq_acc: Optional[Tensor], dk: Tensor, dv: Tensor, scale: float, causal: bool,
-                         seq_dim: int, kv_lengths: Optional[Tensor], key_index: Optional[Tensor] = None,
-                         key_count: Optional[Tensor] = None) -> None:
+def launch_sm90_backward(
+    launch,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse_rows: Tensor,
+    delta: Tensor,
+    dq_acc: Optional[Tensor],
+    dk: Tensor,
+    dv: Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int,
+    kv_lengths: Optional[Tensor],
+    key_index: Optional[Tensor] = None,
+    key_count: Optional[Tensor] = None,
+) -> None:
     """Launch ``attn_bwd_sm90_kernel`` on arguments
     :func:`sm90_backward_computes` accepted (``launch(kernel)``: the
     kernel, or the launch-plan recorder's proxy of it): dk and dv, and dS K
@@ -269,36 +395,127 @@ def launch_sm90_backward(launch, grad_out: Tensor, q: Tensor, k: Tensor, v: Tens
     if persistent:
         work = min(work, multiprocessor_count(q))
     triton.set_allocator(tma_scratch)  # the kernel builds its TMA descriptors on the device
-    launch(attn_bwd_sm90_kernel)[(work, )](
-        q, k, v, grad_out, lse_rows, delta, dq_acc, dk, dv, partials, kv_lengths, key_index, key_count,
-        *bhl_strides(q, seq_dim), *bhl_strides(k, seq_dim), *bhl_strides(v, seq_dim),
-        *bhl_strides(grad_out, seq_dim), *bhl_strides(dk, seq_dim), *bhl_strides(dv, seq_dim),
-        *block_list_args((key_index, key_count) if sparse else None)[2:], lse_rows.shape[1], b, h, h // hk, lq, lk,
-        float(scale), group, whole, parts, D=d, STEP=step, STAGES=SM90_BACKWARD_STAGES,
+    launch(attn_bwd_sm90_kernel)[(work,)](
+        q,
+        k,
+        v,
+        grad_out,
+        lse_rows,
+        delta,
+        dq_acc,
+        dk,
+        dv,
+        partials,
+        kv_lengths,
+        key_index,
+        key_count,
+        *bhl_strides(q, seq_dim),
+        *bhl_strides(k, seq_dim),
+        *bhl_strides(v, seq_dim),
+        *bhl_strides(grad_out, seq_dim),
+        *bhl_strides(dk, seq_dim),
+        *bhl_strides(dv, seq_dim),
+        *block_list_args((key_index, key_count) if sparse else None)[2:],
+        lse_rows.shape[1],
+        b,
+        h,
+        h // hk,
+        lq,
+        lk,
+        float(scale),
+        group,
+        whole,
+        parts,
+        D=d,
+        STEP=step,
+        STAGES=SM90_BACKWARD_STAGES,
         CONSUMER_REGS=SM90_CORE_CONSUMER_REGS,
-        CAUSAL=causal, HAS_KV_LEN=kv_lengths is not None, SPARSE=sparse,
-        MASKED_KEYS=lk % 128 != 0 or kv_lengths is not None, DQ=dq_acc is not None, SPLIT=partials is not None,
-        PERSISTENT=persistent, **order, **SM90_CORE_LAUNCH)
+        CAUSAL=causal,
+        HAS_KV_LEN=kv_lengths is not None,
+        SPARSE=sparse,
+        MASKED_KEYS=lk % 128 != 0 or kv_lengths is not None,
+        DQ=dq_acc is not None,
+        SPLIT=partials is not None,
+        PERSISTENT=persistent,
+        **order,
+        **SM90_CORE_LAUNCH,
+    )
     if partials is not None:
         rows = 32
         launch(attn_bwd_parts_kernel)[(items - whole, 128 // rows)](
-            partials, dk, dv, whole, parts, n_tiles, hk, lk, *bhl_strides(dk, seq_dim), *bhl_strides(dv, seq_dim),
-            D=d, BLOCK_M=rows, num_warps=4)
+            partials,
+            dk,
+            dv,
+            whole,
+            parts,
+            n_tiles,
+            hk,
+            lk,
+            *bhl_strides(dk, seq_dim),
+            *bhl_strides(dv, seq_dim),
+            D=d,
+            BLOCK_M=rows,
+            num_warps=4,
+        )
 
 
 @torch.library.custom_op("fused_gluon::attention_backward_sm90_", mutates_args=("dq_acc", "dk", "dv"))
-def _attention_backward_sm90(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse_rows: Tensor, delta: Tensor,
-                             dq_acc: Optional[Tensor], dk: Tensor, dv: Tensor, scale: float, causal: bool, seq_dim: int,
-                             kv_lengths: Optional[Tensor] = None, key_index: Optional[Tensor] = None,
-                             key_count: Optional[Tensor] = None) -> None:
+def _attention_backward_sm90(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse_rows: Tensor,
+    delta: Tensor,
+    dq_acc: Optional[Tensor],
+    dk: Tensor,
+    dv: Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int,
+    kv_lengths: Optional[Tensor] = None,
+    key_index: Optional[Tensor] = None,
+    key_count: Optional[Tensor] = None,
+) -> None:
     """``attn_bwd_sm90_kernel`` (:func:`launch_sm90_backward`) as an op of
     its own, for traced calls (as ``fused_gluon.attention_forward_sm90_``:
     Inductor cannot trace a Gluon kernel); not a public op."""
-    launch_sm90_backward(lambda kernel: kernel, grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale,
-                         causal, seq_dim, kv_lengths, key_index, key_count)
+    launch_sm90_backward(
+        lambda kernel: kernel,
+        grad_out,
+        q,
+        k,
+        v,
+        lse_rows,
+        delta,
+        dq_acc,
+        dk,
+        dv,
+        scale,
+        causal,
+        seq_dim,
+        kv_lengths,
+        key_index,
+        key_count,
+    )
 
 
 @_attention_backward_sm90.register_fake
-def _(grad_out, q, k, v, lse_rows, delta, dq_acc, dk, dv, scale, causal, seq_dim, kv_lengths=None, key_index=None,
-      key_count=None):
+def _(
+    grad_out,
+    q,
+    k,
+    v,
+    lse_rows,
+    delta,
+    dq_acc,
+    dk,
+    dv,
+    scale,
+    causal,
+    seq_dim,
+    kv_lengths=None,
+    key_index=None,
+    key_count=None,
+):
     return None

@@ -1,6 +1,7 @@
 """The attention kernels' launch configurations: tiles by head dim, dtype and
 precision (:func:`forward_tiles`, :func:`dkdv_tiles`, :func:`dq_tiles`),
 and the order causal launches run their programs in (:func:`causal_order`)."""
+
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ class Tiles:
     """A launch's tiles: ``block_m`` queries by ``block_n`` keys (the dk/dv
     pass: ``block_n`` keys per program in ``block_m``-query steps), on
     ``num_warps`` warps with ``num_stages`` pipeline stages."""
+
     block_m: int
     block_n: int
     num_warps: int
@@ -47,8 +49,9 @@ SM90_CORE_PRECISIONS = ("exact",)
 SM90_CORE_STAGES = 2
 
 
-def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False, precision: str = "exact",
-                  wgmma: bool = False) -> Tiles:
+def forward_tiles(
+    d: int, dtype: torch.dtype, tma: bool = False, precision: str = "exact", wgmma: bool = False
+) -> Tiles:
     """``attn_fwd_kernel``'s tiles by padded head dim ``d``, ``dtype`` and
     ``precision``, chosen by sweeps (``bench/sweeps/attention.py``; the
     figures are in docs/notes/attention.md). ``tma``: the GPU has TMA
@@ -69,8 +72,12 @@ def forward_tiles(d: int, dtype: torch.dtype, tma: bool = False, precision: str 
     folded in before each softmax for registers); which calls take it is
     :func:`takes_sm90_core`'s rule."""
     bd = block_d(d)
-    if wgmma and precision in SM90_CORE_PRECISIONS and d in SM90_CORE_HEAD_DIMS \
-            and dtype in (torch.float16, torch.bfloat16):
+    if (
+        wgmma
+        and precision in SM90_CORE_PRECISIONS
+        and d in SM90_CORE_HEAD_DIMS
+        and dtype in (torch.float16, torch.bfloat16)
+    ):
         return Tiles(128, 256 if d == 64 else 128, 4, SM90_CORE_STAGES, tma=True, sm90_core=True)
     if precision == "int8_fp8":
         return Tiles(64, 128, 4, 3, tma=tma) if bd <= 128 else Tiles(64, 128, 8, 2, tma=tma)

@@ -14,6 +14,7 @@ Inductor fuses them): :func:`block_index_from_mask`, :func:`sliding_tile_mask`
 with :func:`tile_permutation`, :func:`radial_mask` and the dynamic
 :func:`topk_block_index`.
 """
+
 import dataclasses
 import math
 from typing import Optional, Sequence
@@ -51,8 +52,20 @@ def ascending(index: Tensor, count: Tensor) -> Tensor:
     block_w = triton.next_power_of_2(width)
     per_program = max(1, SORT_ENTRIES_PER_PROGRAM // block_w)
     launcher(sort_block_lists_kernel)[(triton.cdiv(rows, per_program),)](
-        index, count, out, index.shape[1], index.shape[2], width, rows, *index.stride(), *count.stride(),
-        BLOCK_W=block_w, ROWS=per_program, UNUSED=torch.iinfo(index.dtype).max, num_warps=4)
+        index,
+        count,
+        out,
+        index.shape[1],
+        index.shape[2],
+        width,
+        rows,
+        *index.stride(),
+        *count.stride(),
+        BLOCK_W=block_w,
+        ROWS=per_program,
+        UNUSED=torch.iinfo(index.dtype).max,
+        num_warps=4,
+    )
     return out
 
 
@@ -63,33 +76,75 @@ def key_block_lists(block_index: Tensor, block_count: Tensor, num_key_blocks: in
     return reference.block_sparse.block_index_from_mask(mask.transpose(-1, -2))
 
 
-@fused_op("block_sparse_attention", fake=meta.block_sparse.block_sparse_attention,
-          reference=reference.block_sparse.block_sparse_attention, autocast="lower",
-          eager_check=meta.block_sparse.check_block_lists_eagerly)
-def _block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, block_index: Tensor, block_count: Tensor,
-                               scale: float, causal: bool, seq_dim: int = 2,
-                               kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    out, lse = meta.block_sparse.block_sparse_attention(q, k, v, block_index, block_count, scale, causal, seq_dim,
-                                                         kv_lengths)
+@fused_op(
+    "block_sparse_attention",
+    fake=meta.block_sparse.block_sparse_attention,
+    reference=reference.block_sparse.block_sparse_attention,
+    autocast="lower",
+    eager_check=meta.block_sparse.check_block_lists_eagerly,
+)
+def _block_sparse_attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    block_index: Tensor,
+    block_count: Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    out, lse = meta.block_sparse.block_sparse_attention(
+        q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths
+    )
     b, h = meta.attention.dims(q, seq_dim)[:2]
     lists = _per_head(ascending(block_index, block_count), block_count, b, h)
     launch_forward(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths, lists)
     return out, lse
 
 
-@fused_op("block_sparse_attention_backward", fake=meta.block_sparse.block_sparse_attention_backward,
-          reference=reference.block_sparse.block_sparse_attention_backward)
-def _block_sparse_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                                        lse: Tensor, block_index: Tensor, block_count: Tensor, scale: float,
-                                        causal: bool, seq_dim: int = 2,
-                                        kv_lengths: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+@fused_op(
+    "block_sparse_attention_backward",
+    fake=meta.block_sparse.block_sparse_attention_backward,
+    reference=reference.block_sparse.block_sparse_attention_backward,
+)
+def _block_sparse_attention_backward_op(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    block_index: Tensor,
+    block_count: Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = meta.block_sparse.block_sparse_attention_backward(
-        grad_out, q, k, v, out, lse, block_index, block_count, scale, causal, seq_dim, kv_lengths)
+        grad_out, q, k, v, out, lse, block_index, block_count, scale, causal, seq_dim, kv_lengths
+    )
     b, h, _, _ = meta.attention.dims(q, seq_dim)
     num_key_blocks = meta.block_sparse.num_blocks(meta.attention.dims(k, seq_dim)[2])
     key_lists = key_block_lists(block_index, block_count, num_key_blocks)
-    launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, scale, causal, seq_dim, kv_lengths,
-                    _per_head(ascending(block_index, block_count), block_count, b, h), _per_head(*key_lists, b, h))
+    launch_backward(
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dq,
+        dk,
+        dv,
+        scale,
+        causal,
+        seq_dim,
+        kv_lengths,
+        _per_head(ascending(block_index, block_count), block_count, b, h),
+        _per_head(*key_lists, b, h),
+    )
     return dq, dk, dv
 
 
@@ -103,8 +158,9 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, block_index, block_count, kv_lengths = ctx.saved_tensors
-    dq, dk, dv = _block_sparse_attention_backward_op(grad_out, q, k, v, out, lse, block_index, block_count,
-                                                     *ctx.args, kv_lengths)
+    dq, dk, dv = _block_sparse_attention_backward_op(
+        grad_out, q, k, v, out, lse, block_index, block_count, *ctx.args, kv_lengths
+    )
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -115,9 +171,18 @@ _block_sparse_attention_op.register_autograd(_backward, setup_context=_setup)
 
 
 @checked_arguments
-def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_index: Tensor, block_count: Tensor,
-                           scale: Optional[float] = None, causal: bool = False, seq_dim: int = 2,
-                           kv_lengths: Optional[Tensor] = None, return_lse: bool = False):
+def block_sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    block_index: Tensor,
+    block_count: Tensor,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    seq_dim: int = 2,
+    kv_lengths: Optional[Tensor] = None,
+    return_lse: bool = False,
+):
     """Attention over the listed key blocks only (128 x 128-token blocks).
 
     Args:
@@ -137,8 +202,14 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_index: Tensor,
     """
     scale = softmax_scale("compile_ops.block_sparse_attention", q, scale)
     out, lse = _dtensor.sequence_parallel(
-        lambda q, k, v: _block_sparse_attention_op(q, k, v, block_index, block_count, scale, causal, seq_dim,
-                                                   kv_lengths), q, k, v, seq_dim)
+        lambda q, k, v: _block_sparse_attention_op(
+            q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths
+        ),
+        q,
+        k,
+        v,
+        seq_dim,
+    )
     return (out, lse) if return_lse else out
 
 
@@ -154,6 +225,7 @@ class BlockSparseMask:
             :func:`block_sparse_attention` takes it.
         block_count: ``[B or 1, Hq or 1, ceil(Lq / 128)]`` int32/int64.
     """
+
     block_index: Tensor
     block_count: Tensor
 
@@ -164,23 +236,29 @@ class BlockSparseMask:
                 got = t.dtype if isinstance(t, Tensor) else type(t).__name__
                 raise TypeError(f"compile_ops.BlockSparseMask: {name} must be an int32 or int64 tensor, got {got}")
         if self.block_count.device != self.block_index.device:
-            raise ValueError(f"compile_ops.BlockSparseMask: block_count is on {self.block_count.device} but "
-                             f"block_index is on {self.block_index.device}")
+            raise ValueError(
+                f"compile_ops.BlockSparseMask: block_count is on {self.block_count.device} but "
+                f"block_index is on {self.block_index.device}"
+            )
         if self.block_index.dim() != 4 or self.block_count.shape != self.block_index.shape[:-1]:
-            raise ValueError("compile_ops.BlockSparseMask: block_index must be [B or 1, Hq or 1, NQ, W] and "
-                             f"block_count its first three dims, got block_index {tuple(self.block_index.shape)} "
-                             f"and block_count {tuple(self.block_count.shape)}")
+            raise ValueError(
+                "compile_ops.BlockSparseMask: block_index must be [B or 1, Hq or 1, NQ, W] and "
+                f"block_count its first three dims, got block_index {tuple(self.block_index.shape)} "
+                f"and block_count {tuple(self.block_count.shape)}"
+            )
 
     @classmethod
     def from_block_mask(cls, mask: Tensor) -> "BlockSparseMask":
         """From a dense block mask ``[B or 1, Hq or 1, NQ, NK]`` bool (see :func:`block_index_from_mask`)."""
         return cls(*block_index_from_mask(mask))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, causal: bool = False,
-               seq_dim: int = 2) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, causal: bool = False, seq_dim: int = 2
+    ) -> Tensor:
         """:func:`block_sparse_attention` of q, k, v over these lists."""
-        return block_sparse_attention(q, k, v, self.block_index, self.block_count, scale=scale, causal=causal,
-                                      seq_dim=seq_dim)
+        return block_sparse_attention(
+            q, k, v, self.block_index, self.block_count, scale=scale, causal=causal, seq_dim=seq_dim
+        )
 
 
 @checked_arguments
@@ -199,8 +277,9 @@ def block_index_from_mask(mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @checked_arguments
-def tile_permutation(frames: int, height: int, width: int, tile: Sequence[int], device=None,
-                     ragged: bool = False) -> Tensor:
+def tile_permutation(
+    frames: int, height: int, width: int, tile: Sequence[int], device=None, ragged: bool = False
+) -> Tensor:
     """The token order that makes each ``tile = (t, h, w)`` cube of a
     ``(frames, height, width)`` grid (row-major tokens) contiguous: tiles in
     row-major order, tokens row-major inside each tile.
@@ -238,8 +317,9 @@ def _tile_sort_key(frames: int, height: int, width: int, tile: Sequence[int], de
 
 
 @checked_arguments
-def sliding_tile_block_mask(frames: int, height: int, width: int, tile: Sequence[int], window: Sequence[int],
-                            device=None) -> tuple[Tensor, Tensor]:
+def sliding_tile_block_mask(
+    frames: int, height: int, width: int, tile: Sequence[int], window: Sequence[int], device=None
+) -> tuple[Tensor, Tensor]:
     """Sliding-tile attention on any token grid, at the kernels' 128-token block
     granularity: tokens in :func:`tile_permutation` order (``ragged``: edge
     tiles may be smaller, and come last), and query block i attends to key block j when a
@@ -324,7 +404,8 @@ def radial_mask(frames: int, tokens_per_frame: int, dense_frames: int = 1, devic
     meta.block_sparse.check_radial("radial_mask", frames, tokens_per_frame, dense_frames)
     n = meta.block_sparse.num_blocks(frames * tokens_per_frame)
     centre = (torch.arange(n, device=device) * SPARSE_BLOCK + SPARSE_BLOCK // 2).clamp(
-        max=frames * tokens_per_frame - 1)
+        max=frames * tokens_per_frame - 1
+    )
     frame, pos = centre // tokens_per_frame, centre % tokens_per_frame
     d = (frame[:, None] - frame[None, :]).abs()
     halvings = torch.ceil(torch.log2(d.clamp(min=1).double() / dense_frames)).clamp(min=0)
@@ -336,9 +417,9 @@ def _block_means(t: Tensor, n_blocks: int) -> Tensor:
     """``[B, H, L, D]`` -> ``[B, H, n_blocks, D]`` fp32 means over each block's tokens."""
     full = t.shape[2] // SPARSE_BLOCK
     # Views and fp32 sums, no padded fp32 copy: one pass over t.
-    sums = t[:, :, :full * SPARSE_BLOCK].unflatten(2, (full, SPARSE_BLOCK)).sum(3, dtype=torch.float32)
+    sums = t[:, :, : full * SPARSE_BLOCK].unflatten(2, (full, SPARSE_BLOCK)).sum(3, dtype=torch.float32)
     if full < n_blocks:
-        tail = t[:, :, full * SPARSE_BLOCK:].sum(2, keepdim=True, dtype=torch.float32)
+        tail = t[:, :, full * SPARSE_BLOCK :].sum(2, keepdim=True, dtype=torch.float32)
         sums = torch.cat([sums, tail], 2)
     return sums / _block_sizes(t.shape[2], n_blocks, t.device)[:, None]
 
@@ -349,8 +430,9 @@ def _block_sizes(length: int, n_blocks: int, device) -> Tensor:
 
 
 @checked_arguments
-def topk_block_index(q: Tensor, k: Tensor, coverage: float = 0.9, sink_blocks: int = 1,
-                     scale: Optional[float] = None, seq_dim: int = 2) -> tuple[Tensor, Tensor]:
+def topk_block_index(
+    q: Tensor, k: Tensor, coverage: float = 0.9, sink_blocks: int = 1, scale: Optional[float] = None, seq_dim: int = 2
+) -> tuple[Tensor, Tensor]:
     """Dynamic block lists: for each query block, the first ``sink_blocks`` key
     blocks (attention sinks) and the fewest further key blocks that bring the
     kept share of its estimated attention mass to ``coverage``.

@@ -19,6 +19,7 @@ where the FP8 path is entered, eagerly and under ``torch.compile`` alike.
 whose backward raises the same message (without one, torch would warn and
 return no gradient).
 """
+
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -62,9 +63,11 @@ def _num_warps(values: int, per_thread: int) -> int:
     return max(4, min(MAX_WARPS, triton.next_power_of_2(values) // (32 * per_thread)))
 
 
-INFERENCE_ONLY = ("FP8 paths are inference-only (compile_ops.patch(precision='fp8'), FP8Linear): "
-                  "nothing can be differentiated through them; run the model under torch.inference_mode() "
-                  "or torch.no_grad(), or patch it without precision='fp8' to train")
+INFERENCE_ONLY = (
+    "FP8 paths are inference-only (compile_ops.patch(precision='fp8'), FP8Linear): "
+    "nothing can be differentiated through them; run the model under torch.inference_mode() "
+    "or torch.no_grad(), or patch it without precision='fp8' to train"
+)
 
 
 class FP8Rows(NamedTuple):
@@ -75,6 +78,7 @@ class FP8Rows(NamedTuple):
     output mode hands to :func:`fp8_linear` / ``FP8Linear`` instead of a
     bf16 tensor. A NamedTuple: ``torch.compile`` and ``torch.export`` take it
     as two tensors (pytree), and ``q, scale = rows`` unpacks it."""
+
     q: Tensor
     scale: Tensor
 
@@ -97,7 +101,8 @@ def uses_scaled_mm(device: torch.device) -> bool:
         raise RuntimeError(
             f"compile_ops FP8: {name} is sm_{major}{minor}; "
             f"FP8 GEMMs need FP8 tensor cores (sm_89 or newer: Ada, Hopper, Blackwell). "
-            "Patch without precision='fp8' on this GPU")
+            "Patch without precision='fp8' on this GPU"
+        )
     return True
 
 
@@ -110,8 +115,7 @@ def refuse_gradient(fn: str, *tensors: Optional[Tensor]) -> None:
 
 
 @fused_op("quantize_fp8_rows", fake=meta.fp8.quantize_fp8_rows, reference=reference.fp8.quantize_fp8_rows)
-def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tensor] = None
-                       ) -> tuple[Tensor, Tensor]:
+def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     q, scale = meta.fp8.quantize_fp8_rows(x, activation, head)
     x2 = as_rows(x)
     n_rows, k = x2.shape
@@ -134,10 +138,26 @@ def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tenso
         warps = _num_warps(block_m * row_values, per_thread)
     grid = (triton.cdiv(n_rows, block_m),)
     launcher(quantize_fp8_rows_kernel)[grid](
-        x2, q, scale, n_rows, k, x2.stride(0), x2.stride(1), head2, k_head, head2.stride(0), head2.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, LOOPED=looped,
-        ACT=-1 if activation == "none" else ACTIVATION_CODES[activation], HAS_HEAD=head is not None,
-        CHUNKS=chunks, HEAD_CHUNKS=head_chunks, num_warps=warps)
+        x2,
+        q,
+        scale,
+        n_rows,
+        k,
+        x2.stride(0),
+        x2.stride(1),
+        head2,
+        k_head,
+        head2.stride(0),
+        head2.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        LOOPED=looped,
+        ACT=-1 if activation == "none" else ACTIVATION_CODES[activation],
+        HAS_HEAD=head is not None,
+        CHUNKS=chunks,
+        HEAD_CHUNKS=head_chunks,
+        num_warps=warps,
+    )
     return q, scale
 
 
@@ -181,9 +201,14 @@ def quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tensor
 
 
 @checked_arguments
-def fp8_linear(x: Union[Tensor, FP8Rows], weight_q: Tensor, weight_scale: Tensor,
-               bias: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-               fast_accum: bool = True) -> Tensor:
+def fp8_linear(
+    x: Union[Tensor, FP8Rows],
+    weight_q: Tensor,
+    weight_scale: Tensor,
+    bias: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    fast_accum: bool = True,
+) -> Tensor:
     """``x @ W.T + bias`` with x quantized per row and W per output channel.
 
     Args:
@@ -233,17 +258,24 @@ def fp8_linear(x: Union[Tensor, FP8Rows], weight_q: Tensor, weight_scale: Tensor
     n = weight_q.shape[0]
     if uses_scaled_mm(q.device):
         if k % 16 or n % 16:
-            raise ValueError(f"compile_ops.fp8_linear: torch._scaled_mm needs K and N to be multiples of 16, "
-                             f"got K={k}, N={n}")
+            raise ValueError(
+                f"compile_ops.fp8_linear: torch._scaled_mm needs K and N to be multiples of 16, got K={k}, N={n}"
+            )
         # Row-major x, column-major W (weight_q [N, K] transposed), scales [M, 1]
         # and [1, N]: the layouts of _scaled_mm's rowwise mode. clone and
         # unsqueeze, not .contiguous() and [:, None]: those cannot be fake-traced
         # for CUDA on a CPU-only torch, which the tests do to this branch.
         q = q if q.is_contiguous() else q.clone(memory_format=torch.contiguous_format)
         scale = scale if scale.is_contiguous() else scale.clone(memory_format=torch.contiguous_format)
-        out = torch._scaled_mm(q, weight_q.t(), scale_a=scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
-                               bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16,
-                               use_fast_accum=fast_accum)
+        out = torch._scaled_mm(
+            q,
+            weight_q.t(),
+            scale_a=scale.unsqueeze(1),
+            scale_b=weight_scale.unsqueeze(0),
+            bias=None if bias is None else bias.to(torch.bfloat16),
+            out_dtype=torch.bfloat16,
+            use_fast_accum=fast_accum,
+        )
         out = out.to(out_dtype)
     else:
         out = reference.fp8.fp8_linear(q, scale, weight_q, weight_scale, bias, out_dtype)

@@ -5,6 +5,7 @@ the ops return ``value * act(gate)`` ``[..., H]``. The backward op reads x
 again (the only tensor saved) and writes ``dx [..., 2H]`` in one pass, so
 neither direction materializes the halves or the activation.
 """
+
 from dataclasses import dataclass
 
 import triton
@@ -53,10 +54,20 @@ def _launch(x: Tensor, grad_out, out: Tensor, activation: str, gate_first: bool)
     cfg = launch_config(int(h))  # a dynamic H is specialized here: BLOCK_N depends on it
     grid = (triton.cdiv(n_rows, cfg.block_m) * triton.cdiv(h, cfg.block_n),)
     launcher(glu_kernel)[grid](
-        x2, dy2, out, n_rows, h, x2.stride(0), 0 if dy2 is None else dy2.stride(0),
-        ACT=ACTIVATION_CODES[activation], GATE_FIRST=gate_first, BACKWARD=grad_out is not None,
+        x2,
+        dy2,
+        out,
+        n_rows,
+        h,
+        x2.stride(0),
+        0 if dy2 is None else dy2.stride(0),
+        ACT=ACTIVATION_CODES[activation],
+        GATE_FIRST=gate_first,
+        BACKWARD=grad_out is not None,
         ACC_DTYPE=acc_dtype(x),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
     )
 
 

@@ -13,6 +13,7 @@ differentiable; the backward reads them instead of recomputing them, which
 takes two dependent row reductions off its critical path. The public functions
 return only what a model uses.
 """
+
 import functools
 from typing import Optional
 
@@ -48,11 +49,11 @@ def _broadcast_args(b: Optional[Broadcast]) -> tuple:
 
 
 def _broadcasts(op: str, x: Tensor, **tensors: Optional[Tensor]) -> dict:
-    return {name: None if m is None else meta.modulate.broadcast_on_x(op, name, m, x)
-            for name, m in tensors.items()}
+    return {name: None if m is None else meta.modulate.broadcast_on_x(op, name, m, x) for name, m in tensors.items()}
 
 
 # ---------------------------------------------------------------- launchers
+
 
 def _segments(h: Tensor, broadcasts: dict):
     """``(tokens, seg_rows, n_segments)``: how the rows of ``h`` split into
@@ -75,12 +76,24 @@ def forward_config(n: int, gated: bool) -> LaunchConfig:
     return LaunchConfig(block_m, block_n, False, 4)
 
 
-def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor],
-                    scale: Optional[Tensor], shift: Optional[Tensor], weight: Optional[Tensor],
-                    bias: Optional[Tensor], norm: str, eps: float, out: Optional[Tensor],
-                    residual_out: Optional[Tensor] = None, mean: Optional[Tensor] = None,
-                    rstd: Optional[Tensor] = None, out_scale: Optional[Tensor] = None,
-                    out_dtype: Optional[torch.dtype] = None) -> None:
+def _launch_forward(
+    op: str,
+    x: Tensor,
+    residual: Optional[Tensor],
+    gate: Optional[Tensor],
+    scale: Optional[Tensor],
+    shift: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    norm: str,
+    eps: float,
+    out: Optional[Tensor],
+    residual_out: Optional[Tensor] = None,
+    mean: Optional[Tensor] = None,
+    rstd: Optional[Tensor] = None,
+    out_scale: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> None:
     """``out_scale`` given: the FP8 output mode, ``out`` e4m3 and ``out_scale`` its
     row scales, of the output rounded to ``out_dtype`` (the unquantized op's)."""
     x2 = as_rows(x)
@@ -93,20 +106,44 @@ def _launch_forward(op: str, x: Tensor, residual: Optional[Tensor], gate: Option
     chunks = triton.cdiv(seg_rows, FORWARD_PIECE_ROWS)
     cfg = forward_config(int(n), gate is not None)
     launcher(modulate_fwd_kernel)[(n_segments * chunks,)](
-        x2, res2, gate, scale, shift, contiguous_param(weight), contiguous_param(bias), out, residual_out,
-        mean if norm == "layernorm" else None, rstd, out_scale,
-        n_rows, n, tokens, seg_rows, FORWARD_PIECE_ROWS, chunks,
-        x2.stride(0), x2.stride(1),
-        0 if res2 is None else res2.stride(0), 0 if res2 is None else res2.stride(1),
-        *_broadcast_args(b["gate"]), *_broadcast_args(b["scale"]), *_broadcast_args(b["shift"]),
+        x2,
+        res2,
+        gate,
+        scale,
+        shift,
+        contiguous_param(weight),
+        contiguous_param(bias),
+        out,
+        residual_out,
+        mean if norm == "layernorm" else None,
+        rstd,
+        out_scale,
+        n_rows,
+        n,
+        tokens,
+        seg_rows,
+        FORWARD_PIECE_ROWS,
+        chunks,
+        x2.stride(0),
+        x2.stride(1),
+        0 if res2 is None else res2.stride(0),
+        0 if res2 is None else res2.stride(1),
+        *_broadcast_args(b["gate"]),
+        *_broadcast_args(b["scale"]),
+        *_broadcast_args(b["shift"]),
         eps,
-        GATED=gate is not None, NORM=NORM_CODES[norm], MODULATED=scale is not None,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACC_DTYPE=acc_dtype(x),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        QUANTIZE=out_scale is not None, OUT_DTYPE=TRITON_DTYPES[out_dtype or torch.float32],
+        GATED=gate is not None,
+        NORM=NORM_CODES[norm],
+        MODULATED=scale is not None,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        ACC_DTYPE=acc_dtype(x),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        QUANTIZE=out_scale is not None,
+        OUT_DTYPE=TRITON_DTYPES[out_dtype or torch.float32],
         num_warps=cfg.num_warps,
     )
-
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,6 +180,7 @@ def _segment_sums_to(m: Tensor, b: Broadcast, sums: Tensor, seg_rows, tokens) ->
 
 # ---------------------------------------------------------------- forward ops
 
+
 @fused_op("modulate", fake=meta.modulate.modulate, reference=reference.modulate.modulate)
 def _modulate_op(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     out = meta.modulate.modulate(x, scale, shift)
@@ -150,33 +188,60 @@ def _modulate_op(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     return out
 
 
-@fused_op("norm_modulate", fake=meta.modulate.norm_modulate, reference=reference.modulate.norm_modulate,
-          autocast="fp32")
-def _norm_modulate_op(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tensor],
-                      bias: Optional[Tensor], norm: str, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+@fused_op(
+    "norm_modulate", fake=meta.modulate.norm_modulate, reference=reference.modulate.norm_modulate, autocast="fp32"
+)
+def _norm_modulate_op(
+    x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], norm: str, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
     out, mean, rstd = meta.modulate.norm_modulate(x, scale, shift, weight, bias, norm, eps)
-    _launch_forward("norm_modulate", x, None, None, scale, shift, weight, bias, norm, eps, out,
-                    mean=mean, rstd=rstd)
+    _launch_forward("norm_modulate", x, None, None, scale, shift, weight, bias, norm, eps, out, mean=mean, rstd=rstd)
     return out, mean, rstd
 
 
 @fused_op("gated_residual", fake=meta.modulate.gated_residual, reference=reference.modulate.gated_residual)
 def _gated_residual_op(residual: Tensor, x: Tensor, gate: Tensor) -> Tensor:
     residual_out = meta.modulate.gated_residual(residual, x, gate)
-    _launch_forward("gated_residual", x, residual, gate, None, None, None, None, "none", 0.0,
-                    None, residual_out)
+    _launch_forward("gated_residual", x, residual, gate, None, None, None, None, "none", 0.0, None, residual_out)
     return residual_out
 
 
-@fused_op("gated_residual_norm_modulate", fake=meta.modulate.gated_residual_norm_modulate,
-          reference=reference.modulate.gated_residual_norm_modulate, autocast="fp32")
-def _gated_residual_norm_modulate_op(residual: Tensor, x: Tensor, gate: Tensor, scale: Tensor, shift: Tensor,
-                                     weight: Optional[Tensor], bias: Optional[Tensor], norm: str,
-                                     eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+@fused_op(
+    "gated_residual_norm_modulate",
+    fake=meta.modulate.gated_residual_norm_modulate,
+    reference=reference.modulate.gated_residual_norm_modulate,
+    autocast="fp32",
+)
+def _gated_residual_norm_modulate_op(
+    residual: Tensor,
+    x: Tensor,
+    gate: Tensor,
+    scale: Tensor,
+    shift: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    norm: str,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     residual_out, out, mean, rstd = meta.modulate.gated_residual_norm_modulate(
-        residual, x, gate, scale, shift, weight, bias, norm, eps)
-    _launch_forward("gated_residual_norm_modulate", x, residual, gate, scale, shift, weight, bias, norm, eps,
-                    out, residual_out, mean, rstd)
+        residual, x, gate, scale, shift, weight, bias, norm, eps
+    )
+    _launch_forward(
+        "gated_residual_norm_modulate",
+        x,
+        residual,
+        gate,
+        scale,
+        shift,
+        weight,
+        bias,
+        norm,
+        eps,
+        out,
+        residual_out,
+        mean,
+        rstd,
+    )
     return residual_out, out, mean, rstd
 
 
@@ -184,47 +249,98 @@ def _gated_residual_norm_modulate_op(residual: Tensor, x: Tensor, gate: Tensor, 
 
 
 @fused_op("norm_modulate_fp8", fake=meta.modulate.norm_modulate_fp8, reference=reference.modulate.norm_modulate_fp8)
-def _norm_modulate_fp8_op(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tensor],
-                          bias: Optional[Tensor], norm: str, eps: float) -> tuple[Tensor, Tensor]:
+def _norm_modulate_fp8_op(
+    x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], norm: str, eps: float
+) -> tuple[Tensor, Tensor]:
     # The unquantized op's output gives the dtype the values round to before
     # quantizing. No row statistics (inference): every tensor the kernel gets
     # is an input or an output, so eager calls replay a launch plan.
     out, _, _ = meta.modulate.norm_modulate(x, scale, shift, weight, bias, norm, eps)
     q, q_scale = meta.modulate.fp8_rows(out)
-    _launch_forward("norm_modulate_fp8", x, None, None, scale, shift, weight, bias, norm, eps, q,
-                    out_scale=q_scale, out_dtype=out.dtype)
+    _launch_forward(
+        "norm_modulate_fp8",
+        x,
+        None,
+        None,
+        scale,
+        shift,
+        weight,
+        bias,
+        norm,
+        eps,
+        q,
+        out_scale=q_scale,
+        out_dtype=out.dtype,
+    )
     return q, q_scale
 
 
-@fused_op("gated_residual_norm_modulate_fp8", fake=meta.modulate.gated_residual_norm_modulate_fp8,
-          reference=reference.modulate.gated_residual_norm_modulate_fp8)
-def _gated_residual_norm_modulate_fp8_op(residual: Tensor, x: Tensor, gate: Tensor, scale: Tensor, shift: Tensor,
-                                         weight: Optional[Tensor], bias: Optional[Tensor], norm: str,
-                                         eps: float) -> tuple[Tensor, Tensor, Tensor]:
+@fused_op(
+    "gated_residual_norm_modulate_fp8",
+    fake=meta.modulate.gated_residual_norm_modulate_fp8,
+    reference=reference.modulate.gated_residual_norm_modulate_fp8,
+)
+def _gated_residual_norm_modulate_fp8_op(
+    residual: Tensor,
+    x: Tensor,
+    gate: Tensor,
+    scale: Tensor,
+    shift: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    norm: str,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     residual_out, out, _, _ = meta.modulate.gated_residual_norm_modulate(
-        residual, x, gate, scale, shift, weight, bias, norm, eps)
+        residual, x, gate, scale, shift, weight, bias, norm, eps
+    )
     q, q_scale = meta.modulate.fp8_rows(out)  # as norm_modulate_fp8: out's dtype, no row statistics
-    _launch_forward("gated_residual_norm_modulate_fp8", x, residual, gate, scale, shift, weight, bias, norm, eps,
-                    q, residual_out, out_scale=q_scale, out_dtype=out.dtype)
+    _launch_forward(
+        "gated_residual_norm_modulate_fp8",
+        x,
+        residual,
+        gate,
+        scale,
+        shift,
+        weight,
+        bias,
+        norm,
+        eps,
+        q,
+        residual_out,
+        out_scale=q_scale,
+        out_dtype=out.dtype,
+    )
     return residual_out, q, q_scale
 
 
 # ---------------------------------------------------------------- backward op
 
-@fused_op("modulate_backward", fake=meta.modulate.modulate_backward,
-          reference=reference.modulate.modulate_backward)
-def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], h: Tensor,
-                          mean: Optional[Tensor], rstd: Optional[Tensor], x_branch: Optional[Tensor],
-                          gate: Optional[Tensor], scale: Optional[Tensor], shift: Optional[Tensor],
-                          weight: Optional[Tensor], bias: Optional[Tensor], norm: str,
-                          eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+
+@fused_op("modulate_backward", fake=meta.modulate.modulate_backward, reference=reference.modulate.modulate_backward)
+def _modulate_backward_op(
+    grad_out: Optional[Tensor],
+    grad_h: Optional[Tensor],
+    h: Tensor,
+    mean: Optional[Tensor],
+    rstd: Optional[Tensor],
+    x_branch: Optional[Tensor],
+    gate: Optional[Tensor],
+    scale: Optional[Tensor],
+    shift: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    norm: str,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward of every op of the family (:func:`compile_ops.meta.modulate.modulate_backward`).
 
     ``h`` is the norm's input (x, or residual_out of a gated residual); for a
     gated residual without norm or modulation it only gives the shape.
     """
-    grads = meta.modulate.modulate_backward(grad_out, grad_h, h, mean, rstd, x_branch, gate, scale, shift,
-                                            weight, bias, norm, eps)
+    grads = meta.modulate.modulate_backward(
+        grad_out, grad_h, h, mean, rstd, x_branch, gate, scale, shift, weight, bias, norm, eps
+    )
     d_h, d_xb, d_gate, d_scale, d_shift, d_weight, d_bias = grads
     h2 = as_rows(h)
     n_rows, n = h2.shape
@@ -261,8 +377,11 @@ def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], 
             return grad
         return torch.empty((chunks, n_segments * n), dtype=acc, device=h.device)
 
-    partials = {"gate": partial_buffer(gate, d_gate), "scale": partial_buffer(scale, d_scale),
-                "shift": partial_buffer(shift, d_shift)}
+    partials = {
+        "gate": partial_buffer(gate, d_gate),
+        "scale": partial_buffer(scale, d_scale),
+        "shift": partial_buffer(shift, d_shift),
+    }
     dw_partial = torch.empty((max_programs, n), dtype=acc, device=h.device) if weight is not None else None
     db_partial = torch.empty((max_programs, n), dtype=acc, device=h.device) if bias is not None else None
     dy2 = None if grad_out is None else as_rows(grad_out)
@@ -273,17 +392,49 @@ def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], 
         return (0, 0) if t2 is None else (t2.stride(0), t2.stride(1))
 
     launcher(modulate_bwd_kernel)[(programs,)](
-        dy2, dh2, h2, mean if norm == "layernorm" else None, rstd, xb2, gate, scale,
-        contiguous_param(weight), contiguous_param(bias),
-        d_h if grad_out is not None else None, d_xb if gated else None,
-        partials["gate"], partials["scale"], partials["shift"], dw_partial, db_partial,
-        n_rows, n, tokens, seg_rows, chunk_rows, chunks, n_segments, programs,
-        *strides(dy2), *strides(dh2), *strides(h2), *strides(xb2),
-        *_broadcast_args(b["gate"]), *_broadcast_args(b["scale"]),
+        dy2,
+        dh2,
+        h2,
+        mean if norm == "layernorm" else None,
+        rstd,
+        xb2,
+        gate,
+        scale,
+        contiguous_param(weight),
+        contiguous_param(bias),
+        d_h if grad_out is not None else None,
+        d_xb if gated else None,
+        partials["gate"],
+        partials["scale"],
+        partials["shift"],
+        dw_partial,
+        db_partial,
+        n_rows,
+        n,
+        tokens,
+        seg_rows,
+        chunk_rows,
+        chunks,
+        n_segments,
+        programs,
+        *strides(dy2),
+        *strides(dh2),
+        *strides(h2),
+        *strides(xb2),
+        *_broadcast_args(b["gate"]),
+        *_broadcast_args(b["scale"]),
         eps,
-        HAS_DY=grad_out is not None, HAS_DH=grad_h is not None, GATED=gated, NORM=NORM_CODES[norm],
-        MODULATED=modulated, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        HAS_STATS=rstd is not None, ACC_DTYPE=acc_dtype(h), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HAS_DY=grad_out is not None,
+        HAS_DH=grad_h is not None,
+        GATED=gated,
+        NORM=NORM_CODES[norm],
+        MODULATED=modulated,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        HAS_STATS=rstd is not None,
+        ACC_DTYPE=acc_dtype(h),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps,
     )
     reduced = {}
@@ -306,11 +457,19 @@ def _modulate_backward_op(grad_out: Optional[Tensor], grad_h: Optional[Tensor], 
         column_sum(dw_partial, programs, d_weight)
     if bias is not None:
         column_sum(db_partial, programs, d_bias)
-    return (d_h, d_xb, reduced.get("gate", d_gate), reduced.get("scale", d_scale),
-            reduced.get("shift", d_shift), d_weight, d_bias)
+    return (
+        d_h,
+        d_xb,
+        reduced.get("gate", d_gate),
+        reduced.get("scale", d_scale),
+        reduced.get("shift", d_shift),
+        d_weight,
+        d_bias,
+    )
 
 
 # ---------------------------------------------------------------- autograd
+
 
 def _setup_modulate(ctx, inputs, output):
     x, scale, shift = inputs
@@ -320,7 +479,8 @@ def _setup_modulate(ctx, inputs, output):
 def _backward_modulate(ctx, grad):
     x, scale, shift = ctx.saved_tensors
     dx, _, _, d_scale, d_shift, _, _ = _modulate_backward_op(
-        grad, None, x, None, None, None, None, scale, shift, None, None, "none", 0.0)
+        grad, None, x, None, None, None, None, scale, shift, None, None, "none", 0.0
+    )
     return dx, d_scale, d_shift
 
 
@@ -337,7 +497,8 @@ def _setup_norm_modulate(ctx, inputs, output):
 def _backward_norm_modulate(ctx, grad, _grad_mean, _grad_rstd):
     x, mean, rstd, scale, shift, weight, bias = ctx.saved_tensors
     dx, _, _, d_scale, d_shift, d_weight, d_bias = _modulate_backward_op(
-        grad, None, x, mean, rstd, None, None, scale, shift, weight, bias, ctx.norm, ctx.eps)
+        grad, None, x, mean, rstd, None, None, scale, shift, weight, bias, ctx.norm, ctx.eps
+    )
     return dx, d_scale, d_shift, grad_or_none(d_weight, weight), grad_or_none(d_bias, bias), None, None
 
 
@@ -350,7 +511,8 @@ def _setup_gated_residual(ctx, inputs, output):
 def _backward_gated_residual(ctx, grad):
     x, gate = ctx.saved_tensors
     _, dx, d_gate, _, _, _, _ = _modulate_backward_op(
-        None, grad, x, None, None, x, gate, None, None, None, None, "none", 0.0)
+        None, grad, x, None, None, x, gate, None, None, None, None, "none", 0.0
+    )
     return grad.to(ctx.residual_dtype), dx, d_gate
 
 
@@ -366,19 +528,31 @@ def _setup_gated_residual_norm_modulate(ctx, inputs, output):
 def _backward_gated_residual_norm_modulate(ctx, grad_residual_out, grad_out, _grad_mean, _grad_rstd):
     h, mean, rstd, x, gate, scale, shift, weight, bias = ctx.saved_tensors
     d_h, dx, d_gate, d_scale, d_shift, d_weight, d_bias = _modulate_backward_op(
-        grad_out, grad_residual_out, h, mean, rstd, x, gate, scale, shift, weight, bias, ctx.norm, ctx.eps)
-    return (d_h.to(ctx.residual_dtype), dx, d_gate, d_scale, d_shift,
-            grad_or_none(d_weight, weight), grad_or_none(d_bias, bias), None, None)
+        grad_out, grad_residual_out, h, mean, rstd, x, gate, scale, shift, weight, bias, ctx.norm, ctx.eps
+    )
+    return (
+        d_h.to(ctx.residual_dtype),
+        dx,
+        d_gate,
+        d_scale,
+        d_shift,
+        grad_or_none(d_weight, weight),
+        grad_or_none(d_bias, bias),
+        None,
+        None,
+    )
 
 
 _modulate_op.register_autograd(_backward_modulate, setup_context=_setup_modulate)
 _norm_modulate_op.register_autograd(_backward_norm_modulate, setup_context=_setup_norm_modulate)
 _gated_residual_op.register_autograd(_backward_gated_residual, setup_context=_setup_gated_residual)
-_gated_residual_norm_modulate_op.register_autograd(_backward_gated_residual_norm_modulate,
-                                                   setup_context=_setup_gated_residual_norm_modulate)
+_gated_residual_norm_modulate_op.register_autograd(
+    _backward_gated_residual_norm_modulate, setup_context=_setup_gated_residual_norm_modulate
+)
 
 
 # ---------------------------------------------------------------- public functions
+
 
 def modulate(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     """AdaLN modulation: ``x * (1 + scale) + shift``.
@@ -398,8 +572,15 @@ def modulate(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     return _modulate_op(x, scale, shift)
 
 
-def norm_modulate(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tensor] = None,
-                  bias: Optional[Tensor] = None, norm: str = "layernorm", eps: float = 1e-6) -> Tensor:
+def norm_modulate(
+    x: Tensor,
+    scale: Tensor,
+    shift: Tensor,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    norm: str = "layernorm",
+    eps: float = 1e-6,
+) -> Tensor:
     """LayerNorm or RMSNorm then modulation, in one pass: ``norm(x) * (1 + scale) + shift``.
 
     Args:
@@ -431,9 +612,17 @@ def gated_residual(residual: Tensor, x: Tensor, gate: Tensor) -> Tensor:
     return _gated_residual_op(residual, x, gate)
 
 
-def gated_residual_norm_modulate(residual: Tensor, x: Tensor, gate: Tensor, scale: Tensor, shift: Tensor,
-                                 weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                                 norm: str = "layernorm", eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def gated_residual_norm_modulate(
+    residual: Tensor,
+    x: Tensor,
+    gate: Tensor,
+    scale: Tensor,
+    shift: Tensor,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    norm: str = "layernorm",
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
     """The seam between the two halves of a DiT block, in one pass:
     ``h = residual + gate * x; return h, norm(h) * (1 + scale) + shift``.
 
@@ -449,13 +638,19 @@ def gated_residual_norm_modulate(residual: Tensor, x: Tensor, gate: Tensor, scal
         ``(residual_out, out)``: ``residual_out`` as :func:`gated_residual`
         gives it, and ``out`` exactly :func:`norm_modulate` of residual_out.
     """
-    residual_out, out, _, _ = _gated_residual_norm_modulate_op(residual, x, gate, scale, shift, weight, bias,
-                                                               norm, eps)
+    residual_out, out, _, _ = _gated_residual_norm_modulate_op(residual, x, gate, scale, shift, weight, bias, norm, eps)
     return residual_out, out
 
 
-def norm_modulate_fp8(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tensor] = None,
-                      bias: Optional[Tensor] = None, norm: str = "layernorm", eps: float = 1e-6) -> FP8Rows:
+def norm_modulate_fp8(
+    x: Tensor,
+    scale: Tensor,
+    shift: Tensor,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    norm: str = "layernorm",
+    eps: float = 1e-6,
+) -> FP8Rows:
     """:func:`norm_modulate` with its output quantized per row to e4m3 in the same
     kernel (the FP8 output mode, for an FP8 Linear that reads it; inference only).
 
@@ -473,9 +668,17 @@ def norm_modulate_fp8(x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[
     return FP8Rows(*_norm_modulate_fp8_op(x, scale, shift, weight, bias, norm, eps))
 
 
-def gated_residual_norm_modulate_fp8(residual: Tensor, x: Tensor, gate: Tensor, scale: Tensor, shift: Tensor,
-                                     weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                                     norm: str = "layernorm", eps: float = 1e-6) -> tuple[Tensor, FP8Rows]:
+def gated_residual_norm_modulate_fp8(
+    residual: Tensor,
+    x: Tensor,
+    gate: Tensor,
+    scale: Tensor,
+    shift: Tensor,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    norm: str = "layernorm",
+    eps: float = 1e-6,
+) -> tuple[Tensor, FP8Rows]:
     """:func:`gated_residual_norm_modulate` with ``out`` quantized per row to e4m3
     in the same kernel (inference only).
 
@@ -488,6 +691,7 @@ def gated_residual_norm_modulate_fp8(residual: Tensor, x: Tensor, gate: Tensor, 
         NaN, a NaN stays NaN).
     """
     refuse_gradient("gated_residual_norm_modulate_fp8", residual, x, gate, scale, shift, weight, bias)
-    residual_out, q, q_scale = _gated_residual_norm_modulate_fp8_op(residual, x, gate, scale, shift, weight, bias,
-                                                                    norm, eps)
+    residual_out, q, q_scale = _gated_residual_norm_modulate_fp8_op(
+        residual, x, gate, scale, shift, weight, bias, norm, eps
+    )
     return residual_out, FP8Rows(q, q_scale)

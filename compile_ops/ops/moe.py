@@ -8,6 +8,7 @@ gradients of the probabilities and routing weights into ``d logits`` in one
 kernel and multiplies it with the router weight and x in torch (two GEMMs
 that cuBLAS runs at its speed). Layouts: ``compile_ops/meta/moe.py``.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -83,11 +84,20 @@ def launch_config(e: int, h: int, dtype: torch.dtype) -> LaunchConfig:
         block_h = max(16, block_h // 2)
     split = triton.cdiv(h, SPLIT_COLUMNS) if e * h * dtype.itemsize >= SPLIT_MIN_WEIGHT_BYTES else 1
     if split > 1:
-        return LaunchConfig(ROUTE_SPLIT_BLOCK_T, block_e, block_h, num_warps=4, num_stages=1, split=split,
-                            logits_block_t=LOGITS_BLOCK_T if not wide else LOGITS_BLOCK_T // 2,
-                            logits_num_warps=LOGITS_NUM_WARPS, logits_num_stages=2 if wide else LOGITS_NUM_STAGES)
-    return LaunchConfig(ROUTE_BLOCK_T, block_e, block_h, num_warps=ROUTE_NUM_WARPS,
-                        num_stages=2 if wide else ROUTE_NUM_STAGES)
+        return LaunchConfig(
+            ROUTE_SPLIT_BLOCK_T,
+            block_e,
+            block_h,
+            num_warps=4,
+            num_stages=1,
+            split=split,
+            logits_block_t=LOGITS_BLOCK_T if not wide else LOGITS_BLOCK_T // 2,
+            logits_num_warps=LOGITS_NUM_WARPS,
+            logits_num_stages=2 if wide else LOGITS_NUM_STAGES,
+        )
+    return LaunchConfig(
+        ROUTE_BLOCK_T, block_e, block_h, num_warps=ROUTE_NUM_WARPS, num_stages=2 if wide else ROUTE_NUM_STAGES
+    )
 
 
 def _launch_route(x: Tensor, w: Tensor, top_k: int, renormalize: bool, outs: tuple) -> None:
@@ -105,28 +115,74 @@ def _launch_route(x: Tensor, w: Tensor, top_k: int, renormalize: bool, outs: tup
         split = triton.cdiv(h, h_per_split)
         partial = x.new_empty((split, n_tokens, e), dtype=probs.dtype)
         launcher(moe_router_logits_kernel)[(triton.cdiv(n_tokens, cfg.logits_block_t), split)](
-            x, w, partial, n_tokens, h, e, x.stride(0), w.stride(0), h_per_split,
-            DOT_PRECISION=dot_precision(x.dtype), ACC_DTYPE=acc, BLOCK_T=cfg.logits_block_t, BLOCK_E=cfg.block_e,
-            BLOCK_H=cfg.block_h, num_warps=cfg.logits_num_warps, num_stages=cfg.logits_num_stages)
+            x,
+            w,
+            partial,
+            n_tokens,
+            h,
+            e,
+            x.stride(0),
+            w.stride(0),
+            h_per_split,
+            DOT_PRECISION=dot_precision(x.dtype),
+            ACC_DTYPE=acc,
+            BLOCK_T=cfg.logits_block_t,
+            BLOCK_E=cfg.block_e,
+            BLOCK_H=cfg.block_h,
+            num_warps=cfg.logits_num_warps,
+            num_stages=cfg.logits_num_stages,
+        )
     n_blocks = triton.cdiv(n_tokens, cfg.block_t)
     block_counts = x.new_empty((n_blocks, e), dtype=torch.int32)
     launcher(moe_route_kernel)[(n_blocks,)](
-        x, w, partial, probs, weights, experts, block_counts, n_tokens, h, e, x.stride(0), w.stride(0),
-        TOP_K=top_k, BLOCK_K=block_k, RENORMALIZE=renormalize, DOT_PRECISION=dot_precision(x.dtype),
-        ACC_DTYPE=acc, SPLIT=0 if partial is None else partial.shape[0], BLOCK_T=cfg.block_t,
-        BLOCK_E=cfg.block_e, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x,
+        w,
+        partial,
+        probs,
+        weights,
+        experts,
+        block_counts,
+        n_tokens,
+        h,
+        e,
+        x.stride(0),
+        w.stride(0),
+        TOP_K=top_k,
+        BLOCK_K=block_k,
+        RENORMALIZE=renormalize,
+        DOT_PRECISION=dot_precision(x.dtype),
+        ACC_DTYPE=acc,
+        SPLIT=0 if partial is None else partial.shape[0],
+        BLOCK_T=cfg.block_t,
+        BLOCK_E=cfg.block_e,
+        BLOCK_H=cfg.block_h,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     launcher(moe_token_lists_kernel)[(n_blocks,)](
-        experts, block_counts, counts, token_index, n_tokens, n_blocks, e, TOP_K=top_k, BLOCK_K=block_k,
-        BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, COUNT_CHUNK=COUNT_CHUNK, num_warps=4)
+        experts,
+        block_counts,
+        counts,
+        token_index,
+        n_tokens,
+        n_blocks,
+        e,
+        TOP_K=top_k,
+        BLOCK_K=block_k,
+        BLOCK_T=cfg.block_t,
+        BLOCK_E=cfg.block_e,
+        COUNT_CHUNK=COUNT_CHUNK,
+        num_warps=4,
+    )
 
 
 # ---------------------------------------------------------------- ops
 
 
 @fused_op("moe_route", fake=meta.moe.moe_route, reference=reference.moe.moe_route)
-def _moe_route_op(x: Tensor, router_weight: Tensor, top_k: int,
-                  renormalize: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _moe_route_op(
+    x: Tensor, router_weight: Tensor, top_k: int, renormalize: bool = True
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     outs = meta.moe.moe_route(x, router_weight, top_k, renormalize)
     if x.shape[0] > 0:
         _launch_route(unit_last_stride(x), unit_last_stride(router_weight), top_k, renormalize, outs)
@@ -136,17 +192,38 @@ def _moe_route_op(x: Tensor, router_weight: Tensor, top_k: int,
 
 
 @fused_op("moe_route_backward", fake=meta.moe.moe_route_backward, reference=reference.moe.moe_route_backward)
-def _moe_route_backward_op(grad_probs: Tensor, grad_weights: Tensor, x: Tensor, router_weight: Tensor,
-                           probs: Tensor, experts: Tensor, renormalize: bool) -> tuple[Tensor, Tensor]:
+def _moe_route_backward_op(
+    grad_probs: Tensor,
+    grad_weights: Tensor,
+    x: Tensor,
+    router_weight: Tensor,
+    probs: Tensor,
+    experts: Tensor,
+    renormalize: bool,
+) -> tuple[Tensor, Tensor]:
     meta.moe.moe_route_backward(grad_probs, grad_weights, x, router_weight, probs, experts, renormalize)
     n_tokens, e = probs.shape
     dlogits = probs.new_empty((n_tokens, e))
     if n_tokens > 0:
         launcher(moe_route_backward_kernel)[(triton.cdiv(n_tokens, BACKWARD_BLOCK_T),)](
-            grad_probs, grad_weights, probs, experts, dlogits, n_tokens, e,
-            grad_probs.stride(0), grad_probs.stride(1), grad_weights.stride(0), grad_weights.stride(1),
-            TOP_K=experts.shape[1], RENORMALIZE=renormalize, ACC_DTYPE=TRITON_DTYPES[probs.dtype],
-            BLOCK_T=BACKWARD_BLOCK_T, BLOCK_E=max(16, triton.next_power_of_2(int(e))), num_warps=4)
+            grad_probs,
+            grad_weights,
+            probs,
+            experts,
+            dlogits,
+            n_tokens,
+            e,
+            grad_probs.stride(0),
+            grad_probs.stride(1),
+            grad_weights.stride(0),
+            grad_weights.stride(1),
+            TOP_K=experts.shape[1],
+            RENORMALIZE=renormalize,
+            ACC_DTYPE=TRITON_DTYPES[probs.dtype],
+            BLOCK_T=BACKWARD_BLOCK_T,
+            BLOCK_E=max(16, triton.next_power_of_2(int(e))),
+            num_warps=4,
+        )
     # The two products in the inputs' dtype (cuBLAS, fp32 accumulation), as
     # the gradient of torch's F.linear would be computed.
     dlogits = dlogits.to(x.dtype)

@@ -4,6 +4,7 @@ Each forward op returns exactly what the user sees; the shared backward op
 ``fused.norm_backward`` recomputes the row statistics from x (see
 ``kernels/norm.py``), so nothing but the inputs is saved for backward.
 """
+
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -70,22 +71,44 @@ BACKWARD_PROGRAMS_PER_SM = 2
 
 # ---------------------------------------------------------------- launchers
 
-def _launch_forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
-                    bias: Optional[Tensor], eps: float, is_rms: bool,
-                    out: Tensor, residual_out: Optional[Tensor]) -> None:
+
+def _launch_forward(
+    x: Tensor,
+    residual: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    is_rms: bool,
+    out: Tensor,
+    residual_out: Optional[Tensor],
+) -> None:
     x2 = as_rows(x)
     res2 = None if residual is None else as_rows(residual)
     n_rows, n = x2.shape
     cfg = forward_config(int(n))  # a hidden dim made dynamic is specialized here: BLOCK_N depends on it
     launcher(norm_fwd_kernel)[(triton.cdiv(n_rows, cfg.block_m),)](
-        x2, res2, contiguous_param(weight), contiguous_param(bias), out, residual_out,
-        n_rows, n,
-        x2.stride(0), x2.stride(1),
-        0 if res2 is None else res2.stride(0), 0 if res2 is None else res2.stride(1),
+        x2,
+        res2,
+        contiguous_param(weight),
+        contiguous_param(bias),
+        out,
+        residual_out,
+        n_rows,
+        n,
+        x2.stride(0),
+        x2.stride(1),
+        0 if res2 is None else res2.stride(0),
+        0 if res2 is None else res2.stride(1),
         eps,
-        IS_RMS=is_rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None, ACC_DTYPE=acc_dtype(x),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, num_warps=cfg.num_warps,
+        IS_RMS=is_rms,
+        HAS_RESIDUAL=residual is not None,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        ACC_DTYPE=acc_dtype(x),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        LOOPED=cfg.looped,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
 
@@ -110,10 +133,8 @@ def _layernorm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], e
     return out
 
 
-@fused_op("add_rmsnorm", fake=meta.norm.add_rmsnorm, reference=reference.norm.add_rmsnorm,
-          autocast=_RMS_NORM_AUTOCAST)
-def _add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Optional[Tensor],
-                    eps: float) -> tuple[Tensor, Tensor]:
+@fused_op("add_rmsnorm", fake=meta.norm.add_rmsnorm, reference=reference.norm.add_rmsnorm, autocast=_RMS_NORM_AUTOCAST)
+def _add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     out, residual_out = meta.norm.add_rmsnorm(x, residual, weight, eps)
     _launch_forward(x, residual, weight, None, eps, True, out, residual_out)
     return out, residual_out
@@ -121,10 +142,17 @@ def _add_rmsnorm_op(x: Tensor, residual: Tensor, weight: Optional[Tensor],
 
 # ---------------------------------------------------------------- backward op
 
+
 @fused_op("norm_backward", fake=meta.norm.norm_backward, reference=reference.norm.norm_backward)
-def _norm_backward_op(grad_out: Tensor, grad_residual: Optional[Tensor], x: Tensor,
-                      weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                      is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _norm_backward_op(
+    grad_out: Tensor,
+    grad_residual: Optional[Tensor],
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    is_rms: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     dx, dweight, dbias = meta.norm.norm_backward(grad_out, grad_residual, x, weight, bias, eps, is_rms)
     x2, dy2 = as_rows(x), as_rows(grad_out)
     dres2 = None if grad_residual is None else as_rows(grad_residual)
@@ -141,15 +169,32 @@ def _norm_backward_op(grad_out: Tensor, grad_residual: Optional[Tensor], x: Tens
     dw_partial = alloc((max_programs, n), dtype=acc, device=x.device) if weight is not None else None
     db_partial = alloc((max_programs, n), dtype=acc, device=x.device) if bias is not None else None
     launcher(norm_bwd_kernel)[(programs,)](
-        dy2, dres2, x2, contiguous_param(weight), dx, dw_partial, db_partial,
-        n_rows, n, programs,
-        dy2.stride(0), dy2.stride(1),
-        0 if dres2 is None else dres2.stride(0), 0 if dres2 is None else dres2.stride(1),
-        x2.stride(0), x2.stride(1),
+        dy2,
+        dres2,
+        x2,
+        contiguous_param(weight),
+        dx,
+        dw_partial,
+        db_partial,
+        n_rows,
+        n,
+        programs,
+        dy2.stride(0),
+        dy2.stride(1),
+        0 if dres2 is None else dres2.stride(0),
+        0 if dres2 is None else dres2.stride(1),
+        x2.stride(0),
+        x2.stride(1),
         eps,
-        IS_RMS=is_rms, HAS_DRES=grad_residual is not None, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None, ACC_DTYPE=acc_dtype(x),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, num_warps=cfg.num_warps,
+        IS_RMS=is_rms,
+        HAS_DRES=grad_residual is not None,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        ACC_DTYPE=acc_dtype(x),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        LOOPED=cfg.looped,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     if weight is not None:
@@ -160,6 +205,7 @@ def _norm_backward_op(grad_out: Tensor, grad_residual: Optional[Tensor], x: Tens
 
 
 # ---------------------------------------------------------------- autograd
+
 
 def _setup_rmsnorm(ctx, inputs, output):
     x, weight, eps, bias = inputs
@@ -207,8 +253,8 @@ _add_rmsnorm_op.register_autograd(_backward_add_rmsnorm, setup_context=_setup_ad
 
 # ---------------------------------------------------------------- public functions
 
-def rmsnorm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6,
-            bias: Optional[Tensor] = None) -> Tensor:
+
+def rmsnorm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, bias: Optional[Tensor] = None) -> Tensor:
     """RMSNorm over the last dim: ``x / sqrt(mean(x**2) + eps) * weight + bias``.
 
     Args:
@@ -224,8 +270,7 @@ def rmsnorm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6,
     return _rmsnorm_op(x, weight, eps, bias)
 
 
-def layernorm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-              eps: float = 1e-5) -> Tensor:
+def layernorm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
     """LayerNorm over the last dim: ``(x - mean) / sqrt(var + eps) * weight + bias``.
 
     Args:
@@ -240,8 +285,9 @@ def layernorm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor]
     return _layernorm_op(x, weight, bias, eps)
 
 
-def add_rmsnorm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None,
-                eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def add_rmsnorm(
+    x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
     """Residual add fused with RMSNorm: ``h = x + residual; return rmsnorm(h), h``.
 
     Args:

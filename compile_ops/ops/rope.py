@@ -12,6 +12,7 @@ flipped, so the first three ops are their own backward ops. Tables that
 require grad get theirs from plain torch ops in the backward (the rotated
 input times the output's gradient, summed to the table's shape).
 """
+
 from typing import Optional
 
 import torch
@@ -101,10 +102,27 @@ def _pair_blocks(r: int, d: int) -> dict:
     return dict(BLOCK_P=triton.next_power_of_2(r // 2), BLOCK_T=triton.next_power_of_2(d - r) if d > r else 0)
 
 
-def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Optional[Tensor], seq_dim: int,
-                    r: int, interleaved: bool, half_table: bool, cos: Tensor, sin: Tensor, inverse: bool,
-                    weights=(None, None), eps: float = 0.0, grid_angles: bool = False, frame_size: int = 1,
-                    width: int = 1, quantize: int = 0, scales=(None, None), k_sum: Optional[Tensor] = None):
+def _launch_forward(
+    q: Tensor,
+    k: Optional[Tensor],
+    q_out: Tensor,
+    k_out: Optional[Tensor],
+    seq_dim: int,
+    r: int,
+    interleaved: bool,
+    half_table: bool,
+    cos: Tensor,
+    sin: Tensor,
+    inverse: bool,
+    weights=(None, None),
+    eps: float = 0.0,
+    grid_angles: bool = False,
+    frame_size: int = 1,
+    width: int = 1,
+    quantize: int = 0,
+    scales=(None, None),
+    k_sum: Optional[Tensor] = None,
+):
     """Launch rope_kernel over q (and k); with ``grid_angles``, ``cos`` holds
     the grid constants. ``quantize`` (rope_kernel's QUANTIZE): 1, q_out is
     the ``[blocks, B, H, D]`` fp32 column sums of q (k's, launched alone);
@@ -117,7 +135,8 @@ def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Option
     if q.numel() == 0 and (k is None or k.numel() == 0):
         return
     block_l, n_pos_blocks, heads_per_program, grid = _grid(
-        q, hq + hk, seq_dim, d, reference.attention.INT8_KEY_BLOCK if quantize else None)
+        q, hq + hk, seq_dim, d, reference.attention.INT8_KEY_BLOCK if quantize else None
+    )
     k_strides = _positions_and_heads(q if k is None else k, seq_dim)
     if quantize == 1:  # the sums [blocks, B, H, D] are addressed as (batch, block, head) rows
         q_out_strides = (q_out.stride(1), q_out.stride(0), q_out.stride(2))
@@ -135,14 +154,44 @@ def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Option
     scale_strides = [t.stride(i) if t is not None else 0 for t in (q_scale, k_scale, k_sum) for i in (0, 1)]
     pairs = _pair_blocks(r, d)
     launcher(rope_kernel)[grid](
-        q, k, q_out, k_out, cos, sin, q if q_w is None else q_w, q if k_w is None else k_w,
-        q_scale, k_scale, k_sum,
-        q.shape[seq_dim], hq, hk, d, n_pos_blocks, heads_per_program,
-        *_positions_and_heads(q, seq_dim), *k_strides, *q_out_strides, *k_out_strides, *scale_strides,
-        stride_tb, stride_tl, frame_size, width, eps,
-        R=r, INTERLEAVED=interleaved, PACKED=_pairs_packable(q, k), HALF_TABLE=half_table,
-        GRID_ANGLES=grid_angles, NORM=q_w is not None, INVERSE=inverse, BLOCK_L=block_l,
-        **pairs, ACC=acc_dtype(q), QUANTIZE=quantize,
+        q,
+        k,
+        q_out,
+        k_out,
+        cos,
+        sin,
+        q if q_w is None else q_w,
+        q if k_w is None else k_w,
+        q_scale,
+        k_scale,
+        k_sum,
+        q.shape[seq_dim],
+        hq,
+        hk,
+        d,
+        n_pos_blocks,
+        heads_per_program,
+        *_positions_and_heads(q, seq_dim),
+        *k_strides,
+        *q_out_strides,
+        *k_out_strides,
+        *scale_strides,
+        stride_tb,
+        stride_tl,
+        frame_size,
+        width,
+        eps,
+        R=r,
+        INTERLEAVED=interleaved,
+        PACKED=_pairs_packable(q, k),
+        HALF_TABLE=half_table,
+        GRID_ANGLES=grid_angles,
+        NORM=q_w is not None,
+        INVERSE=inverse,
+        BLOCK_L=block_l,
+        **pairs,
+        ACC=acc_dtype(q),
+        QUANTIZE=quantize,
         num_warps=_quantize_warps(block_l, pairs["BLOCK_P"]) if quantize else NUM_WARPS,
     )
 
@@ -151,8 +200,15 @@ def _launch_forward(q: Tensor, k: Optional[Tensor], q_out: Tensor, k_out: Option
 
 
 @fused_op("rope", fake=meta.rope.rope, reference=reference.rope.rope)
-def _rope_op(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, seq_dim: int,
-             rotary_dim: Optional[int] = None, inverse: bool = False) -> Tensor:
+def _rope_op(
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+    inverse: bool = False,
+) -> Tensor:
     out = meta.rope.rope(x, cos, sin, interleaved, seq_dim, rotary_dim, inverse)
     r, half = meta.rope.table_layout(x, cos, rotary_dim)
     _launch_forward(x, None, out, None, seq_dim, r, interleaved, half, cos, sin, inverse)
@@ -201,8 +257,16 @@ _rope_op.register_autograd(_backward_rope, setup_context=_setup_rope)
 
 
 @fused_op("rope_qk", fake=meta.rope.rope_qk, reference=reference.rope.rope_qk)
-def _rope_qk_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, seq_dim: int,
-                rotary_dim: Optional[int] = None, inverse: bool = False) -> tuple[Tensor, Tensor]:
+def _rope_qk_op(
+    q: Tensor,
+    k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+    inverse: bool = False,
+) -> tuple[Tensor, Tensor]:
     q_out, k_out = meta.rope.rope_qk(q, k, cos, sin, interleaved, seq_dim, rotary_dim, inverse)
     r, half = meta.rope.table_layout(q, cos, rotary_dim)
     _launch_forward(q, k, q_out, k_out, seq_dim, r, interleaved, half, cos, sin, inverse)
@@ -215,8 +279,10 @@ def _save_pair_shapes(ctx, q: Tensor, k: Tensor) -> None:
 
 def _grads_of_pair(ctx, grad_q: Optional[Tensor], grad_k: Optional[Tensor]):
     """Autograd passes None for an output that got no gradient: zeros then."""
-    return tuple(torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-                 for g, (shape, dtype, device) in zip((grad_q, grad_k), ctx.pair_shapes))
+    return tuple(
+        torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+        for g, (shape, dtype, device) in zip((grad_q, grad_k), ctx.pair_shapes)
+    )
 
 
 def _setup_rope_qk(ctx, inputs, output):
@@ -243,12 +309,34 @@ _rope_qk_op.register_autograd(_backward_rope_qk, setup_context=_setup_rope_qk)
 
 
 @fused_op("rope_grid", fake=meta.rope.rope_grid, reference=reference.rope.rope_grid)
-def _rope_grid_op(q: Tensor, k: Tensor, constants: Tensor, height: int, width: int, interleaved: bool,
-                  seq_dim: int, inverse: bool = False) -> tuple[Tensor, Tensor]:
+def _rope_grid_op(
+    q: Tensor,
+    k: Tensor,
+    constants: Tensor,
+    height: int,
+    width: int,
+    interleaved: bool,
+    seq_dim: int,
+    inverse: bool = False,
+) -> tuple[Tensor, Tensor]:
     q_out, k_out = meta.rope.rope_grid(q, k, constants, height, width, interleaved, seq_dim, inverse)
     r = 2 * constants.shape[1]
-    _launch_forward(q, k, q_out, k_out, seq_dim, r, interleaved, False, constants, constants, inverse,
-                    grid_angles=True, frame_size=height * width, width=width)
+    _launch_forward(
+        q,
+        k,
+        q_out,
+        k_out,
+        seq_dim,
+        r,
+        interleaved,
+        False,
+        constants,
+        constants,
+        inverse,
+        grid_angles=True,
+        frame_size=height * width,
+        width=width,
+    )
     return q_out, k_out
 
 
@@ -272,25 +360,44 @@ _rope_grid_op.register_autograd(_backward_rope_grid, setup_context=_setup_rope_g
 
 
 @fused_op("qk_norm_rope", fake=meta.rope.qk_norm_rope, reference=reference.rope.qk_norm_rope)
-def _qk_norm_rope_op(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor,
-                     eps: float, interleaved: bool, seq_dim: int,
-                     rotary_dim: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    q_out, k_out = meta.rope.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim,
-                                          rotary_dim)
+def _qk_norm_rope_op(
+    q: Tensor,
+    k: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    eps: float,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+) -> tuple[Tensor, Tensor]:
+    q_out, k_out = meta.rope.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim)
     r, half = meta.rope.table_layout(q, cos, rotary_dim)
-    _launch_forward(q, k, q_out, k_out, seq_dim, r, interleaved, half, cos, sin, False,
-                    weights=(q_weight, k_weight), eps=float(eps))
+    _launch_forward(
+        q, k, q_out, k_out, seq_dim, r, interleaved, half, cos, sin, False, weights=(q_weight, k_weight), eps=float(eps)
+    )
     return q_out, k_out
 
 
-@fused_op("qk_norm_rope_backward", fake=meta.rope.qk_norm_rope_backward,
-          reference=reference.rope.qk_norm_rope_backward)
-def _qk_norm_rope_backward_op(grad_q: Tensor, grad_k: Tensor, q: Tensor, k: Tensor, q_weight: Tensor,
-                              k_weight: Tensor, cos: Tensor, sin: Tensor, eps: float, interleaved: bool,
-                              seq_dim: int, rotary_dim: Optional[int] = None
-                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+@fused_op("qk_norm_rope_backward", fake=meta.rope.qk_norm_rope_backward, reference=reference.rope.qk_norm_rope_backward)
+def _qk_norm_rope_backward_op(
+    grad_q: Tensor,
+    grad_k: Tensor,
+    q: Tensor,
+    k: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    eps: float,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dq_weight, dk_weight = meta.rope.qk_norm_rope_backward(
-        grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim)
+        grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim
+    )
     r, half = meta.rope.table_layout(q, cos, rotary_dim)
     r = int(r)
     d = q.shape[3]
@@ -303,17 +410,41 @@ def _qk_norm_rope_backward_op(grad_q: Tensor, grad_k: Tensor, q: Tensor, k: Tens
     cos, sin, stride_tb, stride_tl = _tables(cos, sin)
     if n_programs:
         launcher(qk_norm_rope_bwd_kernel)[grid](
-            q, k, grad_q, grad_k, dq, dk, partial_q, partial_k, cos, sin,
-            _aligned(q_weight), _aligned(k_weight),
-            q.shape[seq_dim], hq, hk, d, n_pos_blocks, heads_per_program,
-            *_positions_and_heads(q, seq_dim), *_positions_and_heads(k, seq_dim),
-            *_positions_and_heads(grad_q, seq_dim), *_positions_and_heads(grad_k, seq_dim),
-            *_positions_and_heads(dq, seq_dim)[:3], *_positions_and_heads(dk, seq_dim)[:3],
-            stride_tb, stride_tl, float(eps),
-            R=r, INTERLEAVED=interleaved, PACKED=_pairs_packable(q, k, grad_q, grad_k), HALF_TABLE=half,
+            q,
+            k,
+            grad_q,
+            grad_k,
+            dq,
+            dk,
+            partial_q,
+            partial_k,
+            cos,
+            sin,
+            _aligned(q_weight),
+            _aligned(k_weight),
+            q.shape[seq_dim],
+            hq,
+            hk,
+            d,
+            n_pos_blocks,
+            heads_per_program,
+            *_positions_and_heads(q, seq_dim),
+            *_positions_and_heads(k, seq_dim),
+            *_positions_and_heads(grad_q, seq_dim),
+            *_positions_and_heads(grad_k, seq_dim),
+            *_positions_and_heads(dq, seq_dim)[:3],
+            *_positions_and_heads(dk, seq_dim)[:3],
+            stride_tb,
+            stride_tl,
+            float(eps),
+            R=r,
+            INTERLEAVED=interleaved,
+            PACKED=_pairs_packable(q, k, grad_q, grad_k),
+            HALF_TABLE=half,
             BLOCK_L=block_l,
             **_pair_blocks(r, d),
-            ACC=acc_dtype(q), num_warps=NUM_WARPS,
+            ACC=acc_dtype(q),
+            num_warps=NUM_WARPS,
         )
     column_sum(partial_q, n_programs, dq_weight)
     column_sum(partial_k, n_programs, dk_weight)
@@ -334,8 +465,11 @@ def _backward_qk_norm_rope(ctx, grad_q, grad_k):
     eps, interleaved, seq_dim, rotary_dim = ctx.args
     needs = ctx.needs_input_grad[4:6]
     # The tables rotate the normalized q and k: recomputed, not saved by the forward.
-    rotated = [(reference.rope.normalized(x, w, eps), g)
-               for x, w, g in ((q, q_weight, grad_q), (k, k_weight, grad_k))] if any(needs) else None
+    rotated = (
+        [(reference.rope.normalized(x, w, eps), g) for x, w, g in ((q, q_weight, grad_q), (k, k_weight, grad_k))]
+        if any(needs)
+        else None
+    )
     dcos, dsin = _table_grads(needs, cos, sin, rotated, (interleaved, seq_dim, rotary_dim, True))
     return (*grads, dcos, dsin, None, None, None, None)
 
@@ -347,11 +481,21 @@ _qk_norm_rope_op.register_autograd(_backward_qk_norm_rope, setup_context=_setup_
 
 
 @fused_op("qk_rope_int8", fake=meta.rope.qk_rope_int8, reference=reference.rope.qk_rope_int8)
-def _qk_rope_int8_op(q: Tensor, k: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], cos: Tensor,
-                     sin: Tensor, eps: float, interleaved: bool, seq_dim: int,
-                     rotary_dim: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    q8, q_scale, k8, k_scale = meta.rope.qk_rope_int8(q, k, q_weight, k_weight, cos, sin, eps, interleaved,
-                                                      seq_dim, rotary_dim)
+def _qk_rope_int8_op(
+    q: Tensor,
+    k: Tensor,
+    q_weight: Optional[Tensor],
+    k_weight: Optional[Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    eps: float,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    q8, q_scale, k8, k_scale = meta.rope.qk_rope_int8(
+        q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim
+    )
     r, half = meta.rope.table_layout(q, cos, rotary_dim)
     b, hk, d, blocks = k.shape[0], k.shape[3 - seq_dim], k.shape[3], k_scale.shape[2]
     # Two passes over k's projection, none over a 16-bit k: its column sums per
@@ -360,26 +504,60 @@ def _qk_rope_int8_op(q: Tensor, k: Tensor, q_weight: Optional[Tensor], k_weight:
     # rather than stored and read back).
     sums = torch.empty((blocks, b, hk, d), dtype=torch.float32, device=k.device)
     k_sum = torch.empty((b, hk, d), dtype=torch.float32, device=k.device)
-    _launch_forward(k, None, sums, None, seq_dim, r, interleaved, half, cos, sin, False,
-                    weights=(k_weight, None), eps=float(eps), quantize=1)
+    _launch_forward(
+        k,
+        None,
+        sums,
+        None,
+        seq_dim,
+        r,
+        interleaved,
+        half,
+        cos,
+        sin,
+        False,
+        weights=(k_weight, None),
+        eps=float(eps),
+        quantize=1,
+    )
     if sums.numel():
         column_sum(sums.view(blocks, -1), blocks, k_sum)
-    _launch_forward(q, k, q8, k8, seq_dim, r, interleaved, half, cos, sin, False, weights=(q_weight, k_weight),
-                    eps=float(eps), quantize=2, scales=(q_scale, k_scale), k_sum=k_sum)
+    _launch_forward(
+        q,
+        k,
+        q8,
+        k8,
+        seq_dim,
+        r,
+        interleaved,
+        half,
+        cos,
+        sin,
+        False,
+        weights=(q_weight, k_weight),
+        eps=float(eps),
+        quantize=2,
+        scales=(q_scale, k_scale),
+        k_sum=k_sum,
+    )
     return q8, q_scale, k8, k_scale
 
 
-register_no_gradient(_qk_rope_int8_op, "fused.qk_rope_int8 is inference only (it rounds q and k to 8 bits "
-                     "for 8-bit attention): train with the 16-bit rope_qk / qk_norm_rope, or run under "
-                     "torch.no_grad()")
+register_no_gradient(
+    _qk_rope_int8_op,
+    "fused.qk_rope_int8 is inference only (it rounds q and k to 8 bits "
+    "for 8-bit attention): train with the 16-bit rope_qk / qk_norm_rope, or run under "
+    "torch.no_grad()",
+)
 
 
 # ---------------------------------------------------------- public functions
 
 
 @checked_arguments
-def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, seq_dim: int = 2,
-         rotary_dim: Optional[int] = None) -> Tensor:
+def rope(
+    x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, seq_dim: int = 2, rotary_dim: Optional[int] = None
+) -> Tensor:
     """Rotary position embedding, as diffusers' ``apply_rotary_emb(x, (cos, sin), use_real=True)``.
 
     Args:
@@ -403,8 +581,16 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, seq_dim
 
 
 @checked_arguments
-def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, seq_dim: int = 2,
-            rotary_dim: Optional[int] = None, quantize: bool = False):
+def rope_qk(
+    q: Tensor,
+    k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool = False,
+    seq_dim: int = 2,
+    rotary_dim: Optional[int] = None,
+    quantize: bool = False,
+):
     """:func:`rope` of q and k in one launch (each table row is read once for both).
 
     Args:
@@ -429,8 +615,9 @@ def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = 
 
 
 @checked_arguments
-def rope_grid(q: Tensor, k: Tensor, spec: "meta.rope.GridRope", height: int, width: int,
-              seq_dim: int = 2) -> tuple[Tensor, Tensor]:
+def rope_grid(
+    q: Tensor, k: Tensor, spec: "meta.rope.GridRope", height: int, width: int, seq_dim: int = 2
+) -> tuple[Tensor, Tensor]:
     """3D (video) RoPE of q and k with the angles computed in the kernel from each
     token's (frame, row, column) position: no cos/sin table is built or read.
 
@@ -464,9 +651,19 @@ def _grid_constants(spec: "meta.rope.GridRope", device) -> Tensor:
 
 
 @checked_arguments
-def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor,
-                 eps: float = 1e-6, interleaved: bool = False, seq_dim: int = 2,
-                 rotary_dim: Optional[int] = None, quantize: bool = False):
+def qk_norm_rope(
+    q: Tensor,
+    k: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    eps: float = 1e-6,
+    interleaved: bool = False,
+    seq_dim: int = 2,
+    rotary_dim: Optional[int] = None,
+    quantize: bool = False,
+):
     """Per-head RMSNorm with weight, then RoPE, of q and k in one kernel (the
     ``norm_q`` / ``norm_k`` + ``apply_rotary_emb`` of Flux, SD3 and HunyuanVideo).
 

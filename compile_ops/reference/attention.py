@@ -6,6 +6,7 @@ Causal masking is SDPA's ``is_causal``: query i sees keys ``j <= i`` (top-left
 aligned when Lq != Lk). A query row with no visible key gives 0 and an lse of
 -inf.
 """
+
 from typing import Optional
 
 import torch
@@ -51,9 +52,16 @@ def _probabilities(q, k, scale, causal, kv_lengths, allowed, lse=None):
     return p, lse
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
-              kv_lengths: Optional[torch.Tensor] = None, allowed: Optional[torch.Tensor] = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+    allowed: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``; ``allowed``: an extra token mask (block-sparse attention)."""
     acc = accumulation_dtype(q)
     qf, kf, vf = (_bhld(t, seq_dim, acc) for t in (q, k, v))
@@ -65,10 +73,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     return out.to(q.dtype), lse.detach()
 
 
-def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
-                       kv_lengths: Optional[torch.Tensor] = None, allowed: Optional[torch.Tensor] = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+    allowed: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dv = P^T dO``, ``dS = P (dO V^T - rowsum(dO O))``, ``dq = scale dS K``,
     ``dk = scale dS^T Q``; k and v gradients summed over their q heads."""
     acc = accumulation_dtype(q)
@@ -163,13 +180,21 @@ def smooth_quantize_qk(q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> tuple:
     if seq_dim == 1:
         q8, k8 = q8.transpose(1, 2), k8.transpose(1, 2)
     # The kernel indexes the scales as contiguous (a clone: traceable on fake CUDA tensors).
-    q_scale, k_scale = (s if s.is_contiguous() else s.clone(memory_format=torch.contiguous_format)
-                        for s in (q_scale, k_scale))
+    q_scale, k_scale = (
+        s if s.is_contiguous() else s.clone(memory_format=torch.contiguous_format) for s in (q_scale, k_scale)
+    )
     return q8, q_scale, k8, k_scale
 
 
-def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                   seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+def attention_int8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """8-bit attention's specification: exact attention (fp32) of the
     dequantized q and smoothed k of :func:`smooth_quantize_qk` with v as it
     is; out in q's dtype and layout. The kernel computes the same scores up
@@ -178,17 +203,27 @@ def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return attention_qk8(*smooth_quantize_qk(q, k, seq_dim), v, scale, causal, seq_dim, kv_lengths)[0]
 
 
-def _dequantized_qk(q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor,
-                    seq_dim: int) -> tuple:
+def _dequantized_qk(
+    q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, seq_dim: int
+) -> tuple:
     """fp32 ``[B, H, L, D]`` views of :func:`smooth_quantize_qk`'s q and k."""
     q_hat, k_hat = (t if seq_dim == 2 else t.transpose(1, 2) for t in (q8, k8))
     return dequantize_int8(q_hat, q_scale), dequantize_int8(k_hat, k_scale, INT8_KEY_BLOCK)
 
 
-def attention_qk8(q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor,
-                  v: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
-                  kv_lengths: Optional[torch.Tensor] = None, pv_fp8: bool = False,
-                  fp8_rows: bool = False) -> tuple:
+def attention_qk8(
+    q8: torch.Tensor,
+    q_scale: torch.Tensor,
+    k8: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+    pv_fp8: bool = False,
+    fp8_rows: bool = False,
+) -> tuple:
     """8-bit attention from q and k already quantized as
     :func:`smooth_quantize_qk` specifies (``fused.qk_rope_int8`` writes them
     straight from the projections): :func:`attention_int8`'s computation,
@@ -237,8 +272,15 @@ def fp8_channel_scales(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantization_scale(v.abs().amax(2), FP8_MAX)
 
 
-def attention_int8_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                       seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+def attention_int8_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """8-bit attention with FP8 P V, specified step by step as the kernel
     computes it: q and smoothed k of :func:`smooth_quantize_qk`, v of
     :func:`quantize_v_fp8`, and an online softmax over key tiles of
@@ -250,8 +292,7 @@ def attention_int8_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     differs from this by fp32 rounding (its exponents are fmas, its FP8 dot
     accumulates a tile with fewer bits), which moves a rare p across an e4m3
     rounding boundary."""
-    return attention_qk8(*smooth_quantize_qk(q, k, seq_dim), v, scale, causal, seq_dim, kv_lengths,
-                         pv_fp8=True)[0]
+    return attention_qk8(*smooth_quantize_qk(q, k, seq_dim), v, scale, causal, seq_dim, kv_lengths, pv_fp8=True)[0]
 
 
 #: The FP8 output rows' scale is this many times v's largest channel scale:
@@ -261,8 +302,15 @@ def attention_int8_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 FP8_ROWS_HEADROOM = 2.0
 
 
-def attention_int8_fp8_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                            seq_dim: int = 2, kv_lengths: Optional[torch.Tensor] = None) -> tuple:
+def attention_int8_fp8_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+) -> tuple:
     """:func:`attention_int8_fp8` with its output written as the e4m3 rows an
     FP8 output projection reads (``compile_ops/reference/fp8.py``'s operand
     format: values and one fp32 scale per row), instead of in q's dtype.
@@ -282,8 +330,9 @@ def attention_int8_fp8_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
     Returns ``(values [B, Lq, Hq, D] float8_e4m3fn, row_scale [B, Lq] fp32)``:
     the ``[B, Lq, Hq * D]`` rows of the projection, whatever ``seq_dim``."""
-    return attention_qk8(*smooth_quantize_qk(q, k, seq_dim), v, scale, causal, seq_dim, kv_lengths,
-                         pv_fp8=True, fp8_rows=True)
+    return attention_qk8(
+        *smooth_quantize_qk(q, k, seq_dim), v, scale, causal, seq_dim, kv_lengths, pv_fp8=True, fp8_rows=True
+    )
 
 
 def fp8_rows_scale(v_scale: torch.Tensor) -> torch.Tensor:
@@ -294,9 +343,17 @@ def fp8_rows_scale(v_scale: torch.Tensor) -> torch.Tensor:
     return FP8_ROWS_HEADROOM * v_scale.flatten(1).amax(1).clamp(min=AMAX_FLOOR / FP8_MAX)
 
 
-def _attention_int8_fp8_fp32(q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor,
-                             v: torch.Tensor, scale: float, causal: bool, seq_dim: int,
-                             kv_lengths: Optional[torch.Tensor]) -> tuple:
+def _attention_int8_fp8_fp32(
+    q8: torch.Tensor,
+    q_scale: torch.Tensor,
+    k8: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int,
+    kv_lengths: Optional[torch.Tensor],
+) -> tuple:
     """:func:`attention_int8_fp8`'s ``out [B, Hq, Lq, D]`` in fp32, before the
     cast, and v's channel scales ``[B, Hk, D]``, from the quantized q and k."""
     q_hat, k_hat = _dequantized_qk(q8, q_scale, k8, k_scale, seq_dim)

@@ -5,6 +5,7 @@ Block-sparse attention is dense attention (``reference.attention``) with a
 token mask expanded from the block lists; the lists' form is described in
 ``meta/block_sparse.py``.
 """
+
 from typing import Optional
 
 import torch
@@ -53,17 +54,34 @@ def token_mask(block_index: torch.Tensor, block_count: torch.Tensor, lq: int, lk
     return tokens[..., :lq, :lk]
 
 
-def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_index: torch.Tensor,
-                           block_count: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
-                           kv_lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_index: torch.Tensor,
+    block_count: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     allowed = token_mask(block_index, block_count, dims(q, seq_dim)[2], dims(k, seq_dim)[2])
     return dense.attention(q, k, v, scale, causal, seq_dim, kv_lengths, allowed)
 
 
-def block_sparse_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                    out: torch.Tensor, lse: torch.Tensor, block_index: torch.Tensor,
-                                    block_count: torch.Tensor, scale: float, causal: bool, seq_dim: int = 2,
-                                    kv_lengths: Optional[torch.Tensor] = None
-                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_sparse_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_index: torch.Tensor,
+    block_count: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     allowed = token_mask(block_index, block_count, dims(q, seq_dim)[2], dims(k, seq_dim)[2])
     return dense.attention_backward(grad_out, q, k, v, out, lse, scale, causal, seq_dim, kv_lengths, allowed)

@@ -46,6 +46,7 @@ A GEMM of two such operands is ``(q_x * scale_x[:, None]) @ (q_w * scale_w[:, No
 accumulated in fp32, plus the bias, cast to the output dtype: what
 ``torch._scaled_mm`` computes with rowwise scales.
 """
+
 from typing import Optional
 
 import torch
@@ -76,8 +77,11 @@ def quantize_fp8_rows(x: torch.Tensor, activation: str = "none", head: Optional[
     if head is not None:
         x = torch.cat([head, x], dim=-1)
     xf = x.float()
-    amax = torch.where(torch.isnan(xf), 0.0, xf.abs()).amax(-1, keepdim=True) if x.shape[-1] else \
-        xf.new_zeros((*x.shape[:-1], 1))
+    amax = (
+        torch.where(torch.isnan(xf), 0.0, xf.abs()).amax(-1, keepdim=True)
+        if x.shape[-1]
+        else xf.new_zeros((*x.shape[:-1], 1))
+    )
     amax = amax.clamp(min=AMAX_FLOOR)
     # Tensors on both sides of each division: torch computes ``python_float / tensor``
     # as a multiply by the reciprocal (1 ulp off in a quarter of cases), and on CUDA
@@ -87,8 +91,14 @@ def quantize_fp8_rows(x: torch.Tensor, activation: str = "none", head: Optional[
     return q, (amax / amax.new_full((), E4M3_MAX)).squeeze(-1)
 
 
-def fp8_linear(q_x: torch.Tensor, scale_x: torch.Tensor, q_w: torch.Tensor, scale_w: torch.Tensor,
-               bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_linear(
+    q_x: torch.Tensor,
+    scale_x: torch.Tensor,
+    q_w: torch.Tensor,
+    scale_w: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """``q_x [M, K]``, ``scale_x [M]``, ``q_w [N, K]``, ``scale_w [N]``, ``bias [N]``
     -> ``[M, N]`` in ``out_dtype``, summed in fp32. An infinite scale (a row
     that held +-inf) dequantizes its row to NaN (``0 * inf``, ``NaN * inf``):

@@ -3,6 +3,7 @@
 Computed in fp32 (fp64 for fp64 inputs) and rounded once, as the kernel does;
 diffusers computes ``F.gelu(gate)`` at the input dtype and rounds twice.
 """
+
 import math
 
 import torch

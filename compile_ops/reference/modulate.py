@@ -3,6 +3,7 @@
 Everything is computed in fp32 (fp64 for fp64 inputs) and rounded once, as the
 kernels do; residual_out is rounded to its dtype before it is normalized.
 """
+
 from typing import Optional
 
 import torch
@@ -49,9 +50,15 @@ def modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch
     return _modulated(x.to(accumulation_dtype(x, scale, shift)), x, scale, shift).to(dtype)
 
 
-def norm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-                  weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                  norm: str, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def norm_modulate(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    norm: str,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, mean, rstd)`` (see :func:`compile_ops.meta.modulate.row_stats`)."""
     meta.check_norm("norm_modulate", norm)
     dtype = meta.promoted_dtype(scale, shift, norm_dtype=meta.output_dtype(x, weight))
@@ -67,10 +74,17 @@ def gated_residual(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor) 
     return out.to(meta.promoted_dtype(residual, x, gate))
 
 
-def gated_residual_norm_modulate(residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor,
-                                 scale: torch.Tensor, shift: torch.Tensor,
-                                 weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                                 norm: str, eps: float) -> tuple[torch.Tensor, ...]:
+def gated_residual_norm_modulate(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    norm: str,
+    eps: float,
+) -> tuple[torch.Tensor, ...]:
     """``(residual_out, out, mean, rstd)``."""
     residual_out = gated_residual(residual, x, gate)
     return (residual_out, *norm_modulate(residual_out, scale, shift, weight, bias, norm, eps))
@@ -87,12 +101,21 @@ def gated_residual_norm_modulate_fp8(residual, x, gate, scale, shift, weight, bi
     return (residual_out, *quantize_fp8_rows(out))
 
 
-def modulate_backward(grad_out: Optional[torch.Tensor], grad_h: Optional[torch.Tensor],
-                      h: torch.Tensor, mean: Optional[torch.Tensor], rstd: Optional[torch.Tensor],
-                      x_branch: Optional[torch.Tensor], gate: Optional[torch.Tensor],
-                      scale: Optional[torch.Tensor], shift: Optional[torch.Tensor],
-                      weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                      norm: str, eps: float):
+def modulate_backward(
+    grad_out: Optional[torch.Tensor],
+    grad_h: Optional[torch.Tensor],
+    h: torch.Tensor,
+    mean: Optional[torch.Tensor],
+    rstd: Optional[torch.Tensor],
+    x_branch: Optional[torch.Tensor],
+    gate: Optional[torch.Tensor],
+    scale: Optional[torch.Tensor],
+    shift: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    norm: str,
+    eps: float,
+):
     """Closed-form gradients of ``out = modulate(norm(h) * weight + bias)`` (each
     part optional) and of ``h = residual + gate * x_branch`` when gated; see
     :func:`compile_ops.meta.modulate.modulate_backward` for the outputs."""
@@ -141,5 +164,7 @@ def modulate_backward(grad_out: Optional[torch.Tensor], grad_h: Optional[torch.T
     if gate is not None:
         d_x_branch = (d_h * expand_to_x(gate, h).to(acc)).to(x_branch.dtype)
         d_gate = reduce_to(d_h * x_branch.to(acc), gate, h)
-    return (empty() if grad_out is None else d_h.to(h.dtype),
-            *(empty() if t is None else t for t in (d_x_branch, d_gate, d_scale, d_shift, d_weight, d_bias)))
+    return (
+        empty() if grad_out is None else d_h.to(h.dtype),
+        *(empty() if t is None else t for t in (d_x_branch, d_gate, d_scale, d_shift, d_weight, d_bias)),
+    )

@@ -7,6 +7,7 @@ probabilities are NaN (:func:`routing_key`) are those of
 Every step has a fixed output shape (no ``nonzero``, no ``.item()``), so the
 reference traces under ``torch.compile(fullgraph=True)`` too.
 """
+
 import torch
 
 from compile_ops.meta import moe as meta
@@ -57,8 +58,9 @@ def moe_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormal
     return probs, weights, experts.to(meta.EXPERTS_DTYPE), counts, token_index
 
 
-def logits_gradient(grad_probs: torch.Tensor, grad_weights: torch.Tensor, probs: torch.Tensor,
-                    experts: torch.Tensor, renormalize: bool) -> torch.Tensor:
+def logits_gradient(
+    grad_probs: torch.Tensor, grad_weights: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, renormalize: bool
+) -> torch.Tensor:
     """``d loss / d logits [T, E]`` in probs' dtype.
 
     With ``w_j = p[e_j] / S`` and ``S = sum_j p[e_j]`` (renormalize), the
@@ -75,8 +77,14 @@ def logits_gradient(grad_probs: torch.Tensor, grad_weights: torch.Tensor, probs:
     return probs * (full - (probs * full).sum(dim=1, keepdim=True))
 
 
-def moe_route_backward(grad_probs: torch.Tensor, grad_weights: torch.Tensor, x: torch.Tensor,
-                       router_weight: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor,
-                       renormalize: bool) -> tuple:
+def moe_route_backward(
+    grad_probs: torch.Tensor,
+    grad_weights: torch.Tensor,
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    probs: torch.Tensor,
+    experts: torch.Tensor,
+    renormalize: bool,
+) -> tuple:
     dlogits = logits_gradient(grad_probs, grad_weights, probs, experts, renormalize).to(x.dtype)
     return dlogits @ router_weight, dlogits.t() @ x

@@ -2,6 +2,7 @@
 
 Statistics are computed in fp32 (fp64 for fp64 inputs), as the kernels do.
 """
+
 from typing import Optional
 
 import torch
@@ -18,23 +19,26 @@ def _affine(xhat, weight, bias):
     return xhat
 
 
-def rmsnorm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
-            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def rmsnorm(
+    x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     xf = x.to(accumulation_dtype(x))
     xhat = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return _affine(xhat, weight, bias).to(output_dtype(x, weight))
 
 
-def layernorm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-              eps: float) -> torch.Tensor:
+def layernorm(
+    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
+) -> torch.Tensor:
     xf = x.to(accumulation_dtype(x))
     xc = xf - xf.mean(-1, keepdim=True)
     xhat = xc * torch.rsqrt(xc.square().mean(-1, keepdim=True) + eps)
     return _affine(xhat, weight, bias).to(output_dtype(x, weight))
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor],
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor], eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     # The sum is rounded to residual's dtype before it is normalized, so that
     # out == rmsnorm(residual_out) exactly, as the kernel does.
     acc = accumulation_dtype(x) if residual.dtype != torch.float64 else torch.float64
@@ -43,9 +47,15 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.
     return out.to(output_dtype(x, weight)), residual_out
 
 
-def norm_backward(grad_out: torch.Tensor, grad_residual: Optional[torch.Tensor], x: torch.Tensor,
-                  weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
-                  is_rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def norm_backward(
+    grad_out: torch.Tensor,
+    grad_residual: Optional[torch.Tensor],
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    eps: float,
+    is_rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Closed-form gradients of ``norm(x) * weight + bias`` (plus grad_residual added to dx)."""
     acc = accumulation_dtype(x)
     xf, dy = x.to(acc), grad_out.to(acc)

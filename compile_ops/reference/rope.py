@@ -3,6 +3,7 @@
 Computed in fp32 (fp64 for fp64 inputs) and rounded once; the same formula as
 diffusers' ``apply_rotary_emb(use_real=True)``: ``x * cos + rotate(x) * sin``.
 """
+
 from typing import Optional
 
 import torch
@@ -16,7 +17,7 @@ def _pairs(t: torch.Tensor, r: int, interleaved: bool):
     """The first and second members of each rotated pair of ``t[..., :r]``."""
     if interleaved:
         return t[..., 0:r:2], t[..., 1:r:2]
-    return t[..., : r // 2], t[..., r // 2: r]
+    return t[..., : r // 2], t[..., r // 2 : r]
 
 
 def _merge(first: torch.Tensor, second: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -35,8 +36,16 @@ def _table(t: torch.Tensor, r: int, half: bool, interleaved: bool, seq_dim: int,
     return t[:, :, None, :] if seq_dim == 1 else t[:, None, :, :]
 
 
-def _rotate(xf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int, half: bool, interleaved: bool,
-            seq_dim: int, inverse: bool) -> torch.Tensor:
+def _rotate(
+    xf: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    r: int,
+    half: bool,
+    interleaved: bool,
+    seq_dim: int,
+    inverse: bool,
+) -> torch.Tensor:
     """The rotation of ``xf`` (already in the accumulation dtype), not rounded."""
     c = _table(cos, r, half, interleaved, seq_dim, xf.dtype)
     s = _table(sin, r, half, interleaved, seq_dim, xf.dtype)
@@ -50,8 +59,7 @@ def _rotate(xf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int, half
     return torch.cat((_merge(y1, y2, interleaved), xf[..., r:]), dim=-1)
 
 
-def _untable(t: torch.Tensor, like: torch.Tensor, r: int, half: bool, interleaved: bool,
-             seq_dim: int) -> torch.Tensor:
+def _untable(t: torch.Tensor, like: torch.Tensor, r: int, half: bool, interleaved: bool, seq_dim: int) -> torch.Tensor:
     """The transpose of :func:`_table`: a full-width gradient against x's
     layout summed to the table ``like``'s shape (over heads, over the batch
     of a shared table, over the two entries of a half table's pair)."""
@@ -64,8 +72,16 @@ def _untable(t: torch.Tensor, like: torch.Tensor, r: int, half: bool, interleave
     return t.sum(0, keepdim=True) if like.shape[0] != t.shape[0] else t
 
 
-def table_grads(grad: torch.Tensor, xf: torch.Tensor, cos: torch.Tensor, r: int, half: bool, interleaved: bool,
-                seq_dim: int, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def table_grads(
+    grad: torch.Tensor,
+    xf: torch.Tensor,
+    cos: torch.Tensor,
+    r: int,
+    half: bool,
+    interleaved: bool,
+    seq_dim: int,
+    inverse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of cos and sin through :func:`_rotate` of ``xf`` (in the
     accumulation dtype), in that dtype and cos's shape, given the rotation's
     output gradient ``grad``. The rotation is ``x * c + rotate(x) * s`` with
@@ -78,21 +94,37 @@ def table_grads(grad: torch.Tensor, xf: torch.Tensor, cos: torch.Tensor, r: int,
     x1, x2 = _pairs(x, r, interleaved)
     g1, g2 = _pairs(g, r, interleaved)
     ds = _merge(-g2 * x1, g1 * x2, interleaved) if inverse else _merge(-g1 * x2, g2 * x1, interleaved)
-    return (_untable(g * x, cos, r, half, interleaved, seq_dim),
-            _untable(ds, cos, r, half, interleaved, seq_dim))
+    return (_untable(g * x, cos, r, half, interleaved, seq_dim), _untable(ds, cos, r, half, interleaved, seq_dim))
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, seq_dim: int,
-         rotary_dim: Optional[int] = None, inverse: bool = False) -> torch.Tensor:
+def rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+    inverse: bool = False,
+) -> torch.Tensor:
     r, half = meta.check_rope("rope", x, cos, sin, seq_dim, rotary_dim)
     return _rotate(x.to(accumulation_dtype(x)), cos, sin, r, half, interleaved, seq_dim, inverse).to(x.dtype)
 
 
-def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-            seq_dim: int, rotary_dim: Optional[int] = None, inverse: bool = False):
+def rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+    inverse: bool = False,
+):
     meta.check_qk("rope_qk", q, k, seq_dim)
-    return (rope(q, cos, sin, interleaved, seq_dim, rotary_dim, inverse),
-            rope(k, cos, sin, interleaved, seq_dim, rotary_dim, inverse))
+    return (
+        rope(q, cos, sin, interleaved, seq_dim, rotary_dim, inverse),
+        rope(k, cos, sin, interleaved, seq_dim, rotary_dim, inverse),
+    )
 
 
 def grid_tables(spec_or_constants, length: int, height: int, width: int, dtype=torch.float64):
@@ -109,13 +141,21 @@ def grid_tables(spec_or_constants, length: int, height: int, width: int, dtype=t
     token = torch.arange(length, dtype=torch.int64, device=c.device)
     frame_size = height * width
     idx = torch.stack((token // frame_size, (token % frame_size) // width, token % width), dim=-1)
-    pos = idx[:, axis.clamp(min=0)].double()                       # [length, P]
+    pos = idx[:, axis.clamp(min=0)].double()  # [length, P]
     angle = torch.where(axis >= 0, pos * slope + intercept, torch.zeros((), dtype=torch.float64, device=c.device))
     return angle.cos().to(dtype), angle.sin().to(dtype)
 
 
-def rope_grid(q: torch.Tensor, k: torch.Tensor, constants: torch.Tensor, height: int, width: int,
-              interleaved: bool, seq_dim: int, inverse: bool = False):
+def rope_grid(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    constants: torch.Tensor,
+    height: int,
+    width: int,
+    interleaved: bool,
+    seq_dim: int,
+    inverse: bool = False,
+):
     meta.check_qk("rope_grid", q, k, seq_dim)
     r = meta.check_grid("rope_grid", q, constants, height, width, seq_dim)
     cos, sin = grid_tables(constants, q.shape[seq_dim], height, width)
@@ -134,19 +174,39 @@ def _norm_rope(x, weight, cos, sin, eps, r, half, interleaved, seq_dim):
     return _rotate(normalized(x, weight, eps), cos, sin, r, half, interleaved, seq_dim, False).to(x.dtype)
 
 
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, eps: float, interleaved: bool, seq_dim: int,
-                 rotary_dim: Optional[int] = None):
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+):
     """Per-head RMSNorm with weight, then RoPE, in fp32 and rounded once."""
     meta.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim)
     r, half = meta.table_layout(q, cos, rotary_dim)
-    return (_norm_rope(q, q_weight, cos, sin, eps, r, half, interleaved, seq_dim),
-            _norm_rope(k, k_weight, cos, sin, eps, r, half, interleaved, seq_dim))
+    return (
+        _norm_rope(q, q_weight, cos, sin, eps, r, half, interleaved, seq_dim),
+        _norm_rope(k, k_weight, cos, sin, eps, r, half, interleaved, seq_dim),
+    )
 
 
-def qk_rope_int8(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tensor],
-                 k_weight: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                 interleaved: bool, seq_dim: int, rotary_dim: Optional[int] = None) -> tuple:
+def qk_rope_int8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: Optional[torch.Tensor],
+    k_weight: Optional[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+) -> tuple:
     """8-bit attention's q and k straight from the projections: :func:`qk_norm_rope`
     (weights given) or :func:`rope_qk` (both None), rounded to q's dtype as
     those ops return it, then ``reference.attention.smooth_quantize_qk``
@@ -160,13 +220,26 @@ def qk_rope_int8(q: torch.Tensor, k: torch.Tensor, q_weight: Optional[torch.Tens
     return smooth_quantize_qk(q, k, seq_dim)
 
 
-def qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps: float, interleaved: bool,
-                          seq_dim: int, rotary_dim: Optional[int] = None):
+def qk_norm_rope_backward(
+    grad_q,
+    grad_k,
+    q,
+    k,
+    q_weight,
+    k_weight,
+    cos,
+    sin,
+    eps: float,
+    interleaved: bool,
+    seq_dim: int,
+    rotary_dim: Optional[int] = None,
+):
     """Gradients of :func:`qk_norm_rope`, written out (an op's implementation runs
     below autograd): dz = rotation^T(dy); dw = sum over rows of dz * xhat;
     dx = rstd * (w dz - xhat * mean(w dz * xhat))."""
-    meta.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim,
-                               rotary_dim)
+    meta.qk_norm_rope_backward(
+        grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim
+    )
     r, half = meta.table_layout(q, cos, rotary_dim)
     grads = []
     for g, x, w in ((grad_q, q, q_weight), (grad_k, k, k_weight)):

@@ -26,32 +26,50 @@ a Linear (no fused op here; ``torch.compile`` fuses it).
 the walk and the undo record. The options are
 :class:`~compile_ops.integrations.options.PatchOptions`.
 """
+
 from compile_ops.integrations.diffusers.attention_kernel import (
-                                                                 FUSED_AHEAD_FROM_KEYS,
-                                                                 FUSED_AHEAD_HEAD_DIM,
-                                                                 FUSED_AHEAD_RAGGED_FROM_KEYS,
-                                                                 RAGGED_KEY_TILE,
-                                                                 sdpa_is_faster,
+    FUSED_AHEAD_FROM_KEYS,
+    FUSED_AHEAD_HEAD_DIM,
+    FUSED_AHEAD_RAGGED_FROM_KEYS,
+    RAGGED_KEY_TILE,
+    sdpa_is_faster,
 )
 from compile_ops.integrations.diffusers.blocks import (
-                                                                 FluxSingleTransformerBlock,
-                                                                 FluxTransformerBlock,
-                                                                 WanTransformerBlock,
+    FluxSingleTransformerBlock,
+    FluxTransformerBlock,
+    WanTransformerBlock,
 )
 from compile_ops.integrations.diffusers.fp8_linears import BLOCK_LISTS
 from compile_ops.integrations.diffusers.patching import patch, unpatch
 from compile_ops.integrations.diffusers.processors import (
-                                                                 FluxAttnProcessor,
-                                                                 FusedProcessor,
-                                                                 HunyuanVideoAttnProcessor,
-                                                                 JointAttnProcessor,
-                                                                 LTXVideoAttnProcessor,
-                                                                 WanAttnProcessor,
+    FluxAttnProcessor,
+    FusedProcessor,
+    HunyuanVideoAttnProcessor,
+    JointAttnProcessor,
+    LTXVideoAttnProcessor,
+    WanAttnProcessor,
 )
 from compile_ops.integrations.module_swap import PatchReport
 from compile_ops.integrations.options import PatchOptions
 
-__all__ = ["patch", "unpatch", "PatchOptions", "PatchReport", "BLOCK_LISTS", "FUSED_AHEAD_FROM_KEYS",
-           "FUSED_AHEAD_RAGGED_FROM_KEYS", "RAGGED_KEY_TILE", "FUSED_AHEAD_HEAD_DIM", "sdpa_is_faster",
-           "FusedProcessor", "FluxAttnProcessor", "WanAttnProcessor", "JointAttnProcessor", "LTXVideoAttnProcessor",
-           "HunyuanVideoAttnProcessor", "FluxTransformerBlock", "FluxSingleTransformerBlock", "WanTransformerBlock"]
+__all__ = [
+    "patch",
+    "unpatch",
+    "PatchOptions",
+    "PatchReport",
+    "BLOCK_LISTS",
+    "FUSED_AHEAD_FROM_KEYS",
+    "FUSED_AHEAD_RAGGED_FROM_KEYS",
+    "RAGGED_KEY_TILE",
+    "FUSED_AHEAD_HEAD_DIM",
+    "sdpa_is_faster",
+    "FusedProcessor",
+    "FluxAttnProcessor",
+    "WanAttnProcessor",
+    "JointAttnProcessor",
+    "LTXVideoAttnProcessor",
+    "HunyuanVideoAttnProcessor",
+    "FluxTransformerBlock",
+    "FluxSingleTransformerBlock",
+    "WanTransformerBlock",
+]

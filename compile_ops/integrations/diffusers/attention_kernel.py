@@ -9,6 +9,7 @@ attention-ragged-keys-h100.json (and ``-short-``),
 attention-sm90-core-d64-h100.json (and ``-d64-lengths-``) and
 masked-sdpa-h100.json.
 """
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@ swapped for one that runs its seams as ``fused.gated_residual_norm_modulate``
 when its class is exactly diffusers' and its forward's signature and norms
 are the ones reproduced; its children are then patched inside the new block.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -94,24 +95,30 @@ class FluxTransformerBlock(BlockForward):
         seam = gated_residual_norm_modulate_fp8 if reads_fp8_rows(ff) else gated_residual_norm_modulate
         # Under precision="fp8" the seam writes e4m3 rows + scales for the MLP's
         # first FP8Linear, in the same kernel: no bf16 round trip, no quantize pass.
-        stream, normed = seam(stream, attn_out, gate_attn, scale, shift, norm.weight, norm.bias, "layernorm",
-                              norm.eps)
+        stream, normed = seam(stream, attn_out, gate_attn, scale, shift, norm.weight, norm.bias, "layernorm", norm.eps)
         return gated_residual(stream, ff(normed), gate_ff)
 
-    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
-                joint_attention_kwargs=None):
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
         # Under precision="fp8" both AdaLN norms write e4m3 rows for q/k/v directly.
-        fp8 = (isinstance(self.norm1, AdaLayerNormZero) and isinstance(self.norm1_context, AdaLayerNormZero)
-               and FluxAttnProcessor.takes_fp8_rows(self.attn, encoder_hidden_states, joint_attention_kwargs))
+        fp8 = (
+            isinstance(self.norm1, AdaLayerNormZero)
+            and isinstance(self.norm1_context, AdaLayerNormZero)
+            and FluxAttnProcessor.takes_fp8_rows(self.attn, encoder_hidden_states, joint_attention_kwargs)
+        )
         normed, *image_mod = self.norm1(hidden_states, emb=temb, **_fp8_rows_kwarg(fp8))
         normed_context, *context_mod = self.norm1_context(encoder_hidden_states, emb=temb, **_fp8_rows_kwarg(fp8))
-        outputs = self.attn(hidden_states=normed, encoder_hidden_states=normed_context,
-                            image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
+        outputs = self.attn(
+            hidden_states=normed,
+            encoder_hidden_states=normed_context,
+            image_rotary_emb=image_rotary_emb,
+            **(joint_attention_kwargs or {}),
+        )
         hidden_states = self._second_half(hidden_states, outputs[0], *image_mod, self.norm2, self.ff)
         if len(outputs) == 3:  # IP-adapter attention, added after the MLP as diffusers does
             hidden_states = hidden_states + outputs[2]
-        encoder_hidden_states = self._second_half(encoder_hidden_states, outputs[1], *context_mod,
-                                                  self.norm2_context, self.ff_context)
+        encoder_hidden_states = self._second_half(
+            encoder_hidden_states, outputs[1], *context_mod, self.norm2_context, self.ff_context
+        )
         if encoder_hidden_states.dtype == torch.float16:
             encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
         return encoder_hidden_states, hidden_states
@@ -140,17 +147,18 @@ class FluxSingleTransformerBlock(BlockForward):
 
     signature = ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs")
 
-    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
-                joint_attention_kwargs=None):
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
         text_tokens = encoder_hidden_states.shape[1]
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         # Under precision="fp8" the AdaLN norm writes e4m3 rows for proj_mlp and q/k/v directly.
-        fp8 = (isinstance(self.norm, AdaLayerNormZeroSingle) and isinstance(self.proj_mlp, FP8Linear)
-               and FluxAttnProcessor.takes_fp8_rows(self.attn, None, joint_attention_kwargs))
+        fp8 = (
+            isinstance(self.norm, AdaLayerNormZeroSingle)
+            and isinstance(self.proj_mlp, FP8Linear)
+            and FluxAttnProcessor.takes_fp8_rows(self.attn, None, joint_attention_kwargs)
+        )
         normed, gate = self.norm(hidden_states, emb=temb, **_fp8_rows_kwarg(fp8))
         mlp = self.proj_mlp(normed)
-        attn_out = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb,
-                             **(joint_attention_kwargs or {}))
+        attn_out = self.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))
         fp8_activation = _fp8_concat_activation(self.act_mlp, self.proj_out)
         if fp8_activation is not None:
             projected = self.proj_out(quantize_fp8_rows(mlp, fp8_activation, head=attn_out))
@@ -183,8 +191,11 @@ class WanTransformerBlock(BlockForward):
     @classmethod
     def build(cls, original):
         norm2 = original.norm2
-        if not (_is_plain_layer_norm(original.norm1) and _is_plain_layer_norm(original.norm3)
-                and (type(norm2) is nn.Identity or _is_plain_layer_norm(norm2))):
+        if not (
+            _is_plain_layer_norm(original.norm1)
+            and _is_plain_layer_norm(original.norm3)
+            and (type(norm2) is nn.Identity or _is_plain_layer_norm(norm2))
+        ):
             return None
         return super().build(original)
 
@@ -204,16 +215,29 @@ class WanTransformerBlock(BlockForward):
             hidden_states = gated_residual(hidden_states, attn_out, gate)
             normed = hidden_states
         else:
-            seam = (gated_residual_norm_modulate_fp8 if WanAttnProcessor.takes_fp8_rows(self.attn2, cross=True)
-                    else gated_residual_norm_modulate)
+            seam = (
+                gated_residual_norm_modulate_fp8
+                if WanAttnProcessor.takes_fp8_rows(self.attn2, cross=True)
+                else gated_residual_norm_modulate
+            )
             zero = torch.zeros_like(shift)
-            hidden_states, normed = seam(hidden_states, attn_out, gate, zero, zero, norm2.weight, norm2.bias,
-                                         "layernorm", norm2.eps)
+            hidden_states, normed = seam(
+                hidden_states, attn_out, gate, zero, zero, norm2.weight, norm2.bias, "layernorm", norm2.eps
+            )
         attn_out = self.attn2(normed, encoder_hidden_states, None, None)
         # 3. Feed-forward: the (ungated) cross-attention residual and the MLP's modulated norm in one pass.
         seam = gated_residual_norm_modulate_fp8 if reads_fp8_rows(self.ffn) else gated_residual_norm_modulate
-        hidden_states, normed = seam(hidden_states, attn_out, torch.ones_like(c_gate), c_scale, c_shift,
-                                     norm3.weight, norm3.bias, "layernorm", norm3.eps)
+        hidden_states, normed = seam(
+            hidden_states,
+            attn_out,
+            torch.ones_like(c_gate),
+            c_scale,
+            c_shift,
+            norm3.weight,
+            norm3.bias,
+            "layernorm",
+            norm3.eps,
+        )
         return gated_residual(hidden_states, self.ffn(normed), c_gate)
 
 
@@ -240,6 +264,7 @@ def _share_block_metadata(ours: type, theirs: type) -> None:
     nothing to share."""
     try:
         from diffusers.hooks._helpers import TransformerBlockRegistry
+
         TransformerBlockRegistry._register()
         TransformerBlockRegistry.register(model_class=ours, metadata=TransformerBlockRegistry.get(theirs))
     except (ImportError, AttributeError, ValueError):

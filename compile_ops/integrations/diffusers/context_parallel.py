@@ -18,6 +18,7 @@ under a parallel config:
   attention returns no lse and a sparse layout's block lists span the whole
   sequence, so those are refused, naming what runs.
 """
+
 from __future__ import annotations
 
 import functools
@@ -58,16 +59,29 @@ def check_parallel_mode(config, precision: str, sparse: bool, kv_lengths: bool, 
     wanted += ["a sparse attention= layout"] if sparse else []
     wanted += ["a text padding mask"] if kv_lengths else []
     if wanted:
-        raise ValueError(f"{owner}: {' and '.join(wanted)} cannot run under ring attention "
-                         f"(ContextParallelConfig(ring_degree={cp.ring_degree})): a rank sees one key shard at a "
-                         "time, and 8-bit attention returns no log-sum-exp to merge shards with, sparse block "
-                         "lists and key lengths span the whole sequence. Use ContextParallelConfig(ulysses_degree="
-                         "...) (every key on each rank, for a subset of heads), or exact dense attention under ring")
+        raise ValueError(
+            f"{owner}: {' and '.join(wanted)} cannot run under ring attention "
+            f"(ContextParallelConfig(ring_degree={cp.ring_degree})): a rank sees one key shard at a "
+            "time, and 8-bit attention returns no log-sum-exp to merge shards with, sparse block "
+            "lists and key lengths span the whole sequence. Use ContextParallelConfig(ulysses_degree="
+            "...) (every key on each rank, for a subset of heads), or exact dense attention under ring"
+        )
 
 
-def parallel_attention(query: Tensor, key: Tensor, value: Tensor, config, *, precision: str = "exact",
-                       layout=None, kv_lengths: Optional[Tensor] = None, scale: Optional[float] = None,
-                       causal: bool = False, kernel: str = "auto", owner: str = "compile_ops") -> Tensor:
+def parallel_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    config,
+    *,
+    precision: str = "exact",
+    layout=None,
+    kv_lengths: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    kernel: str = "auto",
+    owner: str = "compile_ops",
+) -> Tensor:
     """Attention of this rank's shard under diffusers' context parallelism.
 
     Args:
@@ -91,16 +105,44 @@ def parallel_attention(query: Tensor, key: Tensor, value: Tensor, config, *, pre
     from diffusers.models.attention_dispatch import _templated_context_parallel_attention
 
     check_parallel_mode(config, precision, layout is not None, kv_lengths is not None, owner)
-    forward_op = functools.partial(_forward_op, precision=precision, layout=layout, kv_lengths=kv_lengths,
-                                   kernel=kernel)
-    return _templated_context_parallel_attention(query, key, value, None, 0.0, causal, scale, False, False,
-                                                 forward_op=forward_op, backward_op=_backward_op,
-                                                 _parallel_config=config)
+    forward_op = functools.partial(
+        _forward_op, precision=precision, layout=layout, kv_lengths=kv_lengths, kernel=kernel
+    )
+    return _templated_context_parallel_attention(
+        query,
+        key,
+        value,
+        None,
+        0.0,
+        causal,
+        scale,
+        False,
+        False,
+        forward_op=forward_op,
+        backward_op=_backward_op,
+        _parallel_config=config,
+    )
 
 
-def _forward_op(ctx, query: Tensor, key: Tensor, value: Tensor, attn_mask, dropout_p: float, is_causal: bool,
-                scale: Optional[float], enable_gqa: bool, return_lse: bool, _save_ctx: bool = True,
-                _parallel_config=None, *, precision: str, layout, kv_lengths: Optional[Tensor], kernel: str):
+def _forward_op(
+    ctx,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask,
+    dropout_p: float,
+    is_causal: bool,
+    scale: Optional[float],
+    enable_gqa: bool,
+    return_lse: bool,
+    _save_ctx: bool = True,
+    _parallel_config=None,
+    *,
+    precision: str,
+    layout,
+    kv_lengths: Optional[Tensor],
+    kernel: str,
+):
     """diffusers' forward-op contract: ``[B, L, H, D]`` q, k, v (a rank's share
     after Ulysses' all-to-all, or one ring step's key shard) -> out, and with
     ``return_lse`` the lse ``[B, L, H]`` fp32; saves what :func:`_backward_op` reads."""
@@ -109,14 +151,13 @@ def _forward_op(ctx, query: Tensor, key: Tensor, value: Tensor, attn_mask, dropo
         out = layout.attend(query, key, value, kv_lengths, scale)
     elif precision != "exact":
         out = attention(query, key, value, scale, is_causal, seq_dim=1, kv_lengths=kv_lengths, precision=precision)
-    elif not return_lse and (kernel == "sdpa" or (kernel == "auto" and sdpa_is_faster(query, key, value,
-                                                                                      kv_lengths))):
+    elif not return_lse and (kernel == "sdpa" or (kernel == "auto" and sdpa_is_faster(query, key, value, kv_lengths))):
         # kv_lengths is None here: sdpa_is_faster keeps key lengths on the fused kernel.
-        out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)),
-                                                               is_causal=is_causal, scale=scale).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in (query, key, value)), is_causal=is_causal, scale=scale
+        ).transpose(1, 2)
     else:
-        out, lse = attention(query, key, value, scale, is_causal, seq_dim=1, kv_lengths=kv_lengths,
-                             return_lse=True)
+        out, lse = attention(query, key, value, scale, is_causal, seq_dim=1, kv_lengths=kv_lengths, return_lse=True)
         lse = lse.transpose(1, 2)
     if _save_ctx:
         ctx.save_for_backward(query, key, value, out, lse, kv_lengths)
@@ -124,20 +165,31 @@ def _forward_op(ctx, query: Tensor, key: Tensor, value: Tensor, attn_mask, dropo
     return (out, lse) if return_lse else out
 
 
-def _backward_op(ctx, grad_out: Tensor, *args, query: Optional[Tensor] = None, key: Optional[Tensor] = None,
-                 value: Optional[Tensor] = None, out: Optional[Tensor] = None, lse: Optional[Tensor] = None,
-                 **kwargs):
+def _backward_op(
+    ctx,
+    grad_out: Tensor,
+    *args,
+    query: Optional[Tensor] = None,
+    key: Optional[Tensor] = None,
+    value: Optional[Tensor] = None,
+    out: Optional[Tensor] = None,
+    lse: Optional[Tensor] = None,
+    **kwargs,
+):
     """diffusers' backward-op contract: ``(dq, dk, dv)`` ``[B, L, H, D]`` of the
     saved call, or of the q/k/v/out/lse a ring step passes (the merged output
     and lse of the whole ring with that step's key shard)."""
     saved_query, saved_key, saved_value, saved_out, saved_lse, kv_lengths = ctx.saved_tensors
     precision, layout, is_causal, scale = ctx.compile_ops_mode
-    query, key, value = (s if t is None else t for s, t in ((saved_query, query), (saved_key, key),
-                                                            (saved_value, value)))
+    query, key, value = (
+        s if t is None else t for s, t in ((saved_query, query), (saved_key, key), (saved_value, value))
+    )
     out, lse = saved_out if out is None else out, saved_lse if lse is None else lse
     if precision != "exact":
-        raise RuntimeError(f"compile_ops attention: attention_precision={precision!r} is inference only and has no "
-                           "gradient; patch with attention_precision='exact' to train")
+        raise RuntimeError(
+            f"compile_ops attention: attention_precision={precision!r} is inference only and has no "
+            "gradient; patch with attention_precision='exact' to train"
+        )
     if layout is not None or lse is None:
         # Sparse layouts, and calls that ran SDPA: recompute with autograd (the forward saved no lse).
         with torch.enable_grad():
@@ -146,9 +198,20 @@ def _backward_op(ctx, grad_out: Tensor, *args, query: Optional[Tensor] = None, k
                 again = layout.attend(*inputs, kv_lengths, scale)
             else:
                 again = torch.nn.functional.scaled_dot_product_attention(
-                    *(t.transpose(1, 2) for t in inputs), is_causal=is_causal, scale=scale).transpose(1, 2)
+                    *(t.transpose(1, 2) for t in inputs), is_causal=is_causal, scale=scale
+                ).transpose(1, 2)
             return torch.autograd.grad(again, inputs, grad_out)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     lse = lse.float().transpose(1, 2).contiguous()
-    return torch.ops.fused.attention_backward(grad_out.to(query.dtype).contiguous(), query, key, value,
-                                              out.to(query.dtype), lse, scale, is_causal, 1, kv_lengths)
+    return torch.ops.fused.attention_backward(
+        grad_out.to(query.dtype).contiguous(),
+        query,
+        key,
+        value,
+        out.to(query.dtype),
+        lse,
+        scale,
+        is_causal,
+        1,
+        kv_lengths,
+    )

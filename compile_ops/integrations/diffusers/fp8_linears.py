@@ -1,5 +1,6 @@
 """``patch(precision="fp8")``: the transformer blocks' Linears as :class:`FP8Linear`,
 and the feed-forward GELUs that feed one as a pass that also quantizes."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -31,8 +32,10 @@ def _why_kept(parent: nn.Module, linear: nn.Linear, in_blocks: bool, modulation:
     if linear.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"weight dtype {linear.weight.dtype} (expected a floating point weight)"
     if linear.in_features % 16 or linear.out_features % 16:
-        return (f"in_features={linear.in_features}, out_features={linear.out_features}: "
-                "torch._scaled_mm needs both to be multiples of 16")
+        return (
+            f"in_features={linear.in_features}, out_features={linear.out_features}: "
+            "torch._scaled_mm needs both to be multiples of 16"
+        )
     return None
 
 
@@ -53,8 +56,14 @@ def quantize_linears(model: nn.Module, report: PatchReport, fast_accum: bool, mo
                 if why is None:
                     check_fp8_device(child.weight.device)
                     setattr(module, name, FP8Linear.from_linear(child, fast_accum))
-                    report.replaced.append((path, "nn.Linear", "compile_ops.FP8Linear (e4m3, rowwise scales"
-                                            + (", fast accumulation)" if fast_accum else ")")))
+                    report.replaced.append(
+                        (
+                            path,
+                            "nn.Linear",
+                            "compile_ops.FP8Linear (e4m3, rowwise scales"
+                            + (", fast accumulation)" if fast_accum else ")"),
+                        )
+                    )
                 else:
                     report.left.append((path, "nn.Linear", f"kept in {child.weight.dtype}: {why}"))
                 continue
@@ -76,9 +85,13 @@ def reads_fp8_rows(ff: nn.Module) -> bool:
     (after ``patch(precision="fp8")``): it can take the seam's FP8 rows,
     since that module hands its input straight to ``proj``."""
     net = getattr(ff, "net", None)
-    return (type(ff).__name__ == "FeedForward" and isinstance(net, nn.ModuleList) and len(net) > 0
-            and (is_diffusers_gelu(net[0]) or isinstance(net[0], FP8ProjectionActivation))
-            and isinstance(getattr(net[0], "proj", None), FP8Linear))
+    return (
+        type(ff).__name__ == "FeedForward"
+        and isinstance(net, nn.ModuleList)
+        and len(net) > 0
+        and (is_diffusers_gelu(net[0]) or isinstance(net[0], FP8ProjectionActivation))
+        and isinstance(getattr(net[0], "proj", None), FP8Linear)
+    )
 
 
 def fuse_mlp_activations(model: nn.Module, report: PatchReport) -> None:
@@ -92,16 +105,30 @@ def fuse_mlp_activations(model: nn.Module, report: PatchReport) -> None:
         if type(ff).__name__ != "FeedForward" or not isinstance(net, nn.ModuleList) or len(net) < 3:
             continue
         gelu, dropout, down = net[0], net[1], net[2]
-        if not (is_diffusers_gelu(gelu) and isinstance(getattr(gelu, "proj", None), FP8Linear)
-                and isinstance(down, FP8Linear)):
+        if not (
+            is_diffusers_gelu(gelu)
+            and isinstance(getattr(gelu, "proj", None), FP8Linear)
+            and isinstance(down, FP8Linear)
+        ):
             continue
         if type(dropout) is not nn.Dropout or dropout.p != 0:
-            report.left.append((f"{path}.net.0", type(gelu).__name__, f"output stays {down.out_dtype}: "
-                                f"{dropout!r} between it and the FP8 down projection"))
+            report.left.append(
+                (
+                    f"{path}.net.0",
+                    type(gelu).__name__,
+                    f"output stays {down.out_dtype}: {dropout!r} between it and the FP8 down projection",
+                )
+            )
             continue
         activation = "gelu" if gelu.approximate == "none" else "gelu_tanh"
         net[0], net[1] = FP8ProjectionActivation(gelu.proj, activation), nn.Identity()
         fused = f"{path}.net.0"
         report.left[:] = [entry for entry in report.left if entry[0] != fused]  # "no fused op": now there is
-        report.replaced.append((fused, "diffusers GELU", f"compile_ops FP8ProjectionActivation ({activation} "
-                                "computed and quantized for the FP8 down projection in one pass)"))
+        report.replaced.append(
+            (
+                fused,
+                "diffusers GELU",
+                f"compile_ops FP8ProjectionActivation ({activation} "
+                "computed and quantized for the FP8 down projection in one pass)",
+            )
+        )

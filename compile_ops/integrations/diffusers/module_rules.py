@@ -4,6 +4,7 @@ A module is replaced only when its class is exactly one whose forward ours
 reproduces and its configuration is one ours covers; a subclass, which may
 override ``forward``, is left alone.
 """
+
 from __future__ import annotations
 
 from types import ModuleType
@@ -19,6 +20,7 @@ from compile_ops.modules.norm import LayerNorm, RMSNorm
 
 class DiffusersModules(NamedTuple):
     """The diffusers modules whose classes the rules name."""
+
     normalization: ModuleType
     activations: ModuleType
     flux: ModuleType
@@ -40,8 +42,9 @@ def diffusers_modules() -> DiffusersModules:
 def _layer_norm(old: nn.LayerNorm) -> Optional[nn.Module]:
     if len(old.normalized_shape) != 1:
         return None
-    return build_on_meta(lambda: LayerNorm(old.normalized_shape[0], old.eps, old.elementwise_affine,
-                                           old.bias is not None), old)
+    return build_on_meta(
+        lambda: LayerNorm(old.normalized_shape[0], old.eps, old.elementwise_affine, old.bias is not None), old
+    )
 
 
 def _rms_norm(old: nn.Module) -> Optional[nn.Module]:
@@ -57,28 +60,39 @@ def _ada_zero(old: nn.Module, norm_module: ModuleType) -> Optional[nn.Module]:
     if old.emb is not None:
         return None
     norm_type = "fp32_layer_norm" if type(old.norm) is norm_module.FP32LayerNorm else "layer_norm"
-    return build_on_meta(lambda: AdaLayerNormZero(old.linear.in_features, None, norm_type,
-                                                  old.linear.bias is not None), old)
+    return build_on_meta(
+        lambda: AdaLayerNormZero(old.linear.in_features, None, norm_type, old.linear.bias is not None), old
+    )
 
 
 def _ada_zero_single(old: nn.Module) -> Optional[nn.Module]:
-    return build_on_meta(lambda: AdaLayerNormZeroSingle(old.linear.in_features, "layer_norm",
-                                                        old.linear.bias is not None), old)
+    return build_on_meta(
+        lambda: AdaLayerNormZeroSingle(old.linear.in_features, "layer_norm", old.linear.bias is not None), old
+    )
 
 
 def _ada_continuous(old: nn.Module, norm_module: ModuleType) -> Optional[nn.Module]:
     kinds = {nn.LayerNorm: "layer_norm", norm_module.RMSNorm: "rms_norm"}
     if type(old.norm) not in kinds:
         return None
-    return build_on_meta(lambda: AdaLayerNormContinuous(
-        old.linear.out_features // 2, old.linear.in_features, old.norm.elementwise_affine, old.norm.eps,
-        old.linear.bias is not None, kinds[type(old.norm)]), old)
+    return build_on_meta(
+        lambda: AdaLayerNormContinuous(
+            old.linear.out_features // 2,
+            old.linear.in_features,
+            old.norm.elementwise_affine,
+            old.norm.eps,
+            old.linear.bias is not None,
+            kinds[type(old.norm)],
+        ),
+        old,
+    )
 
 
 def _glu(glu_class: type):
     """The builder of our ``glu_class`` (GEGLU, SwiGLU) from diffusers' module of the same name."""
-    return lambda old: build_on_meta(lambda: glu_class(old.proj.in_features, old.proj.out_features // 2,
-                                                       old.proj.bias is not None), old)
+    return lambda old: build_on_meta(
+        lambda: glu_class(old.proj.in_features, old.proj.out_features // 2, old.proj.bias is not None), old
+    )
 
 
 def module_rules() -> dict:
@@ -106,6 +120,8 @@ def why_left_alone(module: nn.Module, activations: ModuleType) -> Optional[str]:
     if type(module) is activations.GELU:
         return f"GELU(approximate={module.approximate!r}) after its Linear: no fused op; torch.compile fuses it"
     if type(module).__name__ in UNFUSED_BLOCKS and type(module).__module__.startswith("diffusers."):
-        return ("its forward keeps the gated residuals and the second norm's modulation (no fused block "
-                "forward reproduces it); its norms, activations and attention are patched inside")
+        return (
+            "its forward keeps the gated residuals and the second norm's modulation (no fused block "
+            "forward reproduces it); its norms, activations and attention are patched inside"
+        )
     return None

@@ -1,6 +1,7 @@
 """``patch``/``unpatch`` of a diffusers transformer: the walk that applies the
 block and module rules, the attention processors, sparse attention and FP8,
 and the undo record."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -76,16 +77,26 @@ def _check_parallel_config(model: nn.Module, args) -> None:
     if config is None or torch.compiler.is_compiling():
         return
     if getattr(config, "tensor_parallel_config", None) is not None:
-        raise RuntimeError("compile_ops: diffusers' tensor parallelism (TensorParallelConfig) does not run on a "
-                           "patched model: its sharded projections leave each rank a subset of the heads and "
-                           "shards of the weights that the fused blocks, processors and FP8 Linears read whole. "
-                           "Use ContextParallelConfig (Ulysses, ring), or tensor parallelism on an unpatched model")
+        raise RuntimeError(
+            "compile_ops: diffusers' tensor parallelism (TensorParallelConfig) does not run on a "
+            "patched model: its sharded projections leave each rank a subset of the heads and "
+            "shards of the weights that the fused blocks, processors and FP8 Linears read whole. "
+            "Use ContextParallelConfig (Ulysses, ring), or tensor parallelism on an unpatched model"
+        )
     for module in model.modules():
         processor = getattr(module, "processor", None)
-        if isinstance(processor, FusedProcessor) and processor.parallel_config() is not None \
-                and processor.splits_across_ranks(module):
-            check_parallel_mode(processor.parallel_config(), processor.attention_precision,
-                                processor.sparse is not None, False, f"compile_ops {type(processor).__name__}")
+        if (
+            isinstance(processor, FusedProcessor)
+            and processor.parallel_config() is not None
+            and processor.splits_across_ranks(module)
+        ):
+            check_parallel_mode(
+                processor.parallel_config(),
+                processor.attention_precision,
+                processor.sparse is not None,
+                False,
+                f"compile_ops {type(processor).__name__}",
+            )
 
 
 def _replace_modules(model: nn.Module, activations, report: PatchReport, undo: list) -> None:
@@ -102,8 +113,13 @@ def _replace_modules(model: nn.Module, activations, report: PatchReport, undo: l
                 what, ours = block
                 new = ours.build(child)
                 if new is None:
-                    report.left.append((path, what, "a forward or norms the fused block does not reproduce; "
-                                                    "its modules are patched inside"))
+                    report.left.append(
+                        (
+                            path,
+                            what,
+                            "a forward or norms the fused block does not reproduce; its modules are patched inside",
+                        )
+                    )
                 else:
                     swap_module(module, name, child, new, undo)
                     report.replaced.append((path, what, f"compile_ops {ours.__name__} (fused seams)"))
@@ -124,8 +140,9 @@ def _replace_modules(model: nn.Module, activations, report: PatchReport, undo: l
     walk(model, "")
 
 
-def _replace_processors(model: nn.Module, options: PatchOptions, schedule: DenseFirst, report: PatchReport,
-                        undo: list) -> None:
+def _replace_processors(
+    model: nn.Module, options: PatchOptions, schedule: DenseFirst, report: PatchReport, undo: list
+) -> None:
     """Set ours on every attention layer whose (attention class, exact processor
     class) a rule covers (none with ``attention_processors=False``); report the others."""
     rules = processor_rules() if options.attention_processors else {}
@@ -133,11 +150,21 @@ def _replace_processors(model: nn.Module, options: PatchOptions, schedule: Dense
         processor = getattr(module, "processor", None)
         if processor is None or not hasattr(module, "set_processor"):
             continue
-        match = next((rule for (attention_class, processor_class), rule in rules.items()
-                      if isinstance(module, attention_class) and type(processor) is processor_class), None)
+        match = next(
+            (
+                rule
+                for (attention_class, processor_class), rule in rules.items()
+                if isinstance(module, attention_class) and type(processor) is processor_class
+            ),
+            None,
+        )
         if match is None:
-            how = ("it calls diffusers' attention dispatcher: model.set_attention_backend('compile_ops') runs "
-                   "fused.attention there" if hasattr(processor, "_attention_backend") else "it calls SDPA itself")
+            how = (
+                "it calls diffusers' attention dispatcher: model.set_attention_backend('compile_ops') runs "
+                "fused.attention there"
+                if hasattr(processor, "_attention_backend")
+                else "it calls SDPA itself"
+            )
             report.left.append((path, type(processor).__name__, f"attention processor not covered; kept ({how})"))
             continue
         what, ours_class = match
@@ -158,8 +185,10 @@ def unpatch(model: nn.Module) -> None:
         raise RuntimeError("compile_ops.unpatch: the model is not patched")
     undo = getattr(model, PATCH_STATE)
     if undo is None:
-        raise RuntimeError("compile_ops.unpatch: the model was patched with precision='fp8', which released its "
-                           "original weights; load the model again instead")
+        raise RuntimeError(
+            "compile_ops.unpatch: the model was patched with precision='fp8', which released its "
+            "original weights; load the model again instead"
+        )
     for kind, owner, name, original in reversed(undo):
         if kind == "module":
             setattr(owner, name, original)

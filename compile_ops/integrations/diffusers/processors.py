@@ -9,6 +9,7 @@ Under diffusers' context parallelism (``enable_parallelism``) attention runs
 through diffusers' Ulysses/ring templates with the same kernel choices
 (:mod:`.context_parallel`).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -105,21 +106,28 @@ class FusedProcessor:
         from the kernel's epilogue (:func:`attention_fp8_rows`), else as a tensor
         (always under ``parallel``: the output travels back to its ranks)."""
         if parallel is not None:
-            return parallel_attention(query, key, value, parallel, kv_lengths=kv_lengths, kernel=self.kernel,
-                                      precision=self.attention_precision_of(query, key, value),
-                                      owner=f"compile_ops {type(self).__name__}")
+            return parallel_attention(
+                query,
+                key,
+                value,
+                parallel,
+                kv_lengths=kv_lengths,
+                kernel=self.kernel,
+                precision=self.attention_precision_of(query, key, value),
+                owner=f"compile_ops {type(self).__name__}",
+            )
         if isinstance(query, Int8QK) or self.eight_bit(query, key, value):
             if fp8_rows and self.attention_precision == "int8_fp8":
                 return attention_fp8_rows(query, key, value, seq_dim=1, kv_lengths=kv_lengths)
-            return attention(query, key, value, seq_dim=1, kv_lengths=kv_lengths,
-                             precision=self.attention_precision)
+            return attention(query, key, value, seq_dim=1, kv_lengths=kv_lengths, precision=self.attention_precision)
         if self.kernel == "sdpa" or (self.kernel == "auto" and sdpa_is_faster(query, key, value, kv_lengths)):
             mask = None
             if kv_lengths is not None:
                 keys = torch.arange(key.shape[1], device=key.device)
                 mask = (keys < kv_lengths.unsqueeze(1)).unsqueeze(1).unsqueeze(1)  # [B, 1, 1, Lk]
-            out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)),
-                                                                   attn_mask=mask)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (query, key, value)), attn_mask=mask
+            )
             return out.transpose(1, 2)
         return attention(query, key, value, seq_dim=1, kv_lengths=kv_lengths)
 
@@ -132,8 +140,11 @@ class FusedProcessor:
         """``(kernel, parallel path)`` of this layer's attention calls now, in words (``PatchReport``)."""
         from compile_ops.integrations.diffusers.context_parallel import parallel_path
 
-        exact = {"auto": "fused.attention or SDPA (attention_kernel='auto')", "fused": "fused.attention",
-                 "sdpa": "SDPA"}.get(self.kernel, self.kernel)
+        exact = {
+            "auto": "fused.attention or SDPA (attention_kernel='auto')",
+            "fused": "fused.attention",
+            "sdpa": "SDPA",
+        }.get(self.kernel, self.kernel)
         kernel = exact
         if self.sparse is not None:  # set on self-attention layers only
             kernel = f"fused.block_sparse_attention ({self.sparse.config}), {exact} on its dense steps"
@@ -147,8 +158,12 @@ class FusedProcessor:
     def eight_bit(self, query, key, value) -> bool:
         """Whether :meth:`attend` runs these 16-bit q, k, v as 8-bit attention:
         an 8-bit ``attention_precision``, a step the schedule says, no gradient."""
-        return self.attention_precision != "exact" and (self.int8_schedule is None or self.int8_schedule.active) \
-            and query.dtype in (torch.float16, torch.bfloat16) and not needs_gradient(query, key, value)
+        return (
+            self.attention_precision != "exact"
+            and (self.int8_schedule is None or self.int8_schedule.active)
+            and query.dtype in (torch.float16, torch.bfloat16)
+            and not needs_gradient(query, key, value)
+        )
 
     def quantizes_qk(self, query, key, value) -> bool:
         """Whether q and k of a self-attention call come quantized from their
@@ -156,11 +171,16 @@ class FusedProcessor:
         attention runs (:meth:`eight_bit`), no sparse plan takes the call, the
         sequence is long enough (:data:`QUANTIZE_IN_ROTATION_MIN_TOKENS`), and
         no context parallelism moves q and k between ranks first."""
-        return self.eight_bit(query, key, value) and (self.sparse is None or self.sparse.layout is None) \
-            and query.shape[1] >= QUANTIZE_IN_ROTATION_MIN_TOKENS and self.parallel_config() is None
+        return (
+            self.eight_bit(query, key, value)
+            and (self.sparse is None or self.sparse.layout is None)
+            and query.shape[1] >= QUANTIZE_IN_ROTATION_MIN_TOKENS
+            and self.parallel_config() is None
+        )
 
-    def attend_self(self, query, key, value, text_tokens: int = 0, kv_lengths=None, fp8_rows: bool = False,
-                    parallel=None):
+    def attend_self(
+        self, query, key, value, text_tokens: int = 0, kv_lengths=None, fp8_rows: bool = False, parallel=None
+    ):
         """Video self-attention of ``[B, L, H, D]`` q, k, v (the last
         ``text_tokens`` of L text, attended densely): the sparse plan's layout
         for this call where one is set, else :meth:`attend` (``fp8_rows`` and
@@ -169,11 +189,20 @@ class FusedProcessor:
         if layout is None or isinstance(query, Int8QK):
             return self.attend(query, key, value, kv_lengths, fp8_rows, parallel)
         if layout.text_tokens != text_tokens:
-            raise RuntimeError(f"compile_ops sparse attention: the layout was built for {layout.text_tokens} text "
-                               f"tokens, this attention has {text_tokens}; this is a compile_ops bug")
+            raise RuntimeError(
+                f"compile_ops sparse attention: the layout was built for {layout.text_tokens} text "
+                f"tokens, this attention has {text_tokens}; this is a compile_ops bug"
+            )
         if parallel is not None:
-            return parallel_attention(query, key, value, parallel, layout=layout, kv_lengths=kv_lengths,
-                                      owner=f"compile_ops {type(self).__name__}")
+            return parallel_attention(
+                query,
+                key,
+                value,
+                parallel,
+                layout=layout,
+                kv_lengths=kv_lengths,
+                owner=f"compile_ops {type(self).__name__}",
+            )
         return layout.attend(query, key, value, kv_lengths)
 
     def rms_weight(self, norm: nn.Module) -> Optional[tuple]:
@@ -197,8 +226,9 @@ class FusedProcessor:
         q_norm, k_norm = self.rms_weight(norm_q), self.rms_weight(norm_k)
         quantize = quantize and rope is not None
         if rope is not None and q_norm is not None and k_norm is not None and q_norm[1] == k_norm[1]:
-            out = qk_norm_rope(query, key, q_norm[0], k_norm[0], *rope, eps=q_norm[1], interleaved=True,
-                               seq_dim=1, quantize=quantize)
+            out = qk_norm_rope(
+                query, key, q_norm[0], k_norm[0], *rope, eps=q_norm[1], interleaved=True, seq_dim=1, quantize=quantize
+            )
             return (out, None) if quantize else out
         query, key = norm_q(query), norm_k(key)
         if rope is None:
@@ -247,8 +277,11 @@ class FluxAttnProcessor(FusedProcessor):
 
     def covers(self, attn, encoder_hidden_states, attention_mask) -> bool:
         """Whether the fused path runs this call (else the original processor does)."""
-        return not (attention_mask is not None or attn.fused_projections
-                    or (encoder_hidden_states is not None and attn.added_kv_proj_dim is None))
+        return not (
+            attention_mask is not None
+            or attn.fused_projections
+            or (encoder_hidden_states is not None and attn.added_kv_proj_dim is None)
+        )
 
     @staticmethod
     def takes_fp8_rows(attn, encoder_hidden_states=None, joint_attention_kwargs=None) -> bool:
@@ -257,21 +290,25 @@ class FluxAttnProcessor(FusedProcessor):
         reads the hidden states (and the text states, when given) is an
         :class:`FP8Linear`, so the norm before can write FP8 rows directly."""
         processor, kwargs = attn.processor, joint_attention_kwargs or {}
-        if not isinstance(processor, FluxAttnProcessor) or set(kwargs) - {"attention_mask"} or \
-                not processor.covers(attn, encoder_hidden_states, kwargs.get("attention_mask")):
+        if (
+            not isinstance(processor, FluxAttnProcessor)
+            or set(kwargs) - {"attention_mask"}
+            or not processor.covers(attn, encoder_hidden_states, kwargs.get("attention_mask"))
+        ):
             return False
         linears = [attn.to_q, attn.to_k, attn.to_v]
         if encoder_hidden_states is not None:
             linears += [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj]
         return all(isinstance(linear, FP8Linear) for linear in linears)
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 image_rotary_emb=None):
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if not self.covers(attn, encoder_hidden_states, attention_mask):
             if isinstance(hidden_states, FP8Rows) or isinstance(encoder_hidden_states, FP8Rows):
-                raise RuntimeError("compile_ops FluxAttnProcessor: FP8 rows reached a call the fused path does "
-                                   "not cover (a mask or fused projections since the block "
-                                   "checked); this is a compile_ops bug")
+                raise RuntimeError(
+                    "compile_ops FluxAttnProcessor: FP8 rows reached a call the fused path does "
+                    "not cover (a mask or fused projections since the block "
+                    "checked); this is a compile_ops bug"
+                )
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
         def heads(t):
@@ -292,23 +329,33 @@ class FluxAttnProcessor(FusedProcessor):
             # Text tokens come first in the joint sequence and in the tables;
             # each stream is normed with its own weights and rotated with its rows.
             c = _shared_input(encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-            text_query, text_key = self.norm_rope(heads(attn.add_q_proj(c)), heads(attn.add_k_proj(c)),
-                                                  attn.norm_added_q, attn.norm_added_k,
-                                                  rows(0, _tokens(encoder_hidden_states)))
+            text_query, text_key = self.norm_rope(
+                heads(attn.add_q_proj(c)),
+                heads(attn.add_k_proj(c)),
+                attn.norm_added_q,
+                attn.norm_added_k,
+                rows(0, _tokens(encoder_hidden_states)),
+            )
             query, key = torch.cat([text_query, query], dim=1), torch.cat([text_key, key], dim=1)
             value = torch.cat([heads(attn.add_v_proj(c)), value], dim=1)
         # Double-stream blocks' output projections can read FP8 rows; the
         # single-stream block concatenates the output with its MLP's first.
-        fp8_rows = encoder_hidden_states is not None and isinstance(attn.to_out[0], FP8Linear) \
+        fp8_rows = (
+            encoder_hidden_states is not None
+            and isinstance(attn.to_out[0], FP8Linear)
             and isinstance(attn.to_add_out, FP8Linear)
-        out = _heads_joined(self.attend(query, key, value, fp8_rows=fp8_rows, parallel=self.parallel_config()),
-                            value.dtype)
+        )
+        out = _heads_joined(
+            self.attend(query, key, value, fp8_rows=fp8_rows, parallel=self.parallel_config()), value.dtype
+        )
         if encoder_hidden_states is None:
             return out
         sizes = [_tokens(encoder_hidden_states), _tokens(hidden_states)]
         if isinstance(out, FP8Rows):
-            text, image = (FP8Rows(*parts) for parts in zip(out.q.split_with_sizes(sizes, dim=1),
-                                                             out.scale.split_with_sizes(sizes, dim=1)))
+            text, image = (
+                FP8Rows(*parts)
+                for parts in zip(out.q.split_with_sizes(sizes, dim=1), out.scale.split_with_sizes(sizes, dim=1))
+            )
         else:
             text, image = out.split_with_sizes(sizes, dim=1)
         image = attn.to_out[1](attn.to_out[0](image))
@@ -350,10 +397,12 @@ class WanAttnProcessor(FusedProcessor):
                 query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1)
         # As diffusers' processor: self-attention splits across ranks, cross-attention
         # (every rank holds the whole text) runs on each rank's queries.
-        attend, parallel = (self.attend, None) if encoder_hidden_states is not None else \
-            (self.attend_self, self.parallel_config())
-        out = _heads_joined(attend(query, key, value, fp8_rows=isinstance(attn.to_out[0], FP8Linear),
-                                   parallel=parallel), value.dtype)
+        attend, parallel = (
+            (self.attend, None) if encoder_hidden_states is not None else (self.attend_self, self.parallel_config())
+        )
+        out = _heads_joined(
+            attend(query, key, value, fp8_rows=isinstance(attn.to_out[0], FP8Linear), parallel=parallel), value.dtype
+        )
         return attn.to_out[1](attn.to_out[0](out))
 
 
@@ -383,7 +432,7 @@ class JointAttnProcessor(FusedProcessor):
         out = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return attn.to_out[1](attn.to_out[0](out))
-        out, context = out[:, :hidden_states.shape[1]], out[:, hidden_states.shape[1]:]
+        out, context = out[:, : hidden_states.shape[1]], out[:, hidden_states.shape[1] :]
         if not attn.context_pre_only:
             context = attn.to_add_out(context)
         return attn.to_out[1](attn.to_out[0](out)), context
@@ -393,8 +442,7 @@ class LTXVideoAttnProcessor(FusedProcessor):
     """diffusers' ``LTXVideoAttnProcessor`` with rotary embedding and attention
     as fused ops; masked (text cross-) attention stays with the original."""
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 image_rotary_emb=None):
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if attention_mask is not None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         hidden_states, context = _projection_inputs(attn, hidden_states, encoder_hidden_states)
@@ -404,8 +452,10 @@ class LTXVideoAttnProcessor(FusedProcessor):
             # LTX's tables span all heads' channels ([B, L, heads * D], pairs
             # (2i, 2i + 1)): rotate the projections as one wide head.
             cos, sin = image_rotary_emb
-            query, key = (t.squeeze(2) for t in rope_qk(query.unsqueeze(2), key.unsqueeze(2), cos, sin,
-                                                        interleaved=True, seq_dim=1))
+            query, key = (
+                t.squeeze(2)
+                for t in rope_qk(query.unsqueeze(2), key.unsqueeze(2), cos, sin, interleaved=True, seq_dim=1)
+            )
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, attn.to_v(context)))
         attend = self.attend if encoder_hidden_states is not None else self.attend_self
         out = attend(query, key, value, parallel=self.parallel_config()).flatten(2, 3).to(query.dtype)
@@ -419,8 +469,10 @@ def _prefix_lengths(mask):
     mask = mask.reshape(mask.shape[0], mask.shape[-1])
     lengths = mask.sum(-1, dtype=torch.int32)
     keys = torch.arange(mask.shape[-1], device=mask.device)
-    torch._assert_async((mask == (keys < lengths.unsqueeze(1))).all(),
-                        "compile_ops HunyuanVideoAttnProcessor: the attention mask is not a prefix of each row")
+    torch._assert_async(
+        (mask == (keys < lengths.unsqueeze(1))).all(),
+        "compile_ops HunyuanVideoAttnProcessor: the attention mask is not a prefix of each row",
+    )
     return lengths
 
 
@@ -431,8 +483,7 @@ class HunyuanVideoAttnProcessor(FusedProcessor):
     sparse self-attention over the video tokens when ``patch(attention=...)``
     set a plan (the text tokens attend and are attended densely)."""
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 image_rotary_emb=None):
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         joint = attn.add_q_proj is not None and encoder_hidden_states is not None
@@ -454,15 +505,18 @@ class HunyuanVideoAttnProcessor(FusedProcessor):
             query, key = (torch.cat(pair, dim=1) for pair in zip(video_qk, text_qk))
         if joint:
             c = _shared_input(encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-            text_query, text_key = self.norm_rope(heads(attn.add_q_proj(c)), heads(attn.add_k_proj(c)),
-                                                  attn.norm_added_q, attn.norm_added_k, None)
+            text_query, text_key = self.norm_rope(
+                heads(attn.add_q_proj(c)), heads(attn.add_k_proj(c)), attn.norm_added_q, attn.norm_added_k, None
+            )
             query, key = torch.cat([query, text_query], dim=1), torch.cat([key, text_key], dim=1)
             value = torch.cat([value, heads(attn.add_v_proj(c))], dim=1)
         parallel = self.parallel_config()
         if parallel is not None and attention_mask is not None and attention_mask.shape[-1] == key.shape[1]:
-            raise ValueError("compile_ops HunyuanVideoAttnProcessor: under context parallelism the text padding "
-                             "mask must span the whole sequence (every rank's tokens), got one of this rank's "
-                             f"{key.shape[1]} keys; leave attention_mask out of the cp_plan's splits")
+            raise ValueError(
+                "compile_ops HunyuanVideoAttnProcessor: under context parallelism the text padding "
+                "mask must span the whole sequence (every rank's tokens), got one of this rank's "
+                f"{key.shape[1]} keys; leave attention_mask out of the cp_plan's splits"
+            )
         lengths = None if attention_mask is None else _prefix_lengths(attention_mask)
         out = self.attend_self(query, key, value, text_tokens, lengths, parallel=parallel)
         out = out.flatten(2, 3).to(query.dtype)
@@ -486,9 +540,13 @@ def processor_rules() -> dict:
     return {
         (flux.FluxAttention, flux.FluxAttnProcessor): ("diffusers FluxAttnProcessor", FluxAttnProcessor),
         (wan.WanAttention, wan.WanAttnProcessor): ("diffusers WanAttnProcessor", WanAttnProcessor),
-        (attention_processor.Attention, attention_processor.JointAttnProcessor2_0):
-            ("diffusers JointAttnProcessor2_0", JointAttnProcessor),
+        (attention_processor.Attention, attention_processor.JointAttnProcessor2_0): (
+            "diffusers JointAttnProcessor2_0",
+            JointAttnProcessor,
+        ),
         (ltx.LTXAttention, ltx.LTXVideoAttnProcessor): ("diffusers LTXVideoAttnProcessor", LTXVideoAttnProcessor),
-        (attention_processor.Attention, hunyuan.HunyuanVideoAttnProcessor2_0):
-            ("diffusers HunyuanVideoAttnProcessor2_0", HunyuanVideoAttnProcessor),
+        (attention_processor.Attention, hunyuan.HunyuanVideoAttnProcessor2_0): (
+            "diffusers HunyuanVideoAttnProcessor2_0",
+            HunyuanVideoAttnProcessor,
+        ),
     }

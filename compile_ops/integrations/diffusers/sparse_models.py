@@ -5,6 +5,7 @@ Each model's forward pre-hook reads its latent grid (and, where text shares
 the attention, its text length) from the call; see
 ``compile_ops/integrations/sparse_attention.py`` for the plan.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -51,8 +52,12 @@ def _sparse_models() -> dict:
     the video DiTs whose self-attention can run sparse (text function: the text
     tokens in the same attention, or None where text is cross-attended)."""
     from diffusers import HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel, WanTransformer3DModel
-    return {WanTransformer3DModel: (_wan_grid, "attn1", None), LTXVideoTransformer3DModel: (_ltx_grid, "attn1", None),
-            HunyuanVideoTransformer3DModel: (_hunyuan_grid, "attn", _hunyuan_text)}
+
+    return {
+        WanTransformer3DModel: (_wan_grid, "attn1", None),
+        LTXVideoTransformer3DModel: (_ltx_grid, "attn1", None),
+        HunyuanVideoTransformer3DModel: (_hunyuan_grid, "attn", _hunyuan_text),
+    }
 
 
 def attach_sparse_attention(model: nn.Module, config, report: PatchReport, undo: list) -> None:
@@ -60,18 +65,26 @@ def attach_sparse_attention(model: nn.Module, config, report: PatchReport, undo:
     and the forward pre-hook that picks its layout per call."""
     kind = _sparse_models().get(type(model))
     if kind is None:
-        raise TypeError(f"compile_ops.patch: sparse attention covers "
-                        f"{', '.join(c.__name__ for c in _sparse_models())}; got {type(model).__name__}")
+        raise TypeError(
+            f"compile_ops.patch: sparse attention covers "
+            f"{', '.join(c.__name__ for c in _sparse_models())}; got {type(model).__name__}"
+        )
     grid_of, self_attention, text_of = kind
-    layers = [(path, m) for path, m in model.named_modules()
-              if path.rpartition(".")[2] == self_attention and isinstance(getattr(m, "processor", None),
-                                                                           FusedProcessor)]
+    layers = [
+        (path, m)
+        for path, m in model.named_modules()
+        if path.rpartition(".")[2] == self_attention and isinstance(getattr(m, "processor", None), FusedProcessor)
+    ]
     if not layers:
-        raise RuntimeError("compile_ops.patch: sparse attention needs compile_ops' attention processors "
-                           "(attention_processors=True), and none was installed on the self-attention layers")
+        raise RuntimeError(
+            "compile_ops.patch: sparse attention needs compile_ops' attention processors "
+            "(attention_processors=True), and none was installed on the self-attention layers"
+        )
     if text_of is not None and isinstance(config, TopK):
-        raise ValueError(f"compile_ops.patch: TopK covers video-only self-attention; {type(model).__name__} attends "
-                         "to video and text together: use SlidingTile or Radial")
+        raise ValueError(
+            f"compile_ops.patch: TopK covers video-only self-attention; {type(model).__name__} attends "
+            "to video and text together: use SlidingTile or Radial"
+        )
     plan = SparseAttention(config, grid_of, len(layers), text_of)
     for path, module in layers:
         module.processor.sparse = plan
