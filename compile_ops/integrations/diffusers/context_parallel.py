@@ -151,8 +151,11 @@ def _forward_op(
         out = layout.attend(query, key, value, kv_lengths, scale)
     elif precision != "exact":
         out = attention(query, key, value, scale, is_causal, seq_dim=1, kv_lengths=kv_lengths, precision=precision)
-    elif not return_lse and (kernel == "sdpa" or (kernel == "auto" and sdpa_is_faster(query, key, value, kv_lengths))):
-        # kv_lengths is None here: sdpa_is_faster keeps key lengths on the fused kernel.
+    elif (
+        not return_lse
+        and kv_lengths is None  # key lengths stay on the fused kernel, which takes them without a mask
+        and (kernel == "sdpa" or (kernel == "auto" and sdpa_is_faster(query, key, value)))
+    ):
         out = torch.nn.functional.scaled_dot_product_attention(
             *(t.transpose(1, 2) for t in (query, key, value)), is_causal=is_causal, scale=scale
         ).transpose(1, 2)
