@@ -1,10 +1,12 @@
 """compile_ops under diffusers' context parallelism: 2 CPU processes on gloo, the reference path.
 
-Each model case builds a small Wan or Flux model, patches it in one attention
+Each model case builds a small Wan, Flux or LTX-Video model, patches it in one attention
 mode (exact, int8, int8_fp8, sliding-tile sparse), runs it on one process,
 then turns on diffusers' context parallelism (Ulysses-2 or ring-2) and runs it
 again. Ulysses moves whole heads between ranks, so each head's computation is
-the one the single process ran: the outputs must be equal bit for bit. Ring
+the one the single process ran: Wan's outputs must be equal bit for bit (Flux's
+joint keys arrive in another order, LTX differs in the last bit: fp32
+attention tolerance). Ring
 merges per-shard partial outputs by their log-sum-exp: equal within fp32
 attention tolerance. 8-bit and sparse attention under ring must be refused
 with an error that names Ulysses. A spy on the forward op given to diffusers'
@@ -56,7 +58,7 @@ MODES = {
 #: (model, mode, parallelism) of each model case; Flux has no sparse mode.
 MODEL_CASES = [
     (model, mode, parallelism)
-    for model in ("wan", "flux")
+    for model in ("wan", "flux", "ltx")
     for mode in MODES
     for parallelism in ("ulysses", "ring")
     if not (model == "flux" and mode == "sliding_tile")
@@ -125,6 +127,41 @@ def _flux(dtype):
     return model, inputs
 
 
+def _ltx(dtype):
+    # 4 frames of 16 x 16 tokens: 1024 tokens, (2, 8, 8) tiles of 128. No text padding
+    # mask: masked cross-attention goes to diffusers' own processor, whose native backend
+    # fails under Ulysses on this mask and refuses ring (no log-sum-exp), patched or not.
+    model = (
+        diffusers.LTXVideoTransformer3DModel(
+            in_channels=4,
+            out_channels=4,
+            patch_size=1,
+            patch_size_t=1,
+            num_attention_heads=2,
+            attention_head_dim=8,
+            cross_attention_dim=16,
+            num_layers=1,
+            caption_channels=16,
+        )
+        .to(dtype)
+        .eval()
+    )
+    frames, side = 4, 16
+    inputs = dict(
+        hidden_states=torch.randn(1, frames * side * side, 4, dtype=dtype),
+        encoder_hidden_states=torch.randn(1, 6, 16, dtype=dtype),
+        timestep=torch.tensor([500]),
+        encoder_attention_mask=None,
+        num_frames=frames,
+        height=side,
+        width=side,
+    )
+    return model, inputs
+
+
+MODELS = {"wan": _wan, "flux": _flux, "ltx": _ltx}
+
+
 def _context_parallel_config(parallelism: str):
     from diffusers import ContextParallelConfig
 
@@ -160,7 +197,7 @@ def _model_case(model_name: str, mode: str, parallelism: str) -> None:
     # 8-bit attention runs on 16-bit inputs; the exact and sparse modes compare in fp32.
     dtype = torch.bfloat16 if mode.startswith("int8") else torch.float32
     torch.manual_seed(0)
-    model, inputs = (_wan if model_name == "wan" else _flux)(dtype)
+    model, inputs = MODELS[model_name](dtype)
     compile_ops.patch(model, **MODES[mode]())
     with torch.no_grad():
         one_process = model(**inputs, return_dict=False)[0]
@@ -184,7 +221,8 @@ def _model_case(model_name: str, mode: str, parallelism: str) -> None:
         difference = (parallel.float() - one_process.float()).abs().max().item()
         assert torch.equal(parallel, one_process), f"Ulysses output differs from one process by {difference}"
     elif parallelism == "ulysses":
-        # Flux's joint sequence arrives as [text_0, image_0, text_1, image_1]: keys in another order.
+        # Flux's joint sequence arrives as [text_0, image_0, text_1, image_1]: keys in another order;
+        # LTX's cross-attention runs split too, and differs from one process in the last bit.
         torch.testing.assert_close(
             parallel, one_process, **(RING_TOLERANCE if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2))
         )
