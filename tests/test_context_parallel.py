@@ -42,7 +42,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 WORLD = 2
-#: Wall-clock limit of the spawn: two imports of torch, diffusers and compile_ops
+#: Ring-2 x Ulysses-2 (diffusers' unified attention) needs 4 ranks.
+UNIFIED_WORLD = 4
+#: Wall-clock limit of a spawn: two (or four) imports of torch, diffusers and compile_ops
 #: on a busy 2-core CI box, then a few dozen tiny model runs.
 SPAWN_TIMEOUT_S = 300
 #: fp32 attention computed in a different order (ring's merge of two shards).
@@ -63,6 +65,7 @@ MODEL_CASES = [
     for parallelism in ("ulysses", "ring")
     if not (model == "flux" and mode == "sliding_tile")
 ]
+UNIFIED_CASES = ["attention-exact-unified", "backend-exact-unified", "backend-sparse-unified-refused"]
 ATTENTION_CASES = [
     "attention-exact-ulysses",
     "attention-exact-ring",
@@ -163,13 +166,15 @@ MODELS = {"wan": _wan, "flux": _flux, "ltx": _ltx}
 
 
 def _context_parallel_config(parallelism: str):
+    """Ulysses-2, ring-2, or both ("unified": ring-2 x Ulysses-2, on 4 ranks)."""
     from diffusers import ContextParallelConfig
 
-    return (
-        ContextParallelConfig(ulysses_degree=WORLD)
-        if parallelism == "ulysses"
-        else ContextParallelConfig(ring_degree=WORLD)
-    )
+    degrees = {
+        "ulysses": dict(ulysses_degree=2),
+        "ring": dict(ring_degree=2),
+        "unified": dict(ring_degree=2, ulysses_degree=2),
+    }[parallelism]
+    return ContextParallelConfig(**degrees)
 
 
 class _Spy:
@@ -237,7 +242,7 @@ def _setup_config(parallelism: str, rank: int):
     cp = _context_parallel_config(parallelism)
     config = ParallelConfig(context_parallel_config=cp)
     mesh = init_device_mesh("cpu", cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
-    config.setup(rank, WORLD, torch.device("cpu"), mesh=mesh)
+    config.setup(rank, dist.get_world_size(), torch.device("cpu"), mesh=mesh)
     return config
 
 
@@ -261,7 +266,8 @@ def _attention_case(name: str, rank: int) -> None:
     else:
         full = compile_ops.attention(q, k, v, seq_dim=1)
     full.backward(grad)
-    shard = slice(rank * length // WORLD, (rank + 1) * length // WORLD)
+    world = dist.get_world_size()  # rank r holds the r-th sequence chunk, as diffusers' plans split it
+    shard = slice(rank * length // world, (rank + 1) * length // world)
     local = [t.detach()[:, shard].clone().requires_grad_() for t in (q, k, v)]
     if name.endswith("refused"):
         with pytest.raises(ValueError, match="ulysses_degree"):
@@ -277,7 +283,7 @@ def _attention_case(name: str, rank: int) -> None:
             layout = _MaskLayout(mask)
         out = parallel_attention(*local, config, layout=layout, kernel="fused")
     out.backward(grad[:, shard])
-    tolerance = RING_TOLERANCE if parallelism == "ring" else dict(rtol=0, atol=0)
+    tolerance = RING_TOLERANCE if parallelism in ("ring", "unified") else dict(rtol=0, atol=0)
     torch.testing.assert_close(out, full.detach()[:, shard], **tolerance)
     for which, mine, theirs in zip("qkv", local, (q, k, v)):
         torch.testing.assert_close(
@@ -286,7 +292,9 @@ def _attention_case(name: str, rank: int) -> None:
 
 
 def _worker(rank: int, world: int, directory: str) -> None:
-    torch.set_num_threads(1)  # two ranks on a 2-core box
+    """Every case of this world size: the model and attention cases on 2 ranks,
+    the unified (ring x Ulysses) attention cases on 4."""
+    torch.set_num_threads(1)  # the ranks share a 2-core box
     dist.init_process_group(
         "gloo",
         init_method=f"file://{os.path.join(directory, 'rendezvous')}",
@@ -296,13 +304,13 @@ def _worker(rank: int, world: int, directory: str) -> None:
     )
     try:
         verdicts = {}
-        for case in MODEL_CASES:
+        for case in MODEL_CASES if world == WORLD else ():
             try:
                 _model_case(*case)
                 verdicts["-".join(case)] = None
             except Exception:
                 verdicts["-".join(case)] = traceback.format_exc()
-        for name in ATTENTION_CASES:
+        for name in ATTENTION_CASES if world == WORLD else UNIFIED_CASES:
             try:
                 _attention_case(name, rank)
                 verdicts[name] = None
@@ -318,19 +326,17 @@ def _worker(rank: int, world: int, directory: str) -> None:
     teardown_process_group()
 
 
-@pytest.fixture(scope="module")
-def verdicts(tmp_path_factory):
-    """``{case: None or the failure on some rank}`` from one spawn of 2 ranks."""
-    directory = str(tmp_path_factory.mktemp("context_parallel"))
-    context = mp.start_processes(_worker, args=(WORLD, directory), nprocs=WORLD, join=False, start_method="spawn")
+def _spawn(directory: str, world: int) -> dict:
+    """``{case: None or the failure on some rank}`` from one spawn of ``world`` ranks."""
+    context = mp.start_processes(_worker, args=(world, directory), nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail(f"the {WORLD} gloo ranks did not finish in {SPAWN_TIMEOUT_S} s")
+            pytest.fail(f"the {world} gloo ranks did not finish in {SPAWN_TIMEOUT_S} s")
     merged = {}
-    for rank in range(WORLD):
+    for rank in range(world):
         with open(os.path.join(directory, f"rank{rank}.json")) as f:
             for name, failure in json.load(f).items():
                 if failure is not None and merged.get(name) is None:
@@ -339,9 +345,26 @@ def verdicts(tmp_path_factory):
     return merged
 
 
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory):
+    return _spawn(str(tmp_path_factory.mktemp("context_parallel")), WORLD)
+
+
+@pytest.fixture(scope="module")
+def unified_verdicts(tmp_path_factory):
+    return _spawn(str(tmp_path_factory.mktemp("context_parallel_unified")), UNIFIED_WORLD)
+
+
 @pytest.mark.parametrize("name", ["-".join(case) for case in MODEL_CASES] + ATTENTION_CASES)
 def test_context_parallel_matches_one_process(verdicts, name):
     failure = verdicts[name]
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
+
+
+@pytest.mark.parametrize("name", UNIFIED_CASES)
+def test_unified_ring_and_ulysses_match_one_process(unified_verdicts, name):
+    failure = unified_verdicts[name]
     if failure is not None:
         pytest.fail(failure, pytrace=False)
 
