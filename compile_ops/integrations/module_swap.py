@@ -5,12 +5,16 @@ replacement.
 A replacement is built on the meta device and takes the original's
 parameters and ``nn.Linear`` submodules by name (our modules keep the model
 library's names), so weights, LoRA wrappers and optimizer state stay valid
-and ``unpatch`` only has to put the originals back.
+and ``unpatch`` only has to put the originals back. A peft tuner layer
+(LoRA, ...) wrapping one of those Linears is taken as the Linear it wraps,
+and one that peft puts on a replacement's Linear after ``patch`` goes back
+with the original (:func:`restore_module`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections import Counter
 from typing import Callable, Optional
 
@@ -133,19 +137,93 @@ def carry_accelerate_hook(old: nn.Module, new: nn.Module) -> None:
         add_hook_to_module(new, hook)
 
 
+def tuner_base(module: Optional[nn.Module]) -> Optional[nn.Module]:
+    """The layer that ``module``, a peft tuner layer (``BaseTunerLayer``: LoRA,
+    DoRA, ...), wraps, through nested ones; ``module`` itself when it is not one."""
+    utils = sys.modules.get("peft.tuners.tuners_utils")  # not imported: no module is a tuner layer
+    tuner_class = getattr(utils, "BaseTunerLayer", None)
+    if tuner_class is not None and isinstance(module, tuner_class):
+        return module.get_base_layer()
+    return module
+
+
+def base_linear(module: Optional[nn.Module]) -> Optional[nn.Linear]:
+    """``module``'s ``nn.Linear``: itself, or the one a peft tuner layer wraps; None for anything else."""
+    base = tuner_base(module)
+    return base if isinstance(base, nn.Linear) else None
+
+
 def adopt(new: nn.Module, old: nn.Module) -> Optional[nn.Module]:
     """``new`` (built on the meta device) takes ``old``'s Linear submodules and
     parameters, by name; None when the two do not hold the same parameters (a
-    configuration ours does not cover)."""
-    if {n for n, _ in new.named_parameters()} != {n for n, _ in old.named_parameters()}:
+    configuration ours does not cover). ``new`` calls each Linear it takes, so
+    a peft tuner layer wrapping one (a LoRA) is taken in its place, adapters included."""
+    linears = [name for name, child in new.named_children() if isinstance(child, nn.Linear)]
+    for name in linears:
+        theirs = base_linear(old._modules.get(name))
+        if theirs is None or _parameter_names(theirs) != _parameter_names(new.get_submodule(name)):
+            return None
+
+    def outside_linears(module: nn.Module) -> set:
+        return {n for n in _parameter_names(module) if n.split(".", 1)[0] not in linears}
+
+    if outside_linears(new) != outside_linears(old):
         return None
-    for name, child in list(new.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(new, name, old.get_submodule(name))
-    for name, _ in list(new.named_parameters()):
+    for name in linears:
+        setattr(new, name, old.get_submodule(name))
+    for name in outside_linears(new):
         owner, _, leaf = name.rpartition(".")
         setattr(new.get_submodule(owner) if owner else new, leaf, old.get_parameter(name))
     return new
+
+
+def _parameter_names(module: nn.Module) -> set:
+    return {name for name, _ in module.named_parameters()}
+
+
+def restore_module(owner: nn.Module, name: str, original: nn.Module) -> None:
+    """Put ``original`` back as ``owner.<name>`` (undoing :func:`swap_module`).
+    Where the replacement there now holds, under a name they share, another
+    module over the same layer, the original takes it: a peft tuner layer put
+    on a shared Linear after ``patch`` (or the bare Linear left by unloading
+    one), so adapters, their weights and their active or disabled state stay."""
+    replacement = owner._modules.get(name)
+    if replacement is not None and replacement is not original:
+        for child_name, child in replacement.named_children():
+            theirs = original._modules.get(child_name)
+            if theirs is not None and child is not theirs and tuner_base(child) is tuner_base(theirs):
+                setattr(original, child_name, child)
+    setattr(owner, name, original)
+
+
+def tuners_in_the_way(module: nn.Module, path: str, whole_subtree: bool) -> Optional[str]:
+    """The peft tuner layers (LoRA, ...) in ``module`` (at ``path``) that keep
+    it from being replaced, named with their paths, or None: those that do not
+    wrap an ``nn.Linear`` child of ``module`` and, with ``whole_subtree``
+    (a module whose replacement takes its Linears only), those deeper in it too."""
+    blocking = []
+    for where, layer in _tuner_layers(module):
+        deep = "." in where
+        if (whole_subtree and deep) or (not deep and base_linear(layer) is None):
+            blocking.append(f"{_describe_tuner(layer)} on {path}.{where}")
+    return ", ".join(blocking) or None
+
+
+def _tuner_layers(module: nn.Module, prefix: str = ""):
+    """``(path, layer)`` of the outermost peft tuner layers under ``module``."""
+    for name, child in module.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        if tuner_base(child) is not child:
+            yield path, child
+        else:
+            yield from _tuner_layers(child, path)
+
+
+def _describe_tuner(layer: nn.Module) -> str:
+    """How a report names a tuner layer: a LoRA (with DoRA), else by its peft class."""
+    if not hasattr(layer, "lora_A"):
+        return f"a peft {type(layer).__name__}"
+    return "a LoRA with DoRA" if any(getattr(layer, "use_dora", {}).values()) else "a LoRA"
 
 
 def build_on_meta(build: Callable[[], nn.Module], old: nn.Module) -> Optional[nn.Module]:

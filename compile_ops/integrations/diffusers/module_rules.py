@@ -2,7 +2,8 @@
 
 A module is replaced only when its class is exactly one whose forward ours
 reproduces and its configuration is one ours covers; a subclass, which may
-override ``forward``, is left alone.
+override ``forward``, is left alone. The sizes are read from the Linear
+itself where a peft tuner layer (LoRA) wraps it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import NamedTuple, Optional
 
 from torch import nn
 
-from compile_ops.integrations.module_swap import build_on_meta
+from compile_ops.integrations.module_swap import base_linear, build_on_meta
 from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
@@ -57,31 +58,32 @@ def _rms_norm(old: nn.Module) -> Optional[nn.Module]:
 
 
 def _ada_zero(old: nn.Module, norm_module: ModuleType) -> Optional[nn.Module]:
-    if old.emb is not None:
+    linear = base_linear(old.linear)
+    if old.emb is not None or linear is None:
         return None
     norm_type = "fp32_layer_norm" if type(old.norm) is norm_module.FP32LayerNorm else "layer_norm"
-    return build_on_meta(
-        lambda: AdaLayerNormZero(old.linear.in_features, None, norm_type, old.linear.bias is not None), old
-    )
+    return build_on_meta(lambda: AdaLayerNormZero(linear.in_features, None, norm_type, linear.bias is not None), old)
 
 
 def _ada_zero_single(old: nn.Module) -> Optional[nn.Module]:
-    return build_on_meta(
-        lambda: AdaLayerNormZeroSingle(old.linear.in_features, "layer_norm", old.linear.bias is not None), old
-    )
+    linear = base_linear(old.linear)
+    if linear is None:
+        return None
+    return build_on_meta(lambda: AdaLayerNormZeroSingle(linear.in_features, "layer_norm", linear.bias is not None), old)
 
 
 def _ada_continuous(old: nn.Module, norm_module: ModuleType) -> Optional[nn.Module]:
     kinds = {nn.LayerNorm: "layer_norm", norm_module.RMSNorm: "rms_norm"}
-    if type(old.norm) not in kinds:
+    linear = base_linear(old.linear)
+    if type(old.norm) not in kinds or linear is None:
         return None
     return build_on_meta(
         lambda: AdaLayerNormContinuous(
-            old.linear.out_features // 2,
-            old.linear.in_features,
+            linear.out_features // 2,
+            linear.in_features,
             old.norm.elementwise_affine,
             old.norm.eps,
-            old.linear.bias is not None,
+            linear.bias is not None,
             kinds[type(old.norm)],
         ),
         old,
@@ -90,9 +92,14 @@ def _ada_continuous(old: nn.Module, norm_module: ModuleType) -> Optional[nn.Modu
 
 def _glu(glu_class: type):
     """The builder of our ``glu_class`` (GEGLU, SwiGLU) from diffusers' module of the same name."""
-    return lambda old: build_on_meta(
-        lambda: glu_class(old.proj.in_features, old.proj.out_features // 2, old.proj.bias is not None), old
-    )
+
+    def build(old: nn.Module) -> Optional[nn.Module]:
+        proj = base_linear(old.proj)
+        if proj is None:
+            return None
+        return build_on_meta(lambda: glu_class(proj.in_features, proj.out_features // 2, proj.bias is not None), old)
+
+    return build
 
 
 def module_rules() -> dict:

@@ -17,7 +17,14 @@ from compile_ops.integrations.diffusers.fp8_linears import fuse_mlp_activations,
 from compile_ops.integrations.diffusers.module_rules import diffusers_modules, module_rules, why_left_alone
 from compile_ops.integrations.diffusers.processors import FusedProcessor, processor_rules
 from compile_ops.integrations.diffusers.sparse_models import attach_sparse_attention
-from compile_ops.integrations.module_swap import PATCH_STATE, PatchReport, check_patchable, swap_module
+from compile_ops.integrations.module_swap import (
+    PATCH_STATE,
+    PatchReport,
+    check_patchable,
+    restore_module,
+    swap_module,
+    tuners_in_the_way,
+)
 from compile_ops.integrations.options import PatchOptions
 from compile_ops.integrations.schedule import DenseFirst
 
@@ -113,13 +120,9 @@ def _replace_modules(model: nn.Module, activations, report: PatchReport, undo: l
                 what, ours = block
                 new = ours.build(child)
                 if new is None:
-                    report.left.append(
-                        (
-                            path,
-                            what,
-                            "a forward or norms the fused block does not reproduce; its modules are patched inside",
-                        )
-                    )
+                    why = tuners_in_the_way(child, path, whole_subtree=False)
+                    why = why or "a forward or norms the fused block does not reproduce"
+                    report.left.append((path, what, f"{why}; its modules are patched inside"))
                 else:
                     swap_module(module, name, child, new, undo)
                     report.replaced.append((path, what, f"compile_ops {ours.__name__} (fused seams)"))
@@ -132,7 +135,8 @@ def _replace_modules(model: nn.Module, activations, report: PatchReport, undo: l
                 report.replaced.append((path, rule[0], f"compile_ops.{type(new).__name__}"))
                 continue  # the replacement owns the subtree
             if rule:
-                report.left.append((path, rule[0], "a configuration the fused module does not cover"))
+                why = tuners_in_the_way(child, path, whole_subtree=True)
+                report.left.append((path, rule[0], why or "a configuration the fused module does not cover"))
             elif (why := why_left_alone(child, activations)) is not None:
                 report.left.append((path, type(child).__name__, why))
             walk(child, path)
@@ -180,7 +184,8 @@ def _replace_processors(
 
 def unpatch(model: nn.Module) -> None:
     """Put back what :func:`patch` replaced (the same module objects), on a
-    model patched by either integration. ``model``: the patched ``nn.Module``."""
+    model patched by either integration, keeping the peft adapters (LoRA)
+    added or removed since. ``model``: the patched ``nn.Module``."""
     if not hasattr(model, PATCH_STATE):
         raise RuntimeError("compile_ops.unpatch: the model is not patched")
     undo = getattr(model, PATCH_STATE)
@@ -191,7 +196,7 @@ def unpatch(model: nn.Module) -> None:
         )
     for kind, owner, name, original in reversed(undo):
         if kind == "module":
-            setattr(owner, name, original)
+            restore_module(owner, name, original)  # with the LoRA layers put on its Linears since
         elif kind == "hook":
             owner.remove()  # a forward pre-hook's handle (sparse attention, the 8-bit schedule)
         elif isinstance(owner.processor, FusedProcessor):
