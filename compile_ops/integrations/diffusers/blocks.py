@@ -37,7 +37,8 @@ class BlockForward(nn.Module):
     """A diffusers block's forward with its seams fused. It holds the original
     block's children (the same objects; :func:`compile_ops.patch` then patches
     them inside this block, leaving the original's untouched for
-    :func:`compile_ops.unpatch`)."""
+    :func:`compile_ops.unpatch`, which hands the original the peft LoRA layers
+    put on this block's Linears since)."""
 
     #: The original forward's parameters, in order: the block is replaced only
     #: when they match, since a diffusers release with another forward would
