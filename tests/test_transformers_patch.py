@@ -14,6 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch._dynamo.testing  # not imported by "import torch": a test run alone would not find it
 from patch_checks import DEVICE, TOL, assert_patched_matches_forward_and_backward
 
 import compile_ops
