@@ -3,6 +3,7 @@
 from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from compile_ops.meta._validate import checked_arguments
@@ -34,6 +35,10 @@ class FP8Linear(nn.Module):
     the quantized weight and its scales but keeps their dtypes: a float8
     tensor counts as floating point to ``nn.Module.to``, which would otherwise
     widen the weight and round the fp32 scales to the new dtype.
+
+    LoRA: peft wraps it in ``compile_ops.integrations.peft.FP8LoraLinear``
+    (the adapters run beside the FP8 GEMM in the activation dtype), which
+    :meth:`dequantized_weight` and :meth:`requantize_` serve for merging.
     """
 
     @checked_arguments
@@ -84,6 +89,35 @@ class FP8Linear(nn.Module):
         new.bias = None if linear.bias is None else linear.bias.detach().clone()
         return new
 
+    @property
+    def qweight(self) -> Tensor:
+        """``weight_q`` under the name that peft (and quantized-Linear libraries
+        such as GPTQ's) read to find a quantized layer's device: there is no
+        ``weight`` to read, on purpose."""
+        return self.weight_q
+
+    @torch.no_grad()
+    def dequantized_weight(self) -> Tensor:
+        """The weight the FP8 GEMM multiplies by, ``weight_q * weight_scale[:, None]``:
+        ``[out_features, in_features]`` fp32 (NaN in a row quantized from a
+        non-finite one)."""
+        return self.weight_q.float() * self.weight_scale.float()[:, None]
+
+    @torch.no_grad()
+    def requantize_(self, weight: Tensor) -> None:
+        """Quantize ``weight [out_features, in_features]`` (any floating dtype, on
+        this module's device) per output channel, as :meth:`from_linear` does,
+        into ``weight_q`` and ``weight_scale`` in place: the buffers stay the
+        same tensors, so a compiled graph reading them reads the new values."""
+        if tuple(weight.shape) != tuple(self.weight_q.shape):
+            raise ValueError(
+                f"FP8Linear.requantize_: weight must have shape {tuple(self.weight_q.shape)} "
+                f"[out_features, in_features], got {tuple(weight.shape)}"
+            )
+        weight_q, weight_scale = quantize_fp8_rows(weight.detach())
+        self.weight_q.copy_(weight_q)
+        self.weight_scale.copy_(weight_scale)
+
     def _apply(self, fn, recurse=True):
         quantized = {"weight_q": self.weight_q, "weight_scale": self.weight_scale}
         super()._apply(fn, recurse)
@@ -111,6 +145,10 @@ class FP8Linear(nn.Module):
         )
 
 
+#: ``F.gelu``'s ``approximate`` for each GELU name of ``meta.glu.ACTIVATIONS``.
+GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
+
+
 class FP8ProjectionActivation(nn.Module):
     """An MLP's first half for an FP8 second half: ``act(proj(x))`` handed on
     as :class:`~compile_ops.ops.fp8.FP8Rows`, the activation computed and
@@ -121,29 +159,60 @@ class FP8ProjectionActivation(nn.Module):
     inside a ``FeedForward`` whose next Linear runs in FP8.
 
     Args:
-        proj: the :class:`FP8Linear` ``K -> N``.
+        proj: the :class:`FP8Linear` ``K -> N``, or an adapter layer over one
+            (``compile_ops.integrations.peft.FP8LoraLinear``).
         activation: ``"gelu"``, ``"gelu_tanh"`` or ``"silu"``.
+        reader: ``(modules, index)``, where the module that reads the output
+            sits (the ``FeedForward``'s ``net`` and the down projection's
+            index), held outside the module tree; None: the output is always
+            FP8Rows.
 
     ``forward(x)``: ``x [..., K]`` or FP8Rows of it -> ``FP8Rows`` ``q [..., N]``
-    float8_e4m3fn, ``scale [...]`` fp32. A row that ``proj`` makes non-finite
-    (NaN), or whose activation is +-inf, is handed on as a row that
-    dequantizes to NaN (``quantize_fp8_rows``' rule): the next FP8 Linear's
-    output row is NaN, never finite.
+    float8_e4m3fn, ``scale [...]`` fp32 while the reader is a bare
+    :class:`FP8Linear`; while it is anything else (a LoRA layer added over the
+    down projection, whose adapters read the activation in its dtype) the
+    activation ``[..., N]`` in proj's output dtype, as diffusers' ``GELU``
+    computes it. A row that ``proj`` makes non-finite (NaN), or whose
+    activation is +-inf, is handed on as a row that dequantizes to NaN
+    (``quantize_fp8_rows``' rule): the next FP8 Linear's output row is NaN,
+    never finite.
     """
 
-    def __init__(self, proj: FP8Linear, activation: str):
+    def __init__(self, proj: nn.Module, activation: str, reader: Optional[tuple] = None):
         super().__init__()
-        if not isinstance(proj, FP8Linear):
-            raise TypeError(f"FP8ProjectionActivation: proj must be a compile_ops.FP8Linear, got {type(proj).__name__}")
+        if fp8_base(proj) is None:
+            raise TypeError(
+                f"FP8ProjectionActivation: proj must be a compile_ops.FP8Linear, got {type(proj).__name__} "
+                "(an adapter layer such as LoRA over an FP8Linear also does)"
+            )
         if activation not in ACTIVATIONS:
             raise ValueError(
                 f"FP8ProjectionActivation: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, "
                 f"got {activation!r}"
             )
         self.proj, self.activation = proj, activation
+        self.reader = reader  # a tuple: not registered, so the reader stays its own parent's child
 
-    def forward(self, x: Union[Tensor, FP8Rows]) -> FP8Rows:
-        return quantize_fp8_rows(self.proj(x), self.activation)
+    def hands_rows(self) -> bool:
+        """Whether the output goes on as FP8Rows: its reader is a bare FP8Linear (or there is no reader)."""
+        if self.reader is None:
+            return True
+        modules, index = self.reader
+        return isinstance(modules[index], FP8Linear)
+
+    def forward(self, x: Union[Tensor, FP8Rows]) -> Union[FP8Rows, Tensor]:
+        h = self.proj(x)
+        if self.hands_rows():
+            return quantize_fp8_rows(h, self.activation)
+        # What diffusers' GELU (and the SiLU) computes, in h's dtype.
+        return F.silu(h) if self.activation == "silu" else F.gelu(h, approximate=GELU_APPROXIMATE[self.activation])
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
+
+
+def fp8_base(module: nn.Module) -> Optional[FP8Linear]:
+    """The :class:`FP8Linear` that computes ``module``: itself, or the base layer of
+    an adapter wrapped around one (peft's ``get_base_layer()``); None otherwise."""
+    base = module.get_base_layer() if callable(getattr(module, "get_base_layer", None)) else module
+    return base if isinstance(base, FP8Linear) else None

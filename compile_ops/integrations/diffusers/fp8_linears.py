@@ -3,13 +3,15 @@ and the feed-forward GELUs that feed one as a pass that also quantizes."""
 
 from __future__ import annotations
 
+import importlib.util
+from types import ModuleType
 from typing import Optional
 
 import torch
 from torch import nn
 
 from compile_ops.integrations.module_swap import PatchReport
-from compile_ops.modules.fp8 import FP8Linear, FP8ProjectionActivation
+from compile_ops.modules.fp8 import FP8Linear, FP8ProjectionActivation, fp8_base
 
 #: The ModuleLists of transformer blocks in diffusers' DiTs (Flux, SD3, LTX:
 #: ``transformer_blocks``; Flux: ``single_transformer_blocks``; Wan: ``blocks``).
@@ -39,35 +41,83 @@ def _why_kept(parent: nn.Module, linear: nn.Linear, in_blocks: bool, modulation:
     return None
 
 
+def peft_glue() -> Optional[ModuleType]:
+    """:mod:`compile_ops.integrations.peft` with its LoRA dispatcher registered, or
+    None without peft (then no model holds a peft adapter layer)."""
+    if importlib.util.find_spec("peft") is None:
+        return None
+    from compile_ops.integrations import peft as glue
+
+    glue.register()
+    return glue
+
+
+def _fp8_detail(fast_accum: bool) -> str:
+    return "compile_ops.FP8Linear (e4m3, rowwise scales" + (", fast accumulation)" if fast_accum else ")")
+
+
 def quantize_linears(model: nn.Module, report: PatchReport, fast_accum: bool, modulation: bool) -> None:
     """Replace the transformer blocks' Linears (with ``modulation``, their
     AdaLN modulation projections too) with :class:`FP8Linear` (weights
     quantized once per output channel; the original weight is not kept),
-    and report every Linear of the model, FP8 or not, with the reason."""
+    and report every Linear of the model, FP8 or not, with the reason.
+
+    A Linear under a peft LoRA layer is quantized by the same rules (its
+    parent is the LoRA layer's), and the layer becomes an ``FP8LoraLinear``
+    over it; the adapters' own Linears (A, B) stay in their dtype, and a
+    layer whose adapters FP8 cannot run (DoRA, ...) keeps its Linear.
+    peft's dispatcher is registered here, so adapters added later land on
+    the FP8 Linears too."""
     from compile_ops.ops.fp8 import check_fp8_device
+
+    glue = peft_glue()
+
+    def quantize(parent: nn.Module, linear: nn.Linear, path: str, in_blocks: bool) -> Optional[FP8Linear]:
+        why = _why_kept(parent, linear, in_blocks, modulation)
+        if why is not None:
+            report.left.append((path, "nn.Linear", f"kept in {linear.weight.dtype}: {why}"))
+            return None
+        check_fp8_device(linear.weight.device)
+        return FP8Linear.from_linear(linear, fast_accum)
+
+    def adapter_layer(parent: nn.Module, layer: nn.Module, path: str, in_blocks: bool) -> None:
+        base = layer.get_base_layer()
+        for kind in ("lora_A", "lora_B"):
+            for name, adapter in getattr(layer, kind, {}).items():
+                dtype = adapter.weight.dtype
+                detail = f"a LoRA adapter's own weight: kept in {dtype} (its delta runs beside the base Linear)"
+                report.left.append((f"{path}.{kind}.{name}", type(adapter).__name__, detail))
+        base_path = f"{path}.base_layer"
+        if type(base) is not nn.Linear:
+            return
+        why = glue.why_layer_not_fp8(layer)
+        if why is not None:
+            report.left.append(
+                (base_path, "nn.Linear", f"kept in {base.weight.dtype}: under a peft adapter layer: {why}")
+            )
+            return
+        fp8 = quantize(parent, base, base_path, in_blocks)
+        if fp8 is not None:
+            glue.to_fp8(layer, fp8)
+            detail = f"{_fp8_detail(fast_accum)} under compile_ops FP8LoraLinear (LoRA beside it in {fp8.out_dtype})"
+            report.replaced.append((base_path, "nn.Linear", detail))
 
     def walk(module: nn.Module, prefix: str, in_blocks: bool) -> None:
         for name, child in list(module.named_children()):
             path = f"{prefix}.{name}" if prefix else name
             if isinstance(child, FP8Linear):
                 continue
+            if glue is not None and glue.is_adapter_layer(child):
+                if not isinstance(child, glue.FP8LoraLinear):
+                    adapter_layer(module, child, path, in_blocks)
+                continue  # the adapters' own Linears are not the model's
             if type(child) is nn.Linear:
-                why = _why_kept(module, child, in_blocks, modulation)
-                if why is None:
-                    check_fp8_device(child.weight.device)
-                    setattr(module, name, FP8Linear.from_linear(child, fast_accum))
-                    report.replaced.append(
-                        (
-                            path,
-                            "nn.Linear",
-                            "compile_ops.FP8Linear (e4m3, rowwise scales"
-                            + (", fast accumulation)" if fast_accum else ")"),
-                        )
-                    )
-                else:
-                    report.left.append((path, "nn.Linear", f"kept in {child.weight.dtype}: {why}"))
+                fp8 = quantize(module, child, path, in_blocks)
+                if fp8 is not None:
+                    setattr(module, name, fp8)
+                    report.replaced.append((path, "nn.Linear", _fp8_detail(fast_accum)))
                 continue
-            if isinstance(child, nn.Linear):  # a subclass (LoRA layers, ...): its forward may differ
+            if isinstance(child, nn.Linear):  # a subclass: its forward may differ
                 report.left.append((path, type(child).__name__, "a Linear subclass: its forward is kept"))
             walk(child, path, in_blocks or (isinstance(child, nn.ModuleList) and name in BLOCK_LISTS))
 
@@ -94,34 +144,38 @@ def reads_fp8_rows(ff: nn.Module) -> bool:
     )
 
 
+def _computes_in_fp8(module: Optional[nn.Module]) -> bool:
+    """An FP8Linear, or a LoRA layer over one."""
+    return module is not None and fp8_base(module) is not None
+
+
 def fuse_mlp_activations(model: nn.Module, report: PatchReport) -> None:
     """In every diffusers ``FeedForward`` ``[GELU(proj), Dropout(0), Linear]``
     whose two Linears run in FP8, the GELU's output is quantized in the pass
     that computes it (:class:`FP8ProjectionActivation`) and handed to the
     down projection as FP8 rows; the zero-probability Dropout between them
-    (an identity) goes. Others are reported."""
+    (an identity) goes. Others are reported. Either Linear may be under a
+    LoRA layer: while one wraps the down projection (added before or after
+    patch), its adapters read the activation unquantized and the GELU hands
+    that on instead."""
     for path, ff in list(model.named_modules()):
         net = getattr(ff, "net", None)
         if type(ff).__name__ != "FeedForward" or not isinstance(net, nn.ModuleList) or len(net) < 3:
             continue
         gelu, dropout, down = net[0], net[1], net[2]
-        if not (
-            is_diffusers_gelu(gelu)
-            and isinstance(getattr(gelu, "proj", None), FP8Linear)
-            and isinstance(down, FP8Linear)
-        ):
+        if not (is_diffusers_gelu(gelu) and _computes_in_fp8(gelu.proj) and _computes_in_fp8(down)):
             continue
         if type(dropout) is not nn.Dropout or dropout.p != 0:
             report.left.append(
                 (
                     f"{path}.net.0",
                     type(gelu).__name__,
-                    f"output stays {down.out_dtype}: {dropout!r} between it and the FP8 down projection",
+                    f"output stays {fp8_base(down).out_dtype}: {dropout!r} between it and the FP8 down projection",
                 )
             )
             continue
         activation = "gelu" if gelu.approximate == "none" else "gelu_tanh"
-        net[0], net[1] = FP8ProjectionActivation(gelu.proj, activation), nn.Identity()
+        net[0], net[1] = FP8ProjectionActivation(gelu.proj, activation, reader=(net, 2)), nn.Identity()
         fused = f"{path}.net.0"
         report.left[:] = [entry for entry in report.left if entry[0] != fused]  # "no fused op": now there is
         report.replaced.append(
@@ -129,6 +183,7 @@ def fuse_mlp_activations(model: nn.Module, report: PatchReport) -> None:
                 fused,
                 "diffusers GELU",
                 f"compile_ops FP8ProjectionActivation ({activation} "
-                "computed and quantized for the FP8 down projection in one pass)",
+                "computed and quantized for the FP8 down projection in one pass; unquantized while a LoRA "
+                "layer wraps the down projection)",
             )
         )

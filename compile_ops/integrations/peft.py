@@ -1,0 +1,272 @@
+"""LoRA (peft) on :class:`~compile_ops.FP8Linear`: the adapters run in the
+activation dtype beside the FP8 GEMM, ``y = fp8_linear(x) + scaling * B(A(x))``.
+
+How peft finds it: peft builds a LoRA layer for a target module through
+``LoraModel._create_new_module``, the one call that every way of adding an
+adapter goes through (peft's ``get_peft_model`` / ``inject_adapter_in_model``,
+diffusers' ``add_adapter`` and ``load_lora_adapter``, hotswapping). diffusers
+builds the ``LoraConfig`` itself, so peft's per-config custom-module mapping
+cannot reach it, and an FP8Linear posing as an ``nn.Linear`` would be merged by
+peft's default layer into a ``weight`` it does not have. :func:`register`
+(called by ``patch(precision="fp8")``) puts a dispatcher in front of peft's:
+an FP8Linear target gets an :class:`FP8LoraLinear`, anything else what peft
+gives it.
+
+What runs: plain LoRA with any rank, alpha, rsLoRA, dropout, rank and alpha
+patterns, ``lora_bias``, several adapters with weights (``set_adapters``),
+disabling, deleting and hotswapping. What does not, refused by name
+(:func:`why_not_fp8`): LoRA variants (DoRA, ...), initializations that read
+the base weight (PiSSA, OLoRA, ...), ``fan_in_fan_out``.
+
+Merging (``fuse_lora``, peft's ``merge``) requantizes: the FP8 weight is
+dequantized, the deltas added in fp32 and the sum quantized per output
+channel again, so the merged layer rounds ``W + scaling * B @ A`` to e4m3
+once more. Unmerging puts back the codes and scales kept at the first merge,
+byte for byte, instead of subtracting and rounding again (which would leave
+the weight a rounding away from where it was after every fuse and unfuse);
+the copy (the FP8 weight's size) goes when the layer unmerges or the LoRA is
+unloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Optional
+
+import torch
+from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.lora.model import LoraModel
+from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from torch import Tensor, nn
+
+from compile_ops.modules.fp8 import FP8Linear
+from compile_ops.ops.fp8 import FP8Rows
+
+#: ``init_lora_weights`` values that do not read the base layer's weight.
+PLAIN_INITS = (True, False, "gaussian")
+
+#: Where the codes and scales from before the first merge are kept (peft's per-layer cache, not in the state_dict).
+BEFORE_MERGE = "compile_ops_fp8_before_merge"
+
+
+def why_not_fp8(config: Any) -> Optional[str]:
+    """Why a LoRA of ``config`` (a peft ``LoraConfig``) cannot run on an FP8Linear,
+    naming the argument, or None when it can."""
+    if getattr(config, "use_dora", False):
+        return (
+            "use_dora=True: DoRA rescales every output channel by the norm of W + scaling * B @ A, "
+            "which needs the full-precision weight that FP8Linear does not keep"
+        )
+    variants = [
+        field.name
+        for field in dataclasses.fields(config)
+        if field.metadata.get("is_lora_variant") and getattr(config, field.name)
+    ]
+    if variants:
+        return (
+            f"{', '.join(variants)}: a LoRA variant whose forward or merge FP8Linear does not implement "
+            "(plain LoRA only)"
+        )
+    init = config.init_lora_weights
+    if not any(init is plain or (isinstance(plain, str) and init == plain) for plain in PLAIN_INITS):
+        return (
+            f"init_lora_weights={init!r}: this initialization reads the base layer's weight, and FP8Linear "
+            "keeps only its e4m3 codes (use True, False or 'gaussian', or load the adapter's weights)"
+        )
+    if config.fan_in_fan_out:
+        return "fan_in_fan_out=True: FP8Linear's weight is [out_features, in_features], as nn.Linear's"
+    return None
+
+
+def why_layer_not_fp8(layer: nn.Module) -> Optional[str]:
+    """Why the adapters already in ``layer`` (a peft ``lora.Linear`` over an
+    ``nn.Linear``) cannot move onto an FP8Linear (None: they can)."""
+    if type(layer) is not LoraLinear:
+        return f"a peft {type(layer).__name__}, whose forward and merge are its own"
+    if any(layer.use_dora.values()) or layer.lora_variant:
+        names = sorted(set(layer.lora_variant) | {name for name, on in layer.use_dora.items() if on})
+        return f"adapter(s) {', '.join(names)} are a LoRA variant (DoRA, ...), which needs the full-precision weight"
+    if layer.fan_in_fan_out:
+        return "its adapters were made with fan_in_fan_out=True"
+    if layer.merged:
+        return (
+            "its adapters are merged into the weight (fuse_lora): unfuse_lora before patch, or unload the "
+            "LoRA after fusing (unload_lora_weights) to quantize the fused weight"
+        )
+    return None
+
+
+class FP8LoraLinear(LoraLinear):
+    """peft's LoRA ``Linear`` over a :class:`~compile_ops.FP8Linear`: ``forward(x)``
+    is ``base_layer(x) + sum over active adapters of scaling * B(A(dropout(x)))``,
+    the adapters in the activation dtype (the dtype they were loaded in; a new
+    adapter takes the FP8Linear's ``out_dtype``, the original weight's).
+
+    ``x [..., in_features]``, or :class:`~compile_ops.FP8Rows` ``(q, scale)``
+    that a fused kernel quantized for the FP8 GEMM (the MLP's down
+    projection after its activation): the GEMM reads the rows, and the
+    adapters read them dequantized (``q * scale``), the same activation.
+    Output: ``[..., out_features]``, x's dtype (the FP8Linear's ``out_dtype``
+    for rows).
+
+    ``merge`` / ``unmerge``: see the module docstring. Everything else
+    (``set_adapter``, ``set_scale``, ``delete_adapter``, hotswapping) is
+    peft's own.
+    """
+
+    def update_layer(self, adapter_name: str, r: int, lora_alpha: int, config: Any, **kwargs) -> None:
+        """peft's, after refusing what FP8Linear cannot run (:func:`why_not_fp8`)."""
+        why = why_not_fp8(config)
+        if why is not None:
+            raise ValueError(f"LoRA adapter {adapter_name!r} on a compile_ops FP8Linear: {why}")
+        super().update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+
+    @property
+    def lora_variants(self) -> dict:
+        return {(): None}  # plain LoRA only; update_layer names what it refuses
+
+    def _get_in_out_features(self, module: nn.Module) -> tuple:
+        base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
+        return base.in_features, base.out_features
+
+    def _get_base_layer_device_and_dtype(self, base_layer: nn.Module) -> tuple:
+        # The adapters take the activation dtype, not float8 (what peft would read from the weight).
+        base = base_layer.get_base_layer() if isinstance(base_layer, BaseTunerLayer) else base_layer
+        return base.weight_q.device, base.out_dtype
+
+    def forward(self, x, *args: Any, **kwargs: Any) -> Tensor:
+        if not isinstance(x, FP8Rows):
+            return super().forward(x, *args, **kwargs)
+        return self._forward_rows(x, *args, **kwargs)
+
+    def _forward_rows(self, rows: FP8Rows, *args: Any, adapter_names: Optional[list] = None, **kwargs: Any) -> Tensor:
+        """``forward`` of already-quantized rows ``q [B, ..., K]``: the adapters
+        read ``q * scale``; ``adapter_names`` (one per sample, peft's mixed
+        batches) picks each sample's adapter."""
+        if self.disable_adapters and self.merged:
+            self.unmerge()
+        result = self.base_layer(rows, *args, **kwargs)
+        if self.disable_adapters or self.merged:
+            return result
+        x = rows.q.float() * rows.scale.float().unsqueeze(-1)
+        if adapter_names is None:
+            groups = [(adapter, None) for adapter in self.active_adapters]
+        else:
+            if len(adapter_names) != x.shape[0]:
+                raise ValueError(
+                    f"adapter_names must name one adapter per sample: got {len(adapter_names)} for {x.shape[0]}"
+                )
+            groups = [
+                (adapter, [i for i, name in enumerate(adapter_names) if name == adapter])
+                for adapter in dict.fromkeys(adapter_names)
+                if adapter != "__base__"
+            ]
+        out_dtype = result.dtype
+        for adapter, samples in groups:
+            if adapter not in self.lora_A:
+                continue
+            lora_a, lora_b = self.lora_A[adapter], self.lora_B[adapter]
+            inputs = (x if samples is None else x[samples]).to(lora_a.weight.dtype)
+            delta = lora_b(lora_a(self.lora_dropout[adapter](inputs))) * self.scaling[adapter]
+            if samples is None:
+                result = result + delta
+            else:
+                result[samples] += delta.to(out_dtype)
+        return result.to(out_dtype)
+
+    def _delta_fp32(self, adapter: str) -> Tensor:
+        """``scaling * B @ A`` of ``adapter``, ``[out_features, in_features]`` fp32."""
+        lora_a, lora_b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
+        return (lora_b.float() @ lora_a.float()) * self.scaling[adapter]
+
+    @torch.no_grad()
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list] = None) -> None:
+        """Merge ``adapter_names`` (None: the active adapters) into the FP8 weight:
+        dequantize, add their deltas (and ``lora_bias`` biases) in fp32,
+        quantize per output channel again. ``safe_merge``: raise, naming the
+        adapter, before anything changes if the sum is not finite."""
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        adapter_names = [name for name in adapter_names if name in self.lora_A]
+        if not adapter_names:
+            return
+        base = self.get_base_layer()
+        weight = base.dequantized_weight()
+        bias = None if base.bias is None else base.bias.float()
+        for adapter in adapter_names:
+            weight = weight + self._delta_fp32(adapter)
+            if self.lora_bias[adapter]:
+                if bias is None:
+                    raise RuntimeError(
+                        "Impossible to merge LoRA with `lora_bias=True` because the base layer has no bias."
+                    )
+                bias = bias + self.lora_B[adapter].bias.float() * self.scaling[adapter]
+            if safe_merge and not (weight.isfinite().all() and (bias is None or bias.isfinite().all())):
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {adapter} seems to be broken")
+        if not self.merged:
+            kept = (base.weight_q.clone(), base.weight_scale.clone(), None if base.bias is None else base.bias.clone())
+            self._cache_store(BEFORE_MERGE, kept)
+        base.requantize_(weight)
+        if bias is not None:
+            base.bias.copy_(bias)
+        self.merged_adapters.extend(adapter_names)
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Unmerge every merged adapter: the FP8 weight (and bias) from before the
+        first merge, byte for byte."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
+            return
+        base = self.get_base_layer()
+        weight_q, weight_scale, bias = self._cache_pop(BEFORE_MERGE)
+        base.weight_q.copy_(weight_q)
+        base.weight_scale.copy_(weight_scale)
+        if bias is not None:
+            base.bias.copy_(bias)
+        self.merged_adapters.clear()
+
+
+def to_fp8(layer: LoraLinear, fp8: FP8Linear) -> FP8LoraLinear:
+    """``layer`` (a peft ``lora.Linear`` that :func:`why_layer_not_fp8` accepts)
+    over ``fp8``, its base Linear quantized: the same object, adapters and
+    state, now an :class:`FP8LoraLinear` (its class changes in place, so
+    references to it and its hooks stay valid)."""
+    layer.base_layer = fp8
+    layer.__class__ = FP8LoraLinear
+    return layer
+
+
+def is_adapter_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a peft adapter layer (LoRA or another tuner's) around a base layer."""
+    return isinstance(module, BaseTunerLayer)
+
+
+def register() -> bool:
+    """Put the FP8Linear dispatcher in front of peft's LoRA dispatch, once
+    (calling it again does nothing). Returns whether it is in place: False,
+    with a warning, on a peft without ``LoraModel._create_new_module``."""
+    create = getattr(LoraModel, "_create_new_module", None)
+    if create is None:
+        warnings.warn(
+            "compile_ops: this peft has no LoraModel._create_new_module (peft 0.21 is tested); "
+            "LoRA adapters cannot be added to FP8Linear layers",
+            stacklevel=2,
+        )
+        return False
+    if getattr(create, "dispatches_fp8", False):
+        return True
+
+    def create_new_module(lora_config, adapter_name, target, **kwargs):
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if isinstance(base, FP8Linear) and kwargs.get("parameter_name") is None:
+            kwargs.pop("parameter_name", None)
+            return FP8LoraLinear(target, adapter_name, config=lora_config, **kwargs)
+        return create(lora_config, adapter_name, target, **kwargs)
+
+    create_new_module.dispatches_fp8 = True
+    LoraModel._create_new_module = staticmethod(create_new_module)
+    return True
+
+
+register()
