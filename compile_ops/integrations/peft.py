@@ -8,7 +8,8 @@ diffusers' ``add_adapter`` and ``load_lora_adapter``, hotswapping). diffusers
 builds the ``LoraConfig`` itself, so peft's per-config custom-module mapping
 cannot reach it, and an FP8Linear posing as an ``nn.Linear`` would be merged by
 peft's default layer into a ``weight`` it does not have. :func:`register`
-(called by ``patch(precision="fp8")``) puts a dispatcher in front of peft's:
+(run when this module is imported, which ``patch(precision="fp8")`` does)
+puts a dispatcher in front of peft's:
 an FP8Linear target gets an :class:`FP8LoraLinear`, anything else what peft
 gives it.
 
@@ -104,11 +105,11 @@ class FP8LoraLinear(LoraLinear):
     adapter takes the FP8Linear's ``out_dtype``, the original weight's).
 
     ``x [..., in_features]``, or :class:`~compile_ops.FP8Rows` ``(q, scale)``
-    that a fused kernel quantized for the FP8 GEMM (the MLP's down
-    projection after its activation): the GEMM reads the rows, and the
-    adapters read them dequantized (``q * scale``), the same activation.
-    Output: ``[..., out_features]``, x's dtype (the FP8Linear's ``out_dtype``
-    for rows).
+    that a fused kernel quantized for the FP8 GEMM (a patched model hands
+    rows to bare FP8Linears only, so its adapters read the unquantized
+    activation): the GEMM reads the rows, and the adapters read them
+    dequantized (``q * scale``). Output: ``[..., out_features]``, x's dtype
+    (the FP8Linear's ``out_dtype`` for rows).
 
     ``merge`` / ``unmerge``: see the module docstring. Everything else
     (``set_adapter``, ``set_scale``, ``delete_adapter``, hotswapping) is
@@ -124,7 +125,8 @@ class FP8LoraLinear(LoraLinear):
 
     @property
     def lora_variants(self) -> dict:
-        return {(): None}  # plain LoRA only; update_layer names what it refuses
+        """Plain LoRA only (peft's variant table); :meth:`update_layer` names what it refuses."""
+        return {(): None}
 
     def _get_in_out_features(self, module: nn.Module) -> tuple:
         base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
@@ -136,6 +138,9 @@ class FP8LoraLinear(LoraLinear):
         return base.weight_q.device, base.out_dtype
 
     def forward(self, x, *args: Any, **kwargs: Any) -> Tensor:
+        """``x [..., in_features]`` or ``FP8Rows(q [..., in_features], scale [...])``
+        -> ``[..., out_features]``; ``adapter_names`` (a keyword, one name per
+        sample of x's first dim): peft's per-sample adapters."""
         if not isinstance(x, FP8Rows):
             return super().forward(x, *args, **kwargs)
         return self._forward_rows(x, *args, **kwargs)
