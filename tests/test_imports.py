@@ -149,6 +149,7 @@ LAYER_IMPORTS = {
     "modules": {"ops", "meta", "_library"},
     "distributed": {"ops", "meta", "_library", "_dtensor"},
     "integrations": {"modules", "ops", "meta", "reference", "_library", "_dtensor"},
+    "quality": {"integrations", "modules", "ops", "meta", "reference", "_library", "_dtensor"},
 }
 
 
