@@ -37,10 +37,11 @@ def difference(reference, images, gain: float) -> np.ndarray:
     return np.clip(np.abs(np.asarray(images, np.float32) - np.asarray(reference, np.float32)) * gain, 0, 1)
 
 
-def _tile(rows: list) -> np.ndarray:
-    """One ``(H, W, 3)`` uint8 array from rows of equally sized panels, with gaps."""
+def _tile(rows: list, min_side: int = MIN_PANEL_SIDE) -> np.ndarray:
+    """One ``(H, W, 3)`` uint8 array from rows of equally sized panels, with gaps,
+    each panel scaled up (nearest) to at least ``min_side`` pixels on its short side."""
     height, width = rows[0][0].shape[:2]
-    scale = max(1, math.ceil(MIN_PANEL_SIDE / min(height, width)))
+    scale = max(1, math.ceil(min_side / min(height, width)))
     ph, pw = height * scale, width * scale
     columns = max(len(r) for r in rows)
     canvas = np.full(
@@ -69,7 +70,8 @@ def _save_video(path_stem, frames_rows: list) -> list:
     ``frames_rows`` side by side (each ``(F, H, W, C)``); the written file names."""
     from PIL import Image
 
-    frames = [_tile([[row[f] for row in frames_rows]]) for f in range(len(frames_rows[0]))]
+    # not scaled up: a GIF's size grows with its pixels and frames
+    frames = [_tile([[row[f] for row in frames_rows]], min_side=0) for f in range(len(frames_rows[0]))]
     gif = path_stem.with_suffix(".gif")
     images = [Image.fromarray(f) for f in frames]
     images[0].save(gif, save_all=True, append_images=images[1:], duration=1000 // GIF_FPS, loop=0)
@@ -199,6 +201,10 @@ def markdown(results: dict) -> str:
     ]
     if results["notes"]:
         lines += ["", "Notes:", "", *(f"- {n}" for n in results["notes"])]
+    for mode in results["modes"]:
+        if mode["patch_report"]:
+            lines += ["", f"<details><summary><code>{mode['name']}</code>: what patch replaced</summary>", ""]
+            lines += ["```", mode["patch_report"].rstrip(), "```", "", "</details>"]
     for p, prompt in enumerate(results["prompts"]):
         for seed in results["settings"]["seeds"]:
             lines += ["", f"## Prompt {p}, seed {seed}", "", f"> {prompt}", ""]
