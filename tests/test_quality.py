@@ -111,6 +111,14 @@ def test_unknown_mode_on_the_command_line(tmp_path, capsys):
     assert "--modes: unknown mode 'fp16'" in err and "int8_fp8" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_device_without_cuda_names_the_argument(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n")
+    err = _error(capsys, ["--pipeline", str(tmp_path), "--prompts", str(prompts)])  # --device defaults to cuda
+    assert "--device: 'cuda' but CUDA is not available" in err
+
+
 def test_missing_pipeline_names_the_argument(tmp_path, capsys):
     pytest.importorskip("diffusers")
     prompts = tmp_path / "prompts.txt"

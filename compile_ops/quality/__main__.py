@@ -4,8 +4,10 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
 from compile_ops.quality.modes import VALID_MODES, parse_modes
-from compile_ops.quality.runner import DTYPES, Settings, default_out, read_prompts
+from compile_ops.quality.runner import DTYPES, ReferenceFailed, Settings, default_out, read_prompts
 
 
 def _seeds(text: str) -> list:
@@ -55,6 +57,12 @@ def settings_from_args(argv=None) -> Settings:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name}: must be a positive integer, got {value}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:
+        raise ValueError(f"--device: {error}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: {args.device!r} but CUDA is not available here (pass --device cpu)")
     return Settings(
         pipeline=args.pipeline,
         prompts=prompts,
@@ -74,7 +82,8 @@ def settings_from_args(argv=None) -> Settings:
 
 
 def main(argv=None) -> int:
-    """Run the report; a bad argument prints ``error: ...`` naming it and returns 2."""
+    """Run the report; a bad argument prints ``error: ...`` naming it and returns 2, a failed
+    reference generation returns 1."""
     try:
         settings = settings_from_args(argv)
         from compile_ops.quality.runner import run
@@ -83,6 +92,9 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except ReferenceFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(f"wrote {settings.out / 'index.md'} ({len(results['runs'])} generations)")
     return 0
 

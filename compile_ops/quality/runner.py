@@ -25,6 +25,10 @@ from compile_ops.quality.modes import Mode
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+class ReferenceFailed(RuntimeError):
+    """The unpatched pipeline's generation failed: no mode can be compared."""
+
+
 @dataclasses.dataclass
 class Settings:
     """What one report runs (the command line's arguments).
@@ -202,6 +206,11 @@ def run(settings: Settings, log=print) -> dict:
                 try:
                     output, seconds, peak = generate(pipe, prompt, seed, settings)
                 except Exception as error:  # a failing mode is reported, the others still run
+                    if mode.is_exact:
+                        raise ReferenceFailed(
+                            f"the reference generation (mode exact) failed, nothing to compare against: "
+                            f"{type(error).__name__}: {error}"
+                        ) from error
                     entry.update(status="failed", error=f"{type(error).__name__}: {error}")
                     log(f"[{mode.name}] generation failed:\n{traceback.format_exc()}")
                     break
