@@ -205,6 +205,23 @@ def tiny_wan(folder):
     return folder
 
 
+def tiny_clip(folder):
+    """A CLIP model and processor of random tiny components, saved to ``folder`` (for ``--clip``)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    text = dict(hidden_size=16, intermediate_size=16, num_attention_heads=2, num_hidden_layers=1, vocab_size=64)
+    text.update(max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    vision = dict(hidden_size=16, intermediate_size=16, num_attention_heads=2, num_hidden_layers=1, image_size=32)
+    model = transformers.CLIPModel(
+        transformers.CLIPConfig(text_config=text, vision_config=dict(vision, patch_size=8), projection_dim=16)
+    )
+    image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = transformers.CLIPProcessor(image_processor=image_processor, tokenizer=_tokenizer(16))
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
 def _run(tmp_path, pipeline, modes, seeds, *extra):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w1 w2 w3\n")
@@ -222,7 +239,8 @@ def test_image_pipeline_end_to_end(tmp_path):
     from PIL import Image
 
     pipeline = tiny_flux(tmp_path / "flux")
-    out, results = _run(tmp_path, pipeline, "exact,fp8,sparse", "0,1")
+    clip = tiny_clip(tmp_path / "clip")
+    out, results = _run(tmp_path, pipeline, "exact,fp8,sparse", "0,1", "--clip", str(clip))
     assert {"pipeline", "pipeline_class", "settings", "prompts", "modes", "runs", "summary", "notes", "ssim"} <= set(
         results
     )
@@ -246,7 +264,8 @@ def test_image_pipeline_end_to_end(tmp_path):
                 assert grid.width > 3 * grid.height - 1  # exact | mode | difference
             assert run["metrics"]["psnr"] > 0 and -1 <= run["metrics"]["ssim"] <= 1
     assert any("LPIPS" in n for n in results["notes"]) == (not metrics.LPIPS("cpu").available)
-    assert any("CLIP score skipped" in n for n in results["notes"])
+    assert all(0 <= r["metrics"]["clip_score"] <= 100 for r in runs)
+    assert "CLIP score" in (out / "index.md").read_text()
     # the seed is honoured: the two seeds' exact images differ
     exact = [np.asarray(Image.open(out / r["files"]["output"])) for r in runs if r["mode"] == "exact"]
     assert not np.array_equal(*exact)
@@ -256,8 +275,11 @@ def test_video_pipeline_end_to_end(tmp_path):
     from PIL import Image
 
     pipeline = tiny_wan(tmp_path / "wan")
-    out, results = _run(tmp_path, pipeline, "exact,sparse:radial", "0", "--frames", "5")
-    assert [m["status"] for m in results["modes"]] == ["ok", "ok"]
+    out, results = _run(tmp_path, pipeline, "exact,sparse:radial,sparse", "0", "--frames", "5")
+    assert [m["status"] for m in results["modes"]] == ["ok", "ok", "failed"]
+    # SlidingTile's default window does not fit this tiny grid: the generation's error is reported
+    assert "must fit in the tile grid" in results["modes"][2]["error"]
+    assert any("CLIP score skipped" in n for n in results["notes"])
     for run in results["runs"]:
         assert run["shape"] == [5, 16, 16, 3]
         assert len(run["metrics"]["psnr_per_frame"]) == 5 and len(run["metrics"]["ssim_per_frame"]) == 5
