@@ -253,9 +253,22 @@ def html_page(results: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
+def strict_json(value):
+    """``value`` with every non-finite float as the string ``"inf"``, ``"-inf"`` or
+    ``"nan"``: JSON has no such numbers, and parsers other than Python's refuse them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
 def write_report(out, results: dict) -> None:
-    """Write ``quality.json`` (the summary rows added), ``index.md`` and ``index.html`` under ``out``."""
+    """Write ``quality.json`` (the summary rows added; PSNR of identical outputs as
+    ``"inf"``), ``index.md`` and ``index.html`` under ``out``."""
     results["summary"] = summarize(results)
-    (out / "quality.json").write_text(json.dumps(results, indent=1))
+    (out / "quality.json").write_text(json.dumps(strict_json(results), indent=1, allow_nan=False))
     (out / "index.md").write_text(markdown(results))
     (out / "index.html").write_text(html_page(results))
