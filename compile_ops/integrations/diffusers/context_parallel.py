@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from compile_ops.integrations.diffusers.attention_kernel import sdpa_is_faster
+from compile_ops.integrations.diffusers.attention_kernel import needs_gradient, sdpa_is_faster
 from compile_ops.ops.attention import attention
 
 
@@ -96,7 +96,7 @@ def parallel_attention(
         scale: the softmax scale; None: ``1 / sqrt(D)``.
         causal: passed on to diffusers' templates (which refuse it).
         kernel: ``patch(attention_kernel=...)``: where exact attention needs no
-            log-sum-exp, "auto" or "sdpa" may run SDPA.
+            log-sum-exp and no gradient, "auto" or "sdpa" may run SDPA.
         owner: the caller, for error messages.
 
     Returns:
@@ -105,6 +105,9 @@ def parallel_attention(
     from diffusers.models.attention_dispatch import _templated_context_parallel_attention
 
     check_parallel_mode(config, precision, layout is not None, kv_lengths is not None, owner)
+    # Decided here: inside diffusers' autograd function q, k and v do not require grad, and a
+    # call that will be differentiated keeps the fused kernel, whose lse the fused backward reads.
+    kernel = "fused" if needs_gradient(query, key, value) else kernel
     forward_op = functools.partial(
         _forward_op, precision=precision, layout=layout, kv_lengths=kv_lengths, kernel=kernel
     )
