@@ -24,14 +24,13 @@ is a test of its own that reads the spawn's verdict.
 import datetime
 import json
 import os
-import time
 import traceback
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import spawn_verdicts
 
 import compile_ops
 
@@ -326,33 +325,16 @@ def _worker(rank: int, world: int, directory: str) -> None:
     teardown_process_group()
 
 
-def _spawn(directory: str, world: int) -> dict:
-    """``{case: None or the failure on some rank}`` from one spawn of ``world`` ranks."""
-    context = mp.start_processes(_worker, args=(world, directory), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {world} gloo ranks did not finish in {SPAWN_TIMEOUT_S} s")
-    merged = {}
-    for rank in range(world):
-        with open(os.path.join(directory, f"rank{rank}.json")) as f:
-            for name, failure in json.load(f).items():
-                if failure is not None and merged.get(name) is None:
-                    merged[name] = f"rank {rank}:\n{failure}"
-                merged.setdefault(name, None)
-    return merged
-
-
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
-    return _spawn(str(tmp_path_factory.mktemp("context_parallel")), WORLD)
+    return spawn_verdicts(_worker, WORLD, str(tmp_path_factory.mktemp("context_parallel")), SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def unified_verdicts(tmp_path_factory):
-    return _spawn(str(tmp_path_factory.mktemp("context_parallel_unified")), UNIFIED_WORLD)
+    return spawn_verdicts(
+        _worker, UNIFIED_WORLD, str(tmp_path_factory.mktemp("context_parallel_unified")), SPAWN_TIMEOUT_S
+    )
 
 
 @pytest.mark.parametrize("name", ["-".join(case) for case in MODEL_CASES] + ATTENTION_CASES)

@@ -27,7 +27,6 @@ is a test of its own that reads the spawn's verdict.
 import datetime
 import json
 import os
-import time
 import traceback
 from dataclasses import dataclass
 from functools import partial
@@ -36,7 +35,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import spawn_verdicts
 
 import compile_ops
 
@@ -845,22 +844,7 @@ def _worker(rank: int, world: int, directory: str) -> None:
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
     """``{case: None or the failure on some rank}`` from one spawn of 2 ranks."""
-    directory = str(tmp_path_factory.mktemp("gloo"))
-    context = mp.start_processes(_worker, args=(WORLD, directory), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} gloo ranks did not finish in {SPAWN_TIMEOUT_S} s")
-    merged = {}
-    for rank in range(WORLD):
-        with open(os.path.join(directory, f"rank{rank}.json")) as f:
-            for name, failure in json.load(f).items():
-                if failure is not None and merged.get(name) is None:
-                    merged[name] = f"rank {rank}:\n{failure}"
-                merged.setdefault(name, None)
-    return merged
+    return spawn_verdicts(_worker, WORLD, str(tmp_path_factory.mktemp("gloo")), SPAWN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", [*CASES, WRONG_RULE, EVERY_OP])

@@ -1,0 +1,33 @@
+"""Run test cases on several CPU processes over gloo, and read back each case's verdict.
+
+A worker ``worker(rank, world, directory)`` runs every case on its rank and
+writes ``{case: None or the failure}`` to ``<directory>/rank<rank>.json``;
+:func:`spawn_verdicts` starts the ranks, waits with a deadline, and merges the
+files: a case fails when it failed on any rank (the first rank's failure).
+"""
+
+import json
+import os
+import time
+
+import pytest
+import torch.multiprocessing as mp
+
+
+def spawn_verdicts(worker, world: int, directory: str, timeout_s: float) -> dict:
+    """``{case: None or "rank r:\\n<failure>"}`` from one spawn of ``world`` ranks of ``worker``."""
+    context = mp.start_processes(worker, args=(world, directory), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {world} gloo ranks did not finish in {timeout_s} s")
+    merged = {}
+    for rank in range(world):
+        with open(os.path.join(directory, f"rank{rank}.json")) as f:
+            for name, failure in json.load(f).items():
+                if failure is not None and merged.get(name) is None:
+                    merged[name] = f"rank {rank}:\n{failure}"
+                merged.setdefault(name, None)
+    return merged
