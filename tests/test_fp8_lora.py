@@ -339,3 +339,116 @@ def test_adapters_fp8_cannot_take_over_keep_their_linear_and_say_why():
     assert "fuse_lora" in rows["transformer_blocks.0.attn.to_k.base_layer"]
     assert type(patched.transformer_blocks[0].attn.to_k.base_layer) is torch.nn.Linear
     assert _out(patched, args).isfinite().all()
+
+
+def _flux_pipeline(transformer):
+    """A FluxPipeline around ``transformer`` alone: enough for its LoRA loading calls."""
+    import diffusers
+
+    return diffusers.FluxPipeline(
+        transformer=transformer, vae=None, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+    )  # fmt: skip
+
+
+def _saved(tmp_path, name, lora):
+    """``lora`` (diffusers layout, transformer paths) written as a pipeline LoRA file: the folder."""
+    import diffusers
+
+    folder = tmp_path / name
+    diffusers.FluxPipeline.save_lora_weights(folder, transformer_lora_layers=lora)
+    return str(folder)
+
+
+def test_flux_pipeline_lora_calls_on_an_fp8_transformer_match_the_transformer_calls(tmp_path):
+    """``load_lora_weights`` (a file, then a second adapter, then a hotswap),
+    ``set_adapters``, ``fuse_lora``/``unfuse_lora`` and ``unload_lora_weights``
+    through a FluxPipeline whose transformer was patched to FP8 give the bytes
+    of the same calls on the transformer (``load_lora_adapter``, ...)."""
+    model, args = _model("flux")
+    style, paint, swap = (_lora_state_dict(model, seed=seed) for seed in (11, 12, 13))
+    plain, _ = _patched(model)
+    pipe = _flux_pipeline(_patched(model)[0])
+    by_hand, _ = _patched(model)
+
+    def check(label):
+        torch.testing.assert_close(_out(pipe.transformer, args), _out(by_hand, args), rtol=0, atol=0, msg=label)
+        return _out(by_hand, args)
+
+    pipe.load_lora_weights(_saved(tmp_path, "style", style), adapter_name="style")
+    by_hand.load_lora_adapter(style, prefix=None, adapter_name="style")
+    assert isinstance(pipe.transformer.transformer_blocks[0].attn.to_q, FP8LoraLinear)
+    assert _relative_l2(check("one adapter"), _out(plain, args)) > 0.05
+    pipe.load_lora_weights(_saved(tmp_path, "paint", paint), adapter_name="paint")
+    by_hand.load_lora_adapter(paint, prefix=None, adapter_name="paint")
+    pipe.set_adapters(["style", "paint"], adapter_weights=[0.5, 1.5])
+    by_hand.set_adapters(["style", "paint"], weights=[0.5, 1.5])
+    unfused = check("two adapters with weights")
+    pipe.fuse_lora()
+    by_hand.fuse_lora()
+    assert _relative_l2(check("fused"), unfused) > 0  # requantized: another rounding
+    pipe.unfuse_lora()
+    by_hand.unfuse_lora()
+    # The FP8 weights come back byte for byte, the unquantized modulation Linears by peft's fp32 subtraction.
+    torch.testing.assert_close(check("unfused"), unfused, rtol=1e-5, atol=1e-6)
+    pipe.load_lora_weights(_saved(tmp_path, "swap", swap), adapter_name="style", hotswap=True)
+    by_hand.load_lora_adapter(swap, prefix=None, adapter_name="style", hotswap=True)
+    check("hotswapped")
+    pipe.unload_lora_weights()
+    assert not any(isinstance(m, BaseTunerLayer) for m in pipe.transformer.modules())
+    # The modulation Linears keep the fp32 fuse-and-unfuse's last-bit changes.
+    torch.testing.assert_close(_out(pipe.transformer, args), _out(plain, args), rtol=1e-5, atol=1e-5)
+
+
+def _control_lora(model, grown, seed=14, rank=4):
+    """A Flux Control LoRA's shape: ``x_embedder`` (a plain Linear: ``patch``
+    leaves the embedders) takes twice its input channels, and rank-``rank``
+    adapters sit on the double block's q projection, widened to twice its
+    input with ``grown``."""
+    generator = torch.Generator().manual_seed(seed)
+    embed, q = model.x_embedder, model.transformer_blocks[0].attn.to_q
+    q_in = 2 * q.in_features if grown else q.in_features
+    shapes = {
+        "x_embedder": (2 * embed.in_features, embed.out_features),
+        "transformer_blocks.0.attn.to_q": (q_in, q.out_features),
+    }
+    lora = {}
+    for path, (k, n) in shapes.items():
+        lora[f"{path}.lora_A.weight"] = torch.randn(rank, k, generator=generator) / k**0.5
+        lora[f"{path}.lora_B.weight"] = torch.randn(n, rank, generator=generator) * 0.1
+    return lora
+
+
+def test_a_control_lora_loads_on_an_fp8_flux_pipeline_as_before_patch(tmp_path):
+    """A Control LoRA grows ``x_embedder`` (left unquantized by ``patch``):
+    loaded after ``patch`` it gives the bytes of loading it before, and
+    ``unload_lora_weights(reset_to_overwritten_params=True)`` gives back the
+    patched model."""
+    model, args = _model("flux")
+    folder = _saved(tmp_path, "control", _control_lora(model, grown=False))
+    plain, _ = _patched(model)
+    after = _flux_pipeline(_patched(model)[0])
+    after.load_lora_weights(folder, adapter_name="control")
+    before = _flux_pipeline(copy.deepcopy(model))
+    before.load_lora_weights(folder, adapter_name="control")
+    compile_ops.patch(before.transformer, precision="fp8")
+    assert after.transformer.x_embedder.in_features == 8 and after.transformer.config.in_channels == 8
+    assert isinstance(after.transformer.transformer_blocks[0].attn.to_q, FP8LoraLinear)
+    wide = dict(args, hidden_states=torch.cat([args["hidden_states"], torch.randn_like(args["hidden_states"])], -1))
+    torch.testing.assert_close(_out(after.transformer, wide), _out(before.transformer, wide), rtol=0, atol=0)
+    after.unload_lora_weights(reset_to_overwritten_params=True)
+    assert after.transformer.x_embedder.in_features == 4
+    torch.testing.assert_close(_out(after.transformer, args), _out(plain, args), rtol=0, atol=0)
+
+
+def test_a_lora_that_would_grow_an_fp8_linear_is_refused_before_anything_changes(tmp_path):
+    model, args = _model("flux")
+    pipe = _flux_pipeline(_patched(model)[0])
+    want = _out(pipe.transformer, args)
+    with pytest.raises(
+        ValueError, match=r"grows transformer_blocks\.0\.attn\.to_q .*FP8Linear.* before compile_ops\.patch"
+    ):
+        pipe.load_lora_weights(_saved(tmp_path, "control", _control_lora(model, grown=True)), adapter_name="control")
+    assert pipe.transformer.x_embedder.in_features == 4 and pipe.transformer.config.in_channels == 4
+    assert not any(isinstance(m, BaseTunerLayer) for m in pipe.transformer.modules())
+    torch.testing.assert_close(_out(pipe.transformer, args), want, rtol=0, atol=0)

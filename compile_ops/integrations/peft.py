@@ -27,11 +27,22 @@ byte for byte, instead of subtracting and rounding again (which would leave
 the weight a rounding away from where it was after every fuse and unfuse);
 the copy (the FP8 weight's size) goes when the layer unmerges or the LoRA is
 unloaded.
+
+diffusers' Flux pipelines (``FluxLoraLoaderMixin.load_lora_weights``) check,
+before loading, whether the LoRA grows a Linear (Control LoRAs widen
+``x_embedder``) by reading each target's ``weight`` from the transformer's
+state dict, which an FP8Linear does not have. :func:`register` wraps those
+two class methods of diffusers' mixin (there is no per-model hook: the
+check reads ``transformer.state_dict()``, and giving FP8Linear a ``weight``
+entry would change what the model saves): a LoRA's FP8Linear targets skip
+diffusers' shape expansion, and one that would grow an FP8Linear is refused
+by name. A LoRA with no FP8Linear target goes through diffusers' code untouched.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from typing import Any, Optional
 
@@ -247,10 +258,109 @@ def is_adapter_layer(module: nn.Module) -> bool:
     return isinstance(module, BaseTunerLayer)
 
 
+def fp8_targets(model: nn.Module) -> dict:
+    """``{path: FP8Linear}``: where a LoRA state dict names each FP8Linear of
+    ``model``: its own path, or that of the peft layer wrapping it."""
+    wrapped = {}
+    for path, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer) and isinstance(module.get_base_layer(), FP8Linear):
+            wrapped[path] = module.get_base_layer()
+    bases = {id(base) for base in wrapped.values()}
+    bare = {path: m for path, m in model.named_modules() if isinstance(m, FP8Linear) and id(m) not in bases}
+    return {**bare, **wrapped}
+
+
+def _lora_shapes(lora_state_dict: dict, prefix: str) -> dict:
+    """``{module path: (in_features of lora_A, out_features of lora_B)}`` of a
+    diffusers-layout LoRA state dict (``{prefix}{path}.lora_A.weight [r, K]``,
+    ``...lora_B.weight [N, r]``); ``prefix`` is stripped where keys carry it."""
+    shapes = {}
+    for key, lora_a in lora_state_dict.items():
+        if key.endswith(".lora_A.weight"):
+            path = key[: -len(".lora_A.weight")]
+            lora_b = lora_state_dict.get(f"{path}.lora_B.weight")
+            shapes[path.removeprefix(prefix)] = (lora_a.shape[1], None if lora_b is None else lora_b.shape[0])
+    return shapes
+
+
+def check_lora_fits_fp8(transformer: nn.Module, lora_state_dict: dict, prefix: str) -> None:
+    """Raise, naming the module, when the LoRA ``lora_state_dict`` (diffusers
+    layout, keys under ``prefix``) would grow one of ``transformer``'s
+    FP8Linears (a Flux Control LoRA widening its input): the full-precision
+    weight that growing would pad is gone."""
+    targets = fp8_targets(transformer)
+    for path, (in_features, out_features) in _lora_shapes(lora_state_dict, prefix).items():
+        fp8 = targets.get(path)
+        if fp8 is None:
+            continue
+        if in_features > fp8.in_features or (out_features or 0) > fp8.out_features:
+            raise ValueError(
+                f"compile_ops: this LoRA grows {path} (a compile_ops FP8Linear, in_features={fp8.in_features}, "
+                f"out_features={fp8.out_features}) to in_features={in_features}, out_features={out_features}, as "
+                "Flux Control LoRAs do; an FP8Linear cannot grow (patch(precision='fp8') released its "
+                "full-precision weight): load this LoRA before compile_ops.patch"
+            )
+
+
+def _wrap_flux_lora_checks(mixin: type) -> None:
+    """Wrap ``mixin``'s (diffusers' ``FluxLoraLoaderMixin``) two shape checks
+    so that they leave FP8Linear targets out (see the module docstring)."""
+    expand_model = mixin.__dict__["_maybe_expand_transformer_param_shape_or_error_"].__func__
+    expand_lora = mixin.__dict__["_maybe_expand_lora_state_dict"].__func__
+
+    def expand_model_or_refuse(cls, transformer, lora_state_dict=None, norm_state_dict=None, prefix=None):
+        if lora_state_dict:
+            check_lora_fits_fp8(transformer, lora_state_dict, f"{prefix or cls.transformer_name}.")
+        return expand_model(cls, transformer, lora_state_dict, norm_state_dict, prefix)
+
+    def expand_lora_but_fp8(cls, transformer, lora_state_dict):
+        prefix = f"{cls.transformer_name}."
+        targets = fp8_targets(transformer)
+        named = [path for path in _lora_shapes(lora_state_dict, prefix) if path in targets]
+        if not named:
+            return expand_lora(cls, transformer, lora_state_dict)
+        starts = tuple(f"{prefix}{path}.lora_" for path in named)
+        rest = expand_lora(cls, transformer, {k: v for k, v in lora_state_dict.items() if not k.startswith(starts)})
+        return {k: lora_state_dict[k] if k.startswith(starts) else rest[k] for k in lora_state_dict}
+
+    for wrapper in (expand_model_or_refuse, expand_lora_but_fp8):
+        wrapper.skips_fp8 = True
+    mixin._maybe_expand_transformer_param_shape_or_error_ = classmethod(expand_model_or_refuse)
+    mixin._maybe_expand_lora_state_dict = classmethod(expand_lora_but_fp8)
+
+
+def register_flux_lora_loader() -> bool:
+    """Let diffusers' Flux pipelines' ``load_lora_weights`` load onto FP8Linears
+    (:func:`_wrap_flux_lora_checks`), once; only where diffusers is already
+    imported (a diffusers model is). Returns whether the wrappers are in place."""
+    if "diffusers" not in sys.modules:
+        return False
+    try:
+        from diffusers.loaders.lora_pipeline import FluxLoraLoaderMixin
+    except ImportError:
+        return False
+    names = ("_maybe_expand_transformer_param_shape_or_error_", "_maybe_expand_lora_state_dict")
+    methods = [FluxLoraLoaderMixin.__dict__.get(name) for name in names]
+    if not all(isinstance(method, classmethod) for method in methods):
+        warnings.warn(
+            "compile_ops: this diffusers' FluxLoraLoaderMixin has no "
+            f"{' / '.join(names)} (diffusers 0.42 is tested); Flux pipelines' load_lora_weights may fail "
+            "on FP8 models: load with pipe.transformer.load_lora_adapter instead",
+            stacklevel=2,
+        )
+        return False
+    if not all(getattr(method.__func__, "skips_fp8", False) for method in methods):
+        _wrap_flux_lora_checks(FluxLoraLoaderMixin)
+    return True
+
+
 def register() -> bool:
-    """Put the FP8Linear dispatcher in front of peft's LoRA dispatch, once
-    (calling it again does nothing). Returns whether it is in place: False,
-    with a warning, on a peft without ``LoraModel._create_new_module``."""
+    """Put the FP8Linear dispatcher in front of peft's LoRA dispatch, and (where
+    diffusers is imported) the FP8 shape checks into diffusers' Flux LoRA
+    loader, once (calling it again does nothing). Returns whether the
+    dispatcher is in place: False, with a warning, on a peft without
+    ``LoraModel._create_new_module``."""
+    register_flux_lora_loader()
     create = getattr(LoraModel, "_create_new_module", None)
     if create is None:
         warnings.warn(
