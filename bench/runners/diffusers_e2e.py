@@ -63,6 +63,19 @@ where the default quantizes them in their rotation from 8192 tokens up), and Sag
 SDPA (its blocks compiled with graph breaks), each on a fresh model, with
 the step output's relative L2 to the bf16 model's eager output:
 ``diffusers-e2e-int8-<gpu>.json``.
+
+LoRA (``--lora``, the step cases): native compiled and ``patch(precision="fp8")``
+compiled (``LORA_PROVIDERS``), each on a fresh model, three rows apiece: the
+plain step; the step with a random rank-64 LoRA on every attention and MLP
+Linear of the blocks (``enable_lora_hotswap(target_rank=64)`` before loading
+and compiling; each delta about 3% of its Linear's output), ``*_lora_compiled``;
+and the step after ``load_lora_adapter(..., hotswap=True)`` of a second such
+LoRA from host memory, ``*_lora_swapped_compiled``, with the swap's wall
+seconds and the graphs Dynamo compiled after it (0: no recompile). FP8 rows
+give the step error against the native row in the same state (plain, first
+LoRA, swapped). ``diffusers-e2e-lora-<gpu>.json``. ``--cases flux_step_tiny
+--backend eager`` runs it on a tiny Flux, on the CPU too (timed by the wall
+clock there): a smoke run.
 """
 
 import argparse
@@ -89,32 +102,42 @@ from bench.toolkit import (  # noqa: E402
 )
 
 DTYPE = torch.bfloat16
+#: Where models are built and run: the GPU; the CPU only for smoke runs of tiny cases.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: ``--backend``: torch.compile's backend ("eager" runs Dynamo alone: smoke runs).
+BACKEND = "inductor"
 
 
-def _flux(num_layers: int, num_single_layers: int, rows: int = 64, cols: int = 64):
+#: Flux.1-dev's widths, and a tiny Flux's (two heads of 16: FP8 takes its Linears) for smoke runs.
+FLUX_SIZES = {
+    "full": dict(
+        in_channels=64, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+        pooled_projection_dim=768, axes_dims_rope=(16, 56, 56), text_tokens=512,
+    ),
+    "tiny": dict(
+        in_channels=16, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+        pooled_projection_dim=32, axes_dims_rope=(4, 6, 6), text_tokens=8,
+    ),
+}  # fmt: skip
+
+
+def _flux(num_layers: int, num_single_layers: int, rows: int = 64, cols: int = 64, size: str = "full"):
     """Flux and one step's inputs: ``rows x cols`` latent tokens (1024 px / 8 (VAE) / 2 (packing) = 64 a
-    side) after 512 text tokens."""
+    side) after the text tokens (512); ``size``: a key of ``FLUX_SIZES``."""
     from diffusers import FluxTransformer2DModel
 
+    config = dict(FLUX_SIZES[size])
+    text = config.pop("text_tokens")
     model = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=64,
-        num_layers=num_layers,
-        num_single_layers=num_single_layers,
-        attention_head_dim=128,
-        num_attention_heads=24,
-        joint_attention_dim=4096,
-        pooled_projection_dim=768,
-        guidance_embeds=True,
-        axes_dims_rope=(16, 56, 56),
+        patch_size=1, num_layers=num_layers, num_single_layers=num_single_layers, guidance_embeds=True, **config
     )
-    text = 512
+    channels, joint, pooled = config["in_channels"], config["joint_attention_dim"], config["pooled_projection_dim"]
     row_ids, col_ids = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
     img_ids = torch.stack([torch.zeros_like(row_ids), row_ids, col_ids], -1).reshape(-1, 3).float()
     inputs = dict(
-        hidden_states=torch.randn(1, rows * cols, 64),
-        encoder_hidden_states=torch.randn(1, text, 4096),
-        pooled_projections=torch.randn(1, 768),
+        hidden_states=torch.randn(1, rows * cols, channels),
+        encoder_hidden_states=torch.randn(1, text, joint),
+        pooled_projections=torch.randn(1, pooled),
         timestep=torch.tensor([0.5]),
         guidance=torch.tensor([3.5]),
         img_ids=img_ids,
@@ -162,6 +185,7 @@ CASES = {
 EXTRA_CASES = {
     "wan_step_720p": (lambda: _wan(90, 160), False),
     "flux_blocks_1360x768": (lambda: _flux(2, 4, 48, 85), False),
+    "flux_step_tiny": (lambda: _flux(1, 1, 4, 4, size="tiny"), False),
 }
 
 
@@ -171,11 +195,12 @@ def _compiled(model, mode: str, fullgraph: bool = True, inductor_mode: str = "de
     ``torch.compile``'s ``inductor_mode`` ("default", "reduce-overhead", ...)."""
     from compile_ops.integrations.diffusers import BLOCK_LISTS
 
+    options = dict(mode=inductor_mode) if BACKEND == "inductor" else dict(backend=BACKEND)
     if mode == "full":
-        return torch.compile(model, mode=inductor_mode)
+        return torch.compile(model, **options)
     for name in BLOCK_LISTS:
         for block in getattr(model, name, ()):
-            block.compile(fullgraph=fullgraph, mode=inductor_mode)
+            block.compile(fullgraph=fullgraph, **options)
     return model
 
 
@@ -190,7 +215,10 @@ def _uncompiled(model) -> None:
 
 
 def _measure(fn, timer_ms: float):
-    """(median ms, peak MiB above the memory in use before the call)."""
+    """(median ms, peak MiB above the memory in use before the call); on the CPU
+    (smoke runs) :func:`_host_ms` and no peak."""
+    if DEVICE == "cpu":
+        return _host_ms(fn), None
     from triton.testing import do_bench
 
     fn()
@@ -207,7 +235,7 @@ def _build(name: str):
     """The case's model (bf16, on the GPU, the same random weights every call) and inputs."""
     build, train = {**CASES, **EXTRA_CASES}[name]
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         default = torch.get_default_dtype()
         torch.set_default_dtype(DTYPE)  # initialise in bf16: no fp32 copy of 12B parameters
         try:
@@ -215,7 +243,7 @@ def _build(name: str):
         finally:
             torch.set_default_dtype(default)
     inputs = {
-        k: v.to("cuda", DTYPE if v.is_floating_point() and "ids" not in k else v.dtype) for k, v in inputs.items()
+        k: v.to(DEVICE, DTYPE if v.is_floating_point() and "ids" not in k else v.dtype) for k, v in inputs.items()
     }
     return model.train(train).requires_grad_(train), inputs
 
@@ -240,12 +268,18 @@ def _host_ms(fn, calls: int = 5) -> float:
     host (or by the launch queue filling); well below it, by the GPU."""
     times = []
     for _ in range(calls):
-        torch.cuda.synchronize()
+        _synchronize()
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
+    _synchronize()
     return sorted(times)[calls // 2]
+
+
+def _synchronize() -> None:
+    """Wait for the GPU (nothing to wait for on the CPU)."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 #: ``--replay``: steps are also timed as replays of one CUDA graph holding the
@@ -267,7 +301,7 @@ def _repeated(fn, timer_ms: float, repeats: int) -> dict:
         "ms_min": times[0],
         "ms_max": times[-1],
         "ms_runs": times,
-        "peak_MiB": max(peak for _, peak in runs),
+        "peak_MiB": None if DEVICE == "cpu" else max(peak for _, peak in runs),
         "host_ms": _host_ms(fn),
     }
     if REPLAY:
@@ -637,10 +671,135 @@ def run_int8_attention_case(
     return rows
 
 
+#: ``--lora``: the adapters' rank, and the size of each delta ``B A`` against its Linear's weight
+#: (Frobenius norms): about the share of the Linear's output the LoRA moves.
+LORA_RANK = 64
+LORA_DELTA = 0.03
+#: ``--lora``: the step's providers; each gives its plain row, ``*_lora_compiled`` and ``*_lora_swapped_compiled``.
+LORA_PROVIDERS = ("native_compiled", "fp8_compiled")
+
+
+def _lora_targets(model) -> dict:
+    """``{path: nn.Linear}``: the attention and MLP Linears of the transformer
+    blocks (the AdaLN modulation projections, ``*.norm*.linear``, aside)."""
+    from compile_ops.integrations.diffusers import BLOCK_LISTS
+
+    return {
+        path: m
+        for list_name in BLOCK_LISTS
+        for path, m in getattr(model, list_name, torch.nn.Module()).named_modules(prefix=list_name)
+        if type(m) is torch.nn.Linear and ".norm" not in path
+    }
+
+
+@torch.no_grad()
+def _random_lora(targets: dict, seed: int) -> dict:
+    """A rank-``LORA_RANK`` LoRA on ``targets`` (:func:`_lora_targets`), diffusers'
+    layout, bf16, in host memory (where a LoRA file is read into): per Linear
+    ``W [N, K]``, ``lora_A [r, K] ~ N(0, 1/K)`` and ``lora_B [N, r] ~ N(0, s^2)``
+    with ``s = LORA_DELTA |W| / sqrt(N r)``, so that ``|B A| ~ LORA_DELTA |W|``
+    (alpha = rank: scaling 1). Drawn on the model's device from ``seed``."""
+    first = next(iter(targets.values())).weight
+    generator = torch.Generator(first.device).manual_seed(seed)
+    lora = {}
+    for path, linear in targets.items():
+        n, k = linear.weight.shape
+        spread = LORA_DELTA * linear.weight.float().norm().item() / (n * LORA_RANK) ** 0.5
+        a = torch.randn(LORA_RANK, k, generator=generator, device=first.device) / k**0.5
+        b = torch.randn(n, LORA_RANK, generator=generator, device=first.device) * spread
+        lora[f"{path}.lora_A.weight"], lora[f"{path}.lora_B.weight"] = a.to(DTYPE).cpu(), b.to(DTYPE).cpu()
+    return lora
+
+
+def _timed_step(name: str, provider: str, step, timer_ms: float, repeats: int) -> tuple:
+    """``(row, output)``: ``step``'s first call (compiling; ``first_call_s``), then :func:`_repeated`."""
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = step()
+        _synchronize()
+        first_call_s = time.perf_counter() - start
+        row = _repeated(step, timer_ms, repeats)
+    row.update(case=name, provider=provider, first_call_s=first_call_s, train=False, tokens=_tokens(name))
+    return row, out
+
+
+def run_lora_case(name: str, timer_ms: float, repeats: int, providers, compile_mode: str) -> list:
+    """Each of LORA_PROVIDERS (those in ``providers``) on a fresh model: the
+    plain step, with a LoRA, and after hotswapping a second LoRA (module
+    docstring); the FP8 rows' errors against the native rows of this run."""
+    import compile_ops
+
+    rows, reference, loras = [], {}, None
+    for provider in (p for p in LORA_PROVIDERS if p in (providers or LORA_PROVIDERS)):
+        model, inputs = _build(name)
+        if loras is None:  # the same LoRAs for every provider: drawn from the bf16 weights
+            targets = _lora_targets(model)
+            loras = [_random_lora(targets, seed) for seed in (1, 2)]
+        if provider == "fp8_compiled":
+            compile_ops.patch(model, precision="fp8")
+        base = provider.removesuffix("_compiled")
+        labels = {"plain": provider, "lora": f"{base}_lora_compiled", "swapped": f"{base}_lora_swapped_compiled"}
+        new, outputs = [], {}
+
+        def measure(state, step):
+            row, outputs[state] = _timed_step(name, labels[state], step, timer_ms, repeats)
+            row.update(compile=compile_mode, weights_MiB=_weight_MiB(model))
+            new.append(row)
+            return row
+
+        module = _compiled(model, compile_mode)
+        measure("plain", lambda: module(**inputs).sample)
+        _uncompiled(model)
+        torch._dynamo.reset()
+        model.enable_lora_hotswap(target_rank=LORA_RANK)
+        start = time.perf_counter()
+        model.load_lora_adapter(dict(loras[0]), prefix=None, adapter_name="lora")
+        _synchronize()
+        load_s = time.perf_counter() - start
+        module = _compiled(model, compile_mode)
+        measure("lora", lambda: module(**inputs).sample).update(load_s=load_s)
+        graphs = counters["stats"]["unique_graphs"]
+        _synchronize()
+        start = time.perf_counter()
+        model.load_lora_adapter(dict(loras[1]), prefix=None, adapter_name="lora", hotswap=True)
+        _synchronize()
+        swap_s = time.perf_counter() - start
+        swapped = measure("swapped", lambda: module(**inputs).sample)
+        swapped.update(swap_s=swap_s, graphs_compiled_after_swap=counters["stats"]["unique_graphs"] - graphs)
+        for row in new[1:]:
+            row.update(lora_rank=LORA_RANK, lora_linears=len(loras[0]) // 2, lora_delta=LORA_DELTA)
+        new[1]["lora_moves_output"] = relative_l2(outputs["lora"], outputs["plain"])
+        new[2]["swap_moves_output"] = relative_l2(outputs["swapped"], outputs["lora"])
+        for row in new[1:]:
+            row["lora_cost"] = row["ms"] / new[0]["ms"] - 1  # the step's time the LoRA adds
+        if provider == "native_compiled":
+            reference = outputs
+        elif reference:
+            for state, row in zip(("plain", "lora", "swapped"), new):
+                row.update(rel_l2_vs_bf16=relative_l2(outputs[state], reference[state]), reference="native")
+        for row in new:
+            error = f"  rel. L2 vs native {row['rel_l2_vs_bf16']:.2e}" if "rel_l2_vs_bf16" in row else ""
+            swap = (
+                f"  swap {row['swap_s']:.2f} s, {row['graphs_compiled_after_swap']} graphs compiled after it"
+                if "swap_s" in row
+                else ""
+            )
+            print(
+                f"{name:<11} {row['provider']:<28} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, "
+                f"host {row['host_ms']:.1f}){error}{swap}  (first call {row['first_call_s']:.0f} s)",
+                flush=True,
+            )
+        rows += new
+        del model, module
+        torch._dynamo.reset()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def _tokens(name: str) -> int:
-    return {"wan_step": 21 * 30 * 52, "wan_step_720p": 21 * 45 * 80, "flux_blocks_1360x768": 48 * 85 + 512}.get(
-        name, 4096 + 512
-    )
+    sizes = {"wan_step": 21 * 30 * 52, "wan_step_720p": 21 * 45 * 80, "flux_blocks_1360x768": 48 * 85 + 512}
+    return {**sizes, "flux_step_tiny": 4 * 4 + 8}.get(name, 4096 + 512)
 
 
 def _version(package: str):
@@ -657,8 +816,11 @@ def diffusers_environment() -> dict:
     (what every diffusers runner records)."""
     import diffusers
 
-    warm_up_gpu()
-    env = environment()
+    if DEVICE == "cpu":  # a smoke run
+        env = {"gpu": "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    else:
+        warm_up_gpu()
+        env = environment()
     env["diffusers"] = diffusers.__version__
     return env
 
@@ -715,12 +877,23 @@ def main(argv=None) -> int:
         action="store_true",
         help="also each step's GPU time by kernel family and its top kernels (torch.profiler)",
     )
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="only the LoRA comparison (LORA_PROVIDERS: plain, with a rank-64 LoRA, after a hotswap) "
+        "on the inference cases",
+    )
+    p.add_argument(
+        "--backend", default="inductor", help="torch.compile's backend (eager: Dynamo alone, for smoke runs)"
+    )
     args = p.parse_args(argv)
     modes = args.inductor_modes.split(",")
-    if modes != ["default"] and (args.fp8 or args.int8_attention):
-        p.error("--inductor-modes compares the bf16 providers: not with --fp8 or --int8-attention")
-    global REPLAY, ATTENTION_KERNEL
-    REPLAY, ATTENTION_KERNEL = args.replay, args.attention_kernel
+    if modes != ["default"] and (args.fp8 or args.int8_attention or args.lora):
+        p.error("--inductor-modes compares the bf16 providers: not with --fp8, --int8-attention or --lora")
+    if args.lora and (args.fp8 or args.int8_attention):
+        p.error("--lora is a comparison of its own: not with --fp8 or --int8-attention")
+    global REPLAY, ATTENTION_KERNEL, BACKEND
+    REPLAY, ATTENTION_KERNEL, BACKEND = args.replay, args.attention_kernel, args.backend
     env = diffusers_environment()
     env["command"] = "python bench/runners/diffusers_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
     stem = "diffusers-e2e"
@@ -732,6 +905,8 @@ def main(argv=None) -> int:
         stem, env["sageattention"] = "diffusers-e2e-int8", _version("sageattention")
     if modes != ["default"]:  # the compile-mode comparison has its own file
         stem = "diffusers-e2e-modes"
+    if args.lora:
+        stem = "diffusers-e2e-lora"
     path = results_path(args.out, stem, env)
     rows = []
     if os.path.exists(path):
@@ -741,6 +916,8 @@ def main(argv=None) -> int:
         chosen = args.providers.split(",") if args.providers else None
         if args.int8_attention:
             new = run_int8_attention_case(name, args.rep_ms, args.repeats, chosen, args.compile_mode, args.profile)
+        elif args.lora:
+            new = run_lora_case(name, args.rep_ms, args.repeats, chosen, args.compile_mode)
         else:
             new = [
                 row

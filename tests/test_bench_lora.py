@@ -1,0 +1,64 @@
+"""bench/runners/diffusers_e2e.py ``--lora`` end to end on a tiny Flux (on the CPU
+here: Dynamo with the eager backend, wall-clock times): the rows it writes, the
+hotswap compiling nothing, and the size of its random LoRAs."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+from bench.runners import diffusers_e2e  # noqa: E402
+from bench.toolkit import relative_l2  # noqa: E402
+
+
+def test_random_lora_moves_each_linear_by_about_its_delta():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 384)
+    lora = diffusers_e2e._random_lora({"blocks.0.proj": linear}, seed=1)
+    a, b = lora["blocks.0.proj.lora_A.weight"], lora["blocks.0.proj.lora_B.weight"]
+    assert a.shape == (diffusers_e2e.LORA_RANK, 256) and b.shape == (384, diffusers_e2e.LORA_RANK)
+    assert a.dtype == b.dtype == diffusers_e2e.DTYPE and a.device.type == "cpu"
+    x = torch.randn(64, 256)
+    base = x @ linear.weight.T
+    moved = relative_l2(base + x @ a.float().T @ b.float().T, base)
+    assert 0.5 * diffusers_e2e.LORA_DELTA < moved < 2 * diffusers_e2e.LORA_DELTA, moved
+
+
+def test_lora_case_runs_end_to_end_on_a_tiny_flux_and_hotswaps_without_compiling(tmp_path, monkeypatch):
+    for name in ("BACKEND", "REPLAY", "ATTENTION_KERNEL"):  # main() sets them
+        monkeypatch.setattr(diffusers_e2e, name, getattr(diffusers_e2e, name))
+    argv = ["--lora", "--cases", "flux_step_tiny", "--compile", "regional", "--backend", "eager"]
+    assert diffusers_e2e.main([*argv, "--repeats", "2", "--rep-ms", "10", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("diffusers-e2e-lora-*.json")
+    results = json.loads(path.read_text())
+    assert "--lora" in results["env"]["command"]
+    rows = {row["provider"]: row for row in results["rows"]}
+    assert list(rows) == [
+        "native_compiled",
+        "native_lora_compiled",
+        "native_lora_swapped_compiled",
+        "fp8_compiled",
+        "fp8_lora_compiled",
+        "fp8_lora_swapped_compiled",
+    ]
+    for row in rows.values():
+        assert row["case"] == "flux_step_tiny" and row["compile"] == "regional"
+        assert len(row["ms_runs"]) == 2 and row["ms_min"] <= row["ms"] <= row["ms_max"]
+    for kind in ("native", "fp8"):
+        lora, swapped = rows[f"{kind}_lora_compiled"], rows[f"{kind}_lora_swapped_compiled"]
+        # Every attention and MLP Linear of the blocks: 12 in the double block, 5 in the single one.
+        assert lora["lora_rank"] == 64 and lora["lora_linears"] == 17
+        assert lora["lora_moves_output"] > 1e-3 and swapped["swap_moves_output"] > 1e-3
+        assert swapped["graphs_compiled_after_swap"] == 0 and 0 < swapped["swap_s"] < 60
+        assert "lora_cost" in lora and "lora_cost" in swapped
+    for state in ("fp8_compiled", "fp8_lora_compiled", "fp8_lora_swapped_compiled"):
+        # FP8 against the native step in the same state: the quantization's error, not a lost adapter's.
+        assert 1e-4 < rows[state]["rel_l2_vs_bf16"] < 5e-2, rows[state]
+    assert "rel_l2_vs_bf16" not in rows["native_lora_compiled"]
