@@ -222,12 +222,12 @@ def tiny_clip(folder):
     return folder
 
 
-def _run(tmp_path, pipeline, modes, seeds, *extra):
+def _run(tmp_path, pipeline, modes, seeds, *extra, device="cpu", dtype="float32"):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w1 w2 w3\n")
     out = tmp_path / "report"
     argv = ["--pipeline", str(pipeline), "--prompts", str(prompts), "--modes", modes, "--seeds", seeds]
-    argv += ["--steps", "2", "--height", "16", "--width", "16", "--device", "cpu", "--dtype", "float32"]
+    argv += ["--steps", "2", "--height", "16", "--width", "16", "--device", device, "--dtype", dtype]
     assert main(argv + ["--out", str(out), *extra]) == 0
     results = json.loads((out / "quality.json").read_text())
     for page in ("index.md", "index.html"):
@@ -289,3 +289,24 @@ def test_video_pipeline_end_to_end(tmp_path):
     (radial,) = [r for r in results["runs"] if r["mode"] == "sparse:radial"]
     with Image.open(out / radial["files"]["grid"]) as grid:
         assert grid.height > grid.width / 2  # rows exact, mode, difference over a few frames
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the fused kernels on a CUDA device")
+@pytest.mark.parametrize(
+    "build, modes, extra",
+    [
+        (tiny_flux, "exact,fp8,int8_fp8,fp8+int8_fp8", ()),
+        (tiny_wan, "exact,int8_fp8,sparse:radial,fp8+int8_fp8+sparse:radial", ("--frames", "5")),
+    ],
+    ids=["flux", "wan"],
+)
+def test_pipelines_end_to_end_on_cuda(tmp_path, build, modes, extra):
+    pipeline = build(tmp_path / "pipeline")
+    _, results = _run(tmp_path, pipeline, modes, "0", *extra, device="cuda", dtype="bfloat16")
+    assert [m["status"] for m in results["modes"]] == ["ok"] * len(modes.split(","))
+    for run in results["runs"]:
+        assert run["peak_memory_bytes"] > 0
+        if run["mode"] == "exact":
+            assert run["metrics"]["psnr"] == "inf"
+        else:  # an approximation moves the output, by a finite amount
+            assert run["metrics"]["psnr"] != "inf" and run["metrics"]["psnr"] > 0
