@@ -535,8 +535,41 @@ def test_fake_cuda_trace_launches_the_quantize_kernel(shape, looped, activation,
         assert block_n == min(4096, triton.next_power_of_2(max(x.shape[-1], kwargs["K_HEAD"])))
         assert (chunks, head_chunks) == (triton.cdiv(x.shape[-1], block_n), triton.cdiv(kwargs["K_HEAD"], block_n))
         assert block_n * (chunks + head_chunks) <= 16384
+    assert kwargs["ROW_TILES"] == 1  # no SCHEDULES entry: one tile a program
     assert grid[0] * kwargs["BLOCK_M"] >= rows and 0 < grid[0] < 2**31
     assert (q.shape, q.dtype, scale.shape, scale.dtype) == (shape, torch.float8_e4m3fn, shape[:-1], torch.float32)
+
+
+@pytest.mark.parametrize(
+    "schedule, shape, k_head",
+    [
+        (ops.Schedule(1, 4096, 2, 16), (2, 4096, 12288), 3072),  # Flux's single block, two rows a program
+        (ops.Schedule(4, 512, 3, 8), (7, 1536), 0),  # rows across warp groups, M not a multiple of 12
+        (ops.Schedule(2, 2048, 4, 4), (3, 20000), 0),  # an entry holds rows the default rule would loop
+    ],
+)
+def test_fake_cuda_trace_launches_the_schedule_table_entry(monkeypatch, schedule, shape, k_head):
+    """A SCHEDULES entry keyed by (activation, head width, width) sets the held
+    launch: its tile rows, block width, tiles a program and warps, each
+    segment in whole blocks, a grid of programs of BLOCK_M x ROW_TILES rows;
+    other widths keep the default rule."""
+    activation = "gelu_tanh" if k_head else "none"
+    monkeypatch.setattr(ops, "SCHEDULES", {(activation, k_head, shape[-1]): schedule})
+    with torch.device("meta"):
+        x = torch.empty(shape, dtype=torch.bfloat16)
+        other = torch.empty((*shape[:-1], shape[-1] + 16), dtype=torch.bfloat16)  # no entry
+        heads = (torch.empty((*shape[:-1], k_head), dtype=torch.bfloat16),) if k_head else ()
+    body = OP_BODIES["fused::quantize_fp8_rows"]
+    _, _, launches = _fake_cuda_launches(
+        lambda t, u, *h: (body(t, activation, *h), body(u, activation, *h)), x, other, *heads
+    )
+    (_, entry, grid), (_, default, _) = launches
+    rows = x.numel() // x.shape[-1]
+    block_m, block_n, row_tiles, _ = schedule
+    assert not entry["LOOPED"] and (entry["BLOCK_M"], entry["BLOCK_N"], entry["ROW_TILES"]) == schedule[:3]
+    assert (entry["CHUNKS"], entry["HEAD_CHUNKS"]) == (triton.cdiv(shape[-1], block_n), triton.cdiv(k_head, block_n))
+    assert grid[0] == triton.cdiv(rows, block_m * row_tiles)
+    assert default["ROW_TILES"] == 1
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -575,9 +608,9 @@ def test_fake_cuda_trace_of_fp8_linear_calls_scaled_mm_rowwise(monkeypatch, bias
     assert out.shape == (2, 7, 48) and out.dtype == torch.float32
 
 
-@pytest.mark.parametrize("looped", [False, True])
+@pytest.mark.parametrize("variant", ["held", "looped", "row_tiles"])
 @pytest.mark.parametrize("act", [-1, 1])
-def test_sm90_code_rounds_like_the_reference(looped, act):
+def test_sm90_code_rounds_like_the_reference(variant, act):
     """What makes the GPU's bytes the reference's, read from the sm_90 PTX (no GPU
     needed; both variants with a head segment, as Flux's single block runs them): IEEE division for the
     scales (not div.approx/div.full, which plain fp32 ``/`` gives), no
@@ -585,7 +618,8 @@ def test_sm90_code_rounds_like_the_reference(looped, act):
     tests/conftest.py's interpreter patch reproduces. With an activation
     (tanh GELU) the forward sigmoid's one approximate division is the only
     other one (``kernels/glu.py``: its bytes are the GLU kernels', which the
-    interpreter layer compares)."""
+    interpreter layer compares). ``row_tiles``: two tiles of two rows a program
+    (SCHEDULES' pipelined schedule)."""
     import re
 
     import triton
@@ -613,19 +647,22 @@ def test_sm90_code_rounds_like_the_reference(looped, act):
         "HAS_HEAD": "constexpr",
         "CHUNKS": "constexpr",
         "HEAD_CHUNKS": "constexpr",
+        "ROW_TILES": "constexpr",
     }
+    looped, tiles = variant == "looped", 2 if variant == "row_tiles" else 1
     # Flux's single block as the launcher runs it: 3 + 1 blocks of 4096 held, or the loop.
     src = ASTSource(
         fn=quantize_fp8_rows_kernel,
         signature=signature,
         constexprs={
-            "BLOCK_M": 1,
+            "BLOCK_M": tiles,
             "BLOCK_N": 2048 if looped else 4096,
             "LOOPED": looped,
             "ACT": act,
             "HAS_HEAD": True,
             "CHUNKS": 0 if looped else 3,
             "HEAD_CHUNKS": 0 if looped else 1,
+            "ROW_TILES": tiles,
         },
     )
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if looped else 8}).asm["ptx"]
@@ -633,7 +670,7 @@ def test_sm90_code_rounds_like_the_reference(looped, act):
     divisions = re.findall(r"div\.[\w.]+", ptx)
     assert set(divisions) == ({"div.rn.f32"} if act < 0 else {"div.rn.f32", "div.full.f32"})
     # The scales' two correctly rounded divisions, in each place a row's scale is taken.
-    assert 0 < divisions.count("div.rn.f32") <= 4
+    assert 0 < divisions.count("div.rn.f32") <= 4 * tiles
     assert ".ftz" not in ptx
 
 
@@ -752,6 +789,68 @@ def test_kernel_follows_the_non_finite_rule(k, activation, with_head):
     assert torch.isinf(scale[infinite]).all() and torch.isfinite(scale[~infinite]).all()
     back = q.float() * scale[:, None]
     assert back[infinite].isnan().all() and torch.equal(back[~infinite].isnan(), values[~infinite].isnan())
+
+
+def _quantized_under_schedule(x, activation, head, schedule):
+    """``quantize_fp8_rows`` with ``schedule`` as the SCHEDULES entry of x's rows,
+    and the values the reference quantizes (as :func:`_quantized_in_small_chunks`)."""
+    from compile_ops._library import clear_launch_plans
+
+    saved = ops.SCHEDULES
+    ops.SCHEDULES = {(activation, 0 if head is None else head.shape[-1], x.shape[-1]): schedule}
+    clear_launch_plans()
+    try:
+        q, scale = compile_ops.quantize_fp8_rows(x, activation, head=head)
+    finally:
+        ops.SCHEDULES = saved
+        clear_launch_plans()
+    values = x if activation == "none" else _unquantized_activation(x, activation)
+    if head is not None:
+        values = torch.cat([head, values], dim=-1)
+    return q, scale, values
+
+
+@pytest.mark.kernels
+@given(
+    st.integers(1, 13),
+    st.one_of(st.just(1), st.integers(2, 120)),
+    st.sampled_from([0, 5, 40]),
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from([16, 32]),
+    st.integers(1, 4),
+    st.sampled_from(["none", "gelu_tanh", "silu"]),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.sampled_from(["none", "zero_rows", "inf", "nan"]),
+)
+def test_kernel_several_tiles_a_program_write_the_references_bytes(
+    rows, k, k_head, block_m, block_n, row_tiles, activation, dtype, special
+):
+    """The pipelined schedule (a SCHEDULES entry: ``row_tiles`` tiles of
+    ``block_m`` rows a program, blocks of 16 or 32 columns): rows that are not
+    a multiple of a program's, the last tile partly or wholly past them, K = 1,
+    K not a multiple of the block, with and without a head, all-zero rows (the
+    floor), +-inf and NaN. Bytes and scales equal the reference's of the
+    concatenation, with the activation the GLU kernels compute."""
+    torch.manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k) * 3
+    head = torch.randn(rows, k_head) * 2 if k_head else None
+    if special == "zero_rows":
+        x[0], x[-1] = 0.0, 0.0
+        if head is not None:
+            head[0], head[-1] = 0.0, 0.0
+    elif special != "none":
+        x[-1, k // 2] = float(special)
+        x[0, 0] = -float(special)
+        if head is not None:
+            head[rows // 2, k_head - 1] = float(special)
+    x = x.to(dtype).to(KERNEL_DEVICE)
+    head = None if head is None else head.to(dtype).to(KERNEL_DEVICE)
+    schedule = ops.Schedule(block_m, block_n, row_tiles, 4)
+    q, scale, values = _quantized_under_schedule(x, activation, head, schedule)
+    want_q, want_scale = ref.quantize_fp8_rows(values.cpu())
+    assert _same_bytes_but_nan_sign(q.cpu(), want_q) and torch.equal(scale.cpu(), want_scale)
+    if special == "zero_rows":
+        assert torch.equal(scale.cpu()[[0, -1]], ref.quantize_fp8_rows(torch.zeros(2, 1))[1])  # the floor
 
 
 @pytest.mark.kernels

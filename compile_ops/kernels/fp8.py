@@ -99,15 +99,27 @@ def quantize_tile(y, mask):
 
 
 @triton.jit
-def _load_values(X, rows, c, stride_row, stride_col, mask, ACT: tl.constexpr, EVICT: tl.constexpr):
-    """The fp32 tile of values to quantize: X's elements, or with ``ACT >= 0``
-    (``kernels.glu``'s codes) their activation rounded to X's dtype (masked
-    elements load 0, whose activation is 0 in every mode). EVICT: the load's
-    L2 eviction policy (the two-pass loop keeps its first read for the second)."""
-    y = tl.load(X + _tile(rows, c, stride_row, stride_col), mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+def _load_raw(X, rows, c, stride_row, stride_col, mask, EVICT: tl.constexpr):
+    """X's elements at ``rows x c`` in X's dtype (masked elements 0). EVICT: the
+    load's L2 eviction policy (the two-pass loop keeps its first read for the second)."""
+    return tl.load(X + _tile(rows, c, stride_row, stride_col), mask=mask, other=0.0, eviction_policy=EVICT)
+
+
+@triton.jit
+def _values(raw, ACT: tl.constexpr):
+    """The fp32 tile to quantize from a raw tile: its elements, or with ``ACT >= 0``
+    (``kernels.glu``'s codes) their activation rounded to the raw dtype (the
+    activation of a masked 0 is 0 in every mode)."""
+    y = raw.to(tl.float32)
     if ACT >= 0:
-        y = activation(y, ACT, False)[0].to(X.dtype.element_ty).to(tl.float32)
+        y = activation(y, ACT, False)[0].to(raw.dtype).to(tl.float32)
     return y
+
+
+@triton.jit
+def _load_values(X, rows, c, stride_row, stride_col, mask, ACT: tl.constexpr, EVICT: tl.constexpr):
+    """:func:`_values` of X's tile at ``rows x c``."""
+    return _values(_load_raw(X, rows, c, stride_row, stride_col, mask, EVICT), ACT)
 
 
 @triton.jit
@@ -150,6 +162,80 @@ def _segment_store(
 
 
 @triton.jit
+def _held_block(i: tl.constexpr, rows, row_mask, K, K_HEAD, BLOCK_N: tl.constexpr, HEAD_CHUNKS: tl.constexpr):
+    """Block ``i`` of a held row (HEAD_CHUNKS blocks of the head, then x's): its
+    columns in its segment, their mask, and its first column in Q's row."""
+    if i < HEAD_CHUNKS:
+        c, mask = _columns(i * BLOCK_N, K_HEAD, rows, row_mask, BLOCK_N)
+        q_col0 = 0
+    else:
+        c, mask = _columns((i - HEAD_CHUNKS) * BLOCK_N, K, rows, row_mask, BLOCK_N)
+        q_col0 = K_HEAD
+    return c, mask, q_col0
+
+
+@triton.jit
+def _load_held_rows(
+    tile,
+    n_rows,
+    segments,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    HEAD_CHUNKS: tl.constexpr,
+):
+    """``(rows, row_mask, blocks)`` of tile ``tile`` of BLOCK_M rows: its raw
+    blocks (X's dtype, a tuple), HEAD_CHUNKS of HEAD then CHUNKS of X, from
+    ``segments = (X, HEAD, K, K_HEAD, stride_row, stride_col,
+    stride_head_row, stride_head_col)``. The loads are issued here; nothing
+    waits on them until a block is used."""
+    X, HEAD, K, K_HEAD, stride_row, stride_col, stride_head_row, stride_head_col = segments
+    rows = _tile_rows(tile, BLOCK_M)
+    row_mask = rows < n_rows
+    blocks = ()
+    for i in tl.static_range(HEAD_CHUNKS + CHUNKS):
+        c, mask, _ = _held_block(i, rows, row_mask, K, K_HEAD, BLOCK_N, HEAD_CHUNKS)
+        if i < HEAD_CHUNKS:
+            raw = _load_raw(HEAD, rows, c, stride_head_row, stride_head_col, mask, "")
+        else:
+            raw = _load_raw(X, rows, c, stride_row, stride_col, mask, "")
+        blocks = blocks + (raw,)
+    return rows, row_mask, blocks
+
+
+@triton.jit
+def _quantize_held_rows(
+    Q,
+    S,
+    held,
+    K,
+    K_HEAD,
+    ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    HEAD_CHUNKS: tl.constexpr,
+):
+    """Q's rows and S's scales of a tile ``held = (rows, row_mask, blocks)`` of
+    :func:`_load_held_rows`: the activation of x's blocks (the head's go as
+    they are), one elementwise maximum over the blocks reduced once, each
+    block converted with its row's inverse scale."""
+    rows, row_mask, blocks = held
+    peak = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    values = ()
+    for i in tl.static_range(HEAD_CHUNKS + CHUNKS):
+        _, mask, _ = _held_block(i, rows, row_mask, K, K_HEAD, BLOCK_N, HEAD_CHUNKS)
+        y = _values(blocks[i], -1 if i < HEAD_CHUNKS else ACT)
+        peak = tl.maximum(peak, counted_abs(y, mask))
+        values = values + (y,)
+    inverse, scale = fp8_scales(tl.max(peak, axis=1))
+    for i in tl.static_range(HEAD_CHUNKS + CHUNKS):
+        c, mask, q_col0 = _held_block(i, rows, row_mask, K, K_HEAD, BLOCK_N, HEAD_CHUNKS)
+        tl.store(Q + _tile(rows, q_col0 + c, K_HEAD + K, 1), to_e4m3(values[i], inverse), mask=mask)
+    tl.store(S + rows, scale, mask=row_mask)
+
+
+@triton.jit
 def quantize_fp8_rows_kernel(
     X,
     Q,
@@ -169,30 +255,36 @@ def quantize_fp8_rows_kernel(
     HAS_HEAD: tl.constexpr,
     CHUNKS: tl.constexpr = 1,
     HEAD_CHUNKS: tl.constexpr = 0,
+    ROW_TILES: tl.constexpr = 1,
 ):
     """Q[r] = e4m3 of row r of X (of act(X) with ``ACT >= 0``), S[r] its scale.
     With HAS_HEAD the row is ``HEAD[r]`` (K_HEAD columns, as they are) followed
     by that: the quantization of a concatenation that is never written. One
-    program per BLOCK_M rows; Q and S are contiguous.
+    program per ROW_TILES tiles of BLOCK_M rows; Q and S are contiguous.
 
-    Single pass (not LOOPED): the row is read once and held in registers as
-    HEAD_CHUNKS blocks of HEAD then CHUNKS blocks of X, each BLOCK_N wide
+    Single pass (not LOOPED): a tile's rows are read once and held in registers
+    as HEAD_CHUNKS blocks of HEAD then CHUNKS blocks of X, each BLOCK_N wide
     (a tuple of tiles, unrolled), so that a row is padded to whole blocks,
     not to a power of two (Flux's 3072 + 12288 columns: 4 blocks of 4096,
     where one block per segment would be 4096 + 16384); the row maximum is the
-    elementwise maximum over the blocks, reduced once. LOOPED (rows too wide
-    to hold): two passes over each segment in BLOCK_N blocks, the row maxima
-    and then the values (the activation computed in each; the first pass
-    asks L2 to keep what the second reads again).
+    elementwise maximum over the blocks, reduced once. A program quantizes its
+    ROW_TILES tiles in turn, software-pipelined: the next tile's loads are
+    issued before the current tile's activation, reduction and stores, so
+    that they are in flight while it computes (a tile of one row spreads a
+    row across the warps; BLOCK_M rows over narrower blocks give groups of
+    warps rows of their own). LOOPED (rows too wide to hold; ROW_TILES 1):
+    two passes over each segment in BLOCK_N blocks, the row maxima and then
+    the values (the activation computed in each; the first pass asks L2 to
+    keep what the second reads again).
 
     Why hold rows up to 16384 columns: an MLP's hidden activation (Flux:
     12288 wide, 3072 more of attention output as the head) in two passes is
     read twice with its activation computed twice, which made this kernel a
     large part of an FP8 Flux step (docs/notes/fp8.md)."""
-    rows = _tile_rows(tl.program_id(0), BLOCK_M)
-    row_mask = rows < n_rows
-    peak = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if LOOPED:
+        rows = _tile_rows(tl.program_id(0), BLOCK_M)
+        row_mask = rows < n_rows
+        peak = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if HAS_HEAD:
             peak = _segment_peak(peak, HEAD, rows, row_mask, K_HEAD, stride_head_row, stride_head_col, -1, BLOCK_N)
         peak = _segment_peak(peak, X, rows, row_mask, K, stride_row, stride_col, ACT, BLOCK_N)
@@ -202,23 +294,16 @@ def quantize_fp8_rows_kernel(
                 Q, K_HEAD + K, 0, HEAD, rows, row_mask, K_HEAD, stride_head_row, stride_head_col, inverse, -1, BLOCK_N
             )
         _segment_store(Q, K_HEAD + K, K_HEAD, X, rows, row_mask, K, stride_row, stride_col, inverse, ACT, BLOCK_N)
+        tl.store(S + rows, scale, mask=row_mask)
     else:
-        tiles = ()
-        for i in tl.static_range(HEAD_CHUNKS):
-            c, mask = _columns(i * BLOCK_N, K_HEAD, rows, row_mask, BLOCK_N)
-            h = _load_values(HEAD, rows, c, stride_head_row, stride_head_col, mask, -1, "")
-            peak = tl.maximum(peak, counted_abs(h, mask))
-            tiles = tiles + (h,)
-        for i in tl.static_range(CHUNKS):
-            c, mask = _columns(i * BLOCK_N, K, rows, row_mask, BLOCK_N)
-            y = _load_values(X, rows, c, stride_row, stride_col, mask, ACT, "")
-            peak = tl.maximum(peak, counted_abs(y, mask))
-            tiles = tiles + (y,)
-        inverse, scale = fp8_scales(tl.max(peak, axis=1))
-        for i in tl.static_range(HEAD_CHUNKS):
-            c, mask = _columns(i * BLOCK_N, K_HEAD, rows, row_mask, BLOCK_N)
-            tl.store(Q + _tile(rows, c, K_HEAD + K, 1), to_e4m3(tiles[i], inverse), mask=mask)
-        for i in tl.static_range(CHUNKS):
-            c, mask = _columns(i * BLOCK_N, K, rows, row_mask, BLOCK_N)
-            tl.store(Q + _tile(rows, K_HEAD + c, K_HEAD + K, 1), to_e4m3(tiles[HEAD_CHUNKS + i], inverse), mask=mask)
-    tl.store(S + rows, scale, mask=row_mask)
+        # Software-pipelined over the program's tiles: the next tile's loads
+        # are issued before this one is quantized, so they run under its work.
+        segments = (X, HEAD, K, K_HEAD, stride_row, stride_col, stride_head_row, stride_head_col)
+        first_tile = tl.cast(tl.program_id(0), tl.int64) * ROW_TILES
+        held = _load_held_rows(first_tile, n_rows, segments, BLOCK_M, BLOCK_N, CHUNKS, HEAD_CHUNKS)
+        for t in tl.static_range(ROW_TILES):
+            if t + 1 < ROW_TILES:
+                loaded = _load_held_rows(first_tile + t + 1, n_rows, segments, BLOCK_M, BLOCK_N, CHUNKS, HEAD_CHUNKS)
+            _quantize_held_rows(Q, S, held, K, K_HEAD, ACT, BLOCK_M, BLOCK_N, CHUNKS, HEAD_CHUNKS)
+            if t + 1 < ROW_TILES:
+                held = loaded

@@ -40,13 +40,8 @@ FP8_CAPABILITY = _library.FP8_MMA
 #: bench/results/sweep-fp8-h100-round1.json and -round2.json; figures in docs/notes/fp8.md). MAX_ROW_VALUES: a
 #: program holds up to this many values (its rows padded to whole blocks) in
 #: registers and reads them once, which beats the two-pass loop that wider
-#: rows take, LOOP_BLOCK_N columns a step with LOOP_WARPS warps. Held rows are
-#: cut into blocks of CHUNK_N columns (narrower rows take one block of their
-#: own power of two, several rows a program up to TILE values): narrower blocks
-#: pad less but are slower (more separate loads and conversions). Warps: a
-#: thread holds about VALUES_PER_THREAD values, ACTIVATION_VALUES_PER_THREAD
-#: where each costs an activation (more warps hide its latency; without one,
-#: fewer warps are faster), 4 to MAX_WARPS.
+#: rows take, LOOP_BLOCK_N columns a step with LOOP_WARPS warps. Held rows
+#: take their entry of SCHEDULES, else :func:`default_schedule`.
 MAX_ROW_VALUES = 16384
 CHUNK_N = 4096
 TILE = 4096
@@ -57,10 +52,46 @@ LOOP_BLOCK_N = 2048
 LOOP_WARPS = 4
 
 
+class Schedule(NamedTuple):
+    """How held rows are launched: tiles of ``block_m`` rows (a power of two)
+    cut in blocks of ``block_n`` columns (a power of two; the head and x each
+    padded to whole blocks), ``row_tiles`` tiles a program (each one's loads
+    issued before the tile before it is quantized), ``warps`` warps. Blocks
+    narrower than a warp group's reach put groups of warps on rows of their own."""
+
+    block_m: int
+    block_n: int
+    row_tiles: int
+    warps: int
+
+
+#: The held-row launch by ``(activation, head width, width)`` (activation
+#: ``"none"`` or its name, head width 0 without a head), from
+#: ``bench/sweeps/fp8.py``'s results; other shapes take :func:`default_schedule`.
+SCHEDULES: dict = {}
+
+
 def _num_warps(values: int, per_thread: int) -> int:
     """Warps for a program holding ``values`` values, about ``per_thread`` a
     thread: 4 to MAX_WARPS (a power of two)."""
     return max(4, min(MAX_WARPS, triton.next_power_of_2(values) // (32 * per_thread)))
+
+
+def default_schedule(activation: str, k_head: int, k: int) -> Optional[Schedule]:
+    """The rule for rows without a SCHEDULES entry: one tile a program, blocks
+    of CHUNK_N (narrower rows one block of their own power of two, several
+    rows a tile up to TILE values), warps for about VALUES_PER_THREAD values a
+    thread (ACTIVATION_VALUES_PER_THREAD where each costs an activation: more
+    warps hide its latency; without one, fewer warps are faster); None for
+    rows past MAX_ROW_VALUES (the two-pass loop). ``k_head``, ``k``: the head's
+    and x's widths."""
+    block_n = min(CHUNK_N, triton.next_power_of_2(max(k, k_head)))
+    row_values = block_n * (triton.cdiv(k, block_n) + triton.cdiv(k_head, block_n))
+    if row_values > MAX_ROW_VALUES:
+        return None
+    block_m = 1 << max(0, (TILE // row_values).bit_length() - 1)  # a power of two, as tl.arange needs
+    per_thread = VALUES_PER_THREAD if activation == "none" else ACTIVATION_VALUES_PER_THREAD
+    return Schedule(block_m, block_n, 1, _num_warps(block_m * row_values, per_thread))
 
 
 INFERENCE_ONLY = (
@@ -125,18 +156,15 @@ def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tenso
     k_head = 0 if head is None else head2.shape[1]
     if n_rows == 0 or k + k_head == 0:  # nothing to launch; the reference gives the (empty or floor) scales
         return tuple(t.contiguous() for t in reference.fp8.quantize_fp8_rows(x, activation, head))
-    # Both segments in blocks of one width (the kernel keeps one elementwise maximum).
-    block_n = min(CHUNK_N, triton.next_power_of_2(int(max(k, k_head))))
-    chunks, head_chunks = triton.cdiv(int(k), block_n), triton.cdiv(int(k_head), block_n)
-    row_values = block_n * (chunks + head_chunks)
-    looped = row_values > MAX_ROW_VALUES
+    widths = (int(k_head), int(k))
+    schedule = SCHEDULES.get((activation, *widths)) or default_schedule(activation, *widths)
+    looped = schedule is None
     if looped:
-        block_m, block_n, chunks, head_chunks, warps = 1, LOOP_BLOCK_N, 0, 0, LOOP_WARPS
-    else:
-        block_m = 1 << max(0, (TILE // row_values).bit_length() - 1)  # a power of two, as tl.arange needs
-        per_thread = VALUES_PER_THREAD if activation == "none" else ACTIVATION_VALUES_PER_THREAD
-        warps = _num_warps(block_m * row_values, per_thread)
-    grid = (triton.cdiv(n_rows, block_m),)
+        schedule = Schedule(1, LOOP_BLOCK_N, 1, LOOP_WARPS)
+    block_m, block_n, row_tiles, warps = schedule
+    # Both segments in blocks of one width (the kernel keeps one elementwise maximum).
+    chunks, head_chunks = (0, 0) if looped else (triton.cdiv(widths[1], block_n), triton.cdiv(widths[0], block_n))
+    grid = (triton.cdiv(n_rows, block_m * row_tiles),)
     launcher(quantize_fp8_rows_kernel)[grid](
         x2,
         q,
@@ -156,6 +184,7 @@ def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tenso
         HAS_HEAD=head is not None,
         CHUNKS=chunks,
         HEAD_CHUNKS=head_chunks,
+        ROW_TILES=row_tiles,
         num_warps=warps,
     )
     return q, scale
