@@ -110,6 +110,39 @@ def test_every_launched_kernel_variant_compiles_for_sm90(spec, dtype, monkeypatc
             assert compiled.asm.get("cubin"), f"{name[0]} ({float_type} scalars): no cubin"
 
 
+def test_fp8_quantize_schedules_compile_for_sm90(monkeypatch):
+    """The quantize kernel's pipelined schedules: each candidate of
+    bench/sweeps/fp8.py, traced at its shape as that shape's SCHEDULES entry
+    (several row tiles a program, tiles of several rows, up to 32 warps),
+    compiles for sm_90 with its own warps, specialized as the JIT launches it
+    (unit column strides constant, pointers and row sizes divisible by 16)."""
+    from types import SimpleNamespace
+
+    from bench.sweeps.fp8 import CASES
+    from compile_ops.ops import fp8 as fp8_ops
+
+    divisible = ("X", "Q", "S", "HEAD", "K", "K_HEAD", "stride_row", "stride_head_row")
+    for activation, rows, head_width, width, candidates in CASES.values():
+        assert width % 16 == head_width % 16 == 0
+        with torch.device("meta"):
+            args = (torch.empty(rows, width, dtype=torch.bfloat16), activation)
+            args += (torch.empty(rows, head_width, dtype=torch.bfloat16),) if head_width else ()
+        case = SimpleNamespace(qualname="fused::quantize_fp8_rows", edge_inputs=lambda *_: [args], make_inputs=None)
+        for schedule in candidates:
+            monkeypatch.setattr(fp8_ops, "SCHEDULES", {(activation, head_width, width): schedule})
+            ((kernel, signature, constants),) = _launches(case, torch.bfloat16).values()
+            assert (constants["BLOCK_M"], constants["BLOCK_N"], constants["ROW_TILES"]) == schedule[:3]
+            constants = {**constants, "stride_col": 1, "stride_head_col": 1}
+            ordered = {p: "constexpr" if p in constants else signature[p] for p in kernel.arg_names}
+            aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.arg_names) if p in divisible}
+            compiled = triton.compile(
+                ASTSource(fn=kernel, signature=ordered, constexprs=constants, attrs=aligned),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": schedule.warps},
+            )
+            assert compiled.asm.get("cubin"), f"{activation} {head_width}+{width} {schedule}: no cubin"
+
+
 @pytest.mark.parametrize(
     "options",
     [
