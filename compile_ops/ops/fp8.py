@@ -67,7 +67,8 @@ class Schedule(NamedTuple):
 
 #: The held-row launch by ``(activation, head width, width)`` (activation
 #: ``"none"`` or its name, head width 0 without a head), from
-#: ``bench/sweeps/fp8.py``'s results; other shapes take :func:`default_schedule`.
+#: ``bench/sweeps/fp8.py``'s results; an entry holds its rows whatever their
+#: width. Other shapes take :func:`default_schedule`.
 SCHEDULES: dict = {}
 
 
