@@ -41,7 +41,9 @@ attention run the same code on the same tiles in the same order.
 and v as ``kernels/attention_8bit.py`` writes them: k per 128-key block in
 INT8 less its mean over the sequence, and v in e4m3 with channel scales,
 transposed. q it rounds itself, per token, as each program loads its rows
-(``QUANTIZE_Q``).
+(``QUANTIZE_Q``). With ``SPARSE`` too (block-sparse attention's 8-bit
+precisions) a listed tile reads the k scale of the block its first key lies
+in, and FP8 P V's 128-key tiles are the listed blocks themselves.
 
 On Hopper the tiles a loop streams come by TMA (``TMA``): the forward's K
 and V through per-head descriptors, the backward's q and dO (dk/dv pass) and

@@ -51,7 +51,8 @@ this one's softmax.
 ``PV_FP8`` mode with q given in int8, the same formulas (biased int32
 scores, one row factor per tile, ``2**8 p`` rounded to e4m3, a fresh FP8
 product per tile added to the fp32 accumulator), and the same results bit
-for bit, dense only. Built, not routed: its P goes through shared memory
+for bit, dense or block-sparse (a listed block's tile takes that block's k
+scale). Built, not routed: its P goes through shared memory
 (``attention_sm90_key_tiles._next_carry``), and it is not ahead of
 ``attn_fwd_kernel`` (``ops.attention_tiles.SM90_CORE_PRECISIONS``).
 
@@ -208,7 +209,7 @@ def _consumer(
     it = 0  # key tiles consumed so far: the ring's position
     item = 0
     for w in range(gl.program_id(0), _work_items(work), gl.num_programs(0)):
-        b, h, bh, q_start, kv_len, _, n_tiles, n_full, masked_start, out_off = _work_item(
+        b, h, bh, q_start, kv_len, blocks, n_tiles, n_full, masked_start, out_off = _work_item(
             w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST
         )
         first_row = q_start + WGMMA_ROWS * HALF
@@ -243,6 +244,7 @@ def _consumer(
                 q_rows,
                 row_q,
                 k_scales,
+                blocks,
                 k_smem,
                 v_smem,
                 p_smem,
@@ -258,6 +260,7 @@ def _consumer(
                 n_full,
                 kv_len - masked_start,
                 diagonal,
+                SPARSE,
                 s_layout,
                 p_layout,
                 o_rows,
@@ -435,7 +438,7 @@ def attn_fwd_sm90_kernel(
     ``maxnreg`` bounds the kernel's registers so that 24 + 2 *
     ``CONSUMER_REGS`` per thread fit 3 warp groups.
 
-    ``INT8_FP8`` (dense): Q and K int8, ``Q_SCALE [B, H, Lq]`` q's per-token
+    ``INT8_FP8`` (dense or ``SPARSE``): Q and K int8, ``Q_SCALE [B, H, Lq]`` q's per-token
     scales, ``K_SCALE [B, H / GROUP, ceil(Lk / BLOCK_N)]`` one per key tile;
     V e4m3 ``[B, H / GROUP, D, Lk]`` with a unit key stride (``svl`` the
     stride between channels) and ``V_SCALE [B, H / GROUP, D]`` its channel
@@ -443,7 +446,6 @@ def attn_fwd_sm90_kernel(
     INT8 + PV_FP8 with q given). Otherwise the three scale pointers are
     unused (pass None)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warp group")
-    gl.static_assert(not (SPARSE and INT8_FP8), "8-bit operands are dense")
     gl.static_assert(
         BLOCK_N == 2 * WGMMA_ROWS or not (SPARSE or INT8_FP8),
         "a key tile is a listed block, and INT8_FP8's key tile is its k scale's block",

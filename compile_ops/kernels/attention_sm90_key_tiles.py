@@ -57,6 +57,17 @@ def _softmax(
 
 
 @gluon.jit
+def _row_factor(row_q, k_scales, blocks, j, SPARSE: gl.constexpr):
+    """INT8_FP8: key tile j's factor per row, q's scales times the tile's k
+    scale, one per 128-key block (a key tile): the j-th block's, or
+    (``SPARSE``) the j-th listed block's (``blocks``, ascending)."""
+    if SPARSE:
+        return row_q * gl.load(k_scales + gl.load(blocks + j))
+    else:
+        return row_q * gl.load(k_scales + j)
+
+
+@gluon.jit
 def _scores(c, q_rows, k_smem, k_ready, s_init):
     """Issue Q K^T for the c-th key tile through the ring once its keys have
     arrived (asynchronous)."""
@@ -121,6 +132,7 @@ def _key_step(
     q_rows,
     row_q,
     k_scales,
+    blocks,
     k_smem,
     v_smem,
     p_smem,
@@ -134,6 +146,7 @@ def _key_step(
     key_limit,
     diagonal,
     MASKED: gl.constexpr,
+    SPARSE: gl.constexpr,
     s_layout: gl.constexpr,
     p_layout: gl.constexpr,
     o_rows: gl.constexpr,
@@ -166,7 +179,7 @@ def _key_step(
     mbarrier.arrive(k_empty.index(stage), count=1)
     row = row_q
     if INT8_FP8:
-        row = row_q * gl.load(k_scales + j)
+        row = _row_factor(row_q, k_scales, blocks, j, SPARSE)
     p, m, l, alpha = _softmax(s, m, l, row, qk_scale, key_limit, diagonal, MASKED, INT8_FP8, s_layout)
     if not SERIAL:
         o = _pv_fold(o_token, carry, o, v_smem, o_rows)
@@ -185,6 +198,7 @@ def key_tiles(
     q_rows,
     row_q,
     k_scales,
+    blocks,
     k_smem,
     v_smem,
     p_smem,
@@ -200,13 +214,15 @@ def key_tiles(
     n_full,
     key_limit,
     diagonal,
+    SPARSE: gl.constexpr,
     s_layout: gl.constexpr,
     p_layout: gl.constexpr,
     o_rows: gl.constexpr,
 ):
     """One consumer's pass over its work item's ``n_tiles >= 1`` key tiles,
     the last ``n_tiles - n_full`` (0 or 1) masked, the ring's ``it``-th
-    onwards: ``(o, m, l)``. Once its last Q K^T is done it frees q for the
+    onwards: ``(o, m, l)``. ``SPARSE``: the tiles are the listed blocks at
+    ``blocks`` (INT8_FP8 reads their k scales). Once its last Q K^T is done it frees q for the
     loader (``q_empty``), which loads the next item's q under the last P V."""
     STAGES: gl.constexpr = k_smem.shape[0]
     INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
@@ -215,7 +231,7 @@ def key_tiles(
     mbarrier.arrive(k_empty.index(it % STAGES), count=1)
     row = row_q
     if INT8_FP8:
-        row = row_q * gl.load(k_scales)
+        row = _row_factor(row_q, k_scales, blocks, 0, SPARSE)
     if n_full == 0:  # the only tile is the masked one
         p, m, l, alpha = _softmax(s, m, l, row, qk_scale, key_limit, diagonal, True, INT8_FP8, s_layout)
     else:
@@ -232,6 +248,7 @@ def key_tiles(
             q_rows,
             row_q,
             k_scales,
+            blocks,
             k_smem,
             v_smem,
             p_smem,
@@ -245,6 +262,7 @@ def key_tiles(
             key_limit,
             diagonal,
             False,
+            SPARSE,
             s_layout,
             p_layout,
             o_rows,
@@ -260,6 +278,7 @@ def key_tiles(
             q_rows,
             row_q,
             k_scales,
+            blocks,
             k_smem,
             v_smem,
             p_smem,
@@ -273,6 +292,7 @@ def key_tiles(
             key_limit,
             diagonal,
             True,
+            SPARSE,
             s_layout,
             p_layout,
             o_rows,

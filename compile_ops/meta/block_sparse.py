@@ -21,9 +21,12 @@ from typing import Optional
 import torch
 
 from compile_ops.meta._validate import check_same_device, fail, values_readable
-from compile_ops.meta.attention import SPARSE_BLOCK, attention, attention_backward, dims
+from compile_ops.meta.attention import SPARSE_BLOCK, _eight_bit, attention, attention_backward, dims
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+#: Block-sparse attention's precisions, as ``compile_ops.attention``'s: the
+#: inputs' dtype, or 8-bit q and k (and FP8 P V) for inference.
+PRECISIONS = ("exact", "int8", "int8_fp8")
 
 
 def num_blocks(length) -> int:
@@ -119,7 +122,9 @@ def check_block_list_values(op: str, block_index: torch.Tensor, block_count: tor
     _remember_checked(key, block_index, block_count)
 
 
-def check_block_lists_eagerly(q, k, v, block_index, block_count, scale, causal, seq_dim=2, kv_lengths=None) -> None:
+def check_block_lists_eagerly(
+    q, k, v, block_index, block_count, scale, causal, seq_dim=2, kv_lengths=None, precision="exact"
+) -> None:
     """``fused.block_sparse_attention``'s eager check, run before its launches
     are replayed (a replay skips the op's body, hence its fake's validation):
     the lists' values (:func:`check_block_list_values`). Malformed arguments
@@ -171,9 +176,18 @@ def block_sparse_attention(
     causal: bool,
     seq_dim: int = 2,
     kv_lengths: Optional[torch.Tensor] = None,
+    precision: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` as ``fused.attention``'s."""
-    out, lse = attention(q, k, v, scale, causal, seq_dim, kv_lengths)  # validates q, k, v and the options
+    """``(out, lse)`` as ``fused.attention``'s, in every precision (the 8-bit
+    ones take fp16/bf16 inputs only, as ``fused.attention_int8``)."""
+    op = "block_sparse_attention"
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        fail(op, f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "exact":
+        out, lse = attention(q, k, v, scale, causal, seq_dim, kv_lengths)  # validates q, k, v and the options
+    else:
+        out = _eight_bit(op, q, k, v, scale, causal, seq_dim, kv_lengths)
+        lse = q.new_empty(dims(q, seq_dim)[:3], dtype=torch.float32)
     b, h, lq, _ = dims(q, seq_dim)
     check_block_lists("block_sparse_attention", block_index, block_count, b, h, lq, dims(k, seq_dim)[2], q.device)
     return out, lse

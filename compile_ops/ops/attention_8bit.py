@@ -178,19 +178,34 @@ def launch_eight_bit(
     seq_dim: int,
     kv_lengths: Optional[Tensor],
     out_scale: Optional[Tensor] = None,
+    blocks: Optional[tuple] = None,
+    lse: Optional[Tensor] = None,
 ) -> None:
     """The body the 8-bit ops share: fill ``out`` from the forward kernel.
     ``operands``: ``(q8, q_scale, k8, k_scale)`` and, for FP8 P V, ``(vt8,
     v_scale)`` (:func:`quantize_8bit`'s tuple); without the latter P V is
     16-bit, on ``v``. ``out_scale`` ``[B, Lq]`` (FP8 P V only): out is the
     e4m3 rows of ``reference.attention.attention_int8_fp8_rows``, these their
-    scales."""
+    scales. ``blocks``: block-sparse attention's lists, as ``launch_forward``
+    takes them. ``lse`` ``[B, H, Lq]`` fp32: filled with the 8-bit scores'
+    log-sum-exp (None: the kernel writes a scratch one)."""
     q8, q_scale, k8, k_scale, *v_operands = operands
     b, h, lq, _ = meta.attention.dims(q8, seq_dim)
-    lse = v.new_empty((b, h, lq), dtype=torch.float32)  # written by the kernel, not returned
+    if lse is None:
+        lse = v.new_empty((b, h, lq), dtype=torch.float32)
     if not v_operands:
         launch_forward(
-            q8, k8, unit_last_stride(v), out, lse, scale, causal, seq_dim, kv_lengths, int8_scales=(q_scale, k_scale)
+            q8,
+            k8,
+            unit_last_stride(v),
+            out,
+            lse,
+            scale,
+            causal,
+            seq_dim,
+            kv_lengths,
+            blocks,
+            int8_scales=(q_scale, k_scale),
         )
         return
     vt8, v_scale = v_operands
@@ -205,6 +220,7 @@ def launch_eight_bit(
         causal,
         seq_dim,
         kv_lengths,
+        blocks,
         int8_scales=(q_scale, k_scale),
         v_scale=v_scale,
         fp8_rows=fp8_rows,

@@ -51,13 +51,13 @@ def takes_sm90_core(
     """Whether a forward runs on the sm_90 core: its tiles chose it, and the
     call is one the core computes (at least one key, TMA-aligned q, k and
     v; dense or block-sparse, causal or not, with key lengths or not; 8-bit
-    only dense, with q given in int8, not ``rounds_q``, and a 16-bit
-    output); the rest stays on ``attn_fwd_kernel``. Its 256-key tiles
+    with q given in int8, not ``rounds_q``, and a 16-bit output); the rest
+    stays on ``attn_fwd_kernel``. Its 256-key tiles
     (D = 64) are not a listed block, and only dense non-causal calls over
     whole tiles without key lengths run ahead of the portable kernel with
     them; ragged, causal and key-length calls run behind it
     (docs/notes/attention.md)."""
-    eight_bit_ok = not rounds_q and fp8_rows is None and (blocks is None or q.dtype != torch.int8)
+    eight_bit_ok = not rounds_q and fp8_rows is None
     wide_ok = t.block_n == meta.attention.SPARSE_BLOCK or (
         blocks is None and not sizes.causal and not sizes.has_kv_len and sizes.lk % t.block_n == 0
     )

@@ -7,7 +7,11 @@ its listed key blocks (forward, dq pass); the dk/dv pass visits, per key
 block, the query blocks that list it (the transposed lists, built here with
 torch ops). Lists may come in any order: the ops sort them. Deterministic,
 like ``fused.attention``; with every block listed the results equal
-``fused.attention``'s bit for bit.
+``fused.attention``'s bit for bit. Its ``precision`` ``"int8"`` and
+``"int8_fp8"`` run the same forward kernel on 8-bit attention's operands
+(``ops/attention_8bit.py``; the kernel's ``INT8`` and ``PV_FP8`` front
+ends), for inference: with every block listed they equal
+``fused.attention_int8`` / ``attention_int8_fp8`` bit for bit.
 
 Builders (torch ops only: ``torch.compile`` traces them into the graph, and
 Inductor fuses them): :func:`block_index_from_mask`, :func:`sliding_tile_mask`
@@ -24,11 +28,12 @@ import triton
 from torch import Tensor
 
 from compile_ops import _dtensor, meta, reference
-from compile_ops._library import fused_op, launcher
+from compile_ops._library import fused_op, launcher, require_fp8_mma
 from compile_ops.kernels.block_sparse import sort_block_lists_kernel
 from compile_ops.meta._validate import checked_arguments, softmax_scale
 from compile_ops.meta.attention import SPARSE_BLOCK
 from compile_ops.ops._launch import unit_last_stride
+from compile_ops.ops.attention_8bit import launch_eight_bit, quantized_operands
 from compile_ops.ops.attention_launch import launch_backward, launch_forward
 
 
@@ -93,13 +98,21 @@ def _block_sparse_attention_op(
     causal: bool,
     seq_dim: int = 2,
     kv_lengths: Optional[Tensor] = None,
+    precision: str = "exact",
 ) -> tuple[Tensor, Tensor]:
     out, lse = meta.block_sparse.block_sparse_attention(
-        q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths
+        q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths, precision
     )
     b, h = meta.attention.dims(q, seq_dim)[:2]
     lists = _per_head(ascending(block_index, block_count), block_count, b, h)
-    launch_forward(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths, lists)
+    if precision == "exact":
+        launch_forward(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths, lists)
+        return out, lse
+    pv_fp8 = precision == "int8_fp8"
+    if pv_fp8:
+        require_fp8_mma(q, "precision='int8_fp8' block-sparse attention (P V in FP8)")
+    operands = quantized_operands(q, k, v, seq_dim, pv_fp8)
+    launch_eight_bit(operands, v, out, scale, causal, seq_dim, kv_lengths, blocks=lists, lse=lse)
     return out, lse
 
 
@@ -149,19 +162,27 @@ def _block_sparse_attention_backward_op(
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths = inputs
+    q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths, precision = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, block_index, block_count, kv_lengths)
+    ctx.precision = precision
+    if precision == "exact":  # the 8-bit precisions have no backward: nothing to keep
+        ctx.save_for_backward(q, k, v, out, lse, block_index, block_count, kv_lengths)
     ctx.args = (scale, causal, seq_dim)
 
 
 def _backward(ctx, grad_out, _grad_lse):
+    if ctx.precision != "exact":
+        raise RuntimeError(
+            f"fused.block_sparse_attention with precision={ctx.precision!r} is inference only (its q and k "
+            "are rounded to 8 bits, which has no useful gradient): train with precision='exact', or run "
+            "the call under torch.no_grad()"
+        )
     q, k, v, out, lse, block_index, block_count, kv_lengths = ctx.saved_tensors
     dq, dk, dv = _block_sparse_attention_backward_op(
         grad_out, q, k, v, out, lse, block_index, block_count, *ctx.args, kv_lengths
     )
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _block_sparse_attention_op.register_autograd(_backward, setup_context=_setup)
@@ -182,28 +203,55 @@ def block_sparse_attention(
     seq_dim: int = 2,
     kv_lengths: Optional[Tensor] = None,
     return_lse: bool = False,
+    precision: str = "exact",
 ):
     """Attention over the listed key blocks only (128 x 128-token blocks).
 
     Args:
-        q, k, v: as :func:`compile_ops.attention` (``[B, H, L, D]`` or
-            ``[B, L, H, D]`` with ``seq_dim=1``, GQA, fp16/bf16/fp32).
+        q: ``[B, Hq, Lq, D]`` (``seq_dim=2``) or ``[B, Lq, Hq, D]``
+            (``seq_dim=1``), any strides; fp16/bf16/fp32 (fp16/bf16 in the
+            8-bit precisions); D up to 256.
+        k, v: ``[B, Hk, Lk, D]`` / ``[B, Lk, Hk, D]`` in q's layout and dtype,
+            ``Hk`` dividing ``Hq`` (GQA/MQA).
         block_index: ``[B or 1, Hq or 1, ceil(Lq / 128), W]`` int32/int64: for
             each query block, the key blocks it attends to (distinct, in
             ``[0, ceil(Lk / 128))``, any order), in its first ``block_count``
             entries.
         block_count: ``[B or 1, Hq or 1, ceil(Lq / 128)]`` int32/int64, at most W.
-        scale, causal, kv_lengths, return_lse: as :func:`compile_ops.attention`;
-            causal masking and key lengths still apply inside listed blocks.
+        scale: a float > 0; None is ``1 / sqrt(D)``.
+        causal: query i sees keys ``j <= i`` (as :func:`compile_ops.attention`),
+            inside the listed blocks.
+        seq_dim: q/k/v's layout: 2 (``[B, H, L, D]``) or 1 (``[B, L, H, D]``).
+        kv_lengths: ``[B]`` int32/int64 or None: keys at or past
+            ``kv_lengths[b]`` are ignored for batch element b, inside the
+            listed blocks too.
+        return_lse: also return the log-sum-exp ``[B, Hq, Lq]`` fp32.
+        precision: ``"exact"`` (the dots in the inputs' dtype), or for
+            inference ``"int8"``: q and k quantized as
+            :func:`compile_ops.attention`'s ``precision="int8"`` quantizes
+            them (k smoothed by its mean over all Lk keys and rounded per
+            block of 128 keys, q per token), then attention over the listed
+            blocks with an integer QK product and P V in the inputs' dtype;
+            ``"int8_fp8"``: the same with P V in FP8 too (sm_89 or newer).
+            Specified in ``compile_ops/reference/block_sparse.py``; with
+            every block listed, :func:`compile_ops.attention`'s 8-bit
+            precisions. A gradient through them raises; their lse is that
+            of the 8-bit scores.
 
     Returns:
-        ``[B, Hq, Lq, D]`` / ``[B, Lq, Hq, D]`` (and the lse ``[B, Hq, Lq]``). A
-        query with no listed (or no visible) key gives 0 and an lse of -inf.
+        ``[B, Hq, Lq, D]`` / ``[B, Lq, Hq, D]`` in q's dtype and layout (and the
+        lse ``[B, Hq, Lq]``). A query with no listed (or no visible) key gives
+        0 and an lse of -inf.
     """
+    if precision not in meta.block_sparse.PRECISIONS:
+        raise ValueError(
+            f"compile_ops.block_sparse_attention: precision must be one of {meta.block_sparse.PRECISIONS}, "
+            f"got {precision!r}"
+        )
     scale = softmax_scale("compile_ops.block_sparse_attention", q, scale)
     out, lse = _dtensor.sequence_parallel(
         lambda q, k, v: _block_sparse_attention_op(
-            q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths
+            q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths, precision
         ),
         q,
         k,

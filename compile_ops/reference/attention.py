@@ -232,11 +232,7 @@ def attention_qk8(
     operands. Returns ``(out in q's layout and v's dtype, empty)``, or the
     FP8 rows ``(values [B, Lq, Hq, D], scales [B, Lq])``."""
     no_scale = v.new_empty((0,), dtype=torch.float32)
-    if not pv_fp8:
-        q_hat, k_hat = _dequantized_qk(q8, q_scale, k8, k_scale, seq_dim)
-        out, _ = attention(q_hat, k_hat, _bhld(v, seq_dim, torch.float32), scale, causal, 2, kv_lengths)
-        return (out if seq_dim == 2 else out.transpose(1, 2)).to(v.dtype), no_scale
-    out, v_scale = _attention_int8_fp8_fp32(q8, q_scale, k8, k_scale, v, scale, causal, seq_dim, kv_lengths)
+    out, _, v_scale = _attention_8bit_fp32(q8, q_scale, k8, k_scale, v, scale, causal, seq_dim, kv_lengths, pv_fp8)
     if not fp8_rows:
         return (out if seq_dim == 2 else out.transpose(1, 2)).to(v.dtype), no_scale
     row_scale = fp8_rows_scale(v_scale)
@@ -343,6 +339,54 @@ def fp8_rows_scale(v_scale: torch.Tensor) -> torch.Tensor:
     return FP8_ROWS_HEADROOM * v_scale.flatten(1).amax(1).clamp(min=AMAX_FLOOR / FP8_MAX)
 
 
+def attention_8bit(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+    pv_fp8: bool = False,
+    allowed: Optional[torch.Tensor] = None,
+) -> tuple:
+    """``(out, lse)``: :func:`attention_int8` (``pv_fp8``: :func:`attention_int8_fp8`)
+    with ``allowed``, an extra token mask broadcastable to ``[B, Hq, Lq, Lk]``
+    (block-sparse attention's listed blocks), or None. The quantization is
+    the dense one (k's mean and scales over every key, listed or not); only
+    the attention is restricted, as a masked key is an invisible one. out in
+    q's dtype and layout; lse ``[B, Hq, Lq]`` fp32, the log-sum-exp of the
+    8-bit scores ``scale * q_hat . k_hat`` over the visible allowed keys
+    (-inf for none), what the kernel writes beside out."""
+    quantized = smooth_quantize_qk(q, k, seq_dim)
+    out, lse, _ = _attention_8bit_fp32(*quantized, v, scale, causal, seq_dim, kv_lengths, pv_fp8, allowed)
+    return (out if seq_dim == 2 else out.transpose(1, 2)).to(v.dtype), lse
+
+
+def _attention_8bit_fp32(
+    q8: torch.Tensor,
+    q_scale: torch.Tensor,
+    k8: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int,
+    kv_lengths: Optional[torch.Tensor],
+    pv_fp8: bool,
+    allowed: Optional[torch.Tensor] = None,
+) -> tuple:
+    """8-bit attention on quantized q and k in fp32 ``[B, Hq, Lq, D]``, before
+    the cast: ``(out, lse, v's channel scales [B, Hk, D] or None)``. P V in
+    fp32 of v as it is (:func:`attention_int8`), or ``pv_fp8``
+    (:func:`_attention_int8_fp8_fp32`); ``allowed`` as :func:`attention_8bit`."""
+    if pv_fp8:
+        return _attention_int8_fp8_fp32(q8, q_scale, k8, k_scale, v, scale, causal, seq_dim, kv_lengths, allowed)
+    q_hat, k_hat = _dequantized_qk(q8, q_scale, k8, k_scale, seq_dim)
+    out, lse = attention(q_hat, k_hat, _bhld(v, seq_dim, torch.float32), scale, causal, 2, kv_lengths, allowed)
+    return out, lse, None
+
+
 def _attention_int8_fp8_fp32(
     q8: torch.Tensor,
     q_scale: torch.Tensor,
@@ -353,15 +397,22 @@ def _attention_int8_fp8_fp32(
     causal: bool,
     seq_dim: int,
     kv_lengths: Optional[torch.Tensor],
+    allowed: Optional[torch.Tensor] = None,
 ) -> tuple:
     """:func:`attention_int8_fp8`'s ``out [B, Hq, Lq, D]`` in fp32, before the
-    cast, and v's channel scales ``[B, Hk, D]``, from the quantized q and k."""
+    cast, the lse of its scores ``[B, Hq, Lq]`` and v's channel scales
+    ``[B, Hk, D]``, from the quantized q and k; ``allowed`` as
+    :func:`attention_8bit` (a tile whose keys are all masked leaves m, l and
+    the accumulator as they were: what a kernel that skips it computes)."""
     q_hat, k_hat = _dequantized_qk(q8, q_scale, k8, k_scale, seq_dim)
     v8, v_scale = quantize_v_fp8(_bhld(v, seq_dim, torch.float32))
     hq = q_hat.shape[1]
     k_hat, v_hat, v_scale_q = (_heads_of_q(t, hq) for t in (k_hat, v8.float(), v_scale))
     s = q_hat @ k_hat.transpose(-1, -2)
-    s = s.masked_fill(~visible(s.shape[2], s.shape[3], causal, kv_lengths, s.shape[0], s.device), float("-inf"))
+    mask = visible(s.shape[2], s.shape[3], causal, kv_lengths, s.shape[0], s.device)
+    if allowed is not None:
+        mask = mask & allowed
+    s = s.masked_fill(~mask, float("-inf"))
     c = scale * 1.4426950408889634  # log2(e): the kernel's exp2 form
     m = s.new_full(s.shape[:3], float("-inf"))
     l = s.new_zeros(s.shape[:3])
@@ -377,4 +428,4 @@ def _attention_int8_fp8_fp32(
         acc = acc * alpha.unsqueeze(-1) + p8 @ v_hat.narrow(2, start, tile.shape[3])
         m = m_new
     out = acc * v_scale_q.unsqueeze(2) / l.masked_fill(l == 0, 1.0).unsqueeze(-1)
-    return out, v_scale
+    return out, torch.logsumexp(s * scale, dim=-1), v_scale

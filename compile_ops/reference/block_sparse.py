@@ -64,9 +64,26 @@ def block_sparse_attention(
     causal: bool,
     seq_dim: int = 2,
     kv_lengths: Optional[torch.Tensor] = None,
+    precision: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of attention over the tokens of the listed blocks.
+
+    ``precision="exact"``: ``reference.attention.attention`` under the
+    blocks' token mask. ``"int8"`` / ``"int8_fp8"``: the dense 8-bit
+    specification (``reference.attention.attention_int8`` /
+    ``attention_int8_fp8``) step by step, with the same token mask added
+    to its visibility mask: q rounded per token; k smoothed by its mean over
+    all Lk keys and rounded per block of 128 keys, listed or not (the
+    quantization does not depend on the lists, so every listed block's keys
+    are what dense 8-bit attention sees); with FP8 P V, v in e4m3 per channel
+    over every key, and the online softmax over 128-key tiles, of which the
+    unlisted ones, all masked, change nothing. The lse is that of the 8-bit
+    scores (``reference.attention.attention_8bit``). A query that sees no
+    key gives 0 and an lse of -inf, in every precision."""
     allowed = token_mask(block_index, block_count, dims(q, seq_dim)[2], dims(k, seq_dim)[2])
-    return dense.attention(q, k, v, scale, causal, seq_dim, kv_lengths, allowed)
+    if precision == "exact":
+        return dense.attention(q, k, v, scale, causal, seq_dim, kv_lengths, allowed)
+    return dense.attention_8bit(q, k, v, scale, causal, seq_dim, kv_lengths, precision == "int8_fp8", allowed)
 
 
 def block_sparse_attention_backward(
