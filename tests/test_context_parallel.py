@@ -1,7 +1,8 @@
 """compile_ops under diffusers' context parallelism: 2 CPU processes on gloo, the reference path.
 
 Each model case builds a small Wan, Flux or LTX-Video model, patches it in one attention
-mode (exact, int8, int8_fp8, sliding-tile sparse), runs it on one process,
+mode (exact, int8, int8_fp8, sliding-tile sparse, sliding-tile sparse in int8_fp8),
+runs it on one process,
 then turns on diffusers' context parallelism (Ulysses-2 or ring-2) and runs it
 again. Ulysses moves whole heads between ranks, so each head's computation is
 the one the single process ran: Wan's outputs must be equal bit for bit (Flux's
@@ -55,14 +56,20 @@ MODES = {
     "int8": lambda: dict(attention_precision="int8"),
     "int8_fp8": lambda: dict(attention_precision="int8_fp8"),
     "sliding_tile": lambda: dict(attention=compile_ops.SlidingTile(window=(1, 1, 1), tile=(2, 8, 8))),
+    # 8-bit block-sparse attention with FP8 P V (Ulysses: each rank quantizes whole sequences of its heads).
+    "sliding_tile_int8_fp8": lambda: dict(
+        attention=compile_ops.SlidingTile(window=(1, 1, 1), tile=(2, 8, 8)), attention_precision="int8_fp8"
+    ),
 }
-#: (model, mode, parallelism) of each model case; Flux has no sparse mode.
+#: (model, mode, parallelism) of each model case; Flux has no sparse mode, and sparse
+#: 8-bit attention (refused under ring as each of its parts is) runs under Ulysses only.
 MODEL_CASES = [
     (model, mode, parallelism)
     for model in ("wan", "flux", "ltx")
     for mode in MODES
     for parallelism in ("ulysses", "ring")
-    if not (model == "flux" and mode == "sliding_tile")
+    if not (model == "flux" and mode.startswith("sliding_tile"))
+    and not (mode == "sliding_tile_int8_fp8" and parallelism == "ring")
 ]
 UNIFIED_CASES = ["attention-exact-unified", "backend-exact-unified", "backend-sparse-unified-refused"]
 ATTENTION_CASES = [
@@ -198,11 +205,13 @@ class _Spy:
 
 
 def _model_case(model_name: str, mode: str, parallelism: str) -> None:
-    # 8-bit attention runs on 16-bit inputs; the exact and sparse modes compare in fp32.
-    dtype = torch.bfloat16 if mode.startswith("int8") else torch.float32
+    options = MODES[mode]()
+    precision, sparse = options.get("attention_precision", "exact"), "attention" in options
+    # 8-bit attention runs on 16-bit inputs; the exact modes compare in fp32.
+    dtype = torch.bfloat16 if precision != "exact" else torch.float32
     torch.manual_seed(0)
     model, inputs = MODELS[model_name](dtype)
-    compile_ops.patch(model, **MODES[mode]())
+    compile_ops.patch(model, **options)
     with torch.no_grad():
         one_process = model(**inputs, return_dict=False)[0]
     # diffusers picks the rank's device as rank % accelerator count; a CPU has none.
@@ -217,8 +226,7 @@ def _model_case(model_name: str, mode: str, parallelism: str) -> None:
                 return
             raise
     assert not refused, f"{mode} under ring attention ran instead of being refused"
-    precision = "exact" if mode in ("exact", "sliding_tile") else mode
-    assert (precision, mode == "sliding_tile") in spy.calls, (
+    assert (precision, sparse) in spy.calls, (
         f"the fused {mode} path did not run under {parallelism}: forward-op calls {spy.calls}"
     )
     if parallelism == "ulysses" and model_name == "wan":

@@ -3,6 +3,8 @@ LTX-Video, against the dense patched model (a window covering the grid) and
 against dense attention under the same explicit token mask (smaller windows)."""
 
 import copy
+import dataclasses
+import functools
 import itertools
 
 import pytest
@@ -387,3 +389,160 @@ def test_kernels_run_a_permuted_toy_sequence_like_the_masked_reference():
     want = _masked_reference(layout, q.double(), k.double(), v.double())
     assert 0 < layout.density < 1
     torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=2e-3)
+
+
+# ---------------------------------------------------------------- 8-bit block-sparse attention with FP8 Linears
+
+
+def _masked_8bit_reference(layout, precision, query, key, value, kv_lengths=None):
+    """8-bit attention's specification over a static layout without the
+    block-sparse op: q, k, v permuted into the layout's order (where the
+    8-bit operands are quantized: k's blocks of 128 are the permuted ones),
+    ``reference.attention.attention_8bit`` under the lists' token mask built
+    here by a loop, and un-permuted."""
+    from compile_ops.reference import attention as dense_reference
+
+    if layout.perm is not None:
+        query, key, value = (t.index_select(1, layout.perm) for t in (query, key, value))
+    index, count = layout.index, layout.count
+    listed = torch.zeros(*index.shape[:3], index.shape[2], dtype=torch.bool, device=query.device)
+    for b, h, i in itertools.product(*(range(n) for n in index.shape[:3])):
+        listed[b, h, i, index[b, h, i, : count[b, h, i]].long()] = True
+    block = torch.arange(query.shape[1], device=query.device) // 128
+    allowed = listed[:, :, block[:, None], block[None, :]]
+    out, _ = dense_reference.attention_8bit(
+        query, key, value, query.shape[-1] ** -0.5, False, 1, kv_lengths, precision == "int8_fp8", allowed
+    )
+    return out if layout.inverse is None else out.index_select(1, layout.inverse)
+
+
+def _sparse_calls(monkeypatch) -> list:
+    """The precision of every block-sparse call the patched models make from now on."""
+    calls, original = [], sparse.block_sparse_attention
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("precision", "exact"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sparse, "block_sparse_attention", counting)
+    return calls
+
+
+def _relative_l2(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@pytest.mark.parametrize("precision", ["int8", "int8_fp8"])
+@pytest.mark.parametrize("name", MODELS)
+def test_sparse_8bit_attention_with_fp8_linears_is_the_same_approximation_spelled_out(name, precision, monkeypatch):
+    """``patch(precision="fp8", attention=SlidingTile(...), attention_precision=...)``
+    on a bf16 model: every sparse self-attention layer runs block-sparse
+    attention in that precision (the report says so per layer), and the model
+    equals the same model whose sparse layers compute the specification
+    spelled out (permuted operands, 8-bit quantization, the lists as an
+    explicit token mask): the same bits off the GPU, within the kernels'
+    distance to their specification on it (a fraction of the 8-bit
+    approximation's own effect, printed with the distances to the exact
+    sparse model and to the unpatched model)."""
+    build, size = MODELS[name]
+    model, inputs, _ = build()
+    model = model.to(DEVICE, torch.bfloat16).eval()
+    config = compile_ops.SlidingTile(window=(1, 2, 1), tile=(2, 8, 8))
+    options = dict(precision="fp8", attention=config)
+    patched, exact_sparse = copy.deepcopy(model), copy.deepcopy(model)
+    report = compile_ops.patch(patched, attention_precision=precision, **options)
+    compile_ops.patch(exact_sparse, **options)
+    reference = copy.deepcopy(patched)
+    for module in reference.modules():
+        processor = getattr(module, "processor", None)
+        if getattr(processor, "sparse", None) is not None:
+
+            def masked(query, key, value, text_tokens=0, kv_lengths=None, fp8_rows=False, parallel=None, plan=None):
+                assert parallel is None and text_tokens == plan.layout.text_tokens
+                return _masked_8bit_reference(plan.layout, precision, query, key, value, kv_lengths)
+
+            processor.attend_self = functools.partial(masked, plan=processor.sparse)
+    args = {
+        k: v.to(DEVICE, torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
+        for k, v in inputs(*size).items()
+    }
+    args = {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in args.items()}
+    calls = _sparse_calls(monkeypatch)
+    with torch.no_grad():
+        got = patched(**args).sample
+        layers = report.sparse_attention.layers
+        assert calls == [precision] * layers, calls
+        want, approximated, unpatched = (m(**args).sample for m in (reference, exact_sparse, model))
+    density = report.sparse_attention.layout.density
+    assert 0 < density < 1, density
+    to_reference, to_exact_sparse = _relative_l2(got, want), _relative_l2(got, approximated)
+    to_unpatched = _relative_l2(got, unpatched)
+    print(
+        f"{name} {precision} + fp8 Linears, {density:.1%} of blocks: to the same approximation {to_reference:.2e}, "
+        f"to the exact sparse FP8 model {to_exact_sparse:.2e}, to the unpatched model {to_unpatched:.2e}"
+    )
+    assert to_exact_sparse > 1e-3  # the 8-bit attention changed the output: the comparison sees it
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:
+        assert to_reference < to_exact_sparse / 4, (to_reference, to_exact_sparse)
+    kernels = {path: kernel for path, kernel, _ in report.attention_paths()}
+    for path, _, detail in report.replaced:
+        if "block-sparse" in detail:
+            assert kernels[path].startswith(f"fused.block_sparse_attention ({config}) in precision={precision!r}")
+    assert any(f"fused.block_sparse_attention ({config}) in precision" in line for line in str(report).splitlines())
+
+
+def test_sparse_and_8bit_schedules_each_keep_their_own_steps(monkeypatch):
+    """``SlidingTile(dense_steps=1)`` with ``attention_precision="int8",
+    attention_dense_steps=2``: step 1 runs dense exact attention (both
+    schedules), step 2 sparse attention in the exact precision (the 8-bit
+    schedule's second dense step), step 3 on sparse 8-bit; a new generation
+    starts over."""
+    from compile_ops.integrations.diffusers import processors
+
+    model, inputs, _ = _wan()
+    model = model.to(DEVICE, torch.bfloat16).eval()
+    compile_ops.patch(
+        model,
+        attention=compile_ops.SlidingTile(window=(1, 1, 1), dense_steps=1),
+        attention_precision="int8",
+        attention_dense_steps=2,
+    )
+    sparse_calls, dense_calls = _sparse_calls(monkeypatch), []
+    dense = processors.attention
+    monkeypatch.setattr(
+        processors, "attention", lambda *a, **kw: dense_calls.append(kw.get("precision", "exact")) or dense(*a, **kw)
+    )
+    seen = []
+    with torch.no_grad():
+        for t in (900, 800, 700, 950):
+            sparse_calls.clear(), dense_calls.clear()
+            args = inputs(4, 32, timestep=t)
+            model(
+                **{k: v.to(DEVICE, torch.bfloat16) if v.is_floating_point() else v.to(DEVICE) for k, v in args.items()}
+            )
+            # (a GPU may run exact dense calls on SDPA: they count as not 8-bit)
+            seen.append((sorted(set(sparse_calls)), "int8" if "int8" in dense_calls else "exact"))
+    # Self-attention sparse from step 2; cross-attention (dense) 8-bit from step 3, as the sparse steps.
+    assert seen == [([], "exact"), (["exact"], "exact"), (["int8"], "int8"), ([], "exact")], seen
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("precision", ["int8", "int8_fp8"])
+def test_kernels_run_a_permuted_toy_sequence_in_8_bits_like_the_specification(precision):
+    """The 8-bit block-sparse kernel (GPU, or the interpreter) through a
+    ragged-tile layout with key lengths: the specification spelled out
+    (:func:`_masked_8bit_reference`) within the dense 8-bit kernel's bound."""
+    from test_attention import EIGHT_BIT
+
+    torch.manual_seed(0)
+    layout = compile_ops.SlidingTile(window=(1, 1, 1), tile=(2, 4, 8)).layout((3, 6, 20), KERNEL_DEVICE)
+    q, k, v = (torch.randn(2, 360, 2, 32, device=KERNEL_DEVICE).half() for _ in range(3))
+    kv_lengths = torch.tensor([360, 200], dtype=torch.int32, device=KERNEL_DEVICE)
+    with torch.no_grad():
+        got = layout.attend(q, k, v, kv_lengths, precision=precision)
+    cpu = dataclasses.replace(layout, **{f: getattr(layout, f).cpu() for f in ("perm", "inverse", "index", "count")})
+    want = _masked_8bit_reference(cpu, precision, q.cpu(), k.cpu(), v.cpu(), kv_lengths.cpu())
+    assert 0 < layout.density < 1
+    assert _relative_l2(got.cpu(), want) < EIGHT_BIT[precision][1][torch.float16]

@@ -107,7 +107,7 @@ class _MaskLayout:
 
     mask: BlockSparseMask
 
-    def attend(self, query, key, value, kv_lengths=None, scale=None):
+    def attend(self, query, key, value, kv_lengths=None, scale=None, precision="exact"):
         return block_sparse_attention(
             query,
             key,
@@ -117,6 +117,7 @@ class _MaskLayout:
             scale=scale,
             seq_dim=1,
             kv_lengths=kv_lengths,
+            precision=precision,
         )
 
 

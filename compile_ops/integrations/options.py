@@ -69,10 +69,11 @@ class PatchOptions:
         attention_precision: ``"exact"``, or ``"int8"``: our processors run
             dense attention as 8-bit attention (``attention(...,
             precision="int8")``: smoothed k, q in INT8 per token, k per block)
-            on 16-bit inference calls; training calls and fp32 models keep the
-            exact kernels, sparse layouts stay 16-bit. ``"int8_fp8"``: the
-            same with P V in FP8 too (sm_89 or newer). Needs
-            ``attention_processors``.
+            on 16-bit inference calls, and an ``attention=`` plan's sparse
+            steps as 8-bit block-sparse attention (``block_sparse_attention(...,
+            precision="int8")``); training calls and fp32 models keep the
+            exact kernels. ``"int8_fp8"``: the same with P V in FP8 too (sm_89
+            or newer). Needs ``attention_processors``.
         attention_dense_steps: with an 8-bit ``attention_precision``, the
             first N denoising steps of each generation run exact attention
             (counted from the timestep, as sparse attention's ``dense_steps``;

@@ -49,8 +49,10 @@ class DenoisingSteps:
 
 class DenseFirst:
     """``patch(attention_precision="int8", attention_dense_steps=N)``: the first
-    N denoising steps of each generation run exact attention, the rest 8-bit.
-    The processors read ``active``; the model's forward pre-hook sets it."""
+    N denoising steps of each generation run exact attention, the rest 8-bit
+    (dense attention, and a sparse plan's block-sparse steps, each counted by
+    its own schedule). The processors read ``active``; the model's forward
+    pre-hook sets it."""
 
     def __init__(self, dense_steps: int):
         check_dense_steps("compile_ops.patch: attention_dense_steps", dense_steps)

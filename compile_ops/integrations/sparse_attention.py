@@ -8,7 +8,9 @@ and the patch size; LTX-Video: its ``num_frames/height/width`` arguments) and
 the denoising step, and picks the layout for it: the token permutation and
 block lists, built once per grid and cached. The processors then run
 ``fused.block_sparse_attention`` on the permuted q/k/v and un-permute the
-output. Text stays dense: cross-attention (Wan, LTX-Video) is untouched, and
+output, in the processors' attention precision (``attention_precision="int8"``
+or ``"int8_fp8"``: on 8-bit operands, for 16-bit inference calls). Text
+stays dense: cross-attention (Wan, LTX-Video) is untouched, and
 where text tokens follow the video tokens in the same attention
 (HunyuanVideo) every query attends to them and they attend to everything;
 the text padding mask becomes key lengths (the permutation keeps the
@@ -16,7 +18,9 @@ padding last). :class:`TopK` covers video-only self-attention.
 
 Schedule: ``dense_steps=N`` keeps the first N denoising steps dense (a step
 = a distinct timestep; a timestep above the previous call's starts a new
-generation). It reads the timestep on the host once per call, in the
+generation); those steps run the processors' dense attention, in its own
+precision (8-bit from the step ``attention_dense_steps`` says, as a model
+without a sparse plan). It reads the timestep on the host once per call, in the
 pre-hook: compile the blocks (``block.compile()``, diffusers'
 ``compile_repeated_blocks``), not the whole model, where a schedule is set.
 Compile count, blocks compiled with ``dynamic=True``: one graph per mode
@@ -227,18 +231,22 @@ class Layout:
         value: Tensor,
         kv_lengths: Optional[Tensor] = None,
         scale: Optional[float] = None,
+        precision: str = "exact",
     ) -> Tensor:
         """Block-sparse attention of ``[B, L, H, D]`` q, k, v in this layout;
         ``kv_lengths [B]``: keys past each sample's length are masked (padded
         text at the end, which the permutation leaves there); ``scale``: None
-        is ``1 / sqrt(D)``."""
+        is ``1 / sqrt(D)``; ``precision``: :func:`block_sparse_attention`'s
+        (``"int8"``, ``"int8_fp8"``: 8-bit operands, inference)."""
         if self.perm is not None:
             query, key, value = (t.index_select(1, self.perm) for t in (query, key, value))
         if self.topk is not None:
             index, count = topk_block_index(query, key, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
         else:
             index, count = self.index, self.count
-        out = block_sparse_attention(query, key, value, index, count, scale=scale, seq_dim=1, kv_lengths=kv_lengths)
+        out = block_sparse_attention(
+            query, key, value, index, count, scale=scale, seq_dim=1, kv_lengths=kv_lengths, precision=precision
+        )
         return out if self.inverse is None else out.index_select(1, self.inverse)
 
 

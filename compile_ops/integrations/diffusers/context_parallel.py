@@ -151,7 +151,7 @@ def _forward_op(
     ``return_lse`` the lse ``[B, L, H]`` fp32; saves what :func:`_backward_op` reads."""
     lse = None
     if layout is not None:
-        out = layout.attend(query, key, value, kv_lengths, scale)
+        out = layout.attend(query, key, value, kv_lengths, scale, precision)
     elif precision != "exact":
         out = attention(query, key, value, scale, is_causal, seq_dim=1, kv_lengths=kv_lengths, precision=precision)
     elif (

@@ -76,9 +76,10 @@ class FusedProcessor:
             super().__setattr__(name, value)
 
     #: ``patch(attention_precision=...)``: "int8" ("int8_fp8") runs dense
-    #: attention as ``fused.attention_int8`` (``attention_int8_fp8``) where it
-    #: applies (see :meth:`attend`), from the step ``int8_schedule`` (a
-    #: :class:`DenseFirst`, or None: every step) says.
+    #: attention as ``fused.attention_int8`` (``attention_int8_fp8``), and a
+    #: sparse plan's layouts as ``fused.block_sparse_attention`` in that
+    #: precision, where it applies (:meth:`eight_bit`), from the step
+    #: ``int8_schedule`` (a :class:`DenseFirst`, or None: every step) says.
     attention_precision = "exact"
     int8_schedule: Optional[DenseFirst] = None
 
@@ -145,11 +146,16 @@ class FusedProcessor:
             "fused": "fused.attention",
             "sdpa": "SDPA",
         }.get(self.kernel, self.kernel)
-        kernel = exact
-        if self.sparse is not None:  # set on self-attention layers only
+        kernel, precision = exact, self.attention_precision
+        if self.sparse is not None and precision != "exact":  # set on self-attention layers only
+            kernel = (
+                f"fused.block_sparse_attention ({self.sparse.config}) in precision={precision!r}, "
+                f"fused.attention_{precision} on its dense steps (inference); exact kernels under autograd"
+            )
+        elif self.sparse is not None:
             kernel = f"fused.block_sparse_attention ({self.sparse.config}), {exact} on its dense steps"
-        elif self.attention_precision != "exact":
-            kernel = f"fused.attention_{self.attention_precision} (inference), {exact} under autograd"
+        elif precision != "exact":
+            kernel = f"fused.attention_{precision} (inference), {exact} under autograd"
         parallel = parallel_path(self.parallel_config())
         if parallel != "one rank" and not self.splits_across_ranks(attn):
             parallel = f"each rank's queries ({parallel} elsewhere)"
@@ -183,8 +189,10 @@ class FusedProcessor:
     ):
         """Video self-attention of ``[B, L, H, D]`` q, k, v (the last
         ``text_tokens`` of L text, attended densely): the sparse plan's layout
-        for this call where one is set, else :meth:`attend` (``fp8_rows`` and
-        ``parallel`` as there; under ``parallel`` the layout spans every rank's tokens)."""
+        for this call where one is set, in :meth:`attention_precision_of`'s
+        precision (the output as a tensor: the layout un-permutes it), else
+        :meth:`attend` (``fp8_rows`` and ``parallel`` as there; under
+        ``parallel`` the layout spans every rank's tokens)."""
         layout = None if self.sparse is None else self.sparse.layout
         if layout is None or isinstance(query, Int8QK):
             return self.attend(query, key, value, kv_lengths, fp8_rows, parallel)
@@ -193,17 +201,19 @@ class FusedProcessor:
                 f"compile_ops sparse attention: the layout was built for {layout.text_tokens} text "
                 f"tokens, this attention has {text_tokens}; this is a compile_ops bug"
             )
+        precision = self.attention_precision_of(query, key, value)
         if parallel is not None:
             return parallel_attention(
                 query,
                 key,
                 value,
                 parallel,
+                precision=precision,
                 layout=layout,
                 kv_lengths=kv_lengths,
                 owner=f"compile_ops {type(self).__name__}",
             )
-        return layout.attend(query, key, value, kv_lengths)
+        return layout.attend(query, key, value, kv_lengths, precision=precision)
 
     def rms_weight(self, norm: nn.Module) -> Optional[tuple]:
         """``(weight, eps)`` of a per-head RMSNorm that ``fused.qk_norm_rope``
