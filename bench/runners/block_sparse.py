@@ -4,6 +4,7 @@ and SDPA's cuDNN backend); ``fused_sparse_atomic_dq``: ours after
 ``compile_ops.set_attention_backward(deterministic=False)``.
 
     PYTHONPATH=. python bench/runners/block_sparse.py [--out bench/results] [--shape 1x12x75600x128]
+    PYTHONPATH=. python bench/runners/block_sparse.py --precision exact,int8,int8_fp8 [--grids wan_480p,wan_720p]
 
 bf16, [1, 24, 32760, 128] by default (Wan-length sequence, Flux's 24 heads), random
 block masks at 25% and 50% of the 128 x 128 blocks kept (block 0 and the
@@ -11,11 +12,24 @@ diagonal always kept), one mask for every head. Times are CUDA-graph
 replays; mask building (the dynamic top-k estimate from q and k, and the
 conversion of a static mask) is timed on its own. Writes
 ``<out>/block-sparse-<gpu>.json``.
+
+``--precision``: instead, our block-sparse forward in each precision
+(``block_sparse_attention(..., precision=...)``: 16-bit, 8-bit q k, and FP8
+P V too) on the same sliding-tile lists: ``bench/runners/sparse_e2e.py``'s
+preset on Wan 2.1's latent grids (``GRIDS``), 12 heads of 128 in the
+models' ``[B, L, H, D]`` layout, inference (no gradient). Each provider is
+timed ``--repeats`` times, interleaved (median, min, max of the CUDA-graph
+replays), with its output's relative L2 distance to the ``exact``
+precision's on the same inputs (random normal q, k, v; k with a per-channel
+offset, which the 8-bit quantization's smoothing removes). Writes
+``<out>/block-sparse-precision-<gpu>.json``; ``--dry`` runs it on the CPU
+(the reference path, a tiny grid, the wall clock): a smoke run.
 """
 
 import argparse
 import os
 import sys
+import time
 
 ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
 if ROOT not in sys.path:
@@ -25,10 +39,22 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from bench.toolkit import environment, graph_replay_time, make_timer, warm_up_gpu, write_results  # noqa: E402
+from bench.toolkit import (  # noqa: E402
+    environment,
+    graph_replay_time,
+    make_timer,
+    relative_l2,
+    warm_up_gpu,
+    write_results,
+)
 
 SHAPE = (1, 24, 32760, 128)
 DENSITIES = (0.25, 0.5)
+#: ``--precision``'s token grids (latent frames, height, width after patching): Wan 2.1 at 81
+#: frames, 480p (832 x 480) and 720p (1280 x 720); ``tiny``: the ``--dry`` smoke run's.
+GRIDS = {"wan_480p": (21, 30, 52), "wan_720p": (21, 45, 80), "tiny": (6, 24, 32)}
+#: Wan 2.1 1.3B's self-attention heads: 12 of 128.
+WAN_HEADS, WAN_HEAD_DIM = 12, 128
 
 
 def random_block_mask(n: int, density: float, generator: torch.Generator) -> torch.Tensor:
@@ -49,7 +75,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--shape", default="x".join(map(str, SHAPE)), help="BxHxLxD")
+    p.add_argument("--precision", default="", help="comma-separated precisions to compare on sliding-tile lists")
+    p.add_argument("--grids", default="wan_480p,wan_720p", help="--precision's grids: " + ",".join(GRIDS))
+    p.add_argument("--repeats", type=int, default=3, help="--precision's measurements per provider")
+    p.add_argument("--dry", action="store_true", help="--precision on the CPU, the tiny grid (a smoke run)")
     args = p.parse_args(argv)
+    if args.precision:
+        return compare_precisions(args, argv)
     timer = make_timer(args.quick)
     warm_up_gpu()
     shape = tuple(int(x) for x in args.shape.split("x"))
@@ -159,6 +191,102 @@ def main(argv=None) -> int:
     )
 
     print(f"wrote {write_results(args.out, 'block-sparse', environment(), rows)}")
+    return 0
+
+
+def precision_rows(
+    grid_name: str, precisions: list, repeats: int, time_ms, device: str, heads: int = WAN_HEADS
+) -> list:
+    """Rows of ``--precision`` on one grid: per precision, the block-sparse
+    forward's times (``time_ms(fn)``, ``repeats`` rounds over the providers in
+    turn) and its output's distance to the ``exact`` precision's; ``heads``
+    of WAN_HEAD_DIM."""
+    import compile_ops
+    from bench.runners.sparse_e2e import PRESET
+
+    grid = GRIDS[grid_name]
+    layout = compile_ops.SlidingTile(**PRESET).layout(grid, device)
+    length = grid[0] * grid[1] * grid[2]
+    generator = torch.Generator(device=device).manual_seed(0)
+    shape = (1, length, heads, WAN_HEAD_DIM)
+    q, k, v = (torch.randn(shape, device=device, generator=generator) for _ in range(3))
+    k = k + 2.0 * torch.randn(WAN_HEAD_DIM, device=device, generator=generator)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+
+    def attend(precision):
+        return compile_ops.block_sparse_attention(q, k, v, layout.index, layout.count, seq_dim=1, precision=precision)
+
+    with torch.no_grad():
+        outputs = {precision: attend(precision) for precision in ("exact", *precisions)}
+        times = {precision: [] for precision in precisions}
+        for _ in range(repeats):
+            for precision in precisions:
+                times[precision].append(time_ms(lambda precision=precision: attend(precision)))
+    flops = 4 * length * length * heads * WAN_HEAD_DIM * layout.density
+    rows = []
+    for precision in precisions:
+        runs = sorted(times[precision])
+        ms = runs[len(runs) // 2]
+        rows.append(
+            {
+                "provider": f"fused_sparse_{precision}",
+                "precision": precision,
+                "grid": grid_name,
+                "tokens": length,
+                "shape": list(shape),
+                "preset": f"SlidingTile(window={PRESET['window']}, tile={PRESET['tile']})",
+                "density": layout.density,
+                "fwd_ms": ms,
+                "fwd_ms_min": runs[0],
+                "fwd_ms_max": runs[-1],
+                "fwd_ms_runs": runs,
+                "fwd_TFLOPs": flops / ms / 1e9,
+                "rel_l2_vs_exact": relative_l2(outputs[precision], outputs["exact"]),
+            }
+        )
+    exact_ms = next((row["fwd_ms"] for row in rows if row["precision"] == "exact"), None)
+    for row in rows:
+        row["speedup_vs_exact"] = None if exact_ms is None else exact_ms / row["fwd_ms"]
+        print(
+            f"{grid_name} ({row['density']:.1%} of blocks) {row['precision']:<9} fwd {row['fwd_ms']:8.3f} ms "
+            f"({row['fwd_ms_min']:.3f}-{row['fwd_ms_max']:.3f})  {row['speedup_vs_exact'] or float('nan'):.2f}x "
+            f"exact  rel L2 to exact {row['rel_l2_vs_exact']:.2e}",
+            flush=True,
+        )
+    return rows
+
+
+def _wall_clock_ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def compare_precisions(args, argv) -> int:
+    """``--precision``: :func:`precision_rows` on each grid, one results file
+    (``argv``: the command line's arguments, recorded in it)."""
+    precisions = args.precision.split(",")
+    unknown = set(precisions) - {"exact", "int8", "int8_fp8"}
+    if unknown:
+        raise SystemExit(
+            f"block_sparse.py: unknown precisions {sorted(unknown)}; the precisions are exact,int8,int8_fp8"
+        )
+    if args.dry:  # two heads: the reference path materializes the scores
+        device, grids, heads, time_ms = "cpu", ["tiny"], 2, _wall_clock_ms
+        env = {"gpu": "cpu", "torch": torch.__version__}
+    else:
+        timer = make_timer(args.quick)
+        warm_up_gpu()
+        device, grids, heads, env = "cuda", args.grids.split(","), WAN_HEADS, environment()
+
+        def time_ms(fn):
+            return graph_replay_time(fn, timer)
+
+    env["command"] = "python bench/runners/block_sparse.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    rows = []
+    for grid_name in grids:
+        rows += precision_rows(grid_name, precisions, args.repeats, time_ms, device, heads)
+    print(f"wrote {write_results(args.out, 'block-sparse-precision', env, rows)}")
     return 0
 
 
