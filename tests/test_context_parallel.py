@@ -9,10 +9,10 @@ the one the single process ran: Wan's outputs must be equal bit for bit (Flux's
 joint keys arrive in another order, LTX differs in the last bit: fp32
 attention tolerance). Ring
 merges per-shard partial outputs by their log-sum-exp: equal within fp32
-attention tolerance. 8-bit and sparse attention under ring must be refused
-with an error that names Ulysses. A spy on the forward op given to diffusers'
-templates proves the fused path ran (not the original processor) in the
-requested mode.
+attention tolerance, sparse modes included (the 8-bit modes under ring, which
+quantize each key shard on its own: tests/test_context_parallel_ring.py). A
+spy on the forward op given to diffusers' templates proves the fused path ran
+(not the original processor) in the requested mode.
 
 The attention cases run the forward and backward ops through diffusers'
 Ulysses and ring autograd functions directly and compare q/k/v gradients with
@@ -61,23 +61,22 @@ MODES = {
         attention=compile_ops.SlidingTile(window=(1, 1, 1), tile=(2, 8, 8)), attention_precision="int8_fp8"
     ),
 }
-#: (model, mode, parallelism) of each model case; Flux has no sparse mode, and sparse
-#: 8-bit attention (refused under ring as each of its parts is) runs under Ulysses only.
+#: (model, mode, parallelism) of each model case; Flux has no sparse mode, and the 8-bit
+#: modes under ring are tests/test_context_parallel_ring.py's (another tolerance).
 MODEL_CASES = [
     (model, mode, parallelism)
     for model in ("wan", "flux", "ltx")
     for mode in MODES
     for parallelism in ("ulysses", "ring")
-    if not (model == "flux" and mode.startswith("sliding_tile"))
-    and not (mode == "sliding_tile_int8_fp8" and parallelism == "ring")
+    if not (model == "flux" and mode.startswith("sliding_tile")) and not ("int8" in mode and parallelism == "ring")
 ]
-UNIFIED_CASES = ["attention-exact-unified", "backend-exact-unified", "backend-sparse-unified-refused"]
+UNIFIED_CASES = ["attention-exact-unified", "backend-exact-unified", "backend-sparse-unified"]
 ATTENTION_CASES = [
     "attention-exact-ulysses",
     "attention-exact-ring",
     "attention-sparse-ulysses",
     "backend-exact-ring",
-    "backend-sparse-ring-refused",
+    "backend-sparse-ring",
 ]
 
 
@@ -217,15 +216,8 @@ def _model_case(model_name: str, mode: str, parallelism: str) -> None:
     # diffusers picks the rank's device as rank % accelerator count; a CPU has none.
     with mock.patch("torch.accelerator.device_count", return_value=1):
         model.enable_parallelism(config=_context_parallel_config(parallelism))
-    refused = parallelism == "ring" and mode != "exact"
     with torch.no_grad(), _Spy() as spy:
-        try:
-            parallel = model(**inputs, return_dict=False)[0]
-        except ValueError as error:
-            if refused and "ulysses_degree" in str(error):
-                return
-            raise
-    assert not refused, f"{mode} under ring attention ran instead of being refused"
+        parallel = model(**inputs, return_dict=False)[0]
     assert (precision, sparse) in spy.calls, (
         f"the fused {mode} path did not run under {parallelism}: forward-op calls {spy.calls}"
     )
@@ -276,10 +268,6 @@ def _attention_case(name: str, rank: int) -> None:
     world = dist.get_world_size()  # rank r holds the r-th sequence chunk, as diffusers' plans split it
     shard = slice(rank * length // world, (rank + 1) * length // world)
     local = [t.detach()[:, shard].clone().requires_grad_() for t in (q, k, v)]
-    if name.endswith("refused"):
-        with pytest.raises(ValueError, match="ulysses_degree"):
-            compile_ops_attention(*local, attn_mask=mask, _parallel_config=config)
-        return
     if kind == "backend":
         out = compile_ops_attention(*local, attn_mask=mask if mode == "sparse" else None, _parallel_config=config)
     else:
@@ -394,22 +382,25 @@ def test_tensor_parallelism_on_a_patched_model_is_refused():
     "precision, sparse, lengths, refused",
     [
         ("exact", False, False, False),
-        ("int8", False, False, True),
-        ("int8_fp8", False, False, True),
+        ("int8", False, False, False),
+        ("int8_fp8", True, False, True),
         ("exact", True, False, True),
         ("exact", False, True, True),
     ],
 )
-def test_ring_refuses_what_needs_every_key(precision, sparse, lengths, refused):
+def test_only_uneven_ring_shards_refuse_what_needs_each_shards_place(precision, sparse, lengths, refused):
+    """Every mode runs under Ulysses and ring (tests/test_context_parallel_ring.py);
+    ring_anything's uneven shards refuse sparse layouts and key lengths."""
     from compile_ops.integrations.diffusers.context_parallel import check_parallel_mode
 
     for config, expect_refusal in (
         (_parallel(ulysses_degree=2), False),
-        (_parallel(ring_degree=2), refused),
-        (_parallel(ring_degree=2, ulysses_degree=2), refused),
+        (_parallel(ring_degree=2), False),
+        (_parallel(ring_degree=2, ulysses_degree=2), False),
+        (_parallel(ring_degree=2, ring_anything=True), refused),
     ):
         if expect_refusal:
-            with pytest.raises(ValueError, match=r"cannot run under ring attention.*ulysses_degree"):
+            with pytest.raises(ValueError, match=r"ring_anything=True.*ulysses_degree"):
                 check_parallel_mode(config, precision, sparse, lengths, "owner")
         else:
             check_parallel_mode(config, precision, sparse, lengths, "owner")  # runs

@@ -14,9 +14,9 @@ under a parallel config:
   the ring merge needs and ``fused.attention_backward`` for training;
 - the 8-bit precisions and sparse layouts under Ulysses: each rank holds every
   token of its heads, so they apply unchanged (sparse layouts are
-  head-independent). Under ring a rank sees one key shard at a time: 8-bit
-  attention returns no lse and a sparse layout's block lists span the whole
-  sequence, so those are refused, naming what runs.
+  head-independent). Under ring (and unified) a rank sees one key shard at a
+  time: :mod:`.ring` gives each step its slice of the block lists and key
+  lengths and the lse of the unsmoothed 8-bit scores.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from compile_ops.integrations.diffusers import ring
 from compile_ops.integrations.diffusers.attention_kernel import needs_gradient, sdpa_is_faster
 from compile_ops.ops.attention import attention
 
@@ -50,21 +51,22 @@ def parallel_path(config) -> str:
 
 def check_parallel_mode(config, precision: str, sparse: bool, kv_lengths: bool, owner: str) -> None:
     """Raise unless attention in ``precision`` (and a ``sparse`` layout, key
-    lengths) can run under ``config``'s context parallelism: 8-bit and sparse
-    attention and key lengths need every key on the rank (Ulysses), not a ring."""
+    lengths) can run under ``config``'s context parallelism. Every mode runs
+    under Ulysses and ring; a sparse layout and key lengths need each ring
+    shard's place in the sequence, which ``ring_anything``'s uneven shards do
+    not give. (Layouts whose shards are not whole blocks, or whose token order
+    crosses shards, are refused by :func:`.ring.ring_layout`.)"""
     cp = context_parallel(config)
-    if cp is None or cp.ring_degree <= 1:
+    if cp is None or cp.ring_degree <= 1 or not cp.ring_anything:
         return
-    wanted = [f"attention_precision={precision!r}"] if precision != "exact" else []
-    wanted += ["a sparse attention= layout"] if sparse else []
+    wanted = ["a sparse attention= layout"] if sparse else []
     wanted += ["a text padding mask"] if kv_lengths else []
     if wanted:
         raise ValueError(
-            f"{owner}: {' and '.join(wanted)} cannot run under ring attention "
-            f"(ContextParallelConfig(ring_degree={cp.ring_degree})): a rank sees one key shard at a "
-            "time, and 8-bit attention returns no log-sum-exp to merge shards with, sparse block "
-            "lists and key lengths span the whole sequence. Use ContextParallelConfig(ulysses_degree="
-            "...) (every key on each rank, for a subset of heads), or exact dense attention under ring"
+            f"{owner}: {' and '.join(wanted)} cannot run under ContextParallelConfig(ring_anything=True): "
+            "its shards have uneven lengths, so a shard's place in the sequence (which blocks and keys "
+            "it holds) is not known. Use ring_anything=False with a sequence length divisible by the "
+            "parallel degree (sparse layouts: by 128 x ring_degree), or ContextParallelConfig(ulysses_degree=...)"
         )
 
 
@@ -89,10 +91,10 @@ def parallel_attention(
             (``L_local`` = the whole sequence / the parallel degree); H divides
             by the Ulysses degree.
         config: the model's diffusers ``ParallelConfig`` with a context-parallel config.
-        precision: ``"exact"``, ``"int8"`` or ``"int8_fp8"`` (Ulysses only; inference).
+        precision: ``"exact"``, ``"int8"`` or ``"int8_fp8"`` (inference).
         layout: a sparse ``Layout`` (``compile_ops.integrations.sparse_attention``)
-            over the whole sequence, or None (Ulysses only).
-        kv_lengths: ``[B]`` key lengths over the whole sequence, or None (Ulysses only).
+            over the whole sequence, or None.
+        kv_lengths: ``[B]`` key lengths over the whole sequence, or None.
         scale: the softmax scale; None: ``1 / sqrt(D)``.
         causal: passed on to diffusers' templates (which refuse it).
         kernel: ``patch(attention_kernel=...)``: where exact attention needs no
@@ -109,7 +111,7 @@ def parallel_attention(
     # call that will be differentiated keeps the fused kernel, whose lse the fused backward reads.
     kernel = "fused" if needs_gradient(query, key, value) else kernel
     forward_op = functools.partial(
-        _forward_op, precision=precision, layout=layout, kv_lengths=kv_lengths, kernel=kernel
+        _forward_op, precision=precision, layout=layout, kv_lengths=kv_lengths, kernel=kernel, owner=owner
     )
     return _templated_context_parallel_attention(
         query,
@@ -145,12 +147,27 @@ def _forward_op(
     layout,
     kv_lengths: Optional[Tensor],
     kernel: str,
+    owner: str = "compile_ops",
 ):
     """diffusers' forward-op contract: ``[B, L, H, D]`` q, k, v (a rank's share
     after Ulysses' all-to-all, or one ring step's key shard) -> out, and with
     ``return_lse`` the lse ``[B, L, H]`` fp32; saves what :func:`_backward_op` reads."""
     lse = None
-    if layout is not None:
+    if _ring_step(_parallel_config, precision, layout, kv_lengths):
+        out, lse = ring.forward_step(
+            ctx,
+            query,
+            key,
+            value,
+            scale,
+            _parallel_config,
+            _save_ctx,
+            precision=precision,
+            layout=layout,
+            kv_lengths=kv_lengths,
+            owner=owner,
+        )
+    elif layout is not None:
         out = layout.attend(query, key, value, kv_lengths, scale, precision)
     elif precision != "exact":
         out = attention(query, key, value, scale, is_causal, seq_dim=1, kv_lengths=kv_lengths, precision=precision)
@@ -169,6 +186,15 @@ def _forward_op(
         ctx.save_for_backward(query, key, value, out, lse, kv_lengths)
         ctx.compile_ops_mode = (precision, layout, is_causal, scale)
     return (out, lse) if return_lse else out
+
+
+def _ring_step(config, precision: str, layout, kv_lengths) -> bool:
+    """Whether a ring step (``config`` with ring_degree > 1) needs :mod:`.ring`:
+    8-bit, sparse or with key lengths (exact dense steps run as one call)."""
+    cp = context_parallel(config)
+    return (
+        cp is not None and cp.ring_degree > 1 and (precision != "exact" or layout is not None or kv_lengths is not None)
+    )
 
 
 def _backward_op(
@@ -196,6 +222,8 @@ def _backward_op(
             f"compile_ops attention: attention_precision={precision!r} is inference only and has no "
             "gradient; patch with attention_precision='exact' to train"
         )
+    if _ring_step(getattr(ctx, "_parallel_config", None), precision, layout, kv_lengths):
+        return ring.backward_step(ctx, grad_out, query, key, value, out, lse)
     if layout is not None or lse is None:
         # Sparse layouts, and calls that ran SDPA: recompute with autograd (the forward saved no lse).
         with torch.enable_grad():

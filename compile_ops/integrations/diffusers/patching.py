@@ -16,6 +16,7 @@ from compile_ops.integrations.diffusers.context_parallel import check_parallel_m
 from compile_ops.integrations.diffusers.fp8_linears import fuse_mlp_activations, quantize_linears
 from compile_ops.integrations.diffusers.module_rules import diffusers_modules, module_rules, why_left_alone
 from compile_ops.integrations.diffusers.processors import FusedProcessor, processor_rules
+from compile_ops.integrations.diffusers.ring import prepare_ring_layouts
 from compile_ops.integrations.diffusers.sparse_models import attach_sparse_attention
 from compile_ops.integrations.module_swap import (
     PATCH_STATE,
@@ -65,6 +66,8 @@ def patch(model: nn.Module, options: Optional[PatchOptions] = None) -> PatchRepo
         undo.append(("hook", model.register_forward_pre_hook(schedule.pre_forward, with_kwargs=True), None, None))
     if options.attention is not None:
         attach_sparse_attention(model, options.attention, report, undo)
+        # After the sparse plan's hook, which picks each call's layout.
+        undo.append(("hook", model.register_forward_pre_hook(prepare_ring_layouts), None, None))
     if options.precision == "fp8":
         quantize_linears(model, report, options.fp8_fast_accum, options.fp8_modulation)
         fuse_mlp_activations(model, report)
@@ -78,8 +81,8 @@ def _check_parallel_config(model: nn.Module, args) -> None:
     """A patched model's forward pre-hook, run before its (compiled) blocks:
     diffusers' tensor parallelism (``enable_parallelism(config=TensorParallelConfig(...))``,
     set after patch) is refused, and so is an attention mode that the
-    context-parallel layout cannot run (8-bit or sparse attention under ring),
-    naming what works, not run wrong or raised from inside a compiled block."""
+    context-parallel layout cannot run (``check_parallel_mode``), naming what
+    works, not run wrong or raised from inside a compiled block."""
     config = getattr(model, "_parallel_config", None)
     if config is None or torch.compiler.is_compiling():
         return
