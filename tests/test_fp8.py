@@ -674,6 +674,53 @@ def test_sm90_code_rounds_like_the_reference(variant, act):
     assert ".ftz" not in ptx
 
 
+@pytest.mark.parametrize("variant", ["held", "head", "looped", "row_tiles"])
+def test_inductor_sees_the_quantize_kernel_write_only_its_outputs(variant, monkeypatch):
+    """Inductor's analysis of what a user Triton kernel writes (its TTIR, read
+    for an sm_90 target: no GPU needed) finds Q and S only. Were X (or HEAD)
+    taken for written, a compiled graph would copy the activation before each
+    call and CUDA graphs would skip the FP8 Linears (``mutated inputs``)."""
+    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    from triton.backends.compiler import GPUTarget
+
+    from compile_ops.kernels.fp8 import quantize_fp8_rows_kernel
+
+    class Sm90Target:  # the active driver's target, where this machine may have no GPU
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", Sm90Target(), raising=False)
+    with_head, looped = variant == "head", variant == "looped"
+    tiles = 2 if variant == "row_tiles" else 1
+    x = torch.empty(64, 256, dtype=torch.bfloat16)
+    kwargs = dict(
+        X=x,
+        Q=torch.empty(64, 512 if with_head else 256, dtype=torch.float8_e4m3fn),
+        S=torch.empty(64),
+        n_rows=64,
+        K=256,
+        stride_row=256,
+        stride_col=1,
+        HEAD=torch.empty(64, 256, dtype=torch.bfloat16) if with_head else None,
+        K_HEAD=256 if with_head else 0,
+        stride_head_row=256,
+        stride_head_col=1,
+        BLOCK_M=tiles,
+        BLOCK_N=256,
+        LOOPED=looped,
+        ACT=1,
+        HAS_HEAD=with_head,
+        CHUNKS=0 if looped else 1,
+        HEAD_CHUNKS=int(with_head and not looped),
+        ROW_TILES=tiles,
+    )
+    accesses = identify_accessed_tensors(quantize_fp8_rows_kernel, kwargs, {})
+    assert sorted(dep.name for dep in accesses.read_writes.writes) == ["Q", "S"]
+
+
 # ---------------------------------------------------------------- layer 3/4: the kernel
 
 

@@ -176,22 +176,21 @@ def _held_block(i: tl.constexpr, rows, row_mask, K, K_HEAD, BLOCK_N: tl.constexp
 
 @triton.jit
 def _load_held_rows(
-    tile,
-    n_rows,
+    rows,
+    row_mask,
     segments,
-    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNKS: tl.constexpr,
     HEAD_CHUNKS: tl.constexpr,
 ):
-    """``(rows, row_mask, blocks)`` of tile ``tile`` of BLOCK_M rows: its raw
-    blocks (X's dtype, a tuple), HEAD_CHUNKS of HEAD then CHUNKS of X, from
-    ``segments = (X, HEAD, K, K_HEAD, stride_row, stride_col,
-    stride_head_row, stride_head_col)``. The loads are issued here; nothing
-    waits on them until a block is used."""
+    """The raw blocks (X's dtype, a tuple) of the tile of ``rows``: HEAD_CHUNKS
+    of HEAD then CHUNKS of X, from ``segments = (X, HEAD, K, K_HEAD,
+    stride_row, stride_col, stride_head_row, stride_head_col)``. The loads are
+    issued here; nothing waits on them until a block is used. The rows come
+    from the caller, not from here: Inductor's analysis of what a user kernel
+    writes follows a store's address back through a call to every argument of
+    the call, so rows returned by a call that reads X would mark X written."""
     X, HEAD, K, K_HEAD, stride_row, stride_col, stride_head_row, stride_head_col = segments
-    rows = _tile_rows(tile, BLOCK_M)
-    row_mask = rows < n_rows
     blocks = ()
     for i in tl.static_range(HEAD_CHUNKS + CHUNKS):
         c, mask, _ = _held_block(i, rows, row_mask, K, K_HEAD, BLOCK_N, HEAD_CHUNKS)
@@ -200,7 +199,7 @@ def _load_held_rows(
         else:
             raw = _load_raw(X, rows, c, stride_row, stride_col, mask, "")
         blocks = blocks + (raw,)
-    return rows, row_mask, blocks
+    return blocks
 
 
 @triton.jit
@@ -216,7 +215,7 @@ def _quantize_held_rows(
     CHUNKS: tl.constexpr,
     HEAD_CHUNKS: tl.constexpr,
 ):
-    """Q's rows and S's scales of a tile ``held = (rows, row_mask, blocks)`` of
+    """Q's rows and S's scales of a tile ``held = (rows, row_mask, blocks)``, blocks of
     :func:`_load_held_rows`: the activation of x's blocks (the head's go as
     they are), one elementwise maximum over the blocks reduced once, each
     block converted with its row's inverse scale."""
@@ -300,10 +299,16 @@ def quantize_fp8_rows_kernel(
         # are issued before this one is quantized, so they run under its work.
         segments = (X, HEAD, K, K_HEAD, stride_row, stride_col, stride_head_row, stride_head_col)
         first_tile = tl.cast(tl.program_id(0), tl.int64) * ROW_TILES
-        held = _load_held_rows(first_tile, n_rows, segments, BLOCK_M, BLOCK_N, CHUNKS, HEAD_CHUNKS)
+        rows = _tile_rows(first_tile, BLOCK_M)
+        held = (rows, rows < n_rows, _load_held_rows(rows, rows < n_rows, segments, BLOCK_N, CHUNKS, HEAD_CHUNKS))
         for t in tl.static_range(ROW_TILES):
             if t + 1 < ROW_TILES:
-                loaded = _load_held_rows(first_tile + t + 1, n_rows, segments, BLOCK_M, BLOCK_N, CHUNKS, HEAD_CHUNKS)
+                rows = _tile_rows(first_tile + t + 1, BLOCK_M)
+                loaded = (
+                    rows,
+                    rows < n_rows,
+                    _load_held_rows(rows, rows < n_rows, segments, BLOCK_N, CHUNKS, HEAD_CHUNKS),
+                )
             _quantize_held_rows(Q, S, held, K, K_HEAD, ACT, BLOCK_M, BLOCK_N, CHUNKS, HEAD_CHUNKS)
             if t + 1 < ROW_TILES:
                 held = loaded
