@@ -384,13 +384,17 @@ def test_flux_pipeline_lora_calls_on_an_fp8_transformer_match_the_transformer_ca
     pipe.set_adapters(["style", "paint"], adapter_weights=[0.5, 1.5])
     by_hand.set_adapters(["style", "paint"], weights=[0.5, 1.5])
     unfused = check("two adapters with weights")
+    fp8_before = {n: t.clone() for n, t in by_hand.state_dict().items() if t.dtype == torch.float8_e4m3fn}
     pipe.fuse_lora()
     by_hand.fuse_lora()
     assert _relative_l2(check("fused"), unfused) > 0  # requantized: another rounding
     pipe.unfuse_lora()
     by_hand.unfuse_lora()
-    # The FP8 weights come back byte for byte, the unquantized modulation Linears by peft's fp32 subtraction.
-    torch.testing.assert_close(check("unfused"), unfused, rtol=1e-5, atol=1e-6)
+    # The FP8 weights come back byte for byte; the unquantized modulation Linears by peft's fp32
+    # subtraction, whose last-bit changes can flip an activation's e4m3 rounding downstream.
+    fp8_after = {n: t for n, t in by_hand.state_dict().items() if t.dtype == torch.float8_e4m3fn}
+    assert fp8_before.keys() == fp8_after.keys() and all(_same_bytes(fp8_before[n], fp8_after[n]) for n in fp8_after)
+    assert _relative_l2(check("unfused"), unfused) < SAME_QUANTIZATION
     pipe.load_lora_weights(_saved(tmp_path, "swap", swap), adapter_name="style", hotswap=True)
     by_hand.load_lora_adapter(swap, prefix=None, adapter_name="style", hotswap=True)
     check("hotswapped")
