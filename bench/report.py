@@ -726,18 +726,20 @@ def sparse_e2e_table(data: dict) -> str:
     ]
     for case in dict.fromkeys(r["case"] for r in data["rows"]):
         native = by.get((case, "native_compiled"))
-        for provider in ("native_compiled", "sparse_compiled"):
+        sparse = [p for c, p in by if c == case and p.startswith("sparse")]
+        for provider in ("native_compiled", *sparse):
             r = by.get((case, provider))
             if r is None:
                 continue
             speed = f"{native['ms'] / r['ms']:.2f}x" if native else "-"
-            if provider == "sparse_compiled":
+            if provider != "native_compiled":
                 att, att_s = r["attention_rel_l2"], r["attention_rel_l2_smooth"]
                 extra = (
                     f"{r['density']:.1%} | {r['step_rel_l2']:.2e} / {r['step_rel_l2_smooth']:.2e} | "
                     f"{att['median']:.2e} ({att['max']:.2e}) / {att_s['median']:.2e} ({att_s['max']:.2e})"
                 )
-                provider = f"sparse_compiled, {r['preset']}"
+                options = "".join(f", {k}={v!r}" for k, v in r.get("options", {}).items())
+                provider = f"{provider}, {r['preset']}{options}"
             else:
                 extra = "100% | - | -"
             out.append(
@@ -891,6 +893,15 @@ HEADLINE_ROWS = (
         "native_compiled",
         "`torch.compile`",
     ),
+    (
+        "Wan 2.1 1.3B 720p, FP8 + sparse 8-bit attention",
+        "sparse-e2e-720p-h200.json",
+        "wan_step_720p",
+        "sparse_fp8_int8_fp8_compiled",
+        '`precision="fp8", attention=SlidingTile(...), attention_precision="int8_fp8"`',
+        "native_compiled",
+        "`torch.compile`",
+    ),
 )
 
 
@@ -1040,7 +1051,11 @@ RUNNER_TABLES = (
     (is_aoti, aoti_table, lambda rows: "aoti-table"),
     (is_compile_modes, compile_modes_table, lambda rows: "compile-modes-table"),
     (is_distributed_train, distributed_train_table, lambda rows: "distributed-train-table"),
-    (is_sparse_e2e, sparse_e2e_table, lambda rows: "sparse-e2e-table"),
+    (
+        is_sparse_e2e,
+        sparse_e2e_table,
+        lambda rows: "sparse-e2e-combined-table" if any(r.get("options") for r in rows) else "sparse-e2e-table",
+    ),
     (is_diffusers_e2e_int8, diffusers_e2e_int8_table, lambda rows: "diffusers-e2e-int8-table"),
     (is_diffusers_e2e_fp8, diffusers_e2e_fp8_table, lambda rows: "diffusers-e2e-fp8-table"),
     (is_diffusers_e2e, diffusers_e2e_table, lambda rows: "diffusers-e2e-table"),
