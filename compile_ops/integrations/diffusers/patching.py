@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from compile_ops.integrations.attention_backend import register_diffusers_backend
+from compile_ops.integrations.diffusers import ring
 from compile_ops.integrations.diffusers.blocks import block_rules
-from compile_ops.integrations.diffusers.context_parallel import check_parallel_mode
+from compile_ops.integrations.diffusers.context_parallel import check_parallel_mode, context_parallel
 from compile_ops.integrations.diffusers.fp8_linears import fuse_mlp_activations, quantize_linears
 from compile_ops.integrations.diffusers.module_rules import diffusers_modules, module_rules, why_left_alone
 from compile_ops.integrations.diffusers.processors import FusedProcessor, processor_rules
-from compile_ops.integrations.diffusers.ring import prepare_ring_layouts
 from compile_ops.integrations.diffusers.sparse_models import attach_sparse_attention
 from compile_ops.integrations.module_swap import (
     PATCH_STATE,
@@ -28,6 +28,7 @@ from compile_ops.integrations.module_swap import (
 )
 from compile_ops.integrations.options import PatchOptions
 from compile_ops.integrations.schedule import DenseFirst
+from compile_ops.meta.attention import SPARSE_BLOCK
 
 
 def patch(model: nn.Module, options: Optional[PatchOptions] = None) -> PatchReport:
@@ -209,3 +210,26 @@ def unpatch(model: nn.Module) -> None:
             owner.set_processor(owner.processor.original)
         # else: diffusers put a processor of its own there since (an IP-Adapter's): it stays.
     delattr(model, PATCH_STATE)
+
+
+def prepare_ring_layouts(model, args) -> None:
+    """A patched model's forward pre-hook, after the sparse plan's (which
+    picks the call's layout): builds each ring rank's :class:`RingLayout` of
+    the call's layout before the (compiled) blocks run, so that a layout
+    ring attention cannot run is refused here, and the blocks find it built
+    (reading the permutation's values inside a compiled block would split its graph)."""
+    if torch.compiler.is_compiling():
+        return
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if not isinstance(processor, FusedProcessor) or processor.sparse is None:
+            continue
+        cp = context_parallel(processor.parallel_config())
+        layout = processor.sparse.layout
+        if cp is None or cp.ring_degree <= 1 or layout is None or not processor.splits_across_ranks(module):
+            continue
+        perm, index = ring.layout_parts(layout)[:2]
+        total = perm.numel() if perm is not None else index.shape[-2] * SPARSE_BLOCK
+        if total % cp.ring_degree == 0:  # else diffusers' split refuses it first
+            owner = f"compile_ops {type(processor).__name__}"
+            ring.ring_layout(layout, cp.ring_degree, cp._ring_local_rank, total // cp.ring_degree, owner)

@@ -112,7 +112,7 @@ class RingLayout:
         return (None, None) if self.perms is None else (self.perms[shard], self.inverses[shard])
 
 
-def _layout_parts(layout) -> tuple:
+def layout_parts(layout) -> tuple:
     """``(perm, block_index, block_count, topk)`` of a sparse ``Layout``
     (``compile_ops.integrations.sparse_attention``) or of the attention
     backend's layout of a :class:`BlockSparseMask`."""
@@ -155,7 +155,7 @@ def ring_layout(
 
 
 def _build(layout, ring_degree: int, query_shard: int, shard_tokens: int, owner: str) -> RingLayout:
-    perm, index, count, topk = _layout_parts(layout)
+    perm, index, count, topk = layout_parts(layout)
     total = ring_degree * shard_tokens
     if (
         shard_tokens % SPARSE_BLOCK
@@ -398,29 +398,3 @@ def backward_step(
     if lists.key_inverse is not None:
         dk, dv = (t.index_select(1, lists.key_inverse) for t in (dk, dv))
     return dq, dk, dv
-
-
-def prepare_ring_layouts(model, args) -> None:
-    """A patched model's forward pre-hook, after the sparse plan's (which
-    picks the call's layout): builds each ring rank's :class:`RingLayout` of
-    the call's layout before the (compiled) blocks run, so that a layout
-    ring attention cannot run is refused here, and the blocks find it built
-    (reading the permutation's values inside a compiled block would split its graph)."""
-    if torch.compiler.is_compiling():
-        return
-    from compile_ops.integrations.diffusers.context_parallel import context_parallel
-    from compile_ops.integrations.diffusers.processors import FusedProcessor
-
-    for module in model.modules():
-        processor = getattr(module, "processor", None)
-        if not isinstance(processor, FusedProcessor) or processor.sparse is None:
-            continue
-        cp = context_parallel(processor.parallel_config())
-        layout = processor.sparse.layout
-        if cp is None or cp.ring_degree <= 1 or layout is None or not processor.splits_across_ranks(module):
-            continue
-        perm, index = _layout_parts(layout)[:2]
-        total = perm.numel() if perm is not None else index.shape[-2] * SPARSE_BLOCK
-        if total % cp.ring_degree == 0:  # else diffusers' split refuses it first
-            owner = f"compile_ops {type(processor).__name__}"
-            ring_layout(layout, cp.ring_degree, cp._ring_local_rank, total // cp.ring_degree, owner)
