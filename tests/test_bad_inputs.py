@@ -423,6 +423,7 @@ CALLS = [
             seq_dim=2,
             kv_lengths=None,
             return_lse=False,
+            precision="exact",
         ),
         dict(
             q="tensor",
@@ -435,6 +436,7 @@ CALLS = [
             seq_dim="int",
             kv_lengths="index?",
             return_lse="bool",
+            precision="str",
         ),
     ),
     Call(
