@@ -354,6 +354,26 @@ OPS: tuple[OpSpec, ...] = (
         block_sparse.block_sparse_edges,
         tf32=True,
     ),
+    # Its 8-bit precisions (inference only: a gradient raises), against their
+    # specification, the same quantization over the listed blocks.
+    OpSpec(
+        "block_sparse_attention_int8",
+        "block_sparse",
+        reference.block_sparse.block_sparse_attention,
+        block_sparse.make_block_sparse_8bit("int8"),
+        block_sparse.block_sparse_8bit_edges("int8"),
+        differentiable=False,
+        op_name="block_sparse_attention",
+    ),
+    OpSpec(
+        "block_sparse_attention_int8_fp8",
+        "block_sparse",
+        reference.block_sparse.block_sparse_attention,
+        block_sparse.make_block_sparse_8bit("int8_fp8"),
+        block_sparse.block_sparse_8bit_edges("int8_fp8"),
+        differentiable=False,
+        op_name="block_sparse_attention",
+    ),
     OpSpec(
         "block_sparse_attention_backward",
         "block_sparse",

@@ -49,12 +49,12 @@ def make_attention(shape, dtype, device, requires_grad):
 def attention_int8_edges(dtype, device, requires_grad):
     """The attention edges in a 16-bit dtype, keys offset by a per-channel
     constant (what the smoothing removes), no gradient (inference only)."""
-    dtype = int8_dtype(dtype)
-    cases = []
-    for q, k, v, scale, causal, seq_dim, kv_lengths in attention_edges(dtype, device, False):
-        offset = torch.linspace(-3, 3, k.shape[-1], device=device).to(dtype)
-        cases.append((q, (k + offset).to(dtype), v, scale, causal, seq_dim, kv_lengths))
-    return cases
+    return [(q, offset_keys(k), *rest) for q, k, *rest in attention_edges(int8_dtype(dtype), device, False)]
+
+
+def offset_keys(k):
+    """k offset by a per-channel constant in its dtype: what 8-bit attention's smoothing removes."""
+    return (k + torch.linspace(-3, 3, k.shape[-1], device=k.device).to(k.dtype)).to(k.dtype)
 
 
 def make_attention_int8(shape, dtype, device, requires_grad):

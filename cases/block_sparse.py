@@ -1,13 +1,15 @@
-"""Inputs of the block_sparse family's ops: block_sparse_attention and its backward.
+"""Inputs of the block_sparse family's ops: block_sparse_attention (its exact
+and 8-bit precisions) and its backward.
 
 An op's arguments are attention's with the block lists after v: ``(q, k, v,
-block_index, block_count, scale, causal, seq_dim, kv_lengths)``.
+block_index, block_count, scale, causal, seq_dim, kv_lengths)``, and the
+8-bit precisions' ``precision`` after them.
 """
 
 import torch
 
-from cases._tensors import split_heads, tensor
-from cases.attention import qkv
+from cases._tensors import int8_dtype, split_heads, tensor
+from cases.attention import offset_keys, qkv
 from compile_ops import reference
 
 
@@ -47,18 +49,48 @@ def block_sparse_edges(dtype, device, requires_grad):
     ]
 
 
-def make_block_sparse(shape, dtype, device, requires_grad):
-    """q, k, v ``[B, H, L, D]`` with banded block lists shared by every head."""
+def _banded_self_attention(shape, dtype, device, requires_grad, seq_dim):
+    """Non-causal self-attention over ``shape [B, L, C]`` split into heads,
+    with banded block lists shared by every head."""
     b, length, h, d = split_heads(shape)
     n = (length + 127) // 128
     return (
-        *qkv(b, h, h, length, length, d, 2, dtype, device, requires_grad),
+        *qkv(b, h, h, length, length, d, seq_dim, dtype, device, requires_grad),
         *_banded_lists(n, n, device),
         d**-0.5,
         False,
-        2,
+        seq_dim,
         None,
     )
+
+
+def make_block_sparse(shape, dtype, device, requires_grad):
+    """q, k, v ``[B, H, L, D]`` with banded block lists shared by every head."""
+    return _banded_self_attention(shape, dtype, device, requires_grad, 2)
+
+
+def block_sparse_8bit_edges(precision):
+    """``edge_inputs`` of the 8-bit ``precision``: the block-sparse edges in a
+    16-bit dtype, keys offset by a per-channel constant (what the smoothing
+    removes), no gradient (inference only)."""
+
+    def edges(dtype, device, requires_grad):
+        return [
+            (q, offset_keys(k), *rest, precision)
+            for q, k, *rest in block_sparse_edges(int8_dtype(dtype), device, False)
+        ]
+
+    return edges
+
+
+def make_block_sparse_8bit(precision):
+    """``make_inputs`` of the 8-bit ``precision``: :func:`make_block_sparse`'s
+    banded lists on 16-bit q, k, v ``[B, L, H, D]`` (the models' layout), no gradient."""
+
+    def make(shape, dtype, device, requires_grad):
+        return (*_banded_self_attention(shape, int8_dtype(dtype), device, False, 1), precision)
+
+    return make
 
 
 def block_sparse_backward_edges(dtype, device, requires_grad):
