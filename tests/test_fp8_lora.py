@@ -205,6 +205,47 @@ def test_hotswap_under_compile_swaps_without_recompiling():
     torch.testing.assert_close(swapped, _out(fresh, args), rtol=0, atol=0)  # ... to the second adapter's
 
 
+def _compiled_blocks_graphs(model, args):
+    """Compile ``model``'s blocks one by one with ``fullgraph=True`` (as the Flux LoRA
+    benchmark does), call it twice: ``(output, graphs compiled, graph breaks)``."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    for name in BLOCK_LISTS:
+        for block in getattr(model, name, ()):
+            block.compile(fullgraph=True, backend="eager")
+    out = _out(model, args)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        _out(model, args)
+    stats = dynamo_utils.counters["stats"]
+    return out, stats["unique_graphs"], sum(dynamo_utils.counters["graph_break"].values())
+
+
+def test_blocks_compiled_one_by_one_share_their_graphs_with_a_hotswap_ready_lora():
+    """Regional compile of an FP8 model with a LoRA loaded after
+    ``enable_lora_hotswap``: no graph break, and the blocks of a kind share
+    their graphs as without the LoRA (no guard on a block's own objects: the
+    scalings are tensors, the FP8Linear buffers graph inputs), so a deeper
+    model compiles nothing more per block."""
+    model, args = _model("flux")
+    for name in ("transformer_blocks", "single_transformer_blocks"):
+        blocks = getattr(model, name)
+        blocks.extend(copy.deepcopy(blocks[0]) for _ in range(2))
+    lora = _lora_state_dict(model, seed=9, rank=8)
+    plain, _ = _patched(model)
+    patched, _ = _patched(model)
+    patched.enable_lora_hotswap(target_rank=16)
+    patched.load_lora_adapter(lora, prefix=None, adapter_name="style")
+    eager = _out(patched, args)
+    _, plain_graphs, plain_breaks = _compiled_blocks_graphs(plain, args)
+    out, graphs, breaks = _compiled_blocks_graphs(patched, args)
+    assert breaks == plain_breaks == 0
+    # One graph per block kind, plus the single block's first call (its input has other strides), as without the LoRA.
+    assert graphs == plain_graphs <= 3, (graphs, plain_graphs)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
 def test_fuse_requantizes_and_unfuse_gives_back_the_same_bytes():
     """``fuse_lora`` merges the deltas (and ``lora_bias``) into the FP8 weights
     by requantizing; the fused model is as close to the exact one as the
