@@ -26,7 +26,7 @@ from conftest import INTERPRET, KERNEL_DEVICE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from shapes import examples
-from test_attention import _SM90, EIGHT_BIT
+from test_attention import _SM90, EIGHT_BIT, _int8_case, _relative_l2
 from test_block_sparse import _random_lists
 
 import compile_ops
@@ -37,21 +37,6 @@ from compile_ops.reference import block_sparse as ref
 BLOCK = 128
 PRECISIONS = ("int8", "int8_fp8")
 LOG2E = 1.4426950408889634
-
-
-def _relative_l2(got, want):
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
-def _case_tensors(b, hq, hk, lq, lk, d, seq_dim, dtype, device, key_offset=2.0):
-    """q, k, v with keys carrying a per-channel offset (what the smoothing removes)."""
-
-    def t(h, length):
-        shape = (b, h, length, d) if seq_dim == 2 else (b, length, h, d)
-        return torch.randn(shape, device=device)
-
-    offset = key_offset * torch.randn(d, device=device)
-    return t(hq, lq).to(dtype), (t(hk, lk) + offset).to(dtype), t(hk, lk).to(dtype)
 
 
 def _lists(b, h, lq, lk, density, seed, empty_row, device):
@@ -152,7 +137,7 @@ def _call(case, device):
     """The case's inputs on ``device``: ``(q, k, v, index, count, kv_lengths)``."""
     precision, dtype, b, hq, hk, lq, lk, d, seq_dim, causal, per_head, kv_lengths, density, empty_row, seed = case
     torch.manual_seed(seed)
-    q, k, v = _case_tensors(b, hq, hk, lq, lk, d, seq_dim, dtype, device)
+    q, k, v = _int8_case(seq_dim, b, hq, hk, lq, lk, d, dtype, device)
     index, count = _lists(b if per_head else 1, hq if per_head else 1, lq, lk, density, seed, empty_row, device)
     kv = None if kv_lengths is None else torch.tensor(kv_lengths, dtype=torch.int32, device=device)
     return q, k, v, index, count, kv
@@ -195,7 +180,7 @@ def test_8bit_specification_with_every_block_listed_is_dense_8bit_attention(prec
     index, count = ref.block_index_from_mask(torch.ones(1, 1, 3, 3, dtype=torch.bool))
     kv = torch.tensor([260, 131], dtype=torch.int32)
     for seq_dim, causal, lengths in ((1, False, kv), (2, True, None)):
-        q, k, v = _case_tensors(2, 4, 2, 300, 260, 24, seq_dim, torch.bfloat16, "cpu")
+        q, k, v = _int8_case(seq_dim, 2, 4, 2, 300, 260, 24, torch.bfloat16, "cpu")
         with torch.no_grad():
             got = compile_ops.block_sparse_attention(
                 q, k, v, index, count, None, causal, seq_dim, lengths, precision=precision
@@ -216,7 +201,7 @@ def test_8bit_specification_with_every_block_listed_is_dense_8bit_attention(prec
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_8bit_block_sparse_compiles_with_fullgraph_and_equals_eager(precision):
     torch.manual_seed(0)
-    q, k, v = _case_tensors(1, 2, 1, 300, 260, 16, 1, torch.float16, "cpu")
+    q, k, v = _int8_case(1, 1, 2, 1, 300, 260, 16, torch.float16, "cpu")
     index, count = _lists(1, 2, 300, 260, 0.5, 3, True, "cpu")
 
     def attend(q, k, v):
@@ -230,7 +215,7 @@ def test_8bit_block_sparse_compiles_with_fullgraph_and_equals_eager(precision):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_8bit_block_sparse_refuses_a_gradient_other_dtypes_and_unknown_precisions(precision):
-    q, k, v = _case_tensors(1, 2, 2, 300, 300, 16, 2, torch.float16, "cpu")
+    q, k, v = _int8_case(2, 1, 2, 2, 300, 300, 16, torch.float16, "cpu")
     index, count = ref.block_index_from_mask(torch.ones(1, 2, 3, 3, dtype=torch.bool))
     with pytest.raises(TypeError, match=r"fused.block_sparse_attention: q, k and v must be float16 or bfloat16"):
         compile_ops.block_sparse_attention(q.float(), k.float(), v.float(), index, count, precision=precision)
@@ -307,7 +292,7 @@ def test_kernels_8bit_every_block_listed_equals_dense_8bit_attention_bit_for_bit
     layouts, causal, key lengths, partial last blocks): the same bits."""
     torch.manual_seed(0)
     for seq_dim, causal in ((1, False), (2, True)):
-        q, k, v = _case_tensors(2, 4, 2, 300, 260, 32, seq_dim, torch.float16, KERNEL_DEVICE)
+        q, k, v = _int8_case(seq_dim, 2, 4, 2, 300, 260, 32, torch.float16, KERNEL_DEVICE)
         kv = torch.tensor([260, 131], dtype=torch.int32, device=KERNEL_DEVICE)
         mask = torch.ones(1, 1, 3, 3, dtype=torch.bool, device=KERNEL_DEVICE)
         index, count = compile_ops.block_index_from_mask(mask)
@@ -334,7 +319,7 @@ def test_sm90_core_8bit_over_block_lists_computes_what_the_portable_kernel_does(
         (2, 2, 1, 513, 700, 1, True, [600, 1]),
     ]:
         torch.manual_seed(lq + lk)
-        q, k, v = _case_tensors(b, h, hk, lq, lk, 128, seq_dim, torch.bfloat16, "cuda", key_offset=4.0)
+        q, k, v = _int8_case(seq_dim, b, h, hk, lq, lk, 128, torch.bfloat16, "cuda", key_offset=4.0)
         kv = None if lengths is None else torch.tensor(lengths, dtype=torch.int32, device="cuda")
         index, count = _lists(b, h, lq, lk, 0.5, lq, True, "cuda")
         index = block_sparse.ascending(index, count)

@@ -193,37 +193,14 @@ def launch_eight_bit(
     b, h, lq, _ = meta.attention.dims(q8, seq_dim)
     if lse is None:
         lse = v.new_empty((b, h, lq), dtype=torch.float32)
-    if not v_operands:
-        launch_forward(
-            q8,
-            k8,
-            unit_last_stride(v),
-            out,
-            lse,
-            scale,
-            causal,
-            seq_dim,
-            kv_lengths,
-            blocks,
-            int8_scales=(q_scale, k_scale),
-        )
-        return
-    vt8, v_scale = v_operands
-    fp8_rows = None if out_scale is None else (fp8_rows_scale(v_scale), out_scale)
+    if v_operands:  # FP8 P V: v transposed in e4m3, its channel scales, and the FP8 output rows
+        v_input, v_scale = v_operands
+        fp8_rows = None if out_scale is None else (fp8_rows_scale(v_scale), out_scale)
+        pv_fp8 = dict(v_scale=v_scale, fp8_rows=fp8_rows)
+    else:
+        v_input, pv_fp8 = unit_last_stride(v), {}
     launch_forward(
-        q8,
-        k8,
-        vt8,
-        out,
-        lse,
-        scale,
-        causal,
-        seq_dim,
-        kv_lengths,
-        blocks,
-        int8_scales=(q_scale, k_scale),
-        v_scale=v_scale,
-        fp8_rows=fp8_rows,
+        q8, k8, v_input, out, lse, scale, causal, seq_dim, kv_lengths, blocks, int8_scales=(q_scale, k_scale), **pv_fp8
     )
 
 
