@@ -22,16 +22,12 @@ One spawn runs every case (a process group costs seconds to start); each case
 is a test of its own that reads the spawn's verdict.
 """
 
-import datetime
-import json
-import os
-import traceback
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import spawn_verdicts
+from gloo_ranks import run_cases, spawn_verdicts
 
 import compile_ops
 
@@ -289,36 +285,16 @@ def _attention_case(name: str, rank: int) -> None:
 def _worker(rank: int, world: int, directory: str) -> None:
     """Every case of this world size: the model and attention cases on 2 ranks,
     the unified (ring x Ulysses) attention cases on 4."""
-    torch.set_num_threads(1)  # the ranks share a 2-core box
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(directory, 'rendezvous')}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        verdicts = {}
-        for case in MODEL_CASES if world == WORLD else ():
-            try:
-                _model_case(*case)
-                verdicts["-".join(case)] = None
-            except Exception:
-                verdicts["-".join(case)] = traceback.format_exc()
-        for name in ATTENTION_CASES if world == WORLD else UNIFIED_CASES:
-            try:
-                _attention_case(name, rank)
-                verdicts[name] = None
-            except Exception:
-                verdicts[name] = traceback.format_exc()
-        with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
-            json.dump(verdicts, f)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    from bench.runners.distributed_train import teardown_process_group
 
-    teardown_process_group()
+    def cases():
+        named = {
+            "-".join(case): lambda case=case: _model_case(*case) for case in (MODEL_CASES if world == WORLD else ())
+        }
+        names = ATTENTION_CASES if world == WORLD else UNIFIED_CASES
+        named.update({name: lambda name=name: _attention_case(name, rank) for name in names})
+        return named
+
+    run_cases(rank, world, directory, cases)
 
 
 @pytest.fixture(scope="module")

@@ -21,17 +21,13 @@ by about the quantization's own error: at most twice the one-process 8-bit
 result's distance from exact attention (relative L2).
 """
 
-import datetime
-import json
-import os
-import traceback
 import types
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import spawn_verdicts
+from gloo_ranks import run_cases, spawn_verdicts
 from test_context_parallel import (
     RING_TOLERANCE,
     SPAWN_TIMEOUT_S,
@@ -171,34 +167,15 @@ def _attention_case(name: str, rank: int) -> None:
 
 def _worker(rank: int, world: int, directory: str) -> None:
     """This world size's cases on this rank; writes ``{case: None or the failure}``."""
-    torch.set_num_threads(1)  # the ranks share a 2-core box
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(directory, 'rendezvous')}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    cases = {"-".join(case): lambda case=case: _model_case(*case) for case in MODEL_CASES[world]}
-    cases.update({name: lambda name=name: _attention_case(name, rank) for name in ATTENTION_CASES[world]})
-    if world == WORLD:
-        cases.update({f"refused-{name}": lambda name=name: _refusal_case(name) for name in REFUSALS})
-    try:
-        verdicts = {}
-        for name, case in cases.items():
-            try:
-                case()
-                verdicts[name] = None
-            except Exception:
-                verdicts[name] = traceback.format_exc()
-        with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
-            json.dump(verdicts, f)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    from bench.runners.distributed_train import teardown_process_group
 
-    teardown_process_group()
+    def cases():
+        named = {"-".join(case): lambda case=case: _model_case(*case) for case in MODEL_CASES[world]}
+        named.update({name: lambda name=name: _attention_case(name, rank) for name in ATTENTION_CASES[world]})
+        if world == WORLD:
+            named.update({f"refused-{name}": lambda name=name: _refusal_case(name) for name in REFUSALS})
+        return named
+
+    run_cases(rank, world, directory, cases)
 
 
 def _case_names(world: int) -> list:
