@@ -14,7 +14,7 @@ and ``<!-- perf-table:end -->`` of the Markdown file (``attention-table`` /
 ``block-sparse-table`` for bench/runners/block_sparse.py's,
 ``diffusers-e2e-table`` for bench/runners/diffusers_e2e.py's,
 ``distributed-train-table`` for bench/runners/distributed_train.py's,
-``context-parallel-<case>-table`` for bench/runners/context_parallel.py's
+``context-parallel-<case>-x<W>-table`` for bench/runners/context_parallel.py's
 (bench/tables/context_parallel.py), ...;
 ``headline-table`` for :func:`headline_table`); it is regenerated from the
 JSON, never edited by hand. The tables live in docs/performance.md, the

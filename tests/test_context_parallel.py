@@ -22,6 +22,7 @@ One spawn runs every case (a process group costs seconds to start); each case
 is a test of its own that reads the spawn's verdict.
 """
 
+import functools
 from unittest import mock
 
 import pytest
@@ -73,6 +74,8 @@ ATTENTION_CASES = [
     "attention-sparse-ulysses",
     "backend-exact-ring",
     "backend-sparse-ring",
+    "exchange-exact-ulysses",
+    "exchange-int8_fp8-ulysses",
 ]
 
 
@@ -282,6 +285,32 @@ def _attention_case(name: str, rank: int) -> None:
         )
 
 
+def _exchange_case(name: str, rank: int) -> None:
+    """compile_ops' Ulysses exchange against diffusers' Ulysses template with
+    the same per-rank op: equal bit for bit, in two all-to-alls a call (q, k
+    and v in one) where the template makes four."""
+    from diffusers.models.attention_dispatch import _templated_context_parallel_attention
+    from torch.distributed import _functional_collectives as funcol
+
+    from compile_ops.integrations.diffusers import context_parallel
+
+    precision = name.split("-")[1]
+    config = _setup_config("ulysses", rank)
+    torch.manual_seed(rank)
+    dtype = torch.bfloat16 if precision != "exact" else torch.float32
+    q, k, v = (torch.randn(2, 128, 4, 16, dtype=dtype) for _ in range(3))
+    with mock.patch.object(funcol, "all_to_all_single_autograd", wraps=funcol.all_to_all_single_autograd) as spy:
+        ours = context_parallel.parallel_attention(q, k, v, config, precision=precision, kernel="fused")
+    forward_op = functools.partial(
+        context_parallel._forward_op, precision=precision, layout=None, kv_lengths=None, kernel="fused"
+    )
+    theirs = _templated_context_parallel_attention(
+        q, k, v, None, 0.0, False, None, False, False, forward_op=forward_op, backward_op=None, _parallel_config=config
+    )
+    assert spy.call_count == 2, f"the exchange made {spy.call_count} all-to-alls, expected 2 (q/k/v, then out)"
+    assert torch.equal(ours, theirs), f"max difference {(ours.float() - theirs.float()).abs().max().item()}"
+
+
 def _worker(rank: int, world: int, directory: str) -> None:
     """Every case of this world size: the model and attention cases on 2 ranks,
     the unified (ring x Ulysses) attention cases on 4."""
@@ -291,7 +320,12 @@ def _worker(rank: int, world: int, directory: str) -> None:
             "-".join(case): lambda case=case: _model_case(*case) for case in (MODEL_CASES if world == WORLD else ())
         }
         names = ATTENTION_CASES if world == WORLD else UNIFIED_CASES
-        named.update({name: lambda name=name: _attention_case(name, rank) for name in names})
+        named.update(
+            {
+                name: lambda name=name: (_exchange_case if name.startswith("exchange") else _attention_case)(name, rank)
+                for name in names
+            }
+        )
         return named
 
     run_cases(rank, world, directory, cases)

@@ -96,8 +96,10 @@ PERFORMANCE_TABLES = {
     "aoti-table": "aoti-h100.json",
     "compile-modes-table": "diffusers-e2e-modes-h100.json",
     "distributed-train-table": "distributed-train-h200.json",
-    "context-parallel-wan_720p-table": "context-parallel-wan_720p-x2-h200.json",
-    "context-parallel-flux-table": "context-parallel-flux-x2-h200.json",
+    "context-parallel-wan_720p-x2-table": "context-parallel-wan_720p-x2-h200.json",
+    "context-parallel-flux-x2-table": "context-parallel-flux-x2-h200.json",
+    "context-parallel-wan_720p-x4-table": "context-parallel-wan_720p-x4-h200.json",
+    "context-parallel-flux-x4-table": "context-parallel-flux-x4-h200.json",
 }
 
 
@@ -118,7 +120,7 @@ def test_performance_tables_are_what_the_committed_results_give(marker):
 
 def test_readme_context_parallel_table_is_what_the_committed_results_give():
     """The README's multi-GPU table is docs/performance.md's Wan block, from the same JSON."""
-    marker = "context-parallel-wan_720p-table"
+    marker = "context-parallel-wan_720p-x2-table"
     _, table = report.doc_table(report.load(str(ROOT / "bench" / "results" / PERFORMANCE_TABLES[marker])))
     assert _block(ROOT / "README.md", marker) == table.strip("\n"), (
         f"rerun: python bench/report.py bench/results/{PERFORMANCE_TABLES[marker]} --doc README.md"

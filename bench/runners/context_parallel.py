@@ -15,8 +15,10 @@ after a barrier; the median and spread of rank 0's times).
 Modes: ``native`` (no patch: SDPA, cuDNN), ``patched`` (``compile_ops.patch``,
 exact attention), ``int8_fp8`` (``attention_precision="int8_fp8"``) and, on
 Wan, ``sliding_tile`` (``attention=SlidingTile(window=(3, 3, 3), tile=(2, 8, 8))``).
-Modes a layout refuses (8-bit and sparse under ring) are recorded as refused
-with the error's first line.
+Under a ring layout ``native`` runs diffusers' ``_native_cudnn`` backend
+(``set_attention_backend``): the ring merge needs the log-sum-exp, which its
+default SDPA backend does not return. Modes a layout refuses are recorded as
+refused with the error's first line.
 
 Every row also gives the step output's relative L2 against the one-GPU
 native output (the mode's error) and against the one-GPU output of the same
@@ -109,6 +111,8 @@ def worker(args) -> None:
                 from diffusers import ContextParallelConfig
 
                 ulysses, ring = next((u, r) for name, u, r in layouts(world) if name == args.layout)
+                if mode == "native" and ring > 1:
+                    model.set_attention_backend("_native_cudnn")
                 model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses, ring_degree=ring))
             # As diffusers' compile_repeated_blocks: fullgraph=False, since diffusers'
             # context-parallel hook on the first block (inspect.signature) does not trace.
@@ -157,7 +161,9 @@ def _report(model) -> list:
         if hasattr(processor, "describe"):
             rows.append((path, *processor.describe(module)))
         elif processor is not None and hasattr(processor, "_parallel_config"):
-            rows.append((path, f"diffusers {type(processor).__name__}", parallel_path(processor._parallel_config)))
+            backend = getattr(processor, "_attention_backend", None)
+            kernel = f"diffusers {type(processor).__name__}" + (f" ({backend} backend)" if backend else "")
+            rows.append((path, kernel, parallel_path(processor._parallel_config)))
     return rows
 
 
@@ -168,7 +174,7 @@ def _launch(args, layout: str) -> None:
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={args.world}",
-        "--master-port=29533",
+        f"--master-port={args.port}",
         __file__,
         "--worker",
         "--layout",
@@ -259,6 +265,7 @@ def main(argv=None) -> int:
         "across runs (split a long run: --layouts single,ulysses2, then --layouts ring2)",
     )
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--port", type=int, default=29533, help="the ranks' rendezvous port (runs side by side need two)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", default="single", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -16,8 +16,9 @@ def is_context_parallel(data: dict) -> bool:
 
 
 def marker(rows: list) -> str:
-    """The docs block of a case's table: ``context-parallel-<case>-table``."""
-    return f"context-parallel-{rows[0]['case']}-table"
+    """The docs block of a case's table on W GPUs: ``context-parallel-<case>-x<W>-table``."""
+    world = max(r.get("world", 1) for r in rows)
+    return f"context-parallel-{rows[0]['case']}-x{world}-table"
 
 
 def _layout(name: str) -> str:

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from compile_ops.integrations.diffusers import ring
 from compile_ops.integrations.diffusers.attention_kernel import needs_gradient, sdpa_is_faster
+from compile_ops.integrations.diffusers.ulysses import ulysses_attention
 from compile_ops.ops.attention import attention
 
 
@@ -113,6 +114,18 @@ def parallel_attention(
     forward_op = functools.partial(
         _forward_op, precision=precision, layout=layout, kv_lengths=kv_lengths, kernel=kernel, owner=owner
     )
+    cp = context_parallel(config)
+    if cp.ring_degree == 1 and query.shape == key.shape == value.shape:
+        # Ulysses alone: our exchange (one all-to-all for q, k and v; see .ulysses), with
+        # autograd through the collectives and the fused op's own backward.
+        return ulysses_attention(
+            query,
+            key,
+            value,
+            cp._ulysses_mesh.get_group(),
+            cp.ulysses_degree,
+            lambda q, k, v: forward_op(None, q, k, v, None, 0.0, causal, scale, False, False, _save_ctx=False),
+        )
     return _templated_context_parallel_attention(
         query,
         key,
