@@ -76,6 +76,8 @@ ATTENTION_CASES = [
     "backend-sparse-ring",
     "exchange-exact-ulysses",
     "exchange-int8_fp8-ulysses",
+    "exchange-exact-ulysses-pipelined",
+    "exchange-int8_fp8-ulysses-pipelined",
 ]
 
 
@@ -288,18 +290,25 @@ def _attention_case(name: str, rank: int) -> None:
 def _exchange_case(name: str, rank: int) -> None:
     """compile_ops' Ulysses exchange against diffusers' Ulysses template with
     the same per-rank op: equal bit for bit, in two all-to-alls a call (q, k
-    and v in one) where the template makes four."""
+    and v in one) where the template makes four; pipelined, two a half of the heads."""
     from diffusers.models.attention_dispatch import _templated_context_parallel_attention
     from torch.distributed import _functional_collectives as funcol
 
-    from compile_ops.integrations.diffusers import context_parallel
+    from compile_ops.integrations.diffusers import context_parallel, ulysses
 
-    precision = name.split("-")[1]
+    precision, pipelined = name.split("-")[1], name.endswith("pipelined")
     config = _setup_config("ulysses", rank)
     torch.manual_seed(rank)
     dtype = torch.bfloat16 if precision != "exact" else torch.float32
     q, k, v = (torch.randn(2, 128, 4, 16, dtype=dtype) for _ in range(3))
-    with mock.patch.object(funcol, "all_to_all_single_autograd", wraps=funcol.all_to_all_single_autograd) as spy:
+    # Pipelined (every call, here): each half of the heads in its own two collectives.
+    threshold = 0 if pipelined else ulysses.PIPELINE_MIN_BYTES
+    raw = torch.ops._c10d_functional.all_to_all_single
+    with (
+        mock.patch.object(ulysses, "PIPELINE_MIN_BYTES", threshold),
+        mock.patch.object(funcol, "all_to_all_single_autograd", wraps=funcol.all_to_all_single_autograd) as spy,
+        mock.patch.object(torch.ops._c10d_functional, "all_to_all_single", wraps=raw) as raw_spy,
+    ):
         ours = context_parallel.parallel_attention(q, k, v, config, precision=precision, kernel="fused")
     forward_op = functools.partial(
         context_parallel._forward_op, precision=precision, layout=None, kv_lengths=None, kernel="fused"
@@ -307,7 +316,8 @@ def _exchange_case(name: str, rank: int) -> None:
     theirs = _templated_context_parallel_attention(
         q, k, v, None, 0.0, False, None, False, False, forward_op=forward_op, backward_op=None, _parallel_config=config
     )
-    assert spy.call_count == 2, f"the exchange made {spy.call_count} all-to-alls, expected 2 (q/k/v, then out)"
+    calls, expected = (raw_spy.call_count, 4) if pipelined else (spy.call_count, 2)
+    assert calls == expected, f"the exchange made {calls} all-to-alls, expected {expected} (q/k/v, then out)"
     assert torch.equal(ours, theirs), f"max difference {(ours.float() - theirs.float()).abs().max().item()}"
 
 

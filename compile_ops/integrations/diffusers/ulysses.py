@@ -17,7 +17,10 @@ layout (for B = 1 a plain view) and one copy puts the heads back in order.
 
 The exchange is differentiable (functional collectives with autograd), so a
 training step's backward runs the same collectives in reverse around the
-attention's own backward.
+attention's own backward. Inference calls on long shards exchange their
+heads in two halves, issuing the second half's all-to-all before the first
+half's attention, so that the transfer runs during that attention instead of
+before it (:data:`PIPELINE_MIN_BYTES`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,14 @@ from typing import Callable
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
+
+from compile_ops.integrations.diffusers.attention_kernel import needs_gradient
+
+#: Inference calls whose q shard (this rank's ``[B, S, H, D]``) holds at least
+#: this many bytes, and whose heads a rank splits in two, pipeline the exchange
+#: (two halves of the heads); below it a call is too short for the overlap to
+#: pay for the two extra collectives' launches.
+PIPELINE_MIN_BYTES = 32 * 2**20
 
 
 def _waited(t: Tensor) -> Tensor:
@@ -64,6 +75,12 @@ def ulysses_attention(
             "(each rank attends H / ulysses_degree heads); choose a degree that divides the head count"
         )
     heads = h // world
+    if (
+        heads % 2 == 0
+        and query.numel() * query.element_size() >= PIPELINE_MIN_BYTES
+        and not needs_gradient(query, key, value)
+    ):
+        return _pipelined(query, key, value, group, world, attend)
     # [P, S, B, 3, H/P, D]: one copy of q, k and v (heads to the front), one collective.
     send = torch.stack([t.view(b, s, world, heads, d).permute(2, 1, 0, 3, 4) for t in (query, key, value)], dim=3)
     received = _waited(funcol.all_to_all_single_autograd(send.flatten(), None, None, group))
@@ -76,3 +93,29 @@ def ulysses_attention(
     back = _waited(funcol.all_to_all_single_autograd(chunks.flatten(), None, None, group))
     # [P (heads now), S, B, H/P, D] -> [B, S, H, D].
     return back.view(world, s, b, heads, d).permute(2, 1, 0, 3, 4).reshape(b, s, h, d)
+
+
+def _pipelined(query: Tensor, key: Tensor, value: Tensor, group, world: int, attend) -> Tensor:
+    """:func:`ulysses_attention` for inference, the heads exchanged in two
+    halves: both halves' all-to-alls are issued before the first half's
+    attention, and each is waited for only where its half is used. Through
+    the functional collectives' ops, whose waits stay where they are written
+    (funcol's wrappers wait right after issuing while a graph is traced)."""
+    b, s, h, d = query.shape
+    heads = h // world
+    half = heads // 2
+    # [2, P, S, B, 3, H/2P, D]: each half's send buffer contiguous.
+    send = torch.stack([t.view(b, s, world, 2, half, d).permute(3, 2, 1, 0, 4, 5) for t in (query, key, value)], dim=4)
+    name = group.group_name
+    sizes = [send[0].numel() // world] * world
+    pending = [torch.ops._c10d_functional.all_to_all_single(send[g].flatten(), sizes, sizes, name) for g in range(2)]
+    returning = []
+    for g in range(2):
+        received = torch.ops._c10d_functional.wait_tensor(pending[g]).view(world, s, b, 3, half, d)
+        q, k, v = (received[:, :, :, i].flatten(0, 1).transpose(0, 1) for i in range(3))
+        chunks = attend(q, k, v).reshape(b, world, s, half, d).permute(1, 2, 0, 3, 4).contiguous()
+        out_sizes = [chunks.numel() // world] * world
+        returning.append(torch.ops._c10d_functional.all_to_all_single(chunks.flatten(), out_sizes, out_sizes, name))
+    # [2, P (heads now), S, B, H/2P, D] -> [B, S, P, 2, H/2P, D]: head p * H/P + g * H/2P + j.
+    back = torch.stack([torch.ops._c10d_functional.wait_tensor(t).view(world, s, b, half, d) for t in returning])
+    return back.permute(3, 2, 1, 0, 4, 5).reshape(b, s, h, d)
