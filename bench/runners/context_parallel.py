@@ -100,7 +100,12 @@ def worker(args) -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if distributed:
         torch.distributed.init_process_group("nccl")
-    pairs = [(case, mode) for case in args.cases.split(",") for mode in CASE_MODES[case]]
+    if args.pipeline_min_mib is not None:
+        from compile_ops.integrations.diffusers import ulysses
+
+        ulysses.PIPELINE_MIN_BYTES = args.pipeline_min_mib * 2**20
+    chosen = args.modes.split(",") if args.modes else MODES
+    pairs = [(case, mode) for case in args.cases.split(",") for mode in CASE_MODES[case] if mode in chosen]
     rows, outputs = [], {}
     for case, mode in pairs if distributed else pairs[rank::world]:
         row = dict(case=case, mode=mode, layout=args.layout, world=world if distributed else 1)
@@ -183,6 +188,8 @@ def _launch(args, layout: str) -> None:
         str(args.world),
         "--cases",
         args.cases,
+        *(["--modes", args.modes] if args.modes else []),
+        *(["--pipeline-min-mib", str(args.pipeline_min_mib)] if args.pipeline_min_mib is not None else []),
         "--repeats",
         str(args.repeats),
         "--scratch",
@@ -220,7 +227,8 @@ def _collect(args, env: dict) -> list:
             row["speedup_vs_native_same_layout"] = native / row["step_ms"] if native else None
     order = {name: i for i, name in enumerate(["single", *(name for name, _, _ in layouts(args.world))])}
     rows.sort(key=lambda r: (r["case"], order[r["layout"]], MODES.index(r["mode"])))
-    path = results_path(args.out, f"context-parallel-{'+'.join(args.cases.split(','))}-x{args.world}", env)
+    tag = f"-{args.tag}" if args.tag else ""
+    path = results_path(args.out, f"context-parallel-{'+'.join(args.cases.split(','))}-x{args.world}{tag}", env)
     with open(path, "w") as f:
         json.dump(dict(env=env, world=args.world, rows=rows), f, indent=1)
     log(f"wrote {path}")
@@ -252,6 +260,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=torch.cuda.device_count())
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--modes", default=None, help=f"comma-separated subset of {', '.join(MODES)} (default: all)")
+    p.add_argument(
+        "--pipeline-min-mib",
+        type=float,
+        default=None,
+        help="compile_ops' Ulysses exchange pipelines calls whose q shard holds this many MiB "
+        "(default: ulysses.PIPELINE_MIN_BYTES; inf: never)",
+    )
+    p.add_argument("--tag", default=None, help="appended to the results file's name")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--layouts",
