@@ -535,24 +535,23 @@ def test_fake_cuda_trace_launches_the_quantize_kernel(shape, looped, activation,
         assert block_n == min(4096, triton.next_power_of_2(max(x.shape[-1], kwargs["K_HEAD"])))
         assert (chunks, head_chunks) == (triton.cdiv(x.shape[-1], block_n), triton.cdiv(kwargs["K_HEAD"], block_n))
         assert block_n * (chunks + head_chunks) <= 16384
-    assert kwargs["ROW_TILES"] == 1  # no SCHEDULES entry: one tile a program
-    assert grid[0] * kwargs["BLOCK_M"] >= rows and 0 < grid[0] < 2**31
+    assert grid[0] == triton.cdiv(rows, kwargs["BLOCK_M"]) and 0 < grid[0] < 2**31  # one tile a program
     assert (q.shape, q.dtype, scale.shape, scale.dtype) == (shape, torch.float8_e4m3fn, shape[:-1], torch.float32)
 
 
 @pytest.mark.parametrize(
     "schedule, shape, k_head",
     [
-        (ops.Schedule(1, 4096, 2, 16), (2, 4096, 12288), 3072),  # Flux's single block, two rows a program
-        (ops.Schedule(4, 512, 3, 8), (7, 1536), 0),  # rows across warp groups, M not a multiple of 12
-        (ops.Schedule(2, 2048, 4, 4), (3, 20000), 0),  # an entry holds rows the default rule would loop
+        (ops.Schedule(1, 4096, 16), (2, 4096, 12288), 3072),  # Flux's single block
+        (ops.Schedule(4, 512, 8), (7, 1536), 0),  # rows across warp groups, M not a multiple of 4
+        (ops.Schedule(2, 2048, 4), (3, 20000), 0),  # an entry holds rows the default rule would loop
     ],
 )
 def test_fake_cuda_trace_launches_the_schedule_table_entry(monkeypatch, schedule, shape, k_head):
     """A SCHEDULES entry keyed by (activation, head width, width) sets the held
-    launch: its tile rows, block width, tiles a program and warps, each
-    segment in whole blocks, a grid of programs of BLOCK_M x ROW_TILES rows;
-    other widths keep the default rule."""
+    launch: its tile rows, block width and warps, each segment in whole
+    blocks, a grid of one tile of BLOCK_M rows a program; other widths keep
+    the default rule."""
     activation = "gelu_tanh" if k_head else "none"
     monkeypatch.setattr(ops, "SCHEDULES", {(activation, k_head, shape[-1]): schedule})
     with torch.device("meta"):
@@ -563,13 +562,13 @@ def test_fake_cuda_trace_launches_the_schedule_table_entry(monkeypatch, schedule
     _, _, launches = _fake_cuda_launches(
         lambda t, u, *h: (body(t, activation, *h), body(u, activation, *h)), x, other, *heads
     )
-    (_, entry, grid), (_, default, _) = launches
+    (_, entry, grid), (_, default, default_grid) = launches
     rows = x.numel() // x.shape[-1]
-    block_m, block_n, row_tiles, _ = schedule
-    assert not entry["LOOPED"] and (entry["BLOCK_M"], entry["BLOCK_N"], entry["ROW_TILES"]) == schedule[:3]
+    block_m, block_n, _ = schedule
+    assert not entry["LOOPED"] and (entry["BLOCK_M"], entry["BLOCK_N"]) == schedule[:2]
     assert (entry["CHUNKS"], entry["HEAD_CHUNKS"]) == (triton.cdiv(shape[-1], block_n), triton.cdiv(k_head, block_n))
-    assert grid[0] == triton.cdiv(rows, block_m * row_tiles)
-    assert default["ROW_TILES"] == 1
+    assert grid[0] == triton.cdiv(rows, block_m)
+    assert default_grid[0] == triton.cdiv(rows, default["BLOCK_M"])
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -608,7 +607,7 @@ def test_fake_cuda_trace_of_fp8_linear_calls_scaled_mm_rowwise(monkeypatch, bias
     assert out.shape == (2, 7, 48) and out.dtype == torch.float32
 
 
-@pytest.mark.parametrize("variant", ["held", "looped", "row_tiles"])
+@pytest.mark.parametrize("variant", ["held", "looped", "two_rows"])
 @pytest.mark.parametrize("act", [-1, 1])
 def test_sm90_code_rounds_like_the_reference(variant, act):
     """What makes the GPU's bytes the reference's, read from the sm_90 PTX (no GPU
@@ -618,8 +617,8 @@ def test_sm90_code_rounds_like_the_reference(variant, act):
     tests/conftest.py's interpreter patch reproduces. With an activation
     (tanh GELU) the forward sigmoid's one approximate division is the only
     other one (``kernels/glu.py``: its bytes are the GLU kernels', which the
-    interpreter layer compares). ``row_tiles``: two tiles of two rows a program
-    (SCHEDULES' pipelined schedule)."""
+    interpreter layer compares). ``two_rows``: a tile of two rows a program
+    (a SCHEDULES entry's shape)."""
     import re
 
     import triton
@@ -647,22 +646,20 @@ def test_sm90_code_rounds_like_the_reference(variant, act):
         "HAS_HEAD": "constexpr",
         "CHUNKS": "constexpr",
         "HEAD_CHUNKS": "constexpr",
-        "ROW_TILES": "constexpr",
     }
-    looped, tiles = variant == "looped", 2 if variant == "row_tiles" else 1
+    looped, block_m = variant == "looped", 2 if variant == "two_rows" else 1
     # Flux's single block as the launcher runs it: 3 + 1 blocks of 4096 held, or the loop.
     src = ASTSource(
         fn=quantize_fp8_rows_kernel,
         signature=signature,
         constexprs={
-            "BLOCK_M": tiles,
+            "BLOCK_M": block_m,
             "BLOCK_N": 2048 if looped else 4096,
             "LOOPED": looped,
             "ACT": act,
             "HAS_HEAD": True,
             "CHUNKS": 0 if looped else 3,
             "HEAD_CHUNKS": 0 if looped else 1,
-            "ROW_TILES": tiles,
         },
     )
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if looped else 8}).asm["ptx"]
@@ -670,11 +667,11 @@ def test_sm90_code_rounds_like_the_reference(variant, act):
     divisions = re.findall(r"div\.[\w.]+", ptx)
     assert set(divisions) == ({"div.rn.f32"} if act < 0 else {"div.rn.f32", "div.full.f32"})
     # The scales' two correctly rounded divisions, in each place a row's scale is taken.
-    assert 0 < divisions.count("div.rn.f32") <= 4 * tiles
+    assert 0 < divisions.count("div.rn.f32") <= 4 * block_m
     assert ".ftz" not in ptx
 
 
-@pytest.mark.parametrize("variant", ["held", "head", "looped", "row_tiles"])
+@pytest.mark.parametrize("variant", ["held", "head", "looped", "two_rows"])
 def test_inductor_sees_the_quantize_kernel_write_only_its_outputs(variant, monkeypatch):
     """Inductor's analysis of what a user Triton kernel writes (its TTIR, read
     for an sm_90 target: no GPU needed) finds Q and S only. Were X (or HEAD)
@@ -694,7 +691,7 @@ def test_inductor_sees_the_quantize_kernel_write_only_its_outputs(variant, monke
 
     monkeypatch.setattr(triton.runtime.driver, "_active", Sm90Target(), raising=False)
     with_head, looped = variant == "head", variant == "looped"
-    tiles = 2 if variant == "row_tiles" else 1
+    block_m = 2 if variant == "two_rows" else 1
     x = torch.empty(64, 256, dtype=torch.bfloat16)
     kwargs = dict(
         X=x,
@@ -708,14 +705,13 @@ def test_inductor_sees_the_quantize_kernel_write_only_its_outputs(variant, monke
         K_HEAD=256 if with_head else 0,
         stride_head_row=256,
         stride_head_col=1,
-        BLOCK_M=tiles,
+        BLOCK_M=block_m,
         BLOCK_N=256,
         LOOPED=looped,
         ACT=1,
         HAS_HEAD=with_head,
         CHUNKS=0 if looped else 1,
         HEAD_CHUNKS=int(with_head and not looped),
-        ROW_TILES=tiles,
     )
     if hasattr(
         triton_kernel_wrap, "identify_accessed_tensors"
@@ -870,19 +866,17 @@ def _quantized_under_schedule(x, activation, head, schedule):
     st.sampled_from([0, 5, 40]),
     st.sampled_from([1, 2, 4]),
     st.sampled_from([16, 32]),
-    st.integers(1, 4),
     st.sampled_from(["none", "gelu_tanh", "silu"]),
     st.sampled_from([torch.float32, torch.bfloat16]),
     st.sampled_from(["none", "zero_rows", "inf", "nan"]),
 )
-def test_kernel_several_tiles_a_program_write_the_references_bytes(
-    rows, k, k_head, block_m, block_n, row_tiles, activation, dtype, special
+def test_kernel_schedule_entries_write_the_references_bytes(
+    rows, k, k_head, block_m, block_n, activation, dtype, special
 ):
-    """The pipelined schedule (a SCHEDULES entry: ``row_tiles`` tiles of
-    ``block_m`` rows a program, blocks of 16 or 32 columns): rows that are not
-    a multiple of a program's, the last tile partly or wholly past them, K = 1,
-    K not a multiple of the block, with and without a head, all-zero rows (the
-    floor), +-inf and NaN. Bytes and scales equal the reference's of the
+    """A SCHEDULES entry's launch (tiles of ``block_m`` rows, blocks of 16 or
+    32 columns): rows that are not a multiple of a tile's, the last tile
+    partly past them, K = 1, K not a multiple of the block, with and without a
+    head, all-zero rows (the floor), +-inf and NaN. Bytes and scales equal the reference's of the
     concatenation, with the activation the GLU kernels compute."""
     torch.manual_seed(rows * 1000 + k)
     x = torch.randn(rows, k) * 3
@@ -898,7 +892,7 @@ def test_kernel_several_tiles_a_program_write_the_references_bytes(
             head[rows // 2, k_head - 1] = float(special)
     x = x.to(dtype).to(KERNEL_DEVICE)
     head = None if head is None else head.to(dtype).to(KERNEL_DEVICE)
-    schedule = ops.Schedule(block_m, block_n, row_tiles, 4)
+    schedule = ops.Schedule(block_m, block_n, 4)
     q, scale, values = _quantized_under_schedule(x, activation, head, schedule)
     want_q, want_scale = ref.quantize_fp8_rows(values.cpu())
     assert _same_bytes_but_nan_sign(q.cpu(), want_q) and torch.equal(scale.cpu(), want_scale)

@@ -206,7 +206,9 @@ def _load_held_rows(
 def _quantize_held_rows(
     Q,
     S,
-    held,
+    rows,
+    row_mask,
+    blocks,
     K,
     K_HEAD,
     ACT: tl.constexpr,
@@ -215,11 +217,10 @@ def _quantize_held_rows(
     CHUNKS: tl.constexpr,
     HEAD_CHUNKS: tl.constexpr,
 ):
-    """Q's rows and S's scales of a tile ``held = (rows, row_mask, blocks)``, blocks of
-    :func:`_load_held_rows`: the activation of x's blocks (the head's go as
-    they are), one elementwise maximum over the blocks reduced once, each
-    block converted with its row's inverse scale."""
-    rows, row_mask, blocks = held
+    """Q's rows and S's scales of the tile of ``rows`` (``row_mask``: those below
+    n_rows), ``blocks`` of :func:`_load_held_rows`: the activation of x's
+    blocks (the head's go as they are), one elementwise maximum over the
+    blocks reduced once, each block converted with its row's inverse scale."""
     peak = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     values = ()
     for i in tl.static_range(HEAD_CHUNKS + CHUNKS):
@@ -254,27 +255,25 @@ def quantize_fp8_rows_kernel(
     HAS_HEAD: tl.constexpr,
     CHUNKS: tl.constexpr = 1,
     HEAD_CHUNKS: tl.constexpr = 0,
-    ROW_TILES: tl.constexpr = 1,
 ):
     """Q[r] = e4m3 of row r of X (of act(X) with ``ACT >= 0``), S[r] its scale.
     With HAS_HEAD the row is ``HEAD[r]`` (K_HEAD columns, as they are) followed
     by that: the quantization of a concatenation that is never written. One
-    program per ROW_TILES tiles of BLOCK_M rows; Q and S are contiguous.
+    program per tile of BLOCK_M rows; Q and S are contiguous.
 
     Single pass (not LOOPED): a tile's rows are read once and held in registers
     as HEAD_CHUNKS blocks of HEAD then CHUNKS blocks of X, each BLOCK_N wide
     (a tuple of tiles, unrolled), so that a row is padded to whole blocks,
     not to a power of two (Flux's 3072 + 12288 columns: 4 blocks of 4096,
     where one block per segment would be 4096 + 16384); the row maximum is the
-    elementwise maximum over the blocks, reduced once. A program quantizes its
-    ROW_TILES tiles in turn, software-pipelined: the next tile's loads are
-    issued before the current tile's activation, reduction and stores, so
-    that they are in flight while it computes (a tile of one row spreads a
-    row across the warps; BLOCK_M rows over narrower blocks give groups of
-    warps rows of their own). LOOPED (rows too wide to hold; ROW_TILES 1):
-    two passes over each segment in BLOCK_N blocks, the row maxima and then
-    the values (the activation computed in each; the first pass asks L2 to
-    keep what the second reads again).
+    elementwise maximum over the blocks, reduced once (a tile of one row
+    spreads a row across the warps; BLOCK_M rows over narrower blocks give
+    groups of warps rows of their own). One tile a program: prefetching a
+    second tile doubles the registers a thread holds and halves the programs
+    an SM runs (docs/notes/fp8.md). LOOPED (rows too wide to hold): two
+    passes over each segment in BLOCK_N blocks, the row maxima and then the
+    values (the activation computed in each; the first pass asks L2 to keep
+    what the second reads again).
 
     Why hold rows up to 16384 columns: an MLP's hidden activation (Flux:
     12288 wide, 3072 more of attention output as the head) in two passes is
@@ -295,20 +294,8 @@ def quantize_fp8_rows_kernel(
         _segment_store(Q, K_HEAD + K, K_HEAD, X, rows, row_mask, K, stride_row, stride_col, inverse, ACT, BLOCK_N)
         tl.store(S + rows, scale, mask=row_mask)
     else:
-        # Software-pipelined over the program's tiles: the next tile's loads
-        # are issued before this one is quantized, so they run under its work.
         segments = (X, HEAD, K, K_HEAD, stride_row, stride_col, stride_head_row, stride_head_col)
-        first_tile = tl.cast(tl.program_id(0), tl.int64) * ROW_TILES
-        rows = _tile_rows(first_tile, BLOCK_M)
-        held = (rows, rows < n_rows, _load_held_rows(rows, rows < n_rows, segments, BLOCK_N, CHUNKS, HEAD_CHUNKS))
-        for t in tl.static_range(ROW_TILES):
-            if t + 1 < ROW_TILES:
-                rows = _tile_rows(first_tile + t + 1, BLOCK_M)
-                loaded = (
-                    rows,
-                    rows < n_rows,
-                    _load_held_rows(rows, rows < n_rows, segments, BLOCK_N, CHUNKS, HEAD_CHUNKS),
-                )
-            _quantize_held_rows(Q, S, held, K, K_HEAD, ACT, BLOCK_M, BLOCK_N, CHUNKS, HEAD_CHUNKS)
-            if t + 1 < ROW_TILES:
-                held = loaded
+        rows = _tile_rows(tl.program_id(0), BLOCK_M)
+        row_mask = rows < n_rows
+        blocks = _load_held_rows(rows, row_mask, segments, BLOCK_N, CHUNKS, HEAD_CHUNKS)
+        _quantize_held_rows(Q, S, rows, row_mask, blocks, K, K_HEAD, ACT, BLOCK_M, BLOCK_N, CHUNKS, HEAD_CHUNKS)

@@ -53,15 +53,13 @@ LOOP_WARPS = 4
 
 
 class Schedule(NamedTuple):
-    """How held rows are launched: tiles of ``block_m`` rows (a power of two)
-    cut in blocks of ``block_n`` columns (a power of two; the head and x each
-    padded to whole blocks), ``row_tiles`` tiles a program (each one's loads
-    issued before the tile before it is quantized), ``warps`` warps. Blocks
-    narrower than a warp group's reach put groups of warps on rows of their own."""
+    """How held rows are launched: one tile of ``block_m`` rows (a power of two)
+    a program, cut in blocks of ``block_n`` columns (a power of two; the head
+    and x each padded to whole blocks), ``warps`` warps. Blocks narrower than
+    a warp group's reach put groups of warps on rows of their own."""
 
     block_m: int
     block_n: int
-    row_tiles: int
     warps: int
 
 
@@ -69,9 +67,9 @@ class Schedule(NamedTuple):
 #: ``"none"`` or its name, head width 0 without a head), from
 #: ``bench/sweeps/fp8.py``'s results; an entry holds its rows whatever their
 #: width. Other shapes take :func:`default_schedule`, which the sweep found
-#: fastest for every other shape it timed (one tile a program everywhere).
+#: fastest for every other shape it timed.
 SCHEDULES: dict = {
-    ("gelu_tanh", 0, 8960): Schedule(1, 2048, 1, 8),  # Wan's MLP: narrower blocks, fewer warps
+    ("gelu_tanh", 0, 8960): Schedule(1, 2048, 8),  # Wan's MLP: narrower blocks, fewer warps
 }
 
 
@@ -82,20 +80,20 @@ def _num_warps(values: int, per_thread: int) -> int:
 
 
 def default_schedule(activation: str, k_head: int, k: int) -> Optional[Schedule]:
-    """The rule for rows without a SCHEDULES entry: one tile a program, blocks
-    of CHUNK_N (narrower rows one block of their own power of two, several
-    rows a tile up to TILE values), warps for about VALUES_PER_THREAD values a
-    thread (ACTIVATION_VALUES_PER_THREAD where each costs an activation: more
-    warps hide its latency; without one, fewer warps are faster); None for
-    rows past MAX_ROW_VALUES (the two-pass loop). ``k_head``, ``k``: the head's
-    and x's widths."""
+    """The rule for rows without a SCHEDULES entry: blocks of CHUNK_N (narrower
+    rows one block of their own power of two, several rows a tile up to TILE
+    values), warps for about VALUES_PER_THREAD values a thread
+    (ACTIVATION_VALUES_PER_THREAD where each costs an activation: more warps
+    hide its latency; without one, fewer warps are faster); None for rows past
+    MAX_ROW_VALUES (the two-pass loop). ``k_head``, ``k``: the head's and x's
+    widths."""
     block_n = min(CHUNK_N, triton.next_power_of_2(max(k, k_head)))
     row_values = block_n * (triton.cdiv(k, block_n) + triton.cdiv(k_head, block_n))
     if row_values > MAX_ROW_VALUES:
         return None
     block_m = 1 << max(0, (TILE // row_values).bit_length() - 1)  # a power of two, as tl.arange needs
     per_thread = VALUES_PER_THREAD if activation == "none" else ACTIVATION_VALUES_PER_THREAD
-    return Schedule(block_m, block_n, 1, _num_warps(block_m * row_values, per_thread))
+    return Schedule(block_m, block_n, _num_warps(block_m * row_values, per_thread))
 
 
 INFERENCE_ONLY = (
@@ -164,11 +162,11 @@ def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tenso
     schedule = SCHEDULES.get((activation, *widths)) or default_schedule(activation, *widths)
     looped = schedule is None
     if looped:
-        schedule = Schedule(1, LOOP_BLOCK_N, 1, LOOP_WARPS)
-    block_m, block_n, row_tiles, warps = schedule
+        schedule = Schedule(1, LOOP_BLOCK_N, LOOP_WARPS)
+    block_m, block_n, warps = schedule
     # Both segments in blocks of one width (the kernel keeps one elementwise maximum).
     chunks, head_chunks = (0, 0) if looped else (triton.cdiv(widths[1], block_n), triton.cdiv(widths[0], block_n))
-    grid = (triton.cdiv(n_rows, block_m * row_tiles),)
+    grid = (triton.cdiv(n_rows, block_m),)  # one tile a program
     launcher(quantize_fp8_rows_kernel)[grid](
         x2,
         q,
@@ -188,7 +186,6 @@ def _quantize_fp8_rows(x: Tensor, activation: str = "none", head: Optional[Tenso
         HAS_HEAD=head is not None,
         CHUNKS=chunks,
         HEAD_CHUNKS=head_chunks,
-        ROW_TILES=row_tiles,
         num_warps=warps,
     )
     return q, scale
