@@ -62,10 +62,12 @@ MODES = {
 #: modes under ring are tests/test_context_parallel_ring.py's (another tolerance).
 MODEL_CASES = [
     (model, mode, parallelism)
-    for model in ("wan", "flux", "ltx")
+    for model in ("wan", "flux", "ltx", "hunyuan")
     for mode in MODES
     for parallelism in ("ulysses", "ring")
-    if not (model == "flux" and mode.startswith("sliding_tile")) and not ("int8" in mode and parallelism == "ring")
+    if not (model == "flux" and mode.startswith("sliding_tile"))
+    and not ("int8" in mode and parallelism == "ring")
+    and not (model == "hunyuan" and parallelism == "ring")  # refused: the text is whole on every rank
 ]
 UNIFIED_CASES = ["attention-exact-unified", "backend-exact-unified", "backend-sparse-unified"]
 ATTENTION_CASES = [
@@ -78,6 +80,7 @@ ATTENTION_CASES = [
     "exchange-int8_fp8-ulysses",
     "exchange-exact-ulysses-pipelined",
     "exchange-int8_fp8-ulysses-pipelined",
+    "tail-exact-ulysses",
 ]
 
 
@@ -168,7 +171,38 @@ def _ltx(dtype):
     return model, inputs
 
 
-MODELS = {"wan": _wan, "flux": _flux, "ltx": _ltx}
+def _hunyuan(dtype):
+    # 4 frames of 16 x 16 video tokens (1024: (2, 8, 8) tiles of 128), then 12 text tokens, the last
+    # two padding; 4 heads, so that each of two ranks attends two.
+    model = diffusers.HunyuanVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=4,
+        attention_head_dim=8,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=1,
+        patch_size_t=1,
+        guidance_embeds=True,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 2, 4),
+        image_condition_type=None,
+    )
+    model = model.to(dtype).eval()
+    inputs = dict(
+        hidden_states=torch.randn(1, 4, 4, 16, 16, dtype=dtype),
+        timestep=torch.tensor([500.0], dtype=dtype),
+        encoder_hidden_states=torch.randn(1, 12, 16, dtype=dtype),
+        pooled_projections=torch.randn(1, 8, dtype=dtype),
+        encoder_attention_mask=torch.tensor([[1.0] * 10 + [0.0] * 2], dtype=dtype),
+        guidance=torch.tensor([300.0], dtype=dtype),
+    )
+    return model, inputs
+
+
+MODELS = {"wan": _wan, "flux": _flux, "ltx": _ltx, "hunyuan": _hunyuan}
 
 
 def _context_parallel_config(parallelism: str):
@@ -227,9 +261,11 @@ def _model_case(model_name: str, mode: str, parallelism: str) -> None:
         assert torch.equal(parallel, one_process), f"Ulysses output differs from one process by {difference}"
     elif parallelism == "ulysses":
         # Flux's joint sequence arrives as [text_0, image_0, text_1, image_1]: keys in another order;
-        # LTX's cross-attention runs split too, and differs from one process in the last bit.
+        # LTX's cross-attention runs split too, and differs from one process in the last bit;
+        # HunyuanVideo's blocks run their GEMMs on each rank's share of the video tokens. The 8-bit
+        # modes (bf16) give the one-process bits: their quantization and sums do not see the order.
         torch.testing.assert_close(
-            parallel, one_process, **(RING_TOLERANCE if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2))
+            parallel, one_process, **(RING_TOLERANCE if dtype == torch.float32 else dict(rtol=0, atol=0))
         )
     else:
         torch.testing.assert_close(parallel, one_process, **RING_TOLERANCE)
@@ -321,6 +357,41 @@ def _exchange_case(name: str, rank: int) -> None:
     assert torch.equal(ours, theirs), f"max difference {(ours.float() - theirs.float()).abs().max().item()}"
 
 
+def _tail_case(name: str, rank: int) -> None:
+    """Ulysses with a replicated tail (HunyuanVideo's text, whole on every rank)
+    against one process attending [every rank's tokens, the tail], forward and
+    backward. Every rank's loss counts the tail's output, so the tail's
+    gradient summed over the ranks is that of ``<tokens, g> + P <tail, g_tail>``."""
+    from compile_ops.integrations.diffusers.context_parallel import parallel_attention
+
+    config = _setup_config("ulysses", rank)
+    world = dist.get_world_size()
+    torch.manual_seed(0)  # the same on every rank: the whole sequence, the tail, the upstream gradients
+    b, length, tail, heads, d = 1, 256, 12, 4, 16
+    q, k, v = (torch.randn(b, length + tail, heads, d, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, length + tail, heads, d)
+    lengths = torch.tensor([length + tail - 2])  # the tail's last two tokens are padding keys
+    full = compile_ops.attention(q, k, v, seq_dim=1, kv_lengths=lengths)
+    (full[:, :length] * grad[:, :length]).sum().add((world * full[:, length:] * grad[:, length:]).sum()).backward()
+    shard = slice(rank * length // world, (rank + 1) * length // world)
+    local = [torch.cat([t.detach()[:, shard], t.detach()[:, length:]], 1).requires_grad_() for t in (q, k, v)]
+    out = parallel_attention(*local, config, kv_lengths=lengths, kernel="fused", replicated_tail=tail)
+    torch.testing.assert_close(out[:, :-tail], full.detach()[:, shard], rtol=0, atol=0)
+    torch.testing.assert_close(out[:, -tail:], full.detach()[:, length:], rtol=0, atol=0)
+    out.backward(torch.cat([grad[:, shard], grad[:, length:]], 1))
+    for which, mine, theirs in zip("qkv", local, (q, k, v)):
+        torch.testing.assert_close(mine.grad[:, :-tail], theirs.grad[:, shard], **RING_TOLERANCE)
+        summed = mine.grad[:, -tail:].clone()
+        dist.all_reduce(summed)
+        torch.testing.assert_close(
+            summed, theirs.grad[:, length:], **RING_TOLERANCE, msg=lambda m, which=which: f"d{which} tail: {m}"
+        )
+
+
+#: The per-rank function of each kind of named case (the name's first part).
+CASE_KINDS = {"exchange": _exchange_case, "tail": _tail_case}
+
+
 def _worker(rank: int, world: int, directory: str) -> None:
     """Every case of this world size: the model and attention cases on 2 ranks,
     the unified (ring x Ulysses) attention cases on 4."""
@@ -331,10 +402,7 @@ def _worker(rank: int, world: int, directory: str) -> None:
         }
         names = ATTENTION_CASES if world == WORLD else UNIFIED_CASES
         named.update(
-            {
-                name: lambda name=name: (_exchange_case if name.startswith("exchange") else _attention_case)(name, rank)
-                for name in names
-            }
+            {name: lambda name=name: CASE_KINDS.get(name.split("-")[0], _attention_case)(name, rank) for name in names}
         )
         return named
 
@@ -424,6 +492,59 @@ def test_only_uneven_ring_shards_refuse_what_needs_each_shards_place(precision, 
                 check_parallel_mode(config, precision, sparse, lengths, "owner")
         else:
             check_parallel_mode(config, precision, sparse, lengths, "owner")  # runs
+
+
+def test_patch_gives_hunyuan_video_a_context_parallel_plan_and_unpatch_takes_it_back():
+    model, _ = _hunyuan(torch.float32)
+    assert type(model)._cp_plan is None  # diffusers ships none for HunyuanVideo
+    compile_ops.patch(model)
+    plan = model._cp_plan
+    assert set(plan) == {"rope", "transformer_blocks.0", "proj_out"}
+    assert plan["transformer_blocks.0"]["hidden_states"].split_dim == 1  # the video tokens
+    assert {plan["rope"][i].split_dim for i in (0, 1)} == {0}  # the rotary tables' rows
+    assert "encoder_hidden_states" not in plan["transformer_blocks.0"]  # the text stays whole
+    compile_ops.unpatch(model)
+    assert "_cp_plan" not in vars(model) and model._cp_plan is None
+
+
+def test_hunyuan_video_token_replacement_gets_no_plan_and_the_report_says_why():
+    torch.manual_seed(0)
+    model = diffusers.HunyuanVideoTransformer3DModel(
+        in_channels=8,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 2, 4),
+        image_condition_type="token_replace",
+    )
+    report = compile_ops.patch(model)
+    assert model._cp_plan is None
+    assert any("token replacement" in why for _, _, why in report.left), report.left
+
+
+def test_ring_is_refused_where_every_rank_holds_the_text():
+    """HunyuanVideo under compile_ops' plan: the text is whole on every rank, so
+    Ulysses runs and ring (which would visit the text's keys once a rank) is refused,
+    from the model's forward pre-hook, before any block runs."""
+    from compile_ops.integrations.diffusers.context_parallel import check_parallel_mode
+
+    check_parallel_mode(_parallel(ulysses_degree=2), "exact", False, True, "owner", replicated_text=True)  # runs
+    model, inputs = _hunyuan(torch.float32)
+    compile_ops.patch(model)
+    config = _parallel(ring_degree=2)
+    model._parallel_config = config  # what enable_parallelism records, on the model and its processors
+    for module in model.modules():
+        if hasattr(module, "processor"):
+            module.processor._parallel_config = config
+    with pytest.raises(ValueError, match=r"HunyuanVideoAttnProcessor: ring attention.*ulysses_degree"):
+        model(**inputs)
 
 
 def test_the_report_names_each_layers_kernel_and_parallel_path():

@@ -201,8 +201,19 @@ def test_a_smaller_window_is_dense_attention_under_the_same_explicit_mask(name, 
         if getattr(processor, "sparse", None) is not None:
             plan = processor.sparse
 
-            def masked(query, key, value, text_tokens=0, kv_lengths=None, fp8_rows=False, parallel=None, plan=plan):
+            def masked(
+                query,
+                key,
+                value,
+                text_tokens=0,
+                kv_lengths=None,
+                fp8_rows=False,
+                parallel=None,
+                replicated_tail=0,
+                plan=plan,
+            ):
                 assert text_tokens == plan.layout.text_tokens and not fp8_rows and parallel is None  # bf16, 1 rank
+                assert replicated_tail == 0
                 layouts.append(plan.layout)
                 return _masked_reference(plan.layout, query, key, value, kv_lengths)
 
@@ -457,8 +468,18 @@ def test_sparse_8bit_attention_with_fp8_linears_is_the_same_approximation_spelle
         processor = getattr(module, "processor", None)
         if getattr(processor, "sparse", None) is not None:
 
-            def masked(query, key, value, text_tokens=0, kv_lengths=None, fp8_rows=False, parallel=None, plan=None):
-                assert parallel is None and text_tokens == plan.layout.text_tokens
+            def masked(
+                query,
+                key,
+                value,
+                text_tokens=0,
+                kv_lengths=None,
+                fp8_rows=False,
+                parallel=None,
+                replicated_tail=0,
+                plan=None,
+            ):
+                assert parallel is None and replicated_tail == 0 and text_tokens == plan.layout.text_tokens
                 return _masked_8bit_reference(plan.layout, precision, query, key, value, kv_lengths)
 
             processor.attend_self = functools.partial(masked, plan=processor.sparse)

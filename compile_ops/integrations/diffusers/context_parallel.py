@@ -50,14 +50,25 @@ def parallel_path(config) -> str:
     return " x ".join(parts) or "one rank"
 
 
-def check_parallel_mode(config, precision: str, sparse: bool, kv_lengths: bool, owner: str) -> None:
+def check_parallel_mode(
+    config, precision: str, sparse: bool, kv_lengths: bool, owner: str, replicated_text: bool = False
+) -> None:
     """Raise unless attention in ``precision`` (and a ``sparse`` layout, key
     lengths) can run under ``config``'s context parallelism. Every mode runs
     under Ulysses and ring; a sparse layout and key lengths need each ring
     shard's place in the sequence, which ``ring_anything``'s uneven shards do
     not give. (Layouts whose shards are not whole blocks, or whose token order
-    crosses shards, are refused by :func:`.ring.ring_layout`.)"""
+    crosses shards, are refused by :func:`.ring.ring_layout`.) A layer whose
+    text every rank holds whole (``replicated_text``: HunyuanVideo under
+    compile_ops' plan) runs under Ulysses only: ring would visit the text's
+    keys once a rank."""
     cp = context_parallel(config)
+    if cp is not None and cp.ring_degree > 1 and replicated_text:
+        raise ValueError(
+            f"{owner}: ring attention cannot run this model's attention: every rank holds the whole text "
+            "(compile_ops' context-parallel plan shards the video tokens only), and a ring would count the "
+            "text's keys once a rank. Use ContextParallelConfig(ulysses_degree=...)"
+        )
     if cp is None or cp.ring_degree <= 1 or not cp.ring_anything:
         return
     wanted = ["a sparse attention= layout"] if sparse else []
@@ -84,6 +95,7 @@ def parallel_attention(
     causal: bool = False,
     kernel: str = "auto",
     owner: str = "compile_ops",
+    replicated_tail: int = 0,
 ) -> Tensor:
     """Attention of this rank's shard under diffusers' context parallelism.
 
@@ -101,13 +113,15 @@ def parallel_attention(
         kernel: ``patch(attention_kernel=...)``: where exact attention needs no
             log-sum-exp and no gradient, "auto" or "sdpa" may run SDPA.
         owner: the caller, for error messages.
+        replicated_tail: tokens at the end of q, k, v that every rank holds
+            whole (not sharded; Ulysses only): they join the sequence once.
 
     Returns:
         ``[B, L_local, H, D]`` in q's dtype.
     """
     from diffusers.models.attention_dispatch import _templated_context_parallel_attention
 
-    check_parallel_mode(config, precision, layout is not None, kv_lengths is not None, owner)
+    check_parallel_mode(config, precision, layout is not None, kv_lengths is not None, owner, replicated_tail > 0)
     # Decided here: inside diffusers' autograd function q, k and v do not require grad, and a
     # call that will be differentiated keeps the fused kernel, whose lse the fused backward reads.
     kernel = "fused" if needs_gradient(query, key, value) else kernel
@@ -125,6 +139,8 @@ def parallel_attention(
             cp._ulysses_mesh.get_group(),
             cp.ulysses_degree,
             lambda q, k, v: forward_op(None, q, k, v, None, 0.0, causal, scale, False, False, _save_ctx=False),
+            replicated_tail,
+            cp._ulysses_mesh.get_local_rank() if replicated_tail else 0,
         )
     return _templated_context_parallel_attention(
         query,

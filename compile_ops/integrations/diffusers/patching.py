@@ -14,6 +14,7 @@ from compile_ops.integrations.attention_backend import register_diffusers_backen
 from compile_ops.integrations.diffusers import ring
 from compile_ops.integrations.diffusers.blocks import block_rules
 from compile_ops.integrations.diffusers.context_parallel import check_parallel_mode, context_parallel
+from compile_ops.integrations.diffusers.cp_plans import install_plans
 from compile_ops.integrations.diffusers.fp8_linears import fuse_mlp_activations, quantize_linears
 from compile_ops.integrations.diffusers.module_rules import diffusers_modules, module_rules, why_left_alone
 from compile_ops.integrations.diffusers.processors import FusedProcessor, processor_rules
@@ -63,6 +64,8 @@ def patch(model: nn.Module, options: Optional[PatchOptions] = None) -> PatchRepo
     undo.append(("hook", model.register_forward_pre_hook(_check_parallel_config), None, None))
     _replace_modules(model, activations, report, undo)
     _replace_processors(model, options, schedule, report, undo)
+    if options.attention_processors:  # the plans rely on our processors' replicated text
+        install_plans(model, report, undo)
     if options.attention_dense_steps:
         undo.append(("hook", model.register_forward_pre_hook(schedule.pre_forward, with_kwargs=True), None, None))
     if options.attention is not None:
@@ -107,6 +110,7 @@ def _check_parallel_config(model: nn.Module, args) -> None:
                 processor.sparse is not None,
                 False,
                 f"compile_ops {type(processor).__name__}",
+                processor.replicates_text,
             )
 
 
@@ -203,6 +207,8 @@ def unpatch(model: nn.Module) -> None:
             restore_module(owner, name, original)  # with the LoRA layers put on its Linears since
         elif kind == "hook":
             owner.remove()  # a forward pre-hook's handle (sparse attention, the 8-bit schedule)
+        elif kind == "attribute":
+            delattr(owner, name)  # an instance attribute patch set (a context-parallel plan)
         elif isinstance(owner.processor, FusedProcessor):
             # Ours gives back the diffusers processor it wraps: the original for
             # the one patch set, a fresh one for one diffusers rebuilt since

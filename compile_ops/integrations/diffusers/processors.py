@@ -82,6 +82,10 @@ class FusedProcessor:
     #: ``int8_schedule`` (a :class:`DenseFirst`, or None: every step) says.
     attention_precision = "exact"
     int8_schedule: Optional[DenseFirst] = None
+    #: Under context parallelism, every rank holds the layer's text tokens
+    #: whole and only the other tokens are sharded (HunyuanVideo under
+    #: compile_ops' plan, ``.cp_plans``): Ulysses only.
+    replicates_text = False
 
     def parallel_config(self):
         """diffusers' ``ParallelConfig`` of this layer when it has context
@@ -93,7 +97,7 @@ class FusedProcessor:
         """The precision :meth:`attend` runs these q, k, v in: "exact" unless :meth:`eight_bit`."""
         return self.attention_precision if self.eight_bit(query, key, value) else "exact"
 
-    def attend(self, query, key, value, kv_lengths=None, fp8_rows: bool = False, parallel=None):
+    def attend(self, query, key, value, kv_lengths=None, fp8_rows: bool = False, parallel=None, replicated_tail=0):
         """Attention of ``[B, L, H, D]`` q, k, v; ``kv_lengths [B]``: keys past
         each sample's length are masked (padded text tokens at the end).
         ``parallel``: the layer's context-parallel ``ParallelConfig``
@@ -105,7 +109,9 @@ class FusedProcessor:
         caller's output projection is an :class:`FP8Linear`): where
         ``"int8_fp8"`` runs, the output comes as :class:`FP8Rows` ``[B, L, H * D]``
         from the kernel's epilogue (:func:`attention_fp8_rows`), else as a tensor
-        (always under ``parallel``: the output travels back to its ranks)."""
+        (always under ``parallel``: the output travels back to its ranks).
+        ``replicated_tail``: under ``parallel``, the tokens at the end that
+        every rank holds whole (:attr:`replicates_text`)."""
         if parallel is not None:
             return parallel_attention(
                 query,
@@ -116,6 +122,7 @@ class FusedProcessor:
                 kernel=self.kernel,
                 precision=self.attention_precision_of(query, key, value),
                 owner=f"compile_ops {type(self).__name__}",
+                replicated_tail=replicated_tail,
             )
         if isinstance(query, Int8QK) or self.eight_bit(query, key, value):
             if fp8_rows and self.attention_precision == "int8_fp8":
@@ -159,6 +166,8 @@ class FusedProcessor:
         parallel = parallel_path(self.parallel_config())
         if parallel != "one rank" and not self.splits_across_ranks(attn):
             parallel = f"each rank's queries ({parallel} elsewhere)"
+        elif parallel != "one rank" and self.replicates_text:
+            parallel = f"{parallel}, the text whole on every rank"
         return kernel, parallel
 
     def eight_bit(self, query, key, value) -> bool:
@@ -185,17 +194,25 @@ class FusedProcessor:
         )
 
     def attend_self(
-        self, query, key, value, text_tokens: int = 0, kv_lengths=None, fp8_rows: bool = False, parallel=None
+        self,
+        query,
+        key,
+        value,
+        text_tokens: int = 0,
+        kv_lengths=None,
+        fp8_rows: bool = False,
+        parallel=None,
+        replicated_tail: int = 0,
     ):
         """Video self-attention of ``[B, L, H, D]`` q, k, v (the last
         ``text_tokens`` of L text, attended densely): the sparse plan's layout
         for this call where one is set, in :meth:`attention_precision_of`'s
         precision (the output as a tensor: the layout un-permutes it), else
-        :meth:`attend` (``fp8_rows`` and ``parallel`` as there; under
-        ``parallel`` the layout spans every rank's tokens)."""
+        :meth:`attend` (``fp8_rows``, ``parallel`` and ``replicated_tail`` as
+        there; under ``parallel`` the layout spans every rank's tokens)."""
         layout = None if self.sparse is None else self.sparse.layout
         if layout is None or isinstance(query, Int8QK):
-            return self.attend(query, key, value, kv_lengths, fp8_rows, parallel)
+            return self.attend(query, key, value, kv_lengths, fp8_rows, parallel, replicated_tail)
         if layout.text_tokens != text_tokens:
             raise RuntimeError(
                 f"compile_ops sparse attention: the layout was built for {layout.text_tokens} text "
@@ -212,6 +229,7 @@ class FusedProcessor:
                 layout=layout,
                 kv_lengths=kv_lengths,
                 owner=f"compile_ops {type(self).__name__}",
+                replicated_tail=replicated_tail,
             )
         return layout.attend(query, key, value, kv_lengths, precision=precision)
 
@@ -491,7 +509,11 @@ class HunyuanVideoAttnProcessor(FusedProcessor):
     and single-stream attention; video tokens first, text last) with q/k-norm
     and rotary embedding fused, the text padding mask as key lengths, and
     sparse self-attention over the video tokens when ``patch(attention=...)``
-    set a plan (the text tokens attend and are attended densely)."""
+    set a plan (the text tokens attend and are attended densely). Under
+    context parallelism (compile_ops' plan, ``.cp_plans``) the video tokens
+    are sharded and every rank holds the whole text."""
+
+    replicates_text = True
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if attention_mask is not None and attention_mask.dtype != torch.bool:
@@ -521,14 +543,21 @@ class HunyuanVideoAttnProcessor(FusedProcessor):
             query, key = torch.cat([query, text_query], dim=1), torch.cat([key, text_key], dim=1)
             value = torch.cat([value, heads(attn.add_v_proj(c))], dim=1)
         parallel = self.parallel_config()
-        if parallel is not None and attention_mask is not None and attention_mask.shape[-1] == key.shape[1]:
-            raise ValueError(
-                "compile_ops HunyuanVideoAttnProcessor: under context parallelism the text padding "
-                "mask must span the whole sequence (every rank's tokens), got one of this rank's "
-                f"{key.shape[1]} keys; leave attention_mask out of the cp_plan's splits"
-            )
+        tail = 0
+        if parallel is not None:
+            # compile_ops' plan: this rank's video tokens, then the whole text; the mask spans every rank's.
+            tail, world = text_tokens, context_parallel(parallel).ulysses_degree
+            whole = world * (key.shape[1] - text_tokens) + text_tokens
+            if attention_mask is not None and attention_mask.shape[-1] != whole:
+                raise ValueError(
+                    "compile_ops HunyuanVideoAttnProcessor: under context parallelism the video tokens "
+                    "are sharded and the text is whole on every rank (compile_ops' cp_plan, which "
+                    f"patch() installs), so the text padding mask spans {whole} keys; got "
+                    f"{attention_mask.shape[-1]}. Enable parallelism with the model's own plan "
+                    "(model.enable_parallelism(config=...), no cp_plan argument)"
+                )
         lengths = None if attention_mask is None else _prefix_lengths(attention_mask)
-        out = self.attend_self(query, key, value, text_tokens, lengths, parallel=parallel)
+        out = self.attend_self(query, key, value, text_tokens, lengths, parallel=parallel, replicated_tail=tail)
         out = out.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out, None

@@ -46,22 +46,33 @@ def _waited(t: Tensor) -> Tensor:
 
 
 def ulysses_attention(
-    query: Tensor, key: Tensor, value: Tensor, group, world: int, attend: Callable[[Tensor, Tensor, Tensor], Tensor]
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    group,
+    world: int,
+    attend: Callable[[Tensor, Tensor, Tensor], Tensor],
+    replicated_tail: int = 0,
+    rank: int = 0,
 ) -> Tensor:
     """Attention of this rank's sequence shard under Ulysses-``world``.
 
     Args:
-        query, key, value: ``[B, S, H, D]``, this rank's S tokens of the
+        query, key, value: ``[B, S + T, H, D]``: this rank's S tokens of the
             sequence (the ranks' shards in rank order make the whole
-            sequence); one shape for the three, H divisible by ``world``.
+            sharded sequence), then T = ``replicated_tail`` tokens every rank
+            holds whole (HunyuanVideo's text under compile_ops' plan); one
+            shape for the three, H divisible by ``world``.
         group: the Ulysses process group (diffusers' ``_ulysses_mesh``'s).
         world: the group's size (the Ulysses degree).
-        attend: ``attend(q, k, v)`` -> ``[B, P * S, H / P, D]``: attention
-            over the whole sequence for this rank's heads, on ``[B, P * S, H / P, D]``
-            (strided) q, k, v.
+        attend: ``attend(q, k, v)`` -> ``[B, P * S + T, H / P, D]``: attention
+            over the whole sequence for this rank's heads, on
+            ``[B, P * S + T, H / P, D]`` q, k, v (strided where T is 0).
+        replicated_tail: T, the tokens at the end that are not sharded.
+        rank: this rank's place in ``group`` (its heads, of the replicated tail's).
 
     Returns:
-        ``[B, S, H, D]``: this rank's tokens, every head.
+        ``[B, S + T, H, D]``: this rank's tokens, then the replicated tail's, every head.
     """
     if not (query.shape == key.shape == value.shape):
         raise ValueError(
@@ -75,24 +86,58 @@ def ulysses_attention(
             "(each rank attends H / ulysses_degree heads); choose a degree that divides the head count"
         )
     heads = h // world
+    if replicated_tail:
+        return _with_replicated_tail(query, key, value, group, world, attend, replicated_tail, rank)
     if (
         heads % 2 == 0
         and query.numel() * query.element_size() >= PIPELINE_MIN_BYTES
         and not needs_gradient(query, key, value)
     ):
         return _pipelined(query, key, value, group, world, attend)
+    return _sent_back(attend(*_received(query, key, value, group, world)), group, world, h)
+
+
+def _received(query: Tensor, key: Tensor, value: Tensor, group, world: int) -> tuple:
+    """``[B, P * S, H/P, D]`` q, k, v of this rank's heads over every rank's
+    tokens: views of one all-to-all's buffer."""
+    b, s, h, d = query.shape
+    heads = h // world
     # [P, S, B, 3, H/P, D]: one copy of q, k and v (heads to the front), one collective.
     send = torch.stack([t.view(b, s, world, heads, d).permute(2, 1, 0, 3, 4) for t in (query, key, value)], dim=3)
     received = _waited(funcol.all_to_all_single_autograd(send.flatten(), None, None, group))
     received = received.view(world, s, b, 3, heads, d)
     # [P, S, B, H/P, D] -> [B, P * S, H/P, D]: token p * S + s sits at a uniform stride.
-    q, k, v = (received[:, :, :, i].flatten(0, 1).transpose(0, 1) for i in range(3))
-    out = attend(q, k, v)
+    return tuple(received[:, :, :, i].flatten(0, 1).transpose(0, 1) for i in range(3))
+
+
+def _sent_back(out: Tensor, group, world: int, h: int) -> Tensor:
+    """This rank's tokens, every head, ``[B, S, H, D]``, of ``[B, P * S, H/P, D]``
+    attention outputs (this rank's heads over every rank's tokens)."""
+    b, length, heads, d = out.shape
+    s = length // world
     # Back to each token's rank: chunk p holds the output rows of rank p's tokens.
     chunks = out.reshape(b, world, s, heads, d).permute(1, 2, 0, 3, 4).contiguous()
     back = _waited(funcol.all_to_all_single_autograd(chunks.flatten(), None, None, group))
     # [P (heads now), S, B, H/P, D] -> [B, S, H, D].
     return back.view(world, s, b, heads, d).permute(2, 1, 0, 3, 4).reshape(b, s, h, d)
+
+
+def _with_replicated_tail(query, key, value, group, world: int, attend, tail: int, rank: int) -> Tensor:
+    """:func:`ulysses_attention` with ``tail`` tokens at the end that every rank
+    holds whole: only the sharded tokens travel; each rank appends its heads'
+    slice of the tail's q, k, v to the whole sharded sequence, and the tail's
+    output is gathered over the ranks' heads (every rank gets all of it)."""
+    b, length, h, d = query.shape
+    heads = h // world
+    mine = slice(rank * heads, (rank + 1) * heads)
+    sharded = _received(*(t[:, :-tail] for t in (query, key, value)), group, world)
+    joint = [torch.cat([part, t[:, -tail:, mine]], dim=1) for part, t in zip(sharded, (query, key, value))]
+    out = attend(*joint)
+    tokens = _sent_back(out[:, :-tail], group, world, h)
+    gathered = _waited(funcol.all_gather_tensor_autograd(out[:, -tail:].contiguous(), 0, group))
+    # [P * B, T, H/P, D] (rank-major) -> [B, T, H, D]: rank p's heads are p * H/P onwards.
+    tail_out = gathered.view(world, b, tail, heads, d).permute(1, 2, 0, 3, 4).reshape(b, tail, h, d)
+    return torch.cat([tokens, tail_out], dim=1)
 
 
 def _pipelined(query: Tensor, key: Tensor, value: Tensor, group, world: int, attend) -> Tensor:
