@@ -26,6 +26,7 @@ import functools
 from unittest import mock
 
 import pytest
+import tiny_models
 import torch
 import torch.distributed as dist
 from gloo_ranks import run_cases, spawn_verdicts
@@ -174,22 +175,7 @@ def _ltx(dtype):
 def _hunyuan(dtype):
     # 4 frames of 16 x 16 video tokens (1024: (2, 8, 8) tiles of 128), then 12 text tokens, the last
     # two padding; 4 heads, so that each of two ranks attends two.
-    model = diffusers.HunyuanVideoTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=4,
-        attention_head_dim=8,
-        num_layers=1,
-        num_single_layers=1,
-        num_refiner_layers=1,
-        patch_size=1,
-        patch_size_t=1,
-        guidance_embeds=True,
-        text_embed_dim=16,
-        pooled_projection_dim=8,
-        rope_axes_dim=(2, 2, 4),
-        image_condition_type=None,
-    )
+    model = tiny_models.hunyuan_video(num_attention_heads=4, attention_head_dim=8, rope_axes_dim=(2, 2, 4))
     model = model.to(dtype).eval()
     inputs = dict(
         hidden_states=torch.randn(1, 4, 4, 16, 16, dtype=dtype),
@@ -509,20 +495,8 @@ def test_patch_gives_hunyuan_video_a_context_parallel_plan_and_unpatch_takes_it_
 
 def test_hunyuan_video_token_replacement_gets_no_plan_and_the_report_says_why():
     torch.manual_seed(0)
-    model = diffusers.HunyuanVideoTransformer3DModel(
-        in_channels=8,
-        out_channels=4,
-        num_attention_heads=2,
-        attention_head_dim=8,
-        num_layers=1,
-        num_single_layers=1,
-        num_refiner_layers=1,
-        patch_size=1,
-        patch_size_t=1,
-        text_embed_dim=16,
-        pooled_projection_dim=8,
-        rope_axes_dim=(2, 2, 4),
-        image_condition_type="token_replace",
+    model = tiny_models.hunyuan_video(
+        in_channels=8, attention_head_dim=8, rope_axes_dim=(2, 2, 4), image_condition_type="token_replace"
     )
     report = compile_ops.patch(model)
     assert model._cp_plan is None

@@ -14,6 +14,7 @@ import shutil
 from collections import Counter
 
 import pytest
+import tiny_models
 import torch
 from conftest import HAS_CUDA
 from patch_checks import DEVICE, TOL, assert_gradient_close, assert_patched_matches_forward_and_backward
@@ -875,22 +876,7 @@ def test_a_block_sparse_mask_through_diffusers_dispatch_runs_block_sparse_attent
 
 
 def _hunyuan_video():
-    model = diffusers.HunyuanVideoTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=2,
-        attention_head_dim=10,
-        num_layers=1,
-        num_single_layers=1,
-        num_refiner_layers=1,
-        patch_size=1,
-        patch_size_t=1,
-        guidance_embeds=True,
-        text_embed_dim=16,
-        pooled_projection_dim=8,
-        rope_axes_dim=(2, 4, 4),
-        image_condition_type=None,
-    )
+    model = tiny_models.hunyuan_video()
     return model, lambda: dict(
         hidden_states=torch.randn(1, 4, 1, 16, 16),
         timestep=torch.tensor([500.0]),

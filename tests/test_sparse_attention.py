@@ -8,6 +8,7 @@ import functools
 import itertools
 
 import pytest
+import tiny_models
 import torch
 import torch._dynamo.testing
 from conftest import HAS_CUDA, KERNEL_DEVICE
@@ -81,22 +82,7 @@ def _hunyuan():
     """HunyuanVideo: text tokens follow the video tokens in every attention;
     the last two of its 12 text tokens are padding (a key-length mask)."""
     torch.manual_seed(0)
-    model = diffusers.HunyuanVideoTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=2,
-        attention_head_dim=10,
-        num_layers=1,
-        num_single_layers=1,
-        num_refiner_layers=1,
-        patch_size=1,
-        patch_size_t=1,
-        guidance_embeds=True,
-        text_embed_dim=16,
-        pooled_projection_dim=8,
-        rope_axes_dim=(2, 4, 4),
-        image_condition_type=None,
-    )
+    model = tiny_models.hunyuan_video()
 
     def inputs(frames, side, timestep=500):
         return dict(

@@ -1,0 +1,29 @@
+"""Tiny diffusers transformers that several test files build (random weights, CPU-sized).
+
+diffusers is imported when a builder is called: the test files that import
+this module skip themselves first where diffusers is not installed."""
+
+#: HunyuanVideo's smallest shape the tests use: one double- and one single-stream block.
+HUNYUAN_VIDEO = dict(
+    in_channels=4,
+    out_channels=4,
+    num_attention_heads=2,
+    attention_head_dim=10,
+    num_layers=1,
+    num_single_layers=1,
+    num_refiner_layers=1,
+    patch_size=1,
+    patch_size_t=1,
+    guidance_embeds=True,
+    text_embed_dim=16,
+    pooled_projection_dim=8,
+    rope_axes_dim=(2, 4, 4),
+    image_condition_type=None,
+)
+
+
+def hunyuan_video(**overrides):
+    """A tiny ``HunyuanVideoTransformer3DModel``: :data:`HUNYUAN_VIDEO` with ``overrides``."""
+    import diffusers
+
+    return diffusers.HunyuanVideoTransformer3DModel(**{**HUNYUAN_VIDEO, **overrides})
