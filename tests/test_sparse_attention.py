@@ -187,19 +187,9 @@ def test_a_smaller_window_is_dense_attention_under_the_same_explicit_mask(name, 
         if getattr(processor, "sparse", None) is not None:
             plan = processor.sparse
 
-            def masked(
-                query,
-                key,
-                value,
-                text_tokens=0,
-                kv_lengths=None,
-                fp8_rows=False,
-                parallel=None,
-                replicated_tail=0,
-                plan=plan,
-            ):
-                assert text_tokens == plan.layout.text_tokens and not fp8_rows and parallel is None  # bf16, 1 rank
-                assert replicated_tail == 0
+            def masked(query, key, value, text_tokens=0, kv_lengths=None, plan=plan, **rest):
+                # bf16, one rank: no FP8 rows, no parallel config or replicated text.
+                assert text_tokens == plan.layout.text_tokens and not any(rest.values()), rest
                 layouts.append(plan.layout)
                 return _masked_reference(plan.layout, query, key, value, kv_lengths)
 
@@ -325,17 +315,8 @@ def test_topk_is_dense_attention_under_the_lists_it_chose():
                 processor.sparse = None
             else:
 
-                def masked(
-                    query,
-                    key,
-                    value,
-                    text_tokens=0,
-                    kv_lengths=None,
-                    fp8_rows=False,
-                    parallel=None,
-                    plan=processor.sparse,
-                ):
-                    assert not fp8_rows and parallel is None  # a bf16 model, one rank
+                def masked(query, key, value, text_tokens=0, kv_lengths=None, plan=processor.sparse, **rest):
+                    assert not any(rest.values()), rest  # a bf16 model, one rank
                     return _topk_reference(plan.layout, query, key, value)
 
                 processor.attend_self = masked
@@ -454,18 +435,8 @@ def test_sparse_8bit_attention_with_fp8_linears_is_the_same_approximation_spelle
         processor = getattr(module, "processor", None)
         if getattr(processor, "sparse", None) is not None:
 
-            def masked(
-                query,
-                key,
-                value,
-                text_tokens=0,
-                kv_lengths=None,
-                fp8_rows=False,
-                parallel=None,
-                replicated_tail=0,
-                plan=None,
-            ):
-                assert parallel is None and replicated_tail == 0 and text_tokens == plan.layout.text_tokens
+            def masked(query, key, value, text_tokens=0, kv_lengths=None, plan=None, fp8_rows=False, **rest):
+                assert text_tokens == plan.layout.text_tokens and not any(rest.values()), rest  # one rank
                 return _masked_8bit_reference(plan.layout, precision, query, key, value, kv_lengths)
 
             processor.attend_self = functools.partial(masked, plan=processor.sparse)
