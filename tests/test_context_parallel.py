@@ -73,6 +73,7 @@ MODEL_CASES = [
 UNIFIED_CASES = ["attention-exact-unified", "backend-exact-unified", "backend-sparse-unified"]
 ATTENTION_CASES = [
     "attention-exact-ulysses",
+    "attention-exact-ulysses_anything",
     "attention-exact-ring",
     "attention-sparse-ulysses",
     "backend-exact-ring",
@@ -197,6 +198,8 @@ def _context_parallel_config(parallelism: str):
 
     degrees = {
         "ulysses": dict(ulysses_degree=2),
+        # Uneven shards (and head counts): diffusers' own Ulysses exchange, with the fused op.
+        "ulysses_anything": dict(ulysses_degree=2, ulysses_anything=True),
         "ring": dict(ring_degree=2),
         "unified": dict(ring_degree=2, ulysses_degree=2),
     }[parallelism]
@@ -278,7 +281,7 @@ def _attention_case(name: str, rank: int) -> None:
     kind, mode, parallelism = name.split("-")[:3]
     config = _setup_config(parallelism, rank)
     torch.manual_seed(0)
-    b, length, heads, d = 1, 256, 4, 16
+    b, length, heads, d = 1, 255 if parallelism == "ulysses_anything" else 256, 4, 16  # 127 + 128 tokens
     q, k, v = (torch.randn(b, length, heads, d, requires_grad=True) for _ in range(3))
     grad = torch.randn(b, length, heads, d)
     # Two 128-token blocks: each query block sees its own key block only.
@@ -300,9 +303,11 @@ def _attention_case(name: str, rank: int) -> None:
 
             layout = _MaskLayout(mask)
         out = parallel_attention(*local, config, layout=layout, kernel="fused")
-    out.backward(grad[:, shard])
     tolerance = RING_TOLERANCE if parallelism in ("ring", "unified") else dict(rtol=0, atol=0)
     torch.testing.assert_close(out, full.detach()[:, shard], **tolerance)
+    if parallelism == "ulysses_anything":
+        return  # diffusers' uneven Ulysses exchange has no backward
+    out.backward(grad[:, shard])
     for which, mine, theirs in zip("qkv", local, (q, k, v)):
         torch.testing.assert_close(
             mine.grad, theirs.grad[:, shard], **RING_TOLERANCE, msg=lambda m, which=which: f"d{which}: {m}"
@@ -510,6 +515,9 @@ def test_ring_is_refused_where_every_rank_holds_the_text():
     from compile_ops.integrations.diffusers.context_parallel import check_parallel_mode
 
     check_parallel_mode(_parallel(ulysses_degree=2), "exact", False, True, "owner", replicated_text=True)  # runs
+    with pytest.raises(ValueError, match=r"ulysses_anything=True\) cannot run.*ulysses_degree"):
+        uneven = _parallel(ulysses_degree=2, ulysses_anything=True)
+        check_parallel_mode(uneven, "exact", False, True, "owner", replicated_text=True)
     model, inputs = _hunyuan(torch.float32)
     compile_ops.patch(model)
     config = _parallel(ring_degree=2)

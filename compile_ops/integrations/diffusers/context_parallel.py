@@ -60,14 +60,15 @@ def check_parallel_mode(
     not give. (Layouts whose shards are not whole blocks, or whose token order
     crosses shards, are refused by :func:`.ring.ring_layout`.) A layer whose
     text every rank holds whole (``replicated_text``: HunyuanVideo under
-    compile_ops' plan) runs under Ulysses only: ring would visit the text's
-    keys once a rank."""
+    compile_ops' plan) runs under even Ulysses only: ring, and the uneven
+    exchange of ``ulysses_anything``, would send the text's keys once a rank."""
     cp = context_parallel(config)
-    if cp is not None and cp.ring_degree > 1 and replicated_text:
+    if cp is not None and replicated_text and (cp.ring_degree > 1 or cp.ulysses_anything):
+        what = "ring attention" if cp.ring_degree > 1 else "ContextParallelConfig(ulysses_anything=True)"
         raise ValueError(
-            f"{owner}: ring attention cannot run this model's attention: every rank holds the whole text "
-            "(compile_ops' context-parallel plan shards the video tokens only), and a ring would count the "
-            "text's keys once a rank. Use ContextParallelConfig(ulysses_degree=...)"
+            f"{owner}: {what} cannot run this model's attention: every rank holds the whole text "
+            "(compile_ops' context-parallel plan shards the video tokens only), which it would send once "
+            "a rank. Use ContextParallelConfig(ulysses_degree=...) with a video token count divisible by it"
         )
     if cp is None or cp.ring_degree <= 1 or not cp.ring_anything:
         return
@@ -129,9 +130,10 @@ def parallel_attention(
         _forward_op, precision=precision, layout=layout, kv_lengths=kv_lengths, kernel=kernel, owner=owner
     )
     cp = context_parallel(config)
-    if cp.ring_degree == 1 and query.shape == key.shape == value.shape:
-        # Ulysses alone: our exchange (one all-to-all for q, k and v; see .ulysses), with
-        # autograd through the collectives and the fused op's own backward.
+    if cp.ring_degree == 1 and not cp.ulysses_anything and query.shape == key.shape == value.shape:
+        # Ulysses alone, even shards: our exchange (one all-to-all for q, k and v; see .ulysses),
+        # with autograd through the collectives and the fused op's own backward. Uneven shards
+        # (ulysses_anything) take diffusers' template, which exchanges their sizes first.
         return ulysses_attention(
             query,
             key,
