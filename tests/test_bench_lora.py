@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from bench.runners import diffusers_e2e  # noqa: E402
+from bench.runners import diffusers_e2e, diffusers_models  # noqa: E402
 from bench.toolkit import relative_l2  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def test_random_lora_moves_each_linear_by_about_its_delta():
     lora = diffusers_e2e._random_lora({"blocks.0.proj": linear}, seed=1)
     a, b = lora["blocks.0.proj.lora_A.weight"], lora["blocks.0.proj.lora_B.weight"]
     assert a.shape == (diffusers_e2e.LORA_RANK, 256) and b.shape == (384, diffusers_e2e.LORA_RANK)
-    assert a.dtype == b.dtype == diffusers_e2e.DTYPE and a.device.type == "cpu"
+    assert a.dtype == b.dtype == diffusers_models.DTYPE and a.device.type == "cpu"
     x = torch.randn(64, 256)
     base = x @ linear.weight.T
     moved = relative_l2(base + x @ a.float().T @ b.float().T, base)

@@ -37,7 +37,8 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.runners.diffusers_e2e import _build, _compiled  # noqa: E402
+from bench.runners.diffusers_e2e import _compiled  # noqa: E402
+from bench.runners.diffusers_models import build  # noqa: E402
 
 #: A variant's patch options by its base name (None: native).
 PATCHES = {
@@ -76,7 +77,7 @@ def run(args, rank: int, world: int) -> list:
         row = dict(case=args.case, variant=name, rank=rank, world=world, inductor_mode=mode, compiled=compiled)
         try:
             started = time.time()
-            model, inputs = _build(args.case)
+            model, inputs = build(args.case)
             _patch(model, options)
             model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
             if compiled:

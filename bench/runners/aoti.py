@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import compile_ops
-    from bench.runners.diffusers_e2e import _compiled, _flux, _repeated, diffusers_environment
+    from bench.runners.diffusers_e2e import _compiled, _repeated, diffusers_environment
+    from bench.runners.diffusers_models import flux
 
     on_gpu = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)  # CPU: a check of the steps
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = _flux(double, single)[0].eval().requires_grad_(False)
+            model = flux(double, single)[0].eval().requires_grad_(False)
         finally:
             torch.set_default_dtype(default)
     row["patch"] = str(compile_ops.patch(model)).splitlines()[0]

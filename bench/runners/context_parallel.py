@@ -44,7 +44,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.runners.diffusers_e2e import _build, _compiled, diffusers_environment  # noqa: E402
+from bench.runners.diffusers_e2e import _compiled, diffusers_environment  # noqa: E402
+from bench.runners.diffusers_models import build  # noqa: E402
 from bench.toolkit import log, relative_l2, results_path  # noqa: E402
 
 CASES = {"wan_720p": "wan_step_720p", "flux": "flux_step"}
@@ -110,7 +111,7 @@ def worker(args) -> None:
     for case, mode in pairs if distributed else pairs[rank::world]:
         row = dict(case=case, mode=mode, layout=args.layout, world=world if distributed else 1)
         try:
-            model, inputs = _build(CASES[case])
+            model, inputs = build(CASES[case])
             _patch(model, mode)
             if distributed:
                 from diffusers import ContextParallelConfig

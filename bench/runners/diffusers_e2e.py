@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python bench/runners/diffusers_e2e.py [--cases flux_step,wan_step,flux_train] [--out bench/results]
 
-Full-size configs with random weights (nothing is downloaded), bf16, batch 1:
+Full-size configs with random weights (nothing is downloaded), bf16, batch 1
+(bench/runners/diffusers_models.py builds them):
 
 - ``flux_step``: FluxTransformer2DModel (Flux.1-dev: 19 double + 38 single
   blocks, 3072 wide), one denoising forward at 1024x1024 (4096 image + 512
@@ -91,6 +92,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
+from bench.runners.diffusers_models import CASES, DEVICE, DTYPE, EXTRA_CASES, build  # noqa: E402
 from bench.toolkit import (  # noqa: E402
     captured_graph,
     environment,
@@ -101,92 +103,8 @@ from bench.toolkit import (  # noqa: E402
     write_results,
 )
 
-DTYPE = torch.bfloat16
-#: Where models are built and run: the GPU; the CPU only for smoke runs of tiny cases.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 #: ``--backend``: torch.compile's backend ("eager" runs Dynamo alone: smoke runs).
 BACKEND = "inductor"
-
-
-#: Flux.1-dev's widths, and a tiny Flux's (two heads of 16: FP8 takes its Linears) for smoke runs.
-FLUX_SIZES = {
-    "full": dict(
-        in_channels=64, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
-        pooled_projection_dim=768, axes_dims_rope=(16, 56, 56), text_tokens=512,
-    ),
-    "tiny": dict(
-        in_channels=16, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-        pooled_projection_dim=32, axes_dims_rope=(4, 6, 6), text_tokens=8,
-    ),
-}  # fmt: skip
-
-
-def _flux(num_layers: int, num_single_layers: int, rows: int = 64, cols: int = 64, size: str = "full"):
-    """Flux and one step's inputs: ``rows x cols`` latent tokens (1024 px / 8 (VAE) / 2 (packing) = 64 a
-    side) after the text tokens (512); ``size``: a key of ``FLUX_SIZES``."""
-    from diffusers import FluxTransformer2DModel
-
-    config = dict(FLUX_SIZES[size])
-    text = config.pop("text_tokens")
-    model = FluxTransformer2DModel(
-        patch_size=1, num_layers=num_layers, num_single_layers=num_single_layers, guidance_embeds=True, **config
-    )
-    channels, joint, pooled = config["in_channels"], config["joint_attention_dim"], config["pooled_projection_dim"]
-    row_ids, col_ids = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
-    img_ids = torch.stack([torch.zeros_like(row_ids), row_ids, col_ids], -1).reshape(-1, 3).float()
-    inputs = dict(
-        hidden_states=torch.randn(1, rows * cols, channels),
-        encoder_hidden_states=torch.randn(1, text, joint),
-        pooled_projections=torch.randn(1, pooled),
-        timestep=torch.tensor([0.5]),
-        guidance=torch.tensor([3.5]),
-        img_ids=img_ids,
-        txt_ids=torch.zeros(text, 3),
-    )
-    return model, inputs
-
-
-def _wan(height: int = 60, width: int = 104):
-    """Wan 2.1 1.3B and one step's inputs: 81 frames (21 latent frames) of
-    ``height x width`` latents (480p: 60 x 104, 720p: 90 x 160)."""
-    from diffusers import WanTransformer3DModel
-
-    model = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=12,
-        attention_head_dim=128,
-        in_channels=16,
-        out_channels=16,
-        text_dim=4096,
-        freq_dim=256,
-        ffn_dim=8960,
-        num_layers=30,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-    )
-    inputs = dict(
-        hidden_states=torch.randn(1, 16, 21, height, width),
-        encoder_hidden_states=torch.randn(1, 512, 4096),
-        timestep=torch.tensor([500]),
-    )
-    return model, inputs
-
-
-CASES = {
-    "flux_step": (lambda: _flux(19, 38), False),
-    "wan_step": (_wan, False),
-    "flux_train": (lambda: _flux(2, 4), True),
-}
-#: Cases other runners build with :func:`_build` (bench/runners/sparse_e2e.py), not run here by default.
-#: ``flux_blocks_1360x768``: the flux_train block stack (2 double + 4 single), one inference forward at
-#: 1360x768 (48 x 85 = 4080 image + 512 text = 4592 tokens, not a multiple of 128: ``attention_kernel="auto"``
-#: takes the sm_90 core there; docs/notes/attention-forward.md, ragged key counts).
-EXTRA_CASES = {
-    "wan_step_720p": (lambda: _wan(90, 160), False),
-    "flux_blocks_1360x768": (lambda: _flux(2, 4, 48, 85), False),
-    "flux_step_tiny": (lambda: _flux(1, 1, 4, 4, size="tiny"), False),
-}
 
 
 def _compiled(model, mode: str, fullgraph: bool = True, inductor_mode: str = "default"):
@@ -229,23 +147,6 @@ def _measure(fn, timer_ms: float):
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - before) / 2**20
     return do_bench(fn, warmup=timer_ms / 4, rep=timer_ms, return_mode="median"), peak
-
-
-def _build(name: str):
-    """The case's model (bf16, on the GPU, the same random weights every call) and inputs."""
-    build, train = {**CASES, **EXTRA_CASES}[name]
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(DTYPE)  # initialise in bf16: no fp32 copy of 12B parameters
-        try:
-            model, inputs = build()
-        finally:
-            torch.set_default_dtype(default)
-    inputs = {
-        k: v.to(DEVICE, DTYPE if v.is_floating_point() and "ids" not in k else v.dtype) for k, v in inputs.items()
-    }
-    return model.train(train).requires_grad_(train), inputs
 
 
 def _tensor_bytes(t) -> int:
@@ -440,7 +341,7 @@ def run_fp8_providers(
     model's output on the same inputs, ``per_linear`` :func:`_per_linear_errors`'."""
     rows = []
     for provider in (p for p in FP8_PROVIDERS if p in providers):
-        model, inputs = _build(name)
+        model, inputs = build(name)
         try:
             report = _quantize(provider, model)
         except ImportError as e:  # torchao not installed: say so in the results
@@ -501,7 +402,7 @@ def run_case(
     import compile_ops
 
     _, train = {**CASES, **EXTRA_CASES}[name]
-    model, inputs = _build(name)
+    model, inputs = build(name)
     torch.backends.cuda.enable_cudnn_sdp(not train)
 
     def step(module):
@@ -614,14 +515,14 @@ def run_int8_attention_case(
     import compile_ops
     from compile_ops.integrations.diffusers import processors
 
-    model, inputs = _build(name)
+    model, inputs = build(name)
     with torch.no_grad():
         exact = model(**inputs).sample
     del model
     rows = []
     min_tokens = processors.QUANTIZE_IN_ROTATION_MIN_TOKENS
     for provider in (p for p in INT8_PROVIDERS if p in (providers or INT8_PROVIDERS)):
-        model, inputs = _build(name)
+        model, inputs = build(name)
         sdpa = torch.nn.functional.scaled_dot_product_attention
         try:
             if provider == "patched_compiled":
@@ -731,7 +632,7 @@ def run_lora_case(name: str, timer_ms: float, repeats: int, providers, compile_m
 
     rows, reference, loras = [], {}, None
     for provider in (p for p in LORA_PROVIDERS if p in (providers or LORA_PROVIDERS)):
-        model, inputs = _build(name)
+        model, inputs = build(name)
         if loras is None:  # the same LoRAs for every provider: drawn from the bf16 weights
             targets = _lora_targets(model)
             loras = [_random_lora(targets, seed) for seed in (1, 2)]

@@ -36,15 +36,16 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.runners import diffusers_e2e  # noqa: E402
-from bench.runners.diffusers_e2e import _build, _compiled, _repeated, _uncompiled, diffusers_environment  # noqa: E402
+from bench.runners import diffusers_e2e, diffusers_models  # noqa: E402
+from bench.runners.diffusers_e2e import _compiled, _repeated, _uncompiled, diffusers_environment  # noqa: E402
+from bench.runners.diffusers_models import build  # noqa: E402
 from bench.toolkit import relative_l2, write_results  # noqa: E402
 
 #: The sliding-tile preset measured here (tiles of 2 x 8 x 8 latent tokens, a
 #: window of 3 x 3 x 3 tiles); its density per grid is in the results.
 PRESET = dict(window=(3, 3, 3), tile=(2, 8, 8))
 
-#: The cases (bench/runners/diffusers_e2e.py builds them): Wan at 480p and 720p x 81 frames.
+#: The cases (bench/runners/diffusers_models.py builds them): Wan at 480p and 720p x 81 frames.
 CASES = ("wan_step", "wan_step_720p")
 #: ``--modes``: each one's ``compile_ops.patch`` options besides ``attention=SlidingTile(**PRESET)``.
 MODES = {
@@ -80,19 +81,19 @@ def _tiny_wan():
     return model, inputs
 
 
-#: Cases built here: bench/runners/diffusers_e2e.py's ``_build`` conventions, in its DTYPE on its DEVICE.
+#: Cases built here: bench/runners/diffusers_models.py's ``build`` conventions, in its DTYPE on its DEVICE.
 SMOKE_CASES = {"wan_step_tiny": _tiny_wan}
 
 
 def _build_case(name: str) -> tuple:
     if name not in SMOKE_CASES:
-        return _build(name)
+        return build(name)
     torch.manual_seed(0)
     model, inputs = SMOKE_CASES[name]()
-    model = model.to(diffusers_e2e.DEVICE, diffusers_e2e.DTYPE).eval().requires_grad_(False)
-    float_dtype = diffusers_e2e.DTYPE
+    model = model.to(diffusers_models.DEVICE, diffusers_models.DTYPE).eval().requires_grad_(False)
+    float_dtype = diffusers_models.DTYPE
     return model, {
-        k: v.to(diffusers_e2e.DEVICE, float_dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()
+        k: v.to(diffusers_models.DEVICE, float_dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()
     }
 
 
