@@ -1,5 +1,7 @@
 """bench/ on CPU: the progress accounting, the first run's plan, stages and summary,
-and run.py's dispatch, without a GPU (tests/test_bench_ab.py: the A/B runner)."""
+run.py's dispatch, and the HunyuanVideo case of the diffusers runners (its builder, and
+the context-parallel runner's refusal of native HunyuanVideo under a parallel layout),
+without a GPU (tests/test_bench_ab.py: the A/B runner)."""
 
 import io
 import json
@@ -254,3 +256,68 @@ def test_run_stages():
     assert [m for _, m, _ in planned] == ["ops", "attention", "attention", "block_sparse", "moe"]
     assert planned[2][2] == ["--out", "/tmp/r", "--quick", "--causal", "--shapes", bench_run.CAUSAL_SHAPES]
     assert [m for _, m, _ in bench_run.stages(full, True, 2)][-2:] == ["diffusers_e2e", "distributed_train"]
+
+
+# ---------------------------------------------------------------- diffusers cases
+
+
+def test_the_full_hunyuan_video_case_is_diffusers_default_config_at_720p():
+    pytest.importorskip("diffusers")
+    import inspect
+
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    from bench.runners import diffusers_models
+
+    defaults = inspect.signature(HunyuanVideoTransformer3DModel.__init__).parameters
+    full = diffusers_models.HUNYUAN_VIDEO_SIZES["full"]
+    assert {name: defaults[name].default for name in full} == full  # diffusers' defaults: the 13B model
+    with torch.device("meta"):
+        model, inputs = diffusers_models.hunyuan_video(9, 90, 160)
+    assert {k: tuple(v.shape) for k, v in inputs.items()} == {
+        "hidden_states": (1, 16, 9, 90, 160),
+        "timestep": (1,),
+        "encoder_hidden_states": (1, 256, 4096),
+        "encoder_attention_mask": (1, 256),
+        "pooled_projections": (1, 768),
+        "guidance": (1,),
+    }
+    assert len(model.transformer_blocks) == 20 and len(model.single_transformer_blocks) == 40
+    assert "hunyuan_step_720p" in diffusers_models.EXTRA_CASES
+
+
+def test_the_tiny_hunyuan_video_case_builds_and_steps_on_the_cpu():
+    pytest.importorskip("diffusers")
+    from bench.runners import diffusers_models
+
+    model, inputs = diffusers_models.build("hunyuan_step_tiny")
+    assert type(model).__name__ == "HunyuanVideoTransformer3DModel" and not model.training
+    video, text = inputs["hidden_states"], inputs["encoder_hidden_states"]
+    assert video.shape == (1, 16, 3, 8, 16) and video.dtype == diffusers_models.DTYPE
+    assert inputs["encoder_attention_mask"].tolist() == [[1.0] * 6 + [0.0] * 2]  # the last quarter: padding
+    with torch.no_grad():
+        out = model(**inputs).sample
+        padded = text.clone()
+        padded[:, 6:] = torch.randn_like(padded[:, 6:])
+        unchanged = model(**dict(inputs, encoder_hidden_states=padded)).sample
+    assert out.shape == video.shape and out.dtype == video.dtype and torch.isfinite(out).all()
+    assert torch.equal(unchanged, out)  # the padding is masked out of every attention
+
+
+def test_the_context_parallel_runner_refuses_native_hunyuan_video_under_a_parallel_layout():
+    pytest.importorskip("diffusers")
+    from bench.runners import context_parallel, diffusers_models
+
+    assert set(context_parallel.CASES) == set(context_parallel.CASE_MODES) == set(context_parallel.MODEL_CLASSES)
+    built = {**diffusers_models.CASES, **diffusers_models.EXTRA_CASES}
+    assert all(name in built for name in context_parallel.CASES.values())
+    assert context_parallel.CASE_MODES["hunyuan_720p"] == context_parallel.MODES
+    for layout, _, _ in context_parallel.layouts(4):
+        reason = context_parallel.refusal("hunyuan_720p", "native", layout)
+        assert "HunyuanVideoTransformer3DModel" in reason and "no context-parallel plan" in reason
+        assert "\n" not in reason  # a row keeps a refusal's first line
+        for mode in ("patched", "int8_fp8", "sliding_tile"):
+            assert context_parallel.refusal("hunyuan_720p", mode, layout) is None
+        for case in ("wan_720p", "flux"):  # diffusers ships their plans
+            assert context_parallel.refusal(case, "native", layout) is None
+    assert context_parallel.refusal("hunyuan_720p", "native", "single") is None

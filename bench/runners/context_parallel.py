@@ -14,11 +14,15 @@ after a barrier; the median and spread of rank 0's times).
 
 Modes: ``native`` (no patch: SDPA, cuDNN), ``patched`` (``compile_ops.patch``,
 exact attention), ``int8_fp8`` (``attention_precision="int8_fp8"``) and, on
-Wan, ``sliding_tile`` (``attention=SlidingTile(window=(3, 3, 3), tile=(2, 8, 8))``).
+the video models, ``sliding_tile`` (``attention=SlidingTile(window=(3, 3, 3), tile=(2, 8, 8))``).
 Under a ring layout ``native`` runs diffusers' ``_native_cudnn`` backend
 (``set_attention_backend``): the ring merge needs the log-sum-exp, which its
 default SDPA backend does not return. Modes a layout refuses are recorded as
-refused with the error's first line.
+refused with the error's first line. ``native`` under a parallel layout needs
+the context-parallel plan diffusers ships with the model's class (``_cp_plan``):
+HunyuanVideo has none (``compile_ops.patch`` installs one on the patched modes),
+so its ``native`` rows there are refused before the model is built
+(:func:`refusal`).
 
 Every row also gives the step output's relative L2 against the one-GPU
 native output (the mode's error) and against the one-GPU output of the same
@@ -26,7 +30,9 @@ mode (what splitting across GPUs changed: 0 where the per-head computation is
 the same). Writes ``<out>/context-parallel-<cases>-x<world>-<gpu>.json``.
 
 Cases: ``wan_720p`` (Wan 2.1 1.3B, 720p x 81 frames: 21 x 45 x 80 = 75,600
-tokens), ``flux`` (Flux.1-dev, 1024 x 1024: 4096 image + 512 text tokens).
+tokens), ``flux`` (Flux.1-dev, 1024 x 1024: 4096 image + 512 text tokens),
+``hunyuan_720p`` (HunyuanVideo 13B, 720p x 33 frames: 9 x 45 x 80 = 32,400
+video tokens + 256 text tokens, the last quarter of them padding).
 """
 
 import argparse
@@ -48,10 +54,17 @@ from bench.runners.diffusers_e2e import _compiled, diffusers_environment  # noqa
 from bench.runners.diffusers_models import build  # noqa: E402
 from bench.toolkit import log, relative_l2, results_path  # noqa: E402
 
-CASES = {"wan_720p": "wan_step_720p", "flux": "flux_step"}
+CASES = {"wan_720p": "wan_step_720p", "flux": "flux_step", "hunyuan_720p": "hunyuan_step_720p"}
 MODES = ("native", "patched", "int8_fp8", "sliding_tile")
 #: Modes that apply to each case (Flux has no video grid for a sliding tile).
-CASE_MODES = {"wan_720p": MODES, "flux": MODES[:3]}
+CASE_MODES = {"wan_720p": MODES, "flux": MODES[:3], "hunyuan_720p": MODES}
+#: Each case's diffusers model class: whether diffusers ships its context-parallel plan decides,
+#: before the model is built, whether ``native`` runs under a parallel layout.
+MODEL_CLASSES = {
+    "wan_720p": "WanTransformer3DModel",
+    "flux": "FluxTransformer2DModel",
+    "hunyuan_720p": "HunyuanVideoTransformer3DModel",
+}
 #: NVLink multicast stays off on shared machines (the device's KINDS.md).
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -62,6 +75,24 @@ def layouts(world: int) -> list:
     if world >= 4 and world % 2 == 0:
         found.append((f"ring2_ulysses{world // 2}", world // 2, 2))
     return found
+
+
+def refusal(case: str, mode: str, layout: str) -> str | None:
+    """Why ``mode`` cannot run ``case`` under ``layout``, known before the model is built; None
+    where nothing is known against it. ``native`` under a parallel layout runs the plan diffusers
+    ships on the model's class (``_cp_plan``): where that is None (HunyuanVideo), diffusers'
+    ``enable_parallelism`` has no plan to apply."""
+    if mode != "native" or layout == "single":
+        return None
+    import diffusers
+
+    name = MODEL_CLASSES[case]
+    if getattr(diffusers, name)._cp_plan is not None:
+        return None
+    return (
+        f"native {name} under {layout}: diffusers ships no context-parallel plan for it (_cp_plan is None); "
+        "compile_ops.patch installs one on the patched modes"
+    )
 
 
 def _patch(model, mode: str) -> None:
@@ -111,6 +142,9 @@ def worker(args) -> None:
     for case, mode in pairs if distributed else pairs[rank::world]:
         row = dict(case=case, mode=mode, layout=args.layout, world=world if distributed else 1)
         try:
+            reason = refusal(case, mode, args.layout)
+            if reason is not None:  # recorded as a layout's refusal below, without building the model
+                raise ValueError(reason)
             model, inputs = build(CASES[case])
             _patch(model, mode)
             if distributed:

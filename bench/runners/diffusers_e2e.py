@@ -699,8 +699,17 @@ def run_lora_case(name: str, timer_ms: float, repeats: int, providers, compile_m
 
 
 def _tokens(name: str) -> int:
-    sizes = {"wan_step": 21 * 30 * 52, "wan_step_720p": 21 * 45 * 80, "flux_blocks_1360x768": 48 * 85 + 512}
-    return {**sizes, "flux_step_tiny": 4 * 4 + 8}.get(name, 4096 + 512)
+    """The step's attention tokens: Wan's video tokens (its text in cross-attention), Flux's and
+    HunyuanVideo's video and text tokens together (joint attention)."""
+    sizes = {
+        "wan_step": 21 * 30 * 52,
+        "wan_step_720p": 21 * 45 * 80,
+        "flux_blocks_1360x768": 48 * 85 + 512,
+        "flux_step_tiny": 4 * 4 + 8,
+        "hunyuan_step_720p": 9 * 45 * 80 + 256,
+        "hunyuan_step_tiny": 3 * 4 * 8 + 8,
+    }
+    return sizes.get(name, 4096 + 512)
 
 
 def _version(package: str):

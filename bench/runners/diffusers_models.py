@@ -80,19 +80,66 @@ def wan(height: int = 60, width: int = 104):
     return model, inputs
 
 
+#: HunyuanVideo's transformer (13B: 20 double- + 40 single-stream blocks, 3072 wide; diffusers'
+#: ``HunyuanVideoTransformer3DModel`` defaults), and a tiny one (two heads of 16) for smoke runs.
+HUNYUAN_VIDEO_SIZES = {
+    "full": dict(
+        in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+        num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+        qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
+        rope_theta=256.0, rope_axes_dim=(16, 56, 56),
+    ),
+    "tiny": dict(
+        in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+        num_single_layers=1, num_refiner_layers=1, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+        qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=32, pooled_projection_dim=32,
+        rope_theta=256.0, rope_axes_dim=(4, 6, 6),
+    ),
+}  # fmt: skip
+
+
+def hunyuan_video(frames_latent: int, height: int, width: int, text_tokens: int = 256, size: str = "full"):
+    """HunyuanVideo and one step's inputs: ``frames_latent`` latent frames of ``height x width``
+    latents (720p x 33 frames: 9 of 90 x 160; patches of 2 x 2 make ``frames_latent x height / 2 x
+    width / 2`` video tokens) and ``text_tokens`` text tokens, the last quarter of them padding
+    (masked out, as for a prompt shorter than the text encoder's length); ``size``: a key of
+    ``HUNYUAN_VIDEO_SIZES``. The timestep and the guidance (the scale times 1000) are floats, as
+    the pipeline passes them."""
+
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    config = HUNYUAN_VIDEO_SIZES[size]
+    model = HunyuanVideoTransformer3DModel(**config)
+    mask = torch.ones(1, text_tokens)
+    mask[:, text_tokens - text_tokens // 4 :] = 0
+    inputs = dict(
+        hidden_states=torch.randn(1, config["in_channels"], frames_latent, height, width),
+        timestep=torch.tensor([500.0]),
+        encoder_hidden_states=torch.randn(1, text_tokens, config["text_embed_dim"]),
+        encoder_attention_mask=mask,
+        pooled_projections=torch.randn(1, config["pooled_projection_dim"]),
+        guidance=torch.tensor([6000.0]),
+    )
+    return model, inputs
+
+
 CASES = {
     "flux_step": (lambda: flux(19, 38), False),
     "wan_step": (wan, False),
     "flux_train": (lambda: flux(2, 4), True),
 }
-#: Cases other runners build with :func:`build` (bench/runners/sparse_e2e.py), not run by diffusers_e2e.py by
-#: default. ``flux_blocks_1360x768``: the flux_train block stack (2 double + 4 single), one inference forward at
-#: 1360x768 (48 x 85 = 4080 image + 512 text = 4592 tokens, not a multiple of 128: ``attention_kernel="auto"``
-#: takes the sm_90 core there; docs/notes/attention-forward.md, ragged key counts).
+#: Cases other runners build with :func:`build` (bench/runners/sparse_e2e.py, bench/runners/context_parallel.py),
+#: not run by diffusers_e2e.py by default. ``flux_blocks_1360x768``: the flux_train block stack (2 double + 4
+#: single), one inference forward at 1360x768 (48 x 85 = 4080 image + 512 text = 4592 tokens, not a multiple of
+#: 128: ``attention_kernel="auto"`` takes the sm_90 core there; docs/notes/attention-forward.md, ragged key
+#: counts). ``hunyuan_step_720p``: HunyuanVideo at 720p x 33 frames, 9 latent frames of 90 x 160 latents
+#: (9 x 45 x 80 = 32400 video tokens after patching) and 256 text tokens.
 EXTRA_CASES = {
     "wan_step_720p": (lambda: wan(90, 160), False),
     "flux_blocks_1360x768": (lambda: flux(2, 4, 48, 85), False),
     "flux_step_tiny": (lambda: flux(1, 1, 4, 4, size="tiny"), False),
+    "hunyuan_step_720p": (lambda: hunyuan_video(9, 90, 160), False),
+    "hunyuan_step_tiny": (lambda: hunyuan_video(3, 8, 16, text_tokens=8, size="tiny"), False),
 }
 
 
