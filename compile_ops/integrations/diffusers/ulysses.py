@@ -3,8 +3,7 @@
 diffusers' Ulysses template moves q, k and v in three all-to-alls, each with a
 contiguous copy before it (heads to the front) and after it (the sequence
 back together), and the output likewise: four collectives and eight copies of
-a q-sized tensor per attention call. Its communication and copies, not the
-attention, are what a sparse video step spends on a second GPU.
+a q-sized tensor per attention call.
 
 Here the send buffer holds q, k and v side by side, laid out
 ``[P, S, B, 3, H / P, D]`` (P ranks, S tokens a rank): chunk p, the heads
@@ -20,7 +19,9 @@ training step's backward runs the same collectives in reverse around the
 attention's own backward. Inference calls on long shards exchange their
 heads in two halves, issuing the second half's all-to-all before the first
 half's attention, so that the transfer runs during that attention instead of
-before it (:data:`PIPELINE_MIN_BYTES`).
+before it (:data:`PIPELINE_MIN_BYTES`). Tokens that every rank holds whole
+(HunyuanVideo's text under compile_ops' plan) stay out of the all-to-all:
+each rank attends its heads of them once, and their output is gathered.
 """
 
 from __future__ import annotations
