@@ -149,6 +149,11 @@ def _measure(fn, timer_ms: float):
     return do_bench(fn, warmup=timer_ms / 4, rep=timer_ms, return_mode="median"), peak
 
 
+def _mib(peak) -> str:
+    """A row's peak memory for the progress line: none is measured on the CPU (smoke runs)."""
+    return "       -" if peak is None else f"{peak:8.0f}"
+
+
 def _tensor_bytes(t) -> int:
     """The bytes ``t`` holds: a wrapper subclass (torchao's Float8Tensor) counts its
     inner tensors, not ``numel`` times the size of the dtype it presents."""
@@ -459,7 +464,7 @@ def run_case(
         print(
             f"{name:<11} {provider:<17} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, "
             f"host {row['host_ms']:.1f})  "
-            f"peak {row['peak_MiB']:8.0f} MiB  (first call {setup_s:.0f} s)",
+            f"peak {_mib(row['peak_MiB'])} MiB  (first call {setup_s:.0f} s)",
             flush=True,
         )
     by = {r["provider"]: r for r in rows}
