@@ -1,7 +1,7 @@
 """bench/runners/diffusers_e2e.py end to end on a tiny Flux (on the CPU here:
 Dynamo with the eager backend, wall-clock times): the default run's rows, and
-``--lora``'s: the rows it writes, the hotswap compiling nothing, and the size
-of its random LoRAs."""
+``--lora``'s (bench/runners/diffusers_lora.py): the rows it writes, the
+hotswap compiling nothing, and the size of its random LoRAs."""
 
 import json
 import sys
@@ -15,27 +15,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from bench.runners import diffusers_e2e, diffusers_models  # noqa: E402
+from bench.runners import diffusers_e2e, diffusers_lora, diffusers_models, diffusers_timing  # noqa: E402
 from bench.toolkit import relative_l2  # noqa: E402
+
+
+def _keep_settings(monkeypatch):
+    """Restore the settings main() sets from its flags once the test ends."""
+    for module, names in ((diffusers_timing, ("BACKEND", "REPLAY")), (diffusers_e2e, ("ATTENTION_KERNEL",))):
+        for name in names:
+            monkeypatch.setattr(module, name, getattr(module, name))
 
 
 def test_random_lora_moves_each_linear_by_about_its_delta():
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 384)
-    lora = diffusers_e2e._random_lora({"blocks.0.proj": linear}, seed=1)
+    lora = diffusers_lora.random_lora({"blocks.0.proj": linear}, seed=1)
     a, b = lora["blocks.0.proj.lora_A.weight"], lora["blocks.0.proj.lora_B.weight"]
-    assert a.shape == (diffusers_e2e.LORA_RANK, 256) and b.shape == (384, diffusers_e2e.LORA_RANK)
+    assert a.shape == (diffusers_lora.LORA_RANK, 256) and b.shape == (384, diffusers_lora.LORA_RANK)
     assert a.dtype == b.dtype == diffusers_models.DTYPE and a.device.type == "cpu"
     x = torch.randn(64, 256)
     base = x @ linear.weight.T
     moved = relative_l2(base + x @ a.float().T @ b.float().T, base)
-    assert 0.5 * diffusers_e2e.LORA_DELTA < moved < 2 * diffusers_e2e.LORA_DELTA, moved
+    assert 0.5 * diffusers_lora.LORA_DELTA < moved < 2 * diffusers_lora.LORA_DELTA, moved
 
 
 def test_default_run_writes_native_and_patched_rows_on_the_cpu(tmp_path, monkeypatch):
     """A CPU smoke run measures no peak memory; the progress line says so instead of failing."""
-    for name in ("BACKEND", "REPLAY", "ATTENTION_KERNEL"):  # main() sets them
-        monkeypatch.setattr(diffusers_e2e, name, getattr(diffusers_e2e, name))
+    _keep_settings(monkeypatch)
     argv = ["--cases", "flux_step_tiny", "--compile", "regional", "--backend", "eager", "--repeats", "2"]
     assert diffusers_e2e.main([*argv, "--rep-ms", "10", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("diffusers-e2e-*.json")
@@ -45,8 +51,7 @@ def test_default_run_writes_native_and_patched_rows_on_the_cpu(tmp_path, monkeyp
 
 
 def test_lora_case_runs_end_to_end_on_a_tiny_flux_and_hotswaps_without_compiling(tmp_path, monkeypatch):
-    for name in ("BACKEND", "REPLAY", "ATTENTION_KERNEL"):  # main() sets them
-        monkeypatch.setattr(diffusers_e2e, name, getattr(diffusers_e2e, name))
+    _keep_settings(monkeypatch)
     argv = ["--lora", "--cases", "flux_step_tiny", "--compile", "regional", "--backend", "eager"]
     assert diffusers_e2e.main([*argv, "--repeats", "2", "--rep-ms", "10", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("diffusers-e2e-lora-*.json")

@@ -37,7 +37,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.runners.diffusers_e2e import _compiled  # noqa: E402
+from bench.runners import diffusers_timing  # noqa: E402
 from bench.runners.diffusers_models import build  # noqa: E402
 
 #: A variant's patch options by its base name (None: native).
@@ -81,7 +81,7 @@ def run(args, rank: int, world: int) -> list:
             _patch(model, options)
             model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
             if compiled:
-                _compiled(model, "regional", fullgraph=False, inductor_mode=mode)
+                diffusers_timing.compiled(model, "regional", fullgraph=False, inductor_mode=mode)
 
             def step():
                 with torch.no_grad():

@@ -133,12 +133,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import compile_ops
-    from bench.runners.diffusers_e2e import _compiled, _repeated, diffusers_environment
+    from bench.runners import diffusers_timing
     from bench.runners.diffusers_models import flux
 
     on_gpu = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)  # CPU: a check of the steps
-    env = diffusers_environment() if on_gpu else {"gpu": "cpu", "torch": torch.__version__}
+    env = diffusers_timing.diffusers_environment() if on_gpu else {"gpu": "cpu", "torch": torch.__version__}
     double, single = (int(n) for n in args.layers.split(","))
     work = args.work or tempfile.mkdtemp(prefix="aoti-")
     os.makedirs(work, exist_ok=True)
@@ -198,13 +198,13 @@ def main(argv=None) -> int:
 
     if on_gpu and not args.skip_compiled:
         start = time.perf_counter()
-        compiled = _compiled(model, "regional")
+        compiled = diffusers_timing.compiled(model, "regional")
         kw = inputs["1024px"]
         with torch.no_grad():
             got = compiled(**kw).sample
             row["compiled_first_call_s"] = time.perf_counter() - start
             row["compiled_rel_l2_vs_eager"] = relative_l2(got, eager["1024px"])
-            row["compiled"] = _repeated(lambda: compiled(**kw), 2000, args.repeats)
+            row["compiled"] = diffusers_timing.repeated(lambda: compiled(**kw), 2000, args.repeats)
         row["aoti_vs_compiled"] = row["compiled"]["ms"] / row["aoti_ms"]
     save()
     return 0

@@ -50,8 +50,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.runners.diffusers_e2e import _compiled, diffusers_environment  # noqa: E402
 from bench.runners.diffusers_models import build  # noqa: E402
+from bench.runners.diffusers_timing import compiled, diffusers_environment  # noqa: E402
 from bench.toolkit import log, relative_l2, results_path  # noqa: E402
 
 CASES = {"wan_720p": "wan_step_720p", "flux": "flux_step", "hunyuan_720p": "hunyuan_step_720p"}
@@ -156,7 +156,7 @@ def worker(args) -> None:
                 model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses, ring_degree=ring))
             # As diffusers' compile_repeated_blocks: fullgraph=False, since diffusers'
             # context-parallel hook on the first block (inspect.signature) does not trace.
-            _compiled(model, "regional", fullgraph=False)
+            compiled(model, "regional", fullgraph=False)
 
             def step():
                 with torch.no_grad():

@@ -66,17 +66,15 @@ the step output's relative L2 to the bf16 model's eager output:
 ``diffusers-e2e-int8-<gpu>.json``.
 
 LoRA (``--lora``, the step cases): native compiled and ``patch(precision="fp8")``
-compiled (``LORA_PROVIDERS``), each on a fresh model, three rows apiece: the
-plain step; the step with a random rank-64 LoRA on every attention and MLP
-Linear of the blocks (``enable_lora_hotswap(target_rank=64)`` before loading
-and compiling; each delta about 3% of its Linear's output), ``*_lora_compiled``;
-and the step after ``load_lora_adapter(..., hotswap=True)`` of a second such
-LoRA from host memory, ``*_lora_swapped_compiled``, with the swap's wall
-seconds and the graphs Dynamo compiled after it (0: no recompile). FP8 rows
-give the step error against the native row in the same state (plain, first
-LoRA, swapped). ``diffusers-e2e-lora-<gpu>.json``. ``--cases flux_step_tiny
---backend eager`` runs it on a tiny Flux, on the CPU too (timed by the wall
-clock there): a smoke run.
+compiled, plain, with a random LoRA, and after hotswapping a second one
+(bench/runners/diffusers_lora.py holds the case): ``diffusers-e2e-lora-<gpu>.json``.
+``--cases flux_step_tiny --backend eager`` runs it on a tiny Flux, on the CPU
+too (timed by the wall clock there): a smoke run.
+
+This module holds the bf16, FP8 and 8-bit attention cases and ``main``;
+bench/runners/diffusers_timing.py the compiling and timing it shares with the
+other diffusers runners, and the settings ``main`` sets there from
+``--backend`` and ``--replay``.
 """
 
 import argparse
@@ -92,129 +90,18 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-from bench.runners.diffusers_models import CASES, DEVICE, DTYPE, EXTRA_CASES, build  # noqa: E402
-from bench.toolkit import (  # noqa: E402
-    captured_graph,
-    environment,
-    kernel_profile,
-    relative_l2,
-    results_path,
-    warm_up_gpu,
-    write_results,
-)
+from bench.runners import diffusers_timing as timing  # noqa: E402
+from bench.runners.diffusers_lora import run_lora_case  # noqa: E402
+from bench.runners.diffusers_models import CASES, EXTRA_CASES, build, tokens  # noqa: E402
+from bench.toolkit import relative_l2, results_path, write_results  # noqa: E402
 
-#: ``--backend``: torch.compile's backend ("eager" runs Dynamo alone: smoke runs).
-BACKEND = "inductor"
-
-
-def _compiled(model, mode: str, fullgraph: bool = True, inductor_mode: str = "default"):
-    """``model`` compiled whole (``mode="full"``) or block by block in place (``"regional"``:
-    the repeated blocks in the ModuleLists that ``compile_ops.patch`` knows), in
-    ``torch.compile``'s ``inductor_mode`` ("default", "reduce-overhead", ...)."""
-    from compile_ops.integrations.diffusers import BLOCK_LISTS
-
-    options = dict(mode=inductor_mode) if BACKEND == "inductor" else dict(backend=BACKEND)
-    if mode == "full":
-        return torch.compile(model, **options)
-    for name in BLOCK_LISTS:
-        for block in getattr(model, name, ()):
-            block.compile(fullgraph=fullgraph, **options)
-    return model
-
-
-def _uncompiled(model) -> None:
-    """Undo ``_compiled(model, "regional")``: patch() swaps blocks, and a compiled
-    block would keep running its old graph."""
-    from compile_ops.integrations.diffusers import BLOCK_LISTS
-
-    for name in BLOCK_LISTS:
-        for block in getattr(model, name, ()):
-            block._compiled_call_impl = None
-
-
-def _measure(fn, timer_ms: float):
-    """(median ms, peak MiB above the memory in use before the call); on the CPU
-    (smoke runs) :func:`_host_ms` and no peak."""
-    if DEVICE == "cpu":
-        return _host_ms(fn), None
-    from triton.testing import do_bench
-
-    fn()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - before) / 2**20
-    return do_bench(fn, warmup=timer_ms / 4, rep=timer_ms, return_mode="median"), peak
+#: ``--attention-kernel``: what the bf16 patched providers pass to ``compile_ops.patch``.
+ATTENTION_KERNEL = "auto"
 
 
 def _mib(peak) -> str:
     """A row's peak memory for the progress line: none is measured on the CPU (smoke runs)."""
     return "       -" if peak is None else f"{peak:8.0f}"
-
-
-def _tensor_bytes(t) -> int:
-    """The bytes ``t`` holds: a wrapper subclass (torchao's Float8Tensor) counts its
-    inner tensors, not ``numel`` times the size of the dtype it presents."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if is_traceable_wrapper_subclass(t):
-        return sum(_tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
-    return t.numel() * t.element_size()
-
-
-def _weight_MiB(model) -> float:
-    return sum(_tensor_bytes(t) for t in (*model.parameters(), *model.buffers())) / 2**20
-
-
-def _host_ms(fn, calls: int = 5) -> float:
-    """Median ms for ``fn`` to return (its launches queued, the GPU not waited
-    for), from an idle GPU: near the step's time, the step is bound by the
-    host (or by the launch queue filling); well below it, by the GPU."""
-    times = []
-    for _ in range(calls):
-        _synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    _synchronize()
-    return sorted(times)[calls // 2]
-
-
-def _synchronize() -> None:
-    """Wait for the GPU (nothing to wait for on the CPU)."""
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-#: ``--replay``: steps are also timed as replays of one CUDA graph holding the
-#: step (``toolkit.captured_graph``): the GPU time without the host's launches,
-#: which regional compile and eager steps pay per kernel.
-REPLAY = False
-#: ``--attention-kernel``: what the bf16 patched providers pass to ``compile_ops.patch``.
-ATTENTION_KERNEL = "auto"
-
-
-def _repeated(fn, timer_ms: float, repeats: int) -> dict:
-    """Median, min and max of ``repeats`` do_bench medians, the peak memory,
-    :func:`_host_ms`, and under ``--replay`` the same medians of the step's
-    CUDA-graph replay (``replay_ms``...)."""
-    runs = [_measure(fn, timer_ms) for _ in range(repeats)]
-    times = sorted(ms for ms, _ in runs)
-    row = {
-        "ms": times[len(times) // 2],
-        "ms_min": times[0],
-        "ms_max": times[-1],
-        "ms_runs": times,
-        "peak_MiB": None if DEVICE == "cpu" else max(peak for _, peak in runs),
-        "host_ms": _host_ms(fn),
-    }
-    if REPLAY:
-        replay = captured_graph(fn, warmups=2)
-        times = sorted(_measure(replay, timer_ms)[0] for _ in range(repeats))
-        row.update(replay_ms=times[len(times) // 2], replay_ms_min=times[0], replay_ms_max=times[-1])
-    return row
 
 
 def _quantize(provider: str, model):
@@ -321,17 +208,6 @@ FP8_ATTENTION = {"fp8_int8_attention_compiled": "int8", "fp8_int8_fp8_attention_
 BF16_PROVIDERS = ("native_eager", "native_compiled", "patched_eager", "patched_compiled")
 
 
-def _profiled(row: dict, fn, profile: bool) -> None:
-    """With ``--profile``: the step's GPU time by kernel family into ``row``, and printed."""
-    if not profile:
-        return
-    row["kernels"] = kernel_profile(fn)
-    families = "  ".join(f"{f} {ms:.1f}" for f, ms in row["kernels"]["families"].items())
-    print(f"    GPU {row['kernels']['gpu_ms']:.1f} ms: {families}", flush=True)
-    for name, ms, launches in row["kernels"]["top"]:
-        print(f"      {ms:7.2f} ms {launches:4d}x {name}", flush=True)
-
-
 def run_fp8_providers(
     name: str,
     timer_ms: float,
@@ -353,22 +229,22 @@ def run_fp8_providers(
             rows.append({"case": name, "provider": provider, "error": f"{type(e).__name__}: {e}"})
             print(f"{name:<11} {provider:<21} skipped: {e}", flush=True)
             continue
-        module = _compiled(model, compile_mode)
+        module = timing.compiled(model, compile_mode)
         with torch.no_grad():
             start = time.perf_counter()
             out = module(**inputs).sample  # compiles
             setup_s = time.perf_counter() - start
             err = relative_l2(out, exact)
-            row = _repeated(lambda m=module: m(**inputs).sample, timer_ms, repeats)
-            _profiled(row, lambda m=module: m(**inputs).sample, profile)
+            row = timing.repeated(lambda m=module: m(**inputs).sample, timer_ms, repeats)
+            timing.profiled(row, lambda m=module: m(**inputs).sample, profile)
         row.update(
             case=name,
             provider=provider,
             first_call_s=setup_s,
             rel_l2_vs_bf16=err,
             train=False,
-            tokens=_tokens(name),
-            weights_MiB=_weight_MiB(model),
+            tokens=tokens(name),
+            weights_MiB=timing.weight_MiB(model),
             compile=compile_mode,
         )
         if report is not None:
@@ -434,27 +310,27 @@ def run_case(
     for provider in BF16_PROVIDERS:
         if provider.startswith("patched") and report is None:
             torch._dynamo.reset()
-            _uncompiled(model)
+            timing.uncompiled(model)
             report = compile_ops.patch(model, attention_kernel=ATTENTION_KERNEL)
             print(report, flush=True)
         if provider not in providers:
             continue
         compiled = provider.endswith("compiled")
-        module = _compiled(model, compile_mode, inductor_mode=inductor_mode) if compiled else model
+        module = timing.compiled(model, compile_mode, inductor_mode=inductor_mode) if compiled else model
         skips_before = counters["inductor"]["cudagraph_skips"]
         start = time.perf_counter()
         step(module)  # compiles
         setup_s = time.perf_counter() - start
-        row = _repeated(lambda: step(module), timer_ms, repeats)
-        _profiled(row, lambda: step(module), profile)
+        row = timing.repeated(lambda: step(module), timer_ms, repeats)
+        timing.profiled(row, lambda: step(module), profile)
         row.update(
             case=name,
             provider=provider,
             first_call_s=setup_s,
             train=train,
-            tokens=_tokens(name),
+            tokens=tokens(name),
             attention_kernel=ATTENTION_KERNEL if provider.startswith("patched") else None,
-            weights_MiB=_weight_MiB(model),
+            weights_MiB=timing.weight_MiB(model),
             compile=compile_mode if inductor_mode == "default" else f"{compile_mode}+{inductor_mode}",
         )
         if compiled and inductor_mode != "default":
@@ -541,13 +417,13 @@ def run_int8_attention_case(
             elif provider == "sage_attention_compiled":
                 torch.nn.functional.scaled_dot_product_attention = _sage_sdpa()
             # SageAttention's launcher is not traceable whole: its blocks compile with graph breaks.
-            module = _compiled(model, compile_mode, fullgraph=provider != "sage_attention_compiled")
+            module = timing.compiled(model, compile_mode, fullgraph=provider != "sage_attention_compiled")
             with torch.no_grad():
                 start = time.perf_counter()
                 out = module(**inputs).sample  # compiles
                 setup_s = time.perf_counter() - start
-                row = _repeated(lambda m=module: m(**inputs).sample, timer_ms, repeats)
-                _profiled(row, lambda m=module: m(**inputs).sample, profile)
+                row = timing.repeated(lambda m=module: m(**inputs).sample, timer_ms, repeats)
+                timing.profiled(row, lambda m=module: m(**inputs).sample, profile)
         except Exception as e:  # noqa: BLE001 (a peer that fails is a result; the others still run)
             rows.append({"case": name, "provider": provider, "error": f"{type(e).__name__}: {e}"[:500]})
             print(f"{name:<11} {provider:<24} error: {rows[-1]['error'][:300]}", flush=True)
@@ -561,7 +437,7 @@ def run_int8_attention_case(
             first_call_s=setup_s,
             rel_l2_vs_bf16=relative_l2(out, exact),
             train=False,
-            tokens=_tokens(name),
+            tokens=tokens(name),
             compile=compile_mode,
         )
         rows.append(row)
@@ -577,146 +453,6 @@ def run_int8_attention_case(
     return rows
 
 
-#: ``--lora``: the adapters' rank, and the size of each delta ``B A`` against its Linear's weight
-#: (Frobenius norms): about the share of the Linear's output the LoRA moves.
-LORA_RANK = 64
-LORA_DELTA = 0.03
-#: ``--lora``: the step's providers; each gives its plain row, ``*_lora_compiled`` and ``*_lora_swapped_compiled``.
-LORA_PROVIDERS = ("native_compiled", "fp8_compiled")
-
-
-def _lora_targets(model) -> dict:
-    """``{path: nn.Linear}``: the attention and MLP Linears of the transformer
-    blocks (the AdaLN modulation projections, ``*.norm*.linear``, aside)."""
-    from compile_ops.integrations.diffusers import BLOCK_LISTS
-
-    return {
-        path: m
-        for list_name in BLOCK_LISTS
-        for path, m in getattr(model, list_name, torch.nn.Module()).named_modules(prefix=list_name)
-        if type(m) is torch.nn.Linear and ".norm" not in path
-    }
-
-
-@torch.no_grad()
-def _random_lora(targets: dict, seed: int) -> dict:
-    """A rank-``LORA_RANK`` LoRA on ``targets`` (:func:`_lora_targets`), diffusers'
-    layout, bf16, in host memory (where a LoRA file is read into): per Linear
-    ``W [N, K]``, ``lora_A [r, K] ~ N(0, 1/K)`` and ``lora_B [N, r] ~ N(0, s^2)``
-    with ``s = LORA_DELTA |W| / sqrt(N r)``, so that ``|B A| ~ LORA_DELTA |W|``
-    (alpha = rank: scaling 1). Drawn on the model's device from ``seed``."""
-    first = next(iter(targets.values())).weight
-    generator = torch.Generator(first.device).manual_seed(seed)
-    lora = {}
-    for path, linear in targets.items():
-        n, k = linear.weight.shape
-        spread = LORA_DELTA * linear.weight.float().norm().item() / (n * LORA_RANK) ** 0.5
-        a = torch.randn(LORA_RANK, k, generator=generator, device=first.device) / k**0.5
-        b = torch.randn(n, LORA_RANK, generator=generator, device=first.device) * spread
-        lora[f"{path}.lora_A.weight"], lora[f"{path}.lora_B.weight"] = a.to(DTYPE).cpu(), b.to(DTYPE).cpu()
-    return lora
-
-
-def _timed_step(name: str, provider: str, step, timer_ms: float, repeats: int) -> tuple:
-    """``(row, output)``: ``step``'s first call (compiling; ``first_call_s``), then :func:`_repeated`."""
-    with torch.no_grad():
-        start = time.perf_counter()
-        out = step()
-        _synchronize()
-        first_call_s = time.perf_counter() - start
-        row = _repeated(step, timer_ms, repeats)
-    row.update(case=name, provider=provider, first_call_s=first_call_s, train=False, tokens=_tokens(name))
-    return row, out
-
-
-def run_lora_case(name: str, timer_ms: float, repeats: int, providers, compile_mode: str) -> list:
-    """Each of LORA_PROVIDERS (those in ``providers``) on a fresh model: the
-    plain step, with a LoRA, and after hotswapping a second LoRA (module
-    docstring); the FP8 rows' errors against the native rows of this run."""
-    import compile_ops
-
-    rows, reference, loras = [], {}, None
-    for provider in (p for p in LORA_PROVIDERS if p in (providers or LORA_PROVIDERS)):
-        model, inputs = build(name)
-        if loras is None:  # the same LoRAs for every provider: drawn from the bf16 weights
-            targets = _lora_targets(model)
-            loras = [_random_lora(targets, seed) for seed in (1, 2)]
-        if provider == "fp8_compiled":
-            compile_ops.patch(model, precision="fp8")
-        base = provider.removesuffix("_compiled")
-        labels = {"plain": provider, "lora": f"{base}_lora_compiled", "swapped": f"{base}_lora_swapped_compiled"}
-        new, outputs = [], {}
-
-        def measure(state, step):
-            row, outputs[state] = _timed_step(name, labels[state], step, timer_ms, repeats)
-            row.update(compile=compile_mode, weights_MiB=_weight_MiB(model))
-            new.append(row)
-            return row
-
-        module = _compiled(model, compile_mode)
-        measure("plain", lambda: module(**inputs).sample)
-        _uncompiled(model)
-        torch._dynamo.reset()
-        model.enable_lora_hotswap(target_rank=LORA_RANK)
-        start = time.perf_counter()
-        model.load_lora_adapter(dict(loras[0]), prefix=None, adapter_name="lora")
-        _synchronize()
-        load_s = time.perf_counter() - start
-        module = _compiled(model, compile_mode)
-        measure("lora", lambda: module(**inputs).sample).update(load_s=load_s)
-        graphs = counters["stats"]["unique_graphs"]
-        _synchronize()
-        start = time.perf_counter()
-        model.load_lora_adapter(dict(loras[1]), prefix=None, adapter_name="lora", hotswap=True)
-        _synchronize()
-        swap_s = time.perf_counter() - start
-        swapped = measure("swapped", lambda: module(**inputs).sample)
-        swapped.update(swap_s=swap_s, graphs_compiled_after_swap=counters["stats"]["unique_graphs"] - graphs)
-        for row in new[1:]:
-            row.update(lora_rank=LORA_RANK, lora_linears=len(loras[0]) // 2, lora_delta=LORA_DELTA)
-        new[1]["lora_moves_output"] = relative_l2(outputs["lora"], outputs["plain"])
-        new[2]["swap_moves_output"] = relative_l2(outputs["swapped"], outputs["lora"])
-        for row in new[1:]:
-            row["lora_cost"] = row["ms"] / new[0]["ms"] - 1  # the step's time the LoRA adds
-        if provider == "native_compiled":
-            reference = outputs
-        elif reference:
-            for state, row in zip(("plain", "lora", "swapped"), new):
-                row.update(rel_l2_vs_bf16=relative_l2(outputs[state], reference[state]), reference="native")
-        for row in new:
-            error = f"  rel. L2 vs native {row['rel_l2_vs_bf16']:.2e}" if "rel_l2_vs_bf16" in row else ""
-            swap = (
-                f"  swap {row['swap_s']:.2f} s, {row['graphs_compiled_after_swap']} graphs compiled after it"
-                if "swap_s" in row
-                else ""
-            )
-            print(
-                f"{name:<11} {row['provider']:<28} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, "
-                f"host {row['host_ms']:.1f}){error}{swap}  (first call {row['first_call_s']:.0f} s)",
-                flush=True,
-            )
-        rows += new
-        del model, module
-        torch._dynamo.reset()
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-    return rows
-
-
-def _tokens(name: str) -> int:
-    """The step's attention tokens: Wan's video tokens (its text in cross-attention), Flux's and
-    HunyuanVideo's video and text tokens together (joint attention)."""
-    sizes = {
-        "wan_step": 21 * 30 * 52,
-        "wan_step_720p": 21 * 45 * 80,
-        "flux_blocks_1360x768": 48 * 85 + 512,
-        "flux_step_tiny": 4 * 4 + 8,
-        "hunyuan_step_720p": 9 * 45 * 80 + 256,
-        "hunyuan_step_tiny": 3 * 4 * 8 + 8,
-    }
-    return sizes.get(name, 4096 + 512)
-
-
 def _version(package: str):
     import importlib.metadata
 
@@ -724,20 +460,6 @@ def _version(package: str):
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def diffusers_environment() -> dict:
-    """Warm the GPU up and return the run's environment with diffusers' version
-    (what every diffusers runner records)."""
-    import diffusers
-
-    if DEVICE == "cpu":  # a smoke run
-        env = {"gpu": "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    else:
-        warm_up_gpu()
-        env = environment()
-    env["diffusers"] = diffusers.__version__
-    return env
 
 
 def _row_key(row: dict) -> tuple:
@@ -807,9 +529,10 @@ def main(argv=None) -> int:
         p.error("--inductor-modes compares the bf16 providers: not with --fp8, --int8-attention or --lora")
     if args.lora and (args.fp8 or args.int8_attention):
         p.error("--lora is a comparison of its own: not with --fp8 or --int8-attention")
-    global REPLAY, ATTENTION_KERNEL, BACKEND
-    REPLAY, ATTENTION_KERNEL, BACKEND = args.replay, args.attention_kernel, args.backend
-    env = diffusers_environment()
+    global ATTENTION_KERNEL
+    ATTENTION_KERNEL = args.attention_kernel
+    timing.REPLAY, timing.BACKEND = args.replay, args.backend
+    env = timing.diffusers_environment()
     env["command"] = "python bench/runners/diffusers_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
     stem = "diffusers-e2e"
     if args.fp8:  # the FP8 comparison has its own file, with the peer's version

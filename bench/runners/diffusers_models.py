@@ -2,10 +2,11 @@
 
 Full-size configs with random weights (nothing is downloaded), bf16, batch 1;
 :func:`build` gives a case's model and inputs on ``DEVICE`` in ``DTYPE``, the
-same random weights every call. ``CASES``: what bench/runners/diffusers_e2e.py
-runs by default; ``EXTRA_CASES``: the cases other runners build
-(bench/runners/sparse_e2e.py, bench/runners/context_parallel.py) or name in
-``--cases``, and the tiny ones of the smoke runs on the CPU.
+same random weights every call, and :func:`tokens` the attention tokens of its
+step. ``CASES``: what bench/runners/diffusers_e2e.py runs by default;
+``EXTRA_CASES``: the cases other runners build (bench/runners/sparse_e2e.py,
+bench/runners/context_parallel.py) or name in ``--cases``, and the tiny ones of
+the smoke runs on the CPU.
 """
 
 import torch
@@ -158,3 +159,17 @@ def build(name: str):
         k: v.to(DEVICE, DTYPE if v.is_floating_point() and "ids" not in k else v.dtype) for k, v in inputs.items()
     }
     return model.train(train).requires_grad_(train), inputs
+
+
+def tokens(name: str) -> int:
+    """The step's attention tokens: Wan's video tokens (its text in cross-attention), Flux's and
+    HunyuanVideo's video and text tokens together (joint attention)."""
+    sizes = {
+        "wan_step": 21 * 30 * 52,
+        "wan_step_720p": 21 * 45 * 80,
+        "flux_blocks_1360x768": 48 * 85 + 512,
+        "flux_step_tiny": 4 * 4 + 8,
+        "hunyuan_step_720p": 9 * 45 * 80 + 256,
+        "hunyuan_step_tiny": 3 * 4 * 8 + 8,
+    }
+    return sizes.get(name, 4096 + 512)

@@ -36,9 +36,9 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.runners import diffusers_e2e, diffusers_models  # noqa: E402
-from bench.runners.diffusers_e2e import _compiled, _repeated, _uncompiled, diffusers_environment  # noqa: E402
+from bench.runners import diffusers_models, diffusers_timing  # noqa: E402
 from bench.runners.diffusers_models import build  # noqa: E402
+from bench.runners.diffusers_timing import compiled, diffusers_environment, repeated, uncompiled  # noqa: E402
 from bench.toolkit import relative_l2, write_results  # noqa: E402
 
 #: The sliding-tile preset measured here (tiles of 2 x 8 x 8 latent tokens, a
@@ -160,12 +160,12 @@ def run_case(name: str, timer_ms: float, repeats: int, modes=tuple(MODES)) -> li
     rows, outputs = [], {}
 
     def timed(model, provider, extra):
-        module = _compiled(model, "regional")
+        module = compiled(model, "regional")
         with torch.no_grad():
             start = time.perf_counter()
             module(**inputs)
             first = time.perf_counter() - start
-            row = _repeated(lambda: module(**inputs).sample, timer_ms, repeats)
+            row = repeated(lambda: module(**inputs).sample, timer_ms, repeats)
         row.update(case=name, provider=provider, first_call_s=first, tokens=tokens, compile="regional", **extra)
         if rows:
             row["speedup_vs_native"] = rows[0]["ms"] / row["ms"]
@@ -184,7 +184,7 @@ def run_case(name: str, timer_ms: float, repeats: int, modes=tuple(MODES)) -> li
             torch.cuda.empty_cache()
             model, _ = _build_case(name)
         else:
-            _uncompiled(model)
+            uncompiled(model)
             torch._dynamo.reset()
         report = compile_ops.patch(model, attention=compile_ops.SlidingTile(**PRESET), **MODES[mode])
         out, errors, errors_vs_sparse = _with_attention_errors(model, inputs)
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     if set(modes) - set(MODES):
         p.error(f"unknown modes {sorted(set(modes) - set(MODES))}; the modes are {','.join(MODES)}")
-    diffusers_e2e.BACKEND = args.backend
+    diffusers_timing.BACKEND = args.backend
     env = diffusers_environment()
     env["command"] = "python bench/runners/sparse_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = []

@@ -1,0 +1,148 @@
+"""The LoRA case of bench/runners/diffusers_e2e.py (``--lora``, the step cases).
+
+Native compiled and ``patch(precision="fp8")`` compiled (``LORA_PROVIDERS``),
+each on a fresh model, three rows apiece: the plain step; the step with a
+random rank-``LORA_RANK`` LoRA on every attention and MLP Linear of the blocks
+(``enable_lora_hotswap(target_rank=LORA_RANK)`` before loading and compiling;
+each delta about ``LORA_DELTA`` of its Linear's output), ``*_lora_compiled``;
+and the step after ``load_lora_adapter(..., hotswap=True)`` of a second such
+LoRA from host memory, ``*_lora_swapped_compiled``, with the swap's wall
+seconds and the graphs Dynamo compiled after it (none: no recompile). FP8 rows
+give the step error against the native row in the same state (plain, first
+LoRA, swapped). :func:`run_lora_case` runs it; diffusers_e2e.py's ``main``
+writes the rows to ``diffusers-e2e-lora-<gpu>.json``.
+"""
+
+import time
+
+import torch
+from torch._dynamo.utils import counters
+
+from bench.runners.diffusers_models import DEVICE, DTYPE, build, tokens
+from bench.runners.diffusers_timing import compiled, repeated, synchronize, uncompiled, weight_MiB
+from bench.toolkit import relative_l2
+
+#: ``--lora``: the adapters' rank, and the size of each delta ``B A`` against its Linear's weight
+#: (Frobenius norms): about the share of the Linear's output the LoRA moves.
+LORA_RANK = 64
+LORA_DELTA = 0.03
+#: ``--lora``: the step's providers; each gives its plain row, ``*_lora_compiled`` and ``*_lora_swapped_compiled``.
+LORA_PROVIDERS = ("native_compiled", "fp8_compiled")
+
+
+def _lora_targets(model) -> dict:
+    """``{path: nn.Linear}``: the attention and MLP Linears of the transformer
+    blocks (the AdaLN modulation projections, ``*.norm*.linear``, aside)."""
+    from compile_ops.integrations.diffusers import BLOCK_LISTS
+
+    return {
+        path: m
+        for list_name in BLOCK_LISTS
+        for path, m in getattr(model, list_name, torch.nn.Module()).named_modules(prefix=list_name)
+        if type(m) is torch.nn.Linear and ".norm" not in path
+    }
+
+
+@torch.no_grad()
+def random_lora(targets: dict, seed: int) -> dict:
+    """A rank-``LORA_RANK`` LoRA on ``targets`` (:func:`_lora_targets`), diffusers'
+    layout, bf16, in host memory (where a LoRA file is read into): per Linear
+    ``W [N, K]``, ``lora_A [r, K] ~ N(0, 1/K)`` and ``lora_B [N, r] ~ N(0, s^2)``
+    with ``s = LORA_DELTA |W| / sqrt(N r)``, so that ``|B A| ~ LORA_DELTA |W|``
+    (alpha = rank: scaling 1). Drawn on the model's device from ``seed``."""
+    first = next(iter(targets.values())).weight
+    generator = torch.Generator(first.device).manual_seed(seed)
+    lora = {}
+    for path, linear in targets.items():
+        n, k = linear.weight.shape
+        spread = LORA_DELTA * linear.weight.float().norm().item() / (n * LORA_RANK) ** 0.5
+        a = torch.randn(LORA_RANK, k, generator=generator, device=first.device) / k**0.5
+        b = torch.randn(n, LORA_RANK, generator=generator, device=first.device) * spread
+        lora[f"{path}.lora_A.weight"], lora[f"{path}.lora_B.weight"] = a.to(DTYPE).cpu(), b.to(DTYPE).cpu()
+    return lora
+
+
+def _timed_step(name: str, provider: str, step, timer_ms: float, repeats: int) -> tuple:
+    """``(row, output)``: ``step``'s first call (compiling; ``first_call_s``), then :func:`repeated`."""
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = step()
+        synchronize()
+        first_call_s = time.perf_counter() - start
+        row = repeated(step, timer_ms, repeats)
+    row.update(case=name, provider=provider, first_call_s=first_call_s, train=False, tokens=tokens(name))
+    return row, out
+
+
+def run_lora_case(name: str, timer_ms: float, repeats: int, providers, compile_mode: str) -> list:
+    """Each of LORA_PROVIDERS (those in ``providers``) on a fresh model: the
+    plain step, with a LoRA, and after hotswapping a second LoRA (module
+    docstring); the FP8 rows' errors against the native rows of this run."""
+    import compile_ops
+
+    rows, reference, loras = [], {}, None
+    for provider in (p for p in LORA_PROVIDERS if p in (providers or LORA_PROVIDERS)):
+        model, inputs = build(name)
+        if loras is None:  # the same LoRAs for every provider: drawn from the bf16 weights
+            targets = _lora_targets(model)
+            loras = [random_lora(targets, seed) for seed in (1, 2)]
+        if provider == "fp8_compiled":
+            compile_ops.patch(model, precision="fp8")
+        base = provider.removesuffix("_compiled")
+        labels = {"plain": provider, "lora": f"{base}_lora_compiled", "swapped": f"{base}_lora_swapped_compiled"}
+        new, outputs = [], {}
+
+        def measure(state, step):
+            row, outputs[state] = _timed_step(name, labels[state], step, timer_ms, repeats)
+            row.update(compile=compile_mode, weights_MiB=weight_MiB(model))
+            new.append(row)
+            return row
+
+        module = compiled(model, compile_mode)
+        measure("plain", lambda: module(**inputs).sample)
+        uncompiled(model)
+        torch._dynamo.reset()
+        model.enable_lora_hotswap(target_rank=LORA_RANK)
+        start = time.perf_counter()
+        model.load_lora_adapter(dict(loras[0]), prefix=None, adapter_name="lora")
+        synchronize()
+        load_s = time.perf_counter() - start
+        module = compiled(model, compile_mode)
+        measure("lora", lambda: module(**inputs).sample).update(load_s=load_s)
+        graphs = counters["stats"]["unique_graphs"]
+        synchronize()
+        start = time.perf_counter()
+        model.load_lora_adapter(dict(loras[1]), prefix=None, adapter_name="lora", hotswap=True)
+        synchronize()
+        swap_s = time.perf_counter() - start
+        swapped = measure("swapped", lambda: module(**inputs).sample)
+        swapped.update(swap_s=swap_s, graphs_compiled_after_swap=counters["stats"]["unique_graphs"] - graphs)
+        for row in new[1:]:
+            row.update(lora_rank=LORA_RANK, lora_linears=len(loras[0]) // 2, lora_delta=LORA_DELTA)
+        new[1]["lora_moves_output"] = relative_l2(outputs["lora"], outputs["plain"])
+        new[2]["swap_moves_output"] = relative_l2(outputs["swapped"], outputs["lora"])
+        for row in new[1:]:
+            row["lora_cost"] = row["ms"] / new[0]["ms"] - 1  # the step's time the LoRA adds
+        if provider == "native_compiled":
+            reference = outputs
+        elif reference:
+            for state, row in zip(("plain", "lora", "swapped"), new):
+                row.update(rel_l2_vs_bf16=relative_l2(outputs[state], reference[state]), reference="native")
+        for row in new:
+            error = f"  rel. L2 vs native {row['rel_l2_vs_bf16']:.2e}" if "rel_l2_vs_bf16" in row else ""
+            swap = (
+                f"  swap {row['swap_s']:.2f} s, {row['graphs_compiled_after_swap']} graphs compiled after it"
+                if "swap_s" in row
+                else ""
+            )
+            print(
+                f"{name:<11} {row['provider']:<28} {row['ms']:9.2f} ms ({row['ms_min']:.2f}-{row['ms_max']:.2f}, "
+                f"host {row['host_ms']:.1f}){error}{swap}  (first call {row['first_call_s']:.0f} s)",
+                flush=True,
+            )
+        rows += new
+        del model, module
+        torch._dynamo.reset()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return rows
