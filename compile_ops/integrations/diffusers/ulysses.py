@@ -98,6 +98,20 @@ def ulysses_attention(
     return _sent_back(attend(*_received(query, key, value, group, world)), group, world, h)
 
 
+def _qkv_views(received: Tensor, world: int, s: int, b: int, heads: int, d: int) -> tuple:
+    """q, k, v ``[B, P * S, heads, D]`` as views of an all-to-all's received
+    ``[P, S, B, 3, heads, D]`` buffer: token p * S + s sits at a uniform stride."""
+    received = received.view(world, s, b, 3, heads, d)
+    return tuple(received[:, :, :, i].flatten(0, 1).transpose(0, 1) for i in range(3))
+
+
+def _by_token_rank(out: Tensor, world: int) -> Tensor:
+    """``[B, P * S, heads, D]`` attention outputs as the ``[P, S, B, heads, D]``
+    send buffer of the way back: chunk p holds the rows of rank p's tokens."""
+    b, length, heads, d = out.shape
+    return out.reshape(b, world, length // world, heads, d).permute(1, 2, 0, 3, 4).contiguous()
+
+
 def _received(query: Tensor, key: Tensor, value: Tensor, group, world: int) -> tuple:
     """``[B, P * S, H/P, D]`` q, k, v of this rank's heads over every rank's
     tokens: views of one all-to-all's buffer."""
@@ -106,9 +120,7 @@ def _received(query: Tensor, key: Tensor, value: Tensor, group, world: int) -> t
     # [P, S, B, 3, H/P, D]: one copy of q, k and v (heads to the front), one collective.
     send = torch.stack([t.view(b, s, world, heads, d).permute(2, 1, 0, 3, 4) for t in (query, key, value)], dim=3)
     received = _waited(funcol.all_to_all_single_autograd(send.flatten(), None, None, group))
-    received = received.view(world, s, b, 3, heads, d)
-    # [P, S, B, H/P, D] -> [B, P * S, H/P, D]: token p * S + s sits at a uniform stride.
-    return tuple(received[:, :, :, i].flatten(0, 1).transpose(0, 1) for i in range(3))
+    return _qkv_views(received, world, s, b, heads, d)
 
 
 def _sent_back(out: Tensor, group, world: int, h: int) -> Tensor:
@@ -116,9 +128,7 @@ def _sent_back(out: Tensor, group, world: int, h: int) -> Tensor:
     attention outputs (this rank's heads over every rank's tokens)."""
     b, length, heads, d = out.shape
     s = length // world
-    # Back to each token's rank: chunk p holds the output rows of rank p's tokens.
-    chunks = out.reshape(b, world, s, heads, d).permute(1, 2, 0, 3, 4).contiguous()
-    back = _waited(funcol.all_to_all_single_autograd(chunks.flatten(), None, None, group))
+    back = _waited(funcol.all_to_all_single_autograd(_by_token_rank(out, world).flatten(), None, None, group))
     # [P (heads now), S, B, H/P, D] -> [B, S, H, D].
     return back.view(world, s, b, heads, d).permute(2, 1, 0, 3, 4).reshape(b, s, h, d)
 
@@ -157,9 +167,8 @@ def _pipelined(query: Tensor, key: Tensor, value: Tensor, group, world: int, att
     pending = [torch.ops._c10d_functional.all_to_all_single(send[g].flatten(), sizes, sizes, name) for g in range(2)]
     returning = []
     for g in range(2):
-        received = torch.ops._c10d_functional.wait_tensor(pending[g]).view(world, s, b, 3, half, d)
-        q, k, v = (received[:, :, :, i].flatten(0, 1).transpose(0, 1) for i in range(3))
-        chunks = attend(q, k, v).reshape(b, world, s, half, d).permute(1, 2, 0, 3, 4).contiguous()
+        received = torch.ops._c10d_functional.wait_tensor(pending[g])
+        chunks = _by_token_rank(attend(*_qkv_views(received, world, s, b, half, d)), world)
         out_sizes = [chunks.numel() // world] * world
         returning.append(torch.ops._c10d_functional.all_to_all_single(chunks.flatten(), out_sizes, out_sizes, name))
     # [2, P (heads now), S, B, H/2P, D] -> [B, S, P, 2, H/2P, D]: head p * H/P + g * H/2P + j.
