@@ -128,7 +128,7 @@ def profiled(row: dict, fn, profile: bool) -> None:
     """With ``--profile``: the step's GPU time by kernel family into ``row``, and printed."""
     if not profile:
         return
-    row["kernels"] = kernel_profile(fn)
+    row["kernels"] = kernel_profile(fn, top=20)
     families = "  ".join(f"{f} {ms:.1f}" for f, ms in row["kernels"]["families"].items())
     print(f"    GPU {row['kernels']['gpu_ms']:.1f} ms: {families}", flush=True)
     for name, ms, launches in row["kernels"]["top"]:

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from bench.runners import diffusers_models, diffusers_timing  # noqa: E402
 from bench.runners.diffusers_models import build  # noqa: E402
-from bench.runners.diffusers_timing import compiled, diffusers_environment, repeated, uncompiled  # noqa: E402
+from bench.runners.diffusers_timing import compiled, diffusers_environment, profiled, repeated, uncompiled  # noqa: E402
 from bench.toolkit import relative_l2, write_results  # noqa: E402
 
 #: The sliding-tile preset measured here (tiles of 2 x 8 x 8 latent tokens, a
@@ -145,7 +145,7 @@ def _summary(errors: list) -> dict:
     return {"median": values[len(values) // 2], "max": values[-1], "layers": len(values)}
 
 
-def run_case(name: str, timer_ms: float, repeats: int, modes=tuple(MODES)) -> list:
+def run_case(name: str, timer_ms: float, repeats: int, modes=tuple(MODES), profile: bool = False) -> list:
     """Rows of one case: the native compiled step, then each of ``modes``
     (keys of MODES) on a fresh copy of the model (the same random weights:
     ``precision="fp8"`` releases the 16-bit ones)."""
@@ -166,6 +166,7 @@ def run_case(name: str, timer_ms: float, repeats: int, modes=tuple(MODES)) -> li
             module(**inputs)
             first = time.perf_counter() - start
             row = repeated(lambda: module(**inputs).sample, timer_ms, repeats)
+            profiled(row, lambda: module(**inputs).sample, profile)
         row.update(case=name, provider=provider, first_call_s=first, tokens=tokens, compile="regional", **extra)
         if rows:
             row["speedup_vs_native"] = rows[0]["ms"] / row["ms"]
@@ -221,6 +222,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--backend", default="inductor", help="torch.compile's backend (eager: Dynamo alone, for smoke runs)"
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also each step's GPU time by kernel family and its top kernels (torch.profiler)",
+    )
     args = p.parse_args(argv)
     modes = args.modes.split(",")
     if set(modes) - set(MODES):
@@ -230,7 +236,7 @@ def main(argv=None) -> int:
     env["command"] = "python bench/runners/sparse_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = []
     for name in args.cases.split(","):
-        rows += run_case(name, args.rep_ms, args.repeats, modes)
+        rows += run_case(name, args.rep_ms, args.repeats, modes, args.profile)
         path = write_results(args.out, "sparse-e2e", env, rows)
     print(f"wrote {path}")
     return 0
