@@ -3,7 +3,7 @@ and 8-bit precisions) and its backward.
 
 An op's arguments are attention's with the block lists after v: ``(q, k, v,
 block_index, block_count, scale, causal, seq_dim, kv_lengths)``, and the
-8-bit precisions' ``precision`` after them.
+8-bit precisions' ``precision`` after them (and, in one case, its ``token_order``).
 """
 
 import torch
@@ -75,10 +75,19 @@ def block_sparse_8bit_edges(precision):
     removes), no gradient (inference only)."""
 
     def edges(dtype, device, requires_grad):
-        return [
+        cases = [
             (q, offset_keys(k), *rest, precision)
             for q, k, *rest in block_sparse_edges(int8_dtype(dtype), device, False)
         ]
+        # Self-attention in a token order (a layout's tiles): a partial last block, key lengths.
+        g = torch.Generator().manual_seed(5)
+        q, k, v, index, count, scale, causal, seq_dim, _ = _banded_self_attention(
+            (2, 300, 64), int8_dtype(dtype), device, False, 1
+        )
+        order = torch.randperm(300, generator=g).to(device)
+        lengths = torch.tensor([300, 211], dtype=torch.int32, device=device)
+        cases.append((q, offset_keys(k), v, index, count, scale, causal, seq_dim, lengths, precision, order))
+        return cases
 
     return edges
 

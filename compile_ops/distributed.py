@@ -409,7 +409,11 @@ RULES: dict[str, Rule] = {
         "q",
     ),
     "block_sparse_attention": Rule(
-        {**_ATTENTION_ARGS, **_BLOCK_LISTS}, (Out("q", heads_layout), Out("q", log_sum_exp)), batch_heads, "q"
+        # The token order runs along the sequence, which these axes never shard.
+        {**_ATTENTION_ARGS, **_BLOCK_LISTS, "token_order": replicated},
+        (Out("q", heads_layout), Out("q", log_sum_exp)),
+        batch_heads,
+        "q",
     ),
     "block_sparse_attention_backward": Rule(
         {**_ATTENTION_BACKWARD_ARGS, **_BLOCK_LISTS}, _ATTENTION_GRADS, batch_heads, "q"

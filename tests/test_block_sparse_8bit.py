@@ -356,3 +356,134 @@ def test_sm90_core_8bit_over_block_lists_computes_what_the_portable_kernel_does(
         torch.testing.assert_close(got, want, rtol=2.0**-7, atol=1e-5, msg=lambda m: f"{case}: {m}")
         torch.testing.assert_close(got_lse, want_lse, rtol=1e-6, atol=1e-5, msg=lambda m: f"{case}: {m}")
     clear_launch_plans()
+
+
+# ---------------------------------------------------------------- a token order
+
+
+def _ordered_call(dtype, seq_dim, b, hq, hk, length, d, per_head, lengths, density, seed, device):
+    """Self-attention inputs, random lists and a random token order on ``device``:
+    ``(q, k, v, index, count, kv_lengths, token_order)``."""
+    torch.manual_seed(seed)
+    q, k, v = _int8_case(seq_dim, b, hq, hk, length, length, d, dtype, device)
+    index, count = _lists(b if per_head else 1, hq if per_head else 1, length, length, density, seed, False, device)
+    kv = None if lengths is None else torch.tensor(lengths, dtype=torch.int32, device=device)
+    return q, k, v, index, count, kv, torch.randperm(length).to(device)
+
+
+def test_a_token_order_is_the_permuted_call_with_its_rows_put_back():
+    """``token_order`` (a layout's tile order) is q, k and v permuted along the
+    sequence, attended over the lists, and the output and lse rows put back
+    at their tokens: bit for bit, in every precision and both layouts, the
+    exact one's gradients included (its permutation is torch ops, which
+    autograd sees); the result differs from the call without the order."""
+    for precision in ("exact", *PRECISIONS):
+        for seq_dim in (1, 2):
+            q, k, v, index, count, kv, order = _ordered_call(
+                torch.bfloat16, seq_dim, 2, 4, 2, 300, 16, True, [300, 170], 0.5, 7, "cpu"
+            )
+            grad = precision == "exact"
+            inputs = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+            with torch.set_grad_enabled(grad):
+                got, lse = compile_ops.block_sparse_attention(
+                    *inputs, index, count, None, False, seq_dim, kv, True, precision, order
+                )
+                permuted = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+                out, want_lse = compile_ops.block_sparse_attention(
+                    *(t.index_select(seq_dim, order) for t in permuted),
+                    index,
+                    count,
+                    None,
+                    False,
+                    seq_dim,
+                    kv,
+                    True,
+                    precision,
+                )
+            want = torch.empty_like(out).index_copy(seq_dim, order, out)
+            assert torch.equal(got, want), (precision, seq_dim)
+            assert torch.equal(lse, torch.empty_like(want_lse).index_copy(2, order, want_lse))
+            unordered = compile_ops.block_sparse_attention(
+                q, k, v, index, count, None, False, seq_dim, kv, precision=precision
+            )
+            assert _relative_l2(got.detach(), unordered) > 0.1
+            if grad:
+                g = torch.randn_like(got)
+                torch.autograd.backward(got, g)
+                torch.autograd.backward(want, g)
+                for mine, theirs in zip(inputs, permuted):
+                    assert torch.equal(mine.grad, theirs.grad)
+
+
+def test_a_token_order_is_refused_where_it_has_no_meaning():
+    q, k, v, index, count, _, order = _ordered_call(torch.float16, 1, 1, 2, 2, 300, 16, False, None, 1.0, 1, "cpu")
+    call = compile_ops.block_sparse_attention
+    with pytest.raises(ValueError, match=r"token_order must have shape \[Lq\] = \[300\], got \(299,\)"):
+        call(q, k, v, index, count, seq_dim=1, precision="int8", token_order=order[:299])
+    with pytest.raises(TypeError, match=r"token_order must be int32 or int64, got torch.float32"):
+        call(q, k, v, index, count, seq_dim=1, precision="int8", token_order=order.float())
+    with pytest.raises(ValueError, match=r"token_order must be a permutation of 0 \.\. 299"):
+        call(q, k, v, index, count, seq_dim=1, precision="int8", token_order=torch.zeros_like(order))
+    with pytest.raises(ValueError, match=r"token_order must be a permutation"):
+        call(q, k, v, index, count, seq_dim=1, token_order=order.flip(0).clamp(max=298))
+    with pytest.raises(ValueError, match=r"token_order takes causal=False"):
+        call(q, k, v, index, count, causal=True, seq_dim=1, precision="int8_fp8", token_order=order)
+    with pytest.raises(ValueError, match=r"Lk must equal Lq, got Lq=300, Lk=128"):
+        call(q, k[:, :128], v[:, :128], index[..., :1], count.clamp(max=1), seq_dim=1, token_order=order)
+    # The op itself: exact attention in a token order is the public function's (its backward).
+    with pytest.raises(ValueError, match=r"fused.block_sparse_attention: token_order runs in the 8-bit precisions"):
+        torch.ops.fused.block_sparse_attention(q, k, v, index, count, 0.25, False, 1, None, "exact", order)
+
+
+@st.composite
+def ordered_cases(draw):
+    """An 8-bit self-attention call in a random token order: batch 1-2, GQA,
+    ragged lengths (a partial last block), key lengths, per-head or shared
+    lists of every density."""
+    small = INTERPRET
+    precision = draw(st.sampled_from(PRECISIONS))
+    dtype = draw(st.sampled_from([torch.float16] if small else [torch.float16, torch.bfloat16]))
+    b = draw(st.integers(1, 2))
+    hk = draw(st.integers(1, 2))
+    hq = hk * draw(st.sampled_from([1, 2]))
+    length = draw(st.sampled_from([97, 129, 300] if small else [97, 129, 300, 777]))
+    d = draw(st.sampled_from([16, 64] if small else [16, 64, 128]))
+    seq_dim = draw(st.sampled_from([1, 2]))
+    per_head = draw(st.booleans())
+    lengths = [draw(st.integers(1, length)) for _ in range(b)] if draw(st.booleans()) else None
+    density = draw(st.sampled_from([0.3, 0.6, 1.0]))
+    seed = draw(st.integers(0, 2**16))
+    return precision, dtype, seq_dim, b, hq, hk, length, d, per_head, lengths, density, seed
+
+
+@pytest.mark.kernels
+@settings(max_examples=examples(cpu=4, gpu=20))
+@given(ordered_cases())
+def test_kernels_8bit_in_a_token_order_match_the_specification(case):
+    """The kernels reading q, k and v through a token order (the attention
+    kernel's q rows and the quantizing pass's k and v rows gathered, the
+    output and lse rows stored at their tokens) against the specification
+    of the permuted call: output within the dense 8-bit kernel's bounds, 0
+    where a query sees no key; the lse within 1e-3 (the kernel's rounding of
+    it is below 1e-4 at these sizes, and a row stored at another token's
+    place is off by far more)."""
+    precision, dtype, seq_dim = case[:3]
+    q, k, v, index, count, kv, order = _ordered_call(*case[1:], KERNEL_DEVICE)
+    with torch.no_grad():
+        got, lse = compile_ops.block_sparse_attention(
+            q, k, v, index, count, None, False, seq_dim, kv, True, precision, order
+        )
+    qc, kc, vc, index, count, order = (t.cpu() for t in (q, k, v, index, count, order))
+    kv = None if kv is None else kv.cpu()
+    d = q.shape[-1]
+    want, want_lse = ref.block_sparse_attention(qc, kc, vc, index, count, d**-0.5, False, seq_dim, kv, precision, order)
+    got, lse = got.cpu(), lse.cpu()
+    unseen = torch.isneginf(want_lse)
+    assert torch.equal(torch.isneginf(lse), unseen)
+    assert torch.equal(_bhld(got, seq_dim)[unseen], torch.zeros_like(_bhld(got, seq_dim)[unseen]))
+    if unseen.all():
+        return
+    to_spec = _relative_l2(got, want)
+    print(f"{dtype} {precision} block-sparse kernel in a token order: to the specification {to_spec:.2e}")
+    assert to_spec < EIGHT_BIT[precision][1][dtype], to_spec
+    assert (lse - want_lse)[~unseen].abs().max() < 1e-3

@@ -284,22 +284,22 @@ def test_block_sparse_8bit_forward_variants_compile_for_sm90(precision, monkeypa
     8-bit q is rounded in the kernel, which the core does not do), every
     launch compiles for sm_90: the quantization passes, and the forward with
     SPARSE, INT8 and QUANTIZE_Q (and PV_FP8) together, its D = 128 variant
-    with TMA and the block list read past the pipeliner."""
+    with TMA and the block list read past the pipeliner, and the variants
+    that gather rows through a token order (the forward's and, with k, the
+    quantizing pass's)."""
     from compile_ops.ops import attention_launch, attention_sm90
 
     monkeypatch.setattr(attention_launch, "has_tma", lambda t: t.device.type == "cuda")
     monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: False)
-    spec = next(s for s in OPS if s.name == "block_sparse_attention")
-
-    def body(*args):
-        return OP_BODIES[spec.qualname](*args, precision)
-
-    launches = list(_launches(spec, torch.bfloat16, body).values())
+    spec = next(s for s in OPS if s.name == f"block_sparse_attention_{precision}")
+    launches = list(_launches(spec, torch.bfloat16).values())
     forward = [c for kernel, _, c in launches if kernel.fn.__name__ == "attn_fwd_kernel"]
     assert forward and all(
         c["SPARSE"] and c["INT8"] and c["QUANTIZE_Q"] and c["PV_FP8"] == (precision == "int8_fp8") for c in forward
     )
     assert any(c["TMA"] and c["LIST_BY_ASM"] and c["BLOCK_D"] == 128 for c in forward)
+    assert any(c["GATHER"] for c in forward)
+    assert any(c.get("GATHER") for kernel, _, c in launches if kernel.fn.__name__ == "kv8_quantize_kernel")
     assert {kernel.fn.__name__ for kernel, _, _ in launches} >= set(_QUANTIZE_KERNELS)
     for kernel, signature, constants in launches:
         ordered = {p: signature[p] for p in kernel.arg_names if p in signature}

@@ -238,16 +238,27 @@ class Layout:
         text at the end, which the permutation leaves there); ``scale``: None
         is ``1 / sqrt(D)``; ``precision``: :func:`block_sparse_attention`'s
         (``"int8"``, ``"int8_fp8"``: 8-bit operands, inference)."""
-        if self.perm is not None:
-            query, key, value = (t.index_select(1, self.perm) for t in (query, key, value))
         if self.topk is not None:
+            if self.perm is not None:
+                query, key, value = (t.index_select(1, self.perm) for t in (query, key, value))
             index, count = topk_block_index(query, key, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
-        else:
-            index, count = self.index, self.count
-        out = block_sparse_attention(
-            query, key, value, index, count, scale=scale, seq_dim=1, kv_lengths=kv_lengths, precision=precision
+            out = block_sparse_attention(
+                query, key, value, index, count, scale=scale, seq_dim=1, kv_lengths=kv_lengths, precision=precision
+            )
+            return out if self.inverse is None else out.index_select(1, self.inverse)
+        # The tile order as the op's token_order: the 8-bit kernels read and write through it (no copies).
+        return block_sparse_attention(
+            query,
+            key,
+            value,
+            self.index,
+            self.count,
+            scale=scale,
+            seq_dim=1,
+            kv_lengths=kv_lengths,
+            precision=precision,
+            token_order=self.perm,
         )
-        return out if self.inverse is None else out.index_select(1, self.inverse)
 
 
 class SparseAttention:

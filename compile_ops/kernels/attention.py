@@ -239,6 +239,7 @@ def attn_fwd_kernel(
     V_SCALE,
     ROW_SCALE,
     OUT_SCALE,
+    TOKENS,
     sqb,
     sqh,
     sql,
@@ -285,6 +286,7 @@ def attn_fwd_kernel(
     LIST_BY_ASM: tl.constexpr = False,
     HEAVY_FIRST: tl.constexpr = False,
     QUANTIZE_Q: tl.constexpr = False,
+    GATHER: tl.constexpr = False,
 ):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
@@ -308,7 +310,11 @@ def attn_fwd_kernel(
     LIST_BY_ASM (SPARSE, CUDA, lists at least one entry wide): see
     :func:`tile_start`. HEAVY_FIRST, ``heads_per_group`` (the three
     attention kernels): the program order of causal launches,
-    :func:`program_rank`."""
+    :func:`program_rank`. GATHER (self-attention, Lq = Lk): the kernel's
+    query row r is token ``TOKENS[r]`` (``[Lq]`` int32/int64) of Q, and its
+    output, lse and OUT_SCALE rows are stored at that token's row, so a
+    layout's token order costs no permuted copies of q and of the output
+    (K and V come in that order: their quantizing pass gathers them)."""
     Lq, Lk = aligned_lengths(Lq, Lk, ALIGNED_LENGTHS)
     tile, bh = query_tile(heads_per_group, HEAVY_FIRST)
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = query_program(
@@ -321,10 +327,15 @@ def attn_fwd_kernel(
     scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
     qk_scale = scale * 1.4426950408889634  # log2(e)
 
+    out_rows = q_rows  # where this program's rows live in Q and OUT
+    if GATHER:
+        out_rows = tl.load(TOKENS + q_rows, mask=q_rows < Lq, other=0).to(tl.int64)
+        q = load_tile(Q + q_off, 0, out_rows, Lq, sql, offs_d, D, BLOCK_D, False)
     if TMA:
-        q = tl.make_tensor_descriptor(Q + q_off, shape=[Lq, D], strides=[sql, 1], block_shape=[BLOCK_M, BLOCK_D]).load(
-            [q_start, 0]
-        )
+        if not GATHER:
+            q = tl.make_tensor_descriptor(
+                Q + q_off, shape=[Lq, D], strides=[sql, 1], block_shape=[BLOCK_M, BLOCK_D]
+            ).load([q_start, 0])
         keys = tl.make_tensor_descriptor(K + k_off, shape=[Lk, D], strides=[skl, 1], block_shape=[BLOCK_N, BLOCK_D])
         if PV_FP8:  # transposed: channels are its rows
             values = tl.make_tensor_descriptor(
@@ -335,7 +346,8 @@ def attn_fwd_kernel(
                 V + v_off, shape=[Lk, D], strides=[svl, 1], block_shape=[BLOCK_N, BLOCK_D]
             )
     else:
-        q = load_tile(Q + q_off, q_start, tl.arange(0, BLOCK_M), Lq, sql, offs_d, D, BLOCK_D, True)
+        if not GATHER:
+            q = load_tile(Q + q_off, q_start, tl.arange(0, BLOCK_M), Lq, sql, offs_d, D, BLOCK_D, True)
         keys, values = K + k_off, V + v_off
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     m = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
@@ -348,7 +360,7 @@ def attn_fwd_kernel(
             q = round_to_int8(q.to(tl.float32), q_inverse[:, None])
             q_scale = tl.where(q_rows < Lq, q_scale, 1.0)
         else:
-            q_scale = tl.load(Q_SCALE + (b * H + h) * Lq + q_rows, mask=q_rows < Lq, other=1.0)
+            q_scale = tl.load(Q_SCALE + (b * H + h) * Lq + out_rows, mask=q_rows < Lq, other=1.0)
         k_scales = K_SCALE + (b * (H // GROUP) + h // GROUP) * tl.cdiv(Lk, INT8_KEY_BLOCK)
     blocks, count = BLOCKS, 0
     if SPARSE:
@@ -442,7 +454,14 @@ def attn_fwd_kernel(
         inverse = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), row_scale)
         out = to_e4m3(out.to(tl.float32), inverse)
         if h == 0:
-            tl.store(OUT_SCALE + b * Lq + q_rows, tl.zeros([BLOCK_M], tl.float32) + row_scale, mask=q_rows < Lq)
-    store_tile(OUT + o_off, q_start, tl.arange(0, BLOCK_M), Lq, sol, offs_d, out, D)
+            tl.store(OUT_SCALE + b * Lq + out_rows, tl.zeros([BLOCK_M], tl.float32) + row_scale, mask=q_rows < Lq)
+    if GATHER:  # rows past Lq were given token 0: the mask keeps them out
+        tl.store(
+            OUT + o_off + out_rows.to(tl.int64)[:, None] * sol + offs_d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=(q_rows < Lq)[:, None] & (offs_d < D)[None, :],
+        )
+    else:
+        store_tile(OUT + o_off, q_start, tl.arange(0, BLOCK_M), Lq, sol, offs_d, out, D)
     lse = tl.where(empty, float("-inf"), m * scale + log2_l * 0.6931471805599453)  # ln 2
-    tl.store(LSE + tl.cast(bh, tl.int64) * Lq + q_rows, lse, mask=q_rows < Lq)
+    tl.store(LSE + tl.cast(bh, tl.int64) * Lq + out_rows, lse, mask=q_rows < Lq)

@@ -150,6 +150,7 @@ def kv8_quantize_kernel(
     VT8,
     V_AMAX,
     V_SCALE,
+    TOKENS,
     H,
     L,
     chunks,
@@ -168,6 +169,7 @@ def kv8_quantize_kernel(
     BLOCK_L: tl.constexpr,
     WITH_V: tl.constexpr,
     WITH_K: tl.constexpr,
+    GATHER: tl.constexpr = False,
 ):
     """8-bit attention's k and v for the ``BLOCK_L`` (= INT8_KEY_BLOCK)
     positions of block ``program_id(0)`` of one (batch, head), as
@@ -178,7 +180,11 @@ def kv8_quantize_kernel(
     cdiv(L, BLOCK_L)]``). WITH_V: v's tile in e4m3 with the channel scales
     (V_SCALE ``[B * H, D]``, written by the first block), stored transposed
     into VT8 (channel stride ``svtd``, unit position stride). Without
-    WITH_K, v's part alone (k quantized elsewhere: ``fused.qk_rope_int8``)."""
+    WITH_K, v's part alone (k quantized elsewhere: ``fused.qk_rope_int8``).
+    GATHER: position r of K8 and VT8 is key ``TOKENS[r]`` (``[L]``
+    int32/int64) of K and V: the keys quantized in a layout's token order
+    (the statistics are sums and maxima over all keys, which no order
+    changes)."""
     bh = tl.program_id(1)
     b = tl.cast(bh, tl.int64) // H
     h = bh - b * H
@@ -186,9 +192,12 @@ def kv8_quantize_kernel(
     rows = blk * BLOCK_L + tl.arange(0, BLOCK_L)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < L)[:, None] & (cols < D)[None, :]
+    source_rows = rows.to(tl.int64)  # the rows of K and V read for K8's and VT8's positions
+    if GATHER:
+        source_rows = tl.load(TOKENS + rows, mask=rows < L, other=0).to(tl.int64)
     totals = (tl.cast(bh, tl.int64) * (chunks + 1) + chunks) * D + cols
     if WITH_K:
-        k = tl.load(K + b * skb + h * skh + rows[:, None].to(tl.int64) * skl + cols[None, :], mask=mask, other=0.0).to(
+        k = tl.load(K + b * skb + h * skh + source_rows[:, None] * skl + cols[None, :], mask=mask, other=0.0).to(
             tl.float32
         )
         # (tl.cast, not L.to: Inductor may pass L as a Python int constant)
@@ -205,7 +214,7 @@ def kv8_quantize_kernel(
         v_scale, v_inverse = quantization_scale(tl.load(V_AMAX + totals, mask=cols < D, other=0.0), E4M3_MAX)
         if blk == 0:
             tl.store(V_SCALE + tl.cast(bh, tl.int64) * D + cols, v_scale, mask=cols < D)
-        v = tl.load(V + b * svb + h * svh + rows[:, None].to(tl.int64) * svl + cols[None, :], mask=mask, other=0.0).to(
+        v = tl.load(V + b * svb + h * svh + source_rows[:, None] * svl + cols[None, :], mask=mask, other=0.0).to(
             tl.float32
         )
         v8 = (v * v_inverse[None, :]).to(tl.float8e4nv)

@@ -122,13 +122,57 @@ def check_block_list_values(op: str, block_index: torch.Tensor, block_count: tor
     _remember_checked(key, block_index, block_count)
 
 
+def check_token_order(op: str, token_order, q: torch.Tensor, k: torch.Tensor, seq_dim: int, causal) -> None:
+    """``token_order``: None, or a permutation of q's Lq tokens (``[Lq]``
+    int32/int64 on q's device) for self-attention (Lk = Lq) without a causal
+    mask. Its values in eager calls (:func:`check_token_order_values`)."""
+    if token_order is None:
+        return
+    if not isinstance(token_order, torch.Tensor):
+        fail(op, f"token_order must be a torch.Tensor or None, got {type(token_order).__name__}", TypeError)
+    if token_order.dtype not in INDEX_DTYPES:
+        fail(op, f"token_order must be int32 or int64, got {token_order.dtype}", TypeError)
+    lq, lk = dims(q, seq_dim)[2], dims(k, seq_dim)[2]
+    if token_order.dim() != 1 or token_order.shape[0] != lq:
+        fail(op, f"token_order must have shape [Lq] = [{lq}], got {tuple(token_order.shape)}")
+    if lk != lq:
+        fail(op, f"token_order orders the tokens of self-attention: Lk must equal Lq, got Lq={lq}, Lk={lk}")
+    if causal:
+        fail(op, "token_order takes causal=False: a causal mask is over the tokens' own order")
+    check_same_device(op, q, "q", token_order=token_order)
+    check_token_order_values(op, token_order)
+
+
+def check_token_order_values(op: str, token_order: torch.Tensor) -> None:
+    """``token_order`` holds each of ``0 .. Lq - 1`` once. Eager calls only;
+    an unchanged tensor is checked once (``_CHECKED_LISTS``)."""
+    if token_order.numel() == 0 or not values_readable(token_order):
+        return
+    key = (id(token_order), id(token_order), token_order.numel(), "token order")
+    if _checked_before(key, token_order, token_order):
+        return
+    expected = torch.arange(token_order.numel(), device=token_order.device, dtype=token_order.dtype)
+    if not torch.equal(token_order.sort().values, expected):
+        fail(op, f"token_order must be a permutation of 0 .. {token_order.numel() - 1} (each token once)")
+    _remember_checked(key, token_order, token_order)
+
+
 def check_block_lists_eagerly(
-    q, k, v, block_index, block_count, scale, causal, seq_dim=2, kv_lengths=None, precision="exact"
+    q, k, v, block_index, block_count, scale, causal, seq_dim=2, kv_lengths=None, precision="exact", token_order=None
 ) -> None:
     """``fused.block_sparse_attention``'s eager check, run before its launches
     are replayed (a replay skips the op's body, hence its fake's validation):
-    the lists' values (:func:`check_block_list_values`). Malformed arguments
-    are left to the body, whose validation names them."""
+    the lists' and the token order's values (:func:`check_block_list_values`,
+    :func:`check_token_order_values`). Malformed arguments are left to the
+    body, whose validation names them."""
+    if (
+        isinstance(token_order, torch.Tensor)
+        and token_order.dim() == 1
+        and token_order.dtype in INDEX_DTYPES
+        and isinstance(q, torch.Tensor)
+        and token_order.device == q.device
+    ):
+        check_token_order_values("block_sparse_attention", token_order)
     if not (
         isinstance(block_index, torch.Tensor)
         and isinstance(block_count, torch.Tensor)
@@ -177,9 +221,11 @@ def block_sparse_attention(
     seq_dim: int = 2,
     kv_lengths: Optional[torch.Tensor] = None,
     precision: str = "exact",
+    token_order: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` as ``fused.attention``'s, in every precision (the 8-bit
-    ones take fp16/bf16 inputs only, as ``fused.attention_int8``)."""
+    ones take fp16/bf16 inputs only, as ``fused.attention_int8``);
+    ``token_order``: :func:`check_token_order`."""
     op = "block_sparse_attention"
     if not isinstance(precision, str) or precision not in PRECISIONS:
         fail(op, f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -190,6 +236,14 @@ def block_sparse_attention(
         lse = q.new_empty(dims(q, seq_dim)[:3], dtype=torch.float32)
     b, h, lq, _ = dims(q, seq_dim)
     check_block_lists("block_sparse_attention", block_index, block_count, b, h, lq, dims(k, seq_dim)[2], q.device)
+    if token_order is not None and precision == "exact":
+        # Exact attention's backward must see the permuted q, k and v its forward saw.
+        fail(
+            op,
+            "token_order runs in the 8-bit precisions ('int8', 'int8_fp8'); for exact attention "
+            "compile_ops.block_sparse_attention permutes q, k and v around this op",
+        )
+    check_token_order(op, token_order, q, k, seq_dim, causal)
     return out, lse
 
 

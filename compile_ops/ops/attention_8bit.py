@@ -46,7 +46,7 @@ def stat_rows_per_chunk(lk: int) -> int:
     return STAT_STEP * steps_per_chunk
 
 
-def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tuple:
+def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int, tokens: Optional[Tensor] = None) -> tuple:
     """8-bit attention's k and v operands by Triton kernels: ``(k8, k_scale)``
     of ``reference.attention.smooth_quantize_qk`` and, with v, ``(vt8,
     v_scale)`` of :func:`fp8_values_transposed`, in three launches: the
@@ -62,6 +62,9 @@ def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tup
     Args:
         k, v: ``[B, Hk, Lk, D]`` (seq_dim 2) or ``[B, Lk, Hk, D]`` (1),
             fp16/bf16, unit-stride D; v None for 16-bit P V.
+        tokens: ``[Lk]`` int32/int64 or None: the operands' key r is key
+            ``tokens[r]`` of k and v (a permutation; block-sparse attention's
+            ``token_order``).
     """
     with_k, with_v = k is not None, v is not None
     kv = k if with_k else v
@@ -115,6 +118,7 @@ def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tup
             vt8,
             v_amax,
             v_scale,
+            tokens,
             hk,
             lk,
             chunks,
@@ -123,6 +127,7 @@ def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int) -> tup
             *v_strides,
             vt8.stride(2) if with_v else 0,
             BLOCK_L=reference.attention.INT8_KEY_BLOCK,
+            GATHER=tokens is not None,
             **QUANTIZE_LAUNCH,
             **consts,
         )
@@ -180,6 +185,7 @@ def launch_eight_bit(
     out_scale: Optional[Tensor] = None,
     blocks: Optional[tuple] = None,
     lse: Optional[Tensor] = None,
+    tokens: Optional[Tensor] = None,
 ) -> None:
     """The body the 8-bit ops share: fill ``out`` from the forward kernel.
     ``operands``: ``(q8, q_scale, k8, k_scale)`` and, for FP8 P V, ``(vt8,
@@ -188,7 +194,8 @@ def launch_eight_bit(
     e4m3 rows of ``reference.attention.attention_int8_fp8_rows``, these their
     scales. ``blocks``: block-sparse attention's lists, as ``launch_forward``
     takes them. ``lse`` ``[B, H, Lq]`` fp32: filled with the 8-bit scores'
-    log-sum-exp (None: the kernel writes a scratch one)."""
+    log-sum-exp (None: the kernel writes a scratch one). ``tokens``:
+    ``launch_forward``'s (the operands made with the same ``tokens``)."""
     q8, q_scale, k8, k_scale, *v_operands = operands
     b, h, lq, _ = meta.attention.dims(q8, seq_dim)
     if lse is None:
@@ -197,24 +204,39 @@ def launch_eight_bit(
         v_input, v_scale = v_operands
         fp8_rows = None if out_scale is None else (fp8_rows_scale(v_scale), out_scale)
         pv_fp8 = dict(v_scale=v_scale, fp8_rows=fp8_rows)
-    else:
-        v_input, pv_fp8 = unit_last_stride(v), {}
+    else:  # 16-bit P V reads v itself, so v takes the token order here
+        v_input, pv_fp8 = unit_last_stride(v if tokens is None else v.index_select(seq_dim, tokens)), {}
     launch_forward(
-        q8, k8, v_input, out, lse, scale, causal, seq_dim, kv_lengths, blocks, int8_scales=(q_scale, k_scale), **pv_fp8
+        q8,
+        k8,
+        v_input,
+        out,
+        lse,
+        scale,
+        causal,
+        seq_dim,
+        kv_lengths,
+        blocks,
+        int8_scales=(q_scale, k_scale),
+        tokens=tokens,
+        **pv_fp8,
     )
 
 
-def quantized_operands(q: Optional[Tensor], k: Optional[Tensor], v: Tensor, seq_dim: int, pv_fp8: bool) -> tuple:
+def quantized_operands(
+    q: Optional[Tensor], k: Optional[Tensor], v: Tensor, seq_dim: int, pv_fp8: bool, tokens: Optional[Tensor] = None
+) -> tuple:
     """The 8-bit kernel's operands: q as given (16-bit, no scale: the kernel
     rounds it, ``QUANTIZE_Q``), :func:`quantize_8bit` of k and, for FP8 P V,
     v, in one pass where they share it (q and k None: they came quantized,
     and only v's operands are made). Traced too (torch.compile,
     torch.export): the Triton passes are faster than Inductor's fusion of the
     specification's torch ops (docs/notes/attention.md), and one path is
-    what both modes then run."""
+    what both modes then run. ``tokens``: :func:`quantize_8bit`'s (q stays
+    in its order: the kernel gathers its rows)."""
     if q is None and not pv_fp8:
         return ()
     q, k, v = (None if t is None else unit_last_stride(t) for t in (q, k, v))
-    operands = quantize_8bit(k, v if pv_fp8 else None, seq_dim)
+    operands = quantize_8bit(k, v if pv_fp8 else None, seq_dim, tokens)
     # q stays 16-bit, without a scale: the attention kernel rounds each program's rows itself (QUANTIZE_Q).
     return operands if q is None else (q, None) + operands

@@ -47,6 +47,7 @@ def launch_forward(
     int8_scales: Optional[tuple] = None,
     v_scale: Optional[Tensor] = None,
     fp8_rows: Optional[tuple] = None,
+    tokens: Optional[Tensor] = None,
 ) -> None:
     """Fill ``out`` and ``lse`` (from the fake). ``blocks``: block-sparse
     attention's ``(index [B, H, Lq blocks, width], count [B, H, Lq blocks])``.
@@ -59,7 +60,10 @@ def launch_forward(
     scales; out's dtype is then q's original one (``out``'s). ``fp8_rows``
     (with ``v_scale``): ``(row_scale [B], out_scale [B, Lq])`` fp32, out being
     e4m3 ``[B, Lq, Hq, D]`` whatever seq_dim: the output written as the FP8
-    rows of ``reference.attention.attention_int8_fp8_rows``."""
+    rows of ``reference.attention.attention_int8_fp8_rows``. ``tokens``
+    ``[Lq]`` (self-attention, not causal): query row r of the kernel is token
+    ``tokens[r]`` of q, whose output and lse rows go to that token's row; k
+    and v come in that order already (``attn_fwd_kernel``'s GATHER)."""
     refuse_interpreted_bf16_dots("attention", q=q, k=k, v=v)
     sizes = attention_sizes(q, k, causal, seq_dim, kv_lengths)
     if out.numel() == 0:
@@ -88,7 +92,10 @@ def launch_forward(
             f"launch_forward: FP8 P V takes v as [B, Hk, D, Lk] with unit key stride, got strides {tuple(v.stride())}"
         )
     core = forward_tiles(int(sizes.d), out.dtype, True, precision, can_run_gluon(q))
-    if takes_sm90_core(core, sizes, q, k, v, seq_dim, v_seq_dim, blocks, int8 and q_scale is None, fp8_rows):
+    assert tokens is None or not causal, "a token order is for self-attention without a causal mask"
+    if tokens is None and takes_sm90_core(
+        core, sizes, q, k, v, seq_dim, v_seq_dim, blocks, int8 and q_scale is None, fp8_rows
+    ):
         lists = blocks if blocks is not None else (None, None)
         scales = (q_scale, k_scale, v_scale) if pv_fp8 else (None, None, None)
         if on_eager_fast_path():  # launched as is, recorded for launch plans
@@ -128,6 +135,7 @@ def launch_forward(
         v_scale,
         row_scale,
         out_scale,
+        tokens,
         *bhl_strides(q, seq_dim),
         *bhl_strides(k, seq_dim),
         *bhl_strides(v, v_seq_dim),
@@ -153,6 +161,7 @@ def launch_forward(
         OUT_FP8=fp8_rows is not None,
         LIST_BY_ASM=list_by_asm,
         QUANTIZE_Q=int8 and q_scale is None,
+        GATHER=tokens is not None,
         **order,
         **consts,
     )

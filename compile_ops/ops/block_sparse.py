@@ -42,8 +42,11 @@ def _per_head(index: Tensor, count: Tensor, batch: int, heads: int) -> tuple:
     return unit_last_stride(index).expand(batch, heads, -1, -1), count.expand(batch, heads, -1)
 
 
-#: Lists sorted per program by ``sort_block_lists_kernel``: about 4096 entries a program.
+#: ``sort_block_lists_kernel`` sorts at most 4096 entries a program, and spreads
+#: the lists over about SORT_PROGRAMS programs: a static layout's few hundred
+#: lists in a handful of programs left the GPU idle for the sort's latency.
 SORT_ENTRIES_PER_PROGRAM = 4096
+SORT_PROGRAMS = 512
 
 
 def ascending(index: Tensor, count: Tensor) -> Tensor:
@@ -55,7 +58,8 @@ def ascending(index: Tensor, count: Tensor) -> Tensor:
     if rows == 0 or width == 0:
         return out
     block_w = triton.next_power_of_2(width)
-    per_program = max(1, SORT_ENTRIES_PER_PROGRAM // block_w)
+    wanted = triton.next_power_of_2(triton.cdiv(rows, SORT_PROGRAMS) + 1) // 2  # a power of two, at most the share
+    per_program = max(1, min(SORT_ENTRIES_PER_PROGRAM // block_w, wanted))
     launcher(sort_block_lists_kernel)[(triton.cdiv(rows, per_program),)](
         index,
         count,
@@ -69,7 +73,7 @@ def ascending(index: Tensor, count: Tensor) -> Tensor:
         BLOCK_W=block_w,
         ROWS=per_program,
         UNUSED=torch.iinfo(index.dtype).max,
-        num_warps=4,
+        num_warps=max(1, min(4, per_program * block_w // 256)),
     )
     return out
 
@@ -99,9 +103,10 @@ def _block_sparse_attention_op(
     seq_dim: int = 2,
     kv_lengths: Optional[Tensor] = None,
     precision: str = "exact",
+    token_order: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     out, lse = meta.block_sparse.block_sparse_attention(
-        q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths, precision
+        q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths, precision, token_order
     )
     b, h = meta.attention.dims(q, seq_dim)[:2]
     lists = _per_head(ascending(block_index, block_count), block_count, b, h)
@@ -111,8 +116,8 @@ def _block_sparse_attention_op(
     pv_fp8 = precision == "int8_fp8"
     if pv_fp8:
         require_fp8_mma(q, "precision='int8_fp8' block-sparse attention (P V in FP8)")
-    operands = quantized_operands(q, k, v, seq_dim, pv_fp8)
-    launch_eight_bit(operands, v, out, scale, causal, seq_dim, kv_lengths, blocks=lists, lse=lse)
+    operands = quantized_operands(q, k, v, seq_dim, pv_fp8, token_order)
+    launch_eight_bit(operands, v, out, scale, causal, seq_dim, kv_lengths, blocks=lists, lse=lse, tokens=token_order)
     return out, lse
 
 
@@ -162,7 +167,7 @@ def _block_sparse_attention_backward_op(
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths, precision = inputs
+    q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths, precision, _token_order = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.precision = precision
@@ -182,7 +187,7 @@ def _backward(ctx, grad_out, _grad_lse):
     dq, dk, dv = _block_sparse_attention_backward_op(
         grad_out, q, k, v, out, lse, block_index, block_count, *ctx.args, kv_lengths
     )
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _block_sparse_attention_op.register_autograd(_backward, setup_context=_setup)
@@ -204,6 +209,7 @@ def block_sparse_attention(
     kv_lengths: Optional[Tensor] = None,
     return_lse: bool = False,
     precision: str = "exact",
+    token_order: Optional[Tensor] = None,
 ):
     """Attention over the listed key blocks only (128 x 128-token blocks).
 
@@ -237,6 +243,16 @@ def block_sparse_attention(
             every block listed, :func:`compile_ops.attention`'s 8-bit
             precisions. A gradient through them raises; their lse is that
             of the 8-bit scores.
+        token_order: ``[Lq]`` int32/int64 or None, self-attention (Lk = Lq)
+            without ``causal``: a permutation of the tokens, the order the
+            blocks are cut in (a sparse layout's tile order: the blocks,
+            ``kv_lengths`` and the 8-bit key blocks count tokens
+            ``token_order[0], token_order[1], ...``). The output stays in
+            q's order. The result is that of q, k and v permuted along the
+            sequence, attended, and the output put back; the 8-bit
+            precisions do it inside their kernels (no permuted copies), the
+            exact one by torch ops around its kernel (so that autograd sees
+            them).
 
     Returns:
         ``[B, Hq, Lq, D]`` / ``[B, Lq, Hq, D]`` in q's dtype and layout (and the
@@ -249,15 +265,32 @@ def block_sparse_attention(
             f"got {precision!r}"
         )
     scale = softmax_scale("compile_ops.block_sparse_attention", q, scale)
-    out, lse = _dtensor.sequence_parallel(
-        lambda q, k, v: _block_sparse_attention_op(
-            q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths, precision
-        ),
-        q,
-        k,
-        v,
-        seq_dim,
-    )
+    permute = token_order is not None and precision == "exact"
+
+    def attend(q, k, v):
+        if permute:
+            meta.block_sparse.check_token_order(
+                "compile_ops.block_sparse_attention", token_order, q, k, seq_dim, causal
+            )
+            q, k, v = (t.index_select(seq_dim, token_order) for t in (q, k, v))
+        out, lse = _block_sparse_attention_op(
+            q,
+            k,
+            v,
+            block_index,
+            block_count,
+            scale,
+            causal,
+            seq_dim,
+            kv_lengths,
+            precision,
+            None if permute else token_order,
+        )
+        if permute:  # each row back at its token's place
+            out, lse = (torch.empty_like(t).index_copy(d, token_order, t) for t, d in ((out, seq_dim), (lse, 2)))
+        return out, lse
+
+    out, lse = _dtensor.sequence_parallel(attend, q, k, v, seq_dim)
     return (out, lse) if return_lse else out
 
 

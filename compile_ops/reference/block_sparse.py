@@ -65,8 +65,14 @@ def block_sparse_attention(
     seq_dim: int = 2,
     kv_lengths: Optional[torch.Tensor] = None,
     precision: str = "exact",
+    token_order: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of attention over the tokens of the listed blocks.
+
+    ``token_order [Lq]`` (self-attention): the lists, the key blocks of the
+    8-bit quantization and ``kv_lengths`` are over the tokens taken in this
+    order (q, k and v permuted by it along the sequence), and the output and
+    lse rows are put back at their tokens' places.
 
     ``precision="exact"``: ``reference.attention.attention`` under the
     blocks' token mask. ``"int8"`` / ``"int8_fp8"``: the dense 8-bit
@@ -80,6 +86,12 @@ def block_sparse_attention(
     unlisted ones, all masked, change nothing. The lse is that of the 8-bit
     scores (``reference.attention.attention_8bit``). A query that sees no
     key gives 0 and an lse of -inf, in every precision."""
+    if token_order is not None:
+        q, k, v = (t.index_select(seq_dim, token_order) for t in (q, k, v))
+        out, lse = block_sparse_attention(
+            q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths, precision
+        )
+        return tuple(torch.empty_like(t).index_copy_(d, token_order, t) for t, d in ((out, seq_dim), (lse, 2)))
     allowed = token_mask(block_index, block_count, dims(q, seq_dim)[2], dims(k, seq_dim)[2])
     if precision == "exact":
         return dense.attention(q, k, v, scale, causal, seq_dim, kv_lengths, allowed)
