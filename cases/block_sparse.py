@@ -79,10 +79,10 @@ def block_sparse_8bit_edges(precision):
             (q, offset_keys(k), *rest, precision)
             for q, k, *rest in block_sparse_edges(int8_dtype(dtype), device, False)
         ]
-        # Self-attention in a token order (a layout's tiles): a partial last block, key lengths.
+        # Self-attention in a token order (a layout's tiles) at D = 128: a partial last block, key lengths.
         g = torch.Generator().manual_seed(5)
         q, k, v, index, count, scale, causal, seq_dim, _ = _banded_self_attention(
-            (2, 300, 64), int8_dtype(dtype), device, False, 1
+            (2, 300, 256), int8_dtype(dtype), device, False, 1
         )
         order = torch.randperm(300, generator=g).to(device)
         lengths = torch.tensor([300, 211], dtype=torch.int32, device=device)

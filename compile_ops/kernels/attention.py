@@ -327,10 +327,10 @@ def attn_fwd_kernel(
     scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
     qk_scale = scale * 1.4426950408889634  # log2(e)
 
-    out_rows = q_rows  # where this program's rows live in Q and OUT
+    q_tokens = q_rows  # where this program's rows live in Q
     if GATHER:
-        out_rows = tl.load(TOKENS + q_rows, mask=q_rows < Lq, other=0).to(tl.int64)
-        q = load_tile(Q + q_off, 0, out_rows, Lq, sql, offs_d, D, BLOCK_D, False)
+        q_tokens = tl.load(TOKENS + q_rows, mask=q_rows < Lq, other=0).to(tl.int64)
+        q = load_tile(Q + q_off, 0, q_tokens, Lq, sql, offs_d, D, BLOCK_D, False)
     if TMA:
         if not GATHER:
             q = tl.make_tensor_descriptor(
@@ -360,7 +360,7 @@ def attn_fwd_kernel(
             q = round_to_int8(q.to(tl.float32), q_inverse[:, None])
             q_scale = tl.where(q_rows < Lq, q_scale, 1.0)
         else:
-            q_scale = tl.load(Q_SCALE + (b * H + h) * Lq + out_rows, mask=q_rows < Lq, other=1.0)
+            q_scale = tl.load(Q_SCALE + (b * H + h) * Lq + q_tokens, mask=q_rows < Lq, other=1.0)
         k_scales = K_SCALE + (b * (H // GROUP) + h // GROUP) * tl.cdiv(Lk, INT8_KEY_BLOCK)
     blocks, count = BLOCKS, 0
     if SPARSE:
@@ -441,6 +441,9 @@ def attn_fwd_kernel(
         PV_FP8,
     )
 
+    out_rows = q_rows  # where this program's rows go in OUT, LSE and OUT_SCALE
+    if GATHER:  # loaded again, not kept live through the loop: it would spill registers
+        out_rows = tl.load(TOKENS + q_rows, mask=q_rows < Lq, other=0, volatile=True).to(tl.int64)
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]
     log2_l = tl.log2(tl.where(empty, 1.0, l))
