@@ -291,6 +291,16 @@ def _block_sparse_inputs(list_batch, list_heads):
     )
 
 
+def _block_sparse_ordered(q, k, v, index, count, order):
+    return compile_ops.block_sparse_attention(q, k, v, index, count, return_lse=True, token_order=order)
+
+
+def _block_sparse_ordered_inputs():
+    """:func:`_block_sparse_inputs`' self-attention with a token order (a
+    replicated ``[L]`` permutation)."""
+    return lambda: (*_block_sparse_inputs(B, H)(), torch.randperm(L))
+
+
 def _attention_int8(seq_dim, q, k, v, precision="int8"):
     return compile_ops.attention(q, k, v, seq_dim=seq_dim, precision=precision)
 
@@ -401,6 +411,14 @@ def _attention_cases():
             (s, s, s, R, R),
             (s, s),
             (s, s, s, None, None),
+        )
+        yield Case(
+            f"block_sparse_attention_token_order/{axis}",
+            _block_sparse_ordered,
+            _block_sparse_ordered_inputs(),
+            (s, s, s, s, s, R),
+            (s, s),
+            (s, s, s, None, None, None),
         )
     # q and k quantized by their rotation (k's smoothing mean spans the sequence:
     # batch and head shards only), and 8-bit attention on them.

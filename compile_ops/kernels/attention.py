@@ -460,7 +460,7 @@ def attn_fwd_kernel(
             tl.store(OUT_SCALE + b * Lq + out_rows, tl.zeros([BLOCK_M], tl.float32) + row_scale, mask=q_rows < Lq)
     if GATHER:  # rows past Lq were given token 0: the mask keeps them out
         tl.store(
-            OUT + o_off + out_rows.to(tl.int64)[:, None] * sol + offs_d[None, :],
+            OUT + o_off + out_rows[:, None] * sol + offs_d[None, :],
             out.to(OUT.dtype.element_ty),
             mask=(q_rows < Lq)[:, None] & (offs_d < D)[None, :],
         )
