@@ -321,3 +321,29 @@ def test_the_context_parallel_runner_refuses_native_hunyuan_video_under_a_parall
         for case in ("wan_720p", "flux"):  # diffusers ships their plans
             assert context_parallel.refusal(case, "native", layout) is None
     assert context_parallel.refusal("hunyuan_720p", "native", "single") is None
+
+
+def test_block_sparse_precision_rows_time_the_ordered_call_and_compare_it_in_tile_order():
+    """``bench/runners/block_sparse.py --precision ... --ordered`` on the CPU's
+    tiny grid: a row per precision and per way of calling it; the calls in
+    token order give, put in tile order, what the calls on permuted tensors
+    give (the same distance to exact), and each is timed against the exact
+    precision called the same way."""
+    from bench.runners import block_sparse
+
+    def one_ms(fn):  # a stand-in timer: the call runs, every time is 1 ms
+        fn()
+        return 1.0
+
+    rows = block_sparse.precision_rows("tiny", ["exact", "int8"], 1, one_ms, "cpu", 1, True)
+    by = {row["provider"]: row for row in rows}
+    assert list(by) == [
+        "fused_sparse_exact",
+        "fused_sparse_int8",
+        "fused_sparse_exact_ordered",
+        "fused_sparse_int8_ordered",
+    ]
+    assert by["fused_sparse_exact_ordered"]["rel_l2_vs_exact"] == 0.0
+    assert by["fused_sparse_int8_ordered"]["rel_l2_vs_exact"] == by["fused_sparse_int8"]["rel_l2_vs_exact"] > 1e-3
+    assert [row["token_order"] for row in rows] == [False, False, True, True]
+    assert all(row["speedup_vs_exact"] == 1.0 for row in rows)

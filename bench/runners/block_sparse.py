@@ -21,7 +21,10 @@ models' ``[B, L, H, D]`` layout, inference (no gradient). Each provider is
 timed ``--repeats`` times, interleaved (median, min, max of the CUDA-graph
 replays), with its output's relative L2 distance to the ``exact``
 precision's on the same inputs (random normal q, k, v; k with a per-channel
-offset, which the 8-bit quantization's smoothing removes). Writes
+offset, which the 8-bit quantization's smoothing removes); with ``--ordered``
+each also as a patched model calls it: q, k, v in token order and the
+layout's tile order as ``token_order`` (exact: torch's permutations around
+the kernel; 8-bit: the kernels' row gathers). Writes
 ``<out>/block-sparse-precision-<gpu>.json``; ``--dry`` runs it on the CPU
 (the reference path, a tiny grid, the wall clock): a smoke run.
 """
@@ -55,6 +58,8 @@ DENSITIES = (0.25, 0.5)
 GRIDS = {"wan_480p": (21, 30, 52), "wan_720p": (21, 45, 80), "tiny": (6, 24, 32)}
 #: Wan 2.1 1.3B's self-attention heads: 12 of 128.
 WAN_HEADS, WAN_HEAD_DIM = 12, 128
+#: ``--ordered``: the suffix of the providers called with q, k, v in token order and a ``token_order``.
+ORDERED = "_ordered"
 
 
 def random_block_mask(n: int, density: float, generator: torch.Generator) -> torch.Tensor:
@@ -79,6 +84,12 @@ def main(argv=None) -> int:
     p.add_argument("--grids", default="wan_480p,wan_720p", help="--precision's grids: " + ",".join(GRIDS))
     p.add_argument("--repeats", type=int, default=3, help="--precision's measurements per provider")
     p.add_argument("--dry", action="store_true", help="--precision on the CPU, the tiny grid (a smoke run)")
+    p.add_argument(
+        "--ordered",
+        action="store_true",
+        help="--precision: each precision also as models call it, in token order with token_order= "
+        "(the permutations or the kernels' gathers timed with it)",
+    )
     args = p.parse_args(argv)
     if args.precision:
         return compare_precisions(args, argv)
@@ -195,12 +206,15 @@ def main(argv=None) -> int:
 
 
 def precision_rows(
-    grid_name: str, precisions: list, repeats: int, time_ms, device: str, heads: int = WAN_HEADS
+    grid_name: str, precisions: list, repeats: int, time_ms, device: str, heads: int = WAN_HEADS, ordered=False
 ) -> list:
     """Rows of ``--precision`` on one grid: per precision, the block-sparse
     forward's times (``time_ms(fn)``, ``repeats`` rounds over the providers in
     turn) and its output's distance to the ``exact`` precision's; ``heads``
-    of WAN_HEAD_DIM."""
+    of WAN_HEAD_DIM. ``ordered``: each precision also as a patched model
+    calls it, with q, k and v in the token order and the layout's tile order
+    as ``token_order`` (the permutations or the kernels' gathers included),
+    a provider ``fused_sparse_<precision>_ordered``."""
     import compile_ops
     from bench.runners.sparse_e2e import PRESET
 
@@ -213,24 +227,44 @@ def precision_rows(
     k = k + 2.0 * torch.randn(WAN_HEAD_DIM, device=device, generator=generator)
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
 
-    def attend(precision):
+    # The same tokens in their own order: what a model's attention holds before the layout permutes it.
+    q_tokens, k_tokens, v_tokens = (torch.empty_like(t).index_copy_(1, layout.perm, t) for t in (q, k, v))
+
+    def attend(provider):
+        precision = provider.removesuffix(ORDERED)
+        if provider.endswith(ORDERED):
+            return compile_ops.block_sparse_attention(
+                q_tokens,
+                k_tokens,
+                v_tokens,
+                layout.index,
+                layout.count,
+                seq_dim=1,
+                precision=precision,
+                token_order=layout.perm,
+            )
         return compile_ops.block_sparse_attention(q, k, v, layout.index, layout.count, seq_dim=1, precision=precision)
 
+    def in_tile_order(provider, out):
+        return out.index_select(1, layout.perm) if provider.endswith(ORDERED) else out
+
+    providers = [*precisions, *(precision + ORDERED for precision in precisions if ordered)]
     with torch.no_grad():
-        outputs = {precision: attend(precision) for precision in ("exact", *precisions)}
-        times = {precision: [] for precision in precisions}
+        outputs = {p: in_tile_order(p, attend(p)) for p in dict.fromkeys(("exact", *providers))}
+        times = {provider: [] for provider in providers}
         for _ in range(repeats):
-            for precision in precisions:
-                times[precision].append(time_ms(lambda precision=precision: attend(precision)))
+            for provider in providers:
+                times[provider].append(time_ms(lambda provider=provider: attend(provider)))
     flops = 4 * length * length * heads * WAN_HEAD_DIM * layout.density
     rows = []
-    for precision in precisions:
-        runs = sorted(times[precision])
+    for provider in providers:
+        runs = sorted(times[provider])
         ms = runs[len(runs) // 2]
         rows.append(
             {
-                "provider": f"fused_sparse_{precision}",
-                "precision": precision,
+                "provider": f"fused_sparse_{provider}",
+                "precision": provider.removesuffix(ORDERED),
+                "token_order": provider.endswith(ORDERED),
                 "grid": grid_name,
                 "tokens": length,
                 "shape": list(shape),
@@ -241,14 +275,14 @@ def precision_rows(
                 "fwd_ms_max": runs[-1],
                 "fwd_ms_runs": runs,
                 "fwd_TFLOPs": flops / ms / 1e9,
-                "rel_l2_vs_exact": relative_l2(outputs[precision], outputs["exact"]),
+                "rel_l2_vs_exact": relative_l2(outputs[provider], outputs["exact"]),
             }
         )
-    exact_ms = next((row["fwd_ms"] for row in rows if row["precision"] == "exact"), None)
-    for row in rows:
-        row["speedup_vs_exact"] = None if exact_ms is None else exact_ms / row["fwd_ms"]
+    for row in rows:  # against the exact precision called the same way
+        exact = [r for r in rows if r["precision"] == "exact" and r["token_order"] == row["token_order"]]
+        row["speedup_vs_exact"] = exact[0]["fwd_ms"] / row["fwd_ms"] if exact else None
         print(
-            f"{grid_name} ({row['density']:.1%} of blocks) {row['precision']:<9} fwd {row['fwd_ms']:8.3f} ms "
+            f"{grid_name} ({row['density']:.1%} of blocks) {row['provider']:<30} fwd {row['fwd_ms']:8.3f} ms "
             f"({row['fwd_ms_min']:.3f}-{row['fwd_ms_max']:.3f})  {row['speedup_vs_exact'] or float('nan'):.2f}x "
             f"exact  rel L2 to exact {row['rel_l2_vs_exact']:.2e}",
             flush=True,
@@ -285,7 +319,7 @@ def compare_precisions(args, argv) -> int:
     env["command"] = "python bench/runners/block_sparse.py " + " ".join(sys.argv[1:] if argv is None else argv)
     rows = []
     for grid_name in grids:
-        rows += precision_rows(grid_name, precisions, args.repeats, time_ms, device, heads)
+        rows += precision_rows(grid_name, precisions, args.repeats, time_ms, device, heads, args.ordered)
     print(f"wrote {write_results(args.out, 'block-sparse-precision', env, rows)}")
     return 0
 
