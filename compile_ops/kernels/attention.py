@@ -286,7 +286,7 @@ def attn_fwd_kernel(
     LIST_BY_ASM: tl.constexpr = False,
     HEAVY_FIRST: tl.constexpr = False,
     QUANTIZE_Q: tl.constexpr = False,
-    GATHER: tl.constexpr = False,
+    SCATTER: tl.constexpr = False,
 ):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
@@ -310,11 +310,12 @@ def attn_fwd_kernel(
     LIST_BY_ASM (SPARSE, CUDA, lists at least one entry wide): see
     :func:`tile_start`. HEAVY_FIRST, ``heads_per_group`` (the three
     attention kernels): the program order of causal launches,
-    :func:`program_rank`. GATHER (self-attention, Lq = Lk): the kernel's
-    query row r is token ``TOKENS[r]`` (``[Lq]`` int32/int64) of Q, and its
-    output, lse and OUT_SCALE rows are stored at that token's row, so a
-    layout's token order costs no permuted copies of q and of the output
-    (K and V come in that order: their quantizing pass gathers them)."""
+    :func:`program_rank`. SCATTER (self-attention, Lq = Lk): the output,
+    lse and OUT_SCALE rows of query row r go to token ``TOKENS[r]``'s row
+    (``[Lq]`` int32/int64), so that a layout's token order costs no permuted
+    copy of the output; Q, K and V come in that order (the 8-bit quantizing
+    pass gathers them: q loaded by rows here would be reloaded from shared
+    memory, its scales converted between layouts, in every key tile)."""
     Lq, Lk = aligned_lengths(Lq, Lk, ALIGNED_LENGTHS)
     tile, bh = query_tile(heads_per_group, HEAVY_FIRST)
     b, h, q_off, k_off, v_off, q_start, kv_len, unmasked_end, end = query_program(
@@ -327,15 +328,10 @@ def attn_fwd_kernel(
     scale = tl.cast(scale, ACC)  # Inductor passes float scalars as fp64
     qk_scale = scale * 1.4426950408889634  # log2(e)
 
-    q_tokens = q_rows  # where this program's rows live in Q
-    if GATHER:
-        q_tokens = tl.load(TOKENS + q_rows, mask=q_rows < Lq, other=0).to(tl.int64)
-        q = load_tile(Q + q_off, 0, q_tokens, Lq, sql, offs_d, D, BLOCK_D, False)
     if TMA:
-        if not GATHER:
-            q = tl.make_tensor_descriptor(
-                Q + q_off, shape=[Lq, D], strides=[sql, 1], block_shape=[BLOCK_M, BLOCK_D]
-            ).load([q_start, 0])
+        q = tl.make_tensor_descriptor(Q + q_off, shape=[Lq, D], strides=[sql, 1], block_shape=[BLOCK_M, BLOCK_D]).load(
+            [q_start, 0]
+        )
         keys = tl.make_tensor_descriptor(K + k_off, shape=[Lk, D], strides=[skl, 1], block_shape=[BLOCK_N, BLOCK_D])
         if PV_FP8:  # transposed: channels are its rows
             values = tl.make_tensor_descriptor(
@@ -346,8 +342,7 @@ def attn_fwd_kernel(
                 V + v_off, shape=[Lk, D], strides=[svl, 1], block_shape=[BLOCK_N, BLOCK_D]
             )
     else:
-        if not GATHER:
-            q = load_tile(Q + q_off, q_start, tl.arange(0, BLOCK_M), Lq, sql, offs_d, D, BLOCK_D, True)
+        q = load_tile(Q + q_off, q_start, tl.arange(0, BLOCK_M), Lq, sql, offs_d, D, BLOCK_D, True)
         keys, values = K + k_off, V + v_off
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     m = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
@@ -360,7 +355,7 @@ def attn_fwd_kernel(
             q = round_to_int8(q.to(tl.float32), q_inverse[:, None])
             q_scale = tl.where(q_rows < Lq, q_scale, 1.0)
         else:
-            q_scale = tl.load(Q_SCALE + (b * H + h) * Lq + q_tokens, mask=q_rows < Lq, other=1.0)
+            q_scale = tl.load(Q_SCALE + (b * H + h) * Lq + q_rows, mask=q_rows < Lq, other=1.0)
         k_scales = K_SCALE + (b * (H // GROUP) + h // GROUP) * tl.cdiv(Lk, INT8_KEY_BLOCK)
     blocks, count = BLOCKS, 0
     if SPARSE:
@@ -442,8 +437,8 @@ def attn_fwd_kernel(
     )
 
     out_rows = q_rows  # where this program's rows go in OUT, LSE and OUT_SCALE
-    if GATHER:  # loaded again, not kept live through the loop: it would spill registers
-        out_rows = tl.load(TOKENS + q_rows, mask=q_rows < Lq, other=0, volatile=True).to(tl.int64)
+    if SCATTER:  # loaded after the loop, so that the rows are not kept live through it
+        out_rows = tl.load(TOKENS + q_rows, mask=q_rows < Lq, other=0).to(tl.int64)
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]
     log2_l = tl.log2(tl.where(empty, 1.0, l))
@@ -458,7 +453,7 @@ def attn_fwd_kernel(
         out = to_e4m3(out.to(tl.float32), inverse)
         if h == 0:
             tl.store(OUT_SCALE + b * Lq + out_rows, tl.zeros([BLOCK_M], tl.float32) + row_scale, mask=q_rows < Lq)
-    if GATHER:  # rows past Lq were given token 0: the mask keeps them out
+    if SCATTER:  # rows past Lq were given token 0: the mask keeps them out
         tl.store(
             OUT + o_off + out_rows[:, None] * sol + offs_d[None, :],
             out.to(OUT.dtype.element_ty),

@@ -151,9 +151,19 @@ def kv8_quantize_kernel(
     V_AMAX,
     V_SCALE,
     TOKENS,
+    Q,
+    Q8,
+    Q_SCALE,
     H,
     L,
     chunks,
+    GROUP,
+    sqb,
+    sqh,
+    sql,
+    s8qb,
+    s8qh,
+    s8ql,
     skb,
     skh,
     skl,
@@ -170,6 +180,7 @@ def kv8_quantize_kernel(
     WITH_V: tl.constexpr,
     WITH_K: tl.constexpr,
     GATHER: tl.constexpr = False,
+    WITH_Q: tl.constexpr = False,
 ):
     """8-bit attention's k and v for the ``BLOCK_L`` (= INT8_KEY_BLOCK)
     positions of block ``program_id(0)`` of one (batch, head), as
@@ -184,7 +195,11 @@ def kv8_quantize_kernel(
     GATHER: position r of K8 and VT8 is key ``TOKENS[r]`` (``[L]``
     int32/int64) of K and V: the keys quantized in a layout's token order
     (the statistics are sums and maxima over all keys, which no order
-    changes)."""
+    changes). WITH_Q (with GATHER): also the ``GROUP`` q heads that share
+    this k head, each token rounded on its own (``quantization_scale``,
+    ``round_to_int8``: the attention kernel's QUANTIZE_Q rounding) into Q8
+    (q's layout, int8) and Q_SCALE (``[B, H * GROUP, L]`` fp32), in the same
+    order."""
     bh = tl.program_id(1)
     b = tl.cast(bh, tl.int64) // H
     h = bh - b * H
@@ -210,6 +225,19 @@ def kv8_quantize_kernel(
             round_to_int8(k, inverse),
             mask=mask,
         )
+    if WITH_Q:
+        for g in range(0, GROUP):
+            hq = h * GROUP + g
+            x = tl.load(Q + b * sqb + hq * sqh + source_rows[:, None] * sql + cols[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+            q_scale, q_inverse = quantization_scale(tl.max(tl.abs(x), 1), INT8_MAX)
+            tl.store(Q_SCALE + (b * H * GROUP + hq) * L + rows, q_scale, mask=rows < L)
+            tl.store(
+                Q8 + b * s8qb + hq * s8qh + rows[:, None].to(tl.int64) * s8ql + cols[None, :],
+                round_to_int8(x, q_inverse[:, None]),
+                mask=mask,
+            )
     if WITH_V:
         v_scale, v_inverse = quantization_scale(tl.load(V_AMAX + totals, mask=cols < D, other=0.0), E4M3_MAX)
         if blk == 0:

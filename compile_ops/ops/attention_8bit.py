@@ -46,7 +46,13 @@ def stat_rows_per_chunk(lk: int) -> int:
     return STAT_STEP * steps_per_chunk
 
 
-def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int, tokens: Optional[Tensor] = None) -> tuple:
+def quantize_8bit(
+    k: Optional[Tensor],
+    v: Optional[Tensor],
+    seq_dim: int,
+    tokens: Optional[Tensor] = None,
+    q: Optional[Tensor] = None,
+) -> tuple:
     """8-bit attention's k and v operands by Triton kernels: ``(k8, k_scale)``
     of ``reference.attention.smooth_quantize_qk`` and, with v, ``(vt8,
     v_scale)`` of :func:`fp8_values_transposed`, in three launches: the
@@ -65,6 +71,10 @@ def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int, tokens
         tokens: ``[Lk]`` int32/int64 or None: the operands' key r is key
             ``tokens[r]`` of k and v (a permutation; block-sparse attention's
             ``token_order``).
+        q: ``[B, Hq, Lq, D]`` / ``[B, Lq, Hq, D]`` with ``tokens`` and k
+            (self-attention): also ``(q8, q_scale)`` first, q rounded per
+            token in the same order (the attention kernel's own rounding of
+            q, ``QUANTIZE_Q``, done here so that the kernel reads q whole).
     """
     with_k, with_v = k is not None, v is not None
     kv = k if with_k else v
@@ -79,7 +89,12 @@ def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int, tokens
         for wanted in (with_k, with_v)
     )
     arrivals = torch.empty((b * hk,), dtype=torch.int32, device=kv.device)
-    k8 = k_scale = vt8 = v_scale = None
+    with_q = q is not None
+    assert not with_q or (with_k and tokens is not None), "q is quantized here in a token order, beside k"
+    k8 = k_scale = vt8 = v_scale = q8 = q_scale = None
+    if with_q:
+        q8 = torch.empty_like(q, dtype=torch.int8)
+        q_scale = torch.empty(meta.attention.dims(q, seq_dim)[:3], dtype=torch.float32, device=q.device)
     if with_k:
         k8 = torch.empty_like(k, dtype=torch.int8)
         k_scale = torch.empty((b, hk, blocks), dtype=torch.float32, device=k.device)
@@ -119,19 +134,27 @@ def quantize_8bit(k: Optional[Tensor], v: Optional[Tensor], seq_dim: int, tokens
             v_amax,
             v_scale,
             tokens,
+            q,
+            q8,
+            q_scale,
             hk,
             lk,
             chunks,
+            q.shape[3 - seq_dim] // hk if with_q else 1,
+            *(bhl_strides(q, seq_dim) if with_q else (0, 0, 0)),
+            *(bhl_strides(q8, seq_dim) if with_q else (0, 0, 0)),
             *k_strides,
             *(bhl_strides(k8, seq_dim) if with_k else (0, 0, 0)),
             *v_strides,
             vt8.stride(2) if with_v else 0,
             BLOCK_L=reference.attention.INT8_KEY_BLOCK,
             GATHER=tokens is not None,
+            WITH_Q=with_q,
             **QUANTIZE_LAUNCH,
             **consts,
         )
-    return ((k8, k_scale) if with_k else ()) + ((vt8.narrow(3, 0, lk), v_scale) if with_v else ())
+    q_operands = (q8, q_scale) if with_q else ()
+    return q_operands + ((k8, k_scale) if with_k else ()) + ((vt8.narrow(3, 0, lk), v_scale) if with_v else ())
 
 
 def fp8_values_transposed(v: Tensor, seq_dim: int) -> tuple[Tensor, Tensor]:
@@ -232,11 +255,13 @@ def quantized_operands(
     and only v's operands are made). Traced too (torch.compile,
     torch.export): the Triton passes are faster than Inductor's fusion of the
     specification's torch ops (docs/notes/attention.md), and one path is
-    what both modes then run. ``tokens``: :func:`quantize_8bit`'s (q stays
-    in its order: the kernel gathers its rows)."""
+    what both modes then run. ``tokens``: :func:`quantize_8bit`'s, q
+    rounded there too, in that order."""
     if q is None and not pv_fp8:
         return ()
     q, k, v = (None if t is None else unit_last_stride(t) for t in (q, k, v))
-    operands = quantize_8bit(k, v if pv_fp8 else None, seq_dim, tokens)
+    if tokens is not None:  # q, k and v taken in the token order by one pass
+        return quantize_8bit(k, v if pv_fp8 else None, seq_dim, tokens, q)
+    operands = quantize_8bit(k, v if pv_fp8 else None, seq_dim)
     # q stays 16-bit, without a scale: the attention kernel rounds each program's rows itself (QUANTIZE_Q).
     return operands if q is None else (q, None) + operands

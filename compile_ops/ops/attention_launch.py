@@ -61,9 +61,9 @@ def launch_forward(
     (with ``v_scale``): ``(row_scale [B], out_scale [B, Lq])`` fp32, out being
     e4m3 ``[B, Lq, Hq, D]`` whatever seq_dim: the output written as the FP8
     rows of ``reference.attention.attention_int8_fp8_rows``. ``tokens``
-    ``[Lq]`` (self-attention, not causal): query row r of the kernel is token
-    ``tokens[r]`` of q, whose output and lse rows go to that token's row; k
-    and v come in that order already (``attn_fwd_kernel``'s GATHER)."""
+    ``[Lq]`` (8-bit self-attention, not causal, q quantized): q, k and v come
+    in this token order, and query row r's output and lse rows go to token
+    ``tokens[r]``'s row (``attn_fwd_kernel``'s SCATTER)."""
     refuse_interpreted_bf16_dots("attention", q=q, k=k, v=v)
     sizes = attention_sizes(q, k, causal, seq_dim, kv_lengths)
     if out.numel() == 0:
@@ -93,6 +93,7 @@ def launch_forward(
         )
     core = forward_tiles(int(sizes.d), out.dtype, True, precision, can_run_gluon(q))
     assert tokens is None or not causal, "a token order is for self-attention without a causal mask"
+    assert tokens is None or (int8_scales is not None and int8_scales[0] is not None), "q comes quantized, in order"
     if tokens is None and takes_sm90_core(
         core, sizes, q, k, v, seq_dim, v_seq_dim, blocks, int8 and q_scale is None, fp8_rows
     ):
@@ -161,7 +162,7 @@ def launch_forward(
         OUT_FP8=fp8_rows is not None,
         LIST_BY_ASM=list_by_asm,
         QUANTIZE_Q=int8 and q_scale is None,
-        GATHER=tokens is not None,
+        SCATTER=tokens is not None,
         **order,
         **consts,
     )
