@@ -314,6 +314,44 @@ def test_block_sparse_8bit_forward_variants_compile_for_sm90(precision, monkeypa
         assert compiled.asm.get("cubin"), kernel.fn.__name__
 
 
+def test_a_token_order_keeps_q_in_registers_through_the_key_loop(monkeypatch):
+    """The 8-bit forward in a token order (``SCATTER``: q comes rounded, in
+    tile order, from the quantizing pass) compiles for sm_90 to the plain
+    forward's loop: q stays in registers as the QK MMA's A operand (no int8
+    tile loaded back from shared memory in the key loops) and no more layout
+    conversions. Fails on a kernel that loads q's rows through the order
+    itself: the compiler then keeps q in shared memory and reloads it, and
+    converts its row scales between layouts, in every key tile (the first
+    form of ``token_order``, whose sparse launches ran about 10% slower)."""
+    import re
+
+    from compile_ops.ops import attention_launch, attention_sm90
+
+    monkeypatch.setattr(attention_launch, "has_tma", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: False)
+    spec = next(s for s in OPS if s.name == "block_sparse_attention_int8_fp8")
+    kernel, signature, constants = next(
+        launch
+        for launch in _launches(spec, torch.bfloat16).values()
+        if launch[0].fn.__name__ == "attn_fwd_kernel" and launch[2]["SCATTER"] and launch[2]["BLOCK_D"] == 128
+    )
+    assert constants["TMA"] and not constants["QUANTIZE_Q"]
+    ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
+
+    def loop_ir(scatter: bool) -> str:
+        ir = triton.compile(
+            ASTSource(fn=kernel, signature=ordered, constexprs=dict(constants, SCATTER=scatter)),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": 4},
+        ).asm["ttgir"]
+        return ir[ir.index("scf.for") :]
+
+    ordered_loops, plain_loops = loop_ir(True), loop_ir(False)
+    q_reloads = r"local_load [^\n]*-> tensor<\d+x\d+xi8, #ttg\.dot_op<\{opIdx = 0"
+    assert not re.findall(q_reloads, ordered_loops)
+    assert ordered_loops.count("convert_layout") == plain_loops.count("convert_layout")
+
+
 #: quantize_8bit's launches: the statistics pass's arrival counts zeroed,
 #: the statistics (each head's totals summed by its last chunk), the values.
 _QUANTIZE_KERNELS = ("kv8_counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel")
