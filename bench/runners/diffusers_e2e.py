@@ -555,7 +555,7 @@ def main(argv=None) -> int:
         if args.int8_attention:
             new = run_int8_attention_case(name, args.rep_ms, args.repeats, chosen, args.compile_mode, args.profile)
         elif args.lora:
-            new = run_lora_case(name, args.rep_ms, args.repeats, chosen, args.compile_mode)
+            new = run_lora_case(name, args.rep_ms, args.repeats, chosen, args.compile_mode, args.profile)
         else:
             new = [
                 row

@@ -19,7 +19,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from bench.runners.diffusers_models import DEVICE, DTYPE, build, tokens
-from bench.runners.diffusers_timing import compiled, repeated, synchronize, uncompiled, weight_MiB
+from bench.runners.diffusers_timing import compiled, profiled, repeated, synchronize, uncompiled, weight_MiB
 from bench.toolkit import relative_l2
 
 #: ``--lora``: the adapters' rank, and the size of each delta ``B A`` against its Linear's weight
@@ -74,10 +74,13 @@ def _timed_step(name: str, provider: str, step, timer_ms: float, repeats: int) -
     return row, out
 
 
-def run_lora_case(name: str, timer_ms: float, repeats: int, providers, compile_mode: str) -> list:
+def run_lora_case(
+    name: str, timer_ms: float, repeats: int, providers, compile_mode: str, profile: bool = False
+) -> list:
     """Each of LORA_PROVIDERS (those in ``providers``) on a fresh model: the
     plain step, with a LoRA, and after hotswapping a second LoRA (module
-    docstring); the FP8 rows' errors against the native rows of this run."""
+    docstring); the FP8 rows' errors against the native rows of this run.
+    ``profile``: the plain and LoRA steps' kernels by family (``--profile``)."""
     import compile_ops
 
     rows, reference, loras = [], {}, None
@@ -95,6 +98,8 @@ def run_lora_case(name: str, timer_ms: float, repeats: int, providers, compile_m
         def measure(state, step):
             row, outputs[state] = _timed_step(name, labels[state], step, timer_ms, repeats)
             row.update(compile=compile_mode, weights_MiB=weight_MiB(model))
+            with torch.no_grad():
+                profiled(row, step, profile and state != "swapped")
             new.append(row)
             return row
 

@@ -1,5 +1,7 @@
 """LoRA (peft) on :class:`~compile_ops.FP8Linear`: the adapters run in the
-activation dtype beside the FP8 GEMM, ``y = fp8_linear(x) + scaling * B(A(x))``.
+activation dtype beside the FP8 GEMM, on the rows it reads:
+``y = fp8_linear(rows) + scaling * B(A(rows.q * rows.scale))``, ``rows`` x
+quantized per row once (or handed on by the kernel that produced x).
 
 How peft finds it: peft builds a LoRA layer for a target module through
 ``LoraModel._create_new_module``, the one call that every way of adding an
@@ -53,7 +55,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import Tensor, nn
 
 from compile_ops.modules.fp8 import FP8Linear
-from compile_ops.ops.fp8 import FP8Rows
+from compile_ops.ops.fp8 import FP8Rows, quantize_fp8_rows
 
 #: ``init_lora_weights`` values that do not read the base layer's weight.
 PLAIN_INITS = (True, False, "gaussian")
@@ -116,11 +118,21 @@ class FP8LoraLinear(LoraLinear):
     adapter takes the FP8Linear's ``out_dtype``, the original weight's).
 
     ``x [..., in_features]``, or :class:`~compile_ops.FP8Rows` ``(q, scale)``
-    that a fused kernel quantized for the FP8 GEMM (a patched model hands
-    rows to bare FP8Linears only, so its adapters read the unquantized
-    activation): the GEMM reads the rows, and the adapters read them
-    dequantized (``q * scale``). Output: ``[..., out_features]``, x's dtype
-    (the FP8Linear's ``out_dtype`` for rows).
+    that a fused kernel quantized for the FP8 GEMM (a patched model's
+    producers hand them to these layers as to bare FP8Linears,
+    ``TAKES_FP8_ROWS``): the GEMM reads the rows, and the adapters read the
+    same rows dequantized (``q * scale``). A tensor x is quantized once for
+    both, so the output does not depend on whether a producer fused the
+    quantization (except for an x whose dtype is not the FP8Linear's
+    ``out_dtype``: its adapters read x as it is). Output:
+    ``[..., out_features]``, x's dtype (the FP8Linear's ``out_dtype`` for
+    rows).
+
+    Why the adapters read the quantized rows: the producers' FP8 epilogues
+    (the AdaLN norms, the GELU, attention) then write one output for the
+    whole layer, where unquantized adapters need a 16-bit copy written and
+    every LoRA'd Linear quantizing its own input again
+    (docs/notes/fp8.md, "LoRA on FP8 models").
 
     ``merge`` / ``unmerge``: see the module docstring. Everything else
     (``set_adapter``, ``set_scale``, ``delete_adapter``, hotswapping) is
@@ -148,13 +160,19 @@ class FP8LoraLinear(LoraLinear):
         base = base_layer.get_base_layer() if isinstance(base_layer, BaseTunerLayer) else base_layer
         return base.weight_q.device, base.out_dtype
 
+    #: Fused producers may hand it FP8 rows (``compile_ops.modules.fp8.takes_fp8_rows``).
+    TAKES_FP8_ROWS = True
+
     def forward(self, x, *args: Any, **kwargs: Any) -> Tensor:
         """``x [..., in_features]`` or ``FP8Rows(q [..., in_features], scale [...])``
         -> ``[..., out_features]``; ``adapter_names`` (a keyword, one name per
         sample of x's first dim): peft's per-sample adapters."""
-        if not isinstance(x, FP8Rows):
+        if isinstance(x, FP8Rows):
+            return self._forward_rows(x, *args, **kwargs)
+        base = self.get_base_layer()
+        if self.disable_adapters or self.merged or not isinstance(x, Tensor) or x.dtype != base.out_dtype:
             return super().forward(x, *args, **kwargs)
-        return self._forward_rows(x, *args, **kwargs)
+        return self._forward_rows(quantize_fp8_rows(x), *args, **kwargs)
 
     def _forward_rows(self, rows: FP8Rows, *args: Any, adapter_names: Optional[list] = None, **kwargs: Any) -> Tensor:
         """``forward`` of already-quantized rows ``q [B, ..., K]``: the adapters
@@ -183,8 +201,15 @@ class FP8LoraLinear(LoraLinear):
             if adapter not in self.lora_A:
                 continue
             lora_a, lora_b = self.lora_A[adapter], self.lora_B[adapter]
-            inputs = (x if samples is None else x[samples]).to(lora_a.weight.dtype)
-            delta = lora_b(lora_a(self.lora_dropout[adapter](inputs))) * self.scaling[adapter]
+            inputs = self.lora_dropout[adapter]((x if samples is None else x[samples]).to(lora_a.weight.dtype))
+            if samples is None and lora_b.bias is None and lora_b.weight.dtype == result.dtype:
+                # B's product added in its GEMM's epilogue (beta = 1): the delta is never written
+                # on its own, and no elementwise kernel reads the output again to add it.
+                down = lora_a(inputs) * self.scaling[adapter]
+                rows_2d = result.reshape(-1, result.shape[-1])
+                result = torch.addmm(rows_2d, down.reshape(-1, down.shape[-1]), lora_b.weight.t()).view(result.shape)
+                continue
+            delta = lora_b(lora_a(inputs)) * self.scaling[adapter]
             if samples is None:
                 result = result + delta
             else:

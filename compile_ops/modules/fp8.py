@@ -37,7 +37,8 @@ class FP8Linear(nn.Module):
     widen the weight and round the fp32 scales to the new dtype.
 
     LoRA: peft wraps it in ``compile_ops.integrations.peft.FP8LoraLinear``
-    (the adapters run beside the FP8 GEMM in the activation dtype), which
+    (the adapters run beside the FP8 GEMM in the activation dtype, on the
+    rows the GEMM reads, dequantized), which
     :meth:`dequantized_weight` and :meth:`requantize_` serve for merging.
     """
 
@@ -168,11 +169,10 @@ class FP8ProjectionActivation(nn.Module):
             FP8Rows.
 
     ``forward(x)``: ``x [..., K]`` or FP8Rows of it -> ``FP8Rows`` ``q [..., N]``
-    float8_e4m3fn, ``scale [...]`` fp32 while the reader is a bare
-    :class:`FP8Linear`; while it is anything else (a LoRA layer added over the
-    down projection, whose adapters read the activation in its dtype) the
-    activation ``[..., N]`` in proj's output dtype, as diffusers' ``GELU``
-    computes it. A row that ``proj`` makes non-finite (NaN), or whose
+    float8_e4m3fn, ``scale [...]`` fp32 while the reader takes them
+    (:func:`takes_fp8_rows`: an FP8Linear, or a LoRA layer over one); while
+    it is anything else the activation ``[..., N]`` in proj's output dtype,
+    as diffusers' ``GELU`` computes it. A row that ``proj`` makes non-finite (NaN), or whose
     activation is +-inf, is handed on as a row that dequantizes to NaN
     (``quantize_fp8_rows``' rule): the next FP8 Linear's output row is NaN,
     never finite.
@@ -194,11 +194,11 @@ class FP8ProjectionActivation(nn.Module):
         self.reader = reader  # a tuple: not registered, so the reader stays its own parent's child
 
     def hands_rows(self) -> bool:
-        """Whether the output goes on as FP8Rows: its reader is a bare FP8Linear (or there is no reader)."""
+        """Whether the output goes on as FP8Rows: its reader takes them (or there is no reader)."""
         if self.reader is None:
             return True
         modules, index = self.reader
-        return isinstance(modules[index], FP8Linear)
+        return takes_fp8_rows(modules[index])
 
     def forward(self, x: Union[Tensor, FP8Rows]) -> Union[FP8Rows, Tensor]:
         h = self.proj(x)
@@ -209,6 +209,15 @@ class FP8ProjectionActivation(nn.Module):
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
+
+
+def takes_fp8_rows(module: nn.Module) -> bool:
+    """Whether ``module`` takes :class:`~compile_ops.ops.fp8.FP8Rows` as its input,
+    so that the kernel producing it may write them: an :class:`FP8Linear`, or a
+    module whose class says so (``TAKES_FP8_ROWS``: the LoRA layer over one,
+    ``compile_ops.integrations.peft.FP8LoraLinear``, whose adapters read the
+    rows dequantized)."""
+    return isinstance(module, FP8Linear) or getattr(type(module), "TAKES_FP8_ROWS", False) is True
 
 
 def fp8_base(module: nn.Module) -> Optional[FP8Linear]:

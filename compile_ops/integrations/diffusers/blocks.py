@@ -19,7 +19,7 @@ from torch import nn
 from compile_ops.integrations.diffusers.fp8_linears import reads_fp8_rows
 from compile_ops.integrations.diffusers.module_rules import diffusers_modules
 from compile_ops.integrations.diffusers.processors import FluxAttnProcessor, WanAttnProcessor
-from compile_ops.modules.fp8 import FP8Linear
+from compile_ops.modules.fp8 import takes_fp8_rows
 from compile_ops.modules.hooks import must_call
 from compile_ops.modules.modulate import AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm
@@ -132,9 +132,9 @@ def _fp8_rows_kwarg(fp8: bool) -> dict:
 
 
 def _fp8_concat_activation(act: nn.Module, proj_out: nn.Module) -> Optional[str]:
-    """The ``quantize_fp8_rows`` activation that lets ``proj_out`` (an FP8Linear)
+    """The ``quantize_fp8_rows`` activation that lets ``proj_out`` (an FP8Linear, or a LoRA layer over one)
     take ``cat([attention, act(mlp)])`` quantized in one pass, or None."""
-    if not isinstance(proj_out, FP8Linear) or type(act) is not nn.GELU:
+    if not takes_fp8_rows(proj_out) or type(act) is not nn.GELU:
         return None
     return "gelu" if act.approximate == "none" else "gelu_tanh"
 
@@ -154,7 +154,7 @@ class FluxSingleTransformerBlock(BlockForward):
         # Under precision="fp8" the AdaLN norm writes e4m3 rows for proj_mlp and q/k/v directly.
         fp8 = (
             isinstance(self.norm, AdaLayerNormZeroSingle)
-            and isinstance(self.proj_mlp, FP8Linear)
+            and takes_fp8_rows(self.proj_mlp)
             and FluxAttnProcessor.takes_fp8_rows(self.attn, None, joint_attention_kwargs)
         )
         normed, gate = self.norm(hidden_states, emb=temb, **_fp8_rows_kwarg(fp8))

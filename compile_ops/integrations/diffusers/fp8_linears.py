@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from compile_ops.integrations.module_swap import PatchReport
-from compile_ops.modules.fp8 import FP8Linear, FP8ProjectionActivation, fp8_base
+from compile_ops.modules.fp8 import FP8Linear, FP8ProjectionActivation, fp8_base, takes_fp8_rows
 
 #: The ModuleLists of transformer blocks in diffusers' DiTs (Flux, SD3, LTX:
 #: ``transformer_blocks``; Flux: ``single_transformer_blocks``; Wan: ``blocks``).
@@ -131,8 +131,8 @@ def is_diffusers_gelu(module: nn.Module) -> bool:
 
 def reads_fp8_rows(ff: nn.Module) -> bool:
     """diffusers' ``FeedForward`` whose first module is its ``GELU`` (or our
-    :class:`FP8ProjectionActivation` in its place) over an :class:`FP8Linear`
-    (after ``patch(precision="fp8")``): it can take the seam's FP8 rows,
+    :class:`FP8ProjectionActivation` in its place) over a module that takes FP8
+    rows (``patch(precision="fp8")``'s FP8Linear, or a LoRA layer over it): it can take the seam's FP8 rows,
     since that module hands its input straight to ``proj``."""
     net = getattr(ff, "net", None)
     return (
@@ -140,7 +140,7 @@ def reads_fp8_rows(ff: nn.Module) -> bool:
         and isinstance(net, nn.ModuleList)
         and len(net) > 0
         and (is_diffusers_gelu(net[0]) or isinstance(net[0], FP8ProjectionActivation))
-        and isinstance(getattr(net[0], "proj", None), FP8Linear)
+        and takes_fp8_rows(getattr(net[0], "proj", None))
     )
 
 
@@ -155,9 +155,8 @@ def fuse_mlp_activations(model: nn.Module, report: PatchReport) -> None:
     that computes it (:class:`FP8ProjectionActivation`) and handed to the
     down projection as FP8 rows; the zero-probability Dropout between them
     (an identity) goes. Others are reported. Either Linear may be under a
-    LoRA layer: while one wraps the down projection (added before or after
-    patch), its adapters read the activation unquantized and the GELU hands
-    that on instead."""
+    LoRA layer (added before or after patch): its adapters read the rows
+    the FP8 GEMM reads, dequantized."""
     for path, ff in list(model.named_modules()):
         net = getattr(ff, "net", None)
         if type(ff).__name__ != "FeedForward" or not isinstance(net, nn.ModuleList) or len(net) < 3:

@@ -21,7 +21,7 @@ from compile_ops.integrations.diffusers.attention_kernel import needs_gradient, 
 from compile_ops.integrations.diffusers.context_parallel import context_parallel, parallel_attention
 from compile_ops.integrations.diffusers.module_rules import diffusers_modules
 from compile_ops.integrations.schedule import DenseFirst
-from compile_ops.modules.fp8 import FP8Linear
+from compile_ops.modules.fp8 import takes_fp8_rows
 from compile_ops.modules.hooks import must_call
 from compile_ops.modules.norm import RMSNorm
 from compile_ops.ops.attention import Int8QK, attention, attention_fp8_rows
@@ -106,7 +106,7 @@ class FusedProcessor:
         Under ``attention_precision="int8"`` or ``"int8_fp8"``, 16-bit
         inference calls run 8-bit attention; calls that need a gradient
         (training) and fp32 ones keep the exact kernels. ``fp8_rows`` (the
-        caller's output projection is an :class:`FP8Linear`): where
+        caller's output projection takes them, ``takes_fp8_rows``): where
         ``"int8_fp8"`` runs, the output comes as :class:`FP8Rows` ``[B, L, H * D]``
         from the kernel's epilogue (:func:`attention_fp8_rows`), else as a tensor
         (always under ``parallel``: the output travels back to its ranks).
@@ -267,12 +267,12 @@ class FusedProcessor:
 
 def _shared_input(x, *linears: nn.Module):
     """``x`` for projections that all read it: quantized once to FP8 rows when
-    every one of them is an :class:`FP8Linear` (q, k and v after
-    ``patch(precision="fp8")``), instead of once per projection. FP8 rows
-    (a norm's FP8 output mode) pass as they are."""
+    every one of them takes them (``takes_fp8_rows``: q, k and v after
+    ``patch(precision="fp8")``, LoRA layers over them included), instead of
+    once per projection. FP8 rows (a norm's FP8 output mode) pass as they are."""
     if isinstance(x, FP8Rows):
         return x
-    if all(isinstance(linear, FP8Linear) for linear in linears):
+    if all(takes_fp8_rows(linear) for linear in linears):
         return quantize_fp8_rows(x)
     return x
 
@@ -316,7 +316,8 @@ class FluxAttnProcessor(FusedProcessor):
         """Whether ``attn(hidden_states=FP8Rows, ...)`` is safe for a block to call:
         ``attn``'s processor is ours, covers the call, and every projection that
         reads the hidden states (and the text states, when given) is an
-        :class:`FP8Linear`, so the norm before can write FP8 rows directly."""
+        FP8Linear or a LoRA layer over one (``takes_fp8_rows``), so the norm
+        before can write FP8 rows directly."""
         processor, kwargs = attn.processor, joint_attention_kwargs or {}
         if (
             not isinstance(processor, FluxAttnProcessor)
@@ -327,7 +328,7 @@ class FluxAttnProcessor(FusedProcessor):
         linears = [attn.to_q, attn.to_k, attn.to_v]
         if encoder_hidden_states is not None:
             linears += [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj]
-        return all(isinstance(linear, FP8Linear) for linear in linears)
+        return all(takes_fp8_rows(linear) for linear in linears)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if not self.covers(attn, encoder_hidden_states, attention_mask):
@@ -369,9 +370,7 @@ class FluxAttnProcessor(FusedProcessor):
         # Double-stream blocks' output projections can read FP8 rows; the
         # single-stream block concatenates the output with its MLP's first.
         fp8_rows = (
-            encoder_hidden_states is not None
-            and isinstance(attn.to_out[0], FP8Linear)
-            and isinstance(attn.to_add_out, FP8Linear)
+            encoder_hidden_states is not None and takes_fp8_rows(attn.to_out[0]) and takes_fp8_rows(attn.to_add_out)
         )
         out = _heads_joined(
             self.attend(query, key, value, fp8_rows=fp8_rows, parallel=self.parallel_config()), value.dtype
@@ -404,7 +403,7 @@ class WanAttnProcessor(FusedProcessor):
         if type(processor) is not WanAttnProcessor or attn.add_k_proj is not None or attn.fused_projections:
             return False
         readers = (attn.to_q,) if cross else (attn.to_q, attn.to_k, attn.to_v)
-        return all(isinstance(linear, FP8Linear) for linear in readers)
+        return all(takes_fp8_rows(linear) for linear in readers)
 
     def splits_across_ranks(self, attn) -> bool:
         return not attn.is_cross_attention
@@ -429,7 +428,7 @@ class WanAttnProcessor(FusedProcessor):
             (self.attend, None) if encoder_hidden_states is not None else (self.attend_self, self.parallel_config())
         )
         out = _heads_joined(
-            attend(query, key, value, fp8_rows=isinstance(attn.to_out[0], FP8Linear), parallel=parallel), value.dtype
+            attend(query, key, value, fp8_rows=takes_fp8_rows(attn.to_out[0]), parallel=parallel), value.dtype
         )
         return attn.to_out[1](attn.to_out[0](out))
 
