@@ -80,3 +80,22 @@ def test_lora_case_runs_end_to_end_on_a_tiny_flux_and_hotswaps_without_compiling
         # FP8 against the native step in the same state: the quantization's error, not a lost adapter's.
         assert 1e-4 < rows[state]["rel_l2_vs_bf16"] < 5e-2, rows[state]
     assert "rel_l2_vs_bf16" not in rows["native_lora_compiled"]
+
+
+def test_lora_case_takes_one_inductor_mode_and_labels_its_rows(tmp_path, monkeypatch):
+    """``--lora --inductor-modes reduce-overhead``: every row's ``compile`` names the mode and
+    counts the graphs run without CUDA graphs; two modes at once are refused."""
+    _keep_settings(monkeypatch)
+    argv = ["--lora", "--cases", "flux_step_tiny", "--compile", "regional", "--backend", "eager"]
+    with pytest.raises(SystemExit):
+        diffusers_e2e.main([*argv, "--inductor-modes", "default,reduce-overhead", "--out", str(tmp_path)])
+    argv += ["--inductor-modes", "reduce-overhead", "--providers", "native_compiled", "--repeats", "1"]
+    assert diffusers_e2e.main([*argv, "--rep-ms", "10", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("diffusers-e2e-lora-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [row["provider"] for row in rows] == [
+        "native_compiled",
+        "native_lora_compiled",
+        "native_lora_swapped_compiled",
+    ]
+    assert all(row["compile"] == "regional+reduce-overhead" and "cudagraph_skips" in row for row in rows)

@@ -68,7 +68,8 @@ the step output's relative L2 to the bf16 model's eager output:
 LoRA (``--lora``, the step cases): native compiled and ``patch(precision="fp8")``
 compiled, plain, with a random LoRA, and after hotswapping a second one
 (bench/runners/diffusers_lora.py holds the case): ``diffusers-e2e-lora-<gpu>.json``.
-``--cases flux_step_tiny --backend eager`` runs it on a tiny Flux, on the CPU
+With ``--inductor-modes reduce-overhead`` (one mode) every step runs under CUDA graphs, its
+rows' ``compile`` saying so. ``--cases flux_step_tiny --backend eager`` runs it on a tiny Flux, on the CPU
 too (timed by the wall clock there): a smoke run.
 
 This module holds the bf16, FP8 and 8-bit attention cases and ``main``;
@@ -488,7 +489,8 @@ def main(argv=None) -> int:
         "--inductor-modes",
         default="default",
         help="comma-separated torch.compile modes (default,reduce-overhead,max-autotune...) for the "
-        "compiled providers, each a row of its own, in diffusers-e2e-modes-<gpu>.json unless default",
+        "compiled providers, each a row of its own, in diffusers-e2e-modes-<gpu>.json unless default "
+        "(with --lora: one mode, in the LoRA file)",
     )
     p.add_argument(
         "--attention-kernel",
@@ -525,8 +527,10 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     modes = args.inductor_modes.split(",")
-    if modes != ["default"] and (args.fp8 or args.int8_attention or args.lora):
-        p.error("--inductor-modes compares the bf16 providers: not with --fp8, --int8-attention or --lora")
+    if modes != ["default"] and (args.fp8 or args.int8_attention):
+        p.error("--inductor-modes compares the bf16 providers: not with --fp8 or --int8-attention")
+    if args.lora and len(modes) > 1:
+        p.error("--lora runs in one --inductor-modes mode (its rows say which)")
     if args.lora and (args.fp8 or args.int8_attention):
         p.error("--lora is a comparison of its own: not with --fp8 or --int8-attention")
     global ATTENTION_KERNEL
@@ -541,7 +545,7 @@ def main(argv=None) -> int:
         stem, env["torchao"] = "diffusers-e2e-fp8", torchao.__version__
     if args.int8_attention:  # its own file too, with the peer's version
         stem, env["sageattention"] = "diffusers-e2e-int8", _version("sageattention")
-    if modes != ["default"]:  # the compile-mode comparison has its own file
+    if modes != ["default"] and not args.lora:  # the compile-mode comparison has its own file
         stem = "diffusers-e2e-modes"
     if args.lora:
         stem = "diffusers-e2e-lora"
@@ -555,7 +559,9 @@ def main(argv=None) -> int:
         if args.int8_attention:
             new = run_int8_attention_case(name, args.rep_ms, args.repeats, chosen, args.compile_mode, args.profile)
         elif args.lora:
-            new = run_lora_case(name, args.rep_ms, args.repeats, chosen, args.compile_mode, args.profile)
+            new = run_lora_case(
+                name, args.rep_ms, args.repeats, chosen, args.compile_mode, args.profile, inductor_mode=modes[0]
+            )
         else:
             new = [
                 row

@@ -66,7 +66,7 @@ def _timed_step(name: str, provider: str, step, timer_ms: float, repeats: int) -
     """``(row, output)``: ``step``'s first call (compiling; ``first_call_s``), then :func:`repeated`."""
     with torch.no_grad():
         start = time.perf_counter()
-        out = step()
+        out = step().clone()  # kept across calls: a CUDA graph's next replay overwrites its output
         synchronize()
         first_call_s = time.perf_counter() - start
         row = repeated(step, timer_ms, repeats)
@@ -75,12 +75,21 @@ def _timed_step(name: str, provider: str, step, timer_ms: float, repeats: int) -
 
 
 def run_lora_case(
-    name: str, timer_ms: float, repeats: int, providers, compile_mode: str, profile: bool = False
+    name: str,
+    timer_ms: float,
+    repeats: int,
+    providers,
+    compile_mode: str,
+    profile: bool = False,
+    inductor_mode: str = "default",
 ) -> list:
     """Each of LORA_PROVIDERS (those in ``providers``) on a fresh model: the
     plain step, with a LoRA, and after hotswapping a second LoRA (module
     docstring); the FP8 rows' errors against the native rows of this run.
-    ``profile``: the plain and LoRA steps' kernels by family (``--profile``)."""
+    ``profile``: the plain and LoRA steps' kernels by family (``--profile``).
+    ``inductor_mode``: torch.compile's mode for every step ("reduce-overhead":
+    CUDA graphs, which take the host's launch cost out of the step; the
+    hotswap then writes into the weights the recorded graphs read)."""
     import compile_ops
 
     rows, reference, loras = [], {}, None
@@ -97,13 +106,18 @@ def run_lora_case(
 
         def measure(state, step):
             row, outputs[state] = _timed_step(name, labels[state], step, timer_ms, repeats)
-            row.update(compile=compile_mode, weights_MiB=weight_MiB(model))
+            mode = compile_mode if inductor_mode == "default" else f"{compile_mode}+{inductor_mode}"
+            row.update(compile=mode, weights_MiB=weight_MiB(model))
+            if inductor_mode != "default":
+                # Inductor counts each graph it runs without CUDA graphs ("skipping cudagraphs: ...").
+                row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips_before
             with torch.no_grad():
                 profiled(row, step, profile and state != "swapped")
             new.append(row)
             return row
 
-        module = compiled(model, compile_mode)
+        skips_before = counters["inductor"]["cudagraph_skips"]
+        module = compiled(model, compile_mode, inductor_mode=inductor_mode)
         measure("plain", lambda: module(**inputs).sample)
         uncompiled(model)
         torch._dynamo.reset()
@@ -112,7 +126,7 @@ def run_lora_case(
         model.load_lora_adapter(dict(loras[0]), prefix=None, adapter_name="lora")
         synchronize()
         load_s = time.perf_counter() - start
-        module = compiled(model, compile_mode)
+        module = compiled(model, compile_mode, inductor_mode=inductor_mode)
         measure("lora", lambda: module(**inputs).sample).update(load_s=load_s)
         graphs = counters["stats"]["unique_graphs"]
         synchronize()
