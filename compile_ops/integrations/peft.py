@@ -55,6 +55,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import Tensor, nn
 
 from compile_ops.modules.fp8 import FP8Linear
+from compile_ops.modules.hooks import must_call
 from compile_ops.ops.fp8 import FP8Rows, quantize_fp8_rows
 
 #: ``init_lora_weights`` values that do not read the base layer's weight.
@@ -202,7 +203,12 @@ class FP8LoraLinear(LoraLinear):
                 continue
             lora_a, lora_b = self.lora_A[adapter], self.lora_B[adapter]
             inputs = self.lora_dropout[adapter]((x if samples is None else x[samples]).to(lora_a.weight.dtype))
-            if samples is None and lora_b.bias is None and lora_b.weight.dtype == result.dtype:
+            if (
+                samples is None
+                and lora_b.bias is None
+                and lora_b.weight.dtype == result.dtype
+                and not must_call(lora_b)  # an offloading hook moves its weight when it is called
+            ):
                 # B's product added in its GEMM's epilogue (beta = 1): the delta is never written
                 # on its own, and no elementwise kernel reads the output again to add it.
                 down = lora_a(inputs) * self.scaling[adapter]
