@@ -13,13 +13,13 @@ import math
 
 import pytest
 import torch
+from attention_helpers import _SM90, LSE_ROUNDINGS, _qkv, five_product_gradients, torch_at_dtype
 from bad_input import bad_input_test
 from conftest import INTERPRET, KERNEL_DEVICE, allow_tma_under_interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from numerics import assert_within_torch_error
 from shapes import examples
-from test_attention import _SM90, LSE_ROUNDINGS, _qkv, five_product_gradients, torch_at_dtype
 
 import compile_ops
 from compile_ops._library import clear_launch_plans

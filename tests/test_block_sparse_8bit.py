@@ -22,11 +22,11 @@ import math
 
 import pytest
 import torch
+from attention_helpers import _SM90, EIGHT_BIT, _int8_case, _relative_l2
 from conftest import INTERPRET, KERNEL_DEVICE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from shapes import examples
-from test_attention import _SM90, EIGHT_BIT, _int8_case, _relative_l2
 from test_block_sparse import _random_lists
 
 import compile_ops

@@ -515,7 +515,7 @@ def test_kernels_run_a_permuted_toy_sequence_in_8_bits_like_the_specification(pr
     """The 8-bit block-sparse kernel (GPU, or the interpreter) through a
     ragged-tile layout with key lengths: the specification spelled out
     (:func:`_masked_8bit_reference`) within the dense 8-bit kernel's bound."""
-    from test_attention import EIGHT_BIT
+    from attention_helpers import EIGHT_BIT
 
     torch.manual_seed(0)
     layout = compile_ops.SlidingTile(window=(1, 1, 1), tile=(2, 4, 8)).layout((3, 6, 20), KERNEL_DEVICE)
