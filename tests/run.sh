@@ -81,8 +81,8 @@ else
     "$@" > "$log" 2>&1
     echo "$? $((SECONDS - start))" > "$log.rc"
   }
-  late=(tests/test_sm90_compile.py tests/test_distributed_train.py tests/test_context_parallel.py
-    tests/test_context_parallel_ring.py)
+  late=(tests/test_sm90_compile.py tests/test_sm90_compile_gluon.py tests/test_distributed_train.py
+    tests/test_context_parallel.py tests/test_context_parallel_ring.py)
   ignored=()
   for file in "${late[@]}"; do ignored+=(--ignore="$file"); done
   timed "$logs/reference" "$PY" -m pytest tests "${ignored[@]}" -m "not kernels" --durations=15 "$@" &
