@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from test_diffusers_patch import _flux, _relative_l2, _SimulatedFP8Linear, _wan16
+from diffusers_helpers import _flux, _relative_l2, _SimulatedFP8Linear, _wan16
 
 import compile_ops
 from compile_ops.integrations.diffusers import BLOCK_LISTS

@@ -21,7 +21,7 @@ import compile_ops
 peft = pytest.importorskip("peft")
 diffusers = pytest.importorskip("diffusers")
 
-from test_diffusers_patch import _flux, _to, _wan  # noqa: E402 (after the skips)
+from diffusers_helpers import _flux, _to, _wan  # noqa: E402 (after the skips)
 
 #: Attention, MLP and AdaLN modulation Linears of the small Flux (double- and
 #: single-stream blocks, the final norm) and Wan (its modulation is the time
