@@ -333,6 +333,12 @@ def test_a_lora_layer_takes_fp8_rows_and_reads_them_dequantized():
         torch.testing.assert_close(layer(rows), base + delta["a"], rtol=1e-6, atol=1e-6)
         # A tensor is quantized once, for the GEMM and the adapters alike.
         torch.testing.assert_close(layer(x), layer(rows), rtol=0, atol=0)
+        # A hooked B (offloading moves its weight when called) is called, not read.
+        calls = []
+        hook = layer.lora_B["a"].register_forward_pre_hook(lambda module, args: calls.append(module))
+        torch.testing.assert_close(layer(rows), base + delta["a"], rtol=1e-6, atol=1e-6)
+        assert calls == [layer.lora_B["a"]]
+        hook.remove()
         mixed = layer(rows, adapter_names=["b", "__base__", "a"])
         want = torch.stack([base[0] + delta["b"][0], base[1], base[2] + delta["a"][2]])
         torch.testing.assert_close(mixed, want, rtol=1e-6, atol=1e-6)
