@@ -12,7 +12,7 @@ probabilities, the products summed in another grouping.
 
 Kernel layer (``-m kernels``: the GPU, or the interpreter with small shapes
 and fp16): the kernel against the specification at the dense 8-bit kernel's
-bounds (``test_attention.EIGHT_BIT``: the kernel computes the same tiles and
+bounds (``attention_helpers.EIGHT_BIT``: the kernel computes the same tiles and
 formulas, with or without lists), its lse within the rounding of its biased
 integer scores, and both distances to exact attention printed; with every
 block listed it is the dense 8-bit op bit for bit.

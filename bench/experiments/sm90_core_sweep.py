@@ -16,7 +16,7 @@ and int8.
 The package is kept off the core in this process (``has_wgmma`` False), so
 ``fused.*`` calls are the portable kernel and the core is launched directly
 (``ops.attention_sm90.launch_sm90_core``). Correctness is the GPU tests'
-(tests/test_attention.py: the core equals the portable kernel bit for bit or
+(tests/test_attention_sm90.py: the core equals the portable kernel bit for bit or
 within one rounding). Timing: CUDA-graph replays, two alternated rounds."""
 
 import json

@@ -28,7 +28,8 @@ if ! python3 -c "import expecttest" 2>/dev/null && ls .whl/expecttest-*.whl >/de
   python3 -m pip install -q --no-index --no-deps --target /tmp/compile-ops-site .whl/expecttest-*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/compile-ops-site
 fi
-attention_files=(test_attention.py test_block_sparse.py test_sparse_attention.py test_sm90_compile.py)
+attention_files=(test_attention.py test_attention_backward.py test_attention_8bit.py test_attention_launch.py
+  test_attention_sm90.py test_block_sparse.py test_sparse_attention.py test_sm90_compile.py test_sm90_compile_gluon.py)
 part=()
 for f in "${attention_files[@]}"; do
   case ${SUITE_PART:-} in
