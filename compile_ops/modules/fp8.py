@@ -42,6 +42,9 @@ class FP8Linear(nn.Module):
     :meth:`dequantized_weight` and :meth:`requantize_` serve for merging.
     """
 
+    #: Fused producers may hand it FP8 rows (:func:`takes_fp8_rows`).
+    TAKES_FP8_ROWS = True
+
     @checked_arguments
     def __init__(
         self,
@@ -213,11 +216,11 @@ class FP8ProjectionActivation(nn.Module):
 
 def takes_fp8_rows(module: nn.Module) -> bool:
     """Whether ``module`` takes :class:`~compile_ops.ops.fp8.FP8Rows` as its input,
-    so that the kernel producing it may write them: an :class:`FP8Linear`, or a
-    module whose class says so (``TAKES_FP8_ROWS``: the LoRA layer over one,
+    so that the kernel producing it may write them: its class says so
+    (``TAKES_FP8_ROWS``): :class:`FP8Linear`, and the LoRA layer over one,
     ``compile_ops.integrations.peft.FP8LoraLinear``, whose adapters read the
-    rows dequantized)."""
-    return isinstance(module, FP8Linear) or getattr(type(module), "TAKES_FP8_ROWS", False) is True
+    rows dequantized."""
+    return getattr(type(module), "TAKES_FP8_ROWS", False) is True
 
 
 def fp8_base(module: nn.Module) -> Optional[FP8Linear]:
