@@ -105,6 +105,7 @@ def run_lora_case(
         new, outputs = [], {}
 
         def measure(state, step):
+            skips_before = counters["inductor"]["cudagraph_skips"]  # this state's graphs only
             row, outputs[state] = _timed_step(name, labels[state], step, timer_ms, repeats)
             mode = compile_mode if inductor_mode == "default" else f"{compile_mode}+{inductor_mode}"
             row.update(compile=mode, weights_MiB=weight_MiB(model))
@@ -116,7 +117,6 @@ def run_lora_case(
             new.append(row)
             return row
 
-        skips_before = counters["inductor"]["cudagraph_skips"]
         module = compiled(model, compile_mode, inductor_mode=inductor_mode)
         measure("plain", lambda: module(**inputs).sample)
         uncompiled(model)
