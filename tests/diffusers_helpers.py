@@ -15,6 +15,7 @@ before it calls a builder.
 
 import copy
 
+import tiny_models
 import torch
 from patch_checks import DEVICE
 
@@ -27,17 +28,7 @@ except ImportError:  # each importing test file skips itself: pytest.importorski
 
 
 def _flux():
-    model = diffusers.FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=(4, 6, 6),
-    )
+    model = tiny_models.flux()
 
     def inputs(side):
         li, lt = side * side, 8
@@ -56,20 +47,7 @@ def _flux():
 
 
 def _wan():
-    model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=32,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
+    model = tiny_models.wan()
 
     def inputs(side):
         return dict(
@@ -198,20 +176,7 @@ class _SimulatedFP8Linear(torch.nn.Module):
 
 def _wan16():
     """Wan with 16-wide heads: every projection a multiple of 16 (torch._scaled_mm's rule)."""
-    model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=32,
-        ffn_dim=64,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
+    model = tiny_models.wan(attention_head_dim=16, ffn_dim=64)
     return model, _wan()[1]
 
 

@@ -89,24 +89,7 @@ ATTENTION_CASES = [
 def _wan(dtype):
     # 4 x 16 x 16 latents in (1, 2, 2) patches: 256 tokens, two 128-token blocks, so
     # a sliding-tile window of one (2, 8, 8) tile is sparse (half the blocks).
-    model = (
-        diffusers.WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=16,
-            in_channels=4,
-            out_channels=4,
-            text_dim=16,
-            freq_dim=16,
-            ffn_dim=32,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
-        )
-        .to(dtype)
-        .eval()
-    )
+    model = tiny_models.wan(attention_head_dim=16, freq_dim=16).to(dtype).eval()
     inputs = dict(
         hidden_states=torch.randn(1, 4, 4, 16, 16, dtype=dtype),
         encoder_hidden_states=torch.randn(1, 6, 16, dtype=dtype),
@@ -116,18 +99,7 @@ def _wan(dtype):
 
 
 def _flux(dtype):
-    model = diffusers.FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=(4, 6, 6),
-    )
-    model = model.to(dtype).eval()
+    model = tiny_models.flux().to(dtype).eval()
     side, text = 8, 8
     grid = torch.meshgrid(torch.zeros(1), torch.arange(float(side)), torch.arange(float(side)), indexing="ij")
     inputs = dict(

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+import tiny_models
 import torch
 
 from compile_ops.quality import metrics
@@ -160,10 +161,7 @@ def tiny_flux(folder):
             relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
         )
     )  # fmt: skip
-    transformer = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
-    )  # fmt: skip
+    transformer = tiny_models.flux(axes_dims_rope=[4, 4, 8])
     vae = diffusers.AutoencoderKL(
         sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
         latent_channels=1, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
@@ -189,11 +187,7 @@ def tiny_wan(folder):
             relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
         )
     )  # fmt: skip
-    transformer = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
-        text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-    )  # fmt: skip
+    transformer = tiny_models.wan(attention_head_dim=16, in_channels=16, out_channels=16)
     vae = diffusers.AutoencoderKLWan(
         base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
     )

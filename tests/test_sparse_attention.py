@@ -24,20 +24,7 @@ TOL = dict(rtol=2e-3, atol=2e-3) if HAS_CUDA else dict(rtol=1e-4, atol=1e-5)
 
 def _wan():
     torch.manual_seed(0)
-    model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=8,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=32,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=64,
-    )
+    model = tiny_models.wan(attention_head_dim=8, rope_max_seq_len=64)
 
     def inputs(frames, side, timestep=500):
         # frames x side/2 x side/2 tokens
@@ -273,16 +260,8 @@ def test_configurations_that_do_not_fit_raise_by_name():
         compile_ops.Radial(dense_steps=-1)
     with pytest.raises(ValueError, match=r"coverage must be in \(0, 1\]"):
         compile_ops.TopK(coverage=1.5)
-    flux = diffusers.FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        pooled_projection_dim=16,
-        axes_dims_rope=(2, 2, 4),
+    flux = tiny_models.flux(
+        attention_head_dim=8, joint_attention_dim=16, pooled_projection_dim=16, axes_dims_rope=(2, 2, 4)
     )
     with pytest.raises(TypeError, match="sparse attention covers WanTransformer3DModel"):
         compile_ops.patch(flux, attention=compile_ops.SlidingTile())
