@@ -18,11 +18,7 @@ test_distributed_attention.py); it holds no tests.
   ``verdicts`` fixture reads it.
 """
 
-import datetime
 import importlib
-import json
-import os
-import traceback
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
@@ -30,7 +26,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import spawn_verdicts
+from gloo_ranks import run_cases, spawn_verdicts
 
 import compile_ops
 
@@ -245,46 +241,36 @@ def _every_case() -> dict:
     return cases
 
 
-def _worker(rank: int, world: int, directory: str) -> None:
-    torch.set_num_threads(1)  # two ranks on a 2-core box
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(directory, 'rendezvous')}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def _checks(world: int) -> dict:
+    """``{name: check}`` for this rank, once its process group is up: every case
+    of ``CASE_MODULES`` on its mesh, then ``WRONG_RULE``, then ``EVERY_OP``
+    (last: it reads which ops the checks before it dispatched)."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-        cases = _every_case()
-        meshes = {shape: init_device_mesh("cpu", shape) for shape in sorted({c.mesh for c in cases.values()})}
-        sharded_ops = _record_sharded_ops()
-        verdicts = {}
-        for name, case in cases.items():
-            try:
-                check(case, meshes[case.mesh])
-                verdicts[name] = None
-            except Exception:
-                verdicts[name] = traceback.format_exc()
-        try:
-            verdicts[WRONG_RULE] = _run_with_wrong_rule(meshes[(world,)])
-        except Exception:
-            verdicts[WRONG_RULE] = traceback.format_exc()
-        from compile_ops.distributed import RULES
+    from compile_ops.distributed import RULES
 
+    cases = _every_case()
+    meshes = {shape: init_device_mesh("cpu", shape) for shape in sorted({c.mesh for c in cases.values()})}
+    sharded_ops = _record_sharded_ops()
+    checks = {name: partial(check, case, meshes[case.mesh]) for name, case in cases.items()}
+
+    def harness_detects_a_wrong_rule():
+        failure = _run_with_wrong_rule(meshes[(world,)])
+        if failure is not None:
+            raise AssertionError(failure)
+
+    def every_op_ran():
         missing = sorted(set(RULES) - sharded_ops)
-        verdicts[EVERY_OP] = f"never dispatched with DTensors: {missing}" if missing else None
-        with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
-            json.dump(verdicts, f)
-    except BaseException:
-        dist.destroy_process_group()  # leave at once: no barrier, no join of threads a peer may hold up
-        raise
-    # gloo's threads end here, not during interpreter exit (the likely cause of
-    # the FSDP2 test's rare SIGABRT): see teardown_process_group.
-    from bench.runners.distributed_train import teardown_process_group
+        if missing:
+            raise AssertionError(f"never dispatched with DTensors: {missing}")
 
-    teardown_process_group()
+    checks[WRONG_RULE] = harness_detects_a_wrong_rule
+    checks[EVERY_OP] = every_op_ran
+    return checks
+
+
+def _worker(rank: int, world: int, directory: str) -> None:
+    run_cases(rank, world, directory, partial(_checks, world))
 
 
 _SPAWNED: dict = {}
