@@ -14,11 +14,11 @@ and ``<!-- perf-table:end -->`` of the Markdown file (``attention-table`` /
 ``block-sparse-table`` for bench/runners/block_sparse.py's,
 ``diffusers-e2e-table`` for bench/runners/diffusers_e2e.py's,
 ``distributed-train-table`` for bench/runners/distributed_train.py's,
-``context-parallel-<case>-x<W>-table`` for bench/runners/context_parallel.py's
-(bench/tables/context_parallel.py), ...;
+``context-parallel-<case>-x<W>-table`` for bench/runners/context_parallel.py's, ...;
 ``headline-table`` for :func:`headline_table`); it is regenerated from the
 JSON, never edited by hand. The tables live in docs/performance.md, the
-headline in README.md.
+headline in README.md. This file makes bench/run.py's op table and the headline, and
+dispatches a runner's JSON to its table in bench/tables/<runner>.py (:data:`RUNNER_TABLES`).
 """
 
 import argparse
@@ -30,7 +30,18 @@ import sys
 if __package__ in (None, ""):  # run as a script: the repository root on the path, for bench.tables
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.tables import context_parallel, run_line  # noqa: E402
+from bench.tables import (  # noqa: E402
+    aoti,
+    attention,
+    block_sparse,
+    context_parallel,
+    diffusers_e2e,
+    distributed_train,
+    host,
+    moe,
+    shape_name,
+    sparse_e2e,
+)
 
 #: Table and plot order; peers follow in the order the runner wrote them.
 CORE_PROVIDERS = ("fused_eager", "fused_compiled", "native_eager", "native_compiled")
@@ -46,10 +57,6 @@ def load(json_path: str) -> dict:
     """The benchmark results: ``{"env", "copy_TBps", "rows", "overhead", ...}``."""
     with open(json_path) as f:
         return json.load(f)
-
-
-def _shape(shape) -> str:
-    return "x".join(str(d) for d in shape)
 
 
 def _num(value, fmt: str) -> str:
@@ -118,7 +125,7 @@ def format_table(data: dict) -> str:
         lines.append(
             (
                 r["op"],
-                _shape(r["shape"]),
+                shape_name(r["shape"]),
                 r["provider"],
                 _num(r.get("fwd_us"), ".1f"),
                 _num(r.get("fwd_GBps"), ".0f"),
@@ -149,14 +156,14 @@ def format_table(data: dict) -> str:
         out.append("")
         if "eager_us" in overhead:  # bench/runners/host.py's row
             out.append(
-                f"eager overhead at {_shape(overhead['shape'])}: fused.rmsnorm "
+                f"eager overhead at {shape_name(overhead['shape'])}: fused.rmsnorm "
                 f"{overhead['eager_us']:.1f} µs/call (through the dispatcher "
                 f"{overhead['dispatcher_us']:.1f}), bare Triton launch {overhead['bare_us']:.1f} µs/call "
                 f"(x{overhead['ratio']:.2f})"
             )
         else:  # results files written before bench/runners/host.py
             out.append(
-                f"eager overhead at {_shape(overhead['shape'])}: fused.rmsnorm "
+                f"eager overhead at {shape_name(overhead['shape'])}: fused.rmsnorm "
                 f"{overhead['fused_op_us']:.1f} µs/call, bare Triton launch "
                 f"{overhead['bare_triton_us']:.1f} µs/call (x{overhead['ratio']:.2f})"
                 + (
@@ -220,7 +227,7 @@ def markdown_table(data: dict) -> str:
                     cells.append(
                         f"{'err' if fwd is None else f'{fwd:.0f}'} / {'err' if fwdbwd is None else f'{fwdbwd:.0f}'}"
                     )
-                out.append(f"| {_shape(shape)} | " + " | ".join(cells) + " |")
+                out.append(f"| {shape_name(shape)} | " + " | ".join(cells) + " |")
             out.append("")
     return "\n".join(out).rstrip() + "\n"
 
@@ -246,576 +253,6 @@ def merge_runs(base: dict, newer: dict, key=("shape", "causal", "provider")) -> 
     rows = [replaced.pop(ident(r), r) for r in dated(base)] + list(replaced.values())
     runs = sorted({r["date"] for r in rows})
     return dict(base, env=dict(newer["env"], runs=runs), rows=rows)
-
-
-def is_attention(data: dict) -> bool:
-    """bench/runners/attention.py's JSON (TFLOP/s rows) rather than bench/run.py's."""
-    return any("fwd_TFLOPs" in r or r.get("provider") == "sdpa_flash" for r in data["rows"])
-
-
-def attention_table(data: dict) -> str:
-    """Markdown: TFLOP/s forward / forward+backward per provider and shape, and
-    the peak memory of a forward+backward step, ours against SDPA's flash."""
-    rows = data["rows"]
-    env = data["env"]
-    causal = any(r.get("causal") for r in rows)
-    providers = list(dict.fromkeys(r["provider"] for r in rows))
-    shapes = list(dict.fromkeys(tuple(r["shape"]) for r in rows))
-    by = {(tuple(r["shape"]), r["provider"]): r for r in rows}
-    out = [
-        run_line(env) + f" | bf16, [B, H, L, D], {'causal' if causal else 'non-causal'} self-attention.",
-        "",
-        "TFLOP/s forward / forward+backward (CUDA-graph replay; 4·B·H·L²·D per forward"
-        f"{', halved for causal' if causal else ''}, 3.5x for forward+backward), and the peak memory "
-        "of one forward+backward step above its inputs.",
-        "",
-        "| shape | " + " | ".join(providers) + " | peak MiB fused / sdpa_flash |",
-        "|---|" + "---:|" * (len(providers) + 1),
-    ]
-    for shape in shapes:
-        cells = []
-        for prov in providers:
-            r = by.get((shape, prov), {})
-            cells.append("err" if "error" in r or not r else f"{r['fwd_TFLOPs']:.0f} / {r['fwdbwd_TFLOPs']:.0f}")
-        mem = [by.get((shape, p), {}).get("peak_MiB") for p in ("fused_eager", "sdpa_flash")]
-        mem_cell = " / ".join("-" if m is None else f"{m:.0f}" for m in mem)
-        out.append(f"| {_shape(shape)} | " + " | ".join(cells) + f" | {mem_cell} |")
-    return "\n".join(out) + "\n"
-
-
-def is_attention_int8(data: dict) -> bool:
-    """bench/runners/attention.py --int8's JSON: rows per input kind, with their error."""
-    return any("inputs" in r and "rel_l2_vs_fp64" in r for r in data["rows"])
-
-
-def attention_int8_table(data: dict) -> str:
-    """Markdown: forward TFLOP/s of 8-bit attention beside cuDNN, our exact
-    kernel and SageAttention, each with its relative L2 to fp64 attention,
-    per shape and input kind."""
-    rows = data["rows"]
-    providers = list(dict.fromkeys(r["provider"] for r in rows))
-    keys = list(dict.fromkeys((tuple(r["shape"]), r["inputs"]) for r in rows))
-    by = {(tuple(r["shape"]), r["inputs"], r["provider"]): r for r in rows}
-    out = [
-        run_line(data["env"]) + " | [B, H, L, D], non-causal, forward; bf16 inputs, 8-bit providers "
-        "quantize inside the timed call.",
-        "",
-        "TFLOP/s (4·B·H·L²·D per forward, `do_bench` median) and, in brackets, the relative L2 distance "
-        "to fp64 attention (and its cosine similarity, where the run recorded it). Inputs: `normal` N(0, 1); "
-        "`offset_keys` keys with a per-channel offset of "
-        "N(0, 4²) and doubled queries.",
-        "",
-        "| shape | inputs | " + " | ".join(providers) + " |",
-        "|---|---|" + "---:|" * len(providers),
-    ]
-    for shape, kind in keys:
-        cells = []
-        for prov in providers:
-            r = by.get((shape, kind, prov))
-            cosine = f", cos {r['cosine_vs_fp64']:.5f}" if r and "cosine_vs_fp64" in r else ""
-            cells.append(
-                "err" if not r or "error" in r else f"{r['fwd_TFLOPs']:.0f} ({r['rel_l2_vs_fp64']:.1e}{cosine})"
-            )
-        out.append(f"| {_shape(shape)} | {kind} | " + " | ".join(cells) + " |")
-    return "\n".join(out) + "\n"
-
-
-def is_moe(data: dict) -> bool:
-    """bench/runners/moe.py's JSON: routing times per provider, in microseconds."""
-    return any("fwd_graph_us" in r and "experts" in r for r in data["rows"])
-
-
-def moe_table(data: dict) -> str:
-    """Markdown: MoE routing microseconds per case and provider, forward and
-    forward+backward, as plain calls and as CUDA-graph replays, with the
-    composites' graph-replay forward over ours."""
-    rows = data["rows"]
-    by = {(r["op"], r["provider"]): r for r in rows}
-    out = [
-        run_line(data["env"]) + " | bf16, 4096 tokens.",
-        "",
-        "Microseconds per call (`do_bench` median, L2 flushed): a plain call (host launch cost included) and "
-        "a CUDA-graph replay (the GPU's time alone); forward+backward = the backward of the probabilities "
-        "and weights into x and the router weight. Last columns: the composite's graph-replay forward "
-        "over this provider's.",
-        "",
-        "| case | provider | fwd | fwd, graph | fwd+bwd | fwd+bwd, graph | composite_eager / this, graph fwd "
-        "| composite_compiled / this, graph fwd |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for (op, provider), r in by.items():
-        t, e, k = r["shape"][-2:], r["experts"], r["top_k"]
-        case = f"{op}: {t[0]} x {t[1]}, E = {e}, k = {k}"
-        ratios = []
-        for peer in ("composite_eager", "composite_compiled"):
-            p = by.get((op, peer))
-            ratios.append(
-                "-"
-                if p is None or provider.startswith("composite")
-                else f"{p['fwd_graph_us'] / r['fwd_graph_us']:.1f}x"
-            )
-        out.append(
-            f"| {case} | {provider} | {r['fwd_us']:.1f} | {r['fwd_graph_us']:.1f} | {r['fwdbwd_us']:.1f} "
-            f"| {r['fwdbwd_graph_us']:.1f} | " + " | ".join(ratios) + " |"
-        )
-    return "\n".join(out) + "\n"
-
-
-def is_host(data: dict) -> bool:
-    """bench/runners/host.py's JSON: host microseconds per eager call."""
-    return any("bare_us" in r for r in data["rows"])
-
-
-def host_table(data: dict) -> str:
-    """Markdown: host microseconds per eager call of each op, against a bare
-    Triton launch of its kernels and the PyTorch composite."""
-    out = [
-        run_line(data["env"]) + " | host µs per call at [1, 64, 3072] bf16 (median of 5 x 1000 calls; the "
-        "kernels themselves take the GPU µs column).",
-        "",
-        "| op | eager | through the dispatcher | bare Triton launch | eager / bare | PyTorch composite "
-        "| GPU µs | launch plan |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in data["rows"]:
-        if "error" in r:
-            out.append(f"| {r['op']} | err | | | | | | |")
-            continue
-        out.append(
-            f"| {r['op']} | {r['eager_us']:.1f} | {r['dispatcher_us']:.1f} | {r['bare_us']:.1f} | "
-            f"{r['ratio']:.2f} | {r['reference_us']:.1f} | {r.get('gpu_us', float('nan')):.1f} | "
-            f"{'replayed' if r.get('planned') else 'body'} |"
-        )
-    return "\n".join(out) + "\n"
-
-
-def is_aoti(data: dict) -> bool:
-    """bench/runners/aoti.py's JSON: a patched model as an AOTInductor package run from C++."""
-    return any("aoti_ms" in r for r in data["rows"])
-
-
-def aoti_table(data: dict) -> str:
-    """Markdown: the package's step from C++ against the compiled patched model, and its sizes and times."""
-    env = data["env"]
-    out = [
-        run_line(env, f"diffusers {env.get('diffusers')}") + " | bf16, batch 1, random weights; ms: median "
-        "(min-max) of 3 rounds of 10 calls (C++) or 3 do_bench medians (compiled).",
-        "",
-        "| case | blocks | package GB | compile + package s | C++ load s | AOTI package from C++ ms "
-        "| compiled (regional) ms | package vs compiled | rel. L2 vs eager (package; 768 px) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in data["rows"]:
-        compiled = r.get("compiled", {})
-        out.append(
-            f"| {r['case']} | {r['layers'][0]} + {r['layers'][1]} | {r['package_GB']:.1f} | {r['package_s']:.0f} "
-            f"| {r['aoti_1024px']['load_s']:.1f} | {r['aoti_ms']:.1f} ({r['aoti_ms_min']:.1f}-{r['aoti_ms_max']:.1f}) "
-            f"| {compiled.get('ms', float('nan')):.1f} ({compiled.get('ms_min', float('nan')):.1f}-"
-            f"{compiled.get('ms_max', float('nan')):.1f}) | {r.get('aoti_vs_compiled', float('nan')):.2f}x "
-            f"| {r['aoti_1024px']['rel_l2_vs_eager']:.1e}; {r['aoti_768px']['rel_l2_vs_eager']:.1e} |"
-        )
-    return "\n".join(out) + "\n"
-
-
-def is_compile_modes(data: dict) -> bool:
-    """bench/runners/diffusers_e2e.py's JSON from ``--inductor-modes``: a provider in several torch.compile modes."""
-    return any("+" in r.get("compile", "") for r in data["rows"])
-
-
-def compile_modes_table(data: dict) -> str:
-    """Markdown: each case's compiled step in every torch.compile mode of the run, against the default mode."""
-    env = data["env"]
-    out = [
-        run_line(env, f"diffusers {env.get('diffusers')}") + " | bf16, batch 1, random weights, inference; "
-        "ms: median (min-max) of 3 do_bench medians.",
-        "",
-        "| case | provider | torch.compile mode | ms | vs default mode | host ms | cudagraph skips | first call s |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
-    ]
-    default = {(r["case"], r["provider"]): r["ms"] for r in data["rows"] if "+" not in r.get("compile", "")}
-    for r in data["rows"]:
-        mode = r["compile"].split("+")[1] if "+" in r["compile"] else "default"
-        base = default.get((r["case"], r["provider"]), float("nan"))
-        out.append(
-            f"| {r['case']} | {r['provider']} | {mode} ({r['compile'].split('+')[0]}) | {r['ms']:.1f} "
-            f"({r['ms_min']:.1f}-{r['ms_max']:.1f}) | {base / r['ms']:.3f}x | {r['host_ms']:.1f} "
-            f"| {r.get('cudagraph_skips', '-')} | {r['first_call_s']:.0f} |"
-        )
-    return "\n".join(out) + "\n"
-
-
-def is_block_sparse(data: dict) -> bool:
-    """bench/runners/block_sparse.py's JSON."""
-    return any(r.get("provider") == "fused_sparse" for r in data["rows"])
-
-
-def block_sparse_table(data: dict) -> str:
-    """Markdown: ms forward / forward+backward per share of blocks kept, ours
-    against FlexAttention with the same BlockMask and our dense attention, and
-    the mask builders' times."""
-    rows, env = data["rows"], data["env"]
-    dense = next(r for r in rows if r["provider"] == "fused_dense")
-    cudnn = next((r for r in rows if r["provider"] == "sdpa_cudnn_dense"), None)
-    by = {(r["provider"], r["density"]): r for r in rows if "density" in r}
-    shape = _shape(dense["shape"])
-
-    def ratio(a, b):
-        both = f"{a['fwdbwd_ms'] / b['fwdbwd_ms']:.2f}x" if "fwdbwd_ms" in a and "fwdbwd_ms" in b else "-"
-        return f"{a['fwd_ms'] / b['fwd_ms']:.2f}x / {both}"
-
-    def times(r):
-        return f"{r['fwd_ms']:.2f} / " + (f"{r['fwdbwd_ms']:.1f}" if "fwdbwd_ms" in r else "-")
-
-    cudnn_text = ""
-    if cudnn:
-        failed = f"; its backward: {cudnn['fwdbwd_error'][:80]}" if "fwdbwd_error" in cudnn else ""
-        cudnn_text = f", SDPA's cuDNN dense attention's ({times(cudnn)} ms{failed})"
-    atomic = any(p == "fused_sparse_atomic_dq" for p, _ in by)
-    out = [
-        run_line(env) + f" | bf16, {shape}, random 128x128 block masks (diagonal and block 0 kept), one for "
-        "every head.",
-        "",
-        "ms forward / forward+backward (CUDA-graph replay); the speed-ups divide our dense attention's time "
-        f"({times(dense)} ms){cudnn_text} and FlexAttention's (compiled, same `BlockMask`) by ours"
-        + (
-            "; `fused_sparse_atomic_dq`: ours after `set_attention_backward(deterministic=False)`, its speed-ups "
-            "in the last two columns"
-            if atomic
-            else ""
-        )
-        + ".",
-        "",
-        "| blocks kept | fused_sparse | flex_block_mask | vs fused dense | "
-        + ("vs cuDNN dense | " if cudnn else "")
-        + "vs flex |"
-        + (" fused_sparse_atomic_dq | its vs cuDNN dense | its vs flex |" if atomic else ""),
-        "|---:|---:|---:|---:|" + ("---:|" if cudnn else "") + "---:|" + ("---:|---:|---:|" if atomic else ""),
-    ]
-    for density in sorted({d for p, d in by if p == "fused_sparse"}):
-        ours, flex = by[("fused_sparse", density)], by.get(("flex_block_mask", density), {})
-        line = (
-            f"| {density:.0%} | {times(ours)} | "
-            + (f"{times(flex)} | " if flex else "- | ")
-            + f"{ratio(dense, ours)} | "
-            + (f"{ratio(cudnn, ours)} | " if cudnn else "")
-            + (f"{ratio(flex, ours)} |" if flex else "- |")
-        )
-        if atomic:
-            fast = by.get(("fused_sparse_atomic_dq", density))
-            line += (
-                (
-                    f" {times(fast)} | "
-                    + (f"{ratio(cudnn, fast)} | " if cudnn else "- | ")
-                    + (f"{ratio(flex, fast)} |" if flex else "- |")
-                )
-                if fast
-                else " - | - | - |"
-            )
-        out.append(line)
-    builders = [r for r in rows if "ms" in r]
-    if builders:
-        out += [
-            "",
-            "Mask building, compiled: "
-            + "; ".join(f"`{r['provider']}` {_shape(r['shape'])} {r['ms'] * 1e3:.0f} us" for r in builders)
-            + ".",
-        ]
-    return "\n".join(out) + "\n"
-
-
-def is_diffusers_e2e(data: dict) -> bool:
-    """bench/runners/diffusers_e2e.py's JSON."""
-    return any("case" in r for r in data["rows"])
-
-
-def is_diffusers_e2e_int8(data: dict) -> bool:
-    """diffusers_e2e.py --int8-attention's JSON."""
-    return any(r.get("provider") == "int8_attention_compiled" for r in data["rows"])
-
-
-def diffusers_e2e_int8_table(data: dict) -> str:
-    """Markdown: a step with 8-bit attention beside SDPA, our bf16 attention
-    and SageAttention, with spreads and each step's distance to the bf16 model."""
-    env = data["env"]
-    by = {(r["case"], r["provider"]): r for r in data["rows"]}
-    cases = list(dict.fromkeys(r["case"] for r in data["rows"]))
-    providers = [
-        p
-        for p in (
-            "native_compiled",
-            "patched_compiled",
-            "int8_attention_compiled",
-            "int8_fp8_attention_compiled",
-            "int8_fp8_attention_quant_in_attention_compiled",
-            "sage_attention_compiled",
-        )
-        if any(r["provider"] == p for r in data["rows"])
-    ]
-    out = [
-        run_line(env, f"diffusers {env.get('diffusers', '?')}, sageattention {env.get('sageattention', '?')}")
-        + " | bf16, batch 1, random weights, regional compile; ms per step, median of 3 (min-max), and the "
-        "step output's relative L2 to the bf16 model in eager mode.",
-        "",
-        "| case | tokens | " + " | ".join(providers) + " | fastest 8-bit vs native |",
-        "|---|---:|" + "---:|" * (len(providers) + 1),
-    ]
-    for case in cases:
-        cells = []
-        for p in providers:
-            r = by.get((case, p))
-            cells.append(
-                "-"
-                if r is None
-                else "err"
-                if "error" in r
-                else f"{r['ms']:.1f} ({r['ms_min']:.1f}-{r['ms_max']:.1f}), {r['rel_l2_vs_bf16']:.1e}"
-            )
-        native = by.get((case, "native_compiled"))
-        eight_bit = [
-            r["ms"]
-            for p in ("int8_attention_compiled", "int8_fp8_attention_compiled")
-            if "ms" in (r := by.get((case, p), {}))
-        ]
-        speed = f"{native['ms'] / min(eight_bit):.3f}x" if native and "ms" in native and eight_bit else "-"
-        tokens = next((r["tokens"] for (c, _), r in by.items() if c == case and "tokens" in r), "")
-        out.append(f"| {case} | {tokens} | " + " | ".join(cells) + f" | {speed} |")
-    return "\n".join(out) + "\n"
-
-
-def is_diffusers_e2e_fp8(data: dict) -> bool:
-    """diffusers_e2e.py's JSON of an FP8-only run (``--fp8 --providers native_compiled,...``)."""
-    providers = {r.get("provider") for r in data["rows"]}
-    return "fp8_compiled" in providers and not providers & {"native_eager", "patched_eager", "patched_compiled"}
-
-
-def diffusers_e2e_fp8_table(data: dict) -> str:
-    """Markdown: the FP8 table alone, under the run's environment line."""
-    modes = sorted({r.get("compile", "full") for r in data["rows"]})
-    return (
-        run_line(
-            data["env"], f"diffusers {data['env'].get('diffusers', '?')}, torchao {data['env'].get('torchao', '?')}"
-        )
-        + f" | bf16, batch 1, random weights, compile: "
-        f"{', '.join(modes)}.\n" + _fp8_e2e_table({(r["case"], r["provider"]): r for r in data["rows"]})
-    )
-
-
-def diffusers_e2e_table(data: dict) -> str:
-    """Markdown: ms and peak MiB per case for native/patched x eager/compiled,
-    and the patched speed-ups."""
-    rows, env = data["rows"], data["env"]
-    by = {(r["case"], r["provider"]): r for r in rows}
-    providers = ("native_eager", "native_compiled", "patched_eager", "patched_compiled")
-    out = [
-        run_line(env, f"diffusers {env.get('diffusers', '?')}") + " | bf16, batch 1, random weights.",
-        "",
-        "ms per call (peak MiB above the memory in use before it); compiled = `torch.compile` default mode.",
-        "",
-        "| case | attention kernel | " + " | ".join(providers) + " | patched vs native, compiled / eager |",
-        "|---|---|" + "---:|" * (len(providers) + 1),
-    ]
-    for case in dict.fromkeys(r["case"] for r in rows):
-        cells = [
-            f"{by[(case, p)]['ms']:.1f} ({by[(case, p)]['peak_MiB']:.0f})" if (case, p) in by else "-"
-            for p in providers
-        ]
-        speed = "-"
-        if all((case, p) in by for p in providers):
-            speed = (
-                f"{by[(case, 'native_compiled')]['ms'] / by[(case, 'patched_compiled')]['ms']:.2f}x / "
-                f"{by[(case, 'native_eager')]['ms'] / by[(case, 'patched_eager')]['ms']:.2f}x"
-            )
-        kernel = by.get((case, "patched_eager"), {}).get("attention_kernel", "?")
-        out.append(f"| {case} | {kernel} | " + " | ".join(cells) + f" | {speed} |")
-    return "\n".join(out) + "\n" + _fp8_e2e_table(by)
-
-
-#: The rows of the FP8 table: bf16 compiled, then the FP8 providers (a row not run is left out).
-FP8_TABLE_ROWS = (
-    "native_compiled",
-    "fp8_compiled",
-    "fp8_modulation_compiled",
-    "fp8_fp32_accum_compiled",
-    "fp8_int8_attention_compiled",
-    "fp8_int8_fp8_attention_compiled",
-    "torchao_fp8_compiled",
-)
-#: Rows left out of the FP8 table when they were not run.
-OPTIONAL_FP8_ROWS = (
-    "fp8_modulation_compiled",
-    "fp8_fp32_accum_compiled",
-    "fp8_int8_attention_compiled",
-    "fp8_int8_fp8_attention_compiled",
-)
-
-
-def _fp8_e2e_table(by: dict) -> str:
-    """Markdown: the FP8 providers of ``diffusers_e2e.py --fp8`` beside native
-    compiled bf16: median ms (spread over the repeats), speed-ups, the output's
-    relative L2 error against bf16, weight memory and the first compiled call."""
-    cases = [case for case in dict.fromkeys(c for c, _ in by) if (case, "fp8_compiled") in by]
-    if not cases:
-        return ""
-    out = [
-        "",
-        "FP8 inference, compiled: median ms (min-max over the repeats); error = the step output's relative "
-        "L2 distance to the bf16 model's; per Linear = each block Linear's own error on the bf16 model's "
-        "input to it, median (max) over the Linears.",
-        "",
-        "Graph replay = the same step replayed from one CUDA graph (its GPU time without the host's "
-        "launches; `--replay`), vs torchao's replay; host ms = a call's return before the GPU finishes (near "
-        "ms: the step waits on launching).",
-        "",
-        "| case | provider | ms | vs native compiled | vs torchao float8 | graph replay ms | host ms | "
-        "rel. L2 vs bf16 | per Linear | weights MiB | peak MiB | first call s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for case in cases:
-        native, torchao = by.get((case, "native_compiled")), by.get((case, "torchao_fp8_compiled"))
-        for provider in FP8_TABLE_ROWS:
-            r = by.get((case, provider))
-            if r is None and provider in OPTIONAL_FP8_ROWS:
-                continue
-            if r is None or "error" in r:
-                reason = "not run" if r is None else r["error"]
-                out.append(f"| {case} | {provider} | {reason} | | | | | | | | | |")
-                continue
-            spread = f" ({r['ms_min']:.1f}-{r['ms_max']:.1f})" if "ms_min" in r else ""
-            vs_native = f"{native['ms'] / r['ms']:.2f}x" if native else "-"
-            vs_torchao = f"{torchao['ms'] / r['ms']:.2f}x" if torchao and "error" not in torchao else "-"
-            err = f"{r['rel_l2_vs_bf16']:.1e}" if "rel_l2_vs_bf16" in r else "-"
-            replay = "-"
-            if "replay_ms" in r:
-                replay = f"{r['replay_ms']:.1f} ({r['replay_ms_min']:.1f}-{r['replay_ms_max']:.1f})"
-                if torchao and "replay_ms" in torchao:
-                    replay += f", {torchao['replay_ms'] / r['replay_ms']:.2f}x"
-            host = f"{r['host_ms']:.1f}" if "host_ms" in r else "-"
-            weights = f"{r['weights_MiB']:.0f}" if "weights_MiB" in r else "not measured"
-            per_linear = r.get("per_linear_rel_l2")
-            per_linear = f"{per_linear['median']:.1e} ({per_linear['max']:.1e})" if per_linear else "-"
-            first = f"{r['first_call_s']:.0f}"
-            if "first_call_cold_s" in r:  # the row's own first call found warm caches
-                first += f" (cold: {r['first_call_cold_s']:.0f})"
-            out.append(
-                f"| {case} | {provider} | {r['ms']:.1f}{spread} | {vs_native} | {vs_torchao} | {replay} | "
-                f"{host} | {err} | "
-                f"{per_linear} | {weights} | {r['peak_MiB']:.0f} | {first} |"
-            )
-    return "\n".join(out) + "\n"
-
-
-def is_sparse_e2e(data: dict) -> bool:
-    """bench/runners/sparse_e2e.py's JSON."""
-    return any(r.get("provider") == "sparse_compiled" for r in data["rows"])
-
-
-def sparse_e2e_table(data: dict) -> str:
-    """Markdown: sparse self-attention against native compiled dense per case,
-    with the density and the accuracy cost (random and smooth latents)."""
-    env = data["env"]
-    by = {(r["case"], r["provider"]): r for r in data["rows"]}
-    out = [
-        run_line(env, f"diffusers {env.get('diffusers', '?')}") + " | bf16, batch 1, random weights, "
-        "blocks compiled in place.",
-        "",
-        "Median ms (min-max over the repeats). Errors: relative L2 to dense; attention = each layer's sparse "
-        "output against dense SDPA on the same q/k/v, median (max) over the layers; random / smooth latents.",
-        "",
-        "| case | tokens | provider | ms | vs native compiled | density | step error | attention error |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for case in dict.fromkeys(r["case"] for r in data["rows"]):
-        native = by.get((case, "native_compiled"))
-        sparse = [p for c, p in by if c == case and p.startswith("sparse")]
-        for provider in ("native_compiled", *sparse):
-            r = by.get((case, provider))
-            if r is None:
-                continue
-            speed = f"{native['ms'] / r['ms']:.2f}x" if native else "-"
-            if provider != "native_compiled":
-                att, att_s = r["attention_rel_l2"], r["attention_rel_l2_smooth"]
-                extra = (
-                    f"{r['density']:.1%} | {r['step_rel_l2']:.2e} / {r['step_rel_l2_smooth']:.2e} | "
-                    f"{att['median']:.2e} ({att['max']:.2e}) / {att_s['median']:.2e} ({att_s['max']:.2e})"
-                )
-                options = "".join(f", {k}={v!r}" for k, v in r.get("options", {}).items())
-                provider = f"{provider}, {r['preset']}{options}"
-            else:
-                extra = "100% | - | -"
-            out.append(
-                f"| {case} | {r['tokens']} | {provider} | {r['ms']:.1f} ({r['ms_min']:.1f}-{r['ms_max']:.1f}) "
-                f"| {speed} | {extra} |"
-            )
-    return "\n".join(out) + "\n"
-
-
-def is_distributed_train(data: dict) -> bool:
-    """bench/runners/distributed_train.py's JSON."""
-    return any("multi" in r for r in data["rows"])
-
-
-def compiled_summary(result: dict) -> str:
-    """bench/runners/distributed_train.py's compiled timings of a sharded run, in words."""
-    if "compile_error" in result:
-        return f"compiled: failed, {result['compile_error']}"
-    if "compiled_sharded_ms" not in result:
-        return "not compiled"
-    return f"compiled: {result['compiled_sharded_ms']:.2f} against {result['compiled_unsharded_ms']:.2f}"
-
-
-def distributed_train_table(data: dict) -> str:
-    """Markdown: FSDP2 training throughput on 1 and N GPUs, the loss
-    agreement, and the heads-sharded block's check."""
-    row, env = data["rows"][0], data["env"]
-    config, gpus = row["config"], row["gpus"]
-    batch = config["global_batch"]
-    runs = (
-        ("1 GPU, whole batch", row["single"], 1, batch),
-        ("1 GPU", row["baseline"], 1, batch // gpus),
-        (f"{gpus} GPUs", row["multi"], gpus, batch // gpus),
-    )
-    base = row["baseline"]["training"]["samples_per_s"]
-    out = [
-        run_line(env, gpus=gpus) + f" | {config['depth']} blocks of {config['dim']} wide, "
-        f"{config['heads']} heads, {config['tokens']} tokens a sample, {config['dtype']} compute, fp32 parameters "
-        f"and gradient reduction, AdamW (fused), {config['steps']} steps ({config['warmup']} untimed).",
-        "",
-        "| run | samples per GPU | ms per step | samples/s | samples/s per GPU | vs 1 GPU | peak MiB per GPU |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, run, ranks, per_rank in runs:
-        t = run["training"]
-        out.append(
-            f"| {name} | {per_rank} | {t['step_ms']:.1f} | {t['samples_per_s']:.2f} | "
-            f"{t['samples_per_s'] / ranks:.2f} | {t['samples_per_s'] / base:.2f}x | {t['peak_MiB']:.0f} |"
-        )
-    single, multi = row["single"]["training"]["losses"], row["multi"]["training"]["losses"]
-    worst = max(abs(a - b) / abs(a) for a, b in zip(single, multi))
-    heads = row["multi"]["heads_sharded"]
-    collectives = ", ".join(f"{n} x {k.split('.')[-1]}" for k, n in heads["forward_collectives"].items())
-    out += [
-        "",
-        f"Per-step losses, {gpus} GPUs against 1 GPU on the same global batch of {config['global_batch']}: "
-        f"largest relative difference {worst:.1e} over {len(single)} steps.",
-        f"Heads-sharded block (tensor parallel): forward collectives {collectives}; worst relative "
-        f"error against the unsharded block (output and every gradient) "
-        f"{max(heads['relative_errors'].values()):.1e}"
-        f"; {heads['sharded_ms']:.2f} ms forward+backward against {heads['unsharded_ms']:.2f} unsharded, eager "
-        f"({compiled_summary(heads)}).",
-    ]
-    sequence = row["multi"].get("sequence_sharded")
-    if sequence:
-        collectives = ", ".join(f"{n} x {k.split('.')[-1]}" for k, n in sequence["forward_collectives"].items())
-        out.append(
-            f"Sequence-sharded attention ([1, {config['tokens']}, {config['heads']}, "
-            f"{config['dim'] // config['heads']}]): output {sequence['output_placements']}, forward "
-            f"collectives {collectives}; worst relative error {max(sequence['relative_errors'].values()):.1e}; "
-            f"{sequence['sharded_ms']:.2f} ms forward+backward against {sequence['unsharded_ms']:.2f} on one "
-            f"GPU, eager ({compiled_summary(sequence)})."
-        )
-    if row["failures"]:
-        out += ["", "Failed: " + "; ".join(row["failures"])]
-    return "\n".join(out) + "\n"
 
 
 #: The README's headline: one end-to-end step per row, compile_ops beside what a user runs instead.
@@ -1007,7 +444,7 @@ def plot(json_path: str, png_path: str):
             ax.axhline(copy_GBps, color="black", linestyle="--", linewidth=1)
             ax.set_title(f"{op}, {title}", fontsize="medium")
             ax.set_xticks(range(len(shapes)))
-            ax.set_xticklabels([_shape(s) for s in shapes], fontsize="small")
+            ax.set_xticklabels([shape_name(s) for s in shapes], fontsize="small")
             ax.grid(axis="y", alpha=0.3)
             if col == 0:
                 ax.set_ylabel("GB/s")
@@ -1048,24 +485,32 @@ def plot(json_path: str, png_path: str):
 #: bench/run.py's op table is the fallback (:func:`doc_table`).
 RUNNER_TABLES = (
     (context_parallel.is_context_parallel, context_parallel.context_parallel_table, context_parallel.marker),
-    (is_aoti, aoti_table, lambda rows: "aoti-table"),
-    (is_compile_modes, compile_modes_table, lambda rows: "compile-modes-table"),
-    (is_distributed_train, distributed_train_table, lambda rows: "distributed-train-table"),
+    (aoti.is_aoti, aoti.aoti_table, lambda rows: "aoti-table"),
+    (aoti.is_compile_modes, aoti.compile_modes_table, lambda rows: "compile-modes-table"),
     (
-        is_sparse_e2e,
-        sparse_e2e_table,
+        distributed_train.is_distributed_train,
+        distributed_train.distributed_train_table,
+        lambda rows: "distributed-train-table",
+    ),
+    (
+        sparse_e2e.is_sparse_e2e,
+        sparse_e2e.sparse_e2e_table,
         lambda rows: "sparse-e2e-combined-table" if any(r.get("options") for r in rows) else "sparse-e2e-table",
     ),
-    (is_diffusers_e2e_int8, diffusers_e2e_int8_table, lambda rows: "diffusers-e2e-int8-table"),
-    (is_diffusers_e2e_fp8, diffusers_e2e_fp8_table, lambda rows: "diffusers-e2e-fp8-table"),
-    (is_diffusers_e2e, diffusers_e2e_table, lambda rows: "diffusers-e2e-table"),
-    (is_block_sparse, block_sparse_table, lambda rows: "block-sparse-table"),
-    (is_host, host_table, lambda rows: "host-table"),
-    (is_moe, moe_table, lambda rows: "moe-table"),
-    (is_attention_int8, attention_int8_table, lambda rows: "attention-int8-table"),
     (
-        is_attention,
-        attention_table,
+        diffusers_e2e.is_diffusers_e2e_int8,
+        diffusers_e2e.diffusers_e2e_int8_table,
+        lambda rows: "diffusers-e2e-int8-table",
+    ),
+    (diffusers_e2e.is_diffusers_e2e_fp8, diffusers_e2e.diffusers_e2e_fp8_table, lambda rows: "diffusers-e2e-fp8-table"),
+    (diffusers_e2e.is_diffusers_e2e, diffusers_e2e.diffusers_e2e_table, lambda rows: "diffusers-e2e-table"),
+    (block_sparse.is_block_sparse, block_sparse.block_sparse_table, lambda rows: "block-sparse-table"),
+    (host.is_host, host.host_table, lambda rows: "host-table"),
+    (moe.is_moe, moe.moe_table, lambda rows: "moe-table"),
+    (attention.is_attention_int8, attention.attention_int8_table, lambda rows: "attention-int8-table"),
+    (
+        attention.is_attention,
+        attention.attention_table,
         lambda rows: "attention-causal-table" if any(r.get("causal") for r in rows) else "attention-table",
     ),
 )

@@ -58,7 +58,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench.demo import DiTBlock  # noqa: E402
-from bench.report import compiled_summary  # noqa: E402
+from bench.tables.distributed_train import compiled_summary  # noqa: E402
 from bench.toolkit import environment, relative_l2, write_results  # noqa: E402
 
 

@@ -12,3 +12,8 @@ def run_line(env: dict, *versions: str, gpus: int = 1) -> str:
         dates = ", ".join(r[:16].replace("T", " ") for r in env["runs"])
         when = f"runs of {dates} UTC (each row's date in the JSON)"
     return " | ".join([gpu, f"torch {env['torch']}", f"triton {env['triton']}", *versions, when])
+
+
+def shape_name(shape) -> str:
+    """``[1, 24, 4608, 128]`` as ``1x24x4608x128``."""
+    return "x".join(str(d) for d in shape)
