@@ -10,7 +10,8 @@ builds the case's full-size model with random weights (bf16, the same
 weights on every rank), patches it in one mode, compiles its blocks in place
 (diffusers' ``compile_repeated_blocks``), turns on context parallelism, and
 times one denoising step ``--repeats`` times (CUDA events around the step
-after a barrier; the median and spread of rank 0's times).
+after a barrier; the median and spread of rank 0's times); with ``--profile``
+also rank 0's GPU time by kernel family, the collectives' among them.
 
 Modes: ``native`` (no patch: SDPA, cuDNN), ``patched`` (``compile_ops.patch``,
 exact attention), ``int8_fp8`` (``attention_precision="int8_fp8"``) and, on
@@ -51,7 +52,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from bench.runners.diffusers_models import build  # noqa: E402
-from bench.runners.diffusers_timing import compiled, diffusers_environment  # noqa: E402
+from bench.runners.diffusers_timing import compiled, diffusers_environment, profiled  # noqa: E402
 from bench.toolkit import log, relative_l2, results_path  # noqa: E402
 
 CASES = {"wan_720p": "wan_step_720p", "flux": "flux_step", "hunyuan_720p": "hunyuan_step_720p"}
@@ -172,6 +173,7 @@ def worker(args) -> None:
                 times_ms=times,
                 attention_paths=sorted({(k, p) for _, k, p in _report(model)}),
             )
+            profiled(row, step, args.profile)  # every rank profiles: the step's collectives need them all
             outputs[(case, mode)] = out.cpu()  # bf16: small enough to carry between runs
             del model, inputs, out
         except ValueError as error:  # a mode the layout refuses
@@ -224,6 +226,7 @@ def _launch(args, layout: str) -> None:
         "--cases",
         args.cases,
         *(["--modes", args.modes] if args.modes else []),
+        *(["--profile"] if args.profile else []),
         *(["--pipeline-min-mib", str(args.pipeline_min_mib)] if args.pipeline_min_mib is not None else []),
         "--repeats",
         str(args.repeats),
@@ -305,6 +308,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--tag", default=None, help="appended to the results file's name")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also each step's GPU time by kernel family and its top kernels on rank 0 (torch.profiler), "
+        "collectives included: where a split step spends what it does not save",
+    )
     p.add_argument(
         "--layouts",
         default=None,
