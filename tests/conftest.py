@@ -111,6 +111,17 @@ def _round_bf16_like_the_gpu():
 if INTERPRET:
     _round_bf16_like_the_gpu()
 
+#: COMPILE_OPS_POISON_EMPTY (tests/poison.py): the package's torch.empty & co. return NaN / 0x7F-filled
+#: tensors, so that a kernel's read of an element nobody wrote shows in its outputs. The interpreter
+#: layer only: there the kernels run on these CPU tensors (elsewhere the reference path runs, on aten).
+POISON_SCOPE = None
+if INTERPRET:
+    import poison
+
+    POISON_SCOPE = poison.scope()
+    if POISON_SCOPE is not None:
+        poison.install(POISON_SCOPE)
+
 _common = dict(
     deadline=None,
     database=None,
@@ -131,6 +142,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if HAS_CUDA els
 def pytest_configure(config):
     config.addinivalue_line("markers", "kernels: executes Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1)")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+
+
+def pytest_report_header(config):
+    if POISON_SCOPE is not None:
+        return f"poisoned allocations ({POISON_SCOPE}): torch.empty & co. filled with NaN / 0x7F bytes"
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
