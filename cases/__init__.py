@@ -26,6 +26,9 @@ from compile_ops.ops import rope as _rope_ops  # noqa: F401
 
 Shape = tuple[int, ...]
 
+#: ``torch.library.opcheck``'s tests but ``test_schema`` (see ``OpSpec.opcheck_tests``).
+OPCHECK_WITHOUT_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
 
 @dataclass(frozen=True)
 class OpSpec:
@@ -59,6 +62,12 @@ class OpSpec:
     op_name: Optional[str] = None
     """The ``torch.ops.fused`` op, when ``name`` labels one variant of it
     (``geglu_tanh`` is ``fused.geglu`` with ``approximate="tanh"``)."""
+    opcheck_tests: Optional[tuple] = None
+    """The ``test_utils`` that ``torch.library.opcheck`` runs on the op (None: all
+    of them). ``OPCHECK_WITHOUT_SCHEMA`` leaves out ``test_schema``, whose
+    check that the op mutates no input compares the inputs with
+    ``torch.allclose``, which has no float8 kernel on the CPU: for ops that
+    take float8 tensors (``fp8_rows_lora``)."""
 
     @property
     def op(self) -> torch._ops.OpOverloadPacket:
@@ -294,6 +303,18 @@ OPS: tuple[OpSpec, ...] = (
         differentiable=False,
         op_name="quantize_fp8_rows",
         bench_shapes=FP8_SHAPES[1:2],
+    ),
+    # One LoRA adapter on FP8 rows (inference only): opcheck's schema test
+    # compares float8 inputs with torch.allclose, which has no float8 CPU kernel.
+    OpSpec(
+        "fp8_rows_lora",
+        "fp8",
+        reference.fp8.fp8_rows_lora,
+        fp8.make_rows_lora,
+        fp8.rows_lora_edges,
+        differentiable=False,
+        bench_shapes=FP8_SHAPES[2:3],
+        opcheck_tests=OPCHECK_WITHOUT_SCHEMA,
     ),
     OpSpec(
         "attention",

@@ -366,6 +366,20 @@ RULES: dict[str, Rule] = {
     ),
     # ------------------------------------------------------------ fp8
     "quantize_fp8_rows": _rows_rule({"x": leading_dims, "head": leading_dims}, (_ROW_OUT, _ROW_OUT)),
+    # One LoRA adapter on FP8 rows: each output row reads its own rows of result, q and
+    # scale, and the whole (replicated) adapter.
+    "fp8_rows_lora": _rows_rule(
+        {
+            "result": leading_dims,
+            "q": leading_dims,
+            "scale": row_statistics,
+            "lora_a": replicated,
+            "lora_b": replicated,
+            "scaling_tensor": replicated,
+        },
+        (Out("result", leading_dims),),
+        primary="result",
+    ),
     # ------------------------------------------------------------ moe
     # Routing runs replicated (x gathered): token shards would give correct
     # probs, weights and experts (row-wise) and counts (a Partial sum), but

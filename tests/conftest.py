@@ -65,7 +65,7 @@ concurrent_programs_only = pytest.mark.skipif(
 
 
 def _round_bf16_like_the_gpu():
-    """Make triton 3.6's interpreter round the two downcasts it gets wrong the way the GPU does.
+    """Make triton 3.6's interpreter do the three float casts it gets wrong the way the GPU does.
 
     - fp32 -> bf16: the interpreter truncates (0.569 -> 0.5664) where the GPU
       rounds to nearest even (-> 0.5703), even with an explicit
@@ -77,6 +77,8 @@ def _round_bf16_like_the_gpu():
       nearest even, saturates finite overflow to +-448 and keeps NaN: torch's
       float8_e4m3fn conversion after a clamp to [-448, 448] (which makes the
       saturation explicit instead of relying on torch's overflow rule).
+    - fp8e4nv -> fp32, fp16 or bf16 (``fp8_rows_lora`` reading codes): the
+      interpreter reads the NaN codes as +-480; torch's exact conversion.
 
     Only these casts are patched, so that CPU runs of the kernels produce the
     GPU's bits; every other cast is left to the interpreter."""
@@ -93,8 +95,20 @@ def _round_bf16_like_the_gpu():
         return truncating_cast(self, src, dst_type)
 
     misrounding_fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+    widened = {
+        tl.float32: (torch.float32, None),
+        tl.float16: (torch.float16, None),
+        tl.bfloat16: (torch.bfloat16, np.uint16),
+    }
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float8e4nv and dst_type.scalar in widened:
+            # e4m3 -> wider: exact, but the interpreter reads the NaN codes (0x7f, 0xff) as +-480.
+            dtype, bits = widened[dst_type.scalar]
+            codes = torch.from_numpy(np.ascontiguousarray(src.data).view(np.uint8)).view(torch.float8_e4m3fn)
+            wide = codes.to(dtype)
+            data = wide.view(torch.int16).numpy().view(bits) if bits is not None else wide.numpy()
+            return interpreter.TensorHandle(data, dst_type.scalar)
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
             # The interpreter's fp32 -> e4m3 convert misrounds (-7.8248 -> -4.0 where
             # the GPU's cvt.rn.satfinite gives -8.0). Round to nearest even with

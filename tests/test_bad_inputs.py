@@ -91,6 +91,11 @@ def _fp8_weight(device, n):
     return quantize_fp8_rows(_t(4, n, device=device))
 
 
+def _fp8_rows(device, n):
+    """FP8 rows ``[2, 3, n]`` of the quantize op (the reference path on a CPU, its kernel under the interpreter)."""
+    return quantize_fp8_rows(_hidden(device, n))
+
+
 CALLS = [
     Call(
         "rmsnorm",
@@ -506,6 +511,28 @@ CALLS = [
         dict(x="tensor", bias="tensor?", fast_accum="bool", weight_scale="tensor"),
     ),
     Call(
+        "fp8_rows_lora",
+        _fn_call(
+            compile_ops.fp8_rows_lora,
+            result=lambda d, n: _t(2, 3, 6, device=d),
+            q=lambda d, n: _fp8_rows(d, n).q,
+            scale=lambda d, n: _fp8_rows(d, n).scale,
+            lora_a=lambda d, n: _t(4, n, device=d),
+            lora_b=lambda d, n: _t(6, 4, device=d),
+            scaling=0.5,
+            scaling_tensor=lambda d, n: torch.full((), 2.0, device=d),
+        ),
+        dict(
+            result="tensor",
+            q="tensor",
+            scale="tensor",
+            lora_a="tensor",
+            lora_b="tensor",
+            scaling="float",
+            scaling_tensor="tensor?",
+        ),
+    ),
+    Call(
         "FP8Linear",
         _fn_call(compile_ops.FP8Linear, in_features=lambda d, n: n, out_features=4, bias=True, fast_accum=True),
         dict(in_features="int", out_features="int", bias="bool", fast_accum="bool"),
@@ -606,6 +633,7 @@ INTERPRETED = [
     "attention",
     "moe_route",
     "quantize_fp8_rows",
+    "fp8_rows_lora",
     "block_sparse_attention",
 ]
 _BY_NAME = {call.name: call for call in CALLS}

@@ -13,9 +13,9 @@ The backward goes through autograd's registered formulas, so every
 ``fused.*_backward`` op runs on DTensors too.
 
 Here: the row-wise families (norms, modulation, gated residuals, GLUs, FP8 row
-quantization), RoPE, MoE routing, unused outputs and a 2-D mesh. Attention
-(dense, 8-bit, block-sparse, sequence shards through Ulysses, under
-torch.compile) is in test_distributed_attention.py.
+quantization and a LoRA adapter on FP8 rows), RoPE, MoE routing, unused outputs
+and a 2-D mesh. Attention (dense, 8-bit, block-sparse, sequence shards through
+Ulysses, under torch.compile) is in test_distributed_attention.py.
 
 "Not local" cases shard a dim the op cannot split (the channel dim, the head
 dim, grid RoPE's sequence): the result must still be right (DTensor
@@ -342,6 +342,16 @@ def _quantize_fp8(x, activation="none"):
     return _as_floats(compile_ops.quantize_fp8_rows(x, activation))
 
 
+def _rows_lora(result, x, lora_a, lora_b, scaling_tensor):
+    """One LoRA adapter on the FP8 rows of x, quantized on the DTensors (the cases distribute float tensors)."""
+    q, scale = compile_ops.quantize_fp8_rows(x)
+    return compile_ops.fp8_rows_lora(result, q, scale, lora_a, lora_b, 0.5, scaling_tensor)
+
+
+def _rows_lora_inputs():
+    return torch.randn(B, L, C), torch.randn(B, L, C), torch.randn(4, C), torch.randn(C, 4), torch.tensor(2.0)
+
+
 def _moe_cases():
     """Routing runs on whole tensors (its rule, compile_ops/distributed.py:
     token_index lists global token ids): token shards are gathered and every
@@ -388,6 +398,14 @@ def _cases():
             lambda: (torch.randn(B, L, C), torch.randn(B, L, C // 2)),
             (Shard(d), Shard(d)),
             (Shard(d), Shard(d)),
+        )
+        # Row-wise: result, q and scale follow x's rows, the adapter is replicated.
+        yield Case(
+            f"fp8_rows_lora/{axis}",
+            _rows_lora,
+            _rows_lora_inputs,
+            (Shard(d), Shard(d), R, R, R),
+            (Shard(d),),
         )
         sample = Shard(0) if d == 0 else R
         yield Case(

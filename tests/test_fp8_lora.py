@@ -546,3 +546,20 @@ def test_a_lora_that_would_grow_an_fp8_linear_is_refused_before_anything_changes
     assert pipe.transformer.x_embedder.in_features == 4 and pipe.transformer.config.in_channels == 4
     assert not any(isinstance(m, BaseTunerLayer) for m in pipe.transformer.modules())
     torch.testing.assert_close(_out(pipe.transformer, args), want, rtol=0, atol=0)
+
+
+def test_inference_runs_each_lora_layer_as_the_rows_op(monkeypatch):
+    """Under ``torch.no_grad`` every FP8LoraLinear of a patched model adds its
+    adapter with ``fused.fp8_rows_lora`` (tests/test_fp8_rows_lora.py checks
+    each condition of the choice, and peft's path where the op cannot serve)."""
+    from compile_ops.integrations import peft as fp8_peft
+
+    calls = []
+    op = fp8_peft.fp8_rows_lora
+    monkeypatch.setattr(fp8_peft, "fp8_rows_lora", lambda *args: calls.append(args) or op(*args))
+    model, args = _model("flux")
+    patched, _ = _patched(model)
+    patched.load_lora_adapter(_lora_state_dict(model, seed=2), prefix=None, adapter_name="style")
+    layers = [m for m in patched.modules() if isinstance(m, FP8LoraLinear)]
+    _out(patched, args)
+    assert len(calls) == len(layers) > 0

@@ -45,7 +45,10 @@ def test_opcheck(spec, dtype, device):
     with_grad = spec.differentiable and dtype == torch.float32
     for requires_grad in [False, True] if with_grad else [False]:
         for args in spec.edge_inputs(dtype, device, requires_grad):
-            torch.library.opcheck(spec.op, args)
+            if spec.opcheck_tests is None:
+                torch.library.opcheck(spec.op, args)
+            else:
+                torch.library.opcheck(spec.op, args, test_utils=spec.opcheck_tests)
 
 
 @pytest.mark.parametrize("device", DEVICES)

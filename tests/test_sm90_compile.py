@@ -412,3 +412,23 @@ def test_8bit_rounding_keeps_the_product_out_of_an_fma():
         )
         checked += any(line.startswith("add") for line in bias_lines)
     assert checked >= 2, "no kernel rounded by the bias: the check looked at nothing"
+
+
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_fp8_rows_lora_kernels_compile_for_sm90_with_ieee_and_tf32_dots(precision):
+    """``fused.fp8_rows_lora``'s two kernels with fp32 adapters at both of torch's
+    fp32 matmul settings (IEEE dots at "highest", TF32 dots otherwise; fp16
+    adapters take neither), with their int arguments as arguments and as
+    constants (Inductor may pass a static K, N or split count)."""
+    spec = next(s for s in OPS if s.name == "fp8_rows_lora")
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        launches = _launches(spec, torch.float32)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    names = {kernel.fn.__name__ for kernel, _, _ in launches.values()}
+    assert names == {"lora_down_kernel", "lora_up_kernel"}
+    ieee = {constants["IEEE"] for _, _, constants in launches.values()}
+    assert ieee == ({True, False} if precision == "highest" else {False})
+    _compile_with_constant_ints(launches.values())

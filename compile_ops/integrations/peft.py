@@ -54,9 +54,10 @@ from peft.tuners.lora.model import LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import Tensor, nn
 
+from compile_ops.meta.fp8 import LORA_DTYPES
 from compile_ops.modules.fp8 import FP8Linear
 from compile_ops.modules.hooks import must_call
-from compile_ops.ops.fp8 import FP8Rows, quantize_fp8_rows
+from compile_ops.ops.fp8 import FP8Rows, fp8_rows_lora, quantize_fp8_rows
 
 #: ``init_lora_weights`` values that do not read the base layer's weight.
 PLAIN_INITS = (True, False, "gaussian")
@@ -129,6 +130,12 @@ class FP8LoraLinear(LoraLinear):
     ``[..., out_features]``, x's dtype (the FP8Linear's ``out_dtype`` for
     rows).
 
+    How an adapter runs: in inference (nothing to differentiate, dropout
+    inactive, no ``lora_bias``, no per-sample adapters, unhooked Linears, B in
+    the output's dtype) as one :func:`~compile_ops.fp8_rows_lora` op, which
+    reads the FP8 codes and never writes the dequantized rows; otherwise as
+    peft's Linears on ``q * scale`` (:meth:`_rows_op_scalings` decides).
+
     Why the adapters read the quantized rows: the producers' FP8 epilogues
     (the AdaLN norms, the GELU, attention) then write one output for the
     whole layer, where unquantized adapters need a 16-bit copy written and
@@ -177,20 +184,21 @@ class FP8LoraLinear(LoraLinear):
 
     def _forward_rows(self, rows: FP8Rows, *args: Any, adapter_names: Optional[list] = None, **kwargs: Any) -> Tensor:
         """``forward`` of already-quantized rows ``q [B, ..., K]``: the adapters
-        read ``q * scale``; ``adapter_names`` (one per sample, peft's mixed
-        batches) picks each sample's adapter."""
+        read ``q * scale``, through ``fused.fp8_rows_lora`` where
+        :meth:`_rows_op_scalings` allows it; ``adapter_names`` (one per sample,
+        peft's mixed batches) picks each sample's adapter."""
         if self.disable_adapters and self.merged:
             self.unmerge()
         result = self.base_layer(rows, *args, **kwargs)
         if self.disable_adapters or self.merged:
             return result
-        x = rows.q.float() * rows.scale.float().unsqueeze(-1)
+        x = None  # the rows dequantized, for the adapters that take peft's path
         if adapter_names is None:
             groups = [(adapter, None) for adapter in self.active_adapters]
         else:
-            if len(adapter_names) != x.shape[0]:
+            if len(adapter_names) != rows.q.shape[0]:
                 raise ValueError(
-                    f"adapter_names must name one adapter per sample: got {len(adapter_names)} for {x.shape[0]}"
+                    f"adapter_names must name one adapter per sample: got {len(adapter_names)} for {rows.q.shape[0]}"
                 )
             groups = [
                 (adapter, [i for i, name in enumerate(adapter_names) if name == adapter])
@@ -202,6 +210,12 @@ class FP8LoraLinear(LoraLinear):
             if adapter not in self.lora_A:
                 continue
             lora_a, lora_b = self.lora_A[adapter], self.lora_B[adapter]
+            scalings = None if samples is not None else self._rows_op_scalings(adapter, rows, result)
+            if scalings is not None:
+                result = fp8_rows_lora(result, rows.q, rows.scale, lora_a.weight, lora_b.weight, *scalings)
+                continue
+            if x is None:
+                x = rows.q.float() * rows.scale.float().unsqueeze(-1)
             inputs = self.lora_dropout[adapter]((x if samples is None else x[samples]).to(lora_a.weight.dtype))
             if (
                 samples is None
@@ -221,6 +235,44 @@ class FP8LoraLinear(LoraLinear):
             else:
                 result[samples] += delta.to(out_dtype)
         return result.to(out_dtype)
+
+    def _rows_op_scalings(self, adapter: str, rows: FP8Rows, result: Tensor) -> Optional[tuple]:
+        """``(scaling, scaling_tensor)`` for :func:`~compile_ops.fp8_rows_lora` when
+        ``adapter`` can run as that op on ``rows`` (added to ``result``), else
+        None (peft's path: dequantized rows, ``lora_A`` and B's ``addmm``).
+
+        The op needs: no gradient to record (inference), no active dropout, no
+        ``lora_bias``, plain Linears whose calls are not hooked (an offloading
+        hook moves a weight when its module is called, so a hooked module is
+        called), B in result's dtype, on result's device. A hotswap-ready
+        adapter's scaling (a 0-dim tensor, peft's ``enable_lora_hotswap``) is
+        passed as the tensor, so a swap changes no constant of a compiled graph.
+        Per-sample adapters (``adapter_names``) never come here."""
+        lora_a, lora_b, dropout = self.lora_A[adapter], self.lora_B[adapter], self.lora_dropout[adapter]
+        if not (isinstance(lora_a, nn.Linear) and isinstance(lora_b, nn.Linear)):
+            return None
+        if lora_a.bias is not None or lora_b.bias is not None or must_call(lora_a) or must_call(lora_b):
+            return None
+        if not (isinstance(dropout, nn.Identity) or isinstance(dropout, nn.Dropout) and not dropout.training):
+            return None
+        a, b = lora_a.weight, lora_b.weight
+        if b.dtype != result.dtype or a.dtype != b.dtype or a.dtype not in LORA_DTYPES:
+            return None
+        if a.device != result.device or b.device != result.device:
+            return None
+        scaling = self.scaling[adapter]
+        if isinstance(scaling, Tensor):
+            if scaling.dim() != 0 or not scaling.is_floating_point() or scaling.device != result.device:
+                return None
+            scalings = (1.0, scaling)
+        elif isinstance(scaling, (int, float)) and not isinstance(scaling, bool):
+            scalings = (float(scaling), None)
+        else:
+            return None
+        tensors = (a, b, result, rows.q, rows.scale, scalings[1])
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+            return None
+        return scalings
 
     def _delta_fp32(self, adapter: str) -> Tensor:
         """``scaling * B @ A`` of ``adapter``, ``[out_features, in_features]`` fp32."""

@@ -34,6 +34,15 @@ through before the next Linear (``ACT``: GELU, tanh GELU or SiLU of each
 element, rounded to the input's dtype as the unquantized activation would
 write it, then quantized): an MLP's hidden activation is read once and never
 written in 16 bits.
+
+One LoRA adapter on FP8 rows (``fused.fp8_rows_lora``, specified by
+``reference.fp8.fp8_rows_lora``) is two launches: :func:`lora_down_kernel`
+sums ``q @ A.T`` over a slice of K per program (the codes converted to the
+adapters' dtype in registers, exactly: the dequantized rows are never
+written) into fp32 partial sums, and :func:`lora_up_kernel` adds the slices
+in a fixed order, applies the row's scale and the scaling, rounds to the
+adapters' dtype once, and adds ``h @ B.T`` to the result tile. No atomics:
+the same bits every run.
 """
 
 import triton
@@ -299,3 +308,123 @@ def quantize_fp8_rows_kernel(
         row_mask = rows < n_rows
         blocks = _load_held_rows(rows, row_mask, segments, BLOCK_N, CHUNKS, HEAD_CHUNKS)
         _quantize_held_rows(Q, S, rows, row_mask, blocks, K, K_HEAD, ACT, BLOCK_M, BLOCK_N, CHUNKS, HEAD_CHUNKS)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a @ b`` in fp32; IEEE: fp32 operands multiplied as fp32 ("ieee"),
+    not on TF32 tensor cores (torch's fp32 matmul precision says which)."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def lora_down_kernel(
+    Q,
+    A,
+    PARTIAL,
+    n_rows,
+    K,
+    k_per_split,
+    stride_q_row,
+    stride_q_col,
+    stride_a_rank,
+    stride_a_col,
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """``PARTIAL[split, rows, :R] = Q[rows, cols] @ A[:, cols].T`` in fp32 over the
+    split's ``k_per_split`` columns (a multiple of BLOCK_K): one program per
+    (tile of BLOCK_M rows, split). The e4m3 codes become A's dtype in
+    registers (exact: every e4m3 value is a bf16, fp16 and fp32 value); the
+    row scales are applied after the sum, by :func:`lora_up_kernel`.
+    PARTIAL is ``[splits, n_rows, R]`` fp32, contiguous."""
+    rows = _tile_rows(tl.program_id(0), BLOCK_M)
+    row_mask = rows < n_rows
+    split = tl.cast(tl.program_id(1), tl.int64)
+    ranks = tl.arange(0, BLOCK_R)
+    rank_mask = ranks < R
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_mask = cols < k_end
+        codes = tl.load(
+            Q + _tile(rows, cols, stride_q_row, stride_q_col), mask=row_mask[:, None] & col_mask[None, :], other=0.0
+        )
+        a_t = tl.load(  # [BLOCK_K, BLOCK_R]: A's tile transposed
+            A + _tile(cols, ranks, stride_a_col, stride_a_rank),
+            mask=col_mask[:, None] & rank_mask[None, :],
+            other=0.0,
+        )
+        acc = _dot(codes.to(A.dtype.element_ty), a_t, acc, IEEE)
+    out_rows = split * n_rows + rows
+    tl.store(PARTIAL + _tile(out_rows, ranks, R, 1), acc, mask=row_mask[:, None] & rank_mask[None, :])
+
+
+@triton.jit
+def lora_up_kernel(
+    RESULT,
+    OUT,
+    PARTIAL,
+    S,
+    B,
+    SCALING,
+    scaling,
+    n_rows,
+    N,
+    splits,
+    cols_per_program,
+    stride_result_row,
+    stride_result_col,
+    stride_s,
+    stride_b_col,
+    stride_b_rank,
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_SCALING_TENSOR: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """``OUT[rows, cols] = RESULT[rows, cols] + h @ B[cols].T`` with ``h = (sum over
+    splits of PARTIAL[:, rows]) * (S[rows] * s)`` rounded to B's dtype, ``s =
+    fp32(scaling) * SCALING[()]`` (HAS_SCALING_TENSOR) or ``fp32(scaling)``:
+    one program per (tile of BLOCK_M rows, ``cols_per_program`` columns, a
+    multiple of BLOCK_N), which sums its rows' partials in split order once
+    and loops over its column tiles. OUT is contiguous ``[n_rows, N]``."""
+    rows = _tile_rows(tl.program_id(0), BLOCK_M)
+    row_mask = rows < n_rows
+    ranks = tl.arange(0, BLOCK_R)
+    rank_mask = ranks < R
+    down = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for split in range(0, splits):
+        part_rows = tl.cast(split, tl.int64) * n_rows + rows  # int64: splits * n_rows may pass 2**31
+        down += tl.load(PARTIAL + _tile(part_rows, ranks, R, 1), mask=row_mask[:, None] & rank_mask[None, :], other=0.0)
+    # Inductor may pass the Python float as fp64: the factor is fp32, as the reference's.
+    s = tl.cast(scaling, tl.float32)
+    if HAS_SCALING_TENSOR:
+        s = s * tl.load(SCALING).to(tl.float32)
+    row_factor = tl.load(S + rows * stride_s, mask=row_mask, other=0.0) * s
+    h = (down * row_factor[:, None]).to(B.dtype.element_ty)
+    col_start = tl.cast(tl.program_id(1), tl.int64) * cols_per_program
+    col_end = tl.minimum(col_start + cols_per_program, N)
+    for n0 in range(col_start, col_end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_mask = cols < col_end
+        b_t = tl.load(  # [BLOCK_R, BLOCK_N]: B's tile transposed
+            B + _tile(ranks, cols, stride_b_rank, stride_b_col),
+            mask=rank_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        delta = _dot(h, b_t, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
+        mask = row_mask[:, None] & col_mask[None, :]
+        res = tl.load(RESULT + _tile(rows, cols, stride_result_row, stride_result_col), mask=mask, other=0.0)
+        out = res.to(tl.float32) + delta
+        tl.store(OUT + _tile(rows, cols, N, 1), out.to(OUT.dtype.element_ty), mask=mask)

@@ -100,3 +100,62 @@ def check_linear(
     for argname, t in (("weight_q", weight_q), ("weight_scale", weight_scale), ("bias", bias)):
         if t is not None and t.device != x.device:
             _linear_fail(f"{argname} is on {t.device} but x is on {x.device}; all tensors must share a device")
+
+
+#: The adapters' dtypes of ``fused.fp8_rows_lora`` (the kernels' dot operands; fp64 has none).
+LORA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def fp8_rows_lora(
+    result: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float = 1.0,
+    scaling_tensor: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``result [..., N]`` (floating), ``q [..., K]`` float8_e4m3fn with result's
+    leading dims, ``scale [...]`` float32 (one per row of q), ``lora_a [r, K]``
+    and ``lora_b [N, r]`` of one dtype (fp16, bf16 or fp32), ``scaling_tensor``
+    a 0-dim floating tensor or None, all on result's device. Returns the
+    output, ``[..., N]`` contiguous in result's dtype."""
+    op = "fp8_rows_lora"
+    check_rows(op, "result", result)
+    if not isinstance(q, torch.Tensor):
+        fail(op, f"q must be a torch.Tensor, got {type(q).__name__}", TypeError)
+    if q.dtype != torch.float8_e4m3fn:
+        fail(op, f"q must be float8_e4m3fn (the FP8 rows' codes), got {q.dtype}", TypeError)
+    if q.dim() != result.dim() or tuple(q.shape[:-1]) != tuple(result.shape[:-1]):
+        fail(op, f"q must be [..., K] with result's leading dims {list(result.shape[:-1])}, got {list(q.shape)}")
+    if not isinstance(scale, torch.Tensor):
+        fail(op, f"scale must be a torch.Tensor, got {type(scale).__name__}", TypeError)
+    if scale.dtype != torch.float32:
+        fail(op, f"scale must be float32 (the FP8 rows' scales), got {scale.dtype}", TypeError)
+    if tuple(scale.shape) != tuple(q.shape[:-1]):
+        fail(op, f"scale must be {list(q.shape[:-1])} (one per row of q {list(q.shape)}), got {list(scale.shape)}")
+    for argname, t in (("lora_a", lora_a), ("lora_b", lora_b)):
+        check_floating(op, argname, t)
+        if t.dtype not in LORA_DTYPES:
+            fail(op, f"{argname} must be float16, bfloat16 or float32, got {t.dtype}", TypeError)
+        if t.dim() != 2:
+            fail(op, f"{argname} must be 2-D, got {list(t.shape)}")
+    if lora_b.dtype != lora_a.dtype:
+        fail(op, f"lora_b must have lora_a's dtype {lora_a.dtype} (one adapter dtype), got {lora_b.dtype}", TypeError)
+    k, n, r = q.shape[-1], result.shape[-1], lora_a.shape[0]
+    if lora_a.shape[1] != k:
+        fail(op, f"lora_a must be [r, {k}] (K = q's last dim), got {list(lora_a.shape)}")
+    if tuple(lora_b.shape) != (n, r):
+        fail(
+            op,
+            f"lora_b must be [{n}, {r}] (N = result's last dim, r = lora_a's rank), got {list(lora_b.shape)}: "
+            "the rank of lora_a and lora_b must match",
+        )
+    if scaling_tensor is not None:
+        check_floating(op, "scaling_tensor", scaling_tensor)
+        if scaling_tensor.dim() != 0:
+            fail(op, f"scaling_tensor must be a 0-dim tensor or None, got shape {list(scaling_tensor.shape)}")
+    check_same_device(
+        op, result, "result", q=q, scale=scale, lora_a=lora_a, lora_b=lora_b, scaling_tensor=scaling_tensor
+    )
+    return torch.empty(result.shape, dtype=result.dtype, device=result.device)

@@ -1,4 +1,5 @@
-"""The fp8 family: ``fused.quantize_fp8_rows`` and the FP8 GEMM of rowwise-quantized operands.
+"""The fp8 family: ``fused.quantize_fp8_rows``, the FP8 GEMM of rowwise-quantized operands,
+and ``fused.fp8_rows_lora``, one LoRA adapter on FP8 rows.
 
 Inference only. An FP8 Linear has no useful gradient (the weight is not a
 parameter any more, and e4m3 rounding is flat almost everywhere), so a call
@@ -28,10 +29,10 @@ from torch import Tensor
 
 from compile_ops import _library, meta, reference
 from compile_ops._library import fused_op, launcher, register_no_gradient
-from compile_ops.kernels.fp8 import quantize_fp8_rows_kernel
+from compile_ops.kernels.fp8 import lora_down_kernel, lora_up_kernel, quantize_fp8_rows_kernel
 from compile_ops.kernels.glu import ACTIVATION_CODES
 from compile_ops.meta._validate import checked_arguments
-from compile_ops.ops._launch import as_rows
+from compile_ops.ops._launch import as_rows, dot_precision
 
 #: FP8 tensor cores: sm_89 (Ada) and newer, sm_90 (Hopper) among them.
 FP8_CAPABILITY = _library.FP8_MMA
@@ -310,3 +311,155 @@ def fp8_linear(
     else:
         out = reference.fp8.fp8_linear(q, scale, weight_q, weight_scale, bias, out_dtype)
     return out.reshape(*lead, n)
+
+
+#: Launch configuration of ``fused.fp8_rows_lora`` (not swept yet: docs/notes/fp8.md,
+#: "LoRA on FP8 models"). The down projection's K is split in slices of about
+#: LORA_SPLIT_COLUMNS columns (at most LORA_MAX_SPLITS), one program per slice and
+#: tile of rows, so that a few thousand rows still fill the GPU; the up
+#: projection gives a program LORA_COLUMNS_PER_PROGRAM output columns of a row
+#: tile, so that each program sums its rows' partials once for several tiles.
+LORA_SPLIT_COLUMNS = 1024
+LORA_MAX_SPLITS = 16
+LORA_BLOCK_K = 128
+LORA_BLOCK_N = 64
+LORA_COLUMNS_PER_PROGRAM = 512
+
+
+class LoraLaunch(NamedTuple):
+    """``fused.fp8_rows_lora``'s two launches for rank r, K and N: BLOCK_M rows a
+    tile (fewer for wide ranks, whose ``[BLOCK_M, BLOCK_R]`` fp32 sums a program
+    holds), ``splits`` slices of ``k_per_split`` columns (a multiple of
+    LORA_BLOCK_K; none empty)."""
+
+    block_m: int
+    block_r: int
+    splits: int
+    k_per_split: int
+
+
+def lora_launch(r: int, k: int) -> LoraLaunch:
+    """:class:`LoraLaunch` of rank ``r`` and ``k`` input columns (channel dims only:
+    no row count, so a traced graph's launch does not depend on the sequence length)."""
+    block_r = max(16, triton.next_power_of_2(r))  # tl.dot takes dims of 16 and up
+    block_m = max(16, min(64, 4096 // block_r))
+    splits = max(1, min(LORA_MAX_SPLITS, triton.cdiv(k, LORA_SPLIT_COLUMNS)))
+    k_per_split = triton.cdiv(triton.cdiv(max(k, 1), splits), LORA_BLOCK_K) * LORA_BLOCK_K
+    return LoraLaunch(block_m, block_r, triton.cdiv(max(k, 1), k_per_split), k_per_split)
+
+
+@fused_op("fp8_rows_lora", fake=meta.fp8.fp8_rows_lora, reference=reference.fp8.fp8_rows_lora)
+def _fp8_rows_lora(
+    result: Tensor,
+    q: Tensor,
+    scale: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scaling: float = 1.0,
+    scaling_tensor: Optional[Tensor] = None,
+) -> Tensor:
+    out = meta.fp8.fp8_rows_lora(result, q, scale, lora_a, lora_b, scaling, scaling_tensor)
+    _library.refuse_interpreted_bf16_dots("fp8_rows_lora", lora_a=lora_a)
+    n, k, r = result.shape[-1], q.shape[-1], lora_a.shape[0]
+    # Rows by count: reshape(-1, 0) of an empty row is ambiguous.
+    n_rows = scale.numel()
+    result2, q2, scale2 = result.reshape(n_rows, n), q.reshape(n_rows, k), scale.reshape(n_rows)
+    if n_rows == 0 or n == 0:
+        return out
+    launch = lora_launch(r, k)
+    ieee = lora_a.dtype == torch.float32 and dot_precision(torch.float32) == "ieee"
+    partial = torch.empty((launch.splits, n_rows, r), dtype=torch.float32, device=result.device)
+    row_tiles = triton.cdiv(n_rows, launch.block_m)
+    launcher(lora_down_kernel)[(row_tiles, launch.splits)](
+        q2,
+        lora_a,
+        partial,
+        n_rows,
+        k,
+        launch.k_per_split,
+        q2.stride(0),
+        q2.stride(1),
+        lora_a.stride(0),
+        lora_a.stride(1),
+        R=r,
+        BLOCK_M=launch.block_m,
+        BLOCK_K=LORA_BLOCK_K,
+        BLOCK_R=launch.block_r,
+        IEEE=ieee,
+        num_warps=4,
+    )
+    # An int scaling would reach triton as a specialized constant: a float, always.
+    scaling = float(scaling) if isinstance(scaling, int) else scaling
+    launcher(lora_up_kernel)[(row_tiles, triton.cdiv(n, LORA_COLUMNS_PER_PROGRAM))](
+        result2,
+        out,
+        partial,
+        scale2,
+        lora_b,
+        result2 if scaling_tensor is None else scaling_tensor,  # not read without one
+        scaling,
+        n_rows,
+        n,
+        launch.splits,
+        LORA_COLUMNS_PER_PROGRAM,
+        result2.stride(0),
+        result2.stride(1),
+        scale2.stride(0),
+        lora_b.stride(0),
+        lora_b.stride(1),
+        R=r,
+        BLOCK_M=launch.block_m,
+        BLOCK_N=LORA_BLOCK_N,
+        BLOCK_R=launch.block_r,
+        HAS_SCALING_TENSOR=scaling_tensor is not None,
+        IEEE=ieee,
+        num_warps=4,
+    )
+    return out
+
+
+register_no_gradient(_fp8_rows_lora, f"fused.fp8_rows_lora: {INFERENCE_ONLY}")
+
+
+@checked_arguments
+def fp8_rows_lora(
+    result: Tensor,
+    q: Tensor,
+    scale: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scaling: float = 1.0,
+    scaling_tensor: Optional[Tensor] = None,
+) -> Tensor:
+    """``result + B(round(scaling * A(q * scale)))``: one LoRA adapter added to the
+    output of an FP8 GEMM, reading the GEMM's FP8 rows (inference only).
+
+    Args:
+        result: ``[..., N]`` (bf16, fp16 or fp32; fp64 read as fp32): the FP8
+            GEMM's output for these rows.
+        q: ``[..., K]`` float8_e4m3fn with result's leading dims, and
+        scale: ``[...]`` fp32: the rows (:class:`FP8Rows`), ``x ~ q * scale[..., None]``.
+        lora_a: ``[r, K]``, the down projection's weight (peft's ``lora_A``),
+            fp16, bf16 or fp32 (the adapters' dtype).
+        lora_b: ``[N, r]`` in lora_a's dtype, the up projection's weight (``lora_B``).
+        scaling: the adapter's scale (``lora_alpha / r``, times a weight of ``set_adapters``).
+        scaling_tensor: a 0-dim floating tensor multiplying ``scaling``, or
+            None: a scale that can change without recompiling a graph
+            (peft's scalings of hotswap-ready adapters are such tensors).
+
+    Returns:
+        ``[..., N]`` in result's dtype, contiguous. ``A(q * scale)`` is summed in
+        fp32 from the codes (the rows are never dequantized in memory), times
+        the row's scale and the scaling in fp32, rounded once to the adapters'
+        dtype, and ``B``'s product summed in fp32 and added to result in fp32
+        before the one rounding to result's dtype:
+        ``compile_ops/reference/fp8.py`` (``fp8_rows_lora``) specifies each rounding.
+
+    Non-finite values: a row with a NaN code or a NaN scale gives a NaN output
+    row (rows that :func:`quantize_fp8_rows` wrote from +-inf hold NaN codes);
+    NaN and +-inf in result stay where they are.
+
+    Raises a RuntimeError when an input requires grad under grad mode (inference only).
+    """
+    refuse_gradient("fp8_rows_lora", result, q, scale, lora_a, lora_b, scaling_tensor)
+    return _fp8_rows_lora(result, q, scale, lora_a, lora_b, scaling, scaling_tensor)

@@ -107,3 +107,47 @@ def fp8_linear(
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
+
+
+def fp8_rows_lora(
+    result: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float = 1.0,
+    scaling_tensor: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One LoRA adapter on FP8 rows: ``result + B(h)``, ``result [..., N]``,
+    ``q [..., K]`` float8_e4m3fn, ``scale [...]`` fp32, ``lora_a [r, K]`` and
+    ``lora_b [N, r]`` in the adapters' dtype; ``[..., N]`` in result's dtype.
+
+    The roundings, in order (the kernels make the same ones):
+
+    1. ``down = q @ A.T``, the codes read as they are (not dequantized) and
+       summed in fp32: each product is exact for 16-bit adapters (a 4-bit
+       code times a 16-bit value), rounded once in fp32 for fp32 adapters.
+    2. ``h = down * (scale * s)`` in fp32, ``s = fp32(scaling) * fp32(scaling_tensor)``
+       (``scaling_tensor`` absent: ``fp32(scaling)``): the row's scale and the
+       adapter's scaling applied once to the rank-r product, not to the K
+       dequantized values; then rounded ONCE to the adapters' dtype (what
+       ``lora_a``'s output would be).
+    3. ``result + h @ B.T``: the up projection summed in fp32 (products exact
+       for 16-bit adapters), added to result read in fp32, rounded once to
+       result's dtype.
+
+    Non-finite values: a NaN code or scale makes its row's h NaN, so the
+    output row is NaN (as the dequantized rows ``q * scale`` would make it);
+    a scale of +inf multiplies the row's ``down`` (``quantize_fp8_rows``
+    writes such rows with NaN codes, so they are NaN throughout); NaN and
+    +-inf in result stay where they are."""
+    lead, k, n = q.shape[:-1], q.shape[-1], lora_b.shape[0]
+    m = scale.numel()  # rows by count: reshape(-1, 0) of an empty row is ambiguous
+    down = q.reshape(m, k).float() @ lora_a.float().T  # [M, r] fp32
+    s = torch.tensor(float(scaling), dtype=torch.float32, device=q.device)
+    if scaling_tensor is not None:
+        s = s * scaling_tensor.float()
+    factor = scale.reshape(-1, 1).float() * s
+    h = (down * factor).to(lora_a.dtype)
+    out = result.reshape(m, n).float() + h.float() @ lora_b.float().T
+    return out.to(result.dtype).reshape(*lead, n)
