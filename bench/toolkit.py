@@ -282,7 +282,7 @@ KERNEL_FAMILIES = (
     ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|_scaled_mm|sm90_.*_tn|splitK"),
     ("attention", r"flash|fmha|cudnn|attn|sdpa"),
     ("collective", r"nccl|all_?to_?all|all_?gather|all_?reduce|reduce_?scatter"),
-    ("compile_ops", r"^_?(rms|layer|norm|modulate|gated|rope|qk_norm|geglu|swiglu|glu|quantize|fp8)"),
+    ("compile_ops", r"^_?(rms|layer|norm|modulate|gated|rope|qk_norm|geglu|swiglu|glu|quantize|fp8|lora)"),
     ("inductor", r"^triton_"),
 )
 
