@@ -43,7 +43,7 @@ from test_context_parallel import (
 import compile_ops
 from compile_ops.integrations.diffusers import ring
 from compile_ops.integrations.sparse_attention import Radial, SlidingTile, TopK
-from compile_ops.ops.block_sparse import BlockSparseMask, block_sparse_attention
+from compile_ops.ops.block_sparse import BlockSparseMask, block_means, block_sparse_attention
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -233,11 +233,11 @@ def _ring(q, k, v, ring_degree: int, monkeypatch, backward_of=None, **mode) -> t
     shards = [t.split(q.shape[1] // ring_degree, 1) for t in (q, k, v)]
     monkeypatch.setattr(ring, "_key_norm_bound", lambda key, config: torch.linalg.vector_norm(k, dim=-1).amax())
 
-    def all_keys(key, config):
+    def all_key_means(key, config):  # each shard's block means, as every rank computes its own
         plan = config.plan
-        return torch.cat([plan.permuted(shard, s) for s, shard in enumerate(shards[1])], 1)
+        return torch.cat([block_means(plan.permuted(shard, s), seq_dim=1) for s, shard in enumerate(shards[1])], 2)
 
-    monkeypatch.setattr(ring, "_all_keys", all_keys)
+    monkeypatch.setattr(ring, "_all_key_means", all_key_means)
     outs, lses, grads = [], [], [torch.zeros_like(t) for t in (q, k, v)]
     for rank in range(ring_degree):
         config, ctx, parts = _ring_config(ring_degree, rank), types.SimpleNamespace(), []

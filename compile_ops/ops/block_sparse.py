@@ -16,7 +16,7 @@ ends), for inference: with every block listed they equal
 Builders (torch ops only: ``torch.compile`` traces them into the graph, and
 Inductor fuses them): :func:`block_index_from_mask`, :func:`sliding_tile_mask`
 with :func:`tile_permutation`, :func:`radial_mask` and the dynamic
-:func:`topk_block_index`.
+:func:`topk_block_index` (from :func:`block_means`, by :func:`topk_from_block_means`).
 """
 
 import dataclasses
@@ -536,16 +536,37 @@ def topk_block_index(
     """
     scale = softmax_scale("compile_ops.topk_block_index", q, scale)
     meta.block_sparse.topk_block_index(q, k, coverage, sink_blocks, scale, seq_dim)
+    return topk_from_block_means(
+        block_means(q, seq_dim), block_means(k, seq_dim), k.shape[seq_dim], coverage, sink_blocks, scale
+    )
+
+
+def block_means(t: Tensor, seq_dim: int = 2) -> Tensor:
+    """The mean of each 128-token block of ``t [B, H, L, D]`` (``[B, L, H, D]``
+    with ``seq_dim=1``; the last block over the tokens it has), as
+    ``[B, H, NB, D]`` fp32: what :func:`topk_block_index` compares. Blocks do
+    not cross a cut at a multiple of 128 tokens, so the means of shards cut
+    there, concatenated, are the means of the whole sequence."""
     if seq_dim == 1:
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-    nq, nk = meta.block_sparse.num_blocks(q.shape[2]), meta.block_sparse.num_blocks(k.shape[2])
-    q_means = _block_means(q, nq)
-    k_means = _block_means(k, nk).repeat_interleave(q.shape[1] // k.shape[1], 1)
-    logits = q_means @ k_means.transpose(-1, -2) * scale + _block_sizes(k.shape[2], nk, q.device).log()
+        t = t.transpose(1, 2)
+    return _block_means(t, meta.block_sparse.num_blocks(t.shape[2]))
+
+
+def topk_from_block_means(
+    q_means: Tensor, k_means: Tensor, key_length: int, coverage: float, sink_blocks: int, scale: float
+) -> tuple[Tensor, Tensor]:
+    """:func:`topk_block_index` from the blocks' means (:func:`block_means`):
+    ``q_means [B, Hq, NQ, D]``, ``k_means [B, Hk, NK, D]`` fp32 with Hk
+    dividing Hq, ``key_length`` the keys' count (which sizes the last key
+    block); the arguments are :func:`topk_block_index`'s, checked there. Ring
+    attention gathers every shard's key means instead of its keys."""
+    nk = k_means.shape[2]
+    k_means = k_means.repeat_interleave(q_means.shape[1] // k_means.shape[1], 1)
+    logits = q_means @ k_means.transpose(-1, -2) * scale + _block_sizes(key_length, nk, q_means.device).log()
     mass = torch.softmax(logits, -1)
     # Sinks rank first, the other blocks by mass; the lists are that ranking
     # (the attention op sorts them), so one sort builds them.
-    sinks = torch.arange(nk, device=q.device) < sink_blocks
+    sinks = torch.arange(nk, device=q_means.device) < sink_blocks
     ranked, order = (mass + 2.0 * sinks).sort(-1, descending=True)
     ranked = ranked - 2.0 * sinks  # the sinks lead the ranking: their boost comes off in place
     # Keep a block while the blocks ranked above it hold less than the

@@ -39,8 +39,9 @@ from compile_ops.ops.attention import attention
 from compile_ops.ops.block_sparse import (
     BlockSparseMask,
     block_index_from_mask,
+    block_means,
     block_sparse_attention,
-    topk_block_index,
+    topk_from_block_means,
 )
 from compile_ops.reference.block_sparse import block_mask_from_lists
 
@@ -100,12 +101,19 @@ class RingLayout:
         """``tokens [B, Ls, ...]`` of ``shard`` in the layout's order (natural where it has none)."""
         return tokens if self.perms is None else tokens.index_select(1, self.perms[shard])
 
-    def topk_rows(self, query: Tensor, all_keys: Tensor) -> Tensor:
+    def topk_rows(self, query: Tensor, all_key_means: Tensor) -> Tensor:
         """TopK's block mask rows ``[B, H, nb, R * nb]`` bool of the query
-        shard ``query [B, Ls, H, D]`` against every key ``all_keys [B, R * Ls,
-        H, D]`` (the shards in ring order), both in the layout's order
-        (:meth:`permuted`): the rows one process chooses."""
-        index, count = topk_block_index(query, all_keys, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
+        shard ``query [B, Ls, H, D]`` against the block means of every key
+        ``all_key_means [B, H, R * nb, D]`` (:func:`block_means` of each
+        shard, in ring order), both in the layout's order (:meth:`permuted`):
+        the rows one process chooses (shards are whole blocks, so these are
+        the whole sequence's block means)."""
+        key_length = self.ring_degree * self.shard_tokens
+        scale = query.shape[-1] ** -0.5  # topk_block_index's default, as one process uses it
+        q_means = block_means(query, seq_dim=1)
+        index, count = topk_from_block_means(
+            q_means, all_key_means, key_length, self.topk.coverage, self.topk.sink_blocks, scale
+        )
         return block_mask_from_lists(index, count, index.shape[-1])
 
     def _order(self, shard: int) -> tuple:
@@ -270,12 +278,15 @@ def _wait(tensor: Tensor) -> Tensor:
     return tensor if wait is None else wait()
 
 
-def _all_keys(key: Tensor, config) -> Tensor:
-    """Every ring shard's keys ``[B, R * Ls, H, D]`` in ring order, from each rank's ``key [B, Ls, H, D]``."""
+def _all_key_means(key: Tensor, config) -> Tensor:
+    """Every ring shard's key block means ``[B, H, R * nb, D]`` fp32 in ring order, from
+    each rank's ``key [B, Ls, H, D]``: TopK's estimate needs only these, a 64th of
+    the keys' bytes (128 tokens of 16 bits a block against one fp32 mean)."""
     from torch.distributed import _functional_collectives as funcol
 
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the name in older torch
-    return _wait(gather(key.contiguous(), gather_dim=1, group=_ring_group(config)))
+    means = block_means(key, seq_dim=1).contiguous()
+    return _wait(gather(means, gather_dim=2, group=_ring_group(config)))
 
 
 def _key_norm_bound(key: Tensor, config) -> Tensor:
@@ -335,9 +346,9 @@ def forward_step(
         if layout is not None:
             plan = ring_layout(layout, cp.ring_degree, cp._ring_local_rank, shard_tokens, owner)
         topk_mask = None
-        if plan is not None and plan.topk is not None:  # the own shard: permute, then gather every shard's
+        if plan is not None and plan.topk is not None:  # the own shard: permute, then gather every shard's key means
             own = plan.query_shard
-            topk_mask = plan.topk_rows(plan.permuted(query, own), _all_keys(plan.permuted(key, own), config))
+            topk_mask = plan.topk_rows(plan.permuted(query, own), _all_key_means(plan.permuted(key, own), config))
         ctx.compile_ops_ring = _RingCall(config, plan, topk_mask, kv_lengths, scale)
     else:
         ctx.compile_ops_ring.forward_step += 1
