@@ -1,7 +1,8 @@
 """LoRA (peft) on :class:`~compile_ops.FP8Linear`: the adapters run in the
 activation dtype beside the FP8 GEMM, on the rows it reads:
 ``y = fp8_linear(rows) + scaling * B(A(rows.q * rows.scale))``, ``rows`` x
-quantized per row once (or handed on by the kernel that produced x).
+quantized per row once (or handed on by the kernel that produced x); in
+inference each adapter is one ``fused.fp8_rows_lora`` call on the codes.
 
 How peft finds it: peft builds a LoRA layer for a target module through
 ``LoraModel._create_new_module``, the one call that every way of adding an

@@ -38,7 +38,7 @@ class FP8Linear(nn.Module):
 
     LoRA: peft wraps it in ``compile_ops.integrations.peft.FP8LoraLinear``
     (the adapters run beside the FP8 GEMM in the activation dtype, on the
-    rows the GEMM reads, dequantized), which
+    rows the GEMM reads: ``fused.fp8_rows_lora`` in inference), which
     :meth:`dequantized_weight` and :meth:`requantize_` serve for merging.
     """
 
@@ -219,7 +219,7 @@ def takes_fp8_rows(module: nn.Module) -> bool:
     so that the kernel producing it may write them: its class says so
     (``TAKES_FP8_ROWS``): :class:`FP8Linear`, and the LoRA layer over one,
     ``compile_ops.integrations.peft.FP8LoraLinear``, whose adapters read the
-    rows dequantized."""
+    same rows."""
     return getattr(type(module), "TAKES_FP8_ROWS", False) is True
 
 
