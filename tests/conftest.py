@@ -77,8 +77,10 @@ def _round_bf16_like_the_gpu():
       nearest even, saturates finite overflow to +-448 and keeps NaN: torch's
       float8_e4m3fn conversion after a clamp to [-448, 448] (which makes the
       saturation explicit instead of relying on torch's overflow rule).
-    - fp8e4nv -> fp32, fp16 or bf16 (``fp8_rows_lora`` reading codes): the
-      interpreter reads the NaN codes as +-480; torch's exact conversion.
+    - fp8e4nv -> fp32, fp16 or bf16, in casts and in the fp16 operands a dot
+      of e4m3 tiles is taken on (``fp8_rows_lora`` reading codes, 8-bit
+      attention's P.V): the interpreter reads the NaN codes as +-480, where
+      they are NaN; torch's exact conversion.
 
     Only these casts are patched, so that CPU runs of the kernels produce the
     GPU's bits; every other cast is left to the interpreter."""
@@ -94,21 +96,25 @@ def _round_bf16_like_the_gpu():
             return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
         return truncating_cast(self, src, dst_type)
 
-    misrounding_fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+    # (torch dtype, its same-width int, the bits' numpy dtype) of the wider formats.
     widened = {
-        tl.float32: (torch.float32, None),
-        tl.float16: (torch.float16, None),
-        tl.bfloat16: (torch.bfloat16, np.uint16),
+        tl.float32: (torch.float32, torch.int32, np.uint32),
+        tl.float16: (torch.float16, torch.int16, np.uint16),
+        tl.bfloat16: (torch.bfloat16, torch.int16, np.uint16),
     }
+    bit_converting = interpreter._convert_float
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        # Casts and dots both widen e4m3 here; the interpreter reads the NaN codes (0x7f, 0xff) as +-480.
+        if input_dtype == tl.float8e4nv and output_dtype in widened:
+            dtype, same_width, bits = widened[output_dtype]
+            codes = torch.from_numpy(np.ascontiguousarray(input).view(np.uint8)).view(torch.float8_e4m3fn)
+            return codes.to(dtype).view(same_width).numpy().view(bits)
+        return bit_converting(input, input_dtype, output_dtype, rounding_mode)
+
+    misrounding_fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        if src.dtype.scalar == tl.float8e4nv and dst_type.scalar in widened:
-            # e4m3 -> wider: exact, but the interpreter reads the NaN codes (0x7f, 0xff) as +-480.
-            dtype, bits = widened[dst_type.scalar]
-            codes = torch.from_numpy(np.ascontiguousarray(src.data).view(np.uint8)).view(torch.float8_e4m3fn)
-            wide = codes.to(dtype)
-            data = wide.view(torch.int16).numpy().view(bits) if bits is not None else wide.numpy()
-            return interpreter.TensorHandle(data, dst_type.scalar)
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
             # The interpreter's fp32 -> e4m3 convert misrounds (-7.8248 -> -4.0 where
             # the GPU's cvt.rn.satfinite gives -8.0). Round to nearest even with
@@ -118,6 +124,7 @@ def _round_bf16_like_the_gpu():
             return interpreter.TensorHandle(rounded.view(torch.uint8).numpy(), tl.float8e4nv)
         return misrounding_fp_to_fp(self, src, dst_type, rounding_mode)
 
+    interpreter._convert_float = convert_float
     interpreter.InterpreterBuilder.cast_impl = cast_impl
     interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
 
