@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from compile_ops.meta._validate import softmax_scale
 from compile_ops.meta.attention import SPARSE_BLOCK
 from compile_ops.ops.attention import attention
 from compile_ops.ops.block_sparse import (
@@ -109,7 +110,7 @@ class RingLayout:
         the rows one process chooses (shards are whole blocks, so these are
         the whole sequence's block means)."""
         key_length = self.ring_degree * self.shard_tokens
-        scale = query.shape[-1] ** -0.5  # topk_block_index's default, as one process uses it
+        scale = softmax_scale("compile_ops.topk_block_index", query, None)  # its default, as one process uses it
         q_means = block_means(query, seq_dim=1)
         index, count = topk_from_block_means(
             q_means, all_key_means, key_length, self.topk.coverage, self.topk.sink_blocks, scale
