@@ -52,11 +52,14 @@ def fold_weight(weight_q, weight_scale, lora_a, lora_b, scaling: float) -> tuple
     return torch.cat([weight_q, v], 1), c, float((fits < norms).float().mean())
 
 
+def down_projection(q, lora_a, c):
+    """``u = (q A.T) / c`` [M, r] fp32, before its e4m3 rounding."""
+    return (q.to(lora_a.dtype) @ lora_a.t()).float() / c
+
+
 def down_into_tail(buffer, q, lora_a, c) -> None:
-    """``buffer[:, K:] = clamp((q A.T) / c, +-448)`` as e4m3; ``buffer[:, :K]`` holds q."""
-    k = q.shape[-1]
-    u = (q.to(lora_a.dtype) @ lora_a.t()).float() / c
-    buffer[:, k:] = u.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    """``buffer[:, K:] = clamp(u, +-448)`` as e4m3 (:func:`down_projection`); ``buffer[:, :K]`` holds q."""
+    buffer[:, q.shape[-1] :] = down_projection(q, lora_a, c).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def _inputs(m: int, k: int, n: int, rank: int, delta_share: float, device) -> dict:
@@ -93,8 +96,7 @@ def providers(t: dict) -> tuple:
         down(buffer, rows.q, t["lora_a"], c)
         return fp8_ops.fp8_linear(FP8Rows(buffer, rows.scale), folded_w, t["weight_scale"])
 
-    folded()
-    u = (rows.q.to(t["lora_a"].dtype) @ t["lora_a"].t()).float() / c
+    u = down_projection(rows.q, t["lora_a"], c)
     facts = {
         "c_cut_share": cut,
         "u_clamped_share": float((u.abs() > E4M3_MAX).float().mean()),
