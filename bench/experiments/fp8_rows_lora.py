@@ -25,7 +25,15 @@ import statistics
 
 import torch
 
-from bench.toolkit import copy_bandwidth_TBps, graph_replay_time, make_timer, relative_l2, warm_up_gpu, write_rows
+from bench.toolkit import (
+    copy_bandwidth_TBps,
+    graph_replay_time,
+    make_timer,
+    module_config,
+    relative_l2,
+    warm_up_gpu,
+    write_rows,
+)
 from compile_ops import reference
 from compile_ops.ops import fp8 as fp8_ops
 
@@ -111,17 +119,16 @@ def measure(rank: int, rounds: int, timer, copy_TBps: float) -> list:
 
 def sweep(rank: int, timer) -> list:
     """The op's K slice and output columns a program, forced on every shape (CUDA-graph replays)."""
-    defaults = (fp8_ops.LORA_SPLIT_COLUMNS, fp8_ops.LORA_COLUMNS_PER_PROGRAM)
+    configure = module_config(fp8_ops, "LORA_SPLIT_COLUMNS", "LORA_COLUMNS_PER_PROGRAM")
     rows = []
     for name, m, k, n in SHAPES:
         args = _inputs(m, k, n, rank)
         row = {"name": name, "shape": [m, k, n], "rank": rank, "us": {}}
         for split, columns in itertools.product((256, 512, 1024, 2048, 4096), (128, 256, 512, 1024, 3072)):
-            fp8_ops.LORA_SPLIT_COLUMNS, fp8_ops.LORA_COLUMNS_PER_PROGRAM = split, columns
-            row["us"][f"{split} split columns, {columns} columns a program"] = 1e3 * graph_replay_time(
-                lambda: fp8_ops.fp8_rows_lora(*args, SCALING), timer
-            )
-        fp8_ops.LORA_SPLIT_COLUMNS, fp8_ops.LORA_COLUMNS_PER_PROGRAM = defaults
+            with configure((split, columns)):
+                row["us"][f"{split} split columns, {columns} columns a program"] = 1e3 * graph_replay_time(
+                    lambda: fp8_ops.fp8_rows_lora(*args, SCALING), timer
+                )
         best = min(row["us"], key=row["us"].get)
         print(f"{name:16s} best {best}: {row['us'][best]:.1f} us", flush=True)
         rows.append(row)
