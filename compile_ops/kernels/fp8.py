@@ -428,3 +428,98 @@ def lora_up_kernel(
         res = tl.load(RESULT + _tile(rows, cols, stride_result_row, stride_result_col), mask=mask, other=0.0)
         out = res.to(tl.float32) + delta
         tl.store(OUT + _tile(rows, cols, N, 1), out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemm_tile_origin(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(first row, first column)`` of output ``tile`` in grouped order: GROUP_M row
+    tiles sweep the columns together, so the weight tiles they share come from L2."""
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (tile // per_group) * GROUP_M
+    group_m = min(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return (first_m + (tile % per_group) % group_m) * BLOCK_M, (tile % per_group) // group_m * BLOCK_N
+
+
+@triton.jit
+def _matrix(ptr, rows, cols, BR: tl.constexpr, BC: tl.constexpr, USE_TMA: tl.constexpr):
+    """A contiguous ``[rows, cols]`` matrix at ``ptr`` as :func:`_matrix_load` reads it:
+    a TMA descriptor of ``[BR, BC]`` boxes, or the pointer itself."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(ptr, shape=[rows, cols], strides=[cols, 1], block_shape=[BR, BC])
+    else:
+        return ptr
+
+
+@triton.jit
+def _matrix_load(src, row, col, rows, cols, BR: tl.constexpr, BC: tl.constexpr, USE_TMA: tl.constexpr):
+    """The ``[BR, BC]`` tile at ``(row, col)`` of :func:`_matrix`'s matrix, zeros past its edges."""
+    if USE_TMA:
+        return src.load([row, col])  # TMA fills out-of-bounds boxes with zeros
+    else:
+        r = row + tl.arange(0, BR)
+        c = col + tl.arange(0, BC)
+        return tl.load(src + _tile(r, c, cols, 1), mask=(r[:, None] < rows) & (c[None, :] < cols), other=0.0)
+
+
+@triton.jit
+def _linear_lora_tile(
+    tile, q, S, w, SW, BIAS, PARTIAL, splits, SCALING, scaling, lora_b, OUT, M, N, K, R,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALING_TENSOR: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """One ``[BLOCK_M, BLOCK_N]`` tile of :func:`fp8_linear_lora_kernel`: the FP8 K loop into
+    fp32, the scales and bias, the adapter's ``h @ B.T`` into the same sum, one store."""
+    off_m, off_n = _gemm_tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = _matrix_load(q, off_m, k * BLOCK_K, M, K, BLOCK_M, BLOCK_K, USE_TMA)
+        b = _matrix_load(w, off_n, k * BLOCK_K, N, K, BLOCK_N, BLOCK_K, USE_TMA)
+        acc = tl.dot(a, b.T, acc)  # w's tile [BN, BK] transposed: the K-major operand wgmma takes
+    rows = off_m + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < M, cols < N
+    sx = tl.load(S + rows, mask=row_mask, other=0.0)
+    acc = acc * sx[:, None] * tl.load(SW + cols, mask=col_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    # h as lora_up_kernel forms it: the partial sums in split order, times the row's
+    # scale and the scaling in fp32, rounded once to the adapters' dtype.
+    ranks = tl.arange(0, BLOCK_R)
+    down = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for split in range(0, splits):
+        part_rows = tl.cast(split, tl.int64) * M + rows  # int64: splits * M may pass 2**31
+        down += tl.load(
+            PARTIAL + _tile(part_rows, ranks, R, 1), mask=row_mask[:, None] & (ranks < R)[None, :], other=0.0
+        )
+    s = tl.cast(scaling, tl.float32)  # Inductor may pass the Python float as fp64
+    if HAS_SCALING_TENSOR:
+        s = s * tl.load(SCALING).to(tl.float32)
+    h = (down * (sx * s)[:, None]).to(OUT.dtype.element_ty)
+    b_tile = _matrix_load(lora_b, off_n, 0, N, R, BLOCK_N, BLOCK_R, USE_TMA)
+    acc = tl.dot(h, b_tile.T, acc)
+    out_rows = _tile(rows, cols, N, 1)
+    tl.store(OUT + out_rows, acc.to(OUT.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def fp8_linear_lora_kernel(
+    Q, S, W, SW, BIAS, PARTIAL, splits, SCALING, scaling, B, OUT, M, N, K, R,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALING_TENSOR: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """``OUT [M, N] = (Q @ W.T) * S[:, None] * SW[None, :] + BIAS + h @ B.T`` summed in fp32
+    and rounded once (``reference.fp8.fp8_linear_lora``): Q ``[M, K]`` and W ``[N, K]``
+    e4m3, S ``[M]`` and SW ``[N]`` fp32, BIAS ``[N]`` (HAS_BIAS), PARTIAL ``[splits, M, R]``
+    fp32 (:func:`lora_down_kernel`'s sums), B ``[N, R]`` in OUT's dtype, all contiguous;
+    ``h`` as :func:`lora_up_kernel` forms it. Persistent: the programs (one per SM) walk the
+    output tiles in grouped order, so the next tile's loads overlap this one's epilogue;
+    USE_TMA loads by descriptors (Hopper), else by pointers."""
+    q = _matrix(Q, M, K, BLOCK_M, BLOCK_K, USE_TMA)
+    w = _matrix(W, N, K, BLOCK_N, BLOCK_K, USE_TMA)
+    lora_b = _matrix(B, N, R, BLOCK_N, BLOCK_R, USE_TMA)
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        _linear_lora_tile(
+            tile, q, S, w, SW, BIAS, PARTIAL, splits, SCALING, scaling, lora_b, OUT, M, N, K, R,
+            BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, GROUP_M, HAS_BIAS, HAS_SCALING_TENSOR, USE_TMA,
+        )  # fmt: skip

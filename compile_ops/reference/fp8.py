@@ -151,3 +151,46 @@ def fp8_rows_lora(
     h = (down * factor).to(lora_a.dtype)
     out = result.reshape(m, n).float() + h.float() @ lora_b.float().T
     return out.to(result.dtype).reshape(*lead, n)
+
+
+def fp8_linear_lora(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    weight_q: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float = 1.0,
+    scaling_tensor: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """An FP8 Linear with one LoRA adapter added before its output is rounded:
+    ``q [..., K]`` float8_e4m3fn and ``scale [...]`` fp32 (the rows),
+    ``weight_q [N, K]`` float8_e4m3fn and ``weight_scale [N]`` fp32, ``bias [N]``
+    or None, ``lora_a [r, K]`` and ``lora_b [N, r]`` in the adapters' dtype,
+    which is the output's: ``[..., N]``.
+
+    The roundings, in order:
+
+    1. ``acc = (q @ weight_q.T) * scale[:, None] * weight_scale[None, :]`` in
+       fp32 (the codes summed as they are, the scales applied after the sum,
+       as the GEMM's epilogue does), plus the bias read in fp32.
+    2. ``h``: :func:`fp8_rows_lora`'s steps 1 and 2 (the down projection of
+       the codes in fp32, times the row's scale and the scaling, rounded once
+       to the adapters' dtype).
+    3. ``acc + h @ B.T`` summed in fp32, rounded once to the output dtype.
+
+    So the GEMM's output is never rounded on its own: this is
+    ``fp8_rows_lora(fp8_linear(...), ...)`` less that rounding. Non-finite
+    values as in :func:`fp8_linear` and :func:`fp8_rows_lora`."""
+    lead, k, n = q.shape[:-1], q.shape[-1], weight_q.shape[0]
+    m = scale.numel()  # rows by count: reshape(-1, 0) of an empty row is ambiguous
+    codes, row_scale = q.reshape(m, k).float(), scale.reshape(m, 1).float()
+    acc = (codes @ weight_q.float().T) * row_scale * weight_scale.float()[None, :]
+    if bias is not None:
+        acc = acc + bias.float()
+    s = torch.tensor(float(scaling), dtype=torch.float32, device=q.device)
+    if scaling_tensor is not None:
+        s = s * scaling_tensor.float()
+    h = ((codes @ lora_a.float().T) * (row_scale * s)).to(lora_a.dtype)
+    return (acc + h.float() @ lora_b.float().T).to(lora_b.dtype).reshape(*lead, n)
