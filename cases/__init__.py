@@ -67,7 +67,7 @@ class OpSpec:
     of them). ``OPCHECK_WITHOUT_SCHEMA`` leaves out ``test_schema``, whose
     check that the op mutates no input compares the inputs with
     ``torch.allclose``, which has no float8 kernel on the CPU: for ops that
-    take float8 tensors (``fp8_rows_lora``, ``fp8_linear_lora``)."""
+    take float8 tensors (``fp8_rows_lora``)."""
 
     @property
     def op(self) -> torch._ops.OpOverloadPacket:
@@ -312,17 +312,6 @@ OPS: tuple[OpSpec, ...] = (
         reference.fp8.fp8_rows_lora,
         fp8.make_rows_lora,
         fp8.rows_lora_edges,
-        differentiable=False,
-        bench_shapes=FP8_SHAPES[2:3],
-        opcheck_tests=OPCHECK_WITHOUT_SCHEMA,
-    ),
-    # An FP8 Linear with one LoRA adapter in its GEMM's epilogue (inference only).
-    OpSpec(
-        "fp8_linear_lora",
-        "fp8",
-        reference.fp8.fp8_linear_lora,
-        fp8.make_linear_lora,
-        fp8.linear_lora_edges,
         differentiable=False,
         bench_shapes=FP8_SHAPES[2:3],
         opcheck_tests=OPCHECK_WITHOUT_SCHEMA,

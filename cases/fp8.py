@@ -1,5 +1,5 @@
 """Inputs of the fp8 family's ops: quantize_fp8_rows plain, with an activation
-(``activation``) and with a concatenated head (``head``); fp8_rows_lora; fp8_linear_lora.
+(``activation``) and with a concatenated head (``head``); fp8_rows_lora.
 
 quantize_fp8_rows's arguments are ``(x [..., N], *activation)`` or ``(x [..., N],
 activation, head [..., M])``; fp8_rows_lora's ``(result [..., N], q [..., K],
@@ -121,36 +121,3 @@ def rows_lora_edges(dtype, device, requires_grad):
     strided = list(_lora_args((4,), 16, 8, 4, dtype, device))
     strided[0] = tensor((4, 20), dtype, device)[:, 6:14]  # row stride 20
     return [*cases, tuple(strided)]
-
-
-def _linear_lora_args(lead, k, n, r, dtype, device, bias=False, scaling=0.5, scaling_tensor=None):
-    """fp8_linear_lora's ``(q, scale, weight_q, weight_scale, bias, lora_a, lora_b, scaling,
-    scaling_tensor)``; its adapters (and output) in ``dtype`` where it is 16-bit, else fp16."""
-    adapter_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
-    q, scale = fp8_codes((*lead, k), device)
-    weight_q, weight_scale = fp8_codes((n, k), device)
-    lora_a = tensor((r, k), adapter_dtype, device, scale=max(k, 1) ** -0.5)
-    lora_b = tensor((n, r), adapter_dtype, device, scale=0.1)
-    bias = tensor((n,), adapter_dtype, device) if bias else None
-    return (q, scale, weight_q, weight_scale.mul_(max(k, 1) ** -0.5), bias, lora_a, lora_b, scaling, scaling_tensor)
-
-
-def make_linear_lora(shape, dtype, device, requires_grad):
-    """A square FP8 Linear with a rank-LORA_RANK adapter over the rows of ``shape`` ``[B, L, C]``,
-    its scaling a 0-dim tensor (a hotswap-ready adapter, what a compiled model passes)."""
-    scaling_tensor = torch.full((), 0.5, device=device)
-    return _linear_lora_args(shape[:-1], shape[-1], shape[-1], LORA_RANK, dtype, device, True, 1.0, scaling_tensor)
-
-
-def linear_lora_edges(dtype, device, requires_grad):
-    """Small rows, a bias, ranks that are not a power of two, K past one split, N past one
-    output tile, a float scaling and a tensor one, zero rows, rank 0, K = 0."""
-    return [
-        _linear_lora_args((2, 3), 16, 24, 4, dtype, device),
-        _linear_lora_args((5,), 40, 8, 3, dtype, device, bias=True, scaling_tensor=torch.full((), -1.5, device=device)),
-        _linear_lora_args((1, 7), 2100, 300, 17, dtype, device, scaling=2.0),
-        _linear_lora_args((130,), 32, 136, 16, dtype, device, bias=True),
-        _linear_lora_args((0,), 16, 8, 4, dtype, device),
-        _linear_lora_args((4,), 16, 8, 0, dtype, device),
-        _linear_lora_args((4,), 0, 8, 4, dtype, device),
-    ]

@@ -35,7 +35,7 @@ from compile_ops.ops.block_sparse import (
     tile_permutation,
     topk_block_index,
 )
-from compile_ops.ops.fp8 import FP8Rows, fp8_linear, fp8_linear_lora, fp8_rows_lora, quantize_fp8_rows
+from compile_ops.ops.fp8 import FP8Rows, fp8_linear, fp8_rows_lora, quantize_fp8_rows
 from compile_ops.ops.glu import geglu, swiglu
 from compile_ops.ops.modulate import (
     gated_residual,
@@ -142,7 +142,6 @@ __all__ = [
     "FP8ProjectionActivation",
     "FP8Rows",
     "fp8_linear",
-    "fp8_linear_lora",
     "quantize_fp8_rows",
     "fp8_rows_lora",
     "SlidingTile",

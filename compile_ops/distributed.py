@@ -380,21 +380,6 @@ RULES: dict[str, Rule] = {
         (Out("result", leading_dims),),
         primary="result",
     ),
-    # An FP8 Linear with its adapter: rows as above, the weight and the adapter replicated.
-    "fp8_linear_lora": _rows_rule(
-        {
-            "q": leading_dims,
-            "scale": row_statistics,
-            "weight_q": replicated,
-            "weight_scale": replicated,
-            "bias": replicated,
-            "lora_a": replicated,
-            "lora_b": replicated,
-            "scaling_tensor": replicated,
-        },
-        (Out("q", leading_dims),),
-        primary="q",
-    ),
     # ------------------------------------------------------------ moe
     # Routing runs replicated (x gathered): token shards would give correct
     # probs, weights and experts (row-wise) and counts (a Partial sum), but

@@ -21,7 +21,9 @@ random bf16 activations and weight quantized by ``quantize_fp8_rows``, an adapte
 - ``triton_persistent``: our kernel without the adapter (one program per SM);
 - ``triton_persistent_lora``: the down kernel, then our kernel summing its partials in the epilogue;
   ``triton_persistent_lora_gemm`` the kernel alone, ``lora_down`` the down kernel alone;
-- ``fp8_linear_lora``: ``fused.fp8_linear_lora``, the same two launches at the package's fixed config.
+- ``fp8_linear_lora`` (in ``fp8-gemm-lora-h100.json`` only): the package op built from this
+  kernel at one fixed config (128 x 128 tiles, 4 stages, 8 warps), at commit fae65ee, reverted
+  (docs/notes/fp8.md, "The adapter in the GEMM's epilogue").
 
 Beside the times: TFLOP/s (``2MNK``, plus ``2MNr`` for the adapter's rows), each output's
 relative L2 and largest difference from fp32 (the GEMM alone for rows without the adapter),
@@ -305,9 +307,6 @@ def measure(rank: int, rounds: int, timer) -> list:
             "lora_down": lambda: lora_down(t["q"], t["lora_a"]),
             "triton_persistent_lora_gemm": lambda: fp8_gemm(*gemm, partial=partial, **adapter),
             "triton_persistent_lora": lambda: fp8_gemm(*gemm, partial=lora_down(t["q"], t["lora_a"]), **adapter),
-            "fp8_linear_lora": lambda: fp8_ops.fp8_linear_lora(
-                fp8_ops.FP8Rows(t["q"], t["sx"]), t["w"], t["sw"], None, t["lora_a"], t["lora_b"], SCALING
-            ),
         }
         x = t["q"].float() * t["sx"][:, None]
         base = (t["q"].float() @ t["w"].float().t()) * t["sx"][:, None] * t["sw"][None, :]
@@ -330,7 +329,7 @@ def measure(rank: int, rounds: int, timer) -> list:
             if provider == "lora_down":
                 print(f"{name:16s} {provider:27s} {us:8.1f} us", flush=True)
                 continue
-            lora = provider.endswith(("lora", "lora_gemm", "op"))  # fp8_linear_lora too
+            lora = provider.endswith(("lora", "lora_gemm", "op"))
             want = full if lora else base
             r = row[provider]
             r.update(

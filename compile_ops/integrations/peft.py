@@ -55,11 +55,10 @@ from peft.tuners.lora.model import LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import Tensor, nn
 
-from compile_ops import _library
-from compile_ops.meta.fp8 import LINEAR_LORA_DTYPES, LORA_DTYPES
+from compile_ops.meta.fp8 import LORA_DTYPES
 from compile_ops.modules.fp8 import FP8Linear
 from compile_ops.modules.hooks import must_call
-from compile_ops.ops.fp8 import FP8Rows, fp8_linear_lora, fp8_rows_lora, quantize_fp8_rows
+from compile_ops.ops.fp8 import FP8Rows, fp8_rows_lora, quantize_fp8_rows
 
 #: ``init_lora_weights`` values that do not read the base layer's weight.
 PLAIN_INITS = (True, False, "gaussian")
@@ -191,14 +190,7 @@ class FP8LoraLinear(LoraLinear):
         peft's mixed batches) picks each sample's adapter."""
         if self.disable_adapters and self.merged:
             self.unmerge()
-        fused = None if args or kwargs or adapter_names is not None else self._gemm_epilogue_adapter(rows)
-        if fused is not None:  # the first adapter in the GEMM's epilogue, the output written once
-            adapter, scalings = fused
-            base = self.get_base_layer()
-            lora_a, lora_b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
-            result = fp8_linear_lora(rows, base.weight_q, base.weight_scale, base.bias, lora_a, lora_b, *scalings)
-        else:
-            result = self.base_layer(rows, *args, **kwargs)
+        result = self.base_layer(rows, *args, **kwargs)
         if self.disable_adapters or self.merged:
             return result
         x = None  # the rows dequantized, for the adapters that take peft's path
@@ -216,10 +208,10 @@ class FP8LoraLinear(LoraLinear):
             ]
         out_dtype = result.dtype
         for adapter, samples in groups:
-            if adapter not in self.lora_A or fused is not None and adapter == fused[0]:
+            if adapter not in self.lora_A:
                 continue
             lora_a, lora_b = self.lora_A[adapter], self.lora_B[adapter]
-            scalings = None if samples is not None else self._rows_op_scalings(adapter, rows, result.dtype, result)
+            scalings = None if samples is not None else self._rows_op_scalings(adapter, rows, result)
             if scalings is not None:
                 result = fp8_rows_lora(result, rows.q, rows.scale, lora_a.weight, lora_b.weight, *scalings)
                 continue
@@ -245,42 +237,10 @@ class FP8LoraLinear(LoraLinear):
                 result[samples] += delta.to(out_dtype)
         return result.to(out_dtype)
 
-    def _gemm_epilogue_adapter(self, rows: FP8Rows) -> Optional[tuple]:
-        """``(adapter, (scaling, scaling_tensor))`` for :func:`~compile_ops.fp8_linear_lora`:
-        the first active adapter, added in the FP8 GEMM's epilogue, when the layer runs it.
-
-        Where: Hopper GPUs (and triton's interpreter, the CPU test layer), whose
-        kernel loads by TMA; elsewhere cuBLAS's GEMM and ``fp8_rows_lora`` stay.
-        What: adapters on (not merged), a base FP8Linear whose call is not
-        hooked, with fast accumulation (the kernel's FP8 dot accumulates as
-        cuBLAS's fast mode does) and a bias in its output dtype or none, and an
-        adapter that :meth:`_rows_op_scalings` passes with 16-bit weights in
-        that dtype. The other adapters follow as before."""
-        base = self.get_base_layer()
-        if self.disable_adapters or self.merged or not self.active_adapters:
-            return None
-        if not (_library.has_tma(rows.q) or _library.INTERPRET and rows.q.device.type == "cpu"):
-            return None
-        if type(base) is not FP8Linear or must_call(base) or not base.fast_accum:
-            return None
-        if base.out_dtype not in LINEAR_LORA_DTYPES or base.bias is not None and base.bias.dtype != base.out_dtype:
-            return None
-        adapter = self.active_adapters[0]
-        if adapter not in self.lora_A:
-            return None
-        if _library.INTERPRET and self.lora_A[adapter].weight.dtype == torch.bfloat16:
-            return None  # the interpreter's dots cannot take bf16 (the op refuses them there)
-        scalings = self._rows_op_scalings(adapter, rows, base.out_dtype, base.weight_q, base.weight_scale, base.bias)
-        return None if scalings is None else (adapter, scalings)
-
-    def _rows_op_scalings(
-        self, adapter: str, rows: FP8Rows, dtype: torch.dtype, *others: Optional[Tensor]
-    ) -> Optional[tuple]:
-        """``(scaling, scaling_tensor)`` for :func:`~compile_ops.fp8_rows_lora` (or
-        :func:`~compile_ops.fp8_linear_lora`) when ``adapter`` can run as that op on
-        ``rows`` into an output of ``dtype`` (with ``others``: the op's other
-        tensors, the result or the base weights), else None (peft's path:
-        dequantized rows, ``lora_A`` and B's ``addmm``).
+    def _rows_op_scalings(self, adapter: str, rows: FP8Rows, result: Tensor) -> Optional[tuple]:
+        """``(scaling, scaling_tensor)`` for :func:`~compile_ops.fp8_rows_lora` when
+        ``adapter`` can run as that op on ``rows`` (added to ``result``), else
+        None (peft's path: dequantized rows, ``lora_A`` and B's ``addmm``).
 
         The op needs: no gradient to record (inference), no active dropout, no
         ``lora_bias``, plain Linears whose calls are not hooked (an offloading
@@ -297,20 +257,20 @@ class FP8LoraLinear(LoraLinear):
         if not (isinstance(dropout, nn.Identity) or isinstance(dropout, nn.Dropout) and not dropout.training):
             return None
         a, b = lora_a.weight, lora_b.weight
-        if b.dtype != dtype or a.dtype != b.dtype or a.dtype not in LORA_DTYPES:
+        if b.dtype != result.dtype or a.dtype != b.dtype or a.dtype not in LORA_DTYPES:
             return None
-        if a.device != rows.q.device or b.device != rows.q.device:
+        if a.device != result.device or b.device != result.device:
             return None
         scaling = self.scaling[adapter]
         if isinstance(scaling, Tensor):
-            if scaling.dim() != 0 or not scaling.is_floating_point() or scaling.device != rows.q.device:
+            if scaling.dim() != 0 or not scaling.is_floating_point() or scaling.device != result.device:
                 return None
             scalings = (1.0, scaling)
         elif isinstance(scaling, (int, float)) and not isinstance(scaling, bool):
             scalings = (float(scaling), None)
         else:
             return None
-        tensors = (a, b, rows.q, rows.scale, scalings[1], *others)
+        tensors = (a, b, result, rows.q, rows.scale, scalings[1])
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
             return None
         return scalings

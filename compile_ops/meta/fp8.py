@@ -106,41 +106,6 @@ def check_linear(
 LORA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_adapter(
-    op: str,
-    k: int,
-    n: int,
-    n_from: str,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    scaling_tensor: Optional[torch.Tensor],
-) -> None:
-    """One LoRA adapter of rows with ``k`` columns into ``n`` outputs (``n_from``
-    names where N comes from): ``lora_a [r, k]`` and ``lora_b [n, r]`` of one
-    dtype of :data:`LORA_DTYPES`, ``scaling_tensor`` a 0-dim floating tensor or None."""
-    for argname, t in (("lora_a", lora_a), ("lora_b", lora_b)):
-        check_floating(op, argname, t)
-        if t.dtype not in LORA_DTYPES:
-            fail(op, f"{argname} must be float16, bfloat16 or float32, got {t.dtype}", TypeError)
-        if t.dim() != 2:
-            fail(op, f"{argname} must be 2-D, got {list(t.shape)}")
-    if lora_b.dtype != lora_a.dtype:
-        fail(op, f"lora_b must have lora_a's dtype {lora_a.dtype} (one adapter dtype), got {lora_b.dtype}", TypeError)
-    r = lora_a.shape[0]
-    if lora_a.shape[1] != k:
-        fail(op, f"lora_a must be [r, {k}] (K = q's last dim), got {list(lora_a.shape)}")
-    if tuple(lora_b.shape) != (n, r):
-        fail(
-            op,
-            f"lora_b must be [{n}, {r}] (N = {n_from}'s last dim, r = lora_a's rank), got {list(lora_b.shape)}: "
-            "the rank of lora_a and lora_b must match",
-        )
-    if scaling_tensor is not None:
-        check_floating(op, "scaling_tensor", scaling_tensor)
-        if scaling_tensor.dim() != 0:
-            fail(op, f"scaling_tensor must be a 0-dim tensor or None, got shape {list(scaling_tensor.shape)}")
-
-
 def fp8_rows_lora(
     result: torch.Tensor,
     q: torch.Tensor,
@@ -169,71 +134,28 @@ def fp8_rows_lora(
         fail(op, f"scale must be float32 (the FP8 rows' scales), got {scale.dtype}", TypeError)
     if tuple(scale.shape) != tuple(q.shape[:-1]):
         fail(op, f"scale must be {list(q.shape[:-1])} (one per row of q {list(q.shape)}), got {list(scale.shape)}")
-    check_adapter(op, q.shape[-1], result.shape[-1], "result", lora_a, lora_b, scaling_tensor)
+    for argname, t in (("lora_a", lora_a), ("lora_b", lora_b)):
+        check_floating(op, argname, t)
+        if t.dtype not in LORA_DTYPES:
+            fail(op, f"{argname} must be float16, bfloat16 or float32, got {t.dtype}", TypeError)
+        if t.dim() != 2:
+            fail(op, f"{argname} must be 2-D, got {list(t.shape)}")
+    if lora_b.dtype != lora_a.dtype:
+        fail(op, f"lora_b must have lora_a's dtype {lora_a.dtype} (one adapter dtype), got {lora_b.dtype}", TypeError)
+    k, n, r = q.shape[-1], result.shape[-1], lora_a.shape[0]
+    if lora_a.shape[1] != k:
+        fail(op, f"lora_a must be [r, {k}] (K = q's last dim), got {list(lora_a.shape)}")
+    if tuple(lora_b.shape) != (n, r):
+        fail(
+            op,
+            f"lora_b must be [{n}, {r}] (N = result's last dim, r = lora_a's rank), got {list(lora_b.shape)}: "
+            "the rank of lora_a and lora_b must match",
+        )
+    if scaling_tensor is not None:
+        check_floating(op, "scaling_tensor", scaling_tensor)
+        if scaling_tensor.dim() != 0:
+            fail(op, f"scaling_tensor must be a 0-dim tensor or None, got shape {list(scaling_tensor.shape)}")
     check_same_device(
         op, result, "result", q=q, scale=scale, lora_a=lora_a, lora_b=lora_b, scaling_tensor=scaling_tensor
     )
     return torch.empty(result.shape, dtype=result.dtype, device=result.device)
-
-
-#: The output (and adapter) dtypes of ``fused.fp8_linear_lora``: 16-bit, what its GEMM writes.
-LINEAR_LORA_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def fp8_linear_lora(
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    weight_q: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    scaling: float = 1.0,
-    scaling_tensor: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """``q [..., K]`` float8_e4m3fn with ``scale [...]`` float32 (the rows),
-    ``weight_q [N, K]`` float8_e4m3fn, ``weight_scale [N]`` float32, ``bias [N]``
-    floating or None, ``lora_a [r, K]`` and ``lora_b [N, r]`` of one 16-bit
-    dtype, ``scaling_tensor`` a 0-dim floating tensor or None, all on q's
-    device. Returns the output, ``[..., N]`` contiguous in the adapters' dtype."""
-    op = "fp8_linear_lora"
-    for argname, t, dtype in (
-        ("q", q, torch.float8_e4m3fn),
-        ("scale", scale, torch.float32),
-        ("weight_q", weight_q, torch.float8_e4m3fn),
-        ("weight_scale", weight_scale, torch.float32),
-    ):
-        if not isinstance(t, torch.Tensor):
-            fail(op, f"{argname} must be a torch.Tensor, got {type(t).__name__}", TypeError)
-        if t.dtype != dtype:
-            fail(op, f"{argname} must be {dtype}, got {t.dtype}", TypeError)
-    if q.dim() < 1:
-        fail(op, "q must be [..., K] (channels last), got a 0-dim tensor")
-    if tuple(scale.shape) != tuple(q.shape[:-1]):
-        fail(op, f"scale must be {list(q.shape[:-1])} (one per row of q {list(q.shape)}), got {list(scale.shape)}")
-    k = q.shape[-1]
-    if weight_q.dim() != 2 or weight_q.shape[1] != k:
-        fail(op, f"weight_q must be [N, {k}] (K = q's last dim), got {list(weight_q.shape)}")
-    n = weight_q.shape[0]
-    if tuple(weight_scale.shape) != (n,):
-        fail(op, f"weight_scale must be [{n}] (one per row of weight_q), got {list(weight_scale.shape)}")
-    if bias is not None:
-        check_floating(op, "bias", bias)
-        if tuple(bias.shape) != (n,):
-            fail(op, f"bias must be [{n}] (one per row of weight_q) or None, got {list(bias.shape)}")
-    check_adapter(op, k, n, "weight_q", lora_a, lora_b, scaling_tensor)
-    if lora_a.dtype not in LINEAR_LORA_DTYPES:
-        fail(op, f"lora_a and lora_b must be float16 or bfloat16 (the output's dtype), got {lora_a.dtype}", TypeError)
-    check_same_device(
-        op,
-        q,
-        "q",
-        scale=scale,
-        weight_q=weight_q,
-        weight_scale=weight_scale,
-        bias=bias,
-        lora_a=lora_a,
-        lora_b=lora_b,
-        scaling_tensor=scaling_tensor,
-    )
-    return torch.empty((*q.shape[:-1], n), dtype=lora_b.dtype, device=q.device)

@@ -29,11 +29,10 @@ from torch import Tensor
 
 from compile_ops import _library, meta, reference
 from compile_ops._library import fused_op, launcher, register_no_gradient
-from compile_ops.kernels.fp8 import fp8_linear_lora_kernel, lora_down_kernel, lora_up_kernel, quantize_fp8_rows_kernel
+from compile_ops.kernels.fp8 import lora_down_kernel, lora_up_kernel, quantize_fp8_rows_kernel
 from compile_ops.kernels.glu import ACTIVATION_CODES
 from compile_ops.meta._validate import checked_arguments
 from compile_ops.ops._launch import as_rows, dot_precision
-from compile_ops.ops.attention_args import tma_scratch
 
 #: FP8 tensor cores: sm_89 (Ada) and newer, sm_90 (Hopper) among them.
 FP8_CAPABILITY = _library.FP8_MMA
@@ -349,32 +348,6 @@ def lora_launch(r: int, k: int) -> LoraLaunch:
     return LoraLaunch(block_m, block_r, triton.cdiv(max(k, 1), k_per_split), k_per_split)
 
 
-def _lora_down(q2: Tensor, lora_a: Tensor, launch: LoraLaunch, ieee: bool) -> Tensor:
-    """``partial [splits, M, r]`` fp32: ``q2 [M, K]``'s codes times ``lora_a [r, K]``
-    summed over each slice of K (:func:`lora_down_kernel`)."""
-    (n_rows, k), r = q2.shape, lora_a.shape[0]
-    partial = torch.empty((launch.splits, n_rows, r), dtype=torch.float32, device=q2.device)
-    launcher(lora_down_kernel)[(triton.cdiv(n_rows, launch.block_m), launch.splits)](
-        q2,
-        lora_a,
-        partial,
-        n_rows,
-        k,
-        launch.k_per_split,
-        q2.stride(0),
-        q2.stride(1),
-        lora_a.stride(0),
-        lora_a.stride(1),
-        R=r,
-        BLOCK_M=launch.block_m,
-        BLOCK_K=LORA_BLOCK_K,
-        BLOCK_R=launch.block_r,
-        IEEE=ieee,
-        num_warps=4,
-    )
-    return partial
-
-
 @fused_op("fp8_rows_lora", fake=meta.fp8.fp8_rows_lora, reference=reference.fp8.fp8_rows_lora)
 def _fp8_rows_lora(
     result: Tensor,
@@ -395,8 +368,26 @@ def _fp8_rows_lora(
         return out
     launch = lora_launch(r, k)
     ieee = lora_a.dtype == torch.float32 and dot_precision(torch.float32) == "ieee"
-    partial = _lora_down(q2, lora_a, launch, ieee)
+    partial = torch.empty((launch.splits, n_rows, r), dtype=torch.float32, device=result.device)
     row_tiles = triton.cdiv(n_rows, launch.block_m)
+    launcher(lora_down_kernel)[(row_tiles, launch.splits)](
+        q2,
+        lora_a,
+        partial,
+        n_rows,
+        k,
+        launch.k_per_split,
+        q2.stride(0),
+        q2.stride(1),
+        lora_a.stride(0),
+        lora_a.stride(1),
+        R=r,
+        BLOCK_M=launch.block_m,
+        BLOCK_K=LORA_BLOCK_K,
+        BLOCK_R=launch.block_r,
+        IEEE=ieee,
+        num_warps=4,
+    )
     # An int scaling would reach triton as a specialized constant: a float, always.
     scaling = float(scaling) if isinstance(scaling, int) else scaling
     launcher(lora_up_kernel)[(row_tiles, triton.cdiv(n, LORA_COLUMNS_PER_PROGRAM))](
@@ -472,129 +463,3 @@ def fp8_rows_lora(
     """
     refuse_gradient("fp8_rows_lora", result, q, scale, lora_a, lora_b, scaling_tensor)
     return _fp8_rows_lora(result, q, scale, lora_a, lora_b, scaling, scaling_tensor)
-
-
-#: Launch configuration of ``fused.fp8_linear_lora``'s GEMM: 128 x 128 output tiles of
-#: 128-column K steps, GROUP_M row tiles sweeping the columns together, one persistent
-#: program per SM (docs/notes/fp8.md, "The adapter in the GEMM's epilogue").
-LINEAR_LORA_BLOCK_M = 128
-LINEAR_LORA_BLOCK_N = 128
-LINEAR_LORA_BLOCK_K = 128
-LINEAR_LORA_GROUP_M = 8
-LINEAR_LORA_STAGES = 4
-LINEAR_LORA_WARPS = 8
-
-
-def linear_lora_takes_tma(q2: Tensor, weight_q: Tensor, lora_b: Tensor) -> bool:
-    """Whether ``fused.fp8_linear_lora`` loads by TMA descriptors: a Hopper GPU, and
-    16-byte aligned bases and rows for ``q2 [M, K]``, ``weight_q [N, K]`` and ``lora_b [N, r]``."""
-    if not _library.has_tma(q2):
-        return False
-    return all(t.storage_offset() * t.element_size() % 16 == 0 for t in (q2, weight_q, lora_b)) and all(
-        t.shape[-1] * t.element_size() % 16 == 0 and t.shape[-1] > 0 for t in (q2, lora_b)
-    )
-
-
-@fused_op("fp8_linear_lora", fake=meta.fp8.fp8_linear_lora, reference=reference.fp8.fp8_linear_lora)
-def _fp8_linear_lora(
-    q: Tensor,
-    scale: Tensor,
-    weight_q: Tensor,
-    weight_scale: Tensor,
-    bias: Optional[Tensor],
-    lora_a: Tensor,
-    lora_b: Tensor,
-    scaling: float = 1.0,
-    scaling_tensor: Optional[Tensor] = None,
-) -> Tensor:
-    out = meta.fp8.fp8_linear_lora(q, scale, weight_q, weight_scale, bias, lora_a, lora_b, scaling, scaling_tensor)
-    _library.refuse_interpreted_bf16_dots("fp8_linear_lora", lora_a=lora_a)
-    k, n, r = q.shape[-1], weight_q.shape[0], lora_a.shape[0]
-    n_rows = scale.numel()  # rows by count: reshape(-1, 0) of an empty row is ambiguous
-    if n_rows == 0 or n == 0:
-        return out
-    # The kernel reads every operand as a contiguous matrix.
-    q2, scale2 = q.reshape(n_rows, k).contiguous(), scale.reshape(n_rows).contiguous()
-    weight_q, weight_scale, lora_b = weight_q.contiguous(), weight_scale.contiguous(), lora_b.contiguous()
-    partial = _lora_down(q2, lora_a, lora_launch(r, k), ieee=False)
-    use_tma = linear_lora_takes_tma(q2, weight_q, lora_b)
-    if use_tma:
-        triton.set_allocator(tma_scratch)  # the kernel builds its descriptors on the device
-    tiles = triton.cdiv(n_rows, LINEAR_LORA_BLOCK_M) * triton.cdiv(n, LINEAR_LORA_BLOCK_N)
-    launcher(fp8_linear_lora_kernel)[(min(tiles, _library.multiprocessor_count(q2)),)](
-        q2,
-        scale2,
-        weight_q,
-        weight_scale,
-        out if bias is None else bias,  # not read without one
-        partial,
-        partial.shape[0],
-        out if scaling_tensor is None else scaling_tensor,  # not read without one
-        float(scaling) if isinstance(scaling, int) else scaling,  # an int would be specialized
-        lora_b,
-        out,
-        n_rows,
-        n,
-        k,
-        r,
-        BLOCK_M=LINEAR_LORA_BLOCK_M,
-        BLOCK_N=LINEAR_LORA_BLOCK_N,
-        BLOCK_K=LINEAR_LORA_BLOCK_K,
-        BLOCK_R=lora_launch(r, k).block_r,
-        GROUP_M=LINEAR_LORA_GROUP_M,
-        HAS_BIAS=bias is not None,
-        HAS_SCALING_TENSOR=scaling_tensor is not None,
-        USE_TMA=use_tma,
-        num_warps=LINEAR_LORA_WARPS,
-        num_stages=LINEAR_LORA_STAGES,
-    )
-    return out
-
-
-register_no_gradient(_fp8_linear_lora, f"fused.fp8_linear_lora: {INFERENCE_ONLY}")
-
-
-@checked_arguments
-def fp8_linear_lora(
-    x: FP8Rows,
-    weight_q: Tensor,
-    weight_scale: Tensor,
-    bias: Optional[Tensor],
-    lora_a: Tensor,
-    lora_b: Tensor,
-    scaling: float = 1.0,
-    scaling_tensor: Optional[Tensor] = None,
-) -> Tensor:
-    """``x @ W.T + bias + scaling * B(A(x))``: an FP8 Linear with one LoRA adapter
-    added in its GEMM's epilogue, before the output's one rounding (inference only).
-
-    Args:
-        x: :class:`FP8Rows` ``(q [..., K] float8_e4m3fn, scale [...] fp32)``, the
-            rows a producer (or :func:`quantize_fp8_rows`) wrote.
-        weight_q: ``[N, K]`` float8_e4m3fn, and
-        weight_scale: ``[N]`` fp32: the Linear's weight, quantized per output channel.
-        bias: ``[N]`` floating, or None.
-        lora_a: ``[r, K]``, the down projection's weight (peft's ``lora_A``), and
-        lora_b: ``[N, r]``, the up projection's (``lora_B``), both bf16 or fp16:
-            the output's dtype.
-        scaling: the adapter's scale (``lora_alpha / r``, times a weight of ``set_adapters``).
-        scaling_tensor: a 0-dim floating tensor multiplying ``scaling``, or None
-            (peft's scalings of hotswap-ready adapters: a swap recompiles nothing).
-
-    Returns:
-        ``[..., N]`` in the adapters' dtype, contiguous. The GEMM's fp32 sum,
-        scaled per row and channel, plus the bias, plus ``h @ B.T`` (``h`` as
-        :func:`fp8_rows_lora` forms it), rounded once:
-        ``reference.fp8.fp8_linear_lora`` specifies each rounding. It is
-        :func:`fp8_rows_lora` of :func:`fp8_linear`'s output, less the rounding
-        of that output, and without its second pass over it.
-
-    Non-finite values as in :func:`fp8_linear` and :func:`fp8_rows_lora`: a
-    row holding NaN codes or an infinite scale gives a NaN output row.
-
-    Raises a RuntimeError when an input requires grad under grad mode (inference only).
-    """
-    if not isinstance(x, FP8Rows):
-        raise TypeError(f"compile_ops.fp8_linear_lora: x must be an FP8Rows, got {type(x).__name__}")
-    refuse_gradient("fp8_linear_lora", x.q, x.scale, weight_q, weight_scale, bias, lora_a, lora_b, scaling_tensor)
-    return _fp8_linear_lora(x.q, x.scale, weight_q, weight_scale, bias, lora_a, lora_b, scaling, scaling_tensor)
