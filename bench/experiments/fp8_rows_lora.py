@@ -1,7 +1,7 @@
 """One LoRA adapter on FP8 rows, per Flux Linear, on a GPU: ``fused.fp8_rows_lora`` against
 the path it replaced.
 
-    PYTHONPATH=. python bench/experiments/fp8_rows_lora.py OUT.json [--rank 64] [--rounds 3] [--sweep]
+    PYTHONPATH=. python bench/experiments/fp8_rows_lora.py OUT.json [--rank 64] [--rounds 3] [--sweep | --sweep-down]
 
 Per shape of Flux.1-dev's LoRA'd Linears at 1024² (:data:`SHAPES`, bf16 adapters of rank
 ``--rank``, rows quantized from random activations), alternated ``--rounds`` times, as
@@ -16,7 +16,8 @@ CUDA-graph replays (the kernels' own time, no host cost):
 Beside the times: each provider's largest difference from the specification
 (``reference.fp8.fp8_rows_lora``, the same roundings) and the relative L2 of each against
 the exact adapter (fp32 from the dequantized rows to the output, rounded once).
-``--sweep``: the op's launch knobs (K slice, output columns a program) on every shape.
+``--sweep``: the op's launch knobs (K slice, output columns a program) on every shape;
+``--sweep-down``: the down kernel's (K slice, K step, warps).
 """
 
 import argparse
@@ -135,17 +136,39 @@ def sweep(rank: int, timer) -> list:
     return rows
 
 
+def sweep_down(rank: int, timer) -> list:
+    """The down kernel's knobs (K slice, K step, warps) on every shape, the op timed whole
+    (CUDA-graph replays): the up kernel reads as many partial sums as there are slices."""
+    configure = module_config(fp8_ops, "LORA_SPLIT_COLUMNS", "LORA_BLOCK_K", "LORA_DOWN_WARPS")
+    rows = []
+    for name, m, k, n in SHAPES:
+        args = _inputs(m, k, n, rank)
+        row = {"name": name, "shape": [m, k, n], "rank": rank, "us": {}}
+        for config in itertools.product((512, 1024, 2048), (64, 128, 256), (4, 8)):
+            with configure(config):
+                row["us"]["{} split columns, BLOCK_K {}, {} warps".format(*config)] = 1e3 * graph_replay_time(
+                    lambda: fp8_ops.fp8_rows_lora(*args, SCALING), timer
+                )
+        best = min(row["us"], key=row["us"].get)
+        print(f"{name:16s} best {best}: {row['us'][best]:.1f} us", flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep-down", action="store_true", help="the down kernel's knobs")
     args = parser.parse_args()
     timer = make_timer(False)
     warm_up_gpu(5)
     with torch.no_grad():
-        if args.sweep:
+        if args.sweep_down:
+            rows = sweep_down(args.rank, timer)
+        elif args.sweep:
             rows = sweep(args.rank, timer)
         else:
             rows = measure(args.rank, args.rounds, timer, copy_bandwidth_TBps(timer))

@@ -324,6 +324,8 @@ LORA_MAX_SPLITS = 16
 LORA_BLOCK_K = 128
 LORA_BLOCK_N = 64
 LORA_COLUMNS_PER_PROGRAM = 512
+#: The down kernel's warps (it runs at 3-4x its floor on Flux's shapes: docs/notes/fp8.md).
+LORA_DOWN_WARPS = 4
 
 
 class LoraLaunch(NamedTuple):
@@ -386,7 +388,7 @@ def _fp8_rows_lora(
         BLOCK_K=LORA_BLOCK_K,
         BLOCK_R=launch.block_r,
         IEEE=ieee,
-        num_warps=4,
+        num_warps=LORA_DOWN_WARPS,
     )
     # An int scaling would reach triton as a specialized constant: a float, always.
     scaling = float(scaling) if isinstance(scaling, int) else scaling
