@@ -290,6 +290,17 @@ def test_an_inference_call_runs_the_op_and_matches_peft_s_path(dtype, op_calls):
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.kernels
+@pytest.mark.skipif(not INTERPRET, reason="a property of triton's interpreter, which runs bf16 dots on raw bits")
+def test_bf16_adapters_take_peft_s_path_under_the_interpreter(op_calls):
+    layer = _layer(torch.bfloat16)
+    rows = compile_ops.quantize_fp8_rows(torch.randn(2, 5, 32).bfloat16())
+    with torch.no_grad():
+        got, want = layer(rows), _peft_path(layer, rows)
+    assert op_calls == []
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
 def test_a_hotswap_ready_adapter_passes_its_scaling_tensor(op_calls):
     from peft.utils.hotswap import prepare_model_for_compiled_hotswap
 
