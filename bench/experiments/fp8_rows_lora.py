@@ -17,7 +17,7 @@ Beside the times: each provider's largest difference from the specification
 (``reference.fp8.fp8_rows_lora``, the same roundings) and the relative L2 of each against
 the exact adapter (fp32 from the dequantized rows to the output, rounded once).
 ``--sweep``: the op's launch knobs (K slice, output columns a program) on every shape;
-``--sweep-down``: the down kernel's (K slice, K step, warps).
+``--sweep-down``: the down kernel's (K slice, K step, warps, row tile).
 """
 
 import argparse
@@ -137,18 +137,20 @@ def sweep(rank: int, timer) -> list:
 
 
 def sweep_down(rank: int, timer) -> list:
-    """The down kernel's knobs (K slice, K step, warps) on every shape, the op timed whole
-    (CUDA-graph replays): the up kernel reads as many partial sums as there are slices."""
-    configure = module_config(fp8_ops, "LORA_SPLIT_COLUMNS", "LORA_BLOCK_K", "LORA_DOWN_WARPS")
+    """The down kernel's knobs (K slice, K step, warps, row tiles of 64 or 128 rows at rank
+    64) on every shape, the op timed whole (CUDA-graph replays): the up kernel
+    reads as many partial sums as there are slices, and takes the down kernel's row tiles."""
+    names = ("LORA_SPLIT_COLUMNS", "LORA_BLOCK_K", "LORA_DOWN_WARPS", "LORA_MAX_ROWS", "LORA_ROW_SUMS")
+    configure = module_config(fp8_ops, *names)
     rows = []
     for name, m, k, n in SHAPES:
         args = _inputs(m, k, n, rank)
         row = {"name": name, "shape": [m, k, n], "rank": rank, "us": {}}
-        for config in itertools.product((512, 1024, 2048), (64, 128, 256), (4, 8)):
-            with configure(config):
-                row["us"]["{} split columns, BLOCK_K {}, {} warps".format(*config)] = 1e3 * graph_replay_time(
-                    lambda: fp8_ops.fp8_rows_lora(*args, SCALING), timer
-                )
+        tiles = ((64, 4096), (128, 8192))  # (most rows, fp32 sums): 64 or 128 rows at rank 64
+        for *config, (tile_rows, sums) in itertools.product((1024, 2048), (128, 256), (4, 8), tiles):
+            with configure((*config, tile_rows, sums)):
+                label = "{} split columns, BLOCK_K {}, {} warps".format(*config) + f", {tile_rows} rows"
+                row["us"][label] = 1e3 * graph_replay_time(lambda: fp8_ops.fp8_rows_lora(*args, SCALING), timer)
         best = min(row["us"], key=row["us"].get)
         print(f"{name:16s} best {best}: {row['us'][best]:.1f} us", flush=True)
         rows.append(row)

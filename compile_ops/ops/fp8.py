@@ -313,8 +313,8 @@ def fp8_linear(
     return out.reshape(*lead, n)
 
 
-#: Launch configuration of ``fused.fp8_rows_lora`` (not swept yet: docs/notes/fp8.md,
-#: "LoRA on FP8 models"). The down projection's K is split in slices of about
+#: Launch configuration of ``fused.fp8_rows_lora`` (docs/notes/fp8.md, "LoRA on FP8
+#: models", has its sweep). The down projection's K is split in slices of about
 #: LORA_SPLIT_COLUMNS columns (at most LORA_MAX_SPLITS), one program per slice and
 #: tile of rows, so that a few thousand rows still fill the GPU; the up
 #: projection gives a program LORA_COLUMNS_PER_PROGRAM output columns of a row
@@ -324,8 +324,12 @@ LORA_MAX_SPLITS = 16
 LORA_BLOCK_K = 128
 LORA_BLOCK_N = 64
 LORA_COLUMNS_PER_PROGRAM = 512
-#: The down kernel's warps (it runs at 3-4x its floor on Flux's shapes: docs/notes/fp8.md).
+#: The down kernel's warps, and its row tiles: LORA_ROW_SUMS fp32 sums over the rank, 16 to
+#: LORA_MAX_ROWS rows. It runs at 3-4x its floor on Flux's shapes (docs/notes/fp8.md), where
+#: every row tile reads the whole of A again.
 LORA_DOWN_WARPS = 4
+LORA_ROW_SUMS = 4096
+LORA_MAX_ROWS = 64
 
 
 class LoraLaunch(NamedTuple):
@@ -344,7 +348,7 @@ def lora_launch(r: int, k: int) -> LoraLaunch:
     """:class:`LoraLaunch` of rank ``r`` and ``k`` input columns (channel dims only:
     no row count, so a traced graph's launch does not depend on the sequence length)."""
     block_r = max(16, triton.next_power_of_2(r))  # tl.dot takes dims of 16 and up
-    block_m = max(16, min(64, 4096 // block_r))
+    block_m = max(16, min(LORA_MAX_ROWS, LORA_ROW_SUMS // block_r))
     splits = max(1, min(LORA_MAX_SPLITS, triton.cdiv(k, LORA_SPLIT_COLUMNS)))
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), splits), LORA_BLOCK_K) * LORA_BLOCK_K
     return LoraLaunch(block_m, block_r, triton.cdiv(max(k, 1), k_per_split), k_per_split)
