@@ -246,7 +246,8 @@ class FP8LoraLinear(LoraLinear):
         The op needs: no gradient to record (inference), no active dropout, no
         ``lora_bias``, plain Linears whose calls are not hooked (an offloading
         hook moves a weight when its module is called, so a hooked module is
-        called), B in result's dtype, on result's device. A hotswap-ready
+        called), B in result's dtype, on result's device (not bf16 under triton's
+        interpreter on the CPU, whose dots take none). A hotswap-ready
         adapter's scaling (a 0-dim tensor, peft's ``enable_lora_hotswap``) is
         passed as the tensor, so a swap changes no constant of a compiled graph.
         Per-sample adapters (``adapter_names``) never come here."""
