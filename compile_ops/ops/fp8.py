@@ -325,8 +325,8 @@ LORA_BLOCK_K = 128
 LORA_BLOCK_N = 64
 LORA_COLUMNS_PER_PROGRAM = 512
 #: The down kernel's warps, and its row tiles: LORA_ROW_SUMS fp32 sums over the rank, 16 to
-#: LORA_MAX_ROWS rows. It runs at 3-4x its floor on Flux's shapes (docs/notes/fp8.md), where
-#: every row tile reads the whole of A again.
+#: LORA_MAX_ROWS rows. Every row tile reads the whole of A again, so the tile's height sets
+#: A's share of the kernel's traffic (docs/notes/fp8.md, where it stands against its floor).
 LORA_DOWN_WARPS = 4
 LORA_ROW_SUMS = 4096
 LORA_MAX_ROWS = 64
