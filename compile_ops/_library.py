@@ -46,14 +46,19 @@ def runs_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" or (INTERPRET and t.device.type == "cpu")
 
 
+def interpreted_bf16_dot(t: Optional[torch.Tensor]) -> bool:
+    """True when ``t`` would be a bf16 operand of ``tl.dot`` under triton's
+    interpreter: numpy has no bf16, and the interpreter (triton 3.6) multiplies
+    such operands as their raw 16-bit patterns, which gives garbage instead of
+    an error. Ops refuse them (:func:`refuse_interpreted_bf16_dots`); callers
+    that have another path take it."""
+    return INTERPRET and t is not None and t.dtype == torch.bfloat16 and t.device.type == "cpu"
+
+
 def refuse_interpreted_bf16_dots(op: str, **operands: Optional[torch.Tensor]) -> None:
-    """Refuse bf16 operands of ``tl.dot`` under triton's interpreter: numpy has
-    no bf16, and the interpreter (triton 3.6) multiplies such operands as
-    their raw 16-bit patterns, which gives garbage instead of an error."""
-    if not INTERPRET:
-        return
+    """Refuse bf16 operands of ``tl.dot`` under triton's interpreter (:func:`interpreted_bf16_dot`)."""
     for name, t in operands.items():
-        if t is not None and t.dtype == torch.bfloat16 and t.device.type == "cpu":
+        if interpreted_bf16_dot(t):
             raise TypeError(
                 f"fused.{op}: {name} is bfloat16, whose matrix products triton's interpreter "
                 "(TRITON_INTERPRET=1) computes on the raw bits; use float16 or float32 there, or a GPU"

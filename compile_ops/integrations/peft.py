@@ -55,7 +55,7 @@ from peft.tuners.lora.model import LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import Tensor, nn
 
-from compile_ops import _library
+from compile_ops._library import interpreted_bf16_dot
 from compile_ops.meta.fp8 import LORA_DTYPES
 from compile_ops.modules.fp8 import FP8Linear
 from compile_ops.modules.hooks import must_call
@@ -263,8 +263,8 @@ class FP8LoraLinear(LoraLinear):
             return None
         if a.device != result.device or b.device != result.device:
             return None
-        if _library.INTERPRET and a.dtype == torch.bfloat16 and a.device.type == "cpu":
-            return None  # triton's interpreter has no bf16 dots (the op refuses them there)
+        if interpreted_bf16_dot(a):
+            return None  # the op refuses them there
         scaling = self.scaling[adapter]
         if isinstance(scaling, Tensor):
             if scaling.dim() != 0 or not scaling.is_floating_point() or scaling.device != result.device:
