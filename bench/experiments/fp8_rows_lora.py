@@ -118,16 +118,18 @@ def measure(rank: int, rounds: int, timer, copy_TBps: float) -> list:
     return rows
 
 
-def sweep(rank: int, timer) -> list:
-    """The op's K slice and output columns a program, forced on every shape (CUDA-graph replays)."""
-    configure = module_config(fp8_ops, "LORA_SPLIT_COLUMNS", "LORA_COLUMNS_PER_PROGRAM")
+def _sweep(rank: int, timer, knobs: tuple, configs: list, label: str) -> list:
+    """The op timed whole (CUDA-graph replays) on every shape at each of ``configs``, tuples of
+    the values of ``knobs`` (names of ``compile_ops.ops.fp8``'s launch globals), ``label``
+    formatting a config as its row's key."""
+    configure = module_config(fp8_ops, *knobs)
     rows = []
     for name, m, k, n in SHAPES:
         args = _inputs(m, k, n, rank)
         row = {"name": name, "shape": [m, k, n], "rank": rank, "us": {}}
-        for split, columns in itertools.product((256, 512, 1024, 2048, 4096), (128, 256, 512, 1024, 3072)):
-            with configure((split, columns)):
-                row["us"][f"{split} split columns, {columns} columns a program"] = 1e3 * graph_replay_time(
+        for config in configs:
+            with configure(config):
+                row["us"][label.format(*config)] = 1e3 * graph_replay_time(
                     lambda: fp8_ops.fp8_rows_lora(*args, SCALING), timer
                 )
         best = min(row["us"], key=row["us"].get)
@@ -136,25 +138,19 @@ def sweep(rank: int, timer) -> list:
     return rows
 
 
+def sweep(rank: int, timer) -> list:
+    """The op's K slice and output columns a program, forced on every shape."""
+    configs = list(itertools.product((256, 512, 1024, 2048, 4096), (128, 256, 512, 1024, 3072)))
+    knobs = ("LORA_SPLIT_COLUMNS", "LORA_COLUMNS_PER_PROGRAM")
+    return _sweep(rank, timer, knobs, configs, "{} split columns, {} columns a program")
+
+
 def sweep_down(rank: int, timer) -> list:
-    """The down kernel's knobs (K slice, K step, warps, row tiles of 64 or 128 rows at rank
-    64) on every shape, the op timed whole (CUDA-graph replays): the up kernel
-    reads as many partial sums as there are slices, and takes the down kernel's row tiles."""
-    names = ("LORA_SPLIT_COLUMNS", "LORA_BLOCK_K", "LORA_DOWN_WARPS", "LORA_MAX_ROWS", "LORA_ROW_SUMS")
-    configure = module_config(fp8_ops, *names)
-    rows = []
-    for name, m, k, n in SHAPES:
-        args = _inputs(m, k, n, rank)
-        row = {"name": name, "shape": [m, k, n], "rank": rank, "us": {}}
-        tiles = ((64, 4096), (128, 8192))  # (most rows, fp32 sums): 64 or 128 rows at rank 64
-        for *config, (tile_rows, sums) in itertools.product((1024, 2048), (128, 256), (4, 8), tiles):
-            with configure((*config, tile_rows, sums)):
-                label = "{} split columns, BLOCK_K {}, {} warps".format(*config) + f", {tile_rows} rows"
-                row["us"][label] = 1e3 * graph_replay_time(lambda: fp8_ops.fp8_rows_lora(*args, SCALING), timer)
-        best = min(row["us"], key=row["us"].get)
-        print(f"{name:16s} best {best}: {row['us'][best]:.1f} us", flush=True)
-        rows.append(row)
-    return rows
+    """The down kernel's knobs (K slice, K step, warps, rows a tile): the up kernel reads as
+    many partial sums as there are slices, and takes the down kernel's row tiles."""
+    configs = list(itertools.product((1024, 2048), (128, 256), (4, 8), (64, 128)))
+    knobs = ("LORA_SPLIT_COLUMNS", "LORA_BLOCK_K", "LORA_DOWN_WARPS", "LORA_MAX_ROWS")
+    return _sweep(rank, timer, knobs, configs, "{} split columns, BLOCK_K {}, {} warps, {} rows")
 
 
 def main() -> None:

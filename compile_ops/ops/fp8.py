@@ -324,11 +324,11 @@ LORA_MAX_SPLITS = 16
 LORA_BLOCK_K = 128
 LORA_BLOCK_N = 64
 LORA_COLUMNS_PER_PROGRAM = 512
-#: The down kernel's warps, and its row tiles: LORA_ROW_SUMS fp32 sums over the rank, 16 to
-#: LORA_MAX_ROWS rows. Every row tile reads the whole of A again, so the tile's height sets
-#: A's share of the kernel's traffic (docs/notes/fp8.md, where it stands against its floor).
+#: The down kernel's warps, and its row tiles: LORA_MAX_ROWS rows up to rank 64, fewer for
+#: wider ranks (the tile's fp32 sums held to LORA_MAX_ROWS * 64). Every row tile reads the
+#: whole of A again, so the tile's height sets A's share of the kernel's traffic
+#: (docs/notes/fp8.md, where it stands against its floor).
 LORA_DOWN_WARPS = 4
-LORA_ROW_SUMS = 4096
 LORA_MAX_ROWS = 64
 
 
@@ -348,7 +348,7 @@ def lora_launch(r: int, k: int) -> LoraLaunch:
     """:class:`LoraLaunch` of rank ``r`` and ``k`` input columns (channel dims only:
     no row count, so a traced graph's launch does not depend on the sequence length)."""
     block_r = max(16, triton.next_power_of_2(r))  # tl.dot takes dims of 16 and up
-    block_m = max(16, min(LORA_MAX_ROWS, LORA_ROW_SUMS // block_r))
+    block_m = max(16, min(LORA_MAX_ROWS, LORA_MAX_ROWS * 64 // block_r))
     splits = max(1, min(LORA_MAX_SPLITS, triton.cdiv(k, LORA_SPLIT_COLUMNS)))
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), splits), LORA_BLOCK_K) * LORA_BLOCK_K
     return LoraLaunch(block_m, block_r, triton.cdiv(max(k, 1), k_per_split), k_per_split)
