@@ -352,29 +352,15 @@ def measure(rank: int, rounds: int, timer) -> list:
     return rows
 
 
-def _round_like_the_gpu() -> None:
-    """Make the interpreter's fp32 -> bf16 casts round to nearest even as the GPU does (triton
-    3.6's truncates; tests/conftest.py patches the same cast for the kernel tests)."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    truncating = interpreter.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-        return truncating(self, src, dst_type)
-
-    interpreter.InterpreterBuilder.cast_impl = cast_impl
-
-
 def check() -> None:
     """The kernel under the interpreter, 32x32x32 tiles, on two shapes (one with M, N, K and r
-    off the tiles, and a bias) x adapter x persistence x TMA, within one bf16 rounding of fp64."""
+    off the tiles, and a bias) x adapter x persistence x TMA, within one bf16 rounding of fp64;
+    the interpreter casts as the GPU does through the tests' patch (tests/interpreter_casts.py)."""
     if not INTERPRET:
         raise SystemExit("--check runs the kernel under triton's interpreter: set TRITON_INTERPRET=1")
-    _round_like_the_gpu()
+    from tests.interpreter_casts import cast_like_the_gpu
+
+    cast_like_the_gpu()
     block = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1)
     for m, k, n, r, with_bias in ((48, 96, 80, 16, False), (70, 112, 72, 48, True)):
         torch.manual_seed(0)
