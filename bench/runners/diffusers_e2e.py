@@ -94,6 +94,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 from bench.runners import diffusers_timing as timing  # noqa: E402
 from bench.runners.diffusers_lora import run_lora_case  # noqa: E402
 from bench.runners.diffusers_models import CASES, EXTRA_CASES, build, tokens  # noqa: E402
+from bench.tables.diffusers_e2e import INT8_PROVIDERS  # noqa: E402
 from bench.toolkit import relative_l2, results_path, write_results  # noqa: E402
 
 #: ``--attention-kernel``: what the bf16 patched providers pass to ``compile_ops.patch``.
@@ -361,16 +362,6 @@ def run_case(
     return rows
 
 
-#: ``--int8-attention``: the step with 8-bit attention against bf16 attention
-#: and SageAttention, all compiled the same way.
-INT8_PROVIDERS = (
-    "native_compiled",
-    "patched_compiled",
-    "int8_attention_compiled",
-    "int8_fp8_attention_compiled",
-    "int8_fp8_attention_quant_in_attention_compiled",
-    "sage_attention_compiled",
-)
 #: The provider whose q and k attention quantizes at every length (the
 #: rotation's quantizing mode off), beside int8_fp8_attention_compiled.
 QUANT_IN_ATTENTION = "int8_fp8_attention_quant_in_attention_compiled"

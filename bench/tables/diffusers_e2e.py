@@ -3,6 +3,17 @@ attention and FP8 variants."""
 
 from bench.tables import run_line
 
+#: ``diffusers_e2e.py --int8-attention``'s providers, in the table's order: the step with 8-bit
+#: attention against bf16 attention and SageAttention, all compiled the same way.
+INT8_PROVIDERS = (
+    "native_compiled",
+    "patched_compiled",
+    "int8_attention_compiled",
+    "int8_fp8_attention_compiled",
+    "int8_fp8_attention_quant_in_attention_compiled",
+    "sage_attention_compiled",
+)
+
 
 def is_diffusers_e2e(data: dict) -> bool:
     """bench/runners/diffusers_e2e.py's JSON."""
@@ -20,18 +31,7 @@ def diffusers_e2e_int8_table(data: dict) -> str:
     env = data["env"]
     by = {(r["case"], r["provider"]): r for r in data["rows"]}
     cases = list(dict.fromkeys(r["case"] for r in data["rows"]))
-    providers = [
-        p
-        for p in (
-            "native_compiled",
-            "patched_compiled",
-            "int8_attention_compiled",
-            "int8_fp8_attention_compiled",
-            "int8_fp8_attention_quant_in_attention_compiled",
-            "sage_attention_compiled",
-        )
-        if any(r["provider"] == p for r in data["rows"])
-    ]
+    providers = [p for p in INT8_PROVIDERS if any(r["provider"] == p for r in data["rows"])]
     out = [
         run_line(env, f"diffusers {env.get('diffusers', '?')}, sageattention {env.get('sageattention', '?')}")
         + " | bf16, batch 1, random weights, regional compile; ms per step, median of 3 (min-max), and the "
