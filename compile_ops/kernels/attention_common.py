@@ -206,6 +206,15 @@ def tiles_before(row, BLOCKS, count, TILE: tl.constexpr, SPARSE_BLOCK: tl.conste
 
 
 @triton.jit
+def read_past_pipeliner(ptr):
+    """The 32-bit word at ``ptr`` (int32 bits) by a plain ``ld.global`` that
+    Triton's software pipeliner does not claim (:func:`tile_start` says why).
+    Pure, so the pipeliner may hoist it past the loop's last iteration: the
+    address must be valid for every iteration it could be hoisted to."""
+    return tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def tile_start(
     i,
     BLOCKS,
@@ -235,9 +244,7 @@ def tile_start(
         per_block: tl.constexpr = SPARSE_BLOCK // TILE
         if LIST_BY_ASM:
             entry = tl.maximum(tl.minimum(i // per_block, count - 1), 0)
-            block = tl.inline_asm_elementwise(
-                "ld.global.b32 $0, [$1];", "=r,l", [BLOCKS + entry], dtype=tl.int32, is_pure=True, pack=1
-            )
+            block = read_past_pipeliner(BLOCKS + entry)
         else:
             block = tl.load(BLOCKS + i // per_block).to(tl.int32)
         return block * SPARSE_BLOCK + (i % per_block) * TILE
