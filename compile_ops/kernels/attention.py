@@ -69,7 +69,6 @@ from compile_ops.kernels.attention_common import (
     quantization_scale,
     query_program,
     query_tile,
-    read_past_pipeliner,
     round_to_int8,
     store_tile,
     tile_start,
@@ -129,7 +128,6 @@ def _fwd_tiles(
     KEY_BLOCK: tl.constexpr,
     PV_FP8: tl.constexpr,
     LIST_BY_ASM: tl.constexpr = False,
-    K_SCALE_BY_ASM: tl.constexpr = False,
 ):
     """Online softmax over key tiles; ``m`` is the running max of the raw
     scores q.k, and exponents are ``(s - m) * scale * log2(e)``: scaled after
@@ -147,10 +145,7 @@ def _fwd_tiles(
     accumulator operand (wgmma adds into it) instead of a separate add;
     ``WARP_SPECIALIZE``: Triton's producer/consumer warp groups for the loop;
     ``LIST_BY_ASM`` (SPARSE): the block list read past the pipeliner
-    (:func:`tile_start`; ``count`` entries). ``K_SCALE_BY_ASM`` (INT8 with
-    LIST_BY_ASM): the tile's k scale too, by :func:`read_past_pipeliner`;
-    an ordinary load of it becomes a 4-byte async copy with a shared buffer
-    and a wait of its own in every key tile.
+    (:func:`tile_start`; ``count`` entries).
 
     ``INT8`` (8-bit attention): q and k are int8, q with per-token scales
     (``q_scale``, this program's rows), k with one scale per KEY_BLOCK
@@ -190,11 +185,7 @@ def _fwd_tiles(
         if INT8:
             # Biased scores (see above) and the row factor that makes them real: (s - BIAS) * row.
             s = (tl.dot(q, tl.trans(k), out_dtype=tl.int32) + INT8_BIAS_BITS).to(tl.float32, bitcast=True)
-            if K_SCALE_BY_ASM:  # start_n is a listed block's (clamped by tile_start): always a valid scale
-                k_scale = read_past_pipeliner(K_SCALE + start_n // KEY_BLOCK).to(tl.float32, bitcast=True)
-            else:
-                k_scale = tl.load(K_SCALE + start_n // KEY_BLOCK)
-            row = q_scale * k_scale
+            row = q_scale * tl.load(K_SCALE + start_n // KEY_BLOCK)
         else:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
@@ -296,7 +287,6 @@ def attn_fwd_kernel(
     HEAVY_FIRST: tl.constexpr = False,
     QUANTIZE_Q: tl.constexpr = False,
     SCATTER: tl.constexpr = False,
-    K_SCALE_BY_ASM: tl.constexpr = False,
 ):
     """OUT = softmax(scale Q K^T) V for BLOCK_M queries of one (batch, head); LSE
     ``[B * H, Lq]`` in natural log. ``scale > 0``. SPARSE: only the key blocks
@@ -318,7 +308,7 @@ def attn_fwd_kernel(
     0 write that scale to their rows of ``OUT_SCALE [B, Lq]``. ALIGNED_LENGTHS
     (the three attention kernels): Lq and Lk are multiples of 16 (``aligned_lengths``).
     LIST_BY_ASM (SPARSE, CUDA, lists at least one entry wide): see
-    :func:`tile_start`; K_SCALE_BY_ASM (with it and INT8): ``_fwd_tiles``. HEAVY_FIRST, ``heads_per_group`` (the three
+    :func:`tile_start`. HEAVY_FIRST, ``heads_per_group`` (the three
     attention kernels): the program order of causal launches,
     :func:`program_rank`. SCATTER (self-attention, Lq = Lk): the output,
     lse and OUT_SCALE rows of query row r go to token ``TOKENS[r]``'s row
@@ -370,8 +360,9 @@ def attn_fwd_kernel(
     blocks, count = BLOCKS, 0
     if SPARSE:
         blocks, count = block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
-    first_masked = tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
-    last = tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE)
+    ends = not CAUSAL and not HAS_KV_LEN  # both rows lie in the last key block or past it
+    first_masked = tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE, ends)
+    last = tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE, ends)
     acc, m, l = _fwd_tiles(
         acc,
         m,
@@ -408,7 +399,6 @@ def attn_fwd_kernel(
         INT8_KEY_BLOCK,
         PV_FP8,
         LIST_BY_ASM,
-        K_SCALE_BY_ASM,
     )
     acc, m, l = _fwd_tiles(
         acc,

@@ -187,31 +187,39 @@ P_FP8_SHIFT = tl.constexpr(8.0)
 
 
 @triton.jit
-def tiles_before(row, BLOCKS, count, TILE: tl.constexpr, SPARSE_BLOCK: tl.constexpr, SPARSE: tl.constexpr):
+def tiles_before(
+    row,
+    BLOCKS,
+    count,
+    TILE: tl.constexpr,
+    SPARSE_BLOCK: tl.constexpr,
+    SPARSE: tl.constexpr,
+    ROW_IN_LAST_BLOCK: tl.constexpr = False,
+):
     """How many of the loop's tiles start below ``row`` (a multiple of TILE):
     ``row // TILE``, or (SPARSE) the tiles of the listed blocks (ascending,
-    ``count`` of them at ``BLOCKS``) that start below it."""
+    ``count`` of them at ``BLOCKS``) that start below it.
+
+    ROW_IN_LAST_BLOCK: ``row`` lies in the last block a list can hold, or past
+    it (the key tiles' ends of a call without a causal mask or key lengths),
+    so every listed block but the last starts below it: one read of the last
+    entry instead of a scan of the list, which in a short key loop is a
+    share of the program's time."""
     if SPARSE:
         block = row // SPARSE_BLOCK
-        below = tl.zeros([], dtype=tl.int32)
-        for j in range(0, tl.cdiv(count, LIST_CHUNK)):
-            offs = tl.cast(j, tl.int32) * LIST_CHUNK + tl.arange(0, LIST_CHUNK)
-            listed = tl.load(BLOCKS + offs, mask=offs < count, other=block)
-            below += tl.sum((listed < block).to(tl.int32))
+        if ROW_IN_LAST_BLOCK:
+            below = count - (tl.load(BLOCKS + count - 1, mask=count > 0, other=-1) >= block).to(tl.int32)
+        else:
+            below = tl.zeros([], dtype=tl.int32)
+            for j in range(0, tl.cdiv(count, LIST_CHUNK)):
+                offs = tl.cast(j, tl.int32) * LIST_CHUNK + tl.arange(0, LIST_CHUNK)
+                listed = tl.load(BLOCKS + offs, mask=offs < count, other=block)
+                below += tl.sum((listed < block).to(tl.int32))
         # The block that holds `row`, when listed, has its first tiles below it.
         straddles = tl.load(BLOCKS + below, mask=below < count, other=-1) == block
         return below * (SPARSE_BLOCK // TILE) + tl.where(straddles, (row % SPARSE_BLOCK) // TILE, 0)
     else:
         return row // TILE
-
-
-@triton.jit
-def read_past_pipeliner(ptr):
-    """The 32-bit word at ``ptr`` (int32 bits) by a plain ``ld.global`` that
-    Triton's software pipeliner does not claim (:func:`tile_start` says why).
-    Pure, so the pipeliner may hoist it past the loop's last iteration: the
-    address must be valid for every iteration it could be hoisted to."""
-    return tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -244,7 +252,9 @@ def tile_start(
         per_block: tl.constexpr = SPARSE_BLOCK // TILE
         if LIST_BY_ASM:
             entry = tl.maximum(tl.minimum(i // per_block, count - 1), 0)
-            block = read_past_pipeliner(BLOCKS + entry)
+            block = tl.inline_asm_elementwise(
+                "ld.global.b32 $0, [$1];", "=r,l", [BLOCKS + entry], dtype=tl.int32, is_pure=True, pack=1
+            )
         else:
             block = tl.load(BLOCKS + i // per_block).to(tl.int32)
         return block * SPARSE_BLOCK + (i % per_block) * TILE

@@ -32,11 +32,6 @@ from compile_ops.ops.attention_sm90 import (
 )
 from compile_ops.ops.attention_tiles import LAUNCH_ORDER, causal_order, dkdv_tiles, dq_tiles, forward_tiles
 
-#: 8-bit block-sparse forwards that read their list past the pipeliner read each tile's k
-#: scale the same way (``kernels.attention._fwd_tiles``); a launch knob, so that
-#: ``bench/experiments/sparse_8bit_tiles.py`` can time both.
-K_SCALE_BY_ASM = True
-
 
 def launch_forward(
     q: Tensor,
@@ -124,7 +119,6 @@ def launch_forward(
     # with the Hopper loop's TMA, by inline PTX (so not under the interpreter),
     # and only for lists with an entry that clamped reads may land on.
     list_by_asm = blocks is not None and tma and q.is_cuda and index.shape[-1] > 0
-    k_scale_by_asm = list_by_asm and int8 and K_SCALE_BY_ASM
     row_scale, out_scale = fp8_rows if fp8_rows is not None else (None, None)
     grid = (triton.cdiv(sizes.lq, t.block_m), sizes.b * sizes.h)
     order, group = causal_order(k, sizes.lk, grid[1]) if causal and blocks is None else LAUNCH_ORDER
@@ -167,7 +161,6 @@ def launch_forward(
         PV_FP8=pv_fp8,
         OUT_FP8=fp8_rows is not None,
         LIST_BY_ASM=list_by_asm,
-        K_SCALE_BY_ASM=k_scale_by_asm,
         QUANTIZE_Q=int8 and q_scale is None,
         SCATTER=tokens is not None,
         **order,
