@@ -132,6 +132,25 @@ def test_kernels_match_the_reference_within_one_rounding_of_the_adapters_dtype(
 
 
 @pytest.mark.kernels
+def test_a_long_k_in_its_own_slices_matches_the_reference():
+    """K past ``LORA_LONG_K`` (an MLP's down projection) is cut in the longer
+    slices, a count the hypothesis sizes above do not reach: the partial sums
+    of every slice, the last one short, still add up to the reference's."""
+    from compile_ops.ops import fp8 as fp8_ops
+
+    k = fp8_ops.LORA_LONG_K + 257
+    launch = fp8_ops.lora_launch(8, k)
+    assert launch.splits == -(-k // fp8_ops.LORA_LONG_SPLIT_COLUMNS) < -(-k // fp8_ops.LORA_SPLIT_COLUMNS)
+    assert launch.splits * launch.k_per_split - k >= 1  # the last slice short
+    torch.manual_seed(0)
+    args = _inputs((5,), k, 24, 8, torch.float32, torch.float32, KERNEL_DEVICE)
+    got = compile_ops.fp8_rows_lora(*args, 0.5)
+    want, bound = _one_rounding_bound(*[t.cpu() for t in args], 0.5, None)
+    err = (got.cpu().double() - want.double()).abs()
+    assert (err <= bound).all(), f"error {err.max():.3g} past the bound by {(err - bound).max():.3g}"
+
+
+@pytest.mark.kernels
 @pytest.mark.parametrize("dtypes", DTYPE_PAIRS[:2], ids=["fp32", "fp16"])
 def test_non_finite_rows_propagate_as_the_dequantized_rows_would(dtypes):
     """A row of x holding +-inf or NaN (quantized: infinite scale and NaN codes,

@@ -140,17 +140,18 @@ def _sweep(rank: int, timer, knobs: tuple, configs: list, label: str) -> list:
 
 def sweep(rank: int, timer) -> list:
     """The op's K slice and output columns a program, forced on every shape."""
-    configs = list(itertools.product((256, 512, 1024, 2048, 4096), (128, 256, 512, 1024, 3072)))
-    knobs = ("LORA_SPLIT_COLUMNS", "LORA_COLUMNS_PER_PROGRAM")
-    return _sweep(rank, timer, knobs, configs, "{} split columns, {} columns a program")
+    configs = [(s, s, c) for s, c in itertools.product((256, 512, 1024, 2048, 4096), (128, 256, 512, 1024, 3072))]
+    knobs = ("LORA_SPLIT_COLUMNS", "LORA_LONG_SPLIT_COLUMNS", "LORA_COLUMNS_PER_PROGRAM")
+    return _sweep(rank, timer, knobs, configs, "{} split columns, {} past LORA_LONG_K, {} columns a program")
 
 
 def sweep_down(rank: int, timer) -> list:
     """The down kernel's knobs (K slice, K step, warps, rows a tile): the up kernel reads as
     many partial sums as there are slices, and takes the down kernel's row tiles."""
-    configs = list(itertools.product((1024, 2048), (128, 256), (4, 8), (64, 128)))
-    knobs = ("LORA_SPLIT_COLUMNS", "LORA_BLOCK_K", "LORA_DOWN_WARPS", "LORA_MAX_ROWS")
-    return _sweep(rank, timer, knobs, configs, "{} split columns, BLOCK_K {}, {} warps, {} rows")
+    configs = [(s, s, *rest) for s, *rest in itertools.product((1024, 2048), (128, 256), (4, 8), (64, 128))]
+    knobs = ("LORA_SPLIT_COLUMNS", "LORA_LONG_SPLIT_COLUMNS", "LORA_BLOCK_K", "LORA_DOWN_WARPS", "LORA_MAX_ROWS")
+    label = "{} split columns, {} past LORA_LONG_K, BLOCK_K {}, {} warps, {} rows"
+    return _sweep(rank, timer, knobs, configs, label)
 
 
 def main() -> None:

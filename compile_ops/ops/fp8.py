@@ -316,10 +316,14 @@ def fp8_linear(
 #: Launch configuration of ``fused.fp8_rows_lora`` (docs/notes/fp8.md, "LoRA on FP8
 #: models", has its sweep). The down projection's K is split in slices of about
 #: LORA_SPLIT_COLUMNS columns (at most LORA_MAX_SPLITS), one program per slice and
-#: tile of rows, so that a few thousand rows still fill the GPU; the up
+#: tile of rows, so that a few thousand rows still fill the GPU; past LORA_LONG_K
+#: columns (an MLP's down projection) in slices of LORA_LONG_SPLIT_COLUMNS, which
+#: still fill it, and leave the up kernel fewer partial sums to read. The up
 #: projection gives a program LORA_COLUMNS_PER_PROGRAM output columns of a row
 #: tile, so that each program sums its rows' partials once for several tiles.
 LORA_SPLIT_COLUMNS = 1024
+LORA_LONG_K = 4096
+LORA_LONG_SPLIT_COLUMNS = 2048
 LORA_MAX_SPLITS = 16
 LORA_BLOCK_K = 128
 LORA_BLOCK_N = 64
@@ -349,7 +353,8 @@ def lora_launch(r: int, k: int) -> LoraLaunch:
     no row count, so a traced graph's launch does not depend on the sequence length)."""
     block_r = max(16, triton.next_power_of_2(r))  # tl.dot takes dims of 16 and up
     block_m = max(16, min(LORA_MAX_ROWS, LORA_MAX_ROWS * 64 // block_r))
-    splits = max(1, min(LORA_MAX_SPLITS, triton.cdiv(k, LORA_SPLIT_COLUMNS)))
+    columns = LORA_LONG_SPLIT_COLUMNS if k > LORA_LONG_K else LORA_SPLIT_COLUMNS
+    splits = max(1, min(LORA_MAX_SPLITS, triton.cdiv(k, columns)))
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), splits), LORA_BLOCK_K) * LORA_BLOCK_K
     return LoraLaunch(block_m, block_r, triton.cdiv(max(k, 1), k_per_split), k_per_split)
 
