@@ -360,9 +360,9 @@ def attn_fwd_kernel(
     blocks, count = BLOCKS, 0
     if SPARSE:
         blocks, count = block_list(BLOCKS, COUNTS, b, h, q_start // SPARSE_BLOCK, sbb, sbh, sbr, scb, sch, scr)
-    ends = not CAUSAL and not HAS_KV_LEN  # both rows lie in the last key block or past it
-    first_masked = tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE, ends)
-    last = tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE, ends)
+    in_last_block = not CAUSAL and not HAS_KV_LEN  # both rows below lie in the last key block or past it
+    first_masked = tiles_before(unmasked_end, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE, in_last_block)
+    last = tiles_before(tl.cdiv(end, BLOCK_N) * BLOCK_N, blocks, count, BLOCK_N, SPARSE_BLOCK, SPARSE, in_last_block)
     acc, m, l = _fwd_tiles(
         acc,
         m,

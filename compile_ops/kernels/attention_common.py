@@ -207,16 +207,17 @@ def tiles_before(
     share of the program's time."""
     if SPARSE:
         block = row // SPARSE_BLOCK
+        # `straddles`: the block that holds `row` is listed; its first tiles lie below `row`.
         if ROW_IN_LAST_BLOCK:
-            below = count - (tl.load(BLOCKS + count - 1, mask=count > 0, other=-1) >= block).to(tl.int32)
+            straddles = tl.load(BLOCKS + count - 1, mask=count > 0, other=-1) == block
+            below = count - straddles.to(tl.int32)
         else:
             below = tl.zeros([], dtype=tl.int32)
             for j in range(0, tl.cdiv(count, LIST_CHUNK)):
                 offs = tl.cast(j, tl.int32) * LIST_CHUNK + tl.arange(0, LIST_CHUNK)
                 listed = tl.load(BLOCKS + offs, mask=offs < count, other=block)
                 below += tl.sum((listed < block).to(tl.int32))
-        # The block that holds `row`, when listed, has its first tiles below it.
-        straddles = tl.load(BLOCKS + below, mask=below < count, other=-1) == block
+            straddles = tl.load(BLOCKS + below, mask=below < count, other=-1) == block
         return below * (SPARSE_BLOCK // TILE) + tl.where(straddles, (row % SPARSE_BLOCK) // TILE, 0)
     else:
         return row // TILE
