@@ -71,8 +71,8 @@ def _label(config) -> str:
 
 
 def _attention_kernel_ms(fn) -> float:
-    """The device time of ``fn``'s attention kernel (the one that is neither a quantizing
-    pass nor a copy: the largest), per call, by ``torch.profiler``."""
+    """The device time of ``fn``'s largest kernel per call (its attention kernel, in the
+    calls timed here), by ``torch.profiler``."""
     return kernel_profile(fn, calls=5, top=1)["top"][0][1]
 
 
@@ -99,20 +99,14 @@ def _compiled_forwards() -> list:
 
 
 def grid_rows(grid_name: str, rounds: int, timer, configs=CONFIGS) -> list:
+    """The rows of one grid: the 16-bit core and each of ``configs``, in tile and in token
+    order, timed in ``rounds`` interleaved rounds."""
     import compile_ops
-    from bench.runners.block_sparse import GRIDS, WAN_HEAD_DIM, WAN_HEADS
-    from bench.runners.sparse_e2e import PRESET
+    from bench.runners.block_sparse import WAN_HEAD_DIM, WAN_HEADS, sliding_tile_inputs
     from compile_ops.ops import attention_launch
 
-    grid = GRIDS[grid_name]
-    layout = compile_ops.SlidingTile(**PRESET).layout(grid, "cuda")
-    length = grid[0] * grid[1] * grid[2]
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    shape = (1, length, WAN_HEADS, WAN_HEAD_DIM)
-    q, k, v = (torch.randn(shape, device="cuda", generator=generator) for _ in range(3))
-    k = k + 2.0 * torch.randn(WAN_HEAD_DIM, device="cuda", generator=generator)
-    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
-    tokens = tuple(torch.empty_like(t).index_copy_(1, layout.perm, t) for t in (q, k, v))
+    layout, (q, k, v), tokens = sliding_tile_inputs(grid_name, WAN_HEADS, "cuda")
+    length = q.shape[1]
 
     def attend(precision: str, ordered: bool):
         if ordered:

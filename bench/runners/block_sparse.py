@@ -205,6 +205,26 @@ def main(argv=None) -> int:
     return 0
 
 
+def sliding_tile_inputs(grid_name: str, heads: int, device: str) -> tuple:
+    """``--precision``'s inputs on one grid: ``(layout, (q, k, v), (q, k, v) in token
+    order)``, the preset's sliding-tile layout of ``GRIDS[grid_name]`` and bf16 ``[1, L,
+    heads, WAN_HEAD_DIM]`` random normal tensors in its tile order, k with a per-channel
+    offset (which the 8-bit quantization's smoothing removes); the same tokens in their
+    own order are what a model's attention holds before the layout permutes them."""
+    import compile_ops
+    from bench.runners.sparse_e2e import PRESET
+
+    grid = GRIDS[grid_name]
+    layout = compile_ops.SlidingTile(**PRESET).layout(grid, device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    shape = (1, grid[0] * grid[1] * grid[2], heads, WAN_HEAD_DIM)
+    q, k, v = (torch.randn(shape, device=device, generator=generator) for _ in range(3))
+    k = k + 2.0 * torch.randn(WAN_HEAD_DIM, device=device, generator=generator)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    tokens = tuple(torch.empty_like(t).index_copy_(1, layout.perm, t) for t in (q, k, v))
+    return layout, (q, k, v), tokens
+
+
 def precision_rows(
     grid_name: str, precisions: list, repeats: int, time_ms, device: str, heads: int = WAN_HEADS, ordered=False
 ) -> list:
@@ -218,17 +238,8 @@ def precision_rows(
     import compile_ops
     from bench.runners.sparse_e2e import PRESET
 
-    grid = GRIDS[grid_name]
-    layout = compile_ops.SlidingTile(**PRESET).layout(grid, device)
-    length = grid[0] * grid[1] * grid[2]
-    generator = torch.Generator(device=device).manual_seed(0)
-    shape = (1, length, heads, WAN_HEAD_DIM)
-    q, k, v = (torch.randn(shape, device=device, generator=generator) for _ in range(3))
-    k = k + 2.0 * torch.randn(WAN_HEAD_DIM, device=device, generator=generator)
-    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
-
-    # The same tokens in their own order: what a model's attention holds before the layout permutes it.
-    q_tokens, k_tokens, v_tokens = (torch.empty_like(t).index_copy_(1, layout.perm, t) for t in (q, k, v))
+    layout, (q, k, v), (q_tokens, k_tokens, v_tokens) = sliding_tile_inputs(grid_name, heads, device)
+    length, shape = q.shape[1], tuple(q.shape)
 
     def attend(provider):
         precision = provider.removesuffix(ORDERED)
