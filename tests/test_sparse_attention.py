@@ -213,6 +213,20 @@ def test_text_after_the_video_is_attended_by_all_and_attends_to_all(video_grid, 
     assert 0 < layout.density < 1
 
 
+def test_layout_lists_are_as_wide_as_the_longest_and_list_the_mask():
+    """A layout's static lists are cut to their longest list (the op sorts them
+    on every call, at a cost that follows the width) and still list exactly
+    the sliding-tile block mask."""
+    config = compile_ops.SlidingTile(window=(1, 1, 1), tile=(2, 4, 8))
+    grid = (6, 16, 32)
+    layout = config.layout(grid, "cpu")
+    _, mask = bs.sliding_tile_block_mask(*grid, config.tile, config.window)
+    n = mask.shape[0]
+    assert layout.index.shape == (1, 1, n, int(layout.count.max())) and layout.index.shape[-1] < n
+    listed = compile_ops.reference.block_sparse.block_mask_from_lists(layout.index, layout.count, n)[0, 0]
+    assert torch.equal(listed, mask)
+
+
 def test_dense_steps_keep_the_first_steps_dense_and_a_new_generation_restarts():
     _, sparse_model, report, inputs, _ = _pair("wan", compile_ops.SlidingTile(window=(1, 1, 1), dense_steps=2))
     plan, seen = report.sparse_attention, []

@@ -188,8 +188,8 @@ class Layout:
     """One (grid, text length)'s sparse attention: ``perm [L]`` of the whole
     sequence (video tokens permuted, text tokens after them in place; None:
     natural order) and its inverse, and static block lists
-    ``index [1, 1, NB, NB]`` / ``count [1, 1, NB]`` with their ``density`` (or
-    None for lists chosen per call: ``topk``)."""
+    ``index [1, 1, NB, W]`` / ``count [1, 1, NB]`` (W the longest list's length)
+    with their ``density`` (or None for lists chosen per call: ``topk``)."""
 
     perm: Optional[Tensor]
     inverse: Optional[Tensor]
@@ -215,6 +215,9 @@ class Layout:
             if perm is not None:
                 perm = torch.cat([perm, torch.arange(video, video + text_tokens, device=perm.device)])
         index, count = block_index_from_mask(mask)
+        # As wide as the longest list, not NB: the op sorts its lists on every call, at a cost
+        # that follows their width (padded to a power of two).
+        index = index.narrow(-1, 0, max(int(count.max()), 1)).contiguous()
         return cls(
             perm,
             None if perm is None else torch.argsort(perm),
