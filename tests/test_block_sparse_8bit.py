@@ -53,17 +53,25 @@ def _bhld(t, seq_dim):
     return t if seq_dim == 2 else t.transpose(1, 2)
 
 
+def _score_rounding_terms(q_hat, q_scale, k_hat, k_scale, scale):
+    """``(row_factor, magnitude)``, each ``[B, Hq, Lq]``: a row's largest
+    dequantization factor of its integer scores (the kernel rounds its exponent's
+    shift ``row * INT8_BIAS`` to fp32: 1.5 of them) and the largest ``sum |q k|``
+    of its scores (the specification's fp32 products of D dequantized terms),
+    both times ``scale``."""
+    group = q_hat.shape[1] // k_hat.shape[1]
+    magnitude = (q_hat.abs() @ k_hat.abs().repeat_interleave(group, 1).transpose(-1, -2)).amax(-1) * scale
+    row_factor = q_scale * k_scale.amax(-1).repeat_interleave(group, 1)[..., None] * scale
+    return row_factor, magnitude
+
+
 def _exponent_slack(q_hat, q_scale, k_hat, k_scale, scale):
     """``[B, Hq, Lq]``: how far (natural log) a kernel's exponent of a score may lie
-    from the specification's: its shift ``row * INT8_BIAS`` rounded to fp32 (1.5 row
-    factors; 2 here), the specification's fp32 products of D dequantized terms, and
-    the exponent's own rounding (the lse bound below, per score)."""
-    group = q_hat.shape[1] // k_hat.shape[1]
-    d = q_hat.shape[-1]
-    k_abs = k_hat.abs().repeat_interleave(group, 1)
-    magnitude = (q_hat.abs() @ k_abs.transpose(-1, -2)).amax(-1) * scale
-    row_factor = q_scale * k_scale.amax(-1).repeat_interleave(group, 1)[..., None] * scale
-    return 2 * row_factor + (d + 4) * 2.0**-24 * magnitude + 2.0**-18
+    from the specification's: the lse check's per-score terms
+    (:func:`_score_rounding_terms`, 2 row factors where it takes 1.5) and the
+    exponent's own rounding."""
+    row_factor, magnitude = _score_rounding_terms(q_hat, q_scale, k_hat, k_scale, scale)
+    return 2 * row_factor + (q_hat.shape[-1] + 4) * 2.0**-24 * magnitude + 2.0**-18
 
 
 def _to_spec_beyond_flips(got, want, slack, seq_dim):
@@ -317,9 +325,7 @@ def test_kernels_8bit_match_the_same_quantization_over_random_lists(case):
     q8, q_scale, k8, k_scale = dense_ref.smooth_quantize_qk(qc, kc, seq_dim)
     q_hat = dense_ref.dequantize_int8(_bhld(q8, seq_dim), q_scale)
     k_hat = dense_ref.dequantize_int8(_bhld(k8, seq_dim), k_scale, BLOCK)
-    group = q_hat.shape[1] // k_hat.shape[1]
-    magnitude = (q_hat.abs() @ k_hat.abs().repeat_interleave(group, 1).transpose(-1, -2)).amax(-1) * d**-0.5
-    row_factor = q_scale * k_scale.amax(-1).repeat_interleave(group, 1)[..., None] * d**-0.5
+    row_factor, magnitude = _score_rounding_terms(q_hat, q_scale, k_hat, k_scale, d**-0.5)
     ulp, lk = 2.0**-24, kc.shape[seq_dim]
     # ... and the row sums of up to Lk fp32 terms on both sides (an absolute error of their log).
     bound = 1.5 * row_factor + (d + 4) * ulp * magnitude + 16 * ulp * want_lse.abs() + (2 * lk + 16) * ulp
