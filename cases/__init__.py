@@ -395,6 +395,15 @@ OPS: tuple[OpSpec, ...] = (
         differentiable=False,
         op_name="block_sparse_attention",
     ),
+    # ... its output as the FP8 rows the output projection reads (a quantizing epilogue).
+    OpSpec(
+        "block_sparse_attention_int8_fp8_rows",
+        "block_sparse",
+        reference.block_sparse.block_sparse_attention_int8_fp8_rows,
+        block_sparse.make_block_sparse_fp8_rows,
+        block_sparse.block_sparse_fp8_rows_edges,
+        differentiable=False,
+    ),
     OpSpec(
         "block_sparse_attention_backward",
         "block_sparse",

@@ -102,6 +102,18 @@ def make_block_sparse_8bit(precision):
     return make
 
 
+def make_block_sparse_fp8_rows(shape, dtype, device, requires_grad):
+    """``make_inputs`` of the FP8-rows op: :func:`make_block_sparse_8bit`'s
+    inputs, whose precision (``"int8_fp8"``) the op implies."""
+    return make_block_sparse_8bit("int8_fp8")(shape, dtype, device, requires_grad)[:-1]
+
+
+def block_sparse_fp8_rows_edges(dtype, device, requires_grad):
+    """The ``"int8_fp8"`` edges (:func:`block_sparse_8bit_edges`) without the
+    precision argument, the token-order case included."""
+    return [case[:9] + case[10:] for case in block_sparse_8bit_edges("int8_fp8")(dtype, device, False)]
+
+
 def block_sparse_backward_edges(dtype, device, requires_grad):
     """:func:`block_sparse_edges` with a gradient and the forward's output and
     log-sum-exp."""

@@ -429,6 +429,13 @@ RULES: dict[str, Rule] = {
         batch_heads,
         "q",
     ),
+    # Its FP8 rows: the scale is a max over every head, so batch shards only (as attention_int8_fp8_rows).
+    "block_sparse_attention_int8_fp8_rows": Rule(
+        {**_ATTENTION_ARGS, **_BLOCK_LISTS, "token_order": replicated},
+        (Out("q", fp8_rows), Out("q", fp8_rows)),
+        batch_only,
+        "q",
+    ),
     "block_sparse_attention_backward": Rule(
         {**_ATTENTION_BACKWARD_ARGS, **_BLOCK_LISTS}, _ATTENTION_GRADS, batch_heads, "q"
     ),

@@ -78,6 +78,15 @@ def _sparse_qkv(device, n):
     return _t(1, 2, 130, n, device=device)
 
 
+def _sparse_qkv16(device, n):  # 8-bit block-sparse attention's 16-bit inputs
+    return _sparse_qkv(device, n).to(torch.bfloat16)
+
+
+#: The arguments both block-sparse attention functions take, by kind.
+_SPARSE_KINDS = dict(q="tensor", k="tensor", v="tensor", block_index="index", block_count="index")
+_SPARSE_KINDS.update(scale="float?", causal="bool", seq_dim="int", kv_lengths="index?")
+
+
 def _block_lists(device):
     return compile_ops.block_index_from_mask(torch.ones(1, 2, 2, 2, dtype=torch.bool, device=device))
 
@@ -430,19 +439,20 @@ CALLS = [
             return_lse=False,
             precision="exact",
         ),
-        dict(
-            q="tensor",
-            k="tensor",
-            v="tensor",
-            block_index="index",
-            block_count="index",
-            scale="float?",
-            causal="bool",
-            seq_dim="int",
-            kv_lengths="index?",
-            return_lse="bool",
-            precision="str",
+        dict(_SPARSE_KINDS, return_lse="bool", precision="str"),
+    ),
+    Call(
+        "block_sparse_attention_fp8_rows",
+        _fn_call(
+            compile_ops.block_sparse_attention_fp8_rows,
+            q=_sparse_qkv16,
+            k=_sparse_qkv16,
+            v=_sparse_qkv16,
+            block_index=lambda d, n: _block_lists(d)[0],
+            block_count=lambda d, n: _block_lists(d)[1],
+            token_order=lambda d, n: torch.arange(130, device=d).flip(0),
         ),
+        dict(_SPARSE_KINDS, token_order="index?"),
     ),
     Call(
         "BlockSparseMask",

@@ -27,10 +27,12 @@ from conftest import INTERPRET, KERNEL_DEVICE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from shapes import examples
+from test_attention_8bit import _e4m3_index
 from test_block_sparse import _random_lists
 
 import compile_ops
 from compile_ops._library import clear_launch_plans
+from compile_ops.integrations.sparse_attention import Layout
 from compile_ops.reference import attention as dense_ref
 from compile_ops.reference import block_sparse as ref
 
@@ -544,3 +546,74 @@ def test_kernels_8bit_in_a_token_order_match_the_specification(case):
     )
     assert beyond < EIGHT_BIT[precision][1][dtype], (to_spec, beyond)
     assert (lse - want_lse)[~unseen].abs().max() < 1e-3
+
+
+# ---------------------------------------------------------------- FP8 output rows
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize(
+    "seq_dim, b, hq, hk, length, d, per_head, lengths",
+    [
+        (1, 2, 2, 1, 300, 64, True, [300, 170]),  # GQA, a partial last block, key lengths, per-head lists
+        (2, 1, 2, 2, 129, 16, False, None),  # SDPA's layout in, [B, L, H, D] rows out; shared lists
+    ],
+)
+def test_kernels_fp8_rows_in_a_token_order_are_the_16bit_output_rounded_once(
+    seq_dim, b, hq, hk, length, d, per_head, lengths
+):
+    """``block_sparse_attention_fp8_rows`` in a token order (the epilogue
+    scattering e4m3 rows and their scales to the tokens' places): its scales
+    equal the specification's exactly; its values are the same kernel's
+    16-bit ``"int8_fp8"`` output times the scale's reciprocal rounded to e4m3,
+    within one step (that output was rounded once more) and rarely off at
+    all; a query block that lists nothing gives zeros. Against the
+    specification as a whole, dequantized, within the 16-bit kernel's bound
+    plus e4m3's rounding; printed with the distance to exact attention."""
+    q, k, v, index, count, kv, order = _ordered_call(
+        torch.float16, seq_dim, b, hq, hk, length, d, per_head, lengths, 0.5, 3, KERNEL_DEVICE
+    )
+    count[0, 0, 1] = 0  # query block 1 of the first list sees nothing
+    with torch.no_grad():
+        rows = compile_ops.block_sparse_attention_fp8_rows(q, k, v, index, count, None, False, seq_dim, kv, order)
+        out16 = compile_ops.block_sparse_attention(
+            q, k, v, index, count, None, False, seq_dim, kv, precision="int8_fp8", token_order=order
+        )
+    assert rows.q.shape == (b, length, hq * d) and rows.q.dtype == torch.float8_e4m3fn
+    qc, kc, vc, index, count, order = (t.cpu() for t in (q, k, v, index, count, order))
+    kv = None if kv is None else kv.cpu()
+    want, want_scale = ref.block_sparse_attention_int8_fp8_rows(
+        qc, kc, vc, index, count, d**-0.5, False, seq_dim, kv, order
+    )
+    assert torch.equal(rows.scale.cpu(), want_scale)
+    out16 = (out16 if seq_dim == 1 else out16.transpose(1, 2)).flatten(2, 3).cpu().float()
+    inverse = torch.ones_like(want_scale) / want_scale
+    rounded = (out16 * inverse[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    steps = (_e4m3_index(rows.q.cpu()) - _e4m3_index(rounded)).abs()
+    assert steps.max() <= 1 and steps.float().mean() < 0.01, (steps.max(), steps.float().mean())
+    unseen = order[BLOCK : 2 * BLOCK]  # the tokens of query block 1 in the token order
+    head0 = rows.q.cpu().unflatten(2, (hq, d))[0][unseen, 0].float()
+    assert torch.equal(head0, torch.zeros_like(head0))
+    dequantized = rows.q.cpu().double() * want_scale[..., None].double()
+    to_spec = _relative_l2(dequantized, want.flatten(2, 3).double() * want_scale[..., None].double())
+    exact = dense_ref.attention(qc.double(), kc.double(), vc.double(), d**-0.5, False, seq_dim, kv)[0]
+    to_exact = _relative_l2(dequantized, (exact if seq_dim == 1 else exact.transpose(1, 2)).flatten(2, 3))
+    print(
+        f"block-sparse FP8 rows: {steps.float().mean():.2%} of values a step from the 16-bit output's; to the "
+        f"specification {to_spec:.2e}, to exact attention (every key) {to_exact:.2e}"
+    )
+    assert to_spec < 3e-2, to_spec  # a wrong scale, layout or token is O(1)
+
+
+def test_fp8_rows_refuse_a_gradient_other_dtypes_and_a_layout_mode_without_fp8_pv():
+    q, k, v, index, count, _, order = _ordered_call(torch.float16, 1, 1, 2, 2, 300, 16, False, None, 1.0, 1, "cpu")
+    call = compile_ops.block_sparse_attention_fp8_rows
+    with pytest.raises(TypeError, match="fused.block_sparse_attention_int8_fp8_rows: q, k and v must be float16"):
+        call(q.float(), k.float(), v.float(), index, count, seq_dim=1, token_order=order)
+    with pytest.raises(ValueError, match=r"fused.block_sparse_attention_int8_fp8_rows: token_order must have shape"):
+        call(q, k, v, index, count, seq_dim=1, token_order=order[:-1])
+    with pytest.raises(RuntimeError, match="compile_ops.block_sparse_attention_fp8_rows: an input requires grad"):
+        call(q.requires_grad_(), k, v, index, count, seq_dim=1)
+    layout = Layout.from_mask(None, torch.ones(3, 3, dtype=torch.bool), 300)
+    with pytest.raises(ValueError, match=r"fp8_rows=True is a mode of precision='int8_fp8' \(FP8 P V\), got 'int8'"):
+        layout.attend(q.detach(), k, v, precision="int8", fp8_rows=True)

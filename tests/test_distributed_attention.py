@@ -77,6 +77,17 @@ def _block_sparse_ordered_inputs():
     return lambda: (*_block_sparse_inputs(B, H)(), torch.randperm(L))
 
 
+def _block_sparse_fp8_rows(q, k, v, index, count, order):
+    return _as_floats(compile_ops.block_sparse_attention_fp8_rows(q, k, v, index, count, token_order=order))
+
+
+def _block_sparse_fp8_rows_inputs():
+    """:func:`_block_sparse_ordered_inputs` in 16 bits (8-bit attention's inputs), inference: no gradient."""
+    return lambda: tuple(
+        t.detach().to(torch.bfloat16) if t.is_floating_point() else t for t in _block_sparse_ordered_inputs()()
+    )
+
+
 def _attention_int8(seq_dim, q, k, v, precision="int8"):
     return compile_ops.attention(q, k, v, seq_dim=seq_dim, precision=precision)
 
@@ -195,6 +206,14 @@ def _attention_cases():
             (s, s, s, s, s, R),
             (s, s),
             (s, s, s, None, None, None),
+        )
+        # Its FP8 rows: the scale spans every head (attention_fp8_rows' rule), so head shards are gathered.
+        yield Case(
+            f"block_sparse_attention_fp8_rows/{axis}",
+            _block_sparse_fp8_rows,
+            _block_sparse_fp8_rows_inputs(),
+            (s, s, s, s, s, R),
+            (s, s) if axis == "batch" else (R, R),
         )
     # q and k quantized by their rotation (k's smoothing mean spans the sequence:
     # batch and head shards only), and 8-bit attention on them.

@@ -515,6 +515,7 @@ PLANNED_OPS = {
     "attention_qk8",
     "attention_int8_fp8_rows",
     "block_sparse_attention",
+    "block_sparse_attention_int8_fp8_rows",
 }
 
 

@@ -111,6 +111,8 @@ def _with_attention_errors(model, inputs) -> tuple:
     layer also runs dense SDPA on the same q, k, v and, where it runs 8-bit,
     16-bit block-sparse attention over the same lists: ``(output, errors
     against dense, errors against 16-bit sparse)``."""
+    from compile_ops import FP8Rows
+
     errors, errors_vs_sparse = [], []
     processors = [
         m.processor for m in model.modules() if getattr(getattr(m, "processor", None), "sparse", None) is not None
@@ -120,12 +122,15 @@ def _with_attention_errors(model, inputs) -> tuple:
         attend_self = type(processor).attend_self
 
         def attend(query, key, value, text_tokens=0, kv_lengths=None, fp8_rows=False, parallel=None):
-            out = attend_self(processor, query, key, value, text_tokens, kv_lengths, fp8_rows, parallel)
+            result = attend_self(processor, query, key, value, text_tokens, kv_lengths, fp8_rows, parallel)
+            out = result
+            if isinstance(result, FP8Rows):  # the kernel's e4m3 rows, dequantized
+                out = (result.q.float() * result.scale[..., None]).unflatten(2, query.shape[2:])
             dense = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
             errors.append(relative_l2(out, dense.transpose(1, 2)))
             if processor.attention_precision_of(query, key, value) != "exact":
                 errors_vs_sparse.append(relative_l2(out, processor.sparse.layout.attend(query, key, value, kv_lengths)))
-            return out
+            return result
 
         return attend
 

@@ -38,7 +38,7 @@ token-level pattern. A window larger than the tile grid raises, naming both.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -49,11 +49,13 @@ from compile_ops.meta.block_sparse import num_blocks
 from compile_ops.ops.block_sparse import (
     block_index_from_mask,
     block_sparse_attention,
+    block_sparse_attention_fp8_rows,
     radial_mask,
     sliding_tile_block_mask,
     tile_permutation,
     topk_block_index,
 )
+from compile_ops.ops.fp8 import FP8Rows
 
 
 def _check_steps(cls: str, dense_steps) -> None:
@@ -235,21 +237,46 @@ class Layout:
         kv_lengths: Optional[Tensor] = None,
         scale: Optional[float] = None,
         precision: str = "exact",
-    ) -> Tensor:
+        fp8_rows: bool = False,
+    ) -> Union[Tensor, FP8Rows]:
         """Block-sparse attention of ``[B, L, H, D]`` q, k, v in this layout;
         ``kv_lengths [B]``: keys past each sample's length are masked (padded
         text at the end, which the permutation leaves there); ``scale``: None
         is ``1 / sqrt(D)``; ``precision``: :func:`block_sparse_attention`'s
-        (``"int8"``, ``"int8_fp8"``: 8-bit operands, inference)."""
+        (``"int8"``, ``"int8_fp8"``: 8-bit operands, inference).
+        ``fp8_rows`` (with ``"int8_fp8"``): the output as the ``[B, L, H * D]``
+        :class:`FP8Rows` an FP8 output projection reads, written by the
+        kernel's epilogue (:func:`block_sparse_attention_fp8_rows`)."""
+        if fp8_rows and precision != "int8_fp8":
+            raise ValueError(
+                f"Layout.attend: fp8_rows=True is a mode of precision='int8_fp8' (FP8 P V), got {precision!r}"
+            )
         if self.topk is not None:
             if self.perm is not None:
                 query, key, value = (t.index_select(1, self.perm) for t in (query, key, value))
             index, count = topk_block_index(query, key, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
+            if fp8_rows:
+                rows = block_sparse_attention_fp8_rows(
+                    query, key, value, index, count, scale=scale, seq_dim=1, kv_lengths=kv_lengths
+                )
+                return rows if self.inverse is None else FP8Rows(*(t.index_select(1, self.inverse) for t in rows))
             out = block_sparse_attention(
                 query, key, value, index, count, scale=scale, seq_dim=1, kv_lengths=kv_lengths, precision=precision
             )
             return out if self.inverse is None else out.index_select(1, self.inverse)
         # The tile order as the op's token_order: the 8-bit kernels read and write through it (no copies).
+        if fp8_rows:
+            return block_sparse_attention_fp8_rows(
+                query,
+                key,
+                value,
+                self.index,
+                self.count,
+                scale=scale,
+                seq_dim=1,
+                kv_lengths=kv_lengths,
+                token_order=self.perm,
+            )
         return block_sparse_attention(
             query,
             key,

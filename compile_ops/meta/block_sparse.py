@@ -165,6 +165,17 @@ def check_block_lists_eagerly(
     the lists' and the token order's values (:func:`check_block_list_values`,
     :func:`check_token_order_values`). Malformed arguments are left to the
     body, whose validation names them."""
+    _check_lists_eagerly("block_sparse_attention", q, k, block_index, block_count, seq_dim, token_order)
+
+
+def check_fp8_rows_lists_eagerly(
+    q, k, v, block_index, block_count, scale, causal, seq_dim=2, kv_lengths=None, token_order=None
+) -> None:
+    """:func:`check_block_lists_eagerly` for ``fused.block_sparse_attention_int8_fp8_rows``."""
+    _check_lists_eagerly("block_sparse_attention_int8_fp8_rows", q, k, block_index, block_count, seq_dim, token_order)
+
+
+def _check_lists_eagerly(op: str, q, k, block_index, block_count, seq_dim, token_order) -> None:
     if (
         isinstance(token_order, torch.Tensor)
         and token_order.dim() == 1
@@ -172,7 +183,7 @@ def check_block_lists_eagerly(
         and isinstance(q, torch.Tensor)
         and token_order.device == q.device
     ):
-        check_token_order_values("block_sparse_attention", token_order)
+        check_token_order_values(op, token_order)
     if not (
         isinstance(block_index, torch.Tensor)
         and isinstance(block_count, torch.Tensor)
@@ -186,7 +197,7 @@ def check_block_lists_eagerly(
         and block_index.device == block_count.device == k.device
     ):
         return
-    check_block_list_values("block_sparse_attention", block_index, block_count, num_blocks(dims(k, seq_dim)[2]), "key")
+    check_block_list_values(op, block_index, block_count, num_blocks(dims(k, seq_dim)[2]), "key")
 
 
 def _check_values(op: str, block_index: torch.Tensor, block_count: torch.Tensor, limit, what: str) -> None:
@@ -245,6 +256,29 @@ def block_sparse_attention(
         )
     check_token_order(op, token_order, q, k, seq_dim, causal)
     return out, lse
+
+
+def block_sparse_attention_int8_fp8_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_index: torch.Tensor,
+    block_count: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+    token_order: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values [B, Lq, Hq, D] float8_e4m3fn, row_scale [B, Lq] fp32)``,
+    contiguous, whatever q's layout: ``fused.attention_int8_fp8_rows``'s rows,
+    over the listed blocks (``token_order``: :func:`check_token_order`)."""
+    op = "block_sparse_attention_int8_fp8_rows"
+    _eight_bit(op, q, k, v, scale, causal, seq_dim, kv_lengths)
+    b, h, lq, d = dims(q, seq_dim)
+    check_block_lists(op, block_index, block_count, b, h, lq, dims(k, seq_dim)[2], q.device)
+    check_token_order(op, token_order, q, k, seq_dim, causal)
+    return q.new_empty((b, lq, h, d), dtype=torch.float8_e4m3fn), q.new_empty((b, lq), dtype=torch.float32)
 
 
 def block_sparse_attention_backward(

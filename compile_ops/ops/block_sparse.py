@@ -28,13 +28,14 @@ import triton
 from torch import Tensor
 
 from compile_ops import _dtensor, meta, reference
-from compile_ops._library import fused_op, launcher, require_fp8_mma
+from compile_ops._library import fused_op, launcher, register_no_gradient, require_fp8_mma
 from compile_ops.kernels.block_sparse import sort_block_lists_kernel
 from compile_ops.meta._validate import checked_arguments, softmax_scale
 from compile_ops.meta.attention import SPARSE_BLOCK
 from compile_ops.ops._launch import unit_last_stride
 from compile_ops.ops.attention_8bit import launch_eight_bit, quantized_operands
 from compile_ops.ops.attention_launch import launch_backward, launch_forward
+from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
 
 
 def _per_head(index: Tensor, count: Tensor, batch: int, heads: int) -> tuple:
@@ -119,6 +120,44 @@ def _block_sparse_attention_op(
     operands = quantized_operands(q, k, v, seq_dim, pv_fp8, token_order)
     launch_eight_bit(operands, v, out, scale, causal, seq_dim, kv_lengths, blocks=lists, lse=lse, tokens=token_order)
     return out, lse
+
+
+@fused_op(
+    "block_sparse_attention_int8_fp8_rows",
+    fake=meta.block_sparse.block_sparse_attention_int8_fp8_rows,
+    reference=reference.block_sparse.block_sparse_attention_int8_fp8_rows,
+    eager_check=meta.block_sparse.check_fp8_rows_lists_eagerly,
+)
+def _block_sparse_attention_int8_fp8_rows_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    block_index: Tensor,
+    block_count: Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[Tensor] = None,
+    token_order: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    values, out_scale = meta.block_sparse.block_sparse_attention_int8_fp8_rows(
+        q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths, token_order
+    )
+    require_fp8_mma(q, "FP8 output rows of block-sparse 8-bit attention")
+    b, h = meta.attention.dims(q, seq_dim)[:2]
+    lists = _per_head(ascending(block_index, block_count), block_count, b, h)
+    operands = quantized_operands(q, k, v, seq_dim, True, token_order)
+    launch_eight_bit(
+        operands, v, values, scale, causal, seq_dim, kv_lengths, out_scale, blocks=lists, tokens=token_order
+    )
+    return values, out_scale
+
+
+register_no_gradient(
+    _block_sparse_attention_int8_fp8_rows_op,
+    "fused.block_sparse_attention_int8_fp8_rows is inference only (its output is e4m3): train with "
+    "precision='exact', or run the call under torch.no_grad()",
+)
 
 
 @fused_op(
@@ -292,6 +331,46 @@ def block_sparse_attention(
 
     out, lse = _dtensor.sequence_parallel(attend, q, k, v, seq_dim)
     return (out, lse) if return_lse else out
+
+
+@checked_arguments
+def block_sparse_attention_fp8_rows(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    block_index: Tensor,
+    block_count: Tensor,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    seq_dim: int = 2,
+    kv_lengths: Optional[Tensor] = None,
+    token_order: Optional[Tensor] = None,
+) -> FP8Rows:
+    """:func:`block_sparse_attention` with ``precision="int8_fp8"`` whose output
+    comes as the FP8 rows an FP8 output projection reads (``FP8Linear``):
+    the kernel writes e4m3 values and their scales in its epilogue (in the
+    tokens' own order under ``token_order``), as
+    :func:`compile_ops.attention_fp8_rows` does for dense attention, so the
+    output is never written in 16 bits nor quantized by a pass of its own.
+    Inference only (sm_89 or newer on a GPU; the specification,
+    ``reference.block_sparse.block_sparse_attention_int8_fp8_rows``, elsewhere).
+
+    Args:
+        q, k, v: as :func:`block_sparse_attention`, fp16/bf16.
+        block_index, block_count, scale, causal, kv_lengths, token_order: as
+            :func:`block_sparse_attention`.
+        seq_dim: q/k/v's layout (2: ``[B, H, L, D]``, 1: ``[B, L, H, D]``).
+
+    Returns:
+        ``FP8Rows(q=[B, Lq, Hq * D] float8_e4m3fn, scale=[B, Lq] fp32)``, whatever
+        ``seq_dim``: the projection's input rows, heads concatenated per token.
+    """
+    refuse_gradient("compile_ops.block_sparse_attention_fp8_rows", q, k, v)
+    scale = softmax_scale("compile_ops.block_sparse_attention_fp8_rows", q, scale)
+    values, row_scale = _block_sparse_attention_int8_fp8_rows_op(
+        q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths, token_order
+    )
+    return FP8Rows(values.flatten(2, 3), row_scale)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -235,6 +235,13 @@ def attention_qk8(
     out, _, v_scale = _attention_8bit_fp32(q8, q_scale, k8, k_scale, v, scale, causal, seq_dim, kv_lengths, pv_fp8)
     if not fp8_rows:
         return (out if seq_dim == 2 else out.transpose(1, 2)).to(v.dtype), no_scale
+    return _fp8_rows(out, v_scale)
+
+
+def _fp8_rows(out: torch.Tensor, v_scale: torch.Tensor) -> tuple:
+    """:func:`attention_int8_fp8_rows`'s rounding of the fp32 ``out [B, Hq, Lq, D]``
+    by the bound from v's channel scales ``[B, Hk, D]``: ``(values [B, Lq, Hq, D],
+    row_scale [B, Lq])``."""
     row_scale = fp8_rows_scale(v_scale)
     inverse = torch.ones_like(row_scale) / row_scale  # a tensor division: IEEE, as the kernel's div_rn
     values = (out * inverse[:, None, None, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -306,6 +313,7 @@ def attention_int8_fp8_rows(
     causal: bool,
     seq_dim: int = 2,
     kv_lengths: Optional[torch.Tensor] = None,
+    allowed: Optional[torch.Tensor] = None,
 ) -> tuple:
     """:func:`attention_int8_fp8` with its output written as the e4m3 rows an
     FP8 output projection reads (``compile_ops/reference/fp8.py``'s operand
@@ -324,11 +332,14 @@ def attention_int8_fp8_rows(
     below 2**-6 of it (e4m3's subnormals): out's values sit at most a factor
     (row amax / v's amax) lower than a per-row scale would put them.
 
+    ``allowed``: as :func:`attention_8bit` (block-sparse attention's listed
+    blocks; the bound is v's over every key, listed or not).
+
     Returns ``(values [B, Lq, Hq, D] float8_e4m3fn, row_scale [B, Lq] fp32)``:
     the ``[B, Lq, Hq * D]`` rows of the projection, whatever ``seq_dim``."""
-    return attention_qk8(
-        *smooth_quantize_qk(q, k, seq_dim), v, scale, causal, seq_dim, kv_lengths, pv_fp8=True, fp8_rows=True
-    )
+    quantized = smooth_quantize_qk(q, k, seq_dim)
+    out, _, v_scale = _attention_8bit_fp32(*quantized, v, scale, causal, seq_dim, kv_lengths, True, allowed)
+    return _fp8_rows(out, v_scale)
 
 
 def fp8_rows_scale(v_scale: torch.Tensor) -> torch.Tensor:

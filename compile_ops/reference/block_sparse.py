@@ -98,6 +98,36 @@ def block_sparse_attention(
     return dense.attention_8bit(q, k, v, scale, causal, seq_dim, kv_lengths, precision == "int8_fp8", allowed)
 
 
+def block_sparse_attention_int8_fp8_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_index: torch.Tensor,
+    block_count: torch.Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int = 2,
+    kv_lengths: Optional[torch.Tensor] = None,
+    token_order: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_sparse_attention` with ``precision="int8_fp8"``, its output
+    written as the e4m3 rows an FP8 output projection reads: the dense
+    ``reference.attention.attention_int8_fp8_rows`` (the rows' scale a bound
+    from v's channel scales over every key) under the listed blocks' token
+    mask, and with ``token_order`` the rows put back at their tokens' places.
+    Returns ``(values [B, Lq, Hq, D] float8_e4m3fn, row_scale [B, Lq] fp32)``."""
+    if token_order is not None:
+        q, k, v = (t.index_select(seq_dim, token_order) for t in (q, k, v))
+        values, row_scale = block_sparse_attention_int8_fp8_rows(
+            q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths
+        )
+        codes = values.view(torch.uint8)  # CPU has no e4m3 index_copy
+        codes = torch.empty_like(codes).index_copy_(1, token_order, codes)
+        return codes.view(values.dtype), torch.empty_like(row_scale).index_copy_(1, token_order, row_scale)
+    allowed = token_mask(block_index, block_count, dims(q, seq_dim)[2], dims(k, seq_dim)[2])
+    return dense.attention_int8_fp8_rows(q, k, v, scale, causal, seq_dim, kv_lengths, allowed)
+
+
 def block_sparse_attention_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,

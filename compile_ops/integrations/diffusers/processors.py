@@ -207,7 +207,8 @@ class FusedProcessor:
         """Video self-attention of ``[B, L, H, D]`` q, k, v (the last
         ``text_tokens`` of L text, attended densely): the sparse plan's layout
         for this call where one is set, in :meth:`attention_precision_of`'s
-        precision (the output as a tensor: the layout un-permutes it), else
+        precision (the output in the tokens' order; as FP8 rows from the
+        kernel's epilogue where ``fp8_rows`` and ``"int8_fp8"`` runs), else
         :meth:`attend` (``fp8_rows``, ``parallel`` and ``replicated_tail`` as
         there; under ``parallel`` the layout spans every rank's tokens)."""
         layout = None if self.sparse is None else self.sparse.layout
@@ -231,7 +232,8 @@ class FusedProcessor:
                 owner=f"compile_ops {type(self).__name__}",
                 replicated_tail=replicated_tail,
             )
-        return layout.attend(query, key, value, kv_lengths, precision=precision)
+        fp8_rows = fp8_rows and precision == "int8_fp8"
+        return layout.attend(query, key, value, kv_lengths, precision=precision, fp8_rows=fp8_rows)
 
     def rms_weight(self, norm: nn.Module) -> Optional[tuple]:
         """``(weight, eps)`` of a per-head RMSNorm that ``fused.qk_norm_rope``
@@ -485,8 +487,8 @@ class LTXVideoAttnProcessor(FusedProcessor):
             )
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, attn.to_v(context)))
         attend = self.attend if encoder_hidden_states is not None else self.attend_self
-        out = attend(query, key, value, parallel=self.parallel_config()).flatten(2, 3).to(query.dtype)
-        return attn.to_out[1](attn.to_out[0](out))
+        out = attend(query, key, value, fp8_rows=takes_fp8_rows(attn.to_out[0]), parallel=self.parallel_config())
+        return attn.to_out[1](attn.to_out[0](_heads_joined(out, query.dtype)))
 
 
 def _prefix_lengths(mask):
