@@ -88,7 +88,7 @@ PERFORMANCE_TABLES = {
     "diffusers-e2e-table": "diffusers-e2e-h100.json",
     "diffusers-e2e-int8-table": "diffusers-e2e-int8-h100.json",
     "diffusers-e2e-fp8-table": "diffusers-e2e-fp8-h100.json",
-    "sparse-e2e-combined-table": "sparse-e2e-h200.json",
+    "sparse-e2e-combined-table": "sparse-e2e-h100.json",
     "block-sparse-table": "block-sparse-h100.json",
     "moe-table": "moe-h100.json",
     "host-table": "host-h100.json",
