@@ -124,6 +124,22 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _eight_bit_attention_at_every_length(monkeypatch):
+    """On a GPU, patched models run an 8-bit ``attention_precision`` from
+    ``attention_kernel.EIGHT_BIT_FROM_KEYS`` keys only; the tiny models' sequences
+    are far shorter, so their tests would see 16-bit attention where they ask
+    for 8-bit. Off a GPU the rule does not apply. The rule's own test
+    (test_diffusers_patch_attention.py) sets the bound back."""
+    if not HAS_CUDA:
+        return
+    try:
+        from compile_ops.integrations.diffusers import attention_kernel
+    except ImportError:  # without diffusers there is no patched model
+        return
+    monkeypatch.setattr(attention_kernel, "EIGHT_BIT_FROM_KEYS", 0)
+
+
 def _global_state() -> dict:
     """What a test may change only for its own duration: torch's config modules
     (changed through their own ``patch()``, never pytest's monkeypatch, which

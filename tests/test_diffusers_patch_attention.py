@@ -23,6 +23,9 @@ from compile_ops.integrations.diffusers import attention_kernel, processors
 
 pytest.importorskip("diffusers")
 
+#: The bound of the 8-bit rule as measured (conftest lifts it for the tiny models on a GPU).
+EIGHT_BIT_FROM_KEYS = attention_kernel.EIGHT_BIT_FROM_KEYS
+
 
 # ---------------------------------------------------------------- the fused processors' attention kernel
 
@@ -83,6 +86,31 @@ def test_auto_attention_kernel_takes_fused_where_the_sm90_core_is_ahead(monkeypa
             assert not attention_kernel.sdpa_is_faster(*qkv(ahead, dtype=torch.float32))
             q, k, v = qkv(4608)
             assert not attention_kernel.sdpa_is_faster(q.requires_grad_(), k, v)
+
+
+def test_8bit_attention_runs_on_a_gpu_from_the_keys_where_it_pays(monkeypatch):
+    """Under an 8-bit attention_precision a processor runs a 16-bit inference
+    call (fake CUDA tensors, [B, L, H, D]) in 8 bits from EIGHT_BIT_FROM_KEYS
+    keys on a GPU: Wan's text cross-attention (512 keys) keeps 16-bit
+    attention, faster and more accurate there; off a GPU, at any length (the
+    precision the caller set). The report names the bound."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(attention_kernel, "EIGHT_BIT_FROM_KEYS", EIGHT_BIT_FROM_KEYS)
+    model, _ = _wan()
+    report = compile_ops.patch(model.to(torch.bfloat16).eval(), attention_precision="int8_fp8")
+    ours = (getattr(m, "processor", None) for m in model.modules())
+    processor = next(p for p in ours if isinstance(p, processors.FusedProcessor))
+    with FakeTensorMode():
+
+        def qkv(keys, device="cuda"):
+            q = torch.empty(1, 4096, 2, 64, dtype=torch.bfloat16, device=device)
+            return (q, *(torch.empty(1, keys, 2, 64, dtype=torch.bfloat16, device=device) for _ in range(2)))
+
+        assert not processor.eight_bit(*qkv(512)) and not processor.eight_bit(*qkv(EIGHT_BIT_FROM_KEYS - 1))
+        assert processor.eight_bit(*qkv(EIGHT_BIT_FROM_KEYS)) and processor.eight_bit(*qkv(512, "cpu"))
+    kernels = [kernel for _, kernel, _ in report.attention_paths()]
+    assert kernels and all(f"(inference) from {EIGHT_BIT_FROM_KEYS} keys on a GPU" in kernel for kernel in kernels), kernels
 
 
 @pytest.mark.parametrize("length", [4592, 4608, 2537])

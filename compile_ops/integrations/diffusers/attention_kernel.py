@@ -1,4 +1,5 @@
-"""``patch(attention_kernel="auto")``: which kernel runs a processor's exact attention call.
+"""``patch(attention_kernel="auto")``: which kernel runs a processor's exact attention call;
+and from how many keys an 8-bit ``attention_precision`` runs ahead of 16-bit attention.
 
 SDPA's cuDNN backend runs 16-bit inference forwards ahead of ``fused.attention``,
 except where ``fused.attention``'s sm_90 core is ahead: long key counts,
@@ -7,7 +8,8 @@ SDPA takes as a boolean mask). The bounds below come from
 bench/results/attention-sm90-core-persistent-h100.json,
 attention-ragged-keys-h100.json (and ``-short-``),
 attention-sm90-core-d64-h100.json (and ``-d64-lengths-``) and
-masked-sdpa-h100.json.
+masked-sdpa-h100.json; the 8-bit bound from short-keys-h100.json
+(docs/notes/attention-8bit.md, "8-bit attention on short key sequences").
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ RAGGED_KEY_TILE = 128
 FUSED_AHEAD_HEAD_DIM = 128
 
 
+#: Keys from which 8-bit attention runs a 16-bit inference call on a GPU ahead of
+#: 16-bit attention (the FP8 rows' quantization counted where a projection reads
+#: them). Below it, text cross-attention for one: each program's fixed work
+#: (its queries rounded to int8, its output rounded and stored) is spread over
+#: a few key tiles only.
+EIGHT_BIT_FROM_KEYS = 2048
+
+
 def needs_gradient(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -50,3 +60,12 @@ def sdpa_is_faster(query, key, value, kv_lengths=None) -> bool:
     keys = key.shape[1]
     ragged = keys % RAGGED_KEY_TILE != 0 and keys >= FUSED_AHEAD_RAGGED_FROM_KEYS
     return not (on_core and (kv_lengths is not None or keys >= FUSED_AHEAD_FROM_KEYS or ragged))
+
+
+def eight_bit_pays(query, key) -> bool:
+    """Whether an 8-bit ``attention_precision`` runs this 16-bit inference call
+    (``[B, L, H, D]`` q and k): on a GPU from :data:`EIGHT_BIT_FROM_KEYS` keys
+    (shorter calls keep 16-bit attention, faster and more accurate there);
+    elsewhere always (the reference path, the interpreter: the precision the
+    caller set, whatever the length)."""
+    return not query.is_cuda or key.shape[1] >= EIGHT_BIT_FROM_KEYS

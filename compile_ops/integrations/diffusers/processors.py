@@ -17,7 +17,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from compile_ops.integrations.diffusers.attention_kernel import needs_gradient, sdpa_is_faster
+from compile_ops.integrations.diffusers.attention_kernel import (
+    EIGHT_BIT_FROM_KEYS,
+    eight_bit_pays,
+    needs_gradient,
+    sdpa_is_faster,
+)
 from compile_ops.integrations.diffusers.context_parallel import context_parallel, parallel_attention
 from compile_ops.integrations.diffusers.module_rules import diffusers_modules
 from compile_ops.integrations.schedule import DenseFirst
@@ -162,7 +167,10 @@ class FusedProcessor:
         elif self.sparse is not None:
             kernel = f"fused.block_sparse_attention ({self.sparse.config}), {exact} on its dense steps"
         elif precision != "exact":
-            kernel = f"fused.attention_{precision} (inference), {exact} under autograd"
+            kernel = (
+                f"fused.attention_{precision} (inference) from {EIGHT_BIT_FROM_KEYS} keys on a GPU, "
+                f"{exact} under autograd and on fewer keys"
+            )
         parallel = parallel_path(self.parallel_config())
         if parallel != "one rank" and not self.splits_across_ranks(attn):
             parallel = f"each rank's queries ({parallel} elsewhere)"
@@ -172,12 +180,14 @@ class FusedProcessor:
 
     def eight_bit(self, query, key, value) -> bool:
         """Whether :meth:`attend` runs these 16-bit q, k, v as 8-bit attention:
-        an 8-bit ``attention_precision``, a step the schedule says, no gradient."""
+        an 8-bit ``attention_precision``, a step the schedule says, no gradient,
+        and enough keys for it to pay (:func:`eight_bit_pays`)."""
         return (
             self.attention_precision != "exact"
             and (self.int8_schedule is None or self.int8_schedule.active)
             and query.dtype in (torch.float16, torch.bfloat16)
             and not needs_gradient(query, key, value)
+            and eight_bit_pays(query, key)
         )
 
     def quantizes_qk(self, query, key, value) -> bool:
