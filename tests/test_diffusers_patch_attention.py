@@ -110,7 +110,8 @@ def test_8bit_attention_runs_on_a_gpu_from_the_keys_where_it_pays(monkeypatch):
         assert not processor.eight_bit(*qkv(512)) and not processor.eight_bit(*qkv(EIGHT_BIT_FROM_KEYS - 1))
         assert processor.eight_bit(*qkv(EIGHT_BIT_FROM_KEYS)) and processor.eight_bit(*qkv(512, "cpu"))
     kernels = [kernel for _, kernel, _ in report.attention_paths()]
-    assert kernels and all(f"(inference) from {EIGHT_BIT_FROM_KEYS} keys on a GPU" in kernel for kernel in kernels), kernels
+    bound = f"(inference) from {EIGHT_BIT_FROM_KEYS} keys on a GPU"
+    assert kernels and all(bound in kernel for kernel in kernels), kernels
 
 
 @pytest.mark.parametrize("length", [4592, 4608, 2537])

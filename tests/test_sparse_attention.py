@@ -323,6 +323,31 @@ def test_topk_is_dense_attention_under_the_lists_it_chose():
     assert err > 1e-4  # it dropped blocks: the comparison above is not dense against dense
 
 
+def test_a_topk_layout_hands_fp8_rows_at_their_tokens():
+    """``Layout.attend(..., fp8_rows=True)`` on a TopK layout (lists chosen per
+    call on the tile-permuted q and k, the rows put back at their tokens):
+    each row is the same call's 16-bit ``int8_fp8`` output rounded to e4m3 by
+    the rows' scale, within one step (the 16-bit output was rounded once
+    more); a row at another token's place is many steps off."""
+    from test_attention_8bit import _e4m3_index
+
+    layout = compile_ops.TopK(coverage=0.5, tile=(2, 8, 8)).layout((4, 16, 16), "cpu")
+    # fp16, whose finer rounding of the 16-bit output rarely moves an e4m3 step.
+    q, k, v = (torch.randn(1, 1024, 2, 16, dtype=torch.float16) for _ in range(3))
+    with torch.no_grad():
+        rows = layout.attend(q, k, v, precision="int8_fp8", fp8_rows=True)
+        out16 = layout.attend(q, k, v, precision="int8_fp8").flatten(2, 3).float()
+    assert rows.q.shape == (1, 1024, 32) and layout.inverse is not None
+    inverse = torch.ones_like(rows.scale) / rows.scale
+    for shift, steps_at_most in ((0, 1), (1, None)):
+        rounded = (out16.roll(shift, 1) * inverse[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        steps = (_e4m3_index(rows.q) - _e4m3_index(rounded)).abs()
+        if steps_at_most is not None:
+            assert steps.max() <= steps_at_most and steps.float().mean() < 0.01, (steps.max(), steps.float().mean())
+        else:
+            assert steps.float().mean() > 4, steps.float().mean()
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_regional_compile_fullgraph_compiles_once_per_mode_across_resolutions(name):
     """The blocks compiled in place (diffusers' compile_repeated_blocks) with

@@ -251,44 +251,27 @@ class Layout:
             raise ValueError(
                 f"Layout.attend: fp8_rows=True is a mode of precision='int8_fp8' (FP8 P V), got {precision!r}"
             )
+
+        def attend(q, k, v, index, count, token_order=None):
+            options = dict(scale=scale, seq_dim=1, kv_lengths=kv_lengths, token_order=token_order)
+            if fp8_rows:
+                return block_sparse_attention_fp8_rows(q, k, v, index, count, **options)
+            return block_sparse_attention(q, k, v, index, count, precision=precision, **options)
+
         if self.topk is not None:
             if self.perm is not None:
                 query, key, value = (t.index_select(1, self.perm) for t in (query, key, value))
             index, count = topk_block_index(query, key, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
-            if fp8_rows:
-                rows = block_sparse_attention_fp8_rows(
-                    query, key, value, index, count, scale=scale, seq_dim=1, kv_lengths=kv_lengths
-                )
-                return rows if self.inverse is None else FP8Rows(*(t.index_select(1, self.inverse) for t in rows))
-            out = block_sparse_attention(
-                query, key, value, index, count, scale=scale, seq_dim=1, kv_lengths=kv_lengths, precision=precision
+            out = attend(query, key, value, index, count)
+            if self.inverse is None:
+                return out
+            return (
+                FP8Rows(*(t.index_select(1, self.inverse) for t in out))
+                if fp8_rows
+                else out.index_select(1, self.inverse)
             )
-            return out if self.inverse is None else out.index_select(1, self.inverse)
         # The tile order as the op's token_order: the 8-bit kernels read and write through it (no copies).
-        if fp8_rows:
-            return block_sparse_attention_fp8_rows(
-                query,
-                key,
-                value,
-                self.index,
-                self.count,
-                scale=scale,
-                seq_dim=1,
-                kv_lengths=kv_lengths,
-                token_order=self.perm,
-            )
-        return block_sparse_attention(
-            query,
-            key,
-            value,
-            self.index,
-            self.count,
-            scale=scale,
-            seq_dim=1,
-            kv_lengths=kv_lengths,
-            precision=precision,
-            token_order=self.perm,
-        )
+        return attend(query, key, value, self.index, self.count, self.perm)
 
 
 class SparseAttention:
