@@ -43,6 +43,12 @@ def _per_head(index: Tensor, count: Tensor, batch: int, heads: int) -> tuple:
     return unit_last_stride(index).expand(batch, heads, -1, -1), count.expand(batch, heads, -1)
 
 
+def _sorted_lists(q: Tensor, seq_dim: int, index: Tensor, count: Tensor) -> tuple:
+    """The lists as the kernels walk them: ascending, one per (batch, head) of q."""
+    b, h = meta.attention.dims(q, seq_dim)[:2]
+    return _per_head(ascending(index, count), count, b, h)
+
+
 #: ``sort_block_lists_kernel`` sorts at most 4096 entries a program, and spreads
 #: the lists over about SORT_PROGRAMS programs: a static layout's few hundred
 #: lists in a handful of programs left the GPU idle for the sort's latency.
@@ -109,8 +115,7 @@ def _block_sparse_attention_op(
     out, lse = meta.block_sparse.block_sparse_attention(
         q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths, precision, token_order
     )
-    b, h = meta.attention.dims(q, seq_dim)[:2]
-    lists = _per_head(ascending(block_index, block_count), block_count, b, h)
+    lists = _sorted_lists(q, seq_dim, block_index, block_count)
     if precision == "exact":
         launch_forward(q, k, v, out, lse, scale, causal, seq_dim, kv_lengths, lists)
         return out, lse
@@ -144,8 +149,7 @@ def _block_sparse_attention_int8_fp8_rows_op(
         q, k, v, block_index, block_count, scale, causal, seq_dim, kv_lengths, token_order
     )
     require_fp8_mma(q, "FP8 output rows of block-sparse 8-bit attention")
-    b, h = meta.attention.dims(q, seq_dim)[:2]
-    lists = _per_head(ascending(block_index, block_count), block_count, b, h)
+    lists = _sorted_lists(q, seq_dim, block_index, block_count)
     operands = quantized_operands(q, k, v, seq_dim, True, token_order)
     launch_eight_bit(
         operands, v, values, scale, causal, seq_dim, kv_lengths, out_scale, blocks=lists, tokens=token_order
@@ -199,7 +203,7 @@ def _block_sparse_attention_backward_op(
         causal,
         seq_dim,
         kv_lengths,
-        _per_head(ascending(block_index, block_count), block_count, b, h),
+        _sorted_lists(q, seq_dim, block_index, block_count),
         _per_head(*key_lists, b, h),
     )
     return dq, dk, dv
