@@ -125,19 +125,27 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
-def _eight_bit_attention_at_every_length(monkeypatch):
+def _eight_bit_attention_at_every_length():
     """On a GPU, patched models run an 8-bit ``attention_precision`` from
     ``attention_kernel.EIGHT_BIT_FROM_KEYS`` keys only; the tiny models' sequences
     are far shorter, so their tests would see 16-bit attention where they ask
     for 8-bit. Off a GPU the rule does not apply. The rule's own test
-    (test_diffusers_patch_attention.py) sets the bound back."""
-    if not HAS_CUDA:
+    (test_diffusers_patch_attention.py) sets the bound back. Not through
+    ``monkeypatch``: an autouse fixture that takes it sets it up before
+    :func:`_no_leaked_global_state`, whose check would then run before a
+    test's own monkeypatching is undone."""
+    attention_kernel = None
+    if HAS_CUDA:
+        try:
+            from compile_ops.integrations.diffusers import attention_kernel
+        except ImportError:  # without diffusers there is no patched model
+            pass
+    if attention_kernel is None:
+        yield
         return
-    try:
-        from compile_ops.integrations.diffusers import attention_kernel
-    except ImportError:  # without diffusers there is no patched model
-        return
-    monkeypatch.setattr(attention_kernel, "EIGHT_BIT_FROM_KEYS", 0)
+    bound, attention_kernel.EIGHT_BIT_FROM_KEYS = attention_kernel.EIGHT_BIT_FROM_KEYS, 0
+    yield
+    attention_kernel.EIGHT_BIT_FROM_KEYS = bound
 
 
 def _global_state() -> dict:
