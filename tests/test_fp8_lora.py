@@ -325,7 +325,7 @@ def test_a_lora_layer_takes_fp8_rows_and_reads_them_dequantized():
         torch.nn.init.normal_(p)
     x = torch.randn(3, 5, 32)
     rows = quantize_fp8_rows(x)
-    seen = rows.q.float() * rows.scale[..., None]
+    seen = rows.dequantized()
     with torch.no_grad():
         base = layer.base_layer(rows)
         delta = {a: layer.lora_B[a](layer.lora_A[a](seen)) * layer.scaling[a] for a in ("a", "b")}

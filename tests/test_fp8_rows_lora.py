@@ -293,7 +293,7 @@ def op_calls(monkeypatch):
 
 def _peft_path(layer, rows):
     """The layer's output through peft's Linears on the dequantized rows."""
-    seen = rows.q.float() * rows.scale[..., None]
+    seen = rows.dequantized()
     delta = layer.lora_B["a"](layer.lora_A["a"](seen.to(layer.lora_A["a"].weight.dtype))) * layer.scaling["a"]
     return (layer.base_layer(rows).float() + delta.float()).to(layer.base_layer.out_dtype)
 

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
             errors = {}
             for name, fn in providers.items():
                 rows_out = fn(q, k, v)
-                errors[name] = relative_l2(rows_out.q.float() * rows_out.scale[..., None], exact)
+                errors[name] = relative_l2(rows_out.dequantized(), exact)
         del exact
         flops = 4 * b * h * lq * lk * d
         for rnd in range(args.rounds):

@@ -125,7 +125,7 @@ def _with_attention_errors(model, inputs) -> tuple:
             result = attend_self(processor, query, key, value, text_tokens, kv_lengths, fp8_rows, parallel)
             out = result
             if isinstance(result, FP8Rows):  # the kernel's e4m3 rows, dequantized
-                out = (result.q.float() * result.scale[..., None]).unflatten(2, query.shape[2:])
+                out = result.dequantized().unflatten(2, query.shape[2:])
             dense = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
             errors.append(relative_l2(out, dense.transpose(1, 2)))
             if processor.attention_precision_of(query, key, value) != "exact":

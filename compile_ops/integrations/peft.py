@@ -217,7 +217,7 @@ class FP8LoraLinear(LoraLinear):
                 result = fp8_rows_lora(result, rows.q, rows.scale, lora_a.weight, lora_b.weight, *scalings)
                 continue
             if x is None:
-                x = rows.q.float() * rows.scale.float().unsqueeze(-1)
+                x = rows.dequantized()
             inputs = self.lora_dropout[adapter]((x if samples is None else x[samples]).to(lora_a.weight.dtype))
             if (
                 samples is None

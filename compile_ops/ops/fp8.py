@@ -116,6 +116,10 @@ class FP8Rows(NamedTuple):
     q: Tensor
     scale: Tensor
 
+    def dequantized(self) -> Tensor:
+        """``q * scale[..., None]`` in fp32, ``[..., K]``: the rows as the GEMM reads them."""
+        return self.q.float() * self.scale[..., None]
+
 
 def check_fp8_device(device: torch.device) -> None:
     """Raise on a CUDA device without FP8 tensor cores (below sm_89)."""
