@@ -258,20 +258,14 @@ class Layout:
                 return block_sparse_attention_fp8_rows(q, k, v, index, count, **options)
             return block_sparse_attention(q, k, v, index, count, precision=precision, **options)
 
+        index, count = self.index, self.count
         if self.topk is not None:
-            if self.perm is not None:
-                query, key, value = (t.index_select(1, self.perm) for t in (query, key, value))
-            index, count = topk_block_index(query, key, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
-            out = attend(query, key, value, index, count)
-            if self.inverse is None:
-                return out
-            return (
-                FP8Rows(*(t.index_select(1, self.inverse) for t in out))
-                if fp8_rows
-                else out.index_select(1, self.inverse)
-            )
+            # The lists from the blocks' means in the tile order. Only the means read the permuted
+            # q and k, so a compiled graph folds the gathers into their sums.
+            q, k = (query, key) if self.perm is None else (t.index_select(1, self.perm) for t in (query, key))
+            index, count = topk_block_index(q, k, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
         # The tile order as the op's token_order: the 8-bit kernels read and write through it (no copies).
-        return attend(query, key, value, self.index, self.count, self.perm)
+        return attend(query, key, value, index, count, self.perm)
 
 
 class SparseAttention:
