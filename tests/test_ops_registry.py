@@ -362,11 +362,11 @@ def test_autocast_kernels_exist_exactly_for_the_ops_with_a_policy():
             assert has == (device in with_policy.get(name, ())), (name, key)
 
 
-#: Ops whose eager calls read tensor values on purpose: block-sparse attention
-#: checks its block lists' values (``meta/block_sparse.py``), in eager calls
-#: only (never while tracing or capturing a CUDA graph), so those calls get no
-#: launch plan either.
-EAGER_VALUE_CHECKS = {"block_sparse_attention"}
+#: Ops whose eager calls read tensor values on purpose: block-sparse attention,
+#: in both output forms, checks its block lists' values (``meta/block_sparse.py``),
+#: in eager calls only (never while tracing or capturing a CUDA graph), so those
+#: calls get no launch plan either.
+EAGER_VALUE_CHECKS = {"block_sparse_attention", "block_sparse_attention_int8_fp8_rows"}
 
 
 @pytest.mark.gpu
