@@ -43,7 +43,6 @@ def _sm90_core_variants():
                 BLOCK_N=t.block_n,
                 STAGES=t.num_stages,
                 CONSUMER_REGS=regs,
-                PINGPONG=False,
                 INT8_FP8=False,
                 Q_SCALE=None,
                 K_SCALE=None,
@@ -70,7 +69,7 @@ def _sm90_core_variants():
     eight_bit_pointers = dict(
         Q="*i8", K="*i8", V="*fp8e4nv", OUT="*bf16", LSE="*fp32", Q_SCALE="*fp32", K_SCALE="*fp32", V_SCALE="*fp32"
     )
-    eight_bit_constants = dict(D=128, BLOCK_N=128, CONSUMER_REGS=regs, INT8_FP8=True, PINGPONG=False, num_warps=4)
+    eight_bit_constants = dict(D=128, BLOCK_N=128, CONSUMER_REGS=regs, INT8_FP8=True, num_warps=4)
     dense = dict(BLOCKS=None, COUNTS=None, KV_LEN=None, SPARSE=False, CAUSAL=False, HAS_KV_LEN=False, HEAVY_FIRST=False)
     for stages in (2, 3):
         yield f"int8_fp8-{stages}-stages", eight_bit_pointers, dict(eight_bit_constants, STAGES=stages, **dense)

@@ -11,10 +11,7 @@ lengths, block-sparse at about 26% of the blocks (the lists of
 ``waves``: the core and cuDNN at 22, 24 and 26 heads (whole and partial last
 waves); ``persistent``: the core on one program per work item against one
 per SM, in every mode; ``d64``: D = 64 with 256- and 128-key tiles;
-``d64-lengths``: D = 64 around SD3's length; ``pingpong``: the consumers
-taking turns issuing their products (FlashAttention-3's ping-pong) against
-free-running ones, dense, 16-bit and INT8_FP8; ``pingpong-sparse``: the
-same on Wan's sliding-tile lists. Without parts: dense, sparse
+``d64-lengths``: D = 64 around SD3's length. Without parts: dense, sparse
 and int8.
 The package is kept off the core in this process (``has_wgmma`` False), so
 ``fused.*`` calls are the portable kernel and the core is launched directly
@@ -329,107 +326,6 @@ def head_dim_64():
         torch.cuda.empty_cache()
 
 
-def pingpong_pair(fn, out, label, shape):
-    """``{"<label>": call, "<label> ping-pong": call}``: ``fn`` (a direct core
-    launch writing ``out``) with the consumers free or taking turns, after
-    checking that both write the same bits (NaN-filled before each)."""
-
-    def turns(on):
-        def call():
-            attention_sm90.SM90_CORE_PINGPONG = on
-            try:
-                fn()
-            finally:
-                attention_sm90.SM90_CORE_PINGPONG = False
-
-        return call
-
-    results = []
-    for on in (False, True):
-        out.fill_(float("nan"))
-        turns(on)()
-        results.append(out.clone())
-    same = bool(torch.equal(results[0], results[1]))
-    print(label, "x".join(map(str, shape)), "ping-pong output equal:", same, flush=True)
-    R.setdefault("checks", []).append(dict(case=label, shape=list(shape), provider="ping-pong", bit_equal=same))
-    return {label: turns(False), f"{label} ping-pong": turns(True)}
-
-
-#: ``pingpong``'s dense shapes (B, H, L), D = 128.
-PINGPONG_SHAPES = [(1, 24, 4608), (1, 12, 32760), (1, 40, 16384), (1, 12, 75600)]
-
-
-def pingpong():
-    """FlashAttention-3's ping-pong (``SM90_CORE_PINGPONG``: the two consumers
-    take turns issuing their products, so one's softmax runs under the
-    other's) against the free-running consumers, dense, 16-bit and INT8_FP8
-    (operands quantized beforehand, k with a channel offset) at
-    :data:`PINGPONG_SHAPES` beside cuDNN and the portable 8-bit kernel."""
-    for b, h, L in PINGPONG_SHAPES:
-        d = 128
-        q, k, v = (torch.randn(b, h, L, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        k = k + 2.0 * torch.randn(d, device="cuda", dtype=torch.bfloat16)
-        q8, q_scale, k8, k_scale = reference.attention.smooth_quantize_qk(q, k, 2)
-        vt8, v_scale = attention_8bit.fp8_values_transposed(v, 2)
-        out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
-        cands = {
-            "cudnn bf16": lambda: F.scaled_dot_product_attention(q, k, v),
-            "portable int8_fp8": lambda: attention_launch.launch_forward(
-                q8, k8, vt8, out, lse, d**-0.5, False, 2, None, int8_scales=(q_scale, k_scale), v_scale=v_scale
-            ),
-        }
-        cands.update(pingpong_pair(lambda: core(q, k, v, out, lse), out, "core bf16", (b, h, L, d)))
-        cands.update(
-            pingpong_pair(
-                lambda: core(q8, k8, vt8, out, lse, scales=(q_scale, k_scale, v_scale)),
-                out,
-                "core int8_fp8",
-                (b, h, L, d),
-            )
-        )
-        time_rounds(cands, (b, h, L, d), 4 * b * h * L * L * d, "dense", rounds=3)
-        del q, k, v, q8, k8, vt8, out, lse
-        torch.cuda.empty_cache()
-
-
-def pingpong_sparse():
-    """``pingpong`` on Wan's sliding-tile lists (``bench/runners/block_sparse.py
-    --precision``'s inputs, in tile order), both precisions, beside the
-    portable 8-bit kernel on the same lists and operands: the 8-bit
-    block-sparse kernel the issue "Video toward the floor" times against
-    the 16-bit core."""
-    from bench.runners.block_sparse import WAN_HEADS, sliding_tile_inputs
-
-    attention_tiles.SM90_CORE_PRECISIONS = ("exact", "int8_fp8")  # the core's own 8-bit tiles
-    for grid in ("wan_480p", "wan_720p"):
-        layout, (q, k, v), _tokens = sliding_tile_inputs(grid, WAN_HEADS, "cuda")
-        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, H, L, D]
-        b, h, L, d = q.shape
-        lists = block_sparse_ops._sorted_lists(q, 2, layout.index, layout.count)
-        q8, q_scale, k8, k_scale = reference.attention.smooth_quantize_qk(q, k, 2)
-        vt8, v_scale = attention_8bit.fp8_values_transposed(v, 2)
-        out, lse = torch.empty_like(q), torch.empty(b, h, L, device="cuda")
-        cands = {
-            "portable int8_fp8 sparse": lambda: attention_launch.launch_forward(
-                q8, k8, vt8, out, lse, d**-0.5, False, 2, None, lists, int8_scales=(q_scale, k_scale), v_scale=v_scale
-            ),
-        }
-        cands.update(pingpong_pair(lambda: core(q, k, v, out, lse, lists=lists), out, "core bf16 sparse", q.shape))
-        cands.update(
-            pingpong_pair(
-                lambda: core(q8, k8, vt8, out, lse, lists=lists, scales=(q_scale, k_scale, v_scale)),
-                out,
-                "core int8_fp8 sparse",
-                q.shape,
-            )
-        )
-        flops = 4 * b * h * L * L * d * layout.density
-        time_rounds(cands, (b, h, L, d), flops, f"{grid} sparse {layout.density:.3f}", rounds=3)
-        del q, k, v, q8, k8, vt8, out, lse
-        torch.cuda.empty_cache()
-    attention_tiles.SM90_CORE_PRECISIONS = ("exact",)
-
-
 #: The parts a run can name (the module's docstring says what each times).
 PARTS = {
     "dense": dense_and_causal,
@@ -439,8 +335,6 @@ PARTS = {
     "persistent": persistent,
     "d64": head_dim_64,
     "d64-lengths": head_dim_64_lengths,
-    "pingpong": pingpong,
-    "pingpong-sparse": pingpong_sparse,
 }
 
 

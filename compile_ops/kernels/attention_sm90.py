@@ -112,7 +112,6 @@ def _loader(args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.con
         Q_SCALE,
         K_SCALE,
         V_SCALE,
-        _turns,
     ) = args
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -160,7 +159,6 @@ def _consumer(
     SPARSE: gl.constexpr,
     HAS_KV_LEN: gl.constexpr,
     HEAVY_FIRST: gl.constexpr,
-    PINGPONG: gl.constexpr,
 ):
     """One consumer warp group, over this program's work items: query rows
     ``q_start + 64 * HALF`` to 64 past it, through the item's key tiles, then
@@ -188,7 +186,6 @@ def _consumer(
         Q_SCALE,
         K_SCALE,
         V_SCALE,
-        turns,
     ) = args
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     D: gl.constexpr = q_smem.shape[1]
@@ -211,9 +208,6 @@ def _consumer(
     p_smem = p_smems.slice(WGMMA_ROWS * HALF, WGMMA_ROWS)
     it = 0  # key tiles consumed so far: the ring's position
     item = 0
-    turn = 0  # PINGPONG: turns taken so far (n_tiles + 1 an item)
-    if PINGPONG and HALF == 1:
-        mbarrier.arrive(turns.index(0), count=1)  # consumer 0 takes the first turn
     for w in range(gl.program_id(0), _work_items(work), gl.num_programs(0)):
         b, h, bh, q_start, kv_len, blocks, n_tiles, n_full, masked_start, out_off = _work_item(
             w, work, BLOCK_N, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST
@@ -244,7 +238,6 @@ def _consumer(
         if n_tiles > 0:
             o, m, l = key_tiles(
                 it,
-                turn,
                 o,
                 m,
                 l,
@@ -267,15 +260,11 @@ def _consumer(
                 n_full,
                 kv_len - masked_start,
                 diagonal,
-                turns,
                 SPARSE,
-                HALF,
-                PINGPONG,
                 s_layout,
                 p_layout,
                 o_rows,
             )
-            turn += n_tiles + 1
         else:
             mbarrier.arrive(q_empty, count=1)
         it += n_tiles
@@ -304,26 +293,16 @@ def _consumer(
 
 @gluon.jit
 def _consumer_low(
-    args,
-    CAUSAL: gl.constexpr,
-    SPARSE: gl.constexpr,
-    HAS_KV_LEN: gl.constexpr,
-    HEAVY_FIRST: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr
 ):
-    _consumer(args, 0, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST, PINGPONG)
+    _consumer(args, 0, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
 
 
 @gluon.jit
 def _consumer_high(
-    args,
-    CAUSAL: gl.constexpr,
-    SPARSE: gl.constexpr,
-    HAS_KV_LEN: gl.constexpr,
-    HEAVY_FIRST: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    args, CAUSAL: gl.constexpr, SPARSE: gl.constexpr, HAS_KV_LEN: gl.constexpr, HEAVY_FIRST: gl.constexpr
 ):
-    _consumer(args, 1, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST, PINGPONG)
+    _consumer(args, 1, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)
 
 
 @gluon.jit
@@ -438,7 +417,6 @@ def attn_fwd_sm90_kernel(
     HAS_KV_LEN: gl.constexpr,
     SPARSE: gl.constexpr,
     HEAVY_FIRST: gl.constexpr,
-    PINGPONG: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """OUT = softmax(scale Q K^T) V and LSE (natural log), by work items of
@@ -472,8 +450,6 @@ def attn_fwd_sm90_kernel(
         BLOCK_N == 2 * WGMMA_ROWS or not (SPARSE or INT8_FP8),
         "a key tile is a listed block, and INT8_FP8's key tile is its k scale's block",
     )
-    # 256-key tiles fold each P V in before the next Q K^T: no pair of products a turn could hand over.
-    gl.static_assert(BLOCK_N == 2 * WGMMA_ROWS or not PINGPONG, "ping-pong takes 128-key tiles")
     # A key tile a multiple of the query tile: the causal diagonal of an item falls in one key tile.
     gl.static_assert(BLOCK_N % (2 * WGMMA_ROWS) == 0, "a key tile spans whole query tiles")
     # Every operand's rows are 128 bytes or more (D >= 64 16-bit, D = 128 8-bit, BLOCK_N = 128 e4m3): 128-byte swizzle.
@@ -499,11 +475,8 @@ def attn_fwd_sm90_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     mbarrier.init(q_empty, count=2)  # released by both consumers
-    mbarrier.init(turns.index(0), count=1)
-    mbarrier.init(turns.index(1), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -549,12 +522,11 @@ def attn_fwd_sm90_kernel(
         Q_SCALE,
         K_SCALE,
         V_SCALE,
-        turns,
     )
     gl.warp_specialize(
         [
-            (_consumer_low, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST, PINGPONG)),
-            (_consumer_high, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST, PINGPONG)),
+            (_consumer_low, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
+            (_consumer_high, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
             (_loader, (args, CAUSAL, SPARSE, HAS_KV_LEN, HEAVY_FIRST)),
         ],
         [4, 1],

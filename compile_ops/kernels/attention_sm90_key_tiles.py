@@ -57,23 +57,6 @@ def _softmax(
 
 
 @gluon.jit
-def _take_turn(turns, t, HALF: gl.constexpr, PINGPONG: gl.constexpr):
-    """``PINGPONG``: wait until it is this consumer's t-th turn to issue
-    products (the other consumer passed it on; consumer 0 takes turn 0)."""
-    if PINGPONG:
-        mbarrier.wait(turns.index(HALF), t & 1)
-
-
-@gluon.jit
-def _pass_turn(turns, HALF: gl.constexpr, PINGPONG: gl.constexpr):
-    """``PINGPONG``: hand the tensor cores to the other consumer, whose
-    products then run under this one's softmax (FlashAttention-3's
-    ping-pong between warp groups)."""
-    if PINGPONG:
-        mbarrier.arrive(turns.index(1 - HALF), count=1)
-
-
-@gluon.jit
 def _row_factor(row_q, k_scales, blocks, j, SPARSE: gl.constexpr):
     """INT8_FP8: key tile j's factor per row, q's scales times the tile's k
     scale, one per 128-key block (a key tile): the j-th block's, or
@@ -142,7 +125,6 @@ def _pv_fold(token, carry, o, v_smem, o_rows: gl.constexpr):
 def _key_step(
     j,
     c,
-    t,
     carry,
     o,
     m,
@@ -163,11 +145,8 @@ def _key_step(
     qk_scale,
     key_limit,
     diagonal,
-    turns,
     MASKED: gl.constexpr,
     SPARSE: gl.constexpr,
-    HALF: gl.constexpr,
-    PINGPONG: gl.constexpr,
     s_layout: gl.constexpr,
     p_layout: gl.constexpr,
     o_rows: gl.constexpr,
@@ -193,11 +172,9 @@ def _key_step(
         mbarrier.arrive(v_empty.index(prev), count=1)
         s = warpgroup_mma_wait(0, deps=[_scores(c, q_rows, k_smem, k_ready, s_init)])
     else:
-        _take_turn(turns, t, HALF, PINGPONG)
         s_token = _scores(c, q_rows, k_smem, k_ready, s_init)
         mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
         o_token = _pv_issue(carry, o, o_zero, v_smem, p_smem, prev)
-        _pass_turn(turns, HALF, PINGPONG)
         s = warpgroup_mma_wait(1, deps=[s_token])  # wgmma groups complete in order: S_j is done
     mbarrier.arrive(k_empty.index(stage), count=1)
     row = row_q
@@ -215,7 +192,6 @@ def _key_step(
 @gluon.jit
 def key_tiles(
     it,
-    turn,
     o,
     m,
     l,
@@ -238,10 +214,7 @@ def key_tiles(
     n_full,
     key_limit,
     diagonal,
-    turns,
     SPARSE: gl.constexpr,
-    HALF: gl.constexpr,
-    PINGPONG: gl.constexpr,
     s_layout: gl.constexpr,
     p_layout: gl.constexpr,
     o_rows: gl.constexpr,
@@ -254,10 +227,7 @@ def key_tiles(
     STAGES: gl.constexpr = k_smem.shape[0]
     INT8_FP8: gl.constexpr = k_smem.dtype == gl.int8
     # Key tile 0: no product in flight yet to overlap with.
-    _take_turn(turns, turn, HALF, PINGPONG)
-    s_token = _scores(it, q_rows, k_smem, k_ready, s_init)
-    _pass_turn(turns, HALF, PINGPONG)
-    s = warpgroup_mma_wait(0, deps=[s_token])
+    s = warpgroup_mma_wait(0, deps=[_scores(it, q_rows, k_smem, k_ready, s_init)])
     mbarrier.arrive(k_empty.index(it % STAGES), count=1)
     row = row_q
     if INT8_FP8:
@@ -271,7 +241,6 @@ def key_tiles(
         carry, o, m, l = _key_step(
             j,
             it + j,
-            turn + j,
             carry,
             o,
             m,
@@ -292,11 +261,8 @@ def key_tiles(
             qk_scale,
             key_limit,
             diagonal,
-            turns,
             False,
             SPARSE,
-            HALF,
-            PINGPONG,
             s_layout,
             p_layout,
             o_rows,
@@ -305,7 +271,6 @@ def key_tiles(
         carry, o, m, l = _key_step(
             n_full,
             it + n_full,
-            turn + n_full,
             carry,
             o,
             m,
@@ -326,11 +291,8 @@ def key_tiles(
             qk_scale,
             key_limit,
             diagonal,
-            turns,
             True,
             SPARSE,
-            HALF,
-            PINGPONG,
             s_layout,
             p_layout,
             o_rows,
@@ -338,9 +300,6 @@ def key_tiles(
     mbarrier.arrive(q_empty, count=1)  # every Q K^T of this item is done
     last = it + n_tiles - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-    _take_turn(turns, turn + n_tiles, HALF, PINGPONG)
-    o_token = _pv_issue(carry, o, o_zero, v_smem, p_smem, last % STAGES)
-    _pass_turn(turns, HALF, PINGPONG)
-    o = _pv_fold(o_token, carry, o, v_smem, o_rows)
+    o = _pv_fold(_pv_issue(carry, o, o_zero, v_smem, p_smem, last % STAGES), carry, o, v_smem, o_rows)
     mbarrier.arrive(v_empty.index(last % STAGES), count=1)
     return o, m, l

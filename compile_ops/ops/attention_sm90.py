@@ -26,9 +26,6 @@ from compile_ops.ops.attention_tiles import LAUNCH_ORDER, Tiles, causal_order, f
 #: 64K registers, which the partitions split 240 / 240 / 24.
 SM90_CORE_LAUNCH = dict(num_warps=4, maxnreg=168)
 SM90_CORE_CONSUMER_REGS = 240
-#: Whether the core's two consumers take turns issuing their products
-#: (FlashAttention-3's ping-pong); 128-key tiles only.
-SM90_CORE_PINGPONG = False
 
 
 def can_run_gluon(q: Tensor) -> bool:
@@ -165,7 +162,6 @@ def launch_sm90_core(
         CAUSAL=causal,
         HAS_KV_LEN=kv_lengths is not None,
         SPARSE=sparse,
-        PINGPONG=SM90_CORE_PINGPONG and t.block_n == meta.attention.SPARSE_BLOCK,
         **order,
         **SM90_CORE_LAUNCH,
     )
