@@ -4,11 +4,14 @@
 
 ``Layout.attend`` on a ``compile_ops.TopK`` layout, as Wan's processors call it with
 ``precision="fp8", attention_precision="int8_fp8"`` (the output as FP8 rows) and in 16 bits:
-the shipped path hands the op q, k and v in the tokens' own order with the layout's tile order
-as ``token_order``, and only the block means read the permuted q and k; the path it replaced
-wrote permuted copies of q, k and v, called the op on them and permuted the output back. Eager
+in 8 bits the shipped path hands the op q, k and v in the tokens' own order with the layout's
+tile order as ``token_order``, and only the block means read the permuted q and k; the path it
+replaced (which 16 bits keep) wrote permuted copies of q, k and v, called the op on them and
+permuted the output back. Eager
 calls (the lists are chosen per call), ``do_bench`` medians of ``--rounds`` alternated rounds,
-each call's kernels by ``torch.profiler``, and whether both paths give the same bits.
+each call's kernels by ``torch.profiler``, and the two paths' outputs compared (the same bits, or
+their relative L2: the 8-bit quantization smooths k by its mean over the keys, which the two
+paths sum in different orders).
 Inputs: ``bench/runners/block_sparse.py --precision``'s random q, k, v in token order (12 heads
 of 128, k with a channel offset); ``TopK(coverage=0.5)``, whose lists on random inputs keep a
 density the results record.
@@ -26,7 +29,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.toolkit import environment, kernel_profile, make_timer  # noqa: E402
+from bench.toolkit import environment, kernel_profile, make_timer, relative_l2  # noqa: E402
 
 
 def _permuted_first(layout, query, key, value, precision: str, fp8_rows: bool):
@@ -43,10 +46,11 @@ def _permuted_first(layout, query, key, value, precision: str, fp8_rows: bool):
     return out.index_select(1, layout.inverse)
 
 
-def _same(a, b) -> bool:
+def _compared(a, b) -> tuple:
+    """``(same bits, relative L2)`` of two outputs: tensors, or FP8 rows dequantized."""
     if isinstance(a, torch.Tensor):
-        return bool(torch.equal(a, b))
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+        return bool(torch.equal(a, b)), relative_l2(a, b)
+    return all(torch.equal(x, y) for x, y in zip(a, b)), relative_l2(a.dequantized(), b.dequantized())
 
 
 def grid_rows(grid_name: str, rounds: int, timer, device: str = "cuda") -> list:
@@ -58,12 +62,12 @@ def grid_rows(grid_name: str, rounds: int, timer, device: str = "cuda") -> list:
     rows = []
     for precision, fp8_rows in (("int8_fp8", True), ("exact", False)):
         calls = {
-            "token_order": lambda: layout.attend(query, key, value, precision=precision, fp8_rows=fp8_rows),
+            "Layout.attend": lambda: layout.attend(query, key, value, precision=precision, fp8_rows=fp8_rows),
             "permuted first": lambda: _permuted_first(layout, query, key, value, precision, fp8_rows),
         }
         times = {name: [] for name in calls}
         with torch.no_grad():
-            same = _same(calls["token_order"](), calls["permuted first"]())
+            same, distance = _compared(calls["Layout.attend"](), calls["permuted first"]())
             for _ in range(rounds):
                 for name, call in calls.items():
                     times[name].append(timer(call))
@@ -83,11 +87,12 @@ def grid_rows(grid_name: str, rounds: int, timer, device: str = "cuda") -> list:
                     ms_min=runs[0],
                     ms_max=runs[-1],
                     same_bits_as_the_other_path=same,
+                    rel_l2_to_the_other_path=distance,
                     kernels=kernel_profile(call, calls=3, top=8),
                 )
                 print(
                     f"{grid_name} {precision:8s} {name:15s} {row['ms']:.3f} ms ({runs[0]:.3f}-{runs[-1]:.3f}) "
-                    f"density {density:.3f} same bits {same}",
+                    f"density {density:.3f} same bits {same} rel. L2 {distance:.2e}",
                     flush=True,
                 )
                 rows.append(row)

@@ -258,13 +258,21 @@ class Layout:
                 return block_sparse_attention_fp8_rows(q, k, v, index, count, **options)
             return block_sparse_attention(q, k, v, index, count, precision=precision, **options)
 
-        index, count = self.index, self.count
-        if self.topk is not None:
-            # The lists from the blocks' means in the tile order. Only the means read the permuted
-            # q and k, so a compiled graph folds the gathers into their sums.
-            q, k = (query, key) if self.perm is None else (t.index_select(1, self.perm) for t in (query, key))
-            index, count = topk_block_index(q, k, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
-        # The tile order as the op's token_order: the 8-bit kernels read and write through it (no copies).
+        if self.topk is None:
+            # The tile order as the op's token_order: the 8-bit kernels read and write through it (no copies).
+            return attend(query, key, value, self.index, self.count, self.perm)
+        if self.perm is None:
+            index, count = topk_block_index(query, key, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
+            return attend(query, key, value, index, count)
+        if precision == "exact":
+            # 16 bits: the op would permute q, k and v itself; permuted once, they serve the lists too.
+            query, key, value = (t.index_select(1, self.perm) for t in (query, key, value))
+            index, count = topk_block_index(query, key, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
+            return attend(query, key, value, index, count).index_select(1, self.inverse)
+        # 8 bits: only the block means read permuted q and k (a compiled graph folds those gathers
+        # into their sums); the kernels read q, k, v and write the output through the order.
+        q, k = (t.index_select(1, self.perm) for t in (query, key))
+        index, count = topk_block_index(q, k, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
         return attend(query, key, value, index, count, self.perm)
 
 
