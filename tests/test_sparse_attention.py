@@ -348,6 +348,41 @@ def test_a_topk_layout_hands_fp8_rows_at_their_tokens():
             assert steps.float().mean() > 4, steps.float().mean()
 
 
+def test_a_topk_layout_reads_8bit_operands_through_the_tile_order(monkeypatch):
+    """8-bit calls on a TopK layout hand the op q, k and v in their own order
+    with the tile order as ``token_order`` (the kernels gather and scatter, no
+    permuted copies); 16-bit calls hand it the permuted copies, which the op
+    would otherwise make itself, and no order. Both give the result of the
+    permuted call put back (docs/notes/block-sparse.md, "TopK through the
+    tile order")."""
+    layout = compile_ops.TopK(coverage=0.5, tile=(2, 8, 8)).layout((4, 16, 16), "cpu")
+    q, k, v = (torch.randn(1, 1024, 2, 16, dtype=torch.bfloat16) for _ in range(3))
+    calls = []
+
+    def spy(name, op):
+        def call(q_, k_, v_, index, count, **options):
+            calls.append((name, q_ is q, options["token_order"] is layout.perm))
+            return op(q_, k_, v_, index, count, **options)
+
+        return call
+
+    monkeypatch.setattr(sparse, "block_sparse_attention", spy("tensor", sparse.block_sparse_attention))
+    monkeypatch.setattr(sparse, "block_sparse_attention_fp8_rows", spy("rows", sparse.block_sparse_attention_fp8_rows))
+    with torch.no_grad():
+        for precision, fp8_rows in (("int8_fp8", True), ("int8", False), ("exact", False)):
+            got = layout.attend(q, k, v, precision=precision, fp8_rows=fp8_rows)
+            got = got.dequantized() if fp8_rows else got
+            permuted = (t.index_select(1, layout.perm) for t in (q, k, v))
+            lists = bs.topk_block_index(*(t.index_select(1, layout.perm) for t in (q, k)), 0.5, 1, seq_dim=1)
+            if fp8_rows:
+                want = compile_ops.block_sparse_attention_fp8_rows(*permuted, *lists, seq_dim=1)
+                want = want.dequantized()
+            else:
+                want = compile_ops.block_sparse_attention(*permuted, *lists, seq_dim=1, precision=precision)
+            torch.testing.assert_close(got, want.index_select(1, layout.inverse), rtol=0, atol=0)
+    assert calls == [("rows", True, True), ("tensor", True, True), ("tensor", False, False)], calls
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_regional_compile_fullgraph_compiles_once_per_mode_across_resolutions(name):
     """The blocks compiled in place (diffusers' compile_repeated_blocks) with
