@@ -11,8 +11,9 @@ lengths, block-sparse at about 26% of the blocks (the lists of
 ``waves``: the core and cuDNN at 22, 24 and 26 heads (whole and partial last
 waves); ``persistent``: the core on one program per work item against one
 per SM, in every mode; ``d64``: D = 64 with 256- and 128-key tiles;
-``d64-lengths``: D = 64 around SD3's length. Without parts: dense, sparse
-and int8.
+``d64-lengths``: D = 64 around SD3's length; ``wan-lists``: the 16-bit core
+in both q/k/v layouts and the portable 8-bit kernel on Wan's sliding-tile
+lists. Without parts: dense, sparse and int8.
 The package is kept off the core in this process (``has_wgmma`` False), so
 ``fused.*`` calls are the portable kernel and the core is launched directly
 (``ops.attention_sm90.launch_sm90_core``). Correctness is the GPU tests'
@@ -43,11 +44,24 @@ SHAPES = [
 ]
 
 
-def core(q, k, v, out, lse, stages=2, causal=False, kv_lengths=None, lists=(None, None), scales=(None, None, None)):
-    """The core launched directly, ``stages`` K/V buffers; q ``[B, H, L, D]``."""
+def core(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    stages=2,
+    causal=False,
+    kv_lengths=None,
+    lists=(None, None),
+    scales=(None, None, None),
+    seq_dim=2,
+):
+    """The core launched directly, ``stages`` K/V buffers; q ``[B, H, L, D]``
+    (``seq_dim=1``: ``[B, L, H, D]``)."""
     attention_tiles.SM90_CORE_STAGES = stages
     attention_sm90.launch_sm90_core(
-        attn_fwd_sm90_kernel, q, k, v, out, lse, q.shape[-1] ** -0.5, causal, 2, kv_lengths, *lists, *scales
+        attn_fwd_sm90_kernel, q, k, v, out, lse, q.shape[-1] ** -0.5, causal, seq_dim, kv_lengths, *lists, *scales
     )
     attention_tiles.SM90_CORE_STAGES = 2
 
@@ -326,6 +340,48 @@ def head_dim_64():
         torch.cuda.empty_cache()
 
 
+def wan_lists():
+    """Wan's sliding-tile lists (``bench/runners/block_sparse.py --precision``'s
+    inputs, tile order): the 16-bit core launched on q, k, v as the models hold
+    them (``[B, L, H, D]``) and on ``[B, H, L, D]`` copies, beside the portable
+    8-bit kernel on the operands its passes write, each also by
+    ``torch.profiler`` (the kernel's own time). Two earlier runs put the same
+    core kernel on these lists 14% apart, one per layout
+    (docs/notes/attention-forward.md, "Ping-pong between the consumers")."""
+    from bench.runners.block_sparse import WAN_HEADS, sliding_tile_inputs
+    from bench.toolkit import kernel_profile
+
+    for grid in ("wan_480p", "wan_720p"):
+        layout, (q, k, v), _tokens = sliding_tile_inputs(grid, WAN_HEADS, "cuda")  # [B, L, H, D]
+        qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, H, L, D]
+        b, h, L, d = qh.shape
+        lists = block_sparse_ops._sorted_lists(qh, 2, layout.index, layout.count)
+        q8, q_scale, k8, k_scale = reference.attention.smooth_quantize_qk(qh, kh, 2)
+        vt8, v_scale = attention_8bit.fp8_values_transposed(vh, 2)
+        out_l, out_h = torch.empty_like(q), torch.empty_like(qh)
+        lse = torch.empty(b, h, L, device="cuda")
+        cands = {
+            "core bf16 [B, L, H, D]": lambda: core(q, k, v, out_l, lse, lists=lists, seq_dim=1),
+            "core bf16 [B, H, L, D]": lambda: core(qh, kh, vh, out_h, lse, lists=lists),
+            "portable int8_fp8": lambda: attention_launch.launch_forward(
+                q8, k8, vt8, out_h, lse, d**-0.5, False, 2, None, lists, int8_scales=(q_scale, k_scale), v_scale=v_scale
+            ),
+        }
+        cands["core bf16 [B, L, H, D]"]()
+        cands["core bf16 [B, H, L, D]"]()
+        same = bool(torch.equal(out_l.transpose(1, 2), out_h))
+        label = f"{grid} sparse {layout.density:.3f}"
+        for name, fn in cands.items():
+            ms = kernel_profile(fn, calls=5, top=1)["top"][0][1]
+            R.setdefault("profiled", []).append(dict(case=label, provider=name, kernel_ms=ms))
+            print(label, name, f"kernel by the profiler {ms:.3f} ms", flush=True)
+        R.setdefault("checks", []).append(dict(case=label, provider="core, both layouts", bit_equal=same))
+        print(label, "core outputs in both layouts equal:", same, flush=True)
+        time_rounds(cands, (b, h, L, d), 4 * b * h * L * L * d * layout.density, label, rounds=3)
+        del q, k, v, qh, kh, vh, q8, k8, vt8, out_l, out_h, lse
+        torch.cuda.empty_cache()
+
+
 #: The parts a run can name (the module's docstring says what each times).
 PARTS = {
     "dense": dense_and_causal,
@@ -335,6 +391,7 @@ PARTS = {
     "persistent": persistent,
     "d64": head_dim_64,
     "d64-lengths": head_dim_64_lengths,
+    "wan-lists": wan_lists,
 }
 
 
