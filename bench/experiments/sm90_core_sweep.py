@@ -345,9 +345,10 @@ def wan_lists():
     inputs, tile order): the 16-bit core launched on q, k, v as the models hold
     them (``[B, L, H, D]``) and on ``[B, H, L, D]`` copies, beside the portable
     8-bit kernel on the operands its passes write, each also by
-    ``torch.profiler`` (the kernel's own time). Two earlier runs put the same
-    core kernel on these lists 14% apart, one per layout
-    (docs/notes/attention-forward.md, "Ping-pong between the consumers")."""
+    ``torch.profiler`` (the kernel's own time). Two earlier runs, one per
+    layout, timed the same core kernel on these lists further apart than
+    their spreads (docs/notes/attention-forward.md, "Ping-pong between the
+    consumers")."""
     from bench.runners.block_sparse import WAN_HEADS, sliding_tile_inputs
     from bench.toolkit import kernel_profile
 
