@@ -261,19 +261,17 @@ class Layout:
         if self.topk is None:
             # The tile order as the op's token_order: the 8-bit kernels read and write through it (no copies).
             return attend(query, key, value, self.index, self.count, self.perm)
-        if self.perm is None:
-            index, count = topk_block_index(query, key, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
-            return attend(query, key, value, index, count)
-        if precision == "exact":
-            # 16 bits: the op would permute q, k and v itself; permuted once, they serve the lists too.
+        # 16 bits: the op would permute q, k and v itself; permuted once here, they serve the lists too.
+        permute_here = self.perm is not None and precision == "exact"
+        if permute_here:
             query, key, value = (t.index_select(1, self.perm) for t in (query, key, value))
-            index, count = topk_block_index(query, key, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
-            return attend(query, key, value, index, count).index_select(1, self.inverse)
+        order = None if permute_here else self.perm
         # 8 bits: only the block means read permuted q and k (a compiled graph folds those gathers
         # into their sums); the kernels read q, k, v and write the output through the order.
-        q, k = (t.index_select(1, self.perm) for t in (query, key))
+        q, k = (query, key) if order is None else (t.index_select(1, order) for t in (query, key))
         index, count = topk_block_index(q, k, self.topk.coverage, self.topk.sink_blocks, seq_dim=1)
-        return attend(query, key, value, index, count, self.perm)
+        out = attend(query, key, value, index, count, order)
+        return out.index_select(1, self.inverse) if permute_here else out
 
 
 class SparseAttention:
