@@ -277,6 +277,20 @@ def graph_replay_time(fn, timer) -> float:
     return timer(captured_graph(fn))
 
 
+def replay_rounds(providers: dict, args: tuple, rounds: int, timer):
+    """``(round, name, ms)`` for every ``{name: fn}`` of ``providers``, ``fn(*args)``
+    timed without autograd as a CUDA-graph replay (:func:`graph_replay_time`), in
+    ``rounds`` interleaved rounds (clock drift spreads over every provider)."""
+    for rnd in range(rounds):
+        for name, fn in providers.items():
+
+            def forward(fn=fn):
+                with torch.no_grad():
+                    fn(*args)
+
+            yield rnd, name, graph_replay_time(forward, timer)
+
+
 #: Kernel families of a model step's profile, by kernel name (first match wins).
 KERNEL_FAMILIES = (
     ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|_scaled_mm|sm90_.*_tn|splitK"),

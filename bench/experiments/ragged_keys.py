@@ -21,7 +21,7 @@ import json
 import torch
 
 from bench.runners.attention import providers
-from bench.toolkit import graph_replay_time, make_timer, warm_up_gpu, write_rows
+from bench.toolkit import make_timer, replay_rounds, warm_up_gpu, write_rows
 
 SHAPES = (
     "1x24x4608x128,1x24x4544x128,1x24x4592x128,1x24x4429x128,1x24x4112x128,1x24x2816x128,1x24x6989x128,"
@@ -45,25 +45,18 @@ def main(argv=None) -> int:
         b, h, length, d = shape
         q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = 4 * b * h * length**2 * d
-        for rnd in range(args.rounds):
-            for name, fn in chosen.items():
-
-                def forward(fn=fn):
-                    with torch.no_grad():
-                        fn(q, k, v)
-
-                ms = graph_replay_time(forward, timer)
-                rows.append(
-                    dict(
-                        shape=list(shape),
-                        round=rnd,
-                        provider=name,
-                        keys_mod_128=length % 128,
-                        fwd_ms=ms,
-                        fwd_TFLOPs=flops / ms / 1e9,
-                    )
+        for rnd, name, ms in replay_rounds(chosen, (q, k, v), args.rounds, timer):
+            rows.append(
+                dict(
+                    shape=list(shape),
+                    round=rnd,
+                    provider=name,
+                    keys_mod_128=length % 128,
+                    fwd_ms=ms,
+                    fwd_TFLOPs=flops / ms / 1e9,
                 )
-                print(json.dumps(rows[-1]), flush=True)
+            )
+            print(json.dumps(rows[-1]), flush=True)
     write_rows(args.out, rows)
     return 0
 

@@ -25,7 +25,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import compile_ops
-from bench.toolkit import graph_replay_time, make_timer, relative_l2, warm_up_gpu, write_rows
+from bench.toolkit import make_timer, relative_l2, replay_rounds, warm_up_gpu, write_rows
 
 #: Wan 2.1's text cross-attention at 720p and 480p (512 text tokens), and key lengths up to self-attention's.
 SHAPES = (
@@ -73,25 +73,18 @@ def main(argv=None) -> int:
                 errors[name] = relative_l2(rows_out.dequantized(), exact)
         del exact
         flops = 4 * b * h * lq * lk * d
-        for rnd in range(args.rounds):
-            for name, fn in providers.items():
-
-                def forward(fn=fn):
-                    with torch.no_grad():
-                        fn(q, k, v)
-
-                ms = graph_replay_time(forward, timer)
-                rows.append(
-                    dict(
-                        shape=list(shape),
-                        round=rnd,
-                        provider=name,
-                        ms=ms,
-                        TFLOPs=flops / ms / 1e9,
-                        rel_l2_to_fp32=errors[name],
-                    )
+        for rnd, name, ms in replay_rounds(providers, (q, k, v), args.rounds, timer):
+            rows.append(
+                dict(
+                    shape=list(shape),
+                    round=rnd,
+                    provider=name,
+                    ms=ms,
+                    TFLOPs=flops / ms / 1e9,
+                    rel_l2_to_fp32=errors[name],
                 )
-                print(json.dumps(rows[-1]), flush=True)
+            )
+            print(json.dumps(rows[-1]), flush=True)
     write_rows(args.out, rows)
     return 0
 
