@@ -62,9 +62,13 @@ def test_lora_case_runs_end_to_end_on_a_tiny_flux_and_hotswaps_without_compiling
         "native_compiled",
         "native_lora_compiled",
         "native_lora_swapped_compiled",
+        "native_lora_fused_compiled",
+        "native_lora_fused_swapped_compiled",
         "fp8_compiled",
         "fp8_lora_compiled",
         "fp8_lora_swapped_compiled",
+        "fp8_lora_fused_compiled",
+        "fp8_lora_fused_swapped_compiled",
     ]
     for row in rows.values():
         assert row["case"] == "flux_step_tiny" and row["compile"] == "regional"
@@ -76,10 +80,19 @@ def test_lora_case_runs_end_to_end_on_a_tiny_flux_and_hotswaps_without_compiling
         assert lora["lora_moves_output"] > 1e-3 and swapped["swap_moves_output"] > 1e-3
         assert swapped["graphs_compiled_after_swap"] == 0 and 0 < swapped["swap_s"] < 60
         assert "lora_cost" in lora and "lora_cost" in swapped
-    for state in ("fp8_compiled", "fp8_lora_compiled", "fp8_lora_swapped_compiled"):
+        # Fused: the merged layers compile once; the fused swap back to the first LoRA compiles nothing.
+        fused, fused_swapped = rows[f"{kind}_lora_fused_compiled"], rows[f"{kind}_lora_fused_swapped_compiled"]
+        assert fused["graphs_compiled_at_fuse"] > 0 and 0 < fused["fuse_s"] < 60
+        assert fused_swapped["graphs_compiled_after_swap"] == 0 and 0 < fused_swapped["swap_s"] < 60
+        assert fused_swapped["swap_moves_output"] > 1e-3 and "lora_cost" in fused_swapped
+    for state in (
+        f"fp8{suffix}_compiled" for suffix in ("", "_lora", "_lora_swapped", "_lora_fused", "_lora_fused_swapped")
+    ):
         # FP8 against the native step in the same state: the quantization's error, not a lost adapter's.
         assert 1e-4 < rows[state]["rel_l2_vs_bf16"] < 5e-2, rows[state]
     assert "rel_l2_vs_bf16" not in rows["native_lora_compiled"]
+    # The fused FP8 LoRA back on the first adapter: its rows are the first LoRA's, one rounding away.
+    assert rows["fp8_lora_fused_swapped_compiled"]["rel_l2_vs_bf16"] < 2 * rows["fp8_lora_compiled"]["rel_l2_vs_bf16"]
 
 
 def test_lora_case_takes_one_inductor_mode_and_labels_its_rows(tmp_path, monkeypatch):
@@ -97,5 +110,7 @@ def test_lora_case_takes_one_inductor_mode_and_labels_its_rows(tmp_path, monkeyp
         "native_compiled",
         "native_lora_compiled",
         "native_lora_swapped_compiled",
+        "native_lora_fused_compiled",
+        "native_lora_fused_swapped_compiled",
     ]
     assert all(row["compile"] == "regional+reduce-overhead" and "cudagraph_skips" in row for row in rows)

@@ -297,6 +297,49 @@ def test_fuse_requantizes_and_unfuse_gives_back_the_same_bytes():
     torch.testing.assert_close(_out(patched, args), fused, rtol=0, atol=0)
 
 
+def test_a_fused_lora_swaps_under_compile_without_recompiling():
+    """Serving a fused LoRA (the plain FP8 step's kernels): ``fuse_lora`` under
+    ``torch.compile(fullgraph=True)`` compiles the merged layers' graph once;
+    ``unfuse_lora``, ``load_lora_adapter(..., hotswap=True)`` of a second
+    adapter and ``fuse_lora`` again compile nothing, and give the bytes of
+    fusing that adapter into a freshly patched model."""
+    import torch._dynamo.utils as dynamo_utils
+
+    model, args = _model("flux")
+    first, second = _lora_state_dict(model, seed=5), _lora_state_dict(model, seed=6)
+
+    def patched_with(lora):
+        patched, _ = _patched(model)
+        patched.enable_lora_hotswap(target_rank=RANK)
+        patched.load_lora_adapter(lora, prefix=None, adapter_name="style")
+        return patched
+
+    served, fresh = patched_with(first), patched_with(second)
+    fresh.fuse_lora()
+    fresh_codes = {k: v for k, v in fresh.state_dict().items() if k.endswith(("weight_q", "weight_scale"))}
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    compiled = torch.compile(served, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        compiled(**args)
+        served.fuse_lora()
+        before = compiled(**args).sample  # the merged layers: one more graph
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        served.unfuse_lora()
+        served.load_lora_adapter(second, prefix=None, adapter_name="style", hotswap=True)
+        served.fuse_lora()
+        with torch.compiler.set_stance("fail_on_recompile"):
+            swapped = compiled(**args).sample
+    stats = dict(dynamo_utils.counters["stats"])
+    assert graphs == 2 and stats["unique_graphs"] == graphs, stats
+    for key, value in served.state_dict().items():
+        assert key not in fresh_codes or _same_bytes(value, fresh_codes[key]), key
+    assert _relative_l2(swapped, before) > 1e-2  # the swap changed the output ...
+    # ... to the second adapter's, fused. Not bit for bit: the AdaLN modulation projections stay
+    # fp32 Linears here, whose unfuse (peft's) subtracts the delta and keeps last-bit changes.
+    assert _relative_l2(swapped, _out(fresh, args)) < SAME_QUANTIZATION
+
+
 def test_safe_fusing_refuses_a_broken_adapter_before_changing_anything():
     model, args = _model("wan")
     lora = _lora_state_dict(model, seed=8)

@@ -7,10 +7,15 @@ random rank-``LORA_RANK`` LoRA on every attention and MLP Linear of the blocks
 each delta about ``LORA_DELTA`` of its Linear's output), ``*_lora_compiled``;
 and the step after ``load_lora_adapter(..., hotswap=True)`` of a second such
 LoRA from host memory, ``*_lora_swapped_compiled``, with the swap's wall
-seconds and the graphs Dynamo compiled after it (none: no recompile). FP8 rows
-give the step error against the native row in the same state (plain, first
-LoRA, swapped). :func:`run_lora_case` runs it; diffusers_e2e.py's ``main``
-writes the rows to ``diffusers-e2e-lora-<gpu>.json``.
+seconds and the graphs Dynamo compiled after it (none: no recompile). Then the
+way a server runs a LoRA at the plain step's cost: ``fuse_lora``
+(``*_lora_fused_compiled``; FP8 requantizes each merged weight, and the merged
+layers' graphs compile once, counted), and a fused swap back to the first LoRA
+(``unfuse_lora``, ``load_lora_adapter(..., hotswap=True)``, ``fuse_lora``;
+``*_lora_fused_swapped_compiled``, timed and counted as the swap above). FP8
+rows give the step error against the native row in the same state.
+:func:`run_lora_case` runs it; diffusers_e2e.py's ``main`` writes the rows to
+``diffusers-e2e-lora-<gpu>.json``.
 """
 
 import time
@@ -26,8 +31,10 @@ from bench.toolkit import relative_l2
 #: (Frobenius norms): about the share of the Linear's output the LoRA moves.
 LORA_RANK = 64
 LORA_DELTA = 0.03
-#: ``--lora``: the step's providers; each gives its plain row, ``*_lora_compiled`` and ``*_lora_swapped_compiled``.
+#: ``--lora``: the step's providers; each gives its plain row and one row per LoRA state of ``SUFFIXES``.
 LORA_PROVIDERS = ("native_compiled", "fp8_compiled")
+#: The LoRA states in the order they run, and their rows' provider suffixes (``{base}_lora{suffix}_compiled``).
+SUFFIXES = {"lora": "", "swapped": "_swapped", "fused": "_fused", "fused_swapped": "_fused_swapped"}
 
 
 def _lora_targets(model) -> dict:
@@ -101,7 +108,7 @@ def run_lora_case(
         if provider == "fp8_compiled":
             compile_ops.patch(model, precision="fp8")
         base = provider.removesuffix("_compiled")
-        labels = {"plain": provider, "lora": f"{base}_lora_compiled", "swapped": f"{base}_lora_swapped_compiled"}
+        labels = {"plain": provider, **{state: f"{base}_lora{suffix}_compiled" for state, suffix in SUFFIXES.items()}}
         new, outputs = [], {}
 
         def measure(state, step):
@@ -113,7 +120,7 @@ def run_lora_case(
                 # Inductor counts each graph it runs without CUDA graphs ("skipping cudagraphs: ...").
                 row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips_before
             with torch.no_grad():
-                profiled(row, step, profile and state != "swapped")
+                profiled(row, step, profile and state in ("plain", "lora", "fused"))
             new.append(row)
             return row
 
@@ -128,30 +135,48 @@ def run_lora_case(
         load_s = time.perf_counter() - start
         module = compiled(model, compile_mode, inductor_mode=inductor_mode)
         measure("lora", lambda: module(**inputs).sample).update(load_s=load_s)
-        graphs = counters["stats"]["unique_graphs"]
-        synchronize()
-        start = time.perf_counter()
-        model.load_lora_adapter(dict(loras[1]), prefix=None, adapter_name="lora", hotswap=True)
-        synchronize()
-        swap_s = time.perf_counter() - start
-        swapped = measure("swapped", lambda: module(**inputs).sample)
-        swapped.update(swap_s=swap_s, graphs_compiled_after_swap=counters["stats"]["unique_graphs"] - graphs)
+
+        def changed(state, *calls):
+            graphs = counters["stats"]["unique_graphs"]
+            synchronize()
+            start = time.perf_counter()
+            for call in calls:
+                call()
+            synchronize()
+            seconds = time.perf_counter() - start
+            row = measure(state, lambda: module(**inputs).sample)
+            return row, seconds, counters["stats"]["unique_graphs"] - graphs
+
+        def hotswap(lora):
+            return lambda: model.load_lora_adapter(dict(lora), prefix=None, adapter_name="lora", hotswap=True)
+
+        swapped, swap_s, compiled_after = changed("swapped", hotswap(loras[1]))
+        swapped.update(swap_s=swap_s, graphs_compiled_after_swap=compiled_after)
+        fused, fuse_s, compiled_at_fuse = changed("fused", model.fuse_lora)
+        fused.update(fuse_s=fuse_s, graphs_compiled_at_fuse=compiled_at_fuse)
+        swap_back_fused = (model.unfuse_lora, hotswap(loras[0]), model.fuse_lora)
+        fused_swapped, swap_s, compiled_after = changed("fused_swapped", *swap_back_fused)
+        fused_swapped.update(swap_s=swap_s, graphs_compiled_after_swap=compiled_after)
         for row in new[1:]:
             row.update(lora_rank=LORA_RANK, lora_linears=len(loras[0]) // 2, lora_delta=LORA_DELTA)
         new[1]["lora_moves_output"] = relative_l2(outputs["lora"], outputs["plain"])
         new[2]["swap_moves_output"] = relative_l2(outputs["swapped"], outputs["lora"])
+        fused["fuse_moves_output"] = relative_l2(outputs["fused"], outputs["swapped"])  # the merged weights' rounding
+        fused_swapped["swap_moves_output"] = relative_l2(outputs["fused_swapped"], outputs["fused"])
         for row in new[1:]:
             row["lora_cost"] = row["ms"] / new[0]["ms"] - 1  # the step's time the LoRA adds
         if provider == "native_compiled":
             reference = outputs
         elif reference:
-            for state, row in zip(("plain", "lora", "swapped"), new):
+            for state, row in zip(("plain", *SUFFIXES), new):
                 row.update(rel_l2_vs_bf16=relative_l2(outputs[state], reference[state]), reference="native")
         for row in new:
             error = f"  rel. L2 vs native {row['rel_l2_vs_bf16']:.2e}" if "rel_l2_vs_bf16" in row else ""
             swap = (
                 f"  swap {row['swap_s']:.2f} s, {row['graphs_compiled_after_swap']} graphs compiled after it"
                 if "swap_s" in row
+                else f"  fuse {row['fuse_s']:.2f} s, {row['graphs_compiled_at_fuse']} graphs compiled"
+                if "fuse_s" in row
                 else ""
             )
             print(
