@@ -207,10 +207,10 @@ def test_sm90_code_rounds_like_the_reference(variant, act):
     scales (not div.approx/div.full, which plain fp32 ``/`` gives), no
     flush-to-zero, and the round-to-nearest-even saturating convert that
     tests/conftest.py's interpreter patch reproduces. With an activation
-    (tanh GELU) the forward sigmoid's one approximate division is the only
-    other one (``kernels/glu.py``: its bytes are the GLU kernels', which the
-    interpreter layer compares). ``two_rows``: a tile of two rows a program
-    (a SCHEDULES entry's shape)."""
+    (tanh GELU) the forward sigmoid's power of two and reciprocal are the only
+    approximate and flushing instructions (``kernels/glu.py``: its bytes are
+    the GLU kernels', which the interpreter layer compares). ``two_rows``: a
+    tile of two rows a program (a SCHEDULES entry's shape)."""
     import re
 
     import triton
@@ -257,10 +257,11 @@ def test_sm90_code_rounds_like_the_reference(variant, act):
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if looped else 8}).asm["ptx"]
     assert set(re.findall(r"cvt\.[\w.]*e4m3[\w.]*", ptx)) == {"cvt.rn.satfinite.e4m3x2.f32"}
     divisions = re.findall(r"div\.[\w.]+", ptx)
-    assert set(divisions) == ({"div.rn.f32"} if act < 0 else {"div.rn.f32", "div.full.f32"})
+    assert set(divisions) == {"div.rn.f32"}
     # The scales' two correctly rounded divisions, in each place a row's scale is taken.
     assert 0 < divisions.count("div.rn.f32") <= 4 * block_m
-    assert ".ftz" not in ptx
+    flushing = set(re.findall(r"\b\w+\.approx\.ftz\.f32|\b\w+\.ftz\.[\w.]+", ptx))
+    assert flushing == (set() if act < 0 else {"ex2.approx.ftz.f32", "rcp.approx.ftz.f32"}), flushing
 
 
 @pytest.mark.parametrize("variant", ["held", "head", "looped", "two_rows"])

@@ -4,7 +4,8 @@ The recipe is ``compile_ops/reference/fp8.py``'s, operation for operation, so
 that the kernel writes the reference's bytes: the scale and its inverse are
 correctly rounded fp32 divisions (triton's plain fp32 ``/`` is approximate on
 NVIDIA GPUs), the product one fp32 multiply, the clamp exact, the convert
-round-to-nearest-even (``cvt.rn.satfinite.e4m3x2.f32`` on sm_89+).
+round-to-nearest-even (``cvt.rn.satfinite.e4m3x2.f32`` on sm_89+, which
+saturates to +-448 itself: compiled, the clamp is the convert's).
 
 Non-finite values follow the reference's rule through the one row scale of
 :func:`fp8_scales`, which every producer calls: NaN is left out of a row's
@@ -48,7 +49,7 @@ the same bits every run.
 import triton
 import triton.language as tl
 
-from compile_ops.kernels.glu import activation
+from compile_ops.kernels.glu import PTX, activation
 from compile_ops.kernels.norm import _div_exact, _tile, _tile_rows
 
 E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
@@ -61,8 +62,12 @@ def counted_abs(y, mask):
     scale counts (``a <= inf`` is false for NaN only; +-inf counts and makes the
     scale infinite). A producer that holds a row in several tiles keeps the
     elementwise maximum of these and reduces once, rather than once per tile."""
-    a = tl.abs(y)
-    return tl.where(mask & (a <= float("inf")), a, 0.0)
+    if PTX:
+        # max.f32 returns the number of a number and a NaN: one instruction, |y| its operand's modifier.
+        return tl.where(mask, tl.maximum(tl.abs(y), 0.0), 0.0)
+    else:
+        a = tl.abs(y)
+        return tl.where(mask & (a <= float("inf")), a, 0.0)
 
 
 @triton.jit
@@ -93,7 +98,9 @@ def to_e4m3(y, inverse):
     """``e4m3(clamp(y * inverse[:, None], -448, 448))``: inf times a finite nonzero
     inverse saturates, NaN stays NaN, and so does inf times the 0 inverse of a
     row whose amax is infinite."""
-    v = tl.clamp(y * inverse[:, None], -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+    v = y * inverse[:, None]
+    if not PTX:  # PTX's conversion saturates finite values to +-448 and keeps NaN: the clamp is its own
+        v = tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
     return v.to(tl.float8e4nv)
 
 

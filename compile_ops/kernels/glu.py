@@ -13,14 +13,18 @@ Row offsets are int64 (tensors past 2**31 elements); the launcher hands in
 rows with a unit column stride, so loads vectorize.
 
 The activations are written with what both the compiler and triton's
-interpreter support (``tl.erf``, ``tl.exp``; no libdevice). The backward's
-derivatives never cancel: the sigmoid and its complement both come from
-``exp(-|z|) <= 1`` and a correctly rounded reciprocal. The forward needs the
-sigmoid alone and takes the cheap form ``1 / (1 + exp(-z))`` (one exp, fp32's
-approximate division, a few ulps of fp32): the rowwise FP8 quantization of an
-MLP's hidden activation computes it for every element, and with the exact
-form is bound by that arithmetic, not by memory (docs/notes/fp8.md).
+interpreter support (``tl.erf``, ``tl.exp``; no libdevice), and inline PTX
+where compiled (``PTX``). The backward's derivatives never cancel: the
+sigmoid and its complement both come from ``exp(-|z|) <= 1`` and a correctly
+rounded reciprocal. The forward needs the sigmoid alone and takes the cheap
+form ``1 / (1 + 2^z2)``, compiled to one ``ex2.approx.ftz`` and one
+``rcp.approx.ftz`` (a few ulps of fp32): the rowwise FP8 quantization of an
+MLP's hidden activation computes it for every element and is bound by its
+instruction count, not by memory, where the plain exp and division each
+bring a range fix-up (docs/notes/fp8.md).
 """
+
+import os
 
 import triton
 import triton.language as tl
@@ -31,6 +35,13 @@ import triton.language as tl
 GELU, GELU_TANH, SILU = 0, 1, 2
 #: The ``ACT`` constexpr of each activation name (``meta.glu.ACTIVATIONS``).
 ACTIVATION_CODES = {"gelu": GELU, "gelu_tanh": GELU_TANH, "silu": SILU}
+#: Kernels compile to PTX (not run by triton's interpreter, which has no inline
+#: assembly); read at import, as ``triton.jit`` reads TRITON_INTERPRET.
+PTX: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+#: ``-2 sqrt(2/pi) log2(e)`` and 0.044715 times it: tanh GELU's sigmoid argument
+#: in base 2, ``z2 = g (C1 + C3 g^2)``, so that ``sigmoid(2u) = 1 / (1 + 2^z2)``.
+_GELU_TANH_C1: tl.constexpr = tl.constexpr(-2.0 * 0.7978845608028654 * 1.4426950408889634)
+_GELU_TANH_C3: tl.constexpr = tl.constexpr(-2.0 * 0.7978845608028654 * 1.4426950408889634 * 0.044715)
 
 
 @triton.jit
@@ -53,9 +64,24 @@ def _sigmoid_and_complement(z):
 
 
 @triton.jit
-def _sigmoid(z):
-    """``1 / (1 + exp(-z))``: 0 and 1 exactly where exp over- or underflows, NaN for NaN."""
-    return 1.0 / (1.0 + tl.exp(-z))
+def _ptx_unary(instruction: tl.constexpr, x):
+    """One fp32 PTX instruction ``instruction`` (``$0``: the result, ``$1``: x) applied to each element of x."""
+    return tl.inline_asm_elementwise(instruction, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _sigmoid_base2(z2):
+    """``1 / (1 + 2^z2)`` (``z2 = -z log2(e)`` for ``sigmoid(z)``): 0 and 1 exactly
+    where the power over- or underflows, NaN for NaN. Under PTX two MUFU
+    instructions, flushing denormals (a flushed power adds nothing to 1):
+    the plain exp and division take each a range fix-up of several
+    instructions, and the activations that feed an FP8 quantization are
+    bound by their instruction count (docs/notes/fp8.md)."""
+    if PTX:
+        power = _ptx_unary("ex2.approx.ftz.f32 $0, $1;", z2)
+        return _ptx_unary("rcp.approx.ftz.f32 $0, $1;", 1.0 + power)
+    else:
+        return 1.0 / (1.0 + tl.math.exp2(z2))
 
 
 @triton.jit
@@ -75,15 +101,15 @@ def activation(g, ACT: tl.constexpr, DERIVATIVE: tl.constexpr):
             d = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327  # 1 / sqrt(2 pi)
     elif ACT == 1:  # GELU_TANH
         g2 = g * g
-        # 2u; 0.7978845608028654 = sqrt(2 / pi)
-        z = 2.0 * 0.7978845608028654 * (g + 0.044715 * g2 * g)
         d = g
         if DERIVATIVE:
+            # 2u; 0.7978845608028654 = sqrt(2 / pi)
+            z = 2.0 * 0.7978845608028654 * (g + 0.044715 * g2 * g)
             s, s_c = _sigmoid_and_complement(z)
             du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g2)
             d = s + 2.0 * g * s * s_c * du
         else:
-            s = _sigmoid(z)
+            s = _sigmoid_base2(g * (_GELU_TANH_C1 + _GELU_TANH_C3 * g2))
         act = g * s
     else:
         d = g
@@ -91,7 +117,7 @@ def activation(g, ACT: tl.constexpr, DERIVATIVE: tl.constexpr):
             s, s_c = _sigmoid_and_complement(g)
             d = s * (1.0 + g * s_c)
         else:
-            s = _sigmoid(g)
+            s = _sigmoid_base2(g * -1.4426950408889634)  # -log2(e)
         act = g * s
     return act, d
 
