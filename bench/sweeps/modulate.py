@@ -10,7 +10,11 @@ CUDA-graph replays: the forward alone per forward config, and the whole
 forward+backward step per backward config (the backward alone misled the norm
 family's sweep, docs/notes/norm.md). Three interleaved rounds, median kept.
 OPS (comma-separated) may name the FP8 output modes, norm_modulate_fp8 and
-gated_residual_norm_modulate_fp8: forward only (inference), at the first shape.
+gated_residual_norm_modulate_fp8: forward only (inference), at every shape.
+The forward configs include one and two warps a row: at 1536 columns the
+4-warp config holds 16 values a thread, and its three row reductions a row
+cost more instructions a value than the values themselves (sm_90 SASS,
+docs/notes/modulate.md).
 """
 
 import functools
@@ -34,6 +38,7 @@ from compile_ops.ops.norm import LaunchConfig  # noqa: E402
 
 # (block_m, warps, piece rows)
 FORWARD = [(1, 4, 4), (2, 4, 4), (1, 4, 8), (1, 8, 4), (2, 8, 4), (1, 8, 8), (1, 16, 4), (4, 8, 4)]
+FORWARD += [(1, 1, 4), (1, 2, 4), (2, 2, 4)]  # one and two warps a row
 OPS = ("norm_modulate", "gated_residual_norm_modulate")
 BACKWARD = [(1, 4, 0), (1, 8, 0), (2, 4, 0), (2, 8, 0)]  # (block_m, warps, -)
 ROUNDS = 3
@@ -45,8 +50,6 @@ def main(out_path=None, ops=None):
     results = []
     for name, shape in itertools.product(ops.split(",") if ops else OPS, DIT_NORM_SHAPES):
         spec = BY_NAME[name]
-        if not spec.differentiable and shape != DIT_NORM_SHAPES[0]:
-            continue
         args = spec.make_inputs(shape, torch.bfloat16, "cuda", True)
         with torch.no_grad():
             fwd_bytes, fwdbwd_bytes = bytes_model(args, spec.reference(*args))

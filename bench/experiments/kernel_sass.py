@@ -1,0 +1,234 @@
+"""SASS instructions a value of compile_ops' row kernels for sm_90, counted without a GPU.
+
+    PYTHONPATH=. python bench/experiments/kernel_sass.py OUT.json [--tree DIR] [--parts quantize,modulate]
+
+Each launch is compiled for sm_90 with unit column strides and 16-divisible sizes specialized,
+as triton's JIT specializes them, disassembled with triton's bundled ``cuobjdump``, and its
+instructions divided by the values a thread holds a step. A thread has about 30 issue slots a
+value at the copy's rate, so the count says whether a row kernel is bound by issue.
+
+- ``quantize``: ``quantize_fp8_rows_kernel`` at each standalone quantization of
+  bench/sweeps/fp8.py, under the launcher's schedule (docs/notes/fp8.md, "The activation's
+  instruction count").
+- ``modulate``: ``modulate_fwd_kernel`` in the FP8 output mode (``norm_modulate_fp8``,
+  LayerNorm without affine, Wan's 1536 and Flux's 3072 columns), traced from the op's body,
+  under the shipped forward config and one to four warps a row (docs/notes/modulate.md).
+
+``--tree DIR``: count the kernels of another checkout (``DIR/compile_ops``), such as ``git
+archive`` of an earlier commit.
+"""
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.abspath(os.path.join(__file__, "..", "..", ".."))
+
+#: ``quantize``: ``name: (activation, head width, width)``, the standalone quantizations of bench/sweeps/fp8.py.
+QUANTIZE_CASES = {
+    "flux_mlp": ("gelu_tanh", 0, 12288),
+    "flux_single": ("gelu_tanh", 3072, 12288),
+    "wan_mlp": ("gelu_tanh", 0, 8960),
+    "flux_attention_out": ("none", 0, 3072),
+}
+
+
+#: ``modulate``: ``name: (tokens, width)`` of ``norm_modulate_fp8``, and the ``(rows, warps)`` a
+#: step each is compiled under besides the shipped forward config.
+MODULATE_CASES = {"wan_1536": (32760, 1536), "flux_3072": (4096, 3072)}
+MODULATE_CONFIGS = ((1, 1), (1, 2), (2, 2), (2, 4), (4, 4))
+
+
+def _compiled(activation: str, k_head: int, k: int):
+    """``(compiled kernel, values a thread holds, schedule)`` of one case, for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from compile_ops.kernels.fp8 import quantize_fp8_rows_kernel
+    from compile_ops.kernels.glu import ACTIVATION_CODES
+    from compile_ops.ops import fp8
+
+    schedule = fp8.SCHEDULES.get((activation, k_head, k)) or fp8.default_schedule(activation, k_head, k)
+    block_m, block_n, warps = schedule
+    chunks, head_chunks = triton.cdiv(k, block_n), triton.cdiv(k_head, block_n)
+    pointer = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "HEAD": "*bf16"}
+    ints = ("n_rows", "K", "stride_row", "K_HEAD", "stride_head_row")
+    constants = {
+        "stride_col": 1,
+        "stride_head_col": 1,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "LOOPED": False,
+        "ACT": ACTIVATION_CODES.get(activation, -1),
+        "HAS_HEAD": k_head > 0,
+        "CHUNKS": chunks,
+        "HEAD_CHUNKS": head_chunks,
+    }
+    names = ["X", "Q", "S", "n_rows", "K", "stride_row", "stride_col", "HEAD", "K_HEAD", "stride_head_row"]
+    names += ["stride_head_col", "BLOCK_M", "BLOCK_N", "LOOPED", "ACT", "HAS_HEAD", "CHUNKS", "HEAD_CHUNKS"]
+    signature = {n: pointer.get(n) or ("i32" if n in ints else "constexpr") for n in names}
+    divisible = ("X", "Q", "S", "HEAD", "K", "stride_row", "K_HEAD", "stride_head_row")  # n_rows: any
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    source = ASTSource(fn=quantize_fp8_rows_kernel, signature=signature, constexprs=constants, attrs=attrs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return kernel, block_m * block_n * (chunks + head_chunks) / (32 * warps), schedule
+
+
+def sass_opcodes(cubin: bytes) -> collections.Counter:
+    """``{opcode: count}`` of a cubin's SASS (``cuobjdump -sass``, triton's own copy)."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        listing = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    opcodes = collections.Counter()
+    for line in listing.splitlines():
+        match = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if match:
+            opcodes[match.group(1)] += 1
+    return opcodes
+
+
+def _traced_launch(body, inputs):
+    """``(kernel, signature, constants, attrs)`` of the one Triton launch of ``body`` on fake CUDA
+    tensors of ``inputs`` (``[(shape, dtype)]``): ints of 1 as constants and 16-divisible ints and
+    pointers marked so, as triton's JIT specializes a launch."""
+    import torch
+    import triton
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float8_e4m3fn: "*fp8e4nv"}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        graph = make_fx(body)(*(torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in inputs))
+    (node,) = (n for n in graph.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation)
+    kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+    kernel = kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn
+    constants = dict(kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]))
+    signature, divisible = {}, []
+    for name, value in node.kwargs["kwargs"].items():
+        value = value.meta["val"] if hasattr(value, "meta") else value
+        if isinstance(value, torch.Tensor):
+            signature[name] = pointer[value.dtype]
+            divisible.append(name)
+        elif isinstance(value, bool) or value is None or isinstance(value, triton.language.dtype):
+            constants[name] = value
+        elif isinstance(value, int) and value == 1:
+            constants[name] = 1
+        elif isinstance(value, int):
+            signature[name] = "i32"
+            if value % 16 == 0:
+                divisible.append(name)
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            constants[name] = value
+    constexpr_params = {p.name for p in kernel.params if p.is_constexpr}
+    for name in [n for n in signature if n in constexpr_params]:
+        constants[name] = node.kwargs["kwargs"][name]
+        del signature[name]
+    ordered = {
+        p: "constexpr" if p in constants else signature[p] for p in kernel.arg_names if p in signature or p in constants
+    }
+    names = list(ordered)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible if n in names}
+    return kernel, ordered, constants, attrs
+
+
+def _count(kernel, signature, constants, attrs, warps: int) -> collections.Counter:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return sass_opcodes(
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
+    )
+
+
+def _row(case: str, config: list, opcodes: collections.Counter, per_thread: float) -> dict:
+    total = sum(opcodes.values())
+    print(f"{case:20s} {tuple(config)}  {total} instructions, {total / per_thread:.1f} a value", flush=True)
+    top = opcodes.most_common(12)
+    return dict(
+        case=case,
+        config=config,
+        instructions=total,
+        values_per_thread=per_thread,
+        per_value=total / per_thread,
+        top=top,
+    )
+
+
+def quantize_rows() -> list:
+    rows = []
+    for name, (activation, k_head, k) in QUANTIZE_CASES.items():
+        kernel, per_thread, schedule = _compiled(activation, k_head, k)
+        rows.append(_row(name, list(schedule), sass_opcodes(kernel.asm["cubin"]), per_thread))
+    return rows
+
+
+def modulate_rows() -> list:
+    """``norm_modulate_fp8`` at each MODULATE_CASES shape, under the shipped config
+    (``ops.modulate.forward_config``) and each of MODULATE_CONFIGS."""
+    import torch
+
+    from compile_ops._library import OP_BODIES
+    from compile_ops.ops.modulate import forward_config
+
+    body = OP_BODIES["fused::norm_modulate_fp8"]
+    rows = []
+    for name, (tokens, width) in MODULATE_CASES.items():
+        inputs = [
+            ((1, tokens, width), torch.bfloat16),
+            ((1, 1, width), torch.bfloat16),
+            ((1, 1, width), torch.bfloat16),
+        ]
+        kernel, signature, constants, attrs = _traced_launch(
+            lambda x, scale, shift: body(x, scale, shift, None, None, "layernorm", 1e-6), inputs
+        )
+        shipped = forward_config(width, False)
+        for block_m, warps in ((shipped.block_m, shipped.num_warps), *MODULATE_CONFIGS):
+            opcodes = _count(kernel, signature, dict(constants, BLOCK_M=block_m), attrs, warps)
+            per_thread = block_m * constants["BLOCK_N"] / (32 * warps)
+            label = "shipped" if (block_m, warps) == (shipped.block_m, shipped.num_warps) else "candidate"
+            rows.append(dict(_row(name, [block_m, warps], opcodes, per_thread), config_kind=label))
+    return rows
+
+
+PARTS = {"quantize": quantize_rows, "modulate": modulate_rows}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="the JSON to write")
+    parser.add_argument("--tree", default=ROOT, help="the checkout whose compile_ops is compiled")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {list(PARTS)}")
+    args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; the parts are {list(PARTS)}")
+    sys.path.insert(0, os.path.abspath(args.tree))
+    rows = [dict(row, part=part) for part in parts for row in PARTS[part]()]
+    import triton
+
+    results = dict(
+        tree=os.path.relpath(os.path.abspath(args.tree), ROOT), triton=triton.__version__, target="sm_90", rows=rows
+    )
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
