@@ -13,6 +13,9 @@ value at the copy's rate, so the count says whether a row kernel is bound by iss
 - ``modulate``: ``modulate_fwd_kernel`` in the FP8 output mode (``norm_modulate_fp8``,
   LayerNorm without affine, Wan's 1536 and Flux's 3072 columns), traced from the op's body,
   under the shipped forward config and one to four warps a row (docs/notes/modulate.md).
+- ``attention``: ``attn_fwd_kernel`` of ``attention_int8_fp8`` at 1x24x4608x128, traced from
+  the op's body (off a GPU the trace takes the loads without TMA; the softmax is the same), its
+  key loop's instructions a thread a 128-key tile by opcode (docs/notes/attention-8bit.md).
 
 ``--tree DIR``: count the kernels of another checkout (``DIR/compile_ops``), such as ``git
 archive`` of an earlier commit.
@@ -80,8 +83,9 @@ def _compiled(activation: str, k_head: int, k: int):
     return kernel, block_m * block_n * (chunks + head_chunks) / (32 * warps), schedule
 
 
-def sass_opcodes(cubin: bytes) -> collections.Counter:
-    """``{opcode: count}`` of a cubin's SASS (``cuobjdump -sass``, triton's own copy)."""
+def sass_instructions(cubin: bytes) -> list:
+    """``[(address, opcode with its modifiers, operands)]`` of a cubin's SASS
+    (``cuobjdump -sass``, triton's own copy), predicates dropped."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -89,29 +93,69 @@ def sass_opcodes(cubin: bytes) -> collections.Counter:
         f.write(cubin)
         f.flush()
         listing = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    opcodes = collections.Counter()
+    instructions = []
     for line in listing.splitlines():
-        match = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        match = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
         if match:
-            opcodes[match.group(1)] += 1
-    return opcodes
+            instructions.append((int(match.group(1), 16), match.group(2), match.group(3).strip()))
+    return instructions
 
 
-def _traced_launch(body, inputs):
-    """``(kernel, signature, constants, attrs)`` of the one Triton launch of ``body`` on fake CUDA
-    tensors of ``inputs`` (``[(shape, dtype)]``): ints of 1 as constants and 16-divisible ints and
-    pointers marked so, as triton's JIT specializes a launch."""
+def sass_opcodes(cubin: bytes) -> collections.Counter:
+    """``{opcode: count}`` of a cubin's SASS, modifiers dropped."""
+    return collections.Counter(op.split(".")[0] for _, op, _ in sass_instructions(cubin))
+
+
+def loop_body(instructions: list, marker: str) -> collections.Counter:
+    """``{opcode with modifiers: count}`` of the loop (a backward branch and its
+    target) holding the most ``marker`` instructions."""
+    loops = []
+    for address, op, operands in instructions:
+        target = re.search(r"0x([0-9a-f]+)", operands) if op == "BRA" else None
+        if target and int(target.group(1), 16) < address:
+            body = [op2 for a, op2, _ in instructions if int(target.group(1), 16) <= a <= address]
+            loops.append(collections.Counter(body))
+    return max(loops, key=lambda body: body[marker])
+
+
+def _traced_launches(body, inputs) -> dict:
+    """``{kernel name: (kernel, signature, constants, attrs)}`` of the Triton launches of ``body``
+    on fake CUDA tensors of ``inputs`` (``[(shape, dtype)]``): ints of 1 as constants and
+    16-divisible ints and pointers marked so, as triton's JIT specializes a launch."""
     import torch
-    import triton
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float8_e4m3fn: "*fp8e4nv"}
     with FakeTensorMode(allow_non_fake_inputs=True):
         graph = make_fx(body)(*(torch.empty(shape, dtype=dtype, device="cuda") for shape, dtype in inputs))
-    (node,) = (n for n in graph.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation)
-    kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+    launches = {}
+    for node in (n for n in graph.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation):
+        kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+        launches[_name(kernel)] = _specialized(kernel, node)
+    return launches
+
+
+def _name(kernel) -> str:
+    import triton
+
+    return (kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn).fn.__name__
+
+
+def _specialized(kernel, node) -> tuple:
+    """``(kernel, signature, constants, attrs)`` of one traced launch (:func:`_traced_launches`)."""
+    import torch
+    import triton
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    pointer = {
+        torch.bfloat16: "*bf16",
+        torch.float32: "*fp32",
+        torch.float8_e4m3fn: "*fp8e4nv",
+        torch.int8: "*i8",
+        torch.int32: "*i32",
+        torch.int64: "*i64",
+    }
     kernel = kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn
     constants = dict(kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]))
     signature, divisible = {}, []
@@ -144,15 +188,15 @@ def _traced_launch(body, inputs):
     return kernel, ordered, constants, attrs
 
 
-def _count(kernel, signature, constants, attrs, warps: int) -> collections.Counter:
+def _cubin(kernel, signature, constants, attrs, warps: int, stages: int = 3) -> bytes:
+    """The kernel compiled for sm_90 with ``warps`` warps and ``stages`` pipeline stages."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
-    return sass_opcodes(
-        triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
-    )
+    options = {"num_warps": warps, "num_stages": stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
 
 def _row(case: str, config: list, opcodes: collections.Counter, per_thread: float) -> dict:
@@ -193,19 +237,44 @@ def modulate_rows() -> list:
             ((1, 1, width), torch.bfloat16),
             ((1, 1, width), torch.bfloat16),
         ]
-        kernel, signature, constants, attrs = _traced_launch(
+        launches = _traced_launches(
             lambda x, scale, shift: body(x, scale, shift, None, None, "layernorm", 1e-6), inputs
         )
+        kernel, signature, constants, attrs = launches["modulate_fwd_kernel"]
         shipped = forward_config(width, False)
         for block_m, warps in ((shipped.block_m, shipped.num_warps), *MODULATE_CONFIGS):
-            opcodes = _count(kernel, signature, dict(constants, BLOCK_M=block_m), attrs, warps)
+            opcodes = sass_opcodes(_cubin(kernel, signature, dict(constants, BLOCK_M=block_m), attrs, warps))
             per_thread = block_m * constants["BLOCK_N"] / (32 * warps)
             label = "shipped" if (block_m, warps) == (shipped.block_m, shipped.num_warps) else "candidate"
             rows.append(dict(_row(name, [block_m, warps], opcodes, per_thread), config_kind=label))
     return rows
 
 
-PARTS = {"quantize": quantize_rows, "modulate": modulate_rows}
+def attention_rows() -> list:
+    """``attention_int8_fp8``'s kernel at 1x24x4608x128 under ``forward_tiles``' int8_fp8 tiles
+    (64 queries, 4 warps, 3 stages): its key loop by opcode, a thread a 128-key tile."""
+    import torch
+
+    from compile_ops._library import OP_BODIES
+    from compile_ops.ops.attention_tiles import Tiles
+
+    body = OP_BODIES["fused::attention_int8_fp8"]
+    shape, tiles = (1, 4608, 24, 128), Tiles(64, 128, 4, 3)
+    inputs = [(shape, torch.bfloat16)] * 3
+    launches = _traced_launches(lambda q, k, v: body(q, k, v, shape[-1] ** -0.5, False, 1, None), inputs)
+    kernel, signature, constants, attrs = launches["attn_fwd_kernel"]
+    assert (constants["BLOCK_M"], constants["BLOCK_N"]) == (tiles.block_m, tiles.block_n), constants
+    cubin = _cubin(kernel, signature, constants, attrs, tiles.num_warps, tiles.num_stages)
+    body_opcodes = loop_body(sass_instructions(cubin), "MUFU.EX2")
+    total = sum(body_opcodes.values())
+    scores = tiles.block_m * tiles.block_n / (32 * tiles.num_warps)
+    print(f"attention key loop: {total} instructions a thread a tile, {total / scores:.1f} a score", flush=True)
+    config = [tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages]
+    top = body_opcodes.most_common(16)
+    return [dict(case="int8_fp8_4608", config=config, instructions=total, scores_per_thread=scores, top=top)]
+
+
+PARTS = {"quantize": quantize_rows, "modulate": modulate_rows, "attention": attention_rows}
 
 
 def main(argv=None) -> int:
