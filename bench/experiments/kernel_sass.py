@@ -1,21 +1,22 @@
-"""SASS instructions a value of compile_ops' row kernels for sm_90, counted without a GPU.
+"""SASS instructions a value of compile_ops' kernels for sm_90, counted without a GPU.
 
-    PYTHONPATH=. python bench/experiments/kernel_sass.py OUT.json [--tree DIR] [--parts quantize,modulate]
+    PYTHONPATH=. python bench/experiments/kernel_sass.py OUT.json [--tree DIR] [--parts quantize,modulate,attention]
 
-Each launch is compiled for sm_90 with unit column strides and 16-divisible sizes specialized,
-as triton's JIT specializes them, disassembled with triton's bundled ``cuobjdump``, and its
-instructions divided by the values a thread holds a step. A thread has about 30 issue slots a
-value at the copy's rate, so the count says whether a row kernel is bound by issue.
+Each launch is traced from its op's body on fake CUDA tensors, compiled for sm_90 with unit
+column strides and 16-divisible sizes specialized, as triton's JIT specializes them,
+disassembled with triton's bundled ``cuobjdump``, and its instructions divided by the values a
+thread holds a step. A thread has about 30 issue slots a value at the copy's rate, so the count
+says whether a row kernel is bound by issue.
 
 - ``quantize``: ``quantize_fp8_rows_kernel`` at each standalone quantization of
   bench/sweeps/fp8.py, under the launcher's schedule (docs/notes/fp8.md, "The activation's
   instruction count").
 - ``modulate``: ``modulate_fwd_kernel`` in the FP8 output mode (``norm_modulate_fp8``,
-  LayerNorm without affine, Wan's 1536 and Flux's 3072 columns), traced from the op's body,
-  under the shipped forward config and one to four warps a row (docs/notes/modulate.md).
-- ``attention``: ``attn_fwd_kernel`` of ``attention_int8_fp8`` at 1x24x4608x128, traced from
-  the op's body (off a GPU the trace takes the loads without TMA; the softmax is the same), its
-  key loop's instructions a thread a 128-key tile by opcode (docs/notes/attention-8bit.md).
+  LayerNorm without affine, Wan's 1536 and Flux's 3072 columns), under the shipped forward
+  config and one to four warps a row (docs/notes/modulate.md).
+- ``attention``: ``attn_fwd_kernel`` of ``attention_int8_fp8`` at 1x24x4608x128 (off a GPU
+  the trace takes the loads without TMA; the softmax is the same), its key loop's
+  instructions a thread a 128-key tile by opcode (docs/notes/attention-8bit.md).
 
 ``--tree DIR``: count the kernels of another checkout (``DIR/compile_ops``), such as ``git
 archive`` of an earlier commit.
@@ -45,42 +46,6 @@ QUANTIZE_CASES = {
 #: step each is compiled under besides the shipped forward config.
 MODULATE_CASES = {"wan_1536": (32760, 1536), "flux_3072": (4096, 3072)}
 MODULATE_CONFIGS = ((1, 1), (1, 2), (2, 2), (2, 4), (4, 4))
-
-
-def _compiled(activation: str, k_head: int, k: int):
-    """``(compiled kernel, values a thread holds, schedule)`` of one case, for sm_90."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from compile_ops.kernels.fp8 import quantize_fp8_rows_kernel
-    from compile_ops.kernels.glu import ACTIVATION_CODES
-    from compile_ops.ops import fp8
-
-    schedule = fp8.SCHEDULES.get((activation, k_head, k)) or fp8.default_schedule(activation, k_head, k)
-    block_m, block_n, warps = schedule
-    chunks, head_chunks = triton.cdiv(k, block_n), triton.cdiv(k_head, block_n)
-    pointer = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "HEAD": "*bf16"}
-    ints = ("n_rows", "K", "stride_row", "K_HEAD", "stride_head_row")
-    constants = {
-        "stride_col": 1,
-        "stride_head_col": 1,
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
-        "LOOPED": False,
-        "ACT": ACTIVATION_CODES.get(activation, -1),
-        "HAS_HEAD": k_head > 0,
-        "CHUNKS": chunks,
-        "HEAD_CHUNKS": head_chunks,
-    }
-    names = ["X", "Q", "S", "n_rows", "K", "stride_row", "stride_col", "HEAD", "K_HEAD", "stride_head_row"]
-    names += ["stride_head_col", "BLOCK_M", "BLOCK_N", "LOOPED", "ACT", "HAS_HEAD", "CHUNKS", "HEAD_CHUNKS"]
-    signature = {n: pointer.get(n) or ("i32" if n in ints else "constexpr") for n in names}
-    divisible = ("X", "Q", "S", "HEAD", "K", "stride_row", "K_HEAD", "stride_head_row")  # n_rows: any
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    source = ASTSource(fn=quantize_fp8_rows_kernel, signature=signature, constexprs=constants, attrs=attrs)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    return kernel, block_m * block_n * (chunks + head_chunks) / (32 * warps), schedule
 
 
 def sass_instructions(cubin: bytes) -> list:
@@ -214,10 +179,23 @@ def _row(case: str, config: list, opcodes: collections.Counter, per_thread: floa
 
 
 def quantize_rows() -> list:
+    """``quantize_fp8_rows`` at each QUANTIZE_CASES shape, under the launcher's schedule."""
+    import torch
+
+    from compile_ops._library import OP_BODIES
+    from compile_ops.ops import fp8
+
+    body = OP_BODIES["fused::quantize_fp8_rows"]
     rows = []
     for name, (activation, k_head, k) in QUANTIZE_CASES.items():
-        kernel, per_thread, schedule = _compiled(activation, k_head, k)
-        rows.append(_row(name, list(schedule), sass_opcodes(kernel.asm["cubin"]), per_thread))
+        schedule = fp8.SCHEDULES.get((activation, k_head, k)) or fp8.default_schedule(activation, k_head, k)
+        inputs = [((4096, k), torch.bfloat16)] + ([((4096, k_head), torch.bfloat16)] if k_head else [])
+        launches = _traced_launches(lambda x, *head: body(x, activation, *head), inputs)
+        kernel, signature, constants, attrs = launches["quantize_fp8_rows_kernel"]
+        blocks = constants["CHUNKS"] + constants["HEAD_CHUNKS"]
+        per_thread = constants["BLOCK_M"] * constants["BLOCK_N"] * blocks / (32 * schedule.warps)
+        opcodes = sass_opcodes(_cubin(kernel, signature, constants, attrs, schedule.warps))
+        rows.append(_row(name, list(schedule), opcodes, per_thread))
     return rows
 
 
