@@ -296,9 +296,19 @@ KERNEL_FAMILIES = (
     ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|_scaled_mm|sm90_.*_tn|splitK"),
     ("attention", r"flash|fmha|cudnn|attn|sdpa"),
     ("collective", r"nccl|all_?to_?all|all_?gather|all_?reduce|reduce_?scatter"),
-    ("compile_ops", r"^_?(rms|layer|norm|modulate|gated|rope|qk_norm|geglu|swiglu|glu|quantize|fp8|lora)"),
+    (
+        "compile_ops",
+        r"^_?(rms|layer|norm|modulate|gated|rope|qk_norm|geglu|swiglu|glu|quantize|fp8|lora|kv8|column_sum|moe_|sort_block)",
+    ),
     ("inductor", r"^triton_"),
 )
+
+
+def kernel_family(name: str) -> str:
+    """The :data:`KERNEL_FAMILIES` family of a kernel's name, else "other"."""
+    import re
+
+    return next((family for family, pattern in KERNEL_FAMILIES if re.search(pattern, name, re.I)), "other")
 
 
 def kernel_profile(fn, calls: int = 3, top: int = 12) -> dict:
@@ -306,8 +316,6 @@ def kernel_profile(fn, calls: int = 3, top: int = 12) -> dict:
     ``calls`` calls (after one unrecorded), the kernels' device time per call
     by family (:data:`KERNEL_FAMILIES`, else "other") and the ``top`` kernels
     by time, as ``{"gpu_ms", "families": {family: ms}, "top": [[name, ms, launches]]}``."""
-    import re
-
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -323,7 +331,7 @@ def kernel_profile(fn, calls: int = 3, top: int = 12) -> dict:
             kernels[event.name] = (ms + event.device_time / 1e3 / calls, launches + 1)
     families = {}
     for name, (ms, _) in kernels.items():
-        family = next((f for f, pattern in KERNEL_FAMILIES if re.search(pattern, name, re.I)), "other")
+        family = kernel_family(name)
         families[family] = families.get(family, 0.0) + ms
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
     return {

@@ -56,6 +56,29 @@ def test_output_to_sends_prints_and_children_to_the_log_and_keeps_the_screen(tmp
     assert log_path.read_text().splitlines() == ["a measurement line", "from a child"]
 
 
+def test_every_kernel_of_the_package_has_a_profile_family_of_its_own():
+    """A step's profile credits each of our kernels to attention or compile_ops,
+    never "other" (where a new kernel's time would go unexplained)."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import compile_ops.kernels
+
+    names = set()
+    for module in pkgutil.iter_modules(compile_ops.kernels.__path__):
+        for value in vars(importlib.import_module(f"compile_ops.kernels.{module.name}")).values():
+            if isinstance(value, triton.runtime.JITFunction) and value.fn.__name__.endswith("_kernel"):
+                names.add(value.fn.__name__)
+    assert {"attn_fwd_kernel", "kv8_stats_kernel", "quantize_fp8_rows_kernel"} <= names
+    families = {name: toolkit.kernel_family(name) for name in sorted(names)}
+    assert {name for name, family in families.items() if family not in ("attention", "compile_ops")} == set()
+    assert families["kv8_quantize_kernel"] == "compile_ops" and families["attn_fwd_sm90_kernel"] == "attention"
+    assert toolkit.kernel_family("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_ovscale_bias_TNT") == "gemm"
+    assert toolkit.kernel_family("triton_poi_fused_cat_split_view_1") == "inductor"
+
+
 def test_timed_call_runs_the_forward_without_grad_and_the_step_without_leftover_grads():
     x = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(8, requires_grad=True)
