@@ -91,7 +91,7 @@ def modulation_cases(draw):
     op = draw(st.sampled_from(OPS))
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
     B, L = draw(st.integers(1, 3)), draw(st.integers(1, 9))
-    C = draw(size(st.one_of(st.integers(1, 80), st.sampled_from([128, 333, 1024])), [1, 37, 128, 1024]))
+    C = draw(size(st.one_of(st.integers(1, 80), st.sampled_from([128, 333, 1024])), [1, 37, 128, 1024, 1536]))
     forms = [draw(st.sampled_from(sorted(FORMS))) for _ in range(3)]
     mod_dtype = draw(st.sampled_from([dtype, dtype, torch.float32]))
     chunked = draw(st.booleans())  # modulation as a strided chunk of a [B, 6C] embedding
@@ -169,6 +169,30 @@ def test_kernels_match_fp64_reference_forward_and_backward(case):
         assert g.shape == a.shape and g.dtype == a.dtype, f"{op}: gradient of input {name}"
         terms = max(1, got[0].numel() // max(1, a.numel()))  # > 1: summed over broadcast dims
         assert_within_torch_error(g, e, p, 3.0, f"{op} gradient of input {name} {tuple(a.shape)}", terms)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("width", [1280, 1536])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("op", ["norm_modulate", "gated_residual_norm_modulate"])
+def test_kernels_rows_held_as_chunks_match_fp64_and_quantize_their_own_output(op, norm, width):
+    """Widths past 1024 that are not powers of two are held as several blocks
+    (``held_chunks``: 5 x 256, 3 x 512), with the row's statistics and FP8
+    maximum over all of them; both output modes, a ragged last row step."""
+    from compile_ops.ops.modulate import forward_config, held_chunks
+
+    assert held_chunks(width) > 1 and forward_config(width, op.startswith("gated")).held_chunks == held_chunks(width)
+    torch.manual_seed(0)
+    forms = ["per-sample [B, C]", "per-token [B, L, C]", "per-sample [B, C]"]
+    case = (op, torch.bfloat16, 2, 5, width, forms, torch.bfloat16, True, False, norm, "weight+bias", False)
+    args = _case_args(*case, KERNEL_DEVICE)
+    with torch.no_grad():
+        got = _outputs(getattr(compile_ops, op)(*args))
+        exact = _outputs(getattr(ref, op)(*_fp64(args)))[: len(got)]
+        plain = _plain(op, args)
+    for g, e, p in zip(got, exact, plain):
+        assert_within_torch_error(g, e, p, 2.0, f"{op} output at {width} columns")
+    _check_fp8_mode(op, _detached(args))
 
 
 @pytest.mark.kernels

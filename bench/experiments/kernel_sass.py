@@ -13,7 +13,9 @@ says whether a row kernel is bound by issue.
   instruction count").
 - ``modulate``: ``modulate_fwd_kernel`` in the FP8 output mode (``norm_modulate_fp8``,
   LayerNorm without affine, Wan's 1536 and Flux's 3072 columns), under the shipped forward
-  config and one to four warps a row (docs/notes/modulate.md).
+  config and one to four warps a row, the row padded to a power of two or held as
+  ``held_chunks`` blocks; ``per_column`` divides by the row's real columns, not the
+  padded ones (docs/notes/modulate.md).
 - ``attention``: ``attn_fwd_kernel`` of ``attention_int8_fp8`` at 1x24x4608x128 (off a GPU
   the trace takes the loads without TMA; the softmax is the same), its key loop's
   instructions a thread a 128-key tile by opcode (docs/notes/attention-8bit.md).
@@ -201,11 +203,13 @@ def quantize_rows() -> list:
 
 def modulate_rows() -> list:
     """``norm_modulate_fp8`` at each MODULATE_CASES shape, under the shipped config
-    (``ops.modulate.forward_config``) and each of MODULATE_CONFIGS."""
+    (``ops.modulate.forward_config``), each of MODULATE_CONFIGS with the row padded
+    to a power of two, and each with the row held as ``held_chunks`` blocks."""
     import torch
+    import triton
 
     from compile_ops._library import OP_BODIES
-    from compile_ops.ops.modulate import forward_config
+    from compile_ops.ops.modulate import forward_config, held_chunks
 
     body = OP_BODIES["fused::norm_modulate_fp8"]
     rows = []
@@ -220,11 +224,18 @@ def modulate_rows() -> list:
         )
         kernel, signature, constants, attrs = launches["modulate_fwd_kernel"]
         shipped = forward_config(width, False)
-        for block_m, warps in ((shipped.block_m, shipped.num_warps), *MODULATE_CONFIGS):
-            opcodes = sass_opcodes(_cubin(kernel, signature, dict(constants, BLOCK_M=block_m), attrs, warps))
-            per_thread = block_m * constants["BLOCK_N"] / (32 * warps)
-            label = "shipped" if (block_m, warps) == (shipped.block_m, shipped.num_warps) else "candidate"
-            rows.append(dict(_row(name, [block_m, warps], opcodes, per_thread), config_kind=label))
+        configs = [(shipped.block_m, shipped.num_warps, shipped.held_chunks)]
+        configs += [(m, w, chunks) for chunks in sorted({1, held_chunks(width)}) for m, w in MODULATE_CONFIGS]
+        for block_m, warps, chunks in dict.fromkeys(configs):
+            block_n = triton.next_power_of_2(width) if chunks == 1 else width // chunks
+            variant = dict(constants, BLOCK_M=block_m, BLOCK_N=block_n, CHUNKS=chunks)
+            opcodes = sass_opcodes(_cubin(kernel, signature, variant, attrs, warps))
+            per_thread = block_m * block_n * chunks / (32 * warps)
+            shipped_key = (shipped.block_m, shipped.num_warps, shipped.held_chunks)
+            row = _row(name, [block_m, warps, chunks], opcodes, per_thread)
+            per_column = row["instructions"] / (block_m * width / (32 * warps))
+            kind = "shipped" if (block_m, warps, chunks) == shipped_key else "candidate"
+            rows.append(dict(row, per_column=per_column, config_kind=kind))
     return rows
 
 

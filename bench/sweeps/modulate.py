@@ -14,7 +14,15 @@ gated_residual_norm_modulate_fp8: forward only (inference), at every shape.
 The forward configs include one and two warps a row: at 1536 columns the
 4-warp config holds 16 values a thread, and its three row reductions a row
 cost more instructions a value than the values themselves (sm_90 SASS,
-docs/notes/modulate.md).
+docs/notes/modulate.md). ``held`` configs hold a row that is not a power of
+two wide as ``held_chunks`` blocks instead of one padded block (shapes whose
+width does not chunk skip them).
+
+    PYTHONPATH=. python bench/sweeps/modulate.py OUT.json OPS --held
+
+``--held``: the forward only, the shipped config and the padded and held
+configs of one to eight warps (the candidates for ``forward_config``'s
+held rows, for both output modes).
 """
 
 import functools
@@ -39,12 +47,27 @@ from compile_ops.ops.norm import LaunchConfig  # noqa: E402
 # (block_m, warps, piece rows)
 FORWARD = [(1, 4, 4), (2, 4, 4), (1, 4, 8), (1, 8, 4), (2, 8, 4), (1, 8, 8), (1, 16, 4), (4, 8, 4)]
 FORWARD += [(1, 1, 4), (1, 2, 4), (2, 2, 4)]  # one and two warps a row
+#: (block_m, warps, piece rows) of rows held as chunks, and the padded ones ``--held`` keeps.
+HELD = [(1, 1, 4), (1, 2, 4), (1, 4, 4), (2, 2, 4), (2, 4, 4), (2, 8, 4)]
+HELD_PADDED = [(1, 4, 4), (2, 4, 4), (1, 1, 4), (1, 2, 4), (2, 2, 4)]
 OPS = ("norm_modulate", "gated_residual_norm_modulate")
 BACKWARD = [(1, 4, 0), (1, 8, 0), (2, 4, 0), (2, 8, 0)]  # (block_m, warps, -)
 ROUNDS = 3
 
 
-def main(out_path=None, ops=None):
+def _candidates(spec, width: int, held: bool) -> list:
+    """``[(kind, block_m, warps, piece rows, chunks)]`` timed at one shape."""
+    chunks = modulate_ops.held_chunks(width)
+    if not held:
+        fwdbwd = [("fwdbwd", *c, 1) for c in BACKWARD if spec.differentiable]
+        return [("fwd", *c, 1) for c in FORWARD] + fwdbwd
+    shipped = modulate_ops.forward_config(width, "gated" in spec.name)
+    found = [("fwd", shipped.block_m, shipped.num_warps, modulate_ops.FORWARD_PIECE_ROWS, shipped.held_chunks)]
+    found += [("fwd", *c, 1) for c in HELD_PADDED] + ([("fwd", *c, chunks) for c in HELD] if chunks > 1 else [])
+    return list(dict.fromkeys(found))
+
+
+def main(out_path=None, ops=None, held=False):
     timer = make_timer(quick=False)
     warm_up_gpu()
     results = []
@@ -54,11 +77,12 @@ def main(out_path=None, ops=None):
         with torch.no_grad():
             fwd_bytes, fwdbwd_bytes = bytes_model(args, spec.reference(*args))
         block_n = triton.next_power_of_2(shape[-1])
-        cands = [("fwd", *c) for c in FORWARD] + [("fwdbwd", *c) for c in BACKWARD if spec.differentiable]
+        cands = _candidates(spec, shape[-1], held)
         times = {c: [] for c in cands}
         for _ in range(ROUNDS):
-            for kind, m, w, piece in cands:
-                cfg = LaunchConfig(m, block_n, False, w)
+            for kind, m, w, piece, chunks in cands:
+                width = block_n if chunks == 1 else shape[-1] // chunks
+                cfg = LaunchConfig(m, width, False, w, held_chunks=chunks)
                 saved = modulate_ops.forward_config, modulate_ops.backward_config, modulate_ops.FORWARD_PIECE_ROWS
                 clear_launch_plans()  # eager calls replay the config they were recorded with
                 try:
@@ -71,12 +95,12 @@ def main(out_path=None, ops=None):
                         modulate_ops.backward_config = lambda n, accumulators, single_rows, cfg=cfg: cfg
                         ms = time_forward_backward(spec.op, args, timer, graph=True)
                 except Exception as e:  # noqa: BLE001 (a config that fails to compile is a result)
-                    print(f"{name} {shape} {kind} {m}x{w}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    print(f"{name} {shape} {kind} {m}x{w}x{chunks}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     ms = float("nan")
                 finally:
                     (modulate_ops.forward_config, modulate_ops.backward_config, modulate_ops.FORWARD_PIECE_ROWS) = saved
-                times[(kind, m, w, piece)].append(ms)
-        for (kind, m, w, piece), ts in times.items():
+                times[(kind, m, w, piece, chunks)].append(ms)
+        for (kind, m, w, piece, chunks), ts in times.items():
             ms = statistics.median(ts)
             gbps = (fwd_bytes if kind == "fwd" else fwdbwd_bytes) / (ms * 1e-3) / 1e9
             results.append(
@@ -87,17 +111,19 @@ def main(out_path=None, ops=None):
                     "block_m": m,
                     "num_warps": w,
                     "piece_rows": piece,
+                    "held_chunks": chunks,
                     "ms": ms,
                     "GBps": gbps,
                 }
             )
             print(
-                f"{name:<30} {'x'.join(map(str, shape)):<13} {kind:<7} rows {m} warps {w:>2} piece {piece:>2}: "
-                f"{ms * 1e3:8.1f} us {gbps:7.0f} GB/s",
+                f"{name:<32} {'x'.join(map(str, shape)):<13} {kind:<6} rows {m} warps {w:>2} piece {piece} "
+                f"chunks {chunks}: {ms * 1e3:8.1f} us {gbps:7.0f} GB/s",
                 flush=True,
             )
     write_sweep(out_path, results)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    positional = [a for a in sys.argv[1:] if a != "--held"]
+    main(*positional[:2], held="--held" in sys.argv[1:])

@@ -14,21 +14,20 @@ maximum and stays NaN; +-inf counts, so its row's scale is +inf, its inverse
 scale`` is NaN across the row: no overflow reaches the GEMM as a finite
 value).
 
-:func:`quantize_tile` is the piece other kernels call as an epilogue, behind
-a constexpr flag so one kernel serves both output modes::
+A producer quantizes its output in its epilogue, behind a constexpr flag so
+one kernel serves both output modes: it keeps the elementwise maximum of
+:func:`counted_abs` over the tiles that hold a row (one tile or several),
+reduces it once per row, takes :func:`fp8_scales` of the result, and
+converts each tile with :func:`to_e4m3`::
 
     y = ...                                   # [BLOCK_M, BLOCK_N] fp32, whole rows
     if QUANTIZE:                              # tl.constexpr
-        q, scale = quantize_tile(y, mask)     # mask: [BLOCK_M, BLOCK_N] valid elements
-        tl.store(Q + offsets, q, mask=mask)   # Q: *fp8e4nv
+        inverse, scale = fp8_scales(tl.max(counted_abs(y, mask), axis=1))
+        tl.store(Q + offsets, to_e4m3(y, inverse), mask=mask)   # Q: *fp8e4nv
         tl.store(S + rows, scale, mask=rows < n_rows)
     else:
         tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
 
-A producer whose rows span several tiles keeps the elementwise maximum of
-:func:`counted_abs` over its tiles, reduces it once per row, takes
-:func:`fp8_scales` of the result, and converts each tile with
-:func:`to_e4m3`, as :func:`quantize_fp8_rows_kernel` does.
 :func:`quantize_fp8_rows_kernel` is the standalone pass for a tensor that
 no fused producer quantized, and the activation a Linear's output goes
 through before the next Linear (``ACT``: GELU, tanh GELU or SiLU of each
@@ -71,14 +70,6 @@ def counted_abs(y, mask):
 
 
 @triton.jit
-def row_amax(y, mask):
-    """``max |y|`` of each row of a ``[BLOCK_M, BLOCK_N]`` fp32 tile over its
-    non-NaN elements inside ``mask`` (0 for none, +inf for a row holding an
-    infinity)."""
-    return tl.max(counted_abs(y, mask), axis=1)
-
-
-@triton.jit
 def fp8_scales(amax):
     """``(inverse, scale)`` of row maxima ``amax [BLOCK_M]`` (fp32, >= 0, +inf
     allowed): ``448 / amax`` multiplies the values, ``amax / 448`` dequantizes;
@@ -102,16 +93,6 @@ def to_e4m3(y, inverse):
     if not PTX:  # PTX's conversion saturates finite values to +-448 and keeps NaN: the clamp is its own
         v = tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
     return v.to(tl.float8e4nv)
-
-
-@triton.jit
-def quantize_tile(y, mask):
-    """The FP8 epilogue: ``(q, scale)`` of ``y [BLOCK_M, BLOCK_N]`` fp32 holding
-    whole rows, ``mask [BLOCK_M, BLOCK_N]`` its valid elements (the others are
-    ignored; store q under the same mask). ``q [BLOCK_M, BLOCK_N]`` float8e4nv,
-    ``scale [BLOCK_M]`` fp32: the bytes of ``reference.fp8.quantize_fp8_rows``."""
-    inverse, scale = fp8_scales(row_amax(y, mask))
-    return to_e4m3(y, inverse), scale
 
 
 @triton.jit

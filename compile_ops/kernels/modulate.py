@@ -22,8 +22,8 @@ gradients are reduced without atomics, deterministically.
 import triton
 import triton.language as tl
 
-from compile_ops.kernels.fp8 import quantize_tile
-from compile_ops.kernels.norm import _centered_mean_rstd, _grad_input, _tile
+from compile_ops.kernels.fp8 import counted_abs, fp8_scales, to_e4m3
+from compile_ops.kernels.norm import _centered_mean_rstd, _div_exact, _grad_input, _rsqrt_exact, _tile
 
 
 @triton.jit
@@ -82,12 +82,68 @@ def _normalized(
         else:
             xc, mean, rstd = _centered_mean_rstd(h, mask, N, eps, NORM == 1)
         xhat = xc * rstd[:, None]
-        y = xhat
-        if HAS_WEIGHT:
-            y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(h.dtype)[None, :]
-        if HAS_BIAS:
-            y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(h.dtype)[None, :]
+        y = _affine(xhat, cols, N, W, B, HAS_WEIGHT, HAS_BIAS)
     return y, xhat, mean, rstd
+
+
+@triton.jit
+def _affine(xhat, cols, N, W, B, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``xhat * w + b`` of normalized columns ``cols``, the affine terms each optional."""
+    y = xhat
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(xhat.dtype)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(xhat.dtype)[None, :]
+    return y
+
+
+@triton.jit
+def _chunk(i: tl.constexpr, rows, row_mask, N, BLOCK_N: tl.constexpr):
+    """``(columns, mask)`` of chunk ``i`` of a held row: BLOCK_N columns from ``i * BLOCK_N``."""
+    cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+    return cols, row_mask[:, None] & (cols < N)[None, :]
+
+
+@triton.jit
+def _modulation_rows(M, row, N, tokens, sb, sg, ss, sc, group, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
+    """The modulation row that row ``row`` of x reads, as a tuple of CHUNKS ``[BLOCK_N]`` chunks."""
+    chunks = ()
+    for i in tl.static_range(CHUNKS):
+        cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
+        chunks = chunks + (_modulation_row(M, row, cols, cols < N, tokens, sb, sg, ss, sc, group),)
+    return chunks
+
+
+@triton.jit
+def _held_sum(tiles, CHUNKS: tl.constexpr):
+    """Row sums of rows held as CHUNKS tiles: the tiles added elementwise, then
+    one reduction (one tile: ``tl.sum`` of it, as the norm family's)."""
+    total = tiles[0]
+    for i in tl.static_range(1, CHUNKS):
+        total = total + tiles[i]
+    return tl.sum(total, axis=1)
+
+
+@triton.jit
+def _held_centered_mean_rstd(
+    held, rows, row_mask, N, eps, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr
+):
+    """``kernels.norm._centered_mean_rstd`` of rows held as CHUNKS tiles (a
+    tuple): ``(centered tiles, mean, rstd)``, the same operations, so one
+    tile gives the norm family's bits."""
+    if IS_RMS:
+        centered = held
+        mean = 0.0
+    else:
+        mean = _div_exact(_held_sum(held, CHUNKS), N)
+        centered = ()
+        for i in tl.static_range(CHUNKS):
+            _, mask = _chunk(i, rows, row_mask, N, BLOCK_N)
+            centered = centered + (tl.where(mask, held[i] - mean[:, None], 0.0),)
+    squares = ()
+    for i in tl.static_range(CHUNKS):
+        squares = squares + (centered[i] * centered[i],)
+    return centered, mean, _rsqrt_exact(_div_exact(_held_sum(squares, CHUNKS), N) + eps)
 
 
 @triton.jit
@@ -140,6 +196,7 @@ def modulate_fwd_kernel(
     BLOCK_N: tl.constexpr,
     QUANTIZE: tl.constexpr = False,
     OUT_DTYPE: tl.constexpr = None,
+    CHUNKS: tl.constexpr = 1,
 ):
     """RES_OUT = RES + GATE * X (GATED); OUT = modulate(norm(h) * W + B) with h
     RES_OUT read back at its dtype (GATED) or X. OUT is written when NORM or
@@ -161,43 +218,56 @@ def modulate_fwd_kernel(
     eps = tl.cast(eps, ACC_DTYPE)  # Inductor may hand scalars over as fp64
     # (Names must not repeat in and outside the loop below: triton would carry them.)
     segment, seg_start, start, end = _piece_rows(tl.program_id(0), chunks, seg_rows, chunk_rows)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
     # The modulation rows stay in registers in the input dtype: half the
     # registers of fp32 for bf16, at the same speed (docs/notes/modulate.md).
     if MODULATED:
-        scale = _modulation_row(SCALE, seg_start, cols, col_mask, tokens, sc_sb, sc_sg, sc_ss, sc_sc, sc_group)
-        shift = _modulation_row(SHIFT, seg_start, cols, col_mask, tokens, sh_sb, sh_sg, sh_ss, sh_sc, sh_group)
+        scale = _modulation_rows(SCALE, seg_start, N, tokens, sc_sb, sc_sg, sc_ss, sc_sc, sc_group, BLOCK_N, CHUNKS)
+        shift = _modulation_rows(SHIFT, seg_start, N, tokens, sh_sb, sh_sg, sh_ss, sh_sc, sh_group, BLOCK_N, CHUNKS)
     if GATED:
-        gate = _modulation_row(GATE, seg_start, cols, col_mask, tokens, g_sb, g_sg, g_ss, g_sc, g_group)
+        gate = _modulation_rows(GATE, seg_start, N, tokens, g_sb, g_sg, g_ss, g_sc, g_group, BLOCK_N, CHUNKS)
     for row0 in range(start, end, BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         row_mask = rows < end
-        mask = row_mask[:, None] & col_mask[None, :]
-        h = tl.load(X + _tile(rows, cols, stride_x_row, stride_x_col), mask=mask, other=0.0).to(ACC_DTYPE)
-        if GATED:
-            r = tl.load(RES + _tile(rows, cols, stride_res_row, stride_res_col), mask=mask, other=0.0)
-            # Rounded to residual_out's dtype before the norm: out == norm_modulate(residual_out).
-            h_out = (r.to(ACC_DTYPE) + gate.to(ACC_DTYPE)[None, :] * h).to(RES_OUT.dtype.element_ty)
-            tl.store(RES_OUT + _tile(rows, cols, N, 1), h_out, mask=mask)
-            h = h_out.to(ACC_DTYPE)
+        held = ()
+        for i in tl.static_range(CHUNKS):
+            cols, mask = _chunk(i, rows, row_mask, N, BLOCK_N)
+            h = tl.load(X + _tile(rows, cols, stride_x_row, stride_x_col), mask=mask, other=0.0).to(ACC_DTYPE)
+            if GATED:
+                r = tl.load(RES + _tile(rows, cols, stride_res_row, stride_res_col), mask=mask, other=0.0)
+                # Rounded to residual_out's dtype before the norm: out == norm_modulate(residual_out).
+                h_out = (r.to(ACC_DTYPE) + gate[i].to(ACC_DTYPE)[None, :] * h).to(RES_OUT.dtype.element_ty)
+                tl.store(RES_OUT + _tile(rows, cols, N, 1), h_out, mask=mask)
+                h = h_out.to(ACC_DTYPE)
+            held = held + (h,)
         if NORM != 0 or MODULATED:
-            y, xhat, mean, rstd = _normalized(
-                h, mask, rows, row_mask, cols, N, W, B, MEAN, RSTD, eps, NORM, HAS_WEIGHT, HAS_BIAS, False
-            )
-            if not QUANTIZE:  # the statistics are for a backward, which FP8 outputs have not
-                if NORM == 2:
-                    tl.store(MEAN + rows, mean, mask=row_mask)
-                if NORM != 0:
+            if NORM != 0:
+                held, mean, rstd = _held_centered_mean_rstd(held, rows, row_mask, N, eps, NORM == 1, BLOCK_N, CHUNKS)
+                if not QUANTIZE:  # the statistics are for a backward, which FP8 outputs have not
+                    if NORM == 2:
+                        tl.store(MEAN + rows, mean, mask=row_mask)
                     tl.store(RSTD + rows, rstd, mask=row_mask)
-            if MODULATED:
-                y = y * (1.0 + scale.to(ACC_DTYPE))[None, :] + shift.to(ACC_DTYPE)[None, :]
+            outs = ()
+            peak = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for i in tl.static_range(CHUNKS):
+                cols, mask = _chunk(i, rows, row_mask, N, BLOCK_N)
+                y = held[i]
+                if NORM != 0:
+                    y = _affine(y * rstd[:, None], cols, N, W, B, HAS_WEIGHT, HAS_BIAS)
+                if MODULATED:
+                    y = y * (1.0 + scale[i].to(ACC_DTYPE))[None, :] + shift[i].to(ACC_DTYPE)[None, :]
+                if QUANTIZE:
+                    # The row's scale is of the output rounded to OUT_DTYPE, over every chunk.
+                    y = y.to(OUT_DTYPE).to(tl.float32)
+                    peak = tl.maximum(peak, counted_abs(y, mask))
+                    outs = outs + (y,)
+                else:
+                    tl.store(OUT + _tile(rows, cols, N, 1), y.to(OUT.dtype.element_ty), mask=mask)
             if QUANTIZE:
-                q, q_scale = quantize_tile(y.to(OUT_DTYPE).to(tl.float32), mask)
-                tl.store(OUT + _tile(rows, cols, N, 1), q, mask=mask)
+                inverse, q_scale = fp8_scales(tl.max(peak, axis=1))
+                for i in tl.static_range(CHUNKS):
+                    cols, mask = _chunk(i, rows, row_mask, N, BLOCK_N)
+                    tl.store(OUT + _tile(rows, cols, N, 1), to_e4m3(outs[i], inverse), mask=mask)
                 tl.store(OUT_SCALE + rows, q_scale, mask=row_mask)
-            else:
-                tl.store(OUT + _tile(rows, cols, N, 1), y.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit

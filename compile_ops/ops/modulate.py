@@ -63,17 +63,44 @@ def _segments(h: Tensor, broadcasts: dict):
     return tokens, seg_rows, h.shape[0] * (tokens // seg_rows)
 
 
+#: A row held as chunks is at most this many blocks (each unrolled in the kernel).
+MAX_HELD_CHUNKS = 8
+#: Values of a held row a thread should hold, at most (the warps follow from it).
+HELD_VALUES_PER_THREAD = 48
+
+
+def held_chunks(n: int) -> int:
+    """How many power-of-two blocks hold a row of ``n`` columns without padding
+    it to a power of two: 1 for a power of two or a row under 1024 columns,
+    else ``n`` over its largest power-of-two divisor when that gives blocks of
+    at least 256 columns, at most MAX_HELD_CHUNKS of them (1536 = 3 x 512,
+    3072 = 3 x 1024, 5120 = 5 x 1024). A padded row's masked lanes issue every
+    instruction the valid ones do, and the forward is bound by issue, not by
+    memory (docs/notes/modulate.md)."""
+    if n < 1024 or n & (n - 1) == 0:
+        return 1
+    block = n & -n
+    return n // block if block >= 256 and n // block <= MAX_HELD_CHUNKS else 1
+
+
 @functools.lru_cache(maxsize=None)
 def forward_config(n: int, gated: bool) -> LaunchConfig:
     """From the forward sweep (bench/results/sweep-modulate-fwd-h100.json):
-    4 warps; one row per step, two for the gated residual (two inputs, two
-    outputs) up to 4096 wide. Narrow rows take several rows per step."""
+    one row per step, two for the gated residual (two inputs, two outputs) up
+    to 4096 wide; narrow rows take several rows per step at 4 warps. A row
+    held as chunks (:func:`held_chunks`) takes the warps that give a thread
+    at most HELD_VALUES_PER_THREAD values (docs/notes/modulate.md). Both
+    output modes take the same config, so that the FP8 mode quantizes the
+    bits the 16-bit mode writes."""
     block_n = triton.next_power_of_2(n)
     if block_n < 1024:
-        block_m = min(16, 8192 // block_n)
-    else:
-        block_m = 2 if gated and block_n <= 4096 else 1
-    return LaunchConfig(block_m, block_n, False, 4)
+        return LaunchConfig(min(16, 8192 // block_n), block_n, False, 4)
+    block_m = 2 if gated and block_n <= 4096 else 1
+    chunks = held_chunks(n)
+    if chunks == 1:
+        return LaunchConfig(block_m, block_n, False, 4)
+    warps = min(8, triton.next_power_of_2(triton.cdiv(block_m * n, 32 * HELD_VALUES_PER_THREAD)))
+    return LaunchConfig(block_m, n // chunks, False, warps, held_chunks=chunks)
 
 
 def _launch_forward(
@@ -142,6 +169,7 @@ def _launch_forward(
         BLOCK_N=cfg.block_n,
         QUANTIZE=out_scale is not None,
         OUT_DTYPE=TRITON_DTYPES[out_dtype or torch.float32],
+        CHUNKS=cfg.held_chunks,
         num_warps=cfg.num_warps,
     )
 

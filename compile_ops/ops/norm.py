@@ -34,6 +34,7 @@ class LaunchConfig:
     looped: bool
     num_warps: int
     num_stages: int = 3  # triton's default; only the looped/persistent loops use it
+    held_chunks: int = 1  # a held row as this many blocks of block_n (the modulation forward)
 
 
 @functools.lru_cache(maxsize=None)
