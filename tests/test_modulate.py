@@ -179,7 +179,7 @@ def test_kernels_rows_held_as_chunks_match_fp64_and_quantize_their_own_output(op
     """Widths past 1024 that are not powers of two are held as several blocks
     (``held_chunks``: 5 x 256, 3 x 512), with the row's statistics and FP8
     maximum over all of them; both output modes, a ragged last row step."""
-    from compile_ops.ops.modulate import forward_config, held_chunks
+    from compile_ops.ops.modulate_launch import forward_config, held_chunks
 
     assert held_chunks(width) > 1 and forward_config(width, op.startswith("gated")).held_chunks == held_chunks(width)
     torch.manual_seed(0)

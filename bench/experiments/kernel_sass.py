@@ -203,13 +203,13 @@ def quantize_rows() -> list:
 
 def modulate_rows() -> list:
     """``norm_modulate_fp8`` at each MODULATE_CASES shape, under the shipped config
-    (``ops.modulate.forward_config``), each of MODULATE_CONFIGS with the row padded
+    (``ops.modulate_launch.forward_config``), each of MODULATE_CONFIGS with the row padded
     to a power of two, and each with the row held as ``held_chunks`` blocks."""
     import torch
     import triton
 
     from compile_ops._library import OP_BODIES
-    from compile_ops.ops.modulate import forward_config, held_chunks
+    from compile_ops.ops.modulate_launch import forward_config, held_chunks
 
     body = OP_BODIES["fused::norm_modulate_fp8"]
     rows = []

@@ -1,6 +1,6 @@
-"""Sweep the modulation kernels' launch configs on a GPU, to pick the tables in
-compile_ops/ops/modulate.py (the forward uses the norm family's forward_config,
-the backward its own backward_config).
+"""Sweep the modulation kernels' launch configs on a GPU, to pick the forward's
+``forward_config`` (compile_ops/ops/modulate_launch.py) and the backward's
+``backward_config`` (compile_ops/ops/modulate.py).
 
     PYTHONPATH=. python bench/sweeps/modulate.py [OUT.json] [OPS]
 
@@ -42,6 +42,7 @@ from bench.toolkit import bytes_model, graph_replay_time, make_timer, time_forwa
 from cases import BY_NAME, DIT_NORM_SHAPES  # noqa: E402
 from compile_ops._library import clear_launch_plans  # noqa: E402
 from compile_ops.ops import modulate as modulate_ops  # noqa: E402
+from compile_ops.ops import modulate_launch  # noqa: E402
 from compile_ops.ops.norm import LaunchConfig  # noqa: E402
 
 # (block_m, warps, piece rows)
@@ -57,12 +58,12 @@ ROUNDS = 3
 
 def _candidates(spec, width: int, held: bool) -> list:
     """``[(kind, block_m, warps, piece rows, chunks)]`` timed at one shape."""
-    chunks = modulate_ops.held_chunks(width)
+    chunks = modulate_launch.held_chunks(width)
     if not held:
         fwdbwd = [("fwdbwd", *c, 1) for c in BACKWARD if spec.differentiable]
         return [("fwd", *c, 1) for c in FORWARD] + fwdbwd
-    shipped = modulate_ops.forward_config(width, "gated" in spec.name)
-    found = [("fwd", shipped.block_m, shipped.num_warps, modulate_ops.FORWARD_PIECE_ROWS, shipped.held_chunks)]
+    shipped = modulate_launch.forward_config(width, "gated" in spec.name)
+    found = [("fwd", shipped.block_m, shipped.num_warps, modulate_launch.FORWARD_PIECE_ROWS, shipped.held_chunks)]
     found += [("fwd", *c, 1) for c in HELD_PADDED] + ([("fwd", *c, chunks) for c in HELD] if chunks > 1 else [])
     return list(dict.fromkeys(found))
 
@@ -83,12 +84,12 @@ def main(out_path=None, ops=None, held=False):
             for kind, m, w, piece, chunks in cands:
                 width = block_n if chunks == 1 else shape[-1] // chunks
                 cfg = LaunchConfig(m, width, False, w, held_chunks=chunks)
-                saved = modulate_ops.forward_config, modulate_ops.backward_config, modulate_ops.FORWARD_PIECE_ROWS
+                saved = modulate_launch.forward_config, modulate_ops.backward_config, modulate_launch.FORWARD_PIECE_ROWS
                 clear_launch_plans()  # eager calls replay the config they were recorded with
                 try:
                     if kind == "fwd":
-                        modulate_ops.forward_config = lambda *key, cfg=cfg: cfg
-                        modulate_ops.FORWARD_PIECE_ROWS = piece
+                        modulate_launch.forward_config = lambda *key, cfg=cfg: cfg
+                        modulate_launch.FORWARD_PIECE_ROWS = piece
                         with torch.no_grad():
                             ms = graph_replay_time(functools.partial(spec.op, *args), timer)
                     else:
@@ -98,7 +99,11 @@ def main(out_path=None, ops=None, held=False):
                     print(f"{name} {shape} {kind} {m}x{w}x{chunks}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     ms = float("nan")
                 finally:
-                    (modulate_ops.forward_config, modulate_ops.backward_config, modulate_ops.FORWARD_PIECE_ROWS) = saved
+                    (
+                        modulate_launch.forward_config,
+                        modulate_ops.backward_config,
+                        modulate_launch.FORWARD_PIECE_ROWS,
+                    ) = saved
                 times[(kind, m, w, piece, chunks)].append(ms)
         for (kind, m, w, piece, chunks), ts in times.items():
             ms = statistics.median(ts)

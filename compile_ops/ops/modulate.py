@@ -23,155 +23,17 @@ from torch import Tensor
 
 from compile_ops import meta, reference
 from compile_ops._library import fused_op, launcher, multiprocessor_count
-from compile_ops.kernels.modulate import modulate_bwd_kernel, modulate_fwd_kernel
+from compile_ops.kernels.modulate import modulate_bwd_kernel
 from compile_ops.meta._validate import accumulation_dtype
 from compile_ops.meta.modulate import Broadcast, static_int
-from compile_ops.ops._launch import TRITON_DTYPES, acc_dtype, as_rows, column_sum, contiguous_param, grad_or_none
+from compile_ops.ops._launch import acc_dtype, as_rows, column_sum, contiguous_param, grad_or_none
 from compile_ops.ops.fp8 import FP8Rows, refuse_gradient
+from compile_ops.ops.modulate_launch import NORM_CODES, broadcast_args, broadcasts, launch_forward, segments
 from compile_ops.ops.norm import BACKWARD_PROGRAMS_PER_SM, LaunchConfig
 from compile_ops.ops.norm import backward_config as norm_backward_config
 
-#: The kernels' NORM flag.
-NORM_CODES = {"none": 0, "rmsnorm": 1, "layernorm": 2}
-#: Rows per forward program: they share the modulation rows, read once per
-#: piece (the sweep's best for norm_modulate: docs/notes/modulate.md).
-FORWARD_PIECE_ROWS = 4
 #: The backward's pieces of a segment are at least this many rows long.
 MIN_PIECE_ROWS = 16
-#: Kernel arguments of an absent modulation tensor.
-_NO_BROADCAST = (0, 0, 0, 0, 1)
-
-
-def _broadcast_args(b: Optional[Broadcast]) -> tuple:
-    if b is None:
-        return _NO_BROADCAST
-    return (b.stride_batch, b.stride_group, b.stride_in_group, b.stride_col, b.group)
-
-
-def _broadcasts(op: str, x: Tensor, **tensors: Optional[Tensor]) -> dict:
-    return {name: None if m is None else meta.modulate.broadcast_on_x(op, name, m, x) for name, m in tensors.items()}
-
-
-# ---------------------------------------------------------------- launchers
-
-
-def _segments(h: Tensor, broadcasts: dict):
-    """``(tokens, seg_rows, n_segments)``: how the rows of ``h`` split into
-    segments that share every modulation row (``kernels/modulate.py``)."""
-    tokens = meta.modulate.tokens_of(h)
-    seg_rows = meta.modulate.segment_rows(tokens, *[b for b in broadcasts.values() if b is not None])
-    return tokens, seg_rows, h.shape[0] * (tokens // seg_rows)
-
-
-#: A row held as chunks is at most this many blocks (each unrolled in the kernel).
-MAX_HELD_CHUNKS = 8
-#: Values of a held row a thread should hold, at most (the warps follow from it).
-HELD_VALUES_PER_THREAD = 48
-
-
-def held_chunks(n: int) -> int:
-    """How many power-of-two blocks hold a row of ``n`` columns without padding
-    it to a power of two: 1 for a power of two or a row under 1024 columns,
-    else ``n`` over its largest power-of-two divisor when that gives blocks of
-    at least 256 columns, at most MAX_HELD_CHUNKS of them (1536 = 3 x 512,
-    3072 = 3 x 1024, 5120 = 5 x 1024). A padded row's masked lanes issue every
-    instruction the valid ones do, and the forward is bound by issue, not by
-    memory (docs/notes/modulate.md)."""
-    if n < 1024 or n & (n - 1) == 0:
-        return 1
-    block = n & -n
-    return n // block if block >= 256 and n // block <= MAX_HELD_CHUNKS else 1
-
-
-@functools.lru_cache(maxsize=None)
-def forward_config(n: int, gated: bool) -> LaunchConfig:
-    """From the forward sweep (bench/results/sweep-modulate-fwd-h100.json):
-    one row per step, two for the gated residual (two inputs, two outputs) up
-    to 4096 wide; narrow rows take several rows per step at 4 warps. A row
-    held as chunks (:func:`held_chunks`) takes the warps that give a thread
-    at most HELD_VALUES_PER_THREAD values (docs/notes/modulate.md). Both
-    output modes take the same config, so that the FP8 mode quantizes the
-    bits the 16-bit mode writes."""
-    block_n = triton.next_power_of_2(n)
-    if block_n < 1024:
-        return LaunchConfig(min(16, 8192 // block_n), block_n, False, 4)
-    block_m = 2 if gated and block_n <= 4096 else 1
-    chunks = held_chunks(n)
-    if chunks == 1:
-        return LaunchConfig(block_m, block_n, False, 4)
-    warps = min(8, triton.next_power_of_2(triton.cdiv(block_m * n, 32 * HELD_VALUES_PER_THREAD)))
-    return LaunchConfig(block_m, n // chunks, False, warps, held_chunks=chunks)
-
-
-def _launch_forward(
-    op: str,
-    x: Tensor,
-    residual: Optional[Tensor],
-    gate: Optional[Tensor],
-    scale: Optional[Tensor],
-    shift: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    norm: str,
-    eps: float,
-    out: Optional[Tensor],
-    residual_out: Optional[Tensor] = None,
-    mean: Optional[Tensor] = None,
-    rstd: Optional[Tensor] = None,
-    out_scale: Optional[Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
-) -> None:
-    """``out_scale`` given: the FP8 output mode, ``out`` e4m3 and ``out_scale`` its
-    row scales, of the output rounded to ``out_dtype`` (the unquantized op's)."""
-    x2 = as_rows(x)
-    res2 = None if residual is None else as_rows(residual)
-    n_rows, n = x2.shape
-    if static_int(n_rows) == 0:
-        return
-    b = _broadcasts(op, x, gate=gate, scale=scale, shift=shift)
-    tokens, seg_rows, n_segments = _segments(x, b)
-    chunks = triton.cdiv(seg_rows, FORWARD_PIECE_ROWS)
-    cfg = forward_config(int(n), gate is not None)
-    launcher(modulate_fwd_kernel)[(n_segments * chunks,)](
-        x2,
-        res2,
-        gate,
-        scale,
-        shift,
-        contiguous_param(weight),
-        contiguous_param(bias),
-        out,
-        residual_out,
-        mean if norm == "layernorm" else None,
-        rstd,
-        out_scale,
-        n_rows,
-        n,
-        tokens,
-        seg_rows,
-        FORWARD_PIECE_ROWS,
-        chunks,
-        x2.stride(0),
-        x2.stride(1),
-        0 if res2 is None else res2.stride(0),
-        0 if res2 is None else res2.stride(1),
-        *_broadcast_args(b["gate"]),
-        *_broadcast_args(b["scale"]),
-        *_broadcast_args(b["shift"]),
-        eps,
-        GATED=gate is not None,
-        NORM=NORM_CODES[norm],
-        MODULATED=scale is not None,
-        HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None,
-        ACC_DTYPE=acc_dtype(x),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        QUANTIZE=out_scale is not None,
-        OUT_DTYPE=TRITON_DTYPES[out_dtype or torch.float32],
-        CHUNKS=cfg.held_chunks,
-        num_warps=cfg.num_warps,
-    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,7 +74,7 @@ def _segment_sums_to(m: Tensor, b: Broadcast, sums: Tensor, seg_rows, tokens) ->
 @fused_op("modulate", fake=meta.modulate.modulate, reference=reference.modulate.modulate)
 def _modulate_op(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     out = meta.modulate.modulate(x, scale, shift)
-    _launch_forward("modulate", x, None, None, scale, shift, None, None, "none", 0.0, out)
+    launch_forward("modulate", x, None, None, scale, shift, None, None, "none", 0.0, out)
     return out
 
 
@@ -223,14 +85,14 @@ def _norm_modulate_op(
     x: Tensor, scale: Tensor, shift: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], norm: str, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     out, mean, rstd = meta.modulate.norm_modulate(x, scale, shift, weight, bias, norm, eps)
-    _launch_forward("norm_modulate", x, None, None, scale, shift, weight, bias, norm, eps, out, mean=mean, rstd=rstd)
+    launch_forward("norm_modulate", x, None, None, scale, shift, weight, bias, norm, eps, out, mean=mean, rstd=rstd)
     return out, mean, rstd
 
 
 @fused_op("gated_residual", fake=meta.modulate.gated_residual, reference=reference.modulate.gated_residual)
 def _gated_residual_op(residual: Tensor, x: Tensor, gate: Tensor) -> Tensor:
     residual_out = meta.modulate.gated_residual(residual, x, gate)
-    _launch_forward("gated_residual", x, residual, gate, None, None, None, None, "none", 0.0, None, residual_out)
+    launch_forward("gated_residual", x, residual, gate, None, None, None, None, "none", 0.0, None, residual_out)
     return residual_out
 
 
@@ -254,7 +116,7 @@ def _gated_residual_norm_modulate_op(
     residual_out, out, mean, rstd = meta.modulate.gated_residual_norm_modulate(
         residual, x, gate, scale, shift, weight, bias, norm, eps
     )
-    _launch_forward(
+    launch_forward(
         "gated_residual_norm_modulate",
         x,
         residual,
@@ -285,7 +147,7 @@ def _norm_modulate_fp8_op(
     # is an input or an output, so eager calls replay a launch plan.
     out, _, _ = meta.modulate.norm_modulate(x, scale, shift, weight, bias, norm, eps)
     q, q_scale = meta.modulate.fp8_rows(out)
-    _launch_forward(
+    launch_forward(
         "norm_modulate_fp8",
         x,
         None,
@@ -323,7 +185,7 @@ def _gated_residual_norm_modulate_fp8_op(
         residual, x, gate, scale, shift, weight, bias, norm, eps
     )
     q, q_scale = meta.modulate.fp8_rows(out)  # as norm_modulate_fp8: out's dtype, no row statistics
-    _launch_forward(
+    launch_forward(
         "gated_residual_norm_modulate_fp8",
         x,
         residual,
@@ -376,9 +238,9 @@ def _modulate_backward_op(
         for g in grads:
             g.zero_()
         return grads
-    b = _broadcasts("modulate_backward", h, gate=gate, scale=scale, shift=shift)
+    b = broadcasts("modulate_backward", h, gate=gate, scale=scale, shift=shift)
     present = {k: v for k, v in b.items() if v is not None}
-    tokens, seg_rows, n_segments = _segments(h, b)
+    tokens, seg_rows, n_segments = segments(h, b)
     max_programs = multiprocessor_count(h) * BACKWARD_PROGRAMS_PER_SM
     # Pieces per segment: enough to fill the persistent grid when segments are
     # few (per-sample modulation: B segments of L rows). A static count, so
@@ -449,8 +311,8 @@ def _modulate_backward_op(
         *strides(dh2),
         *strides(h2),
         *strides(xb2),
-        *_broadcast_args(b["gate"]),
-        *_broadcast_args(b["scale"]),
+        *broadcast_args(b["gate"]),
+        *broadcast_args(b["scale"]),
         eps,
         HAS_DY=grad_out is not None,
         HAS_DH=grad_h is not None,
