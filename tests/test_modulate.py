@@ -175,24 +175,39 @@ def test_kernels_match_fp64_reference_forward_and_backward(case):
 @pytest.mark.parametrize("width", [1280, 1536])
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("op", ["norm_modulate", "gated_residual_norm_modulate"])
-def test_kernels_rows_held_as_chunks_match_fp64_and_quantize_their_own_output(op, norm, width):
+def test_kernels_rows_held_as_chunks_match_fp64_and_quantize_their_own_output(op, norm, width, monkeypatch):
     """Widths past 1024 that are not powers of two are held as several blocks
     (``held_chunks``: 5 x 256, 3 x 512), with the row's statistics and FP8
-    maximum over all of them; both output modes, a ragged last row step."""
-    from compile_ops.ops.modulate_launch import forward_config, held_chunks
+    maximum over all of them; both output modes, a ragged last row step. The
+    gated residual's rows ship padded (``forward_config``), and run held here
+    as the sweep runs them."""
+    from compile_ops._library import clear_launch_plans
+    from compile_ops.ops import modulate_launch
+    from compile_ops.ops.norm import LaunchConfig
 
-    assert held_chunks(width) > 1 and forward_config(width, op.startswith("gated")).held_chunks == held_chunks(width)
-    torch.manual_seed(0)
-    forms = ["per-sample [B, C]", "per-token [B, L, C]", "per-sample [B, C]"]
-    case = (op, torch.bfloat16, 2, 5, width, forms, torch.bfloat16, True, False, norm, "weight+bias", False)
-    args = _case_args(*case, KERNEL_DEVICE)
-    with torch.no_grad():
-        got = _outputs(getattr(compile_ops, op)(*args))
-        exact = _outputs(getattr(ref, op)(*_fp64(args)))[: len(got)]
-        plain = _plain(op, args)
-    for g, e, p in zip(got, exact, plain):
-        assert_within_torch_error(g, e, p, 2.0, f"{op} output at {width} columns")
-    _check_fp8_mode(op, _detached(args))
+    chunks = modulate_launch.held_chunks(width)
+    assert chunks > 1
+    if op.startswith("gated"):
+        assert modulate_launch.forward_config(width, True).held_chunks == 1
+        held = LaunchConfig(2, width // chunks, False, 2, held_chunks=chunks)
+        monkeypatch.setattr(modulate_launch, "forward_config", lambda *key: held)
+    else:
+        assert modulate_launch.forward_config(width, False).held_chunks == chunks
+    clear_launch_plans()  # an eager call replays the config it was recorded with
+    try:
+        torch.manual_seed(0)
+        forms = ["per-sample [B, C]", "per-token [B, L, C]", "per-sample [B, C]"]
+        case = (op, torch.bfloat16, 2, 5, width, forms, torch.bfloat16, True, False, norm, "weight+bias", False)
+        args = _case_args(*case, KERNEL_DEVICE)
+        with torch.no_grad():
+            got = _outputs(getattr(compile_ops, op)(*args))
+            exact = _outputs(getattr(ref, op)(*_fp64(args)))[: len(got)]
+            plain = _plain(op, args)
+        for g, e, p in zip(got, exact, plain):
+            assert_within_torch_error(g, e, p, 2.0, f"{op} output at {width} columns")
+        _check_fp8_mode(op, _detached(args))
+    finally:
+        clear_launch_plans()  # no plan recorded under the held config outlives the test
 
 
 @pytest.mark.kernels

@@ -47,8 +47,13 @@ def segments(h: Tensor, broadcasts: dict):
 
 #: A row held as chunks is at most this many blocks (each unrolled in the kernel).
 MAX_HELD_CHUNKS = 8
-#: Values of a held row a thread should hold, at most (the warps follow from it).
+#: Values of a held row a thread holds at most where MEASURED has no entry.
 HELD_VALUES_PER_THREAD = 48
+#: ``(width, gated): (rows a step, warps)`` at the DiT widths: the forward sweep's
+#: best for both output modes together (bench/results/sweep-modulate-held-h100.json,
+#: docs/notes/modulate.md). Ungated rows there are held as blocks; the gated
+#: residual's rows stay padded, where holding them measured slower.
+MEASURED = {(1536, False): (1, 2), (3072, False): (2, 2), (5120, False): (1, 4), (1536, True): (2, 2)}
 
 
 def held_chunks(n: int) -> int:
@@ -67,21 +72,24 @@ def held_chunks(n: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def forward_config(n: int, gated: bool) -> LaunchConfig:
-    """From the forward sweep (bench/results/sweep-modulate-fwd-h100.json):
-    one row per step, two for the gated residual (two inputs, two outputs) up
-    to 4096 wide; narrow rows take several rows per step at 4 warps. A row
-    held as chunks (:func:`held_chunks`) takes the warps that give a thread
-    at most HELD_VALUES_PER_THREAD values (docs/notes/modulate.md). Both
+    """From the forward sweeps (bench/results/sweep-modulate-fwd-h100.json,
+    then sweep-modulate-held-h100.json): narrow rows take several rows a step
+    at 4 warps; from 1024 columns one row a step, two for the gated residual
+    (two inputs, two outputs) up to 4096 wide, at 4 warps. An ungated row
+    whose width is not a power of two is held as :func:`held_chunks` blocks,
+    at MEASURED's config or, at widths not measured, one row a step over the
+    warps that give a thread at most HELD_VALUES_PER_THREAD values. Both
     output modes take the same config, so that the FP8 mode quantizes the
     bits the 16-bit mode writes."""
     block_n = triton.next_power_of_2(n)
     if block_n < 1024:
         return LaunchConfig(min(16, 8192 // block_n), block_n, False, 4)
-    block_m = 2 if gated and block_n <= 4096 else 1
-    chunks = held_chunks(n)
+    chunks = 1 if gated else held_chunks(n)
     if chunks == 1:
-        return LaunchConfig(block_m, block_n, False, 4)
-    warps = min(8, triton.next_power_of_2(triton.cdiv(block_m * n, 32 * HELD_VALUES_PER_THREAD)))
+        block_m, warps = MEASURED.get((n, gated), (2 if gated and block_n <= 4096 else 1, 4))
+        return LaunchConfig(block_m, block_n, False, warps)
+    fallback = (1, min(8, triton.next_power_of_2(triton.cdiv(n, 32 * HELD_VALUES_PER_THREAD))))
+    block_m, warps = MEASURED.get((n, gated), fallback)
     return LaunchConfig(block_m, n // chunks, False, warps, held_chunks=chunks)
 
 
