@@ -5,7 +5,8 @@ flags switch the parts of ``h = residual + gate * x`` (GATED), ``norm(h) * w + b
 (NORM: 0 none, 1 RMS, 2 LayerNorm; affine optional) and ``* (1 + scale) + shift``
 (MODULATED) on and off. Rows are whole hidden vectors (up to 16384 wide) held in
 registers, and the row helpers are the norm family's, so normalized values are
-bit-identical to ``fused.rmsnorm`` / ``fused.layernorm``.
+bit-identical to ``fused.rmsnorm`` / ``fused.layernorm`` where the forward holds
+a row as one block (a row held as several adds them first: another order).
 
 Rows are cut into segments of ``seg_rows`` consecutive rows that share one row
 of every modulation tensor (scale, shift, gate), and segments into pieces of
@@ -210,6 +211,12 @@ def modulate_fwd_kernel(
     there, and its row's scale infinite: ``kernels/fp8.py``'s rule); rows are
     whole in a tile, so the row maximum is one reduction of registers already
     held.
+
+    A row is held as CHUNKS blocks of BLOCK_N columns (a tuple, unrolled):
+    one block padded to a power of two, or several that cover a width such as
+    1536 = 3 x 512 without padding (``ops/modulate_launch.py``,
+    ``held_chunks``). The statistics and the FP8 maximum add the blocks
+    elementwise and reduce once.
 
     Program p takes piece p: ``chunk_rows`` rows of one segment, which share
     their modulation rows, so those are read once per piece as 1-D rows rather
