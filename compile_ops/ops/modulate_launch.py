@@ -52,7 +52,7 @@ HELD_VALUES_PER_THREAD = 48
 #: ``(width, gated): (rows a step, warps)`` at the DiT widths: the forward sweep's
 #: best for both output modes together (bench/results/sweep-modulate-held-h100.json,
 #: docs/notes/modulate.md). Ungated rows there are held as blocks; the gated
-#: residual's rows stay padded, where holding them measured slower.
+#: residual's rows stay padded (the note says why).
 MEASURED = {(1536, False): (1, 2), (3072, False): (2, 2), (5120, False): (1, 4), (1536, True): (2, 2)}
 
 
