@@ -21,7 +21,9 @@ from shapes import size
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import compile_ops
-from compile_ops._library import OP_BODIES
+from compile_ops._library import OP_BODIES, clear_launch_plans
+from compile_ops.ops import modulate_launch
+from compile_ops.ops.norm import LaunchConfig
 from compile_ops.reference import modulate as ref
 
 OPS = ("modulate", "norm_modulate", "gated_residual", "gated_residual_norm_modulate")
@@ -181,10 +183,6 @@ def test_kernels_rows_held_as_chunks_match_fp64_and_quantize_their_own_output(op
     maximum over all of them; both output modes, a ragged last row step. The
     gated residual's rows ship padded (``forward_config``), and run held here
     as the sweep runs them."""
-    from compile_ops._library import clear_launch_plans
-    from compile_ops.ops import modulate_launch
-    from compile_ops.ops.norm import LaunchConfig
-
     chunks = modulate_launch.held_chunks(width)
     assert chunks > 1
     if op.startswith("gated"):

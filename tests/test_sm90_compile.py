@@ -365,6 +365,41 @@ def test_fp8_values_are_stored_in_16_byte_vectors_at_any_length():
         assert "st.global.b8" not in stores and stores.count("st.global.v4.b32") == 16, stores
 
 
+def test_gated_rows_held_as_blocks_load_every_block_before_the_first_store(monkeypatch):
+    """The gated residual writes residual_out inside its row step. Held as
+    blocks, a block's store followed by the next block's loads kept those
+    loads behind it (the compiler cannot move a load above a store to a
+    pointer it may alias), which the padded row never had. In the sm_90 PTX
+    of ``gated_residual_norm_modulate_fp8`` held as 3 x 1024, every global
+    load comes before the first global store (fails with the loads and
+    stores interleaved block by block)."""
+    import re
+    from types import SimpleNamespace
+
+    from compile_ops.ops import modulate_launch
+    from compile_ops.ops.norm import LaunchConfig
+
+    held = LaunchConfig(2, 1024, False, 4, held_chunks=3)
+    monkeypatch.setattr(modulate_launch, "forward_config", lambda *key: held)
+    with torch.device("meta"):
+        x, mod = torch.empty(1, 64, 3072, dtype=torch.bfloat16), torch.empty(1, 1, 3072, dtype=torch.bfloat16)
+    args = (x, x, mod, mod, mod, None, None, "layernorm", 1e-6)
+    case = SimpleNamespace(
+        qualname="fused::gated_residual_norm_modulate_fp8", edge_inputs=lambda *_: [args], make_inputs=None
+    )
+    ((kernel, signature, constants),) = _launches(case, torch.bfloat16).values()
+    assert constants["CHUNKS"] == 3 and constants["GATED"]
+    ordered = {p: "constexpr" if p in constants else signature[p] for p in kernel.arg_names}
+    ptx = triton.compile(
+        ASTSource(fn=kernel, signature=ordered, constexprs=constants),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": 4},
+    ).asm["ptx"]
+    memory = re.findall(r"\b(ld|st)\.global", ptx)
+    first_store = memory.index("st")
+    assert "ld" not in memory[first_store:], "".join(m[0] for m in memory)
+
+
 def test_fp8_rows_scale_kernel_compiles_for_sm90():
     """The FP8 output rows' scale bound, computed by a kernel in eager calls
     (traced, the reference's torch ops take its place, so no op body above

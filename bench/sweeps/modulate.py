@@ -82,8 +82,8 @@ def main(out_path=None, ops=None, held=False):
         times = {c: [] for c in cands}
         for _ in range(ROUNDS):
             for kind, m, w, piece, chunks in cands:
-                width = block_n if chunks == 1 else shape[-1] // chunks
-                cfg = LaunchConfig(m, width, False, w, held_chunks=chunks)
+                block_width = block_n if chunks == 1 else shape[-1] // chunks
+                cfg = LaunchConfig(m, block_width, False, w, held_chunks=chunks)
                 saved = modulate_launch.forward_config, modulate_ops.backward_config, modulate_launch.FORWARD_PIECE_ROWS
                 clear_launch_plans()  # eager calls replay the config they were recorded with
                 try:

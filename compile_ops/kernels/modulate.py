@@ -235,14 +235,24 @@ def modulate_fwd_kernel(
     for row0 in range(start, end, BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         row_mask = rows < end
+        # Every block is loaded before the first store: the compiler cannot
+        # move a load above a store to a pointer it may alias (RES_OUT).
         held = ()
+        residuals = ()
         for i in tl.static_range(CHUNKS):
             cols, mask = _chunk(i, rows, row_mask, N, BLOCK_N)
-            h = tl.load(X + _tile(rows, cols, stride_x_row, stride_x_col), mask=mask, other=0.0).to(ACC_DTYPE)
+            held = held + (tl.load(X + _tile(rows, cols, stride_x_row, stride_x_col), mask=mask, other=0.0),)
             if GATED:
                 r = tl.load(RES + _tile(rows, cols, stride_res_row, stride_res_col), mask=mask, other=0.0)
+                residuals = residuals + (r,)
+        inputs = held
+        held = ()
+        for i in tl.static_range(CHUNKS):
+            h = inputs[i].to(ACC_DTYPE)
+            if GATED:
+                cols, mask = _chunk(i, rows, row_mask, N, BLOCK_N)
                 # Rounded to residual_out's dtype before the norm: out == norm_modulate(residual_out).
-                h_out = (r.to(ACC_DTYPE) + gate[i].to(ACC_DTYPE)[None, :] * h).to(RES_OUT.dtype.element_ty)
+                h_out = (residuals[i].to(ACC_DTYPE) + gate[i].to(ACC_DTYPE)[None, :] * h).to(RES_OUT.dtype.element_ty)
                 tl.store(RES_OUT + _tile(rows, cols, N, 1), h_out, mask=mask)
                 h = h_out.to(ACC_DTYPE)
             held = held + (h,)
