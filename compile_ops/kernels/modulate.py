@@ -237,18 +237,16 @@ def modulate_fwd_kernel(
         row_mask = rows < end
         # Every block is loaded before the first store: the compiler cannot
         # move a load above a store to a pointer it may alias (RES_OUT).
-        held = ()
-        residuals = ()
+        loaded, residuals = (), ()
         for i in tl.static_range(CHUNKS):
             cols, mask = _chunk(i, rows, row_mask, N, BLOCK_N)
-            held = held + (tl.load(X + _tile(rows, cols, stride_x_row, stride_x_col), mask=mask, other=0.0),)
+            loaded = loaded + (tl.load(X + _tile(rows, cols, stride_x_row, stride_x_col), mask=mask, other=0.0),)
             if GATED:
                 r = tl.load(RES + _tile(rows, cols, stride_res_row, stride_res_col), mask=mask, other=0.0)
                 residuals = residuals + (r,)
-        inputs = held
-        held = ()
+        held = ()  # h of each block, in ACC_DTYPE
         for i in tl.static_range(CHUNKS):
-            h = inputs[i].to(ACC_DTYPE)
+            h = loaded[i].to(ACC_DTYPE)
             if GATED:
                 cols, mask = _chunk(i, rows, row_mask, N, BLOCK_N)
                 # Rounded to residual_out's dtype before the norm: out == norm_modulate(residual_out).
