@@ -184,13 +184,16 @@ def test_kernels_rows_held_as_chunks_match_fp64_and_quantize_their_own_output(op
     gated residual's rows ship padded (``forward_config``), and run held here
     as the sweep runs them."""
     chunks = modulate_launch.held_chunks(width)
+    gated = op.startswith("gated")
     assert chunks > 1
-    if op.startswith("gated"):
+    if gated:
         assert modulate_launch.forward_config(width, True).held_chunks == 1
         held = LaunchConfig(2, width // chunks, False, 2, held_chunks=chunks)
-        monkeypatch.setattr(modulate_launch, "forward_config", lambda *key: held)
     else:
-        assert modulate_launch.forward_config(width, False).held_chunks == chunks
+        held = modulate_launch.forward_config(width, False)
+        assert held.held_chunks == chunks
+    launched = []  # the configs the launcher asked for: the kernel ran held, not some other path
+    monkeypatch.setattr(modulate_launch, "forward_config", lambda *key: launched.append(key) or held)
     clear_launch_plans()  # an eager call replays the config it was recorded with
     try:
         torch.manual_seed(0)
@@ -204,6 +207,7 @@ def test_kernels_rows_held_as_chunks_match_fp64_and_quantize_their_own_output(op
         for g, e, p in zip(got, exact, plain):
             assert_within_torch_error(g, e, p, 2.0, f"{op} output at {width} columns")
         _check_fp8_mode(op, _detached(args))
+        assert (width, gated) in launched
     finally:
         clear_launch_plans()  # no plan recorded under the held config outlives the test
 

@@ -23,8 +23,8 @@ gradients are reduced without atomics, deterministically.
 import triton
 import triton.language as tl
 
-from compile_ops.kernels.fp8 import counted_abs, fp8_scales, to_e4m3
-from compile_ops.kernels.norm import _centered_mean_rstd, _div_exact, _grad_input, _rsqrt_exact, _tile
+from compile_ops.kernels.fp8 import _columns, counted_abs, fp8_scales, to_e4m3
+from compile_ops.kernels.norm import _centered_mean_rstd, _grad_input, _held_centered_mean_rstd, _tile
 
 
 @triton.jit
@@ -99,13 +99,6 @@ def _affine(xhat, cols, N, W, B, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexp
 
 
 @triton.jit
-def _chunk(i: tl.constexpr, rows, row_mask, N, BLOCK_N: tl.constexpr):
-    """``(columns, mask)`` of chunk ``i`` of a held row: BLOCK_N columns from ``i * BLOCK_N``."""
-    cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
-    return cols, row_mask[:, None] & (cols < N)[None, :]
-
-
-@triton.jit
 def _modulation_rows(M, row, N, tokens, sb, sg, ss, sc, group, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
     """The modulation row that row ``row`` of x reads, as a tuple of CHUNKS ``[BLOCK_N]`` chunks."""
     chunks = ()
@@ -113,38 +106,6 @@ def _modulation_rows(M, row, N, tokens, sb, sg, ss, sc, group, BLOCK_N: tl.const
         cols = i * BLOCK_N + tl.arange(0, BLOCK_N)
         chunks = chunks + (_modulation_row(M, row, cols, cols < N, tokens, sb, sg, ss, sc, group),)
     return chunks
-
-
-@triton.jit
-def _held_sum(tiles, CHUNKS: tl.constexpr):
-    """Row sums of rows held as CHUNKS tiles: the tiles added elementwise, then
-    one reduction (one tile: ``tl.sum`` of it, as the norm family's)."""
-    total = tiles[0]
-    for i in tl.static_range(1, CHUNKS):
-        total = total + tiles[i]
-    return tl.sum(total, axis=1)
-
-
-@triton.jit
-def _held_centered_mean_rstd(
-    held, rows, row_mask, N, eps, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr
-):
-    """``kernels.norm._centered_mean_rstd`` of rows held as CHUNKS tiles (a
-    tuple): ``(centered tiles, mean, rstd)``, the same operations, so one
-    tile gives the norm family's bits."""
-    if IS_RMS:
-        centered = held
-        mean = 0.0
-    else:
-        mean = _div_exact(_held_sum(held, CHUNKS), N)
-        centered = ()
-        for i in tl.static_range(CHUNKS):
-            _, mask = _chunk(i, rows, row_mask, N, BLOCK_N)
-            centered = centered + (tl.where(mask, held[i] - mean[:, None], 0.0),)
-    squares = ()
-    for i in tl.static_range(CHUNKS):
-        squares = squares + (centered[i] * centered[i],)
-    return centered, mean, _rsqrt_exact(_div_exact(_held_sum(squares, CHUNKS), N) + eps)
 
 
 @triton.jit
@@ -237,9 +198,10 @@ def modulate_fwd_kernel(
         row_mask = rows < end
         # Every block is loaded before the first store: the compiler cannot
         # move a load above a store to a pointer it may alias (RES_OUT).
-        loaded, residuals = (), ()
+        loaded, residuals, columns, masks = (), (), (), ()
         for i in tl.static_range(CHUNKS):
-            cols, mask = _chunk(i, rows, row_mask, N, BLOCK_N)
+            cols, mask = _columns(i * BLOCK_N, N, rows, row_mask, BLOCK_N)
+            columns, masks = columns + (cols,), masks + (mask,)
             loaded = loaded + (tl.load(X + _tile(rows, cols, stride_x_row, stride_x_col), mask=mask, other=0.0),)
             if GATED:
                 r = tl.load(RES + _tile(rows, cols, stride_res_row, stride_res_col), mask=mask, other=0.0)
@@ -248,15 +210,14 @@ def modulate_fwd_kernel(
         for i in tl.static_range(CHUNKS):
             h = loaded[i].to(ACC_DTYPE)
             if GATED:
-                cols, mask = _chunk(i, rows, row_mask, N, BLOCK_N)
                 # Rounded to residual_out's dtype before the norm: out == norm_modulate(residual_out).
                 h_out = (residuals[i].to(ACC_DTYPE) + gate[i].to(ACC_DTYPE)[None, :] * h).to(RES_OUT.dtype.element_ty)
-                tl.store(RES_OUT + _tile(rows, cols, N, 1), h_out, mask=mask)
+                tl.store(RES_OUT + _tile(rows, columns[i], N, 1), h_out, mask=masks[i])
                 h = h_out.to(ACC_DTYPE)
             held = held + (h,)
         if NORM != 0 or MODULATED:
             if NORM != 0:
-                held, mean, rstd = _held_centered_mean_rstd(held, rows, row_mask, N, eps, NORM == 1, BLOCK_N, CHUNKS)
+                held, mean, rstd = _held_centered_mean_rstd(held, masks, N, eps, NORM == 1, CHUNKS)
                 if not QUANTIZE:  # the statistics are for a backward, which FP8 outputs have not
                     if NORM == 2:
                         tl.store(MEAN + rows, mean, mask=row_mask)
@@ -264,24 +225,22 @@ def modulate_fwd_kernel(
             outs = ()
             peak = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for i in tl.static_range(CHUNKS):
-                cols, mask = _chunk(i, rows, row_mask, N, BLOCK_N)
                 y = held[i]
                 if NORM != 0:
-                    y = _affine(y * rstd[:, None], cols, N, W, B, HAS_WEIGHT, HAS_BIAS)
+                    y = _affine(y * rstd[:, None], columns[i], N, W, B, HAS_WEIGHT, HAS_BIAS)
                 if MODULATED:
                     y = y * (1.0 + scale[i].to(ACC_DTYPE))[None, :] + shift[i].to(ACC_DTYPE)[None, :]
                 if QUANTIZE:
                     # The row's scale is of the output rounded to OUT_DTYPE, over every chunk.
                     y = y.to(OUT_DTYPE).to(tl.float32)
-                    peak = tl.maximum(peak, counted_abs(y, mask))
+                    peak = tl.maximum(peak, counted_abs(y, masks[i]))
                     outs = outs + (y,)
                 else:
-                    tl.store(OUT + _tile(rows, cols, N, 1), y.to(OUT.dtype.element_ty), mask=mask)
+                    tl.store(OUT + _tile(rows, columns[i], N, 1), y.to(OUT.dtype.element_ty), mask=masks[i])
             if QUANTIZE:
                 inverse, q_scale = fp8_scales(tl.max(peak, axis=1))
                 for i in tl.static_range(CHUNKS):
-                    cols, mask = _chunk(i, rows, row_mask, N, BLOCK_N)
-                    tl.store(OUT + _tile(rows, cols, N, 1), to_e4m3(outs[i], inverse), mask=mask)
+                    tl.store(OUT + _tile(rows, columns[i], N, 1), to_e4m3(outs[i], inverse), mask=masks[i])
                 tl.store(OUT_SCALE + rows, q_scale, mask=row_mask)
 
 

@@ -61,14 +61,38 @@ def _centered_rstd(x, mask, N, eps, IS_RMS: tl.constexpr):
 
 @triton.jit
 def _centered_mean_rstd(x, mask, N, eps, IS_RMS: tl.constexpr):
-    """``(x - mean, mean, rstd)``; the mean is 0 for RMS statistics."""
+    """``(x - mean, mean, rstd)`` of a tile holding whole rows; the mean is 0 for RMS statistics."""
+    centered, mean, rstd = _held_centered_mean_rstd((x,), (mask,), N, eps, IS_RMS, 1)
+    return centered[0], mean, rstd
+
+
+@triton.jit
+def _held_sum(tiles, CHUNKS: tl.constexpr):
+    """Row sums of rows held as CHUNKS tiles: the tiles added elementwise, then
+    one reduction (one tile: ``tl.sum`` of it)."""
+    total = tiles[0]
+    for i in tl.static_range(1, CHUNKS):
+        total = total + tiles[i]
+    return tl.sum(total, axis=1)
+
+
+@triton.jit
+def _held_centered_mean_rstd(held, masks, N, eps, IS_RMS: tl.constexpr, CHUNKS: tl.constexpr):
+    """``(centered tiles, mean, rstd)`` of rows held as CHUNKS tiles (``held``,
+    a tuple; ``masks`` their valid elements): the mean is 0 for RMS statistics,
+    and the centered tiles are zero where masked."""
     if IS_RMS:
-        xc = x
+        centered = held
         mean = 0.0
     else:
-        mean = _row_mean(x, N)
-        xc = tl.where(mask, x - mean[:, None], 0.0)
-    return xc, mean, _rsqrt_exact(_row_mean(xc * xc, N) + eps)
+        mean = _div_exact(_held_sum(held, CHUNKS), N)
+        centered = ()
+        for i in tl.static_range(CHUNKS):
+            centered = centered + (tl.where(masks[i], held[i] - mean[:, None], 0.0),)
+    squares = ()
+    for i in tl.static_range(CHUNKS):
+        squares = squares + (centered[i] * centered[i],)
+    return centered, mean, _rsqrt_exact(_div_exact(_held_sum(squares, CHUNKS), N) + eps)
 
 
 @triton.jit
