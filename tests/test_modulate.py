@@ -180,36 +180,32 @@ def test_kernels_match_fp64_reference_forward_and_backward(case):
 def test_kernels_rows_held_as_chunks_match_fp64_and_quantize_their_own_output(op, norm, width, monkeypatch):
     """Widths past 1024 that are not powers of two are held as several blocks
     (``held_chunks``: 5 x 256, 3 x 512), with the row's statistics and FP8
-    maximum over all of them; both output modes, a ragged last row step. The
-    gated residual's rows ship padded (``forward_config``), and run held here
-    as the sweep runs them."""
+    maximum over all of them; both output modes, under the shipped config
+    (``forward_config``) and two rows a step over 10 rows."""
     chunks = modulate_launch.held_chunks(width)
     gated = op.startswith("gated")
     assert chunks > 1
-    if gated:
-        assert modulate_launch.forward_config(width, True).held_chunks == 1
-        held = LaunchConfig(2, width // chunks, False, 2, held_chunks=chunks)
-    else:
-        held = modulate_launch.forward_config(width, False)
-        assert held.held_chunks == chunks
-    launched = []  # the configs the launcher asked for: the kernel ran held, not some other path
-    monkeypatch.setattr(modulate_launch, "forward_config", lambda *key: launched.append(key) or held)
-    clear_launch_plans()  # an eager call replays the config it was recorded with
-    try:
-        torch.manual_seed(0)
-        forms = ["per-sample [B, C]", "per-token [B, L, C]", "per-sample [B, C]"]
-        case = (op, torch.bfloat16, 2, 5, width, forms, torch.bfloat16, True, False, norm, "weight+bias", False)
-        args = _case_args(*case, KERNEL_DEVICE)
-        with torch.no_grad():
-            got = _outputs(getattr(compile_ops, op)(*args))
-            exact = _outputs(getattr(ref, op)(*_fp64(args)))[: len(got)]
-            plain = _plain(op, args)
-        for g, e, p in zip(got, exact, plain):
-            assert_within_torch_error(g, e, p, 2.0, f"{op} output at {width} columns")
-        _check_fp8_mode(op, _detached(args))
-        assert (width, gated) in launched
-    finally:
-        clear_launch_plans()  # no plan recorded under the held config outlives the test
+    shipped = modulate_launch.forward_config(width, gated)
+    assert shipped.held_chunks == chunks
+    for held in (shipped, LaunchConfig(2, width // chunks, False, 2, held_chunks=chunks)):
+        launched = []  # the configs the launcher asked for: the kernel ran held, not some other path
+        monkeypatch.setattr(modulate_launch, "forward_config", lambda *key: launched.append(key) or held)
+        clear_launch_plans()  # an eager call replays the config it was recorded with
+        try:
+            torch.manual_seed(0)
+            forms = ["per-sample [B, C]", "per-token [B, L, C]", "per-sample [B, C]"]
+            case = (op, torch.bfloat16, 2, 5, width, forms, torch.bfloat16, True, False, norm, "weight+bias", False)
+            args = _case_args(*case, KERNEL_DEVICE)
+            with torch.no_grad():
+                got = _outputs(getattr(compile_ops, op)(*args))
+                exact = _outputs(getattr(ref, op)(*_fp64(args)))[: len(got)]
+                plain = _plain(op, args)
+            for g, e, p in zip(got, exact, plain):
+                assert_within_torch_error(g, e, p, 2.0, f"{op} output at {width} columns, {held}")
+            _check_fp8_mode(op, _detached(args))
+            assert (width, gated) in launched
+        finally:
+            clear_launch_plans()  # no plan recorded under the held config outlives the test
 
 
 @pytest.mark.kernels

@@ -49,11 +49,18 @@ def segments(h: Tensor, broadcasts: dict):
 MAX_HELD_CHUNKS = 8
 #: Values of a held row a thread holds at most where MEASURED has no entry.
 HELD_VALUES_PER_THREAD = 48
-#: ``(width, gated): (rows a step, warps)`` at the DiT widths: the forward sweep's
-#: best for both output modes together (bench/results/sweep-modulate-held-h100.json,
-#: docs/notes/modulate.md). Ungated rows there are held as blocks; the gated
-#: residual's rows stay padded (the note says why).
-MEASURED = {(1536, False): (1, 2), (3072, False): (2, 2), (5120, False): (1, 4), (1536, True): (2, 2)}
+#: ``(width, gated): (rows a step, warps)`` of rows held as blocks at the DiT widths:
+#: the forward sweeps' best for both output modes together
+#: (bench/results/sweep-modulate-held-h100.json, sweep-modulate-held-gated-h100.json;
+#: docs/notes/modulate.md).
+MEASURED = {
+    (1536, False): (1, 2),
+    (3072, False): (2, 2),
+    (5120, False): (1, 4),
+    (1536, True): (1, 2),
+    (3072, True): (1, 4),
+    (5120, True): (1, 4),
+}
 
 
 def held_chunks(n: int) -> int:
@@ -75,8 +82,8 @@ def forward_config(n: int, gated: bool) -> LaunchConfig:
     """From the forward sweeps (bench/results/sweep-modulate-fwd-h100.json,
     then sweep-modulate-held-h100.json): narrow rows take several rows a step
     at 4 warps; from 1024 columns one row a step, two for the gated residual
-    (two inputs, two outputs) up to 4096 wide, at 4 warps. An ungated row
-    whose width is not a power of two is held as :func:`held_chunks` blocks,
+    (two inputs, two outputs) up to 4096 wide, at 4 warps. A row whose
+    width is not a power of two is held as :func:`held_chunks` blocks,
     at MEASURED's config or, at widths not measured, one row a step over the
     warps that give a thread at most HELD_VALUES_PER_THREAD values. Both
     output modes take the same config, so that the FP8 mode quantizes the
@@ -84,7 +91,7 @@ def forward_config(n: int, gated: bool) -> LaunchConfig:
     block_n = triton.next_power_of_2(n)
     if block_n < 1024:
         return LaunchConfig(min(16, 8192 // block_n), block_n, False, 4)
-    chunks = 1 if gated else held_chunks(n)
+    chunks = held_chunks(n)
     if chunks == 1:
         block_m, warps = MEASURED.get((n, gated), (2 if gated and block_n <= 4096 else 1, 4))
         return LaunchConfig(block_m, block_n, False, warps)
