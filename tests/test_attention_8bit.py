@@ -383,7 +383,7 @@ def test_kernels_8bit_quantization_writes_the_specified_operands(
     head, so that the last chunk's sum of the head's partials takes two of
     its 16-row steps (a wrong step, or a total summed before every chunk
     arrived, shows). v's row padding (4 and 12 keys in the first and third
-    cases) holds zeros."""
+    cases) holds zero keys, and its keys are in the operand order."""
     from compile_ops.ops import attention_8bit
 
     monkeypatch.setattr(attention_8bit, "STAT_STEP", stat_step)
@@ -396,14 +396,18 @@ def test_kernels_8bit_quantization_writes_the_specified_operands(
     q, k, v = _int8_case(seq_dim, b, hq, hk, lq, lk, d, torch.float16, KERNEL_DEVICE, key_offset=3.0)
     operands = attention_8bit.quantize_8bit(k, v, seq_dim)
     assert launched == ["kv8_counters_clear_kernel", "kv8_stats_kernel", "kv8_quantize_kernel"], launched
-    # v's rows are padded to 16 keys, and the transposed store covers the padding with zeros.
-    padding = operands[2]._base[..., lk:]
-    assert padding.shape[-1] == -lk % 16 and not padding.view(torch.uint8).any()
     k8, k_scale, vt8, v_scale = (t.cpu() for t in operands)
     want_k8, want_k_scale = ref.smooth_quantize_qk(q.cpu(), k.cpu(), seq_dim)[2:]
     want_vt8, want_v_scale = attention_8bit.fp8_values_transposed(v.cpu(), seq_dim)
     assert torch.equal(v_scale, want_v_scale)
-    assert vt8.stride(3) == 1 and torch.equal(vt8.view(torch.uint8), want_vt8.view(torch.uint8))
+    # v's rows are padded to 16 keys, with zero keys, and hold them in the FP8 operand's order.
+    assert vt8.shape[-1] == lk + -lk % 16 and vt8.stride(3) == 1
+    assert torch.equal(vt8.view(torch.uint8), want_vt8.view(torch.uint8))
+    in_key_order = torch.empty_like(vt8.view(torch.uint8))
+    in_key_order[..., attention_8bit.fp8_operand_key_order(vt8.shape[-1])] = vt8.view(torch.uint8)
+    plain = ref.quantize_v_fp8(v.cpu().float() if seq_dim == 2 else v.cpu().float().transpose(1, 2))[0]
+    assert torch.equal(in_key_order[..., :lk], plain.transpose(2, 3).view(torch.uint8))
+    assert not in_key_order[..., lk:].any()
     assert (k8.int() - want_k8.int()).abs().max() <= 1 and (k8 != want_k8).float().mean() < 1e-3
     torch.testing.assert_close(k_scale, want_k_scale, rtol=1e-6, atol=0)
 

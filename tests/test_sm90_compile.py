@@ -326,6 +326,35 @@ def test_fp8_values_alone_kernels_compile_for_sm90():
     _compile_with_constant_ints(launches)
 
 
+@pytest.mark.parametrize("op", ["attention_int8_fp8", "attention_int8_fp8_rows", "block_sparse_attention_int8_fp8"])
+def test_fp8_p_is_the_products_operand_without_shuffles(op):
+    """FP8 P V's p goes from the scores' accumulator layout to the FP8
+    product's register operand; with V's keys stored in
+    ``fp8_operand_order`` and p's columns reordered the same way, the two
+    layouts differ only in a thread's own register order. In the sm_90 PTX
+    of every FP8 P V forward the ops launch there is no ``shfl.sync.idx``,
+    and no ``prmt`` unless the output is FP8 rows (fails without the
+    reorder: 32 of each, Triton's conversion)."""
+
+    spec = next(s for s in OPS if s.name == op)
+    forward = [
+        (kernel, signature, constants)
+        for (name, *_), (kernel, signature, constants) in _launches(spec, torch.bfloat16).items()
+        if name == "attn_fwd_kernel" and constants["PV_FP8"]
+    ]
+    assert forward
+    for kernel, signature, constants in forward:
+        ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
+        ptx = triton.compile(
+            ASTSource(fn=kernel, signature=ordered, constexprs=constants),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": 4},
+        ).asm["ptx"]
+        assert "shfl.sync.idx" not in ptx, constants
+        # (FP8 output rows pack their e4m3 bytes by prmt, after the loop.)
+        assert constants["OUT_FP8"] or "prmt." not in ptx, constants
+
+
 def test_fp8_values_are_stored_in_16_byte_vectors_at_any_length():
     """kv8_quantize_kernel writes v's e4m3 tile transposed, so its store runs
     along the keys; masked at L, its vectors split to L's divisibility, and

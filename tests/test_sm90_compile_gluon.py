@@ -141,11 +141,12 @@ def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(variant
     # persistent core's last round"). None in the routed variants; INT8_FP8 (not routed, 0.81-0.94x the
     # portable kernel) has 13, a lead for issue 29, bounded as they are. Over block lists its items also hold
     # their list (22), and causal items with key lengths the masked tile's bounds too, around whose step
-    # ptxas saves and restores a few registers (64-72; the dense core's causal INT8_FP8, not built, has 39).
+    # ptxas saves and restores a few registers (64-82, since p is put in V's key order before its shared
+    # store; the dense core's causal INT8_FP8, not built, has 39).
     item_spills = _spills_in_loops_with_mma(sass)
     bound = 0
     if name.startswith("int8_fp8"):  # dense (named by its stages), over lists, over lists causal with key lengths
-        bound = 13 if "stages" in name else 72 if "causal" in name else 24
+        bound = 13 if "stages" in name else 82 if "causal" in name else 24
     assert len(item_spills) <= bound, (name, item_spills)
 
 

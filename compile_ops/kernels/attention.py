@@ -65,6 +65,7 @@ from compile_ops.kernels.attention_common import (
     P_FP8_SHIFT,
     aligned_lengths,
     block_list,
+    fp8_operand_order,
     load_tile,
     quantization_scale,
     query_program,
@@ -160,7 +161,9 @@ def _fwd_tiles(
 
     ``PV_FP8`` (with INT8): V is e4m3, transposed (``[D, Lk]`` per head, one
     scale per channel applied after the loop), and each tile's ``2**8 * p``
-    is rounded to e4m3 for an FP8 dot at twice the 16-bit rate. The tile's
+    is rounded to e4m3 for an FP8 dot at twice the 16-bit rate. V's keys
+    come in :func:`fp8_operand_order` within each 16, and so do p's columns:
+    in that order p's registers are the dot's operand as they are. The tile's
     products are summed by a fresh dot and added to the fp32 accumulator
     (two-level accumulation: Hopper's FP8 MMA keeps fewer accumulator bits
     than fp32, which over one tile of keys is far below e4m3's rounding).
@@ -178,8 +181,8 @@ def _fwd_tiles(
                 v = V.load([start_n, 0])
         else:
             k = load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
-            if PV_FP8:
-                v = tl.trans(_load_channels(V, start_n, offs_n, Lk, svl, offs_d, D, MASKED))
+            if PV_FP8:  # its positions run to Lk rounded up to 16: they hold keys in the operand's order
+                v = tl.trans(_load_channels(V, start_n, offs_n, tl.cdiv(Lk, 16) * 16, svl, offs_d, D, MASKED))
             else:
                 v = load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
         if INT8:
@@ -213,9 +216,9 @@ def _fwd_tiles(
             alpha = tl.exp2((m - m_shift) * qk_scale)
         l = l * alpha + tl.sum(p, 1)
         if PV_FP8 and not DOT_ACC:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float8e4nv), v)
+            acc = acc * alpha[:, None] + tl.dot(fp8_operand_order(p.to(tl.float8e4nv)), v)
         elif PV_FP8:
-            acc = tl.dot(p.to(tl.float8e4nv), v, acc * alpha[:, None])
+            acc = tl.dot(fp8_operand_order(p.to(tl.float8e4nv)), v, acc * alpha[:, None])
         elif DOT_ACC:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         else:
@@ -299,8 +302,9 @@ def attn_fwd_kernel(
     rounds its own rows to int8 per token (``quantization_scale``, ``round_to_int8``: the
     specification's rounding; Q_SCALE unused), so q is read once, by the
     program that needs it, not read, written and read again by a pass of
-    its own. PV_FP8 (with INT8): V is e4m3 ``[B, Hk, D, Lk]`` with a
-    unit key stride (``svl`` is then the stride between channels) and V_SCALE
+    its own. PV_FP8 (with INT8): V is e4m3 ``[B, Hk, D, Lk16]`` (Lk rounded
+    up to 16, the keys in ``fp8_operand_order`` within each 16, zero past Lk)
+    with a unit key stride (``svl`` is then the stride between channels) and V_SCALE
     its per-channel scales ``[B, Hk, D]`` (fp32 contiguous). OUT_FP8: OUT is
     e4m3, ``out / ROW_SCALE[b]`` rounded to nearest even and clamped to
     +-448 (``ROW_SCALE [B]`` fp32, a bound on |out|: the FP8 rows of
@@ -333,9 +337,9 @@ def attn_fwd_kernel(
             [q_start, 0]
         )
         keys = tl.make_tensor_descriptor(K + k_off, shape=[Lk, D], strides=[skl, 1], block_shape=[BLOCK_N, BLOCK_D])
-        if PV_FP8:  # transposed: channels are its rows
+        if PV_FP8:  # transposed: channels are its rows, of Lk rounded up to 16 positions
             values = tl.make_tensor_descriptor(
-                V + v_off, shape=[D, Lk], strides=[svl, 1], block_shape=[BLOCK_D, BLOCK_N]
+                V + v_off, shape=[D, tl.cdiv(Lk, 16) * 16], strides=[svl, 1], block_shape=[BLOCK_D, BLOCK_N]
             )
         else:
             values = tl.make_tensor_descriptor(

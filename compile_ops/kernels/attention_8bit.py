@@ -11,7 +11,7 @@ them. ``fp8_rows_scale_kernel``: the scale bound of the FP8 output rows.
 import triton
 import triton.language as tl
 
-from compile_ops.kernels.attention_common import INT8_MAX, quantization_scale, round_to_int8
+from compile_ops.kernels.attention_common import INT8_MAX, key_at_position, quantization_scale, round_to_int8
 from compile_ops.kernels.fp8 import E4M3_MAX
 
 
@@ -190,9 +190,11 @@ def kv8_quantize_kernel(
     sequence in K8, int8 with one scale per block (K_SCALE ``[B * H,
     cdiv(L, BLOCK_L)]``). WITH_V: v's tile in e4m3 with the channel scales
     (V_SCALE ``[B * H, D]``, written by the first block), stored transposed
-    into VT8 (channel stride ``svtd``, unit position stride). Without
+    into VT8 (channel stride ``svtd``, unit position stride, L rounded up to
+    16 positions, zero past L), position r holding key ``key_at_position(r)``
+    (the FP8 product's operand order, ``fp8_operand_order``). Without
     WITH_K, v's part alone (k quantized elsewhere: ``fused.qk_rope_int8``).
-    GATHER: position r of K8 and VT8 is key ``TOKENS[r]`` (``[L]``
+    GATHER: position r of K8 (VT8: the key at r) is key ``TOKENS[r]`` (``[L]``
     int32/int64) of K and V: the keys quantized in a layout's token order
     (the statistics are sums and maxima over all keys, which no order
     changes). WITH_Q (with GATHER): also the ``GROUP`` q heads that share
@@ -242,7 +244,13 @@ def kv8_quantize_kernel(
         v_scale, v_inverse = quantization_scale(tl.load(V_AMAX + totals, mask=cols < D, other=0.0), E4M3_MAX)
         if blk == 0:
             tl.store(V_SCALE + tl.cast(bh, tl.int64) * D + cols, v_scale, mask=cols < D)
-        v = tl.load(V + b * svb + h * svh + source_rows[:, None] * svl + cols[None, :], mask=mask, other=0.0).to(
+        # Position r holds key key_at_position(r): the FP8 product's operand order (fp8_operand_order).
+        v_keys = key_at_position(rows)
+        v_rows = v_keys.to(tl.int64)
+        if GATHER:
+            v_rows = tl.load(TOKENS + v_keys, mask=v_keys < L, other=0).to(tl.int64)
+        v_mask = (v_keys < L)[:, None] & (cols < D)[None, :]
+        v = tl.load(V + b * svb + h * svh + v_rows[:, None] * svl + cols[None, :], mask=v_mask, other=0.0).to(
             tl.float32
         )
         v8 = (v * v_inverse[None, :]).to(tl.float8e4nv)

@@ -294,3 +294,26 @@ def round_to_int8(x, inverse):
     up)."""
     clamped = tl.minimum(tl.maximum(x * inverse, -INT8_MAX), INT8_MAX)
     return ((clamped + INT8_BIAS) - INT8_BIAS).to(tl.int8)
+
+
+@triton.jit
+def fp8_operand_order(p):
+    """``p`` ``[M, N]`` (N a multiple of 16) with its columns reordered within
+    each 16: column ``k`` of the result is column :func:`key_at_position`
+    ``(k)`` of ``p``. FP8 P V's V stores its keys in this order (the
+    quantizing pass), so the product sums the same pairs; in this order the
+    scores' accumulator layout (a thread's columns 2t, 2t + 1 of each 8) is
+    already the FP8 product's register operand layout (4 consecutive bytes
+    a thread), which otherwise costs shuffles and byte permutes a tile.
+    Column bits (3, 2, 1) of the result are bits (2, 1, 3) of the source."""
+    M: tl.constexpr = p.shape[0]
+    N: tl.constexpr = p.shape[1]
+    return p.reshape([M, N // 16, 2, 2, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([M, N])
+
+
+@triton.jit
+def key_at_position(position):
+    """The key (within its 16) stored at ``position`` of FP8 P V's transposed
+    V: bits 1, 2, 3 of the position are bits 3, 1, 2 of the key; bit 0 and
+    the 16s stay (:func:`fp8_operand_order`)."""
+    return (position & ~14) | ((position & 2) << 2) | ((position & 12) >> 1)

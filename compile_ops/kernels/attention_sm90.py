@@ -440,7 +440,7 @@ def attn_fwd_sm90_kernel(
 
     ``INT8_FP8`` (dense or ``SPARSE``): Q and K int8, ``Q_SCALE [B, H, Lq]`` q's per-token
     scales, ``K_SCALE [B, H / GROUP, ceil(Lk / BLOCK_N)]`` one per key tile;
-    V e4m3 ``[B, H / GROUP, D, Lk]`` with a unit key stride (``svl`` the
+    V e4m3 ``[B, H / GROUP, D, Lk16]`` (``fp8_values_transposed``'s layout) with a unit key stride (``svl`` the
     stride between channels) and ``V_SCALE [B, H / GROUP, D]`` its channel
     scales (fp32 contiguous); OUT in q's original dtype (``attn_fwd_kernel``'s
     INT8 + PV_FP8 with q given). Otherwise the three scale pointers are
@@ -462,7 +462,8 @@ def attn_fwd_sm90_kernel(
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * WGMMA_ROWS, D], matrix)
     k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, D], matrix)
     if INT8_FP8:
-        v_desc = tma.make_tensor_descriptor(V, [B, H // GROUP, D, Lk], [svb, svh, svl, 1], [1, 1, D, BLOCK_N], box)
+        v_keys = gl.cdiv(Lk, 16) * 16  # rows of Lk rounded up to 16, the keys in the FP8 operand's order
+        v_desc = tma.make_tensor_descriptor(V, [B, H // GROUP, D, v_keys], [svb, svh, svl, 1], [1, 1, D, BLOCK_N], box)
         v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, D, BLOCK_N], matrix)
         p_smems = gl.allocate_shared_memory(gl.float8e4nv, [2 * WGMMA_ROWS, BLOCK_N], matrix)
     else:

@@ -99,9 +99,7 @@ def quantize_8bit(
         k8 = torch.empty_like(k, dtype=torch.int8)
         k_scale = torch.empty((b, hk, blocks), dtype=torch.float32, device=k.device)
     if with_v:
-        # The kernel is handed the whole padded buffer, not the narrowed view the attention kernel
-        # reads: a traced kernel that mutates a view makes Inductor emit an e4m3 slice copy, which fails
-        # to compile (tl.full of fp8).
+        # Padded to 16 keys: the padding holds keys too, in the operand order (fp8_values_transposed).
         vt8 = torch.empty((b, hk, d, lk + -lk % 16), dtype=torch.float8_e4m3fn, device=v.device)
         v_scale = torch.empty((b, hk, d), dtype=torch.float32, device=v.device)
     k_strides = bhl_strides(k, seq_dim) if with_k else (0, 0, 0)
@@ -154,24 +152,33 @@ def quantize_8bit(
             **consts,
         )
     q_operands = (q8, q_scale) if with_q else ()
-    return q_operands + ((k8, k_scale) if with_k else ()) + ((vt8.narrow(3, 0, lk), v_scale) if with_v else ())
+    return q_operands + ((k8, k_scale) if with_k else ()) + ((vt8, v_scale) if with_v else ())
+
+
+def fp8_operand_key_order(n: int, device=None) -> Tensor:
+    """``[n]`` int64 (n a multiple of 16): the key at each position of FP8 P
+    V's transposed V, ``kernels.attention_common.key_at_position``: within
+    each 16 keys, position bits 1, 2, 3 are key bits 3, 1, 2. In that order
+    the attention kernel's p, in the scores' accumulator layout, is the FP8
+    product's register operand as it is (``fp8_operand_order``)."""
+    position = torch.arange(n, device=device)
+    return (position & ~14) | ((position & 2) << 2) | ((position & 12) >> 1)
 
 
 def fp8_values_transposed(v: Tensor, seq_dim: int) -> tuple[Tensor, Tensor]:
     """``reference.attention.quantize_v_fp8`` of v (``[B, Hk, Lk, D]`` or
     ``[B, Lk, Hk, D]``) laid out as the FP8 P V kernel reads it: e4m3
-    ``[B, Hk, D, Lk]`` with a unit key stride and rows padded to 16 bytes
-    (TMA's row alignment), and the channel scales ``[B, Hk, D]``. In torch
-    ops: the layout's specification, which :func:`quantize_8bit`'s kernel
-    writes (padding columns excepted), for the tests and benchmarks."""
+    ``[B, Hk, D, Lk16]``, Lk rounded up to 16 (TMA's 16-byte rows) with
+    zero keys, the keys in :func:`fp8_operand_key_order`, a unit position
+    stride; and the channel scales ``[B, Hk, D]``. In torch ops: the
+    layout's specification, which :func:`quantize_8bit`'s kernel writes,
+    for the tests and benchmarks."""
     vf = v.float() if seq_dim == 2 else v.float().transpose(1, 2)
     v_scale, v_inverse = reference.attention.fp8_channel_scales(vf)
     lk = vf.shape[2]
-    scaled = (vf * v_inverse.unsqueeze(2)).transpose(2, 3)
-    # Contiguous whatever the padding: with none, pad returns the transposed view, and a cast
-    # that preserved its strides would leave the keys D apart (the kernel reads them as adjacent).
-    vt = torch.nn.functional.pad(scaled, (0, -lk % 16)).to(torch.float8_e4m3fn, memory_format=torch.contiguous_format)
-    return vt.narrow(3, 0, lk), v_scale
+    scaled = torch.nn.functional.pad((vf * v_inverse.unsqueeze(2)).transpose(2, 3), (0, -lk % 16))
+    ordered = scaled.index_select(3, fp8_operand_key_order(scaled.shape[3], scaled.device))
+    return ordered.to(torch.float8_e4m3fn).contiguous(), v_scale
 
 
 def fp8_rows_scale(v_scale: Tensor) -> Tensor:

@@ -55,7 +55,7 @@ def launch_forward(
     ceil(Lk / INT8_KEY_BLOCK)])``, q and k being int8 (the rest follows v's
     dtype unless ``v_scale``); q_scale None: q is 16-bit, and the kernel
     rounds it per token as it loads it (``QUANTIZE_Q``). ``v_scale`` (with ``int8_scales``): FP8 P V,
-    v being e4m3 ``[B, Hk, D, Lk]`` with a unit key stride
+    v being e4m3 ``[B, Hk, D, Lk16]`` with a unit key stride
     (``attention_8bit.fp8_values_transposed``) and ``v_scale [B, Hk, D]`` its channel
     scales; out's dtype is then q's original one (``out``'s). ``fp8_rows``
     (with ``v_scale``): ``(row_scale [B], out_scale [B, Lq])`` fp32, out being
@@ -89,7 +89,7 @@ def launch_forward(
     v_seq_dim = 2 if pv_fp8 else seq_dim  # the transposed v: its channels take the position stride
     if pv_fp8 and v.stride(3) != 1:
         raise ValueError(
-            f"launch_forward: FP8 P V takes v as [B, Hk, D, Lk] with unit key stride, got strides {tuple(v.stride())}"
+            f"launch_forward: FP8 P V takes v as [B, Hk, D, Lk16] with unit key stride, got strides {tuple(v.stride())}"
         )
     core = forward_tiles(int(sizes.d), out.dtype, True, precision, can_run_gluon(q))
     assert tokens is None or not causal, "a token order is for self-attention without a causal mask"
