@@ -9,6 +9,7 @@ test_sm90_compile_gluon.py); it holds no tests.
 - ``_compile_with_constant_ints``: each launch compiled for sm_90 with its int
   arguments as arguments and again as constants (as Inductor may pass a
   static int).
+- ``_sm90_ptx``: one launch's sm_90 PTX, for tests of what it must hold.
 """
 
 import torch
@@ -102,3 +103,11 @@ def _compile_with_constant_ints(launches):
                 options={"num_warps": 4},
             )
             assert compiled.asm.get("cubin")
+
+
+def _sm90_ptx(kernel, signature, constants, attrs=None, num_warps=4) -> str:
+    """The PTX of one ``_launches`` entry compiled for sm_90 (``attrs``: triton's
+    argument attributes, such as divisibility)."""
+    ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
+    source = ASTSource(fn=kernel, signature=ordered, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]

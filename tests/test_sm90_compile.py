@@ -17,7 +17,7 @@ test_sm90_compile_gluon.py's; the tracing helpers are tests/sm90_helpers.py.
 import pytest
 import torch
 import triton
-from sm90_helpers import _compile_with_constant_ints, _launches
+from sm90_helpers import _compile_with_constant_ints, _launches, _sm90_ptx
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -344,12 +344,7 @@ def test_fp8_p_is_the_products_operand_without_shuffles(op):
     ]
     assert forward
     for kernel, signature, constants in forward:
-        ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
-        ptx = triton.compile(
-            ASTSource(fn=kernel, signature=ordered, constexprs=constants),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": 4},
-        ).asm["ptx"]
+        ptx = _sm90_ptx(kernel, signature, constants)
         assert "shfl.sync.idx" not in ptx, constants
         # (FP8 output rows pack their e4m3 bytes by prmt, after the loop.)
         assert constants["OUT_FP8"] or "prmt." not in ptx, constants
@@ -461,12 +456,7 @@ def test_8bit_rounding_keeps_the_product_out_of_an_fma():
     launches += list(_launches(rope, torch.bfloat16).values())
     checked = 0
     for kernel, signature, constants in launches:
-        ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
-        ptx = triton.compile(
-            ASTSource(fn=kernel, signature=ordered, constexprs=constants),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": 4},
-        ).asm["ptx"]
+        ptx = _sm90_ptx(kernel, signature, constants)
         bias_lines = [line.strip().rstrip(";") for line in ptx.splitlines() if "0f4B400000" in line]
         # The bias as an fma's addend is the contraction; as a factor (the 8-bit forward's
         # exponent, ``factor * _INT8_BIAS + m``) it is the formula.
