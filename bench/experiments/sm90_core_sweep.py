@@ -13,7 +13,8 @@ waves); ``persistent``: the core on one program per work item against one
 per SM, in every mode; ``d64``: D = 64 with 256- and 128-key tiles;
 ``d64-lengths``: D = 64 around SD3's length; ``wan-lists``: the 16-bit core
 in both q/k/v layouts and the portable 8-bit kernel on Wan's sliding-tile
-lists. Without parts: dense, sparse and int8.
+lists (``wan-lists-720p``: the 720p grid's alone). Without parts: dense,
+sparse and int8. The JSON is written after each part.
 The package is kept off the core in this process (``has_wgmma`` False), so
 ``fused.*`` calls are the portable kernel and the core is launched directly
 (``ops.attention_sm90.launch_sm90_core``). Correctness is the GPU tests'
@@ -340,7 +341,7 @@ def head_dim_64():
         torch.cuda.empty_cache()
 
 
-def wan_lists():
+def wan_lists(grids=("wan_480p", "wan_720p")):
     """Wan's sliding-tile lists (``bench/runners/block_sparse.py --precision``'s
     inputs, tile order): the 16-bit core launched on q, k, v as the models hold
     them (``[B, L, H, D]``) and on ``[B, H, L, D]`` copies, beside the portable
@@ -352,7 +353,7 @@ def wan_lists():
     from bench.runners.block_sparse import WAN_HEADS, sliding_tile_inputs
     from bench.toolkit import kernel_profile
 
-    for grid in ("wan_480p", "wan_720p"):
+    for grid in grids:
         layout, (q, k, v), _tokens = sliding_tile_inputs(grid, WAN_HEADS, "cuda")  # [B, L, H, D]
         qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, H, L, D]
         b, h, L, d = qh.shape
@@ -393,6 +394,7 @@ PARTS = {
     "d64": head_dim_64,
     "d64-lengths": head_dim_64_lengths,
     "wan-lists": wan_lists,
+    "wan-lists-720p": lambda: wan_lists(("wan_720p",)),
 }
 
 
@@ -402,11 +404,11 @@ def main():
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise SystemExit(f"sm90_core_sweep.py: unknown parts {sorted(unknown)}; the parts are {list(PARTS)}")
+    R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     for part, run in PARTS.items():  # in this order, whatever the command line's
         if part in parts:
             run()
-    R["env"] = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-    json.dump(R, open(sys.argv[1], "w"), indent=1)
+            json.dump(R, open(sys.argv[1], "w"), indent=1)  # after each part: a run cut short keeps what it did
 
 
 if __name__ == "__main__":
