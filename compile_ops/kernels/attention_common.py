@@ -315,5 +315,5 @@ def fp8_operand_order(p):
 def key_at_position(position):
     """The key (within its 16) stored at ``position`` of FP8 P V's transposed
     V: bits 1, 2, 3 of the position are bits 3, 1, 2 of the key; bit 0 and
-    the 16s stay (:func:`fp8_operand_order`)."""
+    the bits from 4 up stay (:func:`fp8_operand_order`)."""
     return (position & ~14) | ((position & 2) << 2) | ((position & 12) >> 1)
