@@ -14,7 +14,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from compile_ops.kernels.attention_common import INT8_BIAS, P_FP8_SHIFT
+from compile_ops.kernels.attention_common import INT8_BIAS, P_FP8_SHIFT, fp8_operand_order
 from compile_ops.kernels.attention_sm90_common import WGMMA_ROWS
 
 
@@ -80,15 +80,6 @@ def _scores(c, q_rows, k_smem, k_ready, s_init):
 
 
 @gluon.jit
-def _fp8_operand_order(p):
-    """``kernels.attention_common.fp8_operand_order`` in Gluon: p's columns in
-    the order of V's keys (``key_at_position``) within each 16."""
-    M: gl.constexpr = p.shape[0]
-    N: gl.constexpr = p.shape[1]
-    return p.reshape([M, N // 16, 2, 2, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([M, N])
-
-
-@gluon.jit
 def _next_carry(p, alpha, v_smem, p_smem, p_layout: gl.constexpr):
     """What a key step hands the next one, once its product is done. 16-bit:
     P in registers, the next product's A operand. INT8_FP8: the tile's alpha,
@@ -98,7 +89,7 @@ def _next_carry(p, alpha, v_smem, p_smem, p_layout: gl.constexpr):
     scores' layout, byte permutes and warp shuffles, which is slower than
     the round trip through shared memory (docs/notes/attention.md)."""
     if v_smem.dtype == gl.float8e4nv:
-        p_smem.store(_fp8_operand_order(p.to(gl.float8e4nv)))
+        p_smem.store(fp8_operand_order(p.to(gl.float8e4nv)))
         fence_async_shared()
         return alpha
     else:
