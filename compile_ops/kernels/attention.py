@@ -66,6 +66,7 @@ from compile_ops.kernels.attention_common import (
     aligned_lengths,
     block_list,
     fp8_operand_order,
+    fp8_value_positions,
     load_tile,
     quantization_scale,
     query_program,
@@ -181,8 +182,8 @@ def _fwd_tiles(
                 v = V.load([start_n, 0])
         else:
             k = load_tile(K, start_n, offs_n, Lk, skl, offs_d, D, BLOCK_D, MASKED)
-            if PV_FP8:  # its positions run to Lk rounded up to 16: they hold keys in the operand's order
-                v = tl.trans(_load_channels(V, start_n, offs_n, tl.cdiv(Lk, 16) * 16, svl, offs_d, D, MASKED))
+            if PV_FP8:
+                v = tl.trans(_load_channels(V, start_n, offs_n, fp8_value_positions(Lk), svl, offs_d, D, MASKED))
             else:
                 v = load_tile(V, start_n, offs_n, Lk, svl, offs_d, D, BLOCK_D, MASKED)
         if INT8:
@@ -337,9 +338,9 @@ def attn_fwd_kernel(
             [q_start, 0]
         )
         keys = tl.make_tensor_descriptor(K + k_off, shape=[Lk, D], strides=[skl, 1], block_shape=[BLOCK_N, BLOCK_D])
-        if PV_FP8:  # transposed: channels are its rows, of Lk rounded up to 16 positions
+        if PV_FP8:  # transposed: channels are its rows
             values = tl.make_tensor_descriptor(
-                V + v_off, shape=[D, tl.cdiv(Lk, 16) * 16], strides=[svl, 1], block_shape=[BLOCK_D, BLOCK_N]
+                V + v_off, shape=[D, fp8_value_positions(Lk)], strides=[svl, 1], block_shape=[BLOCK_D, BLOCK_N]
             )
         else:
             values = tl.make_tensor_descriptor(

@@ -312,6 +312,14 @@ def fp8_operand_order(p):
 
 
 @triton.jit
+def fp8_value_positions(Lk):
+    """The positions of FP8 P V's transposed V for ``Lk`` keys: Lk rounded up
+    to 16. The padding holds keys in :func:`fp8_operand_order` too, so the
+    kernels read V up to here, not up to Lk (zero keys past Lk)."""
+    return tl.cdiv(Lk, 16) * 16
+
+
+@triton.jit
 def key_at_position(position):
     """The key (within its 16) stored at ``position`` of FP8 P V's transposed
     V: bits 1, 2, 3 of the position are bits 3, 1, 2 of the key; bit 0 and

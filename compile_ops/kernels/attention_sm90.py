@@ -74,6 +74,7 @@ from compile_ops.kernels.attention_common import (
     P_FP8_SHIFT,
     block_list,
     dealt_rank,
+    fp8_value_positions,
     query_program,
     tile_start,
 )
@@ -462,8 +463,9 @@ def attn_fwd_sm90_kernel(
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2 * WGMMA_ROWS, D], matrix)
     k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, D], matrix)
     if INT8_FP8:
-        v_keys = gl.cdiv(Lk, 16) * 16  # rows of Lk rounded up to 16, the keys in the FP8 operand's order
-        v_desc = tma.make_tensor_descriptor(V, [B, H // GROUP, D, v_keys], [svb, svh, svl, 1], [1, 1, D, BLOCK_N], box)
+        v_desc = tma.make_tensor_descriptor(
+            V, [B, H // GROUP, D, fp8_value_positions(Lk)], [svb, svh, svl, 1], [1, 1, D, BLOCK_N], box
+        )
         v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, D, BLOCK_N], matrix)
         p_smems = gl.allocate_shared_memory(gl.float8e4nv, [2 * WGMMA_ROWS, BLOCK_N], matrix)
     else:
