@@ -26,8 +26,10 @@ from compile_ops.ops import rope as _rope_ops  # noqa: F401
 
 Shape = tuple[int, ...]
 
+#: ``torch.library.opcheck``'s tests (its default ``test_utils``).
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 #: ``torch.library.opcheck``'s tests but ``test_schema`` (see ``OpSpec.opcheck_tests``).
-OPCHECK_WITHOUT_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+OPCHECK_WITHOUT_SCHEMA = OPCHECK_TESTS[1:]
 
 
 @dataclass(frozen=True)

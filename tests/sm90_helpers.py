@@ -10,6 +10,8 @@ test_sm90_compile_gluon.py); it holds no tests.
   arguments as arguments and again as constants (as Inductor may pass a
   static int).
 - ``_sm90_ptx``: one launch's sm_90 PTX, for tests of what it must hold.
+- ``_sm90_ttir``: one launch's Triton IR for sm_90, the front end alone (its
+  type errors, and what a scalar's type does to the arithmetic).
 """
 
 import torch
@@ -17,8 +19,9 @@ import triton
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
 
 from compile_ops._library import OP_BODIES
 
@@ -111,3 +114,22 @@ def _sm90_ptx(kernel, signature, constants, attrs=None, num_warps=4) -> str:
     ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
     source = ASTSource(fn=kernel, signature=ordered, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+
+
+def _sm90_ttir(kernel, signature, constants) -> str:
+    """The Triton IR of one ``_launches`` entry for sm_90 (``signature`` in the
+    kernel's argument order): the front end and the TTIR passes that
+    ``triton.compile`` runs first, without the layouts, LLVM and ptxas after
+    them, which are most of a compile's time. Not cached, unlike a compile."""
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({"num_warps": 4})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    stages = {}
+    backend.add_stages(stages, options, source.language)
+    codegen = backend.get_codegen_implementation(options)
+    module = source.make_ir(target, options, codegen, backend.get_module_map(), context)
+    return str(stages["ttir"](module, {"hash": "ttir", "target": target, **options.__dict__}))

@@ -6,7 +6,8 @@ of two types, for instance: that reached the GPU once). Here the launch of
 every registry op is traced on fake CUDA tensors, as in test_ops_registry.py,
 and each distinct (kernel, argument types, constexprs) is compiled ahead of
 time through PTX to a cubin with triton's bundled ptxas; no GPU is needed.
-Float scalars are compiled as fp32 (triton's launcher) and fp64 (Inductor's).
+Float scalars are compiled as fp32 (triton's launcher), and as fp64 (Inductor's)
+through the front end, which must compute no fp64 tile.
 Beside the registry's launches: the quantize kernel's schedules, the Triton
 attention kernels' Hopper options, block-sparse and 8-bit variants and the
 8-bit quantization passes, with what their PTX must hold. The Gluon sm_90
@@ -17,7 +18,7 @@ test_sm90_compile_gluon.py's; the tracing helpers are tests/sm90_helpers.py.
 import pytest
 import torch
 import triton
-from sm90_helpers import _compile_with_constant_ints, _launches, _sm90_ptx
+from sm90_helpers import _compile_with_constant_ints, _launches, _sm90_ptx, _sm90_ttir
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -35,14 +36,17 @@ def test_every_launched_kernel_variant_compiles_for_sm90(spec, dtype, monkeypatc
     assert launches, "the op launched no kernel"
     for name, (kernel, signature, constants) in launches.items():
         ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
-        # Triton's launcher passes a Python float as fp32, Inductor's as fp64
-        # (an fp64 eps once promoted a loop-carried accumulator): compile both.
-        float_types = ("fp32", "fp64") if "fp32" in ordered.values() else ("fp32",)
-        for float_type in float_types:
-            typed = {p: float_type if t == "fp32" else t for p, t in ordered.items()}
-            src = ASTSource(fn=kernel, signature=typed, constexprs=constants)
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-            assert compiled.asm.get("cubin"), f"{name[0]} ({float_type} scalars): no cubin"
+        src = ASTSource(fn=kernel, signature=ordered, constexprs=constants)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert compiled.asm.get("cubin"), f"{name[0]}: no cubin"
+        # Triton's launcher passes a Python float as fp32, Inductor's as fp64: an
+        # fp64 eps once promoted a loop-carried accumulator, which the front end
+        # rejects, and could promote a tile's arithmetic, which it accepts. So
+        # with fp64 scalars the front end must pass and compute no fp64 tensor.
+        if "fp32" in ordered.values():
+            typed = {p: "fp64" if t == "fp32" else t for p, t in ordered.items()}
+            promoted = [line.strip() for line in _sm90_ttir(kernel, typed, constants).splitlines() if "xf64>" in line]
+            assert not promoted, f"{name[0]}: fp64 scalars promote tile arithmetic: {promoted[:3]}"
 
 
 def test_fp8_quantize_schedules_compile_for_sm90(monkeypatch):
