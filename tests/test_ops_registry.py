@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import compile_ops
-from cases import OPS
+from cases import OPCHECK_TESTS, OPS
 from compile_ops import reference
 from compile_ops._library import OP_BODIES
 
@@ -39,16 +39,17 @@ def _outputs(out):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("spec", OPS, ids=IDS)
 def test_opcheck(spec, dtype, device):
-    # The autograd checks do not depend on the dtype: fp32 runs them, fp64
-    # checks the schema and the fake's dtype rules (a third of phase 1's time
-    # on a 2-core CI box went here).
+    # The autograd and dynamic-shape checks do not depend on the dtype: fp32
+    # runs them, fp64 checks the schema and the fake's dtype rules. Tracing
+    # the reference path with symbolic shapes (test_aot_dispatch_dynamic) is
+    # nearly all of opcheck's time on a CPU, so it runs once, in fp32.
     with_grad = spec.differentiable and dtype == torch.float32
+    tests = spec.opcheck_tests or OPCHECK_TESTS
+    if dtype != torch.float32:
+        tests = tuple(t for t in tests if t != "test_aot_dispatch_dynamic")
     for requires_grad in [False, True] if with_grad else [False]:
         for args in spec.edge_inputs(dtype, device, requires_grad):
-            if spec.opcheck_tests is None:
-                torch.library.opcheck(spec.op, args)
-            else:
-                torch.library.opcheck(spec.op, args, test_utils=spec.opcheck_tests)
+            torch.library.opcheck(spec.op, args, test_utils=tests)
 
 
 @pytest.mark.parametrize("device", DEVICES)
