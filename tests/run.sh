@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite, on any machine; the README's test command and CI's.
 #
-# Without a GPU: two pytest processes, side by side on the two cores. The
-# reference path and fake-CUDA tracing run in the first; the real Triton
-# kernels under triton's interpreter in the second (TRITON_INTERPRET must be
-# set before triton is imported). Hypothesis uses the "ci" profile (bounded,
-# derandomized: the same examples every run).
+# Without a GPU: five pytest processes, two at a time on the two cores. The
+# reference path and fake-CUDA tracing run in one; the real Triton kernels
+# under triton's interpreter in another (TRITON_INTERPRET must be set before
+# triton is imported); the sm_90 compile files and the files that spawn ranks
+# in three more. Hypothesis uses the "ci" profile (bounded, derandomized: the
+# same examples every run).
 #
 # With a GPU: every layer on CUDA in one pytest process, Hypothesis on the
 # "gpu" profile (bounded examples, a random seed printed at the start so a
@@ -65,45 +66,56 @@ sys.exit(0 if tuple(int(x) for x in xdist.__version__.split('.')[:2]) >= (3, 2) 
   run_layer "cuda: every layer" logged_pytest tests "${workers[@]}" --hypothesis-seed="$HYPOTHESIS_SEED" --durations=30 "$@"
 else
   export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
-  # The two layers run side by side, one pytest process per core (each is
-  # single-threaded but for torch's own ops, and they share nothing but the
-  # compile caches, which are safe for concurrent writers): the run takes
-  # the longer core's time, not the sum. The reference layer is the longer,
-  # so its files that spawn ranks or compile PTX for sm_90 run on the
-  # interpreter's core once that layer ends, and the two cores end together.
-  # Their logs follow when all end.
-  echo "CPU run: Hypothesis profile $HYPOTHESIS_PROFILE, the two layers side by side"
+  # Five pytest processes, two at a time (one per core; each is single-threaded
+  # but for torch's own ops, and they share nothing but the compile caches,
+  # which are safe for concurrent writers). Each core takes the next process
+  # of the list when its last one ends, so the run takes about half the sum.
+  # The list starts with the longest on a fresh machine: there the sm_90 files
+  # compile every kernel variant, while a warm Triton cache makes them short
+  # and the core that runs them takes the rest of the list.
+  echo "CPU run: Hypothesis profile $HYPOTHESIS_PROFILE, five processes on two cores"
   logs=$(mktemp -d)
-  timed() {  # timed LOG COMMAND...: a layer, its exit status and seconds in LOG.rc
-    local log=$1
-    shift
-    start=$SECONDS
-    "$@" > "$log" 2>&1
-    echo "$? $((SECONDS - start))" > "$log.rc"
-  }
   late=(tests/test_sm90_compile.py tests/test_sm90_compile_gluon.py tests/test_distributed_train.py
     tests/test_context_parallel.py tests/test_context_parallel_ring.py)
   ignored=()
   for file in "${late[@]}"; do ignored+=(--ignore="$file"); done
-  timed "$logs/reference" "$PY" -m pytest tests "${ignored[@]}" -m "not kernels" --durations=15 "$@" &
-  # One thread: the interpreter's numpy work gains nothing from a second,
-  # which the other layer's torch ops use. The package's torch.empty & co.
-  # come filled with NaN / 0x7F bytes (tests/poison.py): a kernel that reads
-  # an element nobody wrote fails here, not only on a GPU whose allocator
-  # handed it another test's NaNs (COMPILE_OPS_POISON_EMPTY=0 turns it off).
-  (
-    timed "$logs/interpreter" env TRITON_INTERPRET=1 OMP_NUM_THREADS=1 \
-      COMPILE_OPS_POISON_EMPTY="${COMPILE_OPS_POISON_EMPTY:-1}" "$PY" -m pytest tests -m kernels --durations=15 "$@"
-    timed "$logs/late" "$PY" -m pytest "${late[@]}" -m "not kernels" --durations=15 "$@"
-  ) &
+  names=("cpu: reference path + fake-CUDA tracing" "cpu: Triton interpreter" "cpu: sm_90 compile"
+    "cpu: sm_90 compile, the Gluon cores" "cpu: reference path, the rank-spawning files")
+  cpu_process() {  # cpu_process INDEX PYTEST_ARGS...: the INDEX-th process of names
+    local index=$1
+    shift
+    case $index in
+      0) "$PY" -m pytest tests "${ignored[@]}" -m "not kernels" --durations=15 "$@" ;;
+      # One thread: the interpreter's numpy work gains nothing from a second,
+      # which the other process's torch ops use. The package's torch.empty & co.
+      # come filled with NaN / 0x7F bytes (tests/poison.py): a kernel that reads
+      # an element nobody wrote fails here, not only on a GPU whose allocator
+      # handed it another test's NaNs (COMPILE_OPS_POISON_EMPTY=0 turns it off).
+      1) env TRITON_INTERPRET=1 OMP_NUM_THREADS=1 COMPILE_OPS_POISON_EMPTY="${COMPILE_OPS_POISON_EMPTY:-1}" \
+        "$PY" -m pytest tests -m kernels --durations=15 "$@" ;;
+      2) "$PY" -m pytest "${late[0]}" -m "not kernels" --durations=15 "$@" ;;
+      3) "$PY" -m pytest "${late[1]}" -m "not kernels" --durations=15 "$@" ;;
+      4) "$PY" -m pytest "${late[@]:2}" -m "not kernels" --durations=15 "$@" ;;
+    esac
+  }
+  echo 0 > "$logs/next"
+  core() {  # core ARGS...: take the next process of names until none is left
+    local i start
+    while i=$(flock "$logs/next" bash -c 'read -r i < "$0" && echo $((i + 1)) > "$0" && echo "$i"' "$logs/next") &&
+      [ "$i" -lt ${#names[@]} ]; do
+      start=$SECONDS
+      cpu_process "$i" "$@" > "$logs/$i" 2>&1
+      echo "$? $((SECONDS - start))" > "$logs/$i.rc"
+    done
+  }
+  core "$@" &
+  core "$@" &
   wait
-  for layer in "reference:cpu: reference path + fake-CUDA tracing" "interpreter:cpu: Triton interpreter" \
-    "late:cpu: reference path, the rank-spawning and sm_90 compile files"; do
-    log=$logs/${layer%%:*}
-    echo "=== layer: ${layer#*:}"
-    cat "$log"
-    read -r rc seconds < "$log.rc"
-    record "${layer#*:}" "$rc" "$seconds"
+  for i in "${!names[@]}"; do
+    echo "=== layer: ${names[$i]}"
+    cat "$logs/$i"
+    read -r rc seconds < "$logs/$i.rc"
+    record "${names[$i]}" "$rc" "$seconds"
   done
   rm -r "$logs"
 fi
