@@ -11,7 +11,13 @@ them. ``fp8_rows_scale_kernel``: the scale bound of the FP8 output rows.
 import triton
 import triton.language as tl
 
-from compile_ops.kernels.attention_common import INT8_MAX, key_at_position, quantization_scale, round_to_int8
+from compile_ops.kernels.attention_common import (
+    INT8_MAX,
+    fp8_value_positions,
+    key_at_position,
+    quantization_scale,
+    round_to_int8,
+)
 from compile_ops.kernels.fp8 import E4M3_MAX
 
 
@@ -259,5 +265,5 @@ def kv8_quantize_kernel(
         # its 16-byte vectors into L's divisibility (single bytes at Wan's 32760
         # keys). VT8's rows are padded to 16 keys, so the store covers the
         # padding, with zeros (v's masked load gives 0 past L).
-        padded = (rows < tl.cdiv(L, 16) * 16)[:, None] & (cols < D)[None, :]
+        padded = (rows < fp8_value_positions(L))[:, None] & (cols < D)[None, :]
         tl.store(vt8, v8, mask=padded)
