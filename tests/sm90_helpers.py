@@ -117,17 +117,18 @@ def _sm90_ptx(kernel, signature, constants, attrs=None, num_warps=4) -> str:
 
 
 def _sm90_ttir(kernel, signature, constants) -> str:
-    """The Triton IR of one ``_launches`` entry for sm_90 (``signature`` in the
-    kernel's argument order): the front end and the TTIR passes that
-    ``triton.compile`` runs first, without the layouts, LLVM and ptxas after
-    them, which are most of a compile's time. Not cached, unlike a compile."""
+    """The Triton IR of one ``_launches`` entry for sm_90: the front end and
+    the TTIR passes that ``triton.compile`` runs first, without the layouts,
+    LLVM and ptxas after them, which are most of a compile's time. Not
+    cached, unlike a compile."""
+    ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     options = backend.parse_options({"num_warps": 4})
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    source = ASTSource(fn=kernel, signature=ordered, constexprs=constants)
     stages = {}
     backend.add_stages(stages, options, source.language)
     codegen = backend.get_codegen_implementation(options)

@@ -43,8 +43,8 @@ def test_every_launched_kernel_variant_compiles_for_sm90(spec, dtype, monkeypatc
         # fp64 eps once promoted a loop-carried accumulator, which the front end
         # rejects, and could promote a tile's arithmetic, which it accepts. So
         # with fp64 scalars the front end must pass and compute no fp64 tensor.
-        if "fp32" in ordered.values():
-            typed = {p: "fp64" if t == "fp32" else t for p, t in ordered.items()}
+        if "fp32" in signature.values():
+            typed = {p: "fp64" if t == "fp32" else t for p, t in signature.items()}
             promoted = [line.strip() for line in _sm90_ttir(kernel, typed, constants).splitlines() if "xf64>" in line]
             assert not promoted, f"{name[0]}: fp64 scalars promote tile arithmetic: {promoted[:3]}"
 
