@@ -236,6 +236,20 @@ def batch_sequence_heads(call: Call) -> tuple:
     return (BATCH, SEQUENCE, HEADS)
 
 
+def batch_sequence_and_heads_unless_norm_spans_them(call: Call) -> tuple:
+    """A q/k-norm whose weights span the heads (``[H * D]``) reduces over them."""
+    q, q_weight = call["q"], call["q_weight"]
+    spans = q_weight is not None and q_weight.shape[0] != q.shape[-1]
+    return (BATCH, SEQUENCE) if spans else (BATCH, SEQUENCE, HEADS)
+
+
+def batch_heads_unless_norm_spans_them(call: Call) -> tuple:
+    """The quantizing rotation: k's smoothing mean spans the sequence, and a
+    norm whose weights span the heads reduces over them."""
+    q, q_weight = call["q"], call["q_weight"]
+    return (BATCH,) if q_weight is not None and q_weight.shape[0] != q.shape[-1] else (BATCH, HEADS)
+
+
 def batch_heads(call: Call) -> tuple:
     """Attention needs every key for each query, and grid RoPE the global token index."""
     return (BATCH, HEADS)
@@ -342,13 +356,16 @@ RULES: dict[str, Rule] = {
     "rope_qk": Rule({**_QK, **_TABLES}, _QK_OUT, batch_sequence_heads, "q"),
     "rope_grid": Rule({**_QK, "constants": replicated}, _QK_OUT, batch_heads, "q"),
     "qk_norm_rope": Rule(
-        {**_QK, "q_weight": replicated, "k_weight": replicated, **_TABLES}, _QK_OUT, batch_sequence_heads, "q"
+        {**_QK, "q_weight": replicated, "k_weight": replicated, **_TABLES},
+        _QK_OUT,
+        batch_sequence_and_heads_unless_norm_spans_them,
+        "q",
     ),
     # q and k for 8-bit attention: k's smoothing mean spans the sequence.
     "qk_rope_int8": Rule(
         {**_QK, "q_weight": replicated, "k_weight": replicated, **_TABLES},
         (Out("q", heads_layout), Out("q", log_sum_exp), Out("k", heads_layout), Out("k", key_block_scales)),
-        batch_heads,
+        batch_heads_unless_norm_spans_them,
         "q",
     ),
     "qk_norm_rope_backward": Rule(
@@ -361,7 +378,7 @@ RULES: dict[str, Rule] = {
             **_TABLES,
         },
         (*_QK_OUT, Out("q_weight", replicated, gradient=True), Out("k_weight", replicated, gradient=True)),
-        batch_sequence_heads,
+        batch_sequence_and_heads_unless_norm_spans_them,
         "q",
     ),
     # ------------------------------------------------------------ fp8

@@ -78,6 +78,25 @@ def test_flux_blocks_run_their_seams_and_qk_norms_through_the_fused_ops(monkeypa
     assert calls == Counter(gated_residual_norm_modulate=2, gated_residual=3, qk_norm_rope=3)
 
 
+@pytest.mark.parametrize("name, layers", [("wan", 2), ("ltx", 1)])
+def test_norms_over_the_heads_run_with_their_rotation_in_one_op(name, layers, monkeypatch):
+    """Wan's and LTX-Video's q/k norms span the heads: with a rotation
+    (self-attention) they run inside one ``qk_norm_rope`` per layer; Wan's
+    text cross-attention (no rotation) runs its norms as they are."""
+    model, patched, inputs, _ = _pair(name)
+    calls = Counter()
+
+    def counting(name):
+        op = getattr(processors, name)
+        return lambda *a, **k: calls.update([name]) or op(*a, **k)
+
+    for op in ("qk_norm_rope", "rope_qk"):
+        monkeypatch.setattr(processors, op, counting(op))
+    args = _to(inputs(4), DEVICE)
+    torch.testing.assert_close(patched(**args).sample, model(**args).sample, **TOL)
+    assert calls == Counter(qk_norm_rope=layers)
+
+
 def test_diffusers_caching_enabled_after_patch_finds_the_fused_blocks():
     hooks = pytest.importorskip("diffusers.hooks")
     model, patched, inputs, _ = _pair("flux")

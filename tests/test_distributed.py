@@ -213,6 +213,15 @@ def _rope_cases(axis, bhld, blhd):
         (t, t),
         (t, t, P, P, None, None),
     )
+    if axis != "heads":  # a norm over the heads: their own case among the dims that are not local
+        yield Case(
+            f"qk_norm_rope_norm_over_heads/{axis}",
+            lambda q, k, qw, kw, c, sn: compile_ops.qk_norm_rope(q, k, qw, kw, c, sn, interleaved=True, seq_dim=1),
+            lambda: (act(B, L, H, D), act(B, L, HK, D), param(H * D), param(HK * D), table(L, D), table(L, D)),
+            (t, t, R, R, table_2d, table_2d),
+            (t, t),
+            (t, t, P, P, None, None),
+        )
 
 
 GRID = compile_ops.grid_rope("wan", D)
@@ -270,6 +279,15 @@ def _not_local_cases():
     )
     # Grid RoPE positions come from the global token index.
     yield Case("rope_grid/sequence", _rope_grid, _rope_grid_inputs, (Shard(2), Shard(2)), None, not_sharded_on=2)
+    # A q/k-norm whose weights span the heads (Wan's) reduces over them.
+    yield Case(
+        "qk_norm_rope_norm_over_heads/heads",
+        lambda q, k, qw, kw, c, sn: compile_ops.qk_norm_rope(q, k, qw, kw, c, sn, interleaved=True, seq_dim=1),
+        lambda: (act(B, L, H, D), act(B, L, HK, D), param(H * D), param(HK * D), table(L, D), table(L, D)),
+        (Shard(2), Shard(2), R, R, R, R),
+        None,
+        not_sharded_on=2,
+    )
 
 
 def _unused_output_cases():

@@ -119,22 +119,36 @@ def test_reference_equals_diffusers_apply_rotary_emb_exactly(interleaved):
     assert torch.equal(ref.rope(x, cos, sin, interleaved, 2), want)
 
 
+def _rmsnorm(x, w, eps, seq_dim):
+    """The unfused norm: diffusers' RMSNorm over the head dim (``w`` ``[D]``), or
+    over all heads of a position (``[H * D]``, Wan's and LTX's ``norm_q``), as
+    those models call it: on the ``[B, L, H * D]`` projection before the heads
+    are split."""
+    if w.shape[0] == x.shape[-1]:
+        return norm_ref.rmsnorm(x, w, eps)
+    rows = x if seq_dim == 1 else x.transpose(1, 2)
+    normed = norm_ref.rmsnorm(rows.flatten(2), w, eps).unflatten(2, rows.shape[2:])
+    return normed if seq_dim == 1 else normed.transpose(1, 2)
+
+
 @pytest.mark.kernels
-@given(rope_cases(), st.sampled_from([1e-6, 1e-5]))
-def test_kernels_qk_norm_rope_match_fp64_reference_forward_and_backward(case, eps):
-    """Per-head RMSNorm with weight, then RoPE: output and dq, dk, dq_weight,
+@given(rope_cases(), st.sampled_from([1e-6, 1e-5]), st.booleans())
+def test_kernels_qk_norm_rope_match_fp64_reference_forward_and_backward(case, eps, spans_heads):
+    """RMSNorm with weight, per head or (``spans_heads``, ``[H * D]`` weights)
+    over all heads of a position, then RoPE: output and dq, dk, dq_weight,
     dk_weight against fp64; PyTorch's error is that of the unfused ops at the
     input dtype (the norm's output rounded, then rotated)."""
     torch.manual_seed(0)
     q, k, cos, sin, interleaved, seq_dim, rotary_dim = _case(*case, KERNEL_DEVICE)
     D = q.shape[-1]
-    q_w, k_w = ((1 + 0.1 * torch.randn(D, device=KERNEL_DEVICE)).to(q.dtype).requires_grad_(True) for _ in range(2))
+    widths = [D * x.shape[3 - seq_dim] if spans_heads else D for x in (q, k)]
+    q_w, k_w = ((1 + 0.1 * torch.randn(n, device=KERNEL_DEVICE)).to(q.dtype).requires_grad_(True) for n in widths)
     args = (cos, sin, eps, interleaved, seq_dim, rotary_dim)
     got = rope_ops.qk_norm_rope(q, k, q_w, k_w, *args)
     exact_in, plain_in = _detached((q, k, q_w, k_w), torch.float64), _detached((q, k, q_w, k_w))
     exact = ref.qk_norm_rope(*exact_in, cos.double(), sin.double(), *args[2:])
     plain = [
-        _at_dtype(norm_ref.rmsnorm(x, w, eps), cos, sin, interleaved, seq_dim, rotary_dim)
+        _at_dtype(_rmsnorm(x, w, eps, seq_dim), cos, sin, interleaved, seq_dim, rotary_dim)
         for x, w in ((plain_in[0], plain_in[2]), (plain_in[1], plain_in[3]))
     ]
     dys = [torch.randn_like(g) for g in got]
@@ -144,7 +158,7 @@ def test_kernels_qk_norm_rope_match_fp64_reference_forward_and_backward(case, ep
     for name, g, e, p in zip("qk", got, exact, plain):
         assert g.dtype == q.dtype and g.is_contiguous()
         assert_within_torch_error(g, e, p, 2.0, f"qk_norm_rope {name}")
-    rows = [q.numel() // D, k.numel() // D]
+    rows = [x.numel() // w.numel() for x, w in ((q, q_w), (k, k_w))]
     for name, g, e, p, terms in zip(
         ("dq", "dk", "dq_weight", "dk_weight"), grads, exact_grads, plain_grads, [1, 1] + rows
     ):
@@ -155,11 +169,13 @@ def test_kernels_qk_norm_rope_match_fp64_reference_forward_and_backward(case, ep
 
 
 @pytest.mark.kernels
-def test_kernels_qk_norm_rope_weight_grads_are_deterministic():
+@pytest.mark.parametrize("spans_heads", [False, True], ids=["per_head", "spans_heads"])
+def test_kernels_qk_norm_rope_weight_grads_are_deterministic(spans_heads):
     torch.manual_seed(0)
     q = torch.randn(2, 40, 6, 32, device=KERNEL_DEVICE, requires_grad=True)
     k = torch.randn(2, 40, 2, 32, device=KERNEL_DEVICE, requires_grad=True)
-    w = [torch.randn(32, device=KERNEL_DEVICE, requires_grad=True) for _ in range(2)]
+    widths = (6 * 32, 2 * 32) if spans_heads else (32, 32)
+    w = [torch.randn(n, device=KERNEL_DEVICE, requires_grad=True) for n in widths]
     cos, sin = _tables((40, 32), KERNEL_DEVICE)
     dys = [torch.randn_like(q), torch.randn_like(k)]
 
@@ -402,7 +418,14 @@ def _bad_input_cases():
         (
             lambda: rope_ops.qk_norm_rope(x, x, torch.ones(8), torch.ones(16), c, c),
             ValueError,
-            r"qk_norm_rope: q_weight must have shape \(16,\), the head dim of q, got \(8,\)",
+            r"qk_norm_rope: q_weight must have shape \(16,\), the head dim of q, or \(48,\), its heads x head dim, "
+            r"got \(8,\)",
+        ),
+        (
+            lambda: rope_ops.qk_norm_rope(x, x, torch.ones(48), torch.ones(16), c, c),
+            ValueError,
+            r"qk_norm_rope: q_weight and k_weight must both be per head \(\[D\]\) or both span the heads "
+            r"\(\[H \* D\]\), got shapes \(48,\) and \(16,\)",
         ),
         (
             lambda: rope_ops.qk_norm_rope(x, x, torch.ones(16), torch.ones(16, dtype=torch.int32), c, c),
@@ -488,7 +511,7 @@ def _int8_rope_case(seq_dim, b, hq, hk, length, d, r, dtype, device, key_offset=
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("norm", [True, False], ids=["qk_norm_rope", "rope_qk"])
+@pytest.mark.parametrize("norm", ["head", "heads", None], ids=["qk_norm_rope", "qk_norm_rope_heads", "rope_qk"])
 @pytest.mark.parametrize(
     "seq_dim, b, hq, hk, length, d, r, interleaved",
     [
@@ -498,8 +521,8 @@ def _int8_rope_case(seq_dim, b, hq, hk, length, d, r, dtype, device, key_offset=
     ],
 )
 def test_kernels_quantizing_rotation_writes_the_specified_operands(norm, seq_dim, b, hq, hk, length, d, r, interleaved):
-    """``rope_qk``/``qk_norm_rope(..., quantize=True)`` (``fused.qk_rope_int8``)
-    against its specification, the 16-bit op then
+    """``rope_qk``/``qk_norm_rope(..., quantize=True)`` (``fused.qk_rope_int8``;
+    the norm per head or over the heads) against its specification, the 16-bit op then
     ``reference.attention.smooth_quantize_qk``: q's INT8 values and scales
     identical (on a GPU with the norm: see below); k's within 1 (its mean is
     summed in another order) and its block scales within an fp32 rounding.
@@ -509,7 +532,8 @@ def test_kernels_quantizing_rotation_writes_the_specified_operands(norm, seq_dim
     torch.manual_seed(0)
     for dtype in (torch.float16,) + (() if INTERPRET else (torch.bfloat16,)):  # the interpreter's time
         q, k, cos, sin = _int8_rope_case(seq_dim, b, hq, hk, length, d, r, dtype, KERNEL_DEVICE)
-        weights = (torch.rand(d, device=KERNEL_DEVICE) + 0.5, torch.rand(d, device=KERNEL_DEVICE) + 0.5)
+        widths = (hq * d, hk * d) if norm == "heads" else (d, d)
+        weights = [torch.rand(n, device=KERNEL_DEVICE) + 0.5 for n in widths]
         if norm:
             got = rope_ops.qk_norm_rope(q, k, *weights, cos, sin, 1e-6, interleaved, seq_dim, r, quantize=True)
         else:

@@ -25,6 +25,7 @@ from compile_ops.kernels.attention_common import INT8_MAX, quantization_scale, r
 from compile_ops.kernels.rope_common import (
     angle_cos_sin,
     head_range,
+    heads_rstd_and_dot,
     load_pairs,
     load_tail,
     norm_weights,
@@ -50,6 +51,7 @@ def _normed_rotated(
     s1,
     c2,
     s2,
+    rstd,
     D,
     eps,
     R: tl.constexpr,
@@ -62,14 +64,17 @@ def _normed_rotated(
 ):
     """One head's rows at pointers ``x_row`` [BLOCK_L]: (RMS-normalized with
     weight, then) rotated, in ACC: pair tiles ``(y1, y2)`` and the tail (y1
-    itself when there is no tail)."""
+    itself when there is no tail). NORM 1: the head's own rstd; 2: ``rstd``
+    [BLOCK_L], the row's over all heads."""
     x1, x2 = load_pairs(x_row, stride_xd, p, mask, R, INTERLEAVED, PACKED, ACC)
     if BLOCK_T > 0:
         t = load_tail(x_row, stride_xd, tail, tail_mask).to(ACC)
     else:
         t = x1  # no tail: a placeholder row_rstd ignores
-    if NORM:
-        rstd = row_rstd(x1, x2, t, D, eps, BLOCK_T)[:, None]
+    if NORM == 1:
+        rstd = row_rstd(x1, x2, t, D, eps, BLOCK_T)
+    if NORM > 0:
+        rstd = rstd[:, None]
         x1 = x1 * rstd * w1
         x2 = x2 * rstd * w2
         if BLOCK_T > 0:
@@ -131,7 +136,9 @@ def _rotate_heads(
     MODE: tl.constexpr,
 ):
     """Heads [h_start, h_end) of X at positions ``pos`` (position block
-    ``block``): (RMS-normalize with weight W, then) rotate, and by ``MODE``:
+    ``block``): (RMS-normalize with weight W, then) rotate, and by ``MODE``.
+    NORM 1: each head on its own (W ``[D]``); 2: over the heads, which are
+    then all of X's (W ``[H * D]``; a first loop sums the squares).
 
     - 0: store into OUT (unit channel stride), in OUT's dtype.
     - 1: the column sums of the result rounded to X's dtype, one fp32 row
@@ -148,12 +155,43 @@ def _rotate_heads(
     tail_mask = pos_mask[:, None] & (tail < D)[None, :]
     x_rows = X + b * stride_xb + pos * stride_xl
     out_rows = OUT + b * stride_ob + pos * stride_ol
-    if NORM:
+    if NORM == 1:
         w1, w2, w_tail = norm_weights(W, p, tail, D, R, INTERLEAVED, BLOCK_T, ACC)
     else:
-        w1, w2, w_tail = c1, c2, c1  # unused
+        w1, w2, w_tail = c1, c2, c1  # unused, or loaded per head
+    rstd = tl.zeros(x_rows.shape, ACC)  # NORM 2: the row's, over every head
+    if NORM == 2:
+        rstd, _ = heads_rstd_and_dot(
+            x_rows,
+            x_rows,
+            stride_xh,
+            stride_xh,
+            stride_xd,
+            stride_xd,
+            p,
+            mask,
+            tail,
+            tail_mask,
+            W,
+            c1,
+            s1,
+            c2,
+            s2,
+            h_start,
+            h_end,
+            D,
+            eps,
+            R,
+            INTERLEAVED,
+            PACKED,
+            BLOCK_T,
+            ACC,
+            False,
+        )
     for h in range(h_start, h_end):
         head = tl.cast(h, tl.int64)
+        if NORM == 2:
+            w1, w2, w_tail = norm_weights(W + head * D, p, tail, D, R, INTERLEAVED, BLOCK_T, ACC)
         y1, y2, t = _normed_rotated(
             x_rows + head * stride_xh,
             stride_xd,
@@ -168,6 +206,7 @@ def _rotate_heads(
             s1,
             c2,
             s2,
+            rstd,
             D,
             eps,
             R,

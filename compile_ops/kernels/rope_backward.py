@@ -14,6 +14,7 @@ from compile_ops.kernels.norm import _div_exact
 from compile_ops.kernels.rope_common import (
     angle_cos_sin,
     head_range,
+    heads_rstd_and_dot,
     load_pairs,
     load_tail,
     norm_weights,
@@ -59,9 +60,13 @@ def _norm_rope_grad_heads(
     PACKED: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ACC: tl.constexpr,
+    SPANS_HEADS: tl.constexpr,
 ):
     """dx of heads [h_start, h_end) of ``rotate(rmsnorm(x) * w)`` given its
-    gradient G, and this program's partial sum of dw, one row of DW_PART."""
+    gradient G, and this program's partial sum of dw, one row of DW_PART.
+    SPANS_HEADS: the norm spans the heads, which are then all of X's (W and
+    DW_PART's row ``[H * D]``); a first loop sums each row's squares and
+    ``w dz x`` over them."""
     mask = pos_mask[:, None] & (p < R // 2)[None, :]
     tail = R + tl.arange(0, BLOCK_T if BLOCK_T > 0 else 1)
     tail_mask = pos_mask[:, None] & (tail < D)[None, :]
@@ -72,8 +77,42 @@ def _norm_rope_grad_heads(
     dw1 = tl.zeros(mask.shape, ACC)
     dw2 = tl.zeros(mask.shape, ACC)
     dw_tail = tl.zeros(tail_mask.shape, ACC)
+    row_rstd_all = tl.zeros(x_rows.shape, ACC)
+    row_c = tl.zeros(x_rows.shape, ACC)
+    if SPANS_HEADS:
+        row_rstd_all, dot = heads_rstd_and_dot(
+            x_rows,
+            g_rows,
+            stride_xh,
+            stride_gh,
+            stride_xd,
+            stride_gd,
+            p,
+            mask,
+            tail,
+            tail_mask,
+            W,
+            c1,
+            s1,
+            c2,
+            s2,
+            h_start,
+            h_end,
+            D,
+            eps,
+            R,
+            INTERLEAVED,
+            PACKED,
+            BLOCK_T,
+            ACC,
+            True,
+        )
+        # mean(w dz xhat) over the row, xhat = x * rstd
+        row_c = _div_exact(row_rstd_all * dot, D * (h_end - h_start))
     for h in range(h_start, h_end):
         head = tl.cast(h, tl.int64)
+        if SPANS_HEADS:
+            w1, w2, w_tail = norm_weights(W + head * D, p, tail, D, R, INTERLEAVED, BLOCK_T, ACC)
         x1, x2 = load_pairs(x_rows + head * stride_xh, stride_xd, p, mask, R, INTERLEAVED, PACKED, ACC)
         g1, g2 = load_pairs(g_rows + head * stride_gh, stride_gd, p, mask, R, INTERLEAVED, PACKED, ACC)
         dz1, dz2 = rotate_pairs(g1, g2, c1, s1, c2, s2, True)  # the rotation's transpose
@@ -82,20 +121,34 @@ def _norm_rope_grad_heads(
             dz_tail = load_tail(g_rows + head * stride_gh, stride_gd, tail, tail_mask).to(ACC)
         else:
             t = x1
-        rstd = row_rstd(x1, x2, t, D, eps, BLOCK_T)[:, None]
+        if SPANS_HEADS:
+            rstd = row_rstd_all[:, None]
+        else:
+            rstd = row_rstd(x1, x2, t, D, eps, BLOCK_T)[:, None]
         xhat1 = x1 * rstd
         xhat2 = x2 * rstd
-        dw1 += dz1 * xhat1
-        dw2 += dz2 * xhat2
+        if SPANS_HEADS:  # this head's own dw columns: a fresh sum
+            dw1 = dz1 * xhat1
+            dw2 = dz2 * xhat2
+        else:
+            dw1 += dz1 * xhat1
+            dw2 += dz2 * xhat2
         wdz1 = dz1 * w1
         wdz2 = dz2 * w2
-        dot = tl.sum(wdz1 * xhat1 + wdz2 * xhat2, axis=1)
         if BLOCK_T > 0:
             xhat_tail = t * rstd
-            dw_tail += dz_tail * xhat_tail
+            if SPANS_HEADS:
+                dw_tail = dz_tail * xhat_tail
+            else:
+                dw_tail += dz_tail * xhat_tail
             wdz_tail = dz_tail * w_tail
-            dot += tl.sum(wdz_tail * xhat_tail, axis=1)
-        c = _div_exact(dot, D)[:, None]  # triton's fp32 "/" is ~2 ulps off: seen in dk on the GPU
+        if SPANS_HEADS:
+            c = row_c[:, None]
+        else:
+            dot = tl.sum(wdz1 * xhat1 + wdz2 * xhat2, axis=1)
+            if BLOCK_T > 0:
+                dot += tl.sum(wdz_tail * xhat_tail, axis=1)
+            c = _div_exact(dot, D)[:, None]  # triton's fp32 "/" is ~2 ulps off: seen in dk on the GPU
         rows = out_rows + head * stride_oh
         store_pairs(rows, p, mask, rstd * (wdz1 - xhat1 * c), rstd * (wdz2 - xhat2 * c), R, INTERLEAVED)
         if BLOCK_T > 0:
@@ -104,19 +157,29 @@ def _norm_rope_grad_heads(
                 (rstd * (wdz_tail - xhat_tail * c)).to(DX.dtype.element_ty),
                 mask=tail_mask,
             )
-    # One partial row per program: reduced over programs in a fixed order later.
-    p_mask = p < R // 2
+        if SPANS_HEADS:
+            _store_weight_grad_row(DW_PART + head * D, p, tail, dw1, dw2, dw_tail, D, R, INTERLEAVED, BLOCK_T)
+    if not SPANS_HEADS:
+        _store_weight_grad_row(DW_PART, p, tail, dw1, dw2, dw_tail, D, R, INTERLEAVED, BLOCK_T)
+
+
+@triton.jit
+def _store_weight_grad_row(
+    ROW, p, tail, dw1, dw2, dw_tail, D, R: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr
+):
+    """A program's partial sums of dw over its positions, one row of D at ROW:
+    reduced over programs in a fixed order later."""
     store_pairs(
-        DW_PART + tl.zeros([1], tl.int64),
+        ROW + tl.zeros([1], tl.int64),
         p,
-        p_mask[None, :],
+        (p < R // 2)[None, :],
         tl.sum(dw1, axis=0)[None, :],
         tl.sum(dw2, axis=0)[None, :],
         R,
         INTERLEAVED,
     )
     if BLOCK_T > 0:
-        tl.store(DW_PART + tail, tl.sum(dw_tail, axis=0), mask=tail < D)
+        tl.store(ROW + tail, tl.sum(dw_tail, axis=0), mask=tail < D)
 
 
 @triton.jit
@@ -172,12 +235,19 @@ def qk_norm_rope_bwd_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ACC: tl.constexpr,
+    SPANS_HEADS: tl.constexpr = False,
 ):
     """dq, dk and per-program partial rows of dq_weight, dk_weight of
     ``rotate(rmsnorm(q) * q_weight), rotate(rmsnorm(k) * k_weight)``; the grid
-    and addressing are rope_kernel's, rstd is recomputed from the row in registers."""
+    and addressing are rope_kernel's, rstd is recomputed from the row in registers.
+    SPANS_HEADS: both norms span their tensor's heads (weights ``[H * D]``),
+    and every program holds all of q's and k's heads."""
     b, pos, pos_mask, first_head = program_block(L, n_pos_blocks, heads_per_program, BLOCK_L)
-    part_row = (tl.cast(tl.program_id(0), tl.int64) * tl.num_programs(1) + tl.program_id(1)) * D
+    program = tl.cast(tl.program_id(0), tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    # A partial row of dw per program: D wide, or the tensor's H * D when the norm spans the heads.
+    q_row, k_row = program * D, program * D
+    if SPANS_HEADS:
+        q_row, k_row = q_row * HQ, k_row * HK
     p = tl.arange(0, BLOCK_P)
     c1, s1, c2, s2 = angle_cos_sin(
         COS, SIN, b, pos, pos_mask, p, stride_tb, stride_tl, 1, 1, R, INTERLEAVED, HALF_TABLE, False, ACC
@@ -187,7 +257,7 @@ def qk_norm_rope_bwd_kernel(
         Q,
         GQ,
         DQ,
-        DQW_PART + part_row,
+        DQW_PART + q_row,
         Q_W,
         start,
         end,
@@ -217,13 +287,14 @@ def qk_norm_rope_bwd_kernel(
         PACKED,
         BLOCK_T,
         ACC,
+        SPANS_HEADS,
     )
     start, end = head_range(first_head, HQ, HK, heads_per_program)
     _norm_rope_grad_heads(
         K,
         GK,
         DK,
-        DKW_PART + part_row,
+        DKW_PART + k_row,
         K_W,
         start,
         end,
@@ -253,4 +324,5 @@ def qk_norm_rope_bwd_kernel(
         PACKED,
         BLOCK_T,
         ACC,
+        SPANS_HEADS,
     )

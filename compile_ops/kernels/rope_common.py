@@ -226,6 +226,61 @@ def row_rstd(x1, x2, t, D, eps, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def heads_rstd_and_dot(
+    x_rows,
+    g_rows,
+    stride_h,
+    stride_gh,
+    stride_c,
+    stride_gc,
+    p,
+    mask,
+    tail,
+    tail_mask,
+    W,
+    c1,
+    s1,
+    c2,
+    s2,
+    h_start,
+    h_end,
+    D,
+    eps,
+    R: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    PACKED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ACC: tl.constexpr,
+    WITH_DOT: tl.constexpr,
+):
+    """``(rstd, dot)`` of each position's row over heads [h_start, h_end), all
+    of the tensor's: an RMSNorm that spans the heads (``[H * D]`` weights W).
+    WITH_DOT (the backward, G its output gradient): ``dot`` sums ``w dz x``
+    over the row, ``dz`` the rotation's transpose of G, so that the row's
+    ``mean(w dz xhat)`` is ``rstd * dot / (H * D)``; else it is 0."""
+    squares = tl.zeros(x_rows.shape, ACC)
+    dot = tl.zeros(x_rows.shape, ACC)
+    for h in range(h_start, h_end):
+        head = tl.cast(h, tl.int64)
+        x1, x2 = load_pairs(x_rows + head * stride_h, stride_c, p, mask, R, INTERLEAVED, PACKED, ACC)
+        squares += tl.sum(x1 * x1 + x2 * x2, axis=1)
+        if BLOCK_T > 0:
+            t = load_tail(x_rows + head * stride_h, stride_c, tail, tail_mask).to(ACC)
+            squares += tl.sum(t * t, axis=1)
+        if WITH_DOT:
+            w1, w2, w_tail = norm_weights(W + head * D, p, tail, D, R, INTERLEAVED, BLOCK_T, ACC)
+            g1, g2 = load_pairs(g_rows + head * stride_gh, stride_gc, p, mask, R, INTERLEAVED, PACKED, ACC)
+            dz1, dz2 = rotate_pairs(g1, g2, c1, s1, c2, s2, True)
+            dot += tl.sum(w1 * dz1 * x1 + w2 * dz2 * x2, axis=1)
+            if BLOCK_T > 0:
+                dz_tail = load_tail(g_rows + head * stride_gh, stride_gc, tail, tail_mask).to(ACC)
+                dot += tl.sum(w_tail * dz_tail * t, axis=1)
+    # eps as in row_rstd: cast, or Inductor's fp64 scalar promotes the row.
+    rstd = _rsqrt_exact(_div_exact(squares, D * (h_end - h_start)) + tl.cast(eps, squares.dtype))
+    return rstd, dot
+
+
+@triton.jit
 def norm_weights(W, p, tail, D, R: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr):
     """The norm weight as [1, BLOCK_P] pair tiles and a [1, BLOCK_T] tail tile."""
     w1, w2 = load_pairs(W + tl.zeros([1], tl.int64), 1, p, (p < R // 2)[None, :], R, INTERLEAVED, True, ACC)

@@ -94,11 +94,39 @@ def check_qk(op: str, q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> None:
             fail(op, f"q and k must have the same {what}, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
 
 
-def check_norm_weight(op: str, argname: str, w: torch.Tensor, x: torch.Tensor, xname: str) -> None:
+def check_norm_weight(op: str, argname: str, w: torch.Tensor, x: torch.Tensor, xname: str, seq_dim: int) -> None:
+    """``w`` is ``[D]`` (each head normalized on its own) or ``[H * D]`` (the
+    norm spans every head of a position: :func:`norm_spans_heads`)."""
     check_floating(op, argname, w)
-    if w.shape != x.shape[-1:]:
-        fail(op, f"{argname} must have shape ({x.shape[-1]},), the head dim of {xname}, got {tuple(w.shape)}")
+    d, heads = x.shape[-1], x.shape[3 - seq_dim]
+    if w.shape != (d,) and w.shape != (heads * d,):
+        fail(
+            op,
+            f"{argname} must have shape ({d},), the head dim of {xname}, or ({heads * d},), its heads x head dim, "
+            f"got {tuple(w.shape)}",
+        )
     check_same_device(op, x, **{argname: w})
+
+
+def check_norm_weights(op: str, q_weight, k_weight, q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> None:
+    """q's and k's norm weights: each ``[D]`` or ``[H * D]`` of its tensor, and
+    both norms of one kind (a tensor with one head fits either)."""
+    check_norm_weight(op, "q_weight", q_weight, q, "q", seq_dim)
+    check_norm_weight(op, "k_weight", k_weight, k, "k", seq_dim)
+    q_spans, k_spans = norm_spans_heads(q_weight, q), norm_spans_heads(k_weight, k)
+    if (q_spans and not k_spans and k.shape[3 - seq_dim] > 1) or (k_spans and not q_spans and q.shape[3 - seq_dim] > 1):
+        fail(
+            op,
+            "q_weight and k_weight must both be per head ([D]) or both span the heads ([H * D]), got shapes "
+            f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)} for q {tuple(q.shape)} and k {tuple(k.shape)}",
+        )
+
+
+def norm_spans_heads(w: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether a checked norm weight ``w`` of ``x`` spans its heads (``[H * D]``,
+    H > 1: Wan's and LTX's q/k norms) rather than one head (``[D]``: Flux's).
+    With one head the two are the same norm."""
+    return w.shape[0] != x.shape[-1]
 
 
 def rope(
@@ -143,8 +171,7 @@ def qk_norm_rope(
 ):
     check_qk("qk_norm_rope", q, k, seq_dim)
     check_rope("qk_norm_rope", q, cos, sin, seq_dim, rotary_dim)
-    check_norm_weight("qk_norm_rope", "q_weight", q_weight, q, "q")
-    check_norm_weight("qk_norm_rope", "k_weight", k_weight, k, "k")
+    check_norm_weights("qk_norm_rope", q_weight, k_weight, q, k, seq_dim)
     check_eps("qk_norm_rope", eps)
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
@@ -174,8 +201,7 @@ def qk_rope_int8(
             f"k_weight={'None' if k_weight is None else 'a tensor'}",
         )
     if q_weight is not None:
-        check_norm_weight(op, "q_weight", q_weight, q, "q")
-        check_norm_weight(op, "k_weight", k_weight, k, "k")
+        check_norm_weights(op, q_weight, k_weight, q, k, seq_dim)
         check_eps(op, eps)
     if q.dtype not in INT8_DTYPES:
         fail(

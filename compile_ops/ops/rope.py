@@ -64,16 +64,17 @@ def _aligned(t: Tensor) -> Tensor:
     return t if offset is not None and offset % 2 == 0 else t.clone()
 
 
-def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int, block_l: Optional[int] = None):
+def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int, block_l: Optional[int] = None, whole_rows: bool = False):
     """``(BLOCK_L, n_pos_blocks, heads_per_program, launch grid)``; ``block_l``
-    fixes BLOCK_L (the quantizing mode's scale blocks)."""
+    fixes BLOCK_L (the quantizing mode's scale blocks); ``whole_rows``: every
+    program holds all heads (a norm that spans them)."""
     batch, length = q.shape[0], q.shape[seq_dim]
     if block_l is None:
         block_l = max(1, min(64, TILE // triton.next_power_of_2(d)))
     n_pos_blocks = triton.cdiv(length, block_l)
     heads_per_program = n_heads
     n_pos = static_int(batch * n_pos_blocks)
-    if n_pos is not None and n_pos > 0:
+    if n_pos is not None and n_pos > 0 and not whole_rows:
         # Split the heads only as far as needed to fill the GPU: every split
         # re-reads (or recomputes) the angle tile.
         splits = min(n_heads, triton.cdiv(PROGRAMS_PER_SM * multiprocessor_count(q), n_pos))
@@ -100,6 +101,12 @@ def _quantize_warps(block_l: int, block_p: int) -> int:
 def _pair_blocks(r: int, d: int) -> dict:
     """The pair and pass-through tile widths of rotary dim ``r`` in head dim ``d``."""
     return dict(BLOCK_P=triton.next_power_of_2(r // 2), BLOCK_T=triton.next_power_of_2(d - r) if d > r else 0)
+
+
+def _norm_spans_heads(weights: tuple, q: Tensor, k: Optional[Tensor]) -> bool:
+    """Whether q's or k's norm weight spans its heads (``[H * D]``; the
+    checks made both norms of one kind)."""
+    return any(w is not None and x is not None and meta.rope.norm_spans_heads(w, x) for w, x in zip(weights, (q, k)))
 
 
 def _launch_forward(
@@ -134,8 +141,10 @@ def _launch_forward(
     hk = 0 if k is None else k.shape[3 - seq_dim]
     if q.numel() == 0 and (k is None or k.numel() == 0):
         return
+    q_w, k_w = (None if w is None else _aligned(w) for w in weights)
+    norm = 0 if q_w is None else 2 if _norm_spans_heads(weights, q, k) else 1
     block_l, n_pos_blocks, heads_per_program, grid = _grid(
-        q, hq + hk, seq_dim, d, reference.attention.INT8_KEY_BLOCK if quantize else None
+        q, hq + hk, seq_dim, d, reference.attention.INT8_KEY_BLOCK if quantize else None, whole_rows=norm == 2
     )
     k_strides = _positions_and_heads(q if k is None else k, seq_dim)
     if quantize == 1:  # the sums [blocks, B, H, D] are addressed as (batch, block, head) rows
@@ -149,7 +158,6 @@ def _launch_forward(
         # clone, and an aliased pair would return the clone nothing wrote to.
         k, k_out = q, q_out.new_empty(0)
     cos, sin, stride_tb, stride_tl = _tables(cos, sin, grid_angles)
-    q_w, k_w = (None if w is None else _aligned(w) for w in weights)
     q_scale, k_scale = scales
     scale_strides = [t.stride(i) if t is not None else 0 for t in (q_scale, k_scale, k_sum) for i in (0, 1)]
     pairs = _pair_blocks(r, d)
@@ -186,7 +194,7 @@ def _launch_forward(
         PACKED=_pairs_packable(q, k),
         HALF_TABLE=half_table,
         GRID_ANGLES=grid_angles,
-        NORM=q_w is not None,
+        NORM=norm,
         INVERSE=inverse,
         BLOCK_L=block_l,
         **pairs,
@@ -402,11 +410,13 @@ def _qk_norm_rope_backward_op(
     r = int(r)
     d = q.shape[3]
     hq, hk = q.shape[3 - seq_dim], k.shape[3 - seq_dim]
-    block_l, n_pos_blocks, heads_per_program, grid = _grid(q, hq + hk, seq_dim, d)
+    spans_heads = _norm_spans_heads((q_weight, k_weight), q, k)
+    block_l, n_pos_blocks, heads_per_program, grid = _grid(q, hq + hk, seq_dim, d, whole_rows=spans_heads)
     n_programs = grid[0] * grid[1]
     acc = accumulation_dtype(q)
-    partial_q = torch.empty((n_programs, d), dtype=acc, device=q.device)
-    partial_k = torch.empty((n_programs, d), dtype=acc, device=q.device)
+    # One partial row of each weight's gradient per program: the weight's width.
+    partial_q = torch.empty((n_programs, d * hq if spans_heads else d), dtype=acc, device=q.device)
+    partial_k = torch.empty((n_programs, d * hk if spans_heads else d), dtype=acc, device=q.device)
     cos, sin, stride_tb, stride_tl = _tables(cos, sin)
     if n_programs:
         launcher(qk_norm_rope_bwd_kernel)[grid](
@@ -444,6 +454,7 @@ def _qk_norm_rope_backward_op(
             BLOCK_L=block_l,
             **_pair_blocks(r, d),
             ACC=acc_dtype(q),
+            SPANS_HEADS=spans_heads,
             num_warps=NUM_WARPS,
         )
     column_sum(partial_q, n_programs, dq_weight)
@@ -466,7 +477,10 @@ def _backward_qk_norm_rope(ctx, grad_q, grad_k):
     needs = ctx.needs_input_grad[4:6]
     # The tables rotate the normalized q and k: recomputed, not saved by the forward.
     rotated = (
-        [(reference.rope.normalized(x, w, eps), g) for x, w, g in ((q, q_weight, grad_q), (k, k_weight, grad_k))]
+        [
+            (reference.rope.normalized(x, w, eps, seq_dim), g)
+            for x, w, g in ((q, q_weight, grad_q), (k, k_weight, grad_k))
+        ]
         if any(needs)
         else None
     )
@@ -664,13 +678,19 @@ def qk_norm_rope(
     rotary_dim: Optional[int] = None,
     quantize: bool = False,
 ):
-    """Per-head RMSNorm with weight, then RoPE, of q and k in one kernel (the
-    ``norm_q`` / ``norm_k`` + ``apply_rotary_emb`` of Flux, SD3 and HunyuanVideo).
+    """RMSNorm with weight, then RoPE, of q and k in one kernel (the ``norm_q``
+    / ``norm_k`` + ``apply_rotary_emb`` of Flux, SD3 and HunyuanVideo, whose
+    norms take each head on its own, and of Wan and LTX-Video, whose norms
+    span all heads of a position).
 
     Args:
         q: ``[B, Hq, L, D]`` (``seq_dim=2``) or ``[B, L, Hq, D]`` (``seq_dim=1``), any strides.
         k: the same layout, dtype, B, L and D as q; any head count.
-        q_weight, k_weight: ``[D]``, the RMSNorms' weights (any float dtype).
+        q_weight, k_weight: the RMSNorms' weights (any float dtype): ``[D]``
+            normalizes each head on its own; ``[Hq * D]`` and ``[Hk * D]``
+            normalize each position's channels of all heads together (heads
+            in order, as ``x.flatten`` of ``[B, L, H, D]`` lays them out).
+            Both of one kind (a tensor with one head fits either).
         cos, sin: as for :func:`rope`; their gradients are those of the
             rotation of the normalized q and k (the values the tables rotate).
         eps: the RMSNorm epsilon.

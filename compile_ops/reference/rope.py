@@ -162,16 +162,32 @@ def rope_grid(
     return rope_qk(q, k, cos, sin, interleaved, seq_dim, r, inverse)
 
 
-def normalized(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with weight of ``x`` in the accumulation dtype, not rounded:
-    what :func:`qk_norm_rope` rotates."""
+def _norm_dims(x: torch.Tensor, weight: torch.Tensor, seq_dim: int) -> tuple:
+    """``(dims the RMSNorm reduces over, the weight shaped to broadcast)``:
+    the head dim for a ``[D]`` weight, heads and head dim for ``[H * D]``."""
+    if not meta.norm_spans_heads(weight, x):
+        return (-1,), weight
+    h_dim = 3 - seq_dim
+    return (h_dim, 3), weight.reshape(x.shape[h_dim], *([1] * (2 - h_dim)), x.shape[3])
+
+
+def _rstd_xhat(x: torch.Tensor, dims: tuple, eps: float) -> tuple:
     xf = x.to(accumulation_dtype(x))
-    xhat = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return xhat * weight.to(xf.dtype)
+    rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)
+    return rstd, xf * rstd
+
+
+def normalized(x: torch.Tensor, weight: torch.Tensor, eps: float, seq_dim: int) -> torch.Tensor:
+    """RMSNorm with weight of ``x`` over each head (``[D]`` weight) or over
+    all heads of a position (``[H * D]``), in the accumulation dtype, not
+    rounded: what :func:`qk_norm_rope` rotates."""
+    dims, w = _norm_dims(x, weight, seq_dim)
+    xhat = _rstd_xhat(x, dims, eps)[1]
+    return xhat * w.to(xhat.dtype)
 
 
 def _norm_rope(x, weight, cos, sin, eps, r, half, interleaved, seq_dim):
-    return _rotate(normalized(x, weight, eps), cos, sin, r, half, interleaved, seq_dim, False).to(x.dtype)
+    return _rotate(normalized(x, weight, eps, seq_dim), cos, sin, r, half, interleaved, seq_dim, False).to(x.dtype)
 
 
 def qk_norm_rope(
@@ -186,7 +202,8 @@ def qk_norm_rope(
     seq_dim: int,
     rotary_dim: Optional[int] = None,
 ):
-    """Per-head RMSNorm with weight, then RoPE, in fp32 and rounded once."""
+    """RMSNorm with weight (per head, or over all heads of a position for
+    ``[H * D]`` weights), then RoPE, in fp32 and rounded once."""
     meta.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim)
     r, half = meta.table_layout(q, cos, rotary_dim)
     return (
@@ -243,13 +260,13 @@ def qk_norm_rope_backward(
     r, half = meta.table_layout(q, cos, rotary_dim)
     grads = []
     for g, x, w in ((grad_q, q, q_weight), (grad_k, k, k_weight)):
-        acc = accumulation_dtype(x)
-        xf = x.to(acc)
-        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-        xhat = xf * rstd
-        dz = _rotate(g.to(acc), cos, sin, r, half, interleaved, seq_dim, True)
-        wdz = dz * w.to(acc)
-        dx = rstd * (wdz - xhat * (wdz * xhat).mean(-1, keepdim=True))
-        grads.append((dx.to(x.dtype), (dz * xhat).reshape(-1, x.shape[-1]).sum(0).to(w.dtype)))
+        dims, w_shaped = _norm_dims(x, w, seq_dim)
+        rstd, xhat = _rstd_xhat(x, dims, eps)
+        dz = _rotate(g.to(xhat.dtype), cos, sin, r, half, interleaved, seq_dim, True)
+        wdz = dz * w_shaped.to(xhat.dtype)
+        dx = rstd * (wdz - xhat * (wdz * xhat).mean(dims, keepdim=True))
+        # dw: dz * xhat summed over every dim the weight does not have.
+        dw = (dz * xhat).sum([d for d in range(4) if d not in [dd % 4 for dd in dims]]).reshape(w.shape)
+        grads.append((dx.to(x.dtype), dw.to(w.dtype)))
     (dq, dq_weight), (dk, dk_weight) = grads
     return dq, dk, dq_weight, dk_weight

@@ -246,9 +246,9 @@ class FusedProcessor:
         return layout.attend(query, key, value, kv_lengths, precision=precision, fp8_rows=fp8_rows)
 
     def rms_weight(self, norm: nn.Module) -> Optional[tuple]:
-        """``(weight, eps)`` of a per-head RMSNorm that ``fused.qk_norm_rope``
-        can run (weighted, no bias, a set eps); None for any other norm, and
-        for one whose call is hooked (offloading, casting: :func:`must_call`)."""
+        """``(weight, eps)`` of an RMSNorm that ``fused.qk_norm_rope`` can run
+        (weighted, no bias, a set eps); None for any other norm, and for one
+        whose call is hooked (offloading, casting: :func:`must_call`)."""
         if type(norm) not in self.rms_norm_classes or must_call(norm):
             return None
         weight, eps = getattr(norm, "weight", None), getattr(norm, "eps", None)
@@ -256,13 +256,14 @@ class FusedProcessor:
             return None
         return weight, eps
 
-    def norm_rope(self, query, key, norm_q, norm_k, rope, quantize: bool = False):
+    def norm_rope(self, query, key, norm_q, norm_k, rope, quantize: bool = False, spans_heads: bool = False):
         """q/k-norm then rotary embedding of ``[B, L, H, D]`` q and k (``rope``:
         ``(cos, sin)`` tables ``[L, D]`` with pairs interleaved, or None): one
         ``fused.qk_norm_rope`` launch when both norms are weighted RMSNorms with
-        one eps, else the norms and ``fused.rope_qk``. ``quantize`` (with
-        rope; :meth:`quantizes_qk`): ``(Int8QK, None)`` for 8-bit attention,
-        from the same kernel."""
+        one eps, else the norms and ``fused.rope_qk``. ``spans_heads``: the
+        norms normalize a position's ``H * D`` channels together (Wan's), not
+        each head. ``quantize`` (with rope; :meth:`quantizes_qk`):
+        ``(Int8QK, None)`` for 8-bit attention, from the same kernel."""
         q_norm, k_norm = self.rms_weight(norm_q), self.rms_weight(norm_k)
         quantize = quantize and rope is not None
         if rope is not None and q_norm is not None and k_norm is not None and q_norm[1] == k_norm[1]:
@@ -270,7 +271,10 @@ class FusedProcessor:
                 query, key, q_norm[0], k_norm[0], *rope, eps=q_norm[1], interleaved=True, seq_dim=1, quantize=quantize
             )
             return (out, None) if quantize else out
-        query, key = norm_q(query), norm_k(key)
+        if spans_heads:
+            query, key = (norm(t.flatten(2)).unflatten(2, t.shape[2:]) for norm, t in ((norm_q, query), (norm_k, key)))
+        else:
+            query, key = norm_q(query), norm_k(key)
         if rope is None:
             return query, key
         out = rope_qk(query, key, *rope, interleaved=True, seq_dim=1, quantize=quantize)
@@ -424,16 +428,14 @@ class WanAttnProcessor(FusedProcessor):
         if attention_mask is not None or attn.add_k_proj is not None or attn.fused_projections:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         hidden_states, context = _projection_inputs(attn, hidden_states, encoder_hidden_states)
-        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        key = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1))
-        value = attn.to_v(context).unflatten(2, (attn.heads, -1))
-        if rotary_emb is not None:
-            # [1, L, 1, D] tables with each pair's angle repeated: Wan rotates (2i, 2i + 1) pairs.
-            cos, sin = (t[0, :, 0] for t in rotary_emb)
-            if self.quantizes_qk(query, key, value):  # q and k for 8-bit attention straight from the rotation
-                query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1, quantize=True), None
-            else:
-                query, key = rope_qk(query, key, cos, sin, interleaved=True, seq_dim=1)
+        query, key, value = (
+            t.unflatten(2, (attn.heads, -1)) for t in (attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context))
+        )
+        # Wan's q/k norms span the heads; [1, L, 1, D] tables with each pair's
+        # angle repeated: Wan rotates (2i, 2i + 1) pairs.
+        rope = None if rotary_emb is None else tuple(t[0, :, 0] for t in rotary_emb)
+        quantize = rope is not None and self.quantizes_qk(query, key, value)
+        query, key = self.norm_rope(query, key, attn.norm_q, attn.norm_k, rope, quantize, spans_heads=True)
         # As diffusers' processor: self-attention splits across ranks, cross-attention
         # (every rank holds the whole text) runs on each rank's queries.
         attend, parallel = (
@@ -485,16 +487,10 @@ class LTXVideoAttnProcessor(FusedProcessor):
         if attention_mask is not None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         hidden_states, context = _projection_inputs(attn, hidden_states, encoder_hidden_states)
-        query = attn.norm_q(attn.to_q(hidden_states))
-        key = attn.norm_k(attn.to_k(context))
-        if image_rotary_emb is not None:
-            # LTX's tables span all heads' channels ([B, L, heads * D], pairs
-            # (2i, 2i + 1)): rotate the projections as one wide head.
-            cos, sin = image_rotary_emb
-            query, key = (
-                t.squeeze(2)
-                for t in rope_qk(query.unsqueeze(2), key.unsqueeze(2), cos, sin, interleaved=True, seq_dim=1)
-            )
+        # LTX's q/k norms and tables span all heads' channels ([B, L, heads * D],
+        # pairs (2i, 2i + 1)): norm and rotate the projections as one wide head.
+        query, key = (t.unsqueeze(2) for t in (attn.to_q(hidden_states), attn.to_k(context)))
+        query, key = (t.squeeze(2) for t in self.norm_rope(query, key, attn.norm_q, attn.norm_k, image_rotary_emb))
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, attn.to_v(context)))
         attend = self.attend if encoder_hidden_states is not None else self.attend_self
         out = attend(query, key, value, fp8_rows=takes_fp8_rows(attn.to_out[0]), parallel=self.parallel_config())
