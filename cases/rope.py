@@ -121,7 +121,7 @@ def make_qk_norm_rope(shape, dtype, device, requires_grad):
 
 def qk_norm_rope_edges(dtype, device, requires_grad):
     """qk_norm_rope's cases: GQA, strided q with per-batch half tables, partial
-    rotary in ``[B, L, H, D]``, zero rows."""
+    rotary in ``[B, L, H, D]``, zero rows, norms over the heads."""
     g = requires_grad
 
     def x(shape):
@@ -136,6 +136,9 @@ def qk_norm_rope_edges(dtype, device, requires_grad):
         (blhd_view, x((2, 3, 5, 16)), w(16), w(16), *_rope_tables(5, 8, dtype, device, 2), 1e-5, False, 2, None),
         (x((1, 7, 2, 24)), x((1, 7, 2, 24)), w(24), w(24), *_rope_tables(7, 16, dtype, device), 1e-6, True, 1, 16),
         (x((0, 2, 7, 16)), x((0, 2, 7, 16)), w(16), w(16), *_rope_tables(7, 16, dtype, device), 1e-6, False, 2, None),
+        # norms over all heads ([H * D] weights: Wan's); GQA with one k head, whose [D] weight fits either
+        (x((1, 6, 3, 16)), x((1, 6, 3, 16)), w(48), w(48), *_rope_tables(6, 16, dtype, device), 1e-6, True, 1, None),
+        (x((2, 3, 5, 16)), x((2, 1, 5, 16)), w(48), w(16), *_rope_tables(5, 16, dtype, device), 1e-6, False, 2, None),
     ]
 
 

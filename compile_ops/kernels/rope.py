@@ -155,10 +155,10 @@ def _rotate_heads(
     tail_mask = pos_mask[:, None] & (tail < D)[None, :]
     x_rows = X + b * stride_xb + pos * stride_xl
     out_rows = OUT + b * stride_ob + pos * stride_ol
-    if NORM == 1:
+    if NORM > 0:  # NORM 2: the first head's, then each head's in the loop
         w1, w2, w_tail = norm_weights(W, p, tail, D, R, INTERLEAVED, BLOCK_T, ACC)
     else:
-        w1, w2, w_tail = c1, c2, c1  # unused, or loaded per head
+        w1, w2, w_tail = c1, c2, c1  # unused
     rstd = tl.zeros(x_rows.shape, ACC)  # NORM 2: the row's, over every head
     if NORM == 2:
         rstd, _ = heads_rstd_and_dot(
