@@ -64,6 +64,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from compile_ops import meta
+
 # The rules are checked against the schemas these modules register.
 from compile_ops.ops import attention, block_sparse, fp8, glu, modulate, moe, norm, rope  # noqa: F401
 
@@ -238,16 +240,17 @@ def batch_sequence_heads(call: Call) -> tuple:
 
 def batch_sequence_and_heads_unless_norm_spans_them(call: Call) -> tuple:
     """A q/k-norm whose weights span the heads (``[H * D]``) reduces over them."""
-    q, q_weight = call["q"], call["q_weight"]
-    spans = q_weight is not None and q_weight.shape[0] != q.shape[-1]
-    return (BATCH, SEQUENCE) if spans else (BATCH, SEQUENCE, HEADS)
+    return (BATCH, SEQUENCE) if _norms_span_heads(call) else (BATCH, SEQUENCE, HEADS)
 
 
 def batch_heads_unless_norm_spans_them(call: Call) -> tuple:
     """The quantizing rotation: k's smoothing mean spans the sequence, and a
     norm whose weights span the heads reduces over them."""
-    q, q_weight = call["q"], call["q_weight"]
-    return (BATCH,) if q_weight is not None and q_weight.shape[0] != q.shape[-1] else (BATCH, HEADS)
+    return (BATCH,) if _norms_span_heads(call) else (BATCH, HEADS)
+
+
+def _norms_span_heads(call: Call) -> bool:
+    return meta.rope.norms_span_heads(call["q_weight"], call["k_weight"], call["q"], call["k"])
 
 
 def batch_heads(call: Call) -> tuple:

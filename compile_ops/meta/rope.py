@@ -122,6 +122,12 @@ def check_norm_weights(op: str, q_weight, k_weight, q: torch.Tensor, k: torch.Te
         )
 
 
+def norms_span_heads(q_weight, k_weight, q: torch.Tensor, k) -> bool:
+    """Whether q's or k's checked norm weight spans its heads (weights or k may
+    be None): :func:`check_norm_weights` made both norms of one kind."""
+    return any(w is not None and x is not None and norm_spans_heads(w, x) for w, x in ((q_weight, q), (k_weight, k)))
+
+
 def norm_spans_heads(w: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether a checked norm weight ``w`` of ``x`` spans its heads (``[H * D]``,
     H > 1: Wan's and LTX's q/k norms) rather than one head (``[D]``: Flux's).

@@ -103,12 +103,6 @@ def _pair_blocks(r: int, d: int) -> dict:
     return dict(BLOCK_P=triton.next_power_of_2(r // 2), BLOCK_T=triton.next_power_of_2(d - r) if d > r else 0)
 
 
-def _norm_spans_heads(weights: tuple, q: Tensor, k: Optional[Tensor]) -> bool:
-    """Whether q's or k's norm weight spans its heads (``[H * D]``; the
-    checks made both norms of one kind)."""
-    return any(w is not None and x is not None and meta.rope.norm_spans_heads(w, x) for w, x in zip(weights, (q, k)))
-
-
 def _launch_forward(
     q: Tensor,
     k: Optional[Tensor],
@@ -142,7 +136,7 @@ def _launch_forward(
     if q.numel() == 0 and (k is None or k.numel() == 0):
         return
     q_w, k_w = (None if w is None else _aligned(w) for w in weights)
-    norm = 0 if q_w is None else 2 if _norm_spans_heads(weights, q, k) else 1
+    norm = 0 if q_w is None else 2 if meta.rope.norms_span_heads(*weights, q, k) else 1
     block_l, n_pos_blocks, heads_per_program, grid = _grid(
         q, hq + hk, seq_dim, d, reference.attention.INT8_KEY_BLOCK if quantize else None, whole_rows=norm == 2
     )
@@ -410,7 +404,7 @@ def _qk_norm_rope_backward_op(
     r = int(r)
     d = q.shape[3]
     hq, hk = q.shape[3 - seq_dim], k.shape[3 - seq_dim]
-    spans_heads = _norm_spans_heads((q_weight, k_weight), q, k)
+    spans_heads = meta.rope.norms_span_heads(q_weight, k_weight, q, k)
     block_l, n_pos_blocks, heads_per_program, grid = _grid(q, hq + hk, seq_dim, d, whole_rows=spans_heads)
     n_programs = grid[0] * grid[1]
     acc = accumulation_dtype(q)
