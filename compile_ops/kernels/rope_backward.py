@@ -108,7 +108,7 @@ def _norm_rope_grad_heads(
             True,
         )
         # mean(w dz xhat) over the row, xhat = x * rstd
-        row_c = _div_exact(row_rstd_all * dot, D * (h_end - h_start))
+        row_c = _div_exact(row_rstd_all * dot, D * tl.maximum(h_end - h_start, 1))
     for h in range(h_start, h_end):
         head = tl.cast(h, tl.int64)
         if SPANS_HEADS:

@@ -275,8 +275,9 @@ def heads_rstd_and_dot(
             if BLOCK_T > 0:
                 dz_tail = load_tail(g_rows + head * stride_gh, stride_gc, tail, tail_mask).to(ACC)
                 dot += tl.sum(w_tail * dz_tail * t, axis=1)
-    # eps as in row_rstd: cast, or Inductor's fp64 scalar promotes the row.
-    rstd = _rsqrt_exact(_div_exact(squares, D * (h_end - h_start)) + tl.cast(eps, squares.dtype))
+    # eps as in row_rstd: cast, or Inductor's fp64 scalar promotes the row. A
+    # program with none of this tensor's heads divides by 1, not 0 (unused).
+    rstd = _rsqrt_exact(_div_exact(squares, D * tl.maximum(h_end - h_start, 1)) + tl.cast(eps, squares.dtype))
     return rstd, dot
 
 
