@@ -205,6 +205,13 @@ def building_aot_package() -> bool:
     return V.aot_compilation
 
 
+def launch_untraced(body, *args, **kwargs):
+    """``body(*args, **kwargs)`` (a launcher) on the eager fast path: the body of
+    an opaque op, which runs on real tensors, untraced, so its kernels may
+    take launch options that Inductor's launch configs cannot carry."""
+    return _launch_eagerly(body, args, kwargs)
+
+
 def _launch_eagerly(body, args, kwargs, plans: Optional[dict] = None):
     """``body`` on the eager fast path; with ``plans`` (CUDA tensors) through
     launch plans: replayed from an earlier call of the same signature."""

@@ -507,3 +507,52 @@ def test_fp8_pv_refuses_a_gpu_without_fp8_tensor_cores(monkeypatch):
         _library.require_fp8_mma(on_cuda, "precision='int8_fp8' attention (P V in FP8)")
     monkeypatch.setattr(_library, "cuda_capability", lambda index: (9, 0, "NVIDIA H100"))
     assert _library.require_fp8_mma(on_cuda, "FP8 P V")
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("mode", ["q rounded by the kernel", "fp8 rows", "block lists in a token order"])
+def test_kernels_capped_forward_op_is_the_uncapped_launch_bit_for_bit(mode, monkeypatch):
+    """FP8 P V on sm_90 runs under a register cap (``attention_tiles.INT8_FP8_MAXNREG``,
+    2 stages), which traced calls reach through the opaque
+    ``fused_gluon.attention_forward_capped_``. Here the cap is forced on
+    (``can_run_gluon``) and ``launch_forward`` called outside an op, as a
+    traced call runs it: the launch goes through the op once, and its output
+    and lse (the FP8 rows and their scales) equal the uncapped 3-stage
+    launch's bit for bit, with q rounded by the kernel or, in a token order
+    over block lists, given in int8. On a GPU the cap is real; the
+    interpreter ignores it, so there this checks what the op passes on."""
+    from compile_ops._library import launch_untraced
+    from compile_ops.ops import attention_8bit, attention_launch
+
+    torch.manual_seed(0)
+    b, h, length, d, seq_dim = 1, 2, 300, 64, 1
+    q, k, v = (torch.randn(b, length, h, d, dtype=torch.float16, device=KERNEL_DEVICE) for _ in range(3))
+    blocks = tokens = None
+    if mode == "block lists in a token order":
+        blocks_per_row = 3  # ceil(300 / 128) key blocks, ascending; the last query block's list empty
+        index = torch.arange(blocks_per_row, dtype=torch.int32).expand(b, h, 3, blocks_per_row).contiguous()
+        count = torch.tensor([[[3, 2, 0], [1, 3, 0]]], dtype=torch.int32)
+        blocks = (index.to(KERNEL_DEVICE), count.to(KERNEL_DEVICE))
+        tokens = torch.randperm(length, device=KERNEL_DEVICE)
+    fp8_rows = mode == "fp8 rows"
+
+    def forward(capped: bool):
+        opened = []
+
+        def through_op(body, *args, **kwargs):
+            opened.append(body)
+            return launch_untraced(body, *args, **kwargs)
+
+        monkeypatch.setattr(attention_launch, "can_run_gluon", lambda t: capped)
+        monkeypatch.setattr(attention_launch, "launch_untraced", through_op)
+        operands = attention_8bit.quantized_operands(q, k, v, seq_dim, True, tokens)
+        shape = (b, length, h, d)
+        out = torch.empty(shape, dtype=torch.float8_e4m3fn if fp8_rows else q.dtype, device=KERNEL_DEVICE)
+        scales = torch.empty(b, length, device=KERNEL_DEVICE) if fp8_rows else None
+        lse = torch.empty(b, h, length, device=KERNEL_DEVICE)
+        attention_8bit.launch_eight_bit(operands, v, out, d**-0.5, False, seq_dim, None, scales, blocks, lse, tokens)
+        return out.view(torch.uint8), lse if scales is None else scales, len(opened)
+
+    capped, uncapped = forward(True), forward(False)
+    assert capped[2] == 1 and uncapped[2] == 0
+    assert torch.equal(capped[0], uncapped[0]) and torch.equal(capped[1], uncapped[1])

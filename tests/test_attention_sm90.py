@@ -147,13 +147,14 @@ def test_8bit_forward_takes_the_sm90_core_only_with_q_given_in_int8(monkeypatch)
     and joins by default once measured ahead), traced on fake CUDA tensors
     on a faked sm_90 GPU: 8-bit attention on q and k given in int8 with a
     16-bit output is the core's op; q rounded by the kernel, FP8 output rows
-    and 16-bit P V stay on ``attn_fwd_kernel``; with the default precisions
-    it all stays there."""
+    and 16-bit P V stay on ``attn_fwd_kernel`` (FP8 P V under its register
+    cap, from the capped op); with the default precisions it all stays there."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compile_ops.ops import attention_sm90, attention_tiles
 
     core = ["fused_gluon.attention_forward_sm90_.default"]
+    capped = ["fused_gluon.attention_forward_capped_.default"]
     monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: t.device.type == "cuda")
     with FakeTensorMode():
         q, k, v = (torch.empty(1, 300, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
@@ -166,17 +167,69 @@ def test_8bit_forward_takes_the_sm90_core_only_with_q_given_in_int8(monkeypatch)
                 for name in _traced_launches(
                     "fused::attention_qk8", q8, q_scale, k8, k_scale, v, 0.125, False, 1, None, pv_fp8, fp8_rows
                 )
-                if name in ("attn_fwd_kernel", core[0])
+                if name in ("attn_fwd_kernel", core[0], capped[0])
             ]
 
         for with_int8 in (False, True):
             precisions = ("exact", "int8_fp8") if with_int8 else ("exact",)
             monkeypatch.setattr(attention_tiles, "SM90_CORE_PRECISIONS", precisions)
-            assert qk8(True, False) == (core if with_int8 else ["attn_fwd_kernel"])
-            assert qk8(True, True) == ["attn_fwd_kernel"]
+            assert qk8(True, False) == (core if with_int8 else capped)
+            assert qk8(True, True) == capped
             assert qk8(False, False) == ["attn_fwd_kernel"]
             rounded = _traced_launches("fused::attention_int8_fp8", q, k, v, 0.125, False, 1, None)
-            assert rounded[-1] == "attn_fwd_kernel" and core[0] not in rounded
+            assert rounded[-1] == capped[0] and core[0] not in rounded
+
+
+def test_fp8_pv_forward_runs_capped_from_its_op_on_sm90_alone(monkeypatch):
+    """FP8 P V's forward under its register cap (``attention_tiles.INT8_FP8_MAXNREG``)
+    cannot be inlined (Inductor's launch configs drop ``maxnreg``): traced on
+    fake CUDA tensors on a faked sm_90 GPU, dense and block-sparse
+    ``int8_fp8`` calls are ``fused_gluon.attention_forward_capped_``; 16-bit
+    P V (``int8``) stays on ``attn_fwd_kernel``, as does every call on a GPU
+    without wgmma and while AOTInductor builds a package (no Python to run
+    the op), at the uncapped 3 stages."""
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compile_ops.ops import attention_sm90
+
+    capped = ["fused_gluon.attention_forward_capped_.default"]
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, 300, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        index = torch.zeros(1, 1, 3, 3, dtype=torch.int32, device="cuda")
+        count = torch.ones(1, 1, 3, dtype=torch.int32, device="cuda")
+
+        def forwards(precision, sparse=False):
+            if sparse:
+                args = ("fused::block_sparse_attention", q, k, v, index, count, 0.125, False, 1, None, precision)
+            else:
+                args = ("fused::attention_" + precision, q, k, v, 0.125, False, 1, None)
+            return [n for n in _traced_launches(*args) if n in ("attn_fwd_kernel", capped[0])]
+
+        for wgmma in (False, True):
+            monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t, on=wgmma: on and t.device.type == "cuda")
+            assert forwards("int8_fp8") == (capped if wgmma else ["attn_fwd_kernel"])
+            assert forwards("int8_fp8", sparse=True) == (capped if wgmma else ["attn_fwd_kernel"])
+            assert forwards("int8") == ["attn_fwd_kernel"]
+            assert forwards("int8", sparse=True) == ["attn_fwd_kernel"]
+            with V.set_aot_compilation(True):
+                assert forwards("int8_fp8") == ["attn_fwd_kernel"]
+                assert _traced_8bit_stages(q, k, v) == 3
+            if not wgmma:
+                assert _traced_8bit_stages(q, k, v) == 3
+
+
+def _traced_8bit_stages(q, k, v):
+    """``attn_fwd_kernel``'s num_stages in ``fused.attention_int8_fp8``'s body traced on fake tensors."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from compile_ops._library import OP_BODIES
+
+    gm = make_fx(lambda *a: OP_BODIES["fused::attention_int8_fp8"](*a))(q, k, v, 0.125, False, 1, None)
+    nodes = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation]
+    kernels = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) for n in nodes]
+    return next(k.configs[0].num_stages for k in kernels if k.fn.__name__ == "attn_fwd_kernel")
 
 
 def _sorted_block_lists(b, h, lq, lk, seed):

@@ -15,6 +15,8 @@ attention cores (register budgets, spills read from the SASS) are
 test_sm90_compile_gluon.py's; the tracing helpers are tests/sm90_helpers.py.
 """
 
+import re
+
 import pytest
 import torch
 import triton
@@ -490,3 +492,57 @@ def test_fp8_rows_lora_kernels_compile_for_sm90_with_ieee_and_tf32_dots(precisio
     ieee = {constants["IEEE"] for _, _, constants in launches.values()}
     assert ieee == ({True, False} if precision == "highest" else {False})
     _compile_with_constant_ints(launches.values())
+
+
+def test_fp8_pv_forward_fits_three_programs_an_sm_under_its_register_cap(monkeypatch, tmp_path):
+    """FP8 P V's forward on sm_90 takes 2 stages under ``INT8_FP8_MAXNREG``
+    registers (``attention_tiles.forward_tiles``) so that three 4-warp
+    programs share an SM. Every variant the 8-bit ops launch at D <= 128
+    (dense and block-sparse, q rounded by the kernel or given in int8, a
+    token order, FP8 output rows), traced on a faked TMA GPU without wgmma
+    (the uncapped launch's arguments) and compiled at the capped launch:
+    ptxas keeps it within the cap, and its shared memory leaves room for
+    three programs in an SM's 228 KB (1 KB of each reserved). Fails on a
+    variant whose shared memory grows past a third: the cap's spills would
+    then buy no third program."""
+    import subprocess
+
+    from triton import knobs
+
+    from compile_ops.ops import attention_launch, attention_sm90, attention_tiles
+
+    monkeypatch.setattr(attention_launch, "has_tma", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: False)
+    capped = attention_tiles.forward_tiles(128, torch.bfloat16, True, "int8_fp8", register_cap=True)
+    assert (capped.num_warps, capped.num_stages, capped.maxnreg) == (4, 2, attention_tiles.INT8_FP8_MAXNREG)
+    names = ("attention_int8_fp8", "attention_int8_fp8_rows", "attention_qk8", "block_sparse_attention_int8_fp8")
+    names += ("block_sparse_attention_int8_fp8_rows",)
+    variants = {}
+    for spec in (s for s in OPS if s.name in names):
+        for kernel, signature, constants in _launches(spec, torch.bfloat16).values():
+            if kernel.fn.__name__ == "attn_fwd_kernel" and constants["PV_FP8"] and constants["BLOCK_D"] <= 128:
+                flags = ("SPARSE", "QUANTIZE_Q", "SCATTER", "OUT_FP8", "TMA", "BLOCK_D")
+                variants[tuple(constants[f] for f in flags)] = (kernel, signature, constants)
+    # Every front end the models reach: dense and sparse, q rounded or given, a token order, FP8 rows, TMA.
+    for column in range(5):
+        assert {key[column] for key in variants} == {False, True}, column
+    per_sm, reserved = 228 * 1024, 1024
+    for key, (kernel, signature, constants) in variants.items():
+        ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
+        compiled = triton.compile(
+            ASTSource(fn=kernel, signature=ordered, constexprs=constants),
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=capped.num_warps, num_stages=capped.num_stages, maxnreg=capped.maxnreg),
+        )
+        assert 3 * (compiled.metadata.shared + reserved) <= per_sm, (key, compiled.metadata.shared)
+        (tmp_path / "fwd.ptx").write_text(compiled.asm["ptx"])
+        report = subprocess.run(
+            [knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "fwd.ptx"), "-o", str(tmp_path / "f.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+        registers = int(re.search(r"Used (\d+) registers", report).group(1))
+        assert registers <= capped.maxnreg, (key, report)
+        spills = re.search(r"\d+ bytes spill stores, \d+ bytes spill loads", report).group(0)
+        print(key, f"{compiled.metadata.shared} B shared, {registers} registers, {spills}")

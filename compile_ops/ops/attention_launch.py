@@ -1,7 +1,8 @@
 """The attention launchers: :func:`launch_forward` and :func:`launch_backward`
 fill the outputs of every attention op (dense, block-sparse, 8-bit) from
 its fake, on the Triton kernels or, where ``ops/attention_sm90.py`` takes the
-call, the sm_90 Gluon kernels."""
+call, the sm_90 Gluon kernels; traced calls of the forward under a register
+cap go through the opaque ``fused_gluon.attention_forward_capped_``."""
 
 from typing import Optional
 
@@ -10,7 +11,13 @@ import triton
 from torch import Tensor
 
 from compile_ops import reference
-from compile_ops._library import has_tma, launcher, on_eager_fast_path, refuse_interpreted_bf16_dots
+from compile_ops._library import (
+    has_tma,
+    launch_untraced,
+    launcher,
+    on_eager_fast_path,
+    refuse_interpreted_bf16_dots,
+)
 from compile_ops.kernels.attention import attn_fwd_kernel
 from compile_ops.kernels.attention_backward import (
     STATS_ROW_ALIGN,
@@ -108,7 +115,26 @@ def launch_forward(
                 q, k, v, out, lse, float(scale), causal, seq_dim, kv_lengths, *lists, *scales
             )
         return
-    t = forward_tiles(int(sizes.d), out.dtype, has_tma(q), precision)  # attn_fwd_kernel's own tiles
+    # attn_fwd_kernel's own tiles; a register cap only where an opaque op may launch them
+    t = forward_tiles(int(sizes.d), out.dtype, has_tma(q), precision, register_cap=can_run_gluon(q))
+    if t.maxnreg is not None and not on_eager_fast_path():
+        torch.ops.fused_gluon.attention_forward_capped_(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            float(scale),
+            causal,
+            seq_dim,
+            kv_lengths,
+            *(blocks or (None, None)),
+            *(int8_scales or (None, None)),
+            v_scale,
+            *(fp8_rows or (None, None)),
+            tokens,
+        )
+        return
     # One k scale per tile: its key tiles divide the scale blocks (all tiles are powers of two up to 128).
     assert not int8 or reference.attention.INT8_KEY_BLOCK % t.block_n == 0, t
     # The rounded probabilities are relative to the running max of the specification's tiles.
@@ -165,7 +191,75 @@ def launch_forward(
         SCATTER=tokens is not None,
         **order,
         **consts,
+        **({"maxnreg": t.maxnreg} if t.maxnreg is not None else {}),
     )
+
+
+@torch.library.custom_op("fused_gluon::attention_forward_capped_", mutates_args=("out", "lse"))
+def _attention_forward_capped(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    causal: bool,
+    seq_dim: int,
+    kv_lengths: Optional[Tensor] = None,
+    block_index: Optional[Tensor] = None,
+    block_count: Optional[Tensor] = None,
+    q_scale: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None,
+    row_scale: Optional[Tensor] = None,
+    out_scale: Optional[Tensor] = None,
+    tokens: Optional[Tensor] = None,
+) -> None:
+    """:func:`launch_forward` of a call whose ``attn_fwd_kernel`` tiles carry a
+    register cap, as an op of its own for traced calls: Inductor's launch
+    configs keep a user kernel's warps and stages, not its ``maxnreg``, so a
+    compiled graph calls this op, which launches the kernel as an eager call
+    does. Not a public op (as ``fused_gluon.attention_forward_sm90_``)."""
+    launch_untraced(
+        launch_forward,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        scale,
+        causal,
+        seq_dim,
+        kv_lengths,
+        (block_index, block_count) if block_index is not None else None,
+        (q_scale, k_scale) if k_scale is not None else None,  # q_scale None: q is 16-bit
+        v_scale=v_scale,
+        fp8_rows=(row_scale, out_scale) if row_scale is not None else None,
+        tokens=tokens,
+    )
+
+
+@_attention_forward_capped.register_fake
+def _(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    scale,
+    causal,
+    seq_dim,
+    kv_lengths=None,
+    block_index=None,
+    block_count=None,
+    q_scale=None,
+    k_scale=None,
+    v_scale=None,
+    row_scale=None,
+    out_scale=None,
+    tokens=None,
+):
+    return None
 
 
 def launch_backward(

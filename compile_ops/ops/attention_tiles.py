@@ -3,6 +3,7 @@ precision (:func:`forward_tiles`, :func:`dkdv_tiles`, :func:`dq_tiles`),
 and the order causal launches run their programs in (:func:`causal_order`)."""
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -31,6 +32,9 @@ class Tiles:
     #: (kernels/attention_sm90.py) where it allows (:func:`takes_sm90_core`);
     #: block_m, block_n and num_stages are then the core's.
     sm90_core: bool = False
+    #: Forward only: a register cap a thread (Triton's ``maxnreg``), or None. Inductor's
+    #: launch configs cannot carry it, so traced calls launch such tiles from an opaque op.
+    maxnreg: Optional[int] = None
 
 
 def block_d(d: int) -> int:
@@ -47,10 +51,19 @@ SM90_CORE_HEAD_DIMS = (64, 128)
 SM90_CORE_PRECISIONS = ("exact",)
 #: The core's K/V ring: more stages are no faster (docs/notes/attention.md).
 SM90_CORE_STAGES = 2
+#: The portable ``int8_fp8`` forward's register cap on sm_90: at 2 stages its 64 x 128 program takes 74 KB of
+#: shared memory, and under 168 registers a thread three of them share an SM (two at the 255 it takes
+#: uncapped); the third program's overlap pays for the spills (docs/notes/attention-8bit.md).
+INT8_FP8_MAXNREG = 168
 
 
 def forward_tiles(
-    d: int, dtype: torch.dtype, tma: bool = False, precision: str = "exact", wgmma: bool = False
+    d: int,
+    dtype: torch.dtype,
+    tma: bool = False,
+    precision: str = "exact",
+    wgmma: bool = False,
+    register_cap: bool = False,
 ) -> Tiles:
     """``attn_fwd_kernel``'s tiles by padded head dim ``d``, ``dtype`` and
     ``precision``, chosen by sweeps (``bench/sweeps/attention.py``; the
@@ -70,7 +83,11 @@ def forward_tiles(
     ``triton.language`` kernel. At D = 64 each tile's products halve while
     its softmax stays, so the core takes 256-key tiles (its wide form, P V
     folded in before each softmax for registers); which calls take it is
-    :func:`takes_sm90_core`'s rule."""
+    :func:`takes_sm90_core`'s rule.
+
+    ``register_cap`` (sm_90, where the call may go through an opaque op:
+    ``attention_sm90.can_run_gluon``): ``"int8_fp8"`` at D <= 128 takes 2
+    stages under :data:`INT8_FP8_MAXNREG`, three programs an SM."""
     bd = block_d(d)
     if (
         wgmma
@@ -79,6 +96,8 @@ def forward_tiles(
         and dtype in (torch.float16, torch.bfloat16)
     ):
         return Tiles(128, 256 if d == 64 else 128, 4, SM90_CORE_STAGES, tma=True, sm90_core=True)
+    if precision == "int8_fp8" and bd <= 128 and register_cap:
+        return Tiles(64, 128, 4, 2, tma=tma, maxnreg=INT8_FP8_MAXNREG)
     if precision == "int8_fp8":
         return Tiles(64, 128, 4, 3, tma=tma) if bd <= 128 else Tiles(64, 128, 8, 2, tma=tma)
     if precision == "int8" and 64 < bd <= 128:
