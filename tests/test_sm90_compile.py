@@ -102,7 +102,7 @@ def test_attention_forward_hopper_options_compile_for_sm90(options, monkeypatch)
 
     default = attention_tiles.forward_tiles
 
-    def tiles(d, dtype, tma=False, precision="exact", wgmma=False):  # the portable kernel's variants
+    def tiles(d, dtype, tma=False, precision="exact", wgmma=False, register_cap=False):  # the portable kernel
         t = default(d, dtype, False, precision)
         return attention_tiles.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, **options)
 
@@ -198,7 +198,7 @@ def test_fp8_pv_accumulated_in_the_mma_compiles_for_sm90(monkeypatch):
 
     default = attention_tiles.forward_tiles
 
-    def tiles(d, dtype, tma=False, precision="exact", wgmma=False):  # the portable kernel's variants
+    def tiles(d, dtype, tma=False, precision="exact", wgmma=False, register_cap=False):  # the portable kernel
         t = default(d, dtype, True, precision)
         return attention_tiles.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, tma=t.tma, dot_acc=True)
 

@@ -30,7 +30,7 @@ _DEFAULT_TILES = attention_tiles.forward_tiles
 
 
 def _tiles(dot_acc: bool):
-    def tiles(d, dtype, tma=False, precision="exact", wgmma=False):
+    def tiles(d, dtype, tma=False, precision="exact", wgmma=False, register_cap=False):
         t = _DEFAULT_TILES(d, dtype, tma, precision)
         return attention_tiles.Tiles(t.block_m, t.block_n, t.num_warps, t.num_stages, tma=t.tma, dot_acc=dot_acc)
 

@@ -58,7 +58,7 @@ def _forced_tiles(block_m: int, warps: int, stages: int):
 
     default = attention_tiles.forward_tiles
 
-    def tiles(d, dtype, tma=False, precision="exact", wgmma=False):
+    def tiles(d, dtype, tma=False, precision="exact", wgmma=False, register_cap=False):
         if precision != "int8_fp8":
             return default(d, dtype, tma, precision, wgmma)
         return attention_tiles.Tiles(block_m, 128, warps, stages, tma=tma)

@@ -1,0 +1,91 @@
+"""Positions a program and warps for the rotation with a norm over all heads (``NORM`` 2), on a GPU:
+
+    PYTHONPATH=. python bench/experiments/norm_rope_positions.py OUT.json [--lengths 32760,75600] [--rounds 3]
+
+Why: ``qk_norm_rope`` with ``[H * D]`` weights moves its bytes at 1.7-1.8
+TB/s against about 2.6 for the plain rotation (docs/notes/rope.md, "Norms
+over the heads"). A program holds every head of ``BLOCK_L`` positions (16 at
+D = 128) and reads them twice, once for the sums of squares and once to
+rotate: fewer positions a program may keep the second read in L1.
+
+Wan 2.1's q/k (``[1, L, 12, 128]`` bf16, norm over 1536 channels), forward,
+CUDA-graph replays in alternated rounds over ``BLOCK_L`` x ``num_warps``; the
+outputs compared bit for bit with the shipped launch's.
+"""
+
+import argparse
+import itertools
+
+import torch
+
+import compile_ops
+from bench.toolkit import make_timer, replay_rounds, warm_up_gpu, write_rows
+from compile_ops._library import clear_launch_plans
+from compile_ops.ops import rope as rope_ops
+
+HEADS, HEAD_DIM, EPS = 12, 128, 1e-6
+SHIPPED_GRID, SHIPPED_WARPS = rope_ops._grid, rope_ops.NUM_WARPS
+
+
+def _launch(block_l, warps):
+    """Set the whole-row launches' positions a program and every rope launch's warps (None: shipped)."""
+
+    def grid(q, n_heads, seq_dim, d, fixed=None, whole_rows=False):
+        return SHIPPED_GRID(q, n_heads, seq_dim, d, block_l if whole_rows and block_l else fixed, whole_rows)
+
+    rope_ops._grid = grid
+    rope_ops.NUM_WARPS = warps or SHIPPED_WARPS
+    clear_launch_plans()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--lengths", default="32760,75600")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    timer = make_timer(False)
+    warm_up_gpu()
+    configs = [(None, None)] + list(itertools.product((1, 2, 4, 8), (2, 4, 8)))
+    rows = []
+    for length in map(int, args.lengths.split(",")):
+        torch.manual_seed(0)
+        q, k = (torch.randn(1, length, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        q_w, k_w = ((1 + 0.1 * torch.randn(HEADS * HEAD_DIM, device="cuda")).to(torch.bfloat16) for _ in range(2))
+        angles = torch.rand(length, HEAD_DIM // 2, device="cuda") * 6.3
+        cos, sin = (f(angles).repeat_interleave(2, -1) for f in (torch.cos, torch.sin))
+        inputs = (q, k, q_w, k_w, cos, sin)
+        shipped = None
+        same = {}
+        providers = {}
+        for block_l, warps in configs:
+            name = "shipped" if block_l is None else f"BLOCK_L={block_l} warps={warps}"
+
+            def run(*a, block_l=block_l, warps=warps):
+                _launch(block_l, warps)
+                return compile_ops.qk_norm_rope(*a, EPS, True, 1)
+
+            with torch.no_grad():
+                got = run(*inputs)
+            shipped = shipped or got
+            same[name] = all(torch.equal(g, s) for g, s in zip(got, shipped))
+            providers[name] = run
+        moved = 4 * q.numel() * q.element_size()  # q and k read and written once
+        for rnd, name, ms in replay_rounds(providers, inputs, args.rounds, timer):
+            row = dict(
+                shape=[1, length, HEADS, HEAD_DIM],
+                config=name,
+                round=rnd,
+                ms=ms,
+                GBps=moved / ms / 1e6,
+                bit_equal_to_shipped=same[name],
+            )
+            rows.append(row)
+            print(f"L={length} r{rnd} {name:22s} {ms:.4f} ms {row['GBps']:7.0f} GB/s same={same[name]}", flush=True)
+        write_rows(args.out, rows)
+        _launch(None, None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
