@@ -55,7 +55,7 @@ def test_kernels_hopper_options_compute_what_the_default_forward_does(precision,
             m.setattr(
                 attention_launch,
                 "forward_tiles",
-                lambda d, dtype, tma=False, precision="exact", wgmma=False: attention_tiles.Tiles(
+                lambda d, dtype, tma=False, precision="exact", wgmma=False, register_cap=False: attention_tiles.Tiles(
                     *dataclasses.astuple(default(d, dtype, False, precision))[:4], **options
                 ),
             )

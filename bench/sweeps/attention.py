@@ -125,7 +125,9 @@ def hopper_sweep(out_path):
         default = attention_launch.forward_tiles
         reference = None
         for config in HOPPER_CANDIDATES:
-            attention_launch.forward_tiles = functools.partial(lambda *a, t: t, t=attention_tiles.Tiles(*config))
+            attention_launch.forward_tiles = functools.partial(
+                lambda *a, t, **options: t, t=attention_tiles.Tiles(*config)
+            )
             clear_launch_plans()  # eager calls replay the tiles they were recorded with
             try:
                 with torch.no_grad():
