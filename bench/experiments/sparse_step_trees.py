@@ -17,6 +17,10 @@ import sys
 import time
 
 sys.path.insert(0, os.getcwd())  # the tree under test, before this file's own
+# A cache shared by two trees once handed the second tree the first one's compiled graph (the key seems to see
+# the fused ops' schemas, not their bodies): each LABEL compiles into a directory of its own.
+if len(sys.argv) > 4:
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join("/tmp", f"inductor-{sys.argv[4]}"))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
