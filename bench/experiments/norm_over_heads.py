@@ -29,6 +29,17 @@ from compile_ops import reference
 HEADS, HEAD_DIM, EPS = 12, 128, 1e-6
 
 
+def wan_inputs(length: int) -> tuple:
+    """``(q, k, q_w, k_w, cos, sin)``: Wan's self-attention q and k ``[1, L, 12, 128]`` bf16, their
+    ``[H * D]`` norm weights, and interleaved rotation tables ``[L, D]``, seeded."""
+    torch.manual_seed(0)
+    q, k = (torch.randn(1, length, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q_w, k_w = ((1 + 0.1 * torch.randn(HEADS * HEAD_DIM, device="cuda")).to(torch.bfloat16) for _ in range(2))
+    angles = torch.rand(length, HEAD_DIM // 2, device="cuda") * 6.3
+    cos, sin = (f(angles).repeat_interleave(2, -1) for f in (torch.cos, torch.sin))
+    return q, k, q_w, k_w, cos, sin
+
+
 def _unfused(q, k, q_w, k_w, cos, sin):
     q, k = (compile_ops.rmsnorm(t.flatten(2), w, EPS).unflatten(2, t.shape[2:]) for t, w in ((q, q_w), (k, k_w)))
     return compile_ops.rope_qk(q, k, cos, sin, interleaved=True, seq_dim=1)
@@ -59,12 +70,8 @@ def main(argv=None) -> int:
     warm_up_gpu()
     rows = []
     for length in map(int, args.lengths.split(",")):
-        torch.manual_seed(0)
-        q, k = (torch.randn(1, length, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        q_w, k_w = ((1 + 0.1 * torch.randn(HEADS * HEAD_DIM, device="cuda")).to(torch.bfloat16) for _ in range(2))
-        angles = torch.rand(length, HEAD_DIM // 2, device="cuda") * 6.3
-        cos, sin = (f(angles).repeat_interleave(2, -1) for f in (torch.cos, torch.sin))
-        inputs = (q, k, q_w, k_w, cos, sin)
+        inputs = wan_inputs(length)
+        q, k, q_w, k_w, cos, sin = inputs
         exact = reference.rope.qk_norm_rope(*(t.double() for t in inputs[:4]), cos.double(), sin.double(), EPS, True, 1)
         errors = {}
         for name, fn in PROVIDERS.items():

@@ -19,11 +19,11 @@ import itertools
 import torch
 
 import compile_ops
+from bench.experiments.norm_over_heads import EPS, HEAD_DIM, HEADS, wan_inputs
 from bench.toolkit import make_timer, replay_rounds, warm_up_gpu, write_rows
 from compile_ops._library import clear_launch_plans
 from compile_ops.ops import rope as rope_ops
 
-HEADS, HEAD_DIM, EPS = 12, 128, 1e-6
 SHIPPED_GRID, SHIPPED_WARPS = rope_ops._grid, rope_ops.NUM_WARPS
 
 
@@ -49,12 +49,8 @@ def main(argv=None) -> int:
     configs = [(None, None)] + list(itertools.product((1, 2, 4, 8), (2, 4, 8)))
     rows = []
     for length in map(int, args.lengths.split(",")):
-        torch.manual_seed(0)
-        q, k = (torch.randn(1, length, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        q_w, k_w = ((1 + 0.1 * torch.randn(HEADS * HEAD_DIM, device="cuda")).to(torch.bfloat16) for _ in range(2))
-        angles = torch.rand(length, HEAD_DIM // 2, device="cuda") * 6.3
-        cos, sin = (f(angles).repeat_interleave(2, -1) for f in (torch.cos, torch.sin))
-        inputs = (q, k, q_w, k_w, cos, sin)
+        inputs = wan_inputs(length)
+        q = inputs[0]
         shipped = None
         same = {}
         providers = {}

@@ -240,26 +240,8 @@ def _attention_forward_capped(
 
 
 @_attention_forward_capped.register_fake
-def _(
-    q,
-    k,
-    v,
-    out,
-    lse,
-    scale,
-    causal,
-    seq_dim,
-    kv_lengths=None,
-    block_index=None,
-    block_count=None,
-    q_scale=None,
-    k_scale=None,
-    v_scale=None,
-    row_scale=None,
-    out_scale=None,
-    tokens=None,
-):
-    return None
+def _(*args, **kwargs):
+    return None  # it fills out and lse in place
 
 
 def launch_backward(

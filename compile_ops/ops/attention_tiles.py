@@ -51,9 +51,9 @@ SM90_CORE_HEAD_DIMS = (64, 128)
 SM90_CORE_PRECISIONS = ("exact",)
 #: The core's K/V ring: more stages are no faster (docs/notes/attention.md).
 SM90_CORE_STAGES = 2
-#: The portable ``int8_fp8`` forward's register cap on sm_90: at 2 stages its 64 x 128 program takes 74 KB of
-#: shared memory, and under 168 registers a thread three of them share an SM (two at the 255 it takes
-#: uncapped); the third program's overlap pays for the spills (docs/notes/attention-8bit.md).
+#: The portable ``int8_fp8`` forward's register cap on sm_90: at 2 stages three 64 x 128 programs fit an SM's
+#: shared memory, and under this cap its registers too (uncapped, two fit); the third program's overlap pays
+#: for the spills (docs/notes/attention-8bit.md).
 INT8_FP8_MAXNREG = 168
 
 
