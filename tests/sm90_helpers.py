@@ -12,6 +12,8 @@ test_sm90_compile_gluon.py); it holds no tests.
 - ``_sm90_ptx``: one launch's sm_90 PTX, for tests of what it must hold.
 - ``_sm90_ttir``: one launch's Triton IR for sm_90, the front end alone (its
   type errors, and what a scalar's type does to the arithmetic).
+- ``_ptxas_report``: ptxas's report of registers and spills for some PTX,
+  with the cubin beside it (for cuobjdump).
 """
 
 import torch
@@ -114,6 +116,20 @@ def _sm90_ptx(kernel, signature, constants, attrs=None, num_warps=4) -> str:
     ordered = {p: signature[p] for p in kernel.arg_names if p in signature}
     source = ASTSource(fn=kernel, signature=ordered, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+
+
+def _ptxas_report(ptx: str, directory, name: str) -> str:
+    """ptxas ``-v``'s report (registers, spill stores and loads) of ``ptx``
+    assembled for sm_90a; the cubin is left at ``directory / f"{name}.cubin"``."""
+    import subprocess
+
+    from triton import knobs
+
+    (directory / f"{name}.ptx").write_text(ptx)
+    command = [knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(directory / f"{name}.ptx")]
+    return subprocess.run(
+        command + ["-o", str(directory / f"{name}.cubin")], capture_output=True, text=True, check=True
+    ).stderr
 
 
 def _sm90_ttir(kernel, signature, constants) -> str:

@@ -27,10 +27,11 @@ def _traced_forward(q, k, v, causal=False, kv_lengths=None, seq_dim=2):
     return _traced_launches("fused::attention", q, k, v, 0.125, causal, seq_dim, kv_lengths)
 
 
-def _traced_tiles(q, k, v, wgmma=None):
+def _traced_tiles(q, k, v, wgmma=None, op="fused::attention", seq_dim=2):
     """``attn_fwd_kernel``'s (BLOCK_M, BLOCK_N, TMA, num_warps, num_stages) in
-    ``fused.attention``'s body traced on fake CUDA tensors; ``wgmma`` False:
-    with the GPU taken for one without wgmma."""
+    ``op``'s body (an attention op of q, k, v, scale, causal, seq_dim,
+    kv_lengths) traced on fake CUDA tensors; ``wgmma`` False: with the GPU
+    taken for one without wgmma."""
     import contextlib
 
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
@@ -42,11 +43,14 @@ def _traced_tiles(q, k, v, wgmma=None):
     with pytest.MonkeyPatch.context() if wgmma is False else contextlib.nullcontext() as m:
         if m is not None:
             m.setattr(attention_sm90, "has_wgmma", lambda t: False)
-        gm = make_fx(lambda *a: OP_BODIES["fused::attention"](*a))(q, k, v, 0.125, False, 2, None)
-    node = next(n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation)
-    config = kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).configs[0]  # torch's one-config wrapper
-    args = node.kwargs["kwargs"]
-    return args["BLOCK_M"], args["BLOCK_N"], args["TMA"], config.num_warps, config.num_stages
+        gm = make_fx(lambda *a: OP_BODIES[op](*a))(q, k, v, 0.125, False, seq_dim, None)
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.higher_order.triton_kernel_wrapper_mutation:
+            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])  # torch's one-config wrapper
+            if kernel.fn.__name__ == "attn_fwd_kernel":
+                config, args = kernel.configs[0], node.kwargs["kwargs"]
+                return args["BLOCK_M"], args["BLOCK_N"], args["TMA"], config.num_warps, config.num_stages
+    raise AssertionError(f"{op} launched no attn_fwd_kernel")
 
 
 def test_forward_takes_the_sm90_core_exactly_where_it_computes_the_call(monkeypatch):
@@ -214,22 +218,9 @@ def test_fp8_pv_forward_runs_capped_from_its_op_on_sm90_alone(monkeypatch):
             assert forwards("int8", sparse=True) == ["attn_fwd_kernel"]
             with V.set_aot_compilation(True):
                 assert forwards("int8_fp8") == ["attn_fwd_kernel"]
-                assert _traced_8bit_stages(q, k, v) == 3
+                assert _traced_tiles(q, k, v, op="fused::attention_int8_fp8", seq_dim=1)[4] == 3
             if not wgmma:
-                assert _traced_8bit_stages(q, k, v) == 3
-
-
-def _traced_8bit_stages(q, k, v):
-    """``attn_fwd_kernel``'s num_stages in ``fused.attention_int8_fp8``'s body traced on fake tensors."""
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from compile_ops._library import OP_BODIES
-
-    gm = make_fx(lambda *a: OP_BODIES["fused::attention_int8_fp8"](*a))(q, k, v, 0.125, False, 1, None)
-    nodes = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.triton_kernel_wrapper_mutation]
-    kernels = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) for n in nodes]
-    return next(k.configs[0].num_stages for k in kernels if k.fn.__name__ == "attn_fwd_kernel")
+                assert _traced_tiles(q, k, v, op="fused::attention_int8_fp8", seq_dim=1)[4] == 3
 
 
 def _sorted_block_lists(b, h, lq, lk, seed):

@@ -20,7 +20,7 @@ import re
 import pytest
 import torch
 import triton
-from sm90_helpers import _compile_with_constant_ints, _launches, _sm90_ptx, _sm90_ttir
+from sm90_helpers import _compile_with_constant_ints, _launches, _ptxas_report, _sm90_ptx, _sm90_ttir
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -505,10 +505,6 @@ def test_fp8_pv_forward_fits_three_programs_an_sm_under_its_register_cap(monkeyp
     three programs in an SM's 228 KB (1 KB of each reserved). Fails on a
     variant whose shared memory grows past a third: the cap's spills would
     then buy no third program."""
-    import subprocess
-
-    from triton import knobs
-
     from compile_ops.ops import attention_launch, attention_sm90, attention_tiles
 
     monkeypatch.setattr(attention_launch, "has_tma", lambda t: t.device.type == "cuda")
@@ -535,13 +531,7 @@ def test_fp8_pv_forward_fits_three_programs_an_sm_under_its_register_cap(monkeyp
             options=dict(num_warps=capped.num_warps, num_stages=capped.num_stages, maxnreg=capped.maxnreg),
         )
         assert 3 * (compiled.metadata.shared + reserved) <= per_sm, (key, compiled.metadata.shared)
-        (tmp_path / "fwd.ptx").write_text(compiled.asm["ptx"])
-        report = subprocess.run(
-            [knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "fwd.ptx"), "-o", str(tmp_path / "f.cubin")],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stderr
+        report = _ptxas_report(compiled.asm["ptx"], tmp_path, "fwd")
         registers = int(re.search(r"Used (\d+) registers", report).group(1))
         assert registers <= capped.maxnreg, (key, report)
         spills = re.search(r"\d+ bytes spill stores, \d+ bytes spill loads", report).group(0)

@@ -14,7 +14,7 @@ tests/sm90_helpers.py.
 import pytest
 import torch
 import triton
-from sm90_helpers import _compile_with_constant_ints, _launches
+from sm90_helpers import _compile_with_constant_ints, _launches, _ptxas_report
 from triton.backends.compiler import GPUTarget
 
 from cases import OPS
@@ -119,13 +119,7 @@ def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(variant
     ptx = compiled.asm["ptx"]
     budgets = {int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
     assert {24, attention_sm90.SM90_CORE_CONSUMER_REGS} <= budgets, (name, sorted(budgets))
-    (tmp_path / "core.ptx").write_text(ptx)
-    report = subprocess.run(
-        [knobs.nvidia.ptxas.path, "-v", "-arch=sm_90a", str(tmp_path / "core.ptx"), "-o", str(tmp_path / "core.cubin")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stderr
+    report = _ptxas_report(ptx, tmp_path, "core")
     assert "Used " in report, (name, report)
     if "-dense" in name:  # the 16-bit list-free variants (int8_fp8 ones are named by their stages)
         assert "0 bytes spill stores" in report, (name, report)
@@ -286,20 +280,7 @@ def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):
         assert {24, attention_sm90.SM90_CORE_CONSUMER_REGS} <= budgets, (dtype, d, flags, sorted(budgets))
         # dq added by TMA reductions, or (without DQ) not at all
         assert ("cp.reduce.async.bulk.tensor" in ptx) == constants["DQ"], (dtype, d, flags)
-        (tmp_path / "bwd.ptx").write_text(ptx)
-        report = subprocess.run(
-            [
-                knobs.nvidia.ptxas.path,
-                "-v",
-                "-arch=sm_90a",
-                str(tmp_path / "bwd.ptx"),
-                "-o",
-                str(tmp_path / "bwd.cubin"),
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stderr
+        report = _ptxas_report(ptx, tmp_path, "bwd")
         # Masks, the causal order and block lists add loop-invariant set-up values (batch, head, tile,
         # list pointers) that ptxas keeps in local memory at the consumers' 168 registers: 4-52 bytes,
         # reloaded from L1 at most twice a 64-query step. The dense kernel keeps one (the tile's first key,
