@@ -5,12 +5,14 @@
 Why: ``qk_norm_rope`` with ``[H * D]`` weights moves its bytes at 1.7-1.8
 TB/s against about 2.6 for the plain rotation (docs/notes/rope.md, "Norms
 over the heads"). A program holds every head of ``BLOCK_L`` positions (16 at
-D = 128) and reads them twice, once for the sums of squares and once to
+D = 128 and 4 warps before this sweep, 8 and 8 since) and reads them twice, once for the sums of squares and once to
 rotate: fewer positions a program may keep the second read in L1.
 
 Wan 2.1's q/k (``[1, L, 12, 128]`` bf16, norm over 1536 channels), forward,
-CUDA-graph replays in alternated rounds over ``BLOCK_L`` x ``num_warps``; the
-outputs compared bit for bit with the shipped launch's.
+CUDA-graph replays in alternated rounds over ``BLOCK_L`` x ``num_warps``
+(``WHOLE_ROW_TILE`` / ``WHOLE_ROW_WARPS``); the outputs compared bit for bit
+with the shipped launch's (another number of warps sums the squares in
+another order).
 """
 
 import argparse
@@ -22,19 +24,16 @@ import compile_ops
 from bench.experiments.norm_over_heads import EPS, HEAD_DIM, HEADS, wan_inputs
 from bench.toolkit import make_timer, replay_rounds, warm_up_gpu, write_rows
 from compile_ops._library import clear_launch_plans
-from compile_ops.ops import rope as rope_ops
+from compile_ops.ops import rope_launch
 
-SHIPPED_GRID, SHIPPED_WARPS = rope_ops._grid, rope_ops.NUM_WARPS
+SHIPPED = rope_launch.WHOLE_ROW_TILE, rope_launch.WHOLE_ROW_WARPS
 
 
 def _launch(block_l, warps):
-    """Set the whole-row launches' positions a program and every rope launch's warps (None: shipped)."""
-
-    def grid(q, n_heads, seq_dim, d, fixed=None, whole_rows=False):
-        return SHIPPED_GRID(q, n_heads, seq_dim, d, block_l if whole_rows and block_l else fixed, whole_rows)
-
-    rope_ops._grid = grid
-    rope_ops.NUM_WARPS = warps or SHIPPED_WARPS
+    """Set the whole-row forward's positions a program (at D = 128) and warps (None: shipped)."""
+    rope_launch.WHOLE_ROW_TILE, rope_launch.WHOLE_ROW_WARPS = (
+        SHIPPED if block_l is None else (block_l * HEAD_DIM, warps)
+    )
     clear_launch_plans()
 
 

@@ -1,5 +1,5 @@
 """Sweep the RoPE kernels' launch configs on a GPU, to pick TILE,
-PROGRAMS_PER_SM and NUM_WARPS in compile_ops/ops/rope.py.
+PROGRAMS_PER_SM and NUM_WARPS in compile_ops/ops/rope_launch.py.
 
     PYTHONPATH=. python bench/sweeps/rope.py [OUT.json] [OPS] [TILE/PER_SM/WARPS,...]
 
@@ -18,7 +18,7 @@ if ROOT not in sys.path:
 
 from bench.toolkit import module_config, run_sweep  # noqa: E402
 from cases import ROPE_SHAPES  # noqa: E402
-from compile_ops.ops import rope as rope_ops  # noqa: E402
+from compile_ops.ops import rope_launch  # noqa: E402
 
 CONFIGS = [(2048, 4, 4), (4096, 4, 4), (4096, 8, 8), (8192, 4, 8)]  # tile, programs per SM, warps
 OPS = ("rope_qk", "rope", "rope_grid", "qk_norm_rope")
@@ -30,7 +30,7 @@ def main(out_path=None, ops=None, configs=None):
         ops,
         ROPE_SHAPES,
         configs,
-        module_config(rope_ops, "TILE", "PROGRAMS_PER_SM", "NUM_WARPS"),
+        module_config(rope_launch, "TILE", "PROGRAMS_PER_SM", "NUM_WARPS"),
         ("tile", "programs_per_sm", "num_warps"),
         OPS,
         CONFIGS,
