@@ -132,6 +132,39 @@ def _ptxas_report(ptx: str, directory, name: str) -> str:
     ).stderr
 
 
+def _product_loop_spills(cubin) -> list:
+    """``[(spill stores, spill loads)]`` (``STL``, ``LDL``) of each innermost
+    loop of a cubin's SASS that issues tensor-core products (``*GMMA``): an
+    attention kernel's key loops. A loop is a backward branch and its target;
+    the jumps back from the out-of-line mbarrier retries span whole loops
+    and are not innermost."""
+    import re
+    import subprocess
+
+    from triton import knobs
+
+    listing = subprocess.run(
+        [knobs.nvidia.cuobjdump.path, "-sass", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
+    code = []
+    for line in listing.splitlines():
+        match = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
+        if match:
+            code.append((int(match.group(1), 16), match.group(2).split(".")[0], match.group(3)))
+    loops = []
+    for address, opcode, operands in code:
+        target = re.search(r"0x([0-9a-f]+)", operands) if opcode == "BRA" else None
+        if target and int(target.group(1), 16) <= address:
+            loops.append((int(target.group(1), 16), address))
+    counts = []
+    for start, end in loops:
+        body = [op for address, op, _ in code if start <= address <= end]
+        inner = not any(start <= s and e <= end and (s, e) != (start, end) for s, e in loops)
+        if inner and any(op.endswith("GMMA") for op in body):
+            counts.append((body.count("STL"), body.count("LDL")))
+    return counts
+
+
 def _sm90_ttir(kernel, signature, constants) -> str:
     """The Triton IR of one ``_launches`` entry for sm_90: the front end and
     the TTIR passes that ``triton.compile`` runs first, without the layouts,

@@ -20,7 +20,14 @@ import re
 import pytest
 import torch
 import triton
-from sm90_helpers import _compile_with_constant_ints, _launches, _ptxas_report, _sm90_ptx, _sm90_ttir
+from sm90_helpers import (
+    _compile_with_constant_ints,
+    _launches,
+    _product_loop_spills,
+    _ptxas_report,
+    _sm90_ptx,
+    _sm90_ttir,
+)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -502,9 +509,10 @@ def test_fp8_pv_forward_fits_three_programs_an_sm_under_its_register_cap(monkeyp
     token order, FP8 output rows), traced on a faked TMA GPU without wgmma
     (the uncapped launch's arguments) and compiled at the capped launch:
     ptxas keeps it within the cap, and its shared memory leaves room for
-    three programs in an SM's 228 KB (1 KB of each reserved). Fails on a
-    variant whose shared memory grows past a third: the cap's spills would
-    then buy no third program."""
+    three programs in an SM's 228 KB (1 KB of each reserved), and where q
+    comes given to a TMA launch nothing spills inside the two key loops. Fails on a variant
+    whose shared memory grows past a third (the cap's spills would then buy
+    no third program) or that spills inside its key loops."""
     from compile_ops.ops import attention_launch, attention_sm90, attention_tiles
 
     monkeypatch.setattr(attention_launch, "has_tma", lambda t: t.device.type == "cuda")
@@ -535,4 +543,10 @@ def test_fp8_pv_forward_fits_three_programs_an_sm_under_its_register_cap(monkeyp
         registers = int(re.search(r"Used (\d+) registers", report).group(1))
         assert registers <= capped.maxnreg, (key, report)
         spills = re.search(r"\d+ bytes spill stores, \d+ bytes spill loads", report).group(0)
-        print(key, f"{compiled.metadata.shared} B shared, {registers} registers, {spills}")
+        in_loops = _product_loop_spills(tmp_path / "fwd.cubin")
+        print(key, f"{compiled.metadata.shared} B shared, {registers} registers, {spills}, key loops {in_loops}")
+        # The models' launches (TMA) with q given, in int8 or in a token order: nothing spills in the
+        # two key loops (the FP8 rows' scale store once made ptxas spill there). q rounded by the
+        # kernel, or loads without TMA, spill a few values a tile.
+        if constants["TMA"] and not constants["QUANTIZE_Q"]:
+            assert in_loops == [(0, 0), (0, 0)], (key, in_loops)

@@ -457,8 +457,10 @@ def attn_fwd_kernel(
         # The reciprocal correctly rounded, as the specification's fp32 division.
         inverse = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), row_scale)
         out = to_e4m3(out.to(tl.float32), inverse)
-        if h == 0:
-            tl.store(OUT_SCALE + b * Lq + out_rows, tl.zeros([BLOCK_M], tl.float32) + row_scale, mask=q_rows < Lq)
+        # Head 0's programs write the rows' scales. A predicate, not a branch: around a branch
+        # ptxas spilled inside the key loop under the register cap (docs/notes/attention-8bit.md).
+        head0 = (q_rows < Lq) & (h == 0)
+        tl.store(OUT_SCALE + b * Lq + out_rows, tl.zeros([BLOCK_M], tl.float32) + row_scale, mask=head0)
     if SCATTER:  # rows past Lq were given token 0: the mask keeps them out
         tl.store(
             OUT + o_off + out_rows[:, None] * sol + offs_d[None, :],
