@@ -6,8 +6,11 @@ re-exported here.
 
 import torch
 
+from compile_ops import (
+    _cache_key,
+    ops,  # noqa: F401  (registers torch.ops.fused.*)
+)
 from compile_ops import distributed as _distributed
-from compile_ops import ops  # noqa: F401  (registers torch.ops.fused.*)
 from compile_ops.integrations.attention_backend import register_diffusers_backend
 from compile_ops.integrations.options import PatchOptions, takes_patch_options
 from compile_ops.integrations.sparse_attention import Radial, SlidingTile, TopK
@@ -53,6 +56,8 @@ from compile_ops.ops.rope import qk_norm_rope, rope, rope_grid, rope_qk
 # DTensor sharding rules for every op (a no-op without torch.distributed); see
 # compile_ops/distributed.py for why this happens at import.
 _distributed.register()
+# torch.compile's caches key graphs by op names, not op bodies: our sources go in their keys.
+_cache_key.register()
 
 
 def _check_model(owner: str, model) -> None:

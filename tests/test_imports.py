@@ -143,6 +143,7 @@ LAYER_IMPORTS = {
     "meta": set(),
     "_dtensor": set(),
     "_replay": set(),
+    "_cache_key": set(),
     "reference": {"meta"},
     "_library": {"_dtensor", "_replay", "meta"},
     "ops": {"kernels", "meta", "reference", "_library", "_dtensor", "_replay"},
