@@ -25,6 +25,8 @@ from compile_ops.ops._launch import column_sum
 from compile_ops.ops.attention import Int8QK
 from compile_ops.ops.rope_launch import launch_backward, launch_forward
 
+# ---------------------------------------------------------------- fused.rope
+
 
 @fused_op("rope", fake=meta.rope.rope, reference=reference.rope.rope)
 def _rope_op(
@@ -222,28 +224,10 @@ def _qk_norm_rope_backward_op(
     seq_dim: int,
     rotary_dim: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dq_weight, dk_weight = meta.rope.qk_norm_rope_backward(
-        grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim
-    )
-    launch_backward(
-        grad_q,
-        grad_k,
-        q,
-        k,
-        q_weight,
-        k_weight,
-        cos,
-        sin,
-        eps,
-        interleaved,
-        seq_dim,
-        rotary_dim,
-        dq,
-        dk,
-        dq_weight,
-        dk_weight,
-    )
-    return dq, dk, dq_weight, dk_weight
+    inputs = (grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim)
+    outputs = meta.rope.qk_norm_rope_backward(*inputs)
+    launch_backward(inputs, outputs)
+    return outputs
 
 
 def _setup_qk_norm_rope(ctx, inputs, output):

@@ -198,31 +198,14 @@ def launch_forward(
     )
 
 
-# ---------------------------------------------------------------- fused.rope
-
-
-def launch_backward(
-    grad_q: Tensor,
-    grad_k: Tensor,
-    q: Tensor,
-    k: Tensor,
-    q_weight: Tensor,
-    k_weight: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    eps: float,
-    interleaved: bool,
-    seq_dim: int,
-    rotary_dim: Optional[int],
-    dq: Tensor,
-    dk: Tensor,
-    dq_weight: Tensor,
-    dk_weight: Tensor,
-) -> None:
-    """Fill ``qk_norm_rope_backward``'s outputs (``dq``, ``dk`` in q's and k's
-    shapes, ``dq_weight``, ``dk_weight`` in the weights') from its fake: the
-    kernel's per-program partial rows of the weights' gradients, then their
+def launch_backward(inputs: tuple, outputs: tuple) -> None:
+    """Fill ``qk_norm_rope_backward``'s ``outputs`` (``dq``, ``dk``, ``dq_weight``,
+    ``dk_weight``, from its fake) for its ``inputs`` (``grad_q, grad_k, q, k,
+    q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim``): the
+    kernel's partial rows of the weights' gradients a program, then their
     column sums."""
+    grad_q, grad_k, q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim = inputs
+    dq, dk, dq_weight, dk_weight = outputs
     r, half = meta.rope.table_layout(q, cos, rotary_dim)
     r = int(r)
     d = q.shape[3]
