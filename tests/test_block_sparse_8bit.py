@@ -86,7 +86,7 @@ def _specified_on_the_pass_keys(k8, k_scale):
     k's mean in another order than torch's CPU sum, an fp32 ulp apart, which
     can move a code by one and a scale by an ulp: the operands differ, not the
     kernel under test, and one moved code weighs its key's whole probability
-    in the lse (3x the lse bound on a 9-key block, found on a GPU). Each use
+    in the lse (3x the lse bound in the case a GPU run found). Each use
     checks the pass's values against the specification's at the bounds of
     ``test_kernels_8bit_quantization_writes_the_specified_operands``."""
     specified = dense_ref.smooth_quantize_qk
