@@ -134,23 +134,15 @@ def _ptxas_report(ptx: str, directory, name: str) -> str:
 
 def _product_loop_spills(cubin) -> list:
     """``[(spill stores, spill loads)]`` (``STL``, ``LDL``) of each innermost
-    loop of a cubin's SASS that issues tensor-core products (``*GMMA``): an
-    attention kernel's key loops. A loop is a backward branch and its target;
-    the jumps back from the out-of-line mbarrier retries span whole loops
-    and are not innermost."""
+    loop of a cubin's SASS (``cubin``: its path) that issues tensor-core
+    products (``*GMMA``): an attention kernel's key loops. A loop is a
+    backward branch and its target; the jumps back from the out-of-line
+    mbarrier retries span whole loops and are not innermost."""
     import re
-    import subprocess
 
-    from triton import knobs
+    from bench.experiments.kernel_sass import sass_instructions
 
-    listing = subprocess.run(
-        [knobs.nvidia.cuobjdump.path, "-sass", str(cubin)], capture_output=True, text=True, check=True
-    ).stdout
-    code = []
-    for line in listing.splitlines():
-        match = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
-        if match:
-            code.append((int(match.group(1), 16), match.group(2).split(".")[0], match.group(3)))
+    code = [(address, op.split(".")[0], operands) for address, op, operands in sass_instructions(cubin.read_bytes())]
     loops = []
     for address, opcode, operands in code:
         target = re.search(r"0x([0-9a-f]+)", operands) if opcode == "BRA" else None
