@@ -1,0 +1,79 @@
+"""The 8-bit attention kernel alone, from whichever checkout is the working directory, for A/Bs between trees:
+
+    cd TREE && PYTHONPATH=. python /path/to/attention_8bit_trees.py OUT.json LABEL [ROUNDS]
+
+Three calls, each as its model makes it, timed by the profiler (the attention kernel's
+time, five calls, ``ROUNDS`` rounds):
+
+- Wan 2.1's sliding-tile lists at 480p (11.5% of blocks) and 720p (4.7%), q, k and v in
+  token order with the layout's tile order as ``token_order``: the 16-bit block-sparse call
+  (``exact``, the sm_90 core) and the 8-bit call Wan's self-attention makes before an FP8
+  ``to_out`` (``int8_fp8 rows``, the capped launch on sm_90);
+- Flux's dense shape, 1x24x4608x128, ``int8_fp8`` with q rounded in the kernel.
+
+Each row has a digest of the output's bytes, so two trees that should compute the same
+bits can be checked. Rows are appended to OUT.json with LABEL (which tree):
+``git archive REV | tar -x -C DIR`` gives the other tree.
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.getcwd())  # the tree under test, before this file's own
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+import compile_ops  # noqa: E402
+from bench.runners.block_sparse import WAN_HEADS, sliding_tile_inputs  # noqa: E402
+from bench.toolkit import kernel_profile  # noqa: E402
+
+
+def _calls() -> list:
+    """``[(shape name, provider, fn)]``."""
+    rows = torch.ops.fused.block_sparse_attention_int8_fp8_rows
+    calls = []
+    for grid in ("wan_480p", "wan_720p"):
+        layout, _, (q, k, v) = sliding_tile_inputs(grid, WAN_HEADS, "cuda")
+        lists = (layout.index, layout.count)
+
+        def exact(q=q, k=k, v=v, layout=layout, lists=lists):
+            return compile_ops.block_sparse_attention(q, k, v, *lists, seq_dim=1, token_order=layout.perm)
+
+        def eight_bit_rows(q=q, k=k, v=v, layout=layout, lists=lists):
+            return rows(q, k, v, *lists, q.shape[-1] ** -0.5, False, 1, None, layout.perm)
+
+        calls += [(grid, "exact", exact), (grid, "int8_fp8 rows", eight_bit_rows)]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 24, 4608, 128, device="cuda", generator=generator, dtype=torch.bfloat16) for _ in "qkv")
+    calls.append(("flux_4608", "int8_fp8", lambda: compile_ops.attention(q, k, v, precision="int8_fp8")))
+    return calls
+
+
+def main(argv=None) -> int:
+    args = argv or sys.argv[1:]
+    out, label = args[:2]
+    rounds = int(args[2]) if len(args) > 2 else 3
+    print("compile_ops from", compile_ops.__file__, flush=True)
+    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    results = json.load(open(out)) if os.path.exists(out) else {"env": env, "rows": []}
+    with torch.no_grad():
+        calls = _calls()
+        for rnd in range(rounds):
+            for shape, provider, fn in calls:
+                got = fn()
+                first = got[0] if isinstance(got, tuple) else got
+                digest = hashlib.sha256(first.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
+                profile = kernel_profile(fn, calls=5, top=1)
+                kernel, ms = profile["top"][0][:2]
+                row = dict(tree=label, shape=shape, provider=provider, round=rnd, kernel=kernel, kernel_ms=ms)
+                results["rows"].append(dict(row, digest=digest))
+                print(f"{label} {shape} r{rnd} {provider:14s} {ms:.4f} {kernel[:40]} {digest}", flush=True)
+            with open(out, "w") as f:
+                json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
