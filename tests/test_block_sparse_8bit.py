@@ -113,6 +113,20 @@ def _score_rounding_terms(q_hat, q_scale, k_hat, k_scale, scale):
     return row_factor, magnitude
 
 
+def _lse_bound(q, k, want_lse, seq_dim):
+    """``[B, Hq, Lq]``: how far the kernels' lse may lie from the specification's
+    ``want_lse`` (rows in q's order) on this q and k (the specification's
+    inputs, full precision): a row's score rounding (:func:`_score_rounding_terms`)
+    and the row sums of up to Lk fp32 terms on both sides (an absolute error of
+    their log)."""
+    d, lk, ulp = q.shape[-1], k.shape[seq_dim], 2.0**-24
+    q8, q_scale, k8, k_scale = dense_ref.smooth_quantize_qk(q, k, seq_dim)
+    q_hat = dense_ref.dequantize_int8(_bhld(q8, seq_dim), q_scale)
+    k_hat = dense_ref.dequantize_int8(_bhld(k8, seq_dim), k_scale, BLOCK)
+    row_factor, magnitude = _score_rounding_terms(q_hat, q_scale, k_hat, k_scale, d**-0.5)
+    return 1.5 * row_factor + (d + 4) * ulp * magnitude + 16 * ulp * want_lse.abs() + (2 * lk + 16) * ulp
+
+
 def _exponent_slack(q_hat, q_scale, k_hat, k_scale, scale):
     """``[B, Hq, Lq]``: how far (natural log) a kernel's exponent of a score may lie
     from the specification's: the lse check's per-score terms
@@ -373,13 +387,7 @@ def test_kernels_8bit_match_the_same_quantization_over_random_lists(case):
         )
         assert beyond < EIGHT_BIT[precision][1][dtype], (to_spec, beyond)
 
-        q8, q_scale, k8, k_scale = dense_ref.smooth_quantize_qk(qc, kc, seq_dim)
-        q_hat = dense_ref.dequantize_int8(_bhld(q8, seq_dim), q_scale)
-        k_hat = dense_ref.dequantize_int8(_bhld(k8, seq_dim), k_scale, BLOCK)
-        row_factor, magnitude = _score_rounding_terms(q_hat, q_scale, k_hat, k_scale, d**-0.5)
-        ulp, lk = 2.0**-24, kc.shape[seq_dim]
-        # ... and the row sums of up to Lk fp32 terms on both sides (an absolute error of their log).
-        bound = 1.5 * row_factor + (d + 4) * ulp * magnitude + 16 * ulp * want_lse.abs() + (2 * lk + 16) * ulp
+        bound = _lse_bound(qc, kc, want_lse, seq_dim)
         seen = ~unseen
         assert ((lse - want_lse).abs()[seen] <= bound[seen]).all(), (lse - want_lse).abs()[seen].max()
 
@@ -602,13 +610,8 @@ def test_kernels_8bit_in_a_token_order_match_the_specification(case):
         assert beyond < EIGHT_BIT[precision][1][dtype], (to_spec, beyond)
         # The lse within the other property's bound, taken on the permuted call, its rows put back at their tokens.
         tiled_q, tiled_k = (t.index_select(seq_dim, order) for t in (qc, kc))
-        q8, q_scale, k8, k_scale = dense_ref.smooth_quantize_qk(tiled_q, tiled_k, seq_dim)
-        q_hat = dense_ref.dequantize_int8(_bhld(q8, seq_dim), q_scale)
-        k_hat = dense_ref.dequantize_int8(_bhld(k8, seq_dim), k_scale, BLOCK)
-        row_factor, magnitude = _score_rounding_terms(q_hat, q_scale, k_hat, k_scale, d**-0.5)
         bound = torch.empty_like(want_lse)
-        bound[:, :, order] = 1.5 * row_factor + (d + 4) * 2.0**-24 * magnitude
-        bound += 16 * 2.0**-24 * want_lse.abs() + (2 * kc.shape[seq_dim] + 16) * 2.0**-24
+        bound[:, :, order] = _lse_bound(tiled_q, tiled_k, want_lse[:, :, order], seq_dim)
         seen = ~unseen
         assert ((lse - want_lse).abs()[seen] <= bound[seen]).all(), (lse - want_lse).abs()[seen].max()
 
