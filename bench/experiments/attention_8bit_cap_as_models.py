@@ -23,13 +23,13 @@ uncapped ones.
 """
 
 import argparse
+import functools
 import json
 
 import torch
 import triton
 
-import compile_ops
-from bench.runners.block_sparse import WAN_HEADS, sliding_tile_inputs
+from bench.runners.block_sparse import WAN_HEADS, as_models_call, sliding_tile_inputs
 from bench.toolkit import kernel_profile
 from compile_ops._library import clear_launch_plans
 from compile_ops.ops import attention_launch
@@ -51,20 +51,10 @@ def main(argv=None) -> int:
     rows = results["rows"] = []
     for grid in ("wan_480p", "wan_720p"):
         layout, _, (q, k, v) = sliding_tile_inputs(grid, WAN_HEADS, "cuda")
-        scale = q.shape[-1] ** -0.5
-        lists = (layout.index, layout.count)
-
-        def exact():
-            return compile_ops.block_sparse_attention(q, k, v, *lists, seq_dim=1, token_order=layout.perm)
-
-        def eight_bit():
-            return compile_ops.block_sparse_attention(
-                q, k, v, *lists, seq_dim=1, precision="int8_fp8", token_order=layout.perm
-            )
-
-        def eight_bit_rows():
-            rows = torch.ops.fused.block_sparse_attention_int8_fp8_rows
-            return rows(q, k, v, *lists, scale, False, 1, None, layout.perm)
+        exact, eight_bit, eight_bit_rows = (
+            functools.partial(as_models_call(layout, provider), q, k, v)
+            for provider in ("exact", "int8_fp8", "int8_fp8 rows")
+        )
 
         candidates = [("exact", None, exact)]
         for name, fn in (("int8_fp8", eight_bit), ("int8_fp8 rows", eight_bit_rows)):

@@ -16,21 +16,12 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import compile_ops
-from bench.runners.block_sparse import WAN_HEADS, sliding_tile_inputs
+from bench.runners.block_sparse import WAN_HEADS, as_models_call, sliding_tile_inputs
 
 
 def main() -> int:
     layout, _, (q, k, v) = sliding_tile_inputs("wan_480p", WAN_HEADS, "cuda")
-    scale = q.shape[-1] ** -0.5
-    lists = (layout.index, layout.count)
-
-    def sparse(q, k, v):
-        return compile_ops.block_sparse_attention(
-            q, k, v, *lists, seq_dim=1, precision="int8_fp8", token_order=layout.perm
-        )
-
-    def rows(q, k, v):
-        return torch.ops.fused.block_sparse_attention_int8_fp8_rows(q, k, v, *lists, scale, False, 1, None, layout.perm)
+    sparse, rows = as_models_call(layout, "int8_fp8"), as_models_call(layout, "int8_fp8 rows")
 
     def dense(q, k, v):
         return compile_ops.attention(q[:, :4608], k[:, :4608], v[:, :4608], seq_dim=1, precision="int8_fp8")

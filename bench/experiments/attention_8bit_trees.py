@@ -16,6 +16,7 @@ bits can be checked. Rows are appended to OUT.json with LABEL (which tree):
 ``git archive REV | tar -x -C DIR`` gives the other tree.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -26,25 +27,17 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import compile_ops  # noqa: E402
-from bench.runners.block_sparse import WAN_HEADS, sliding_tile_inputs  # noqa: E402
+from bench.runners.block_sparse import WAN_HEADS, as_models_call, sliding_tile_inputs  # noqa: E402
 from bench.toolkit import kernel_profile  # noqa: E402
 
 
 def _calls() -> list:
     """``[(shape name, provider, fn)]``."""
-    rows = torch.ops.fused.block_sparse_attention_int8_fp8_rows
     calls = []
     for grid in ("wan_480p", "wan_720p"):
         layout, _, (q, k, v) = sliding_tile_inputs(grid, WAN_HEADS, "cuda")
-        lists = (layout.index, layout.count)
-
-        def exact(q=q, k=k, v=v, layout=layout, lists=lists):
-            return compile_ops.block_sparse_attention(q, k, v, *lists, seq_dim=1, token_order=layout.perm)
-
-        def eight_bit_rows(q=q, k=k, v=v, layout=layout, lists=lists):
-            return rows(q, k, v, *lists, q.shape[-1] ** -0.5, False, 1, None, layout.perm)
-
-        calls += [(grid, "exact", exact), (grid, "int8_fp8 rows", eight_bit_rows)]
+        for provider in ("exact", "int8_fp8 rows"):
+            calls.append((grid, provider, functools.partial(as_models_call(layout, provider), q, k, v)))
     generator = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, 24, 4608, 128, device="cuda", generator=generator, dtype=torch.bfloat16) for _ in "qkv")
     calls.append(("flux_4608", "int8_fp8", lambda: compile_ops.attention(q, k, v, precision="int8_fp8")))

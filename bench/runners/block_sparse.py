@@ -225,6 +225,26 @@ def sliding_tile_inputs(grid_name: str, heads: int, device: str) -> tuple:
     return layout, (q, k, v), tokens
 
 
+def as_models_call(layout, provider: str):
+    """Wan's sparse self-attention as a patched model calls it on ``layout``'s
+    lists: a function of q, k, v ``[1, L, H, D]`` in token order (the third item
+    of :func:`sliding_tile_inputs`), with the layout's tile order as
+    ``token_order``. ``provider``: ``"exact"`` (16-bit, the sm_90 core),
+    ``"int8_fp8"`` (8-bit operands, 16-bit output) or ``"int8_fp8 rows"`` (the
+    FP8 output rows Wan's self-attention hands an FP8 ``to_out``)."""
+    import compile_ops
+
+    lists = (layout.index, layout.count)
+    if provider == "int8_fp8 rows":
+        rows = torch.ops.fused.block_sparse_attention_int8_fp8_rows
+        return lambda q, k, v: rows(q, k, v, *lists, q.shape[-1] ** -0.5, False, 1, None, layout.perm)
+    if provider not in ("exact", "int8_fp8"):
+        raise ValueError(f"provider: 'exact', 'int8_fp8' or 'int8_fp8 rows', not {provider!r}")
+    return lambda q, k, v: compile_ops.block_sparse_attention(
+        q, k, v, *lists, seq_dim=1, precision=provider, token_order=layout.perm
+    )
+
+
 def precision_rows(
     grid_name: str, precisions: list, repeats: int, time_ms, device: str, heads: int = WAN_HEADS, ordered=False
 ) -> list:
