@@ -6,7 +6,9 @@ tiles, with the guard that rule needs under dynamic shapes; 8-bit only on q
 and k given in int8). What it computes, on an H100/H200 only: the portable
 ``attn_fwd_kernel``'s output and lse (dense, causal, key lengths,
 block-sparse, and the INT8_FP8 mode), the D = 64 wide tiles within the
-two-reference rule, on any grid and compiled. The sm_90 backward is in
+two-reference rule, on any grid and compiled. Block-sparse 8-bit
+attention's Gluon forward (``attn8_fwd_sm90_kernel``): where it is taken,
+and that it gives the portable kernel's bytes. The sm_90 backward is in
 test_attention_backward.py.
 """
 
@@ -438,4 +440,96 @@ def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
         torch.testing.assert_close(got[0], want, rtol=2.0**-7, atol=1e-5, msg=lambda m: f"{case}: {m}")
         for again in (got[1], compiled):
             assert torch.equal(again, got[0]), case
+    clear_launch_plans()
+
+
+def test_block_sparse_8bit_forward_takes_its_gluon_kernel_exactly_where_it_computes_the_call(monkeypatch):
+    """``takes_sm90_8bit`` on fake CUDA tensors of a faked sm_90 GPU: block
+    lists, FP8 P V, q given in int8, D = 128, TMA-aligned operands take
+    ``attn8_fwd_sm90_kernel``; a causal mask, key lengths, dense or
+    zero-width lists, q rounded by the kernel, 16-bit P V, D = 64, q rows
+    not 16 bytes apart, a GPU without wgmma and an AOTInductor build stay on
+    ``attn_fwd_kernel``."""
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compile_ops.ops import attention_sm90
+    from compile_ops.ops.attention_args import attention_sizes
+
+    monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: t.device.type == "cuda")
+    with FakeTensorMode():
+        q8, k8 = (torch.empty(1, 300, 2, 128, dtype=torch.int8, device="cuda") for _ in range(2))
+        vt8 = torch.empty(1, 2, 128, 304, dtype=torch.float8_e4m3fn, device="cuda")
+        lists = (torch.zeros(1, 2, 3, 3, dtype=torch.int32, device="cuda"), torch.ones(1, 2, 3, dtype=torch.int32))
+        kv_lengths = torch.full((1,), 300, dtype=torch.int32, device="cuda")
+
+        def takes(q=q8, k=k8, causal=False, kv=None, blocks=lists, rounds_q=False, pv_fp8=True):
+            sizes = attention_sizes(q, k, causal, 1, kv)
+            return attention_sm90.takes_sm90_8bit(sizes, q, k, vt8, 1, blocks, rounds_q, pv_fp8)
+
+        assert takes()
+        assert not takes(causal=True)
+        assert not takes(kv=kv_lengths)
+        assert not takes(blocks=None)
+        assert not takes(blocks=(torch.empty(1, 2, 3, 0, dtype=torch.int32, device="cuda"), lists[1]))
+        assert not takes(rounds_q=True)
+        assert not takes(pv_fp8=False)
+        q64, k64 = (torch.empty(1, 300, 2, 64, dtype=torch.int8, device="cuda") for _ in range(2))
+        assert not takes(q=q64, k=k64)
+        # Rows 136 bytes apart: not the 16-byte multiple a TMA descriptor takes.
+        unaligned = torch.empty_strided(
+            (1, 300, 2, 128), (300 * 2 * 136, 2 * 136, 136, 1), dtype=torch.int8, device="cuda"
+        )
+        assert not takes(q=unaligned)
+        with V.set_aot_compilation(True):
+            assert not takes()
+        monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: False)
+        assert not takes()
+
+
+@pytest.mark.skipif(not _SM90, reason="the Gluon kernels run on sm_90 GPUs only")
+def test_block_sparse_8bit_gluon_forward_computes_what_the_portable_kernel_does(monkeypatch):
+    """``attn8_fwd_sm90_kernel`` against ``attn_fwd_kernel`` (taken by
+    turning ``takes_sm90_8bit`` off) on the same calls: block-sparse
+    ``int8_fp8`` in tile order and in a token order, and the FP8 rows, over
+    random sorted lists with an empty query block a head and the ragged
+    last key block listed, GQA, lengths that are and are not multiples of 64
+    and 128, both layouts: the same output bytes and lse (and rows' scales),
+    eagerly, replayed and compiled; the Gluon kernel is launched."""
+    from compile_ops.ops import attention_launch
+
+    launched = []
+    real_launch = attention_launch.launch_sm90_8bit
+    monkeypatch.setattr(attention_launch, "launch_sm90_8bit", lambda *a: launched.append(1) or real_launch(*a))
+    bs_int8_fp8 = torch.ops.fused.block_sparse_attention
+    rows_op = torch.ops.fused.block_sparse_attention_int8_fp8_rows
+    for b, h, hk, length, seq_dim in [(1, 4, 4, 1000, 2), (2, 8, 2, 333, 1), (1, 2, 1, 77, 2), (1, 6, 6, 4608, 1)]:
+        torch.manual_seed(length)
+        shape = (lambda hh: (b, hh, length, 128)) if seq_dim == 2 else (lambda hh: (b, length, hh, 128))
+        q = torch.randn(shape(h), device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(shape(hk), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        index, count = _sorted_block_lists(b, h, length, length, seed=length)
+        tokens = torch.randperm(length, device="cuda")
+        calls = {
+            "tile": lambda: bs_int8_fp8(q, k, v, index, count, 128**-0.5, False, seq_dim, None, "int8_fp8"),
+            "tokens": lambda: bs_int8_fp8(q, k, v, index, count, 128**-0.5, False, seq_dim, None, "int8_fp8", tokens),
+            "rows": lambda: rows_op(q, k, v, index, count, 128**-0.5, False, seq_dim, None, tokens),
+        }
+        for name, call in calls.items():
+            case = (b, h, hk, length, seq_dim, name)
+            with torch.no_grad():
+                clear_launch_plans()
+                launched.clear()
+                got = [call() for _ in range(2)]  # the second replays the first's launch plan
+                assert launched, case
+                compiled = torch.compile(call, fullgraph=True)()
+                with monkeypatch.context() as m:
+                    m.setattr(attention_launch, "takes_sm90_8bit", lambda *a: False)
+                    clear_launch_plans()
+                    launched.clear()
+                    want = call()
+                    assert not launched, case
+            for result in (*got, compiled):
+                for have, expected in zip(result, want):
+                    assert torch.equal(have.view(torch.uint8), expected.view(torch.uint8)), case
     clear_launch_plans()

@@ -1,7 +1,8 @@
 """Layer 2b, the Gluon kernels: the sm_90 attention cores compile for an H100, on CPU.
 
 The persistent forward core (kernels/attention_sm90.py), every variant
-``forward_tiles`` gives it and the 8-bit ones, and the five-product backward
+``forward_tiles`` gives it and the 8-bit ones, block-sparse 8-bit
+attention's forward (kernels/attention_sm90_8bit.py), and the five-product backward
 (kernels/attention_sm90_backward.py) with the Triton passes around it, are
 compiled ahead of time for sm_90 with their partitions' register budgets
 (``setmaxnreg``) under the launch's register bound; ptxas's report and the
@@ -142,6 +143,57 @@ def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(variant
     if name.startswith("int8_fp8"):  # dense (named by its stages), over lists, over lists causal with key lengths
         bound = 13 if "stages" in name else 82 if "causal" in name else 24
     assert len(item_spills) <= bound, (name, item_spills)
+
+
+@pytest.mark.parametrize("lists", ["i32", "i64"])
+@pytest.mark.parametrize("front", ["tile-order", "token-order", "fp8-rows", "token-order-fp8-rows"])
+def test_block_sparse_8bit_forward_compiles_for_sm90_without_spills(front, lists):
+    """``attn8_fwd_sm90_kernel`` (kernels/attention_sm90_8bit.py), each front
+    end (tile or token order, 16-bit output or FP8 rows) over int32 and int64
+    lists: it compiles for sm_90 under its launch's register bound, spills
+    nothing (no local-memory access in its SASS), and takes at most a third of an SM's shared memory, so
+    that three programs fit an SM."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from compile_ops.kernels.attention_sm90_8bit import attn8_fwd_sm90_kernel as kernel
+    from compile_ops.ops import attention_sm90
+
+    scatter, fp8_rows = front.startswith("token-order"), front.endswith("fp8-rows")
+    pointers = dict(
+        Q="*i8",
+        K="*i8",
+        V="*fp8e4nv",
+        OUT="*fp8e4nv" if fp8_rows else "*bf16",
+        LSE="*fp32",
+        BLOCKS=f"*{lists}",
+        COUNTS=f"*{lists}",
+        Q_SCALE="*fp32",
+        K_SCALE="*fp32",
+        V_SCALE="*fp32",
+        ROW_SCALE="*fp32",
+        OUT_SCALE="*fp32",
+        TOKENS="*i64",
+    )
+    constants = dict(D=128, STAGES=attention_sm90.SM90_8BIT_STAGES, SCATTER=scatter, OUT_FP8=fp8_rows, num_warps=4)
+    if not fp8_rows:
+        constants.update(ROW_SCALE=None, OUT_SCALE=None)
+    if not scatter:
+        constants.update(TOKENS=None)
+    signature = {
+        p: "constexpr" if p in constants else pointers.get(p, "fp32" if p == "scale" else "i32")
+        for p in kernel.arg_names
+    }
+    compiled = triton.compile(
+        GluonASTSource(fn=kernel, signature=signature, constexprs=constants),
+        target=GPUTarget("cuda", 90, 32),
+        options=attention_sm90.SM90_8BIT_LAUNCH,
+    )
+    from bench.experiments.kernel_sass import sass_instructions
+
+    # The cubin Triton built (its ptxas flags, not ptxas -v's defaults): no local-memory access at all.
+    local = [op for _, op, _ in sass_instructions(compiled.asm["cubin"]) if op.split(".")[0] in ("STL", "LDL")]
+    assert not local, (front, lists, len(local))
+    assert 3 * compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared  # sm_90's shared memory a block
 
 
 def test_five_product_backward_kernels_compile_for_sm90(monkeypatch, tmp_path):

@@ -2,7 +2,8 @@
 fill the outputs of every attention op (dense, block-sparse, 8-bit) from
 its fake, on the Triton kernels or, where ``ops/attention_sm90.py`` takes the
 call, the sm_90 Gluon kernels; traced calls of the forward under a register
-cap go through the opaque ``fused_gluon.attention_forward_capped_``."""
+cap or on block-sparse 8-bit attention's Gluon forward go through the opaque
+``fused_gluon.attention_forward_capped_``."""
 
 from typing import Optional
 
@@ -27,12 +28,15 @@ from compile_ops.kernels.attention_backward import (
     attn_bwd_row_stats_kernel,
 )
 from compile_ops.kernels.attention_sm90 import attn_fwd_sm90_kernel
+from compile_ops.kernels.attention_sm90_8bit import attn8_fwd_sm90_kernel
 from compile_ops.ops._launch import acc_dtype, dot_precision, unit_last_stride
 from compile_ops.ops.attention_args import attention_sizes, bhl_strides, block_list_args, take_tma
 from compile_ops.ops.attention_sm90 import (
     can_run_gluon,
+    launch_sm90_8bit,
     launch_sm90_backward,
     launch_sm90_core,
+    takes_sm90_8bit,
     takes_sm90_backward,
     takes_sm90_core,
     takes_sm90_dkdv,
@@ -117,7 +121,8 @@ def launch_forward(
         return
     # attn_fwd_kernel's own tiles; a register cap only where an opaque op may launch them
     t = forward_tiles(int(sizes.d), out.dtype, has_tma(q), precision, register_cap=can_run_gluon(q))
-    if t.maxnreg is not None and not on_eager_fast_path():
+    sm90_8bit = takes_sm90_8bit(sizes, q, k, v, seq_dim, blocks, int8 and q_scale is None, pv_fp8)
+    if (sm90_8bit or t.maxnreg is not None) and not on_eager_fast_path():
         torch.ops.fused_gluon.attention_forward_capped_(
             q,
             k,
@@ -132,6 +137,24 @@ def launch_forward(
             *(int8_scales or (None, None)),
             v_scale,
             *(fp8_rows or (None, None)),
+            tokens,
+        )
+        return
+    if sm90_8bit:
+        launch_sm90_8bit(
+            launcher(attn8_fwd_sm90_kernel),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            scale,
+            seq_dim,
+            blocks,
+            q_scale,
+            k_scale,
+            v_scale,
+            fp8_rows,
             tokens,
         )
         return
@@ -216,9 +239,10 @@ def _attention_forward_capped(
     tokens: Optional[Tensor] = None,
 ) -> None:
     """:func:`launch_forward` of a call whose ``attn_fwd_kernel`` tiles carry a
-    register cap, as an op of its own for traced calls: Inductor's launch
-    configs keep a user kernel's warps and stages, not its ``maxnreg``, so a
-    compiled graph calls this op, which launches the kernel as an eager call
+    register cap, or that runs ``attn8_fwd_sm90_kernel`` (Gluon), as an op of
+    its own for traced calls: Inductor's launch configs keep a user kernel's
+    warps and stages, not its ``maxnreg``, and cannot trace a Gluon kernel, so
+    a compiled graph calls this op, which launches the kernel as an eager call
     does. Not a public op (as ``fused_gluon.attention_forward_sm90_``)."""
     launch_untraced(
         launch_forward,

@@ -1,8 +1,9 @@
 """The sm_90 Gluon kernels' side of the attention launchers: which calls run
-the warp-specialized forward core (:func:`takes_sm90_core`) and the
-five-product backward (:func:`takes_sm90_backward`, :func:`takes_sm90_dkdv`),
-how they are launched, and the opaque ``fused_gluon`` ops traced calls reach
-them through."""
+the warp-specialized forward core (:func:`takes_sm90_core`), block-sparse
+8-bit attention's forward (:func:`takes_sm90_8bit`) and the five-product
+backward (:func:`takes_sm90_backward`, :func:`takes_sm90_dkdv`), how they
+are launched, and the opaque ``fused_gluon`` ops traced calls reach them
+through."""
 
 import functools
 import heapq
@@ -70,6 +71,101 @@ def takes_sm90_core(
         and tma_ready(v_seq_dim, v)
         and not _broadcast(seq_dim, q, k)
         and not _broadcast(v_seq_dim, v)
+    )
+
+
+#: Block-sparse 8-bit attention's forward on sm_90 (kernels/attention_sm90_8bit.py): K/V buffers, and
+#: the launch: one warp group a program, ``maxnreg`` 168 for three programs an SM.
+SM90_8BIT_STAGES = 2
+SM90_8BIT_LAUNCH = dict(num_warps=4, maxnreg=168)
+
+
+def takes_sm90_8bit(
+    sizes: AttentionSizes,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seq_dim: int,
+    blocks: Optional[tuple],
+    rounds_q: bool,
+    pv_fp8: bool,
+) -> bool:
+    """Whether an 8-bit forward runs on ``attn8_fwd_sm90_kernel``: a Gluon
+    GPU, block lists at least one entry wide, FP8 P V with q given in int8
+    (not ``rounds_q``), neither causal nor key lengths, at least one key,
+    D = 128, TMA-aligned q and k and transposed v (``[B, Hk, D, Lk16]``), no
+    broadcast strides; the rest stays on ``attn_fwd_kernel``."""
+    return (
+        can_run_gluon(q)
+        and blocks is not None
+        and blocks[0].shape[-1] > 0
+        and pv_fp8
+        and not rounds_q
+        and not sizes.causal
+        and not sizes.has_kv_len
+        and sizes.lk > 0
+        and int(sizes.d) == 128
+        and tma_ready(seq_dim, q, k)
+        and tma_ready(2, v)
+        and not _broadcast(seq_dim, q, k)
+        and not _broadcast(2, v)
+    )
+
+
+def launch_sm90_8bit(
+    kernel,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    seq_dim: int,
+    blocks: tuple,
+    q_scale: Tensor,
+    k_scale: Tensor,
+    v_scale: Tensor,
+    fp8_rows: Optional[tuple] = None,
+    tokens: Optional[Tensor] = None,
+) -> None:
+    """Launch ``attn8_fwd_sm90_kernel`` (``kernel``: it, or the launch-plan
+    recorder's proxy of it) on ``launch_forward``'s arguments that
+    :func:`takes_sm90_8bit` accepted: ``fp8_rows`` ``(row_scale [B],
+    out_scale [B, Lq])`` (out e4m3 ``[B, Lq, H, D]``), ``tokens`` ``[Lq]``
+    its token order (``attn_fwd_kernel``'s OUT_FP8 and SCATTER)."""
+    b, h, lq, d = meta.attention.dims(q, seq_dim)
+    hk, lk = meta.attention.dims(k, seq_dim)[1:3]
+    row_scale, out_scale = fp8_rows if fp8_rows is not None else (None, None)
+    triton.set_allocator(tma_scratch)  # the kernel builds its TMA descriptors on the device
+    kernel[(triton.cdiv(lq, 64), b * h)](
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *blocks,
+        q_scale,
+        k_scale,
+        v_scale,
+        row_scale,
+        out_scale,
+        tokens,
+        *bhl_strides(q, seq_dim),
+        *bhl_strides(k, seq_dim),
+        *bhl_strides(v, 2),
+        *bhl_strides(out, 1 if fp8_rows is not None else seq_dim),
+        *block_list_args(blocks)[2:],
+        b,
+        h,
+        h // hk,
+        lq,
+        lk,
+        float(scale),
+        D=d,
+        STAGES=SM90_8BIT_STAGES,
+        SCATTER=tokens is not None,
+        OUT_FP8=fp8_rows is not None,
+        **SM90_8BIT_LAUNCH,
     )
 
 
