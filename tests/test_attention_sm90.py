@@ -521,7 +521,8 @@ def test_block_sparse_8bit_gluon_forward_computes_what_the_portable_kernel_does(
                 clear_launch_plans()
                 launched.clear()
                 got = [call() for _ in range(2)]  # the second replays the first's launch plan
-                assert launched, case
+                # In tile order q is rounded by attn_fwd_kernel as it loads it (QUANTIZE_Q): not the Gluon kernel's.
+                assert bool(launched) == (name != "tile"), case
                 compiled = torch.compile(call, fullgraph=True)()
                 with monkeypatch.context() as m:
                     m.setattr(attention_launch, "takes_sm90_8bit", lambda *a: False)
