@@ -332,7 +332,7 @@ HEADLINE_ROWS = (
     ),
     (
         "Wan 2.1 1.3B 720p, FP8 + sparse 8-bit attention",
-        "sparse-e2e-720p-after-cap-h100.json",
+        "sparse-e2e-720p-gluon-8bit-h100.json",
         "wan_step_720p",
         "sparse_fp8_int8_fp8_compiled",
         '`precision="fp8", attention=SlidingTile(...), attention_precision="int8_fp8"`',
