@@ -67,15 +67,6 @@ def _key_tile(
     acc,
     m,
     l,
-    q_smem,
-    k_smem,
-    v_smem,
-    ready,
-    k_desc,
-    v_desc,
-    blocks,
-    row_q,
-    k_scales,
     args,
     MASKED: gl.constexpr,
     s_layout: gl.constexpr,
@@ -85,7 +76,7 @@ def _key_tile(
     """Key tile j: its scores' product issued, then tile ``j + STAGES - 1``'s
     loads into the buffer tile j - 1 used, then the softmax step and the FP8
     P V product added to ``acc``; ``(acc, m, l)``."""
-    s_init, o_zero, qk_scale, b, hk, Lk = args
+    q_smem, k_smem, v_smem, ready, k_desc, v_desc, blocks, row_q, k_scales, s_init, o_zero, qk_scale, b, hk, Lk = args
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     STAGES: gl.constexpr = k_smem.shape[0]
     stage = j % STAGES
@@ -207,7 +198,24 @@ def attn8_fwd_sm90_kernel(
     row_q = gl.load(Q_SCALE + bh.to(gl.int64) * Lq + rows, mask=rows < Lq, other=1.0)
     k_scales = K_SCALE + (b * (H // GROUP) + hk) * gl.cdiv(Lk, BLOCK_N)
     o_zero = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    args = (gl.full([BLOCK_M, BLOCK_N], INT8_BIAS_BITS, gl.int32, s_layout), o_zero, scale * LOG2E, b, hk, Lk)
+    s_init = gl.full([BLOCK_M, BLOCK_N], INT8_BIAS_BITS, gl.int32, s_layout)
+    args = (
+        q_smem,
+        k_smem,
+        v_smem,
+        ready,
+        k_desc,
+        v_desc,
+        blocks,
+        row_q,
+        k_scales,
+        s_init,
+        o_zero,
+        scale * LOG2E,
+        b,
+        hk,
+        Lk,
+    )
     acc = o_zero
     m = gl.full([BLOCK_M], float("-inf"), gl.float32, s_rows)
     l = gl.zeros([BLOCK_M], gl.float32, s_rows)
@@ -217,49 +225,9 @@ def attn8_fwd_sm90_kernel(
     if count > 0:
         unmasked -= (tile_start(count - 1, blocks, BLOCK_N, BLOCK_N, True) + BLOCK_N > Lk).to(gl.int32)
     for j in range(unmasked):
-        acc, m, l = _key_tile(
-            j,
-            count,
-            acc,
-            m,
-            l,
-            q_smem,
-            k_smem,
-            v_smem,
-            ready,
-            k_desc,
-            v_desc,
-            blocks,
-            row_q,
-            k_scales,
-            args,
-            False,
-            s_layout,
-            p_layout,
-            o_rows,
-        )
+        acc, m, l = _key_tile(j, count, acc, m, l, args, False, s_layout, p_layout, o_rows)
     for j in range(unmasked, count):
-        acc, m, l = _key_tile(
-            j,
-            count,
-            acc,
-            m,
-            l,
-            q_smem,
-            k_smem,
-            v_smem,
-            ready,
-            k_desc,
-            v_desc,
-            blocks,
-            row_q,
-            k_scales,
-            args,
-            True,
-            s_layout,
-            p_layout,
-            o_rows,
-        )
+        acc, m, l = _key_tile(j, count, acc, m, l, args, True, s_layout, p_layout, o_rows)
 
     empty = l == 0.0
     l = gl.where(empty, 1.0, l)
