@@ -8,7 +8,7 @@ time, five calls, ``ROUNDS`` rounds):
 - Wan 2.1's sliding-tile lists at 480p (11.5% of blocks) and 720p (4.7%), q, k and v in
   token order with the layout's tile order as ``token_order``: the 16-bit block-sparse call
   (``exact``, the sm_90 core) and the 8-bit call Wan's self-attention makes before an FP8
-  ``to_out`` (``int8_fp8 rows``, the capped launch on sm_90);
+  ``to_out`` (``int8_fp8 rows``: on sm_90 ``attn8_fwd_sm90_kernel``, before it the capped launch);
 - Flux's dense shape, 1x24x4608x128, ``int8_fp8`` with q rounded in the kernel.
 
 Each row has a digest of the output's bytes, so two trees that should compute the same
