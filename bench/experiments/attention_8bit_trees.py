@@ -9,7 +9,9 @@ time, five calls, ``ROUNDS`` rounds):
   token order with the layout's tile order as ``token_order``: the 16-bit block-sparse call
   (``exact``, the sm_90 core) and the 8-bit call Wan's self-attention makes before an FP8
   ``to_out`` (``int8_fp8 rows``: on sm_90 ``attn8_fwd_sm90_kernel``, before it the capped launch);
-- Flux's dense shape, 1x24x4608x128, ``int8_fp8`` with q rounded in the kernel.
+- Flux's dense shape, 1x24x4608x128, ``int8_fp8`` with q rounded in the kernel, and with q and
+  k given in int8 (``attention_qk8``, as after ``fused.qk_rope_int8``), and the latter at Wan
+  2.1 480p's dense 1x12x32760x128.
 
 Each row has a digest of the output's bytes, so two trees that should compute the same
 bits can be checked. Rows are appended to OUT.json with LABEL (which tree):
@@ -29,6 +31,7 @@ import triton  # noqa: E402
 import compile_ops  # noqa: E402
 from bench.runners.block_sparse import WAN_HEADS, as_models_call, sliding_tile_inputs  # noqa: E402
 from bench.toolkit import kernel_profile  # noqa: E402
+from compile_ops.reference.attention import smooth_quantize_qk  # noqa: E402
 
 
 def _calls() -> list:
@@ -39,8 +42,15 @@ def _calls() -> list:
         for provider in ("exact", "int8_fp8 rows"):
             calls.append((grid, provider, functools.partial(as_models_call(layout, provider), q, k, v)))
     generator = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, 24, 4608, 128, device="cuda", generator=generator, dtype=torch.bfloat16) for _ in "qkv")
-    calls.append(("flux_4608", "int8_fp8", lambda: compile_ops.attention(q, k, v, precision="int8_fp8")))
+    for name, heads, length in (("flux_4608", 24, 4608), ("wan_480p_dense", 12, 32760)):
+        q, k, v = (
+            torch.randn(1, heads, length, 128, device="cuda", generator=generator, dtype=torch.bfloat16) for _ in "qkv"
+        )
+        if name == "flux_4608":
+            calls.append((name, "int8_fp8", functools.partial(compile_ops.attention, q, k, v, precision="int8_fp8")))
+        q8, q_scale, k8, k_scale = smooth_quantize_qk(q, k, 2)
+        qk8 = functools.partial(torch.ops.fused.attention_qk8, q8, q_scale, k8, k_scale, v, 128**-0.5, False, 2, None)
+        calls.append((name, "int8_fp8 q8", functools.partial(qk8, True)))
     return calls
 
 
