@@ -2,7 +2,7 @@
 
     cd TREE && PYTHONPATH=. python /path/to/attention_8bit_trees.py OUT.json LABEL [ROUNDS]
 
-Three calls, each as its model makes it, timed by the profiler (the attention kernel's
+These calls, each as its model makes it, timed by the profiler (the attention kernel's
 time, five calls, ``ROUNDS`` rounds):
 
 - Wan 2.1's sliding-tile lists at 480p (11.5% of blocks) and 720p (4.7%), q, k and v in
