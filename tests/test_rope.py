@@ -547,10 +547,9 @@ def test_kernels_quantizing_rotation_writes_the_specified_operands(norm, seq_dim
         assert q8.dtype == k8.dtype == torch.int8 and q8.shape == q.shape and k8.shape == k.shape
         assert q_scale.shape == (b, hq, length) and k_scale.shape == (b, hk, -(-length // 128))
         if norm and KERNEL_DEVICE == "cuda":
-            # The quantizing passes' register layouts (the first pass's 128 positions a program, the
-            # second's INT8 stores) may sum the norm's squares in another order than the 16-bit op's:
-            # a rare 16-bit value rounds to its neighbour, which moves its INT8 value by at most 1
-            # and its row's scale by at most one 16-bit step.
+            # The quantizing kernel's layout (128 positions a program) sums the norm's squares in
+            # another order than the 16-bit op's: a rare 16-bit value rounds to its neighbour, which
+            # moves its INT8 value by at most 1 and its row's scale by at most one 16-bit step.
             assert (q8.int() - want[0].int()).abs().max() <= 1 and (q8 != want[0]).float().mean() < 1e-3
             torch.testing.assert_close(q_scale, want[1], rtol=2**-7, atol=0)
             assert (q_scale != want[1]).float().mean() < 1e-2
@@ -558,50 +557,6 @@ def test_kernels_quantizing_rotation_writes_the_specified_operands(norm, seq_dim
             assert torch.equal(q8, want[0]) and torch.equal(q_scale, want[1])
         assert (k8.int() - want[2].int()).abs().max() <= 1 and (k8 != want[2]).float().mean() < 1e-3
         torch.testing.assert_close(k_scale, want[3], rtol=1e-6, atol=0)
-
-
-@pytest.mark.kernels
-@pytest.mark.parametrize("norm, seq_dim", [(None, 1), ("head", 2)], ids=["rope_qk", "qk_norm_rope"])
-def test_kernels_quantizing_rotation_scales_a_key_block_by_all_its_positions(norm, seq_dim):
-    """The second pass quantizes k in programs of fewer positions than a block
-    of 128 keys (32 at D = 64), each block's scale coming from the first
-    pass's column maxima and minima over the block's positions below L.
-    Spikes in channels past the rotary dim (not rotated: their sign stays)
-    make the largest ``|k - mean|`` of three blocks sit past their first
-    program: above the mean (head 0, block 0), below it (head 1, block 1)
-    and in the partial last block (head 0). Head 1's channel 49 is far from
-    zero everywhere: counting the last block's positions past L as zeros
-    would set that block's scale. Every program of a block must quantize by
-    the whole block's scale, and store it: the specification's k."""
-    torch.manual_seed(0)
-    b, hq, hk, length, d, r = 1, 1, 2, 300, 64, 48
-    q, k, cos, sin = _int8_rope_case(seq_dim, b, hq, hk, length, d, r, torch.float16, KERNEL_DEVICE)
-    # (head, position, channel, value): position // 128 is the key block.
-    spikes = [(0, 100, 60, 100.0), (1, 170, 50, -100.0), (0, 290, 55, -100.0)]
-    k_heads = k if seq_dim == 2 else k.transpose(1, 2)  # a [B, H, L, D] view
-    k_heads[0, 1, :, 49] += 20
-    for head, pos, channel, value in spikes:
-        k_heads[0, head, pos, channel] = value
-    weights = [torch.ones(d, device=KERNEL_DEVICE)] * 2 if norm else []
-    if norm:
-        got = rope_ops.qk_norm_rope(q, k, *weights, cos, sin, 1e-6, False, seq_dim, r, quantize=True)
-        k16 = rope_ops.qk_norm_rope(q, k, *weights, cos, sin, 1e-6, False, seq_dim, r)[1].cpu()
-    else:
-        got = rope_ops.rope_qk(q, k, cos, sin, False, seq_dim, r, quantize=True)
-        k16 = rope_ops.rope_qk(q, k, cos, sin, False, seq_dim, r)[1].cpu()
-    # The premises, on the 16-bit op's k: each spike is its block's largest |k - mean|, on its side
-    # of the mean; in head 1's last block every |k - mean| is below channel 49's |mean|.
-    k_float = (k16 if seq_dim == 2 else k16.transpose(1, 2)).float()
-    smoothed = k_float - k_float.mean(2, keepdim=True)
-    for head, pos, channel, value in spikes:
-        first = pos // 128 * 128
-        largest = smoothed[0, head, first : first + 128].abs().flatten().argmax().item()
-        assert divmod(largest, d) == (pos - first, channel) and (smoothed[0, head, pos, channel] > 0) == (value > 0)
-    assert smoothed[0, 1, 256:].abs().max() < k_float[0, 1, :, 49].mean().abs() / 2
-    _, _, k8_want, k_scale_want = attention_ref.smooth_quantize_qk(k16, k16, seq_dim)  # k's operands only
-    _, _, k8, k_scale = (t.cpu() for t in got)
-    torch.testing.assert_close(k_scale, k_scale_want, rtol=1e-6, atol=0)
-    assert (k8.int() - k8_want.int()).abs().max() <= 1 and (k8 != k8_want).float().mean() < 1e-3
 
 
 def test_quantizing_rotation_is_the_16_bit_rotation_then_the_8_bit_quantization():

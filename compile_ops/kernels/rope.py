@@ -95,80 +95,6 @@ def _abs_max(y1, y2, t, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _larger(a, b):
-    """``max(a, b)``, NaN only where both are: the GPU's ``max.f32``, under the
-    interpreter too (whose ``tl.maximum`` returns a NaN operand)."""
-    return tl.where((a > b) | (b != b), a, b)
-
-
-@triton.jit
-def _column_extrema(x, valid):
-    """The maximum and minimum of each column of ``x`` over its ``valid`` rows."""
-    return tl.max(tl.where(valid, x, float("-inf")), 0), tl.min(tl.where(valid, x, float("inf")), 0)
-
-
-@triton.jit
-def _load_columns(
-    row, p, tail, D, R: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr, ACC: tl.constexpr
-):
-    """A row of per-channel values at pointer ``row`` [1] (unit stride), as
-    the rotation's tiles: the pair members, [1, BLOCK_P] each, and the tail
-    [1, BLOCK_T] (the first member when there is none); 0 in padded channels."""
-    first, second = load_pairs(row, 1, p, (p < R // 2)[None, :], R, INTERLEAVED, True, ACC)
-    if BLOCK_T > 0:
-        rest = tl.load(row[:, None] + tail[None, :], mask=(tail < D)[None, :], other=0.0).to(ACC)
-    else:
-        rest = first
-    return first, second, rest
-
-
-@triton.jit
-def _store_columns(
-    row, p, tail, first, second, rest, D, R: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr
-):
-    """Store a row of per-channel values at pointer ``row`` [1]: the pair
-    members ``first``, ``second`` [BLOCK_P] and the tail's ``rest`` [BLOCK_T]."""
-    store_pairs(row, p, (p < R // 2)[None, :], first[None, :], second[None, :], R, INTERLEAVED)
-    if BLOCK_T > 0:
-        tl.store(row + tail, rest, mask=tail < D)
-
-
-@triton.jit
-def _key_block_amax(
-    stats,
-    stride_cs,
-    m1,
-    m2,
-    m_tail,
-    p,
-    tail,
-    partial,
-    D,
-    R: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    ACC: tl.constexpr,
-):
-    """The largest ``|k - mean|`` over a block of keys, from its columns'
-    maxima and minima (the rows ``stride_cs`` and ``2 * stride_cs`` past
-    ``stats`` [1]) and the means ``m1``, ``m2``, ``m_tail`` (tiles as
-    :func:`_load_columns` returns them): per channel ``max(fl(max - mean),
-    fl(mean - min))``, exact because a rounded subtraction is monotone in
-    its first operand and ``fl(m - y) = -fl(y - m)``. With infinities and
-    NaN too, the value the GPU's NaN-ignoring maxima give for
-    :func:`_abs_max` over the whole block's tile of ``k - mean``, whose
-    padded channels and (``partial``: the block has positions past L) rows
-    are zeros."""
-    hi1, hi2, hi_tail = _load_columns(stats + stride_cs, p, tail, D, R, INTERLEAVED, BLOCK_T, ACC)
-    lo1, lo2, lo_tail = _load_columns(stats + 2 * stride_cs, p, tail, D, R, INTERLEAVED, BLOCK_T, ACC)
-    amax = tl.maximum(tl.max(_larger(hi1 - m1, m1 - lo1)), tl.max(_larger(hi2 - m2, m2 - lo2)))
-    if BLOCK_T > 0:
-        amax = tl.maximum(amax, tl.max(_larger(hi_tail - m_tail, m_tail - lo_tail)))
-    # tl.abs: a magnitude, as the row reduction's (a NaN's sign bit cleared too).
-    return tl.abs(tl.where(partial & (amax != amax), 0.0, amax))
-
-
-@triton.jit
 def _rotate_heads(
     X,
     OUT,
@@ -198,14 +124,7 @@ def _rotate_heads(
     K_SUM,
     stride_mb,
     stride_mh,
-    COLUMNS,
-    stride_cs,
-    stride_ck,
-    stride_cb,
-    stride_ch,
-    key_block,
-    owns_scale,
-    partial,
+    block,
     L,
     R: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -216,30 +135,21 @@ def _rotate_heads(
     ACC: tl.constexpr,
     MODE: tl.constexpr,
 ):
-    """Heads [h_start, h_end) of X at positions ``pos`` [BLOCK_L] (all in
-    block ``key_block`` of 8-bit attention's keys): (RMS-normalize with
-    weight W, then) rotate, and by ``MODE``. NORM 1: each head on its own
-    (W ``[D]``); 2: over the heads, which are then all of X's (W ``[H * D]``;
-    a first loop sums the squares).
-
-    COLUMNS holds per-channel statistics of k rounded to X's dtype, fp32
-    ``[3, blocks, B, H, D]`` by strides (statistic, key block, batch, head;
-    unit channel stride): column sums, maxima and minima over each key
-    block's positions below L.
+    """Heads [h_start, h_end) of X at positions ``pos`` (position block
+    ``block``): (RMS-normalize with weight W, then) rotate, and by ``MODE``.
+    NORM 1: each head on its own (W ``[D]``); 2: over the heads, which are
+    then all of X's (W ``[H * D]``; a first loop sums the squares).
 
     - 0: store into OUT (unit channel stride), in OUT's dtype.
-    - 1: k's statistics of this block into COLUMNS (BLOCK_L the whole key
-      block): the sums are the partials of k's mean for 8-bit attention's
-      smoothing, the maxima and minima give its block scale (MODE 3).
+    - 1: the column sums of the result rounded to X's dtype, one fp32 row
+      per (batch, head, block) of OUT (``stride_ol`` its block stride): the
+      partials of k's mean for 8-bit attention's smoothing.
     - 2: q of 8-bit attention: the result rounded to X's dtype, in INT8 with
       one scale per row into SCALE (``[B, H, L]`` by strides, unit position
       stride), as ``reference.attention.quantize_int8``.
     - 3: k of 8-bit attention: the same less its mean (K_SUM's column sums
-      / L, ``[B, H, D]`` by strides), in INT8 with its key block's scale,
-      computed from COLUMNS's maxima and minima and stored into SCALE
-      (``[B, H, blocks]``) by the program that ``owns_scale`` (``partial``:
-      the block has positions past L). No reduction across positions, so
-      BLOCK_L may be any divisor of the key block."""
+      / L, ``[B, H, D]`` by strides), in INT8 with one scale for the block
+      (``BLOCK_L = INT8_KEY_BLOCK`` positions; SCALE ``[B, H, blocks]``)."""
     mask = pos_mask[:, None] & (p < R // 2)[None, :]
     tail = R + tl.arange(0, BLOCK_T if BLOCK_T > 0 else 1)
     tail_mask = pos_mask[:, None] & (tail < D)[None, :]
@@ -314,33 +224,26 @@ def _rotate_heads(
             y1 = tl.where(mask, y1.to(x_dtype).to(ACC), 0.0)
             y2 = tl.where(mask, y2.to(x_dtype).to(ACC), 0.0)
             t = tl.where(tail_mask, t.to(x_dtype).to(ACC), 0.0)
-        if MODE == 1:  # positions past L: zeros in the sums, never the maximum or minimum
-            stats = COLUMNS + b * stride_cb + key_block * stride_ck + head * stride_ch + tl.zeros([1], tl.int64)
-            _store_columns(stats, p, tail, tl.sum(y1, 0), tl.sum(y2, 0), tl.sum(t, 0), D, R, INTERLEAVED, BLOCK_T)
-            hi1, lo1 = _column_extrema(y1, pos_mask[:, None])
-            hi2, lo2 = _column_extrema(y2, pos_mask[:, None])
-            hi_tail, lo_tail = _column_extrema(t, pos_mask[:, None])
-            _store_columns(stats + stride_cs, p, tail, hi1, hi2, hi_tail, D, R, INTERLEAVED, BLOCK_T)
-            _store_columns(stats + 2 * stride_cs, p, tail, lo1, lo2, lo_tail, D, R, INTERLEAVED, BLOCK_T)
+        if MODE == 1:
+            sums = OUT + b * stride_ob + block * stride_ol + head * stride_oh + tl.zeros([1], tl.int64)
+            store_pairs(sums, p, (p < R // 2)[None, :], tl.sum(y1, 0)[None, :], tl.sum(y2, 0)[None, :], R, INTERLEAVED)
+            if BLOCK_T > 0:
+                tl.store(sums + tail, tl.sum(t, 0), mask=tail < D)
         if MODE == 2:
             scale, inverse = quantization_scale(_abs_max(y1, y2, t, BLOCK_T), INT8_MAX)
             tl.store(SCALE + b * stride_sb + head * stride_sh + pos, scale, mask=pos_mask)
             inverse = inverse[:, None]
         if MODE == 3:
-            stats = COLUMNS + b * stride_cb + key_block * stride_ck + head * stride_ch + tl.zeros([1], tl.int64)
             mean_row = K_SUM + b * stride_mb + head * stride_mh + tl.zeros([1], tl.int64)
             length = tl.cast(L, ACC)  # (tl.cast: Inductor may pass L as a Python int constant)
-            m1, m2, m_tail = _load_columns(mean_row, p, tail, D, R, INTERLEAVED, BLOCK_T, ACC)
-            m1 = tl.div_rn(m1, length)
-            m2 = tl.div_rn(m2, length)
-            m_tail = tl.div_rn(m_tail, length)
-            amax = _key_block_amax(stats, stride_cs, m1, m2, m_tail, p, tail, partial, D, R, INTERLEAVED, BLOCK_T, ACC)
-            scale, inverse = quantization_scale(amax, INT8_MAX)
-            tl.store(SCALE + b * stride_sb + head * stride_sh + key_block, scale, mask=owns_scale)
-            y1 = tl.where(mask, y1 - m1, 0.0)
-            y2 = tl.where(mask, y2 - m2, 0.0)
+            m1, m2 = load_pairs(mean_row, 1, p, (p < R // 2)[None, :], R, INTERLEAVED, True, ACC)
+            y1 = tl.where(mask, y1 - tl.div_rn(m1, length), 0.0)
+            y2 = tl.where(mask, y2 - tl.div_rn(m2, length), 0.0)
             if BLOCK_T > 0:
-                t = tl.where(tail_mask, t - m_tail, 0.0)
+                m_tail = tl.load(mean_row + tail, mask=tail < D, other=0.0)[None, :]
+                t = tl.where(tail_mask, t - tl.div_rn(m_tail, length), 0.0)
+            scale, inverse = quantization_scale(tl.max(_abs_max(y1, y2, t, BLOCK_T), 0), INT8_MAX)
+            tl.store(SCALE + b * stride_sb + head * stride_sh + block, scale)
         if MODE >= 2:
             y1 = round_to_int8(y1, inverse)
             y2 = round_to_int8(y2, inverse)
@@ -365,7 +268,6 @@ def rope_kernel(
     Q_SCALE,
     K_SCALE,
     K_SUM,
-    K_COLUMNS,
     L,
     HQ,
     HK,
@@ -392,10 +294,6 @@ def rope_kernel(
     stride_ksh,
     stride_mb,
     stride_mh,
-    stride_cs,
-    stride_ck,
-    stride_cb,
-    stride_ch,
     stride_tb,
     stride_tl,
     frame_size,
@@ -413,30 +311,19 @@ def rope_kernel(
     BLOCK_T: tl.constexpr,
     ACC: tl.constexpr,
     QUANTIZE: tl.constexpr,
-    KEY_BLOCK: tl.constexpr,
 ):
     """Q_OUT, K_OUT = rotate([rmsnorm]Q), rotate([rmsnorm]K) (``INVERSE``: by the
     negated angles). Tensors are addressed by (batch, position, head, channel)
     strides, so either layout and any strides work; HK = 0 rotates Q alone.
 
-    ``QUANTIZE``, 8-bit attention's operands in two passes over k (scales
-    per block of ``KEY_BLOCK`` keys; ``_rotate_heads`` has the details):
-
-    1. Run on k alone (as Q, HK = 0), ``BLOCK_L = KEY_BLOCK``: Q's column
-       sums, maxima and minima per key block into Q_OUT (fp32 ``[3, blocks,
-       B, H, D]``, addressed by the ``stride_c*`` strides).
-    2. Q_OUT and K_OUT are INT8, q with a scale per row (Q_SCALE), k smoothed
-       by the mean of K_SUM's sums (``[B, HK, D]``) with one scale per key
-       block (K_SCALE) from the first pass's maxima and minima (K_COLUMNS,
-       the same buffer): no reduction across positions, so any ``BLOCK_L``
-       that divides ``KEY_BLOCK``; the program holding a block's first
-       positions stores its scale."""
+    ``QUANTIZE`` (8-bit attention's operands, ``BLOCK_L = INT8_KEY_BLOCK``;
+    ``_rotate_heads`` has the details): 1, Q's column sums per position block
+    into Q_OUT (fp32 rows addressed as (batch, block, head) by strides; the
+    launcher's buffer is ``[blocks, B, H, D]``; run on k alone, HK = 0); 2, Q_OUT
+    and K_OUT are INT8, q with a scale per row (Q_SCALE), k smoothed by the
+    mean of K_SUM's sums with one scale per block (K_SCALE)."""
     b, pos, pos_mask, first_head = program_block(L, n_pos_blocks, heads_per_program, BLOCK_L)
-    # QUANTIZE: the key block holding these positions (BLOCK_L divides KEY_BLOCK).
-    first = tl.program_id(0) % n_pos_blocks * BLOCK_L
-    key_block = tl.cast(first // KEY_BLOCK, tl.int64)
-    owns_scale = first % KEY_BLOCK == 0
-    partial = (key_block + 1) * KEY_BLOCK > L
+    block = tl.program_id(0) % n_pos_blocks
     p = tl.arange(0, BLOCK_P)
     c1, s1, c2, s2 = angle_cos_sin(
         COS,
@@ -485,14 +372,7 @@ def rope_kernel(
         K_SUM,
         0,
         0,
-        Q_OUT,  # QUANTIZE 1: Q's statistics
-        stride_cs,
-        stride_ck,
-        stride_cb,
-        stride_ch,
-        key_block,
-        owns_scale,
-        partial,
+        block,
         L,
         R,
         INTERLEAVED,
@@ -533,14 +413,7 @@ def rope_kernel(
         K_SUM,
         stride_mb,
         stride_mh,
-        K_COLUMNS,
-        stride_cs,
-        stride_ck,
-        stride_cb,
-        stride_ch,
-        key_block,
-        owns_scale,
-        partial,
+        block,
         L,
         R,
         INTERLEAVED,

@@ -275,29 +275,21 @@ def _qk_rope_int8_op(
     seq_dim: int,
     rotary_dim: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """q ``[B, Hq, L, D]`` (``seq_dim`` 2) or ``[B, L, Hq, D]`` and k (Hk
-    heads), fp16/bf16, rotated (after RMSNorms with ``[D]`` or ``[H * D]``
-    weights, or none) and quantized for 8-bit attention: ``(q8, q_scale [B,
-    Hq, L], k8, k_scale [B, Hk, blocks])``, blocks of 128 keys.
-
-    Two passes over k's projection, none over a 16-bit k (the rotation is
-    recomputed rather than stored and read back). Pass 1, a key block a
-    program: k's column sums, maxima and minima per block, the sums then
-    reduced in a fixed order to the mean's numerator. Pass 2, launched as the
-    16-bit rotation: q and k rotated again and quantized, each key block's
-    scale from its maxima and minima less the mean, so that no program
-    reduces across positions."""
     q8, q_scale, k8, k_scale = meta.rope.qk_rope_int8(
         q, k, q_weight, k_weight, cos, sin, eps, interleaved, seq_dim, rotary_dim
     )
     r, half = meta.rope.table_layout(q, cos, rotary_dim)
     b, hk, d, blocks = k.shape[0], k.shape[3 - seq_dim], k.shape[3], k_scale.shape[2]
-    columns = torch.empty((3, blocks, b, hk, d), dtype=torch.float32, device=k.device)
+    # Two passes over k's projection, none over a 16-bit k: its column sums per
+    # block of 128 keys, reduced in a fixed order to the mean's numerator;
+    # then q and k rotated again and quantized (the rotation is recomputed
+    # rather than stored and read back).
+    sums = torch.empty((blocks, b, hk, d), dtype=torch.float32, device=k.device)
     k_sum = torch.empty((b, hk, d), dtype=torch.float32, device=k.device)
     launch_forward(
         k,
         None,
-        columns,
+        sums,
         None,
         seq_dim,
         r,
@@ -310,8 +302,8 @@ def _qk_rope_int8_op(
         eps=float(eps),
         quantize=1,
     )
-    if columns.numel():
-        column_sum(columns.view(3 * blocks, -1), blocks, k_sum)  # the sums: the first blocks rows
+    if sums.numel():
+        column_sum(sums.view(blocks, -1), blocks, k_sum)
     launch_forward(
         q,
         k,
@@ -329,7 +321,6 @@ def _qk_rope_int8_op(
         quantize=2,
         scales=(q_scale, k_scale),
         k_sum=k_sum,
-        k_columns=columns,
     )
     return q8, q_scale, k8, k_scale
 

@@ -60,18 +60,13 @@ def _aligned(t: Tensor) -> Tensor:
     return t if offset is not None and offset % 2 == 0 else t.clone()
 
 
-def _default_block_l(d: int) -> int:
-    """Positions a program of head dim ``d``: a power of two, at most 64."""
-    return max(1, min(64, TILE // triton.next_power_of_2(d)))
-
-
 def _grid(q: Tensor, n_heads: int, seq_dim: int, d: int, block_l: Optional[int] = None, whole_rows: bool = False):
     """``(BLOCK_L, n_pos_blocks, heads_per_program, launch grid)``; ``block_l``
-    fixes BLOCK_L (else :func:`_default_block_l`); ``whole_rows``: every
+    fixes BLOCK_L (the quantizing mode's scale blocks); ``whole_rows``: every
     program holds all heads (a norm that spans them)."""
     batch, length = q.shape[0], q.shape[seq_dim]
     if block_l is None:
-        block_l = _default_block_l(d)
+        block_l = max(1, min(64, TILE // triton.next_power_of_2(d)))
     n_pos_blocks = triton.cdiv(length, block_l)
     heads_per_program = n_heads
     n_pos = static_int(batch * n_pos_blocks)
@@ -92,9 +87,10 @@ def _tables(cos: Tensor, sin: Tensor, per_pair_constants: bool = False):
 
 
 def _quantize_warps(block_l: int, block_p: int) -> int:
-    """Warps of the quantizing rotation's first pass, whose program holds a
-    whole key block (128 positions): more warps, not more registers per
-    thread (docs/notes/attention-8bit.md, "q and k quantized by their rotation")."""
+    """Warps of a quantizing program, which holds a whole scale block (128
+    positions): more warps, not more registers per thread. With the default
+    programs per SM, close to the best of a sweep over programs per SM and
+    warps (docs/notes/attention-8bit.md, "q and k quantized by their rotation")."""
     return max(NUM_WARPS, min(16, block_l * block_p // 512))
 
 
@@ -123,21 +119,12 @@ def launch_forward(
     quantize: int = 0,
     scales=(None, None),
     k_sum: Optional[Tensor] = None,
-    k_columns: Optional[Tensor] = None,
 ):
     """Launch rope_kernel over q (and k); with ``grid_angles``, ``cos`` holds
-    the grid constants. ``quantize`` (rope_kernel's QUANTIZE), the two passes
-    of ``fused.qk_rope_int8``:
-
-    1. q_out is an fp32 ``[3, blocks, B, H, D]`` buffer (unit channel
-       stride): the column sums, maxima and minima of q (k's, launched
-       alone) over each key block of 128 positions, a block a program.
-    2. q_out and k_out are INT8, with ``scales`` ``(q_scale [B, Hq, L],
-       k_scale [B, Hk, blocks])``, ``k_sum [B, Hk, D]`` (k's column sums over
-       all positions) and ``k_columns`` (the first pass's buffer). No program
-       reduces across positions, so this pass is launched as the 16-bit
-       rotation (positions a program, warps, head split), its positions a
-       program capped at a key block."""
+    the grid constants. ``quantize`` (rope_kernel's QUANTIZE): 1, q_out is
+    the ``[blocks, B, H, D]`` fp32 column sums of q (k's, launched alone);
+    2, q_out and k_out are INT8 with ``scales`` ``(q_scale [B, Hq, L],
+    k_scale [B, Hk, blocks])`` and ``k_sum [B, Hk, D]``."""
     d = q.shape[3]
     r = int(r)  # a constexpr: a head dim made dynamic is specialized here
     hq = q.shape[3 - seq_dim]
@@ -146,24 +133,16 @@ def launch_forward(
         return
     q_w, k_w = (None if w is None else _aligned(w) for w in weights)
     norm = 0 if q_w is None else 2 if meta.rope.norms_span_heads(*weights, q, k) else 1
-    key_block = reference.attention.INT8_KEY_BLOCK
-    pairs = _pair_blocks(r, d)
-    if quantize == 1:
-        block_l, warps = key_block, _quantize_warps(key_block, pairs["BLOCK_P"])
+    if quantize:
+        block_l, warps = reference.attention.INT8_KEY_BLOCK, None
     elif norm == 2:
         block_l, warps = max(1, WHOLE_ROW_TILE // triton.next_power_of_2(d)), WHOLE_ROW_WARPS
     else:
         block_l, warps = None, NUM_WARPS
-    if quantize == 2:  # each program's positions in one key block
-        block_l = min(key_block, block_l or _default_block_l(d))
-        assert key_block % block_l == 0, f"{block_l} positions a program do not divide a key block of {key_block}"
     block_l, n_pos_blocks, heads_per_program, grid = _grid(q, hq + hk, seq_dim, d, block_l, whole_rows=norm == 2)
     k_strides = _positions_and_heads(q if k is None else k, seq_dim)
-    columns = q_out if quantize == 1 else k_columns
-    # The statistics [3, blocks, B, H, D] by (statistic, key block, batch, head) strides.
-    column_strides = (0, 0, 0, 0) if columns is None else tuple(columns.stride(i) for i in range(4))
-    if quantize == 1:  # Q_OUT is the statistics buffer, written through column_strides
-        q_out_strides = (0, 0, 0)
+    if quantize == 1:  # the sums [blocks, B, H, D] are addressed as (batch, block, head) rows
+        q_out_strides = (q_out.stride(1), q_out.stride(0), q_out.stride(2))
     else:
         q_out_strides = _positions_and_heads(q_out, seq_dim)[:3]
     k_out_strides = q_out_strides if k is None else _positions_and_heads(k_out, seq_dim)[:3]
@@ -175,6 +154,7 @@ def launch_forward(
     cos, sin, stride_tb, stride_tl = _tables(cos, sin, grid_angles)
     q_scale, k_scale = scales
     scale_strides = [t.stride(i) if t is not None else 0 for t in (q_scale, k_scale, k_sum) for i in (0, 1)]
+    pairs = _pair_blocks(r, d)
     launcher(rope_kernel)[grid](
         q,
         k,
@@ -187,7 +167,6 @@ def launch_forward(
         q_scale,
         k_scale,
         k_sum,
-        k_columns,
         q.shape[seq_dim],
         hq,
         hk,
@@ -199,7 +178,6 @@ def launch_forward(
         *q_out_strides,
         *k_out_strides,
         *scale_strides,
-        *column_strides,
         stride_tb,
         stride_tl,
         frame_size,
@@ -216,8 +194,7 @@ def launch_forward(
         **pairs,
         ACC=acc_dtype(q),
         QUANTIZE=quantize,
-        KEY_BLOCK=key_block,
-        num_warps=warps,
+        num_warps=_quantize_warps(block_l, pairs["BLOCK_P"]) if quantize else warps,
     )
 
 
