@@ -443,13 +443,13 @@ def test_sm90_core_int8_fp8_computes_what_the_portable_kernel_does(monkeypatch):
     clear_launch_plans()
 
 
-def test_block_sparse_8bit_forward_takes_its_gluon_kernel_exactly_where_it_computes_the_call(monkeypatch):
-    """``takes_sm90_8bit`` on fake CUDA tensors of a faked sm_90 GPU: block
-    lists, FP8 P V, q given in int8, D = 128, TMA-aligned operands take
-    ``attn8_fwd_sm90_kernel``; a causal mask, key lengths, dense or
-    zero-width lists, q rounded by the kernel, 16-bit P V, D = 64, q rows
-    not 16 bytes apart, a GPU without wgmma and an AOTInductor build stay on
-    ``attn_fwd_kernel``."""
+def test_8bit_forward_takes_its_gluon_kernel_exactly_where_it_computes_the_call(monkeypatch):
+    """``takes_sm90_8bit`` on fake CUDA tensors of a faked sm_90 GPU: dense
+    or over block lists, FP8 P V, q given in int8 or rounded by the kernel,
+    D = 128, TMA-aligned operands take ``attn8_fwd_sm90_kernel``; a causal
+    mask, key lengths, zero-width lists, 16-bit P V, D = 64, int8 q or k
+    rows not 16 bytes apart, a GPU without wgmma and an AOTInductor build
+    stay on ``attn_fwd_kernel``."""
     from torch._inductor.virtualized import V
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -468,11 +468,12 @@ def test_block_sparse_8bit_forward_takes_its_gluon_kernel_exactly_where_it_compu
             return attention_sm90.takes_sm90_8bit(sizes, q, k, vt8, 1, blocks, rounds_q, pv_fp8)
 
         assert takes()
+        assert takes(blocks=None)
+        assert takes(rounds_q=True)
         assert not takes(causal=True)
+        assert not takes(blocks=None, causal=True)
         assert not takes(kv=kv_lengths)
-        assert not takes(blocks=None)
         assert not takes(blocks=(torch.empty(1, 2, 3, 0, dtype=torch.int32, device="cuda"), lists[1]))
-        assert not takes(rounds_q=True)
         assert not takes(pv_fp8=False)
         q64, k64 = (torch.empty(1, 300, 2, 64, dtype=torch.int8, device="cuda") for _ in range(2))
         assert not takes(q=q64, k=k64)
@@ -481,6 +482,12 @@ def test_block_sparse_8bit_forward_takes_its_gluon_kernel_exactly_where_it_compu
             (1, 300, 2, 128), (300 * 2 * 136, 2 * 136, 136, 1), dtype=torch.int8, device="cuda"
         )
         assert not takes(q=unaligned)
+        assert not takes(k=unaligned)
+        # A q the kernel rounds is loaded row by row, not by TMA: its alignment does not matter.
+        unaligned_16bit = torch.empty_strided(
+            (1, 300, 2, 128), (300 * 2 * 132, 2 * 132, 132, 1), dtype=torch.bfloat16, device="cuda"
+        )
+        assert takes(q=unaligned_16bit, rounds_q=True)
         with V.set_aot_compilation(True):
             assert not takes()
         monkeypatch.setattr(attention_sm90, "has_wgmma", lambda t: False)
@@ -488,32 +495,46 @@ def test_block_sparse_8bit_forward_takes_its_gluon_kernel_exactly_where_it_compu
 
 
 @pytest.mark.skipif(not _SM90, reason="the Gluon kernels run on sm_90 GPUs only")
-def test_block_sparse_8bit_gluon_forward_computes_what_the_portable_kernel_does(monkeypatch):
+def test_8bit_gluon_forward_computes_what_the_portable_kernel_does(monkeypatch):
     """``attn8_fwd_sm90_kernel`` against ``attn_fwd_kernel`` (taken by
-    turning ``takes_sm90_8bit`` off) on the same calls: block-sparse
-    ``int8_fp8`` in tile order and in a token order, and the FP8 rows, over
-    random sorted lists with an empty query block a head and the ragged
-    last key block listed, GQA, lengths that are and are not multiples of 64
-    and 128, both layouts: the same output bytes and lse (and rows' scales),
-    eagerly, replayed and compiled; the Gluon kernel is launched."""
+    turning ``takes_sm90_8bit`` off) on the same calls: dense ``int8_fp8``
+    with q rounded by the kernel or given in int8, self and cross attention,
+    block-sparse in tile order and in a token order, and the FP8 rows of
+    both, over random sorted lists with an empty query block a head and the
+    ragged last key block listed, GQA, lengths that are and are not
+    multiples of 64 and 128, both layouts: the same output bytes and lse
+    (and rows' scales), eagerly, replayed and compiled; the Gluon kernel is
+    launched, and a causal call is not."""
     from compile_ops.ops import attention_launch
 
     launched = []
     real_launch = attention_launch.launch_sm90_8bit
     monkeypatch.setattr(attention_launch, "launch_sm90_8bit", lambda *a: launched.append(1) or real_launch(*a))
-    bs_int8_fp8 = torch.ops.fused.block_sparse_attention
-    rows_op = torch.ops.fused.block_sparse_attention_int8_fp8_rows
+    ops = torch.ops.fused
     for b, h, hk, length, seq_dim in [(1, 4, 4, 1000, 2), (2, 8, 2, 333, 1), (1, 2, 1, 77, 2), (1, 6, 6, 4608, 1)]:
         torch.manual_seed(length)
-        shape = (lambda hh: (b, hh, length, 128)) if seq_dim == 2 else (lambda hh: (b, length, hh, 128))
+        shape = (lambda hh, n=length: (b, hh, n, 128)) if seq_dim == 2 else (lambda hh, n=length: (b, n, hh, 128))
         q = torch.randn(shape(h), device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(shape(hk), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(shape(hk), device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
+        # Cross attention: a third of the keys, Lk != Lq.
+        k_short, v_short = (t.narrow(seq_dim, 0, length // 3).contiguous() for t in (k, v))
+        q8, q_scale, k8, k_scale = ref.smooth_quantize_qk(q, k, seq_dim)
         index, count = _sorted_block_lists(b, h, length, length, seed=length)
         tokens = torch.randperm(length, device="cuda")
+        scale = 128**-0.5
         calls = {
-            "tile": lambda: bs_int8_fp8(q, k, v, index, count, 128**-0.5, False, seq_dim, None, "int8_fp8"),
-            "tokens": lambda: bs_int8_fp8(q, k, v, index, count, 128**-0.5, False, seq_dim, None, "int8_fp8", tokens),
-            "rows": lambda: rows_op(q, k, v, index, count, 128**-0.5, False, seq_dim, None, tokens),
+            "dense": lambda: ops.attention_int8_fp8(q, k, v, scale, False, seq_dim, None),
+            "dense-cross": lambda: ops.attention_int8_fp8(q, k_short, v_short, scale, False, seq_dim, None),
+            "dense-rows": lambda: ops.attention_int8_fp8_rows(q, k, v, scale, False, seq_dim, None),
+            "dense-q8": lambda: ops.attention_qk8(q8, q_scale, k8, k_scale, v, scale, False, seq_dim, None, True),
+            "dense-causal": lambda: ops.attention_int8_fp8(q, k, v, scale, True, seq_dim, None),
+            "tile": lambda: ops.block_sparse_attention(q, k, v, index, count, scale, False, seq_dim, None, "int8_fp8"),
+            "tokens": lambda: ops.block_sparse_attention(
+                q, k, v, index, count, scale, False, seq_dim, None, "int8_fp8", tokens
+            ),
+            "rows": lambda: ops.block_sparse_attention_int8_fp8_rows(
+                q, k, v, index, count, scale, False, seq_dim, None, tokens
+            ),
         }
         for name, call in calls.items():
             case = (b, h, hk, length, seq_dim, name)
@@ -521,8 +542,7 @@ def test_block_sparse_8bit_gluon_forward_computes_what_the_portable_kernel_does(
                 clear_launch_plans()
                 launched.clear()
                 got = [call() for _ in range(2)]  # the second replays the first's launch plan
-                # In tile order q is rounded by attn_fwd_kernel as it loads it (QUANTIZE_Q): not the Gluon kernel's.
-                assert bool(launched) == (name != "tile"), case
+                assert bool(launched) == (name != "dense-causal"), case
                 compiled = torch.compile(call, fullgraph=True)()
                 with monkeypatch.context() as m:
                     m.setattr(attention_launch, "takes_sm90_8bit", lambda *a: False)
@@ -531,6 +551,11 @@ def test_block_sparse_8bit_gluon_forward_computes_what_the_portable_kernel_does(
                     want = call()
                     assert not launched, case
             for result in (*got, compiled):
-                for have, expected in zip(result, want):
+                for have, expected in zip(_outputs(result), _outputs(want), strict=True):
                     assert torch.equal(have.view(torch.uint8), expected.view(torch.uint8)), case
     clear_launch_plans()
+
+
+def _outputs(result) -> tuple:
+    """An op's outputs as a tuple, whether it returns one tensor or several."""
+    return result if isinstance(result, tuple) else (result,)

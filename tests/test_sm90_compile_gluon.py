@@ -145,22 +145,30 @@ def test_attention_sm90_core_compiles_for_sm90_with_its_register_budgets(variant
     assert len(item_spills) <= bound, (name, item_spills)
 
 
-@pytest.mark.parametrize("lists", ["i32", "i64"])
-@pytest.mark.parametrize("front", ["tile-order", "token-order", "fp8-rows", "token-order-fp8-rows"])
-def test_block_sparse_8bit_forward_compiles_for_sm90_without_spills(front, lists):
+@pytest.mark.parametrize(
+    "lists, front",
+    [
+        (lists, front)
+        for lists in ("dense", "i32", "i64")
+        for front in ("q-int8", "q-rounded", "q-rounded-fp8-rows", "token-order", "token-order-fp8-rows")
+        if not (lists == "dense" and front.startswith("token-order"))  # a token order comes with lists
+    ],
+)
+def test_8bit_forward_compiles_for_sm90_without_spills(front, lists):
     """``attn8_fwd_sm90_kernel`` (kernels/attention_sm90_8bit.py), each front
-    end (tile or token order, 16-bit output or FP8 rows) over int32 and int64
-    lists: it compiles for sm_90 under its launch's register bound, spills
-    nothing (no local-memory access in its SASS), and takes at most a third of an SM's shared memory, so
-    that three programs fit an SM."""
+    end (q given in int8 or rounded by the kernel, tile or token order,
+    16-bit output or FP8 rows), dense and over int32 and int64 lists: it
+    compiles for sm_90 under its launch's register bound, spills nothing (no
+    local-memory access in its SASS), and takes at most a third of an SM's
+    shared memory, so that three programs fit an SM."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from compile_ops.kernels.attention_sm90_8bit import attn8_fwd_sm90_kernel as kernel
     from compile_ops.ops import attention_sm90
 
-    scatter, fp8_rows = front.startswith("token-order"), front.endswith("fp8-rows")
+    scatter, fp8_rows, rounds_q = front.startswith("token-order"), front.endswith("fp8-rows"), "rounded" in front
     pointers = dict(
-        Q="*i8",
+        Q="*bf16" if rounds_q else "*i8",
         K="*i8",
         V="*fp8e4nv",
         OUT="*fp8e4nv" if fp8_rows else "*bf16",
@@ -174,7 +182,19 @@ def test_block_sparse_8bit_forward_compiles_for_sm90_without_spills(front, lists
         OUT_SCALE="*fp32",
         TOKENS="*i64",
     )
-    constants = dict(D=128, STAGES=attention_sm90.SM90_8BIT_STAGES, SCATTER=scatter, OUT_FP8=fp8_rows, num_warps=4)
+    constants = dict(
+        D=128,
+        STAGES=attention_sm90.SM90_8BIT_STAGES,
+        SPARSE=lists != "dense",
+        QUANTIZE_Q=rounds_q,
+        SCATTER=scatter,
+        OUT_FP8=fp8_rows,
+        num_warps=4,
+    )
+    if lists == "dense":
+        constants.update(BLOCKS=None, COUNTS=None)
+    if rounds_q:
+        constants.update(Q_SCALE=None)
     if not fp8_rows:
         constants.update(ROW_SCALE=None, OUT_SCALE=None)
     if not scatter:

@@ -278,8 +278,9 @@ def quantization_scale(amax, TOP: tl.constexpr):
     multiplied by the reciprocal: one FMUL each, where a correctly rounded
     division per value (``div.rn.f32``, a dozen instructions and a slow-path
     branch) makes the quantizing passes arithmetic-bound."""
-    scale = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, TOP, tl.float32)), _FP32_TINY)
-    return scale, tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
+    # Scalars broadcast, not tl.full: Gluon kernels call this too, and their full tensors need a layout.
+    scale = tl.maximum(tl.div_rn(amax, TOP), _FP32_TINY)
+    return scale, tl.div_rn(1.0, scale)
 
 
 @triton.jit

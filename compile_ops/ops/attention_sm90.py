@@ -91,21 +91,21 @@ def takes_sm90_8bit(
     pv_fp8: bool,
 ) -> bool:
     """Whether an 8-bit forward runs on ``attn8_fwd_sm90_kernel``: a Gluon
-    GPU, block lists at least one entry wide, FP8 P V with q given in int8
-    (not ``rounds_q``), neither causal nor key lengths, at least one key,
-    D = 128, TMA-aligned q and k and transposed v (``[B, Hk, D, Lk16]``), no
-    broadcast strides; the rest stays on ``attn_fwd_kernel``."""
+    GPU, dense or block lists at least one entry wide, FP8 P V (q given in
+    int8, or 16-bit and rounded by the kernel: ``rounds_q``), neither causal
+    nor key lengths, at least one key, D = 128, TMA-aligned k and transposed
+    v (``[B, Hk, D, Lk16]``) and, given in int8, q; no broadcast strides. The
+    rest stays on ``attn_fwd_kernel``."""
     return (
         can_run_gluon(q)
-        and blocks is not None
-        and blocks[0].shape[-1] > 0
+        and (blocks is None or blocks[0].shape[-1] > 0)
         and pv_fp8
-        and not rounds_q
         and not sizes.causal
         and not sizes.has_kv_len
         and sizes.lk > 0
         and int(sizes.d) == 128
-        and tma_ready(seq_dim, q, k)
+        and tma_ready(seq_dim, k)
+        and (rounds_q or tma_ready(seq_dim, q))
         and tma_ready(2, v)
         and not _broadcast(seq_dim, q, k)
         and not _broadcast(2, v)
@@ -121,8 +121,8 @@ def launch_sm90_8bit(
     lse: Tensor,
     scale: float,
     seq_dim: int,
-    blocks: tuple,
-    q_scale: Tensor,
+    blocks: Optional[tuple],
+    q_scale: Optional[Tensor],
     k_scale: Tensor,
     v_scale: Tensor,
     fp8_rows: Optional[tuple] = None,
@@ -130,9 +130,11 @@ def launch_sm90_8bit(
 ) -> None:
     """Launch ``attn8_fwd_sm90_kernel`` (``kernel``: it, or the launch-plan
     recorder's proxy of it) on ``launch_forward``'s arguments that
-    :func:`takes_sm90_8bit` accepted: ``fp8_rows`` ``(row_scale [B],
-    out_scale [B, Lq])`` (out e4m3 ``[B, Lq, H, D]``), ``tokens`` ``[Lq]``
-    its token order (``attn_fwd_kernel``'s OUT_FP8 and SCATTER)."""
+    :func:`takes_sm90_8bit` accepted: ``blocks`` the lists or None (dense),
+    ``q_scale`` None for a 16-bit q the kernel rounds, ``fp8_rows``
+    ``(row_scale [B], out_scale [B, Lq])`` (out e4m3 ``[B, Lq, H, D]``),
+    ``tokens`` ``[Lq]`` its token order (``attn_fwd_kernel``'s SPARSE,
+    QUANTIZE_Q, OUT_FP8 and SCATTER)."""
     b, h, lq, d = meta.attention.dims(q, seq_dim)
     hk, lk = meta.attention.dims(k, seq_dim)[1:3]
     row_scale, out_scale = fp8_rows if fp8_rows is not None else (None, None)
@@ -143,7 +145,7 @@ def launch_sm90_8bit(
         v,
         out,
         lse,
-        *blocks,
+        *block_list_args(blocks)[:2],
         q_scale,
         k_scale,
         v_scale,
@@ -163,6 +165,8 @@ def launch_sm90_8bit(
         float(scale),
         D=d,
         STAGES=SM90_8BIT_STAGES,
+        SPARSE=blocks is not None,
+        QUANTIZE_Q=q_scale is None,
         SCATTER=tokens is not None,
         OUT_FP8=fp8_rows is not None,
         **SM90_8BIT_LAUNCH,
