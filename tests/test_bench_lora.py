@@ -114,3 +114,17 @@ def test_lora_case_takes_one_inductor_mode_and_labels_its_rows(tmp_path, monkeyp
         "native_lora_fused_swapped_compiled",
     ]
     assert all(row["compile"] == "regional+reduce-overhead" and "cudagraph_skips" in row for row in rows)
+
+
+def test_fp8_providers_compile_in_the_inductor_mode_asked_for(monkeypatch):
+    """``--fp8 --inductor-modes reduce-overhead`` (CUDA graphs for the FP8 step): the FP8
+    providers compile in that mode, and their rows say so and count the graphs run
+    without CUDA graphs, as the bf16 providers' rows do."""
+    _keep_settings(monkeypatch)
+    diffusers_timing.BACKEND = "eager"
+    rows = diffusers_e2e.run_case(
+        "flux_step_tiny", 10, 1, True, {"fp8_compiled"}, "regional", False, inductor_mode="reduce-overhead"
+    )
+    (row,) = [r for r in rows if r["provider"] == "fp8_compiled"]
+    assert row["compile"] == "regional+reduce-overhead" and row["cudagraph_skips"] == 0
+    assert row["rel_l2_vs_bf16"] < 5e-2

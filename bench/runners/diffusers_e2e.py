@@ -40,7 +40,8 @@ it (``replay_ms``): the GPU time alone, whatever a provider's launch cost.
 ``--providers a,b`` runs only those. ``--inductor-modes default,reduce-overhead``
 runs the compiled providers in each of those ``torch.compile`` modes, side by
 side (with ``cudagraph_skips``: Inductor's count of graphs it ran without CUDA
-graphs). ``--compile regional`` compiles each transformer block in place
+graphs); with ``--fp8``, the FP8 providers too (in the FP8 file).
+``--compile regional`` compiles each transformer block in place
 (``block.compile(fullgraph=True)``; blocks of one class share one compiled
 graph, as in diffusers' ``compile_repeated_blocks``) instead of the whole
 model: the same kernels in the blocks, minutes less compiling (torchao's
@@ -219,9 +220,11 @@ def run_fp8_providers(
     compile_mode: str,
     per_linear: dict,
     profile: bool = False,
+    inductor_mode: str = "default",
 ) -> list:
-    """The FP8 providers in ``providers`` on fresh models; ``exact`` is the bf16
-    model's output on the same inputs, ``per_linear`` :func:`_per_linear_errors`'."""
+    """The FP8 providers in ``providers`` on fresh models, compiled in
+    ``inductor_mode``; ``exact`` is the bf16 model's output on the same
+    inputs, ``per_linear`` :func:`_per_linear_errors`'."""
     rows = []
     for provider in (p for p in FP8_PROVIDERS if p in providers):
         model, inputs = build(name)
@@ -231,7 +234,8 @@ def run_fp8_providers(
             rows.append({"case": name, "provider": provider, "error": f"{type(e).__name__}: {e}"})
             print(f"{name:<11} {provider:<21} skipped: {e}", flush=True)
             continue
-        module = timing.compiled(model, compile_mode)
+        module = timing.compiled(model, compile_mode, inductor_mode=inductor_mode)
+        skips_before = counters["inductor"]["cudagraph_skips"]
         with torch.no_grad():
             start = time.perf_counter()
             out = module(**inputs).sample  # compiles
@@ -247,8 +251,10 @@ def run_fp8_providers(
             train=False,
             tokens=tokens(name),
             weights_MiB=timing.weight_MiB(model),
-            compile=compile_mode,
+            compile=_compile_label(compile_mode, inductor_mode),
         )
+        if inductor_mode != "default":
+            row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips_before
         if report is not None:
             row["fp8_linears"] = sum("FP8Linear" in detail for _, _, detail in report.replaced)
         if provider in per_linear:
@@ -333,7 +339,7 @@ def run_case(
             tokens=tokens(name),
             attention_kernel=ATTENTION_KERNEL if provider.startswith("patched") else None,
             weights_MiB=timing.weight_MiB(model),
-            compile=compile_mode if inductor_mode == "default" else f"{compile_mode}+{inductor_mode}",
+            compile=_compile_label(compile_mode, inductor_mode),
         )
         if compiled and inductor_mode != "default":
             # Inductor counts each graph it runs without CUDA graphs ("skipping cudagraphs: ...").
@@ -358,8 +364,15 @@ def run_case(
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     if exact is not None:
-        rows += run_fp8_providers(name, timer_ms, repeats, exact, providers, compile_mode, per_linear, profile)
+        rows += run_fp8_providers(
+            name, timer_ms, repeats, exact, providers, compile_mode, per_linear, profile, inductor_mode
+        )
     return rows
+
+
+def _compile_label(compile_mode: str, inductor_mode: str) -> str:
+    """A row's ``compile``: the compile mode, and torch.compile's mode where it is not the default."""
+    return compile_mode if inductor_mode == "default" else f"{compile_mode}+{inductor_mode}"
 
 
 #: The provider whose q and k attention quantizes at every length (the
@@ -518,8 +531,8 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     modes = args.inductor_modes.split(",")
-    if modes != ["default"] and (args.fp8 or args.int8_attention):
-        p.error("--inductor-modes compares the bf16 providers: not with --fp8 or --int8-attention")
+    if modes != ["default"] and args.int8_attention:
+        p.error("--inductor-modes runs the bf16 and FP8 providers: not with --int8-attention")
     if args.lora and len(modes) > 1:
         p.error("--lora runs in one --inductor-modes mode (its rows say which)")
     if args.lora and (args.fp8 or args.int8_attention):
@@ -536,7 +549,7 @@ def main(argv=None) -> int:
         stem, env["torchao"] = "diffusers-e2e-fp8", torchao.__version__
     if args.int8_attention:  # its own file too, with the peer's version
         stem, env["sageattention"] = "diffusers-e2e-int8", _version("sageattention")
-    if modes != ["default"] and not args.lora:  # the compile-mode comparison has its own file
+    if modes != ["default"] and not (args.lora or args.fp8):  # the compile-mode comparison has its own file
         stem = "diffusers-e2e-modes"
     if args.lora:
         stem = "diffusers-e2e-lora"
