@@ -69,13 +69,21 @@ def _measure(fn, label, q, k, v, iters=30) -> dict:
     return dict(label=label, wall_ms=wall, enqueue_ms=enqueue)
 
 
+_ROUTED = attention_launch.takes_sm90_8bit
+
+
+def _use_route(route: str) -> None:
+    """``gluon``: the tree's routing; ``triton``: every 8-bit call on ``attn_fwd_kernel``. Launch
+    plans are forgotten: a plan recorded on one route would replay its launches on the other."""
+    attention_launch.takes_sm90_8bit = _ROUTED if route == "gluon" else (lambda *a: False)
+    clear_launch_plans()
+
+
 def main(out_dir: str) -> None:
     q, k, v = (torch.randn(1, 4608, 24, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    routed = attention_launch.takes_sm90_8bit
     rows = []
     for route in ("gluon", "triton"):
-        attention_launch.takes_sm90_8bit = routed if route == "gluon" else (lambda *a: False)
-        clear_launch_plans()
+        _use_route(route)
         torch._dynamo.reset()
         rows.append(_measure(_loop, f"eager {route}", q, k, v))
         rows.append(_measure(torch.compile(_loop, fullgraph=True), f"compiled {route}", q, k, v))
@@ -89,8 +97,7 @@ def main(out_dir: str) -> None:
         op = torch.ops.fused_gluon.attention_forward_capped_
         args = (q16, k8, vt8, out, lse, 128**-0.5, False, 1, None, None, None, None, k_scale, v_scale, None, None, None)
         for route in ("gluon", "triton", "gluon", "triton"):
-            attention_launch.takes_sm90_8bit = routed if route == "gluon" else (lambda *a: False)
-            clear_launch_plans()  # a plan recorded on the other route would replay its launches
+            _use_route(route)
             for _ in range(5):
                 op(*args)
             times = []
@@ -106,7 +113,7 @@ def main(out_dir: str) -> None:
                 flush=True,
             )
 
-        attention_launch.takes_sm90_8bit = routed
+        _use_route("gluon")
         for _ in range(10):
             op(*args)
         torch.cuda.synchronize()
