@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-pytest.importorskip("diffusers")
+diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 from bench.runners import diffusers_e2e, diffusers_lora, diffusers_models, diffusers_timing  # noqa: E402
@@ -128,3 +128,23 @@ def test_fp8_providers_compile_in_the_inductor_mode_asked_for(monkeypatch):
     (row,) = [r for r in rows if r["provider"] == "fp8_compiled"]
     assert row["compile"] == "regional+reduce-overhead" and row["cudagraph_skips"] == 0
     assert row["rel_l2_vs_bf16"] < 5e-2
+
+
+def test_the_fused_qkv_provider_fuses_diffusers_projections_before_patching(monkeypatch):
+    """``fp8_fused_qkv_compiled`` calls diffusers' ``fuse_qkv_projections()`` on its
+    model (and only it), then patches it in FP8: its step error stays that of
+    ``fp8_compiled``, whose Linears it quantizes the same way."""
+    _keep_settings(monkeypatch)
+    diffusers_timing.BACKEND = "eager"
+    fused = []
+    real = diffusers.FluxTransformer2DModel.fuse_qkv_projections
+    monkeypatch.setattr(
+        diffusers.FluxTransformer2DModel, "fuse_qkv_projections", lambda model: fused.append(1) or real(model)
+    )
+    rows = diffusers_e2e.run_case(
+        "flux_step_tiny", 10, 1, True, {"fp8_compiled", "fp8_fused_qkv_compiled"}, "regional", False
+    )
+    by_provider = {r["provider"]: r for r in rows if "rel_l2_vs_bf16" in r}
+    assert fused == [1]
+    plain, fused_qkv = (by_provider[p]["rel_l2_vs_bf16"] for p in ("fp8_compiled", "fp8_fused_qkv_compiled"))
+    assert fused_qkv < 1.5 * plain, (fused_qkv, plain)

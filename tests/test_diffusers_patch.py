@@ -229,6 +229,34 @@ def test_processors_hand_uncovered_calls_to_the_original():
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_projections_fused_by_diffusers_run_on_the_fused_path(name):
+    """After diffusers' ``fuse_qkv_projections()`` (flux-fast's recipe) the
+    processors read ``to_qkv`` / ``to_added_qkv`` / ``to_kv`` as diffusers'
+    do: the patched model matches the fused original forward and backward,
+    no call goes to the original processor, and the separate Linears, which
+    diffusers keeps, are never called."""
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    model = model.to(DEVICE)
+    model.fuse_qkv_projections()
+    patched = copy.deepcopy(model)
+    compile_ops.patch(patched)
+    for module in patched.modules():
+        processor = getattr(module, "processor", None)
+        if isinstance(processor, processors.FusedProcessor):
+            processor.original = lambda *a, **k: pytest.fail("a call went to the original processor")
+            # Cross-attention (Wan's attn2) fuses k and v only: its to_q stays in use.
+            unused = ("to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+            unused += () if getattr(module, "is_cross_attention", False) else ("to_q",)
+            for linear in (getattr(module, n, None) for n in unused):
+                if linear is not None:
+                    linear.register_forward_pre_hook(lambda *a: pytest.fail("a separate projection was called"))
+    assert any(hasattr(m, "to_qkv") for m in patched.modules())
+    torch.manual_seed(1)
+    assert_patched_matches_forward_and_backward(model, patched, _to(inputs(8), DEVICE), lambda out: out.sample)
+
+
 def test_processors_share_diffusers_settings_with_the_original():
     _, patched, _, _ = _pair("flux")
     processor = patched.transformer_blocks[0].attn.processor

@@ -24,10 +24,12 @@ from compile_ops.integrations.diffusers import blocks
 pytest.importorskip("diffusers")
 
 
-def _fp8_pair(name, **options):
+def _fp8_pair(name, fuse_projections=False, **options):
     torch.manual_seed(0)
     model, inputs = FP8_MODELS[name]()
     model = model.to(DEVICE).eval()
+    if fuse_projections:
+        model.fuse_qkv_projections()  # diffusers' own, before patch (flux-fast's order)
     patched = copy.deepcopy(model)
     report = compile_ops.patch(patched, precision="fp8", **options)
     simulated = copy.deepcopy(model)
@@ -58,6 +60,47 @@ def test_fp8_patched_model_matches_the_same_quantization_in_plain_pytorch(name):
     # ... and the patched model applies the same quantization: what is left is
     # the fused ops' fp32 rounding, flipping an e4m3 rounding here and there.
     assert to_simulation < to_exact / 20, (to_simulation, to_exact)
+
+
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_fp8_projections_fused_by_diffusers_take_the_norms_fp8_rows(name, monkeypatch):
+    """``fuse_qkv_projections()`` then ``patch(precision="fp8")``: ``to_qkv``
+    (and Flux's ``to_added_qkv``, Wan's cross-attention ``to_kv``) are FP8
+    Linears that read the rows the unfused model's projections read (the
+    same quantize passes, by shape: the AdaLN norms' FP8 rows where those
+    feed q/k/v), and the model equals the same quantization in plain PyTorch."""
+    from compile_ops.ops import fp8 as fp8_ops
+
+    passes = Counter()
+    real = fp8_ops._quantize_fp8_rows
+    monkeypatch.setattr(
+        fp8_ops, "_quantize_fp8_rows", lambda x, *a, **k: passes.update([tuple(x.shape)]) or real(x, *a, **k)
+    )
+    counts = {}
+    for fuse in (False, True):
+        model, patched, simulated, inputs, report = _fp8_pair(name, fuse_projections=fuse)
+        torch.manual_seed(1)
+        args = _to(inputs(8), DEVICE)
+        with torch.no_grad():
+            exact, want = (m(**args).sample for m in (model, simulated))
+            passes.clear()
+            got = patched(**args).sample
+        counts[fuse] = dict(passes)
+        to_exact, to_simulation = _relative_l2(want, exact), _relative_l2(got, want)
+        assert to_exact > 1e-3
+        assert to_simulation < to_exact / 20, (fuse, to_simulation, to_exact)
+    fused = {path for path, _, detail in report.replaced if "FP8Linear" in detail and "qkv" in path or "to_kv" in path}
+    want_fused = (
+        {"blocks.0.attn1.to_qkv", "blocks.0.attn2.to_kv"}
+        if name == "wan"
+        else {
+            "transformer_blocks.0.attn.to_qkv",
+            "transformer_blocks.0.attn.to_added_qkv",
+            "single_transformer_blocks.0.attn.to_qkv",
+        }
+    )
+    assert want_fused <= fused, fused
+    assert counts[True] == counts[False], counts
 
 
 def test_fp8_modulation_quantizes_the_adaln_projections_too():

@@ -23,7 +23,8 @@ weights: ``fp8_compiled`` (``compile_ops.patch(model, precision="fp8")`` +
 ``fp8_int8_attention_compiled`` (with ``attention_precision="int8"``: 8-bit
 attention too, a second approximation whose cost the step error shows),
 ``fp8_int8_fp8_attention_compiled`` (``attention_precision="int8_fp8"``: P V in
-FP8 as well) and
+FP8 as well), ``fp8_fused_qkv_compiled`` (diffusers' ``fuse_qkv_projections()``
+first, flux-fast's recipe: one FP8 GEMM for each q/k/v triple) and
 ``torchao_fp8_compiled`` (torchao's
 ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` +
 ``torch.compile``, what users install today). Their rows also give the step
@@ -112,6 +113,8 @@ def _quantize(provider: str, model):
     if provider != "torchao_fp8_compiled":  # ours: FP8_PROVIDERS' other entries
         import compile_ops
 
+        if provider == "fp8_fused_qkv_compiled":
+            model.fuse_qkv_projections()
         return compile_ops.patch(
             model,
             precision="fp8",
@@ -204,6 +207,7 @@ FP8_PROVIDERS = (
     "fp8_fp32_accum_compiled",
     "fp8_int8_attention_compiled",
     "fp8_int8_fp8_attention_compiled",
+    "fp8_fused_qkv_compiled",
     "torchao_fp8_compiled",
 )
 #: The FP8 providers that run 8-bit attention too: their attention_precision.

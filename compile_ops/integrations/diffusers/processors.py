@@ -4,7 +4,9 @@ Each processor runs the same projections, q/k-norm and rotary embeddings as
 the one it replaces, with ``fused.qk_norm_rope`` (or the norms and
 ``fused.rope_qk``) and attention with ``fused.attention`` or SDPA
 (``attention_kernel``), and hands any call it does not cover (an attention
-mask, fused projections, image conditioning) to the original processor.
+mask, image conditioning) to the original processor. Projections fused by
+diffusers' ``fuse_qkv_projections()`` (``to_qkv``, ``to_added_qkv``,
+``to_kv``) are read where diffusers' processors read them.
 Under diffusers' context parallelism (``enable_parallelism``) attention runs
 through diffusers' Ulysses/ring templates with the same kernel choices
 (:mod:`.context_parallel`).
@@ -293,14 +295,40 @@ def _shared_input(x, *linears: nn.Module):
     return x
 
 
-def _projection_inputs(attn, hidden_states, encoder_hidden_states=None) -> tuple:
-    """``(input of to_q, input of to_k and to_v)`` of a self- or cross-attention
-    layer, each quantized once to FP8 rows when all the Linears that read it are
-    FP8 (self-attention: one pass for q, k and v, not one for q and one for k/v)."""
+#: ``(fused Linear, the Linears it replaces)`` of diffusers' ``fuse_qkv_projections()``:
+#: self-attention's q/k/v, a joint block's text q/k/v, cross-attention's k/v.
+QKV = ("to_qkv", ("to_q", "to_k", "to_v"))
+ADDED_QKV = ("to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"))
+KV = ("to_kv", ("to_k", "to_v"))
+
+
+def _readers(attn, projections: tuple, fused: bool) -> list:
+    """The Linears that project one input for ``projections`` (:data:`QKV`,
+    :data:`ADDED_QKV` or :data:`KV`): diffusers' fused Linear when ``fused``
+    (``attn.fused_projections`` for the processors of diffusers' that read
+    it then, Flux's and Wan's), else the separate ones."""
+    fused_name, separate = projections
+    return [getattr(attn, fused_name)] if fused else [getattr(attn, name) for name in separate]
+
+
+def _project(attn, x, projections: tuple, fused: bool) -> list:
+    """``[B, L, C]`` outputs of ``projections`` over ``x`` (:func:`_readers`;
+    ``x`` quantized once to FP8 rows where every reader takes them): a fused
+    Linear's output split along its channels into views, as diffusers' ``chunk``."""
+    readers = _readers(attn, projections, fused)
+    x = _shared_input(x, *readers)
+    if fused:
+        return list(readers[0](x).chunk(len(projections[1]), dim=-1))
+    return [linear(x) for linear in readers]
+
+
+def _qkv(attn, hidden_states, encoder_hidden_states=None, fused: bool = False) -> list:
+    """``[q, k, v]`` (``[B, L, C]``) of a self-attention layer, or of a
+    cross-attention layer whose keys and values come from ``encoder_hidden_states``
+    (``fused``: :func:`_readers`)."""
     if encoder_hidden_states is None:
-        x = _shared_input(hidden_states, attn.to_q, attn.to_k, attn.to_v)
-        return x, x
-    return hidden_states, _shared_input(encoder_hidden_states, attn.to_k, attn.to_v)
+        return _project(attn, hidden_states, QKV, fused)
+    return [attn.to_q(hidden_states), *_project(attn, encoder_hidden_states, KV, fused)]
 
 
 def _heads_joined(out, dtype: torch.dtype):
@@ -323,8 +351,8 @@ class FluxAttnProcessor(FusedProcessor):
         """Whether the fused path runs this call (else the original processor does)."""
         return not (
             attention_mask is not None
-            or attn.fused_projections
             or (encoder_hidden_states is not None and attn.added_kv_proj_dim is None)
+            or (encoder_hidden_states is not None and attn.fused_projections and not hasattr(attn, "to_added_qkv"))
         )
 
     @staticmethod
@@ -341,9 +369,9 @@ class FluxAttnProcessor(FusedProcessor):
             or not processor.covers(attn, encoder_hidden_states, kwargs.get("attention_mask"))
         ):
             return False
-        linears = [attn.to_q, attn.to_k, attn.to_v]
+        linears = _readers(attn, QKV, attn.fused_projections)
         if encoder_hidden_states is not None:
-            linears += [attn.add_q_proj, attn.add_k_proj, attn.add_v_proj]
+            linears += _readers(attn, ADDED_QKV, attn.fused_projections)
         return all(takes_fp8_rows(linear) for linear in linears)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
@@ -351,8 +379,7 @@ class FluxAttnProcessor(FusedProcessor):
             if isinstance(hidden_states, FP8Rows) or isinstance(encoder_hidden_states, FP8Rows):
                 raise RuntimeError(
                     "compile_ops FluxAttnProcessor: FP8 rows reached a call the fused path does "
-                    "not cover (a mask or fused projections since the block "
-                    "checked); this is a compile_ops bug"
+                    "not cover (a mask since the block checked); this is a compile_ops bug"
                 )
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
@@ -363,8 +390,7 @@ class FluxAttnProcessor(FusedProcessor):
             return None if image_rotary_emb is None else tuple(t[start:end] for t in image_rotary_emb)
 
         image_rope = rows(-_tokens(hidden_states), None)
-        x = _shared_input(hidden_states, attn.to_q, attn.to_k, attn.to_v)
-        query, key, value = heads(attn.to_q(x)), heads(attn.to_k(x)), heads(attn.to_v(x))
+        query, key, value = (heads(t) for t in _qkv(attn, hidden_states, fused=attn.fused_projections))
         # A single-stream call's q and k can come quantized from their rotation;
         # a double-stream call's text and image streams are joined after it,
         # and k's smoothing mean spans both, so its attention quantizes them.
@@ -373,16 +399,13 @@ class FluxAttnProcessor(FusedProcessor):
         if encoder_hidden_states is not None:
             # Text tokens come first in the joint sequence and in the tables;
             # each stream is normed with its own weights and rotated with its rows.
-            c = _shared_input(encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            text = _project(attn, encoder_hidden_states, ADDED_QKV, attn.fused_projections)
+            text_query, text_key, text_value = (heads(t) for t in text)
             text_query, text_key = self.norm_rope(
-                heads(attn.add_q_proj(c)),
-                heads(attn.add_k_proj(c)),
-                attn.norm_added_q,
-                attn.norm_added_k,
-                rows(0, _tokens(encoder_hidden_states)),
+                text_query, text_key, attn.norm_added_q, attn.norm_added_k, rows(0, _tokens(encoder_hidden_states))
             )
             query, key = torch.cat([text_query, query], dim=1), torch.cat([text_key, key], dim=1)
-            value = torch.cat([heads(attn.add_v_proj(c)), value], dim=1)
+            value = torch.cat([text_value, value], dim=1)
         # Double-stream blocks' output projections can read FP8 rows; the
         # single-stream block concatenates the output with its MLP's first.
         fp8_rows = (
@@ -416,21 +439,19 @@ class WanAttnProcessor(FusedProcessor):
         query's, for ``cross``-attention) as FP8 rows: its projections that
         read it are FP8 Linears and the call is one this processor covers."""
         processor = getattr(attn, "processor", None)
-        if type(processor) is not WanAttnProcessor or attn.add_k_proj is not None or attn.fused_projections:
+        if type(processor) is not WanAttnProcessor or attn.add_k_proj is not None:
             return False
-        readers = (attn.to_q,) if cross else (attn.to_q, attn.to_k, attn.to_v)
+        readers = [attn.to_q] if cross else _readers(attn, QKV, attn.fused_projections)
         return all(takes_fp8_rows(linear) for linear in readers)
 
     def splits_across_ranks(self, attn) -> bool:
         return not attn.is_cross_attention
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        if attention_mask is not None or attn.add_k_proj is not None or attn.fused_projections:
+        if attention_mask is not None or attn.add_k_proj is not None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        hidden_states, context = _projection_inputs(attn, hidden_states, encoder_hidden_states)
-        query, key, value = (
-            t.unflatten(2, (attn.heads, -1)) for t in (attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context))
-        )
+        qkv = _qkv(attn, hidden_states, encoder_hidden_states, attn.fused_projections)
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in qkv)
         # Wan's q/k norms span the heads; [1, L, 1, D] tables with each pair's
         # angle repeated: Wan rotates (2i, 2i + 1) pairs.
         rope = None if rotary_emb is None else tuple(t[0, :, 0] for t in rotary_emb)
@@ -461,15 +482,15 @@ class JointAttnProcessor(FusedProcessor):
         def normed(norm, t):
             return t if norm is None else norm(t)
 
-        x = _shared_input(hidden_states, attn.to_q, attn.to_k, attn.to_v)
-        query = normed(attn.norm_q, heads(attn.to_q(x)))
-        key = normed(attn.norm_k, heads(attn.to_k(x)))
-        value = heads(attn.to_v(x))
+        query, key, value = (heads(t) for t in _qkv(attn, hidden_states))
+        query, key = normed(attn.norm_q, query), normed(attn.norm_k, key)
         if encoder_hidden_states is not None:
-            c = _shared_input(encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-            query = torch.cat([query, normed(attn.norm_added_q, heads(attn.add_q_proj(c)))], 1)
-            key = torch.cat([key, normed(attn.norm_added_k, heads(attn.add_k_proj(c)))], 1)
-            value = torch.cat([value, heads(attn.add_v_proj(c))], 1)
+            text_query, text_key, text_value = (
+                heads(t) for t in _project(attn, encoder_hidden_states, ADDED_QKV, False)
+            )
+            query = torch.cat([query, normed(attn.norm_added_q, text_query)], 1)
+            key = torch.cat([key, normed(attn.norm_added_k, text_key)], 1)
+            value = torch.cat([value, text_value], 1)
         out = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return attn.to_out[1](attn.to_out[0](out))
@@ -486,12 +507,12 @@ class LTXVideoAttnProcessor(FusedProcessor):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if attention_mask is not None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-        hidden_states, context = _projection_inputs(attn, hidden_states, encoder_hidden_states)
+        query, key, value = _qkv(attn, hidden_states, encoder_hidden_states)
         # LTX's q/k norms and tables span all heads' channels ([B, L, heads * D],
         # pairs (2i, 2i + 1)): norm and rotate the projections as one wide head.
-        query, key = (t.unsqueeze(2) for t in (attn.to_q(hidden_states), attn.to_k(context)))
+        query, key = (t.unsqueeze(2) for t in (query, key))
         query, key = (t.squeeze(2) for t in self.norm_rope(query, key, attn.norm_q, attn.norm_k, image_rotary_emb))
-        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, attn.to_v(context)))
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         attend = self.attend if encoder_hidden_states is not None else self.attend_self
         out = attend(query, key, value, fp8_rows=takes_fp8_rows(attn.to_out[0]), parallel=self.parallel_config())
         return attn.to_out[1](attn.to_out[0](_heads_joined(out, query.dtype)))
@@ -533,8 +554,7 @@ class HunyuanVideoAttnProcessor(FusedProcessor):
         def heads(t):
             return t.unflatten(2, (attn.heads, -1))
 
-        x = _shared_input(hidden_states, attn.to_q, attn.to_k, attn.to_v)
-        query, key, value = heads(attn.to_q(x)), heads(attn.to_k(x)), heads(attn.to_v(x))
+        query, key, value = (heads(t) for t in _qkv(attn, hidden_states))
         if joint or not text_tokens:
             query, key = self.norm_rope(query, key, attn.norm_q, attn.norm_k, image_rotary_emb)
         else:  # single-stream: the rotary embedding on the video tokens only, the q/k norms on all
@@ -543,12 +563,12 @@ class HunyuanVideoAttnProcessor(FusedProcessor):
             text_qk = self.norm_rope(query[:, video:], key[:, video:], attn.norm_q, attn.norm_k, None)
             query, key = (torch.cat(pair, dim=1) for pair in zip(video_qk, text_qk))
         if joint:
-            c = _shared_input(encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-            text_query, text_key = self.norm_rope(
-                heads(attn.add_q_proj(c)), heads(attn.add_k_proj(c)), attn.norm_added_q, attn.norm_added_k, None
+            text_query, text_key, text_value = (
+                heads(t) for t in _project(attn, encoder_hidden_states, ADDED_QKV, False)
             )
+            text_query, text_key = self.norm_rope(text_query, text_key, attn.norm_added_q, attn.norm_added_k, None)
             query, key = torch.cat([query, text_query], dim=1), torch.cat([key, text_key], dim=1)
-            value = torch.cat([value, heads(attn.add_v_proj(c))], dim=1)
+            value = torch.cat([value, text_value], dim=1)
         parallel = self.parallel_config()
         tail = 0
         if parallel is not None:

@@ -1,0 +1,89 @@
+"""Flux's projections that read one input, as one FP8 GEMM over their concatenated
+weights against one GEMM each, on a GPU:
+
+    PYTHONPATH=. python bench/experiments/fp8_fused_projections.py OUT.json [--rounds 3]
+
+Each case is a group of Flux.1-dev Linears that read the same e4m3 rows (``M`` tokens,
+``K`` = 3072): the double block's image q/k/v (4096 tokens), its text q/k/v (512), and
+the single block's q/k/v with and without its MLP up projection (4608). Providers,
+``torch._scaled_mm`` with rowwise scales and fast accumulation as ``fp8_linear`` calls
+it, CUDA-graph replays in alternated rounds:
+
+- ``separate``: one GEMM per Linear (what ``patch(precision="fp8")`` runs);
+- ``fused``: one GEMM over the weights concatenated along N, whose output columns are
+  the Linears' outputs side by side (rowwise weight scales concatenate with them).
+
+Beside the times: TFLOP/s (``2MNK`` summed over the group) and the largest difference
+between the fused output's column blocks and the separate outputs (0 when cuBLAS sums
+each column the same way in both).
+"""
+
+import argparse
+
+import torch
+
+from bench.toolkit import make_timer, replay_rounds, warm_up_gpu, write_rows
+
+K = 3072
+#: ``name: (tokens, [output widths])``: Flux.1-dev's groups of Linears over one input.
+CASES = {
+    "double_image_qkv": (4096, [3072, 3072, 3072]),
+    "double_text_qkv": (512, [3072, 3072, 3072]),
+    "single_qkv": (4608, [3072, 3072, 3072]),
+    "single_qkv_mlp": (4608, [3072, 3072, 3072, 12288]),
+}
+
+
+def _gemm(q, q_scale, weight, weight_scale):
+    return torch._scaled_mm(
+        q, weight.t(), scale_a=q_scale, scale_b=weight_scale, out_dtype=torch.bfloat16, use_fast_accum=True
+    )
+
+
+def _operands(tokens: int, widths: list) -> tuple:
+    """``(q [M, K] e4m3, q_scale [M, 1], [(w [N, K] e4m3, w_scale [1, N])] per Linear)``, seeded."""
+    torch.manual_seed(0)
+    q = (torch.randn(tokens, K, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q_scale = torch.rand(tokens, 1, device="cuda") / 100 + 1e-3
+    weights = [
+        (
+            (torch.randn(n, K, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn),
+            torch.rand(1, n, device="cuda") / 100 + 1e-3,
+        )
+        for n in widths
+    ]
+    return q, q_scale, weights
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    timer = make_timer(False)
+    warm_up_gpu()
+    rows = []
+    for case, (tokens, widths) in CASES.items():
+        q, q_scale, weights = _operands(tokens, widths)
+        fused_weight = torch.cat([w for w, _ in weights])
+        fused_scale = torch.cat([s for _, s in weights], dim=1)
+        with torch.no_grad():
+            separate = [_gemm(q, q_scale, w, s) for w, s in weights]
+            fused = _gemm(q, q_scale, fused_weight, fused_scale)
+        max_diff = (fused.float() - torch.cat(separate, dim=1).float()).abs().max().item()
+        providers = {
+            "separate": lambda: [_gemm(q, q_scale, w, s) for w, s in weights],
+            "fused": lambda: _gemm(q, q_scale, fused_weight, fused_scale),
+        }
+        flops = 2 * tokens * sum(widths) * K
+        for rnd, name, ms in replay_rounds(providers, (), args.rounds, timer):
+            tflops = flops / (ms * 1e-3) / 1e12
+            rows.append(dict(case=case, M=tokens, K=K, N=widths, provider=name, round=rnd, ms=ms, TFLOPs=tflops))
+            rows[-1]["fused_max_diff_from_separate"] = max_diff
+            print(f"{case:18s} r{rnd} {name:9s} {ms:.4f} ms {tflops:7.1f} TFLOP/s (diff {max_diff:.3g})", flush=True)
+        write_rows(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
