@@ -69,6 +69,12 @@ MODEL_CASES = [
     if not (model == "flux" and mode.startswith("sliding_tile"))
     and not ("int8" in mode and parallelism == "ring")
     and not (model == "hunyuan" and parallelism == "ring")  # refused: the text is whole on every rank
+] + [
+    # q/k/v from diffusers' fused projections: views of one GEMM's output reach the exchanges.
+    ("flux_fused", "int8_fp8", "ulysses"),
+    ("flux_fused", "exact", "ring"),
+    ("wan_fused", "sliding_tile", "ulysses"),
+    ("wan_fused", "exact", "ring"),
 ]
 UNIFIED_CASES = ["attention-exact-unified", "backend-exact-unified", "backend-sparse-unified"]
 ATTENTION_CASES = [
@@ -161,7 +167,25 @@ def _hunyuan(dtype):
     return model, inputs
 
 
-MODELS = {"wan": _wan, "flux": _flux, "ltx": _ltx, "hunyuan": _hunyuan}
+def _fused_projections(build):
+    """``build`` with diffusers' ``fuse_qkv_projections()`` applied (flux-fast's recipe)."""
+
+    def fused(dtype):
+        model, inputs = build(dtype)
+        model.fuse_qkv_projections()
+        return model, inputs
+
+    return fused
+
+
+MODELS = {
+    "wan": _wan,
+    "flux": _flux,
+    "ltx": _ltx,
+    "hunyuan": _hunyuan,
+    "wan_fused": _fused_projections(_wan),
+    "flux_fused": _fused_projections(_flux),
+}
 
 
 def _context_parallel_config(parallelism: str):
