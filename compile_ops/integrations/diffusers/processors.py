@@ -486,7 +486,7 @@ class JointAttnProcessor(FusedProcessor):
         query, key = normed(attn.norm_q, query), normed(attn.norm_k, key)
         if encoder_hidden_states is not None:
             text_query, text_key, text_value = (
-                heads(t) for t in _project(attn, encoder_hidden_states, ADDED_QKV, False)
+                heads(t) for t in _project(attn, encoder_hidden_states, ADDED_QKV, fused=False)
             )
             query = torch.cat([query, normed(attn.norm_added_q, text_query)], 1)
             key = torch.cat([key, normed(attn.norm_added_k, text_key)], 1)
@@ -564,7 +564,7 @@ class HunyuanVideoAttnProcessor(FusedProcessor):
             query, key = (torch.cat(pair, dim=1) for pair in zip(video_qk, text_qk))
         if joint:
             text_query, text_key, text_value = (
-                heads(t) for t in _project(attn, encoder_hidden_states, ADDED_QKV, False)
+                heads(t) for t in _project(attn, encoder_hidden_states, ADDED_QKV, fused=False)
             )
             text_query, text_key = self.norm_rope(text_query, text_key, attn.norm_added_q, attn.norm_added_k, None)
             query, key = torch.cat([query, text_query], dim=1), torch.cat([key, text_key], dim=1)
