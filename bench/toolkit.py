@@ -17,12 +17,15 @@ run one way.
 - Results: :func:`results_path`, :func:`write_results`, :func:`write_sweep`,
   :func:`merge_runs`.
 - Launch-config sweeps: :func:`run_sweep`, :func:`sweep_times`, :func:`module_config`.
+- Experiments (``bench/experiments/``): :func:`experiment_parser` (their common
+  arguments), :func:`start_experiment` (parsed, timer made, GPU warmed up).
 - Output: :class:`Progress` (a counter that ends at its total),
   :func:`output_to` (stdout and stderr into a log file), :func:`machine_line`.
 - Small helpers: :func:`log`, :func:`shape_str`, :func:`error_text`,
   :func:`as_tuple`, :func:`tensors_of`.
 """
 
+import argparse
 import contextlib
 import datetime
 import functools
@@ -219,6 +222,28 @@ def warm_up_gpu(seconds: float = 8.0) -> None:
         for _ in range(20):
             a @ a
         torch.cuda.synchronize()
+
+
+def experiment_parser(doc: str, **options: str) -> argparse.ArgumentParser:
+    """The arguments a GPU experiment takes, described by the first line of its
+    ``doc``: ``out`` (the JSON file it writes), a string option per item of
+    ``options`` (``shapes="4608x24"`` adds ``--shapes`` with that default) and
+    ``--rounds`` (its alternated timing rounds, 3). The caller may add more."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("out", help="the JSON file the rows go to")
+    for name, default in options.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", default=default)
+    parser.add_argument("--rounds", type=int, default=3)
+    return parser
+
+
+def start_experiment(parser: argparse.ArgumentParser, argv=None) -> tuple:
+    """``(args, timer)``: ``parser``'s arguments from ``argv``, a
+    :func:`make_timer` timer, and the GPU kept busy first (:func:`warm_up_gpu`)."""
+    args = parser.parse_args(argv)
+    timer = make_timer(False)
+    warm_up_gpu()
+    return args, timer
 
 
 def keep_busy(fn, seconds: float) -> None:

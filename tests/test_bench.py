@@ -56,6 +56,22 @@ def test_output_to_sends_prints_and_children_to_the_log_and_keeps_the_screen(tmp
     assert log_path.read_text().splitlines() == ["a measurement line", "from a child"]
 
 
+def test_experiments_parse_their_common_arguments_and_warm_the_gpu_before_timing(monkeypatch):
+    """``experiment_parser``: ``out``, the named string options with their
+    defaults (underscores as dashes), ``--rounds`` as an int; ``start_experiment``
+    parses, then warms the GPU up once, and hands back the timer it made."""
+    calls = []
+    monkeypatch.setattr(toolkit, "warm_up_gpu", lambda: calls.append("warm"))
+    monkeypatch.setattr(toolkit, "make_timer", lambda quick: calls.append(("timer", quick)) or "a timer")
+    parser = toolkit.experiment_parser("What it measures.\n\nMore.", shapes="1x2", key_lengths="7")
+    assert parser.description == "What it measures."
+    args, timer = toolkit.start_experiment(parser, ["rows.json", "--key-lengths", "9", "--rounds", "5"])
+    assert (args.out, args.shapes, args.key_lengths, args.rounds) == ("rows.json", "1x2", "9", 5)
+    assert timer == "a timer" and calls == [("timer", False), "warm"]
+    with pytest.raises(SystemExit):
+        toolkit.start_experiment(toolkit.experiment_parser("Doc."), ["--rounds", "2"])  # out is required
+
+
 def test_every_kernel_of_the_package_has_a_profile_family_of_its_own():
     """A step's profile credits each of our kernels to attention or compile_ops,
     never "other" (where a new kernel's time would go unexplained)."""

@@ -24,14 +24,13 @@ round part-empty (1x24x4608: 864 items, 6 rounds of 132 and 72) can split
 those items along the queries.
 """
 
-import argparse
 import json
 
 import torch
 
 import compile_ops
 from bench.runners.attention import providers
-from bench.toolkit import graph_replay_time, keep_busy, make_timer, warm_up_gpu, write_rows
+from bench.toolkit import experiment_parser, graph_replay_time, keep_busy, start_experiment, write_rows
 from compile_ops.ops import attention_sm90
 
 SHAPES = "1x24x4608x128,1x24x4592x128,2x24x4096x64,1x24x4429x64,1x12x32760x128,1x40x16384x128"
@@ -61,20 +60,14 @@ def configure(variant: str, d: int = 128) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out")
-    p.add_argument("--shapes", default=SHAPES)
-    p.add_argument("--variants", default="default,unsplit")
+    p = experiment_parser(__doc__, shapes=SHAPES, variants="default,unsplit")
     p.add_argument(
         "--deterministic-variants",
         default="default",
         help="the deterministic backward's: default, triton_dkdv (its dk/dv pass in triton.language), "
         "unpersistent, step=N",
     )
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args(argv)
-    timer = make_timer(False)
-    warm_up_gpu()
+    args, timer = start_experiment(p, argv)
     rows = []
     for text in args.shapes.split(","):
         causal = text.endswith("c")

@@ -18,11 +18,9 @@ between the fused output's column blocks and the separate outputs (0 when cuBLAS
 each column the same way in both).
 """
 
-import argparse
-
 import torch
 
-from bench.toolkit import make_timer, replay_rounds, warm_up_gpu, write_rows
+from bench.toolkit import experiment_parser, replay_rounds, start_experiment, write_rows
 
 K = 3072
 #: ``name: (tokens, [output widths])``: Flux.1-dev's groups of Linears over one input.
@@ -56,12 +54,7 @@ def _operands(tokens: int, widths: list) -> tuple:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out")
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args(argv)
-    timer = make_timer(False)
-    warm_up_gpu()
+    args, timer = start_experiment(experiment_parser(__doc__), argv)
     rows = []
     for case, (tokens, widths) in CASES.items():
         q, q_scale, weights = _operands(tokens, widths)

@@ -16,14 +16,12 @@ Each row has the time, the rate of the op's own bytes (q and k read once,
 written once), and the output's relative L2 distance to the fp64 reference.
 """
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
 import compile_ops
 from bench.peers.rope import rope_qk as formula_rope_qk
-from bench.toolkit import make_timer, relative_l2, replay_rounds, warm_up_gpu, write_rows
+from bench.toolkit import experiment_parser, relative_l2, replay_rounds, start_experiment, write_rows
 from compile_ops import reference
 
 HEADS, HEAD_DIM, EPS = 12, 128, 1e-6
@@ -61,13 +59,7 @@ PROVIDERS = {
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out")
-    p.add_argument("--lengths", default="32760,75600")
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args(argv)
-    timer = make_timer(False)
-    warm_up_gpu()
+    args, timer = start_experiment(experiment_parser(__doc__, lengths="32760,75600"), argv)
     rows = []
     for length in map(int, args.lengths.split(",")):
         inputs = wan_inputs(length)

@@ -15,14 +15,13 @@ with the shipped launch's (another number of warps sums the squares in
 another order).
 """
 
-import argparse
 import itertools
 
 import torch
 
 import compile_ops
 from bench.experiments.norm_over_heads import EPS, HEAD_DIM, HEADS, wan_inputs
-from bench.toolkit import make_timer, replay_rounds, warm_up_gpu, write_rows
+from bench.toolkit import experiment_parser, replay_rounds, start_experiment, write_rows
 from compile_ops._library import clear_launch_plans
 from compile_ops.ops import rope_launch
 
@@ -38,13 +37,7 @@ def _launch(block_l, warps):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out")
-    p.add_argument("--lengths", default="32760,75600")
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args(argv)
-    timer = make_timer(False)
-    warm_up_gpu()
+    args, timer = start_experiment(experiment_parser(__doc__, lengths="32760,75600"), argv)
     configs = [(None, None)] + list(itertools.product((1, 2, 4, 8), (2, 4, 8)))
     rows = []
     for length in map(int, args.lengths.split(",")):

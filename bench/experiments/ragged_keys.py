@@ -15,13 +15,12 @@ alternated: ``compile_ops.attention`` eager and compiled
 replays.
 """
 
-import argparse
 import json
 
 import torch
 
 from bench.runners.attention import providers
-from bench.toolkit import make_timer, replay_rounds, warm_up_gpu, write_rows
+from bench.toolkit import experiment_parser, replay_rounds, start_experiment, write_rows
 
 SHAPES = (
     "1x24x4608x128,1x24x4544x128,1x24x4592x128,1x24x4429x128,1x24x4112x128,1x24x2816x128,1x24x6989x128,"
@@ -30,13 +29,7 @@ SHAPES = (
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out")
-    p.add_argument("--shapes", default=SHAPES)
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args(argv)
-    timer = make_timer(False)
-    warm_up_gpu()
+    args, timer = start_experiment(experiment_parser(__doc__, shapes=SHAPES), argv)
     chosen = {
         name: fn for name, fn in providers(False).items() if name in ("fused_eager", "fused_compiled", "sdpa_cudnn")
     }

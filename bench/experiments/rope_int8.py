@@ -24,12 +24,10 @@ values and k's (which may move by one: k's mean is summed in another order),
 and the largest relative difference of the scales.
 """
 
-import argparse
-
 import torch
 
 import compile_ops
-from bench.toolkit import make_timer, replay_rounds, warm_up_gpu, write_rows
+from bench.toolkit import experiment_parser, replay_rounds, start_experiment, write_rows
 from compile_ops.ops import attention_8bit
 from compile_ops.reference.attention import smooth_quantize_qk
 
@@ -95,13 +93,7 @@ def _agreement(inputs: tuple) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out")
-    p.add_argument("--shapes", default=SHAPES)
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args(argv)
-    timer = make_timer(False)
-    warm_up_gpu()
+    args, timer = start_experiment(experiment_parser(__doc__, shapes=SHAPES), argv)
     rows = []
     for shape in args.shapes.split(","):
         length, heads, norm = _parse(shape)

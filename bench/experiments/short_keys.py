@@ -18,14 +18,13 @@ output projection then reads (FP8 rows): SDPA's cuDNN backend + the
 Each provider's rows are dequantized and compared with fp32 attention once.
 """
 
-import argparse
 import json
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import compile_ops
-from bench.toolkit import make_timer, relative_l2, replay_rounds, warm_up_gpu, write_rows
+from bench.toolkit import experiment_parser, relative_l2, replay_rounds, start_experiment, write_rows
 
 #: Wan 2.1's text cross-attention at 720p and 480p (512 text tokens), and key lengths up to self-attention's.
 SHAPES = (
@@ -50,13 +49,7 @@ def _providers() -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out")
-    p.add_argument("--shapes", default=SHAPES)
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args(argv)
-    timer = make_timer(False)
-    warm_up_gpu()
+    args, timer = start_experiment(experiment_parser(__doc__, shapes=SHAPES), argv)
     providers = _providers()
     rows = []
     for shape in (tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")):
