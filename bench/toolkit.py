@@ -316,6 +316,17 @@ def replay_rounds(providers: dict, args: tuple, rounds: int, timer):
             yield rnd, name, graph_replay_time(forward, timer)
 
 
+def gemm_round_rows(providers: dict, flops: int, rounds: int, timer, **fields) -> list:
+    """:func:`replay_rounds` of ``providers`` (no arguments) as rows: ``fields``, the
+    provider, round, ms and TFLOP/s (``flops`` a call), each also printed."""
+    rows = []
+    for rnd, name, ms in replay_rounds(providers, (), rounds, timer):
+        tflops = flops / (ms * 1e-3) / 1e12
+        rows.append(dict(fields, provider=name, round=rnd, ms=ms, TFLOPs=tflops))
+        print(f"{fields.get('case', '')} r{rnd} {name} {ms:.4f} ms {tflops:7.1f} TFLOP/s", flush=True)
+    return rows
+
+
 #: Kernel families of a model step's profile, by kernel name (first match wins).
 KERNEL_FAMILIES = (
     ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|_scaled_mm|sm90_.*_tn|splitK"),

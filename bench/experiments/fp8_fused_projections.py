@@ -20,7 +20,7 @@ each column the same way in both).
 
 import torch
 
-from bench.toolkit import experiment_parser, replay_rounds, start_experiment, write_rows
+from bench.toolkit import experiment_parser, gemm_round_rows, start_experiment, write_rows
 
 K = 3072
 #: ``name: (tokens, [output widths])``: Flux.1-dev's groups of Linears over one input.
@@ -69,11 +69,9 @@ def main(argv=None) -> int:
             "fused": lambda: _gemm(q, q_scale, fused_weight, fused_scale),
         }
         flops = 2 * tokens * sum(widths) * K
-        for rnd, name, ms in replay_rounds(providers, (), args.rounds, timer):
-            tflops = flops / (ms * 1e-3) / 1e12
-            rows.append(dict(case=case, M=tokens, K=K, N=widths, provider=name, round=rnd, ms=ms, TFLOPs=tflops))
-            rows[-1]["fused_max_diff_from_separate"] = max_diff
-            print(f"{case:18s} r{rnd} {name:9s} {ms:.4f} ms {tflops:7.1f} TFLOP/s (diff {max_diff:.3g})", flush=True)
+        print(f"{case}: fused differs from separate by {max_diff:.3g} at most", flush=True)
+        fields = dict(case=case, M=tokens, K=K, N=widths, fused_max_diff_from_separate=max_diff)
+        rows += gemm_round_rows(providers, flops, args.rounds, timer, **fields)
         write_rows(args.out, rows)
     return 0
 
