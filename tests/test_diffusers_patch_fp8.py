@@ -103,6 +103,51 @@ def test_fp8_projections_fused_by_diffusers_take_the_norms_fp8_rows(name, monkey
     assert counts[True] == counts[False], counts
 
 
+@pytest.mark.parametrize("name", ["flux", "wan"])
+def test_fuse_qkv_projections_after_fp8_patch_equals_fusing_before(name):
+    """``patch(precision="fp8")`` then ``fuse_qkv_projections()``: the fused
+    Linears are FP8Linears holding the bytes that fusing first and then
+    patching quantizes to, the model gives the same output without calling a
+    separate projection, and ``unfuse_qkv_projections()`` gives back the
+    unfused FP8 model's output. A layer whose projections are FP8 only in part
+    refuses to fuse, naming them."""
+    model, fused_first, _, inputs, _ = _fp8_pair(name, fuse_projections=True)
+    _, patched_first, _, _, _ = _fp8_pair(name)
+    fused_after = copy.deepcopy(patched_first)
+    fused_after.fuse_qkv_projections()
+    made = 0
+    for path, module in fused_first.named_modules():
+        if not path.endswith(("to_qkv", "to_kv", "to_added_qkv")):
+            continue
+        ours = fused_after.get_submodule(path)
+        assert type(ours) is compile_ops.FP8Linear, (path, type(ours))
+        assert torch.equal(ours.weight_q.view(torch.uint8), module.weight_q.view(torch.uint8)), path
+        assert torch.equal(ours.weight_scale, module.weight_scale) and torch.equal(ours.bias, module.bias), path
+        owner = fused_after.get_submodule(path.rpartition(".")[0])
+        unused = ("to_q", "to_k", "to_v") if path.endswith("to_qkv") else ("to_k", "to_v")
+        unused = ("add_q_proj", "add_k_proj", "add_v_proj") if path.endswith("to_added_qkv") else unused
+        for separate in unused:
+            getattr(owner, separate).register_forward_pre_hook(lambda *a: pytest.fail("a separate projection ran"))
+        made += 1
+    assert made >= (3 if name == "flux" else 2), made  # each block kind fused something
+    torch.manual_seed(1)
+    args = _to(inputs(8), DEVICE)
+    with torch.no_grad():
+        want, got = fused_first(**args).sample, fused_after(**args).sample
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        unfused = copy.deepcopy(fused_after)
+        for module in unfused.modules():
+            module._forward_pre_hooks.clear()
+        unfused.unfuse_qkv_projections()
+        torch.testing.assert_close(unfused(**args).sample, patched_first(**args).sample, rtol=0, atol=0)
+    layer = "blocks.0.attn1" if name == "wan" else "transformer_blocks.0.attn"
+    attn = copy.deepcopy(patched_first).get_submodule(layer)
+    attn.to_k = torch.nn.Linear(attn.to_k.in_features, attn.to_k.out_features, device=DEVICE)
+    with pytest.raises(ValueError, match=r"to_q, to_v.* run in FP8 and to_k do not"):
+        attn.fuse_projections()
+    assert not hasattr(attn, "to_qkv") and not getattr(attn, "fused_projections", False)
+
+
 def test_fp8_modulation_quantizes_the_adaln_projections_too():
     """patch(fp8_modulation=True): the blocks' AdaLN modulation projections
     (one row per sample) are FP8 Linears as well, the model still equals the

@@ -1,8 +1,10 @@
 """``patch(precision="fp8")``: the transformer blocks' Linears as :class:`FP8Linear`,
-and the feed-forward GELUs that feed one as a pass that also quantizes."""
+the feed-forward GELUs that feed one as a pass that also quantizes, and diffusers'
+``fuse_qkv_projections()`` after the patch."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from types import ModuleType
 from typing import Optional
@@ -122,6 +124,7 @@ def quantize_linears(model: nn.Module, report: PatchReport, fast_accum: bool, mo
             walk(child, path, in_blocks or (isinstance(child, nn.ModuleList) and name in BLOCK_LISTS))
 
     walk(model, "", False)
+    let_fp8_projections_fuse(model)
 
 
 def is_diffusers_gelu(module: nn.Module) -> bool:
@@ -186,3 +189,85 @@ def fuse_mlp_activations(model: nn.Module, report: PatchReport) -> None:
                 "layer wraps the down projection)",
             )
         )
+
+
+#: diffusers' fused projection Linears (``fuse_projections`` of its attention
+#: classes): the projections whose output rows each one's rows are, in order.
+FUSED_PROJECTIONS = {
+    "to_qkv": ("to_q", "to_k", "to_v"),
+    "to_kv": ("to_k", "to_v"),
+    "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
+    "to_added_kv": ("add_k_proj", "add_v_proj"),
+}
+_PROJECTIONS = tuple(dict.fromkeys(name for names in FUSED_PROJECTIONS.values() for name in names))
+
+
+def let_fp8_projections_fuse(model: nn.Module) -> None:
+    """Give every attention layer of ``model`` whose projections are FP8 an
+    instance ``fuse_projections`` (:func:`fuse_fp8_projections` over its
+    class's), so that diffusers' ``fuse_qkv_projections()``, which reads
+    weights FP8Linear does not keep, also works after ``patch``."""
+    for module in model.modules():
+        method = getattr(type(module), "fuse_projections", None)
+        if callable(method) and "fuse_projections" not in vars(module) and _fp8_projections(module):
+            module.fuse_projections = functools.partial(fuse_fp8_projections, module, method)
+
+
+def _fp8_projections(attn: nn.Module) -> dict:
+    """``{name: FP8Linear}`` of ``attn``'s projections that run in FP8 (under a LoRA layer or not)."""
+    bases = {name: fp8_base(getattr(attn, name, None)) for name in _PROJECTIONS}
+    return {name: base for name, base in bases.items() if base is not None}
+
+
+@torch.no_grad()
+def fuse_fp8_projections(attn: nn.Module, fuse_projections, *args, **kwargs) -> None:
+    """``fuse_projections`` (diffusers' method, unbound) on ``attn``, whose
+    projections are FP8Linears. diffusers' method runs on meta stand-ins of
+    them (it reads their shapes, dtype and bias, and concatenates weights that
+    are not kept); each fused Linear it makes becomes an FP8Linear whose codes,
+    scales and bias are the projections' concatenated: the bytes that fusing
+    before ``patch`` quantizes to, since the scales are per output row. As in
+    diffusers, a LoRA layer's base projection is fused and its adapters stay
+    on the separate projection, which the fused path does not call."""
+    fp8 = _fp8_projections(attn)
+    others = [name for name in _PROJECTIONS if name not in fp8 and getattr(attn, name, None) is not None]
+    if not fp8:
+        return fuse_projections(attn, *args, **kwargs)
+    if others:
+        raise ValueError(
+            f"compile_ops: fuse_projections on a {type(attn).__name__} whose {', '.join(fp8)} run in FP8 "
+            f"and {', '.join(others)} do not: their weights cannot be concatenated; call "
+            "fuse_qkv_projections() before compile_ops.patch(precision='fp8')"
+        )
+    children = dict(attn.named_children())
+    try:
+        for name, base in fp8.items():
+            has_bias = base.bias is not None
+            stand_in = nn.Linear(base.in_features, base.out_features, has_bias, device="meta", dtype=base.out_dtype)
+            setattr(attn, name, stand_in)
+        fuse_projections(attn, *args, **kwargs)
+    finally:
+        for name in fp8:
+            setattr(attn, name, children[name])
+    for name, fused in list(attn.named_children()):
+        if children.get(name) is not fused:
+            setattr(attn, name, _concatenated(attn, name, fused, [fp8.get(n) for n in FUSED_PROJECTIONS.get(name, ())]))
+
+
+def _concatenated(attn: nn.Module, name: str, fused: nn.Module, parts: list) -> FP8Linear:
+    """The FP8Linear of ``parts`` (FP8Linears) concatenated along their outputs, in
+    place of the meta Linear ``fused`` that diffusers' ``fuse_projections`` made as ``name``."""
+    where = f"compile_ops: {type(attn).__name__}.fuse_projections made {name}"
+    if not parts or None in parts:
+        raise ValueError(f"{where}, which does not concatenate {', '.join(_PROJECTIONS)} as compile_ops knows")
+    widths = sum(part.out_features for part in parts)
+    has_bias = fused.bias is not None
+    if (fused.in_features, fused.out_features) != (parts[0].in_features, widths) or any(
+        (part.bias is not None) != has_bias for part in parts
+    ):
+        raise ValueError(f"{where} [{fused.out_features}, {fused.in_features}], not its projections concatenated")
+    new = FP8Linear(fused.in_features, widths, has_bias, "meta", parts[0].out_dtype, parts[0].fast_accum)
+    new.weight_q = torch.cat([part.weight_q for part in parts])
+    new.weight_scale = torch.cat([part.weight_scale for part in parts])
+    new.bias = torch.cat([part.bias for part in parts]) if has_bias else None
+    return new
