@@ -72,6 +72,17 @@ def test_experiments_parse_their_common_arguments_and_warm_the_gpu_before_timing
         toolkit.start_experiment(toolkit.experiment_parser("Doc."), ["--rounds", "2"])  # out is required
 
 
+def test_gemm_round_rows_give_each_time_its_rate(monkeypatch):
+    """``gemm_round_rows``: a row per provider and round, with the fields given,
+    the time and ``flops / time`` in TFLOP/s."""
+    timed = lambda providers, args, rounds, timer: ((r, n, 2.0 + r) for r in range(rounds) for n in providers)  # noqa: E731
+    monkeypatch.setattr(toolkit, "replay_rounds", timed)
+    rows = toolkit.gemm_round_rows({"a": None, "b": None}, 6e9, 2, "a timer", case="c", K=3)
+    assert [(r["provider"], r["round"]) for r in rows] == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+    assert rows[0] == dict(case="c", K=3, provider="a", round=0, ms=2.0, TFLOPs=pytest.approx(3.0))
+    assert rows[3]["TFLOPs"] == pytest.approx(2.0)
+
+
 def test_every_kernel_of_the_package_has_a_profile_family_of_its_own():
     """A step's profile credits each of our kernels to attention or compile_ops,
     never "other" (where a new kernel's time would go unexplained)."""
