@@ -26,6 +26,10 @@ BACKEND = "inductor"
 REPLAY = False
 
 
+#: torch.compile modes that run the compiled graphs under CUDA graphs.
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def compiled(model, mode: str, fullgraph: bool = True, inductor_mode: str = "default"):
     """``model`` compiled whole (``mode="full"``) or block by block in place (``"regional"``:
     the repeated blocks in the ModuleLists that ``compile_ops.patch`` knows), in
@@ -38,6 +42,11 @@ def compiled(model, mode: str, fullgraph: bool = True, inductor_mode: str = "def
     for name in BLOCK_LISTS:
         for block in getattr(model, name, ()):
             block.compile(fullgraph=fullgraph, **options)
+    if BACKEND == "inductor" and inductor_mode in CUDA_GRAPH_MODES and not hasattr(model, "_step_begins"):
+        # Each compiled block's call would otherwise start a new generation of the CUDA-graph
+        # trees, which frees the outputs of the block before it: one generation per step.
+        hook = model.register_forward_pre_hook(lambda *_: torch.compiler.cudagraph_mark_step_begin())
+        model._step_begins = hook
     return model
 
 
@@ -49,6 +58,9 @@ def uncompiled(model) -> None:
     for name in BLOCK_LISTS:
         for block in getattr(model, name, ()):
             block._compiled_call_impl = None
+    if hasattr(model, "_step_begins"):
+        model._step_begins.remove()
+        del model._step_begins
 
 
 def measure(fn, timer_ms: float):
