@@ -148,6 +148,26 @@ def test_fuse_qkv_projections_after_fp8_patch_equals_fusing_before(name):
     assert not hasattr(attn, "to_qkv") and not getattr(attn, "fused_projections", False)
 
 
+def test_fp8_fusion_refuses_a_fused_linear_it_cannot_build_and_leaves_the_layer_unfused():
+    """A ``fuse_projections`` that makes a Linear compile_ops does not know how
+    to build from FP8 projections (a later diffusers', here a stand-in) is
+    refused, naming it, and the layer is left unfused, without meta Linears."""
+    from compile_ops.integrations.diffusers.fp8_linears import fuse_fp8_projections
+
+    _, patched, _, _, _ = _fp8_pair("flux")
+    attn = patched.transformer_blocks[0].attn
+
+    def fuses_something_else(layer):
+        with torch.device("meta"):
+            layer.to_qk = torch.nn.Linear(layer.to_q.in_features, 2 * layer.to_q.out_features)
+        layer.fused_projections = True
+
+    with pytest.raises(ValueError, match=r"made to_qk \(Linear\), which compile_ops cannot build"):
+        fuse_fp8_projections(attn, fuses_something_else)
+    assert not hasattr(attn, "to_qk") and not attn.fused_projections
+    assert type(attn.to_q) is compile_ops.FP8Linear and attn.to_q.weight_q.device.type != "meta"
+
+
 def test_fp8_modulation_quantizes_the_adaln_projections_too():
     """patch(fp8_modulation=True): the blocks' AdaLN modulation projections
     (one row per sample) are FP8 Linears as well, the model still equals the

@@ -249,17 +249,29 @@ def fuse_fp8_projections(attn: nn.Module, fuse_projections, *args, **kwargs) -> 
     finally:
         for name in fp8:
             setattr(attn, name, children[name])
-    for name, fused in list(attn.named_children()):
-        if children.get(name) is not fused:
-            setattr(attn, name, _concatenated(attn, name, fused, [fp8.get(n) for n in FUSED_PROJECTIONS.get(name, ())]))
+    made = {name: fused for name, fused in attn.named_children() if children.get(name) is not fused}
+    try:
+        fp8_fused = {name: _concatenated(attn, name, fused, fp8) for name, fused in made.items()}
+    except ValueError:
+        for name in made:  # leave the layer unfused, as it was, rather than holding meta Linears
+            delattr(attn, name)
+        attn.fused_projections = False
+        raise
+    for name, fused in fp8_fused.items():
+        setattr(attn, name, fused)
 
 
-def _concatenated(attn: nn.Module, name: str, fused: nn.Module, parts: list) -> FP8Linear:
-    """The FP8Linear of ``parts`` (FP8Linears) concatenated along their outputs, in
-    place of the meta Linear ``fused`` that diffusers' ``fuse_projections`` made as ``name``."""
+def _concatenated(attn: nn.Module, name: str, fused: nn.Module, fp8: dict) -> FP8Linear:
+    """The FP8Linear of the projections in ``fp8`` (``{name: FP8Linear}``) that
+    :data:`FUSED_PROJECTIONS` names for ``name``, concatenated along their outputs,
+    in place of the meta Linear ``fused`` that diffusers' ``fuse_projections`` made."""
     where = f"compile_ops: {type(attn).__name__}.fuse_projections made {name}"
-    if not parts or None in parts:
-        raise ValueError(f"{where}, which does not concatenate {', '.join(_PROJECTIONS)} as compile_ops knows")
+    parts = [fp8.get(projection) for projection in FUSED_PROJECTIONS.get(name, ())]
+    if not parts or None in parts or type(fused) is not nn.Linear:
+        raise ValueError(
+            f"{where} ({type(fused).__name__}), which compile_ops cannot build from FP8 projections "
+            f"(it builds {', '.join(FUSED_PROJECTIONS)} from theirs)"
+        )
     widths = sum(part.out_features for part in parts)
     has_bias = fused.bias is not None
     if (fused.in_features, fused.out_features) != (parts[0].in_features, widths) or any(
