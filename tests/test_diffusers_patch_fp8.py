@@ -148,6 +148,26 @@ def test_fuse_qkv_projections_after_fp8_patch_equals_fusing_before(name):
     assert not hasattr(attn, "to_qkv") and not getattr(attn, "fused_projections", False)
 
 
+def test_fp8_fusion_takes_the_base_projection_under_a_lora_as_diffusers_does():
+    """A LoRA on ``to_q`` added after the FP8 patch: fusing concatenates the
+    base FP8Linear's codes (diffusers reads a LoRA layer's base weight too) and
+    the adapter stays on the separate ``to_q``."""
+    peft = pytest.importorskip("peft")
+    from compile_ops.integrations.peft import FP8LoraLinear
+    from compile_ops.modules.fp8 import fp8_base
+
+    _, patched, _, _, _ = _fp8_pair("flux")
+    patched.add_adapter(peft.LoraConfig(r=4, target_modules=["to_q"]), adapter_name="a")
+    attn = patched.transformer_blocks[0].attn
+    assert isinstance(attn.to_q, FP8LoraLinear)
+    base = fp8_base(attn.to_q)
+    attn.fuse_projections()
+    rows = base.out_features
+    assert torch.equal(attn.to_qkv.weight_q[:rows].view(torch.uint8), base.weight_q.view(torch.uint8))
+    assert torch.equal(attn.to_qkv.weight_scale[:rows], base.weight_scale)
+    assert isinstance(attn.to_q, FP8LoraLinear) and fp8_base(attn.to_q) is base
+
+
 def test_fp8_fusion_refuses_a_fused_linear_it_cannot_build_and_leaves_the_layer_unfused():
     """A ``fuse_projections`` that makes a Linear compile_ops does not know how
     to build from FP8 projections (a later diffusers', here a stand-in) is
