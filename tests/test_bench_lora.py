@@ -48,6 +48,13 @@ def test_default_run_writes_native_and_patched_rows_on_the_cpu(tmp_path, monkeyp
     rows = json.loads(path.read_text())["rows"]
     assert [row["provider"] for row in rows] == ["native_eager", "native_compiled", "patched_eager", "patched_compiled"]
     assert all(row["peak_MiB"] is None and row["ms"] > 0 for row in rows)
+    # A second run into the same folder merges its rows; each row keeps the command that made it.
+    again = [*argv, "--rep-ms", "5", "--providers", "native_eager", "--out", str(tmp_path)]
+    assert diffusers_e2e.main(again) == 0
+    merged = json.loads(path.read_text())
+    commands = {row["provider"]: row["command"] for row in merged["rows"]}
+    assert commands["native_eager"].endswith(" ".join(again)) and merged["env"]["command"] == commands["native_eager"]
+    assert commands["patched_compiled"].endswith(f"--rep-ms 10 --out {tmp_path}"), commands
 
 
 def test_lora_case_runs_end_to_end_on_a_tiny_flux_and_hotswaps_without_compiling(tmp_path, monkeypatch):

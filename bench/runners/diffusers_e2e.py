@@ -578,6 +578,8 @@ def main(argv=None) -> int:
                     name, args.rep_ms, args.repeats, args.fp8, chosen, args.compile_mode, args.profile, mode
                 )
             ]
+        # A file may hold rows of several runs (it is read back and merged): each row names its own.
+        new = [dict(row, command=env["command"], date=env["date"]) for row in new]
         measured = {_row_key(r) for r in new}
         rows = [r for r in rows if _row_key(r) not in measured] + new
         write_results(args.out, stem, env, rows)
