@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from compile_ops.integrations.diffusers.module_rules import FUSED_PROJECTIONS
 from compile_ops.integrations.module_swap import PatchReport
 from compile_ops.modules.fp8 import FP8Linear, FP8ProjectionActivation, fp8_base, takes_fp8_rows
 
@@ -191,14 +192,7 @@ def fuse_mlp_activations(model: nn.Module, report: PatchReport) -> None:
         )
 
 
-#: diffusers' fused projection Linears (``fuse_projections`` of its attention
-#: classes): the projections whose output rows each one's rows are, in order.
-FUSED_PROJECTIONS = {
-    "to_qkv": ("to_q", "to_k", "to_v"),
-    "to_kv": ("to_k", "to_v"),
-    "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
-    "to_added_kv": ("add_k_proj", "add_v_proj"),
-}
+#: Every projection some fused Linear of :data:`FUSED_PROJECTIONS` is built from.
 _PROJECTIONS = tuple(dict.fromkeys(name for names in FUSED_PROJECTIONS.values() for name in names))
 
 

@@ -18,6 +18,16 @@ from compile_ops.modules.glu import GEGLU, SwiGLU
 from compile_ops.modules.modulate import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 from compile_ops.modules.norm import LayerNorm, RMSNorm
 
+#: diffusers' fused projection Linears (``fuse_qkv_projections()``, each attention
+#: class's ``fuse_projections``): the projections whose output rows each one's rows
+#: are, in order. The processors read them; the FP8 patch builds them.
+FUSED_PROJECTIONS = {
+    "to_qkv": ("to_q", "to_k", "to_v"),
+    "to_kv": ("to_k", "to_v"),
+    "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
+    "to_added_kv": ("add_k_proj", "add_v_proj"),
+}
+
 
 class DiffusersModules(NamedTuple):
     """The diffusers modules whose classes the rules name."""

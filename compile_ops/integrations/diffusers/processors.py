@@ -26,7 +26,7 @@ from compile_ops.integrations.diffusers.attention_kernel import (
     sdpa_is_faster,
 )
 from compile_ops.integrations.diffusers.context_parallel import context_parallel, parallel_attention
-from compile_ops.integrations.diffusers.module_rules import diffusers_modules
+from compile_ops.integrations.diffusers.module_rules import FUSED_PROJECTIONS, diffusers_modules
 from compile_ops.integrations.schedule import DenseFirst
 from compile_ops.modules.fp8 import takes_fp8_rows
 from compile_ops.modules.hooks import must_call
@@ -295,11 +295,10 @@ def _shared_input(x, *linears: nn.Module):
     return x
 
 
-#: ``(fused Linear, the Linears it replaces)`` of diffusers' ``fuse_qkv_projections()``:
-#: self-attention's q/k/v, a joint block's text q/k/v, cross-attention's k/v.
-QKV = ("to_qkv", ("to_q", "to_k", "to_v"))
-ADDED_QKV = ("to_added_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"))
-KV = ("to_kv", ("to_k", "to_v"))
+#: ``(fused Linear, the Linears it replaces)`` of diffusers' ``fuse_qkv_projections()``
+#: that the processors read: self-attention's q/k/v, a joint block's text q/k/v,
+#: cross-attention's k/v.
+QKV, ADDED_QKV, KV = ((name, FUSED_PROJECTIONS[name]) for name in ("to_qkv", "to_added_qkv", "to_kv"))
 
 
 def _readers(attn, projections: tuple, fused: bool) -> list:
