@@ -316,6 +316,14 @@ def replay_rounds(providers: dict, args: tuple, rounds: int, timer):
             yield rnd, name, graph_replay_time(forward, timer)
 
 
+def random_fp8_rows(*shape: int) -> tuple:
+    """``(codes [*shape] float8_e4m3fn, scales [*shape[:-1]] fp32)`` on the GPU, drawn
+    from the current seed: codes over e4m3's range, scales in [1e-3, 1.1e-2). Rows
+    (or weights) to time FP8 GEMMs with, as ``FP8Rows`` or an FP8Linear's buffers."""
+    codes = (torch.randn(*shape, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return codes, torch.rand(*shape[:-1], device="cuda") / 100 + 1e-3
+
+
 def gemm_round_rows(providers: dict, flops: int, rounds: int, timer, **fields) -> list:
     """:func:`replay_rounds` of ``providers`` (no arguments) as rows: ``fields``, the
     provider, round, ms and TFLOP/s (``flops`` a call), each also printed."""

@@ -20,7 +20,8 @@ each column the same way in both).
 
 import torch
 
-from bench.toolkit import experiment_parser, gemm_round_rows, start_experiment, write_rows
+from bench.toolkit import experiment_parser, gemm_round_rows, random_fp8_rows, start_experiment, write_rows
+from compile_ops.ops.fp8 import FP8Rows, fp8_linear
 
 K = 3072
 #: ``name: (tokens, [output widths])``: Flux.1-dev's groups of Linears over one input.
@@ -32,25 +33,11 @@ CASES = {
 }
 
 
-def _gemm(q, q_scale, weight, weight_scale):
-    return torch._scaled_mm(
-        q, weight.t(), scale_a=q_scale, scale_b=weight_scale, out_dtype=torch.bfloat16, use_fast_accum=True
-    )
-
-
 def _operands(tokens: int, widths: list) -> tuple:
-    """``(q [M, K] e4m3, q_scale [M, 1], [(w [N, K] e4m3, w_scale [1, N])] per Linear)``, seeded."""
+    """``(q [M, K] e4m3, q_scale [M], [(w [N, K] e4m3, w_scale [N])] per Linear)``, seeded."""
     torch.manual_seed(0)
-    q = (torch.randn(tokens, K, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    q_scale = torch.rand(tokens, 1, device="cuda") / 100 + 1e-3
-    weights = [
-        (
-            (torch.randn(n, K, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn),
-            torch.rand(1, n, device="cuda") / 100 + 1e-3,
-        )
-        for n in widths
-    ]
-    return q, q_scale, weights
+    q, q_scale = random_fp8_rows(tokens, K)
+    return q, q_scale, [random_fp8_rows(n, K) for n in widths]
 
 
 def main(argv=None) -> int:
@@ -59,14 +46,14 @@ def main(argv=None) -> int:
     for case, (tokens, widths) in CASES.items():
         q, q_scale, weights = _operands(tokens, widths)
         fused_weight = torch.cat([w for w, _ in weights])
-        fused_scale = torch.cat([s for _, s in weights], dim=1)
+        fused_scale = torch.cat([s for _, s in weights])
         with torch.no_grad():
-            separate = [_gemm(q, q_scale, w, s) for w, s in weights]
-            fused = _gemm(q, q_scale, fused_weight, fused_scale)
+            separate = [fp8_linear(FP8Rows(q, q_scale), w, s) for w, s in weights]
+            fused = fp8_linear(FP8Rows(q, q_scale), fused_weight, fused_scale)
         max_diff = (fused.float() - torch.cat(separate, dim=1).float()).abs().max().item()
         providers = {
-            "separate": lambda: [_gemm(q, q_scale, w, s) for w, s in weights],
-            "fused": lambda: _gemm(q, q_scale, fused_weight, fused_scale),
+            "separate": lambda: [fp8_linear(FP8Rows(q, q_scale), w, s) for w, s in weights],
+            "fused": lambda: fp8_linear(FP8Rows(q, q_scale), fused_weight, fused_scale),
         }
         flops = 2 * tokens * sum(widths) * K
         print(f"{case}: fused differs from separate by {max_diff:.3g} at most", flush=True)

@@ -20,7 +20,8 @@ per-stream outputs (a grouped kernel may sum in another order).
 
 import torch
 
-from bench.toolkit import experiment_parser, gemm_round_rows, start_experiment, write_rows
+from bench.toolkit import experiment_parser, gemm_round_rows, random_fp8_rows, start_experiment, write_rows
+from compile_ops.ops.fp8 import FP8Rows, fp8_linear
 
 IMAGE, TEXT = 4096, 512
 #: ``name: (K, N)`` of Flux.1-dev's double-block Linears, one per stream.
@@ -33,40 +34,21 @@ CASES = {
 }
 
 
-def _e4m3(*shape):
-    return (torch.randn(*shape, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-
-
-def _scales(*shape):
-    return torch.rand(*shape, device="cuda") / 100 + 1e-3
-
-
-def _gemm(q, q_scale, weight, weight_scale):
-    return torch._scaled_mm(
-        q,
-        weight.t(),
-        scale_a=q_scale[:, None],
-        scale_b=weight_scale[None],
-        out_dtype=torch.bfloat16,
-        use_fast_accum=True,
-    )
-
-
 def main(argv=None) -> int:
     args, timer = start_experiment(experiment_parser(__doc__), argv)
     rows = []
     for case, (k, n) in CASES.items():
         torch.manual_seed(0)
-        rows_q, rows_scale = _e4m3(IMAGE + TEXT, k), _scales(IMAGE + TEXT)
-        weights, weight_scales = _e4m3(2, n, k), _scales(2, n)
+        rows_q, rows_scale = random_fp8_rows(IMAGE + TEXT, k)
+        weights, weight_scales = random_fp8_rows(2, n, k)
         offsets = torch.tensor([IMAGE, IMAGE + TEXT], dtype=torch.int32, device="cuda")
         image, text = rows_q[:IMAGE], rows_q[IMAGE:]
         image_scale, text_scale = rows_scale[:IMAGE], rows_scale[IMAGE:]
 
         def per_stream():
             return (
-                _gemm(image, image_scale, weights[0], weight_scales[0]),
-                _gemm(text, text_scale, weights[1], weight_scales[1]),
+                fp8_linear(FP8Rows(image, image_scale), weights[0], weight_scales[0]),
+                fp8_linear(FP8Rows(text, text_scale), weights[1], weight_scales[1]),
             )
 
         def grouped():
@@ -81,7 +63,7 @@ def main(argv=None) -> int:
             )
 
         def one_weight():
-            return _gemm(rows_q, rows_scale, weights[0], weight_scales[0])
+            return fp8_linear(FP8Rows(rows_q, rows_scale), weights[0], weight_scales[0])
 
         providers = {"per_stream": per_stream, "grouped": grouped, "one_weight": one_weight}
         with torch.no_grad():
